@@ -1,0 +1,80 @@
+/*
+ * dtype.h -- element loads and stores for every ma_dtype, private to the
+ * kernels. Reduced-precision types are read into float32 and written back
+ * with round-to-nearest-even; float64 is read into double by the f64 pair.
+ */
+#ifndef MA_DTYPE_H
+#define MA_DTYPE_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "masked_attn.h"
+
+static inline float ma_bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t ma_f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+/* _Float16 (gcc >= 12, clang >= 15 on x86-64) converts with IEEE rounding. */
+static inline float ma_f16_to_f32(uint16_t h) {
+    _Float16 x;
+    memcpy(&x, &h, sizeof x);
+    return (float)x;
+}
+
+static inline uint16_t ma_f32_to_f16(float f) {
+    _Float16 x = (_Float16)f;
+    uint16_t h;
+    memcpy(&h, &x, sizeof h);
+    return h;
+}
+
+/* base[off] as float, whatever the element type. MA_BOOL reads 0 or 1. */
+static inline float ma_load_f32(const void *base, ma_dtype dt, int64_t off) {
+    switch (dt) {
+    case MA_F32: return ((const float *)base)[off];
+    case MA_F64: return (float)((const double *)base)[off];
+    case MA_BF16: return ma_bf16_to_f32(((const uint16_t *)base)[off]);
+    case MA_F16: return ma_f16_to_f32(((const uint16_t *)base)[off]);
+    case MA_BOOL: return ((const uint8_t *)base)[off] ? 1.0f : 0.0f;
+    }
+    return 0.0f;
+}
+
+static inline double ma_load_f64(const void *base, ma_dtype dt, int64_t off) {
+    if (dt == MA_F64) return ((const double *)base)[off];
+    return (double)ma_load_f32(base, dt, off);
+}
+
+static inline void ma_store_f32(void *base, ma_dtype dt, int64_t off, float x) {
+    switch (dt) {
+    case MA_F32: ((float *)base)[off] = x; break;
+    case MA_F64: ((double *)base)[off] = x; break;
+    case MA_BF16: ((uint16_t *)base)[off] = ma_f32_to_bf16(x); break;
+    case MA_F16: ((uint16_t *)base)[off] = ma_f32_to_f16(x); break;
+    case MA_BOOL: ((uint8_t *)base)[off] = x != 0.0f; break;
+    }
+}
+
+static inline void ma_store_f64(void *base, ma_dtype dt, int64_t off, double x) {
+    if (dt == MA_F64) ((double *)base)[off] = x;
+    else ma_store_f32(base, dt, off, (float)x);
+}
+
+static inline int64_t ma_cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+static inline int64_t ma_min(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline size_t ma_round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+#endif /* MA_DTYPE_H */

@@ -1,0 +1,138 @@
+/*
+ * masked_attn.h -- the C interface of the torch_masked_attn kernels.
+ *
+ * Plain C11. No torch, no C++, no allocation. The shim (shim.cpp) validates
+ * every input, allocates outputs and per-thread scratch, fills one params
+ * struct and runs a task function over a range of independent work items on
+ * PyTorch's intra-op thread pool.
+ *
+ * Dimensions, named once:
+ *   B    batch
+ *   H    query heads;  Hkv key/value heads (H % Hkv == 0, grouped-query)
+ *   Lq   query length; Lk key/value length
+ *   D    q/k head dim; Dv v head dim
+ *
+ * Every tensor is passed as (pointer, dtype, element strides). A stride of 0
+ * broadcasts that dimension: masks are never expanded or copied.
+ */
+#ifndef MASKED_ATTN_H
+#define MASKED_ATTN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Element types the kernels read and write. Values are ours, not torch's. */
+typedef enum {
+    MA_BOOL = 0, /* 1 byte, nonzero = true */
+    MA_F32 = 1,
+    MA_F64 = 2,
+    MA_BF16 = 3,
+    MA_F16 = 4,
+} ma_dtype;
+
+/* What every task function receives as ctx: the op's params (shared by all
+ * threads) and this thread's scratch slice (cache-line aligned, sized by the
+ * matching *_scratch_bytes function). */
+typedef struct {
+    const void *params;
+    void *scratch;
+} ma_task_ctx;
+
+typedef void (*ma_task_fn)(int64_t begin, int64_t end, void *ctx);
+
+/* ------------------------------------------------------------------------
+ * Attention
+ *
+ *   S[b,h,i,j] = scale * q[b,h,i,:] . k[b,h/G,j,:] + bias[b,h,i,j]     G = H/Hkv
+ *   P = softmax_j(S)          (a row whose every bias is -inf gives P = 0)
+ *   out[b,h,i,:] = hm[b,h] * sum_j P[b,h,i,j] v[b,h/G,j,:]
+ *   lse[b,h,i]   = log sum_j exp(S[b,h,i,j])   (-inf for a fully masked row)
+ *
+ * bias is the sum of the additive forms of the masks:
+ *   is_causal           j > i               -> -inf
+ *   key_padding_mask    (B, Lk)       bool: true -> -inf;  float: added
+ *   attn_mask           (B, H, Lq, Lk) broadcast by strides
+ *                                     bool: true -> -inf;  float: added
+ * ---------------------------------------------------------------------- */
+
+typedef struct {
+    const void *ptr;     /* NULL: no such mask */
+    ma_dtype dtype;
+    int64_t stride[4];   /* attn_mask: b, h, i, j; key_padding_mask: b, j; head_mask: b, h */
+} ma_mask;
+
+typedef struct {
+    /* outputs */
+    void *out;              /* (B, H, Lq, Dv)  dtype                        */
+    void *lse;              /* (B, H, Lq)      contiguous, float32 (float64 for MA_F64) */
+    void *weights;          /* (B, H, Lq, Lk)  contiguous, dtype; NULL unless need_weights */
+    /* inputs */
+    const void *q;          /* (B, H, Lq, D)   */
+    const void *k;          /* (B, Hkv, Lk, D) */
+    const void *v;          /* (B, Hkv, Lk, Dv) */
+    ma_dtype dtype;         /* of q, k, v, out, weights */
+    int64_t out_stride[4], q_stride[4], k_stride[4], v_stride[4];
+    ma_mask attn_mask, key_padding_mask, head_mask;
+    int is_causal;
+    double scale;
+    /* sizes */
+    int64_t B, H, Hkv, Lq, Lk, D, Dv;
+    int64_t block_q, block_k;   /* tile sizes, set by the shim */
+} ma_attn_fwd_params;
+
+typedef struct {
+    /* outputs (overwritten, never accumulated) */
+    void *dq;               /* (B, H, Lq, D)   dtype, strides dq_stride */
+    void *dk;               /* (B, Hkv, Lk, D) */
+    void *dv;               /* (B, Hkv, Lk, Dv) */
+    void *dhm_rows;         /* (B, H, Lq) acc type: sum_j P dP/hm per row; NULL unless head_mask grad wanted */
+    /* gradients of the forward's outputs */
+    const void *dout;       /* (B, H, Lq, Dv) */
+    const void *dweights;   /* (B, H, Lq, Lk) NULL if the weights were not used */
+    /* what the forward saw and saved */
+    const void *q, *k, *v, *out;
+    const void *lse;        /* (B, H, Lq) contiguous, acc type */
+    ma_dtype dtype;
+    int64_t dq_stride[4], dk_stride[4], dv_stride[4];
+    int64_t dout_stride[4], dweights_stride[4];
+    int64_t q_stride[4], k_stride[4], v_stride[4], out_stride[4];
+    ma_mask attn_mask, key_padding_mask, head_mask;
+    int is_causal;
+    double scale;
+    /* scratch shared between the two passes */
+    void *delta;            /* (B, H, Lq) acc type: D_i = sum_j P_ij dP_ij, written by the dq pass */
+    int64_t B, H, Hkv, Lq, Lk, D, Dv;
+    int64_t block_q, block_k;
+} ma_attn_bwd_params;
+
+/* Forward: work item w = ((b * H) + h) * nq + qb,  nq = ceil(Lq / block_q).
+ * Writes out, lse (and weights) of its (b, h, q-block). */
+void ma_attn_fwd_task(int64_t begin, int64_t end, void *ctx);
+int64_t ma_attn_fwd_work_items(const ma_attn_fwd_params *p);
+size_t ma_attn_fwd_scratch_bytes(const ma_attn_fwd_params *p);
+
+/* Backward, two passes, run in this order:
+ *  1. dq pass, work item = (b, h, q-block): computes delta for its rows, then dq
+ *     (and dhm_rows).
+ *  2. dkdv pass, work item = (b, hkv, k-block): dk, dv, summing over the G query
+ *     heads of the group and every query row, reading delta.
+ * Every output element is written by exactly one work item in a fixed order:
+ * bitwise deterministic for any thread count, no atomics. */
+void ma_attn_bwd_dq_task(int64_t begin, int64_t end, void *ctx);
+void ma_attn_bwd_dkdv_task(int64_t begin, int64_t end, void *ctx);
+int64_t ma_attn_bwd_dq_work_items(const ma_attn_bwd_params *p);
+int64_t ma_attn_bwd_dkdv_work_items(const ma_attn_bwd_params *p);
+size_t ma_attn_bwd_scratch_bytes(const ma_attn_bwd_params *p);
+
+/* Scratch slices are padded to this many bytes. */
+#define MA_CACHE_LINE 64
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MASKED_ATTN_H */

@@ -1,0 +1,321 @@
+// shim.cpp -- the only C++ file: op schemas, input checks, allocation and the
+// bridge from the C task functions to PyTorch's intra-op thread pool.
+//
+// Built against the libtorch stable ABI (TORCH_TARGET_VERSION = 2.10), so one
+// binary serves every torch from 2.10 on. The kernels (masked_attn.h) are C11
+// and see only pointers, element strides and sizes filled in here.
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/Exception.h>
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "masked_attn.h"
+
+using torch::stable::Tensor;
+using torch::headeronly::ScalarType;
+
+namespace {
+
+// ---- dtypes ----------------------------------------------------------------
+
+bool to_ma_dtype(ScalarType t, ma_dtype* out) {
+  switch (t) {
+    case ScalarType::Bool: *out = MA_BOOL; return true;
+    case ScalarType::Float: *out = MA_F32; return true;
+    case ScalarType::Double: *out = MA_F64; return true;
+    case ScalarType::BFloat16: *out = MA_BF16; return true;
+    case ScalarType::Half: *out = MA_F16; return true;
+    default: return false;
+  }
+}
+
+bool is_floating(ScalarType t) {
+  return t == ScalarType::Float || t == ScalarType::Double || t == ScalarType::BFloat16 ||
+         t == ScalarType::Half;
+}
+
+std::string shape_str(const Tensor& t) {
+  std::string s = "(";
+  for (int64_t i = 0; i < t.dim(); i++) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + ")";
+}
+
+// The accumulation type of the saved log-sum-exp and of the backward's scratch.
+ScalarType acc_type(ScalarType t) {
+  return t == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
+}
+
+// ---- running a task function on the thread pool ---------------------------
+
+// Runs fn over work items [0, n) on PyTorch's intra-op pool. Each thread gets
+// its own slice of one scratch buffer, allocated here before the parallel
+// region; the kernels never allocate.
+void run_tasks(ma_task_fn fn, const void* params, int64_t n, size_t scratch_bytes,
+               const Tensor& like) {
+  if (n <= 0) return;
+  const int64_t nthreads = torch::stable::get_num_threads();
+  Tensor scratch = torch::stable::new_empty(
+      like, {static_cast<int64_t>(scratch_bytes) * nthreads + MA_CACHE_LINE}, ScalarType::Byte);
+  uintptr_t base = reinterpret_cast<uintptr_t>(scratch.mutable_data_ptr());
+  base = (base + MA_CACHE_LINE - 1) / MA_CACHE_LINE * MA_CACHE_LINE;
+  struct Job {
+    ma_task_fn fn;
+    const void* params;
+    uintptr_t base;
+    size_t bytes;
+    int64_t nthreads;
+  } job{fn, params, base, scratch_bytes, nthreads};
+  torch::stable::parallel_for(0, n, 1, [&job](int64_t begin, int64_t end) {
+    uint32_t tid = 0;
+    torch_get_thread_idx(&tid);
+    ma_task_ctx ctx{job.params, reinterpret_cast<void*>(job.base + tid * job.bytes)};
+    job.fn(begin, end, &ctx);
+  });
+}
+
+void fill_strides4(int64_t out[4], const Tensor& t) {
+  for (int i = 0; i < 4; i++) out[i] = t.stride(i);
+}
+
+// ---- input checks -----------------------------------------------------------
+
+struct Sizes {
+  int64_t B, H, Hkv, Lq, Lk, D, Dv;
+};
+
+Sizes check_qkv(const Tensor& q, const Tensor& k, const Tensor& v) {
+  STD_TORCH_CHECK(q.dim() == 4, "masked_attn: q must be 4-D (B, H, Lq, D), got shape ", shape_str(q));
+  STD_TORCH_CHECK(k.dim() == 4, "masked_attn: k must be 4-D (B, Hkv, Lk, D), got shape ", shape_str(k));
+  STD_TORCH_CHECK(v.dim() == 4, "masked_attn: v must be 4-D (B, Hkv, Lk, Dv), got shape ", shape_str(v));
+  STD_TORCH_CHECK(q.is_cpu() && k.is_cpu() && v.is_cpu(), "masked_attn: q, k, v must be CPU tensors");
+  STD_TORCH_CHECK(is_floating(q.scalar_type()),
+                  "masked_attn: q must be float32, float64, bfloat16 or float16");
+  STD_TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+                  "masked_attn: q, k and v must have the same dtype");
+  Sizes s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
+  STD_TORCH_CHECK(k.size(0) == s.B && v.size(0) == s.B, "masked_attn: q, k, v batch sizes differ: q ",
+                  shape_str(q), ", k ", shape_str(k), ", v ", shape_str(v));
+  STD_TORCH_CHECK(k.size(3) == s.D, "masked_attn: k head dim must equal q's (", s.D, "), got k ",
+                  shape_str(k));
+  STD_TORCH_CHECK(v.size(1) == s.Hkv && v.size(2) == s.Lk,
+                  "masked_attn: v must have k's heads and length (B, Hkv, Lk, Dv): k ", shape_str(k),
+                  ", v ", shape_str(v));
+  STD_TORCH_CHECK(s.Hkv > 0 ? s.H % s.Hkv == 0 : s.H == 0,
+                  "masked_attn: the number of q heads (", s.H,
+                  ") must be a multiple of the number of k/v heads (", s.Hkv, ")");
+  return s;
+}
+
+// A mask as (pointer, dtype, strides), broadcast to `dims` by zero strides.
+// `dims` are the sizes of the full mask, e.g. (B, H, Lq, Lk); the mask's own
+// dimensions align to the right, and each must be 1 or equal.
+ma_mask canonical_mask(const std::optional<Tensor>& m, const char* name, std::vector<int64_t> dims,
+                       const char* dims_str, bool allow_bool) {
+  ma_mask out{};
+  if (!m.has_value()) return out;
+  const Tensor& t = *m;
+  const int64_t n = static_cast<int64_t>(dims.size());
+  STD_TORCH_CHECK(t.is_cpu(), "masked_attn: ", name, " must be a CPU tensor");
+  STD_TORCH_CHECK(t.dim() <= n, "masked_attn: ", name, " must broadcast to ", dims_str, ", got shape ",
+                  shape_str(t));
+  ScalarType st = t.scalar_type();
+  STD_TORCH_CHECK((allow_bool && st == ScalarType::Bool) || is_floating(st), "masked_attn: ", name,
+                  allow_bool ? " must be bool or floating point" : " must be floating point");
+  to_ma_dtype(st, &out.dtype);
+  for (int64_t i = 0; i < n; i++) {
+    const int64_t ti = t.dim() - n + i;
+    if (ti < 0) {
+      out.stride[i] = 0;
+      continue;
+    }
+    const int64_t sz = t.size(ti);
+    STD_TORCH_CHECK(sz == dims[i] || sz == 1, "masked_attn: ", name, " of shape ", shape_str(t),
+                    " does not broadcast to ", dims_str, " = (", dims[0], ", ", dims[1],
+                    n > 2 ? ", ..." : "", ")");
+    out.stride[i] = sz == 1 ? 0 : t.stride(ti);
+  }
+  out.ptr = t.const_data_ptr();
+  return out;
+}
+
+struct Masks {
+  ma_mask attn_mask, key_padding_mask, head_mask;
+};
+
+Masks check_masks(const Sizes& s, const std::optional<Tensor>& attn_mask,
+                  const std::optional<Tensor>& key_padding_mask, const std::optional<Tensor>& head_mask) {
+  Masks m;
+  m.attn_mask = canonical_mask(attn_mask, "attn_mask", {s.B, s.H, s.Lq, s.Lk}, "(B, H, Lq, Lk)", true);
+  if (key_padding_mask.has_value())
+    STD_TORCH_CHECK(key_padding_mask->dim() == 2 && key_padding_mask->size(0) == s.B &&
+                        key_padding_mask->size(1) == s.Lk,
+                    "masked_attn: key_padding_mask must have shape (B, Lk) = (", s.B, ", ", s.Lk,
+                    "), got ", shape_str(*key_padding_mask));
+  m.key_padding_mask = canonical_mask(key_padding_mask, "key_padding_mask", {s.B, s.Lk}, "(B, Lk)", true);
+  if (head_mask.has_value())
+    STD_TORCH_CHECK((head_mask->dim() == 1 && head_mask->size(0) == s.H) ||
+                        (head_mask->dim() == 2 && head_mask->size(0) == s.B && head_mask->size(1) == s.H),
+                    "masked_attn: head_mask must have shape (H,) = (", s.H, ",) or (B, H) = (", s.B,
+                    ", ", s.H, "), got ", shape_str(*head_mask));
+  m.head_mask = canonical_mask(head_mask, "head_mask", {s.B, s.H}, "(B, H)", false);
+  return m;
+}
+
+// Tile sizes: a q-block of 64 rows by a k-block of 64 keys.
+constexpr int64_t kBlockQ = 64, kBlockK = 64;
+
+// ---- ops --------------------------------------------------------------------
+
+std::tuple<Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tensor v,
+                                                std::optional<Tensor> attn_mask,
+                                                std::optional<Tensor> key_padding_mask,
+                                                std::optional<Tensor> head_mask, bool is_causal,
+                                                std::optional<double> scale, bool need_weights) {
+  const Sizes s = check_qkv(q, k, v);
+  const Masks m = check_masks(s, attn_mask, key_padding_mask, head_mask);
+  const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(s.D));
+
+  Tensor out = torch::stable::new_empty(q, {s.B, s.H, s.Lq, s.Dv});
+  Tensor lse = torch::stable::new_empty(q, {s.B, s.H, s.Lq}, acc_type(q.scalar_type()));
+  Tensor weights = need_weights ? torch::stable::new_empty(q, {s.B, s.H, s.Lq, s.Lk})
+                                : torch::stable::new_empty(q, {0});
+
+  ma_attn_fwd_params p{};
+  p.out = out.mutable_data_ptr();
+  p.lse = lse.mutable_data_ptr();
+  p.weights = need_weights ? weights.mutable_data_ptr() : nullptr;
+  p.q = q.const_data_ptr();
+  p.k = k.const_data_ptr();
+  p.v = v.const_data_ptr();
+  to_ma_dtype(q.scalar_type(), &p.dtype);
+  fill_strides4(p.out_stride, out);
+  fill_strides4(p.q_stride, q);
+  fill_strides4(p.k_stride, k);
+  fill_strides4(p.v_stride, v);
+  p.attn_mask = m.attn_mask;
+  p.key_padding_mask = m.key_padding_mask;
+  p.head_mask = m.head_mask;
+  p.is_causal = is_causal;
+  p.scale = sc;
+  p.B = s.B, p.H = s.H, p.Hkv = s.Hkv, p.Lq = s.Lq, p.Lk = s.Lk, p.D = s.D, p.Dv = s.Dv;
+  p.block_q = kBlockQ, p.block_k = kBlockK;
+
+  if (s.Lk == 0) {  // no key at all: every row is fully masked
+    torch::stable::zero_(out);
+    torch::stable::fill_(lse, -INFINITY);
+    if (need_weights) torch::stable::zero_(weights);
+    return {out, lse, weights};
+  }
+  run_tasks(ma_attn_fwd_task, &p, ma_attn_fwd_work_items(&p), ma_attn_fwd_scratch_bytes(&p), q);
+  return {out, lse, weights};
+}
+
+// t must be a CPU tensor of `dims` and `dtype`.
+void check_shape(const Tensor& t, const char* name, std::vector<int64_t> dims, const char* dims_str,
+                 ScalarType dtype) {
+  bool ok = t.is_cpu() && t.scalar_type() == dtype && t.dim() == static_cast<int64_t>(dims.size());
+  for (int64_t i = 0; ok && i < t.dim(); i++) ok = t.size(i) == dims[i];
+  STD_TORCH_CHECK(ok, "masked_attn: ", name, " must be a CPU tensor of shape ", dims_str,
+                  " with the dtype of q, got shape ", shape_str(t));
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> attn_backward(
+    Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
+    Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
+    std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
+    bool head_mask_grad) {
+  const Sizes s = check_qkv(q, k, v);
+  const Masks m = check_masks(s, attn_mask, key_padding_mask, head_mask);
+  const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(s.D));
+  check_shape(out, "out", {s.B, s.H, s.Lq, s.Dv}, "(B, H, Lq, Dv)", q.scalar_type());
+  check_shape(grad_out, "grad_out", {s.B, s.H, s.Lq, s.Dv}, "(B, H, Lq, Dv)", q.scalar_type());
+  STD_TORCH_CHECK(lse.dim() == 3 && lse.size(0) == s.B && lse.size(1) == s.H && lse.size(2) == s.Lq &&
+                      lse.scalar_type() == acc_type(q.scalar_type()) && lse.is_contiguous(),
+                  "masked_attn: lse must be the forward's contiguous (B, H, Lq) log-sum-exp");
+  if (grad_weights.has_value())
+    check_shape(*grad_weights, "grad_weights", {s.B, s.H, s.Lq, s.Lk}, "(B, H, Lq, Lk)",
+                q.scalar_type());
+  STD_TORCH_CHECK(!head_mask_grad || head_mask.has_value(),
+                  "masked_attn: head_mask_grad=True needs a head_mask");
+
+  Tensor dq = torch::stable::new_empty(q, {s.B, s.H, s.Lq, s.D});
+  Tensor dk = torch::stable::new_empty(q, {s.B, s.Hkv, s.Lk, s.D});
+  Tensor dv = torch::stable::new_empty(q, {s.B, s.Hkv, s.Lk, s.Dv});
+  const ScalarType acc = acc_type(q.scalar_type());
+  Tensor delta = torch::stable::new_empty(q, {s.B, s.H, s.Lq}, acc);
+  Tensor dhm_rows = torch::stable::new_zeros(q, {head_mask_grad ? s.B : 0, s.H, s.Lq}, acc);
+
+  ma_attn_bwd_params p{};
+  p.dq = dq.mutable_data_ptr();
+  p.dk = dk.mutable_data_ptr();
+  p.dv = dv.mutable_data_ptr();
+  p.dhm_rows = head_mask_grad ? dhm_rows.mutable_data_ptr() : nullptr;
+  p.dout = grad_out.const_data_ptr();
+  p.dweights = grad_weights.has_value() ? grad_weights->const_data_ptr() : nullptr;
+  p.q = q.const_data_ptr();
+  p.k = k.const_data_ptr();
+  p.v = v.const_data_ptr();
+  p.out = out.const_data_ptr();
+  p.lse = lse.const_data_ptr();
+  to_ma_dtype(q.scalar_type(), &p.dtype);
+  fill_strides4(p.dq_stride, dq);
+  fill_strides4(p.dk_stride, dk);
+  fill_strides4(p.dv_stride, dv);
+  fill_strides4(p.dout_stride, grad_out);
+  if (grad_weights.has_value()) fill_strides4(p.dweights_stride, *grad_weights);
+  fill_strides4(p.q_stride, q);
+  fill_strides4(p.k_stride, k);
+  fill_strides4(p.v_stride, v);
+  fill_strides4(p.out_stride, out);
+  p.attn_mask = m.attn_mask;
+  p.key_padding_mask = m.key_padding_mask;
+  p.head_mask = m.head_mask;
+  p.is_causal = is_causal;
+  p.scale = sc;
+  p.delta = delta.mutable_data_ptr();
+  p.B = s.B, p.H = s.H, p.Hkv = s.Hkv, p.Lq = s.Lq, p.Lk = s.Lk, p.D = s.D, p.Dv = s.Dv;
+  p.block_q = kBlockQ, p.block_k = kBlockK;
+
+  const size_t bytes = ma_attn_bwd_scratch_bytes(&p);
+  if (s.Lk == 0) {
+    torch::stable::zero_(dq);
+  } else {
+    run_tasks(ma_attn_bwd_dq_task, &p, ma_attn_bwd_dq_work_items(&p), bytes, q);
+  }
+  run_tasks(ma_attn_bwd_dkdv_task, &p, ma_attn_bwd_dkdv_work_items(&p), bytes, q);
+
+  // d head_mask[b, h] = sum over the rows of (b, h), in a fixed order.
+  Tensor dhm = head_mask_grad
+                   ? torch::stable::to(torch::stable::sum(dhm_rows, std::vector<int64_t>{2}),
+                                       q.scalar_type())
+                   : torch::stable::new_empty(q, {0});
+  return {dq, dk, dv, dhm};
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY(masked_attn, m) {
+  m.def(
+      "forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, Tensor? key_padding_mask=None, "
+      "Tensor? head_mask=None, bool is_causal=False, float? scale=None, bool need_weights=False) "
+      "-> (Tensor out, Tensor lse, Tensor weights)");
+  m.def(
+      "backward(Tensor grad_out, Tensor? grad_weights, Tensor q, Tensor k, Tensor v, Tensor out, "
+      "Tensor lse, Tensor? attn_mask=None, Tensor? key_padding_mask=None, Tensor? head_mask=None, "
+      "bool is_causal=False, float? scale=None, bool head_mask_grad=False) "
+      "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_head_mask)");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(masked_attn, CPU, m) {
+  m.impl("forward", TORCH_BOX(&attn_forward));
+  m.impl("backward", TORCH_BOX(&attn_backward));
+}

@@ -1,0 +1,74 @@
+"""Build torch_masked_attn: C11 kernels compiled by the C compiler, one C++ shim
+against the libtorch stable ABI, linked into torch_masked_attn._C.
+
+torch.utils.cpp_extension would compile .c files as C++17, so the kernels get
+their own step here (build_ext below) and are handed to the extension as
+objects. Install with `pip install --no-build-isolation -e .` (see README).
+"""
+import glob
+import os
+import subprocess
+
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+C_SOURCES = sorted(glob.glob(os.path.join("csrc", "*.c")))
+C_HEADERS = sorted(glob.glob(os.path.join("csrc", "*.h")))
+C_FLAGS = ["-std=c11", "-O3", "-fPIC", "-Wall", "-Wextra", "-fno-math-errno"]
+# Instruction-set variants: one translation unit per instruction set, chosen at
+# run time by the kernels. Never -march=native.
+ISA_FLAGS = {
+    "_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
+    "_avx512.c": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-mf16c"],
+    "_amx.c": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mamx-tile",
+               "-mamx-bf16", "-mfma", "-mf16c"],
+}
+
+
+def isa_flags(src):
+    return next((f for suffix, f in ISA_FLAGS.items() if src.endswith(suffix)), [])
+
+
+class BuildC11ThenExtension(BuildExtension):
+    def build_extensions(self):
+        cc = os.environ.get("CC", "cc")
+        obj_dir = os.path.join(self.build_temp, "c11")
+        os.makedirs(obj_dir, exist_ok=True)
+        newest_header = max((os.path.getmtime(h) for h in C_HEADERS), default=0)
+        objects = []
+        for src in C_SOURCES:
+            obj = os.path.join(obj_dir, os.path.basename(src)[:-2] + ".o")
+            stale = not os.path.exists(obj) or os.path.getmtime(obj) < max(
+                os.path.getmtime(src), newest_header)
+            if stale:
+                cmd = [cc, *C_FLAGS, *isa_flags(src), "-c", src, "-o", obj]
+                print(" ".join(cmd))
+                subprocess.check_call(cmd)
+            objects.append(obj)
+        for ext in self.extensions:
+            ext.extra_objects = objects
+            ext.depends = C_SOURCES + C_HEADERS
+        super().build_extensions()
+
+
+setup(
+    name="torch_masked_attn",
+    version="0.1.0",
+    description="Masked attention and cross-entropy for PyTorch on CPUs: C11 kernels, drop-in modules",
+    packages=find_packages(include=["torch_masked_attn", "torch_masked_attn.*"]),
+    ext_modules=[
+        CppExtension(
+            "torch_masked_attn._C",
+            ["csrc/shim.cpp"],
+            include_dirs=[os.path.join(ROOT, "csrc")],
+            extra_compile_args={
+                "cxx": ["-O2", "-std=c++17", "-DTORCH_TARGET_VERSION=0x020a000000000000"],
+            },
+            py_limited_api=True,
+        )
+    ],
+    cmdclass={"build_ext": BuildC11ThenExtension},
+    python_requires=">=3.10",
+    install_requires=["torch>=2.10"],
+)

@@ -1,0 +1,276 @@
+"""Shared fixtures and plain-PyTorch references for the torch_masked_attn tests.
+
+Helpers are imported by the test modules with ``from conftest import ...``
+(pytest puts this directory on sys.path because tests/ has no __init__.py).
+
+Yardsticks (DESIGN.md section 6):
+  * ``ref_attention`` / ``ref_mha``: attention in float64 with plain PyTorch ops,
+    the ground truth;
+  * ``assert_close_ref``: flash-attention's rule, our error against the float64
+    reference is at most 2x PyTorch's own error against it, plus a small slack.
+"""
+
+import math
+import os
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+# Keep the suite fast and deterministic on a 2-core machine.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    """A different but reproducible seed for every test (derived from its id)."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    yield
+
+
+# --------------------------------------------------------------------------
+# dtype helpers
+# --------------------------------------------------------------------------
+
+FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+# Slack added to "2 x PyTorch's error", relative to max |reference| (>= 1).
+_REL_SLACK = {
+    torch.float64: 1e-11,
+    torch.float32: 5e-6,
+    torch.float16: 1e-3,
+    torch.bfloat16: 8e-3,
+}
+
+
+def rel_slack(dtype):
+    return _REL_SLACK[dtype]
+
+
+# --------------------------------------------------------------------------
+# masks
+# --------------------------------------------------------------------------
+
+def blocked_to_additive(mask, dtype=torch.float64):
+    """nn.MultiheadAttention convention: bool True = blocked -> -inf; float as is."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype).masked_fill(mask, float("-inf"))
+    return mask.to(dtype)
+
+
+def allowed_to_additive(mask, dtype=torch.float64):
+    """F.scaled_dot_product_attention convention: bool True = takes part."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf"))
+    return mask.to(dtype)
+
+
+def causal_blocked(Lq, Lk):
+    """Bool (Lq, Lk), True where key j is after query i (top-left aligned)."""
+    return torch.ones(Lq, Lk, dtype=torch.bool).triu(1)
+
+
+def random_blocked(shape, p=0.35, keep_col0=True):
+    """Random bool mask, True = blocked; column 0 kept open so no row is empty."""
+    m = torch.rand(shape) < p
+    if keep_col0:
+        m[..., 0] = False
+    return m
+
+
+def random_additive(shape, p=0.3, keep_col0=True, dtype=torch.float32):
+    """Random float mask with finite values and some -inf (column 0 finite)."""
+    m = torch.randn(shape, dtype=dtype)
+    m = m.masked_fill(random_blocked(shape, p, keep_col0), float("-inf"))
+    return m
+
+
+# --------------------------------------------------------------------------
+# float64 attention reference
+# --------------------------------------------------------------------------
+
+def ref_attention(q, k, v, attn_mask_additive=None, *, scale=None, is_causal=False,
+                  head_mask=None, dtype=torch.float64, return_weights=False,
+                  return_lse=False):
+    """softmax(q k^T * scale + mask) v with plain PyTorch ops, in ``dtype``.
+
+    q (..., H, Lq, D), k (..., Hkv, Lk, D), v (..., Hkv, Lk, Dv); Hkv may
+    divide H (grouped-query: query head h uses kv head h // (H // Hkv)).
+    attn_mask_additive broadcasts to (..., H, Lq, Lk).  Rows whose scores are
+    all -inf give probabilities 0 (and gradient 0, no NaN).  head_mask (H,) or
+    (B, H) multiplies each head's probabilities after softmax.
+    Differentiable w.r.t. every tensor argument.
+    Returns out, plus weights (after head_mask) and/or lse if requested.
+    """
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    if q.dim() >= 4 and q.shape[-3] != k.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k = k.repeat_interleave(rep, dim=-3)
+        v = v.repeat_interleave(rep, dim=-3)
+    D = q.shape[-1]
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if attn_mask_additive is not None:
+        s = s + attn_mask_additive.to(dtype)
+    Lq, Lk = s.shape[-2], s.shape[-1]
+    if is_causal:
+        s = s.masked_fill(causal_blocked(Lq, Lk), float("-inf"))
+    empty = torch.isneginf(s).all(dim=-1, keepdim=True)
+    s_safe = torch.where(empty, torch.zeros((), dtype=dtype), s)
+    p = torch.softmax(s_safe, dim=-1)
+    p = torch.where(empty, torch.zeros((), dtype=dtype), p)
+    lse = torch.logsumexp(s, dim=-1)  # -inf on empty rows
+    if head_mask is not None:
+        hm = head_mask.to(dtype)
+        hm = hm.view(-1, 1, 1) if hm.dim() == 1 else hm.view(hm.shape[0], hm.shape[1], 1, 1)
+        p = p * hm
+    out = torch.matmul(p, v)
+    res = (out,)
+    if return_weights:
+        res += (p,)
+    if return_lse:
+        res += (lse,)
+    return res[0] if len(res) == 1 else res
+
+
+# --------------------------------------------------------------------------
+# nn.MultiheadAttention reference (plain ops; adds head_mask support)
+# --------------------------------------------------------------------------
+
+def ref_mha(mod, query, key, value, key_padding_mask=None, need_weights=True,
+            attn_mask=None, average_attn_weights=True, is_causal=False,
+            head_mask=None):
+    """Re-implementation of nn.MultiheadAttention.forward (dropout 0) that
+    reads ``mod``'s parameters, computes in the parameters' dtype, gives 0 for
+    fully masked rows, and supports a head_mask (H,) or (N, H) applied to the
+    probabilities after softmax (weights returned after the head mask)."""
+    H = mod.num_heads
+    E = mod.embed_dim
+    hd = E // H
+    batched = query.dim() == 3
+    if not batched:
+        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        if key_padding_mask is not None:
+            key_padding_mask = key_padding_mask.unsqueeze(0)
+    elif mod.batch_first:
+        query, key, value = (x.transpose(0, 1) for x in (query, key, value))
+    L, N, _ = query.shape
+    dt = query.dtype
+
+    if mod._qkv_same_embed_dim:
+        wq, wk, wv = mod.in_proj_weight.chunk(3)
+    else:
+        wq, wk, wv = mod.q_proj_weight, mod.k_proj_weight, mod.v_proj_weight
+    bq = bk = bv = None
+    if mod.in_proj_bias is not None:
+        bq, bk, bv = mod.in_proj_bias.chunk(3)
+    q = F.linear(query, wq, bq)  # (L, N, E)
+    k = F.linear(key, wk, bk)    # (S, N, E)
+    v = F.linear(value, wv, bv)
+
+    am = blocked_to_additive(attn_mask, dt)
+    kpm = blocked_to_additive(key_padding_mask, dt)
+    if am is not None:
+        am = am.unsqueeze(0) if am.dim() == 2 else am  # (1 or N*H, L, S)
+    if mod.bias_k is not None:
+        k = torch.cat([k, mod.bias_k.repeat(1, N, 1)])
+        v = torch.cat([v, mod.bias_v.repeat(1, N, 1)])
+        if am is not None:
+            am = F.pad(am, (0, 1))
+        if kpm is not None:
+            kpm = F.pad(kpm, (0, 1))
+    q = q.reshape(L, N * H, hd).transpose(0, 1)            # (N*H, L, hd)
+    k = k.reshape(k.shape[0], N * H, hd).transpose(0, 1)   # (N*H, S, hd)
+    v = v.reshape(v.shape[0], N * H, hd).transpose(0, 1)
+    if mod.add_zero_attn:
+        k = torch.cat([k, k.new_zeros(N * H, 1, hd)], dim=1)
+        v = torch.cat([v, v.new_zeros(N * H, 1, hd)], dim=1)
+        if am is not None:
+            am = F.pad(am, (0, 1))
+        if kpm is not None:
+            kpm = F.pad(kpm, (0, 1))
+    S = k.shape[1]
+    bias = torch.zeros(N, H, L, S, dtype=dt)
+    if am is not None:
+        bias = bias + (am.view(1, 1, L, S) if am.shape[0] == 1 else am.view(N, H, L, S))
+    if kpm is not None:
+        bias = bias + kpm.view(N, 1, 1, S)
+    if is_causal and attn_mask is None:
+        bias = bias.masked_fill(causal_blocked(L, S), float("-inf"))
+    out, w = ref_attention(q.view(N, H, L, hd), k.view(N, H, S, hd), v.view(N, H, S, hd),
+                           bias, head_mask=head_mask, dtype=dt, return_weights=True)
+    out = out.permute(2, 0, 1, 3).reshape(L, N, E)
+    out = F.linear(out, mod.out_proj.weight, mod.out_proj.bias)
+    if average_attn_weights:
+        w = w.mean(dim=1)
+    if not batched:
+        out = out.squeeze(1)
+        w = w.squeeze(0)
+    elif mod.batch_first:
+        out = out.transpose(0, 1)
+    return out, (w if need_weights else None)
+
+
+# --------------------------------------------------------------------------
+# tolerance: flash-attention's rule
+# --------------------------------------------------------------------------
+
+def max_err(a, b):
+    a = a.detach().double()
+    b = b.detach().double()
+    d = (a - b).abs()
+    fin = torch.isfinite(a) & torch.isfinite(b)
+    # equal infinities count as no error
+    same = (a == b)
+    d = torch.where(same, torch.zeros((), dtype=d.dtype), d)
+    d = torch.where(fin | same, d, torch.full((), float("inf"), dtype=d.dtype))
+    return d.max().item() if d.numel() else 0.0
+
+
+def assert_close_ref(ours, theirs, ref, *, name="", factor=2.0, slack=None, dtype=None):
+    """flash-attention's rule:
+        max|ours - ref| <= factor * max|theirs - ref| + slack * max(1, max|ref|)
+    ``theirs`` is PyTorch's result on the same inputs and dtype, ``ref`` the
+    float64 reference.  NaN must appear exactly where PyTorch has NaN."""
+    assert ours is not None, f"{name}: got None"
+    assert tuple(ours.shape) == tuple(ref.shape), f"{name}: shape {tuple(ours.shape)} != {tuple(ref.shape)}"
+    if theirs is not None:
+        assert tuple(theirs.shape) == tuple(ref.shape)
+        theirs_nan = theirs.detach().isnan()
+    else:
+        theirs_nan = ref.detach().isnan()
+    ours_nan = ours.detach().isnan()
+    assert torch.equal(ours_nan, theirs_nan), (
+        f"{name}: NaN pattern differs: ours has {int(ours_nan.sum())} NaN, "
+        f"PyTorch {int(theirs_nan.sum())}")
+    keep = ~ours_nan
+    o, r = ours.detach()[keep], ref.detach()[keep]
+    if dtype is None:
+        dtype = ours.dtype
+    if slack is None:
+        slack = rel_slack(dtype)
+    scale = max(1.0, r.double().abs().masked_fill(~torch.isfinite(r.double()), 0).max().item()
+                if r.numel() else 1.0)
+    err_ours = max_err(o, r)
+    err_pt = max_err(theirs.detach()[keep], r) if theirs is not None else 0.0
+    bound = factor * err_pt + slack * scale
+    assert err_ours <= bound, (
+        f"{name}: max err vs float64 ref {err_ours:.3e} > {factor} * PyTorch err "
+        f"{err_pt:.3e} + {slack:.1e} * {scale:.3g} (bound {bound:.3e})")
+
+
+def assert_close64(ours, theirs, *, name="", atol=1e-10, rtol=1e-9):
+    """float64: tight agreement with PyTorch (same NaN pattern)."""
+    assert ours is not None, f"{name}: got None"
+    torch.testing.assert_close(ours.detach(), theirs.detach(), atol=atol, rtol=rtol,
+                               equal_nan=True, msg=lambda m: f"{name}: {m}")
+
+
+def grads_of(tensors):
+    return [None if t is None else (None if t.grad is None else t.grad.clone()) for t in tensors]

@@ -1,0 +1,466 @@
+"""Parity of torch_masked_attn.functional.scaled_dot_product_attention with
+F.scaled_dot_product_attention, and of functional.masked_attention with a
+float64 plain-PyTorch reference (DESIGN.md sections 3, 4, 6)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_masked_attn as tma
+from conftest import (
+    allowed_to_additive,
+    assert_close64,
+    assert_close_ref,
+    blocked_to_additive,
+    causal_blocked,
+    random_additive,
+    random_blocked,
+    ref_attention,
+)
+
+tmaF = tma.functional
+
+ALL_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+def _rand(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=torch.float64).to(dtype)
+
+
+def _compare(name, ours, theirs, ref, dtype):
+    if dtype == torch.float64:
+        assert_close64(ours, theirs, name=name)
+        assert_close64(ours, ref, name=name + " vs ref", atol=1e-9, rtol=1e-7)
+    else:
+        assert_close_ref(ours, theirs, ref, name=name)
+
+
+def run_sdpa_parity(q, k, v, *, ref_mask=None, grad=True, **kw):
+    """Run ours and PyTorch's SDPA on the same (possibly strided) inputs and
+    compare values and q/k/v gradients; the float64 reference gets the mask in
+    additive form (``ref_mask``) and the same is_causal/scale/gqa."""
+    dtype = q.dtype
+    qs = [q.detach().requires_grad_(grad) for _ in range(2)]
+    ks = [k.detach().requires_grad_(grad) for _ in range(2)]
+    vs = [v.detach().requires_grad_(grad) for _ in range(2)]
+    # same strides for both: detach() keeps the view, both are leaves
+    out = tmaF.scaled_dot_product_attention(qs[0], ks[0], vs[0], **kw)
+    out_pt = F.scaled_dot_product_attention(qs[1], ks[1], vs[1], **kw)
+
+    q64 = q.detach().double().requires_grad_(grad)
+    k64 = k.detach().double().requires_grad_(grad)
+    v64 = v.detach().double().requires_grad_(grad)
+    ref = ref_attention(q64, k64, v64, ref_mask, scale=kw.get("scale"),
+                        is_causal=kw.get("is_causal", False))
+    assert out.dtype == dtype
+    assert out.shape == out_pt.shape
+    assert not out.isnan().any()
+    _compare("out", out, out_pt, ref, dtype)
+    if not grad:
+        return out
+    dout = torch.randn(out.shape, dtype=torch.float64).to(dtype)
+    out.backward(dout)
+    out_pt.backward(dout)
+    ref.backward(dout.double())
+    for nm, a, b, r in (("dq", qs[0], qs[1], q64), ("dk", ks[0], ks[1], k64),
+                        ("dv", vs[0], vs[1], v64)):
+        assert a.grad is not None, nm
+        assert a.grad.dtype == dtype and a.grad.shape == a.shape, nm
+        _compare(nm, a.grad, b.grad, r.grad, dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# scaled_dot_product_attention
+# ---------------------------------------------------------------------------
+
+B, H, LQ, LK, D = 2, 3, 7, 9, 8
+
+SDPA_MASKS = [
+    ("none", None, None),
+    ("bool_LS", "bool", (LQ, LK)),
+    ("bool_BHLS", "bool", (B, H, LQ, LK)),
+    ("bool_B1LS", "bool", (B, 1, LQ, LK)),
+    ("bool_1H1S", "bool", (1, H, 1, LK)),
+    ("bool_1S", "bool", (1, LK)),
+    ("float_H11", "float", (H, 1, 1)),
+    ("float_LS", "float", (LQ, LK)),
+    ("float_BHLS", "float", (B, H, LQ, LK)),
+    ("float_B1LS", "float", (B, 1, LQ, LK)),
+    ("float_1H1S", "float", (1, H, 1, LK)),
+]
+
+
+def _sdpa_mask(kind, shape, dtype):
+    if kind is None:
+        return None
+    if kind == "bool":
+        return ~random_blocked(shape)  # True = takes part
+    return random_additive(shape, dtype=torch.float64).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("name,kind,shape", SDPA_MASKS, ids=[m[0] for m in SDPA_MASKS])
+def test_sdpa_masks(name, kind, shape, dtype):
+    q, k, v = _rand(B, H, LQ, D, dtype=dtype), _rand(B, H, LK, D, dtype=dtype), _rand(B, H, LK, D, dtype=dtype)
+    m = _sdpa_mask(kind, shape, dtype)
+    run_sdpa_parity(q, k, v, attn_mask=m, ref_mask=allowed_to_additive(m))
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("lq,lk", [(7, 7), (5, 9), (9, 5), (1, 6), (33, 17)])
+def test_sdpa_causal(lq, lk, dtype):
+    q, k, v = _rand(B, H, lq, D, dtype=dtype), _rand(B, H, lk, D, dtype=dtype), _rand(B, H, lk, D, dtype=dtype)
+    run_sdpa_parity(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("scale", [0.3, 1.0, 2.5e-2])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_scale(scale, causal, dtype):
+    q, k, v = _rand(B, H, LQ, D, dtype=dtype), _rand(B, H, LQ, D, dtype=dtype), _rand(B, H, LQ, D, dtype=dtype)
+    run_sdpa_parity(q, k, v, scale=scale, is_causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("hkv", [2, 1])
+@pytest.mark.parametrize("variant", ["plain", "causal", "mask"])
+def test_sdpa_gqa(hkv, variant, dtype):
+    hq = 4
+    q = _rand(B, hq, LQ, D, dtype=dtype)
+    k, v = _rand(B, hkv, LK, D, dtype=dtype), _rand(B, hkv, LK, D, dtype=dtype)
+    kw = dict(enable_gqa=True)
+    ref_mask = None
+    if variant == "causal":
+        kw["is_causal"] = True
+    elif variant == "mask":
+        m = ~random_blocked((B, hq, LQ, LK))
+        kw["attn_mask"] = m
+        ref_mask = allowed_to_additive(m)
+    run_sdpa_parity(q, k, v, ref_mask=ref_mask, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("mask", [None, "LS", "NLS"])
+def test_sdpa_3d(mask, dtype):
+    n, e = 3, 16
+    q, k, v = _rand(n, LQ, e, dtype=dtype), _rand(n, LK, e, dtype=dtype), _rand(n, LK, 12, dtype=dtype)
+    m = None
+    if mask == "LS":
+        m = ~random_blocked((LQ, LK))
+    elif mask == "NLS":
+        m = random_additive((n, LQ, LK), dtype=torch.float64).to(dtype)
+    run_sdpa_parity(q, k, v, attn_mask=m, ref_mask=allowed_to_additive(m))
+
+
+def test_sdpa_dv_differs_from_d():
+    q, k, v = _rand(B, H, LQ, 8), _rand(B, H, LK, 8), _rand(B, H, LK, 5)
+    run_sdpa_parity(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("layout", ["BLHD_transposed", "strided_slices", "D_slice", "mixed"])
+def test_sdpa_noncontiguous(layout, dtype):
+    if layout == "BLHD_transposed":
+        # a (B, L, H, D) projection viewed as (B, H, L, D): no copy needed
+        q = _rand(B, LQ, H, D, dtype=dtype).transpose(1, 2)
+        k = _rand(B, LK, H, D, dtype=dtype).transpose(1, 2)
+        v = _rand(B, LK, H, D, dtype=dtype).transpose(1, 2)
+    elif layout == "strided_slices":
+        q = _rand(B, H + 2, 2 * LQ, D, dtype=dtype)[:, 1:H + 1, ::2]
+        k = _rand(2 * B, H, LK, D, dtype=dtype)[::2]
+        v = _rand(B, H, LK + 3, D, dtype=dtype)[:, :, 3:]
+    elif layout == "D_slice":
+        q = _rand(B, H, LQ, 2 * D, dtype=dtype)[..., ::2]     # stride 2 in D
+        k = _rand(B, H, LK, D + 5, dtype=dtype)[..., 5:]
+        v = _rand(B, H, LK, 3 * D, dtype=dtype)[..., D:2 * D]
+    else:
+        # one packed (B, L, 3, H, D) tensor split into q, k, v (self attention)
+        qkv = _rand(B, LQ, 3, H, D, dtype=dtype)
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    assert not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
+    m = ~random_blocked((B, 1, q.shape[2], k.shape[2]))
+    run_sdpa_parity(q, k, v, attn_mask=m, ref_mask=allowed_to_additive(m))
+
+
+def test_sdpa_noncontiguous_mask():
+    q, k, v = _rand(B, H, LQ, D), _rand(B, H, LK, D), _rand(B, H, LK, D)
+    m = random_additive((B, H, LK, LQ), dtype=torch.float32).transpose(-1, -2)
+    assert not m.is_contiguous()
+    run_sdpa_parity(q, k, v, attn_mask=m, ref_mask=m)
+    mb = (~random_blocked((2 * LQ, LK)))[::2]
+    run_sdpa_parity(q, k, v, attn_mask=mb, ref_mask=allowed_to_additive(mb))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_sdpa_fully_masked_rows(kind, dtype):
+    """A query row with no allowed key: output 0, gradient 0, no NaN, as
+    PyTorch >= 2.5 gives."""
+    allowed = ~random_blocked((B, H, LQ, LK))
+    allowed[0, 1, 2] = False
+    allowed[1, :, 4] = False
+    allowed[:, :, 6] = False
+    if kind == "bool":
+        m = allowed
+    else:
+        m = allowed_to_additive(allowed, torch.float64).to(dtype)
+    q, k, v = _rand(B, H, LQ, D, dtype=dtype), _rand(B, H, LK, D, dtype=dtype), _rand(B, H, LK, D, dtype=dtype)
+    qq = q.clone().requires_grad_()
+    out = run_sdpa_parity(q, k, v, attn_mask=m, ref_mask=allowed_to_additive(m))
+    assert torch.all(out[0, 1, 2] == 0)
+    assert torch.all(out[1, :, 4] == 0)
+    assert torch.all(out[:, :, 6] == 0)
+    o = tmaF.scaled_dot_product_attention(qq, k, v, attn_mask=m)
+    o.sum().backward()
+    assert not qq.grad.isnan().any()
+    assert torch.all(qq.grad[0, 1, 2] == 0) and torch.all(qq.grad[:, :, 6] == 0)
+
+
+def test_sdpa_dropout_train():
+    q = _rand(B, H, LQ, D)
+    try:
+        out = tmaF.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+    except NotImplementedError as e:
+        assert "dropout" in str(e).lower()
+        return
+    # If dropout is implemented: dropout_p=0 still matches PyTorch and the
+    # dropped result must differ from the undropped one.
+    assert out.shape == q.shape
+    assert not torch.allclose(out, F.scaled_dot_product_attention(q, q, q))
+
+
+# ---------------------------------------------------------------------------
+# masked_attention (the op's own conventions: bool True = blocked)
+# ---------------------------------------------------------------------------
+
+def _ma_case(case, dtype, h=H, hkv=None, lq=LQ, lk=LK, dv=D):
+    """Inputs and masks for masked_attention plus the reference's additive mask."""
+    hkv = h if hkv is None else hkv
+    q = _rand(B, h, lq, D, dtype=dtype)
+    k = _rand(B, hkv, lk, D, dtype=dtype)
+    v = _rand(B, hkv, lk, dv, dtype=dtype)
+    kw = {}
+    add = torch.zeros(B, h, lq, lk, dtype=torch.float64)
+    parts = case.split("+")
+    for part in parts:
+        if part == "none":
+            continue
+        if part == "causal":
+            kw["is_causal"] = True
+            add = add.masked_fill(causal_blocked(lq, lk), float("-inf"))
+        elif part.startswith("am_"):
+            kind, shape_name = part[3:].split("_")
+            shape = {"LS": (lq, lk), "BHxLS": (B * h, lq, lk), "BHLS": (B, h, lq, lk),
+                     "B1LS": (B, 1, lq, lk), "1H1S": (1, h, 1, lk), "S": (lk,)}[shape_name]
+            if kind == "bool":
+                m = random_blocked(shape)
+            else:
+                m = random_additive(shape, dtype=torch.float64).to(dtype)
+            kw["attn_mask"] = m
+            ma = blocked_to_additive(m)
+            if shape_name == "BHxLS":
+                ma = ma.view(B, h, lq, lk)
+            add = add + ma
+        elif part.startswith("kpm_"):
+            if part == "kpm_bool":
+                m = random_blocked((B, lk))
+            else:
+                m = random_additive((B, lk), dtype=torch.float64).to(dtype)
+            kw["key_padding_mask"] = m
+            add = add + blocked_to_additive(m).view(B, 1, 1, lk)
+        elif part.startswith("hm_"):
+            shape = (h,) if part == "hm_H" else (B, h)
+            kw["head_mask"] = torch.rand(shape, dtype=torch.float64).to(dtype)
+        elif part == "scale":
+            kw["scale"] = 0.37
+        else:
+            raise AssertionError(part)
+    return q, k, v, kw, add
+
+
+MA_CASES = [
+    "none", "causal",
+    "am_bool_LS", "am_bool_BHxLS", "am_bool_BHLS", "am_bool_B1LS", "am_bool_1H1S",
+    "am_float_LS", "am_float_BHxLS", "am_float_BHLS", "am_float_1H1S",
+    "kpm_bool", "kpm_float",
+    "hm_H", "hm_BH", "scale",
+    "causal+kpm_bool", "causal+am_float_BHLS", "am_bool_LS+kpm_float",
+    "am_float_B1LS+kpm_bool+hm_BH", "causal+am_bool_BHxLS+kpm_bool+hm_H+scale",
+]
+
+
+def _unpack(res, need_weights, return_lse):
+    if not need_weights and not return_lse:
+        assert isinstance(res, torch.Tensor)
+        return res, None, None
+    assert isinstance(res, tuple)
+    if need_weights and return_lse:
+        assert len(res) == 3
+        return res
+    assert len(res) == 2
+    return (res[0], res[1], None) if need_weights else (res[0], None, res[1])
+
+
+def run_ma(q, k, v, kw, add, *, need_weights=False, return_lse=False, grad=True):
+    dtype = q.dtype
+    qo, ko, vo = (t.detach().requires_grad_(grad) for t in (q, k, v))
+    kwo = dict(kw)
+    hm = kw.get("head_mask")
+    if hm is not None and grad:
+        kwo["head_mask"] = hm.detach().clone().requires_grad_()
+    res = tmaF.masked_attention(qo, ko, vo, need_weights=need_weights, return_lse=return_lse, **kwo)
+    out, w, lse = _unpack(res, need_weights, return_lse)
+
+    r = [t.detach().double().requires_grad_(grad) for t in (q, k, v)]
+    hm64 = None if hm is None else hm.detach().double().requires_grad_(grad)
+    ref, ref_w, ref_lse = ref_attention(*r, add, scale=kw.get("scale"), head_mask=hm64,
+                                        return_weights=True, return_lse=True)
+    # PyTorch's own error: the same plain ops evaluated in the input dtype
+    pt_in = [t.detach().requires_grad_(grad) for t in (q, k, v)]
+    hm_pt = None if hm is None else hm.detach().clone().requires_grad_(grad)
+    pt, pt_w = ref_attention(*pt_in, add.to(dtype), scale=kw.get("scale"), head_mask=hm_pt,
+                             dtype=dtype, return_weights=True)
+
+    assert out.dtype == dtype and out.shape == ref.shape
+    _compare("out", out, pt, ref, dtype)
+    if need_weights:
+        assert w.shape == ref_w.shape, (w.shape, ref_w.shape)
+        _compare("weights", w, pt_w, ref_w, dtype)
+    if return_lse:
+        assert lse.shape == ref_lse.shape
+        assert lse.dtype in (torch.float32, torch.float64)
+        if dtype == torch.float64:
+            assert_close64(lse.double(), ref_lse, name="lse", atol=1e-10, rtol=1e-10)
+        else:
+            torch.testing.assert_close(lse.double(), ref_lse.detach(), atol=1e-5, rtol=1e-5)
+    if not grad:
+        return out
+    dout = torch.randn(out.shape, dtype=torch.float64).to(dtype)
+    loss = (out * dout).sum()
+    loss_pt = (pt * dout).sum()
+    loss_ref = (ref * dout.double()).sum()
+    if need_weights:
+        dw = torch.randn(w.shape, dtype=torch.float64).to(dtype)
+        loss = loss + (w * dw).sum()
+        loss_pt = loss_pt + (pt_w * dw).sum()
+        loss_ref = loss_ref + (ref_w * dw.double()).sum()
+    loss.backward()
+    loss_pt.backward()
+    loss_ref.backward()
+    pairs = [("dq", qo, pt_in[0], r[0]), ("dk", ko, pt_in[1], r[1]), ("dv", vo, pt_in[2], r[2])]
+    if hm is not None:
+        pairs.append(("dhead_mask", kwo["head_mask"], hm_pt, hm64))
+    for nm, a, b, rr in pairs:
+        assert a.grad is not None, nm
+        assert a.grad.shape == a.shape, nm
+        _compare(nm, a.grad, b.grad, rr.grad, dtype)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("case", MA_CASES)
+def test_masked_attention_masks(case, dtype):
+    q, k, v, kw, add = _ma_case(case, dtype)
+    run_ma(q, k, v, kw, add)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("flags", ["weights", "lse", "weights+lse"])
+@pytest.mark.parametrize("case", ["none", "causal+kpm_bool", "am_float_BHLS+hm_BH", "am_bool_LS+kpm_float+hm_H"])
+def test_masked_attention_outputs(case, flags, dtype):
+    q, k, v, kw, add = _ma_case(case, dtype)
+    run_ma(q, k, v, kw, add, need_weights="weights" in flags, return_lse="lse" in flags)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("hkv", [2, 1])
+@pytest.mark.parametrize("case", ["none", "causal+kpm_bool", "am_bool_BHLS+hm_H"])
+def test_masked_attention_gqa(case, hkv, dtype):
+    q, k, v, kw, add = _ma_case(case, dtype, h=4, hkv=hkv)
+    run_ma(q, k, v, kw, add)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", ["none", "causal+kpm_bool", "am_float_BHLS+kpm_bool", "hm_BH"])
+def test_masked_attention_half(case, dtype):
+    q, k, v, kw, add = _ma_case(case, dtype)
+    run_ma(q, k, v, kw, add)
+
+
+@pytest.mark.parametrize("lq,lk", [(5, 9), (9, 5), (1, 1), (33, 17), (17, 33)])
+def test_masked_attention_shapes(lq, lk):
+    q, k, v, kw, add = _ma_case("causal+kpm_bool", torch.float64, lq=lq, lk=lk, dv=6)
+    # keep key 0 open: causal already needs it
+    kw["key_padding_mask"][:, 0] = False
+    add = torch.zeros_like(add).masked_fill(causal_blocked(lq, lk), float("-inf")) + \
+        blocked_to_additive(kw["key_padding_mask"]).view(B, 1, 1, lk)
+    run_ma(q, k, v, kw, add, need_weights=True, return_lse=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_masked_attention_fully_masked_rows(dtype):
+    """No allowed key: output 0, weights 0, gradients 0, no NaN; lse -inf."""
+    q, k, v = _rand(B, H, LQ, D, dtype=dtype), _rand(B, H, LK, D, dtype=dtype), _rand(B, H, LK, D, dtype=dtype)
+    am = random_blocked((B, H, LQ, LK))
+    am[0, 1, 3] = True                 # one row of one head
+    am[1, :, 5] = True                 # one row of every head
+    kpm = torch.zeros(B, LK, dtype=torch.bool)
+    kpm[1] = True                      # batch 1: every key is padding
+    for t in (q, k, v):
+        t.requires_grad_()
+    out, w, lse = tmaF.masked_attention(q, k, v, attn_mask=am, key_padding_mask=kpm,
+                                        need_weights=True, return_lse=True)
+    assert not out.isnan().any() and not w.isnan().any()
+    assert torch.all(out[0, 1, 3] == 0) and torch.all(out[1] == 0)
+    assert torch.all(w[0, 1, 3] == 0) and torch.all(w[1] == 0)
+    assert torch.isneginf(lse[1]).all() and torch.isneginf(lse[0, 1, 3])
+    assert torch.isfinite(lse[0, 0]).all()
+    (out.sum() + w.sum()).backward()
+    for t in (q, k, v):
+        assert not t.grad.isnan().any()
+    assert torch.all(q.grad[1] == 0) and torch.all(q.grad[0, 1, 3] == 0)
+    assert torch.all(k.grad[1] == 0) and torch.all(v.grad[1] == 0)
+    # the other rows still agree with the reference
+    add = blocked_to_additive(am) + blocked_to_additive(kpm).view(B, 1, 1, LK)
+    ref = ref_attention(q.detach(), k.detach(), v.detach(), add)
+    if dtype == torch.float64:
+        assert_close64(out, ref, name="out")
+    else:
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_masked_attention_matches_sdpa_conventions():
+    """masked_attention's bool True = blocked is the negation of SDPA's."""
+    q, k, v = _rand(B, H, LQ, D), _rand(B, H, LK, D), _rand(B, H, LK, D)
+    blocked = random_blocked((B, 1, LQ, LK))
+    a = tmaF.masked_attention(q, k, v, attn_mask=blocked)
+    b = tmaF.scaled_dot_product_attention(q, k, v, attn_mask=~blocked)
+    c = F.scaled_dot_product_attention(q, k, v, attn_mask=~blocked)
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5)
+
+
+def test_masked_attention_head_mask_zero_and_one():
+    q, k, v = _rand(B, H, LQ, D), _rand(B, H, LK, D), _rand(B, H, LK, D)
+    base = tmaF.masked_attention(q, k, v, is_causal=True)
+    ones = tmaF.masked_attention(q, k, v, is_causal=True, head_mask=torch.ones(H))
+    torch.testing.assert_close(base, ones, atol=0, rtol=0)
+    hm = torch.ones(B, H)
+    hm[1, 2] = 0
+    out = tmaF.masked_attention(q, k, v, is_causal=True, head_mask=hm)
+    assert torch.all(out[1, 2] == 0)
+    torch.testing.assert_close(out[0], base[0], atol=0, rtol=0)
+
+
+def test_masked_attention_dropout_train():
+    q = _rand(B, H, LQ, D)
+    try:
+        out = tmaF.masked_attention(q, q, q, dropout_p=0.25)
+    except NotImplementedError as e:
+        assert "dropout" in str(e).lower()
+        return
+    assert out.shape == q.shape
+    assert not torch.allclose(out, tmaF.masked_attention(q, q, q))

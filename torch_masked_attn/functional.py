@@ -1,0 +1,149 @@
+"""Functional drop-ins.
+
+scaled_dot_product_attention  F.scaled_dot_product_attention's conventions
+                              (bool mask True = take part)
+masked_attention              the op's own conventions, nn.MultiheadAttention's
+                              (bool mask True = blocked), with key padding and
+                              head masks as separate arguments
+"""
+import math
+
+import torch
+
+from . import ops  # noqa: F401  (registers torch.ops.masked_attn)
+
+__all__ = ["masked_attention", "scaled_dot_product_attention"]
+
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _dropout_not_implemented(dropout_p):
+    raise NotImplementedError(
+        f"torch_masked_attn: attention dropout (dropout_p={dropout_p}) is not implemented yet; "
+        "use dropout_p=0.0, or put the module in eval mode")
+
+
+def _check_mask_no_grad(mask, name):
+    if mask is not None and mask.requires_grad and torch.is_grad_enabled():
+        raise NotImplementedError(
+            f"torch_masked_attn: {name} requires grad, but masks are constants here "
+            f"(no gradient flows to {name}); pass {name}.detach()")
+
+
+def _as_4d_attn_mask(attn_mask, B, H):
+    """nn.MultiheadAttention's (B*H, Lq, Lk) form as the (B, H, Lq, Lk) it means;
+    every other shape is left to broadcast by strides."""
+    if attn_mask is not None and attn_mask.dim() == 3 and B > 1 and attn_mask.size(0) == B * H:
+        return attn_mask.unflatten(0, (B, H))
+    return attn_mask
+
+
+def masked_attention(q, k, v, *, attn_mask=None, key_padding_mask=None, head_mask=None,
+                     is_causal=False, scale=None, dropout_p=0.0, need_weights=False,
+                     return_lse=False):
+    """Masked multi-head attention.
+
+    Args:
+        q: (B, H, Lq, D); k: (B, Hkv, Lk, D); v: (B, Hkv, Lk, Dv), any strides,
+            H a multiple of Hkv (grouped-query attention). float32, float64,
+            bfloat16 or float16.
+        attn_mask: bool (True = blocked) or floating (added to the scaled
+            scores); any shape that broadcasts to (B, H, Lq, Lk), or
+            nn.MultiheadAttention's (B*H, Lq, Lk).
+        key_padding_mask: (B, Lk), bool (True = padding) or floating (added).
+        head_mask: (H,) or (B, H), multiplies each head's attention
+            probabilities (differentiable).
+        is_causal: query i sees key j only if j <= i (top-left aligned).
+        scale: defaults to 1 / sqrt(D).
+        need_weights: also return the attention probabilities (B, H, Lq, Lk),
+            after the head mask.
+        return_lse: also return the per-row log-sum-exp (B, H, Lq) (float32,
+            float64 for float64 inputs); -inf for a fully masked row.
+
+    Returns:
+        out (B, H, Lq, Dv), followed by weights if need_weights and by lse if
+        return_lse. A query row that no key may attend to gives 0 (and zero
+        gradients), never NaN.
+    """
+    if dropout_p > 0.0:
+        _dropout_not_implemented(dropout_p)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"masked_attention: {name} must be a Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"masked_attention: {name} must be 4-D (B, H, L, D), got shape {tuple(t.shape)}")
+        if t.dtype not in _FLOATS:
+            raise TypeError(f"masked_attention: {name} must be float32, float64, bfloat16 or float16, "
+                            f"got {t.dtype}")
+    _check_mask_no_grad(attn_mask, "attn_mask")
+    _check_mask_no_grad(key_padding_mask, "key_padding_mask")
+    attn_mask = _as_4d_attn_mask(attn_mask, q.size(0), q.size(1))
+    out, lse, weights = torch.ops.masked_attn.forward(
+        q, k, v, attn_mask, key_padding_mask, head_mask, bool(is_causal),
+        None if scale is None else float(scale), bool(need_weights))
+    if not (need_weights or return_lse):
+        return out
+    return (out,) + ((weights,) if need_weights else ()) + ((lse,) if return_lse else ())
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False):
+    """Drop-in for torch.nn.functional.scaled_dot_product_attention.
+
+    query (..., Hq, L, E), key (..., H, S, E), value (..., H, S, Ev); a bool
+    attn_mask is True where attention is allowed, a floating one is added;
+    is_causal is top-left aligned and combines with attn_mask. Rows with no
+    allowed key give 0, as PyTorch does from 2.5 on.
+    """
+    if dropout_p > 0.0:
+        _dropout_not_implemented(dropout_p)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"scaled_dot_product_attention: {name} must be a Tensor")
+        if t.dim() < 2:
+            raise ValueError(f"scaled_dot_product_attention: {name} must have at least 2 dims "
+                             f"(L, E), got shape {tuple(t.shape)}")
+        if t.dtype not in _FLOATS:
+            raise TypeError(f"scaled_dot_product_attention: {name} must be floating point, got {t.dtype}")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise ValueError("scaled_dot_product_attention: query, key and value must have the same dtype, "
+                         f"got {query.dtype}, {key.dtype}, {value.dtype}")
+    if query.size(-1) != key.size(-1):
+        raise ValueError(f"scaled_dot_product_attention: query and key must have the same embedding dim, "
+                         f"got query {tuple(query.shape)}, key {tuple(key.shape)}")
+    if key.size(-2) != value.size(-2):
+        raise ValueError(f"scaled_dot_product_attention: key and value must have the same length, "
+                         f"got key {tuple(key.shape)}, value {tuple(value.shape)}")
+    if attn_mask is not None:
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise TypeError(f"scaled_dot_product_attention: attn_mask must be bool or floating point, "
+                            f"got {attn_mask.dtype}")
+        _check_mask_no_grad(attn_mask, "attn_mask")
+    hq = query.size(-3) if query.dim() >= 3 else 1
+    hk = key.size(-3) if key.dim() >= 3 else 1
+    if hq != hk and not (enable_gqa or hk == 1):
+        raise ValueError(f"scaled_dot_product_attention: query has {hq} heads and key {hk}; "
+                         "pass enable_gqa=True for grouped-query attention")
+    if hk == 0 or hq % hk != 0:
+        raise ValueError(f"scaled_dot_product_attention: the number of query heads ({hq}) must be a "
+                         f"multiple of the number of key/value heads ({hk})")
+
+    batch = torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])
+
+    def to4d(t):
+        t = t.expand(*batch, *t.shape[-3:]) if t.dim() >= 3 else t.expand(*batch, 1, *t.shape)
+        if len(batch) == 0:
+            return t.unsqueeze(0)
+        return t if len(batch) == 1 else t.reshape(-1, *t.shape[-3:])
+
+    q, k, v = to4d(query), to4d(key), to4d(value)
+    mask = attn_mask
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            mask = ~mask  # F.sdpa: True = take part; ours: True = blocked
+        if len(batch) > 1 and mask.dim() > 3:  # flatten the batch dims like q's
+            mask = mask.expand(*batch, *mask.shape[-3:]).reshape(-1, *mask.shape[-3:])
+    out = masked_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+    out_shape = (*batch, hq, query.size(-2), value.size(-1)) if query.dim() >= 3 else \
+        (query.size(-2), value.size(-1))
+    return out.reshape(out_shape)

@@ -1,0 +1,154 @@
+"""Drop-in modules."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .functional import _dropout_not_implemented, _check_mask_no_grad
+
+__all__ = ["MultiheadAttention"]
+
+
+def _pad_key(mask):
+    """One more key column, not masked (False / 0.0), as add_bias_kv and
+    add_zero_attn append one key."""
+    if mask is None:
+        return None
+    return torch.cat([mask, mask.new_zeros(*mask.shape[:-1], 1)], dim=-1)
+
+
+class MultiheadAttention(nn.MultiheadAttention):
+    """Drop-in for torch.nn.MultiheadAttention, computed by torch_masked_attn.
+
+    Same constructor, parameters and state_dict keys (it *is* an
+    nn.MultiheadAttention: load_state_dict works both ways). forward takes
+    the same arguments plus a keyword-only ``head_mask`` of shape (H,) or
+    (N, H) that multiplies each head's attention probabilities.
+
+    Differences from nn.MultiheadAttention, all deliberate:
+      * a query row that no key may attend to (every key masked) gives 0 and
+        zero gradients; nn.MultiheadAttention gives NaN there;
+      * ``is_causal=True`` is taken as the hint nn.MultiheadAttention
+        documents: the attn_mask you pass must be the causal mask, and it is
+        applied as a causal mask (masked key blocks are skipped) instead of
+        being read; with add_bias_kv / add_zero_attn the mask is read as is;
+      * dropout > 0 in training mode raises NotImplementedError (planned).
+    """
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False, *, head_mask=None):
+        if self.dropout > 0.0 and self.training:
+            _dropout_not_implemented(self.dropout)
+        E, H = self.embed_dim, self.num_heads
+        hd = self.head_dim
+
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"MultiheadAttention: {name} must be a Tensor, got {type(t).__name__}")
+        if query.dim() not in (2, 3):
+            raise ValueError(f"MultiheadAttention: query should be unbatched 2-D or batched 3-D, "
+                             f"got {query.dim()}-D shape {tuple(query.shape)}")
+        is_batched = query.dim() == 3
+        if key.dim() != query.dim() or value.dim() != query.dim():
+            raise ValueError(f"MultiheadAttention: key and value must be {query.dim()}-D like query, "
+                             f"got key {tuple(key.shape)}, value {tuple(value.shape)}")
+        if not query.is_floating_point():
+            raise TypeError(f"MultiheadAttention: query must be floating point, got {query.dtype}")
+        if not is_batched:
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            if key_padding_mask is not None:
+                if key_padding_mask.dim() != 1:
+                    raise ValueError("MultiheadAttention: for unbatched inputs key_padding_mask must be "
+                                     f"1-D (S,), got shape {tuple(key_padding_mask.shape)}")
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+            if head_mask is not None and head_mask.dim() == 2:
+                raise ValueError("MultiheadAttention: for unbatched inputs head_mask must be (H,)")
+        elif self.batch_first:
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        # from here on: query (L, N, E), key (S, N, kdim), value (S, N, vdim)
+        L, N, Eq = query.shape
+        S = key.size(0)
+        if Eq != E:
+            raise ValueError(f"MultiheadAttention: query embedding dim must be embed_dim={E}, got {Eq}")
+        if key.size(-1) != self.kdim or value.size(-1) != self.vdim:
+            raise ValueError(f"MultiheadAttention: key/value embedding dims must be kdim={self.kdim}, "
+                             f"vdim={self.vdim}, got {key.size(-1)}, {value.size(-1)}")
+        if key.shape[:2] != value.shape[:2] or key.size(1) != N:
+            raise ValueError(f"MultiheadAttention: key and value must share (S, N) with query's batch "
+                             f"{N}, got key {tuple(key.shape)}, value {tuple(value.shape)}")
+
+        for name, m in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
+            if m is not None and m.dtype != torch.bool and not m.is_floating_point():
+                raise TypeError(f"MultiheadAttention: only bool and floating types of {name} are "
+                                f"supported, got {m.dtype}")
+        if key_padding_mask is not None and tuple(key_padding_mask.shape) != (N, S):
+            raise ValueError(f"MultiheadAttention: key_padding_mask must have shape (N, S) = ({N}, {S}), "
+                             f"got {tuple(key_padding_mask.shape)}")
+        if is_causal and attn_mask is None:
+            raise RuntimeError("Need attn_mask if specifying the is_causal hint. You may use the "
+                               "Transformer module method `generate_square_subsequent_mask` to create "
+                               "this mask.")
+        if attn_mask is not None:
+            if attn_mask.dim() == 2 and tuple(attn_mask.shape) != (L, S):
+                raise RuntimeError(f"The shape of the 2D attn_mask is {attn_mask.shape}, but should be "
+                                   f"{(L, S)}.")
+            if attn_mask.dim() == 3 and tuple(attn_mask.shape) != (N * H, L, S):
+                raise RuntimeError(f"The shape of the 3D attn_mask is {attn_mask.shape}, but should be "
+                                   f"{(N * H, L, S)}.")
+            if attn_mask.dim() not in (2, 3):
+                raise RuntimeError(f"attn_mask's dimension {attn_mask.dim()} is not supported")
+            if attn_mask.dim() == 3:
+                attn_mask = attn_mask.unflatten(0, (N, H))
+        _check_mask_no_grad(attn_mask, "attn_mask")
+        _check_mask_no_grad(key_padding_mask, "key_padding_mask")
+
+        # in-projections, (L, N, E) -> views (N, H, L, hd), no copies
+        if self._qkv_same_embed_dim and query is key and key is value:
+            qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)        # (L, N, 3E)
+            qkv = qkv.view(L, N, 3, H, hd).permute(2, 1, 3, 0, 4)               # (3, N, H, L, hd)
+            q, k, v = qkv[0], qkv[1], qkv[2]
+        else:
+            if self._qkv_same_embed_dim:
+                w_q, w_k, w_v = self.in_proj_weight.chunk(3)
+            else:
+                w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+            b_q = b_k = b_v = None
+            if self.in_proj_bias is not None:
+                b_q, b_k, b_v = self.in_proj_bias.chunk(3)
+            q = F.linear(query, w_q, b_q)                                         # (L, N, E)
+            k = F.linear(key, w_k, b_k)                                           # (S, N, E)
+            v = F.linear(value, w_v, b_v)
+            q = q.view(L, N, H, hd).permute(1, 2, 0, 3)
+            k = k.view(k.size(0), N, H, hd).permute(1, 2, 0, 3)
+            v = v.view(v.size(0), N, H, hd).permute(1, 2, 0, 3)
+        extra_keys = 0
+        if self.bias_k is not None:  # one more key and value: (1, 1, E) -> (N, H, 1, hd)
+            k = torch.cat([k, self.bias_k.view(1, H, 1, hd).expand(N, H, 1, hd)], dim=2)
+            v = torch.cat([v, self.bias_v.view(1, H, 1, hd).expand(N, H, 1, hd)], dim=2)
+            extra_keys += 1
+        if self.add_zero_attn:
+            k = torch.cat([k, k.new_zeros(N, H, 1, hd)], dim=2)
+            v = torch.cat([v, v.new_zeros(N, H, 1, hd)], dim=2)
+            extra_keys += 1
+        for _ in range(extra_keys):
+            attn_mask = _pad_key(attn_mask)
+            key_padding_mask = _pad_key(key_padding_mask)
+        if is_causal and extra_keys == 0:
+            attn_mask = None  # trust the hint: the mask is causal
+
+        out = torch.ops.masked_attn.forward(
+            q, k, v, attn_mask, key_padding_mask, head_mask, bool(is_causal and extra_keys == 0),
+            None, bool(need_weights))
+        attn, weights = out[0], out[2]                                            # (N, H, L, hd)
+        attn = attn.permute(2, 0, 1, 3).reshape(L, N, E)
+        attn = F.linear(attn, self.out_proj.weight, self.out_proj.bias)           # (L, N, E)
+        if self.batch_first and is_batched:
+            attn = attn.transpose(0, 1)
+        if not is_batched:
+            attn = attn.squeeze(1)
+        if not need_weights:
+            return attn, None
+        if average_attn_weights:
+            weights = weights.mean(dim=1)
+        if not is_batched:
+            weights = weights.squeeze(0)
+        return attn, weights
