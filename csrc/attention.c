@@ -10,34 +10,111 @@
 
 #include "dtype.h"
 #include "masked_attn.h"
+#include "attention_isa.h"
 
+/* ---- the scalar building blocks (the reference for every SIMD variant) ----
+ *
+ * gemm:  C (m, n) = [C +] A (m, k) @ B (k, n); A[i, p] = A[i*ars + p*acs] (a
+ *        transposed A costs nothing), B and C row-major. Overwrites C unless
+ *        accumulate.
+ * exp_sub_sum:  x[c] = exp(x[c] - m) in place; returns the sum.
+ */
+static void gemm_scalar_f32(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs,
+                            const float *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
+    for (int64_t i = 0; i < m; i++) {
+        float *c_i = C + i * ldc;
+        if (!accumulate)
+            for (int64_t j = 0; j < n; j++) c_i[j] = 0;
+        for (int64_t p = 0; p < k; p++) {
+            const float a = A[i * ars + p * acs], *b_p = B + p * ldb;
+            for (int64_t j = 0; j < n; j++) c_i[j] += a * b_p[j];
+        }
+    }
+}
+
+static float exp_sub_sum_scalar_f32(float *x, int64_t n, float m) {
+    float sum = 0;
+    for (int64_t c = 0; c < n; c++) {
+        x[c] = expf(x[c] - m);
+        sum += x[c];
+    }
+    return sum;
+}
+
+static void gemm_f64(int64_t m, int64_t n, int64_t k, const double *A, int64_t ars, int64_t acs,
+                     const double *B, int64_t ldb, double *C, int64_t ldc, int accumulate) {
+    for (int64_t i = 0; i < m; i++) {
+        double *c_i = C + i * ldc;
+        if (!accumulate)
+            for (int64_t j = 0; j < n; j++) c_i[j] = 0;
+        for (int64_t p = 0; p < k; p++) {
+            const double a = A[i * ars + p * acs], *b_p = B + p * ldb;
+            for (int64_t j = 0; j < n; j++) c_i[j] += a * b_p[j];
+        }
+    }
+}
+
+static double exp_sub_sum_f64(double *x, int64_t n, double m) {
+    double sum = 0;
+    for (int64_t c = 0; c < n; c++) {
+        x[c] = exp(x[c] - m);
+        sum += x[c];
+    }
+    return sum;
+}
+
+/* float accumulation, scalar: the reference */
 #define ACC float
-#define FN(name) name##_f32
+#define FN(name) name##_scalar
 #define LOAD ma_load_f32
 #define STORE ma_store_f32
 #define EXP expf
 #define LOG logf
+#define GEMM gemm_scalar_f32
+#define EXP_SUB_SUM exp_sub_sum_scalar_f32
 #include "attention_tmpl.h"
-#undef ACC
-#undef FN
-#undef LOAD
-#undef STORE
-#undef EXP
-#undef LOG
+#include "undef_tmpl.h"
 
+/* double accumulation (float64 inputs) */
 #define ACC double
 #define FN(name) name##_f64
 #define LOAD ma_load_f64
 #define STORE ma_store_f64
 #define EXP exp
 #define LOG log
+#define GEMM gemm_f64
+#define EXP_SUB_SUM exp_sub_sum_f64
 #include "attention_tmpl.h"
-#undef ACC
-#undef FN
-#undef LOAD
-#undef STORE
-#undef EXP
-#undef LOG
+#include "undef_tmpl.h"
+
+/* ---- the one place where the variant is chosen ---------------------------- */
+
+int ma_isa_available(ma_isa isa) {
+    switch (isa) {
+    case MA_ISA_SCALAR: return 1;
+#if defined(__x86_64__) || defined(__i386__)
+    case MA_ISA_AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case MA_ISA_AVX512:
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+#endif
+    default: return 0;
+    }
+}
+
+ma_isa ma_isa_best(void) {
+    if (ma_isa_available(MA_ISA_AVX512)) return MA_ISA_AVX512;
+    if (ma_isa_available(MA_ISA_AVX2)) return MA_ISA_AVX2;
+    return MA_ISA_SCALAR;
+}
+
+#define DISPATCH(P, NAME, begin, end, ctx)                                               \
+    do {                                                                                 \
+        if ((P)->dtype == MA_F64) NAME##_f64(begin, end, ctx);                           \
+        else if ((P)->isa == MA_ISA_AVX512) ma_##NAME##_avx512(begin, end, ctx);         \
+        else if ((P)->isa == MA_ISA_AVX2) ma_##NAME##_avx2(begin, end, ctx);             \
+        else NAME##_scalar(begin, end, ctx);                                             \
+    } while (0)
 
 int64_t ma_attn_fwd_work_items(const ma_attn_fwd_params *p) {
     return p->B * p->H * ma_cdiv(p->Lq, p->block_q);
@@ -46,14 +123,13 @@ int64_t ma_attn_fwd_work_items(const ma_attn_fwd_params *p) {
 size_t ma_attn_fwd_scratch_bytes(const ma_attn_fwd_params *p) {
     const size_t n = p->dtype == MA_F64
                          ? fwd_scratch_elems_f64(p->block_q, p->block_k, p->D, p->Dv) * sizeof(double)
-                         : fwd_scratch_elems_f32(p->block_q, p->block_k, p->D, p->Dv) * sizeof(float);
+                         : fwd_scratch_elems_scalar(p->block_q, p->block_k, p->D, p->Dv) * sizeof(float);
     return ma_round_up(n, MA_CACHE_LINE);
 }
 
 void ma_attn_fwd_task(int64_t begin, int64_t end, void *ctx) {
     const ma_attn_fwd_params *p = (const ma_attn_fwd_params *)((const ma_task_ctx *)ctx)->params;
-    if (p->dtype == MA_F64) attn_fwd_f64(begin, end, ctx);
-    else attn_fwd_f32(begin, end, ctx);
+    DISPATCH(p, attn_fwd, begin, end, ctx);
 }
 
 int64_t ma_attn_bwd_dq_work_items(const ma_attn_bwd_params *p) {
@@ -67,18 +143,16 @@ int64_t ma_attn_bwd_dkdv_work_items(const ma_attn_bwd_params *p) {
 size_t ma_attn_bwd_scratch_bytes(const ma_attn_bwd_params *p) {
     const size_t n = p->dtype == MA_F64
                          ? bwd_scratch_elems_f64(p->block_q, p->block_k, p->D, p->Dv) * sizeof(double)
-                         : bwd_scratch_elems_f32(p->block_q, p->block_k, p->D, p->Dv) * sizeof(float);
+                         : bwd_scratch_elems_scalar(p->block_q, p->block_k, p->D, p->Dv) * sizeof(float);
     return ma_round_up(n, MA_CACHE_LINE);
 }
 
 void ma_attn_bwd_dq_task(int64_t begin, int64_t end, void *ctx) {
     const ma_attn_bwd_params *p = (const ma_attn_bwd_params *)((const ma_task_ctx *)ctx)->params;
-    if (p->dtype == MA_F64) attn_bwd_dq_f64(begin, end, ctx);
-    else attn_bwd_dq_f32(begin, end, ctx);
+    DISPATCH(p, attn_bwd_dq, begin, end, ctx);
 }
 
 void ma_attn_bwd_dkdv_task(int64_t begin, int64_t end, void *ctx) {
     const ma_attn_bwd_params *p = (const ma_attn_bwd_params *)((const ma_task_ctx *)ctx)->params;
-    if (p->dtype == MA_F64) attn_bwd_dkdv_f64(begin, end, ctx);
-    else attn_bwd_dkdv_f32(begin, end, ctx);
+    DISPATCH(p, attn_bwd_dkdv, begin, end, ctx);
 }

@@ -8,7 +8,9 @@
  *
  * Shapes: B, H, Hkv, Lq, Lk, D, Dv as in masked_attn.h; G = H / Hkv.
  * Tiles live in the thread's scratch, contiguous, in ACC:
- *   q_t (BQ, D)   k_t (BK, D)   v_t (BK, Dv)   s_t (BQ, BK)   o_t (BQ, Dv)
+ *   q_t (BQ, D) = scale * q     k_t (BK, D)    kT_t (D, BK) = k_t^T
+ *   v_t (BK, Dv)   vT_t (Dv, BK)   s_t (BQ, BK)   o_t (BQ, Dv)
+ * so that every matrix product is one GEMM call on row-major tiles.
  * where BQ, BK are block_q, block_k and a tile may be cut short at the edges
  * (nr <= BQ rows, nc <= BK columns).
  *
@@ -19,13 +21,27 @@
 
 /* ---- tile building blocks --------------------------------------------- */
 
-/* dst (nr, ncol) = src[b, h, r0 : r0 + nr, 0 : ncol]; overwrites. */
+/* dst (nr, ncol) = mul * src[b, h, r0 : r0 + nr, 0 : ncol]; overwrites. */
 static void FN(load_tile)(ACC *dst, const void *src, ma_dtype dt, const int64_t st[4],
-                          int64_t b, int64_t h, int64_t r0, int64_t nr, int64_t ncol) {
+                          int64_t b, int64_t h, int64_t r0, int64_t nr, int64_t ncol, ACC mul) {
     for (int64_t r = 0; r < nr; r++) {
         const int64_t base = b * st[0] + h * st[1] + (r0 + r) * st[2];
         ACC *dst_r = dst + r * ncol;
-        for (int64_t c = 0; c < ncol; c++) dst_r[c] = LOAD(src, dt, base + c * st[3]);
+        if (dt == MA_F32 && st[3] == 1 && sizeof(ACC) == sizeof(float)) {
+            const float *src_r = (const float *)src + base;
+            for (int64_t c = 0; c < ncol; c++) dst_r[c] = mul * (ACC)src_r[c];
+        } else {
+            for (int64_t c = 0; c < ncol; c++) dst_r[c] = mul * LOAD(src, dt, base + c * st[3]);
+        }
+    }
+}
+
+/* dst (ncol, nr) = src[b, h, r0 : r0 + nr, 0 : ncol]^T; overwrites. */
+static void FN(load_tile_t)(ACC *dst, const void *src, ma_dtype dt, const int64_t st[4],
+                            int64_t b, int64_t h, int64_t r0, int64_t nr, int64_t ncol) {
+    for (int64_t r = 0; r < nr; r++) {
+        const int64_t base = b * st[0] + h * st[1] + (r0 + r) * st[2];
+        for (int64_t c = 0; c < ncol; c++) dst[c * nr + r] = LOAD(src, dt, base + c * st[3]);
     }
 }
 
@@ -36,20 +52,6 @@ static void FN(store_tile)(void *dst, ma_dtype dt, const int64_t st[4], int64_t 
         const int64_t base = b * st[0] + h * st[1] + (r0 + r) * st[2];
         const ACC *src_r = src + r * ncol;
         for (int64_t c = 0; c < ncol; c++) STORE(dst, dt, base + c * st[3], mul * src_r[c]);
-    }
-}
-
-/* s_t (nr, nc) = scale * q_t (nr, D) @ k_t (nc, D)^T; overwrites. */
-static void FN(scores)(ACC *s_t, const ACC *q_t, const ACC *k_t, int64_t nr, int64_t nc,
-                       int64_t D, ACC scale) {
-    for (int64_t r = 0; r < nr; r++) {
-        const ACC *q_r = q_t + r * D;
-        for (int64_t c = 0; c < nc; c++) {
-            const ACC *k_c = k_t + c * D;
-            ACC dot = 0;
-            for (int64_t d = 0; d < D; d++) dot += q_r[d] * k_c[d];
-            s_t[r * nc + c] = scale * dot;
-        }
     }
 }
 
@@ -107,7 +109,7 @@ static void FN(probs)(ACC *s_t, const ACC *lse_r, int64_t nr, int64_t nc) {
         if (lse == -(ACC)INFINITY) {
             for (int64_t c = 0; c < nc; c++) s_r[c] = 0;
         } else {
-            for (int64_t c = 0; c < nc; c++) s_r[c] = EXP(s_r[c] - lse);
+            (void)EXP_SUB_SUM(s_r, nc, lse);
         }
     }
 }
@@ -115,25 +117,32 @@ static void FN(probs)(ACC *s_t, const ACC *lse_r, int64_t nr, int64_t nc) {
 /* ---- forward ------------------------------------------------------------ */
 
 typedef struct {
-    ACC *q_t, *k_t, *v_t, *s_t, *o_t, *m, *l, *lse;
+    ACC *q_t, *kT_t, *v_t, *s_t, *o_t, *m, *l, *lse;
 } FN(fwd_scratch);
 
 static FN(fwd_scratch) FN(fwd_carve)(void *scratch, int64_t BQ, int64_t BK, int64_t D, int64_t Dv) {
     FN(fwd_scratch) t;
-    t.q_t = (ACC *)scratch;
-    t.k_t = t.q_t + BQ * D;
-    t.v_t = t.k_t + BK * D;
-    t.s_t = t.v_t + BK * Dv;
-    t.o_t = t.s_t + BQ * BK;
-    t.m = t.o_t + BQ * Dv;
-    t.l = t.m + BQ;
-    t.lse = t.l + BQ;
+    t.q_t = (ACC *)scratch;          /* (BQ, D)  */
+    t.kT_t = t.q_t + BQ * D;         /* (D, BK)  */
+    t.v_t = t.kT_t + BK * D;         /* (BK, Dv) */
+    t.s_t = t.v_t + BK * Dv;         /* (BQ, BK) */
+    t.o_t = t.s_t + BQ * BK;         /* (BQ, Dv) */
+    t.m = t.o_t + BQ * Dv;           /* (BQ) */
+    t.l = t.m + BQ;                  /* (BQ) */
+    t.lse = t.l + BQ;                /* (BQ) */
     return t;
 }
 
-static size_t FN(fwd_scratch_elems)(int64_t BQ, int64_t BK, int64_t D, int64_t Dv) {
+static inline size_t FN(fwd_scratch_elems)(int64_t BQ, int64_t BK, int64_t D, int64_t Dv) {
     return (size_t)(BQ * D + BK * D + BK * Dv + BQ * BK + BQ * Dv + 3 * BQ);
 }
+
+/* s_t (nr, nc) = q_t @ kT_t + bias: the scaled, masked scores of a tile. */
+#define SCORES(t_s, t_q, t_kT, nr, nc)                                                      \
+    do {                                                                                    \
+        GEMM(nr, nc, D, t_q, D, 1, t_kT, nc, t_s, nc, 0);                                   \
+        FN(add_bias)(t_s, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc); \
+    } while (0)
 
 static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
     const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
@@ -148,7 +157,7 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
         const int64_t i0 = qb * BQ, nr = ma_min(BQ, Lq - i0);
         const int64_t kv_end = FN(kv_end)(p->is_causal, Lk, i0, nr);
 
-        FN(load_tile)(t.q_t, p->q, p->dtype, p->q_stride, b, h, i0, nr, D);
+        FN(load_tile)(t.q_t, p->q, p->dtype, p->q_stride, b, h, i0, nr, D, scale);
         for (int64_t r = 0; r < nr; r++) {
             t.m[r] = -(ACC)INFINITY;
             t.l[r] = 0;
@@ -158,32 +167,28 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
         for (int64_t j0 = 0; j0 < kv_end; j0 += BK) {
             const int64_t nc = ma_min(BK, kv_end - j0);
             if (FN(keys_all_padded)(&p->key_padding_mask, b, j0, nc)) continue;
-            FN(load_tile)(t.k_t, p->k, p->dtype, p->k_stride, b, hk, j0, nc, D);
-            FN(load_tile)(t.v_t, p->v, p->dtype, p->v_stride, b, hk, j0, nc, Dv);
+            FN(load_tile_t)(t.kT_t, p->k, p->dtype, p->k_stride, b, hk, j0, nc, D);
+            FN(load_tile)(t.v_t, p->v, p->dtype, p->v_stride, b, hk, j0, nc, Dv, 1);
             /* S = scale * Q K^T + bias */
-            FN(scores)(t.s_t, t.q_t, t.k_t, nr, nc, D, scale);
-            FN(add_bias)(t.s_t, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
-            /* online softmax: m_new = max(m, rowmax S); O = O * exp(m - m_new) + exp(S - m_new) V */
+            SCORES(t.s_t, t.q_t, t.kT_t, nr, nc);
+            /* online softmax: m_new = max(m, rowmax S); P = exp(S - m_new); O = O * exp(m - m_new) */
             for (int64_t r = 0; r < nr; r++) {
                 ACC *s_r = t.s_t + r * nc, *o_r = t.o_t + r * Dv;
                 ACC m_new = t.m[r];
                 for (int64_t c = 0; c < nc; c++)
                     if (s_r[c] > m_new || s_r[c] != s_r[c]) m_new = s_r[c]; /* NaN sticks */
-                if (m_new == -(ACC)INFINITY) continue; /* every key so far masked: P = 0 */
+                if (m_new == -(ACC)INFINITY) { /* every key so far masked: P = 0 */
+                    for (int64_t c = 0; c < nc; c++) s_r[c] = 0;
+                    continue;
+                }
                 const ACC alpha = EXP(t.m[r] - m_new);
-                ACC sum = 0;
-                for (int64_t c = 0; c < nc; c++) {
-                    s_r[c] = EXP(s_r[c] - m_new);
-                    sum += s_r[c];
-                }
-                t.l[r] = alpha * t.l[r] + sum;
+                t.l[r] = alpha * t.l[r] + EXP_SUB_SUM(s_r, nc, m_new);
                 t.m[r] = m_new;
-                for (int64_t d = 0; d < Dv; d++) o_r[d] *= alpha;
-                for (int64_t c = 0; c < nc; c++) {
-                    const ACC p_rc = s_r[c], *v_c = t.v_t + c * Dv;
-                    for (int64_t d = 0; d < Dv; d++) o_r[d] += p_rc * v_c[d];
-                }
+                if (alpha != 1)
+                    for (int64_t d = 0; d < Dv; d++) o_r[d] *= alpha;
             }
+            /* O += P V */
+            GEMM(nr, Dv, nc, t.s_t, nc, 1, t.v_t, Dv, t.o_t, Dv, 1);
         }
 
         /* out = hm * O / l;  lse = m + log l.  A fully masked row (l = 0) gives 0 and -inf. */
@@ -208,9 +213,8 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
             const int64_t w_st[4] = {H * Lq * Lk, Lq * Lk, Lk, 1};
             for (int64_t j0 = 0; j0 < Lk; j0 += BK) {
                 const int64_t nc = ma_min(BK, Lk - j0);
-                FN(load_tile)(t.k_t, p->k, p->dtype, p->k_stride, b, hk, j0, nc, D);
-                FN(scores)(t.s_t, t.q_t, t.k_t, nr, nc, D, scale);
-                FN(add_bias)(t.s_t, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
+                FN(load_tile_t)(t.kT_t, p->k, p->dtype, p->k_stride, b, hk, j0, nc, D);
+                SCORES(t.s_t, t.q_t, t.kT_t, nr, nc);
                 FN(probs)(t.s_t, t.lse, nr, nc);
                 for (int64_t r = 0; r < nr; r++)
                     for (int64_t c = 0; c < nc; c++)
@@ -232,23 +236,24 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
  *   2. P_ij = exp(S_ij - lse_i)
  *        dS_ij   = P_ij (dP_ij - delta_i),  delta_i = sum_j P_ij dP_ij
  *                = g_i . out_i + hm * sum_j P_ij dW_ij
- *   1. S_ij = scale * q_i . k_j + bias_ij
- *        dq_i   += scale * dS_ij k_j
- *        dk_j   += scale * dS_ij q_i
+ *   1. S_ij = (scale * q_i) . k_j + bias_ij
+ *        dq_i   += scale * sum_j dS_ij k_j
+ *        dk_j   += sum_i dS_ij (scale * q_i)
  */
 
 typedef struct {
-    ACC *q_t, *g_t, *k_t, *v_t, *s_t, *dp_t, *acc_a, *acc_b, *lse, *delta, *dhm;
+    ACC *q_t, *g_t, *k_t, *kT_t, *vT_t, *s_t, *dp_t, *acc_a, *acc_b, *lse, *delta, *dhm;
 } FN(bwd_scratch);
 
 static FN(bwd_scratch) FN(bwd_carve)(void *scratch, int64_t BQ, int64_t BK, int64_t D, int64_t Dv) {
     const int64_t BM = BQ > BK ? BQ : BK;
     FN(bwd_scratch) t;
-    t.q_t = (ACC *)scratch;          /* (BQ, D)  */
+    t.q_t = (ACC *)scratch;          /* (BQ, D) scaled */
     t.g_t = t.q_t + BQ * D;          /* (BQ, Dv) */
     t.k_t = t.g_t + BQ * Dv;         /* (BK, D)  */
-    t.v_t = t.k_t + BK * D;          /* (BK, Dv) */
-    t.s_t = t.v_t + BK * Dv;         /* (BQ, BK) */
+    t.kT_t = t.k_t + BK * D;         /* (D, BK)  */
+    t.vT_t = t.kT_t + BK * D;        /* (Dv, BK) */
+    t.s_t = t.vT_t + BK * Dv;        /* (BQ, BK) */
     t.dp_t = t.s_t + BQ * BK;        /* (BQ, BK) */
     t.acc_a = t.dp_t + BQ * BK;      /* dq (BQ, D) or dk (BK, D) */
     t.acc_b = t.acc_a + BM * D;      /* dv (BK, Dv) */
@@ -258,30 +263,38 @@ static FN(bwd_scratch) FN(bwd_carve)(void *scratch, int64_t BQ, int64_t BK, int6
     return t;
 }
 
-static size_t FN(bwd_scratch_elems)(int64_t BQ, int64_t BK, int64_t D, int64_t Dv) {
+static inline size_t FN(bwd_scratch_elems)(int64_t BQ, int64_t BK, int64_t D, int64_t Dv) {
     const int64_t BM = BQ > BK ? BQ : BK;
-    return (size_t)(BQ * D + BQ * Dv + BK * D + BK * Dv + 2 * BQ * BK + BM * D + BK * Dv + 3 * BQ);
+    return (size_t)(BQ * D + BQ * Dv + 2 * BK * D + BK * Dv + 2 * BQ * BK + BM * D + BK * Dv + 3 * BQ);
 }
 
-/* dp_t (nr, nc) = g_t (nr, Dv) @ v_t (nc, Dv)^T + dW[b, h, i0:, j0:]; overwrites. */
-static void FN(dprobs)(ACC *dp_t, const ACC *g_t, const ACC *v_t, const ma_attn_bwd_params *p,
+/* dp_t (nr, nc) = g_t (nr, Dv) @ vT_t (Dv, nc) + dW[b, h, i0:, j0:]; overwrites. */
+static void FN(dprobs)(ACC *dp_t, const ACC *g_t, const ACC *vT_t, const ma_attn_bwd_params *p,
                        int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t nc) {
     const int64_t Dv = p->Dv;
-    for (int64_t r = 0; r < nr; r++) {
-        const ACC *g_r = g_t + r * Dv;
-        for (int64_t c = 0; c < nc; c++) {
-            const ACC *v_c = v_t + c * Dv;
-            ACC dot = 0;
-            for (int64_t d = 0; d < Dv; d++) dot += g_r[d] * v_c[d];
-            dp_t[r * nc + c] = dot;
-        }
-    }
+    GEMM(nr, nc, Dv, g_t, Dv, 1, vT_t, nc, dp_t, nc, 0);
     if (p->dweights) {
         const int64_t *st = p->dweights_stride;
         for (int64_t r = 0; r < nr; r++) {
             const int64_t base = b * st[0] + h * st[1] + (i0 + r) * st[2] + j0 * st[3];
             for (int64_t c = 0; c < nc; c++) dp_t[r * nc + c] += LOAD(p->dweights, p->dtype, base + c * st[3]);
         }
+    }
+}
+
+/* ds_t (nr, nc) = P * (hm * dP - delta) in place of dp_t; returns nothing.
+ * Also dhm_r[r] += sum_c P dP (the head mask's gradient, before hm). */
+static void FN(dscores)(ACC *dp_t, const ACC *s_t, const ACC *delta, ACC *dhm_r, ACC hm, int64_t nr,
+                        int64_t nc) {
+    for (int64_t r = 0; r < nr; r++) {
+        const ACC *p_r = s_t + r * nc;
+        ACC *dp_r = dp_t + r * nc;
+        ACC dhm = 0;
+        for (int64_t c = 0; c < nc; c++) {
+            dhm += p_r[c] * dp_r[c];
+            dp_r[c] = p_r[c] * (hm * dp_r[c] - delta[r]);
+        }
+        if (dhm_r) dhm_r[r] += dhm;
     }
 }
 
@@ -303,8 +316,8 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
         const ACC *lse_bh = (const ACC *)p->lse + (b * H + h) * Lq;
         ACC *delta_bh = (ACC *)p->delta + (b * H + h) * Lq;
 
-        FN(load_tile)(t.q_t, p->q, p->dtype, p->q_stride, b, h, i0, nr, D);
-        FN(load_tile)(t.g_t, p->dout, p->dtype, p->dout_stride, b, h, i0, nr, Dv);
+        FN(load_tile)(t.q_t, p->q, p->dtype, p->q_stride, b, h, i0, nr, D, scale);
+        FN(load_tile)(t.g_t, p->dout, p->dtype, p->dout_stride, b, h, i0, nr, Dv, 1);
         for (int64_t r = 0; r < nr; r++) {
             t.lse[r] = lse_bh[i0 + r];
             t.dhm[r] = 0;
@@ -319,9 +332,8 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
             for (int64_t j0 = 0; j0 < kv_end; j0 += BK) {
                 const int64_t nc = ma_min(BK, kv_end - j0);
                 if (FN(keys_all_padded)(&p->key_padding_mask, b, j0, nc)) continue;
-                FN(load_tile)(t.k_t, p->k, p->dtype, p->k_stride, b, hk, j0, nc, D);
-                FN(scores)(t.s_t, t.q_t, t.k_t, nr, nc, D, scale);
-                FN(add_bias)(t.s_t, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
+                FN(load_tile_t)(t.kT_t, p->k, p->dtype, p->k_stride, b, hk, j0, nc, D);
+                SCORES(t.s_t, t.q_t, t.kT_t, nr, nc);
                 FN(probs)(t.s_t, t.lse, nr, nc);
                 const int64_t *st = p->dweights_stride;
                 for (int64_t r = 0; r < nr; r++) {
@@ -339,24 +351,15 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
         for (int64_t j0 = 0; j0 < kv_end; j0 += BK) {
             const int64_t nc = ma_min(BK, kv_end - j0);
             if (FN(keys_all_padded)(&p->key_padding_mask, b, j0, nc)) continue;
-            FN(load_tile)(t.k_t, p->k, p->dtype, p->k_stride, b, hk, j0, nc, D);
-            FN(load_tile)(t.v_t, p->v, p->dtype, p->v_stride, b, hk, j0, nc, Dv);
-            FN(scores)(t.s_t, t.q_t, t.k_t, nr, nc, D, scale);
-            FN(add_bias)(t.s_t, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
+            FN(load_tile)(t.k_t, p->k, p->dtype, p->k_stride, b, hk, j0, nc, D, 1);
+            FN(load_tile_t)(t.kT_t, p->k, p->dtype, p->k_stride, b, hk, j0, nc, D);
+            FN(load_tile_t)(t.vT_t, p->v, p->dtype, p->v_stride, b, hk, j0, nc, Dv);
+            SCORES(t.s_t, t.q_t, t.kT_t, nr, nc);
             FN(probs)(t.s_t, t.lse, nr, nc);
-            FN(dprobs)(t.dp_t, t.g_t, t.v_t, p, b, h, i0, nr, j0, nc);
-            for (int64_t r = 0; r < nr; r++) {
-                const ACC *p_r = t.s_t + r * nc, *dp_r = t.dp_t + r * nc;
-                ACC *dq_r = dq_t + r * D;
-                ACC dhm = 0;
-                for (int64_t c = 0; c < nc; c++) {
-                    dhm += p_r[c] * dp_r[c];
-                    const ACC ds = p_r[c] * (hm * dp_r[c] - t.delta[r]);
-                    const ACC *k_c = t.k_t + c * D;
-                    for (int64_t d = 0; d < D; d++) dq_r[d] += ds * k_c[d];
-                }
-                t.dhm[r] += dhm;
-            }
+            FN(dprobs)(t.dp_t, t.g_t, t.vT_t, p, b, h, i0, nr, j0, nc);
+            FN(dscores)(t.dp_t, t.s_t, t.delta, t.dhm, hm, nr, nc);
+            /* dQ += dS K */
+            GEMM(nr, D, nc, t.dp_t, nc, 1, t.k_t, D, dq_t, D, 1);
         }
         FN(store_tile)(p->dq, p->dtype, p->dq_stride, b, h, i0, nr, D, dq_t, scale);
         if (p->dhm_rows) {
@@ -384,8 +387,8 @@ static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
         for (int64_t x = 0; x < nc * Dv; x++) dv_t[x] = 0;
 
         if (!FN(keys_all_padded)(&p->key_padding_mask, b, j0, nc)) {
-            FN(load_tile)(t.k_t, p->k, p->dtype, p->k_stride, b, hk, j0, nc, D);
-            FN(load_tile)(t.v_t, p->v, p->dtype, p->v_stride, b, hk, j0, nc, Dv);
+            FN(load_tile_t)(t.kT_t, p->k, p->dtype, p->k_stride, b, hk, j0, nc, D);
+            FN(load_tile_t)(t.vT_t, p->v, p->dtype, p->v_stride, b, hk, j0, nc, Dv);
             /* queries i < j0 see none of these keys under the causal mask */
             const int64_t i_begin = p->is_causal ? j0 : 0;
             for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
@@ -394,29 +397,27 @@ static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
                 const ACC *delta_bh = (const ACC *)p->delta + (b * H + h) * Lq;
                 for (int64_t i0 = i_begin; i0 < Lq; i0 += BQ) {
                     const int64_t nr = ma_min(BQ, Lq - i0);
-                    FN(load_tile)(t.q_t, p->q, p->dtype, p->q_stride, b, h, i0, nr, D);
-                    FN(load_tile)(t.g_t, p->dout, p->dtype, p->dout_stride, b, h, i0, nr, Dv);
-                    for (int64_t r = 0; r < nr; r++) t.lse[r] = lse_bh[i0 + r];
-                    FN(scores)(t.s_t, t.q_t, t.k_t, nr, nc, D, scale);
-                    FN(add_bias)(t.s_t, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
-                    FN(probs)(t.s_t, t.lse, nr, nc);
-                    FN(dprobs)(t.dp_t, t.g_t, t.v_t, p, b, h, i0, nr, j0, nc);
+                    FN(load_tile)(t.q_t, p->q, p->dtype, p->q_stride, b, h, i0, nr, D, scale);
+                    FN(load_tile)(t.g_t, p->dout, p->dtype, p->dout_stride, b, h, i0, nr, Dv, 1);
                     for (int64_t r = 0; r < nr; r++) {
-                        const ACC *p_r = t.s_t + r * nc, *dp_r = t.dp_t + r * nc;
-                        const ACC *q_r = t.q_t + r * D, *g_r = t.g_t + r * Dv;
-                        const ACC delta = delta_bh[i0 + r];
-                        for (int64_t c = 0; c < nc; c++) {
-                            const ACC pv = hm * p_r[c];
-                            const ACC ds = p_r[c] * (hm * dp_r[c] - delta);
-                            ACC *dv_c = dv_t + c * Dv, *dk_c = dk_t + c * D;
-                            for (int64_t d = 0; d < Dv; d++) dv_c[d] += pv * g_r[d];
-                            for (int64_t d = 0; d < D; d++) dk_c[d] += ds * q_r[d];
-                        }
+                        t.lse[r] = lse_bh[i0 + r];
+                        t.delta[r] = delta_bh[i0 + r];
                     }
+                    SCORES(t.s_t, t.q_t, t.kT_t, nr, nc);
+                    FN(probs)(t.s_t, t.lse, nr, nc);
+                    FN(dprobs)(t.dp_t, t.g_t, t.vT_t, p, b, h, i0, nr, j0, nc);
+                    FN(dscores)(t.dp_t, t.s_t, t.delta, NULL, hm, nr, nc);
+                    /* dK += dS^T (scale Q);  dV += (hm P)^T dO */
+                    GEMM(nc, D, nr, t.dp_t, 1, nc, t.q_t, D, dk_t, D, 1);
+                    if (hm != 1)
+                        for (int64_t x = 0; x < nr * nc; x++) t.s_t[x] *= hm;
+                    GEMM(nc, Dv, nr, t.s_t, 1, nc, t.g_t, Dv, dv_t, Dv, 1);
                 }
             }
         }
-        FN(store_tile)(p->dk, p->dtype, p->dk_stride, b, hk, j0, nc, D, dk_t, scale);
+        FN(store_tile)(p->dk, p->dtype, p->dk_stride, b, hk, j0, nc, D, dk_t, 1);
         FN(store_tile)(p->dv, p->dtype, p->dv_stride, b, hk, j0, nc, Dv, dv_t, 1);
     }
 }
+
+#undef SCORES

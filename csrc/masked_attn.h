@@ -34,6 +34,18 @@ typedef enum {
     MA_F16 = 4,
 } ma_dtype;
 
+/* Instruction-set variants of the float32-accumulating kernels. The shim
+ * picks one per call: MASKED_ATTN_ISA=scalar|avx2|avx512 if set, else the
+ * best the CPU has (ma_isa_best). float64 always runs the scalar kernels. */
+typedef enum {
+    MA_ISA_SCALAR = 0,
+    MA_ISA_AVX2 = 1,   /* AVX2 + FMA */
+    MA_ISA_AVX512 = 2, /* AVX-512 F, BW, DQ, VL */
+} ma_isa;
+
+int ma_isa_available(ma_isa isa); /* compiled in and supported by this CPU */
+ma_isa ma_isa_best(void);
+
 /* What every task function receives as ctx: the op's params (shared by all
  * threads) and this thread's scratch slice (cache-line aligned, sized by the
  * matching *_scratch_bytes function). */
@@ -82,6 +94,7 @@ typedef struct {
     /* sizes */
     int64_t B, H, Hkv, Lq, Lk, D, Dv;
     int64_t block_q, block_k;   /* tile sizes, set by the shim */
+    ma_isa isa;
 } ma_attn_fwd_params;
 
 typedef struct {
@@ -107,6 +120,7 @@ typedef struct {
     void *delta;            /* (B, H, Lq) acc type: D_i = sum_j P_ij dP_ij, written by the dq pass */
     int64_t B, H, Hkv, Lq, Lk, D, Dv;
     int64_t block_q, block_k;
+    ma_isa isa;
 } ma_attn_bwd_params;
 
 /* Forward: work item w = ((b * H) + h) * nq + qb,  nq = ceil(Lq / block_q).

@@ -12,6 +12,7 @@
 #include <torch/headeronly/util/Exception.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -170,6 +171,24 @@ Masks check_masks(const Sizes& s, const std::optional<Tensor>& attn_mask,
   return m;
 }
 
+// The instruction-set variant for this call: MASKED_ATTN_ISA if set (tests use
+// it to run every variant the machine has), else the best the CPU supports.
+ma_isa select_isa() {
+  const char* env = std::getenv("MASKED_ATTN_ISA");
+  if (env == nullptr || *env == '\0') return ma_isa_best();
+  const std::string s(env);
+  ma_isa isa = MA_ISA_SCALAR;
+  if (s == "scalar") isa = MA_ISA_SCALAR;
+  else if (s == "avx2") isa = MA_ISA_AVX2;
+  else if (s == "avx512") isa = MA_ISA_AVX512;
+  else
+    STD_TORCH_CHECK(false, "masked_attn: MASKED_ATTN_ISA='", s,
+                    "' is not a kernel variant; expected scalar, avx2 or avx512 (amx: not built yet)");
+  STD_TORCH_CHECK(ma_isa_available(isa), "masked_attn: MASKED_ATTN_ISA='", s,
+                  "': this CPU does not support it");
+  return isa;
+}
+
 // Tile sizes: a q-block of 64 rows by a k-block of 64 keys.
 constexpr int64_t kBlockQ = 64, kBlockK = 64;
 
@@ -208,6 +227,7 @@ std::tuple<Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tensor v,
   p.scale = sc;
   p.B = s.B, p.H = s.H, p.Hkv = s.Hkv, p.Lq = s.Lq, p.Lk = s.Lk, p.D = s.D, p.Dv = s.Dv;
   p.block_q = kBlockQ, p.block_k = kBlockK;
+  p.isa = select_isa();
 
   if (s.Lk == 0) {  // no key at all: every row is fully masked
     torch::stable::zero_(out);
@@ -284,6 +304,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_backward(
   p.delta = delta.mutable_data_ptr();
   p.B = s.B, p.H = s.H, p.Hkv = s.Hkv, p.Lq = s.Lq, p.Lk = s.Lk, p.D = s.D, p.Dv = s.Dv;
   p.block_q = kBlockQ, p.block_k = kBlockK;
+  p.isa = select_isa();
 
   const size_t bytes = ma_attn_bwd_scratch_bytes(&p);
   if (s.Lk == 0) {

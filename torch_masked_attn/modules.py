@@ -16,6 +16,11 @@ def _pad_key(mask):
     return torch.cat([mask, mask.new_zeros(*mask.shape[:-1], 1)], dim=-1)
 
 
+class ArgumentError(ValueError, AssertionError):
+    """A bad constructor argument. A ValueError, and an AssertionError too, so
+    code written against nn.MultiheadAttention (which asserts) still catches it."""
+
+
 class MultiheadAttention(nn.MultiheadAttention):
     """Drop-in for torch.nn.MultiheadAttention, computed by torch_masked_attn.
 
@@ -33,6 +38,18 @@ class MultiheadAttention(nn.MultiheadAttention):
         being read; with add_bias_kv / add_zero_attn the mask is read as is;
       * dropout > 0 in training mode raises NotImplementedError (planned).
     """
+
+    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False,
+                 add_zero_attn=False, kdim=None, vdim=None, batch_first=False, device=None,
+                 dtype=None):
+        if embed_dim <= 0 or num_heads <= 0:
+            raise ArgumentError(f"MultiheadAttention: embed_dim and num_heads must be > 0, got "
+                                f"embed_dim={embed_dim}, num_heads={num_heads}")
+        if embed_dim % num_heads != 0:
+            raise ArgumentError(f"MultiheadAttention: embed_dim ({embed_dim}) must be divisible by "
+                                f"num_heads ({num_heads})")
+        super().__init__(embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim,
+                         batch_first, device, dtype)
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False, *, head_mask=None):

@@ -1,0 +1,115 @@
+/*
+ * attention_avx2.c -- the float-accumulating attention kernels with AVX2 + FMA
+ * building blocks. Compiled with -mavx2 -mfma only (setup.py); called only
+ * when the CPU has them (attention.c).
+ *
+ * GEMM: a 4 x 16 register-blocked micro-kernel (8 ymm accumulators) and the
+ * loops around it; column tails use masked loads and stores.
+ */
+#include <immintrin.h>
+#include <math.h>
+
+#include "attention_isa.h"
+#include "dtype.h"
+#include "masked_attn.h"
+
+/* lanes [0, n) set, n clamped to [0, 8] */
+static inline __m256i tail_mask(int64_t n) {
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const int nn = n < 0 ? 0 : n > 8 ? 8 : (int)n;
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(nn), idx);
+}
+
+/* C[0:MR, 0:nr] (+)= A[0:MR, 0:k] @ B[0:k, 0:nr], nr <= 16. */
+static inline __attribute__((always_inline)) void ukernel_4x16(
+    const int MR, int64_t nr, int64_t k, const float *A, int64_t ars, int64_t acs, const float *B,
+    int64_t ldb, float *C, int64_t ldc, int accumulate) {
+    const __m256i m0 = tail_mask(nr), m1 = tail_mask(nr - 8);
+    __m256 c0[4], c1[4];
+    for (int r = 0; r < MR; r++) {
+        c0[r] = accumulate ? _mm256_maskload_ps(C + r * ldc, m0) : _mm256_setzero_ps();
+        c1[r] = accumulate ? _mm256_maskload_ps(C + r * ldc + 8, m1) : _mm256_setzero_ps();
+    }
+    for (int64_t p = 0; p < k; p++) {
+        const __m256 b0 = _mm256_maskload_ps(B + p * ldb, m0);
+        const __m256 b1 = _mm256_maskload_ps(B + p * ldb + 8, m1);
+        for (int r = 0; r < MR; r++) {
+            const __m256 a = _mm256_broadcast_ss(A + r * ars + p * acs);
+            c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
+            c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
+        }
+    }
+    for (int r = 0; r < MR; r++) {
+        _mm256_maskstore_ps(C + r * ldc, m0, c0[r]);
+        _mm256_maskstore_ps(C + r * ldc + 8, m1, c1[r]);
+    }
+}
+
+/* C (m, n) = [C +] A (m, k) @ B (k, n); A[i, p] = A[i*ars + p*acs]. */
+static void gemm_avx2(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs,
+                      const float *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
+    for (int64_t j = 0; j < n; j += 16) {
+        const int64_t nr = ma_min(16, n - j);
+        int64_t i = 0;
+        for (; i + 4 <= m; i += 4)
+            ukernel_4x16(4, nr, k, A + i * ars, ars, acs, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+        for (; i < m; i++)
+            ukernel_4x16(1, nr, k, A + i * ars, ars, acs, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+    }
+}
+
+/* exp(x) for 8 floats, as exp512 in attention_avx512.c but 2^n built from the
+ * exponent bits: results below FLT_MIN (x < -87.33, and -inf) are exactly 0;
+ * NaN stays NaN. */
+static inline __m256 exp256(__m256 x_in) {
+    __m256 x = _mm256_max_ps(_mm256_set1_ps(-87.33f), x_in); /* NaN propagates */
+    x = _mm256_min_ps(_mm256_set1_ps(88.37f), x);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    /* 2^n, n in [-126, 127]: (n + 127) << 23 */
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    const __m256 underflow = _mm256_cmp_ps(x_in, _mm256_set1_ps(-87.33f), _CMP_LT_OQ);
+    return _mm256_blendv_ps(y, _mm256_setzero_ps(), underflow);
+}
+
+/* x[c] = exp(x[c] - m) in place; returns the sum. */
+static float exp_sub_sum_avx2(float *x, int64_t n, float m) {
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t c = 0; c < n; c += 8) {
+        const __m256i k = tail_mask(n - c);
+        __m256 e = exp256(_mm256_sub_ps(_mm256_maskload_ps(x + c, k), mv));
+        e = _mm256_and_ps(e, _mm256_castsi256_ps(k)); /* lanes past n add nothing */
+        _mm256_maskstore_ps(x + c, k, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+#define ACC float
+#define FN(name) name##_avx2
+#define LOAD ma_load_f32
+#define STORE ma_store_f32
+#define EXP expf
+#define LOG logf
+#define GEMM gemm_avx2
+#define EXP_SUB_SUM exp_sub_sum_avx2
+#include "attention_tmpl.h"
+#include "undef_tmpl.h"
+
+void ma_attn_fwd_avx2(int64_t begin, int64_t end, void *ctx) { attn_fwd_avx2(begin, end, ctx); }
+void ma_attn_bwd_dq_avx2(int64_t begin, int64_t end, void *ctx) { attn_bwd_dq_avx2(begin, end, ctx); }
+void ma_attn_bwd_dkdv_avx2(int64_t begin, int64_t end, void *ctx) { attn_bwd_dkdv_avx2(begin, end, ctx); }

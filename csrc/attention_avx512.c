@@ -1,0 +1,107 @@
+/*
+ * attention_avx512.c -- the float-accumulating attention kernels with AVX-512
+ * building blocks. Compiled with -mavx512f -mavx512bw -mavx512dq -mavx512vl
+ * -mfma only (setup.py); called only when the CPU has them (attention.c).
+ *
+ * GEMM is a BLIS-style split: a 4 x 32 register-blocked micro-kernel (8 zmm
+ * accumulators; each step broadcasts 4 elements of A and loads 2 vectors of
+ * B) and the loops around it. Column tails use masked loads and stores, so
+ * any n works; row tails use the same micro-kernel with fewer rows.
+ */
+#include <immintrin.h>
+#include <math.h>
+
+#include "attention_isa.h"
+#include "dtype.h"
+#include "masked_attn.h"
+
+static inline __mmask16 tail_mask(int64_t n) {
+    return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
+}
+
+/* C[0:MR, 0:nr] (+)= A[0:MR, 0:k] @ B[0:k, 0:nr], nr <= 32. MR is a constant
+ * after inlining, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void ukernel_4x32(
+    const int MR, int64_t nr, int64_t k, const float *A, int64_t ars, int64_t acs, const float *B,
+    int64_t ldb, float *C, int64_t ldc, int accumulate) {
+    const __mmask16 m0 = tail_mask(nr), m1 = tail_mask(nr - 16);
+    __m512 c0[4], c1[4];
+    for (int r = 0; r < MR; r++) {
+        c0[r] = accumulate ? _mm512_maskz_loadu_ps(m0, C + r * ldc) : _mm512_setzero_ps();
+        c1[r] = accumulate ? _mm512_maskz_loadu_ps(m1, C + r * ldc + 16) : _mm512_setzero_ps();
+    }
+    for (int64_t p = 0; p < k; p++) {
+        const __m512 b0 = _mm512_maskz_loadu_ps(m0, B + p * ldb);
+        const __m512 b1 = _mm512_maskz_loadu_ps(m1, B + p * ldb + 16);
+        for (int r = 0; r < MR; r++) {
+            const __m512 a = _mm512_set1_ps(A[r * ars + p * acs]);
+            c0[r] = _mm512_fmadd_ps(a, b0, c0[r]);
+            c1[r] = _mm512_fmadd_ps(a, b1, c1[r]);
+        }
+    }
+    for (int r = 0; r < MR; r++) {
+        _mm512_mask_storeu_ps(C + r * ldc, m0, c0[r]);
+        _mm512_mask_storeu_ps(C + r * ldc + 16, m1, c1[r]);
+    }
+}
+
+/* C (m, n) = [C +] A (m, k) @ B (k, n); A[i, p] = A[i*ars + p*acs]. */
+static void gemm_avx512(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs,
+                        const float *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
+    for (int64_t j = 0; j < n; j += 32) {
+        const int64_t nr = ma_min(32, n - j);
+        int64_t i = 0;
+        for (; i + 4 <= m; i += 4)
+            ukernel_4x32(4, nr, k, A + i * ars, ars, acs, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+        for (; i < m; i++)
+            ukernel_4x32(1, nr, k, A + i * ars, ars, acs, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+    }
+}
+
+/* exp(x) for 16 floats: x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6
+ * polynomial (Cephes expf coefficients), 2^n applied by scalef (exact for
+ * denormal results). x <= -110 (and -inf) gives exactly 0; NaN stays NaN. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-110.0f), x); /* NaN in x propagates (second operand) */
+    x = _mm512_min_ps(_mm512_set1_ps(88.7f), x);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* x[c] = exp(x[c] - m) in place; returns the sum. */
+static float exp_sub_sum_avx512(float *x, int64_t n, float m) {
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < n; c += 16) {
+        const __mmask16 k = tail_mask(n - c);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + c), mv));
+        _mm512_mask_storeu_ps(x + c, k, e);
+        acc = _mm512_mask_add_ps(acc, k, acc, e);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+#define ACC float
+#define FN(name) name##_avx512
+#define LOAD ma_load_f32
+#define STORE ma_store_f32
+#define EXP expf
+#define LOG logf
+#define GEMM gemm_avx512
+#define EXP_SUB_SUM exp_sub_sum_avx512
+#include "attention_tmpl.h"
+#include "undef_tmpl.h"
+
+void ma_attn_fwd_avx512(int64_t begin, int64_t end, void *ctx) { attn_fwd_avx512(begin, end, ctx); }
+void ma_attn_bwd_dq_avx512(int64_t begin, int64_t end, void *ctx) { attn_bwd_dq_avx512(begin, end, ctx); }
+void ma_attn_bwd_dkdv_avx512(int64_t begin, int64_t end, void *ctx) { attn_bwd_dkdv_avx512(begin, end, ctx); }

@@ -1,0 +1,9 @@
+/* undef_tmpl.h -- clears the macros an instance of attention_tmpl.h defined. */
+#undef ACC
+#undef FN
+#undef LOAD
+#undef STORE
+#undef EXP
+#undef LOG
+#undef GEMM
+#undef EXP_SUB_SUM
