@@ -1,0 +1,133 @@
+"""Every instruction-set variant the machine has, forced with MASKED_ATTN_ISA,
+against the scalar reference kernel and against PyTorch, on shapes that hit
+every tile edge; and bitwise determinism across thread counts."""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_masked_attn as tma
+
+VARIANTS = ["scalar", "avx2", "avx512"]
+
+
+def run(isa, fn):
+    old = os.environ.get("MASKED_ATTN_ISA")
+    os.environ["MASKED_ATTN_ISA"] = isa
+    try:
+        return fn()
+    finally:
+        if old is None:
+            del os.environ["MASKED_ATTN_ISA"]
+        else:
+            os.environ["MASKED_ATTN_ISA"] = old
+
+
+def available(isa):
+    q = torch.randn(1, 1, 1, 1)
+    try:
+        run(isa, lambda: tma.functional.masked_attention(q, q, q))
+        return True
+    except RuntimeError as e:
+        assert "does not support" in str(e)
+        return False
+
+
+def fwd_bwd(q, k, v, g, **kw):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out, lse = tma.functional.masked_attention(q, k, v, return_lse=True, **kw)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    return (out, lse) + grads
+
+
+# (B, H, Hkv, Lq, Lk, D, Dv): L and D off the block sizes (64) and vector widths (8, 16, 32)
+SHAPES = [
+    (1, 1, 1, 1, 1, 1, 1),
+    (2, 2, 1, 1, 70, 3, 5),
+    (1, 2, 2, 65, 65, 17, 33),
+    (2, 4, 2, 130, 97, 64, 64),
+    (1, 1, 1, 200, 200, 31, 1),
+]
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("masks", ["none", "causal+kpm", "float+head"])
+def test_variant_matches_scalar_and_torch(isa, shape, masks):
+    if not available(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    torch.manual_seed(0)
+    B, H, Hkv, Lq, Lk, D, Dv = shape
+    q, k, v = torch.randn(B, H, Lq, D), torch.randn(B, Hkv, Lk, D), torch.randn(B, Hkv, Lk, Dv)
+    g = torch.randn(B, H, Lq, Dv)
+    kw = {}
+    if masks == "causal+kpm":
+        kpm = torch.zeros(B, Lk, dtype=torch.bool)
+        kpm[:, Lk - Lk // 3:] = True
+        kw = dict(is_causal=True, key_padding_mask=kpm)
+    elif masks == "float+head":
+        kw = dict(attn_mask=torch.randn(Lq, Lk), head_mask=torch.rand(H))
+    ref = run("scalar", lambda: fwd_bwd(q, k, v, g, **kw))
+    got = run(isa, lambda: fwd_bwd(q, k, v, g, **kw))
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5, msg=f"{isa} vs scalar: {name}")
+    # and against PyTorch's own attention, in float64
+    am = torch.zeros(B, H, Lq, Lk, dtype=torch.float64)
+    if masks == "causal+kpm":
+        am = am.masked_fill(torch.ones(Lq, Lk, dtype=torch.bool).triu(1), float("-inf"))
+        am = am.masked_fill(kw["key_padding_mask"][:, None, None, :], float("-inf"))
+    elif masks == "float+head":
+        am = am + kw["attn_mask"].double()
+    kr, vr = (t.double().repeat_interleave(H // Hkv, dim=1) for t in (k, v))
+    p = torch.softmax(q.double() @ kr.transpose(-1, -2) / D ** 0.5 + am, dim=-1).nan_to_num(0.0)
+    if masks == "float+head":
+        p = p * kw["head_mask"].double()[None, :, None, None]
+    torch.testing.assert_close(got[0].double(), p @ vr, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
+def test_exp_edges(isa):
+    """-inf scores give exactly 0 probability, NaN propagates, huge logits stay finite."""
+    if not available(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    q = torch.randn(1, 1, 40, 8) * 100.0                       # logits ~ 1e4
+    k, v = torch.randn(1, 1, 40, 8) * 100.0, torch.randn(1, 1, 40, 8)
+    mask = torch.zeros(40, 40)
+    mask[:, 20:] = float("-inf")
+    out = run(isa, lambda: tma.functional.masked_attention(q, k, v, attn_mask=mask))
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask.double())
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+    # changing masked keys' values changes nothing, bitwise
+    v2 = v.clone()
+    v2[:, :, 20:] = 1e30
+    out2 = run(isa, lambda: tma.functional.masked_attention(q, k, v2, attn_mask=mask))
+    assert torch.equal(out, out2)
+    qn = q.clone()
+    qn[0, 0, 3, 0] = float("nan")
+    outn = run(isa, lambda: tma.functional.masked_attention(qn, k, v, attn_mask=mask))
+    assert torch.isnan(outn[0, 0, 3]).all() and not torch.isnan(outn[0, 0, 4]).any()
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
+@pytest.mark.parametrize("shape", [(1, 1, 1, 300, 300, 64, 64), (3, 4, 2, 130, 70, 32, 16)], ids=str)
+def test_deterministic_across_thread_counts(isa, shape):
+    if not available(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    torch.manual_seed(1)
+    B, H, Hkv, Lq, Lk, D, Dv = shape
+    q, k, v = torch.randn(B, H, Lq, D), torch.randn(B, Hkv, Lk, D), torch.randn(B, Hkv, Lk, Dv)
+    g = torch.randn(B, H, Lq, Dv)
+    kpm = torch.zeros(B, Lk, dtype=torch.bool)
+    kpm[0, Lk // 2:] = True
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append(run(isa, lambda: fwd_bwd(q, k, v, g, is_causal=True, key_padding_mask=kpm)))
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
