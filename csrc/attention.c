@@ -18,6 +18,7 @@
  *        transposed A costs nothing), B and C row-major. Overwrites C unless
  *        accumulate.
  * exp_sub_sum:  x[c] = exp(x[c] - m) in place; returns the sum.
+ * col_max, exp_sub_col:  the same per column of a (rows, n) tile.
  */
 static void gemm_scalar_f32(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs,
                             const float *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
@@ -39,6 +40,23 @@ static float exp_sub_sum_scalar_f32(float *x, int64_t n, float m) {
         sum += x[c];
     }
     return sum;
+}
+
+/* m[r] = max(m[r], max_c x[c*n + r]), c < rows; a NaN anywhere makes m[r] NaN. */
+static void col_max_scalar_f32(const float *x, int64_t rows, int64_t n, float *m) {
+    for (int64_t c = 0; c < rows; c++)
+        for (int64_t r = 0; r < n; r++)
+            if (x[c * n + r] > m[r] || x[c * n + r] != x[c * n + r]) m[r] = x[c * n + r];
+}
+
+/* x[c*n + r] = exp(x[c*n + r] - m[r]) (m[r] = -inf counts as 0); sum[r] += it. */
+static void exp_sub_col_scalar_f32(float *x, int64_t rows, int64_t n, const float *m, float *sum) {
+    for (int64_t c = 0; c < rows; c++)
+        for (int64_t r = 0; r < n; r++) {
+            const float m_r = m[r] == -INFINITY ? 0.0f : m[r];
+            x[c * n + r] = expf(x[c * n + r] - m_r);
+            sum[r] += x[c * n + r];
+        }
 }
 
 static void gemm_f64(int64_t m, int64_t n, int64_t k, const double *A, int64_t ars, int64_t acs,
@@ -63,6 +81,21 @@ static double exp_sub_sum_f64(double *x, int64_t n, double m) {
     return sum;
 }
 
+static void col_max_f64(const double *x, int64_t rows, int64_t n, double *m) {
+    for (int64_t c = 0; c < rows; c++)
+        for (int64_t r = 0; r < n; r++)
+            if (x[c * n + r] > m[r] || x[c * n + r] != x[c * n + r]) m[r] = x[c * n + r];
+}
+
+static void exp_sub_col_f64(double *x, int64_t rows, int64_t n, const double *m, double *sum) {
+    for (int64_t c = 0; c < rows; c++)
+        for (int64_t r = 0; r < n; r++) {
+            const double m_r = m[r] == -INFINITY ? 0.0 : m[r];
+            x[c * n + r] = exp(x[c * n + r] - m_r);
+            sum[r] += x[c * n + r];
+        }
+}
+
 /* float accumulation, scalar: the reference */
 #define ACC float
 #define FN(name) name##_scalar
@@ -72,6 +105,8 @@ static double exp_sub_sum_f64(double *x, int64_t n, double m) {
 #define LOG logf
 #define GEMM gemm_scalar_f32
 #define EXP_SUB_SUM exp_sub_sum_scalar_f32
+#define COL_MAX col_max_scalar_f32
+#define EXP_SUB_COL exp_sub_col_scalar_f32
 #include "attention_tmpl.h"
 #include "undef_tmpl.h"
 
@@ -84,6 +119,8 @@ static double exp_sub_sum_f64(double *x, int64_t n, double m) {
 #define LOG log
 #define GEMM gemm_f64
 #define EXP_SUB_SUM exp_sub_sum_f64
+#define COL_MAX col_max_f64
+#define EXP_SUB_COL exp_sub_col_f64
 #include "attention_tmpl.h"
 #include "undef_tmpl.h"
 

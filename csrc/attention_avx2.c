@@ -99,6 +99,38 @@ static float exp_sub_sum_avx2(float *x, int64_t n, float m) {
     return _mm_cvtss_f32(s);
 }
 
+/* m[r] = max(m[r], max_c x[c*n + r]); NaN sticks (vmaxps alone would drop it). */
+static void col_max_avx2(const float *x, int64_t rows, int64_t n, float *m) {
+    for (int64_t r = 0; r < n; r += 8) {
+        const __m256i k = tail_mask(n - r);
+        __m256 mv = _mm256_maskload_ps(m + r, k);
+        __m256 nan = _mm256_cmp_ps(mv, mv, _CMP_UNORD_Q);
+        for (int64_t c = 0; c < rows; c++) {
+            const __m256 xv = _mm256_maskload_ps(x + c * n + r, k);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));
+            mv = _mm256_max_ps(xv, mv);
+        }
+        mv = _mm256_blendv_ps(mv, _mm256_set1_ps(NAN), nan);
+        _mm256_maskstore_ps(m + r, k, mv);
+    }
+}
+
+/* x[c*n + r] = exp(x[c*n + r] - m[r]) (m[r] = -inf counts as 0); sum[r] += it. */
+static void exp_sub_col_avx2(float *x, int64_t rows, int64_t n, const float *m, float *sum) {
+    for (int64_t r = 0; r < n; r += 8) {
+        const __m256i k = tail_mask(n - r);
+        __m256 mv = _mm256_maskload_ps(m + r, k);
+        mv = _mm256_blendv_ps(mv, _mm256_setzero_ps(), _mm256_cmp_ps(mv, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
+        __m256 acc = _mm256_maskload_ps(sum + r, k);
+        for (int64_t c = 0; c < rows; c++) {
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_maskload_ps(x + c * n + r, k), mv));
+            _mm256_maskstore_ps(x + c * n + r, k, e);
+            acc = _mm256_add_ps(acc, e);
+        }
+        _mm256_maskstore_ps(sum + r, k, acc);
+    }
+}
+
 #define ACC float
 #define FN(name) name##_avx2
 #define LOAD ma_load_f32
@@ -107,6 +139,8 @@ static float exp_sub_sum_avx2(float *x, int64_t n, float m) {
 #define LOG logf
 #define GEMM gemm_avx2
 #define EXP_SUB_SUM exp_sub_sum_avx2
+#define COL_MAX col_max_avx2
+#define EXP_SUB_COL exp_sub_col_avx2
 #include "attention_tmpl.h"
 #include "undef_tmpl.h"
 

@@ -91,6 +91,39 @@ static float exp_sub_sum_avx512(float *x, int64_t n, float m) {
     return _mm512_reduce_add_ps(acc);
 }
 
+/* m[r] = max(m[r], max_c x[c*n + r]); NaN sticks (vmaxps alone would drop it). */
+static void col_max_avx512(const float *x, int64_t rows, int64_t n, float *m) {
+    for (int64_t r = 0; r < n; r += 16) {
+        const __mmask16 k = tail_mask(n - r);
+        __m512 mv = _mm512_maskz_loadu_ps(k, m + r);
+        __mmask16 nan = _mm512_cmp_ps_mask(mv, mv, _CMP_UNORD_Q);
+        for (int64_t c = 0; c < rows; c++) {
+            const __m512 xv = _mm512_maskz_loadu_ps(k, x + c * n + r);
+            nan |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
+            mv = _mm512_max_ps(xv, mv);
+        }
+        mv = _mm512_mask_mov_ps(mv, nan, _mm512_set1_ps(NAN));
+        _mm512_mask_storeu_ps(m + r, k, mv);
+    }
+}
+
+/* x[c*n + r] = exp(x[c*n + r] - m[r]) (m[r] = -inf counts as 0); sum[r] += it. */
+static void exp_sub_col_avx512(float *x, int64_t rows, int64_t n, const float *m, float *sum) {
+    for (int64_t r = 0; r < n; r += 16) {
+        const __mmask16 k = tail_mask(n - r);
+        __m512 mv = _mm512_maskz_loadu_ps(k, m + r);
+        mv = _mm512_mask_mov_ps(mv, _mm512_cmp_ps_mask(mv, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
+                                _mm512_setzero_ps());
+        __m512 acc = _mm512_maskz_loadu_ps(k, sum + r);
+        for (int64_t c = 0; c < rows; c++) {
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + c * n + r), mv));
+            _mm512_mask_storeu_ps(x + c * n + r, k, e);
+            acc = _mm512_add_ps(acc, e);
+        }
+        _mm512_mask_storeu_ps(sum + r, k, acc);
+    }
+}
+
 #define ACC float
 #define FN(name) name##_avx512
 #define LOAD ma_load_f32
@@ -99,6 +132,8 @@ static float exp_sub_sum_avx512(float *x, int64_t n, float m) {
 #define LOG logf
 #define GEMM gemm_avx512
 #define EXP_SUB_SUM exp_sub_sum_avx512
+#define COL_MAX col_max_avx512
+#define EXP_SUB_COL exp_sub_col_avx512
 #include "attention_tmpl.h"
 #include "undef_tmpl.h"
 

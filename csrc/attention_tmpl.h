@@ -1,48 +1,81 @@
 /*
- * attention_tmpl.h -- masked attention forward and backward, written once
- * over the accumulation type. attention.c includes it twice:
- *   ACC = float  (float32, bfloat16, float16 inputs: float32 accumulation)
- *   ACC = double (float64 inputs, for gradcheck)
- * with FN(x) giving each instance its suffix, LOAD/STORE the element access
- * of that precision, EXP/LOG the libm functions.
+ * attention_tmpl.h -- masked attention forward and backward, written once.
  *
- * Shapes: B, H, Hkv, Lq, Lk, D, Dv as in masked_attn.h; G = H / Hkv.
- * Tiles live in the thread's scratch, contiguous, in ACC:
- *   q_t (BQ, D) = scale * q     k_t (BK, D)    kT_t (D, BK) = k_t^T
- *   v_t (BK, Dv)   vT_t (Dv, BK)   s_t (BQ, BK)   o_t (BQ, Dv)
- * so that every matrix product is one GEMM call on row-major tiles.
- * where BQ, BK are block_q, block_k and a tile may be cut short at the edges
- * (nr <= BQ rows, nc <= BK columns).
+ * Instantiated once per (accumulation type, instruction set):
+ *   attention.c         ACC = float, scalar (the reference), and ACC = double
+ *   attention_avx2.c    ACC = float, AVX2 + FMA building blocks
+ *   attention_avx512.c  ACC = float, AVX-512 building blocks
+ * Each instance defines before including it:
+ *   ACC, FN(x)   the accumulation type and the instance's name suffix
+ *   LOAD, STORE  element access in that precision (dtype.h)
+ *   EXP, LOG     scalar exp and log
+ *   GEMM(m, n, k, A, ars, acs, B, ldb, C, ldc, accumulate)
+ *       C (m, n) [+]= A (m, k) @ B (k, n); A[i, p] = A[i*ars + p*acs] (a
+ *       transposed A is free), B and C row-major with leading dims ldb, ldc
+ *   EXP_SUB_SUM(x, n, m)          x[c] = exp(x[c] - m); returns the sum (a row)
+ *   COL_MAX(x, rows, n, m)        m[r] = max(m[r], x[c*n + r] for c < rows); NaN sticks
+ *   EXP_SUB_COL(x, rows, n, m, sum)
+ *       x[c*n + r] = exp(x[c*n + r] - m[r]), sum[r] += it; m[r] = -inf acts as 0
+ * exp(-inf) is exactly 0 in every building block: masked keys get exactly
+ * zero probability, so they cannot leak into any output.
  *
- * The algorithm is FlashAttention-2: the forward keeps a running max m and
- * sum l per query row over key blocks (online softmax) and saves only
- * lse = m + log l; the backward recomputes P = exp(S - lse) tile by tile.
+ * Shapes: B, H, Hkv, Lq, Lk, D, Dv as in masked_attn.h; G = H / Hkv; a tile
+ * is nr <= BQ query rows by nc <= BK keys (block_q, block_k).
+ *
+ * The algorithm is FlashAttention-2. The forward and the dq pass hold one
+ * query block and stream the key blocks; they work on transposed scores
+ * sT (nc, nr) = K Q^T, so that K and V are read in place (no copy when they
+ * are float32 with unit last stride) and only the query block is packed once
+ * (qT = scale * Q^T). Per-query statistics (max, sum) are then column-wise,
+ * which vectorises across queries. The dkdv pass holds one key block (packed
+ * once as kT = scale * K^T, vT = V^T) and streams the query blocks in place,
+ * on row-wise scores s (nr, nc) = Q kT.
+ * The forward saves only lse = m + log l per query; the backward recomputes
+ * P = exp(S - lse).
  */
 
-/* ---- tile building blocks --------------------------------------------- */
+/* ---- tiles ----------------------------------------------------------------- */
 
-/* dst (nr, ncol) = mul * src[b, h, r0 : r0 + nr, 0 : ncol]; overwrites. */
-static void FN(load_tile)(ACC *dst, const void *src, ma_dtype dt, const int64_t st[4],
-                          int64_t b, int64_t h, int64_t r0, int64_t nr, int64_t ncol, ACC mul) {
+static inline int FN(is_native)(ma_dtype dt) {
+    return sizeof(ACC) == sizeof(float) ? dt == MA_F32 : dt == MA_F64;
+}
+
+/* dst (nr, ncol) = src[b, h, r0 : r0 + nr, 0 : ncol]; overwrites. */
+static void FN(load_tile)(ACC *dst, const void *src, ma_dtype dt, const int64_t st[4], int64_t b,
+                          int64_t h, int64_t r0, int64_t nr, int64_t ncol) {
     for (int64_t r = 0; r < nr; r++) {
         const int64_t base = b * st[0] + h * st[1] + (r0 + r) * st[2];
         ACC *dst_r = dst + r * ncol;
-        if (dt == MA_F32 && st[3] == 1 && sizeof(ACC) == sizeof(float)) {
-            const float *src_r = (const float *)src + base;
-            for (int64_t c = 0; c < ncol; c++) dst_r[c] = mul * (ACC)src_r[c];
+        for (int64_t c = 0; c < ncol; c++) dst_r[c] = LOAD(src, dt, base + c * st[3]);
+    }
+}
+
+/* dst (ncol, nr) = mul * src[b, h, r0 : r0 + nr, 0 : ncol]^T; overwrites. */
+static void FN(load_tile_t)(ACC *dst, const void *src, ma_dtype dt, const int64_t st[4], int64_t b,
+                            int64_t h, int64_t r0, int64_t nr, int64_t ncol, ACC mul) {
+    for (int64_t r = 0; r < nr; r++) {
+        const int64_t base = b * st[0] + h * st[1] + (r0 + r) * st[2];
+        if (FN(is_native)(dt) && st[3] == 1) {
+            const ACC *src_r = (const ACC *)src + base;
+            for (int64_t c = 0; c < ncol; c++) dst[c * nr + r] = mul * src_r[c];
         } else {
-            for (int64_t c = 0; c < ncol; c++) dst_r[c] = mul * LOAD(src, dt, base + c * st[3]);
+            for (int64_t c = 0; c < ncol; c++) dst[c * nr + r] = mul * LOAD(src, dt, base + c * st[3]);
         }
     }
 }
 
-/* dst (ncol, nr) = src[b, h, r0 : r0 + nr, 0 : ncol]^T; overwrites. */
-static void FN(load_tile_t)(ACC *dst, const void *src, ma_dtype dt, const int64_t st[4],
-                            int64_t b, int64_t h, int64_t r0, int64_t nr, int64_t ncol) {
-    for (int64_t r = 0; r < nr; r++) {
-        const int64_t base = b * st[0] + h * st[1] + (r0 + r) * st[2];
-        for (int64_t c = 0; c < ncol; c++) dst[c * nr + r] = LOAD(src, dt, base + c * st[3]);
+/* Rows r0 .. r0 + nr of src[b, h] as an ACC matrix with row stride *ld:
+ * the tensor itself when it already is one (no copy), else converted into
+ * buf (nr, ncol). */
+static const ACC *FN(rows)(const void *src, ma_dtype dt, const int64_t st[4], int64_t b, int64_t h,
+                           int64_t r0, int64_t nr, int64_t ncol, ACC *buf, int64_t *ld) {
+    if (FN(is_native)(dt) && st[3] == 1) {
+        *ld = st[2];
+        return (const ACC *)src + b * st[0] + h * st[1] + r0 * st[2];
     }
+    FN(load_tile)(buf, src, dt, st, b, h, r0, nr, ncol);
+    *ld = ncol;
+    return buf;
 }
 
 /* dst[b, h, r0 : r0 + nr, 0 : ncol] = mul * src (nr, ncol); overwrites. */
@@ -55,31 +88,40 @@ static void FN(store_tile)(void *dst, ma_dtype dt, const int64_t st[4], int64_t 
     }
 }
 
+/* ---- masks ----------------------------------------------------------------- */
+
 /* The additive form of one mask element: bool true -> -inf, float as is. */
 static inline ACC FN(mask_value)(const ma_mask *m, int64_t off) {
     if (m->dtype == MA_BOOL) return ((const uint8_t *)m->ptr)[off] ? -(ACC)INFINITY : 0;
     return LOAD(m->ptr, m->dtype, off);
 }
 
-/* s_t (nr, nc) += bias[b, h, i0 : i0 + nr, j0 : j0 + nc]: causal, key padding
- * and attn_mask in their additive forms; accumulates. */
-static void FN(add_bias)(ACC *s_t, const ma_mask *am, const ma_mask *kpm, int is_causal,
-                         int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t nc) {
-    for (int64_t r = 0; r < nr; r++) {
-        const int64_t i = i0 + r;
-        ACC *s_r = s_t + r * nc;
-        if (kpm->ptr) {
-            const int64_t base = b * kpm->stride[0] + j0 * kpm->stride[1];
-            for (int64_t c = 0; c < nc; c++) s_r[c] += FN(mask_value)(kpm, base + c * kpm->stride[1]);
+/* Scores of queries i0 .. i0 + nr against keys j0 .. j0 + nc, plus the bias
+ * of every mask (additive forms); accumulates. Element (r, c) lives at
+ * s[r * rs + c * cs]: rs = nc, cs = 1 for row-wise s (nr, nc), rs = 1,
+ * cs = nr for transposed sT (nc, nr). */
+static void FN(add_bias)(ACC *s, int64_t rs, int64_t cs, const ma_mask *am, const ma_mask *kpm,
+                         int is_causal, int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0,
+                         int64_t nc) {
+    if (kpm->ptr) {
+        const int64_t base = b * kpm->stride[0] + j0 * kpm->stride[1];
+        for (int64_t c = 0; c < nc; c++) {
+            const ACC x = FN(mask_value)(kpm, base + c * kpm->stride[1]);
+            if (x != 0)
+                for (int64_t r = 0; r < nr; r++) s[r * rs + c * cs] += x;
         }
-        if (am->ptr) {
-            const int64_t base = b * am->stride[0] + h * am->stride[1] + i * am->stride[2] +
-                                 j0 * am->stride[3];
-            for (int64_t c = 0; c < nc; c++) s_r[c] += FN(mask_value)(am, base + c * am->stride[3]);
-        }
-        if (is_causal) /* key j = j0 + c is in the future of query i when j > i */
-            for (int64_t c = i - j0 + 1 < 0 ? 0 : i - j0 + 1; c < nc; c++) s_r[c] = -(ACC)INFINITY;
     }
+    if (am->ptr) {
+        for (int64_t r = 0; r < nr; r++) {
+            const int64_t base = b * am->stride[0] + h * am->stride[1] + (i0 + r) * am->stride[2] +
+                                 j0 * am->stride[3];
+            for (int64_t c = 0; c < nc; c++) s[r * rs + c * cs] += FN(mask_value)(am, base + c * am->stride[3]);
+        }
+    }
+    if (is_causal && j0 + nc - 1 > i0) /* key j = j0 + c is in the future of query i when j > i */
+        for (int64_t r = 0; r < nr; r++)
+            for (int64_t c = i0 + r - j0 + 1 < 0 ? 0 : i0 + r - j0 + 1; c < nc; c++)
+                s[r * rs + c * cs] = -(ACC)INFINITY;
 }
 
 /* Is every key j0 .. j0 + nc - 1 of batch b padding? Such a block is skipped
@@ -101,101 +143,96 @@ static inline int64_t FN(kv_end)(int is_causal, int64_t Lk, int64_t i0, int64_t 
     return is_causal ? ma_min(Lk, i0 + nr) : Lk;
 }
 
-/* s_t (nr, nc) = P = exp(S - lse) in place; a fully masked row (lse = -inf) gives 0. */
-static void FN(probs)(ACC *s_t, const ACC *lse_r, int64_t nr, int64_t nc) {
-    for (int64_t r = 0; r < nr; r++) {
-        ACC *s_r = s_t + r * nc;
-        const ACC lse = lse_r[r];
-        if (lse == -(ACC)INFINITY) {
-            for (int64_t c = 0; c < nc; c++) s_r[c] = 0;
-        } else {
-            (void)EXP_SUB_SUM(s_r, nc, lse);
-        }
-    }
+/* Block index of the idx-th work item among n: 0, n-1, 1, n-2, ... so that
+ * any contiguous range of items mixes cheap and expensive causal blocks and
+ * the thread pool's static split stays balanced. */
+static inline int64_t FN(interleave)(int64_t idx, int64_t n) {
+    return idx % 2 == 0 ? idx / 2 : n - 1 - idx / 2;
 }
+
+/* lse with -inf (fully masked row) replaced by 0: exp(-inf - 0) = 0. */
+static inline ACC FN(finite_or_zero)(ACC x) { return x == -(ACC)INFINITY ? 0 : x; }
 
 /* ---- forward ------------------------------------------------------------ */
 
 typedef struct {
-    ACC *q_t, *kT_t, *v_t, *s_t, *o_t, *m, *l, *lse;
+    ACC *qT, *kbuf, *vbuf, *sT, *o, *m, *m_new, *l, *lsum, *lse;
 } FN(fwd_scratch);
 
 static FN(fwd_scratch) FN(fwd_carve)(void *scratch, int64_t BQ, int64_t BK, int64_t D, int64_t Dv) {
     FN(fwd_scratch) t;
-    t.q_t = (ACC *)scratch;          /* (BQ, D)  */
-    t.kT_t = t.q_t + BQ * D;         /* (D, BK)  */
-    t.v_t = t.kT_t + BK * D;         /* (BK, Dv) */
-    t.s_t = t.v_t + BK * Dv;         /* (BQ, BK) */
-    t.o_t = t.s_t + BQ * BK;         /* (BQ, Dv) */
-    t.m = t.o_t + BQ * Dv;           /* (BQ) */
-    t.l = t.m + BQ;                  /* (BQ) */
-    t.lse = t.l + BQ;                /* (BQ) */
+    t.qT = (ACC *)scratch;           /* (D, BQ) = scale * Q^T */
+    t.kbuf = t.qT + D * BQ;          /* (BK, D)  K converted, when not float */
+    t.vbuf = t.kbuf + BK * D;        /* (BK, Dv) */
+    t.sT = t.vbuf + BK * Dv;         /* (BK, BQ) scores, then probabilities */
+    t.o = t.sT + BK * BQ;            /* (BQ, Dv) */
+    t.m = t.o + BQ * Dv;             /* (BQ) running max */
+    t.m_new = t.m + BQ;              /* (BQ) */
+    t.l = t.m_new + BQ;              /* (BQ) running sum */
+    t.lsum = t.l + BQ;               /* (BQ) */
+    t.lse = t.lsum + BQ;             /* (BQ) */
     return t;
 }
 
 static inline size_t FN(fwd_scratch_elems)(int64_t BQ, int64_t BK, int64_t D, int64_t Dv) {
-    return (size_t)(BQ * D + BK * D + BK * Dv + BQ * BK + BQ * Dv + 3 * BQ);
+    return (size_t)(D * BQ + BK * D + BK * Dv + BK * BQ + BQ * Dv + 5 * BQ);
 }
-
-/* s_t (nr, nc) = q_t @ kT_t + bias: the scaled, masked scores of a tile. */
-#define SCORES(t_s, t_q, t_kT, nr, nc)                                                      \
-    do {                                                                                    \
-        GEMM(nr, nc, D, t_q, D, 1, t_kT, nc, t_s, nc, 0);                                   \
-        FN(add_bias)(t_s, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc); \
-    } while (0)
 
 static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
     const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
     const ma_attn_fwd_params *p = (const ma_attn_fwd_params *)ctx->params;
     const int64_t H = p->H, G = p->H / p->Hkv, Lq = p->Lq, Lk = p->Lk, D = p->D, Dv = p->Dv;
     const int64_t BQ = p->block_q, BK = p->block_k, nq = ma_cdiv(Lq, BQ);
-    const ACC scale = (ACC)p->scale;
     FN(fwd_scratch) t = FN(fwd_carve)(ctx->scratch, BQ, BK, D, Dv);
 
     for (int64_t w = begin; w < end; w++) {
-        const int64_t b = w / (H * nq), h = (w / nq) % H, qb = w % nq, hk = h / G;
+        const int64_t b = w / (H * nq), h = (w / nq) % H, qb = FN(interleave)(w % nq, nq), hk = h / G;
         const int64_t i0 = qb * BQ, nr = ma_min(BQ, Lq - i0);
         const int64_t kv_end = FN(kv_end)(p->is_causal, Lk, i0, nr);
 
-        FN(load_tile)(t.q_t, p->q, p->dtype, p->q_stride, b, h, i0, nr, D, scale);
+        FN(load_tile_t)(t.qT, p->q, p->dtype, p->q_stride, b, h, i0, nr, D, (ACC)p->scale);
         for (int64_t r = 0; r < nr; r++) {
             t.m[r] = -(ACC)INFINITY;
             t.l[r] = 0;
         }
-        for (int64_t x = 0; x < nr * Dv; x++) t.o_t[x] = 0;
+        for (int64_t x = 0; x < nr * Dv; x++) t.o[x] = 0;
 
         for (int64_t j0 = 0; j0 < kv_end; j0 += BK) {
             const int64_t nc = ma_min(BK, kv_end - j0);
             if (FN(keys_all_padded)(&p->key_padding_mask, b, j0, nc)) continue;
-            FN(load_tile_t)(t.kT_t, p->k, p->dtype, p->k_stride, b, hk, j0, nc, D);
-            FN(load_tile)(t.v_t, p->v, p->dtype, p->v_stride, b, hk, j0, nc, Dv, 1);
-            /* S = scale * Q K^T + bias */
-            SCORES(t.s_t, t.q_t, t.kT_t, nr, nc);
-            /* online softmax: m_new = max(m, rowmax S); P = exp(S - m_new); O = O * exp(m - m_new) */
+            int64_t ldk, ldv;
+            const ACC *k_j = FN(rows)(p->k, p->dtype, p->k_stride, b, hk, j0, nc, D, t.kbuf, &ldk);
+            const ACC *v_j = FN(rows)(p->v, p->dtype, p->v_stride, b, hk, j0, nc, Dv, t.vbuf, &ldv);
+            /* sT = K (scale Q)^T + bias^T */
+            GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
+            FN(add_bias)(t.sT, 1, nr, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
+            /* online softmax: m_new = max(m, colmax sT); P = exp(sT - m_new); l, O rescaled */
             for (int64_t r = 0; r < nr; r++) {
-                ACC *s_r = t.s_t + r * nc, *o_r = t.o_t + r * Dv;
-                ACC m_new = t.m[r];
-                for (int64_t c = 0; c < nc; c++)
-                    if (s_r[c] > m_new || s_r[c] != s_r[c]) m_new = s_r[c]; /* NaN sticks */
-                if (m_new == -(ACC)INFINITY) { /* every key so far masked: P = 0 */
-                    for (int64_t c = 0; c < nc; c++) s_r[c] = 0;
+                t.m_new[r] = t.m[r];
+                t.lsum[r] = 0;
+            }
+            COL_MAX(t.sT, nc, nr, t.m_new);
+            EXP_SUB_COL(t.sT, nc, nr, t.m_new, t.lsum);
+            for (int64_t r = 0; r < nr; r++) {
+                if (t.m_new[r] == t.m[r]) {
+                    t.l[r] += t.lsum[r];
                     continue;
                 }
-                const ACC alpha = EXP(t.m[r] - m_new);
-                t.l[r] = alpha * t.l[r] + EXP_SUB_SUM(s_r, nc, m_new);
-                t.m[r] = m_new;
-                if (alpha != 1)
-                    for (int64_t d = 0; d < Dv; d++) o_r[d] *= alpha;
+                const ACC alpha = EXP(t.m[r] - t.m_new[r]); /* m = -inf: 0 (and O, l are 0) */
+                t.l[r] = alpha * t.l[r] + t.lsum[r];
+                t.m[r] = t.m_new[r];
+                ACC *o_r = t.o + r * Dv;
+                for (int64_t d = 0; d < Dv; d++) o_r[d] *= alpha;
             }
             /* O += P V */
-            GEMM(nr, Dv, nc, t.s_t, nc, 1, t.v_t, Dv, t.o_t, Dv, 1);
+            GEMM(nr, Dv, nc, t.sT, 1, nr, v_j, ldv, t.o, Dv, 1);
         }
 
         /* out = hm * O / l;  lse = m + log l.  A fully masked row (l = 0) gives 0 and -inf. */
         const ACC hm = FN(head_scale)(&p->head_mask, b, h);
         ACC *lse_bh = (ACC *)p->lse + (b * H + h) * Lq;
         for (int64_t r = 0; r < nr; r++) {
-            ACC *o_r = t.o_t + r * Dv;
+            ACC *o_r = t.o + r * Dv;
             if (t.l[r] == 0) {
                 for (int64_t d = 0; d < Dv; d++) o_r[d] = 0;
                 t.lse[r] = -(ACC)INFINITY;
@@ -205,21 +242,24 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
                 t.lse[r] = t.m[r] + LOG(t.l[r]);
             }
             lse_bh[i0 + r] = t.lse[r];
+            t.m_new[r] = FN(finite_or_zero)(t.lse[r]);
         }
-        FN(store_tile)(p->out, p->dtype, p->out_stride, b, h, i0, nr, Dv, t.o_t, 1);
+        FN(store_tile)(p->out, p->dtype, p->out_stride, b, h, i0, nr, Dv, t.o, 1);
 
         /* weights = hm * exp(S - lse) over every key, on request only */
         if (p->weights) {
             const int64_t w_st[4] = {H * Lq * Lk, Lq * Lk, Lk, 1};
             for (int64_t j0 = 0; j0 < Lk; j0 += BK) {
                 const int64_t nc = ma_min(BK, Lk - j0);
-                FN(load_tile_t)(t.kT_t, p->k, p->dtype, p->k_stride, b, hk, j0, nc, D);
-                SCORES(t.s_t, t.q_t, t.kT_t, nr, nc);
-                FN(probs)(t.s_t, t.lse, nr, nc);
+                int64_t ldk;
+                const ACC *k_j = FN(rows)(p->k, p->dtype, p->k_stride, b, hk, j0, nc, D, t.kbuf, &ldk);
+                GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
+                FN(add_bias)(t.sT, 1, nr, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
+                EXP_SUB_COL(t.sT, nc, nr, t.m_new, t.lsum);
                 for (int64_t r = 0; r < nr; r++)
                     for (int64_t c = 0; c < nc; c++)
                         STORE(p->weights, p->dtype, b * w_st[0] + h * w_st[1] + (i0 + r) * w_st[2] + j0 + c,
-                              hm * t.s_t[r * nc + c]);
+                              hm * t.sT[c * nr + r]);
             }
         }
     }
@@ -236,65 +276,77 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
  *   2. P_ij = exp(S_ij - lse_i)
  *        dS_ij   = P_ij (dP_ij - delta_i),  delta_i = sum_j P_ij dP_ij
  *                = g_i . out_i + hm * sum_j P_ij dW_ij
- *   1. S_ij = (scale * q_i) . k_j + bias_ij
+ *   1. S_ij = scale * q_i . k_j + bias_ij
  *        dq_i   += scale * sum_j dS_ij k_j
- *        dk_j   += sum_i dS_ij (scale * q_i)
+ *        dk_j   += scale * sum_i dS_ij q_i
  */
 
 typedef struct {
-    ACC *q_t, *g_t, *k_t, *kT_t, *vT_t, *s_t, *dp_t, *acc_a, *acc_b, *lse, *delta, *dhm;
+    /* dq pass: transposed tiles (nc, nr) */
+    ACC *qT, *gT, *kbuf, *vbuf, *sT, *dpT, *dq;
+    /* dkdv pass: row tiles (nr, nc) */
+    ACC *kT, *vT, *qbuf, *gbuf, *s, *dp, *dk, *dv;
+    /* per query row */
+    ACC *lse, *delta, *dhm, *tmp;
 } FN(bwd_scratch);
 
 static FN(bwd_scratch) FN(bwd_carve)(void *scratch, int64_t BQ, int64_t BK, int64_t D, int64_t Dv) {
-    const int64_t BM = BQ > BK ? BQ : BK;
     FN(bwd_scratch) t;
-    t.q_t = (ACC *)scratch;          /* (BQ, D) scaled */
-    t.g_t = t.q_t + BQ * D;          /* (BQ, Dv) */
-    t.k_t = t.g_t + BQ * Dv;         /* (BK, D)  */
-    t.kT_t = t.k_t + BK * D;         /* (D, BK)  */
-    t.vT_t = t.kT_t + BK * D;        /* (Dv, BK) */
-    t.s_t = t.vT_t + BK * Dv;        /* (BQ, BK) */
-    t.dp_t = t.s_t + BQ * BK;        /* (BQ, BK) */
-    t.acc_a = t.dp_t + BQ * BK;      /* dq (BQ, D) or dk (BK, D) */
-    t.acc_b = t.acc_a + BM * D;      /* dv (BK, Dv) */
-    t.lse = t.acc_b + BK * Dv;       /* (BQ) */
-    t.delta = t.lse + BQ;            /* (BQ) */
-    t.dhm = t.delta + BQ;            /* (BQ) */
+    ACC *x = (ACC *)scratch;
+    t.qT = x;   x += D * BQ;   /* (D, BQ) scale * Q^T */
+    t.gT = x;   x += Dv * BQ;  /* (Dv, BQ) dO^T */
+    t.kbuf = x; x += BK * D;   /* (BK, D) */
+    t.vbuf = x; x += BK * Dv;  /* (BK, Dv) */
+    t.sT = x;   x += BK * BQ;  /* (BK, BQ) */
+    t.dpT = x;  x += BK * BQ;  /* (BK, BQ) */
+    t.dq = x;   x += BQ * D;   /* (BQ, D) */
+    t.kT = x;   x += D * BK;   /* (D, BK) scale * K^T */
+    t.vT = x;   x += Dv * BK;  /* (Dv, BK) */
+    t.qbuf = x; x += BQ * D;   /* (BQ, D) */
+    t.gbuf = x; x += BQ * Dv;  /* (BQ, Dv) */
+    t.s = x;    x += BQ * BK;  /* (BQ, BK) */
+    t.dp = x;   x += BQ * BK;  /* (BQ, BK) */
+    t.dk = x;   x += BK * D;   /* (BK, D) */
+    t.dv = x;   x += BK * Dv;  /* (BK, Dv) */
+    t.lse = x;  x += BQ;
+    t.delta = x; x += BQ;
+    t.dhm = x;  x += BQ;
+    t.tmp = x;
     return t;
 }
 
 static inline size_t FN(bwd_scratch_elems)(int64_t BQ, int64_t BK, int64_t D, int64_t Dv) {
-    const int64_t BM = BQ > BK ? BQ : BK;
-    return (size_t)(BQ * D + BQ * Dv + 2 * BK * D + BK * Dv + 2 * BQ * BK + BM * D + BK * Dv + 3 * BQ);
+    return (size_t)(3 * D * BQ + 2 * Dv * BQ + 3 * BK * D + 3 * BK * Dv + 4 * BK * BQ + 4 * BQ);
 }
 
-/* dp_t (nr, nc) = g_t (nr, Dv) @ vT_t (Dv, nc) + dW[b, h, i0:, j0:]; overwrites. */
-static void FN(dprobs)(ACC *dp_t, const ACC *g_t, const ACC *vT_t, const ma_attn_bwd_params *p,
-                       int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t nc) {
-    const int64_t Dv = p->Dv;
-    GEMM(nr, nc, Dv, g_t, Dv, 1, vT_t, nc, dp_t, nc, 0);
-    if (p->dweights) {
-        const int64_t *st = p->dweights_stride;
-        for (int64_t r = 0; r < nr; r++) {
-            const int64_t base = b * st[0] + h * st[1] + (i0 + r) * st[2] + j0 * st[3];
-            for (int64_t c = 0; c < nc; c++) dp_t[r * nc + c] += LOAD(p->dweights, p->dtype, base + c * st[3]);
-        }
+/* dW[b, h, i0 + r, j0 + c] added to dP at dp[r * rs + c * cs]. */
+static void FN(add_dweights)(ACC *dp, int64_t rs, int64_t cs, const ma_attn_bwd_params *p, int64_t b,
+                             int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t nc) {
+    const int64_t *st = p->dweights_stride;
+    for (int64_t r = 0; r < nr; r++) {
+        const int64_t base = b * st[0] + h * st[1] + (i0 + r) * st[2] + j0 * st[3];
+        for (int64_t c = 0; c < nc; c++) dp[r * rs + c * cs] += LOAD(p->dweights, p->dtype, base + c * st[3]);
     }
 }
 
-/* ds_t (nr, nc) = P * (hm * dP - delta) in place of dp_t; returns nothing.
- * Also dhm_r[r] += sum_c P dP (the head mask's gradient, before hm). */
-static void FN(dscores)(ACC *dp_t, const ACC *s_t, const ACC *delta, ACC *dhm_r, ACC hm, int64_t nr,
-                        int64_t nc) {
-    for (int64_t r = 0; r < nr; r++) {
-        const ACC *p_r = s_t + r * nc;
-        ACC *dp_r = dp_t + r * nc;
-        ACC dhm = 0;
-        for (int64_t c = 0; c < nc; c++) {
-            dhm += p_r[c] * dp_r[c];
-            dp_r[c] = p_r[c] * (hm * dp_r[c] - delta[r]);
+/* dS = P (hm dP - delta) in place of dP, element (r, c) at [r * rs + c * cs];
+ * dhm[r] += sum_c P dP when dhm is not NULL. */
+static void FN(dscores)(ACC *dp, const ACC *pr, int64_t rs, int64_t cs, const ACC *delta, ACC *dhm,
+                        ACC hm, int64_t nr, int64_t nc) {
+    if (dhm)
+        for (int64_t r = 0; r < nr; r++) {
+            ACC acc = 0;
+            for (int64_t c = 0; c < nc; c++) acc += pr[r * rs + c * cs] * dp[r * rs + c * cs];
+            dhm[r] += acc;
         }
-        if (dhm_r) dhm_r[r] += dhm;
+    if (cs == 1) { /* row-wise */
+        for (int64_t r = 0; r < nr; r++)
+            for (int64_t c = 0; c < nc; c++)
+                dp[r * rs + c] = pr[r * rs + c] * (hm * dp[r * rs + c] - delta[r]);
+    } else { /* transposed: r is the inner, contiguous index */
+        for (int64_t c = 0; c < nc; c++)
+            for (int64_t r = 0; r < nr; r++)
+                dp[c * cs + r] = pr[c * cs + r] * (hm * dp[c * cs + r] - delta[r]);
     }
 }
 
@@ -304,64 +356,67 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
     const ma_attn_bwd_params *p = (const ma_attn_bwd_params *)ctx->params;
     const int64_t H = p->H, G = p->H / p->Hkv, Lq = p->Lq, Lk = p->Lk, D = p->D, Dv = p->Dv;
     const int64_t BQ = p->block_q, BK = p->block_k, nq = ma_cdiv(Lq, BQ);
-    const ACC scale = (ACC)p->scale;
     FN(bwd_scratch) t = FN(bwd_carve)(ctx->scratch, BQ, BK, D, Dv);
-    ACC *dq_t = t.acc_a;
 
     for (int64_t w = begin; w < end; w++) {
-        const int64_t b = w / (H * nq), h = (w / nq) % H, qb = w % nq, hk = h / G;
+        const int64_t b = w / (H * nq), h = (w / nq) % H, qb = FN(interleave)(w % nq, nq), hk = h / G;
         const int64_t i0 = qb * BQ, nr = ma_min(BQ, Lq - i0);
         const int64_t kv_end = FN(kv_end)(p->is_causal, Lk, i0, nr);
         const ACC hm = FN(head_scale)(&p->head_mask, b, h);
         const ACC *lse_bh = (const ACC *)p->lse + (b * H + h) * Lq;
         ACC *delta_bh = (ACC *)p->delta + (b * H + h) * Lq;
 
-        FN(load_tile)(t.q_t, p->q, p->dtype, p->q_stride, b, h, i0, nr, D, scale);
-        FN(load_tile)(t.g_t, p->dout, p->dtype, p->dout_stride, b, h, i0, nr, Dv, 1);
+        FN(load_tile_t)(t.qT, p->q, p->dtype, p->q_stride, b, h, i0, nr, D, (ACC)p->scale);
+        FN(load_tile_t)(t.gT, p->dout, p->dtype, p->dout_stride, b, h, i0, nr, Dv, 1);
         for (int64_t r = 0; r < nr; r++) {
-            t.lse[r] = lse_bh[i0 + r];
+            t.lse[r] = FN(finite_or_zero)(lse_bh[i0 + r]);
             t.dhm[r] = 0;
             /* delta_i = g_i . out_i  (+ hm * sum_j P_ij dW_ij below) */
             const int64_t base = b * p->out_stride[0] + h * p->out_stride[1] + (i0 + r) * p->out_stride[2];
             ACC dot = 0;
             for (int64_t d = 0; d < Dv; d++)
-                dot += t.g_t[r * Dv + d] * LOAD(p->out, p->dtype, base + d * p->out_stride[3]);
+                dot += t.gT[d * nr + r] * LOAD(p->out, p->dtype, base + d * p->out_stride[3]);
             t.delta[r] = dot;
         }
         if (p->dweights) {
             for (int64_t j0 = 0; j0 < kv_end; j0 += BK) {
                 const int64_t nc = ma_min(BK, kv_end - j0);
                 if (FN(keys_all_padded)(&p->key_padding_mask, b, j0, nc)) continue;
-                FN(load_tile_t)(t.kT_t, p->k, p->dtype, p->k_stride, b, hk, j0, nc, D);
-                SCORES(t.s_t, t.q_t, t.kT_t, nr, nc);
-                FN(probs)(t.s_t, t.lse, nr, nc);
-                const int64_t *st = p->dweights_stride;
+                int64_t ldk;
+                const ACC *k_j = FN(rows)(p->k, p->dtype, p->k_stride, b, hk, j0, nc, D, t.kbuf, &ldk);
+                GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
+                FN(add_bias)(t.sT, 1, nr, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
+                EXP_SUB_COL(t.sT, nc, nr, t.lse, t.tmp);
+                for (int64_t x = 0; x < nc * nr; x++) t.dpT[x] = 0;
+                FN(add_dweights)(t.dpT, 1, nr, p, b, h, i0, nr, j0, nc);
                 for (int64_t r = 0; r < nr; r++) {
-                    const int64_t base = b * st[0] + h * st[1] + (i0 + r) * st[2] + j0 * st[3];
                     ACC dot = 0;
-                    for (int64_t c = 0; c < nc; c++)
-                        dot += t.s_t[r * nc + c] * LOAD(p->dweights, p->dtype, base + c * st[3]);
+                    for (int64_t c = 0; c < nc; c++) dot += t.sT[c * nr + r] * t.dpT[c * nr + r];
                     t.delta[r] += hm * dot;
                 }
             }
         }
         for (int64_t r = 0; r < nr; r++) delta_bh[i0 + r] = t.delta[r];
 
-        for (int64_t x = 0; x < nr * D; x++) dq_t[x] = 0;
+        for (int64_t x = 0; x < nr * D; x++) t.dq[x] = 0;
         for (int64_t j0 = 0; j0 < kv_end; j0 += BK) {
             const int64_t nc = ma_min(BK, kv_end - j0);
             if (FN(keys_all_padded)(&p->key_padding_mask, b, j0, nc)) continue;
-            FN(load_tile)(t.k_t, p->k, p->dtype, p->k_stride, b, hk, j0, nc, D, 1);
-            FN(load_tile_t)(t.kT_t, p->k, p->dtype, p->k_stride, b, hk, j0, nc, D);
-            FN(load_tile_t)(t.vT_t, p->v, p->dtype, p->v_stride, b, hk, j0, nc, Dv);
-            SCORES(t.s_t, t.q_t, t.kT_t, nr, nc);
-            FN(probs)(t.s_t, t.lse, nr, nc);
-            FN(dprobs)(t.dp_t, t.g_t, t.vT_t, p, b, h, i0, nr, j0, nc);
-            FN(dscores)(t.dp_t, t.s_t, t.delta, t.dhm, hm, nr, nc);
+            int64_t ldk, ldv;
+            const ACC *k_j = FN(rows)(p->k, p->dtype, p->k_stride, b, hk, j0, nc, D, t.kbuf, &ldk);
+            const ACC *v_j = FN(rows)(p->v, p->dtype, p->v_stride, b, hk, j0, nc, Dv, t.vbuf, &ldv);
+            /* P^T = exp(K (scale Q)^T + bias^T - lse) */
+            GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
+            FN(add_bias)(t.sT, 1, nr, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
+            EXP_SUB_COL(t.sT, nc, nr, t.lse, t.tmp);
+            /* dP^T = V dO^T (+ dW^T);  dS^T = P^T (hm dP^T - delta) */
+            GEMM(nc, nr, Dv, v_j, ldv, 1, t.gT, nr, t.dpT, nr, 0);
+            if (p->dweights) FN(add_dweights)(t.dpT, 1, nr, p, b, h, i0, nr, j0, nc);
+            FN(dscores)(t.dpT, t.sT, 1, nr, t.delta, p->dhm_rows ? t.dhm : NULL, hm, nr, nc);
             /* dQ += dS K */
-            GEMM(nr, D, nc, t.dp_t, nc, 1, t.k_t, D, dq_t, D, 1);
+            GEMM(nr, D, nc, t.dpT, 1, nr, k_j, ldk, t.dq, D, 1);
         }
-        FN(store_tile)(p->dq, p->dtype, p->dq_stride, b, h, i0, nr, D, dq_t, scale);
+        FN(store_tile)(p->dq, p->dtype, p->dq_stride, b, h, i0, nr, D, t.dq, (ACC)p->scale);
         if (p->dhm_rows) {
             ACC *dhm_bh = (ACC *)p->dhm_rows + (b * H + h) * Lq;
             for (int64_t r = 0; r < nr; r++) dhm_bh[i0 + r] = t.dhm[r];
@@ -376,19 +431,17 @@ static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
     const ma_attn_bwd_params *p = (const ma_attn_bwd_params *)ctx->params;
     const int64_t H = p->H, Hkv = p->Hkv, G = p->H / p->Hkv, Lq = p->Lq, Lk = p->Lk, D = p->D, Dv = p->Dv;
     const int64_t BQ = p->block_q, BK = p->block_k, nk = ma_cdiv(Lk, BK);
-    const ACC scale = (ACC)p->scale;
     FN(bwd_scratch) t = FN(bwd_carve)(ctx->scratch, BQ, BK, D, Dv);
-    ACC *dk_t = t.acc_a, *dv_t = t.acc_b;
 
     for (int64_t w = begin; w < end; w++) {
-        const int64_t b = w / (Hkv * nk), hk = (w / nk) % Hkv, kb = w % nk;
+        const int64_t b = w / (Hkv * nk), hk = (w / nk) % Hkv, kb = FN(interleave)(w % nk, nk);
         const int64_t j0 = kb * BK, nc = ma_min(BK, Lk - j0);
-        for (int64_t x = 0; x < nc * D; x++) dk_t[x] = 0;
-        for (int64_t x = 0; x < nc * Dv; x++) dv_t[x] = 0;
+        for (int64_t x = 0; x < nc * D; x++) t.dk[x] = 0;
+        for (int64_t x = 0; x < nc * Dv; x++) t.dv[x] = 0;
 
         if (!FN(keys_all_padded)(&p->key_padding_mask, b, j0, nc)) {
-            FN(load_tile_t)(t.kT_t, p->k, p->dtype, p->k_stride, b, hk, j0, nc, D);
-            FN(load_tile_t)(t.vT_t, p->v, p->dtype, p->v_stride, b, hk, j0, nc, Dv);
+            FN(load_tile_t)(t.kT, p->k, p->dtype, p->k_stride, b, hk, j0, nc, D, (ACC)p->scale);
+            FN(load_tile_t)(t.vT, p->v, p->dtype, p->v_stride, b, hk, j0, nc, Dv, 1);
             /* queries i < j0 see none of these keys under the causal mask */
             const int64_t i_begin = p->is_causal ? j0 : 0;
             for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
@@ -397,27 +450,27 @@ static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
                 const ACC *delta_bh = (const ACC *)p->delta + (b * H + h) * Lq;
                 for (int64_t i0 = i_begin; i0 < Lq; i0 += BQ) {
                     const int64_t nr = ma_min(BQ, Lq - i0);
-                    FN(load_tile)(t.q_t, p->q, p->dtype, p->q_stride, b, h, i0, nr, D, scale);
-                    FN(load_tile)(t.g_t, p->dout, p->dtype, p->dout_stride, b, h, i0, nr, Dv, 1);
-                    for (int64_t r = 0; r < nr; r++) {
-                        t.lse[r] = lse_bh[i0 + r];
-                        t.delta[r] = delta_bh[i0 + r];
-                    }
-                    SCORES(t.s_t, t.q_t, t.kT_t, nr, nc);
-                    FN(probs)(t.s_t, t.lse, nr, nc);
-                    FN(dprobs)(t.dp_t, t.g_t, t.vT_t, p, b, h, i0, nr, j0, nc);
-                    FN(dscores)(t.dp_t, t.s_t, t.delta, NULL, hm, nr, nc);
-                    /* dK += dS^T (scale Q);  dV += (hm P)^T dO */
-                    GEMM(nc, D, nr, t.dp_t, 1, nc, t.q_t, D, dk_t, D, 1);
+                    int64_t ldq, ldg;
+                    const ACC *q_i = FN(rows)(p->q, p->dtype, p->q_stride, b, h, i0, nr, D, t.qbuf, &ldq);
+                    const ACC *g_i = FN(rows)(p->dout, p->dtype, p->dout_stride, b, h, i0, nr, Dv, t.gbuf, &ldg);
+                    /* P = exp(Q (scale K^T) + bias - lse) */
+                    GEMM(nr, nc, D, q_i, ldq, 1, t.kT, nc, t.s, nc, 0);
+                    FN(add_bias)(t.s, nc, 1, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
+                    for (int64_t r = 0; r < nr; r++)
+                        (void)EXP_SUB_SUM(t.s + r * nc, nc, FN(finite_or_zero)(lse_bh[i0 + r]));
+                    /* dP = dO V^T (+ dW);  dS = P (hm dP - delta) */
+                    GEMM(nr, nc, Dv, g_i, ldg, 1, t.vT, nc, t.dp, nc, 0);
+                    if (p->dweights) FN(add_dweights)(t.dp, nc, 1, p, b, h, i0, nr, j0, nc);
+                    FN(dscores)(t.dp, t.s, nc, 1, delta_bh + i0, NULL, hm, nr, nc);
+                    /* dK += dS^T Q (times scale at the store);  dV += (hm P)^T dO */
+                    GEMM(nc, D, nr, t.dp, 1, nc, q_i, ldq, t.dk, D, 1);
                     if (hm != 1)
-                        for (int64_t x = 0; x < nr * nc; x++) t.s_t[x] *= hm;
-                    GEMM(nc, Dv, nr, t.s_t, 1, nc, t.g_t, Dv, dv_t, Dv, 1);
+                        for (int64_t x = 0; x < nr * nc; x++) t.s[x] *= hm;
+                    GEMM(nc, Dv, nr, t.s, 1, nc, g_i, ldg, t.dv, Dv, 1);
                 }
             }
         }
-        FN(store_tile)(p->dk, p->dtype, p->dk_stride, b, hk, j0, nc, D, dk_t, 1);
-        FN(store_tile)(p->dv, p->dtype, p->dv_stride, b, hk, j0, nc, Dv, dv_t, 1);
+        FN(store_tile)(p->dk, p->dtype, p->dk_stride, b, hk, j0, nc, D, t.dk, (ACC)p->scale);
+        FN(store_tile)(p->dv, p->dtype, p->dv_stride, b, hk, j0, nc, Dv, t.dv, 1);
     }
 }
-
-#undef SCORES

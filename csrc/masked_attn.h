@@ -145,6 +145,84 @@ size_t ma_attn_bwd_scratch_bytes(const ma_attn_bwd_params *p);
 /* Scratch slices are padded to this many bytes. */
 #define MA_CACHE_LINE 64
 
+/* ------------------------------------------------------------------------
+ * Cross-entropy (F.cross_entropy semantics)
+ *
+ * Dimensions, named once:
+ *   N    batch
+ *   C    classes
+ *   S    spatial positions, d1 * ... * dk (1 for (N, C) and (C,) inputs)
+ *   R    rows, N * S: one row = the C logits of one position, x[n, :, s]
+ *
+ * Per kept row, with w the class weights (all 1 without weight), ls the label
+ * smoothing, lse = log sum_c exp x_c:
+ *   class target t:  loss = (1 - ls) * w_t (lse - x_t) + ls / C * sum_c w_c (lse - x_c)
+ *   probabilities p: loss = sum_c w_c p'_c (lse - x_c),   p'_c = (1 - ls) p_c + ls / C
+ * A row whose target is ignore_index is skipped: loss 0, lse 0, gradient 0.
+ * 'mean' divides the summed losses by the summed w_t of the kept rows (class
+ * targets) or by R (probabilities); the shim reduces (ma_ce_sum,
+ * ma_ce_total_weight), serially and in row order.
+ *
+ * Gradients (g = d total / d loss of the row):
+ *   class target t:  dx_c = g * ((1 - ls) w_t + ls / C * W) softmax_c
+ *                         - g * ((1 - ls) w_t [c == t] + ls / C * w_c),  W = sum_c w_c
+ *   probabilities p: dx_c = g * (A softmax_c - w_c p'_c),  A = sum_c w_c p'_c
+ *                    dp_c = g * (1 - ls) w_c (lse - x_c)
+ * ---------------------------------------------------------------------- */
+
+/* What the forward and the backward both read. Filled by the shim. */
+typedef struct {
+    const void *input;        /* (N, C, S) logits, dtype, strides input_stride     */
+    const int64_t *target;    /* (N, S) class indices, strides target_stride;
+                                 NULL with probability targets                     */
+    const void *target_prob;  /* (N, C, S) probabilities, dtype, strides target_stride;
+                                 NULL with class targets                           */
+    const void *weight;       /* (C,) dtype, stride weight_stride; NULL: all 1     */
+    ma_dtype dtype;           /* of input, target_prob, weight                     */
+    int64_t input_stride[3];  /* n, c, s */
+    int64_t target_stride[3]; /* class targets: n, s; probabilities: n, c, s       */
+    int64_t weight_stride;
+    int64_t ignore_index;     /* class targets only; any value, also outside [0, C) */
+    double label_smoothing;   /* in [0, 1]; 0 skips the smoothing term             */
+    int64_t N, C, S;
+} ma_ce_args;
+
+typedef struct {
+    /* outputs (overwritten) */
+    void *loss;               /* (R,) contiguous, loss_dtype: per-row loss         */
+    ma_dtype loss_dtype;      /* dtype for reduction 'none'; the acc type when the
+                                 shim reduces                                      */
+    void *lse;                /* (R,) contiguous, acc type (float32, float64 for MA_F64) */
+    /* inputs */
+    ma_ce_args a;
+} ma_ce_fwd_params;
+
+typedef struct {
+    /* outputs (overwritten, every element) */
+    void *dinput;             /* (N, C, S) dtype, strides dinput_stride            */
+    void *dtarget;            /* (N, C, S) dtype, strides dtarget_stride;
+                                 probability targets only, NULL unless wanted      */
+    int64_t dinput_stride[3], dtarget_stride[3];
+    /* gradient of the forward's output */
+    const void *dloss;        /* (N, S) dtype, strides dloss_stride ({0, 0} for a
+                                 reduced loss)                                     */
+    int64_t dloss_stride[2];
+    double dloss_scale;       /* 1, or 1 / total weight for 'mean'                 */
+    /* what the forward saw and saved */
+    const void *lse;          /* (R,) contiguous, acc type                         */
+    ma_ce_args a;
+} ma_ce_bwd_params;
+
+/* Work item = one row r = n * S + s. No scratch. */
+void ma_ce_fwd_task(int64_t begin, int64_t end, void *ctx);
+void ma_ce_bwd_task(int64_t begin, int64_t end, void *ctx);
+
+/* Serial, in row order, in double (bitwise the same for any thread count):
+ * sum_r w[target_r] over the kept rows (their count without weight), and
+ * sum_r x[r] of an (R,) contiguous vector. */
+double ma_ce_total_weight(const ma_ce_args *a);
+double ma_ce_sum(const void *x, ma_dtype dt, int64_t n);
+
 #ifdef __cplusplus
 }
 #endif

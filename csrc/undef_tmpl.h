@@ -7,3 +7,5 @@
 #undef LOG
 #undef GEMM
 #undef EXP_SUB_SUM
+#undef COL_MAX
+#undef EXP_SUB_COL
