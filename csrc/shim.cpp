@@ -83,6 +83,13 @@ void run_tasks(ma_task_fn fn, const void* params, int64_t n, size_t scratch_byte
   });
 }
 
+// A new (B, H, L, D) tensor stored as (B, L, H, D), the layout of q, k, v
+// projected by one linear layer and viewed per head; gradients and outputs in
+// that layout reshape to (B, L, H * D) for free.
+Tensor blhd(const Tensor& like, int64_t B, int64_t H, int64_t L, int64_t D) {
+  return torch::stable::transpose(torch::stable::new_empty(like, {B, L, H, D}), 1, 2);
+}
+
 void fill_strides4(int64_t out[4], const Tensor& t) {
   for (int i = 0; i < 4; i++) out[i] = t.stride(i);
 }
@@ -203,7 +210,9 @@ std::tuple<Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tensor v,
   const Masks m = check_masks(s, attn_mask, key_padding_mask, head_mask);
   const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(s.D));
 
-  Tensor out = torch::stable::new_empty(q, {s.B, s.H, s.Lq, s.Dv});
+  // out (B, H, Lq, Dv) is stored as (B, Lq, H, Dv): the layout the output
+  // projection reads, so (B, Lq, H * Dv) is a free view.
+  Tensor out = blhd(q, s.B, s.H, s.Lq, s.Dv);
   Tensor lse = torch::stable::new_empty(q, {s.B, s.H, s.Lq}, acc_type(q.scalar_type()));
   Tensor weights = need_weights ? torch::stable::new_empty(q, {s.B, s.H, s.Lq, s.Lk})
                                 : torch::stable::new_empty(q, {0});
@@ -267,9 +276,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_backward(
   STD_TORCH_CHECK(!head_mask_grad || head_mask.has_value(),
                   "masked_attn: head_mask_grad=True needs a head_mask");
 
-  Tensor dq = torch::stable::new_empty(q, {s.B, s.H, s.Lq, s.D});
-  Tensor dk = torch::stable::new_empty(q, {s.B, s.Hkv, s.Lk, s.D});
-  Tensor dv = torch::stable::new_empty(q, {s.B, s.Hkv, s.Lk, s.Dv});
+  Tensor dq = blhd(q, s.B, s.H, s.Lq, s.D);
+  Tensor dk = blhd(q, s.B, s.Hkv, s.Lk, s.D);
+  Tensor dv = blhd(q, s.B, s.Hkv, s.Lk, s.Dv);
   const ScalarType acc = acc_type(q.scalar_type());
   Tensor delta = torch::stable::new_empty(q, {s.B, s.H, s.Lq}, acc);
   Tensor dhm_rows = torch::stable::new_zeros(q, {head_mask_grad ? s.B : 0, s.H, s.Lq}, acc);
@@ -468,7 +477,10 @@ std::tuple<Tensor, Tensor> ce_forward(Tensor input, Tensor target, std::optional
 
   // Reduced in double, serially in row order: the same bits for any thread count.
   double total = ma_ce_sum(p.loss, p.loss_dtype, R);
-  if (red == CeReduction::Mean) total /= ma_ce_total_weight(&p.a);  // 0 kept rows: 0 / 0 = NaN
+  if (red == CeReduction::Mean) {  // no kept weight (no kept row, or all of weight 0): NaN, as PyTorch
+    const double kept = ma_ce_total_weight(&p.a);
+    total = kept == 0.0 ? NAN : total / kept;
+  }
   Tensor out = torch::stable::new_empty(input, std::vector<int64_t>{});
   torch::stable::fill_(out, total);
   return {out, lse};

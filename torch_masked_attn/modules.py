@@ -155,11 +155,13 @@ class MultiheadAttention(nn.MultiheadAttention):
         out = torch.ops.masked_attn.forward(
             q, k, v, attn_mask, key_padding_mask, head_mask, bool(is_causal and extra_keys == 0),
             None, bool(need_weights))
-        attn, weights = out[0], out[2]                                            # (N, H, L, hd)
-        attn = attn.permute(2, 0, 1, 3).reshape(L, N, E)
-        attn = F.linear(attn, self.out_proj.weight, self.out_proj.bias)           # (L, N, E)
+        attn, weights = out[0], out[2]              # (N, H, L, hd), stored as (N, L, H, hd)
         if self.batch_first and is_batched:
-            attn = attn.transpose(0, 1)
+            attn = F.linear(attn.transpose(1, 2).reshape(N, L, E), self.out_proj.weight,
+                            self.out_proj.bias)                                   # (N, L, E)
+        else:
+            attn = F.linear(attn.permute(2, 0, 1, 3).reshape(L, N, E), self.out_proj.weight,
+                            self.out_proj.bias)                                   # (L, N, E)
         if not is_batched:
             attn = attn.squeeze(1)
         if not need_weights:

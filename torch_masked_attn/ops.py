@@ -39,7 +39,7 @@ def _forward_fake(q, k, v, attn_mask=None, key_padding_mask=None, head_mask=None
                  lambda: "masked_attn: q, k, v must be 4-D")
     B, H, Lq, _ = q.shape
     Lk, Dv = k.shape[2], v.shape[3]
-    out = q.new_empty(B, H, Lq, Dv)
+    out = q.new_empty(B, Lq, H, Dv).transpose(1, 2)      # stored (B, Lq, H, Dv), see shim.cpp
     lse = q.new_empty(B, H, Lq, dtype=_lse_dtype(q.dtype))
     weights = q.new_empty(B, H, Lq, Lk) if need_weights else q.new_empty(0)
     return out, lse, weights
@@ -51,7 +51,11 @@ def _backward_fake(grad_out, grad_weights, q, k, v, out, lse, attn_mask=None,
                    head_mask_grad=False):
     B, H = q.shape[:2]
     grad_hm = q.new_empty(B, H) if head_mask_grad else q.new_empty(0)
-    return (q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape), grad_hm)
+
+    def blhd(shape):  # (B, H, L, D) stored as (B, L, H, D), see shim.cpp
+        return q.new_empty(shape[0], shape[2], shape[1], shape[3]).transpose(1, 2)
+
+    return blhd(q.shape), blhd(k.shape), blhd(v.shape), grad_hm
 
 
 # ---- autograd ------------------------------------------------------------
@@ -85,3 +89,64 @@ def _forward_backward(ctx, grad_out, grad_lse, grad_weights):
 
 torch.library.register_autograd(
     "masked_attn::forward", _forward_backward, setup_context=_forward_setup_context)
+
+
+# ---- cross-entropy ---------------------------------------------------------
+#
+#   masked_attn::cross_entropy(input, target, weight?, reduction, ignore_index,
+#                              label_smoothing) -> (loss, lse)
+#   masked_attn::cross_entropy_backward(grad_loss, input, target, weight?, lse,
+#                              reduction, ignore_index, label_smoothing,
+#                              target_grad) -> (grad_input, grad_target)
+#
+# input (C,), (N, C) or (N, C, d1, ..., dk); target int64 class indices of
+# input's shape without the class dim, or probabilities of input's shape and
+# dtype; weight (C,) of input's dtype; reduction 'none' | 'mean' | 'sum';
+# label_smoothing in [0, 1]. lse is the per-row log-sum-exp (float32, float64
+# for float64 input; 0 on ignored rows). The drop-in F.cross_entropy with
+# PyTorch's argument handling and exceptions is torch_masked_attn.losses.
+
+def _ce_rows_shape(input):
+    return tuple(input.shape[:1]) + tuple(input.shape[2:]) if input.dim() >= 2 else ()
+
+
+@torch.library.register_fake("masked_attn::cross_entropy")
+def _cross_entropy_fake(input, target, weight=None, reduction="mean", ignore_index=-100,
+                        label_smoothing=0.0):
+    torch._check(input.dim() >= 1, lambda: "masked_attn.cross_entropy: input must have a class dim")
+    rows = _ce_rows_shape(input)
+    loss = input.new_empty(rows if reduction == "none" else ())
+    lse = input.new_empty(rows, dtype=_lse_dtype(input.dtype))
+    return loss, lse
+
+
+@torch.library.register_fake("masked_attn::cross_entropy_backward")
+def _cross_entropy_backward_fake(grad_loss, input, target, weight, lse, reduction, ignore_index,
+                                 label_smoothing, target_grad=False):
+    return input.new_empty(input.shape), input.new_empty(input.shape if target_grad else (0,))
+
+
+def _cross_entropy_setup_context(ctx, inputs, output):
+    input, target, weight, reduction, ignore_index, label_smoothing = inputs
+    _, lse = output
+    ctx.save_for_backward(input, target, weight, lse)
+    ctx.reduction, ctx.ignore_index, ctx.label_smoothing = reduction, ignore_index, label_smoothing
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+
+
+def _cross_entropy_backward(ctx, grad_loss, grad_lse):
+    input, target, weight, lse = ctx.saved_tensors
+    target_grad = bool(ctx.needs_input_grad[1]) and target.is_floating_point()
+    if grad_loss is None or not (ctx.needs_input_grad[0] or target_grad):
+        return None, None, None, None, None, None
+    grad_input, grad_target = torch.ops.masked_attn.cross_entropy_backward(
+        grad_loss, input, target, weight, lse, ctx.reduction, ctx.ignore_index,
+        ctx.label_smoothing, target_grad)
+    return (grad_input if ctx.needs_input_grad[0] else None,
+            grad_target if target_grad else None, None, None, None, None)
+
+
+torch.library.register_autograd(
+    "masked_attn::cross_entropy", _cross_entropy_backward,
+    setup_context=_cross_entropy_setup_context)
