@@ -52,23 +52,24 @@ class BuildC11ThenExtension(BuildExtension):
         super().build_extensions()
 
 
-setup(
-    name="torch_masked_attn",
-    version="0.1.0",
-    description="Masked attention and cross-entropy for PyTorch on CPUs: C11 kernels, drop-in modules",
-    packages=find_packages(include=["torch_masked_attn", "torch_masked_attn.*"]),
-    ext_modules=[
-        CppExtension(
-            "torch_masked_attn._C",
-            ["csrc/shim.cpp"],
-            include_dirs=[os.path.join(ROOT, "csrc")],
-            extra_compile_args={
-                "cxx": ["-O2", "-std=c++17", "-DTORCH_TARGET_VERSION=0x020a000000000000"],
-            },
-            py_limited_api=True,
-        )
-    ],
-    cmdclass={"build_ext": BuildC11ThenExtension},
-    python_requires=">=3.10",
-    install_requires=["torch>=2.10"],
-)
+if __name__ == "__main__":  # tests import this file for the C flags
+    setup(
+        name="torch_masked_attn",
+        version="0.1.0",
+        description="Masked attention and cross-entropy for PyTorch on CPUs: C11 kernels, drop-in modules",
+        packages=find_packages(include=["torch_masked_attn", "torch_masked_attn.*"]),
+        ext_modules=[
+            CppExtension(
+                "torch_masked_attn._C",
+                ["csrc/shim.cpp"],
+                include_dirs=[os.path.join(ROOT, "csrc")],
+                extra_compile_args={
+                    "cxx": ["-O2", "-std=c++17", "-DTORCH_TARGET_VERSION=0x020a000000000000"],
+                },
+                py_limited_api=True,
+            )
+        ],
+        cmdclass={"build_ext": BuildC11ThenExtension},
+        python_requires=">=3.10",
+        install_requires=["torch>=2.10"],
+    )

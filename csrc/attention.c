@@ -96,6 +96,8 @@ static void exp_sub_col_f64(double *x, int64_t rows, int64_t n, const double *m,
         }
 }
 
+const ma_blocks ma_blocks_scalar = {"scalar", gemm_scalar_f32, exp_sub_sum_scalar_f32, col_max_scalar_f32, exp_sub_col_scalar_f32};
+
 /* float accumulation, scalar: the reference */
 #define ACC float
 #define FN(name) name##_scalar

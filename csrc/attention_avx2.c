@@ -131,6 +131,8 @@ static void exp_sub_col_avx2(float *x, int64_t rows, int64_t n, const float *m, 
     }
 }
 
+const ma_blocks ma_blocks_avx2 = {"avx2", gemm_avx2, exp_sub_sum_avx2, col_max_avx2, exp_sub_col_avx2};
+
 #define ACC float
 #define FN(name) name##_avx2
 #define LOAD ma_load_f32

@@ -124,6 +124,8 @@ static void exp_sub_col_avx512(float *x, int64_t rows, int64_t n, const float *m
     }
 }
 
+const ma_blocks ma_blocks_avx512 = {"avx512", gemm_avx512, exp_sub_sum_avx512, col_max_avx512, exp_sub_col_avx512};
+
 #define ACC float
 #define FN(name) name##_avx512
 #define LOAD ma_load_f32

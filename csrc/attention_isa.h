@@ -6,6 +6,20 @@
 
 #include <stdint.h>
 
+/* The float building blocks of one instruction set (see attention_tmpl.h),
+ * exported so that the C harness (tests/c/test_blocks.c) can check every
+ * variant against the scalar reference directly. */
+typedef struct {
+    const char *name;
+    void (*gemm)(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs,
+                 const float *B, int64_t ldb, float *C, int64_t ldc, int accumulate);
+    float (*exp_sub_sum)(float *x, int64_t n, float m);
+    void (*col_max)(const float *x, int64_t rows, int64_t n, float *m);
+    void (*exp_sub_col)(float *x, int64_t rows, int64_t n, const float *m, float *sum);
+} ma_blocks;
+
+extern const ma_blocks ma_blocks_scalar, ma_blocks_avx2, ma_blocks_avx512;
+
 void ma_attn_fwd_avx2(int64_t begin, int64_t end, void *ctx);
 void ma_attn_bwd_dq_avx2(int64_t begin, int64_t end, void *ctx);
 void ma_attn_bwd_dkdv_avx2(int64_t begin, int64_t end, void *ctx);

@@ -1,0 +1,151 @@
+/*
+ * test_blocks.c -- the C harness: every SIMD variant of the attention
+ * building blocks this CPU supports, against the scalar reference, on sizes
+ * that hit every vector and micro-tile edge and on the special values
+ * (-inf, NaN, huge) the kernels rely on. Exit status 0 = all passed.
+ *
+ *   built and run by tests/test_c_harness.py (make test)
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "attention_isa.h"
+#include "masked_attn.h"
+
+static int failures = 0;
+
+#define CHECK(cond, ...)                                    \
+    do {                                                    \
+        if (!(cond)) {                                      \
+            if (failures++ < 20) {                          \
+                fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
+                fprintf(stderr, __VA_ARGS__);               \
+                fprintf(stderr, "\n");                      \
+            }                                               \
+        }                                                   \
+    } while (0)
+
+static unsigned rng = 12345u;
+static float frand(void) { /* uniform in [-1, 1) */
+    rng = rng * 1664525u + 1013904223u;
+    return (float)(rng >> 8) / (float)(1u << 23) - 1.0f;
+}
+
+static int close_enough(float a, float b, float rtol, float atol) {
+    if (isnan(a) || isnan(b)) return isnan(a) && isnan(b);
+    if (isinf(a) || isinf(b)) return a == b;
+    return fabsf(a - b) <= atol + rtol * fabsf(b);
+}
+
+static void test_gemm(const ma_blocks *v) {
+    static const int64_t sizes[] = {1, 3, 4, 5, 8, 15, 16, 17, 31, 32, 33, 64, 65};
+    const int ns = (int)(sizeof sizes / sizeof sizes[0]);
+    for (int im = 0; im < ns; im++)
+        for (int in = 0; in < ns; in++)
+            for (int64_t k = 1; k <= 67; k += 33)
+                for (int trans = 0; trans < 2; trans++)
+                    for (int accumulate = 0; accumulate < 2; accumulate++) {
+                        const int64_t m = sizes[im], n = sizes[in], ldc = n + 3, ldb = n + 1;
+                        float *A = malloc(sizeof(float) * m * k), *B = malloc(sizeof(float) * k * ldb);
+                        float *C0 = malloc(sizeof(float) * m * ldc), *C1 = malloc(sizeof(float) * m * ldc);
+                        for (int64_t x = 0; x < m * k; x++) A[x] = frand();
+                        for (int64_t x = 0; x < k * ldb; x++) B[x] = frand();
+                        for (int64_t x = 0; x < m * ldc; x++) C0[x] = C1[x] = frand();
+                        const int64_t ars = trans ? 1 : k, acs = trans ? m : 1;
+                        ma_blocks_scalar.gemm(m, n, k, A, ars, acs, B, ldb, C0, ldc, accumulate);
+                        v->gemm(m, n, k, A, ars, acs, B, ldb, C1, ldc, accumulate);
+                        for (int64_t i = 0; i < m; i++)
+                            for (int64_t j = 0; j < ldc; j++) {
+                                const float a = C1[i * ldc + j], b = C0[i * ldc + j];
+                                if (j < n)
+                                    CHECK(close_enough(a, b, 1e-5f, 1e-5f),
+                                          "%s gemm m=%ld n=%ld k=%ld trans=%d acc=%d C[%ld,%ld] %g vs %g",
+                                          v->name, (long)m, (long)n, (long)k, trans, accumulate, (long)i,
+                                          (long)j, a, b);
+                                else /* padding columns of C are never touched */
+                                    CHECK(a == b, "%s gemm wrote past n: m=%ld n=%ld", v->name, (long)m, (long)n);
+                            }
+                        free(A), free(B), free(C0), free(C1);
+                    }
+}
+
+static void test_exp(const ma_blocks *v) {
+    /* the exp itself, over the range softmax uses (x - max <= 0) and beyond */
+    enum { N = 4001 };
+    static float x0[N], x1[N];
+    for (int i = 0; i < N; i++) x0[i] = x1[i] = -110.0f + 120.0f * (float)i / (N - 1);
+    const float s0 = ma_blocks_scalar.exp_sub_sum(x0, N, 0.0f), s1 = v->exp_sub_sum(x1, N, 0.0f);
+    for (int i = 0; i < N; i++) {
+        const float ref = expf(-110.0f + 120.0f * (float)i / (N - 1));
+        if (ref >= 1.1754944e-38f) /* normal results: a few ulp */
+            CHECK(close_enough(x1[i], ref, 4e-7f, 0.0f), "%s exp(%g) = %g, libm %g", v->name,
+                  -110.0f + 120.0f * (float)i / (N - 1), x1[i], ref);
+        else /* below FLT_MIN a variant may flush to 0 */
+            CHECK(x1[i] >= 0.0f && x1[i] <= 1.2e-38f, "%s exp underflow %g", v->name, x1[i]);
+    }
+    CHECK(close_enough(s1, s0, 1e-5f, 0.0f), "%s exp_sub_sum sum %g vs %g", v->name, s1, s0);
+
+    /* special values: exp(-inf) = 0 exactly, NaN propagates; every length */
+    for (int64_t n = 1; n <= 40; n++) {
+        float a[40], b[40];
+        for (int64_t i = 0; i < n; i++) a[i] = b[i] = (i % 3 == 0) ? -INFINITY : frand() * 5.0f;
+        const float sa = ma_blocks_scalar.exp_sub_sum(a, n, 1.5f), sb = v->exp_sub_sum(b, n, 1.5f);
+        for (int64_t i = 0; i < n; i++) {
+            if (i % 3 == 0) CHECK(b[i] == 0.0f, "%s exp(-inf) = %g", v->name, b[i]);
+            else CHECK(close_enough(b[i], a[i], 1e-6f, 0.0f), "%s n=%ld i=%ld", v->name, (long)n, (long)i);
+        }
+        CHECK(close_enough(sb, sa, 1e-5f, 0.0f), "%s exp_sub_sum n=%ld sum %g vs %g", v->name, (long)n, sb, sa);
+        b[n / 2] = NAN;
+        CHECK(isnan(v->exp_sub_sum(b, n, 0.0f)), "%s NaN did not propagate to the sum", v->name);
+    }
+}
+
+static void test_columns(const ma_blocks *v) {
+    for (int64_t rows = 1; rows <= 9; rows += 4)
+        for (int64_t n = 1; n <= 40; n++) {
+            float x0[9 * 40], x1[9 * 40], m0[40], m1[40], s0[40], s1[40];
+            for (int64_t i = 0; i < rows * n; i++) x0[i] = x1[i] = frand() * 30.0f;
+            for (int64_t r = 0; r < n; r++) {
+                m0[r] = m1[r] = (r % 4 == 0) ? -INFINITY : frand();
+                s0[r] = s1[r] = 1.0f;
+            }
+            for (int64_t c = 0; c < rows; c++) x0[c * n] = x1[c * n] = -INFINITY; /* a fully masked column */
+            if (n > 2) x0[(rows - 1) * n + 2] = x1[(rows - 1) * n + 2] = NAN;
+            ma_blocks_scalar.col_max(x0, rows, n, m0);
+            v->col_max(x1, rows, n, m1);
+            for (int64_t r = 0; r < n; r++)
+                CHECK(m1[r] == m0[r] || (isnan(m1[r]) && isnan(m0[r])), "%s col_max rows=%ld n=%ld r=%ld %g vs %g",
+                      v->name, (long)rows, (long)n, (long)r, m1[r], m0[r]);
+            ma_blocks_scalar.exp_sub_col(x0, rows, n, m0, s0);
+            v->exp_sub_col(x1, rows, n, m1, s1);
+            for (int64_t i = 0; i < rows * n; i++)
+                CHECK(close_enough(x1[i], x0[i], 1e-6f, 1e-30f), "%s exp_sub_col rows=%ld n=%ld i=%ld %g vs %g",
+                      v->name, (long)rows, (long)n, (long)i, x1[i], x0[i]);
+            for (int64_t r = 0; r < n; r++)
+                CHECK(close_enough(s1[r], s0[r], 1e-5f, 0.0f), "%s exp_sub_col sum r=%ld %g vs %g", v->name,
+                      (long)r, s1[r], s0[r]);
+            CHECK(x1[0] == 0.0f && s1[0] == 1.0f, "%s fully masked column: p %g, sum %g", v->name, x1[0], s1[0]);
+        }
+}
+
+int main(void) {
+    const struct {
+        ma_isa isa;
+        const ma_blocks *blocks;
+    } variants[] = {{MA_ISA_SCALAR, &ma_blocks_scalar}, {MA_ISA_AVX2, &ma_blocks_avx2},
+                    {MA_ISA_AVX512, &ma_blocks_avx512}};
+    for (size_t i = 0; i < sizeof variants / sizeof variants[0]; i++) {
+        if (!ma_isa_available(variants[i].isa)) {
+            printf("%-7s not supported by this CPU, skipped\n", variants[i].blocks->name);
+            continue;
+        }
+        const int before = failures;
+        test_gemm(variants[i].blocks);
+        test_exp(variants[i].blocks);
+        test_columns(variants[i].blocks);
+        printf("%-7s %s\n", variants[i].blocks->name, failures == before ? "ok" : "FAILED");
+    }
+    return failures ? 1 : 0;
+}
