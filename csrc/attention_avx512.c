@@ -3,9 +3,9 @@
  * building blocks. Compiled with -mavx512f -mavx512bw -mavx512dq -mavx512vl
  * -mfma only (setup.py); called only when the CPU has them (attention.c).
  *
- * GEMM is a BLIS-style split: a 4 x 32 register-blocked micro-kernel (8 zmm
- * accumulators; each step broadcasts 4 elements of A and loads 2 vectors of
- * B) and the loops around it. Column tails use masked loads and stores, so
+ * GEMM is a BLIS-style split: an 8 x 32 register-blocked micro-kernel (16 zmm
+ * accumulators; each step broadcasts 8 elements of A and loads 2 vectors of
+ * B, 16 FMAs in flight) and the loops around it. Column tails use masked loads and stores, so
  * any n works; row tails use the same micro-kernel with fewer rows.
  */
 #include <immintrin.h>
@@ -21,11 +21,11 @@ static inline __mmask16 tail_mask(int64_t n) {
 
 /* C[0:MR, 0:nr] (+)= A[0:MR, 0:k] @ B[0:k, 0:nr], nr <= 32. MR is a constant
  * after inlining, so the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void ukernel_4x32(
+static inline __attribute__((always_inline)) void ukernel_8x32(
     const int MR, int64_t nr, int64_t k, const float *A, int64_t ars, int64_t acs, const float *B,
     int64_t ldb, float *C, int64_t ldc, int accumulate) {
     const __mmask16 m0 = tail_mask(nr), m1 = tail_mask(nr - 16);
-    __m512 c0[4], c1[4];
+    __m512 c0[8], c1[8];
     for (int r = 0; r < MR; r++) {
         c0[r] = accumulate ? _mm512_maskz_loadu_ps(m0, C + r * ldc) : _mm512_setzero_ps();
         c1[r] = accumulate ? _mm512_maskz_loadu_ps(m1, C + r * ldc + 16) : _mm512_setzero_ps();
@@ -51,10 +51,12 @@ static void gemm_avx512(int64_t m, int64_t n, int64_t k, const float *A, int64_t
     for (int64_t j = 0; j < n; j += 32) {
         const int64_t nr = ma_min(32, n - j);
         int64_t i = 0;
+        for (; i + 8 <= m; i += 8)
+            ukernel_8x32(8, nr, k, A + i * ars, ars, acs, B + j, ldb, C + i * ldc + j, ldc, accumulate);
         for (; i + 4 <= m; i += 4)
-            ukernel_4x32(4, nr, k, A + i * ars, ars, acs, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+            ukernel_8x32(4, nr, k, A + i * ars, ars, acs, B + j, ldb, C + i * ldc + j, ldc, accumulate);
         for (; i < m; i++)
-            ukernel_4x32(1, nr, k, A + i * ars, ars, acs, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+            ukernel_8x32(1, nr, k, A + i * ars, ars, acs, B + j, ldb, C + i * ldc + j, ldc, accumulate);
     }
 }
 
