@@ -40,28 +40,45 @@ static inline int FN(is_native)(ma_dtype dt) {
     return sizeof(ACC) == sizeof(float) ? dt == MA_F32 : dt == MA_F64;
 }
 
+/* dst[c * dst_stride] = mul * src[off + c * st], c < n: one row, converted to
+ * ACC. The element type is switched on once per row, so each loop is plain
+ * and vectorisable. */
+static void FN(convert_row)(ACC *dst, int64_t dst_stride, const void *src, ma_dtype dt, int64_t off,
+                            int64_t st, int64_t n, ACC mul) {
+    switch (dt) {
+    case MA_F32: {
+        const float *x = (const float *)src + off;
+        for (int64_t c = 0; c < n; c++) dst[c * dst_stride] = mul * (ACC)x[c * st];
+        break;
+    }
+    case MA_F64: {
+        const double *x = (const double *)src + off;
+        for (int64_t c = 0; c < n; c++) dst[c * dst_stride] = mul * (ACC)x[c * st];
+        break;
+    }
+    case MA_BF16: {
+        const uint16_t *x = (const uint16_t *)src + off;
+        for (int64_t c = 0; c < n; c++) dst[c * dst_stride] = mul * (ACC)ma_bf16_to_f32(x[c * st]);
+        break;
+    }
+    default:
+        for (int64_t c = 0; c < n; c++) dst[c * dst_stride] = mul * LOAD(src, dt, off + c * st);
+        break;
+    }
+}
+
 /* dst (nr, ncol) = src[b, h, r0 : r0 + nr, 0 : ncol]; overwrites. */
 static void FN(load_tile)(ACC *dst, const void *src, ma_dtype dt, const int64_t st[4], int64_t b,
                           int64_t h, int64_t r0, int64_t nr, int64_t ncol) {
-    for (int64_t r = 0; r < nr; r++) {
-        const int64_t base = b * st[0] + h * st[1] + (r0 + r) * st[2];
-        ACC *dst_r = dst + r * ncol;
-        for (int64_t c = 0; c < ncol; c++) dst_r[c] = LOAD(src, dt, base + c * st[3]);
-    }
+    for (int64_t r = 0; r < nr; r++)
+        FN(convert_row)(dst + r * ncol, 1, src, dt, b * st[0] + h * st[1] + (r0 + r) * st[2], st[3], ncol, 1);
 }
 
 /* dst (ncol, nr) = mul * src[b, h, r0 : r0 + nr, 0 : ncol]^T; overwrites. */
 static void FN(load_tile_t)(ACC *dst, const void *src, ma_dtype dt, const int64_t st[4], int64_t b,
                             int64_t h, int64_t r0, int64_t nr, int64_t ncol, ACC mul) {
-    for (int64_t r = 0; r < nr; r++) {
-        const int64_t base = b * st[0] + h * st[1] + (r0 + r) * st[2];
-        if (FN(is_native)(dt) && st[3] == 1) {
-            const ACC *src_r = (const ACC *)src + base;
-            for (int64_t c = 0; c < ncol; c++) dst[c * nr + r] = mul * src_r[c];
-        } else {
-            for (int64_t c = 0; c < ncol; c++) dst[c * nr + r] = mul * LOAD(src, dt, base + c * st[3]);
-        }
-    }
+    for (int64_t r = 0; r < nr; r++)
+        FN(convert_row)(dst + r, nr, src, dt, b * st[0] + h * st[1] + (r0 + r) * st[2], st[3], ncol, mul);
 }
 
 /* Rows r0 .. r0 + nr of src[b, h] as an ACC matrix with row stride *ld:
@@ -84,7 +101,12 @@ static void FN(store_tile)(void *dst, ma_dtype dt, const int64_t st[4], int64_t 
     for (int64_t r = 0; r < nr; r++) {
         const int64_t base = b * st[0] + h * st[1] + (r0 + r) * st[2];
         const ACC *src_r = src + r * ncol;
-        for (int64_t c = 0; c < ncol; c++) STORE(dst, dt, base + c * st[3], mul * src_r[c]);
+        if (dt == MA_F32) {
+            float *y = (float *)dst + base;
+            for (int64_t c = 0; c < ncol; c++) y[c * st[3]] = (float)(mul * src_r[c]);
+        } else {
+            for (int64_t c = 0; c < ncol; c++) STORE(dst, dt, base + c * st[3], mul * src_r[c]);
+        }
     }
 }
 
