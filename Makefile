@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.deps-installed
 SOURCES := $(wildcard csrc/*.c csrc/*.h csrc/*.cpp) setup.py
 BUILT   := $(VENV)/.built
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo demo-attention test bench clean
 
 setup: $(BUILT)
 
@@ -22,8 +22,14 @@ $(BUILT): $(STAMP) $(SOURCES)
 	$(VPY) -m pip install --no-build-isolation --no-deps -e .
 	touch $@
 
+# the main job: train a small causal LM on torch.nn and on ours side by side,
+# then a tour of the attention op on a padded batch
 demo: setup
 	$(VPY) examples/demo.py
+	$(VPY) examples/attention_demo.py
+
+demo-attention: setup
+	$(VPY) examples/attention_demo.py
 
 test: setup
 	$(VPY) -m pytest tests -q
