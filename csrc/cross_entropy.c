@@ -18,28 +18,24 @@
 #define LOAD ma_load_f32
 #define STORE ma_store_f32
 #define EXP expf
-#define LOG logf
 #include "cross_entropy_tmpl.h"
 #undef ACC
 #undef FN
 #undef LOAD
 #undef STORE
 #undef EXP
-#undef LOG
 
 #define ACC double
 #define FN(name) name##_f64
 #define LOAD ma_load_f64
 #define STORE ma_store_f64
 #define EXP exp
-#define LOG log
 #include "cross_entropy_tmpl.h"
 #undef ACC
 #undef FN
 #undef LOAD
 #undef STORE
 #undef EXP
-#undef LOG
 
 void ma_ce_fwd_task(int64_t begin, int64_t end, void *ctx) {
     const ma_ce_fwd_params *p = (const ma_ce_fwd_params *)((const ma_task_ctx *)ctx)->params;

@@ -4,7 +4,10 @@
  *   ACC = float  (float32, bfloat16, float16 inputs: float32 accumulation)
  *   ACC = double (float64 inputs, for gradcheck)
  * with FN(x) giving each instance its suffix, LOAD/STORE the element access
- * of that precision, EXP/LOG the libm functions.
+ * of that precision, EXP the libm exp. Per-element arithmetic is in
+ * ACC; the sums over a row's C classes (sum of exponentials, the smoothing and
+ * probability terms) are kept in double in both instances, so a 32k-class
+ * vocabulary loses nothing to a long float32 running sum.
  *
  * Shapes: N, C, S, R as in masked_attn.h. Row r = n * S + s is x[n, :, s],
  * read in place with the class stride: an (N, C, d1, ..., dk) input is never
@@ -20,9 +23,9 @@
 /* ---- row building blocks ------------------------------------------------ */
 
 /* W = sum_c w_c (C without weight): the weight of the uniform smoothing target. */
-static ACC FN(weight_sum)(const ma_ce_args *a) {
-    if (!a->weight) return (ACC)a->C;
-    ACC W = 0;
+static double FN(weight_sum)(const ma_ce_args *a) {
+    if (!a->weight) return (double)a->C;
+    double W = 0;
     for (int64_t c = 0; c < a->C; c++) W += LOAD(a->weight, a->dtype, c * a->weight_stride);
     return W;
 }
@@ -46,10 +49,10 @@ static inline ACC FN(coef)(const ma_ce_args *a, int64_t c, int64_t p_row, ACC ls
 }
 
 typedef struct {
-    ACC m;      /* max_c x_c                                       */
-    ACC log_l;  /* log sum_c exp(x_c - m); lse = m + log_l          */
-    ACC k_sum;  /* sum_c k_c                    (when want_k)       */
-    ACC k_dot;  /* sum_c k_c (x_c - m)          (when want_k)       */
+    ACC m;         /* max_c x_c                                    */
+    double log_l;  /* log sum_c exp(x_c - m); lse = m + log_l       */
+    double k_sum;  /* sum_c k_c                 (when want_k)       */
+    double k_dot;  /* sum_c k_c (x_c - m)       (when want_k)       */
 } FN(row_stats);
 
 /* One read of the row x[n, :, s] (x_row = offset of x[n, 0, s]), online.
@@ -61,7 +64,8 @@ static FN(row_stats) FN(row_pass)(const ma_ce_args *a, int64_t x_row, int64_t p_
                                   ACC ls, ACC ls_c) {
     const int64_t C = a->C, cs = a->input_stride[1];
     const ACC NEG_INF = -(ACC)INFINITY;
-    ACC m = NEG_INF, l = 0, k_sum = 0, k_dot = 0;
+    ACC m = NEG_INF;
+    double l = 0, k_sum = 0, k_dot = 0;
     for (int64_t c = 0; c < C; c++) {
         const ACC x = LOAD(a->input, a->dtype, x_row + c * cs);
         if (x > m) {
@@ -77,7 +81,7 @@ static FN(row_stats) FN(row_pass)(const ma_ce_args *a, int64_t x_row, int64_t p_
             k_dot += k * (m == NEG_INF ? x : x - m);
         }
     }
-    FN(row_stats) st = {m, m == (ACC)INFINITY ? (ACC)NAN : LOG(l), k_sum, k_dot};
+    FN(row_stats) st = {m, m == (ACC)INFINITY ? (double)NAN : log(l), k_sum, k_dot};
     return st;
 }
 
@@ -102,7 +106,7 @@ static void FN(ce_fwd)(int64_t begin, int64_t end, void *vctx) {
     for (int64_t r = begin; r < end; r++) {
         const int64_t n = r / S, s = r - n * S;
         const int64_t x_row = n * xs[0] + s * xs[2];
-        ACC loss;
+        double loss;
         if (a->target) {
             const int64_t t = a->target[n * ts[0] + s * ts[1]];
             if (t == a->ignore_index) { /* skipped, not computed */
@@ -111,15 +115,16 @@ static void FN(ce_fwd)(int64_t begin, int64_t end, void *vctx) {
                 continue;
             }
             const FN(row_stats) st = FN(row_pass)(a, x_row, 0, ls > 0, ls, ls_c);
-            lse[r] = st.m + st.log_l;
-            loss = FN(class_weight)(a, t) * (lse[r] - LOAD(a->input, a->dtype, x_row + t * xs[1]));
+            lse[r] = (ACC)(st.m + st.log_l);
+            /* lse - x_t as (m - x_t) + log_l: no rounding of a large lse */
+            loss = FN(class_weight)(a, t) * ((double)(st.m - LOAD(a->input, a->dtype, x_row + t * xs[1])) + st.log_l);
             if (ls > 0) loss = (1 - ls) * loss + ls_c * (st.k_sum * st.log_l - st.k_dot);
         } else {
             const FN(row_stats) st = FN(row_pass)(a, x_row, n * ts[0] + s * ts[2], 1, ls, ls_c);
-            lse[r] = st.m + st.log_l;
+            lse[r] = (ACC)(st.m + st.log_l);
             loss = C > 0 ? st.k_sum * st.log_l - st.k_dot : 0; /* no class: an empty sum */
         }
-        STORE(p->loss, p->loss_dtype, r, loss);
+        STORE(p->loss, p->loss_dtype, r, (ACC)loss);
     }
 }
 
@@ -144,20 +149,20 @@ static void FN(ce_bwd)(int64_t begin, int64_t end, void *vctx) {
     const int64_t *xs = a->input_stride, *ts = a->target_stride;
     const int64_t *ds = p->dinput_stride, *dts = p->dtarget_stride, *gs = p->dloss_stride;
     const ACC ls = (ACC)a->label_smoothing, ls_c = C > 0 ? ls / (ACC)C : 0;
-    const ACC W = a->target && ls > 0 ? FN(weight_sum)(a) : 0;
+    const ACC W = a->target && ls > 0 ? (ACC)FN(weight_sum)(a) : 0;
     const ACC *lse = (const ACC *)p->lse;
 
     for (int64_t r = begin; r < end; r++) {
         const int64_t n = r / S, s = r - n * S;
         const int64_t x_row = n * xs[0] + s * xs[2], dx_row = n * ds[0] + s * ds[2];
+        const int64_t t = a->target ? a->target[n * ts[0] + s * ts[1]] : 0;
+        if (a->target && t == a->ignore_index) { /* skipped, not computed */
+            for (int64_t c = 0; c < C; c++) STORE(p->dinput, a->dtype, dx_row + c * ds[1], 0);
+            continue;
+        }
         const ACC g = (ACC)((double)LOAD(p->dloss, a->dtype, n * gs[0] + s * gs[1]) * p->dloss_scale);
         const ACC lse_r = lse[r];
         if (a->target) {
-            const int64_t t = a->target[n * ts[0] + s * ts[1]];
-            if (t == a->ignore_index) {
-                for (int64_t c = 0; c < C; c++) STORE(p->dinput, a->dtype, dx_row + c * ds[1], 0);
-                continue;
-            }
             const ACC w_t = FN(class_weight)(a, t);
             const ACC g_soft = g * ((1 - ls) * w_t + ls_c * W), g_t = g * (1 - ls) * w_t, g_c = g * ls_c;
             for (int64_t c = 0; c < C; c++) {
@@ -168,8 +173,9 @@ static void FN(ce_bwd)(int64_t begin, int64_t end, void *vctx) {
             }
         } else {
             const int64_t p_row = n * ts[0] + s * ts[2], dp_row = n * dts[0] + s * dts[2];
-            ACC k_sum = 0;
-            for (int64_t c = 0; c < C; c++) k_sum += FN(coef)(a, c, p_row, ls, ls_c);
+            double k_sum_d = 0;
+            for (int64_t c = 0; c < C; c++) k_sum_d += FN(coef)(a, c, p_row, ls, ls_c);
+            const ACC k_sum = (ACC)k_sum_d;
             for (int64_t c = 0; c < C; c++) {
                 const ACC x = LOAD(a->input, a->dtype, x_row + c * xs[1]);
                 const ACC k = FN(coef)(a, c, p_row, ls, ls_c);

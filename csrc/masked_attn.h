@@ -160,8 +160,8 @@ size_t ma_attn_bwd_scratch_bytes(const ma_attn_bwd_params *p);
  *   probabilities p: loss = sum_c w_c p'_c (lse - x_c),   p'_c = (1 - ls) p_c + ls / C
  * A row whose target is ignore_index is skipped: loss 0, lse 0, gradient 0.
  * 'mean' divides the summed losses by the summed w_t of the kept rows (class
- * targets) or by R (probabilities); the shim reduces (ma_ce_sum,
- * ma_ce_total_weight), serially and in row order.
+ * targets) or by R (probabilities), NaN when that is 0; the shim reduces
+ * (ma_ce_sum, ma_ce_total_weight), serially and in row order.
  *
  * Gradients (g = d total / d loss of the row):
  *   class target t:  dx_c = g * ((1 - ls) w_t + ls / C * W) softmax_c

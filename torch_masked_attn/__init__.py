@@ -6,6 +6,7 @@ nn.CrossEntropyLoss.
 from . import ops  # noqa: F401  (loads the library, registers the ops)
 from . import functional
 from .modules import MultiheadAttention
+from .losses import CrossEntropyLoss, perplexity
 
-__all__ = ["functional", "MultiheadAttention"]
+__all__ = ["functional", "MultiheadAttention", "CrossEntropyLoss", "perplexity"]
 __version__ = "0.1.0"
