@@ -11,6 +11,8 @@
 #include <torch/headeronly/core/ScalarType.h>
 #include <torch/headeronly/util/Exception.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstdint>
@@ -59,28 +61,33 @@ ScalarType acc_type(ScalarType t) {
 
 // Runs fn over work items [0, n) on PyTorch's intra-op pool. Each thread gets
 // its own slice of one scratch buffer, allocated here before the parallel
-// region; the kernels never allocate.
+// region; the kernels never allocate. Items are handed out dynamically, `grain`
+// at a time (default: about 16 grabs per thread), so threads stay busy when
+// items cost different amounts (causal blocks, padded sequences). Every item
+// is computed the same way whichever thread takes it: results do not depend
+// on the schedule.
 void run_tasks(ma_task_fn fn, const void* params, int64_t n, size_t scratch_bytes,
-               const Tensor& like) {
+               const Tensor& like, int64_t grain = 0) {
   if (n <= 0) return;
-  const int64_t nthreads = torch::stable::get_num_threads();
+  const int64_t nthreads = std::max<int64_t>(1, torch::stable::get_num_threads());
+  if (grain <= 0) grain = std::max<int64_t>(1, n / (16 * nthreads));
   Tensor scratch = torch::stable::new_empty(
       like, {static_cast<int64_t>(scratch_bytes) * nthreads + MA_CACHE_LINE}, ScalarType::Byte);
   uintptr_t base = reinterpret_cast<uintptr_t>(scratch.mutable_data_ptr());
   base = (base + MA_CACHE_LINE - 1) / MA_CACHE_LINE * MA_CACHE_LINE;
-  struct Job {
-    ma_task_fn fn;
-    const void* params;
-    uintptr_t base;
-    size_t bytes;
-    int64_t nthreads;
-  } job{fn, params, base, scratch_bytes, nthreads};
-  torch::stable::parallel_for(0, n, 1, [&job](int64_t begin, int64_t end) {
+  std::atomic<int64_t> next{0};
+  auto worker = [&](int64_t, int64_t) {
     uint32_t tid = 0;
     torch_get_thread_idx(&tid);
-    ma_task_ctx ctx{job.params, reinterpret_cast<void*>(job.base + tid * job.bytes)};
-    job.fn(begin, end, &ctx);
-  });
+    ma_task_ctx ctx{params, reinterpret_cast<void*>(base + tid * scratch_bytes)};
+    for (int64_t begin; (begin = next.fetch_add(grain)) < n;)
+      fn(begin, std::min(begin + grain, n), &ctx);
+  };
+  if (nthreads == 1 || n <= grain) {
+    worker(0, 1);
+  } else {
+    torch::stable::parallel_for(0, std::min(nthreads, (n + grain - 1) / grain), 1, worker);
+  }
 }
 
 // A new (B, H, L, D) tensor stored as (B, L, H, D), the layout of q, k, v
@@ -244,7 +251,7 @@ std::tuple<Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tensor v,
     if (need_weights) torch::stable::zero_(weights);
     return {out, lse, weights};
   }
-  run_tasks(ma_attn_fwd_task, &p, ma_attn_fwd_work_items(&p), ma_attn_fwd_scratch_bytes(&p), q);
+  run_tasks(ma_attn_fwd_task, &p, ma_attn_fwd_work_items(&p), ma_attn_fwd_scratch_bytes(&p), q, 1);
   return {out, lse, weights};
 }
 
@@ -319,9 +326,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_backward(
   if (s.Lk == 0) {
     torch::stable::zero_(dq);
   } else {
-    run_tasks(ma_attn_bwd_dq_task, &p, ma_attn_bwd_dq_work_items(&p), bytes, q);
+    run_tasks(ma_attn_bwd_dq_task, &p, ma_attn_bwd_dq_work_items(&p), bytes, q, 1);
   }
-  run_tasks(ma_attn_bwd_dkdv_task, &p, ma_attn_bwd_dkdv_work_items(&p), bytes, q);
+  run_tasks(ma_attn_bwd_dkdv_task, &p, ma_attn_bwd_dkdv_work_items(&p), bytes, q, 1);
 
   // d head_mask[b, h] = sum over the rows of (b, h), in a fixed order.
   Tensor dhm = head_mask_grad
