@@ -180,9 +180,11 @@ int64_t ma_attn_bwd_dkdv_work_items(const ma_attn_bwd_params *p) {
 }
 
 size_t ma_attn_bwd_scratch_bytes(const ma_attn_bwd_params *p) {
+    /* the single pass adds dq (G, Lq, D) and delta, lse, dhm (G, Lq) */
+    const int64_t fused = ma_attn_bwd_single_pass(p) ? (p->H / p->Hkv) * p->Lq * (p->D + 3) : 0;
     const size_t n = p->dtype == MA_F64
-                         ? bwd_scratch_elems_f64(p->block_q, p->block_k, p->D, p->Dv) * sizeof(double)
-                         : bwd_scratch_elems_scalar(p->block_q, p->block_k, p->D, p->Dv) * sizeof(float);
+                         ? (bwd_scratch_elems_f64(p->block_q, p->block_k, p->D, p->Dv) + fused) * sizeof(double)
+                         : (bwd_scratch_elems_scalar(p->block_q, p->block_k, p->D, p->Dv) + fused) * sizeof(float);
     return ma_round_up(n, MA_CACHE_LINE);
 }
 
@@ -190,6 +192,17 @@ void ma_attn_bwd_dq_task(int64_t begin, int64_t end, void *ctx) {
     const ma_attn_bwd_params *p = (const ma_attn_bwd_params *)((const ma_task_ctx *)ctx)->params;
     DISPATCH(p, attn_bwd_dq, begin, end, ctx);
 }
+
+void ma_attn_bwd_fused_task(int64_t begin, int64_t end, void *ctx) {
+    const ma_attn_bwd_params *p = (const ma_attn_bwd_params *)((const ma_task_ctx *)ctx)->params;
+    DISPATCH(p, attn_bwd_fused, begin, end, ctx);
+}
+
+int ma_attn_bwd_single_pass(const ma_attn_bwd_params *p) {
+    return p->B * p->Hkv >= 16 && p->dweights == NULL;
+}
+
+int64_t ma_attn_bwd_fused_work_items(const ma_attn_bwd_params *p) { return p->B * p->Hkv; }
 
 void ma_attn_bwd_dkdv_task(int64_t begin, int64_t end, void *ctx) {
     const ma_attn_bwd_params *p = (const ma_attn_bwd_params *)((const ma_task_ctx *)ctx)->params;

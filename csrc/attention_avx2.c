@@ -149,3 +149,4 @@ const ma_blocks ma_blocks_avx2 = {"avx2", gemm_avx2, exp_sub_sum_avx2, col_max_a
 void ma_attn_fwd_avx2(int64_t begin, int64_t end, void *ctx) { attn_fwd_avx2(begin, end, ctx); }
 void ma_attn_bwd_dq_avx2(int64_t begin, int64_t end, void *ctx) { attn_bwd_dq_avx2(begin, end, ctx); }
 void ma_attn_bwd_dkdv_avx2(int64_t begin, int64_t end, void *ctx) { attn_bwd_dkdv_avx2(begin, end, ctx); }
+void ma_attn_bwd_fused_avx2(int64_t begin, int64_t end, void *ctx) { attn_bwd_fused_avx2(begin, end, ctx); }

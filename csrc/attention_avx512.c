@@ -144,3 +144,4 @@ const ma_blocks ma_blocks_avx512 = {"avx512", gemm_avx512, exp_sub_sum_avx512, c
 void ma_attn_fwd_avx512(int64_t begin, int64_t end, void *ctx) { attn_fwd_avx512(begin, end, ctx); }
 void ma_attn_bwd_dq_avx512(int64_t begin, int64_t end, void *ctx) { attn_bwd_dq_avx512(begin, end, ctx); }
 void ma_attn_bwd_dkdv_avx512(int64_t begin, int64_t end, void *ctx) { attn_bwd_dkdv_avx512(begin, end, ctx); }
+void ma_attn_bwd_fused_avx512(int64_t begin, int64_t end, void *ctx) { attn_bwd_fused_avx512(begin, end, ctx); }

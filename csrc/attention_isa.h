@@ -23,9 +23,11 @@ extern const ma_blocks ma_blocks_scalar, ma_blocks_avx2, ma_blocks_avx512;
 void ma_attn_fwd_avx2(int64_t begin, int64_t end, void *ctx);
 void ma_attn_bwd_dq_avx2(int64_t begin, int64_t end, void *ctx);
 void ma_attn_bwd_dkdv_avx2(int64_t begin, int64_t end, void *ctx);
+void ma_attn_bwd_fused_avx2(int64_t begin, int64_t end, void *ctx);
 
 void ma_attn_fwd_avx512(int64_t begin, int64_t end, void *ctx);
 void ma_attn_bwd_dq_avx512(int64_t begin, int64_t end, void *ctx);
 void ma_attn_bwd_dkdv_avx512(int64_t begin, int64_t end, void *ctx);
+void ma_attn_bwd_fused_avx512(int64_t begin, int64_t end, void *ctx);
 
 #endif

@@ -496,3 +496,89 @@ static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
         FN(store_tile)(p->dv, p->dtype, p->dv_stride, b, hk, j0, nc, Dv, t.dv, 1);
     }
 }
+
+/* Single pass, work item (b, hkv): for every key block (outer loop) and every
+ * query block of the G heads of the group (inner loop), dk and dv of the key
+ * block accumulate in tiles while dq of every query of the group accumulates
+ * in scratch, (G, Lq, D), always in key-block order. 5 matrix products and
+ * one exp per tile instead of the two passes' 7 and two; chosen by shape
+ * alone (ma_attn_bwd_single_pass) so results never depend on the thread
+ * count. No dweights here (the two passes handle them). */
+static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
+    const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
+    const ma_attn_bwd_params *p = (const ma_attn_bwd_params *)ctx->params;
+    const int64_t H = p->H, Hkv = p->Hkv, G = p->H / p->Hkv, Lq = p->Lq, Lk = p->Lk, D = p->D, Dv = p->Dv;
+    const int64_t BQ = p->block_q, BK = p->block_k;
+    FN(bwd_scratch) t = FN(bwd_carve)(ctx->scratch, BQ, BK, D, Dv);
+    ACC *dq_all = (ACC *)ctx->scratch + FN(bwd_scratch_elems)(BQ, BK, D, Dv); /* (G, Lq, D) */
+    ACC *delta_all = dq_all + G * Lq * D;                                    /* (G, Lq) */
+    ACC *lse_all = delta_all + G * Lq;                                       /* (G, Lq), -inf -> 0 */
+    ACC *dhm_all = lse_all + G * Lq;                                         /* (G, Lq) */
+
+    for (int64_t w = begin; w < end; w++) {
+        const int64_t b = w / Hkv, hk = w % Hkv;
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t h = hk * G + g;
+            const ACC *lse_bh = (const ACC *)p->lse + (b * H + h) * Lq;
+            for (int64_t i = 0; i < Lq; i++) {
+                /* delta_i = g_i . out_i */
+                const int64_t go = b * p->dout_stride[0] + h * p->dout_stride[1] + i * p->dout_stride[2];
+                const int64_t oo = b * p->out_stride[0] + h * p->out_stride[1] + i * p->out_stride[2];
+                ACC dot = 0;
+                for (int64_t d = 0; d < Dv; d++)
+                    dot += LOAD(p->dout, p->dtype, go + d * p->dout_stride[3]) *
+                           LOAD(p->out, p->dtype, oo + d * p->out_stride[3]);
+                delta_all[g * Lq + i] = dot;
+                lse_all[g * Lq + i] = FN(finite_or_zero)(lse_bh[i]);
+                dhm_all[g * Lq + i] = 0;
+            }
+        }
+        for (int64_t x = 0; x < G * Lq * D; x++) dq_all[x] = 0;
+
+        for (int64_t j0 = 0; j0 < Lk; j0 += BK) {
+            const int64_t nc = ma_min(BK, Lk - j0);
+            for (int64_t x = 0; x < nc * D; x++) t.dk[x] = 0;
+            for (int64_t x = 0; x < nc * Dv; x++) t.dv[x] = 0;
+            if (!FN(keys_all_padded)(&p->key_padding_mask, b, j0, nc)) {
+                int64_t ldk;
+                const ACC *k_j = FN(rows)(p->k, p->dtype, p->k_stride, b, hk, j0, nc, D, t.kbuf, &ldk);
+                FN(load_tile_t)(t.kT, p->k, p->dtype, p->k_stride, b, hk, j0, nc, D, (ACC)p->scale);
+                FN(load_tile_t)(t.vT, p->v, p->dtype, p->v_stride, b, hk, j0, nc, Dv, 1);
+                const int64_t i_begin = p->is_causal ? j0 : 0;
+                for (int64_t g = 0; g < G; g++) {
+                    const int64_t h = hk * G + g;
+                    const ACC hm = FN(head_scale)(&p->head_mask, b, h);
+                    for (int64_t i0 = i_begin; i0 < Lq; i0 += BQ) {
+                        const int64_t nr = ma_min(BQ, Lq - i0);
+                        int64_t ldq, ldg;
+                        const ACC *q_i = FN(rows)(p->q, p->dtype, p->q_stride, b, h, i0, nr, D, t.qbuf, &ldq);
+                        const ACC *g_i = FN(rows)(p->dout, p->dtype, p->dout_stride, b, h, i0, nr, Dv, t.gbuf, &ldg);
+                        /* P = exp(Q (scale K^T) + bias - lse) */
+                        GEMM(nr, nc, D, q_i, ldq, 1, t.kT, nc, t.s, nc, 0);
+                        FN(add_bias)(t.s, nc, 1, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
+                        for (int64_t r = 0; r < nr; r++)
+                            (void)EXP_SUB_SUM(t.s + r * nc, nc, lse_all[g * Lq + i0 + r]);
+                        /* dP = dO V^T;  dS = P (hm dP - delta) */
+                        GEMM(nr, nc, Dv, g_i, ldg, 1, t.vT, nc, t.dp, nc, 0);
+                        FN(dscores)(t.dp, t.s, nc, 1, delta_all + g * Lq + i0,
+                                    p->dhm_rows ? dhm_all + g * Lq + i0 : NULL, hm, nr, nc);
+                        /* dK += dS^T Q;  dQ += dS K;  dV += (hm P)^T dO */
+                        GEMM(nc, D, nr, t.dp, 1, nc, q_i, ldq, t.dk, D, 1);
+                        GEMM(nr, D, nc, t.dp, nc, 1, k_j, ldk, dq_all + (g * Lq + i0) * D, D, 1);
+                        if (hm != 1)
+                            for (int64_t x = 0; x < nr * nc; x++) t.s[x] *= hm;
+                        GEMM(nc, Dv, nr, t.s, 1, nc, g_i, ldg, t.dv, Dv, 1);
+                    }
+                }
+            }
+            FN(store_tile)(p->dk, p->dtype, p->dk_stride, b, hk, j0, nc, D, t.dk, (ACC)p->scale);
+            FN(store_tile)(p->dv, p->dtype, p->dv_stride, b, hk, j0, nc, Dv, t.dv, 1);
+        }
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t h = hk * G + g;
+            FN(store_tile)(p->dq, p->dtype, p->dq_stride, b, h, 0, Lq, D, dq_all + g * Lq * D, (ACC)p->scale);
+            if (p->dhm_rows)
+                for (int64_t i = 0; i < Lq; i++) ((ACC *)p->dhm_rows)[(b * H + h) * Lq + i] = dhm_all[g * Lq + i];
+        }
+    }
+}

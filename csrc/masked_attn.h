@@ -142,11 +142,19 @@ int64_t ma_attn_bwd_dq_work_items(const ma_attn_bwd_params *p);
 int64_t ma_attn_bwd_dkdv_work_items(const ma_attn_bwd_params *p);
 size_t ma_attn_bwd_scratch_bytes(const ma_attn_bwd_params *p);
 
+/* Or, when ma_attn_bwd_single_pass (a rule on the shape alone, so results
+ * never depend on the thread count): one pass, work item = (b, hkv), dq
+ * accumulated per item in scratch. Fewer matrix products; used when there
+ * are enough (b, hkv) items to keep every thread busy. */
+int ma_attn_bwd_single_pass(const ma_attn_bwd_params *p);
+void ma_attn_bwd_fused_task(int64_t begin, int64_t end, void *ctx);
+int64_t ma_attn_bwd_fused_work_items(const ma_attn_bwd_params *p);
+
 /* Scratch slices are padded to this many bytes. */
 #define MA_CACHE_LINE 64
 
 /* ------------------------------------------------------------------------
- * Cross-entropy (F.cross_entropy semantics)
+ * Cross-entropy (F.cross_entropy semantics, plus z-loss and logit soft-capping)
  *
  * Dimensions, named once:
  *   N    batch
@@ -154,20 +162,24 @@ size_t ma_attn_bwd_scratch_bytes(const ma_attn_bwd_params *p);
  *   S    spatial positions, d1 * ... * dk (1 for (N, C) and (C,) inputs)
  *   R    rows, N * S: one row = the C logits of one position, x[n, :, s]
  *
- * Per kept row, with w the class weights (all 1 without weight), ls the label
- * smoothing, lse = log sum_c exp x_c:
- *   class target t:  loss = (1 - ls) * w_t (lse - x_t) + ls / C * sum_c w_c (lse - x_c)
- *   probabilities p: loss = sum_c w_c p'_c (lse - x_c),   p'_c = (1 - ls) p_c + ls / C
+ * The logits a row is scored on are y_c = x_c, or y_c = cap tanh(x_c / cap)
+ * with soft-capping (cap > 0, Gemma 2's final-logit softcap). With w the class
+ * weights (all 1 without weight), ls the label smoothing, z the z-loss
+ * coefficient and lse = log sum_c exp y_c, per kept row:
+ *   class target t:  loss = (1 - ls) * w_t (lse - y_t) + ls / C * sum_c w_c (lse - y_c) + z lse^2
+ *   probabilities p: loss = sum_c w_c p'_c (lse - y_c) + z lse^2,   p'_c = (1 - ls) p_c + ls / C
+ * (z lse^2 is PaLM's z-loss; it is not multiplied by a class weight.)
  * A row whose target is ignore_index is skipped: loss 0, lse 0, gradient 0.
  * 'mean' divides the summed losses by the summed w_t of the kept rows (class
  * targets) or by R (probabilities), NaN when that is 0; the shim reduces
  * (ma_ce_sum, ma_ce_total_weight), serially and in row order.
  *
- * Gradients (g = d total / d loss of the row):
- *   class target t:  dx_c = g * ((1 - ls) w_t + ls / C * W) softmax_c
- *                         - g * ((1 - ls) w_t [c == t] + ls / C * w_c),  W = sum_c w_c
- *   probabilities p: dx_c = g * (A softmax_c - w_c p'_c),  A = sum_c w_c p'_c
- *                    dp_c = g * (1 - ls) w_c (lse - x_c)
+ * Gradients (g = d total / d loss of the row, y'_c = dy_c / dx_c = 1 - (y_c / cap)^2
+ * with soft-capping, 1 without):
+ *   class target t:  dx_c = y'_c g (((1 - ls) w_t + ls / C * W + 2 z lse) softmax_c
+ *                                  - (1 - ls) w_t [c == t] - ls / C * w_c),  W = sum_c w_c
+ *   probabilities p: dx_c = y'_c g ((A + 2 z lse) softmax_c - w_c p'_c),  A = sum_c w_c p'_c
+ *                    dp_c = g (1 - ls) w_c (lse - y_c)
  * ---------------------------------------------------------------------- */
 
 /* What the forward and the backward both read. Filled by the shim. */
@@ -184,6 +196,9 @@ typedef struct {
     int64_t weight_stride;
     int64_t ignore_index;     /* class targets only; any value, also outside [0, C) */
     double label_smoothing;   /* in [0, 1]; 0 skips the smoothing term             */
+    double z_loss;            /* >= 0; 0 skips the z-loss term                     */
+    double softcap;           /* > 0: y = softcap tanh(x / softcap); 0: y = x      */
+    ma_isa isa;               /* variant of the float-accumulating kernels         */
     int64_t N, C, S;
 } ma_ce_args;
 
@@ -193,13 +208,22 @@ typedef struct {
     ma_dtype loss_dtype;      /* dtype for reduction 'none'; the acc type when the
                                  shim reduces                                      */
     void *lse;                /* (R,) contiguous, acc type (float32, float64 for MA_F64) */
+    /* optional, the fused gradient: NULL for a plain forward. With it, each
+     * kept row's gradient is written right after its statistics, while the
+     * row is still in cache, with g = dloss_scale for every row (class
+     * targets only). dinput may be input itself (the gradient replaces the
+     * logits, row by row). */
+    void *dinput;             /* (N, C, S) dtype, strides dinput_stride            */
+    int64_t dinput_stride[3];
+    double dloss_scale;
     /* inputs */
     ma_ce_args a;
 } ma_ce_fwd_params;
 
 typedef struct {
     /* outputs (overwritten, every element) */
-    void *dinput;             /* (N, C, S) dtype, strides dinput_stride            */
+    void *dinput;             /* (N, C, S) dtype, strides dinput_stride; may be the
+                                 input itself (in-place backward)                  */
     void *dtarget;            /* (N, C, S) dtype, strides dtarget_stride;
                                  probability targets only, NULL unless wanted      */
     int64_t dinput_stride[3], dtarget_stride[3];
@@ -213,7 +237,9 @@ typedef struct {
     ma_ce_args a;
 } ma_ce_bwd_params;
 
-/* Work item = one row r = n * S + s. No scratch. */
+/* Work item = one row r = n * S + s. No scratch. Each element of a row is
+ * read before the same element of dinput is written, so dinput may alias
+ * input exactly (same pointer and strides). */
 void ma_ce_fwd_task(int64_t begin, int64_t end, void *ctx);
 void ma_ce_bwd_task(int64_t begin, int64_t end, void *ctx);
 

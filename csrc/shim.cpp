@@ -325,10 +325,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_backward(
   const size_t bytes = ma_attn_bwd_scratch_bytes(&p);
   if (s.Lk == 0) {
     torch::stable::zero_(dq);
+    if (head_mask_grad) torch::stable::zero_(dhm_rows);
+  } else if (ma_attn_bwd_single_pass(&p)) {
+    run_tasks(ma_attn_bwd_fused_task, &p, ma_attn_bwd_fused_work_items(&p), bytes, q, 1);
   } else {
     run_tasks(ma_attn_bwd_dq_task, &p, ma_attn_bwd_dq_work_items(&p), bytes, q, 1);
   }
-  run_tasks(ma_attn_bwd_dkdv_task, &p, ma_attn_bwd_dkdv_work_items(&p), bytes, q, 1);
+  if (s.Lk > 0 && !ma_attn_bwd_single_pass(&p))
+    run_tasks(ma_attn_bwd_dkdv_task, &p, ma_attn_bwd_dkdv_work_items(&p), bytes, q, 1);
 
   // d head_mask[b, h] = sum over the rows of (b, h), in a fixed order.
   Tensor dhm = head_mask_grad

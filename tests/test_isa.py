@@ -48,6 +48,7 @@ SHAPES = [
     (1, 2, 2, 65, 65, 17, 33),
     (2, 4, 2, 130, 97, 64, 64),
     (1, 1, 1, 200, 200, 31, 1),
+    (4, 8, 4, 70, 97, 16, 24),   # B * Hkv >= 16: the single-pass backward
 ]
 
 
@@ -111,7 +112,8 @@ def test_exp_edges(isa):
 
 
 @pytest.mark.parametrize("isa", VARIANTS)
-@pytest.mark.parametrize("shape", [(1, 1, 1, 300, 300, 64, 64), (3, 4, 2, 130, 70, 32, 16)], ids=str)
+@pytest.mark.parametrize("shape", [(1, 1, 1, 300, 300, 64, 64), (3, 4, 2, 130, 70, 32, 16),
+                                   (4, 8, 4, 100, 130, 32, 16)], ids=str)
 def test_deterministic_across_thread_counts(isa, shape):
     if not available(isa):
         pytest.skip(f"this CPU has no {isa}")
@@ -131,3 +133,22 @@ def test_deterministic_across_thread_counts(isa, shape):
         torch.set_num_threads(threads)
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("masks", ["none", "causal+kpm+head"])
+def test_single_pass_backward_gradcheck(masks):
+    """float64 gradcheck on a shape that takes the single-pass backward
+    (B * Hkv >= 16), head_mask gradient included."""
+    torch.manual_seed(3)
+    B, H, Hkv, Lq, Lk, D = 4, 8, 4, 5, 6, 3
+    q = torch.randn(B, H, Lq, D, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(B, Hkv, Lk, D, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(B, Hkv, Lk, 2, dtype=torch.float64, requires_grad=True)
+    hm = torch.rand(B, H, dtype=torch.float64, requires_grad=True)
+    kw = {}
+    if masks != "none":
+        kpm = torch.zeros(B, Lk, dtype=torch.bool)
+        kpm[1, 3:] = True
+        kw = dict(is_causal=True, key_padding_mask=kpm)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, hm: tma.functional.masked_attention(q, k, v, head_mask=hm, **kw), (q, k, v, hm))
