@@ -199,7 +199,7 @@ void ma_attn_bwd_fused_task(int64_t begin, int64_t end, void *ctx) {
 }
 
 int ma_attn_bwd_single_pass(const ma_attn_bwd_params *p) {
-    return p->B * p->Hkv >= 16 && p->dweights == NULL;
+    return p->B * p->Hkv >= 8 && p->dweights == NULL;
 }
 
 int64_t ma_attn_bwd_fused_work_items(const ma_attn_bwd_params *p) { return p->B * p->Hkv; }

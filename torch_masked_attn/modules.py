@@ -121,8 +121,9 @@ class MultiheadAttention(nn.MultiheadAttention):
         # in-projections, (L, N, E) -> views (N, H, L, hd), no copies
         if self._qkv_same_embed_dim and query is key and key is value:
             qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)        # (L, N, 3E)
-            qkv = qkv.view(L, N, 3, H, hd).permute(2, 1, 3, 0, 4)               # (3, N, H, L, hd)
-            q, k, v = qkv[0], qkv[1], qkv[2]
+            # unbind, not three selects: its backward stacks the three gradients into
+            # one (3, ...) buffer instead of three zero-filled full-size ones
+            q, k, v = qkv.view(L, N, 3, H, hd).permute(2, 1, 3, 0, 4).unbind(0)  # (N, H, L, hd) each
         else:
             if self._qkv_same_embed_dim:
                 w_q, w_k, w_v = self.in_proj_weight.chunk(3)

@@ -1,0 +1,316 @@
+"""The benchmark cases: shapes, inputs, the native and our callables, nominal
+work. Used by run.py (timing) and by its memory probes (one fresh process per
+(case, implementation)), so every case is rebuilt from its name alone and
+with a fixed seed.
+
+A case is a `Bench`: `natives` maps a variant name to a callable running the
+native PyTorch computation, `ours` runs torch_masked_attn on the same inputs.
+Every callable does the whole timed unit (forward, or forward + backward) and
+returns a forward result for the cross-check. When there are several native
+variants, the ratio is taken against the fastest.
+"""
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torch_masked_attn as tma
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class Skip(Exception):
+    """The case cannot run here (e.g. the op is not written yet)."""
+
+
+@dataclass
+class Bench:
+    work: str                                   # one-line description for the table
+    natives: Dict[str, Callable[[], torch.Tensor]]
+    ours: Callable[[], torch.Tensor]
+    flops: Optional[float] = None               # nominal flops of one call (None: not compute-bound)
+    attn_flops: Optional[float] = None          # the attention part of `flops`
+    traffic_bytes: Optional[float] = None       # minimal memory traffic of one call (cross-entropy)
+    timed: bool = True                          # False: peak memory only
+    info: dict = field(default_factory=dict)    # shapes etc. for results.json
+
+    def impls(self):
+        return {**{f"native:{k}": f for k, f in self.natives.items()}, "ours": self.ours}
+
+
+# ---------------------------------------------------------------- work counts
+
+def attention_flops(B, H, Lq, Lk, D, causal, backward):
+    """Nominal attention flops: forward 4*B*H*Lq*Lk*D (QK^T and PV), halved
+    for causal, backward 2.5x forward. Key padding is NOT subtracted (the
+    same nominal count for both implementations)."""
+    fwd = 4.0 * B * H * Lq * Lk * D / (2 if causal else 1)
+    return fwd * (3.5 if backward else 1.0)
+
+
+def projection_flops(B, L, E, backward):
+    """nn.MultiheadAttention's in-projection (E -> 3E) and out-projection (E -> E):
+    2*B*L*E*4E forward; backward (input and weight gradients) 2x forward."""
+    fwd = 8.0 * B * L * E * E
+    return fwd * (3.0 if backward else 1.0)
+
+
+def gflop(x):
+    return f"{x / 1e9:.1f} GFLOP"
+
+
+# ---------------------------------------------------------------- inputs
+
+def key_padding(B, L, lengths=None, pad_fraction=None):
+    """(B, L) bool, True = padding. Either random lengths uniform in [L/2, L]
+    (key 0 is never padding, so no query row is fully masked) or every
+    sequence with its last round(pad_fraction * L) keys padded."""
+    if pad_fraction is not None:
+        lengths = torch.full((B,), L - int(round(pad_fraction * L)))
+    elif lengths is None:
+        lengths = torch.randint(L // 2, L + 1, (B,))
+    return torch.arange(L)[None, :] >= lengths[:, None]
+
+
+def causal_blocked(L):
+    return torch.ones(L, L, dtype=torch.bool).triu(1)              # True = blocked
+
+
+def qkv(B, H, L, D, dtype):
+    q, k, v = (torch.randn(B, H, L, D, dtype=dtype, requires_grad=True) for _ in range(3))
+    return q, k, v, torch.randn(B, H, L, D, dtype=dtype)
+
+
+def fwd_bwd(forward, inputs, grad_out):
+    def run():
+        out = forward()
+        torch.autograd.grad(out, inputs, grad_out)
+        return out.detach()
+    return run
+
+
+# ---------------------------------------------------------------- attention (functional)
+
+def functional_attention(B, H, L, D, dtype, kpm, native_masks):
+    """Causal attention, forward + backward, with optional key padding.
+
+    native_masks: which F.scaled_dot_product_attention variants to time:
+      "causal": is_causal=True (only without key padding)
+      "bool":   the equivalent bool (B, 1, L, L) mask, True = take part
+      "float":  the float (B, H, L, L) additive mask nn.MultiheadAttention builds
+    The native masks are built once, outside the timed call.
+    """
+    q, k, v, g = qkv(B, H, L, D, dtype)
+    natives = {}
+    if "causal" in native_masks:
+        assert kpm is None
+        natives["sdpa-causal"] = fwd_bwd(
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), g)
+    blocked = None
+    if kpm is not None:
+        blocked = causal_blocked(L)[None, None] | kpm[:, None, None, :]       # (B, 1, L, L)
+    if "bool" in native_masks:
+        allowed = ~blocked
+        natives["sdpa-bool"] = fwd_bwd(
+            lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed), (q, k, v), g)
+    if "float" in native_masks:
+        additive = torch.zeros(B, H, L, L, dtype=dtype).masked_fill_(blocked, float("-inf"))
+        natives["sdpa-float"] = fwd_bwd(
+            lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=additive), (q, k, v), g)
+    ours = fwd_bwd(
+        lambda: tma.functional.masked_attention(q, k, v, key_padding_mask=kpm, is_causal=True),
+        (q, k, v), g)
+    fl = attention_flops(B, H, L, L, D, causal=True, backward=True)
+    pad = "" if kpm is None else f", key padding {kpm.float().mean().item():.0%}"
+    return Bench(work=f"B={B} H={H} L={L} D={D} causal{pad}, fwd+bwd, {gflop(fl)}",
+                 natives=natives, ours=ours, flops=fl, attn_flops=fl,
+                 info=dict(B=B, H=H, L=L, D=D, dtype=str(dtype)))
+
+
+def gpt_train(dtype):
+    B, H, L, D = 8, 8, 512, 64
+    return functional_attention(B, H, L, D, dtype, key_padding(B, L), ("bool", "float"))
+
+
+def long_causal(dtype):
+    return functional_attention(1, 8, 4096, 64, dtype, None, ("causal",))
+
+
+def one_head_long():
+    return functional_attention(1, 1, 8192, 128, torch.float32, None, ("causal",))
+
+
+def sweep_point(L, D, pad, dtype, tokens=4096, H=8):
+    """Sweep: causal fwd+bwd at B = tokens // L, every sequence with the last
+    pad*L keys padded; native gets is_causal (no padding) or the bool mask."""
+    B = max(1, tokens // L)
+    kpm = key_padding(B, L, pad_fraction=pad) if pad > 0 else None
+    bench = functional_attention(B, H, L, D, DTYPES[dtype], kpm, ("bool",) if pad > 0 else ("causal",))
+    bench.info.update(sweep=dict(L=L, D=D, pad=pad, dtype=dtype))
+    return bench
+
+
+# ---------------------------------------------------------------- MultiheadAttention
+
+def mha_pair(E, H):
+    native = nn.MultiheadAttention(E, H, batch_first=True)
+    ours = tma.MultiheadAttention(E, H, batch_first=True)
+    ours.load_state_dict(native.state_dict())
+    return native, ours
+
+
+def bert_infer():
+    """Encoder inference: eval mode, no_grad, key padding (native takes its fast path)."""
+    B, L, E, H = 8, 512, 768, 12
+    native, ours = mha_pair(E, H)
+    native.eval(), ours.eval()
+    x = torch.randn(B, L, E)
+    kpm = key_padding(B, L)
+
+    def call(mod):
+        def run():
+            with torch.no_grad():
+                return mod(x, x, x, key_padding_mask=kpm, need_weights=False)[0]
+        return run
+
+    fa = attention_flops(B, H, L, L, E // H, causal=False, backward=False)
+    fl = fa + projection_flops(B, L, E, backward=False)
+    return Bench(work=f"MHA E={E} H={H} B={B} L={L} key padding, eval no_grad, {gflop(fl)} "
+                      f"({gflop(fa)} attn)",
+                 natives={"nn.MHA": call(native)}, ours=call(ours), flops=fl, attn_flops=fa,
+                 info=dict(B=B, L=L, E=E, H=H))
+
+
+def mha_train(B, L, E=512, H=8, timed=True):
+    """Training step: forward + backward into the input and all parameters,
+    causal (attn_mask + is_causal hint) + key padding, need_weights=False."""
+    native, ours = mha_pair(E, H)
+    x = torch.randn(B, L, E, requires_grad=True)
+    g = torch.randn(B, L, E)
+    kpm = key_padding(B, L)
+    causal = causal_blocked(L)
+
+    def call(mod):
+        def run():
+            mod.zero_grad(set_to_none=True)
+            x.grad = None
+            out = mod(x, x, x, key_padding_mask=kpm, attn_mask=causal, is_causal=True,
+                      need_weights=False)[0]
+            out.backward(g)
+            return out.detach()
+        return run
+
+    fa = attention_flops(B, H, L, L, E // H, causal=True, backward=True)
+    fl = fa + projection_flops(B, L, E, backward=True)
+    return Bench(work=f"MHA E={E} H={H} B={B} L={L} causal+key padding, train fwd+bwd, {gflop(fl)} "
+                      f"({gflop(fa)} attn)" + ("" if timed else ", peak memory only"),
+                 natives={"nn.MHA": call(native)}, ours=call(ours), flops=fl, attn_flops=fa,
+                 timed=timed, info=dict(B=B, L=L, E=E, H=H))
+
+
+# ---------------------------------------------------------------- cross-entropy
+
+def cross_entropy_case(N, C, dtype):
+    if not hasattr(tma.functional, "cross_entropy"):
+        raise Skip("torch_masked_attn.functional.cross_entropy does not exist yet")
+    ours_ce = tma.functional.cross_entropy
+    x = torch.randn(N, C, dtype=dtype, requires_grad=True)
+    t = torch.randint(0, C, (N,))
+    ignored = torch.randperm(N)[: N // 4]
+    t[ignored] = -100
+    kept = N - len(ignored)
+
+    def call(loss_fn):
+        def run():
+            loss = loss_fn(x, t)
+            torch.autograd.grad(loss, x)
+            return loss.detach().float()
+        return run
+
+    natives = {"F.cross_entropy": call(F.cross_entropy)}
+    if dtype != torch.float32:
+        natives["F.cross_entropy-fp32-upcast"] = call(lambda x, t: F.cross_entropy(x.float(), t))
+    s = x.element_size()
+    # ideal: forward reads the kept rows once, backward reads them again and
+    # writes the whole gradient (zeros in ignored rows)
+    traffic = s * C * (2.0 * kept + N)
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+    return Bench(work=f"{N}x{C} {name}, 1/4 ignore_index, fwd+bwd, min traffic {traffic / 1e9:.2f} GB",
+                 natives=natives, ours=call(ours_ce), traffic_bytes=traffic,
+                 info=dict(N=N, C=C, dtype=str(dtype), kept=kept))
+
+
+# ---------------------------------------------------------------- registry
+
+NAMED = {
+    "gpt-train": lambda: gpt_train(torch.float32),
+    "long-causal": lambda: long_causal(torch.float32),
+    "one-head-long": one_head_long,
+    "bert-infer": bert_infer,
+    "mha-train": lambda: mha_train(8, 512),
+    "gpt-train-bf16": lambda: gpt_train(torch.bfloat16),
+    "long-causal-bf16": lambda: long_causal(torch.bfloat16),
+    "mha-mem-8192": lambda: mha_train(1, 8192, timed=False),
+    "ce": lambda: cross_entropy_case(8192, 32000, torch.float32),
+    "ce-bf16": lambda: cross_entropy_case(4096, 128256, torch.bfloat16),
+}
+GROUPS = {
+    "attention": ["gpt-train", "long-causal", "one-head-long", "bert-infer", "mha-train",
+                  "gpt-train-bf16", "long-causal-bf16"],
+    "memory": ["mha-mem-8192"],
+    "ce": ["ce", "ce-bf16"],
+}
+
+SWEEP_FULL = dict(L=[128, 256, 512, 1024, 2048, 4096, 8192], D=[64, 128], pad=[0.0, 0.25, 0.5],
+                  dtype=["fp32", "bf16"])
+SWEEP_QUICK = dict(L=[128, 256, 512, 1024, 2048], D=[64], pad=[0.0, 0.5], dtype=["fp32", "bf16"])
+_SWEEP_RE = re.compile(r"sweep-L(\d+)-D(\d+)-p(\d+)-(fp32|bf16)$")
+
+
+def sweep_name(L, D, pad, dtype):
+    return f"sweep-L{L}-D{D}-p{int(round(pad * 100))}-{dtype}"
+
+
+def sweep_names(grid):
+    return [sweep_name(L, D, p, dt) for dt in grid["dtype"] for D in grid["D"] for p in grid["pad"]
+            for L in grid["L"]]
+
+
+def build(name):
+    """The Bench for a case name (named case or sweep point), inputs seeded."""
+    torch.manual_seed(0)
+    if name in NAMED:
+        return NAMED[name]()
+    m = _SWEEP_RE.match(name)
+    if m:
+        L, D, pct, dt = int(m[1]), int(m[2]), int(m[3]), m[4]
+        return sweep_point(L, D, pct / 100, dt)
+    raise KeyError(f"unknown case {name!r}")
+
+
+def warm_up_libraries():
+    """Tiny calls through every code path a case uses (thread pools, kernel
+    dispatch, lazy initialisation), so a memory probe's first big call does
+    not also pay one-time set-up. Both implementations get the same."""
+    torch.manual_seed(0)
+    for dtype in DTYPES.values():
+        for f in functional_attention(2, 2, 64, 16, dtype, key_padding(2, 64), ("bool", "float")).impls().values():
+            f()
+        for f in functional_attention(1, 2, 64, 16, dtype, None, ("causal",)).impls().values():
+            f()
+    for f in mha_train(2, 64, E=32, H=2).impls().values():
+        f()
+    native, ours = mha_pair(32, 2)
+    x = torch.randn(2, 64, 32)
+    with torch.no_grad():
+        for mod in (native.eval(), ours.eval()):
+            mod(x, x, x, key_padding_mask=key_padding(2, 64), need_weights=False)
+    for dtype in DTYPES.values():
+        try:
+            for f in cross_entropy_case(16, 100, dtype).impls().values():
+                f()
+        except Skip:
+            pass
