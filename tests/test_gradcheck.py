@@ -14,6 +14,16 @@ tmaF = tma.functional
 B, H, LQ, LK, D = 2, 2, 5, 6, 4
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """gradcheck makes hundreds of tiny calls: one intra-op thread keeps them
+    fast (the parity tests elsewhere run with the default two threads)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _t(*shape):
     return torch.randn(*shape, dtype=torch.float64)
 

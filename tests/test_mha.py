@@ -483,3 +483,21 @@ def test_head_mask_is_keyword_only():
     q, k, v = _qkv(torch.float64, False)
     with pytest.raises(TypeError):
         ours(q, k, v, None, True, None, True, False, torch.ones(H, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("case,l,s", [("causal_bool+kpm_bool", 130, 130), ("am_float_2d+kpm_bool", 70, 150),
+                                      ("kpm_float", 150, 66)])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_mha_long(case, l, s, need_weights, dtype):
+    """Lengths spanning several kernel tiles."""
+    ours, theirs = make_pair(dtype, E=32, H=4, batch_first=True)
+    self_attn = case.startswith("causal")
+    n = 2
+    q = torch.randn(n, l, 32, dtype=torch.float64).to(dtype)
+    kv = torch.randn(n, s, 32, dtype=torch.float64).to(dtype)
+    kw = make_masks(case, n, l, s, 4, dtype)
+    if "key_padding_mask" in kw:
+        kw["key_padding_mask"][1, 3:] = True if kw["key_padding_mask"].dtype == torch.bool else float("-inf")
+    run_mha(ours, theirs, q, kv, kv.clone(), self_attn=self_attn, need_weights=need_weights,
+            average_attn_weights=False, **kw)

@@ -180,3 +180,28 @@ def test_padding_invariance_mha(batch_first, causal, need_weights, dtype):
     if need_weights:
         torch.testing.assert_close(w1, w2[:, :L1, :L1], atol=tol, rtol=tol)
         assert torch.all(w2[:, :, L1:] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("t", [62, 63, 64, 127, 128, 150])
+def test_causal_no_look_ahead_long(t, dtype):
+    """Perturbation boundaries at and around kernel tile edges."""
+    Ln = 160
+    q, k, v = (torch.randn(1, 2, Ln, D, dtype=torch.float64).to(dtype) for _ in range(3))
+    kpm = torch.rand(1, Ln) < 0.2
+    kpm[:, 0] = False
+    out = tmaF.masked_attention(q, k, v, is_causal=True, key_padding_mask=kpm)
+    q2, k2, v2 = (_perturb_after(x, t, 2) for x in (q, k, v))
+    out2 = tmaF.masked_attention(q2, k2, v2, is_causal=True, key_padding_mask=kpm)
+    assert torch.equal(out[:, :, :t + 1], out2[:, :, :t + 1])
+    assert not torch.equal(out[:, :, t + 1:], out2[:, :, t + 1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("L1,L2", [(70, 200), (64, 65), (129, 256)])
+def test_padding_invariance_long(L1, L2, dtype):
+    lengths = [L1, 3, 64]
+    q, k, v, kpm2, (q1, k1, v1, kpm1) = _padded_batch(lengths, L1, L2, dtype, h=2)
+    out2 = tmaF.masked_attention(q, k, v, key_padding_mask=kpm2, is_causal=True)
+    out1 = tmaF.masked_attention(q1, k1, v1, key_padding_mask=kpm1, is_causal=True)
+    assert torch.equal(out1, out2[:, :, :L1])

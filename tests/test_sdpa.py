@@ -2,8 +2,6 @@
 F.scaled_dot_product_attention, and of functional.masked_attention with a
 float64 plain-PyTorch reference (DESIGN.md sections 3, 4, 6)."""
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -31,7 +29,7 @@ def _rand(*shape, dtype=torch.float32):
 
 def _compare(name, ours, theirs, ref, dtype):
     if dtype == torch.float64:
-        assert_close64(ours, theirs, name=name)
+        assert_close64(ours, theirs[0] if isinstance(theirs, list) else theirs, name=name)
         assert_close64(ours, ref, name=name + " vs ref", atol=1e-9, rtol=1e-7)
     else:
         assert_close_ref(ours, theirs, ref, name=name)
@@ -324,8 +322,21 @@ def run_ma(q, k, v, kw, add, *, need_weights=False, return_lse=False, grad=True)
     pt, pt_w = ref_attention(*pt_in, add.to(dtype), scale=kw.get("scale"), head_mask=hm_pt,
                              dtype=dtype, return_weights=True)
 
+    # ... and PyTorch's SDPA kernel (flash-style; head_mask folded into v),
+    # whose errors (e.g. its backward's rowsum(dO * O) on the rounded output)
+    # count too
+    sd_in, sd = None, None
+    if dtype != torch.float64 and not need_weights:
+        sd_in = [t.detach().clone().requires_grad_(grad) for t in (q, k, v)]
+        sq, sk, sv = sd_in
+        rep = q.shape[1] // k.shape[1]
+        sk, sv = sk.repeat_interleave(rep, 1), sv.repeat_interleave(rep, 1)
+        if hm is not None:
+            sv = sv * (hm.view(-1, 1, 1) if hm.dim() == 1 else hm.view(B, -1, 1, 1))
+        sd = F.scaled_dot_product_attention(sq, sk, sv, attn_mask=add.to(dtype), scale=kw.get("scale"))
+
     assert out.dtype == dtype and out.shape == ref.shape
-    _compare("out", out, pt, ref, dtype)
+    _compare("out", out, [pt, sd], ref, dtype)
     if need_weights:
         assert w.shape == ref_w.shape, (w.shape, ref_w.shape)
         _compare("weights", w, pt_w, ref_w, dtype)
@@ -350,13 +361,16 @@ def run_ma(q, k, v, kw, add, *, need_weights=False, return_lse=False, grad=True)
     loss.backward()
     loss_pt.backward()
     loss_ref.backward()
-    pairs = [("dq", qo, pt_in[0], r[0]), ("dk", ko, pt_in[1], r[1]), ("dv", vo, pt_in[2], r[2])]
+    if sd is not None:
+        (sd * dout).sum().backward()
+    pairs = [("dq", qo, pt_in[0], r[0], 0), ("dk", ko, pt_in[1], r[1], 1), ("dv", vo, pt_in[2], r[2], 2)]
     if hm is not None:
-        pairs.append(("dhead_mask", kwo["head_mask"], hm_pt, hm64))
-    for nm, a, b, rr in pairs:
+        pairs.append(("dhead_mask", kwo["head_mask"], hm_pt, hm64, None))
+    for nm, a, b, rr, i in pairs:
         assert a.grad is not None, nm
         assert a.grad.shape == a.shape, nm
-        _compare(nm, a.grad, b.grad, rr.grad, dtype)
+        theirs = [b.grad] + ([sd_in[i].grad] if sd is not None and i is not None else [])
+        _compare(nm, a.grad, theirs, rr.grad, dtype)
     return out
 
 
@@ -464,3 +478,212 @@ def test_masked_attention_dropout_train():
         return
     assert out.shape == q.shape
     assert not torch.allclose(out, tmaF.masked_attention(q, q, q))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_sdpa_causal_with_mask(dtype):
+    """PyTorch's math path rejects attn_mask together with is_causal (its CPU
+    flash path accepts it); a drop-in may either reject it or apply both masks
+    (torch_masked_attn documents the latter)."""
+    q, k, v = _rand(B, H, LQ, D, dtype=dtype), _rand(B, H, LK, D, dtype=dtype), _rand(B, H, LK, D, dtype=dtype)
+    m = ~random_blocked((B, 1, LQ, LK))
+    try:
+        out = tmaF.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=True)
+    except (RuntimeError, ValueError) as e:
+        assert "causal" in str(e) or "attn_mask" in str(e)
+        return
+    ref = ref_attention(q, k, v, allowed_to_additive(m), is_causal=True)
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+# ---------------------------------------------------------------------------
+# lengths spanning several kernel tiles (FlashAttention-style blocking: the
+# online softmax across key blocks, skipped fully-masked blocks, ragged tails)
+# ---------------------------------------------------------------------------
+
+LONG_SHAPES = [(65, 64), (130, 200), (200, 129), (1, 257), (257, 3)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("lq,lk", LONG_SHAPES)
+@pytest.mark.parametrize("case", ["causal+kpm_bool", "am_float_1H1S+kpm_bool+hm_BH", "none"])
+def test_masked_attention_long(case, lq, lk, dtype):
+    q, k, v, kw, add = _ma_case(case, dtype, h=2, lq=lq, lk=lk, dv=12)
+    # Keys 0 and 1 stay open for every row: rows whose only allowed key is
+    # key 0 are the degenerate bf16 case of test_bf16_head_mask_single_key.
+    if "attn_mask" in kw:
+        kw["attn_mask"][..., :2] = 0.0
+    if "key_padding_mask" in kw:
+        # pad whole tiles: batch 1 keeps only its first 12 keys
+        kpm = kw["key_padding_mask"]
+        kpm[1, min(lk, 12):] = True
+        kpm[:, :2] = False
+    add = torch.zeros_like(add)
+    if kw.get("is_causal"):
+        add = add.masked_fill(causal_blocked(lq, lk), float("-inf"))
+    if "attn_mask" in kw:
+        add = add + blocked_to_additive(kw["attn_mask"])
+    if "key_padding_mask" in kw:
+        add = add + blocked_to_additive(kw["key_padding_mask"]).view(B, 1, 1, lk)
+    run_ma(q, k, v, kw, add, need_weights=(lq * lk < 20000), return_lse=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("lq,lk", [(130, 200), (200, 130), (129, 129)])
+@pytest.mark.parametrize("variant", ["causal", "mask", "gqa_causal"])
+def test_sdpa_long(variant, lq, lk, dtype):
+    h, hkv = (4, 2) if variant.startswith("gqa") else (2, 2)
+    q = _rand(1, h, lq, 16, dtype=dtype)
+    k, v = _rand(1, hkv, lk, 16, dtype=dtype), _rand(1, hkv, lk, 16, dtype=dtype)
+    kw, ref_mask = {}, None
+    if "causal" in variant:
+        kw["is_causal"] = True
+    if variant == "mask":
+        m = ~random_blocked((lq, lk), p=0.5)
+        m[:, 64:128] = False     # a whole key tile blocked
+        m[:, 0] = True
+        kw["attn_mask"], ref_mask = m, allowed_to_additive(m)
+    if variant.startswith("gqa"):
+        kw["enable_gqa"] = True
+    run_sdpa_parity(q, k, v, ref_mask=ref_mask, **kw)
+
+
+# ---------------------------------------------------------------------------
+# more PyTorch call forms
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("form", ["5d", "5d_mask", "2d", "bcast_batch_kv", "scale0", "scale_neg"])
+def test_sdpa_call_forms(form):
+    kw, ref_mask = {}, None
+    if form.startswith("5d"):
+        q, k, v = _rand(2, 2, 3, LQ, D), _rand(2, 2, 3, LK, D), _rand(2, 2, 3, LK, D)
+        if form == "5d_mask":
+            m = ~random_blocked((2, 1, 3, LQ, LK))
+            kw["attn_mask"], ref_mask = m, allowed_to_additive(m)
+    elif form == "2d":
+        q, k, v = _rand(LQ, D), _rand(LK, D), _rand(LK, 6)
+        kw["is_causal"] = True
+    elif form == "bcast_batch_kv":
+        q, k, v = _rand(B, H, LQ, D), _rand(1, H, LK, D), _rand(1, H, LK, D)
+    else:
+        q, k, v = _rand(B, H, LQ, D), _rand(B, H, LK, D), _rand(B, H, LK, D)
+        kw["scale"] = 0.0 if form == "scale0" else -1.5
+    run_sdpa_parity(q, k, v, ref_mask=ref_mask, **kw)
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v", "qk"])
+def test_partial_requires_grad(which):
+    q, k, v = (_rand(B, H, LQ, D, dtype=torch.float64), _rand(B, H, LK, D, dtype=torch.float64),
+               _rand(B, H, LK, D, dtype=torch.float64))
+    kpm = random_blocked((B, LK))
+    ours = [t.clone().requires_grad_(n in which) for n, t in zip("qkv", (q, k, v))]
+    refs = [t.clone().requires_grad_(n in which) for n, t in zip("qkv", (q, k, v))]
+    out = tmaF.masked_attention(*ours, key_padding_mask=kpm, is_causal=True)
+    ref = ref_attention(*refs, blocked_to_additive(kpm).view(B, 1, 1, LK), is_causal=True)
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref.backward(g)
+    for a, b in zip(ours, refs):
+        assert (a.grad is None) == (b.grad is None)
+        if b.grad is not None:
+            assert_close64(a.grad, b.grad, name="grad")
+
+
+@pytest.mark.parametrize("use", ["weights_only", "out_only"])
+def test_need_weights_partial_loss(use):
+    """need_weights=True but the loss uses only one of the two outputs."""
+    q, k, v = (_rand(B, H, LQ, D, dtype=torch.float64), _rand(B, H, LK, D, dtype=torch.float64),
+               _rand(B, H, LK, D, dtype=torch.float64))
+    am = random_blocked((LQ, LK))
+    ours = [t.clone().requires_grad_() for t in (q, k, v)]
+    refs = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, w = tmaF.masked_attention(*ours, attn_mask=am, need_weights=True)
+    rout, rw = ref_attention(*refs, blocked_to_additive(am), return_weights=True)
+    if use == "weights_only":
+        (w ** 2).sum().backward()
+        (rw ** 2).sum().backward()
+    else:
+        (out ** 2).sum().backward()
+        (rout ** 2).sum().backward()
+    for a, b in zip(ours, refs):
+        if b.grad is None or torch.all(b.grad == 0):
+            assert a.grad is None or torch.all(a.grad == 0)
+        else:
+            assert_close64(a.grad, b.grad, name="grad")
+
+
+def test_mask_requires_grad():
+    """A float attn_mask that requires grad (learned position bias): either the
+    gradient matches PyTorch's, or a NotImplementedError names attn_mask."""
+    q, k, v = _rand(B, H, LQ, D), _rand(B, H, LK, D), _rand(B, H, LK, D)
+    m = torch.randn(1, H, LQ, LK, requires_grad=True)
+    try:
+        out = tmaF.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    except NotImplementedError as e:
+        assert "attn_mask" in str(e)
+        return
+    out.sum().backward()
+    m2 = m.detach().clone().requires_grad_()
+    F.scaled_dot_product_attention(q, k, v, attn_mask=m2).sum().backward()
+    torch.testing.assert_close(m.grad, m2.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.float16, torch.float64])
+def test_masked_attention_mask_dtype_differs(mask_dtype):
+    """A floating mask of another dtype than q: applied by value, or rejected
+    with a message naming the mask."""
+    q, k, v = _rand(B, H, LQ, D), _rand(B, H, LK, D), _rand(B, H, LK, D)
+    am = random_additive((LQ, LK), dtype=torch.float64).to(mask_dtype)
+    kpm = random_additive((B, LK), dtype=torch.float64).to(mask_dtype)
+    try:
+        out = tmaF.masked_attention(q, k, v, attn_mask=am, key_padding_mask=kpm)
+    except (RuntimeError, ValueError, TypeError) as e:
+        assert "mask" in str(e)
+        return
+    ref = ref_attention(q, k, v, am.double() + kpm.double().view(B, 1, 1, LK))
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_torch_compile_aot_eager():
+    q, k, v = _rand(B, H, LQ, D), _rand(B, H, LK, D), _rand(B, H, LK, D)
+    kpm = random_blocked((B, LK))
+
+    def f(q, k, v):
+        out, w = tmaF.masked_attention(q, k, v, key_padding_mask=kpm, is_causal=True,
+                                       need_weights=True)
+        return out * 2, w
+
+    qs = [t.clone().requires_grad_() for t in (q, k, v)]
+    es = [t.clone().requires_grad_() for t in (q, k, v)]
+    a, wa = torch.compile(f, backend="aot_eager", fullgraph=True)(*qs)
+    b, wb = f(*es)
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+    torch.testing.assert_close(wa, wb, atol=0, rtol=0)
+    (a.sum() + wa.sum()).backward()
+    (b.sum() + wb.sum()).backward()
+    for x, y in zip(qs, es):
+        torch.testing.assert_close(x.grad, y.grad, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("hm_value", [1.0, 0.7])
+def test_bf16_head_mask_single_key(hm_value):
+    """bf16, every query row of a head may attend to one key only: the exact
+    dq/dk are 0.  A flash-style backward computes D = rowsum(dO * O) from the
+    bf16-rounded output; with a head mask != 1 the rounded O no longer matches
+    hm * v exactly and leaves an error of the size of ordinary bf16 noise.
+    The bound here is that noise level (relative to |dO| |v| |q|), not 0."""
+    lq, lk, d = 200, 16, 16
+    q, k, v = (_rand(1, 1, n, d, dtype=torch.bfloat16) for n in (lq, lk, lk))
+    blocked = torch.ones(lq, lk, dtype=torch.bool)
+    blocked[:, 0] = False
+    hm = torch.tensor([hm_value], dtype=torch.bfloat16)
+    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+    out = tmaF.masked_attention(qs, ks, vs, attn_mask=blocked, head_mask=hm)
+    torch.testing.assert_close(out, (hm * v[:, :, :1]).expand_as(out), atol=0, rtol=0)
+    dout = _rand(1, 1, lq, d, dtype=torch.bfloat16)
+    out.backward(dout)
+    noise = 2.0 ** -8 * dout.float().abs().max() * v.float().abs().max() * d ** 0.5
+    assert qs.grad.float().abs().max() <= noise * q.float().abs().max()
+    assert ks.grad.float().abs().max() <= noise * q.float().abs().max() * lq ** 0.5
+    assert torch.all(ks.grad[:, :, 1:] == 0)
