@@ -23,6 +23,10 @@
 
 #include "masked_attn.h"
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 using torch::stable::Tensor;
 using torch::headeronly::ScalarType;
 
@@ -348,6 +352,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_backward(
 // S = d1 * ... * dk, through a reshape that is a view whenever the d dims can
 // be flattened (always for contiguous and for class-last layouts such as
 // logits.transpose(1, 2)); the class stride is passed, nothing is transposed.
+//
+// Ops: cross_entropy (forward, saves lse), cross_entropy_backward (a new
+// gradient), cross_entropy_backward_ (the gradient overwrites input: the
+// opt-in inplace_backward), cross_entropy_chunk_ (per-row forward and, on
+// request, the gradient in the same pass, overwriting input: the chunk step of
+// linear_cross_entropy).
 
 enum class CeReduction { None, Mean, Sum };
 
@@ -401,19 +411,28 @@ struct CeInputs {
 };
 
 CeInputs ce_inputs(const Tensor& input, const Tensor& target, const std::optional<Tensor>& weight,
-                   int64_t ignore_index, double label_smoothing, const CeShape& s) {
+                   int64_t ignore_index, double label_smoothing, double z_loss, std::optional<double> softcap,
+                   const CeShape& s) {
   STD_TORCH_CHECK(input.is_cpu() && target.is_cpu() && (!weight.has_value() || weight->is_cpu()),
                   "masked_attn.cross_entropy: input, target and weight must be CPU tensors");
   const ScalarType dt = input.scalar_type();
   STD_TORCH_CHECK(is_floating(dt), "masked_attn.cross_entropy: input must be float32, float64, bfloat16 or float16");
   STD_TORCH_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0,
                   "masked_attn.cross_entropy: label_smoothing must be in [0, 1], got ", label_smoothing);
+  STD_TORCH_CHECK(z_loss >= 0.0 && std::isfinite(z_loss),
+                  "masked_attn.cross_entropy: z_loss must be a finite number >= 0, got ", z_loss);
+  STD_TORCH_CHECK(!softcap.has_value() || (*softcap > 0.0 && std::isfinite(*softcap)),
+                  "masked_attn.cross_entropy: softcap must be None or a finite number > 0, got ",
+                  softcap.has_value() ? *softcap : 0.0);
   CeInputs in;
   ma_ce_args& a = in.a;
   to_ma_dtype(dt, &a.dtype);
   a.N = s.N, a.C = s.C, a.S = s.S;
   a.ignore_index = ignore_index;
   a.label_smoothing = label_smoothing;
+  a.z_loss = z_loss;
+  a.softcap = softcap.has_value() ? *softcap : 0.0;
+  a.isa = select_isa();
   in.input = torch::stable::reshape(input, {s.N, s.C, s.S});
   a.input = in.input.const_data_ptr();
   for (int i = 0; i < 3; i++) a.input_stride[i] = in.input.stride(i);
@@ -455,6 +474,34 @@ CeInputs ce_inputs(const Tensor& input, const Tensor& target, const std::optiona
   return in;
 }
 
+// The in-place ops write the gradient through the (N, C, S) view of input:
+// it must be a view (not a copy) whose elements do not overlap.
+void check_writable_in_place(const CeInputs& in, const Tensor& input, const char* op) {
+  bool ok = in.input.data_ptr() == input.data_ptr();
+  for (int i = 0; i < 3 && ok; i++) ok = in.input.stride(i) > 0 || in.input.size(i) <= 1;
+  STD_TORCH_CHECK(ok, "masked_attn.", op, ": input must be a tensor whose memory can be written in place "
+                  "(its dims after the class dim flattenable, no expanded dims), got shape ", shape_str(input));
+}
+
+// A large (N, C) output the kernels are about to write for the first time:
+// ask Linux for transparent huge pages on it. Its first touch then costs 512x
+// fewer page faults (on a 1 GB gradient, 4 KB faults cost more than the
+// kernel itself). With THP in "madvise" mode, the default on many
+// distributions, only an madvise gives them; it is advice: where THP is off
+// nothing changes. The memory still belongs to PyTorch's allocator.
+void advise_huge_pages(Tensor& t) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const uintptr_t bytes = static_cast<uintptr_t>(t.numel()) * t.element_size();
+  if (bytes < 16 * kHuge) return;
+  const uintptr_t base = reinterpret_cast<uintptr_t>(t.mutable_data_ptr());
+  const uintptr_t lo = (base + kHuge - 1) & ~(kHuge - 1), hi = (base + bytes) & ~(kHuge - 1);
+  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+#else
+  (void)t;
+#endif
+}
+
 // Rows are independent work items. A job too small to pay for waking the
 // pool's threads runs inline (no scratch: the kernels need none).
 void run_ce_rows(ma_task_fn fn, const void* params, int64_t R, int64_t C, const Tensor& like) {
@@ -468,10 +515,13 @@ void run_ce_rows(ma_task_fn fn, const void* params, int64_t R, int64_t C, const 
 }
 
 std::tuple<Tensor, Tensor> ce_forward(Tensor input, Tensor target, std::optional<Tensor> weight,
-                                      std::string reduction, int64_t ignore_index, double label_smoothing) {
+                                      std::string reduction, int64_t ignore_index, double label_smoothing,
+                                      double z_loss, std::optional<double> softcap, bool inplace_backward) {
   const CeReduction red = ce_reduction(reduction);
   const CeShape s = ce_shape(input);
-  const CeInputs in = ce_inputs(input, target, weight, ignore_index, label_smoothing, s);
+  const CeInputs in = ce_inputs(input, target, weight, ignore_index, label_smoothing, z_loss, softcap, s);
+  // the backward will write its gradient over input: say now if it cannot
+  if (inplace_backward) check_writable_in_place(in, input, "cross_entropy(inplace_backward=True)");
   const int64_t R = s.N * s.S;
   const ScalarType acc = acc_type(input.scalar_type());
 
@@ -497,12 +547,10 @@ std::tuple<Tensor, Tensor> ce_forward(Tensor input, Tensor target, std::optional
   return {out, lse};
 }
 
-std::tuple<Tensor, Tensor> ce_backward(Tensor grad_loss, Tensor input, Tensor target,
-                                       std::optional<Tensor> weight, Tensor lse, std::string reduction,
-                                       int64_t ignore_index, double label_smoothing, bool target_grad) {
-  const CeReduction red = ce_reduction(reduction);
-  const CeShape s = ce_shape(input);
-  const CeInputs in = ce_inputs(input, target, weight, ignore_index, label_smoothing, s);
+// The backward into dinput3 ((N, C, S), input's dtype; may be the input's own
+// (N, C, S) view) and, for probability targets, dtarget3 (or none).
+void ce_backward_into(const Tensor& grad_loss, const CeInputs& in, const CeShape& s, const Tensor& input,
+                      const Tensor& lse, CeReduction red, Tensor& dinput3, Tensor* dtarget3) {
   const int64_t R = s.N * s.S;
   STD_TORCH_CHECK(has_shape(lse, s.rows) && lse.scalar_type() == acc_type(input.scalar_type()) &&
                       lse.is_contiguous() && lse.is_cpu(),
@@ -513,17 +561,15 @@ std::tuple<Tensor, Tensor> ce_backward(Tensor grad_loss, Tensor input, Tensor ta
                   "masked_attn.cross_entropy_backward: grad_loss must have the loss's shape ",
                   red == CeReduction::None ? dims_str(s.rows) : std::string("()"), " and input's dtype, got shape ",
                   shape_str(grad_loss));
-  STD_TORCH_CHECK(!target_grad || in.a.target_prob,
-                  "masked_attn.cross_entropy_backward: target_grad=True needs probability targets");
-
-  Tensor dinput = torch::stable::new_empty(input, {s.N, s.C, s.S});
-  Tensor dtarget = torch::stable::new_empty(input, {target_grad ? s.N : 0, s.C, s.S});
   Tensor dloss = red == CeReduction::None ? torch::stable::reshape(grad_loss, {s.N, s.S}) : grad_loss;
 
   ma_ce_bwd_params p{};
-  p.dinput = dinput.mutable_data_ptr();
-  p.dtarget = target_grad ? dtarget.mutable_data_ptr() : nullptr;
-  for (int i = 0; i < 3; i++) p.dinput_stride[i] = dinput.stride(i), p.dtarget_stride[i] = dtarget.stride(i);
+  p.dinput = dinput3.mutable_data_ptr();
+  p.dtarget = dtarget3 ? dtarget3->mutable_data_ptr() : nullptr;
+  for (int i = 0; i < 3; i++) {
+    p.dinput_stride[i] = dinput3.stride(i);
+    p.dtarget_stride[i] = dtarget3 ? dtarget3->stride(i) : 0;
+  }
   p.dloss = dloss.const_data_ptr();
   p.dloss_stride[0] = red == CeReduction::None ? dloss.stride(0) : 0;
   p.dloss_stride[1] = red == CeReduction::None ? dloss.stride(1) : 0;
@@ -531,9 +577,62 @@ std::tuple<Tensor, Tensor> ce_backward(Tensor grad_loss, Tensor input, Tensor ta
   p.dloss_scale = red == CeReduction::Mean ? 1.0 / ma_ce_total_weight(&p.a) : 1.0;  // 0 kept rows: inf, unused
   p.lse = lse.const_data_ptr();
   run_ce_rows(ma_ce_bwd_task, &p, R, s.C, input);
+}
 
+std::tuple<Tensor, Tensor> ce_backward(Tensor grad_loss, Tensor input, Tensor target,
+                                       std::optional<Tensor> weight, Tensor lse, std::string reduction,
+                                       int64_t ignore_index, double label_smoothing, bool target_grad,
+                                       double z_loss, std::optional<double> softcap) {
+  const CeReduction red = ce_reduction(reduction);
+  const CeShape s = ce_shape(input);
+  const CeInputs in = ce_inputs(input, target, weight, ignore_index, label_smoothing, z_loss, softcap, s);
+  STD_TORCH_CHECK(!target_grad || in.a.target_prob,
+                  "masked_attn.cross_entropy_backward: target_grad=True needs probability targets");
+  Tensor dinput = torch::stable::new_empty(input, {s.N, s.C, s.S});
+  Tensor dtarget = torch::stable::new_empty(input, {target_grad ? s.N : 0, s.C, s.S});
+  advise_huge_pages(dinput);
+  ce_backward_into(grad_loss, in, s, input, lse, red, dinput, target_grad ? &dtarget : nullptr);
   return {torch::stable::reshape(dinput, input.sizes()),
           target_grad ? torch::stable::reshape(dtarget, input.sizes()) : torch::stable::new_empty(input, {0})};
+}
+
+// In place: the gradient overwrites input (no new (N, C) buffer).
+void ce_backward_inplace(Tensor grad_loss, Tensor input, Tensor target, std::optional<Tensor> weight, Tensor lse,
+                         std::string reduction, int64_t ignore_index, double label_smoothing, double z_loss,
+                         std::optional<double> softcap) {
+  const CeReduction red = ce_reduction(reduction);
+  const CeShape s = ce_shape(input);
+  CeInputs in = ce_inputs(input, target, weight, ignore_index, label_smoothing, z_loss, softcap, s);
+  check_writable_in_place(in, input, "cross_entropy_backward_");
+  ce_backward_into(grad_loss, in, s, input, lse, red, in.input, nullptr);
+}
+
+// The chunk step of linear_cross_entropy: per-row loss and lse (acc type,
+// input's shape without the class dim) of class targets and, when grad_scale
+// is given, the gradient (times grad_scale, the same for every row) written
+// over input in the same pass over each row, while the row is in cache.
+std::tuple<Tensor, Tensor> ce_chunk_inplace(Tensor input, Tensor target, std::optional<Tensor> weight,
+                                            std::optional<double> grad_scale, int64_t ignore_index,
+                                            double label_smoothing, double z_loss, std::optional<double> softcap) {
+  const CeShape s = ce_shape(input);
+  CeInputs in = ce_inputs(input, target, weight, ignore_index, label_smoothing, z_loss, softcap, s);
+  STD_TORCH_CHECK(in.a.target != nullptr, "masked_attn.cross_entropy_chunk_: target must be int64 class indices");
+  const ScalarType acc = acc_type(input.scalar_type());
+  Tensor lse = torch::stable::new_empty(input, s.rows, acc);
+  Tensor loss = torch::stable::new_empty(input, s.rows, acc);
+  ma_ce_fwd_params p{};
+  p.loss = loss.mutable_data_ptr();
+  to_ma_dtype(acc, &p.loss_dtype);
+  p.lse = lse.mutable_data_ptr();
+  if (grad_scale.has_value()) {
+    check_writable_in_place(in, input, "cross_entropy_chunk_");
+    p.dinput = in.input.mutable_data_ptr();
+    for (int i = 0; i < 3; i++) p.dinput_stride[i] = in.input.stride(i);
+    p.dloss_scale = *grad_scale;
+  }
+  p.a = in.a;
+  run_ce_rows(ma_ce_fwd_task, &p, s.N * s.S, s.C, input);
+  return {loss, lse};
 }
 
 }  // namespace
@@ -550,11 +649,19 @@ STABLE_TORCH_LIBRARY(masked_attn, m) {
       "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_head_mask)");
   m.def(
       "cross_entropy(Tensor input, Tensor target, Tensor? weight=None, str reduction='mean', "
-      "int ignore_index=-100, float label_smoothing=0.0) -> (Tensor loss, Tensor lse)");
+      "int ignore_index=-100, float label_smoothing=0.0, float z_loss=0.0, float? softcap=None, "
+      "bool inplace_backward=False) -> (Tensor loss, Tensor lse)");
   m.def(
       "cross_entropy_backward(Tensor grad_loss, Tensor input, Tensor target, Tensor? weight, Tensor lse, "
-      "str reduction, int ignore_index, float label_smoothing, bool target_grad=False) "
-      "-> (Tensor grad_input, Tensor grad_target)");
+      "str reduction, int ignore_index, float label_smoothing, bool target_grad=False, float z_loss=0.0, "
+      "float? softcap=None) -> (Tensor grad_input, Tensor grad_target)");
+  m.def(
+      "cross_entropy_backward_(Tensor grad_loss, Tensor(a!) input, Tensor target, Tensor? weight, Tensor lse, "
+      "str reduction, int ignore_index, float label_smoothing, float z_loss=0.0, float? softcap=None) -> ()");
+  m.def(
+      "cross_entropy_chunk_(Tensor(a!) input, Tensor target, Tensor? weight=None, float? grad_scale=None, "
+      "int ignore_index=-100, float label_smoothing=0.0, float z_loss=0.0, float? softcap=None) "
+      "-> (Tensor loss, Tensor lse)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(masked_attn, CPU, m) {
@@ -562,4 +669,6 @@ STABLE_TORCH_LIBRARY_IMPL(masked_attn, CPU, m) {
   m.impl("backward", TORCH_BOX(&attn_backward));
   m.impl("cross_entropy", TORCH_BOX(&ce_forward));
   m.impl("cross_entropy_backward", TORCH_BOX(&ce_backward));
+  m.impl("cross_entropy_backward_", TORCH_BOX(&ce_backward_inplace));
+  m.impl("cross_entropy_chunk_", TORCH_BOX(&ce_chunk_inplace));
 }

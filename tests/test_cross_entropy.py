@@ -252,9 +252,21 @@ def test_float32_huge_logits_precision_bound():
 # nn.CrossEntropyLoss drop-in
 # ---------------------------------------------------------------------------
 
+def _assert_drop_in_signature(ours, theirs):
+    """PyTorch's parameters first, unchanged (names, kinds, defaults), then
+    only our keyword-only options, off by default (z-loss, soft-capping,
+    in-place backward: tests/test_cross_entropy_options.py)."""
+    po = list(inspect.signature(ours).parameters.values())
+    pt = list(inspect.signature(theirs).parameters.values())
+    assert [(p.name, p.kind, p.default) for p in po[:len(pt)]] == [(p.name, p.kind, p.default) for p in pt]
+    extras = po[len(pt):]
+    assert [(p.name, p.default) for p in extras] == [("z_loss", 0.0), ("softcap", None), ("inplace_backward", False)]
+    assert all(p.kind == inspect.Parameter.KEYWORD_ONLY for p in extras)
+
+
 def test_signatures_match_pytorch():
-    assert inspect.signature(tmaF.cross_entropy) == inspect.signature(F.cross_entropy)
-    assert inspect.signature(tma.CrossEntropyLoss) == inspect.signature(nn.CrossEntropyLoss)
+    _assert_drop_in_signature(tmaF.cross_entropy, F.cross_entropy)
+    _assert_drop_in_signature(tma.CrossEntropyLoss, nn.CrossEntropyLoss)
     assert inspect.signature(tma.CrossEntropyLoss.forward) == inspect.signature(nn.CrossEntropyLoss.forward)
     assert "cross_entropy" in tmaF.__all__
     assert {"CrossEntropyLoss", "perplexity"} <= set(tma.__all__)

@@ -6,7 +6,7 @@ nn.CrossEntropyLoss.
 from . import ops  # noqa: F401  (loads the library, registers the ops)
 from . import functional
 from .modules import MultiheadAttention
-from .losses import CrossEntropyLoss, perplexity
+from .losses import CrossEntropyLoss, LinearCrossEntropyLoss, perplexity
 
-__all__ = ["functional", "MultiheadAttention", "CrossEntropyLoss", "perplexity"]
+__all__ = ["functional", "MultiheadAttention", "CrossEntropyLoss", "LinearCrossEntropyLoss", "perplexity"]
 __version__ = "0.1.0"

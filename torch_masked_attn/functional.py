@@ -12,7 +12,7 @@ import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.masked_attn)
 
-__all__ = ["masked_attention", "scaled_dot_product_attention", "cross_entropy"]
+__all__ = ["masked_attention", "scaled_dot_product_attention", "cross_entropy", "linear_cross_entropy"]
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -149,4 +149,4 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     return out.reshape(out_shape)
 
 
-from .losses import cross_entropy  # noqa: E402
+from .losses import cross_entropy, linear_cross_entropy  # noqa: E402

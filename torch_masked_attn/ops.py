@@ -94,17 +94,30 @@ torch.library.register_autograd(
 # ---- cross-entropy ---------------------------------------------------------
 #
 #   masked_attn::cross_entropy(input, target, weight?, reduction, ignore_index,
-#                              label_smoothing) -> (loss, lse)
+#                              label_smoothing, z_loss, softcap?, inplace_backward)
+#                              -> (loss, lse)
 #   masked_attn::cross_entropy_backward(grad_loss, input, target, weight?, lse,
 #                              reduction, ignore_index, label_smoothing,
-#                              target_grad) -> (grad_input, grad_target)
+#                              target_grad, z_loss, softcap?) -> (grad_input, grad_target)
+#   masked_attn::cross_entropy_backward_(grad_loss, input!, target, weight?, lse,
+#                              reduction, ignore_index, label_smoothing, z_loss,
+#                              softcap?) -> ()        the gradient overwrites input
+#   masked_attn::cross_entropy_chunk_(input!, target, weight?, grad_scale?,
+#                              ignore_index, label_smoothing, z_loss, softcap?)
+#                              -> (loss, lse)         per-row, acc type; with grad_scale,
+#                                                     grad_scale * d loss_row / d input
+#                                                     overwrites input
 #
 # input (C,), (N, C) or (N, C, d1, ..., dk); target int64 class indices of
 # input's shape without the class dim, or probabilities of input's shape and
 # dtype; weight (C,) of input's dtype; reduction 'none' | 'mean' | 'sum';
-# label_smoothing in [0, 1]. lse is the per-row log-sum-exp (float32, float64
-# for float64 input; 0 on ignored rows). The drop-in F.cross_entropy with
-# PyTorch's argument handling and exceptions is torch_masked_attn.losses.
+# label_smoothing in [0, 1]; z_loss >= 0 adds z_loss * lse^2 to each kept row;
+# softcap > 0 scores the row on softcap * tanh(input / softcap). lse is the
+# per-row log-sum-exp (float32, float64 for float64 input; 0 on ignored
+# rows). inplace_backward=True makes the autograd backward write the input's
+# gradient over input itself (no new buffer; the logits are gone after it).
+# The drop-in F.cross_entropy with PyTorch's argument handling and exceptions
+# is torch_masked_attn.losses.
 
 def _ce_rows_shape(input):
     return tuple(input.shape[:1]) + tuple(input.shape[2:]) if input.dim() >= 2 else ()
@@ -112,7 +125,7 @@ def _ce_rows_shape(input):
 
 @torch.library.register_fake("masked_attn::cross_entropy")
 def _cross_entropy_fake(input, target, weight=None, reduction="mean", ignore_index=-100,
-                        label_smoothing=0.0):
+                        label_smoothing=0.0, z_loss=0.0, softcap=None, inplace_backward=False):
     torch._check(input.dim() >= 1, lambda: "masked_attn.cross_entropy: input must have a class dim")
     rows = _ce_rows_shape(input)
     loss = input.new_empty(rows if reduction == "none" else ())
@@ -122,15 +135,30 @@ def _cross_entropy_fake(input, target, weight=None, reduction="mean", ignore_ind
 
 @torch.library.register_fake("masked_attn::cross_entropy_backward")
 def _cross_entropy_backward_fake(grad_loss, input, target, weight, lse, reduction, ignore_index,
-                                 label_smoothing, target_grad=False):
+                                 label_smoothing, target_grad=False, z_loss=0.0, softcap=None):
     return input.new_empty(input.shape), input.new_empty(input.shape if target_grad else (0,))
 
 
+@torch.library.register_fake("masked_attn::cross_entropy_backward_")
+def _cross_entropy_backward_inplace_fake(grad_loss, input, target, weight, lse, reduction, ignore_index,
+                                         label_smoothing, z_loss=0.0, softcap=None):
+    return None
+
+
+@torch.library.register_fake("masked_attn::cross_entropy_chunk_")
+def _cross_entropy_chunk_fake(input, target, weight=None, grad_scale=None, ignore_index=-100,
+                              label_smoothing=0.0, z_loss=0.0, softcap=None):
+    rows = _ce_rows_shape(input)
+    acc = _lse_dtype(input.dtype)
+    return input.new_empty(rows, dtype=acc), input.new_empty(rows, dtype=acc)
+
+
 def _cross_entropy_setup_context(ctx, inputs, output):
-    input, target, weight, reduction, ignore_index, label_smoothing = inputs
+    input, target, weight, reduction, ignore_index, label_smoothing, z_loss, softcap, inplace = inputs
     _, lse = output
     ctx.save_for_backward(input, target, weight, lse)
     ctx.reduction, ctx.ignore_index, ctx.label_smoothing = reduction, ignore_index, label_smoothing
+    ctx.z_loss, ctx.softcap, ctx.inplace_backward = z_loss, softcap, inplace
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
 
@@ -139,12 +167,18 @@ def _cross_entropy_backward(ctx, grad_loss, grad_lse):
     input, target, weight, lse = ctx.saved_tensors
     target_grad = bool(ctx.needs_input_grad[1]) and target.is_floating_point()
     if grad_loss is None or not (ctx.needs_input_grad[0] or target_grad):
-        return None, None, None, None, None, None
+        return (None,) * 9
+    args = (target, weight, lse, ctx.reduction, ctx.ignore_index, ctx.label_smoothing)
+    if ctx.inplace_backward and not target_grad:
+        # the gradient overwrites the logits; the version bump makes any other
+        # use of the saved logits in this graph fail loudly instead of silently
+        torch.ops.masked_attn.cross_entropy_backward_(grad_loss, input, *args, ctx.z_loss, ctx.softcap)
+        torch.autograd.graph.increment_version(input)
+        return (input,) + (None,) * 8
     grad_input, grad_target = torch.ops.masked_attn.cross_entropy_backward(
-        grad_loss, input, target, weight, lse, ctx.reduction, ctx.ignore_index,
-        ctx.label_smoothing, target_grad)
+        grad_loss, input, *args, target_grad, ctx.z_loss, ctx.softcap)
     return (grad_input if ctx.needs_input_grad[0] else None,
-            grad_target if target_grad else None, None, None, None, None)
+            grad_target if target_grad else None) + (None,) * 7
 
 
 torch.library.register_autograd(

@@ -1,0 +1,45 @@
+/* cross_entropy_isa.h -- the row building blocks of the float-accumulating
+ * cross-entropy kernels, one table per instruction set, each defined in its
+ * own translation unit (cross_entropy.c: scalar reference;
+ * cross_entropy_<isa>.c: compiled with that instruction set's flags).
+ * Private to the kernels; cross_entropy.c dispatches. Exported so that the C
+ * harness (tests/c/test_ce_blocks.c) checks every variant against the scalar
+ * reference directly.
+ *
+ * A row here is C contiguous logits x[0:C] of dtype dt (float32, bfloat16 or
+ * float16), optionally with C contiguous class weights w[0:C] of the same
+ * dtype (NULL: all 1). y_c = x_c, or cap tanh(x_c / cap) when cap > 0.
+ */
+#ifndef MA_CROSS_ENTROPY_ISA_H
+#define MA_CROSS_ENTROPY_ISA_H
+
+#include <stdint.h>
+
+#include "masked_attn.h"
+
+/* What one read of a row gives. */
+typedef struct {
+    float m;       /* max_c y_c; -inf when every y_c is -inf; NaN or +inf make lse NaN */
+    double l;      /* sum_c exp(y_c - m)   (0 when m = -inf)                          */
+    double k_sum;  /* sum_c w_c            (want_dot only)                            */
+    double k_dot;  /* sum_c w_c (y_c - m)  (want_dot only; y_c itself while m = -inf) */
+} ma_ce_stats;
+
+typedef struct {
+    const char *name;
+    /* Statistics of one row, read once (online max and sum). */
+    ma_ce_stats (*row_stats)(const void *x, const void *w, ma_dtype dt, int64_t C, float cap, int want_dot);
+    /* dx_c = (g_soft exp(y_c - lse) - g_w w_c) y'_c, stored as dt (overwrites;
+     * dx may be x itself). The target's -g_t term is the caller's. */
+    void (*row_grad)(void *dx, const void *x, const void *w, ma_dtype dt, int64_t C, float cap, float lse,
+                     float g_soft, float g_w);
+} ma_ce_blocks;
+
+extern const ma_ce_blocks ma_ce_blocks_scalar, ma_ce_blocks_avx2, ma_ce_blocks_avx512;
+
+void ma_ce_fwd_avx2(int64_t begin, int64_t end, void *ctx);
+void ma_ce_bwd_avx2(int64_t begin, int64_t end, void *ctx);
+void ma_ce_fwd_avx512(int64_t begin, int64_t end, void *ctx);
+void ma_ce_bwd_avx512(int64_t begin, int64_t end, void *ctx);
+
+#endif
