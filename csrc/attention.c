@@ -160,10 +160,9 @@ int64_t ma_attn_fwd_work_items(const ma_attn_fwd_params *p) {
 }
 
 size_t ma_attn_fwd_scratch_bytes(const ma_attn_fwd_params *p) {
-    const size_t n = p->dtype == MA_F64
-                         ? fwd_scratch_elems_f64(p->block_q, p->block_k, p->D, p->Dv) * sizeof(double)
-                         : fwd_scratch_elems_scalar(p->block_q, p->block_k, p->D, p->Dv) * sizeof(float);
-    return ma_round_up(n, MA_CACHE_LINE);
+    const size_t n = p->dtype == MA_F64 ? fwd_scratch_elems_f64(p) * sizeof(double)
+                                        : fwd_scratch_elems_scalar(p) * sizeof(float);
+    return ma_round_up(MA_CACHE_LINE + n, MA_CACHE_LINE);
 }
 
 void ma_attn_fwd_task(int64_t begin, int64_t end, void *ctx) {
@@ -180,12 +179,13 @@ int64_t ma_attn_bwd_dkdv_work_items(const ma_attn_bwd_params *p) {
 }
 
 size_t ma_attn_bwd_scratch_bytes(const ma_attn_bwd_params *p) {
-    /* the single pass adds dq (G, Lq, D) and delta, lse, dhm (G, Lq) */
-    const int64_t fused = ma_attn_bwd_single_pass(p) ? (p->H / p->Hkv) * p->Lq * (p->D + 3) : 0;
+    const int single = ma_attn_bwd_single_pass(p);
     const size_t n = p->dtype == MA_F64
-                         ? (bwd_scratch_elems_f64(p->block_q, p->block_k, p->D, p->Dv) + fused) * sizeof(double)
-                         : (bwd_scratch_elems_scalar(p->block_q, p->block_k, p->D, p->Dv) + fused) * sizeof(float);
-    return ma_round_up(n, MA_CACHE_LINE);
+                         ? (bwd_scratch_elems_f64(p->block_q, p->block_k, p->D, p->Dv) +
+                            bwd_extra_elems_f64(p, single)) * sizeof(double)
+                         : (bwd_scratch_elems_scalar(p->block_q, p->block_k, p->D, p->Dv) +
+                            bwd_extra_elems_scalar(p, single)) * sizeof(float);
+    return ma_round_up(MA_CACHE_LINE + n, MA_CACHE_LINE);
 }
 
 void ma_attn_bwd_dq_task(int64_t begin, int64_t end, void *ctx) {

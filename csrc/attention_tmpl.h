@@ -95,6 +95,40 @@ static const ACC *FN(rows)(const void *src, ma_dtype dt, const int64_t st[4], in
     return buf;
 }
 
+/* Does src need converting before the kernels can read it in place? */
+static inline int FN(needs_copy)(ma_dtype dt, const int64_t st[4]) {
+    return !(FN(is_native)(dt) && st[3] == 1);
+}
+
+/* src[b, h0 : h0 + nh, 0 : L, 0 : ncol] as ACC rows (row stride ncol, head
+ * stride L * ncol) in a per-thread cache, converted once per (b, h0) and
+ * thread rather than once per tile: *tag (in the scratch header, zeroed by
+ * the shim for every call) remembers what the cache holds. Only for inputs
+ * that need converting (bfloat16, float16, strided). */
+static const ACC *FN(head_cache)(int64_t *tag, ACC *cache, const void *src, ma_dtype dt,
+                                 const int64_t st[4], int64_t b, int64_t h0, int64_t nh, int64_t L,
+                                 int64_t ncol) {
+    const int64_t key = b * 65536 + h0 + 1;
+    if (*tag != key) {
+        for (int64_t h = 0; h < nh; h++)
+            FN(load_tile)(cache + h * L * ncol, src, dt, st, b, h0 + h, 0, L, ncol);
+        *tag = key;
+    }
+    return cache;
+}
+
+/* Rows r0 .. r0 + nr of src[b, h] (row stride *ld): in place when possible,
+ * else from the head cache (head_base = what FN(head_cache) returned for h). */
+static inline const ACC *FN(rows_in)(const void *src, ma_dtype dt, const int64_t st[4], int64_t b,
+                                     int64_t h, int64_t r0, const ACC *head_base, int64_t ncol, int64_t *ld) {
+    if (!FN(needs_copy)(dt, st)) {
+        *ld = st[2];
+        return (const ACC *)src + b * st[0] + h * st[1] + r0 * st[2];
+    }
+    *ld = ncol;
+    return head_base + r0 * ncol;
+}
+
 /* dst[b, h, r0 : r0 + nr, 0 : ncol] = mul * src (nr, ncol); overwrites. */
 static void FN(store_tile)(void *dst, ma_dtype dt, const int64_t st[4], int64_t b, int64_t h,
                            int64_t r0, int64_t nr, int64_t ncol, const ACC *src, ACC mul) {
@@ -179,11 +213,12 @@ static inline ACC FN(finite_or_zero)(ACC x) { return x == -(ACC)INFINITY ? 0 : x
 
 typedef struct {
     ACC *qT, *kbuf, *vbuf, *sT, *o, *m, *m_new, *l, *lsum, *lse;
+    ACC *kc, *vc; /* head caches (Lk, D), (Lk, Dv) when K, V need converting */
 } FN(fwd_scratch);
 
 static FN(fwd_scratch) FN(fwd_carve)(void *scratch, int64_t BQ, int64_t BK, int64_t D, int64_t Dv) {
     FN(fwd_scratch) t;
-    t.qT = (ACC *)scratch;           /* (D, BQ) = scale * Q^T */
+    t.qT = (ACC *)((char *)scratch + MA_CACHE_LINE); /* after the header: (D, BQ) = scale * Q^T */
     t.kbuf = t.qT + D * BQ;          /* (BK, D)  K converted, when not float */
     t.vbuf = t.kbuf + BK * D;        /* (BK, Dv) */
     t.sT = t.vbuf + BK * Dv;         /* (BK, BQ) scores, then probabilities */
@@ -193,11 +228,17 @@ static FN(fwd_scratch) FN(fwd_carve)(void *scratch, int64_t BQ, int64_t BK, int6
     t.l = t.m_new + BQ;              /* (BQ) running sum */
     t.lsum = t.l + BQ;               /* (BQ) */
     t.lse = t.lsum + BQ;             /* (BQ) */
+    t.kc = t.lse + BQ;
+    t.vc = NULL;
     return t;
 }
 
-static inline size_t FN(fwd_scratch_elems)(int64_t BQ, int64_t BK, int64_t D, int64_t Dv) {
-    return (size_t)(D * BQ + BK * D + BK * Dv + BK * BQ + BQ * Dv + 5 * BQ);
+/* Elements of ACC after the header; caches included when K, V need converting. */
+static inline size_t FN(fwd_scratch_elems)(const ma_attn_fwd_params *p) {
+    const int64_t BQ = p->block_q, BK = p->block_k, D = p->D, Dv = p->Dv;
+    return (size_t)(D * BQ + BK * D + BK * Dv + BK * BQ + BQ * Dv + 5 * BQ +
+                    (FN(needs_copy)(p->dtype, p->k_stride) ? p->Lk * D : 0) +
+                    (FN(needs_copy)(p->dtype, p->v_stride) ? p->Lk * Dv : 0));
 }
 
 static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
@@ -206,11 +247,19 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
     const int64_t H = p->H, G = p->H / p->Hkv, Lq = p->Lq, Lk = p->Lk, D = p->D, Dv = p->Dv;
     const int64_t BQ = p->block_q, BK = p->block_k, nq = ma_cdiv(Lq, BQ);
     FN(fwd_scratch) t = FN(fwd_carve)(ctx->scratch, BQ, BK, D, Dv);
+    ma_scratch_header *hdr = (ma_scratch_header *)ctx->scratch;
+    t.vc = t.kc + (FN(needs_copy)(p->dtype, p->k_stride) ? Lk * D : 0);
 
     for (int64_t w = begin; w < end; w++) {
         const int64_t b = w / (H * nq), h = (w / nq) % H, qb = FN(interleave)(w % nq, nq), hk = h / G;
         const int64_t i0 = qb * BQ, nr = ma_min(BQ, Lq - i0);
         const int64_t kv_end = FN(kv_end)(p->is_causal, Lk, i0, nr);
+        const ACC *k_bh = FN(needs_copy)(p->dtype, p->k_stride)
+                              ? FN(head_cache)(&hdr->tag[0], t.kc, p->k, p->dtype, p->k_stride, b, hk, 1, Lk, D)
+                              : NULL;
+        const ACC *v_bh = FN(needs_copy)(p->dtype, p->v_stride)
+                              ? FN(head_cache)(&hdr->tag[1], t.vc, p->v, p->dtype, p->v_stride, b, hk, 1, Lk, Dv)
+                              : NULL;
 
         FN(load_tile_t)(t.qT, p->q, p->dtype, p->q_stride, b, h, i0, nr, D, (ACC)p->scale);
         for (int64_t r = 0; r < nr; r++) {
@@ -223,8 +272,8 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
             const int64_t nc = ma_min(BK, kv_end - j0);
             if (FN(keys_all_padded)(&p->key_padding_mask, b, j0, nc)) continue;
             int64_t ldk, ldv;
-            const ACC *k_j = FN(rows)(p->k, p->dtype, p->k_stride, b, hk, j0, nc, D, t.kbuf, &ldk);
-            const ACC *v_j = FN(rows)(p->v, p->dtype, p->v_stride, b, hk, j0, nc, Dv, t.vbuf, &ldv);
+            const ACC *k_j = FN(rows_in)(p->k, p->dtype, p->k_stride, b, hk, j0, k_bh, D, &ldk);
+            const ACC *v_j = FN(rows_in)(p->v, p->dtype, p->v_stride, b, hk, j0, v_bh, Dv, &ldv);
             /* sT = K (scale Q)^T + bias^T */
             GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
             FN(add_bias)(t.sT, 1, nr, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
@@ -274,7 +323,7 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
             for (int64_t j0 = 0; j0 < Lk; j0 += BK) {
                 const int64_t nc = ma_min(BK, Lk - j0);
                 int64_t ldk;
-                const ACC *k_j = FN(rows)(p->k, p->dtype, p->k_stride, b, hk, j0, nc, D, t.kbuf, &ldk);
+                const ACC *k_j = FN(rows_in)(p->k, p->dtype, p->k_stride, b, hk, j0, k_bh, D, &ldk);
                 GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
                 FN(add_bias)(t.sT, 1, nr, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
                 EXP_SUB_COL(t.sT, nc, nr, t.m_new, t.lsum);
@@ -310,11 +359,12 @@ typedef struct {
     ACC *kT, *vT, *qbuf, *gbuf, *s, *dp, *dk, *dv;
     /* per query row */
     ACC *lse, *delta, *dhm, *tmp;
+    ACC *extra;
 } FN(bwd_scratch);
 
 static FN(bwd_scratch) FN(bwd_carve)(void *scratch, int64_t BQ, int64_t BK, int64_t D, int64_t Dv) {
     FN(bwd_scratch) t;
-    ACC *x = (ACC *)scratch;
+    ACC *x = (ACC *)((char *)scratch + MA_CACHE_LINE); /* after the header */
     t.qT = x;   x += D * BQ;   /* (D, BQ) scale * Q^T */
     t.gT = x;   x += Dv * BQ;  /* (Dv, BQ) dO^T */
     t.kbuf = x; x += BK * D;   /* (BK, D) */
@@ -333,12 +383,32 @@ static FN(bwd_scratch) FN(bwd_carve)(void *scratch, int64_t BQ, int64_t BK, int6
     t.lse = x;  x += BQ;
     t.delta = x; x += BQ;
     t.dhm = x;  x += BQ;
-    t.tmp = x;
+    t.tmp = x;  x += BQ;
+    t.extra = x;               /* the pass's own regions, see bwd_extra_elems */
     return t;
 }
 
 static inline size_t FN(bwd_scratch_elems)(int64_t BQ, int64_t BK, int64_t D, int64_t Dv) {
     return (size_t)(3 * D * BQ + 2 * Dv * BQ + 3 * BK * D + 3 * BK * Dv + 4 * BK * BQ + 4 * BQ);
+}
+
+/* Elements after the tiles that each backward pass carves from t.extra:
+ *   dq pass    K, V head caches (Lk, D), (Lk, Dv)            if they need converting
+ *   dkdv pass  Q, dO caches of the G heads (G, Lq, D), (G, Lq, Dv)   if they need converting
+ *   single pass  dq (G, Lq, D), delta, lse, dhm (G, Lq), then the Q, dO caches */
+static inline int64_t FN(bwd_qg_cache_elems)(const ma_attn_bwd_params *p) {
+    const int64_t G = p->H / p->Hkv;
+    return (FN(needs_copy)(p->dtype, p->q_stride) ? G * p->Lq * p->D : 0) +
+           (FN(needs_copy)(p->dtype, p->dout_stride) ? G * p->Lq * p->Dv : 0);
+}
+
+static inline size_t FN(bwd_extra_elems)(const ma_attn_bwd_params *p, int single_pass) {
+    const int64_t G = p->H / p->Hkv;
+    if (single_pass) return (size_t)(G * p->Lq * (p->D + 3) + FN(bwd_qg_cache_elems)(p));
+    const int64_t kv = (FN(needs_copy)(p->dtype, p->k_stride) ? p->Lk * p->D : 0) +
+                       (FN(needs_copy)(p->dtype, p->v_stride) ? p->Lk * p->Dv : 0);
+    const int64_t qg = FN(bwd_qg_cache_elems)(p);
+    return (size_t)(kv > qg ? kv : qg);
 }
 
 /* dW[b, h, i0 + r, j0 + c] added to dP at dp[r * rs + c * cs]. */
@@ -372,6 +442,15 @@ static void FN(dscores)(ACC *dp, const ACC *pr, int64_t rs, int64_t cs, const AC
     }
 }
 
+/* dscores[b, h, i0 + r, j0 + c] = dS (r, c), at ds[r * rs + c * cs]: the gradient
+ * of the scores, which is the gradient of an additive mask; overwrites. */
+static void FN(store_dscores)(const ma_attn_bwd_params *p, const ACC *ds, int64_t rs, int64_t cs,
+                              int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t nc) {
+    ACC *out = (ACC *)p->dscores + ((b * p->H + h) * p->Lq + i0) * p->Lk + j0;
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t c = 0; c < nc; c++) out[r * p->Lk + c] = ds[r * rs + c * cs];
+}
+
 /* Pass 1, work item (b, h, q-block): delta and dq for its rows. */
 static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
     const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
@@ -379,12 +458,20 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
     const int64_t H = p->H, G = p->H / p->Hkv, Lq = p->Lq, Lk = p->Lk, D = p->D, Dv = p->Dv;
     const int64_t BQ = p->block_q, BK = p->block_k, nq = ma_cdiv(Lq, BQ);
     FN(bwd_scratch) t = FN(bwd_carve)(ctx->scratch, BQ, BK, D, Dv);
+    ma_scratch_header *hdr = (ma_scratch_header *)ctx->scratch;
+    ACC *kc = t.extra, *vc = kc + (FN(needs_copy)(p->dtype, p->k_stride) ? Lk * D : 0);
 
     for (int64_t w = begin; w < end; w++) {
         const int64_t b = w / (H * nq), h = (w / nq) % H, qb = FN(interleave)(w % nq, nq), hk = h / G;
         const int64_t i0 = qb * BQ, nr = ma_min(BQ, Lq - i0);
         const int64_t kv_end = FN(kv_end)(p->is_causal, Lk, i0, nr);
         const ACC hm = FN(head_scale)(&p->head_mask, b, h);
+        const ACC *k_bh = FN(needs_copy)(p->dtype, p->k_stride)
+                              ? FN(head_cache)(&hdr->tag[0], kc, p->k, p->dtype, p->k_stride, b, hk, 1, Lk, D)
+                              : NULL;
+        const ACC *v_bh = FN(needs_copy)(p->dtype, p->v_stride)
+                              ? FN(head_cache)(&hdr->tag[1], vc, p->v, p->dtype, p->v_stride, b, hk, 1, Lk, Dv)
+                              : NULL;
         const ACC *lse_bh = (const ACC *)p->lse + (b * H + h) * Lq;
         ACC *delta_bh = (ACC *)p->delta + (b * H + h) * Lq;
 
@@ -405,7 +492,7 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
                 const int64_t nc = ma_min(BK, kv_end - j0);
                 if (FN(keys_all_padded)(&p->key_padding_mask, b, j0, nc)) continue;
                 int64_t ldk;
-                const ACC *k_j = FN(rows)(p->k, p->dtype, p->k_stride, b, hk, j0, nc, D, t.kbuf, &ldk);
+                const ACC *k_j = FN(rows_in)(p->k, p->dtype, p->k_stride, b, hk, j0, k_bh, D, &ldk);
                 GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
                 FN(add_bias)(t.sT, 1, nr, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
                 EXP_SUB_COL(t.sT, nc, nr, t.lse, t.tmp);
@@ -425,8 +512,8 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
             const int64_t nc = ma_min(BK, kv_end - j0);
             if (FN(keys_all_padded)(&p->key_padding_mask, b, j0, nc)) continue;
             int64_t ldk, ldv;
-            const ACC *k_j = FN(rows)(p->k, p->dtype, p->k_stride, b, hk, j0, nc, D, t.kbuf, &ldk);
-            const ACC *v_j = FN(rows)(p->v, p->dtype, p->v_stride, b, hk, j0, nc, Dv, t.vbuf, &ldv);
+            const ACC *k_j = FN(rows_in)(p->k, p->dtype, p->k_stride, b, hk, j0, k_bh, D, &ldk);
+            const ACC *v_j = FN(rows_in)(p->v, p->dtype, p->v_stride, b, hk, j0, v_bh, Dv, &ldv);
             /* P^T = exp(K (scale Q)^T + bias^T - lse) */
             GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
             FN(add_bias)(t.sT, 1, nr, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
@@ -435,6 +522,7 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
             GEMM(nc, nr, Dv, v_j, ldv, 1, t.gT, nr, t.dpT, nr, 0);
             if (p->dweights) FN(add_dweights)(t.dpT, 1, nr, p, b, h, i0, nr, j0, nc);
             FN(dscores)(t.dpT, t.sT, 1, nr, t.delta, p->dhm_rows ? t.dhm : NULL, hm, nr, nc);
+            if (p->dscores) FN(store_dscores)(p, t.dpT, 1, nr, b, h, i0, nr, j0, nc);
             /* dQ += dS K */
             GEMM(nr, D, nc, t.dpT, 1, nr, k_j, ldk, t.dq, D, 1);
         }
@@ -454,9 +542,17 @@ static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
     const int64_t H = p->H, Hkv = p->Hkv, G = p->H / p->Hkv, Lq = p->Lq, Lk = p->Lk, D = p->D, Dv = p->Dv;
     const int64_t BQ = p->block_q, BK = p->block_k, nk = ma_cdiv(Lk, BK);
     FN(bwd_scratch) t = FN(bwd_carve)(ctx->scratch, BQ, BK, D, Dv);
+    ma_scratch_header *hdr = (ma_scratch_header *)ctx->scratch;
+    ACC *qc = t.extra, *gc = qc + (FN(needs_copy)(p->dtype, p->q_stride) ? G * Lq * D : 0);
 
     for (int64_t w = begin; w < end; w++) {
         const int64_t b = w / (Hkv * nk), hk = (w / nk) % Hkv, kb = FN(interleave)(w % nk, nk);
+        const ACC *q_bg = FN(needs_copy)(p->dtype, p->q_stride)
+                              ? FN(head_cache)(&hdr->tag[2], qc, p->q, p->dtype, p->q_stride, b, hk * G, G, Lq, D)
+                              : NULL;
+        const ACC *g_bg = FN(needs_copy)(p->dtype, p->dout_stride)
+                              ? FN(head_cache)(&hdr->tag[3], gc, p->dout, p->dtype, p->dout_stride, b, hk * G, G, Lq, Dv)
+                              : NULL;
         const int64_t j0 = kb * BK, nc = ma_min(BK, Lk - j0);
         for (int64_t x = 0; x < nc * D; x++) t.dk[x] = 0;
         for (int64_t x = 0; x < nc * Dv; x++) t.dv[x] = 0;
@@ -470,11 +566,13 @@ static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
                 const ACC hm = FN(head_scale)(&p->head_mask, b, h);
                 const ACC *lse_bh = (const ACC *)p->lse + (b * H + h) * Lq;
                 const ACC *delta_bh = (const ACC *)p->delta + (b * H + h) * Lq;
+                const ACC *q_bh = q_bg ? q_bg + (h - hk * G) * Lq * D : NULL;
+                const ACC *g_bh = g_bg ? g_bg + (h - hk * G) * Lq * Dv : NULL;
                 for (int64_t i0 = i_begin; i0 < Lq; i0 += BQ) {
                     const int64_t nr = ma_min(BQ, Lq - i0);
                     int64_t ldq, ldg;
-                    const ACC *q_i = FN(rows)(p->q, p->dtype, p->q_stride, b, h, i0, nr, D, t.qbuf, &ldq);
-                    const ACC *g_i = FN(rows)(p->dout, p->dtype, p->dout_stride, b, h, i0, nr, Dv, t.gbuf, &ldg);
+                    const ACC *q_i = FN(rows_in)(p->q, p->dtype, p->q_stride, b, h, i0, q_bh, D, &ldq);
+                    const ACC *g_i = FN(rows_in)(p->dout, p->dtype, p->dout_stride, b, h, i0, g_bh, Dv, &ldg);
                     /* P = exp(Q (scale K^T) + bias - lse) */
                     GEMM(nr, nc, D, q_i, ldq, 1, t.kT, nc, t.s, nc, 0);
                     FN(add_bias)(t.s, nc, 1, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
@@ -510,13 +608,21 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
     const int64_t H = p->H, Hkv = p->Hkv, G = p->H / p->Hkv, Lq = p->Lq, Lk = p->Lk, D = p->D, Dv = p->Dv;
     const int64_t BQ = p->block_q, BK = p->block_k;
     FN(bwd_scratch) t = FN(bwd_carve)(ctx->scratch, BQ, BK, D, Dv);
-    ACC *dq_all = (ACC *)ctx->scratch + FN(bwd_scratch_elems)(BQ, BK, D, Dv); /* (G, Lq, D) */
+    ma_scratch_header *hdr = (ma_scratch_header *)ctx->scratch;
+    ACC *dq_all = t.extra;                                                   /* (G, Lq, D) */
     ACC *delta_all = dq_all + G * Lq * D;                                    /* (G, Lq) */
     ACC *lse_all = delta_all + G * Lq;                                       /* (G, Lq), -inf -> 0 */
     ACC *dhm_all = lse_all + G * Lq;                                         /* (G, Lq) */
+    ACC *qc = dhm_all + G * Lq, *gc = qc + (FN(needs_copy)(p->dtype, p->q_stride) ? G * Lq * D : 0);
 
     for (int64_t w = begin; w < end; w++) {
         const int64_t b = w / Hkv, hk = w % Hkv;
+        const ACC *q_bg = FN(needs_copy)(p->dtype, p->q_stride)
+                              ? FN(head_cache)(&hdr->tag[2], qc, p->q, p->dtype, p->q_stride, b, hk * G, G, Lq, D)
+                              : NULL;
+        const ACC *g_bg = FN(needs_copy)(p->dtype, p->dout_stride)
+                              ? FN(head_cache)(&hdr->tag[3], gc, p->dout, p->dtype, p->dout_stride, b, hk * G, G, Lq, Dv)
+                              : NULL;
         for (int64_t g = 0; g < G; g++) {
             const int64_t h = hk * G + g;
             const ACC *lse_bh = (const ACC *)p->lse + (b * H + h) * Lq;
@@ -548,11 +654,13 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
                 for (int64_t g = 0; g < G; g++) {
                     const int64_t h = hk * G + g;
                     const ACC hm = FN(head_scale)(&p->head_mask, b, h);
+                    const ACC *q_bh = q_bg ? q_bg + g * Lq * D : NULL;
+                    const ACC *g_bh = g_bg ? g_bg + g * Lq * Dv : NULL;
                     for (int64_t i0 = i_begin; i0 < Lq; i0 += BQ) {
                         const int64_t nr = ma_min(BQ, Lq - i0);
                         int64_t ldq, ldg;
-                        const ACC *q_i = FN(rows)(p->q, p->dtype, p->q_stride, b, h, i0, nr, D, t.qbuf, &ldq);
-                        const ACC *g_i = FN(rows)(p->dout, p->dtype, p->dout_stride, b, h, i0, nr, Dv, t.gbuf, &ldg);
+                        const ACC *q_i = FN(rows_in)(p->q, p->dtype, p->q_stride, b, h, i0, q_bh, D, &ldq);
+                        const ACC *g_i = FN(rows_in)(p->dout, p->dtype, p->dout_stride, b, h, i0, g_bh, Dv, &ldg);
                         /* P = exp(Q (scale K^T) + bias - lse) */
                         GEMM(nr, nc, D, q_i, ldq, 1, t.kT, nc, t.s, nc, 0);
                         FN(add_bias)(t.s, nc, 1, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
@@ -562,6 +670,7 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
                         GEMM(nr, nc, Dv, g_i, ldg, 1, t.vT, nc, t.dp, nc, 0);
                         FN(dscores)(t.dp, t.s, nc, 1, delta_all + g * Lq + i0,
                                     p->dhm_rows ? dhm_all + g * Lq + i0 : NULL, hm, nr, nc);
+                        if (p->dscores) FN(store_dscores)(p, t.dp, nc, 1, b, h, i0, nr, j0, nc);
                         /* dK += dS^T Q;  dQ += dS K;  dV += (hm P)^T dO */
                         GEMM(nc, D, nr, t.dp, 1, nc, q_i, ldq, t.dk, D, 1);
                         GEMM(nr, D, nc, t.dp, nc, 1, k_j, ldk, dq_all + (g * Lq + i0) * D, D, 1);

@@ -103,6 +103,8 @@ typedef struct {
     void *dk;               /* (B, Hkv, Lk, D) */
     void *dv;               /* (B, Hkv, Lk, Dv) */
     void *dhm_rows;         /* (B, H, Lq) acc type: sum_j P dP/hm per row; NULL unless head_mask grad wanted */
+    void *dscores;          /* (B, H, Lq, Lk) acc type, contiguous, zero-filled by the shim: dL/dS,
+                               the gradient of an additive mask; NULL unless a mask needs it */
     /* gradients of the forward's outputs */
     const void *dout;       /* (B, H, Lq, Dv) */
     const void *dweights;   /* (B, H, Lq, Lk) NULL if the weights were not used */
@@ -150,8 +152,15 @@ int ma_attn_bwd_single_pass(const ma_attn_bwd_params *p);
 void ma_attn_bwd_fused_task(int64_t begin, int64_t end, void *ctx);
 int64_t ma_attn_bwd_fused_work_items(const ma_attn_bwd_params *p);
 
-/* Scratch slices are padded to this many bytes. */
+/* Scratch slices are padded to this many bytes. The first MA_CACHE_LINE
+ * bytes of each thread's slice are a header the shim zero-fills before every
+ * parallel region: kernels keep there what lives for one op call on one
+ * thread (the tags of the converted-rows caches, ma_scratch_header). */
 #define MA_CACHE_LINE 64
+
+typedef struct {
+    int64_t tag[4]; /* which (b, head) each cache holds, + 1; 0 = none */
+} ma_scratch_header;
 
 /* ------------------------------------------------------------------------
  * Cross-entropy (F.cross_entropy semantics, plus z-loss and logit soft-capping)

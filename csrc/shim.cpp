@@ -15,6 +15,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -79,6 +80,8 @@ void run_tasks(ma_task_fn fn, const void* params, int64_t n, size_t scratch_byte
       like, {static_cast<int64_t>(scratch_bytes) * nthreads + MA_CACHE_LINE}, ScalarType::Byte);
   uintptr_t base = reinterpret_cast<uintptr_t>(scratch.mutable_data_ptr());
   base = (base + MA_CACHE_LINE - 1) / MA_CACHE_LINE * MA_CACHE_LINE;
+  if (scratch_bytes >= MA_CACHE_LINE)  // each slice's header (masked_attn.h) starts zeroed
+    for (int64_t t = 0; t < nthreads; t++) std::memset(reinterpret_cast<void*>(base + t * scratch_bytes), 0, MA_CACHE_LINE);
   std::atomic<int64_t> next{0};
   auto worker = [&](int64_t, int64_t) {
     uint32_t tid = 0;
@@ -268,11 +271,11 @@ void check_shape(const Tensor& t, const char* name, std::vector<int64_t> dims, c
                   " with the dtype of q, got shape ", shape_str(t));
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> attn_backward(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
     Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
     Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
     std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
-    bool head_mask_grad) {
+    bool head_mask_grad, bool mask_grad) {
   const Sizes s = check_qkv(q, k, v);
   const Masks m = check_masks(s, attn_mask, key_padding_mask, head_mask);
   const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(s.D));
@@ -293,12 +296,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_backward(
   const ScalarType acc = acc_type(q.scalar_type());
   Tensor delta = torch::stable::new_empty(q, {s.B, s.H, s.Lq}, acc);
   Tensor dhm_rows = torch::stable::new_zeros(q, {head_mask_grad ? s.B : 0, s.H, s.Lq}, acc);
+  // dL/dS, the gradient of an additive mask: materialised only when a mask
+  // requires grad; zero where no tile is computed (masked, skipped blocks)
+  Tensor dscores = mask_grad ? torch::stable::new_zeros(q, {s.B, s.H, s.Lq, s.Lk}, acc)
+                             : torch::stable::new_empty(q, {0}, acc);
 
   ma_attn_bwd_params p{};
   p.dq = dq.mutable_data_ptr();
   p.dk = dk.mutable_data_ptr();
   p.dv = dv.mutable_data_ptr();
   p.dhm_rows = head_mask_grad ? dhm_rows.mutable_data_ptr() : nullptr;
+  p.dscores = mask_grad ? dscores.mutable_data_ptr() : nullptr;
   p.dout = grad_out.const_data_ptr();
   p.dweights = grad_weights.has_value() ? grad_weights->const_data_ptr() : nullptr;
   p.q = q.const_data_ptr();
@@ -343,7 +351,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_backward(
                    ? torch::stable::to(torch::stable::sum(dhm_rows, std::vector<int64_t>{2}),
                                        q.scalar_type())
                    : torch::stable::new_empty(q, {0});
-  return {dq, dk, dv, dhm};
+  return {dq, dk, dv, dhm, dscores};
 }
 
 // ---- cross-entropy -------------------------------------------------------------
@@ -645,8 +653,8 @@ STABLE_TORCH_LIBRARY(masked_attn, m) {
   m.def(
       "backward(Tensor grad_out, Tensor? grad_weights, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, Tensor? attn_mask=None, Tensor? key_padding_mask=None, Tensor? head_mask=None, "
-      "bool is_causal=False, float? scale=None, bool head_mask_grad=False) "
-      "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_head_mask)");
+      "bool is_causal=False, float? scale=None, bool head_mask_grad=False, bool mask_grad=False) "
+      "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_head_mask, Tensor grad_scores)");
   m.def(
       "cross_entropy(Tensor input, Tensor target, Tensor? weight=None, str reduction='mean', "
       "int ignore_index=-100, float label_smoothing=0.0, float z_loss=0.0, float? softcap=None, "

@@ -152,3 +152,29 @@ def test_single_pass_backward_gradcheck(masks):
         kw = dict(is_causal=True, key_padding_mask=kpm)
     assert torch.autograd.gradcheck(
         lambda q, k, v, hm: tma.functional.masked_attention(q, k, v, head_mask=hm, **kw), (q, k, v, hm))
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(2, 4, 2, 150, 130, 16), (4, 8, 2, 70, 90, 24)], ids=str)
+def test_converted_inputs(isa, dtype, shape):
+    """Inputs the kernels cannot read in place (reduced precision, last-dim
+    stride 2) go through the per-thread head caches; both backward paths."""
+    if not available(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    torch.manual_seed(4)
+    B, H, Hkv, Lq, Lk, D = shape
+    q = torch.randn(B, H, Lq, 2 * D)[..., ::2].to(dtype)
+    k = torch.randn(B, Hkv, Lk, 2 * D)[..., ::2].to(dtype)
+    v = torch.randn(B, Hkv, Lk, 2 * D)[..., ::2].to(dtype)
+    if dtype == torch.float32:
+        assert q.stride(-1) == 2
+    g = torch.randn(B, H, Lq, D).to(dtype)
+    kpm = torch.zeros(B, Lk, dtype=torch.bool)
+    kpm[0, Lk // 3:] = True
+    got = run(isa, lambda: fwd_bwd(q, k, v, g, is_causal=True, key_padding_mask=kpm))
+    ref = fwd_bwd(q.float().contiguous(), k.float().contiguous(), v.float().contiguous(), g.float(),
+                  is_causal=True, key_padding_mask=kpm)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
+        torch.testing.assert_close(a.float(), b, rtol=tol, atol=tol, msg=name)

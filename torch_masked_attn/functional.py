@@ -23,13 +23,6 @@ def _dropout_not_implemented(dropout_p):
         "use dropout_p=0.0, or put the module in eval mode")
 
 
-def _check_mask_no_grad(mask, name):
-    if mask is not None and mask.requires_grad and torch.is_grad_enabled():
-        raise NotImplementedError(
-            f"torch_masked_attn: {name} requires grad, but masks are constants here "
-            f"(no gradient flows to {name}); pass {name}.detach()")
-
-
 def _as_4d_attn_mask(attn_mask, B, H):
     """nn.MultiheadAttention's (B*H, Lq, Lk) form as the (B, H, Lq, Lk) it means;
     every other shape is left to broadcast by strides."""
@@ -51,6 +44,8 @@ def masked_attention(q, k, v, *, attn_mask=None, key_padding_mask=None, head_mas
             scores); any shape that broadcasts to (B, H, Lq, Lk), or
             nn.MultiheadAttention's (B*H, Lq, Lk).
         key_padding_mask: (B, Lk), bool (True = padding) or floating (added).
+            A floating attn_mask or key_padding_mask that requires grad gets
+            its gradient (the backward then materialises dL/dS, (B, H, Lq, Lk)).
         head_mask: (H,) or (B, H), multiplies each head's attention
             probabilities (differentiable).
         is_causal: query i sees key j only if j <= i (top-left aligned).
@@ -75,8 +70,6 @@ def masked_attention(q, k, v, *, attn_mask=None, key_padding_mask=None, head_mas
         if t.dtype not in _FLOATS:
             raise TypeError(f"masked_attention: {name} must be float32, float64, bfloat16 or float16, "
                             f"got {t.dtype}")
-    _check_mask_no_grad(attn_mask, "attn_mask")
-    _check_mask_no_grad(key_padding_mask, "key_padding_mask")
     attn_mask = _as_4d_attn_mask(attn_mask, q.size(0), q.size(1))
     out, lse, weights = torch.ops.masked_attn.forward(
         q, k, v, attn_mask, key_padding_mask, head_mask, bool(is_causal),
@@ -118,7 +111,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
             raise TypeError(f"scaled_dot_product_attention: attn_mask must be bool or floating point, "
                             f"got {attn_mask.dtype}")
-        _check_mask_no_grad(attn_mask, "attn_mask")
     hq = query.size(-3) if query.dim() >= 3 else 1
     hk = key.size(-3) if key.dim() >= 3 else 1
     if hq != hk and not (enable_gqa or hk == 1):

@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .functional import _dropout_not_implemented, _check_mask_no_grad
+from .functional import _dropout_not_implemented
 
 __all__ = ["MultiheadAttention"]
 
@@ -115,8 +115,6 @@ class MultiheadAttention(nn.MultiheadAttention):
                 raise RuntimeError(f"attn_mask's dimension {attn_mask.dim()} is not supported")
             if attn_mask.dim() == 3:
                 attn_mask = attn_mask.unflatten(0, (N, H))
-        _check_mask_no_grad(attn_mask, "attn_mask")
-        _check_mask_no_grad(key_padding_mask, "key_padding_mask")
 
         # in-projections, (L, N, E) -> views (N, H, L, hd), no copies
         if self._qkv_same_embed_dim and query is key and key is value:

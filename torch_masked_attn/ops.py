@@ -7,7 +7,11 @@ The ops themselves are defined in csrc/shim.cpp:
                          is_causal, scale?, need_weights) -> (out, lse, weights)
     masked_attn::backward(grad_out, grad_weights?, q, k, v, out, lse, attn_mask?,
                           key_padding_mask?, head_mask?, is_causal, scale?,
-                          head_mask_grad) -> (grad_q, grad_k, grad_v, grad_head_mask)
+                          head_mask_grad, mask_grad)
+        -> (grad_q, grad_k, grad_v, grad_head_mask, grad_scores)
+
+grad_scores (B, H, Lq, Lk) is dL/dS, the gradient of the additive masks, and
+is materialised only when mask_grad (a floating mask requires grad).
 
 Conventions are nn.MultiheadAttention's: a bool mask is True where attention
 is blocked; a floating mask is added to the scaled scores.
@@ -48,14 +52,17 @@ def _forward_fake(q, k, v, attn_mask=None, key_padding_mask=None, head_mask=None
 @torch.library.register_fake("masked_attn::backward")
 def _backward_fake(grad_out, grad_weights, q, k, v, out, lse, attn_mask=None,
                    key_padding_mask=None, head_mask=None, is_causal=False, scale=None,
-                   head_mask_grad=False):
+                   head_mask_grad=False, mask_grad=False):
     B, H = q.shape[:2]
     grad_hm = q.new_empty(B, H) if head_mask_grad else q.new_empty(0)
 
     def blhd(shape):  # (B, H, L, D) stored as (B, L, H, D), see shim.cpp
         return q.new_empty(shape[0], shape[2], shape[1], shape[3]).transpose(1, 2)
 
-    return blhd(q.shape), blhd(k.shape), blhd(v.shape), grad_hm
+    acc = _lse_dtype(q.dtype)
+    grad_scores = (q.new_empty(B, H, q.shape[2], k.shape[2], dtype=acc) if mask_grad
+                   else q.new_empty(0, dtype=acc))
+    return blhd(q.shape), blhd(k.shape), blhd(v.shape), grad_hm, grad_scores
 
 
 # ---- autograd ------------------------------------------------------------
@@ -76,15 +83,20 @@ def _forward_backward(ctx, grad_out, grad_lse, grad_weights):
     if not ctx.need_weights:
         grad_weights = None
     head_mask_grad = head_mask is not None and ctx.needs_input_grad[5]
-    dq, dk, dv, dhm = torch.ops.masked_attn.backward(
+    am_grad = attn_mask is not None and ctx.needs_input_grad[3]
+    kpm_grad = key_padding_mask is not None and ctx.needs_input_grad[4]
+    dq, dk, dv, dhm, dscores = torch.ops.masked_attn.backward(
         grad_out, grad_weights, q, k, v, out, lse, attn_mask, key_padding_mask, head_mask,
-        ctx.is_causal, ctx.scale, head_mask_grad)
+        ctx.is_causal, ctx.scale, head_mask_grad, am_grad or kpm_grad)
     if head_mask_grad:
         dhm = dhm.sum(0) if head_mask.dim() == 1 else dhm
         dhm = dhm.to(head_mask.dtype)
     else:
         dhm = None
-    return dq, dk, dv, None, None, dhm, None, None, None
+    # an additive mask receives dL/dS summed over the dimensions it broadcasts over
+    d_am = dscores.sum_to_size(attn_mask.shape).to(attn_mask.dtype) if am_grad else None
+    d_kpm = dscores.sum((1, 2)).to(key_padding_mask.dtype) if kpm_grad else None
+    return dq, dk, dv, d_am, d_kpm, dhm, None, None, None
 
 
 torch.library.register_autograd(
