@@ -337,8 +337,9 @@ _DEFAULT_CHUNK_BYTES = 64 << 20     # one chunk's logits: 64 MB
 
 
 def _default_chunk_rows(n_rows, V, element_size):
-    rows = max(1, _DEFAULT_CHUNK_BYTES // max(1, V * element_size))
-    rows = max(min(rows, n_rows), 1)
+    if n_rows <= 0:
+        return 1
+    rows = max(1, min(n_rows, _DEFAULT_CHUNK_BYTES // max(1, V * element_size)))
     n_chunks = -(-n_rows // rows)
     return -(-n_rows // n_chunks)   # equal chunks
 
@@ -427,8 +428,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss_rows, lse, grads = _lce_chunks(hk, weight, bias, tk, chunk, opts, grad_scale=scale, want_grads=want)
 
         ctx.reduction, ctx.opts, ctx.chunk, ctx.N, ctx.want = reduction, opts, chunk, N, want
+        ctx.eager = eager
         if eager:       # the backward only scales these by grad_output
-            ctx.grads = (_scatter_rows(grads[0], kept, N) if want[0] else None, grads[1], grads[2])
+            ctx.save_for_backward(_scatter_rows(grads[0], kept, N) if want[0] else None, grads[1], grads[2])
         elif any(want):  # reduction 'none': the backward recomputes the logits
             ctx.save_for_backward(hk, weight, bias, tk, lse, kept)
         if reduction == "none":
@@ -443,13 +445,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         nones = (None,) * 7
-        if ctx.reduction != "none":
-            grads = getattr(ctx, "grads", None)
-            if grads is None:
-                raise RuntimeError(
-                    "linear_cross_entropy: the gradients were computed in the forward and handed over "
-                    "in the first backward; a second backward through the same graph is not supported")
-            ctx.grads = None
+        if ctx.eager:
+            grads = ctx.saved_tensors
             if not bool((grad_out == 1).all()):
                 grads = tuple(None if g is None else g * grad_out.to(g.dtype) for g in grads)
             return grads + nones
@@ -481,7 +478,7 @@ def linear_cross_entropy(input: Tensor, weight: Tensor, target: Tensor, bias: Te
     chunk_size: rows per chunk (default: as many as fit 64 MB of logits).
     Gradients flow to input, weight and bias. With 'mean' / 'sum' they are
     computed in the forward (when grad mode is on and one of them requires
-    grad) and held until the backward, which may run only once.
+    grad) and held until the backward, which scales them by grad_output.
     """
     for name, tensor in (("input", input), ("weight", weight), ("target", target)):
         if not isinstance(tensor, torch.Tensor):
