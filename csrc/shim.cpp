@@ -271,11 +271,13 @@ void check_shape(const Tensor& t, const char* name, std::vector<int64_t> dims, c
                   " with the dtype of q, got shape ", shape_str(t));
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
+// The backward, writing dq, dk, dv into the given (B, H, L, D) tensors (any
+// strides); returns (grad_head_mask, grad_scores).
+std::tuple<Tensor, Tensor> attn_backward_impl(
     Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
     Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
     std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
-    bool head_mask_grad, bool mask_grad) {
+    bool head_mask_grad, bool mask_grad, Tensor dq, Tensor dk, Tensor dv) {
   const Sizes s = check_qkv(q, k, v);
   const Masks m = check_masks(s, attn_mask, key_padding_mask, head_mask);
   const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(s.D));
@@ -290,9 +292,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
   STD_TORCH_CHECK(!head_mask_grad || head_mask.has_value(),
                   "masked_attn: head_mask_grad=True needs a head_mask");
 
-  Tensor dq = blhd(q, s.B, s.H, s.Lq, s.D);
-  Tensor dk = blhd(q, s.B, s.Hkv, s.Lk, s.D);
-  Tensor dv = blhd(q, s.B, s.Hkv, s.Lk, s.Dv);
+  check_shape(dq, "grad_q", {s.B, s.H, s.Lq, s.D}, "(B, H, Lq, D)", q.scalar_type());
+  check_shape(dk, "grad_k", {s.B, s.Hkv, s.Lk, s.D}, "(B, Hkv, Lk, D)", q.scalar_type());
+  check_shape(dv, "grad_v", {s.B, s.Hkv, s.Lk, s.Dv}, "(B, Hkv, Lk, Dv)", q.scalar_type());
   const ScalarType acc = acc_type(q.scalar_type());
   Tensor delta = torch::stable::new_empty(q, {s.B, s.H, s.Lq}, acc);
   Tensor dhm_rows = torch::stable::new_zeros(q, {head_mask_grad ? s.B : 0, s.H, s.Lq}, acc);
@@ -351,7 +353,39 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
                    ? torch::stable::to(torch::stable::sum(dhm_rows, std::vector<int64_t>{2}),
                                        q.scalar_type())
                    : torch::stable::new_empty(q, {0});
+  return {dhm, dscores};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
+    Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
+    Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
+    std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
+    bool head_mask_grad, bool mask_grad) {
+  const Sizes s = check_qkv(q, k, v);
+  Tensor dq = blhd(q, s.B, s.H, s.Lq, s.D);
+  Tensor dk = blhd(q, s.B, s.Hkv, s.Lk, s.D);
+  Tensor dv = blhd(q, s.B, s.Hkv, s.Lk, s.Dv);
+  auto [dhm, dscores] = attn_backward_impl(grad_out, grad_weights, q, k, v, out, lse, attn_mask,
+                                           key_padding_mask, head_mask, is_causal, scale,
+                                           head_mask_grad, mask_grad, dq, dk, dv);
   return {dq, dk, dv, dhm, dscores};
+}
+
+// The backward writing dq, dk, dv into caller-provided views, e.g. three
+// slices of one packed (B, L, 3, H, D) buffer: the gradient of a fused qkv
+// projection, with no stack or copy after it. The views must not overlap.
+std::tuple<Tensor, Tensor> attn_backward_into(
+    Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
+    Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
+    std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
+    bool head_mask_grad, bool mask_grad, Tensor grad_q, Tensor grad_k, Tensor grad_v) {
+  for (const Tensor* t : {&grad_q, &grad_k, &grad_v})
+    for (int64_t i = 0; i < t->dim(); i++)
+      STD_TORCH_CHECK(t->stride(i) != 0 || t->size(i) <= 1,
+                      "masked_attn.backward_into: grad_q, grad_k, grad_v must not be expanded views");
+  return attn_backward_impl(grad_out, grad_weights, q, k, v, out, lse, attn_mask, key_padding_mask,
+                            head_mask, is_causal, scale, head_mask_grad, mask_grad, grad_q, grad_k,
+                            grad_v);
 }
 
 // ---- cross-entropy -------------------------------------------------------------
@@ -656,6 +690,11 @@ STABLE_TORCH_LIBRARY(masked_attn, m) {
       "bool is_causal=False, float? scale=None, bool head_mask_grad=False, bool mask_grad=False) "
       "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_head_mask, Tensor grad_scores)");
   m.def(
+      "backward_into(Tensor grad_out, Tensor? grad_weights, Tensor q, Tensor k, Tensor v, Tensor out, "
+      "Tensor lse, Tensor? attn_mask, Tensor? key_padding_mask, Tensor? head_mask, bool is_causal, "
+      "float? scale, bool head_mask_grad, bool mask_grad, Tensor(a!) grad_q, Tensor(b!) grad_k, "
+      "Tensor(c!) grad_v) -> (Tensor grad_head_mask, Tensor grad_scores)");
+  m.def(
       "cross_entropy(Tensor input, Tensor target, Tensor? weight=None, str reduction='mean', "
       "int ignore_index=-100, float label_smoothing=0.0, float z_loss=0.0, float? softcap=None, "
       "bool inplace_backward=False) -> (Tensor loss, Tensor lse)");
@@ -675,6 +714,7 @@ STABLE_TORCH_LIBRARY(masked_attn, m) {
 STABLE_TORCH_LIBRARY_IMPL(masked_attn, CPU, m) {
   m.impl("forward", TORCH_BOX(&attn_forward));
   m.impl("backward", TORCH_BOX(&attn_backward));
+  m.impl("backward_into", TORCH_BOX(&attn_backward_into));
   m.impl("cross_entropy", TORCH_BOX(&ce_forward));
   m.impl("cross_entropy_backward", TORCH_BOX(&ce_backward));
   m.impl("cross_entropy_backward_", TORCH_BOX(&ce_backward_inplace));

@@ -233,3 +233,27 @@ def test_backward_op_matches_autograd():
     rg = torch.autograd.grad((ro * dout).sum() + (rw * dw).sum(), r)
     for a, b in zip((bq, bk, bv), rg):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9)
+
+
+def test_opcheck_backward_into():
+    """masked_attn::backward_into writes dq, dk, dv into caller views (here three
+    slices of one packed (B, L, 3, H, D) buffer) and equals masked_attn::backward."""
+    torch.manual_seed(7)
+    B, L, H, D = 2, 9, 4, 8
+    qkv = torch.randn(B, L, 3, H, D)
+    q, k, v = (qkv.select(2, i).transpose(1, 2) for i in range(3))
+    kpm = torch.zeros(B, L, dtype=torch.bool)
+    kpm[1, 6:] = True
+    out, lse, _ = torch.ops.masked_attn.forward(q, k, v, None, kpm, None, True, None, False)
+    g = torch.randn_like(out)
+    ref = torch.ops.masked_attn.backward(g, None, q, k, v, out, lse, None, kpm, None, True, None, False, False)
+    buf = torch.empty_like(qkv)
+    into = tuple(buf.select(2, i).transpose(1, 2) for i in range(3))
+    torch.ops.masked_attn.backward_into(g, None, q, k, v, out, lse, None, kpm, None, True, None, False, False,
+                                        *into)
+    for a, b in zip(into, ref[:3]):
+        assert torch.equal(a, b)
+    args = (g, None, q, k, v, out, lse, None, kpm, None, True, None, False, False,
+            *(t.clone() for t in into))
+    torch.library.opcheck(torch.ops.masked_attn.backward_into.default, args,
+                          test_utils=("test_schema", "test_faketensor"))

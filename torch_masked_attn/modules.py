@@ -4,6 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .functional import _dropout_not_implemented
+from .ops import _needs, attention_backward
 
 __all__ = ["MultiheadAttention"]
 
@@ -14,6 +15,47 @@ def _pad_key(mask):
     if mask is None:
         return None
     return torch.cat([mask, mask.new_zeros(*mask.shape[:-1], 1)], dim=-1)
+
+
+def _heads(t, H, hd, batch_first):
+    """A projection (N, L, H*hd) if batch_first else (L, N, H*hd) as the
+    (N, H, L, hd) view the op reads (no copy)."""
+    t = t.unflatten(-1, (H, hd))
+    return t.permute(0, 2, 1, 3) if batch_first else t.permute(1, 2, 0, 3)
+
+
+def _split_qkv(qkv, batch_first):
+    """A fused projection viewed (N, L, 3, H, hd) or (L, N, 3, H, hd) as q, k, v
+    (N, H, L, hd) views."""
+    perm = (0, 2, 1, 3) if batch_first else (1, 2, 0, 3)
+    return tuple(qkv.select(2, i).permute(*perm) for i in range(3))
+
+
+class _PackedSelfAttention(torch.autograd.Function):
+    """Self-attention on one fused in-projection qkv, (N, L, 3, H, hd) or
+    (L, N, 3, H, hd). Its backward writes dq, dk, dv straight into one buffer
+    shaped like qkv (masked_attn::backward_into), so the gradient of the fused
+    projection needs no zero-filled buffers, no stack and no copy."""
+
+    @staticmethod
+    def forward(ctx, qkv, attn_mask, key_padding_mask, head_mask, is_causal, need_weights, batch_first):
+        q, k, v = _split_qkv(qkv, batch_first)
+        out, lse, weights = torch.ops.masked_attn.forward(
+            q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, None, need_weights)
+        ctx.save_for_backward(qkv, out, lse, attn_mask, key_padding_mask, head_mask)
+        ctx.is_causal, ctx.need_weights, ctx.batch_first = is_causal, need_weights, batch_first
+        ctx.set_materialize_grads(False)
+        return out, weights
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_weights):
+        qkv, out, lse, attn_mask, key_padding_mask, head_mask = ctx.saved_tensors
+        grad_qkv = torch.empty_like(qkv)
+        _, _, _, d_am, d_kpm, dhm = attention_backward(
+            (*_split_qkv(qkv, ctx.batch_first), out, lse, attn_mask, key_padding_mask, head_mask),
+            _needs(ctx, 1, 2, 3), ctx.is_causal, None, grad_out,
+            grad_weights if ctx.need_weights else None, into=_split_qkv(grad_qkv, ctx.batch_first))
+        return grad_qkv, d_am, d_kpm, dhm, None, None, None
 
 
 class ArgumentError(ValueError, AssertionError):
@@ -79,17 +121,20 @@ class MultiheadAttention(nn.MultiheadAttention):
                 key_padding_mask = key_padding_mask.unsqueeze(0)
             if head_mask is not None and head_mask.dim() == 2:
                 raise ValueError("MultiheadAttention: for unbatched inputs head_mask must be (H,)")
-        elif self.batch_first:
-            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
-        # from here on: query (L, N, E), key (S, N, kdim), value (S, N, vdim)
-        L, N, Eq = query.shape
-        S = key.size(0)
+        # the projections run on the inputs in their own layout: (N, L, E) if bf, else (L, N, E)
+        bf = self.batch_first and is_batched
+        if bf:
+            N, L, Eq = query.shape
+            S, NK = key.size(1), key.size(0)
+        else:
+            L, N, Eq = query.shape
+            S, NK = key.size(0), key.size(1)
         if Eq != E:
             raise ValueError(f"MultiheadAttention: query embedding dim must be embed_dim={E}, got {Eq}")
         if key.size(-1) != self.kdim or value.size(-1) != self.vdim:
             raise ValueError(f"MultiheadAttention: key/value embedding dims must be kdim={self.kdim}, "
                              f"vdim={self.vdim}, got {key.size(-1)}, {value.size(-1)}")
-        if key.shape[:2] != value.shape[:2] or key.size(1) != N:
+        if key.shape[:2] != value.shape[:2] or NK != N:
             raise ValueError(f"MultiheadAttention: key and value must share (S, N) with query's batch "
                              f"{N}, got key {tuple(key.shape)}, value {tuple(value.shape)}")
 
@@ -116,46 +161,45 @@ class MultiheadAttention(nn.MultiheadAttention):
             if attn_mask.dim() == 3:
                 attn_mask = attn_mask.unflatten(0, (N, H))
 
-        # in-projections, (L, N, E) -> views (N, H, L, hd), no copies
-        if self._qkv_same_embed_dim and query is key and key is value:
-            qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)        # (L, N, 3E)
-            # unbind, not three selects: its backward stacks the three gradients into
-            # one (3, ...) buffer instead of three zero-filled full-size ones
-            q, k, v = qkv.view(L, N, 3, H, hd).permute(2, 1, 3, 0, 4).unbind(0)  # (N, H, L, hd) each
-        else:
-            if self._qkv_same_embed_dim:
-                w_q, w_k, w_v = self.in_proj_weight.chunk(3)
-            else:
-                w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
-            b_q = b_k = b_v = None
-            if self.in_proj_bias is not None:
-                b_q, b_k, b_v = self.in_proj_bias.chunk(3)
-            q = F.linear(query, w_q, b_q)                                         # (L, N, E)
-            k = F.linear(key, w_k, b_k)                                           # (S, N, E)
-            v = F.linear(value, w_v, b_v)
-            q = q.view(L, N, H, hd).permute(1, 2, 0, 3)
-            k = k.view(k.size(0), N, H, hd).permute(1, 2, 0, 3)
-            v = v.view(v.size(0), N, H, hd).permute(1, 2, 0, 3)
-        extra_keys = 0
-        if self.bias_k is not None:  # one more key and value: (1, 1, E) -> (N, H, 1, hd)
-            k = torch.cat([k, self.bias_k.view(1, H, 1, hd).expand(N, H, 1, hd)], dim=2)
-            v = torch.cat([v, self.bias_v.view(1, H, 1, hd).expand(N, H, 1, hd)], dim=2)
-            extra_keys += 1
-        if self.add_zero_attn:
-            k = torch.cat([k, k.new_zeros(N, H, 1, hd)], dim=2)
-            v = torch.cat([v, v.new_zeros(N, H, 1, hd)], dim=2)
-            extra_keys += 1
-        for _ in range(extra_keys):
-            attn_mask = _pad_key(attn_mask)
-            key_padding_mask = _pad_key(key_padding_mask)
-        if is_causal and extra_keys == 0:
+        extra_keys = int(self.bias_k is not None) + int(self.add_zero_attn)
+        causal = bool(is_causal and extra_keys == 0)
+        if causal:
             attn_mask = None  # trust the hint: the mask is causal
-
-        out = torch.ops.masked_attn.forward(
-            q, k, v, attn_mask, key_padding_mask, head_mask, bool(is_causal and extra_keys == 0),
-            None, bool(need_weights))
-        attn, weights = out[0], out[2]              # (N, H, L, hd), stored as (N, L, H, hd)
-        if self.batch_first and is_batched:
+        packed = self._qkv_same_embed_dim and query is key and key is value
+        if packed and extra_keys == 0:
+            # one fused projection, and its gradient written in place by the kernel
+            qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias).unflatten(-1, (3, H, hd))
+            out = _PackedSelfAttention.apply(qkv, attn_mask, key_padding_mask, head_mask, causal,
+                                             bool(need_weights), bf)
+        else:
+            if packed:
+                qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)
+                q, k, v = (_heads(t, H, hd, bf) for t in qkv.chunk(3, dim=-1))
+            else:
+                if self._qkv_same_embed_dim:
+                    w_q, w_k, w_v = self.in_proj_weight.chunk(3)
+                else:
+                    w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+                b_q = b_k = b_v = None
+                if self.in_proj_bias is not None:
+                    b_q, b_k, b_v = self.in_proj_bias.chunk(3)
+                q = _heads(F.linear(query, w_q, b_q), H, hd, bf)                  # (N, H, L, hd)
+                k = _heads(F.linear(key, w_k, b_k), H, hd, bf)                    # (N, H, S, hd)
+                v = _heads(F.linear(value, w_v, b_v), H, hd, bf)
+            if self.bias_k is not None:  # one more key and value: (1, 1, E) -> (N, H, 1, hd)
+                k = torch.cat([k, self.bias_k.view(1, H, 1, hd).expand(N, H, 1, hd)], dim=2)
+                v = torch.cat([v, self.bias_v.view(1, H, 1, hd).expand(N, H, 1, hd)], dim=2)
+            if self.add_zero_attn:
+                k = torch.cat([k, k.new_zeros(N, H, 1, hd)], dim=2)
+                v = torch.cat([v, v.new_zeros(N, H, 1, hd)], dim=2)
+            for _ in range(extra_keys):
+                attn_mask = _pad_key(attn_mask)
+                key_padding_mask = _pad_key(key_padding_mask)
+            out = torch.ops.masked_attn.forward(
+                q, k, v, attn_mask, key_padding_mask, head_mask, causal, None, bool(need_weights))
+            out = (out[0], out[2])
+        attn, weights = out                         # (N, H, L, hd), stored as (N, L, H, hd)
+        if bf:
             attn = F.linear(attn.transpose(1, 2).reshape(N, L, E), self.out_proj.weight,
                             self.out_proj.bias)                                   # (N, L, E)
         else:

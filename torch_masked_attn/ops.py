@@ -49,6 +49,18 @@ def _forward_fake(q, k, v, attn_mask=None, key_padding_mask=None, head_mask=None
     return out, lse, weights
 
 
+@torch.library.register_fake("masked_attn::backward_into")
+def _backward_into_fake(grad_out, grad_weights, q, k, v, out, lse, attn_mask=None,
+                        key_padding_mask=None, head_mask=None, is_causal=False, scale=None,
+                        head_mask_grad=False, mask_grad=False, grad_q=None, grad_k=None, grad_v=None):
+    B, H, Lq = q.shape[:3]
+    acc = _lse_dtype(q.dtype)
+    grad_hm = q.new_empty(B, H) if head_mask_grad else q.new_empty(0)
+    grad_scores = (q.new_empty(B, H, Lq, k.shape[2], dtype=acc) if mask_grad
+                   else q.new_empty(0, dtype=acc))
+    return grad_hm, grad_scores
+
+
 @torch.library.register_fake("masked_attn::backward")
 def _backward_fake(grad_out, grad_weights, q, k, v, out, lse, attn_mask=None,
                    key_padding_mask=None, head_mask=None, is_causal=False, scale=None,
@@ -76,26 +88,48 @@ def _forward_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _forward_backward(ctx, grad_out, grad_lse, grad_weights):
-    q, k, v, out, lse, attn_mask, key_padding_mask, head_mask = ctx.saved_tensors
+def attention_backward(saved, needs, is_causal, scale, grad_out, grad_weights, into=None):
+    """The backward of masked_attn::forward from what it saved.
+
+    saved = (q, k, v, out, lse, attn_mask, key_padding_mask, head_mask);
+    needs = whether (attn_mask, key_padding_mask, head_mask) need a gradient;
+    into = optional (grad_q, grad_k, grad_v) views to write the q/k/v
+    gradients into (masked_attn::backward_into). Returns (dq, dk, dv, d_attn_mask,
+    d_key_padding_mask, d_head_mask), masks' gradients reduced to their shapes.
+    """
+    q, k, v, out, lse, attn_mask, key_padding_mask, head_mask = saved
+    am_grad, kpm_grad, hm_grad = (m is not None and n for m, n in
+                                  zip((attn_mask, key_padding_mask, head_mask), needs))
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    if not ctx.need_weights:
-        grad_weights = None
-    head_mask_grad = head_mask is not None and ctx.needs_input_grad[5]
-    am_grad = attn_mask is not None and ctx.needs_input_grad[3]
-    kpm_grad = key_padding_mask is not None and ctx.needs_input_grad[4]
-    dq, dk, dv, dhm, dscores = torch.ops.masked_attn.backward(
-        grad_out, grad_weights, q, k, v, out, lse, attn_mask, key_padding_mask, head_mask,
-        ctx.is_causal, ctx.scale, head_mask_grad, am_grad or kpm_grad)
-    if head_mask_grad:
-        dhm = dhm.sum(0) if head_mask.dim() == 1 else dhm
-        dhm = dhm.to(head_mask.dtype)
+    args = (grad_out, grad_weights, q, k, v, out, lse, attn_mask, key_padding_mask, head_mask,
+            is_causal, scale, hm_grad, am_grad or kpm_grad)
+    if into is None:
+        dq, dk, dv, dhm, dscores = torch.ops.masked_attn.backward(*args)
+    else:
+        dq, dk, dv = into
+        dhm, dscores = torch.ops.masked_attn.backward_into(*args, dq, dk, dv)
+    if hm_grad:
+        dhm = (dhm.sum(0) if head_mask.dim() == 1 else dhm).to(head_mask.dtype)
     else:
         dhm = None
     # an additive mask receives dL/dS summed over the dimensions it broadcasts over
     d_am = dscores.sum_to_size(attn_mask.shape).to(attn_mask.dtype) if am_grad else None
     d_kpm = dscores.sum((1, 2)).to(key_padding_mask.dtype) if kpm_grad else None
+    return dq, dk, dv, d_am, d_kpm, dhm
+
+
+def _needs(ctx, *indices):
+    """ctx.needs_input_grad at these input positions (the tuple can be shorter
+    than the op's inputs when trailing optional tensors are None)."""
+    n = ctx.needs_input_grad
+    return tuple(bool(n[i]) if i < len(n) else False for i in indices)
+
+
+def _forward_backward(ctx, grad_out, grad_lse, grad_weights):
+    dq, dk, dv, d_am, d_kpm, dhm = attention_backward(
+        ctx.saved_tensors, _needs(ctx, 3, 4, 5), ctx.is_causal, ctx.scale, grad_out,
+        grad_weights if ctx.need_weights else None)
     return dq, dk, dv, d_am, d_kpm, dhm, None, None, None
 
 
