@@ -198,11 +198,27 @@ void ma_attn_bwd_fused_task(int64_t begin, int64_t end, void *ctx) {
     DISPATCH(p, attn_bwd_fused, begin, end, ctx);
 }
 
-int ma_attn_bwd_single_pass(const ma_attn_bwd_params *p) {
-    return p->B * p->Hkv >= 8 && p->dweights == NULL;
+int ma_attn_bwd_single_pass(const ma_attn_bwd_params *p) { return p->dweights == NULL; }
+
+/* Enough (b, hkv, chunk) items for 8 threads, never more chunks than key blocks. */
+int64_t ma_attn_bwd_kv_chunks(const ma_attn_bwd_params *p) {
+    const int64_t items = p->B * p->Hkv, nk = ma_cdiv(p->Lk, p->block_k);
+    if (items <= 0 || nk <= 1 || items >= 8) return 1;
+    const int64_t c = ma_cdiv(8, items);
+    return c < nk ? c : nk;
 }
 
-int64_t ma_attn_bwd_fused_work_items(const ma_attn_bwd_params *p) { return p->B * p->Hkv; }
+int64_t ma_attn_bwd_fused_work_items(const ma_attn_bwd_params *p) { return p->B * p->Hkv * p->kv_chunks; }
+
+int64_t ma_attn_bwd_reduce_work_items(const ma_attn_bwd_params *p) {
+    return p->B * p->H * ma_cdiv(p->Lq, p->block_q);
+}
+
+void ma_attn_bwd_reduce_task(int64_t begin, int64_t end, void *ctx) {
+    const ma_attn_bwd_params *p = (const ma_attn_bwd_params *)((const ma_task_ctx *)ctx)->params;
+    if (p->dtype == MA_F64) attn_bwd_reduce_f64(begin, end, ctx);
+    else attn_bwd_reduce_scalar(begin, end, ctx);
+}
 
 void ma_attn_bwd_dkdv_task(int64_t begin, int64_t end, void *ctx) {
     const ma_attn_bwd_params *p = (const ma_attn_bwd_params *)((const ma_task_ctx *)ctx)->params;

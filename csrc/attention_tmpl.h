@@ -615,8 +615,11 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
     ACC *dhm_all = lse_all + G * Lq;                                         /* (G, Lq) */
     ACC *qc = dhm_all + G * Lq, *gc = qc + (FN(needs_copy)(p->dtype, p->q_stride) ? G * Lq * D : 0);
 
+    const int64_t C = p->kv_chunks;
     for (int64_t w = begin; w < end; w++) {
-        const int64_t b = w / Hkv, hk = w % Hkv;
+        const int64_t c = w % C, b = w / C / Hkv, hk = (w / C) % Hkv;
+        /* dq of the group's heads accumulates in this thread's scratch, or in chunk c's partial sums */
+        ACC *dq_acc = p->dq_part ? (ACC *)p->dq_part + ((c * p->B + b) * H + hk * G) * Lq * D : dq_all;
         const ACC *q_bg = FN(needs_copy)(p->dtype, p->q_stride)
                               ? FN(head_cache)(&hdr->tag[2], qc, p->q, p->dtype, p->q_stride, b, hk * G, G, Lq, D)
                               : NULL;
@@ -639,9 +642,9 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
                 dhm_all[g * Lq + i] = 0;
             }
         }
-        for (int64_t x = 0; x < G * Lq * D; x++) dq_all[x] = 0;
+        for (int64_t x = 0; x < G * Lq * D; x++) dq_acc[x] = 0;
 
-        for (int64_t j0 = 0; j0 < Lk; j0 += BK) {
+        for (int64_t j0 = c * BK; j0 < Lk; j0 += C * BK) {
             const int64_t nc = ma_min(BK, Lk - j0);
             for (int64_t x = 0; x < nc * D; x++) t.dk[x] = 0;
             for (int64_t x = 0; x < nc * Dv; x++) t.dv[x] = 0;
@@ -673,7 +676,7 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
                         if (p->dscores) FN(store_dscores)(p, t.dp, nc, 1, b, h, i0, nr, j0, nc);
                         /* dK += dS^T Q;  dQ += dS K;  dV += (hm P)^T dO */
                         GEMM(nc, D, nr, t.dp, 1, nc, q_i, ldq, t.dk, D, 1);
-                        GEMM(nr, D, nc, t.dp, nc, 1, k_j, ldk, dq_all + (g * Lq + i0) * D, D, 1);
+                        GEMM(nr, D, nc, t.dp, nc, 1, k_j, ldk, dq_acc + (g * Lq + i0) * D, D, 1);
                         if (hm != 1)
                             for (int64_t x = 0; x < nr * nc; x++) t.s[x] *= hm;
                         GEMM(nc, Dv, nr, t.s, 1, nc, g_i, ldg, t.dv, Dv, 1);
@@ -685,9 +688,43 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
         }
         for (int64_t g = 0; g < G; g++) {
             const int64_t h = hk * G + g;
-            FN(store_tile)(p->dq, p->dtype, p->dq_stride, b, h, 0, Lq, D, dq_all + g * Lq * D, (ACC)p->scale);
-            if (p->dhm_rows)
-                for (int64_t i = 0; i < Lq; i++) ((ACC *)p->dhm_rows)[(b * H + h) * Lq + i] = dhm_all[g * Lq + i];
+            if (!p->dq_part)
+                FN(store_tile)(p->dq, p->dtype, p->dq_stride, b, h, 0, Lq, D, dq_acc + g * Lq * D, (ACC)p->scale);
+            if (p->dhm_rows) {
+                ACC *dhm_out = p->dhm_part ? (ACC *)p->dhm_part + ((c * p->B + b) * H + h) * Lq
+                                           : (ACC *)p->dhm_rows + (b * H + h) * Lq;
+                for (int64_t i = 0; i < Lq; i++) dhm_out[i] = dhm_all[g * Lq + i];
+            }
+        }
+    }
+}
+
+/* After the single pass with C > 1 key chunks, work item (b, h, q-block):
+ * dq = scale * sum_c dq_part[c] and dhm_rows = sum_c dhm_part[c], in chunk
+ * order. */
+static void FN(attn_bwd_reduce)(int64_t begin, int64_t end, void *vctx) {
+    const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
+    const ma_attn_bwd_params *p = (const ma_attn_bwd_params *)ctx->params;
+    const int64_t H = p->H, Lq = p->Lq, D = p->D, BQ = p->block_q, nq = ma_cdiv(Lq, BQ), C = p->kv_chunks;
+    const int64_t part_stride = p->B * H * Lq; /* rows per chunk */
+    FN(bwd_scratch) t = FN(bwd_carve)(ctx->scratch, BQ, p->block_k, D, p->Dv);
+    for (int64_t w = begin; w < end; w++) {
+        const int64_t b = w / (H * nq), h = (w / nq) % H, i0 = (w % nq) * BQ, nr = ma_min(BQ, Lq - i0);
+        const int64_t row0 = (b * H + h) * Lq + i0;
+        const ACC *part = (const ACC *)p->dq_part;
+        for (int64_t x = 0; x < nr * D; x++) t.dq[x] = part[row0 * D + x];
+        for (int64_t c = 1; c < C; c++) {
+            const ACC *part_c = part + (c * part_stride + row0) * D;
+            for (int64_t x = 0; x < nr * D; x++) t.dq[x] += part_c[x];
+        }
+        FN(store_tile)(p->dq, p->dtype, p->dq_stride, b, h, i0, nr, D, t.dq, (ACC)p->scale);
+        if (p->dhm_rows) {
+            const ACC *dpart = (const ACC *)p->dhm_part;
+            for (int64_t r = 0; r < nr; r++) {
+                ACC acc = 0;
+                for (int64_t c = 0; c < C; c++) acc += dpart[c * part_stride + row0 + r];
+                ((ACC *)p->dhm_rows)[row0 + r] = acc;
+            }
         }
     }
 }

@@ -120,6 +120,11 @@ typedef struct {
     double scale;
     /* scratch shared between the two passes */
     void *delta;            /* (B, H, Lq) acc type: D_i = sum_j P_ij dP_ij, written by the dq pass */
+    /* single pass with kv_chunks > 1: dq and dhm partial sums of each key
+     * chunk, (kv_chunks, B, H, Lq, D) and (kv_chunks, B, H, Lq), acc type,
+     * summed in chunk order by the reduce task */
+    void *dq_part, *dhm_part;
+    int64_t kv_chunks;
     int64_t B, H, Hkv, Lq, Lk, D, Dv;
     int64_t block_q, block_k;
     ma_isa isa;
@@ -144,13 +149,21 @@ int64_t ma_attn_bwd_dq_work_items(const ma_attn_bwd_params *p);
 int64_t ma_attn_bwd_dkdv_work_items(const ma_attn_bwd_params *p);
 size_t ma_attn_bwd_scratch_bytes(const ma_attn_bwd_params *p);
 
-/* Or, when ma_attn_bwd_single_pass (a rule on the shape alone, so results
- * never depend on the thread count): one pass, work item = (b, hkv), dq
- * accumulated per item in scratch. Fewer matrix products; used when there
- * are enough (b, hkv) items to keep every thread busy. */
+/* Or, when ma_attn_bwd_single_pass (no dweights): one pass over the key
+ * blocks, work item = (b, hkv, key chunk c), chunk c holding key blocks c,
+ * c + C, c + 2C, ... (C = ma_attn_bwd_kv_chunks, a rule on the shape alone,
+ * so results never depend on the thread count: enough items for 8 threads).
+ * dk, dv of a key block are written by the one item holding it; dq (and
+ * dhm) are accumulated per item: straight into dq when C = 1, else into the
+ * chunk's partial sums, which ma_attn_bwd_reduce_task (work item (b, h,
+ * q-block)) then adds up in chunk order. 5 matrix products per tile instead
+ * of the two passes' 7. */
 int ma_attn_bwd_single_pass(const ma_attn_bwd_params *p);
+int64_t ma_attn_bwd_kv_chunks(const ma_attn_bwd_params *p);
 void ma_attn_bwd_fused_task(int64_t begin, int64_t end, void *ctx);
 int64_t ma_attn_bwd_fused_work_items(const ma_attn_bwd_params *p);
+void ma_attn_bwd_reduce_task(int64_t begin, int64_t end, void *ctx);
+int64_t ma_attn_bwd_reduce_work_items(const ma_attn_bwd_params *p);
 
 /* Scratch slices are padded to this many bytes. The first MA_CACHE_LINE
  * bytes of each thread's slice are a header the shim zero-fills before every
@@ -241,6 +254,8 @@ typedef struct {
                                  reduced loss)                                     */
     int64_t dloss_stride[2];
     double dloss_scale;       /* 1, or 1 / total weight for 'mean'                 */
+    int stream_stores;        /* write dinput with non-temporal stores: a large
+                                 output that will not be read back from cache  */
     /* what the forward saw and saved */
     const void *lse;          /* (R,) contiguous, acc type                         */
     ma_ce_args a;

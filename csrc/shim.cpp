@@ -335,13 +335,22 @@ std::tuple<Tensor, Tensor> attn_backward_impl(
   p.B = s.B, p.H = s.H, p.Hkv = s.Hkv, p.Lq = s.Lq, p.Lk = s.Lk, p.D = s.D, p.Dv = s.Dv;
   p.block_q = kBlockQ, p.block_k = kBlockK;
   p.isa = select_isa();
+  p.kv_chunks = 1;
 
   const size_t bytes = ma_attn_bwd_scratch_bytes(&p);
   if (s.Lk == 0) {
     torch::stable::zero_(dq);
     if (head_mask_grad) torch::stable::zero_(dhm_rows);
   } else if (ma_attn_bwd_single_pass(&p)) {
+    // key chunks > 1: per-chunk partial sums of dq (and dhm), added up in chunk order
+    p.kv_chunks = ma_attn_bwd_kv_chunks(&p);
+    Tensor dq_part = torch::stable::new_empty(q, {p.kv_chunks > 1 ? p.kv_chunks * s.B * s.H * s.Lq * s.D : 0}, acc);
+    Tensor dhm_part = torch::stable::new_empty(
+        q, {p.kv_chunks > 1 && head_mask_grad ? p.kv_chunks * s.B * s.H * s.Lq : 0}, acc);
+    p.dq_part = p.kv_chunks > 1 ? dq_part.mutable_data_ptr() : nullptr;
+    p.dhm_part = p.kv_chunks > 1 && head_mask_grad ? dhm_part.mutable_data_ptr() : nullptr;
     run_tasks(ma_attn_bwd_fused_task, &p, ma_attn_bwd_fused_work_items(&p), bytes, q, 1);
+    if (p.kv_chunks > 1) run_tasks(ma_attn_bwd_reduce_task, &p, ma_attn_bwd_reduce_work_items(&p), bytes, q, 1);
   } else {
     run_tasks(ma_attn_bwd_dq_task, &p, ma_attn_bwd_dq_work_items(&p), bytes, q, 1);
   }
@@ -617,6 +626,10 @@ void ce_backward_into(const Tensor& grad_loss, const CeInputs& in, const CeShape
   p.dloss_stride[1] = red == CeReduction::None ? dloss.stride(1) : 0;
   p.a = in.a;
   p.dloss_scale = red == CeReduction::Mean ? 1.0 / ma_ce_total_weight(&p.a) : 1.0;  // 0 kept rows: inf, unused
+  // a gradient far larger than the caches is written around them (no read
+  // for ownership); the kernels ignore this when writing over the input
+  constexpr int64_t kStreamBytes = int64_t{32} << 20;
+  p.stream_stores = dinput3.numel() * static_cast<int64_t>(dinput3.element_size()) >= kStreamBytes;
   p.lse = lse.const_data_ptr();
   run_ce_rows(ma_ce_bwd_task, &p, R, s.C, input);
 }

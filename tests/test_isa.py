@@ -178,3 +178,19 @@ def test_converted_inputs(isa, dtype, shape):
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
         torch.testing.assert_close(a.float(), b, rtol=tol, atol=tol, msg=name)
+
+
+def test_key_chunked_backward_gradcheck():
+    """B * Hkv = 1 with several key blocks: the single pass splits the keys into
+    chunks and adds the chunks' dq (and head-mask) partial sums in order."""
+    torch.manual_seed(5)
+    q = torch.randn(1, 2, 70, 3, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 1, 140, 3, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 1, 140, 2, dtype=torch.float64, requires_grad=True)
+    hm = torch.rand(2, dtype=torch.float64, requires_grad=True)
+    kpm = torch.zeros(1, 140, dtype=torch.bool)
+    kpm[0, 100:] = True
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, hm: tma.functional.masked_attention(q, k, v, head_mask=hm, key_padding_mask=kpm,
+                                                            attn_mask=torch.zeros(70, 140, dtype=torch.float64)),
+        (q, k, v, hm), atol=1e-6)
