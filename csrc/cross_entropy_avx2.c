@@ -110,6 +110,15 @@ static inline __m256 capped(__m256 x, float cap, float inv_cap) {
 
 /* ---- row_stats ------------------------------------------------------------ */
 
+/* Software prefetch PREFETCH_BYTES ahead of the row (the hardware prefetchers
+ * stop at 4 KB page boundaries), one line per 64 bytes read. */
+#define PREFETCH_BYTES 2048
+#define PREFETCH_AHEAD(p, bytes)                                                       \
+    do {                                                                               \
+        for (int pf = 0; pf < (int)(bytes); pf += 64)                                  \
+            _mm_prefetch((const char *)(p) + PREFETCH_BYTES + pf, _MM_HINT_T0);        \
+    } while (0)
+
 typedef struct {
     __m256 m;             /* running max per lane                   */
     __m256d l0, l1;       /* sum exp(y - m), lanes 0-3 and 4-7       */
@@ -169,6 +178,7 @@ static inline __attribute__((always_inline)) ma_ce_stats row_stats_dt(const void
     __m256 y[UNROLL], wv[UNROLL], k[UNROLL];
     int64_t c = 0;
     for (; c + UNROLL * VL <= C; c += UNROLL * VL) {
+        PREFETCH_AHEAD((const char *)x + c * es, UNROLL * VL * es);
         for (int i = 0; i < UNROLL; i++) {
             const int64_t ci = c + i * VL;
             k[i] = all;
@@ -231,34 +241,65 @@ static inline __attribute__((always_inline)) __m256 grad8(__m256 xv, __m256 wv, 
     return d;
 }
 
+/* non-temporal store of 8 elements at p (32-byte aligned for float32, 16 for 16-bit types) */
+static inline __attribute__((always_inline)) void stream8(void *p, ma_dtype dt, __m256 v) {
+    if (dt == MA_F32) {
+        _mm256_stream_ps((float *)p, v);
+        return;
+    }
+    _Alignas(16) uint16_t h[8];
+    store8(h, dt, v);
+    _mm_stream_si128((__m128i *)p, _mm_load_si128((const __m128i *)h));
+}
+
 static inline __attribute__((always_inline)) void row_grad_dt(void *dx, const void *x, const void *w, ma_dtype dt,
                                                                int64_t C, float cap, float lse, float g_soft,
-                                                               float g_w) {
+                                                               float g_w, int stream) {
     const size_t es = dt == MA_F32 ? 4 : 2;
     const float inv_cap = cap > 0 ? 1.0f / cap : 0.0f;
     const __m256 lse_v = _mm256_set1_ps(lse), gs = _mm256_set1_ps(g_soft), gw = _mm256_set1_ps(g_w);
     const __m256 one = _mm256_set1_ps(1.0f);
     const int use_w = g_w != 0.0f;
+    const char *xc = (const char *)x, *wc = (const char *)w;
+    char *dc = (char *)dx;
     int64_t c = 0;
+    if (stream && dx != x && (uintptr_t)dc % es == 0) {
+        /* plain stores up to the first aligned vector, then streaming stores */
+        const size_t align = 8 * es;
+        const int64_t head = ma_min(C, (int64_t)(((align - (uintptr_t)dc % align) % align) / es));
+        for (; c < head; c++) { /* at most 7 elements, through the tail path */
+            const __m256 xv = load8_tail(xc + c * es, dt, 1, es);
+            const __m256 wv = use_w && w ? load8_tail(wc + c * es, dt, 1, es) : one;
+            store8_tail(dc + c * es, dt, grad8(xv, wv, cap, inv_cap, lse_v, gs, gw, use_w), 1, es);
+        }
+        for (; c + VL <= C; c += VL) {
+            if ((c * es) % 64 == 0) _mm_prefetch(xc + c * es + PREFETCH_BYTES, _MM_HINT_T0);
+            const __m256 xv = load8(xc + c * es, dt);
+            const __m256 wv = use_w && w ? load8(wc + c * es, dt) : one;
+            stream8(dc + c * es, dt, grad8(xv, wv, cap, inv_cap, lse_v, gs, gw, use_w));
+        }
+        _mm_sfence();
+    }
     for (; c + VL <= C; c += VL) {
-        const __m256 xv = load8((const char *)x + c * es, dt);
-        const __m256 wv = use_w && w ? load8((const char *)w + c * es, dt) : one;
-        store8((char *)dx + c * es, dt, grad8(xv, wv, cap, inv_cap, lse_v, gs, gw, use_w));
+        if ((c * es) % 64 == 0) _mm_prefetch(xc + c * es + PREFETCH_BYTES, _MM_HINT_T0);
+        const __m256 xv = load8(xc + c * es, dt);
+        const __m256 wv = use_w && w ? load8(wc + c * es, dt) : one;
+        store8(dc + c * es, dt, grad8(xv, wv, cap, inv_cap, lse_v, gs, gw, use_w));
     }
     if (c < C) {
         const int64_t n = C - c;
-        const __m256 xv = load8_tail((const char *)x + c * es, dt, n, es);
-        const __m256 wv = use_w && w ? load8_tail((const char *)w + c * es, dt, n, es) : one;
-        store8_tail((char *)dx + c * es, dt, grad8(xv, wv, cap, inv_cap, lse_v, gs, gw, use_w), n, es);
+        const __m256 xv = load8_tail(xc + c * es, dt, n, es);
+        const __m256 wv = use_w && w ? load8_tail(wc + c * es, dt, n, es) : one;
+        store8_tail(dc + c * es, dt, grad8(xv, wv, cap, inv_cap, lse_v, gs, gw, use_w), n, es);
     }
 }
 
 static void row_grad_avx2(void *dx, const void *x, const void *w, ma_dtype dt, int64_t C, float cap, float lse,
-                          float g_soft, float g_w) {
+                          float g_soft, float g_w, int stream) {
     switch (dt) {
-    case MA_BF16: row_grad_dt(dx, x, w, MA_BF16, C, cap, lse, g_soft, g_w); break;
-    case MA_F16: row_grad_dt(dx, x, w, MA_F16, C, cap, lse, g_soft, g_w); break;
-    default: row_grad_dt(dx, x, w, MA_F32, C, cap, lse, g_soft, g_w); break;
+    case MA_BF16: row_grad_dt(dx, x, w, MA_BF16, C, cap, lse, g_soft, g_w, stream); break;
+    case MA_F16: row_grad_dt(dx, x, w, MA_F16, C, cap, lse, g_soft, g_w, stream); break;
+    default: row_grad_dt(dx, x, w, MA_F32, C, cap, lse, g_soft, g_w, stream); break;
     }
 }
 

@@ -96,6 +96,16 @@ static inline __m512 capped(__m512 x, float cap, float inv_cap) {
 
 /* ---- row_stats ------------------------------------------------------------ */
 
+/* The hardware prefetchers stop at 4 KB page boundaries; a row is read
+ * straight through, so ask for the lines PREFETCH_BYTES ahead (a block of
+ * UNROLL vectors is 512 bytes of float32: 8 lines). */
+#define PREFETCH_BYTES 2048
+#define PREFETCH_AHEAD(p)                                                              \
+    do {                                                                               \
+        for (int pf = 0; pf < UNROLL * VL * (int)es; pf += 64)                         \
+            _mm_prefetch((const char *)(p) + PREFETCH_BYTES + pf, _MM_HINT_T0);        \
+    } while (0)
+
 typedef struct {
     __m512 m;             /* running max per lane                            */
     __m512d l0, l1;       /* sum exp(y - m) per lane, lanes 0-7 and 8-15      */
@@ -158,6 +168,7 @@ static inline __attribute__((always_inline)) ma_ce_stats row_stats_dt(const void
     __mmask16 k[UNROLL];
     int64_t c = 0;
     for (; c + UNROLL * VL <= C; c += UNROLL * VL) {
+        PREFETCH_AHEAD((const char *)x + c * es);
         for (int i = 0; i < UNROLL; i++) {
             const int64_t ci = c + i * VL;
             k[i] = 0xffff;
@@ -204,36 +215,73 @@ static ma_ce_stats row_stats_avx512(const void *x, const void *w, ma_dtype dt, i
 
 /* ---- row_grad ------------------------------------------------------------- */
 
+/* non-temporal store of 16 elements at p (64-byte aligned for float32, 32 for 16-bit types) */
+static inline __attribute__((always_inline)) void stream16(void *p, ma_dtype dt, __m512 v) {
+    if (dt == MA_F32) {
+        _mm512_stream_ps((float *)p, v);
+        return;
+    }
+    _Alignas(32) uint16_t h[16];
+    store16(h, dt, 0xffff, v);
+    _mm256_stream_si256((__m256i *)p, _mm256_load_si256((const __m256i *)h));
+}
+
+static inline __attribute__((always_inline)) __m512 grad16(__m512 xv, const void *w, ma_dtype dt, __mmask16 k,
+                                                           float cap, __m512 invv, __m512 capv, __m512 lse_v,
+                                                           __m512 gs, __m512 gw, int use_w) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    if (cap > 0) {
+        const __m512 t = tanh512(_mm512_mul_ps(xv, invv));
+        __m512 d = _mm512_mul_ps(gs, exp512(_mm512_fmsub_ps(capv, t, lse_v)));
+        if (use_w) d = _mm512_fnmadd_ps(gw, w ? load16(w, dt, k) : one, d);
+        return _mm512_mul_ps(d, _mm512_fnmadd_ps(t, t, one));
+    }
+    __m512 d = _mm512_mul_ps(gs, exp512(_mm512_sub_ps(xv, lse_v)));
+    if (use_w) d = _mm512_fnmadd_ps(gw, w ? load16(w, dt, k) : one, d);
+    return d;
+}
+
 static inline __attribute__((always_inline)) void row_grad_dt(void *dx, const void *x, const void *w, ma_dtype dt,
                                                                int64_t C, float cap, float lse, float g_soft,
-                                                               float g_w) {
+                                                               float g_w, int stream) {
     const size_t es = dt == MA_F32 ? 4 : 2;
-    const float inv_cap = cap > 0 ? 1.0f / cap : 0.0f;
     const __m512 lse_v = _mm512_set1_ps(lse), gs = _mm512_set1_ps(g_soft), gw = _mm512_set1_ps(g_w);
-    const __m512 capv = _mm512_set1_ps(cap), invv = _mm512_set1_ps(inv_cap), one = _mm512_set1_ps(1.0f);
-    for (int64_t c = 0; c < C; c += VL) {
-        const __mmask16 k = tail_mask(C - c);
-        const __m512 xv = load16((const char *)x + c * es, dt, k);
-        __m512 d;
-        if (cap > 0) {
-            const __m512 t = tanh512(_mm512_mul_ps(xv, invv));
-            d = _mm512_mul_ps(gs, exp512(_mm512_fmsub_ps(capv, t, lse_v)));
-            if (g_w != 0.0f) d = _mm512_fnmadd_ps(gw, w ? load16((const char *)w + c * es, dt, k) : one, d);
-            d = _mm512_mul_ps(d, _mm512_fnmadd_ps(t, t, one));
-        } else {
-            d = _mm512_mul_ps(gs, exp512(_mm512_sub_ps(xv, lse_v)));
-            if (g_w != 0.0f) d = _mm512_fnmadd_ps(gw, w ? load16((const char *)w + c * es, dt, k) : one, d);
+    const __m512 capv = _mm512_set1_ps(cap), invv = _mm512_set1_ps(cap > 0 ? 1.0f / cap : 0.0f);
+    const int use_w = g_w != 0.0f;
+    const char *xc = (const char *)x, *wc = (const char *)w;
+    char *dc = (char *)dx;
+    int64_t c = 0;
+    if (stream && dx != x) {
+        /* masked stores up to the first aligned vector, then streaming stores */
+        const size_t align = 16 * es;
+        const int64_t head = ma_min(C, (int64_t)(((align - (uintptr_t)dc % align) % align) / es));
+        if ((uintptr_t)dc % es == 0 && head < C) {
+            if (head > 0) {
+                const __mmask16 k = tail_mask(head);
+                store16(dc, dt, k, grad16(load16(xc, dt, k), w ? wc : NULL, dt, k, cap, invv, capv, lse_v, gs, gw, use_w));
+            }
+            for (c = head; c + 16 <= C; c += 16) {
+                _mm_prefetch(xc + c * es + PREFETCH_BYTES, _MM_HINT_T0);
+                stream16(dc + c * es, dt, grad16(load16(xc + c * es, dt, 0xffff), w ? wc + c * es : NULL, dt, 0xffff,
+                                                 cap, invv, capv, lse_v, gs, gw, use_w));
+            }
+            _mm_sfence();
         }
-        store16((char *)dx + c * es, dt, k, d);
+    }
+    for (; c < C; c += 16) {
+        const __mmask16 k = tail_mask(C - c);
+        _mm_prefetch(xc + c * es + PREFETCH_BYTES, _MM_HINT_T0);
+        store16(dc + c * es, dt, k, grad16(load16(xc + c * es, dt, k), w ? wc + c * es : NULL, dt, k, cap, invv,
+                                           capv, lse_v, gs, gw, use_w));
     }
 }
 
 static void row_grad_avx512(void *dx, const void *x, const void *w, ma_dtype dt, int64_t C, float cap, float lse,
-                            float g_soft, float g_w) {
+                            float g_soft, float g_w, int stream) {
     switch (dt) {
-    case MA_BF16: row_grad_dt(dx, x, w, MA_BF16, C, cap, lse, g_soft, g_w); break;
-    case MA_F16: row_grad_dt(dx, x, w, MA_F16, C, cap, lse, g_soft, g_w); break;
-    default: row_grad_dt(dx, x, w, MA_F32, C, cap, lse, g_soft, g_w); break;
+    case MA_BF16: row_grad_dt(dx, x, w, MA_BF16, C, cap, lse, g_soft, g_w, stream); break;
+    case MA_F16: row_grad_dt(dx, x, w, MA_F16, C, cap, lse, g_soft, g_w, stream); break;
+    default: row_grad_dt(dx, x, w, MA_F32, C, cap, lse, g_soft, g_w, stream); break;
     }
 }
 

@@ -110,6 +110,11 @@ static void test_row_stats(const ma_ce_blocks *v) {
                     }
 }
 
+/* modes: 0 a separate output, 1 in place (dx == x, stream asked: must be
+ * ignored), 2 streaming stores into a 64-byte aligned output, 3 streaming
+ * into an output misaligned by one element (a head before the aligned part) */
+static const char *mode_name[] = {"separate", "in place", "stream aligned", "stream misaligned"};
+
 static void test_row_grad(const ma_ce_blocks *v) {
     static const int64_t lengths[] = {1, 3, 8, 9, 16, 17, 33, 100, 129, 1000};
     const ma_dtype dts[] = {MA_F32, MA_BF16, MA_F16};
@@ -119,37 +124,42 @@ static void test_row_grad(const ma_ce_blocks *v) {
             for (int kind = 0; kind < N_KINDS; kind++)
                 for (int ic = 0; ic < 3; ic++)
                     for (int weighted = 0; weighted < 2; weighted++)
-                        for (int in_place = 0; in_place < 2; in_place++) {
+                        for (int mode = 0; mode < 4; mode++) {
                             const int64_t n = lengths[il];
                             const ma_dtype dt = dts[id];
                             const float cap = caps[ic];
-                            const size_t es = esize(dt);
+                            const size_t es = esize(dt), bytes = n * es + 128;
                             unsigned char *x = malloc(n * es), *w = malloc(n * es);
-                            unsigned char *da = malloc(n * es + 64), *db = malloc(n * es + 64);
+                            unsigned char *da = malloc(bytes), *buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+                            unsigned char *db = buf + (mode == 3 ? es : 0);
                             fill(x, dt, n, kind);
                             for (int64_t i = 0; i < n; i++) ma_store_f32(w, dt, i, 0.25f + fabsf(frand()));
-                            memset(da, 0x5a, n * es + 64), memset(db, 0x5a, n * es + 64);
+                            memset(da, 0x5a, bytes), memset(buf, 0x5a, bytes);
                             const ma_ce_stats st = ma_ce_blocks_scalar.row_stats(x, NULL, dt, n, cap, 0);
                             const float lse = (float)(st.m + log(st.l));
                             const float g_soft = 0.7f, g_w = weighted ? 0.01f : (n % 2 ? 0.02f : 0.0f);
                             const void *wp = weighted ? w : NULL;
-                            ma_ce_blocks_scalar.row_grad(da, x, wp, dt, n, cap, lse, g_soft, g_w);
-                            if (in_place) {
+                            ma_ce_blocks_scalar.row_grad(da, x, wp, dt, n, cap, lse, g_soft, g_w, 0);
+                            if (mode == 1) {
                                 memcpy(db, x, n * es);
-                                v->row_grad(db, db, wp, dt, n, cap, lse, g_soft, g_w);
+                                v->row_grad(db, db, wp, dt, n, cap, lse, g_soft, g_w, 1);
                             } else {
-                                v->row_grad(db, x, wp, dt, n, cap, lse, g_soft, g_w);
+                                v->row_grad(db, x, wp, dt, n, cap, lse, g_soft, g_w, mode >= 2);
                             }
                             const double rtol = dt == MA_F32 ? (cap > 0 ? 4e-6 : 2e-6) : dt == MA_BF16 ? 8e-3 : 1e-3;
                             for (int64_t i = 0; i < n; i++) {
                                 const double a = ma_load_f32(da, dt, i), b = ma_load_f32(db, dt, i);
-                                CHECK(close_d(b, a, rtol, 1e-7), "%s row_grad n=%ld %s %s cap=%g w=%d inplace=%d i=%ld: %g vs %g",
-                                      v->name, (long)n, dt_name(dt), kind_name[kind], cap, weighted, in_place, (long)i, b, a);
+                                CHECK(close_d(b, a, rtol, 1e-7), "%s row_grad n=%ld %s %s cap=%g w=%d %s i=%ld: %g vs %g",
+                                      v->name, (long)n, dt_name(dt), kind_name[kind], cap, weighted, mode_name[mode],
+                                      (long)i, b, a);
                             }
-                            for (int64_t i = n * (int64_t)es; i < n * (int64_t)es + 64; i++)
-                                CHECK(db[i] == 0x5a, "%s row_grad wrote past the row: n=%ld %s", v->name, (long)n,
+                            for (unsigned char *q = buf; q < db; q++)
+                                CHECK(*q == 0x5a, "%s row_grad wrote before the row: n=%ld %s", v->name, (long)n,
                                       dt_name(dt));
-                            free(x), free(w), free(da), free(db);
+                            for (int64_t i = n * (int64_t)es; i < n * (int64_t)es + 64; i++)
+                                CHECK(db[i] == 0x5a, "%s row_grad wrote past the row: n=%ld %s %s", v->name, (long)n,
+                                      dt_name(dt), mode_name[mode]);
+                            free(x), free(w), free(da), free(buf);
                         }
 }
 
@@ -160,8 +170,8 @@ static void test_functions(const ma_ce_blocks *v) {
     enum { N = 4001 };
     static float x[N], a[N], b[N];
     for (int i = 0; i < N; i++) x[i] = -100.0f + 100.0f * (float)i / (N - 1); /* exp: the range x - lse <= 0 */
-    ma_ce_blocks_scalar.row_grad(a, x, NULL, MA_F32, N, 0.0f, 0.0f, 1.0f, 0.0f);
-    v->row_grad(b, x, NULL, MA_F32, N, 0.0f, 0.0f, 1.0f, 0.0f);
+    ma_ce_blocks_scalar.row_grad(a, x, NULL, MA_F32, N, 0.0f, 0.0f, 1.0f, 0.0f, 0);
+    v->row_grad(b, x, NULL, MA_F32, N, 0.0f, 0.0f, 1.0f, 0.0f, 1);
     for (int i = 0; i < N; i++) {
         if (a[i] >= 1.1754944e-38f)
             CHECK(close_d(b[i], a[i], 4e-7, 0), "%s exp(%g) = %g, libm %g", v->name, x[i], b[i], a[i]);
