@@ -48,7 +48,10 @@ static void FN(convert_row)(ACC *dst, int64_t dst_stride, const void *src, ma_dt
     switch (dt) {
     case MA_F32: {
         const float *x = (const float *)src + off;
-        for (int64_t c = 0; c < n; c++) dst[c * dst_stride] = mul * (ACC)x[c * st];
+        if (st == 1 && dst_stride == 1)
+            for (int64_t c = 0; c < n; c++) dst[c] = mul * (ACC)x[c];
+        else
+            for (int64_t c = 0; c < n; c++) dst[c * dst_stride] = mul * (ACC)x[c * st];
         break;
     }
     case MA_F64: {
@@ -58,7 +61,10 @@ static void FN(convert_row)(ACC *dst, int64_t dst_stride, const void *src, ma_dt
     }
     case MA_BF16: {
         const uint16_t *x = (const uint16_t *)src + off;
-        for (int64_t c = 0; c < n; c++) dst[c * dst_stride] = mul * (ACC)ma_bf16_to_f32(x[c * st]);
+        if (st == 1 && dst_stride == 1)
+            for (int64_t c = 0; c < n; c++) dst[c] = mul * (ACC)ma_bf16_to_f32(x[c]);
+        else
+            for (int64_t c = 0; c < n; c++) dst[c * dst_stride] = mul * (ACC)ma_bf16_to_f32(x[c * st]);
         break;
     }
     default:
@@ -135,9 +141,15 @@ static void FN(store_tile)(void *dst, ma_dtype dt, const int64_t st[4], int64_t 
     for (int64_t r = 0; r < nr; r++) {
         const int64_t base = b * st[0] + h * st[1] + (r0 + r) * st[2];
         const ACC *src_r = src + r * ncol;
-        if (dt == MA_F32) {
+        if (dt == MA_F32 && st[3] == 1) {
+            float *y = (float *)dst + base;
+            for (int64_t c = 0; c < ncol; c++) y[c] = (float)(mul * src_r[c]);
+        } else if (dt == MA_F32) {
             float *y = (float *)dst + base;
             for (int64_t c = 0; c < ncol; c++) y[c * st[3]] = (float)(mul * src_r[c]);
+        } else if (dt == MA_BF16) {
+            uint16_t *y = (uint16_t *)dst + base;
+            for (int64_t c = 0; c < ncol; c++) y[c * st[3]] = ma_f32_to_bf16((float)(mul * src_r[c]));
         } else {
             for (int64_t c = 0; c < ncol; c++) STORE(dst, dt, base + c * st[3], mul * src_r[c]);
         }
@@ -481,10 +493,12 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
             t.lse[r] = FN(finite_or_zero)(lse_bh[i0 + r]);
             t.dhm[r] = 0;
             /* delta_i = g_i . out_i  (+ hm * sum_j P_ij dW_ij below) */
-            const int64_t base = b * p->out_stride[0] + h * p->out_stride[1] + (i0 + r) * p->out_stride[2];
+            ACC *o_r = t.gbuf;
+            FN(convert_row)(o_r, 1, p->out, p->dtype,
+                            b * p->out_stride[0] + h * p->out_stride[1] + (i0 + r) * p->out_stride[2],
+                            p->out_stride[3], Dv, 1);
             ACC dot = 0;
-            for (int64_t d = 0; d < Dv; d++)
-                dot += t.gT[d * nr + r] * LOAD(p->out, p->dtype, base + d * p->out_stride[3]);
+            for (int64_t d = 0; d < Dv; d++) dot += t.gT[d * nr + r] * o_r[d];
             t.delta[r] = dot;
         }
         if (p->dweights) {
@@ -630,13 +644,16 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
             const int64_t h = hk * G + g;
             const ACC *lse_bh = (const ACC *)p->lse + (b * H + h) * Lq;
             for (int64_t i = 0; i < Lq; i++) {
-                /* delta_i = g_i . out_i */
-                const int64_t go = b * p->dout_stride[0] + h * p->dout_stride[1] + i * p->dout_stride[2];
-                const int64_t oo = b * p->out_stride[0] + h * p->out_stride[1] + i * p->out_stride[2];
+                /* delta_i = g_i . out_i, both rows converted to ACC first */
+                ACC *g_r = t.gbuf, *o_r = t.gbuf + Dv;
+                FN(convert_row)(g_r, 1, p->dout, p->dtype,
+                                b * p->dout_stride[0] + h * p->dout_stride[1] + i * p->dout_stride[2],
+                                p->dout_stride[3], Dv, 1);
+                FN(convert_row)(o_r, 1, p->out, p->dtype,
+                                b * p->out_stride[0] + h * p->out_stride[1] + i * p->out_stride[2],
+                                p->out_stride[3], Dv, 1);
                 ACC dot = 0;
-                for (int64_t d = 0; d < Dv; d++)
-                    dot += LOAD(p->dout, p->dtype, go + d * p->dout_stride[3]) *
-                           LOAD(p->out, p->dtype, oo + d * p->out_stride[3]);
+                for (int64_t d = 0; d < Dv; d++) dot += g_r[d] * o_r[d];
                 delta_all[g * Lq + i] = dot;
                 lse_all[g * Lq + i] = FN(finite_or_zero)(lse_bh[i]);
                 dhm_all[g * Lq + i] = 0;
