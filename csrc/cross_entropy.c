@@ -51,8 +51,7 @@ static ma_ce_stats row_stats_scalar(const void *x, const void *w, ma_dtype dt, i
 
 /* dx_c = (g_soft exp(y_c - lse) - g_w w_c) dy_c/dx_c, overwriting dx (which may be x). */
 static void row_grad_scalar(void *dx, const void *x, const void *w, ma_dtype dt, int64_t C, float cap, float lse,
-                            float g_soft, float g_w, int stream) {
-    (void)stream;
+                            float g_soft, float g_w) {
     for (int64_t c = 0; c < C; c++) {
         const float xc = ma_load_f32(x, dt, c);
         float d, dy = 1.0f;

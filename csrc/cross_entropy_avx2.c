@@ -24,23 +24,23 @@ static inline __m256 lane_mask(int64_t n) {
     return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nn), idx));
 }
 
-/* exp(x) for 8 floats (the same as attention_avx2.c's): 2^n built from the
- * exponent bits; results below FLT_MIN (x < -87.33, and -inf) are exactly 0;
- * NaN stays NaN. */
+/* exp(x) for 8 floats, for x <= 88, with the polynomial of exp512 in
+ * cross_entropy_avx512.c; 2^n built from the exponent bits, so results below
+ * FLT_MIN (x < -87.33, and -inf) are exactly 0; NaN stays NaN. */
 static inline __m256 exp256(__m256 x_in) {
-    __m256 x = _mm256_max_ps(_mm256_set1_ps(-87.33f), x_in); /* NaN propagates */
-    x = _mm256_min_ps(_mm256_set1_ps(88.37f), x);
+    const __m256 x = _mm256_max_ps(_mm256_set1_ps(-87.33f), x_in); /* NaN propagates */
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
     r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256 y = _mm256_set1_ps(1.3846145011484623e-3f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.374120108783245e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1667960584163666e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666431725025177e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.999999403953552e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
+    /* 2^n, n in [-126, 127]: (n + 127) << 23 */
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
     const __m256 underflow = _mm256_cmp_ps(x_in, _mm256_set1_ps(-87.33f), _CMP_LT_OQ);
@@ -51,7 +51,9 @@ static inline __m256 exp256(__m256 x_in) {
 static inline __m256 tanh256(__m256 x) {
     const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
     const __m256 z = _mm256_andnot_ps(sign, x);
-    const __m256 e = exp256(_mm256_add_ps(z, z));
+    /* tanh(10) rounds to 1: clamping keeps exp's argument small (NaN passes) */
+    const __m256 z10 = _mm256_min_ps(z, _mm256_set1_ps(10.0f));
+    const __m256 e = exp256(_mm256_add_ps(z10, z10));
     __m256 big = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
     big = _mm256_or_ps(big, _mm256_and_ps(x, sign));
     const __m256 s = _mm256_mul_ps(x, x);
@@ -241,20 +243,9 @@ static inline __attribute__((always_inline)) __m256 grad8(__m256 xv, __m256 wv, 
     return d;
 }
 
-/* non-temporal store of 8 elements at p (32-byte aligned for float32, 16 for 16-bit types) */
-static inline __attribute__((always_inline)) void stream8(void *p, ma_dtype dt, __m256 v) {
-    if (dt == MA_F32) {
-        _mm256_stream_ps((float *)p, v);
-        return;
-    }
-    _Alignas(16) uint16_t h[8];
-    store8(h, dt, v);
-    _mm_stream_si128((__m128i *)p, _mm_load_si128((const __m128i *)h));
-}
-
 static inline __attribute__((always_inline)) void row_grad_dt(void *dx, const void *x, const void *w, ma_dtype dt,
                                                                int64_t C, float cap, float lse, float g_soft,
-                                                               float g_w, int stream) {
+                                                               float g_w) {
     const size_t es = dt == MA_F32 ? 4 : 2;
     const float inv_cap = cap > 0 ? 1.0f / cap : 0.0f;
     const __m256 lse_v = _mm256_set1_ps(lse), gs = _mm256_set1_ps(g_soft), gw = _mm256_set1_ps(g_w);
@@ -263,23 +254,6 @@ static inline __attribute__((always_inline)) void row_grad_dt(void *dx, const vo
     const char *xc = (const char *)x, *wc = (const char *)w;
     char *dc = (char *)dx;
     int64_t c = 0;
-    if (stream && dx != x && (uintptr_t)dc % es == 0) {
-        /* plain stores up to the first aligned vector, then streaming stores */
-        const size_t align = 8 * es;
-        const int64_t head = ma_min(C, (int64_t)(((align - (uintptr_t)dc % align) % align) / es));
-        for (; c < head; c++) { /* at most 7 elements, through the tail path */
-            const __m256 xv = load8_tail(xc + c * es, dt, 1, es);
-            const __m256 wv = use_w && w ? load8_tail(wc + c * es, dt, 1, es) : one;
-            store8_tail(dc + c * es, dt, grad8(xv, wv, cap, inv_cap, lse_v, gs, gw, use_w), 1, es);
-        }
-        for (; c + VL <= C; c += VL) {
-            if ((c * es) % 64 == 0) _mm_prefetch(xc + c * es + PREFETCH_BYTES, _MM_HINT_T0);
-            const __m256 xv = load8(xc + c * es, dt);
-            const __m256 wv = use_w && w ? load8(wc + c * es, dt) : one;
-            stream8(dc + c * es, dt, grad8(xv, wv, cap, inv_cap, lse_v, gs, gw, use_w));
-        }
-        _mm_sfence();
-    }
     for (; c + VL <= C; c += VL) {
         if ((c * es) % 64 == 0) _mm_prefetch(xc + c * es + PREFETCH_BYTES, _MM_HINT_T0);
         const __m256 xv = load8(xc + c * es, dt);
@@ -295,11 +269,11 @@ static inline __attribute__((always_inline)) void row_grad_dt(void *dx, const vo
 }
 
 static void row_grad_avx2(void *dx, const void *x, const void *w, ma_dtype dt, int64_t C, float cap, float lse,
-                          float g_soft, float g_w, int stream) {
+                          float g_soft, float g_w) {
     switch (dt) {
-    case MA_BF16: row_grad_dt(dx, x, w, MA_BF16, C, cap, lse, g_soft, g_w, stream); break;
-    case MA_F16: row_grad_dt(dx, x, w, MA_F16, C, cap, lse, g_soft, g_w, stream); break;
-    default: row_grad_dt(dx, x, w, MA_F32, C, cap, lse, g_soft, g_w, stream); break;
+    case MA_BF16: row_grad_dt(dx, x, w, MA_BF16, C, cap, lse, g_soft, g_w); break;
+    case MA_F16: row_grad_dt(dx, x, w, MA_F16, C, cap, lse, g_soft, g_w); break;
+    default: row_grad_dt(dx, x, w, MA_F32, C, cap, lse, g_soft, g_w); break;
     }
 }
 

@@ -149,7 +149,7 @@ static inline void FN(zero_row)(void *dx, ma_dtype dt, int64_t dx_row, int64_t d
  *   g_soft = g ((1 - ls) w_t + ls / C W + 2 z lse),  g_w = g ls / C,  g_t = g (1 - ls) w_t
  * dx may be the input itself: x_t is read before the row is written. */
 static inline void FN(class_row_grad)(const ma_ce_args *a, void *dx, const int64_t *ds, int64_t dx_row,
-                                      int64_t x_row, int64_t t, int fast, int stream, ACC g, ACC lse_r, ACC W) {
+                                      int64_t x_row, int64_t t, int fast, ACC g, ACC lse_r, ACC W) {
     const int64_t C = a->C, cs = a->input_stride[1], dcs = ds[1];
     const ACC ls = (ACC)a->label_smoothing, ls_c = C > 0 ? ls / (ACC)C : 0, cap = (ACC)a->softcap;
     const ACC w_t = FN(class_weight)(a, t);
@@ -160,7 +160,7 @@ static inline void FN(class_row_grad)(const ma_ce_args *a, void *dx, const int64
         const size_t es = FN(elem_size)(a->dtype);
         const ACC x_t = LOAD(a->input, a->dtype, x_row + t * cs);
         ROW_GRAD((char *)dx + dx_row * es, (const char *)a->input + x_row * es, a->weight, a->dtype, C,
-                 (float)cap, lse_r, g_soft, g_w, stream);
+                 (float)cap, lse_r, g_soft, g_w);
         /* the target's element, from the x_t read before the row was written */
         ACC d = g_soft * EXP(FN(cap_fn)(x_t, cap) - lse_r);
         if (ls > 0) d -= g_w * w_t;
@@ -168,7 +168,7 @@ static inline void FN(class_row_grad)(const ma_ce_args *a, void *dx, const int64
         return;
     }
 #endif
-    (void)fast, (void)stream;
+    (void)fast;
     for (int64_t c = 0; c < C; c++) {
         const ACC x = LOAD(a->input, a->dtype, x_row + c * cs);
         ACC d = g_soft * EXP(FN(cap_fn)(x, cap) - lse_r);
@@ -223,7 +223,7 @@ static void FN(ce_fwd)(int64_t begin, int64_t end, void *vctx) {
             if (ls > 0) loss = (1 - ls) * loss + ls_c * (st.k_sum * st.log_l - st.k_dot);
             if (z > 0) loss += z * lse_d * lse_d;
             if (fused)
-                FN(class_row_grad)(a, p->dinput, ds, n * ds[0] + s * ds[2], x_row, t, fast, 0,
+                FN(class_row_grad)(a, p->dinput, ds, n * ds[0] + s * ds[2], x_row, t, fast,
                                    (ACC)p->dloss_scale, lse[r], W);
         } else {
             const FN(row_summary) st = FN(row_pass)(a, x_row, n * ts[0] + s * ts[2], 1, ls, ls_c);
@@ -275,7 +275,7 @@ static void FN(ce_bwd)(int64_t begin, int64_t end, void *vctx) {
         const ACC g = (ACC)((double)LOAD(p->dloss, a->dtype, n * gs[0] + s * gs[1]) * p->dloss_scale);
         const ACC lse_r = lse[r];
         if (a->target) {
-            FN(class_row_grad)(a, p->dinput, ds, dx_row, x_row, t, fast, p->stream_stores, g, lse_r, W);
+            FN(class_row_grad)(a, p->dinput, ds, dx_row, x_row, t, fast, g, lse_r, W);
         } else {
             const int64_t p_row = n * ts[0] + s * ts[2], dp_row = n * dts[0] + s * dts[2];
             double k_sum_d = 0;

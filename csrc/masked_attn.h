@@ -254,8 +254,6 @@ typedef struct {
                                  reduced loss)                                     */
     int64_t dloss_stride[2];
     double dloss_scale;       /* 1, or 1 / total weight for 'mean'                 */
-    int stream_stores;        /* write dinput with non-temporal stores: a large
-                                 output that will not be read back from cache  */
     /* what the forward saw and saved */
     const void *lse;          /* (R,) contiguous, acc type                         */
     ma_ce_args a;

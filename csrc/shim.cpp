@@ -626,10 +626,6 @@ void ce_backward_into(const Tensor& grad_loss, const CeInputs& in, const CeShape
   p.dloss_stride[1] = red == CeReduction::None ? dloss.stride(1) : 0;
   p.a = in.a;
   p.dloss_scale = red == CeReduction::Mean ? 1.0 / ma_ce_total_weight(&p.a) : 1.0;  // 0 kept rows: inf, unused
-  // a gradient far larger than the caches is written around them (no read
-  // for ownership); the kernels ignore this when writing over the input
-  constexpr int64_t kStreamBytes = int64_t{32} << 20;
-  p.stream_stores = dinput3.numel() * static_cast<int64_t>(dinput3.element_size()) >= kStreamBytes;
   p.lse = lse.const_data_ptr();
   run_ce_rows(ma_ce_bwd_task, &p, R, s.C, input);
 }

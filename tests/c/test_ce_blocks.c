@@ -110,10 +110,9 @@ static void test_row_stats(const ma_ce_blocks *v) {
                     }
 }
 
-/* modes: 0 a separate output, 1 in place (dx == x, stream asked: must be
- * ignored), 2 streaming stores into a 64-byte aligned output, 3 streaming
- * into an output misaligned by one element (a head before the aligned part) */
-static const char *mode_name[] = {"separate", "in place", "stream aligned", "stream misaligned"};
+/* modes: 0 a separate, 64-byte aligned output, 1 in place (dx == x),
+ * 2 an output misaligned by one element */
+static const char *mode_name[] = {"separate", "in place", "misaligned"};
 
 static void test_row_grad(const ma_ce_blocks *v) {
     static const int64_t lengths[] = {1, 3, 8, 9, 16, 17, 33, 100, 129, 1000};
@@ -124,14 +123,14 @@ static void test_row_grad(const ma_ce_blocks *v) {
             for (int kind = 0; kind < N_KINDS; kind++)
                 for (int ic = 0; ic < 3; ic++)
                     for (int weighted = 0; weighted < 2; weighted++)
-                        for (int mode = 0; mode < 4; mode++) {
+                        for (int mode = 0; mode < 3; mode++) {
                             const int64_t n = lengths[il];
                             const ma_dtype dt = dts[id];
                             const float cap = caps[ic];
                             const size_t es = esize(dt), bytes = n * es + 128;
                             unsigned char *x = malloc(n * es), *w = malloc(n * es);
                             unsigned char *da = malloc(bytes), *buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
-                            unsigned char *db = buf + (mode == 3 ? es : 0);
+                            unsigned char *db = buf + (mode == 2 ? es : 0);
                             fill(x, dt, n, kind);
                             for (int64_t i = 0; i < n; i++) ma_store_f32(w, dt, i, 0.25f + fabsf(frand()));
                             memset(da, 0x5a, bytes), memset(buf, 0x5a, bytes);
@@ -139,12 +138,12 @@ static void test_row_grad(const ma_ce_blocks *v) {
                             const float lse = (float)(st.m + log(st.l));
                             const float g_soft = 0.7f, g_w = weighted ? 0.01f : (n % 2 ? 0.02f : 0.0f);
                             const void *wp = weighted ? w : NULL;
-                            ma_ce_blocks_scalar.row_grad(da, x, wp, dt, n, cap, lse, g_soft, g_w, 0);
+                            ma_ce_blocks_scalar.row_grad(da, x, wp, dt, n, cap, lse, g_soft, g_w);
                             if (mode == 1) {
                                 memcpy(db, x, n * es);
-                                v->row_grad(db, db, wp, dt, n, cap, lse, g_soft, g_w, 1);
+                                v->row_grad(db, db, wp, dt, n, cap, lse, g_soft, g_w);
                             } else {
-                                v->row_grad(db, x, wp, dt, n, cap, lse, g_soft, g_w, mode >= 2);
+                                v->row_grad(db, x, wp, dt, n, cap, lse, g_soft, g_w);
                             }
                             const double rtol = dt == MA_F32 ? (cap > 0 ? 4e-6 : 2e-6) : dt == MA_BF16 ? 8e-3 : 1e-3;
                             for (int64_t i = 0; i < n; i++) {
@@ -170,8 +169,8 @@ static void test_functions(const ma_ce_blocks *v) {
     enum { N = 4001 };
     static float x[N], a[N], b[N];
     for (int i = 0; i < N; i++) x[i] = -100.0f + 100.0f * (float)i / (N - 1); /* exp: the range x - lse <= 0 */
-    ma_ce_blocks_scalar.row_grad(a, x, NULL, MA_F32, N, 0.0f, 0.0f, 1.0f, 0.0f, 0);
-    v->row_grad(b, x, NULL, MA_F32, N, 0.0f, 0.0f, 1.0f, 0.0f, 1);
+    ma_ce_blocks_scalar.row_grad(a, x, NULL, MA_F32, N, 0.0f, 0.0f, 1.0f, 0.0f);
+    v->row_grad(b, x, NULL, MA_F32, N, 0.0f, 0.0f, 1.0f, 0.0f);
     for (int i = 0; i < N; i++) {
         if (a[i] >= 1.1754944e-38f)
             CHECK(close_d(b[i], a[i], 4e-7, 0), "%s exp(%g) = %g, libm %g", v->name, x[i], b[i], a[i]);
