@@ -213,13 +213,13 @@ def mha_train(B, L, E=512, H=8, timed=True):
 
 # ---------------------------------------------------------------- cross-entropy
 
-def cross_entropy_case(N, C, dtype):
+def cross_entropy_case(N, C, dtype, ignored_fraction=0.25, sweep=None):
     if not hasattr(tma.functional, "cross_entropy"):
         raise Skip("torch_masked_attn.functional.cross_entropy does not exist yet")
     ours_ce = tma.functional.cross_entropy
     x = torch.randn(N, C, dtype=dtype, requires_grad=True)
     t = torch.randint(0, C, (N,))
-    ignored = torch.randperm(N)[: N // 4]
+    ignored = torch.randperm(N)[: int(round(N * ignored_fraction))]
     t[ignored] = -100
     kept = N - len(ignored)
 
@@ -238,9 +238,46 @@ def cross_entropy_case(N, C, dtype):
     # writes the whole gradient (zeros in ignored rows)
     traffic = s * C * (2.0 * kept + N)
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
-    return Bench(work=f"{N}x{C} {name}, 1/4 ignore_index, fwd+bwd, min traffic {traffic / 1e9:.2f} GB",
-                 natives=natives, ours=call(ours_ce), traffic_bytes=traffic,
-                 info=dict(N=N, C=C, dtype=str(dtype), kept=kept))
+    info = dict(N=N, C=C, dtype=str(dtype), kept=kept)
+    if sweep:
+        info["ce_sweep"] = sweep
+    return Bench(work=f"{N}x{C} {name}, {ignored_fraction:.0%} ignore_index, fwd+bwd, "
+                      f"min traffic {traffic / 1e9:.2f} GB",
+                 natives=natives, ours=call(ours_ce), traffic_bytes=traffic, info=info)
+
+
+def ce_sweep_point(V, pct, elements=1 << 28):
+    """Vocabulary sweep: cross-entropy fwd+bwd on float32 logits, the same
+    number of logits (2^28, 1 GB) at every vocabulary size V (N = 2^28 / V
+    rows), pct % of the targets ignore_index."""
+    return cross_entropy_case(elements // V, V, torch.float32, pct / 100, sweep=dict(V=V, ignored=pct / 100))
+
+
+def linear_cross_entropy_case(N, d, V, dtype, ignored_fraction=0.25, chunk_size=None):
+    """Fused linear cross-entropy (an LM head's loss) fwd+bwd into the hidden
+    states and the weight; native: F.cross_entropy(hidden @ weight.T, target)."""
+    if not hasattr(tma.functional, "linear_cross_entropy"):
+        raise Skip("torch_masked_attn.functional.linear_cross_entropy does not exist yet")
+    h = torch.randn(N, d, dtype=dtype, requires_grad=True)
+    w = (torch.randn(V, d, dtype=dtype) / d ** 0.5).requires_grad_()
+    t = torch.randint(0, V, (N,))
+    t[torch.randperm(N)[: int(round(N * ignored_fraction))]] = -100
+
+    def call(loss_fn):
+        def run():
+            loss = loss_fn()
+            torch.autograd.grad(loss, (h, w))
+            return loss.detach().float()
+        return run
+
+    natives = {"F.cross_entropy(h @ W.T)": call(lambda: F.cross_entropy(h @ w.T, t))}
+    ours = call(lambda: tma.functional.linear_cross_entropy(h, w, t, chunk_size=chunk_size))
+    fl = 6.0 * N * V * d        # logits, grad of hidden, grad of weight: three N x V x d products
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+    return Bench(work=f"hidden {N}x{d}, weight {V}x{d} {name}, {ignored_fraction:.0%} ignore_index, fwd+bwd, "
+                      f"{gflop(fl)} (native; ours skips ignored rows)",
+                 natives=natives, ours=ours, flops=fl,
+                 info=dict(N=N, d=d, V=V, dtype=str(dtype), ignored=ignored_fraction))
 
 
 # ---------------------------------------------------------------- registry
@@ -256,18 +293,32 @@ NAMED = {
     "mha-mem-8192": lambda: mha_train(1, 8192, timed=False),
     "ce": lambda: cross_entropy_case(8192, 32000, torch.float32),
     "ce-bf16": lambda: cross_entropy_case(4096, 128256, torch.bfloat16),
+    "linear-ce": lambda: linear_cross_entropy_case(2048, 512, 65536, torch.float32),
 }
 GROUPS = {
     "attention": ["gpt-train", "long-causal", "one-head-long", "bert-infer", "mha-train",
                   "gpt-train-bf16", "long-causal-bf16"],
     "memory": ["mha-mem-8192"],
-    "ce": ["ce", "ce-bf16"],
+    "ce": ["ce", "ce-bf16", "linear-ce"],
 }
 
 SWEEP_FULL = dict(L=[128, 256, 512, 1024, 2048, 4096, 8192], D=[64, 128], pad=[0.0, 0.25, 0.5],
                   dtype=["fp32", "bf16"])
 SWEEP_QUICK = dict(L=[128, 256, 512, 1024, 2048], D=[64], pad=[0.0, 0.5], dtype=["fp32", "bf16"])
 _SWEEP_RE = re.compile(r"sweep-L(\d+)-D(\d+)-p(\d+)-(fp32|bf16)$")
+
+# cross-entropy vocabulary sweep: V (8k to 256k) x % of targets ignored, 2^28 float32 logits each
+CE_SWEEP_FULL = dict(V=[8192, 16384, 32768, 65536, 131072, 262144], pct=[0, 25, 50])
+CE_SWEEP_QUICK = dict(V=[8192, 32768, 131072, 262144], pct=[0, 50])
+_CE_SWEEP_RE = re.compile(r"ce-sweep-V(\d+)-p(\d+)$")
+
+
+def ce_sweep_name(V, pct):
+    return f"ce-sweep-V{V}-p{pct}"
+
+
+def ce_sweep_names(grid):
+    return [ce_sweep_name(V, p) for p in grid["pct"] for V in grid["V"]]
 
 
 def sweep_name(L, D, pad, dtype):
@@ -288,6 +339,9 @@ def build(name):
     if m:
         L, D, pct, dt = int(m[1]), int(m[2]), int(m[3]), m[4]
         return sweep_point(L, D, pct / 100, dt)
+    m = _CE_SWEEP_RE.match(name)
+    if m:
+        return ce_sweep_point(int(m[1]), int(m[2]))
     raise KeyError(f"unknown case {name!r}")
 
 
@@ -311,6 +365,8 @@ def warm_up_libraries():
     for dtype in DTYPES.values():
         try:
             for f in cross_entropy_case(16, 100, dtype).impls().values():
+                f()
+            for f in linear_cross_entropy_case(16, 8, 100, dtype).impls().values():
                 f()
         except Skip:
             pass

@@ -36,6 +36,7 @@ MODES = {
     "quick": (cases.SWEEP_QUICK, 3, 10, 5.0),
     "full": (cases.SWEEP_FULL, 5, 25, 20.0),
 }
+CE_GRIDS = {"quick": cases.CE_SWEEP_QUICK, "full": cases.CE_SWEEP_FULL}   # the cross-entropy vocabulary sweep
 
 
 def log(msg):
@@ -165,6 +166,8 @@ def run_case(name, mode, args):
 
 
 def group_of(name):
+    if cases._CE_SWEEP_RE.match(name):
+        return "ce-sweep"
     for g, names in cases.GROUPS.items():
         if name in names:
             return g
@@ -252,12 +255,59 @@ def plot(records, path):
     return path
 
 
+def plot_ce_sweep(records, path):
+    """The cross-entropy vocabulary sweep: speed ratio and peak-memory ratio
+    (native / ours) against V, one line per ignored fraction."""
+    pts = [r for r in records if r.get("group") == "ce-sweep" and r.get("ratio")]
+    if not pts:
+        return None
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        log("  (matplotlib missing: no plot)")
+        return None
+    lines = {}
+    for r in pts:
+        s = r["info"]["ce_sweep"]
+        mem = r["peak_mb_native"] / r["peak_mb_ours"] if r.get("peak_mb_native") and r.get("peak_mb_ours") else None
+        lines.setdefault(s["ignored"], []).append((s["V"], r["ratio"], mem))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for ign, pts_ in sorted(lines.items()):
+        pts_.sort()
+        axes[0].plot([v for v, _, _ in pts_], [y for _, y, _ in pts_], marker="o", label=f"{ign:.0%} ignored")
+        mem = [(v, m) for v, _, m in pts_ if m]
+        if mem:
+            axes[1].plot([v for v, _ in mem], [m for _, m in mem], marker="o", label=f"{ign:.0%} ignored")
+    vocab = sorted({v for p in lines.values() for v, _, _ in p})
+    for ax, ylabel in zip(axes, ("speed: native ms / ours ms", "peak memory: native MB / ours MB")):
+        ax.set_title(ylabel, fontsize=10)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(vocab, [f"{v // 1024}k" for v in vocab])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.set_xlabel("vocabulary V (N = 2^28 / V rows, float32, fwd+bwd)")
+        ax.set_ylabel("ratio (above 1: ours better)")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"torch_masked_attn cross_entropy vs F.cross_entropy, {torch.get_num_threads()} threads")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 # ---------------------------------------------------------------- main
 
 def select(args, mode):
     grid = MODES[mode][0]
+    ce_grid = CE_GRIDS[mode]
     everything = [n for g in ("attention", "memory") for n in cases.GROUPS[g]] + \
-        cases.sweep_names(grid) + cases.GROUPS["ce"]
+        cases.sweep_names(grid) + cases.GROUPS["ce"] + cases.ce_sweep_names(ce_grid)
     if not args.cases:
         return everything
     chosen = []
@@ -265,9 +315,11 @@ def select(args, mode):
         item = item.strip()
         if item == "sweep":
             chosen += cases.sweep_names(grid)
+        elif item == "ce-sweep":
+            chosen += cases.ce_sweep_names(ce_grid)
         elif item in cases.GROUPS:
             chosen += cases.GROUPS[item]
-        elif item in cases.NAMED or cases._SWEEP_RE.match(item):
+        elif item in cases.NAMED or cases._SWEEP_RE.match(item) or cases._CE_SWEEP_RE.match(item):
             chosen.append(item)
         elif item:
             sys.exit(f"unknown case {item!r}; see --list")
@@ -280,12 +332,13 @@ def main():
     m.add_argument("--quick", action="store_true", help="subset of the sweep, fewer repetitions (default)")
     m.add_argument("--full", action="store_true", help="the whole sweep, more repetitions (an hour or more)")
     p.add_argument("--cases", help="comma-separated case names or groups "
-                                   "(attention, memory, sweep, ce); default: all")
+                                   "(attention, memory, sweep, ce, ce-sweep); default: all")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--out", default=RESULTS, help="results JSON path (default benchmarks/results.json)")
     p.add_argument("--plot", default=os.path.join(OUT, "ratio_vs_length.png"))
+    p.add_argument("--plot-ce", default=os.path.join(OUT, "ce_vocab_sweep.png"))
     p.add_argument("--probe", nargs=2, metavar=("CASE", "IMPL"), help=argparse.SUPPRESS)
     args = p.parse_args()
 
@@ -301,6 +354,7 @@ def main():
         for g, ns in cases.GROUPS.items():
             print(f"{g}: {', '.join(ns)}")
         print(f"sweep ({mode}): {', '.join(cases.sweep_names(MODES[mode][0]))}")
+        print(f"ce-sweep ({mode}): {', '.join(cases.ce_sweep_names(CE_GRIDS[mode]))}")
         return
 
     t_start = time.perf_counter()
@@ -327,6 +381,8 @@ def main():
     bl = finalize(results, yardsticks)
     png = plot(results["cases"], args.plot)
     results["plot"] = png and os.path.relpath(png, os.path.dirname(HERE))
+    png_ce = plot_ce_sweep(results["cases"], args.plot_ce)
+    results["plot_ce"] = png_ce and os.path.relpath(png_ce, os.path.dirname(HERE))
     results["wall_s"] = round(time.perf_counter() - t_start, 1)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
@@ -351,7 +407,7 @@ def main():
             log(line)
     log(f"load average at start {info['loadavg_start'][0]:.2f}, at end {info['loadavg_end'][0]:.2f} "
         f"on {info['logical_cpus']} CPUs (other work on the machine skews timings)")
-    log(f"wrote {os.path.relpath(args.out)}" + (f" and {os.path.relpath(png)}" if png else ""))
+    log(f"wrote {os.path.relpath(args.out)}" + "".join(f" and {os.path.relpath(x)}" for x in (png, png_ce) if x))
     log(f"wall time {results['wall_s']:.0f} s")
 
 
