@@ -108,6 +108,26 @@ void fill_strides4(int64_t out[4], const Tensor& t) {
   for (int i = 0; i < 4; i++) out[i] = t.stride(i);
 }
 
+// A large output the kernels are about to write for the first time (an (N, C)
+// gradient, attention outputs and gradients):
+// ask Linux for transparent huge pages on it. Its first touch then costs 512x
+// fewer page faults (on a 1 GB gradient, 4 KB faults cost more than the
+// kernel itself). With THP in "madvise" mode, the default on many
+// distributions, only an madvise gives them; it is advice: where THP is off
+// nothing changes. The memory still belongs to PyTorch's allocator.
+void advise_huge_pages(Tensor& t) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const uintptr_t bytes = static_cast<uintptr_t>(t.numel()) * t.element_size();
+  if (bytes < 2 * kHuge) return;
+  const uintptr_t base = reinterpret_cast<uintptr_t>(t.mutable_data_ptr());
+  const uintptr_t lo = (base + kHuge - 1) & ~(kHuge - 1), hi = (base + bytes) & ~(kHuge - 1);
+  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+#else
+  (void)t;
+#endif
+}
+
 // ---- input checks -----------------------------------------------------------
 
 struct Sizes {
@@ -227,6 +247,7 @@ std::tuple<Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tensor v,
   // out (B, H, Lq, Dv) is stored as (B, Lq, H, Dv): the layout the output
   // projection reads, so (B, Lq, H * Dv) is a free view.
   Tensor out = blhd(q, s.B, s.H, s.Lq, s.Dv);
+  advise_huge_pages(out);
   Tensor lse = torch::stable::new_empty(q, {s.B, s.H, s.Lq}, acc_type(q.scalar_type()));
   Tensor weights = need_weights ? torch::stable::new_empty(q, {s.B, s.H, s.Lq, s.Lk})
                                 : torch::stable::new_empty(q, {0});
@@ -374,6 +395,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
   Tensor dq = blhd(q, s.B, s.H, s.Lq, s.D);
   Tensor dk = blhd(q, s.B, s.Hkv, s.Lk, s.D);
   Tensor dv = blhd(q, s.B, s.Hkv, s.Lk, s.Dv);
+  for (Tensor* t : {&dq, &dk, &dv}) advise_huge_pages(*t);
   auto [dhm, dscores] = attn_backward_impl(grad_out, grad_weights, q, k, v, out, lse, attn_mask,
                                            key_padding_mask, head_mask, is_causal, scale,
                                            head_mask_grad, mask_grad, dq, dk, dv);
@@ -534,24 +556,6 @@ void check_writable_in_place(const CeInputs& in, const Tensor& input, const char
                   "(its dims after the class dim flattenable, no expanded dims), got shape ", shape_str(input));
 }
 
-// A large (N, C) output the kernels are about to write for the first time:
-// ask Linux for transparent huge pages on it. Its first touch then costs 512x
-// fewer page faults (on a 1 GB gradient, 4 KB faults cost more than the
-// kernel itself). With THP in "madvise" mode, the default on many
-// distributions, only an madvise gives them; it is advice: where THP is off
-// nothing changes. The memory still belongs to PyTorch's allocator.
-void advise_huge_pages(Tensor& t) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  const uintptr_t bytes = static_cast<uintptr_t>(t.numel()) * t.element_size();
-  if (bytes < 16 * kHuge) return;
-  const uintptr_t base = reinterpret_cast<uintptr_t>(t.mutable_data_ptr());
-  const uintptr_t lo = (base + kHuge - 1) & ~(kHuge - 1), hi = (base + bytes) & ~(kHuge - 1);
-  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
-#else
-  (void)t;
-#endif
-}
 
 // Rows are independent work items. A job too small to pay for waking the
 // pool's threads runs inline (no scratch: the kernels need none).
