@@ -108,8 +108,8 @@ void fill_strides4(int64_t out[4], const Tensor& t) {
   for (int i = 0; i < 4; i++) out[i] = t.stride(i);
 }
 
-// A large output the kernels are about to write for the first time (an (N, C)
-// gradient, attention outputs and gradients):
+// A large output (32 MB or more) the kernels are about to write for the first
+// time (an (N, C) gradient, attention outputs and gradients):
 // ask Linux for transparent huge pages on it. Its first touch then costs 512x
 // fewer page faults (on a 1 GB gradient, 4 KB faults cost more than the
 // kernel itself). With THP in "madvise" mode, the default on many
@@ -119,7 +119,7 @@ void advise_huge_pages(Tensor& t) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHuge = uintptr_t{2} << 20;
   const uintptr_t bytes = static_cast<uintptr_t>(t.numel()) * t.element_size();
-  if (bytes < 2 * kHuge) return;
+  if (bytes < 16 * kHuge) return;
   const uintptr_t base = reinterpret_cast<uintptr_t>(t.mutable_data_ptr());
   const uintptr_t lo = (base + kHuge - 1) & ~(kHuge - 1), hi = (base + bytes) & ~(kHuge - 1);
   if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
