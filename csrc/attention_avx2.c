@@ -143,7 +143,9 @@ const ma_blocks ma_blocks_avx2 = {"avx2", gemm_avx2, exp_sub_sum_avx2, col_max_a
 #define EXP_SUB_SUM exp_sub_sum_avx2
 #define COL_MAX col_max_avx2
 #define EXP_SUB_COL exp_sub_col_avx2
+#define MA_TMPL_SIMD
 #include "attention_tmpl.h"
+#undef MA_TMPL_SIMD
 #include "undef_tmpl.h"
 
 void ma_attn_fwd_avx2(int64_t begin, int64_t end, void *ctx) { attn_fwd_avx2(begin, end, ctx); }

@@ -138,7 +138,9 @@ const ma_blocks ma_blocks_avx512 = {"avx512", gemm_avx512, exp_sub_sum_avx512, c
 #define EXP_SUB_SUM exp_sub_sum_avx512
 #define COL_MAX col_max_avx512
 #define EXP_SUB_COL exp_sub_col_avx512
+#define MA_TMPL_SIMD
 #include "attention_tmpl.h"
+#undef MA_TMPL_SIMD
 #include "undef_tmpl.h"
 
 void ma_attn_fwd_avx512(int64_t begin, int64_t end, void *ctx) { attn_fwd_avx512(begin, end, ctx); }

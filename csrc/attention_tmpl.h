@@ -716,6 +716,7 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
     }
 }
 
+#ifndef MA_TMPL_SIMD /* elementwise: the scalar and float64 instances serve every variant */
 /* After the single pass with C > 1 key chunks, work item (b, h, q-block):
  * dq = scale * sum_c dq_part[c] and dhm_rows = sum_c dhm_part[c], in chunk
  * order. */
@@ -745,3 +746,4 @@ static void FN(attn_bwd_reduce)(int64_t begin, int64_t end, void *vctx) {
         }
     }
 }
+#endif /* MA_TMPL_SIMD */
