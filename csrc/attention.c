@@ -59,6 +59,17 @@ static void exp_sub_col_scalar_f32(float *x, int64_t rows, int64_t n, const floa
         }
 }
 
+/* dst (ncol, nr) = mul * src (nr, ncol)^T, src rows lds apart. */
+static void transpose_scalar_f32(float *dst, const float *src, int64_t lds, int64_t nr, int64_t ncol, float mul) {
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t c = 0; c < ncol; c++) dst[c * nr + r] = mul * src[r * lds + c];
+}
+
+static void transpose_f64(double *dst, const double *src, int64_t lds, int64_t nr, int64_t ncol, double mul) {
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t c = 0; c < ncol; c++) dst[c * nr + r] = mul * src[r * lds + c];
+}
+
 static void gemm_f64(int64_t m, int64_t n, int64_t k, const double *A, int64_t ars, int64_t acs,
                      const double *B, int64_t ldb, double *C, int64_t ldc, int accumulate) {
     for (int64_t i = 0; i < m; i++) {
@@ -96,7 +107,8 @@ static void exp_sub_col_f64(double *x, int64_t rows, int64_t n, const double *m,
         }
 }
 
-const ma_blocks ma_blocks_scalar = {"scalar", gemm_scalar_f32, exp_sub_sum_scalar_f32, col_max_scalar_f32, exp_sub_col_scalar_f32};
+const ma_blocks ma_blocks_scalar = {"scalar", gemm_scalar_f32, exp_sub_sum_scalar_f32, col_max_scalar_f32,
+                                    exp_sub_col_scalar_f32, transpose_scalar_f32};
 
 /* float accumulation, scalar: the reference */
 #define ACC float
@@ -109,6 +121,7 @@ const ma_blocks ma_blocks_scalar = {"scalar", gemm_scalar_f32, exp_sub_sum_scala
 #define EXP_SUB_SUM exp_sub_sum_scalar_f32
 #define COL_MAX col_max_scalar_f32
 #define EXP_SUB_COL exp_sub_col_scalar_f32
+#define TRANSPOSE transpose_scalar_f32
 #include "attention_tmpl.h"
 #include "undef_tmpl.h"
 
@@ -123,6 +136,7 @@ const ma_blocks ma_blocks_scalar = {"scalar", gemm_scalar_f32, exp_sub_sum_scala
 #define EXP_SUB_SUM exp_sub_sum_f64
 #define COL_MAX col_max_f64
 #define EXP_SUB_COL exp_sub_col_f64
+#define TRANSPOSE transpose_f64
 #include "attention_tmpl.h"
 #include "undef_tmpl.h"
 

@@ -131,7 +131,13 @@ static void exp_sub_col_avx2(float *x, int64_t rows, int64_t n, const float *m, 
     }
 }
 
-const ma_blocks ma_blocks_avx2 = {"avx2", gemm_avx2, exp_sub_sum_avx2, col_max_avx2, exp_sub_col_avx2};
+/* dst (ncol, nr) = mul * src (nr, ncol)^T, src rows lds apart (plain loops). */
+static void transpose_avx2(float *dst, const float *src, int64_t lds, int64_t nr, int64_t ncol, float mul) {
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t c = 0; c < ncol; c++) dst[c * nr + r] = mul * src[r * lds + c];
+}
+
+const ma_blocks ma_blocks_avx2 = {"avx2", gemm_avx2, exp_sub_sum_avx2, col_max_avx2, exp_sub_col_avx2, transpose_avx2};
 
 #define ACC float
 #define FN(name) name##_avx2
@@ -143,6 +149,7 @@ const ma_blocks ma_blocks_avx2 = {"avx2", gemm_avx2, exp_sub_sum_avx2, col_max_a
 #define EXP_SUB_SUM exp_sub_sum_avx2
 #define COL_MAX col_max_avx2
 #define EXP_SUB_COL exp_sub_col_avx2
+#define TRANSPOSE transpose_avx2
 #define MA_TMPL_SIMD
 #include "attention_tmpl.h"
 #undef MA_TMPL_SIMD

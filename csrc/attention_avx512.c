@@ -126,7 +126,53 @@ static void exp_sub_col_avx512(float *x, int64_t rows, int64_t n, const float *m
     }
 }
 
-const ma_blocks ma_blocks_avx512 = {"avx512", gemm_avx512, exp_sub_sum_avx512, col_max_avx512, exp_sub_col_avx512};
+/* r[0..15] = the 16 x 16 block whose rows they are, transposed in registers. */
+static inline void transpose16x16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 16; i += 8) {
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xdd);
+        }
+    }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
+    }
+}
+
+/* dst (ncol, nr) = mul * src (nr, ncol)^T, src rows lds apart: 16 x 16 blocks
+ * transposed in registers, masked at the edges. */
+static void transpose_avx512(float *dst, const float *src, int64_t lds, int64_t nr, int64_t ncol, float mul) {
+    const __m512 mv = _mm512_set1_ps(mul);
+    for (int64_t r0 = 0; r0 < nr; r0 += 16) {
+        const int64_t rn = ma_min(16, nr - r0);
+        const __mmask16 rmask = tail_mask(rn);
+        for (int64_t c0 = 0; c0 < ncol; c0 += 16) {
+            const int64_t cn = ma_min(16, ncol - c0);
+            const __mmask16 cmask = tail_mask(cn);
+            __m512 x[16];
+            for (int i = 0; i < 16; i++)
+                x[i] = i < rn ? _mm512_mul_ps(mv, _mm512_maskz_loadu_ps(cmask, src + (r0 + i) * lds + c0))
+                              : _mm512_setzero_ps();
+            transpose16x16(x);
+            for (int j = 0; j < cn; j++) _mm512_mask_storeu_ps(dst + (c0 + j) * nr + r0, rmask, x[j]);
+        }
+    }
+}
+
+const ma_blocks ma_blocks_avx512 = {"avx512", gemm_avx512, exp_sub_sum_avx512, col_max_avx512, exp_sub_col_avx512,
+                                    transpose_avx512};
 
 #define ACC float
 #define FN(name) name##_avx512
@@ -138,6 +184,7 @@ const ma_blocks ma_blocks_avx512 = {"avx512", gemm_avx512, exp_sub_sum_avx512, c
 #define EXP_SUB_SUM exp_sub_sum_avx512
 #define COL_MAX col_max_avx512
 #define EXP_SUB_COL exp_sub_col_avx512
+#define TRANSPOSE transpose_avx512
 #define MA_TMPL_SIMD
 #include "attention_tmpl.h"
 #undef MA_TMPL_SIMD

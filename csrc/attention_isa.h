@@ -16,6 +16,7 @@ typedef struct {
     float (*exp_sub_sum)(float *x, int64_t n, float m);
     void (*col_max)(const float *x, int64_t rows, int64_t n, float *m);
     void (*exp_sub_col)(float *x, int64_t rows, int64_t n, const float *m, float *sum);
+    void (*transpose)(float *dst, const float *src, int64_t lds, int64_t nr, int64_t ncol, float mul);
 } ma_blocks;
 
 extern const ma_blocks ma_blocks_scalar, ma_blocks_avx2, ma_blocks_avx512;

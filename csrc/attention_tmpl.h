@@ -14,6 +14,8 @@
  *       transposed A is free), B and C row-major with leading dims ldb, ldc
  *   EXP_SUB_SUM(x, n, m)          x[c] = exp(x[c] - m); returns the sum (a row)
  *   COL_MAX(x, rows, n, m)        m[r] = max(m[r], x[c*n + r] for c < rows); NaN sticks
+ *   TRANSPOSE(dst, src, lds, nr, ncol, mul)
+ *       dst (ncol, nr) = mul * src (nr, ncol)^T, src rows lds apart
  *   EXP_SUB_COL(x, rows, n, m, sum)
  *       x[c*n + r] = exp(x[c*n + r] - m[r]), sum[r] += it; m[r] = -inf acts as 0
  * exp(-inf) is exactly 0 in every building block: masked keys get exactly
@@ -83,6 +85,10 @@ static void FN(load_tile)(ACC *dst, const void *src, ma_dtype dt, const int64_t 
 /* dst (ncol, nr) = mul * src[b, h, r0 : r0 + nr, 0 : ncol]^T; overwrites. */
 static void FN(load_tile_t)(ACC *dst, const void *src, ma_dtype dt, const int64_t st[4], int64_t b,
                             int64_t h, int64_t r0, int64_t nr, int64_t ncol, ACC mul) {
+    if (FN(is_native)(dt) && st[3] == 1) {
+        TRANSPOSE(dst, (const ACC *)src + b * st[0] + h * st[1] + r0 * st[2], st[2], nr, ncol, mul);
+        return;
+    }
     for (int64_t r = 0; r < nr; r++)
         FN(convert_row)(dst + r, nr, src, dt, b * st[0] + h * st[1] + (r0 + r) * st[2], st[3], ncol, mul);
 }

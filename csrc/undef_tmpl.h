@@ -9,3 +9,4 @@
 #undef EXP_SUB_SUM
 #undef COL_MAX
 #undef EXP_SUB_COL
+#undef TRANSPOSE

@@ -130,6 +130,25 @@ static void test_columns(const ma_blocks *v) {
         }
 }
 
+static void test_transpose(const ma_blocks *v) {
+    static const int64_t sizes[] = {1, 3, 15, 16, 17, 31, 32, 33, 64, 65};
+    const int ns = (int)(sizeof sizes / sizeof sizes[0]);
+    for (int ir = 0; ir < ns; ir++)
+        for (int ic = 0; ic < ns; ic++) {
+            const int64_t nr = sizes[ir], ncol = sizes[ic], lds = ncol + 5;
+            float *src = malloc(sizeof(float) * nr * lds);
+            float *d0 = malloc(sizeof(float) * (ncol * nr + 16)), *d1 = malloc(sizeof(float) * (ncol * nr + 16));
+            for (int64_t x = 0; x < nr * lds; x++) src[x] = frand();
+            for (int64_t x = 0; x < ncol * nr + 16; x++) d0[x] = d1[x] = 7.0f;
+            ma_blocks_scalar.transpose(d0, src, lds, nr, ncol, 0.5f);
+            v->transpose(d1, src, lds, nr, ncol, 0.5f);
+            for (int64_t x = 0; x < ncol * nr + 16; x++)
+                CHECK(d0[x] == d1[x], "%s transpose nr=%ld ncol=%ld at %ld: %g vs %g", v->name, (long)nr,
+                      (long)ncol, (long)x, d1[x], d0[x]);
+            free(src), free(d0), free(d1);
+        }
+}
+
 int main(void) {
     const struct {
         ma_isa isa;
@@ -145,6 +164,7 @@ int main(void) {
         test_gemm(variants[i].blocks);
         test_exp(variants[i].blocks);
         test_columns(variants[i].blocks);
+        test_transpose(variants[i].blocks);
         printf("%-7s %s\n", variants[i].blocks->name, failures == before ? "ok" : "FAILED");
     }
     return failures ? 1 : 0;
