@@ -10,7 +10,6 @@ reduced as F.cross_entropy reduces ('mean': over the summed weight of the
 kept rows, or the number of rows with probability targets).
 """
 import itertools
-import os
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ import torch.nn.functional as F
 from torch.autograd import gradcheck
 
 import torch_masked_attn as tma
-from conftest import assert_close64, assert_close_ref
+from conftest import assert_close64, assert_close_ref, isa_available, run_isa
 
 tmaF = tma.functional
 ops = torch.ops.masked_attn
@@ -49,26 +48,6 @@ def ref_cross_entropy(x, t, weight=None, ignore_index=-100, reduction="mean", la
         divisor = torch.where(kept, weight[t.clamp(0, x.shape[cdim] - 1)], 0).sum()
     return ce.sum() / divisor
 
-
-def run_isa(isa, fn):
-    old = os.environ.get("MASKED_ATTN_ISA")
-    os.environ["MASKED_ATTN_ISA"] = isa
-    try:
-        return fn()
-    finally:
-        if old is None:
-            del os.environ["MASKED_ATTN_ISA"]
-        else:
-            os.environ["MASKED_ATTN_ISA"] = old
-
-
-def available(isa):
-    try:
-        run_isa(isa, lambda: tmaF.cross_entropy(torch.randn(2, 3), torch.tensor([0, 1])))
-        return True
-    except RuntimeError as e:
-        assert "does not support" in str(e)
-        return False
 
 
 def _grads(fn, x, t, upstream, dtype, **kw):
@@ -288,7 +267,7 @@ def test_opcheck_options(dtype):
 @pytest.mark.parametrize("isa", VARIANTS)
 @pytest.mark.parametrize("dtype", (torch.float64, torch.float32, torch.bfloat16), ids=str)
 def test_backward_inplace_and_chunk_match_the_ops(dtype, isa):
-    if not available(isa):
+    if not isa_available(isa):
         pytest.skip(f"this CPU has no {isa}")
     C = 1000
     x, t = _inputs((40, C), "index", dtype, C)
@@ -328,7 +307,7 @@ SIMD_CASES = [  # (N, C): C around the vector widths (8, 16) and the blocks (32,
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=str)
 @pytest.mark.parametrize("NC", SIMD_CASES, ids=str)
 def test_variant_matches_scalar_and_torch(NC, dtype, isa):
-    if not available(isa):
+    if not isa_available(isa):
         pytest.skip(f"this CPU has no {isa}")
     N, C = NC
     x = (torch.randn(N, C, dtype=torch.float64) * 4).to(dtype)
@@ -352,7 +331,7 @@ def test_variant_matches_scalar_and_torch(NC, dtype, isa):
 def test_variant_special_values(isa):
     """-inf logits, a fully -inf row, NaN and +inf: the same NaN pattern and
     values as PyTorch, and ignored rows with NaN never leak."""
-    if not available(isa):
+    if not isa_available(isa):
         pytest.skip(f"this CPU has no {isa}")
     C = 70
     x = torch.randn(6, C, dtype=torch.float64) * 3
@@ -384,7 +363,7 @@ def test_variant_special_values(isa):
 def test_variant_large_vocabulary_accuracy(isa):
     """128k classes and logits offset by 1e3: the float32 lanes carried in
     double keep the loss as accurate as PyTorch's."""
-    if not available(isa):
+    if not isa_available(isa):
         pytest.skip(f"this CPU has no {isa}")
     x = torch.randn(4, 128256, dtype=torch.float64) * 2 + 1000
     t = torch.randint(0, 128256, (4,))
@@ -393,7 +372,7 @@ def test_variant_large_vocabulary_accuracy(isa):
 
 @pytest.mark.parametrize("isa", VARIANTS)
 def test_variant_deterministic_across_thread_counts(isa):
-    if not available(isa):
+    if not isa_available(isa):
         pytest.skip(f"this CPU has no {isa}")
     x = torch.randn(300, 2000)
     t = torch.randint(0, 2000, (300,))

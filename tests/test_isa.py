@@ -1,37 +1,15 @@
 """Every instruction-set variant the machine has, forced with MASKED_ATTN_ISA,
 against the scalar reference kernel and against PyTorch, on shapes that hit
 every tile edge; and bitwise determinism across thread counts."""
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import torch_masked_attn as tma
+from conftest import isa_available, run_isa
 
 VARIANTS = ["scalar", "avx2", "avx512"]
-
-
-def run(isa, fn):
-    old = os.environ.get("MASKED_ATTN_ISA")
-    os.environ["MASKED_ATTN_ISA"] = isa
-    try:
-        return fn()
-    finally:
-        if old is None:
-            del os.environ["MASKED_ATTN_ISA"]
-        else:
-            os.environ["MASKED_ATTN_ISA"] = old
-
-
-def available(isa):
-    q = torch.randn(1, 1, 1, 1)
-    try:
-        run(isa, lambda: tma.functional.masked_attention(q, q, q))
-        return True
-    except RuntimeError as e:
-        assert "does not support" in str(e)
-        return False
 
 
 def fwd_bwd(q, k, v, g, **kw):
@@ -56,7 +34,7 @@ SHAPES = [
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("masks", ["none", "causal+kpm", "float+head"])
 def test_variant_matches_scalar_and_torch(isa, shape, masks):
-    if not available(isa):
+    if not isa_available(isa):
         pytest.skip(f"this CPU has no {isa}")
     torch.manual_seed(0)
     B, H, Hkv, Lq, Lk, D, Dv = shape
@@ -69,8 +47,8 @@ def test_variant_matches_scalar_and_torch(isa, shape, masks):
         kw = dict(is_causal=True, key_padding_mask=kpm)
     elif masks == "float+head":
         kw = dict(attn_mask=torch.randn(Lq, Lk), head_mask=torch.rand(H))
-    ref = run("scalar", lambda: fwd_bwd(q, k, v, g, **kw))
-    got = run(isa, lambda: fwd_bwd(q, k, v, g, **kw))
+    ref = run_isa("scalar", lambda: fwd_bwd(q, k, v, g, **kw))
+    got = run_isa(isa, lambda: fwd_bwd(q, k, v, g, **kw))
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5, msg=f"{isa} vs scalar: {name}")
     # and against PyTorch's own attention, in float64
@@ -90,24 +68,24 @@ def test_variant_matches_scalar_and_torch(isa, shape, masks):
 @pytest.mark.parametrize("isa", VARIANTS)
 def test_exp_edges(isa):
     """-inf scores give exactly 0 probability, NaN propagates, huge logits stay finite."""
-    if not available(isa):
+    if not isa_available(isa):
         pytest.skip(f"this CPU has no {isa}")
     q = torch.randn(1, 1, 40, 8) * 100.0                       # logits ~ 1e4
     k, v = torch.randn(1, 1, 40, 8) * 100.0, torch.randn(1, 1, 40, 8)
     mask = torch.zeros(40, 40)
     mask[:, 20:] = float("-inf")
-    out = run(isa, lambda: tma.functional.masked_attention(q, k, v, attn_mask=mask))
+    out = run_isa(isa, lambda: tma.functional.masked_attention(q, k, v, attn_mask=mask))
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask.double())
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
     # changing masked keys' values changes nothing, bitwise
     v2 = v.clone()
     v2[:, :, 20:] = 1e30
-    out2 = run(isa, lambda: tma.functional.masked_attention(q, k, v2, attn_mask=mask))
+    out2 = run_isa(isa, lambda: tma.functional.masked_attention(q, k, v2, attn_mask=mask))
     assert torch.equal(out, out2)
     qn = q.clone()
     qn[0, 0, 3, 0] = float("nan")
-    outn = run(isa, lambda: tma.functional.masked_attention(qn, k, v, attn_mask=mask))
+    outn = run_isa(isa, lambda: tma.functional.masked_attention(qn, k, v, attn_mask=mask))
     assert torch.isnan(outn[0, 0, 3]).all() and not torch.isnan(outn[0, 0, 4]).any()
 
 
@@ -115,7 +93,7 @@ def test_exp_edges(isa):
 @pytest.mark.parametrize("shape", [(1, 1, 1, 300, 300, 64, 64), (3, 4, 2, 130, 70, 32, 16),
                                    (4, 8, 4, 100, 130, 32, 16)], ids=str)
 def test_deterministic_across_thread_counts(isa, shape):
-    if not available(isa):
+    if not isa_available(isa):
         pytest.skip(f"this CPU has no {isa}")
     torch.manual_seed(1)
     B, H, Hkv, Lq, Lk, D, Dv = shape
@@ -128,7 +106,7 @@ def test_deterministic_across_thread_counts(isa, shape):
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            results.append(run(isa, lambda: fwd_bwd(q, k, v, g, is_causal=True, key_padding_mask=kpm)))
+            results.append(run_isa(isa, lambda: fwd_bwd(q, k, v, g, is_causal=True, key_padding_mask=kpm)))
     finally:
         torch.set_num_threads(threads)
     for a, b in zip(*results):
@@ -160,7 +138,7 @@ def test_single_pass_backward_gradcheck(masks):
 def test_converted_inputs(isa, dtype, shape):
     """Inputs the kernels cannot read in place (reduced precision, last-dim
     stride 2) go through the per-thread head caches; both backward paths."""
-    if not available(isa):
+    if not isa_available(isa):
         pytest.skip(f"this CPU has no {isa}")
     torch.manual_seed(4)
     B, H, Hkv, Lq, Lk, D = shape
@@ -172,7 +150,7 @@ def test_converted_inputs(isa, dtype, shape):
     g = torch.randn(B, H, Lq, D).to(dtype)
     kpm = torch.zeros(B, Lk, dtype=torch.bool)
     kpm[0, Lk // 3:] = True
-    got = run(isa, lambda: fwd_bwd(q, k, v, g, is_causal=True, key_padding_mask=kpm))
+    got = run_isa(isa, lambda: fwd_bwd(q, k, v, g, is_causal=True, key_padding_mask=kpm))
     ref = fwd_bwd(q.float().contiguous(), k.float().contiguous(), v.float().contiguous(), g.float(),
                   is_causal=True, key_padding_mask=kpm)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
