@@ -14,24 +14,7 @@
 #include "attention_isa.h"
 #include "masked_attn.h"
 
-static int failures = 0;
-
-#define CHECK(cond, ...)                                    \
-    do {                                                    \
-        if (!(cond)) {                                      \
-            if (failures++ < 20) {                          \
-                fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-                fprintf(stderr, __VA_ARGS__);               \
-                fprintf(stderr, "\n");                      \
-            }                                               \
-        }                                                   \
-    } while (0)
-
-static unsigned rng = 12345u;
-static float frand(void) { /* uniform in [-1, 1) */
-    rng = rng * 1664525u + 1013904223u;
-    return (float)(rng >> 8) / (float)(1u << 23) - 1.0f;
-}
+#include "harness.h"
 
 static int close_enough(float a, float b, float rtol, float atol) {
     if (isnan(a) || isnan(b)) return isnan(a) && isnan(b);

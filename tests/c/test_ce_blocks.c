@@ -6,7 +6,7 @@
  * values the kernels must handle (-inf logits, fully -inf rows, NaN, +inf,
  * large offsets), and in place (dx == x). Exit status 0 = all passed.
  *
- *   built and run by tests/test_c_harness_ce.py (make test)
+ *   built and run by tests/test_c_harness.py (make test)
  */
 #include <math.h>
 #include <stdio.h>
@@ -17,24 +17,7 @@
 #include "dtype.h"
 #include "masked_attn.h"
 
-static int failures = 0;
-
-#define CHECK(cond, ...)                                             \
-    do {                                                             \
-        if (!(cond)) {                                               \
-            if (failures++ < 30) {                                   \
-                fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-                fprintf(stderr, __VA_ARGS__);                        \
-                fprintf(stderr, "\n");                               \
-            }                                                        \
-        }                                                            \
-    } while (0)
-
-static unsigned rng = 2024u;
-static float frand(void) { /* uniform in [-1, 1) */
-    rng = rng * 1664525u + 1013904223u;
-    return (float)(rng >> 8) / (float)(1u << 23) - 1.0f;
-}
+#include "harness.h"
 
 static int same_nan(double a, double b) { return isnan(a) == isnan(b); }
 
@@ -189,6 +172,7 @@ static void test_functions(const ma_ce_blocks *v) {
 }
 
 int main(void) {
+    rng = 2024u;
     const struct {
         ma_isa isa;
         const ma_ce_blocks *blocks;
