@@ -230,16 +230,14 @@ static inline ACC FN(finite_or_zero)(ACC x) { return x == -(ACC)INFINITY ? 0 : x
 /* ---- forward ------------------------------------------------------------ */
 
 typedef struct {
-    ACC *qT, *kbuf, *vbuf, *sT, *o, *m, *m_new, *l, *lsum, *lse;
+    ACC *qT, *sT, *o, *m, *m_new, *l, *lsum, *lse;
     ACC *kc, *vc; /* head caches (Lk, D), (Lk, Dv) when K, V need converting */
 } FN(fwd_scratch);
 
 static FN(fwd_scratch) FN(fwd_carve)(void *scratch, int64_t BQ, int64_t BK, int64_t D, int64_t Dv) {
     FN(fwd_scratch) t;
     t.qT = (ACC *)((char *)scratch + MA_CACHE_LINE); /* after the header: (D, BQ) = scale * Q^T */
-    t.kbuf = t.qT + D * BQ;          /* (BK, D)  K converted, when not float */
-    t.vbuf = t.kbuf + BK * D;        /* (BK, Dv) */
-    t.sT = t.vbuf + BK * Dv;         /* (BK, BQ) scores, then probabilities */
+    t.sT = t.qT + D * BQ;            /* (BK, BQ) scores, then probabilities */
     t.o = t.sT + BK * BQ;            /* (BQ, Dv) */
     t.m = t.o + BQ * Dv;             /* (BQ) running max */
     t.m_new = t.m + BQ;              /* (BQ) */
@@ -254,7 +252,7 @@ static FN(fwd_scratch) FN(fwd_carve)(void *scratch, int64_t BQ, int64_t BK, int6
 /* Elements of ACC after the header; caches included when K, V need converting. */
 static inline size_t FN(fwd_scratch_elems)(const ma_attn_fwd_params *p) {
     const int64_t BQ = p->block_q, BK = p->block_k, D = p->D, Dv = p->Dv;
-    return (size_t)(D * BQ + BK * D + BK * Dv + BK * BQ + BQ * Dv + 5 * BQ +
+    return (size_t)(D * BQ + BK * BQ + BQ * Dv + 5 * BQ +
                     (FN(needs_copy)(p->dtype, p->k_stride) ? p->Lk * D : 0) +
                     (FN(needs_copy)(p->dtype, p->v_stride) ? p->Lk * Dv : 0));
 }
@@ -372,9 +370,9 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
 
 typedef struct {
     /* dq pass: transposed tiles (nc, nr) */
-    ACC *qT, *gT, *kbuf, *vbuf, *sT, *dpT, *dq;
+    ACC *qT, *gT, *kbuf, *sT, *dpT, *dq;
     /* dkdv pass: row tiles (nr, nc) */
-    ACC *kT, *vT, *qbuf, *gbuf, *s, *dp, *dk, *dv;
+    ACC *kT, *vT, *gbuf, *s, *dp, *dk, *dv;
     /* per query row */
     ACC *lse, *delta, *dhm, *tmp;
     ACC *extra;
@@ -385,15 +383,13 @@ static FN(bwd_scratch) FN(bwd_carve)(void *scratch, int64_t BQ, int64_t BK, int6
     ACC *x = (ACC *)((char *)scratch + MA_CACHE_LINE); /* after the header */
     t.qT = x;   x += D * BQ;   /* (D, BQ) scale * Q^T */
     t.gT = x;   x += Dv * BQ;  /* (Dv, BQ) dO^T */
-    t.kbuf = x; x += BK * D;   /* (BK, D) */
-    t.vbuf = x; x += BK * Dv;  /* (BK, Dv) */
+    t.kbuf = x; x += BK * D;   /* (BK, D) K rows converted, when not float */
     t.sT = x;   x += BK * BQ;  /* (BK, BQ) */
     t.dpT = x;  x += BK * BQ;  /* (BK, BQ) */
     t.dq = x;   x += BQ * D;   /* (BQ, D) */
     t.kT = x;   x += D * BK;   /* (D, BK) scale * K^T */
     t.vT = x;   x += Dv * BK;  /* (Dv, BK) */
-    t.qbuf = x; x += BQ * D;   /* (BQ, D) */
-    t.gbuf = x; x += BQ * Dv;  /* (BQ, Dv) */
+    t.gbuf = x; x += BQ * Dv;  /* (BQ, Dv) rows of dO and out, converted */
     t.s = x;    x += BQ * BK;  /* (BQ, BK) */
     t.dp = x;   x += BQ * BK;  /* (BQ, BK) */
     t.dk = x;   x += BK * D;   /* (BK, D) */
@@ -407,7 +403,7 @@ static FN(bwd_scratch) FN(bwd_carve)(void *scratch, int64_t BQ, int64_t BK, int6
 }
 
 static inline size_t FN(bwd_scratch_elems)(int64_t BQ, int64_t BK, int64_t D, int64_t Dv) {
-    return (size_t)(3 * D * BQ + 2 * Dv * BQ + 3 * BK * D + 3 * BK * Dv + 4 * BK * BQ + 4 * BQ);
+    return (size_t)(2 * D * BQ + 2 * Dv * BQ + 3 * BK * D + 2 * BK * Dv + 4 * BK * BQ + 4 * BQ);
 }
 
 /* Elements after the tiles that each backward pass carves from t.extra:
@@ -554,6 +550,29 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
     }
 }
 
+/* One (query block, key block) tile of the row-wise backward, rows i0 .. i0 + nr
+ * of head h against keys j0 .. j0 + nc (kT, vT packed in t):
+ *   P = exp(Q (scale K^T) + bias - lse),  dP = dO V^T (+ dW),  dS = P (hm dP - delta)
+ *   dK += dS^T Q (times scale at the store),  dV += (hm P)^T dO
+ * lse_r and delta_r are the tile's rows (lse with -inf already 0); dhm_r gets
+ * the head mask's row sums when not NULL. Leaves dS in t->dp for the caller. */
+static void FN(bwd_key_tile)(const FN(bwd_scratch) *t, const ma_attn_bwd_params *p, int64_t b,
+                             int64_t h, ACC hm, int64_t i0, int64_t nr, int64_t j0, int64_t nc,
+                             const ACC *q_i, int64_t ldq, const ACC *g_i, int64_t ldg,
+                             const ACC *lse_r, const ACC *delta_r, ACC *dhm_r) {
+    const int64_t D = p->D, Dv = p->Dv;
+    GEMM(nr, nc, D, q_i, ldq, 1, t->kT, nc, t->s, nc, 0);
+    FN(add_bias)(t->s, nc, 1, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
+    for (int64_t r = 0; r < nr; r++) (void)EXP_SUB_SUM(t->s + r * nc, nc, lse_r[r]);
+    GEMM(nr, nc, Dv, g_i, ldg, 1, t->vT, nc, t->dp, nc, 0);
+    if (p->dweights) FN(add_dweights)(t->dp, nc, 1, p, b, h, i0, nr, j0, nc);
+    FN(dscores)(t->dp, t->s, nc, 1, delta_r, dhm_r, hm, nr, nc);
+    GEMM(nc, D, nr, t->dp, 1, nc, q_i, ldq, t->dk, D, 1);
+    if (hm != 1)
+        for (int64_t x = 0; x < nr * nc; x++) t->s[x] *= hm;
+    GEMM(nc, Dv, nr, t->s, 1, nc, g_i, ldg, t->dv, Dv, 1);
+}
+
 /* Pass 2, work item (b, hkv, k-block): dk and dv of its keys, summed over the
  * G query heads of the group and every query row that can see the block. */
 static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
@@ -593,20 +612,8 @@ static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
                     int64_t ldq, ldg;
                     const ACC *q_i = FN(rows_in)(p->q, p->dtype, p->q_stride, b, h, i0, q_bh, D, &ldq);
                     const ACC *g_i = FN(rows_in)(p->dout, p->dtype, p->dout_stride, b, h, i0, g_bh, Dv, &ldg);
-                    /* P = exp(Q (scale K^T) + bias - lse) */
-                    GEMM(nr, nc, D, q_i, ldq, 1, t.kT, nc, t.s, nc, 0);
-                    FN(add_bias)(t.s, nc, 1, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
-                    for (int64_t r = 0; r < nr; r++)
-                        (void)EXP_SUB_SUM(t.s + r * nc, nc, FN(finite_or_zero)(lse_bh[i0 + r]));
-                    /* dP = dO V^T (+ dW);  dS = P (hm dP - delta) */
-                    GEMM(nr, nc, Dv, g_i, ldg, 1, t.vT, nc, t.dp, nc, 0);
-                    if (p->dweights) FN(add_dweights)(t.dp, nc, 1, p, b, h, i0, nr, j0, nc);
-                    FN(dscores)(t.dp, t.s, nc, 1, delta_bh + i0, NULL, hm, nr, nc);
-                    /* dK += dS^T Q (times scale at the store);  dV += (hm P)^T dO */
-                    GEMM(nc, D, nr, t.dp, 1, nc, q_i, ldq, t.dk, D, 1);
-                    if (hm != 1)
-                        for (int64_t x = 0; x < nr * nc; x++) t.s[x] *= hm;
-                    GEMM(nc, Dv, nr, t.s, 1, nc, g_i, ldg, t.dv, Dv, 1);
+                    for (int64_t r = 0; r < nr; r++) t.lse[r] = FN(finite_or_zero)(lse_bh[i0 + r]);
+                    FN(bwd_key_tile)(&t, p, b, h, hm, i0, nr, j0, nc, q_i, ldq, g_i, ldg, t.lse, delta_bh + i0, NULL);
                 }
             }
         }
@@ -687,22 +694,12 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
                         int64_t ldq, ldg;
                         const ACC *q_i = FN(rows_in)(p->q, p->dtype, p->q_stride, b, h, i0, q_bh, D, &ldq);
                         const ACC *g_i = FN(rows_in)(p->dout, p->dtype, p->dout_stride, b, h, i0, g_bh, Dv, &ldg);
-                        /* P = exp(Q (scale K^T) + bias - lse) */
-                        GEMM(nr, nc, D, q_i, ldq, 1, t.kT, nc, t.s, nc, 0);
-                        FN(add_bias)(t.s, nc, 1, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
-                        for (int64_t r = 0; r < nr; r++)
-                            (void)EXP_SUB_SUM(t.s + r * nc, nc, lse_all[g * Lq + i0 + r]);
-                        /* dP = dO V^T;  dS = P (hm dP - delta) */
-                        GEMM(nr, nc, Dv, g_i, ldg, 1, t.vT, nc, t.dp, nc, 0);
-                        FN(dscores)(t.dp, t.s, nc, 1, delta_all + g * Lq + i0,
-                                    p->dhm_rows ? dhm_all + g * Lq + i0 : NULL, hm, nr, nc);
+                        FN(bwd_key_tile)(&t, p, b, h, hm, i0, nr, j0, nc, q_i, ldq, g_i, ldg,
+                                         lse_all + g * Lq + i0, delta_all + g * Lq + i0,
+                                         p->dhm_rows ? dhm_all + g * Lq + i0 : NULL);
                         if (p->dscores) FN(store_dscores)(p, t.dp, nc, 1, b, h, i0, nr, j0, nc);
-                        /* dK += dS^T Q;  dQ += dS K;  dV += (hm P)^T dO */
-                        GEMM(nc, D, nr, t.dp, 1, nc, q_i, ldq, t.dk, D, 1);
+                        /* dQ += dS K (times scale at the store) */
                         GEMM(nr, D, nc, t.dp, nc, 1, k_j, ldk, dq_acc + (g * Lq + i0) * D, D, 1);
-                        if (hm != 1)
-                            for (int64_t x = 0; x < nr * nc; x++) t.s[x] *= hm;
-                        GEMM(nc, Dv, nr, t.s, 1, nc, g_i, ldg, t.dv, Dv, 1);
                     }
                 }
             }
