@@ -214,18 +214,27 @@ def bandwidth_lines(records, bw):
     return lines
 
 
-def plot(records, path):
-    pts = [r for r in records if r.get("group") == "sweep" and r.get("ratio")]
-    if not pts:
-        return None
+def _pyplot():
+    """(matplotlib, pyplot) on the Agg backend, or None without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        import matplotlib.ticker
+        import matplotlib.ticker  # noqa: F401  (used as matplotlib.ticker)
     except ImportError:
         log("  (matplotlib missing: no plot)")
         return None
+    return matplotlib, plt
+
+
+def plot(records, path):
+    pts = [r for r in records if r.get("group") == "sweep" and r.get("ratio")]
+    if not pts:
+        return None
+    mpl = _pyplot()
+    if mpl is None:
+        return None
+    matplotlib, plt = mpl
     lines = {}
     for r in pts:
         s = r["info"]["sweep"]
@@ -261,14 +270,10 @@ def plot_ce_sweep(records, path):
     pts = [r for r in records if r.get("group") == "ce-sweep" and r.get("ratio")]
     if not pts:
         return None
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError:
-        log("  (matplotlib missing: no plot)")
+    mpl = _pyplot()
+    if mpl is None:
         return None
+    matplotlib, plt = mpl
     lines = {}
     for r in pts:
         s = r["info"]["ce_sweep"]
