@@ -219,15 +219,9 @@ def test_sdpa_fully_masked_rows(kind, dtype):
 
 def test_sdpa_dropout_train():
     q = _rand(B, H, LQ, D)
-    try:
-        out = tmaF.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
-    except NotImplementedError as e:
-        assert "dropout" in str(e).lower()
-        return
-    # If dropout is implemented: dropout_p=0 still matches PyTorch and the
-    # dropped result must differ from the undropped one.
-    assert out.shape == q.shape
-    assert not torch.allclose(out, F.scaled_dot_product_attention(q, q, q))
+    # not implemented yet (a later issue adds Philox dropout): a clear error naming it
+    with pytest.raises(NotImplementedError, match="dropout"):
+        tmaF.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
 
 
 # ---------------------------------------------------------------------------
@@ -471,27 +465,17 @@ def test_masked_attention_head_mask_zero_and_one():
 
 def test_masked_attention_dropout_train():
     q = _rand(B, H, LQ, D)
-    try:
-        out = tmaF.masked_attention(q, q, q, dropout_p=0.25)
-    except NotImplementedError as e:
-        assert "dropout" in str(e).lower()
-        return
-    assert out.shape == q.shape
-    assert not torch.allclose(out, tmaF.masked_attention(q, q, q))
+    with pytest.raises(NotImplementedError, match="dropout"):
+        tmaF.masked_attention(q, q, q, dropout_p=0.25)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_sdpa_causal_with_mask(dtype):
     """PyTorch's math path rejects attn_mask together with is_causal (its CPU
-    flash path accepts it); a drop-in may either reject it or apply both masks
-    (torch_masked_attn documents the latter)."""
+    flash path accepts it); torch_masked_attn applies both masks, as documented."""
     q, k, v = _rand(B, H, LQ, D, dtype=dtype), _rand(B, H, LK, D, dtype=dtype), _rand(B, H, LK, D, dtype=dtype)
     m = ~random_blocked((B, 1, LQ, LK))
-    try:
-        out = tmaF.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=True)
-    except (RuntimeError, ValueError) as e:
-        assert "causal" in str(e) or "attn_mask" in str(e)
-        return
+    out = tmaF.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=True)
     ref = ref_attention(q, k, v, allowed_to_additive(m), is_causal=True)
     tol = 1e-10 if dtype == torch.float64 else 1e-5
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
@@ -614,15 +598,11 @@ def test_need_weights_partial_loss(use):
 
 
 def test_mask_requires_grad():
-    """A float attn_mask that requires grad (learned position bias): either the
-    gradient matches PyTorch's, or a NotImplementedError names attn_mask."""
+    """A float attn_mask that requires grad (learned position bias): the
+    gradient matches PyTorch's."""
     q, k, v = _rand(B, H, LQ, D), _rand(B, H, LK, D), _rand(B, H, LK, D)
     m = torch.randn(1, H, LQ, LK, requires_grad=True)
-    try:
-        out = tmaF.scaled_dot_product_attention(q, k, v, attn_mask=m)
-    except NotImplementedError as e:
-        assert "attn_mask" in str(e)
-        return
+    out = tmaF.scaled_dot_product_attention(q, k, v, attn_mask=m)
     out.sum().backward()
     m2 = m.detach().clone().requires_grad_()
     F.scaled_dot_product_attention(q, k, v, attn_mask=m2).sum().backward()
@@ -631,16 +611,11 @@ def test_mask_requires_grad():
 
 @pytest.mark.parametrize("mask_dtype", [torch.float16, torch.float64])
 def test_masked_attention_mask_dtype_differs(mask_dtype):
-    """A floating mask of another dtype than q: applied by value, or rejected
-    with a message naming the mask."""
+    """A floating mask of another dtype than q is applied by value."""
     q, k, v = _rand(B, H, LQ, D), _rand(B, H, LK, D), _rand(B, H, LK, D)
     am = random_additive((LQ, LK), dtype=torch.float64).to(mask_dtype)
     kpm = random_additive((B, LK), dtype=torch.float64).to(mask_dtype)
-    try:
-        out = tmaF.masked_attention(q, k, v, attn_mask=am, key_padding_mask=kpm)
-    except (RuntimeError, ValueError, TypeError) as e:
-        assert "mask" in str(e)
-        return
+    out = tmaF.masked_attention(q, k, v, attn_mask=am, key_padding_mask=kpm)
     ref = ref_attention(q, k, v, am.double() + kpm.double().view(B, 1, 1, LK))
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
