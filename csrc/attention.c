@@ -6,6 +6,7 @@
  * accumulation (float64 inputs). The public task functions below are the one
  * place where the variant is chosen.
  */
+#define _GNU_SOURCE /* syscall() */
 #include <math.h>
 
 #include "dtype.h"
@@ -142,6 +143,20 @@ const ma_blocks ma_blocks_scalar = {"scalar", gemm_scalar_f32, exp_sub_sum_scala
 
 /* ---- the one place where the variant is chosen ---------------------------- */
 
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+/* Linux hands out the AMX tile data state (8 KB per thread) only on request:
+ * ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, once per process. */
+static int amx_permitted(void) {
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return state;
+}
+#else
+static int amx_permitted(void) { return 0; }
+#endif
+
 int ma_isa_available(ma_isa isa) {
     switch (isa) {
     case MA_ISA_SCALAR: return 1;
@@ -150,12 +165,16 @@ int ma_isa_available(ma_isa isa) {
     case MA_ISA_AVX512:
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+    case MA_ISA_AMX:
+        return ma_isa_available(MA_ISA_AVX512) && __builtin_cpu_supports("avx512bf16") &&
+               __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && amx_permitted();
 #endif
     default: return 0;
     }
 }
 
 ma_isa ma_isa_best(void) {
+    if (ma_isa_available(MA_ISA_AMX)) return MA_ISA_AMX;
     if (ma_isa_available(MA_ISA_AVX512)) return MA_ISA_AVX512;
     if (ma_isa_available(MA_ISA_AVX2)) return MA_ISA_AVX2;
     return MA_ISA_SCALAR;
@@ -164,6 +183,7 @@ ma_isa ma_isa_best(void) {
 #define DISPATCH(P, NAME, begin, end, ctx)                                               \
     do {                                                                                 \
         if ((P)->dtype == MA_F64) NAME##_f64(begin, end, ctx);                           \
+        else if ((P)->isa == MA_ISA_AMX) ma_##NAME##_amx(begin, end, ctx);               \
         else if ((P)->isa == MA_ISA_AVX512) ma_##NAME##_avx512(begin, end, ctx);         \
         else if ((P)->isa == MA_ISA_AVX2) ma_##NAME##_avx2(begin, end, ctx);             \
         else NAME##_scalar(begin, end, ctx);                                             \
@@ -176,7 +196,12 @@ int64_t ma_attn_fwd_work_items(const ma_attn_fwd_params *p) {
 size_t ma_attn_fwd_scratch_bytes(const ma_attn_fwd_params *p) {
     const size_t n = p->dtype == MA_F64 ? fwd_scratch_elems_f64(p) * sizeof(double)
                                         : fwd_scratch_elems_scalar(p) * sizeof(float);
-    return ma_round_up(MA_CACHE_LINE + n, MA_CACHE_LINE);
+    const size_t generic = ma_round_up(MA_CACHE_LINE + n, MA_CACHE_LINE);
+    if (p->dtype != MA_F64 && p->isa == MA_ISA_AMX) {
+        const size_t amx = ma_attn_fwd_scratch_bytes_amx(p);
+        return amx > generic ? amx : generic;
+    }
+    return generic;
 }
 
 void ma_attn_fwd_task(int64_t begin, int64_t end, void *ctx) {
@@ -199,7 +224,12 @@ size_t ma_attn_bwd_scratch_bytes(const ma_attn_bwd_params *p) {
                             bwd_extra_elems_f64(p, single)) * sizeof(double)
                          : (bwd_scratch_elems_scalar(p->block_q, p->block_k, p->D, p->Dv) +
                             bwd_extra_elems_scalar(p, single)) * sizeof(float);
-    return ma_round_up(MA_CACHE_LINE + n, MA_CACHE_LINE);
+    const size_t generic = ma_round_up(MA_CACHE_LINE + n, MA_CACHE_LINE);
+    if (p->dtype != MA_F64 && p->isa == MA_ISA_AMX && single) {
+        const size_t amx = ma_attn_bwd_fused_scratch_bytes_amx(p);
+        return amx > generic ? amx : generic;
+    }
+    return generic;
 }
 
 void ma_attn_bwd_dq_task(int64_t begin, int64_t end, void *ctx) {

@@ -4,7 +4,10 @@
 #ifndef MA_ATTENTION_ISA_H
 #define MA_ATTENTION_ISA_H
 
+#include <stddef.h>
 #include <stdint.h>
+
+#include "masked_attn.h"
 
 /* The float building blocks of one instruction set (see attention_tmpl.h),
  * exported so that the C harness (tests/c/test_blocks.c) can check every
@@ -20,6 +23,7 @@ typedef struct {
 } ma_blocks;
 
 extern const ma_blocks ma_blocks_scalar, ma_blocks_avx2, ma_blocks_avx512;
+extern const ma_blocks ma_blocks_amx2, ma_blocks_amx3; /* GEMM only: 3 and 6 bf16 products */
 
 void ma_attn_fwd_avx2(int64_t begin, int64_t end, void *ctx);
 void ma_attn_bwd_dq_avx2(int64_t begin, int64_t end, void *ctx);
@@ -30,5 +34,12 @@ void ma_attn_fwd_avx512(int64_t begin, int64_t end, void *ctx);
 void ma_attn_bwd_dq_avx512(int64_t begin, int64_t end, void *ctx);
 void ma_attn_bwd_dkdv_avx512(int64_t begin, int64_t end, void *ctx);
 void ma_attn_bwd_fused_avx512(int64_t begin, int64_t end, void *ctx);
+
+void ma_attn_fwd_amx(int64_t begin, int64_t end, void *ctx);
+void ma_attn_bwd_dq_amx(int64_t begin, int64_t end, void *ctx);
+void ma_attn_bwd_dkdv_amx(int64_t begin, int64_t end, void *ctx);
+void ma_attn_bwd_fused_amx(int64_t begin, int64_t end, void *ctx);
+size_t ma_attn_fwd_scratch_bytes_amx(const ma_attn_fwd_params *p);
+size_t ma_attn_bwd_fused_scratch_bytes_amx(const ma_attn_bwd_params *p);
 
 #endif

@@ -108,7 +108,7 @@ const ma_ce_blocks ma_ce_blocks_scalar = {"scalar", row_stats_scalar, row_grad_s
 void ma_ce_fwd_task(int64_t begin, int64_t end, void *ctx) {
     const ma_ce_fwd_params *p = (const ma_ce_fwd_params *)((const ma_task_ctx *)ctx)->params;
     if (p->a.dtype == MA_F64) ce_fwd_f64(begin, end, ctx);
-    else if (p->a.isa == MA_ISA_AVX512) ma_ce_fwd_avx512(begin, end, ctx);
+    else if (p->a.isa == MA_ISA_AVX512 || p->a.isa == MA_ISA_AMX) ma_ce_fwd_avx512(begin, end, ctx);
     else if (p->a.isa == MA_ISA_AVX2) ma_ce_fwd_avx2(begin, end, ctx);
     else ce_fwd_scalar(begin, end, ctx);
 }
@@ -116,7 +116,7 @@ void ma_ce_fwd_task(int64_t begin, int64_t end, void *ctx) {
 void ma_ce_bwd_task(int64_t begin, int64_t end, void *ctx) {
     const ma_ce_bwd_params *p = (const ma_ce_bwd_params *)((const ma_task_ctx *)ctx)->params;
     if (p->a.dtype == MA_F64) ce_bwd_f64(begin, end, ctx);
-    else if (p->a.isa == MA_ISA_AVX512) ma_ce_bwd_avx512(begin, end, ctx);
+    else if (p->a.isa == MA_ISA_AVX512 || p->a.isa == MA_ISA_AMX) ma_ce_bwd_avx512(begin, end, ctx);
     else if (p->a.isa == MA_ISA_AVX2) ma_ce_bwd_avx2(begin, end, ctx);
     else ce_bwd_scalar(begin, end, ctx);
 }

@@ -35,12 +35,13 @@ typedef enum {
 } ma_dtype;
 
 /* Instruction-set variants of the float32-accumulating kernels. The shim
- * picks one per call: MASKED_ATTN_ISA=scalar|avx2|avx512 if set, else the
+ * picks one per call: MASKED_ATTN_ISA=scalar|avx2|avx512|amx if set, else the
  * best the CPU has (ma_isa_best). float64 always runs the scalar kernels. */
 typedef enum {
     MA_ISA_SCALAR = 0,
     MA_ISA_AVX2 = 1,   /* AVX2 + FMA */
     MA_ISA_AVX512 = 2, /* AVX-512 F, BW, DQ, VL */
+    MA_ISA_AMX = 3,    /* AVX-512 + AVX512-BF16 + AMX-BF16 tiles for the matrix products */
 } ma_isa;
 
 int ma_isa_available(ma_isa isa); /* compiled in and supported by this CPU */

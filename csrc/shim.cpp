@@ -222,9 +222,10 @@ ma_isa select_isa() {
   if (s == "scalar") isa = MA_ISA_SCALAR;
   else if (s == "avx2") isa = MA_ISA_AVX2;
   else if (s == "avx512") isa = MA_ISA_AVX512;
+  else if (s == "amx") isa = MA_ISA_AMX;
   else
     STD_TORCH_CHECK(false, "masked_attn: MASKED_ATTN_ISA='", s,
-                    "' is not a kernel variant; expected scalar, avx2 or avx512 (amx: not built yet)");
+                    "' is not a kernel variant; expected scalar, avx2, avx512 or amx");
   STD_TORCH_CHECK(ma_isa_available(isa), "masked_attn: MASKED_ATTN_ISA='", s,
                   "': this CPU does not support it");
   return isa;

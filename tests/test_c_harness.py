@@ -1,8 +1,8 @@
 """Builds and runs the C harnesses: every SIMD variant of the kernels'
 building blocks against the scalar reference, in C.
 
-  tests/c/test_blocks.c     attention: GEMM edges, exp accuracy and special
-                            values, column max/exp, transpose
+  tests/c/test_blocks.c     attention: GEMM edges (AMX tiles included), exp
+                            accuracy and special values, column max/exp, transpose
   tests/c/test_ce_blocks.c  cross-entropy row blocks
 """
 import os
@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from setup import C_FLAGS, isa_flags  # noqa: E402  (the build's own flags)
 
-ATTENTION = ("attention.c", "attention_avx2.c", "attention_avx512.c")  # also ma_isa_available
+ATTENTION = ("attention.c", "attention_avx2.c", "attention_avx512.c", "attention_amx.c")  # also ma_isa_available
 CROSS_ENTROPY = ("cross_entropy.c", "cross_entropy_avx2.c", "cross_entropy_avx512.c")
 
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import torch_masked_attn as tma
 from conftest import isa_available, run_isa
 
-VARIANTS = ["scalar", "avx2", "avx512"]
+VARIANTS = ["scalar", "avx2", "avx512", "amx"]
 
 
 def fwd_bwd(q, k, v, g, **kw):
@@ -30,7 +30,7 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "amx"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("masks", ["none", "causal+kpm", "float+head"])
 def test_variant_matches_scalar_and_torch(isa, shape, masks):
