@@ -112,32 +112,49 @@ static inline __m512i interleave_idx(void) {
  * A packed operand holds the tiles of a matrix, part after part:
  *   A operand (m, k): tile (mt, kt) = rows 16 mt.., k 32 kt.. (16 x 32 bf16)
  *   B operand (k, n): tile (nt, kt) = k pairs 16 kt.., columns 16 nt.. (VNNI)
- * at p + i * part_stride + (outer * nkt + kt) * AMX_TILE, outer = mt or nt.
- * Elements beyond m, n, k within the last tiles are zero. A view starts at a
- * later tile (rows r0 of A, r0 a multiple of 16; k0 of B or A, a multiple of
- * 32) and keeps the strides. */
+ * at p + i * part_stride + outer * os + kt * ks, outer = mt or nt: row-major
+ * (os = nkt tiles, ks = 1 tile) for views that move along the outer index,
+ * k-major (os = 1 tile, ks = nouter tiles) for views that move along k, so
+ * that the tiles one product reads are contiguous either way. Elements beyond
+ * m, n, k within the last tiles are zero. A view starts at a later tile (rows
+ * r0 of A, r0 a multiple of 16; k0 of B or A, a multiple of 32) and keeps the
+ * strides. */
 typedef struct {
-    const uint16_t *p;
-    int64_t part_stride, nkt;
+    uint16_t *p;
+    int64_t part_stride, os, ks;
     int parts;
 } amx_view;
 
 static inline int64_t amx_a_elems(int64_t m, int64_t k) { return ma_cdiv(m, 16) * ma_cdiv(k, 32) * AMX_TILE; }
 static inline int64_t amx_b_elems(int64_t k, int64_t n) { return ma_cdiv(k, 32) * ma_cdiv(n, 16) * AMX_TILE; }
 
-static inline amx_view amx_rows(amx_view v, int64_t r0) { v.p += (r0 / 16) * v.nkt * AMX_TILE; return v; }
-static inline amx_view amx_krows(amx_view v, int64_t k0) { v.p += (k0 / 32) * AMX_TILE; return v; }
+static inline amx_view amx_rows(amx_view v, int64_t r0) { v.p += (r0 / 16) * v.os; return v; }
+static inline amx_view amx_krows(amx_view v, int64_t k0) { v.p += (k0 / 32) * v.ks; return v; }
+
+/* The layout of a packed matrix with nouter x nkt tiles per part. */
+static inline amx_view amx_layout(uint16_t *p, int64_t nouter, int64_t nkt, int parts, int kmajor) {
+    const amx_view v = {p, nouter * nkt * AMX_TILE, kmajor ? AMX_TILE : nkt * AMX_TILE,
+                        kmajor ? nouter * AMX_TILE : AMX_TILE, parts};
+    return v;
+}
+static inline amx_view amx_a_layout(uint16_t *p, int64_t m, int64_t k, int parts, int kmajor) {
+    return amx_layout(p, ma_cdiv(m, 16), ma_cdiv(k, 32), parts, kmajor);
+}
+static inline amx_view amx_b_layout(uint16_t *p, int64_t k, int64_t n, int parts, int kmajor) {
+    return amx_layout(p, ma_cdiv(n, 16), ma_cdiv(k, 32), parts, kmajor);
+}
 
 /* Pack A (m, k), A[i, p] = A[i*ars + p*acs] with acs == 1 (rows) or ars == 1
- * (transposed), as tiles (mt, kt), mt < ceil(m/16), kt < ceil(k/32), into dst
- * (strides part_stride, nkt); overwrites. */
-static void amx_pack_a(uint16_t *dst, int64_t part_stride, int64_t nkt, int parts, const float *A, int64_t ars,
-                       int64_t acs, int64_t m, int64_t k) {
+ * (transposed), as tiles (mt, kt), mt < ceil(m/16), kt < ceil(k/32), in
+ * dst.parts parts into the view dst; overwrites. */
+static void amx_pack_a(amx_view dst, const float *A, int64_t ars, int64_t acs, int64_t m, int64_t k) {
+    const int parts = dst.parts;
+    const int64_t part_stride = dst.part_stride;
     const __m512i ileave = interleave_idx();
     for (int64_t mt = 0; mt < ma_cdiv(m, 16); mt++)
         for (int64_t kt = 0; kt < ma_cdiv(k, 32); kt++) {
             const int64_t i0 = mt * 16, p0 = kt * 32;
-            uint16_t *tile = dst + (mt * nkt + kt) * AMX_TILE;
+            uint16_t *tile = dst.p + mt * dst.os + kt * dst.ks;
             __m512i part[AMX_PARTS];
             if (acs == 1) { /* a tile row is 32 consecutive floats of a row */
                 const __mmask16 k0 = tail_mask(k - p0), k1 = tail_mask(k - p0 - 16);
@@ -168,14 +185,15 @@ static void amx_pack_a(uint16_t *dst, int64_t part_stride, int64_t nkt, int part
         }
 }
 
-/* Pack B (k, n), rows ldb apart, as tiles (nt, kt) into dst; overwrites. */
-static void amx_pack_b(uint16_t *dst, int64_t part_stride, int64_t nkt, int parts, const float *B, int64_t ldb,
-                       int64_t k, int64_t n) {
+/* Pack B (k, n), rows ldb apart, as tiles (nt, kt) into the view dst; overwrites. */
+static void amx_pack_b(amx_view dst, const float *B, int64_t ldb, int64_t k, int64_t n) {
+    const int parts = dst.parts;
+    const int64_t part_stride = dst.part_stride;
     const __m512i ileave = interleave_idx();
     for (int64_t nt = 0; nt < ma_cdiv(n, 16); nt++) {
         const __mmask16 nm = tail_mask(n - nt * 16);
         for (int64_t kt = 0; kt < ma_cdiv(k, 32); kt++) {
-            uint16_t *tile = dst + (nt * nkt + kt) * AMX_TILE;
+            uint16_t *tile = dst.p + nt * dst.os + kt * dst.ks;
             for (int q = 0; q < 16; q++) {
                 const int64_t p = kt * 32 + 2 * q;
                 __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();
@@ -226,12 +244,12 @@ static inline __attribute__((always_inline)) void amx_block(const int MT, const 
     for (int64_t kt = 0; kt < nkt; kt++)
         for (int i = 0; i < a.parts; i++)
             for (int j = 0; j < b.parts && i + j < terms; j++) {
-                const uint16_t *a0 = a.p + i * a.part_stride + (mt * a.nkt + kt) * AMX_TILE;
-                const uint16_t *b0 = b.p + j * b.part_stride + (nt * b.nkt + kt) * AMX_TILE;
+                const uint16_t *a0 = a.p + i * a.part_stride + mt * a.os + kt * a.ks;
+                const uint16_t *b0 = b.p + j * b.part_stride + nt * b.os + kt * b.ks;
                 _tile_loadd(4, a0, 64);
                 _tile_loadd(6, b0, 64);
-                if (MT == 2) _tile_loadd(5, a0 + a.nkt * AMX_TILE, 64);
-                if (NT == 2) _tile_loadd(7, b0 + b.nkt * AMX_TILE, 64);
+                if (MT == 2) _tile_loadd(5, a0 + a.os, 64);
+                if (NT == 2) _tile_loadd(7, b0 + b.os, 64);
                 _tile_dpbf16ps(0, 4, 6);
                 if (NT == 2) _tile_dpbf16ps(1, 4, 7);
                 if (MT == 2) _tile_dpbf16ps(2, 5, 6);
@@ -294,12 +312,12 @@ static void amx_gemm_kclip(int64_t m, int64_t n, int64_t k, amx_view a, amx_view
     const amx_view ak = amx_krows(a, kfull);
     for (int i = 0; i < a.parts; i++)
         for (int64_t mt = 0; mt < nmt; mt++) {
-            const uint16_t *src = ak.p + i * a.part_stride + mt * a.nkt * AMX_TILE;
+            const uint16_t *src = ak.p + i * a.part_stride + mt * a.os;
             uint16_t *dst = buf + (i * nmt + mt) * AMX_TILE;
             for (int r = 0; r < 16; r++)
                 _mm512_storeu_si512(dst + r * 32, _mm512_maskz_mov_epi16(keep, _mm512_loadu_si512(src + r * 32)));
         }
-    const amx_view at = {buf, nmt * AMX_TILE, 1, a.parts};
+    const amx_view at = amx_layout(buf, nmt, 1, a.parts, 0);
     amx_gemm(m, n, rem, at, amx_krows(b, kfull), C, ldc, accumulate, terms);
 }
 
@@ -322,12 +340,12 @@ static void gemm_amx_terms(int64_t m, int64_t n, int64_t k, const float *A, int6
         const int64_t mc = ma_min(AMX_MC, m - i0);
         for (int64_t p0 = 0; p0 < k; p0 += AMX_KC) {
             const int64_t kc = ma_min(AMX_KC, k - p0);
-            amx_pack_a(ap, amx_a_elems(mc, kc), ma_cdiv(kc, 32), terms, A + i0 * ars + p0 * acs, ars, acs, mc, kc);
-            const amx_view av = {ap, amx_a_elems(mc, kc), ma_cdiv(kc, 32), terms};
+            const amx_view av = amx_a_layout(ap, mc, kc, terms, 0);
+            amx_pack_a(av, A + i0 * ars + p0 * acs, ars, acs, mc, kc);
             for (int64_t j0 = 0; j0 < n; j0 += AMX_NC) {
                 const int64_t nc = ma_min(AMX_NC, n - j0);
-                amx_pack_b(bp, amx_b_elems(kc, nc), ma_cdiv(kc, 32), terms, B + p0 * ldb + j0, ldb, kc, nc);
-                const amx_view bv = {bp, amx_b_elems(kc, nc), ma_cdiv(kc, 32), terms};
+                const amx_view bv = amx_b_layout(bp, kc, nc, terms, 0);
+                amx_pack_b(bv, B + p0 * ldb + j0, ldb, kc, nc);
                 amx_gemm(mc, nc, kc, av, bv, C + i0 * ldc + j0, ldc, accumulate || p0 > 0, terms);
             }
         }
@@ -436,10 +454,9 @@ static void fwd_pack_head(const ma_attn_fwd_params *p, amx_prec pr, const fwd_am
         const int64_t nr = ma_min(BK, Lk - r0);
         int64_t ld;
         const float *k_r = rows_amx(p->k, p->dtype, p->k_stride, b, hk, r0, nr, D, a->rows, &ld);
-        amx_pack_a(a->ka + (r0 / 16) * ma_cdiv(D, 32) * AMX_TILE, amx_a_elems(Lk, D), ma_cdiv(D, 32), pr.in, k_r,
-                   ld, 1, nr, D);
+        amx_pack_a(amx_rows(amx_a_layout(a->ka, Lk, D, pr.in, 0), r0), k_r, ld, 1, nr, D);
         const float *v_r = rows_amx(p->v, p->dtype, p->v_stride, b, hk, r0, nr, Dv, a->rows, &ld);
-        amx_pack_a(a->vta + (r0 / 32) * AMX_TILE, amx_a_elems(Dv, Lk), ma_cdiv(Lk, 32), pr.in, v_r, 1, ld, Dv, nr);
+        amx_pack_a(amx_krows(amx_a_layout(a->vta, Dv, Lk, pr.in, 1), r0), v_r, 1, ld, Dv, nr);
     }
     *tag = key;
 }
@@ -459,10 +476,10 @@ static void attn_fwd_tiles_amx(int64_t begin, int64_t end, void *vctx) {
     fwd_amx_scratch a;
     fwd_amx_bytes(p, &a, (char *)ctx->scratch + fwd_generic_bytes(p));
     ma_scratch_header *hdr = (ma_scratch_header *)ctx->scratch;
-    const amx_view ka = {a.ka, amx_a_elems(Lk, D), ma_cdiv(D, 32), pr.in};
-    const amx_view vta = {a.vta, amx_a_elems(Dv, Lk), ma_cdiv(Lk, 32), pr.in};
-    const amx_view qb = {a.qb, amx_b_elems(D, BQ), ma_cdiv(D, 32), pr.in};
-    const amx_view pb = {a.pb, amx_b_elems(BK, BQ), ma_cdiv(BK, 32), pr.pd};
+    const amx_view ka = amx_a_layout(a.ka, Lk, D, pr.in, 0);
+    const amx_view vta = amx_a_layout(a.vta, Dv, Lk, pr.in, 1);
+    const amx_view qb = amx_b_layout(a.qb, D, BQ, pr.in, 0);
+    const amx_view pb = amx_b_layout(a.pb, BK, BQ, pr.pd, 0);
     float *oT = t.o, *alpha = t.lse;
     amx_configure();
 
@@ -472,7 +489,7 @@ static void attn_fwd_tiles_amx(int64_t begin, int64_t end, void *vctx) {
         const int64_t kv_end = kv_end_amx(p->is_causal, Lk, i0, nr);
         fwd_pack_head(p, pr, &a, &hdr->tag[0], b, hk);
         load_tile_t_amx(t.qT, p->q, p->dtype, p->q_stride, b, h, i0, nr, D, 1);
-        amx_pack_b(a.qb, qb.part_stride, qb.nkt, pr.in, t.qT, nr, D, nr);
+        amx_pack_b(qb, t.qT, nr, D, nr);
         for (int64_t r = 0; r < nr; r++) {
             t.m[r] = -INFINITY;
             t.l[r] = 0;
@@ -507,7 +524,7 @@ static void attn_fwd_tiles_amx(int64_t begin, int64_t end, void *vctx) {
                 for (int64_t d = 0; d < Dv; d++)
                     for (int64_t r = 0; r < nr; r++) oT[d * nr + r] *= alpha[r];
             /* oT += V^T P^T */
-            amx_pack_b(a.pb, pb.part_stride, pb.nkt, pr.pd, t.sT, nr, nc, nr);
+            amx_pack_b(pb, t.sT, nr, nc, nr);
             amx_gemm_kclip(Dv, nr, nc, amx_krows(vta, j0), pb, oT, nr, 1, pr.terms, a.clip);
         }
 
@@ -571,18 +588,17 @@ size_t ma_attn_bwd_fused_scratch_bytes_amx(const ma_attn_bwd_params *p) {
     return bwd_generic_bytes(p) + bwd_amx_bytes(p, NULL, NULL);
 }
 
-/* src[b, h] rows as A (L, ncol) into rows_a and transposed as A (ncol, L) into cols_a. */
-static void bwd_pack_rows(const ma_attn_bwd_params *p, int parts, const void *src, const int64_t st[4],
-                          int64_t b, int64_t h, int64_t L, int64_t ncol, uint16_t *rows_a, uint16_t *cols_a,
-                          float *buf) {
+/* src[b, h] rows as A (L, ncol) into rows_a (row-major) and transposed as
+ * A (ncol, L) into cols_a (k-major). */
+static void bwd_pack_rows(const ma_attn_bwd_params *p, const void *src, const int64_t st[4], int64_t b,
+                          int64_t h, int64_t L, int64_t ncol, amx_view rows_a, amx_view cols_a, float *buf) {
     const int64_t BQ = p->block_q;
     for (int64_t r0 = 0; r0 < L; r0 += BQ) {
         const int64_t nr = ma_min(BQ, L - r0);
         int64_t ld;
         const float *x = rows_amx(src, p->dtype, st, b, h, r0, nr, ncol, buf, &ld);
-        amx_pack_a(rows_a + (r0 / 16) * ma_cdiv(ncol, 32) * AMX_TILE, amx_a_elems(L, ncol), ma_cdiv(ncol, 32), parts,
-                   x, ld, 1, nr, ncol);
-        amx_pack_a(cols_a + (r0 / 32) * AMX_TILE, amx_a_elems(ncol, L), ma_cdiv(L, 32), parts, x, 1, ld, ncol, nr);
+        amx_pack_a(amx_rows(rows_a, r0), x, ld, 1, nr, ncol);
+        amx_pack_a(amx_krows(cols_a, r0), x, 1, ld, ncol, nr);
     }
 }
 
@@ -602,12 +618,12 @@ static void attn_bwd_fused_tiles_amx(int64_t begin, int64_t end, void *vctx) {
     bwd_amx_bytes(p, &a, (char *)ctx->scratch + bwd_generic_bytes(p));
     const int64_t qa_n = amx_a_elems(Lq, D), qta_n = amx_a_elems(D, Lq);
     const int64_t ga_n = amx_a_elems(Lq, Dv), gta_n = amx_a_elems(Dv, Lq);
-    const amx_view ktb = {a.ktb, amx_b_elems(D, BK), ma_cdiv(D, 32), pr.in};
-    const amx_view vtb = {a.vtb, amx_b_elems(Dv, BK), ma_cdiv(Dv, 32), pr.in};
-    const amx_view kb = {a.kb, amx_b_elems(BK, D), ma_cdiv(BK, 32), pr.in};
-    const amx_view pb = {a.pb, amx_b_elems(BQ, BK), ma_cdiv(BQ, 32), pr.pd};
-    const amx_view dsb = {a.dsb, amx_b_elems(BQ, BK), ma_cdiv(BQ, 32), pr.pd};
-    const amx_view dsa = {a.dsa, amx_a_elems(BQ, BK), ma_cdiv(BK, 32), pr.pd};
+    const amx_view ktb = amx_b_layout(a.ktb, D, BK, pr.in, 0);
+    const amx_view vtb = amx_b_layout(a.vtb, Dv, BK, pr.in, 0);
+    const amx_view kb = amx_b_layout(a.kb, BK, D, pr.in, 0);
+    const amx_view pb = amx_b_layout(a.pb, BQ, BK, pr.pd, 0);
+    const amx_view dsb = amx_b_layout(a.dsb, BQ, BK, pr.pd, 0);
+    const amx_view dsa = amx_a_layout(a.dsa, BQ, BK, pr.pd, 0);
     float *dkT = t.kT, *dvT = t.vT; /* (D, nc), (Dv, nc): after packing K^T and V^T from them */
     amx_configure();
 
@@ -633,10 +649,11 @@ static void attn_bwd_fused_tiles_amx(int64_t begin, int64_t end, void *vctx) {
                 lse_all[g * Lq + i] = finite_or_zero_amx(lse_bh[i]);
                 dhm_all[g * Lq + i] = 0;
             }
-            bwd_pack_rows(p, pr.in, p->q, p->q_stride, b, h, Lq, D, a.qa + g * pr.in * qa_n,
-                          a.qta + g * pr.in * qta_n, a.rows);
-            bwd_pack_rows(p, pr.in, p->dout, p->dout_stride, b, h, Lq, Dv, a.ga + g * pr.in * ga_n,
-                          a.gta + g * pr.in * gta_n, a.rows);
+            bwd_pack_rows(p, p->q, p->q_stride, b, h, Lq, D, amx_a_layout(a.qa + g * pr.in * qa_n, Lq, D, pr.in, 0),
+                          amx_a_layout(a.qta + g * pr.in * qta_n, D, Lq, pr.in, 1), a.rows);
+            bwd_pack_rows(p, p->dout, p->dout_stride, b, h, Lq, Dv,
+                          amx_a_layout(a.ga + g * pr.in * ga_n, Lq, Dv, pr.in, 0),
+                          amx_a_layout(a.gta + g * pr.in * gta_n, Dv, Lq, pr.in, 1), a.rows);
         }
         for (int64_t x = 0; x < G * Lq * D; x++) dq_acc[x] = 0;
 
@@ -647,21 +664,21 @@ static void attn_bwd_fused_tiles_amx(int64_t begin, int64_t end, void *vctx) {
             if (!keys_all_padded_amx(&p->key_padding_mask, b, j0, nc)) {
                 int64_t ldk;
                 const float *k_j = rows_amx(p->k, p->dtype, p->k_stride, b, hk, j0, nc, D, a.rows, &ldk);
-                amx_pack_b(a.kb, kb.part_stride, kb.nkt, pr.in, k_j, ldk, nc, D);
+                amx_pack_b(kb, k_j, ldk, nc, D);
                 load_tile_t_amx(dkT, p->k, p->dtype, p->k_stride, b, hk, j0, nc, D, 1);
-                amx_pack_b(a.ktb, ktb.part_stride, ktb.nkt, pr.in, dkT, nc, D, nc);
+                amx_pack_b(ktb, dkT, nc, D, nc);
                 load_tile_t_amx(dvT, p->v, p->dtype, p->v_stride, b, hk, j0, nc, Dv, 1);
-                amx_pack_b(a.vtb, vtb.part_stride, vtb.nkt, pr.in, dvT, nc, Dv, nc);
+                amx_pack_b(vtb, dvT, nc, Dv, nc);
                 for (int64_t x = 0; x < D * nc; x++) dkT[x] = 0;
                 for (int64_t x = 0; x < Dv * nc; x++) dvT[x] = 0;
                 const int64_t i_begin = p->is_causal ? j0 : 0;
                 for (int64_t g = 0; g < G; g++) {
                     const int64_t h = hk * G + g;
                     const float hm = head_scale_amx(&p->head_mask, b, h);
-                    const amx_view qa = {a.qa + g * pr.in * qa_n, qa_n, ma_cdiv(D, 32), pr.in};
-                    const amx_view qta = {a.qta + g * pr.in * qta_n, qta_n, ma_cdiv(Lq, 32), pr.in};
-                    const amx_view ga = {a.ga + g * pr.in * ga_n, ga_n, ma_cdiv(Dv, 32), pr.in};
-                    const amx_view gta = {a.gta + g * pr.in * gta_n, gta_n, ma_cdiv(Lq, 32), pr.in};
+                    const amx_view qa = amx_a_layout(a.qa + g * pr.in * qa_n, Lq, D, pr.in, 0);
+                    const amx_view qta = amx_a_layout(a.qta + g * pr.in * qta_n, D, Lq, pr.in, 1);
+                    const amx_view ga = amx_a_layout(a.ga + g * pr.in * ga_n, Lq, Dv, pr.in, 0);
+                    const amx_view gta = amx_a_layout(a.gta + g * pr.in * gta_n, Dv, Lq, pr.in, 1);
                     for (int64_t i0 = i_begin; i0 < Lq; i0 += BQ) {
                         const int64_t nr = ma_min(BQ, Lq - i0);
                         const float *lse_r = lse_all + g * Lq + i0;
@@ -677,12 +694,12 @@ static void attn_bwd_fused_tiles_amx(int64_t begin, int64_t end, void *vctx) {
                                     p->dhm_rows ? dhm_all + g * Lq + i0 : NULL, hm, nr, nc);
                         if (p->dscores) store_dscores_amx(p, t.dp, nc, 1, b, h, i0, nr, j0, nc);
                         /* dK^T += Q^T dS;  dQ += dS K;  dV^T += dO^T (hm P) (scale at the stores) */
-                        amx_pack_b(a.dsb, dsb.part_stride, dsb.nkt, pr.pd, t.dp, nc, nr, nc);
+                        amx_pack_b(dsb, t.dp, nc, nr, nc);
                         amx_gemm(D, nc, nr, amx_krows(qta, i0), dsb, dkT, nc, 1, pr.terms);
-                        amx_pack_a(a.dsa, dsa.part_stride, dsa.nkt, pr.pd, t.dp, nc, 1, nr, nc);
+                        amx_pack_a(dsa, t.dp, nc, 1, nr, nc);
                         amx_gemm(nr, D, nc, dsa, kb, dq_acc + (g * Lq + i0) * D, D, 1, pr.terms);
                         if (hm != 1) scale_inplace(t.s, nr * nc, hm);
-                        amx_pack_b(a.pb, pb.part_stride, pb.nkt, pr.pd, t.s, nc, nr, nc);
+                        amx_pack_b(pb, t.s, nc, nr, nc);
                         amx_gemm(Dv, nc, nr, amx_krows(gta, i0), pb, dvT, nc, 1, pr.terms);
                     }
                 }
