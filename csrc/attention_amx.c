@@ -432,7 +432,7 @@ static size_t fwd_amx_bytes(const ma_attn_fwd_params *p, fwd_amx_scratch *t, voi
     s.qb = CARVE(uint16_t, &x, pr.in * amx_b_elems(D, BQ));
     s.pb = CARVE(uint16_t, &x, pr.pd * amx_b_elems(BK, BQ));
     s.clip = CARVE(uint16_t, &x, pr.in * ma_cdiv(Dv, 16) * AMX_TILE);
-    s.rows = CARVE(float, &x, BK * (D > Dv ? D : Dv));
+    s.rows = CARVE(float, &x, (BQ > BK ? BQ : BK) * (D > Dv ? D : Dv)); /* K, V rows; out rows */
     if (t) *t = s;
     return (size_t)((char *)x - (char *)base);
 }
