@@ -173,8 +173,11 @@ int ma_isa_available(ma_isa isa) {
     }
 }
 
-ma_isa ma_isa_best(void) {
-    if (ma_isa_available(MA_ISA_AMX)) return MA_ISA_AMX;
+/* AMX for bfloat16 and float16 only: float32 on tiles needs 6 bf16 products
+ * per float product to keep float32's accuracy, and measured no faster than
+ * the AVX-512 FMAs here (README, "How the kernels work"), with larger packs. */
+ma_isa ma_isa_best(ma_dtype dt) {
+    if ((dt == MA_BF16 || dt == MA_F16) && ma_isa_available(MA_ISA_AMX)) return MA_ISA_AMX;
     if (ma_isa_available(MA_ISA_AVX512)) return MA_ISA_AVX512;
     if (ma_isa_available(MA_ISA_AVX2)) return MA_ISA_AVX2;
     return MA_ISA_SCALAR;

@@ -36,7 +36,8 @@ typedef enum {
 
 /* Instruction-set variants of the float32-accumulating kernels. The shim
  * picks one per call: MASKED_ATTN_ISA=scalar|avx2|avx512|amx if set, else the
- * best the CPU has (ma_isa_best). float64 always runs the scalar kernels. */
+ * best the CPU has for the dtype (ma_isa_best). float64 always runs the
+ * scalar kernels; the cross-entropy kernels run AMX calls on AVX-512. */
 typedef enum {
     MA_ISA_SCALAR = 0,
     MA_ISA_AVX2 = 1,   /* AVX2 + FMA */
@@ -45,7 +46,7 @@ typedef enum {
 } ma_isa;
 
 int ma_isa_available(ma_isa isa); /* compiled in and supported by this CPU */
-ma_isa ma_isa_best(void);
+ma_isa ma_isa_best(ma_dtype dt);
 
 /* What every task function receives as ctx: the op's params (shared by all
  * threads) and this thread's scratch slice (cache-line aligned, sized by the

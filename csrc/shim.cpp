@@ -213,10 +213,11 @@ Masks check_masks(const Sizes& s, const std::optional<Tensor>& attn_mask,
 }
 
 // The instruction-set variant for this call: MASKED_ATTN_ISA if set (tests use
-// it to run every variant the machine has), else the best the CPU supports.
-ma_isa select_isa() {
+// it to run every variant the machine has), else the best the CPU supports
+// for the dtype.
+ma_isa select_isa(ma_dtype dt) {
   const char* env = std::getenv("MASKED_ATTN_ISA");
-  if (env == nullptr || *env == '\0') return ma_isa_best();
+  if (env == nullptr || *env == '\0') return ma_isa_best(dt);
   const std::string s(env);
   ma_isa isa = MA_ISA_SCALAR;
   if (s == "scalar") isa = MA_ISA_SCALAR;
@@ -272,7 +273,7 @@ std::tuple<Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tensor v,
   p.scale = sc;
   p.B = s.B, p.H = s.H, p.Hkv = s.Hkv, p.Lq = s.Lq, p.Lk = s.Lk, p.D = s.D, p.Dv = s.Dv;
   p.block_q = kBlockQ, p.block_k = kBlockK;
-  p.isa = select_isa();
+  p.isa = select_isa(p.dtype);
 
   if (s.Lk == 0) {  // no key at all: every row is fully masked
     torch::stable::zero_(out);
@@ -356,7 +357,7 @@ std::tuple<Tensor, Tensor> attn_backward_impl(
   p.delta = delta.mutable_data_ptr();
   p.B = s.B, p.H = s.H, p.Hkv = s.Hkv, p.Lq = s.Lq, p.Lk = s.Lk, p.D = s.D, p.Dv = s.Dv;
   p.block_q = kBlockQ, p.block_k = kBlockK;
-  p.isa = select_isa();
+  p.isa = select_isa(p.dtype);
   p.kv_chunks = 1;
 
   const size_t bytes = ma_attn_bwd_scratch_bytes(&p);
@@ -506,7 +507,7 @@ CeInputs ce_inputs(const Tensor& input, const Tensor& target, const std::optiona
   a.label_smoothing = label_smoothing;
   a.z_loss = z_loss;
   a.softcap = softcap.has_value() ? *softcap : 0.0;
-  a.isa = select_isa();
+  a.isa = select_isa(a.dtype);
   in.input = torch::stable::reshape(input, {s.N, s.C, s.S});
   a.input = in.input.const_data_ptr();
   for (int i = 0; i < 3; i++) a.input_stride[i] = in.input.stride(i);
