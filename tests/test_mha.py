@@ -501,3 +501,84 @@ def test_mha_long(case, l, s, need_weights, dtype):
         kw["key_padding_mask"][1, 3:] = True if kw["key_padding_mask"].dtype == torch.bool else float("-inf")
     run_mha(ours, theirs, q, kv, kv.clone(), self_attn=self_attn, need_weights=need_weights,
             average_attn_weights=False, **kw)
+
+
+# ---------------------------------------------------------------------------
+# the in-projection recomputed in the backward (long sequences)
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("batch_first", [False, True], ids=["seqfirst", "batchfirst"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("case", ["none", "causal_bool+kpm_bool", "am_float_3d+kpm_float", "causal_float",
+                                  "am_bool_2d"])
+def test_mha_recompute_projection(case, bias, batch_first, dtype):
+    """recompute_projection=True: the same outputs and gradients (inputs and
+    every parameter) as nn.MultiheadAttention."""
+    ours, theirs = make_pair(dtype, batch_first=batch_first, bias=bias)
+    ours.recompute_projection = True
+    q, _, _ = _qkv(dtype, batch_first, s=L)
+    kw = make_masks(case, N, L, L, H, dtype)
+    run_mha(ours, theirs, q, q, q, self_attn=True, need_weights=False, **kw)
+
+
+@pytest.mark.parametrize("hm_shape", [(H,), (N, H)], ids=["H", "NH"])
+def test_mha_recompute_projection_head_mask_and_unbatched(hm_shape):
+    ours, theirs = make_pair(torch.float64, batch_first=True)
+    ours.recompute_projection = True
+    q, _, _ = _qkv(torch.float64, True, s=L)
+    hm = torch.rand(hm_shape, dtype=torch.float64, requires_grad=True)
+    run_mha(ours, theirs, q, q, q, self_attn=True, need_weights=False, head_mask=hm,
+            theirs_fn=_ref_fn, **make_masks("causal_bool", N, L, L, H, torch.float64))
+    qu = torch.randn(L, E, dtype=torch.float64)
+    run_mha(ours, theirs, qu, qu, qu, self_attn=True, need_weights=False,
+            **make_masks("kpm_bool", 1, L, L, H, torch.float64, batched=False))
+
+
+def _saved_numels(mod, x, **kw):
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = mod(x, x, x, need_weights=False, **kw)[0]
+    return out, sizes
+
+
+def test_mha_recompute_projection_automatic():
+    """Automatic: long sequences (7 L >= 96 E) keep no (N, L, 3E) projection
+    for the backward, short ones do; both match nn.MultiheadAttention, and a
+    retained graph can be run backward twice."""
+    e, h, n = 8, 2, 2
+    for l, recomputes in ((110, True), (40, False)):
+        ours, theirs = make_pair(torch.float64, E=e, H=h, batch_first=True)
+        x = torch.randn(n, l, e, dtype=torch.float64, requires_grad=True)
+        out, sizes = _saved_numels(ours, x)
+        assert (max(sizes) < 3 * n * l * e) == recomputes, (l, sorted(sizes)[-3:])
+        ref, _ = theirs(x, x, x, need_weights=False)
+        assert_close64(out, ref, name="attn_output")
+        g = torch.randn_like(out)
+        (gx,) = torch.autograd.grad(out, x, g, retain_graph=True)
+        (gx2,) = torch.autograd.grad(out, x, g)          # the graph was retained: same again
+        (rx,) = torch.autograd.grad(ref, x, g)
+        assert_close64(gx, rx, name="grad x")
+        assert torch.equal(gx, gx2)
+
+
+def test_mha_recompute_projection_frozen_input_and_no_grad():
+    """Gradients only for the parameters (input without requires_grad), and no
+    recompute path at all under no_grad."""
+    ours, theirs = make_pair(torch.float32, batch_first=True)
+    ours.recompute_projection = True
+    q, _, _ = _qkv(torch.float32, True, s=L)
+    run_mha(ours, theirs, q, q, q, self_attn=True, grad=False, need_weights=False)
+    out, _ = ours(q, q, q, need_weights=False)
+    ref, _ = theirs(q, q, q, need_weights=False)
+    out.sum().backward()
+    ref.sum().backward()
+    for (nm, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5, msg=nm)
+    with torch.no_grad():
+        _, sizes = _saved_numels(ours, q)
+    assert sizes == []

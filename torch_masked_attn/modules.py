@@ -58,6 +58,63 @@ class _PackedSelfAttention(torch.autograd.Function):
         return grad_qkv, d_am, d_kpm, dhm, None, None, None
 
 
+def _merge_heads(t, batch_first):
+    """(N, H, L, hd) stored as (N, L, H, hd) -> (N, L, E) if batch_first else (L, N, E)."""
+    N, H, L, hd = t.shape
+    if batch_first:
+        return t.transpose(1, 2).reshape(N, L, H * hd)
+    return t.permute(2, 0, 1, 3).reshape(L, N, H * hd)
+
+
+class _RecomputedSelfAttention(torch.autograd.Function):
+    """A whole self-attention block, in-projection, attention and
+    out-projection, as one autograd node, for long sequences. The forward
+    keeps x, the attention output and lse, but not qkv = x W_in^T + b_in (3
+    activations per token). The backward projects again into a buffer of its
+    own, lets the kernel write dq, dk, dv over it (its single pass reads every
+    q, k, v block before it writes that block's gradient), and frees the
+    attention-output gradient before the projections' gradients are formed.
+    One extra in-projection in the backward for about 3x less saved
+    activation (MultiheadAttention.recompute_projection)."""
+
+    @staticmethod
+    def forward(ctx, x, w_in, b_in, w_out, b_out, attn_mask, key_padding_mask, head_mask, is_causal,
+                batch_first, H):
+        qkv = F.linear(x, w_in, b_in).unflatten(-1, (3, H, -1))
+        q, k, v = _split_qkv(qkv, batch_first)
+        out, lse, _ = torch.ops.masked_attn.forward(
+            q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, None, False)
+        del qkv, q, k, v
+        ctx.save_for_backward(x, w_in, b_in, w_out, out, lse, attn_mask, key_padding_mask, head_mask)
+        ctx.is_causal, ctx.batch_first, ctx.H, ctx.has_b_out = is_causal, batch_first, H, b_out is not None
+        return F.linear(_merge_heads(out, batch_first), w_out, b_out)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, w_in, b_in, w_out, out, lse, attn_mask, key_padding_mask, head_mask = ctx.saved_tensors
+        need_x, need_w_in, need_b_in, need_w_out, need_b_out = _needs(ctx, 0, 1, 2, 3, 4)
+        bf, H = ctx.batch_first, ctx.H
+        with torch.no_grad():
+            # y = merge(out) W_out^T + b_out
+            gy = grad_y.reshape(-1, grad_y.size(-1))
+            dw_out = gy.t() @ _merge_heads(out, bf).reshape(gy.shape) if need_w_out else None
+            db_out = gy.sum(0) if need_b_out and ctx.has_b_out else None
+            grad_attn = _heads(grad_y @ w_out, H, out.size(-1), bf)                 # (N, H, L, hd)
+            # out = attention(split(x W_in^T + b_in)): projected again, overwritten by its gradient
+            qkv = F.linear(x, w_in, b_in).unflatten(-1, (3, H, -1))
+            views = _split_qkv(qkv, bf)
+            _, _, _, d_am, d_kpm, dhm = attention_backward(
+                (*views, out, lse, attn_mask, key_padding_mask, head_mask), _needs(ctx, 5, 6, 7),
+                ctx.is_causal, None, grad_attn, None, into=views)
+            del grad_attn, views
+            dqkv = qkv.flatten(-3)
+            d2 = dqkv.reshape(-1, dqkv.size(-1))
+            dw_in = d2.t() @ x.reshape(-1, x.size(-1)) if need_w_in else None
+            db_in = d2.sum(0) if need_b_in and b_in is not None else None
+            dx = dqkv @ w_in if need_x else None
+        return dx, dw_in, db_in, dw_out, db_out, d_am, d_kpm, dhm, None, None, None
+
+
 class ArgumentError(ValueError, AssertionError):
     """A bad constructor argument. A ValueError, and an AssertionError too, so
     code written against nn.MultiheadAttention (which asserts) still catches it."""
@@ -79,6 +136,15 @@ class MultiheadAttention(nn.MultiheadAttention):
         applied as a causal mask (masked key blocks are skipped) instead of
         being read; with add_bias_kv / add_zero_attn the mask is read as is;
       * dropout > 0 in training mode raises NotImplementedError (planned).
+
+    ``recompute_projection`` (attribute; None = automatic): whether a
+    self-attention call (query is key is value) keeps its fused q, k, v
+    projection for the backward (False) or recomputes it there (True), which
+    cuts the activations saved per call from 4 to 1 per token and embedding
+    channel. Automatic: recompute when the sequence is long enough that the
+    extra projection costs under 1/16 of the attention's own work
+    (7 L >= 96 E), and never when no gradient is recorded or the weights are
+    returned. Results and gradients are the same either way.
     """
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False,
@@ -92,6 +158,16 @@ class MultiheadAttention(nn.MultiheadAttention):
                                 f"num_heads ({num_heads})")
         super().__init__(embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim,
                          batch_first, device, dtype)
+        self.recompute_projection = None
+
+    def _recomputes(self, L, need_weights):
+        """Does this call recompute the fused projection in the backward?"""
+        if need_weights or not torch.is_grad_enabled():
+            return False
+        if getattr(self, "recompute_projection", None) is not None:
+            return bool(self.recompute_projection)
+        # extra work 6 L E^2 vs causal attention's ~7 L^2 E per sequence: at most 1/16
+        return 7 * L >= 96 * self.embed_dim
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False, *, head_mask=None):
@@ -166,6 +242,12 @@ class MultiheadAttention(nn.MultiheadAttention):
         if causal:
             attn_mask = None  # trust the hint: the mask is causal
         packed = self._qkv_same_embed_dim and query is key and key is value
+        if packed and extra_keys == 0 and self._recomputes(L, need_weights):
+            # the whole block as one node; the projection recomputed in the backward (long sequences)
+            attn = _RecomputedSelfAttention.apply(query, self.in_proj_weight, self.in_proj_bias,
+                                                  self.out_proj.weight, self.out_proj.bias, attn_mask,
+                                                  key_padding_mask, head_mask, causal, bf, H)
+            return (attn if is_batched else attn.squeeze(1)), None
         if packed and extra_keys == 0:
             # one fused projection, and its gradient written in place by the kernel
             qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias).unflatten(-1, (3, H, hd))
