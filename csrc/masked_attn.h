@@ -159,7 +159,13 @@ size_t ma_attn_bwd_scratch_bytes(const ma_attn_bwd_params *p);
  * dhm) are accumulated per item: straight into dq when C = 1, else into the
  * chunk's partial sums, which ma_attn_bwd_reduce_task (work item (b, h,
  * q-block)) then adds up in chunk order. 5 matrix products per tile instead
- * of the two passes' 7. */
+ * of the two passes' 7.
+ * dq, dk, dv may be q, k, v themselves (the same elements, element for
+ * element): an item reads a key block's k, v before it writes that block's
+ * dk, dv, no other item reads them, and q is read by the items of its head
+ * group only, before dq is written at the end of the item or by the reduce
+ * task. (MultiheadAttention's recomputed projection relies on this; the two
+ * passes do not allow it.) */
 int ma_attn_bwd_single_pass(const ma_attn_bwd_params *p);
 int64_t ma_attn_bwd_kv_chunks(const ma_attn_bwd_params *p);
 void ma_attn_bwd_fused_task(int64_t begin, int64_t end, void *ctx);
