@@ -633,22 +633,7 @@ static void attn_bwd_fused_tiles_amx(int64_t begin, int64_t end, void *vctx) {
         float *dq_acc = p->dq_part ? (float *)p->dq_part + ((c * p->B + b) * H + hk * G) * Lq * D : dq_all;
         for (int64_t g = 0; g < G; g++) {
             const int64_t h = hk * G + g;
-            const float *lse_bh = (const float *)p->lse + (b * H + h) * Lq;
-            for (int64_t i = 0; i < Lq; i++) {
-                /* delta_i = g_i . out_i, both rows converted to float first */
-                float *g_r = t.gbuf, *o_r = t.gbuf + Dv;
-                convert_row_amx(g_r, 1, p->dout, p->dtype,
-                                b * p->dout_stride[0] + h * p->dout_stride[1] + i * p->dout_stride[2],
-                                p->dout_stride[3], Dv, 1);
-                convert_row_amx(o_r, 1, p->out, p->dtype,
-                                b * p->out_stride[0] + h * p->out_stride[1] + i * p->out_stride[2],
-                                p->out_stride[3], Dv, 1);
-                float dot = 0;
-                for (int64_t d = 0; d < Dv; d++) dot += g_r[d] * o_r[d];
-                delta_all[g * Lq + i] = dot;
-                lse_all[g * Lq + i] = finite_or_zero_amx(lse_bh[i]);
-                dhm_all[g * Lq + i] = 0;
-            }
+            delta_rows_amx(p, b, h, t.gbuf, delta_all + g * Lq, lse_all + g * Lq, dhm_all + g * Lq);
             bwd_pack_rows(p, p->q, p->q_stride, b, h, Lq, D, amx_a_layout(a.qa + g * pr.in * qa_n, Lq, D, pr.in, 0),
                           amx_a_layout(a.qta + g * pr.in * qta_n, D, Lq, pr.in, 1), a.rows);
             bwd_pack_rows(p, p->dout, p->dout_stride, b, h, Lq, Dv,

@@ -622,6 +622,36 @@ static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
     }
 }
 
+/* The per-row values of head (b, h) the single pass needs, rows 0 .. Lq:
+ * delta_i = dout_i . out_i, lse_i (-inf -> 0) and dhm_i = 0; overwrites.
+ * Rows are read in place when they are ACC with unit stride, else converted
+ * into gbuf (2 Dv). The dot product runs in 8 interleaved partial sums. */
+static void FN(delta_rows)(const ma_attn_bwd_params *p, int64_t b, int64_t h, ACC *gbuf, ACC *delta, ACC *lse,
+                          ACC *dhm) {
+    const int64_t Lq = p->Lq, Dv = p->Dv;
+    const ACC *lse_bh = (const ACC *)p->lse + (b * p->H + h) * Lq;
+    const int direct = FN(is_native)(p->dtype) && p->dout_stride[3] == 1 && p->out_stride[3] == 1;
+    for (int64_t i = 0; i < Lq; i++) {
+        const int64_t g_off = b * p->dout_stride[0] + h * p->dout_stride[1] + i * p->dout_stride[2];
+        const int64_t o_off = b * p->out_stride[0] + h * p->out_stride[1] + i * p->out_stride[2];
+        const ACC *g_r = (const ACC *)p->dout + g_off, *o_r = (const ACC *)p->out + o_off;
+        if (!direct) {
+            FN(convert_row)(gbuf, 1, p->dout, p->dtype, g_off, p->dout_stride[3], Dv, 1);
+            FN(convert_row)(gbuf + Dv, 1, p->out, p->dtype, o_off, p->out_stride[3], Dv, 1);
+            g_r = gbuf, o_r = gbuf + Dv;
+        }
+        ACC part[8] = {0, 0, 0, 0, 0, 0, 0, 0}, dot = 0;
+        int64_t d = 0;
+        for (; d + 8 <= Dv; d += 8)
+            for (int u = 0; u < 8; u++) part[u] += g_r[d + u] * o_r[d + u];
+        for (; d < Dv; d++) dot += g_r[d] * o_r[d];
+        for (int u = 0; u < 8; u++) dot += part[u];
+        delta[i] = dot;
+        lse[i] = FN(finite_or_zero)(lse_bh[i]);
+        dhm[i] = 0;
+    }
+}
+
 /* Single pass, work item (b, hkv): for every key block (outer loop) and every
  * query block of the G heads of the group (inner loop), dk and dv of the key
  * block accumulate in tiles while dq of every query of the group accumulates
@@ -655,22 +685,7 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
                               : NULL;
         for (int64_t g = 0; g < G; g++) {
             const int64_t h = hk * G + g;
-            const ACC *lse_bh = (const ACC *)p->lse + (b * H + h) * Lq;
-            for (int64_t i = 0; i < Lq; i++) {
-                /* delta_i = g_i . out_i, both rows converted to ACC first */
-                ACC *g_r = t.gbuf, *o_r = t.gbuf + Dv;
-                FN(convert_row)(g_r, 1, p->dout, p->dtype,
-                                b * p->dout_stride[0] + h * p->dout_stride[1] + i * p->dout_stride[2],
-                                p->dout_stride[3], Dv, 1);
-                FN(convert_row)(o_r, 1, p->out, p->dtype,
-                                b * p->out_stride[0] + h * p->out_stride[1] + i * p->out_stride[2],
-                                p->out_stride[3], Dv, 1);
-                ACC dot = 0;
-                for (int64_t d = 0; d < Dv; d++) dot += g_r[d] * o_r[d];
-                delta_all[g * Lq + i] = dot;
-                lse_all[g * Lq + i] = FN(finite_or_zero)(lse_bh[i]);
-                dhm_all[g * Lq + i] = 0;
-            }
+            FN(delta_rows)(p, b, h, t.gbuf, delta_all + g * Lq, lse_all + g * Lq, dhm_all + g * Lq);
         }
         for (int64_t x = 0; x < G * Lq * D; x++) dq_acc[x] = 0;
 
