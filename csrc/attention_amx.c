@@ -504,23 +504,13 @@ static void attn_fwd_tiles_amx(int64_t begin, int64_t end, void *vctx) {
             scale_inplace(t.sT, nc * nr, scale);
             add_bias_amx(t.sT, 1, nr, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
             /* online softmax by columns: m_new = max(m, colmax sT); P^T = exp(sT - m_new) */
-            int rescale = 0;
             for (int64_t r = 0; r < nr; r++) {
                 t.m_new[r] = t.m[r];
                 t.lsum[r] = 0;
             }
             COL_MAX(t.sT, nc, nr, t.m_new);
             EXP_SUB_COL(t.sT, nc, nr, t.m_new, t.lsum);
-            for (int64_t r = 0; r < nr; r++) {
-                alpha[r] = 1;
-                if (t.m_new[r] != t.m[r]) {
-                    alpha[r] = expf(t.m[r] - t.m_new[r]); /* m = -inf: 0 (and oT, l are 0) */
-                    t.m[r] = t.m_new[r];
-                    rescale = 1;
-                }
-                t.l[r] = alpha[r] * t.l[r] + t.lsum[r];
-            }
-            if (rescale)
+            if (online_step_amx(t.m, t.m_new, t.l, t.lsum, alpha, nr))
                 for (int64_t d = 0; d < Dv; d++)
                     for (int64_t r = 0; r < nr; r++) oT[d * nr + r] *= alpha[r];
             /* oT += V^T P^T */

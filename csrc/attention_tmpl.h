@@ -179,10 +179,25 @@ static void FN(add_bias)(ACC *s, int64_t rs, int64_t cs, const ma_mask *am, cons
                          int64_t nc) {
     if (kpm->ptr) {
         const int64_t base = b * kpm->stride[0] + j0 * kpm->stride[1];
-        for (int64_t c = 0; c < nc; c++) {
-            const ACC x = FN(mask_value)(kpm, base + c * kpm->stride[1]);
-            if (x != 0)
-                for (int64_t r = 0; r < nr; r++) s[r * rs + c * cs] += x;
+        if (cs == 1) { /* row-wise: the keys' biases as one row, added to every row */
+            for (int64_t c0 = 0; c0 < nc; c0 += 64) {
+                const int64_t n = ma_min(64, nc - c0);
+                ACC row[64];
+                int any = 0;
+                for (int64_t c = 0; c < n; c++) {
+                    row[c] = FN(mask_value)(kpm, base + (c0 + c) * kpm->stride[1]);
+                    any |= row[c] != 0;
+                }
+                if (any)
+                    for (int64_t r = 0; r < nr; r++)
+                        for (int64_t c = 0; c < n; c++) s[r * rs + c0 + c] += row[c];
+            }
+        } else {
+            for (int64_t c = 0; c < nc; c++) {
+                const ACC x = FN(mask_value)(kpm, base + c * kpm->stride[1]);
+                if (x != 0)
+                    for (int64_t r = 0; r < nr; r++) s[r * rs + c * cs] += x;
+            }
         }
     }
     if (am->ptr) {
@@ -192,10 +207,15 @@ static void FN(add_bias)(ACC *s, int64_t rs, int64_t cs, const ma_mask *am, cons
             for (int64_t c = 0; c < nc; c++) s[r * rs + c * cs] += FN(mask_value)(am, base + c * am->stride[3]);
         }
     }
-    if (is_causal && j0 + nc - 1 > i0) /* key j = j0 + c is in the future of query i when j > i */
-        for (int64_t r = 0; r < nr; r++)
-            for (int64_t c = i0 + r - j0 + 1 < 0 ? 0 : i0 + r - j0 + 1; c < nc; c++)
-                s[r * rs + c * cs] = -(ACC)INFINITY;
+    if (is_causal && j0 + nc - 1 > i0) { /* key j = j0 + c is in the future of query i when j > i */
+        if (rs == 1) /* transposed: key c hides itself from the rows r < j0 + c - i0 of its column */
+            for (int64_t c = 0; c < nc; c++)
+                for (int64_t r = 0; r < ma_min(nr, j0 + c - i0); r++) s[c * cs + r] = -(ACC)INFINITY;
+        else
+            for (int64_t r = 0; r < nr; r++)
+                for (int64_t c = i0 + r - j0 + 1 < 0 ? 0 : i0 + r - j0 + 1; c < nc; c++)
+                    s[r * rs + c * cs] = -(ACC)INFINITY;
+    }
 }
 
 /* Is every key j0 .. j0 + nc - 1 of batch b padding? Such a block is skipped
@@ -222,6 +242,27 @@ static inline int64_t FN(kv_end)(int is_causal, int64_t Lk, int64_t i0, int64_t 
  * the thread pool's static split stays balanced. */
 static inline int64_t FN(interleave)(int64_t idx, int64_t n) {
     return idx % 2 == 0 ? idx / 2 : n - 1 - idx / 2;
+}
+
+/* The online-softmax step after a key block, rows 0 .. nr: alpha[r] =
+ * exp(m[r] - m_new[r]), exactly 1 where the max did not move and 0 where it
+ * was -inf; l = alpha l + lsum; m = m_new. The exps go through EXP_SUB_SUM
+ * (vectorised). Returns whether any row's max moved (some alpha != 1). */
+static int FN(online_step)(ACC *m, const ACC *m_new, ACC *l, const ACC *lsum, ACC *alpha, int64_t nr) {
+    int moved = 0;
+    for (int64_t r = 0; r < nr; r++) {
+        const int same = m_new[r] == m[r];
+        alpha[r] = same ? 0 : m[r] - m_new[r];
+        moved |= !same;
+    }
+    if (moved) (void)EXP_SUB_SUM(alpha, nr, 0);
+    else
+        for (int64_t r = 0; r < nr; r++) alpha[r] = 1;
+    for (int64_t r = 0; r < nr; r++) {
+        l[r] = alpha[r] * l[r] + lsum[r];
+        m[r] = m_new[r];
+    }
+    return moved;
 }
 
 /* lse with -inf (fully masked row) replaced by 0: exp(-inf - 0) = 0. */
@@ -300,17 +341,10 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
             }
             COL_MAX(t.sT, nc, nr, t.m_new);
             EXP_SUB_COL(t.sT, nc, nr, t.m_new, t.lsum);
-            for (int64_t r = 0; r < nr; r++) {
-                if (t.m_new[r] == t.m[r]) {
-                    t.l[r] += t.lsum[r];
-                    continue;
-                }
-                const ACC alpha = EXP(t.m[r] - t.m_new[r]); /* m = -inf: 0 (and O, l are 0) */
-                t.l[r] = alpha * t.l[r] + t.lsum[r];
-                t.m[r] = t.m_new[r];
-                ACC *o_r = t.o + r * Dv;
-                for (int64_t d = 0; d < Dv; d++) o_r[d] *= alpha;
-            }
+            if (FN(online_step)(t.m, t.m_new, t.l, t.lsum, t.lse, nr)) /* alpha in t.lse for now */
+                for (int64_t r = 0; r < nr; r++)
+                    if (t.lse[r] != 1)
+                        for (int64_t d = 0; d < Dv; d++) t.o[r * Dv + d] *= t.lse[r];
             /* O += P V */
             GEMM(nr, Dv, nc, t.sT, 1, nr, v_j, ldv, t.o, Dv, 1);
         }
