@@ -3,10 +3,14 @@
  * building blocks. Compiled with -mavx512f -mavx512bw -mavx512dq -mavx512vl
  * -mfma only (setup.py); called only when the CPU has them (attention.c).
  *
- * GEMM is a BLIS-style split: an 8 x 32 register-blocked micro-kernel (16 zmm
- * accumulators; each step broadcasts 8 elements of A and loads 2 vectors of
- * B, 16 FMAs in flight) and the loops around it. Column tails use masked loads and stores, so
- * any n works; row tails use the same micro-kernel with fewer rows.
+ * GEMM is a BLIS-style split: register-blocked micro-kernels and the loops
+ * around them. Full 64-column panels use a 6 x 64 block (24 zmm accumulators
+ * + 4 of B + 1 broadcast of A = 29 of the 32 registers; each step is 10 loads
+ * per 24 FMAs, the best ratio that fits); on the attention tiles (m, n, k =
+ * 64 or 128, either A layout) it runs ~1.15-1.2x the 8 x 32 block it replaced.
+ * The last n % 64 columns use an 8 x 32 block, masked only when fewer than 32
+ * columns are left, so any n works; row tails use the same micro-kernels with
+ * fewer rows.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -19,45 +23,73 @@ static inline __mmask16 tail_mask(int64_t n) {
     return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
 }
 
-/* C[0:MR, 0:nr] (+)= A[0:MR, 0:k] @ B[0:k, 0:nr], nr <= 32. MR is a constant
- * after inlining, so the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void ukernel_8x32(
-    const int MR, int64_t nr, int64_t k, const float *A, int64_t ars, int64_t acs, const float *B,
-    int64_t ldb, float *C, int64_t ldc, int accumulate) {
-    const __mmask16 m0 = tail_mask(nr), m1 = tail_mask(nr - 16);
-    __m512 c0[8], c1[8];
+/* One step p of the micro-kernel: c[r][v] += A[r, p] * B[p, 16v : 16v + 16]. */
+static inline __attribute__((always_inline)) void ukernel_step(const int MR, const int NV, const int masked,
+                                                               const __mmask16 mk[4], __m512 c[8][4], const float *A,
+                                                               int64_t ars, const float *B) {
+    __m512 b[4];
+    for (int v = 0; v < NV; v++) b[v] = masked ? _mm512_maskz_loadu_ps(mk[v], B + 16 * v) : _mm512_loadu_ps(B + 16 * v);
     for (int r = 0; r < MR; r++) {
-        c0[r] = accumulate ? _mm512_maskz_loadu_ps(m0, C + r * ldc) : _mm512_setzero_ps();
-        c1[r] = accumulate ? _mm512_maskz_loadu_ps(m1, C + r * ldc + 16) : _mm512_setzero_ps();
+        const __m512 a = _mm512_set1_ps(A[r * ars]);
+        for (int v = 0; v < NV; v++) c[r][v] = _mm512_fmadd_ps(a, b[v], c[r][v]);
     }
-    for (int64_t p = 0; p < k; p++) {
-        const __m512 b0 = _mm512_maskz_loadu_ps(m0, B + p * ldb);
-        const __m512 b1 = _mm512_maskz_loadu_ps(m1, B + p * ldb + 16);
-        for (int r = 0; r < MR; r++) {
-            const __m512 a = _mm512_set1_ps(A[r * ars + p * acs]);
-            c0[r] = _mm512_fmadd_ps(a, b0, c0[r]);
-            c1[r] = _mm512_fmadd_ps(a, b1, c1[r]);
+}
+
+/* C[0:MR, 0:16 NV] (+)= A[0:MR, 0:k] @ B[0:k, 0:16 NV], MR <= 8, NV <= 4, MR * NV + NV + 1 <= 32
+ * registers. masked: only columns < nr are read and written (else nr = 16 NV). MR, NV, masked are
+ * constants after inlining, so the accumulators stay in registers; k is unrolled by 2. */
+static inline __attribute__((always_inline)) void ukernel(const int MR, const int NV, const int masked, int64_t nr,
+                                                          int64_t k, const float *A, int64_t ars, int64_t acs,
+                                                          const float *B, int64_t ldb, float *C, int64_t ldc,
+                                                          int accumulate) {
+    __mmask16 mk[4];
+    __m512 c[8][4];
+    for (int v = 0; v < NV; v++) mk[v] = masked ? tail_mask(nr - 16 * v) : (__mmask16)0xffff;
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < NV; v++)
+            c[r][v] = !accumulate ? _mm512_setzero_ps()
+                      : masked    ? _mm512_maskz_loadu_ps(mk[v], C + r * ldc + 16 * v)
+                                  : _mm512_loadu_ps(C + r * ldc + 16 * v);
+#pragma GCC unroll 2 /* ~7% faster with B rows 2 KB apart (ldb 512), same elsewhere; clang reads it too */
+    for (int64_t p = 0; p < k; p++) ukernel_step(MR, NV, masked, mk, c, A + p * acs, ars, B + p * ldb);
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < NV; v++) {
+            if (masked)
+                _mm512_mask_storeu_ps(C + r * ldc + 16 * v, mk[v], c[r][v]);
+            else
+                _mm512_storeu_ps(C + r * ldc + 16 * v, c[r][v]);
         }
-    }
-    for (int r = 0; r < MR; r++) {
-        _mm512_mask_storeu_ps(C + r * ldc, m0, c0[r]);
-        _mm512_mask_storeu_ps(C + r * ldc + 16, m1, c1[r]);
-    }
 }
 
 /* C (m, n) = [C +] A (m, k) @ B (k, n); A[i, p] = A[i*ars + p*acs]. */
 static void gemm_avx512(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs,
                         const float *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
-    for (int64_t j = 0; j < n; j += 32) {
+#define MA_ROWS(MR, NV, masked)                                                                                  \
+    for (; i + MR <= m; i += MR)                                                                               \
+        ukernel(MR, NV, masked, nr, k, A + i * ars, ars, acs, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+    int64_t j = 0;
+    for (; j + 64 <= n; j += 64) { /* 6 x 64 blocks; m % 6 rows as 4 + 2 + 1 */
+        const int64_t nr = 64;
+        int64_t i = 0;
+        MA_ROWS(6, 4, 0)
+        MA_ROWS(4, 4, 0)
+        MA_ROWS(2, 4, 0)
+        MA_ROWS(1, 4, 0)
+    }
+    for (; j < n; j += 32) { /* the last n % 64 columns: 8 x 32 blocks, masked past n */
         const int64_t nr = ma_min(32, n - j);
         int64_t i = 0;
-        for (; i + 8 <= m; i += 8)
-            ukernel_8x32(8, nr, k, A + i * ars, ars, acs, B + j, ldb, C + i * ldc + j, ldc, accumulate);
-        for (; i + 4 <= m; i += 4)
-            ukernel_8x32(4, nr, k, A + i * ars, ars, acs, B + j, ldb, C + i * ldc + j, ldc, accumulate);
-        for (; i < m; i++)
-            ukernel_8x32(1, nr, k, A + i * ars, ars, acs, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+        if (nr == 32) {
+            MA_ROWS(8, 2, 0)
+            MA_ROWS(4, 2, 0)
+            MA_ROWS(1, 2, 0)
+        } else {
+            MA_ROWS(8, 2, 1)
+            MA_ROWS(4, 2, 1)
+            MA_ROWS(1, 2, 1)
+        }
     }
+#undef MA_ROWS
 }
 
 /* exp(x) for 16 floats: x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6
