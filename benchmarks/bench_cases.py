@@ -139,6 +139,25 @@ def long_causal(dtype):
     return functional_attention(1, 8, 4096, 64, dtype, None, ("causal",))
 
 
+def long_causal_forward():
+    """The forward of long-causal alone (inference-style, no autograd graph):
+    the issue's "% of the FMA peak" figure."""
+    B, H, L, D = 1, 8, 4096, 64
+    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+
+    def native():
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def ours():
+        with torch.no_grad():
+            return tma.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    fl = attention_flops(B, H, L, L, D, causal=True, backward=False)
+    return Bench(work=f"B={B} H={H} L={L} D={D} causal, forward only, {gflop(fl)}",
+                 natives={"sdpa-causal": native}, ours=ours, flops=fl, attn_flops=fl,
+                 info=dict(B=B, H=H, L=L, D=D, dtype=str(torch.float32)))
+
+
 def one_head_long():
     return functional_attention(1, 1, 8192, 128, torch.float32, None, ("causal",))
 
@@ -285,6 +304,7 @@ def linear_cross_entropy_case(N, d, V, dtype, ignored_fraction=0.25, chunk_size=
 NAMED = {
     "gpt-train": lambda: gpt_train(torch.float32),
     "long-causal": lambda: long_causal(torch.float32),
+    "long-causal-fwd": long_causal_forward,
     "one-head-long": one_head_long,
     "bert-infer": bert_infer,
     "mha-train": lambda: mha_train(8, 512),
@@ -296,7 +316,7 @@ NAMED = {
     "linear-ce": lambda: linear_cross_entropy_case(2048, 512, 65536, torch.float32),
 }
 GROUPS = {
-    "attention": ["gpt-train", "long-causal", "one-head-long", "bert-infer", "mha-train",
+    "attention": ["gpt-train", "long-causal", "long-causal-fwd", "one-head-long", "bert-infer", "mha-train",
                   "gpt-train-bf16", "long-causal-bf16"],
     "memory": ["mha-mem-8192"],
     "ce": ["ce", "ce-bf16", "linear-ce"],

@@ -65,12 +65,17 @@ def time_interleaved(impls, min_reps, max_reps, budget_s):
     names = [n for n in impls if n not in dropped]
     times = {name: [] for name in names}
     start, reps = time.perf_counter(), 0
-    while reps < max_reps and (reps < min_reps or time.perf_counter() - start < budget_s):
-        for name in (names if reps % 2 == 0 else names[::-1]):
-            t0 = time.perf_counter()
-            impls[name]()
-            times[name].append(time.perf_counter() - t0)
-        reps += 1
+    gc.collect()
+    gc.disable()  # as timeit does: a collection landing in one call is not that call's cost
+    try:
+        while reps < max_reps and (reps < min_reps or time.perf_counter() - start < budget_s):
+            for name in (names if reps % 2 == 0 else names[::-1]):
+                t0 = time.perf_counter()
+                impls[name]()
+                times[name].append(time.perf_counter() - t0)
+            reps += 1
+    finally:
+        gc.enable()
     return {n: statistics.median(t) for n, t in times.items()}, outs, reps, dropped
 
 

@@ -101,17 +101,27 @@ static float exp_sub_sum_avx2(float *x, int64_t n, float m) {
 
 /* m[r] = max(m[r], max_c x[c*n + r]); NaN sticks (vmaxps alone would drop it). */
 static void col_max_avx2(const float *x, int64_t rows, int64_t n, float *m) {
-    for (int64_t r = 0; r < n; r += 8) {
+    for (int64_t r = 0; r < n; r += 8) { /* four running maxima per strip, as in AVX-512 */
         const __m256i k = tail_mask(n - r);
-        __m256 mv = _mm256_maskload_ps(m + r, k);
-        __m256 nan = _mm256_cmp_ps(mv, mv, _CMP_UNORD_Q);
-        for (int64_t c = 0; c < rows; c++) {
+        __m256 mv[4];
+        mv[0] = _mm256_maskload_ps(m + r, k);
+        mv[1] = mv[2] = mv[3] = mv[0];
+        __m256 nan = _mm256_cmp_ps(mv[0], mv[0], _CMP_UNORD_Q);
+        int64_t c = 0;
+        for (; c + 4 <= rows; c += 4)
+            for (int u = 0; u < 4; u++) {
+                const __m256 xv = _mm256_maskload_ps(x + (c + u) * n + r, k);
+                nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));
+                mv[u] = _mm256_max_ps(xv, mv[u]);
+            }
+        for (; c < rows; c++) {
             const __m256 xv = _mm256_maskload_ps(x + c * n + r, k);
             nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));
-            mv = _mm256_max_ps(xv, mv);
+            mv[0] = _mm256_max_ps(xv, mv[0]);
         }
-        mv = _mm256_blendv_ps(mv, _mm256_set1_ps(NAN), nan);
-        _mm256_maskstore_ps(m + r, k, mv);
+        __m256 mx = _mm256_max_ps(_mm256_max_ps(mv[0], mv[1]), _mm256_max_ps(mv[2], mv[3]));
+        mx = _mm256_blendv_ps(mx, _mm256_set1_ps(NAN), nan);
+        _mm256_maskstore_ps(m + r, k, mx);
     }
 }
 

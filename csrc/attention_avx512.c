@@ -94,10 +94,10 @@ static void gemm_avx512(int64_t m, int64_t n, int64_t k, const float *A, int64_t
 
 /* exp(x) for 16 floats: x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6
  * polynomial (Cephes expf coefficients), 2^n applied by scalef (exact for
- * denormal results). x <= -110 (and -inf) gives exactly 0; NaN stays NaN. */
+ * denormal results and to inf past 88.72, so no upper clamp is needed).
+ * x <= -110 (and -inf) gives exactly 0; NaN stays NaN. */
 static inline __m512 exp512(__m512 x) {
     x = _mm512_max_ps(_mm512_set1_ps(-110.0f), x); /* NaN in x propagates (second operand) */
-    x = _mm512_min_ps(_mm512_set1_ps(88.7f), x);
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -125,19 +125,31 @@ static float exp_sub_sum_avx512(float *x, int64_t n, float m) {
     return _mm512_reduce_add_ps(acc);
 }
 
-/* m[r] = max(m[r], max_c x[c*n + r]); NaN sticks (vmaxps alone would drop it). */
+/* m[r] = max(m[r], max_c x[c*n + r]); NaN sticks (vmaxps alone would drop it).
+ * Four running maxima per strip of 16 columns (rows c, c+1, c+2, c+3), so the
+ * 4-cycle vmaxps chain does not serialise the column. */
 static void col_max_avx512(const float *x, int64_t rows, int64_t n, float *m) {
     for (int64_t r = 0; r < n; r += 16) {
         const __mmask16 k = tail_mask(n - r);
-        __m512 mv = _mm512_maskz_loadu_ps(k, m + r);
-        __mmask16 nan = _mm512_cmp_ps_mask(mv, mv, _CMP_UNORD_Q);
-        for (int64_t c = 0; c < rows; c++) {
+        __m512 mv[4];
+        mv[0] = _mm512_maskz_loadu_ps(k, m + r);
+        mv[1] = mv[2] = mv[3] = mv[0];
+        __mmask16 nan = _mm512_cmp_ps_mask(mv[0], mv[0], _CMP_UNORD_Q);
+        int64_t c = 0;
+        for (; c + 4 <= rows; c += 4)
+            for (int u = 0; u < 4; u++) {
+                const __m512 xv = _mm512_maskz_loadu_ps(k, x + (c + u) * n + r);
+                nan |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
+                mv[u] = _mm512_max_ps(xv, mv[u]);
+            }
+        for (; c < rows; c++) {
             const __m512 xv = _mm512_maskz_loadu_ps(k, x + c * n + r);
             nan |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
-            mv = _mm512_max_ps(xv, mv);
+            mv[0] = _mm512_max_ps(xv, mv[0]);
         }
-        mv = _mm512_mask_mov_ps(mv, nan, _mm512_set1_ps(NAN));
-        _mm512_mask_storeu_ps(m + r, k, mv);
+        __m512 mx = _mm512_max_ps(_mm512_max_ps(mv[0], mv[1]), _mm512_max_ps(mv[2], mv[3]));
+        mx = _mm512_mask_mov_ps(mx, nan, _mm512_set1_ps(NAN));
+        _mm512_mask_storeu_ps(m + r, k, mx);
     }
 }
 
