@@ -93,11 +93,15 @@ static void gemm_avx512(int64_t m, int64_t n, int64_t k, const float *A, int64_t
 }
 
 /* exp(x) for 16 floats: x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6
- * polynomial (Cephes expf coefficients), 2^n applied by scalef (exact for
- * denormal results and to inf past 88.72, so no upper clamp is needed).
- * x <= -110 (and -inf) gives exactly 0; NaN stays NaN. */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-110.0f), x); /* NaN in x propagates (second operand) */
+ * polynomial (Cephes expf coefficients), 2^n applied by scalef (which
+ * overflows to inf by itself past 88.72). Results below FLT_MIN (x < -87.33,
+ * and -inf) are exactly 0 by a mask, and x is clamped to -87.33 first, so no
+ * operation ever makes a denormal: denormal results cost a microcode assist
+ * each (~20x slower per vector here), and masked scores (-inf) are common.
+ * NaN stays NaN. */
+static inline __m512 exp512(__m512 x_in) {
+    const __mmask16 underflow = _mm512_cmp_ps_mask(x_in, _mm512_set1_ps(-87.33f), _CMP_LT_OQ);
+    const __m512 x = _mm512_max_ps(_mm512_set1_ps(-87.33f), x_in); /* NaN in x propagates (second operand) */
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -109,7 +113,7 @@ static inline __m512 exp512(__m512 x) {
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
     y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(y, n);
+    return _mm512_maskz_scalef_ps((__mmask16)~underflow, y, n);
 }
 
 /* x[c] = exp(x[c] - m) in place; returns the sum. */
