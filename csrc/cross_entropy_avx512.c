@@ -29,10 +29,13 @@ static inline __mmask16 tail_mask(int64_t n) {
 /* exp(x) for 16 floats, for x <= 88 (every argument here is a logit minus
  * the row's max or lse): x = n ln2 + r, |r| <= ln2/2 (Cody-Waite), e^r by a
  * degree-6 polynomial fitted for relative error (7e-8 in float32, as good as
- * Cephes' expf in two fewer operations), 2^n applied by scalef (exact for
- * denormal results). x <= -110 (and -inf) gives exactly 0; NaN stays NaN. */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-110.0f), x); /* NaN in x propagates (second operand) */
+ * Cephes' expf in two fewer operations), 2^n applied by scalef. Results below
+ * FLT_MIN (x < -87.33, and -inf) are exactly 0 by a mask, and x is clamped
+ * first, so no operation makes a denormal (each would cost a microcode
+ * assist, ~18x slower per vector: see attention_avx512.c). NaN stays NaN. */
+static inline __m512 exp512(__m512 x_in) {
+    const __mmask16 underflow = _mm512_cmp_ps_mask(x_in, _mm512_set1_ps(-87.33f), _CMP_LT_OQ);
+    const __m512 x = _mm512_max_ps(_mm512_set1_ps(-87.33f), x_in); /* NaN in x propagates (second operand) */
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -44,7 +47,7 @@ static inline __m512 exp512(__m512 x) {
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.999999403953552e-1f));
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(y, n);
+    return _mm512_maskz_scalef_ps((__mmask16)~underflow, y, n);
 }
 
 /* tanh(x) for 16 floats (Cephes tanhf): |x| >= 0.625: 1 - 2 / (e^2|x| + 1)
