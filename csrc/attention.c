@@ -116,7 +116,6 @@ const ma_blocks ma_blocks_scalar = {"scalar", gemm_scalar_f32, exp_sub_sum_scala
 #define FN(name) name##_scalar
 #define LOAD ma_load_f32
 #define STORE ma_store_f32
-#define EXP expf
 #define LOG logf
 #define GEMM gemm_scalar_f32
 #define EXP_SUB_SUM exp_sub_sum_scalar_f32
@@ -131,7 +130,6 @@ const ma_blocks ma_blocks_scalar = {"scalar", gemm_scalar_f32, exp_sub_sum_scala
 #define FN(name) name##_f64
 #define LOAD ma_load_f64
 #define STORE ma_store_f64
-#define EXP exp
 #define LOG log
 #define GEMM gemm_f64
 #define EXP_SUB_SUM exp_sub_sum_f64

@@ -376,7 +376,6 @@ const ma_blocks ma_blocks_amx3 = {"amx3", gemm_amx3, NULL, NULL, NULL, NULL};
 #define FN(name) name##_amx
 #define LOAD ma_load_f32
 #define STORE ma_store_f32
-#define EXP expf
 #define LOG logf
 #define GEMM ma_blocks_avx512.gemm
 #define EXP_SUB_SUM ma_blocks_avx512.exp_sub_sum

@@ -153,7 +153,6 @@ const ma_blocks ma_blocks_avx2 = {"avx2", gemm_avx2, exp_sub_sum_avx2, col_max_a
 #define FN(name) name##_avx2
 #define LOAD ma_load_f32
 #define STORE ma_store_f32
-#define EXP expf
 #define LOG logf
 #define GEMM gemm_avx2
 #define EXP_SUB_SUM exp_sub_sum_avx2

@@ -226,7 +226,6 @@ const ma_blocks ma_blocks_avx512 = {"avx512", gemm_avx512, exp_sub_sum_avx512, c
 #define FN(name) name##_avx512
 #define LOAD ma_load_f32
 #define STORE ma_store_f32
-#define EXP expf
 #define LOG logf
 #define GEMM gemm_avx512
 #define EXP_SUB_SUM exp_sub_sum_avx512

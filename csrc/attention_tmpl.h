@@ -8,7 +8,7 @@
  * Each instance defines before including it:
  *   ACC, FN(x)   the accumulation type and the instance's name suffix
  *   LOAD, STORE  element access in that precision (dtype.h)
- *   EXP, LOG     scalar exp and log
+ *   LOG          scalar log
  *   GEMM(m, n, k, A, ars, acs, B, ldb, C, ldc, accumulate)
  *       C (m, n) [+]= A (m, k) @ B (k, n); A[i, p] = A[i*ars + p*acs] (a
  *       transposed A is free), B and C row-major with leading dims ldb, ldc

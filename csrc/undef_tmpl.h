@@ -3,7 +3,6 @@
 #undef FN
 #undef LOAD
 #undef STORE
-#undef EXP
 #undef LOG
 #undef GEMM
 #undef EXP_SUB_SUM
