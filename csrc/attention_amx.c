@@ -496,8 +496,8 @@ static void attn_fwd_tiles_amx(int64_t begin, int64_t end, void *vctx) {
         for (int64_t x = 0; x < Dv * nr; x++) oT[x] = 0;
 
         for (int64_t j0 = 0; j0 < kv_end; j0 += BK) {
-            const int64_t nc = ma_min(BK, kv_end - j0);
-            if (keys_all_padded_amx(&p->key_padding_mask, b, j0, nc)) continue;
+            const int64_t nc = keys_read_amx(&p->key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
+            if (nc == 0) continue;
             /* sT = scale K Q^T + bias^T */
             amx_gemm(nc, nr, D, amx_rows(ka, j0), qb, t.sT, nr, 0, pr.terms);
             scale_inplace(t.sT, nc * nr, scale);
@@ -524,8 +524,8 @@ static void attn_fwd_tiles_amx(int64_t begin, int64_t end, void *vctx) {
             alpha[r] = t.l[r] == 0 ? 0 : hm / t.l[r];
             lse_bh[i0 + r] = t.l[r] == 0 ? -INFINITY : t.m[r] + logf(t.l[r]);
         }
-        for (int64_t d = 0; d < Dv; d++)
-            for (int64_t r = 0; r < nr; r++) oT[d * nr + r] *= alpha[r];
+        for (int64_t d = 0; d < Dv; d++) /* a fully masked row is 0 outright: its oT may hold 0 * inf */
+            for (int64_t r = 0; r < nr; r++) oT[d * nr + r] = t.l[r] == 0 ? 0 : oT[d * nr + r] * alpha[r];
         TRANSPOSE(a.rows, oT, nr, Dv, nr, 1);
         store_tile_amx(p->out, p->dtype, p->out_stride, b, h, i0, nr, Dv, a.rows, 1);
     }
@@ -632,10 +632,11 @@ static void attn_bwd_fused_tiles_amx(int64_t begin, int64_t end, void *vctx) {
         for (int64_t x = 0; x < G * Lq * D; x++) dq_acc[x] = 0;
 
         for (int64_t j0 = c * BK; j0 < Lk; j0 += C * BK) {
-            const int64_t nc = ma_min(BK, Lk - j0);
-            for (int64_t x = 0; x < nc * D; x++) t.dk[x] = 0;
-            for (int64_t x = 0; x < nc * Dv; x++) t.dv[x] = 0;
-            if (!keys_all_padded_amx(&p->key_padding_mask, b, j0, nc)) {
+            const int64_t nc_out = ma_min(BK, Lk - j0);          /* rows of dk, dv written */
+            const int64_t nc = bwd_keys_read_amx(p, b, j0, nc_out); /* keys read; the rest get 0 */
+            for (int64_t x = 0; x < nc_out * D; x++) t.dk[x] = 0;
+            for (int64_t x = 0; x < nc_out * Dv; x++) t.dv[x] = 0;
+            if (nc > 0) {
                 int64_t ldk;
                 const float *k_j = rows_amx(p->k, p->dtype, p->k_stride, b, hk, j0, nc, D, a.rows, &ldk);
                 amx_pack_b(kb, k_j, ldk, nc, D);
@@ -680,8 +681,8 @@ static void attn_bwd_fused_tiles_amx(int64_t begin, int64_t end, void *vctx) {
                 TRANSPOSE(t.dk, dkT, nc, D, nc, 1);
                 TRANSPOSE(t.dv, dvT, nc, Dv, nc, 1);
             }
-            store_tile_amx(p->dk, p->dtype, p->dk_stride, b, hk, j0, nc, D, t.dk, scale);
-            store_tile_amx(p->dv, p->dtype, p->dv_stride, b, hk, j0, nc, Dv, t.dv, 1);
+            store_tile_amx(p->dk, p->dtype, p->dk_stride, b, hk, j0, nc_out, D, t.dk, scale);
+            store_tile_amx(p->dv, p->dtype, p->dv_stride, b, hk, j0, nc_out, Dv, t.dv, 1);
         }
         for (int64_t g = 0; g < G; g++) {
             const int64_t h = hk * G + g;

@@ -218,14 +218,23 @@ static void FN(add_bias)(ACC *s, int64_t rs, int64_t cs, const ma_mask *am, cons
     }
 }
 
-/* Is every key j0 .. j0 + nc - 1 of batch b padding? Such a block is skipped
- * whole: its probabilities are exactly 0 for every query. */
-static int FN(keys_all_padded)(const ma_mask *kpm, int64_t b, int64_t j0, int64_t nc) {
-    if (!kpm->ptr) return 0;
+/* How many of the keys j0 .. j0 + nc - 1 of batch b the kernels read: all
+ * but the trailing ones that key padding blocks (-inf). Those have
+ * probability exactly 0 for every query, so they are never read, and NaN or
+ * inf in their k, v cannot come in as 0 * NaN; 0 means the block is skipped
+ * whole. (Padding between unpadded keys is read, and has probability 0.) */
+static int64_t FN(keys_read)(const ma_mask *kpm, int64_t b, int64_t j0, int64_t nc) {
+    if (!kpm->ptr) return nc;
     const int64_t base = b * kpm->stride[0] + j0 * kpm->stride[1];
-    for (int64_t c = 0; c < nc; c++)
-        if (FN(mask_value)(kpm, base + c * kpm->stride[1]) != -(ACC)INFINITY) return 0;
-    return 1;
+    while (nc > 0 && FN(mask_value)(kpm, base + (nc - 1) * kpm->stride[1]) == -(ACC)INFINITY) nc--;
+    return nc;
+}
+
+/* The same for a backward key block: also not the keys after the last query
+ * under is_causal (no query sees them). */
+static inline int64_t FN(bwd_keys_read)(const ma_attn_bwd_params *p, int64_t b, int64_t j0, int64_t nc) {
+    if (p->is_causal) nc = ma_min(nc, p->Lq - j0);
+    return nc > 0 ? FN(keys_read)(&p->key_padding_mask, b, j0, nc) : 0;
 }
 
 static inline ACC FN(head_scale)(const ma_mask *hm, int64_t b, int64_t h) {
@@ -326,8 +335,8 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
         for (int64_t x = 0; x < nr * Dv; x++) t.o[x] = 0;
 
         for (int64_t j0 = 0; j0 < kv_end; j0 += BK) {
-            const int64_t nc = ma_min(BK, kv_end - j0);
-            if (FN(keys_all_padded)(&p->key_padding_mask, b, j0, nc)) continue;
+            const int64_t nc = FN(keys_read)(&p->key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
+            if (nc == 0) continue;
             int64_t ldk, ldv;
             const ACC *k_j = FN(rows_in)(p->k, p->dtype, p->k_stride, b, hk, j0, k_bh, D, &ldk);
             const ACC *v_j = FN(rows_in)(p->v, p->dtype, p->v_stride, b, hk, j0, v_bh, Dv, &ldv);
@@ -371,16 +380,19 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
         if (p->weights) {
             const int64_t w_st[4] = {H * Lq * Lk, Lq * Lk, Lk, 1};
             for (int64_t j0 = 0; j0 < Lk; j0 += BK) {
-                const int64_t nc = ma_min(BK, Lk - j0);
-                int64_t ldk;
-                const ACC *k_j = FN(rows_in)(p->k, p->dtype, p->k_stride, b, hk, j0, k_bh, D, &ldk);
-                GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
-                FN(add_bias)(t.sT, 1, nr, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
-                EXP_SUB_COL(t.sT, nc, nr, t.m_new, t.lsum);
-                for (int64_t r = 0; r < nr; r++)
-                    for (int64_t c = 0; c < nc; c++)
+                const int64_t nw = ma_min(BK, Lk - j0); /* weights written */
+                const int64_t nc = j0 < kv_end ? FN(keys_read)(&p->key_padding_mask, b, j0, ma_min(nw, kv_end - j0)) : 0;
+                if (nc > 0) {
+                    int64_t ldk;
+                    const ACC *k_j = FN(rows_in)(p->k, p->dtype, p->k_stride, b, hk, j0, k_bh, D, &ldk);
+                    GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
+                    FN(add_bias)(t.sT, 1, nr, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
+                    EXP_SUB_COL(t.sT, nc, nr, t.m_new, t.lsum);
+                }
+                for (int64_t r = 0; r < nr; r++) /* keys not read: weight 0 */
+                    for (int64_t c = 0; c < nw; c++)
                         STORE(p->weights, p->dtype, b * w_st[0] + h * w_st[1] + (i0 + r) * w_st[2] + j0 + c,
-                              hm * t.sT[c * nr + r]);
+                              c < nc ? hm * t.sT[c * nr + r] : 0);
             }
         }
     }
@@ -539,8 +551,8 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
         }
         if (p->dweights) {
             for (int64_t j0 = 0; j0 < kv_end; j0 += BK) {
-                const int64_t nc = ma_min(BK, kv_end - j0);
-                if (FN(keys_all_padded)(&p->key_padding_mask, b, j0, nc)) continue;
+                const int64_t nc = FN(keys_read)(&p->key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
+                if (nc == 0) continue;
                 int64_t ldk;
                 const ACC *k_j = FN(rows_in)(p->k, p->dtype, p->k_stride, b, hk, j0, k_bh, D, &ldk);
                 GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
@@ -559,8 +571,8 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
 
         for (int64_t x = 0; x < nr * D; x++) t.dq[x] = 0;
         for (int64_t j0 = 0; j0 < kv_end; j0 += BK) {
-            const int64_t nc = ma_min(BK, kv_end - j0);
-            if (FN(keys_all_padded)(&p->key_padding_mask, b, j0, nc)) continue;
+            const int64_t nc = FN(keys_read)(&p->key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
+            if (nc == 0) continue;
             int64_t ldk, ldv;
             const ACC *k_j = FN(rows_in)(p->k, p->dtype, p->k_stride, b, hk, j0, k_bh, D, &ldk);
             const ACC *v_j = FN(rows_in)(p->v, p->dtype, p->v_stride, b, hk, j0, v_bh, Dv, &ldv);
@@ -626,11 +638,12 @@ static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
         const ACC *g_bg = FN(needs_copy)(p->dtype, p->dout_stride)
                               ? FN(head_cache)(&hdr->tag[3], gc, p->dout, p->dtype, p->dout_stride, b, hk * G, G, Lq, Dv)
                               : NULL;
-        const int64_t j0 = kb * BK, nc = ma_min(BK, Lk - j0);
-        for (int64_t x = 0; x < nc * D; x++) t.dk[x] = 0;
-        for (int64_t x = 0; x < nc * Dv; x++) t.dv[x] = 0;
+        const int64_t j0 = kb * BK, nc_out = ma_min(BK, Lk - j0); /* rows of dk, dv written */
+        const int64_t nc = FN(bwd_keys_read)(p, b, j0, nc_out);      /* keys read; the rest get 0 */
+        for (int64_t x = 0; x < nc_out * D; x++) t.dk[x] = 0;
+        for (int64_t x = 0; x < nc_out * Dv; x++) t.dv[x] = 0;
 
-        if (!FN(keys_all_padded)(&p->key_padding_mask, b, j0, nc)) {
+        if (nc > 0) {
             FN(load_tile_t)(t.kT, p->k, p->dtype, p->k_stride, b, hk, j0, nc, D, (ACC)p->scale);
             FN(load_tile_t)(t.vT, p->v, p->dtype, p->v_stride, b, hk, j0, nc, Dv, 1);
             /* queries i < j0 see none of these keys under the causal mask */
@@ -651,8 +664,8 @@ static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
                 }
             }
         }
-        FN(store_tile)(p->dk, p->dtype, p->dk_stride, b, hk, j0, nc, D, t.dk, (ACC)p->scale);
-        FN(store_tile)(p->dv, p->dtype, p->dv_stride, b, hk, j0, nc, Dv, t.dv, 1);
+        FN(store_tile)(p->dk, p->dtype, p->dk_stride, b, hk, j0, nc_out, D, t.dk, (ACC)p->scale);
+        FN(store_tile)(p->dv, p->dtype, p->dv_stride, b, hk, j0, nc_out, Dv, t.dv, 1);
     }
 }
 
@@ -724,10 +737,11 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
         for (int64_t x = 0; x < G * Lq * D; x++) dq_acc[x] = 0;
 
         for (int64_t j0 = c * BK; j0 < Lk; j0 += C * BK) {
-            const int64_t nc = ma_min(BK, Lk - j0);
-            for (int64_t x = 0; x < nc * D; x++) t.dk[x] = 0;
-            for (int64_t x = 0; x < nc * Dv; x++) t.dv[x] = 0;
-            if (!FN(keys_all_padded)(&p->key_padding_mask, b, j0, nc)) {
+            const int64_t nc_out = ma_min(BK, Lk - j0);           /* rows of dk, dv written */
+            const int64_t nc = FN(bwd_keys_read)(p, b, j0, nc_out); /* keys read; the rest get 0 */
+            for (int64_t x = 0; x < nc_out * D; x++) t.dk[x] = 0;
+            for (int64_t x = 0; x < nc_out * Dv; x++) t.dv[x] = 0;
+            if (nc > 0) {
                 int64_t ldk;
                 const ACC *k_j = FN(rows)(p->k, p->dtype, p->k_stride, b, hk, j0, nc, D, t.kbuf, &ldk);
                 FN(load_tile_t)(t.kT, p->k, p->dtype, p->k_stride, b, hk, j0, nc, D, (ACC)p->scale);
@@ -752,8 +766,8 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
                     }
                 }
             }
-            FN(store_tile)(p->dk, p->dtype, p->dk_stride, b, hk, j0, nc, D, t.dk, (ACC)p->scale);
-            FN(store_tile)(p->dv, p->dtype, p->dv_stride, b, hk, j0, nc, Dv, t.dv, 1);
+            FN(store_tile)(p->dk, p->dtype, p->dk_stride, b, hk, j0, nc_out, D, t.dk, (ACC)p->scale);
+            FN(store_tile)(p->dv, p->dtype, p->dv_stride, b, hk, j0, nc_out, Dv, t.dv, 1);
         }
         for (int64_t g = 0; g < G; g++) {
             const int64_t h = hk * G + g;

@@ -234,6 +234,8 @@ ma_isa select_isa(ma_dtype dt) {
 
 // Tile sizes: a q-block of 64 rows by a k-block of 64 keys.
 constexpr int64_t kBlockQ = 64, kBlockK = 64;
+// The AMX kernels' packed views start at multiples of 32 rows and keys.
+static_assert(kBlockQ % 32 == 0 && kBlockK % 32 == 0, "block sizes must be multiples of 32");
 
 // ---- ops --------------------------------------------------------------------
 

@@ -172,3 +172,52 @@ def test_key_chunked_backward_gradcheck():
         lambda q, k, v, hm: tma.functional.masked_attention(q, k, v, head_mask=hm, key_padding_mask=kpm,
                                                             attn_mask=torch.zeros(70, 140, dtype=torch.float64)),
         (q, k, v, hm), atol=1e-6)
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fully_masked_row_is_zero_next_to_inf_values(isa, dtype):
+    """A query row that sees no key gives exactly 0 even when a value other
+    rows of its block see is inf (0 * inf must not reach it)."""
+    if not isa_available(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    torch.manual_seed(6)
+    q, k, v = (torch.randn(1, 1, 40, 16).to(dtype) for _ in range(3))
+    v[0, 0, 3, 0] = float("inf")
+    blocked = torch.zeros(40, 40, dtype=torch.bool)
+    blocked[5] = True
+    out = run_isa(isa, lambda: tma.functional.masked_attention(q, k, v, attn_mask=blocked))
+    assert torch.equal(out[0, 0, 5], torch.zeros(16, dtype=dtype))
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_trailing_padding_and_unseen_keys_are_never_read(isa, dtype):
+    """NaN in k, v of trailing padded keys (inside a partly padded key block),
+    and of keys after the last query under is_causal (Lk > Lq), reaches no
+    output, weight or gradient: those keys are never read."""
+    if not isa_available(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    torch.manual_seed(7)
+    B, H, Lq, Lk, D = 2, 2, 37, 100, 16
+    q, k, v = torch.randn(B, H, Lq, D), torch.randn(B, H, Lk, D), torch.randn(B, H, Lk, D)
+    g = torch.randn(B, H, Lq, D)
+    kpm = torch.zeros(B, Lk, dtype=torch.bool)
+    kpm[0, 37:] = True                 # batch 0: keys 37.. are padding (block 0 partly, block 1 whole)
+    k[0, :, 37:], v[0, :, 37:] = float("nan"), float("nan")
+    k[1, :, 37:], v[1, :, 37:] = float("nan"), float("nan")   # batch 1: after the last query (causal)
+    q, k, v, g = (t.to(dtype) for t in (q, k, v, g))
+
+    def run():
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        out, w = tma.functional.masked_attention(qq, kk, vv, key_padding_mask=kpm, is_causal=True,
+                                                 need_weights=True)
+        grads = torch.autograd.grad(out, (qq, kk, vv), g)
+        out2 = tma.functional.masked_attention(qq, kk, vv, key_padding_mask=kpm, is_causal=True)
+        grads2 = torch.autograd.grad(out2, (qq, kk, vv), g)   # the single-pass backward
+        return (out, w, out2) + grads + grads2
+    got = run_isa(isa, run)
+    names = ("out", "weights", "out (no weights)", "dq", "dk", "dv", "dq 1-pass", "dk 1-pass", "dv 1-pass")
+    for name, t in zip(names, got):
+        t = t[..., :37, :] if name.startswith(("dk", "dv")) else t   # dk, dv of NaN keys are theirs
+        assert not torch.isnan(t).any(), name

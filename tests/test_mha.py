@@ -582,3 +582,24 @@ def test_mha_recompute_projection_frozen_input_and_no_grad():
     with torch.no_grad():
         _, sizes = _saved_numels(ours, q)
     assert sizes == []
+
+
+def test_mha_long_sequence_under_autocast():
+    """Under torch.autocast a long self-attention call (where the automatic
+    choice would recompute the projection) takes the saved-projection path:
+    the same result and gradients as with recompute_projection=False."""
+    torch.manual_seed(8)
+    e, h, l = 16, 2, 224                          # 7 L >= 96 E
+    ours, _ = make_pair(torch.float32, E=e, H=h, batch_first=True)
+    x = torch.randn(1, l, e)
+    results = []
+    for setting in (None, False):
+        ours.recompute_projection = setting
+        ours.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, _ = ours(xi, xi, xi, need_weights=False)
+        y.float().sum().backward()
+        results.append((y, xi.grad, ours.in_proj_weight.grad, ours.out_proj.weight.grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

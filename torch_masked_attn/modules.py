@@ -144,7 +144,8 @@ class MultiheadAttention(nn.MultiheadAttention):
     channel. Automatic: recompute when the sequence is long enough that the
     extra projection costs under 1/16 of the attention's own work
     (7 L >= 96 E), and never when no gradient is recorded or the weights are
-    returned. Results and gradients are the same either way.
+    returned, nor under ``torch.autocast``. Results and gradients are the same
+    either way.
     """
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False,
@@ -161,8 +162,10 @@ class MultiheadAttention(nn.MultiheadAttention):
         self.recompute_projection = None
 
     def _recomputes(self, L, need_weights):
-        """Does this call recompute the fused projection in the backward?"""
-        if need_weights or not torch.is_grad_enabled():
+        """Does this call recompute the fused projection in the backward?
+        Never under autocast: the backward would run outside the forward's
+        autocast state (its products in other dtypes than the saved ones)."""
+        if need_weights or not torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
             return False
         if getattr(self, "recompute_projection", None) is not None:
             return bool(self.recompute_projection)
@@ -183,6 +186,7 @@ class MultiheadAttention(nn.MultiheadAttention):
             raise ValueError(f"MultiheadAttention: query should be unbatched 2-D or batched 3-D, "
                              f"got {query.dim()}-D shape {tuple(query.shape)}")
         is_batched = query.dim() == 3
+        self_attention = query is key and key is value   # before unbatched inputs get a batch dim
         if key.dim() != query.dim() or value.dim() != query.dim():
             raise ValueError(f"MultiheadAttention: key and value must be {query.dim()}-D like query, "
                              f"got key {tuple(key.shape)}, value {tuple(value.shape)}")
@@ -241,7 +245,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         causal = bool(is_causal and extra_keys == 0)
         if causal:
             attn_mask = None  # trust the hint: the mask is causal
-        packed = self._qkv_same_embed_dim and query is key and key is value
+        packed = self._qkv_same_embed_dim and self_attention
         if packed and extra_keys == 0 and self._recomputes(L, need_weights):
             # the whole block as one node; the projection recomputed in the backward (long sequences)
             attn = _RecomputedSelfAttention.apply(query, self.in_proj_weight, self.in_proj_bias,
