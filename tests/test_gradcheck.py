@@ -257,3 +257,35 @@ def test_opcheck_backward_into():
             *(t.clone() for t in into))
     torch.library.opcheck(torch.ops.masked_attn.backward_into.default, args,
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("which", ["masked_attention", "mha", "mha_recompute", "cross_entropy"])
+def test_double_backward_raises_not_silently_zero(which):
+    """Our backward kernels are not differentiable: a gradient taken with
+    create_graph=True is right, and differentiating it again raises
+    NotImplementedError instead of giving a silent zero."""
+    torch.manual_seed(9)
+    if which == "masked_attention":
+        x = torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True)
+        k, v = torch.randn(2, 1, 2, 5, 4, dtype=torch.float64).unbind(0)
+
+        def f(t):
+            return tma.functional.masked_attention(t, k, v, is_causal=True).sum()
+    elif which.startswith("mha"):
+        mod = tma.MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64)
+        mod.recompute_projection = which == "mha_recompute"
+        x = torch.randn(1, 5, 8, dtype=torch.float64, requires_grad=True)
+
+        def f(t):
+            return mod(t, t, t, need_weights=False)[0].pow(2).sum()
+    else:
+        x = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)
+        target = torch.tensor([1, 2, -100, 3])
+
+        def f(t):
+            return tma.functional.cross_entropy(t, target)
+    (g,) = torch.autograd.grad(f(x), x, create_graph=True)
+    (g_plain,) = torch.autograd.grad(f(x), x)
+    torch.testing.assert_close(g, g_plain, rtol=0, atol=0)
+    with pytest.raises(NotImplementedError, match="not differentiable"):
+        torch.autograd.grad(g.sum(), x)

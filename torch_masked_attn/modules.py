@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .functional import _dropout_not_implemented
-from .ops import _needs, attention_backward
+from .ops import _needs, attention_backward, first_order_only
 
 __all__ = ["MultiheadAttention"]
 
@@ -55,7 +55,8 @@ class _PackedSelfAttention(torch.autograd.Function):
             (*_split_qkv(qkv, ctx.batch_first), out, lse, attn_mask, key_padding_mask, head_mask),
             _needs(ctx, 1, 2, 3), ctx.is_causal, None, grad_out,
             grad_weights if ctx.need_weights else None, into=_split_qkv(grad_qkv, ctx.batch_first))
-        return grad_qkv, d_am, d_kpm, dhm, None, None, None
+        return first_order_only("MultiheadAttention", ctx.saved_tensors, grad_qkv, d_am, d_kpm,
+                                dhm) + (None, None, None)
 
 
 def _merge_heads(t, batch_first):
@@ -112,7 +113,8 @@ class _RecomputedSelfAttention(torch.autograd.Function):
             dw_in = d2.t() @ x.reshape(-1, x.size(-1)) if need_w_in else None
             db_in = d2.sum(0) if need_b_in and b_in is not None else None
             dx = dqkv @ w_in if need_x else None
-        return dx, dw_in, db_in, dw_out, db_out, d_am, d_kpm, dhm, None, None, None
+        return first_order_only("MultiheadAttention", ctx.saved_tensors, dx, dw_in, db_in, dw_out, db_out,
+                                d_am, d_kpm, dhm) + (None, None, None)
 
 
 class ArgumentError(ValueError, AssertionError):

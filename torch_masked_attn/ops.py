@@ -126,11 +126,47 @@ def _needs(ctx, *indices):
     return tuple(bool(n[i]) if i < len(n) else False for i in indices)
 
 
+class _FirstOrderOnly(torch.autograd.Function):
+    """The identity on gradients our backward kernels computed. Those kernels
+    are not differentiable themselves: when a backward is recorded
+    (create_graph=True) and then differentiated again, this raises instead
+    of letting a second-order gradient come out silently zero. The anchors
+    (what the forward saw) only connect the node to the graph."""
+
+    @staticmethod
+    def forward(ctx, what, n_anchors, *tensors):
+        ctx.what = what
+        return tuple(g.view_as(g) for g in tensors[n_anchors:])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            f"torch_masked_attn: the gradient of {ctx.what} is not differentiable: double backward "
+            "(differentiating a gradient taken with create_graph=True) is not supported")
+
+
+def first_order_only(what, anchors, *grads):
+    """grads as they are, or, while a backward is being recorded
+    (create_graph=True), routed through a node, hanging off the anchors
+    (saved inputs), that raises if it is differentiated."""
+    if not torch.is_grad_enabled():
+        return grads
+    anchors = tuple(a for a in anchors if isinstance(a, torch.Tensor) and a.requires_grad)
+    idx = [i for i, g in enumerate(grads) if g is not None]
+    if not idx or not anchors:
+        return grads
+    wrapped = _FirstOrderOnly.apply(what, len(anchors), *anchors, *(grads[i] for i in idx))
+    out = list(grads)
+    for i, w in zip(idx, wrapped):
+        out[i] = w
+    return tuple(out)
+
+
 def _forward_backward(ctx, grad_out, grad_lse, grad_weights):
-    dq, dk, dv, d_am, d_kpm, dhm = attention_backward(
+    grads = attention_backward(
         ctx.saved_tensors, _needs(ctx, 3, 4, 5), ctx.is_causal, ctx.scale, grad_out,
         grad_weights if ctx.need_weights else None)
-    return dq, dk, dv, d_am, d_kpm, dhm, None, None, None
+    return first_order_only("masked attention", ctx.saved_tensors, *grads) + (None, None, None)
 
 
 torch.library.register_autograd(
@@ -223,8 +259,8 @@ def _cross_entropy_backward(ctx, grad_loss, grad_lse):
         return (input,) + (None,) * 8
     grad_input, grad_target = torch.ops.masked_attn.cross_entropy_backward(
         grad_loss, input, *args, target_grad, ctx.z_loss, ctx.softcap)
-    return (grad_input if ctx.needs_input_grad[0] else None,
-            grad_target if target_grad else None) + (None,) * 7
+    return first_order_only("cross_entropy", (input, target), grad_input if ctx.needs_input_grad[0] else None,
+                            grad_target if target_grad else None) + (None,) * 7
 
 
 torch.library.register_autograd(
