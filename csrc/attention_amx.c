@@ -31,6 +31,7 @@
 #include "attention_isa.h"
 #include "dtype.h"
 #include "masked_attn.h"
+#include "simd.h"
 
 #define AMX_PARTS 3 /* at most x0, x1, x2 */
 #define AMX_TILE 512 /* bf16 elements of one tile: 16 rows x 64 bytes */
@@ -75,28 +76,12 @@ static inline void split32(__m512 a, __m512 b, int nparts, __m512i part[AMX_PART
     }
 }
 
-/* 16 x 16 transpose of 32-bit elements, in registers. */
+/* 16 x 16 transpose of 32-bit elements (pairs of bf16), in registers. */
 static inline void transpose16x16_epi32(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int i = 0; i < 16; i += 8)
-        for (int j = 0; j < 4; j++) {
-            t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
-            t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
-        }
-    for (int j = 0; j < 8; j++) {
-        r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
-        r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
-    }
+    __m512 f[16];
+    for (int i = 0; i < 16; i++) f[i] = _mm512_castsi512_ps(r[i]);
+    transpose16x16(f);
+    for (int i = 0; i < 16; i++) r[i] = _mm512_castps_si512(f[i]);
 }
 
 /* Index that interleaves the two halves of 32 bf16: out[2n + s] = in[16 s + n]. */

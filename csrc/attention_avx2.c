@@ -12,6 +12,7 @@
 #include "attention_isa.h"
 #include "dtype.h"
 #include "masked_attn.h"
+#include "simd.h"
 
 /* lanes [0, n) set, n clamped to [0, 8] */
 static inline __m256i tail_mask(int64_t n) {
@@ -56,30 +57,6 @@ static void gemm_avx2(int64_t m, int64_t n, int64_t k, const float *A, int64_t a
         for (; i < m; i++)
             ukernel_4x16(1, nr, k, A + i * ars, ars, acs, B + j, ldb, C + i * ldc + j, ldc, accumulate);
     }
-}
-
-/* exp(x) for 8 floats, as exp512 in attention_avx512.c but 2^n built from the
- * exponent bits: results below FLT_MIN (x < -87.33, and -inf) are exactly 0;
- * NaN stays NaN. */
-static inline __m256 exp256(__m256 x_in) {
-    __m256 x = _mm256_max_ps(_mm256_set1_ps(-87.33f), x_in); /* NaN propagates */
-    x = _mm256_min_ps(_mm256_set1_ps(88.37f), x);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    /* 2^n, n in [-126, 127]: (n + 127) << 23 */
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-    const __m256 underflow = _mm256_cmp_ps(x_in, _mm256_set1_ps(-87.33f), _CMP_LT_OQ);
-    return _mm256_blendv_ps(y, _mm256_setzero_ps(), underflow);
 }
 
 /* x[c] = exp(x[c] - m) in place; returns the sum. */

@@ -18,6 +18,7 @@
 #include "attention_isa.h"
 #include "dtype.h"
 #include "masked_attn.h"
+#include "simd.h"
 
 static inline __mmask16 tail_mask(int64_t n) {
     return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
@@ -92,30 +93,6 @@ static void gemm_avx512(int64_t m, int64_t n, int64_t k, const float *A, int64_t
 #undef MA_ROWS
 }
 
-/* exp(x) for 16 floats: x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6
- * polynomial (Cephes expf coefficients), 2^n applied by scalef (which
- * overflows to inf by itself past 88.72). Results below FLT_MIN (x < -87.33,
- * and -inf) are exactly 0 by a mask, and x is clamped to -87.33 first, so no
- * operation ever makes a denormal: denormal results cost a microcode assist
- * each (~20x slower per vector here), and masked scores (-inf) are common.
- * NaN stays NaN. */
-static inline __m512 exp512(__m512 x_in) {
-    const __mmask16 underflow = _mm512_cmp_ps_mask(x_in, _mm512_set1_ps(-87.33f), _CMP_LT_OQ);
-    const __m512 x = _mm512_max_ps(_mm512_set1_ps(-87.33f), x_in); /* NaN in x propagates (second operand) */
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_maskz_scalef_ps((__mmask16)~underflow, y, n);
-}
-
 /* x[c] = exp(x[c] - m) in place; returns the sum. */
 static float exp_sub_sum_avx512(float *x, int64_t n, float m) {
     const __m512 mv = _mm512_set1_ps(m);
@@ -171,31 +148,6 @@ static void exp_sub_col_avx512(float *x, int64_t rows, int64_t n, const float *m
             acc = _mm512_add_ps(acc, e);
         }
         _mm512_mask_storeu_ps(sum + r, k, acc);
-    }
-}
-
-/* r[0..15] = the 16 x 16 block whose rows they are, transposed in registers. */
-static inline void transpose16x16(__m512 r[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
-        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
-        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int i = 0; i < 16; i += 8) {
-        for (int j = 0; j < 4; j++) {
-            t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
-            t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xdd);
-        }
-    }
-    for (int j = 0; j < 8; j++) {
-        r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
-        r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
     }
 }
 

@@ -14,6 +14,7 @@
 #include "cross_entropy_isa.h"
 #include "dtype.h"
 #include "masked_attn.h"
+#include "simd.h"
 
 enum { VL = 8, UNROLL = 4 };
 
@@ -22,29 +23,6 @@ static inline __m256 lane_mask(int64_t n) {
     const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const int nn = n < 0 ? 0 : n > 8 ? 8 : (int)n;
     return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nn), idx));
-}
-
-/* exp(x) for 8 floats, for x <= 88, with the polynomial of exp512 in
- * cross_entropy_avx512.c; 2^n built from the exponent bits, so results below
- * FLT_MIN (x < -87.33, and -inf) are exactly 0; NaN stays NaN. */
-static inline __m256 exp256(__m256 x_in) {
-    const __m256 x = _mm256_max_ps(_mm256_set1_ps(-87.33f), x_in); /* NaN propagates */
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.3846145011484623e-3f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.374120108783245e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1667960584163666e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666431725025177e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.999999403953552e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
-    /* 2^n, n in [-126, 127]: (n + 127) << 23 */
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-    const __m256 underflow = _mm256_cmp_ps(x_in, _mm256_set1_ps(-87.33f), _CMP_LT_OQ);
-    return _mm256_blendv_ps(y, _mm256_setzero_ps(), underflow);
 }
 
 /* tanh(x) for 8 floats (Cephes tanhf), as tanh512 in cross_entropy_avx512.c. */

@@ -19,35 +19,12 @@
 #include "cross_entropy_isa.h"
 #include "dtype.h"
 #include "masked_attn.h"
+#include "simd.h"
 
 enum { VL = 16, UNROLL = 8 };
 
 static inline __mmask16 tail_mask(int64_t n) {
     return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
-}
-
-/* exp(x) for 16 floats, for x <= 88 (every argument here is a logit minus
- * the row's max or lse): x = n ln2 + r, |r| <= ln2/2 (Cody-Waite), e^r by a
- * degree-6 polynomial fitted for relative error (7e-8 in float32, as good as
- * Cephes' expf in two fewer operations), 2^n applied by scalef. Results below
- * FLT_MIN (x < -87.33, and -inf) are exactly 0 by a mask, and x is clamped
- * first, so no operation makes a denormal (each would cost a microcode
- * assist, ~18x slower per vector: see attention_avx512.c). NaN stays NaN. */
-static inline __m512 exp512(__m512 x_in) {
-    const __mmask16 underflow = _mm512_cmp_ps_mask(x_in, _mm512_set1_ps(-87.33f), _CMP_LT_OQ);
-    const __m512 x = _mm512_max_ps(_mm512_set1_ps(-87.33f), x_in); /* NaN in x propagates (second operand) */
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.3846145011484623e-3f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.374120108783245e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1667960584163666e-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666431725025177e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.999999403953552e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps((__mmask16)~underflow, y, n);
 }
 
 /* tanh(x) for 16 floats (Cephes tanhf): |x| >= 0.625: 1 - 2 / (e^2|x| + 1)

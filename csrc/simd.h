@@ -1,0 +1,89 @@
+/*
+ * simd.h -- vector building blocks shared by the SIMD translation units
+ * (attention_*.c, cross_entropy_*.c), each compiled only where that
+ * translation unit's -m flags enable it. Private to the kernels.
+ *
+ *   exp512 / exp256   exp of 16 / 8 floats
+ *   transpose16x16    a 16 x 16 block of 32-bit lanes transposed in registers
+ */
+#ifndef MA_SIMD_H
+#define MA_SIMD_H
+
+#include <immintrin.h>
+
+/* exp(x): x = n ln2 + r, |r| <= ln2/2 (Cody-Waite), e^r by a degree-6
+ * polynomial fitted for relative error (7e-8 in float32, as good as Cephes'
+ * expf in two fewer operations). Results below FLT_MIN (x < -87.33, and
+ * -inf) are exactly 0, and x is clamped to -87.33 first, so no operation
+ * ever makes a denormal: each vector with a denormal result costs a microcode
+ * assist (about 18x slower here), and masked scores (-inf) are common. NaN
+ * stays NaN (it passes the clamps as their second operand). */
+#if defined(__AVX512F__)
+static inline __m512 exp512(__m512 x_in) {
+    const __mmask16 underflow = _mm512_cmp_ps_mask(x_in, _mm512_set1_ps(-87.33f), _CMP_LT_OQ);
+    const __m512 x = _mm512_max_ps(_mm512_set1_ps(-87.33f), x_in);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.3846145011484623e-3f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.374120108783245e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1667960584163666e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666431725025177e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.999999403953552e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps((__mmask16)~underflow, y, n); /* 2^n; past 88.72 it overflows to inf */
+}
+
+/* r[0..15] = the 16 x 16 block whose rows they are, transposed in registers. */
+static inline void transpose16x16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 16; i += 8) {
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xdd);
+        }
+    }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
+    }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* The same exp for 8 floats; 2^n built from the exponent bits (n clamped to
+ * [-126, 127]: x above 88.37 gives about 2.4e38 rather than inf). */
+static inline __m256 exp256(__m256 x_in) {
+    __m256 x = _mm256_max_ps(_mm256_set1_ps(-87.33f), x_in);
+    x = _mm256_min_ps(_mm256_set1_ps(88.37f), x);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.3846145011484623e-3f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.374120108783245e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1667960584163666e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666431725025177e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.999999403953552e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    const __m256 underflow = _mm256_cmp_ps(x_in, _mm256_set1_ps(-87.33f), _CMP_LT_OQ);
+    return _mm256_blendv_ps(y, _mm256_setzero_ps(), underflow);
+}
+#endif
+
+#endif
