@@ -126,6 +126,8 @@ static void transpose_avx2(float *dst, const float *src, int64_t lds, int64_t nr
 
 const ma_blocks ma_blocks_avx2 = {"avx2", gemm_avx2, exp_sub_sum_avx2, col_max_avx2, exp_sub_col_avx2, transpose_avx2};
 
+#define STREAM_ROW_F32 stream_row256
+#define STREAM_FENCE _mm_sfence
 #define ACC float
 #define FN(name) name##_avx2
 #define LOAD ma_load_f32

@@ -174,6 +174,8 @@ static void transpose_avx512(float *dst, const float *src, int64_t lds, int64_t 
 const ma_blocks ma_blocks_avx512 = {"avx512", gemm_avx512, exp_sub_sum_avx512, col_max_avx512, exp_sub_col_avx512,
                                     transpose_avx512};
 
+#define STREAM_ROW_F32 stream_row512
+#define STREAM_FENCE _mm_sfence
 #define ACC float
 #define FN(name) name##_avx512
 #define LOAD ma_load_f32

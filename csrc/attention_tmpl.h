@@ -141,14 +141,24 @@ static inline const ACC *FN(rows_in)(const void *src, ma_dtype dt, const int64_t
     return head_base + r0 * ncol;
 }
 
-/* dst[b, h, r0 : r0 + nr, 0 : ncol] = mul * src (nr, ncol); overwrites. */
+/* dst[b, h, r0 : r0 + nr, 0 : ncol] = mul * src (nr, ncol); overwrites. With
+ * stream (masked_attn.h, stream_stores), float32 rows that are whole cache
+ * lines go out through STREAM_ROW_F32 where the instance has one; the task
+ * then ends with STREAM_FENCE. */
 static void FN(store_tile)(void *dst, ma_dtype dt, const int64_t st[4], int64_t b, int64_t h,
-                           int64_t r0, int64_t nr, int64_t ncol, const ACC *src, ACC mul) {
+                           int64_t r0, int64_t nr, int64_t ncol, const ACC *src, ACC mul, int stream) {
+    (void)stream;
     for (int64_t r = 0; r < nr; r++) {
         const int64_t base = b * st[0] + h * st[1] + (r0 + r) * st[2];
         const ACC *src_r = src + r * ncol;
         if (dt == MA_F32 && st[3] == 1) {
             float *y = (float *)dst + base;
+#ifdef STREAM_ROW_F32
+            if (stream && ((uintptr_t)y & 63) == 0 && ncol % 16 == 0) {
+                STREAM_ROW_F32(y, src_r, ncol, mul);
+                continue;
+            }
+#endif
             for (int64_t c = 0; c < ncol; c++) y[c] = (float)(mul * src_r[c]);
         } else if (dt == MA_F32) {
             float *y = (float *)dst + base;
@@ -374,7 +384,7 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
             lse_bh[i0 + r] = t.lse[r];
             t.m_new[r] = FN(finite_or_zero)(t.lse[r]);
         }
-        FN(store_tile)(p->out, p->dtype, p->out_stride, b, h, i0, nr, Dv, t.o, 1);
+        FN(store_tile)(p->out, p->dtype, p->out_stride, b, h, i0, nr, Dv, t.o, 1, p->stream_stores);
 
         /* weights = hm * exp(S - lse) over every key, on request only */
         if (p->weights) {
@@ -396,6 +406,9 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
             }
         }
     }
+#ifdef STREAM_FENCE
+    STREAM_FENCE();
+#endif
 }
 
 /* ---- backward ------------------------------------------------------------
@@ -588,12 +601,15 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
             /* dQ += dS K */
             GEMM(nr, D, nc, t.dpT, 1, nr, k_j, ldk, t.dq, D, 1);
         }
-        FN(store_tile)(p->dq, p->dtype, p->dq_stride, b, h, i0, nr, D, t.dq, (ACC)p->scale);
+        FN(store_tile)(p->dq, p->dtype, p->dq_stride, b, h, i0, nr, D, t.dq, (ACC)p->scale, p->stream_stores);
         if (p->dhm_rows) {
             ACC *dhm_bh = (ACC *)p->dhm_rows + (b * H + h) * Lq;
             for (int64_t r = 0; r < nr; r++) dhm_bh[i0 + r] = t.dhm[r];
         }
     }
+#ifdef STREAM_FENCE
+    STREAM_FENCE();
+#endif
 }
 
 /* One (query block, key block) tile of the row-wise backward, rows i0 .. i0 + nr
@@ -664,9 +680,13 @@ static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
                 }
             }
         }
-        FN(store_tile)(p->dk, p->dtype, p->dk_stride, b, hk, j0, nc_out, D, t.dk, (ACC)p->scale);
-        FN(store_tile)(p->dv, p->dtype, p->dv_stride, b, hk, j0, nc_out, Dv, t.dv, 1);
+        FN(store_tile)(p->dk, p->dtype, p->dk_stride, b, hk, j0, nc_out, D, t.dk, (ACC)p->scale,
+                       p->stream_stores);
+        FN(store_tile)(p->dv, p->dtype, p->dv_stride, b, hk, j0, nc_out, Dv, t.dv, 1, p->stream_stores);
     }
+#ifdef STREAM_FENCE
+    STREAM_FENCE();
+#endif
 }
 
 /* The per-row values of head (b, h) the single pass needs, rows 0 .. Lq:
@@ -766,13 +786,15 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
                     }
                 }
             }
-            FN(store_tile)(p->dk, p->dtype, p->dk_stride, b, hk, j0, nc_out, D, t.dk, (ACC)p->scale);
-            FN(store_tile)(p->dv, p->dtype, p->dv_stride, b, hk, j0, nc_out, Dv, t.dv, 1);
+            FN(store_tile)(p->dk, p->dtype, p->dk_stride, b, hk, j0, nc_out, D, t.dk, (ACC)p->scale,
+                           p->stream_stores);
+            FN(store_tile)(p->dv, p->dtype, p->dv_stride, b, hk, j0, nc_out, Dv, t.dv, 1, p->stream_stores);
         }
         for (int64_t g = 0; g < G; g++) {
             const int64_t h = hk * G + g;
             if (!p->dq_part)
-                FN(store_tile)(p->dq, p->dtype, p->dq_stride, b, h, 0, Lq, D, dq_acc + g * Lq * D, (ACC)p->scale);
+                FN(store_tile)(p->dq, p->dtype, p->dq_stride, b, h, 0, Lq, D, dq_acc + g * Lq * D, (ACC)p->scale,
+                               p->stream_stores);
             if (p->dhm_rows) {
                 ACC *dhm_out = p->dhm_part ? (ACC *)p->dhm_part + ((c * p->B + b) * H + h) * Lq
                                            : (ACC *)p->dhm_rows + (b * H + h) * Lq;
@@ -780,6 +802,9 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
             }
         }
     }
+#ifdef STREAM_FENCE
+    STREAM_FENCE();
+#endif
 }
 
 #ifndef MA_TMPL_SIMD /* elementwise: the scalar and float64 instances serve every variant */
@@ -801,7 +826,7 @@ static void FN(attn_bwd_reduce)(int64_t begin, int64_t end, void *vctx) {
             const ACC *part_c = part + (c * part_stride + row0) * D;
             for (int64_t x = 0; x < nr * D; x++) t.dq[x] += part_c[x];
         }
-        FN(store_tile)(p->dq, p->dtype, p->dq_stride, b, h, i0, nr, D, t.dq, (ACC)p->scale);
+        FN(store_tile)(p->dq, p->dtype, p->dq_stride, b, h, i0, nr, D, t.dq, (ACC)p->scale, p->stream_stores);
         if (p->dhm_rows) {
             const ACC *dpart = (const ACC *)p->dhm_part;
             for (int64_t r = 0; r < nr; r++) {

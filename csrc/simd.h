@@ -5,6 +5,7 @@
  *
  *   exp512 / exp256   exp of 16 / 8 floats
  *   transpose16x16    a 16 x 16 block of 32-bit lanes transposed in registers
+ *   stream_row512 / stream_row256   y = mul * x with non-temporal stores
  */
 #ifndef MA_SIMD_H
 #define MA_SIMD_H
@@ -60,6 +61,12 @@ static inline void transpose16x16(__m512 r[16]) {
         r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
     }
 }
+/* y[0 : n] = mul * x[0 : n] with non-temporal stores: y 64-byte aligned, n a
+ * multiple of 16. The caller fences (_mm_sfence) before others read y. */
+static inline void stream_row512(float *y, const float *x, int64_t n, float mul) {
+    const __m512 m = _mm512_set1_ps(mul);
+    for (int64_t c = 0; c < n; c += 16) _mm512_stream_ps(y + c, _mm512_mul_ps(m, _mm512_loadu_ps(x + c)));
+}
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -83,6 +90,11 @@ static inline __m256 exp256(__m256 x_in) {
     y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
     const __m256 underflow = _mm256_cmp_ps(x_in, _mm256_set1_ps(-87.33f), _CMP_LT_OQ);
     return _mm256_blendv_ps(y, _mm256_setzero_ps(), underflow);
+}
+/* The same for AVX2: y 32-byte aligned, n a multiple of 8. */
+static inline void stream_row256(float *y, const float *x, int64_t n, float mul) {
+    const __m256 m = _mm256_set1_ps(mul);
+    for (int64_t c = 0; c < n; c += 8) _mm256_stream_ps(y + c, _mm256_mul_ps(m, _mm256_loadu_ps(x + c)));
 }
 #endif
 

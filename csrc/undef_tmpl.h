@@ -9,3 +9,5 @@
 #undef COL_MAX
 #undef EXP_SUB_COL
 #undef TRANSPOSE
+#undef STREAM_ROW_F32
+#undef STREAM_FENCE

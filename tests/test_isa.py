@@ -221,3 +221,31 @@ def test_trailing_padding_and_unseen_keys_are_never_read(isa, dtype):
     for name, t in zip(names, got):
         t = t[..., :37, :] if name.startswith(("dk", "dv")) else t   # dk, dv of NaN keys are theirs
         assert not torch.isnan(t).any(), name
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "amx"])
+@pytest.mark.parametrize("masks", ["causal+kpm", "none"])
+def test_large_outputs_streamed_same_values(isa, masks):
+    """Outputs of 4 MB or more are written with non-temporal stores
+    (masked_attn.h, stream_stores). 16 heads at once (4 MB outputs: streamed)
+    must give bitwise the values of two calls on 8 heads each (2 MB: plain
+    stores), forward and backward, with rows in the (B, L, H, D) layout the
+    op writes and D = 48 (rows of 3 cache lines)."""
+    if not isa_available(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    torch.manual_seed(0)
+    B, H, L, D = 1, 16, 1024, 64
+    q, k, v, g = (torch.randn(B, H, L, D) for _ in range(4))
+    kw = {}
+    if masks == "causal+kpm":
+        kpm = torch.zeros(B, L, dtype=torch.bool)
+        kpm[:, L - 100:] = True
+        kw = dict(is_causal=True, key_padding_mask=kpm)
+    for d in (D, 48):
+        t = [x[..., :d].contiguous() for x in (q, k, v, g)]
+        whole = run_isa(isa, lambda: fwd_bwd(*t, **kw))
+        assert whole[0].numel() * 4 >= 4 << 20 or d != D
+        halves = [run_isa(isa, lambda: fwd_bwd(*(x[:, s].contiguous() for x in t), **kw))
+                  for s in (slice(0, H // 2), slice(H // 2, H))]
+        for name, a, b0, b1 in zip(("out", "lse", "dq", "dk", "dv"), whole, *halves):
+            assert torch.equal(a, torch.cat([b0, b1], dim=1)), f"{isa} D={d}: {name}"

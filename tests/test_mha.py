@@ -522,6 +522,19 @@ def test_mha_recompute_projection(case, bias, batch_first, dtype):
     run_mha(ours, theirs, q, q, q, self_attn=True, need_weights=False, **kw)
 
 
+def test_mha_recompute_projection_large_streamed():
+    """The recompute path writes dq, dk, dv over the recomputed projection;
+    at this size (4 MB per gradient) with non-temporal stores (masked_attn.h,
+    stream_stores). Still nn.MultiheadAttention's outputs and gradients."""
+    torch.manual_seed(0)
+    e, h, n, l = 512, 8, 1, 2048
+    ours, theirs = make_pair(torch.float32, E=e, H=h, batch_first=True)
+    ours.recompute_projection = True
+    x = torch.randn(n, l, e)
+    run_mha(ours, theirs, x, x, x, self_attn=True, need_weights=False,
+            **make_masks("causal_bool+kpm_bool", n, l, l, h, torch.float32))
+
+
 @pytest.mark.parametrize("hm_shape", [(H,), (N, H)], ids=["H", "NH"])
 def test_mha_recompute_projection_head_mask_and_unbatched(hm_shape):
     ours, theirs = make_pair(torch.float64, batch_first=True)
