@@ -256,6 +256,18 @@ static inline int64_t FN(kv_end)(int is_causal, int64_t Lk, int64_t i0, int64_t 
     return is_causal ? ma_min(Lk, i0 + nr) : Lk;
 }
 
+/* The split of a causal diagonal tile (queries and keys i0 .. i0 + nr, nc,
+ * block_q == block_k): with hs = block_q / 2, the queries before hs see
+ * none of the keys from hs on, so that quarter of the tile is never
+ * computed: each product runs as its two live parts. The skipped entries are
+ * exactly 0 in P and dS, so every other value is the same, bit for bit.
+ * Returns hs, or 0 when the tile is not split. */
+static inline int64_t FN(diag_split)(int is_causal, int64_t BQ, int64_t BK, int64_t i0, int64_t nr, int64_t j0,
+                                     int64_t nc) {
+    const int64_t hs = BQ / 2;
+    return is_causal && BQ == BK && i0 == j0 && nr > hs && nc > hs ? hs : 0;
+}
+
 /* Block index of the idx-th work item among n: 0, n-1, 1, n-2, ... so that
  * any contiguous range of items mixes cheap and expensive causal blocks and
  * the thread pool's static split stays balanced. */
@@ -350,8 +362,14 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
             int64_t ldk, ldv;
             const ACC *k_j = FN(rows_in)(p->k, p->dtype, p->k_stride, b, hk, j0, k_bh, D, &ldk);
             const ACC *v_j = FN(rows_in)(p->v, p->dtype, p->v_stride, b, hk, j0, v_bh, Dv, &ldv);
-            /* sT = K (scale Q)^T + bias^T */
-            GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
+            /* sT = K (scale Q)^T + bias^T  (a split diagonal tile: keys hs.. x queries ..hs only by the causal fill) */
+            const int64_t hs = FN(diag_split)(p->is_causal, BQ, BK, i0, nr, j0, nc);
+            if (hs) {
+                GEMM(hs, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
+                GEMM(nc - hs, nr - hs, D, k_j + hs * ldk, ldk, 1, t.qT + hs, nr, t.sT + hs * nr + hs, nr, 0);
+            } else {
+                GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
+            }
             FN(add_bias)(t.sT, 1, nr, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
             /* online softmax: m_new = max(m, colmax sT); P = exp(sT - m_new); l, O rescaled */
             for (int64_t r = 0; r < nr; r++) {
@@ -365,7 +383,12 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
                     if (t.lse[r] != 1)
                         for (int64_t d = 0; d < Dv; d++) t.o[r * Dv + d] *= t.lse[r];
             /* O += P V */
-            GEMM(nr, Dv, nc, t.sT, 1, nr, v_j, ldv, t.o, Dv, 1);
+            if (hs) {
+                GEMM(hs, Dv, hs, t.sT, 1, nr, v_j, ldv, t.o, Dv, 1);
+                GEMM(nr - hs, Dv, nc, t.sT + hs, 1, nr, v_j, ldv, t.o + hs * Dv, Dv, 1);
+            } else {
+                GEMM(nr, Dv, nc, t.sT, 1, nr, v_j, ldv, t.o, Dv, 1);
+            }
         }
 
         /* out = hm * O / l;  lse = m + log l.  A fully masked row (l = 0) gives 0 and -inf. */
@@ -623,16 +646,36 @@ static void FN(bwd_key_tile)(const FN(bwd_scratch) *t, const ma_attn_bwd_params 
                              const ACC *q_i, int64_t ldq, const ACC *g_i, int64_t ldg,
                              const ACC *lse_r, const ACC *delta_r, ACC *dhm_r) {
     const int64_t D = p->D, Dv = p->Dv;
-    GEMM(nr, nc, D, q_i, ldq, 1, t->kT, nc, t->s, nc, 0);
+    const int64_t hs = p->dweights ? 0 : FN(diag_split)(p->is_causal, p->block_q, p->block_k, i0, nr, j0, nc);
+    if (hs) { /* rows ..hs x keys hs.. are left to the causal fill (P = 0) and zeroed in dP */
+        GEMM(hs, hs, D, q_i, ldq, 1, t->kT, nc, t->s, nc, 0);
+        GEMM(nr - hs, nc, D, q_i + hs * ldq, ldq, 1, t->kT, nc, t->s + hs * nc, nc, 0);
+    } else {
+        GEMM(nr, nc, D, q_i, ldq, 1, t->kT, nc, t->s, nc, 0);
+    }
     FN(add_bias)(t->s, nc, 1, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
     for (int64_t r = 0; r < nr; r++) (void)EXP_SUB_SUM(t->s + r * nc, nc, lse_r[r]);
-    GEMM(nr, nc, Dv, g_i, ldg, 1, t->vT, nc, t->dp, nc, 0);
+    if (hs) {
+        GEMM(hs, hs, Dv, g_i, ldg, 1, t->vT, nc, t->dp, nc, 0);
+        for (int64_t r = 0; r < hs; r++)
+            for (int64_t c = hs; c < nc; c++) t->dp[r * nc + c] = 0;
+        GEMM(nr - hs, nc, Dv, g_i + hs * ldg, ldg, 1, t->vT, nc, t->dp + hs * nc, nc, 0);
+    } else {
+        GEMM(nr, nc, Dv, g_i, ldg, 1, t->vT, nc, t->dp, nc, 0);
+    }
     if (p->dweights) FN(add_dweights)(t->dp, nc, 1, p, b, h, i0, nr, j0, nc);
     FN(dscores)(t->dp, t->s, nc, 1, delta_r, dhm_r, hm, nr, nc);
-    GEMM(nc, D, nr, t->dp, 1, nc, q_i, ldq, t->dk, D, 1);
     if (hm != 1)
         for (int64_t x = 0; x < nr * nc; x++) t->s[x] *= hm;
-    GEMM(nc, Dv, nr, t->s, 1, nc, g_i, ldg, t->dv, Dv, 1);
+    if (hs) { /* dK += dS^T Q, dV += (hm P)^T dO: keys hs.. take rows hs.. only */
+        GEMM(hs, D, nr, t->dp, 1, nc, q_i, ldq, t->dk, D, 1);
+        GEMM(nc - hs, D, nr - hs, t->dp + hs * nc + hs, 1, nc, q_i + hs * ldq, ldq, t->dk + hs * D, D, 1);
+        GEMM(hs, Dv, nr, t->s, 1, nc, g_i, ldg, t->dv, Dv, 1);
+        GEMM(nc - hs, Dv, nr - hs, t->s + hs * nc + hs, 1, nc, g_i + hs * ldg, ldg, t->dv + hs * Dv, Dv, 1);
+    } else {
+        GEMM(nc, D, nr, t->dp, 1, nc, q_i, ldq, t->dk, D, 1);
+        GEMM(nc, Dv, nr, t->s, 1, nc, g_i, ldg, t->dv, Dv, 1);
+    }
 }
 
 /* Pass 2, work item (b, hkv, k-block): dk and dv of its keys, summed over the
@@ -781,8 +824,15 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
                                          lse_all + g * Lq + i0, delta_all + g * Lq + i0,
                                          p->dhm_rows ? dhm_all + g * Lq + i0 : NULL);
                         if (p->dscores) FN(store_dscores)(p, t.dp, nc, 1, b, h, i0, nr, j0, nc);
-                        /* dQ += dS K (times scale at the store) */
-                        GEMM(nr, D, nc, t.dp, nc, 1, k_j, ldk, dq_acc + (g * Lq + i0) * D, D, 1);
+                        /* dQ += dS K (times scale at the store); rows ..hs of a split diagonal tile see keys ..hs */
+                        ACC *dq_i = dq_acc + (g * Lq + i0) * D;
+                        const int64_t hs = FN(diag_split)(p->is_causal, BQ, BK, i0, nr, j0, nc);
+                        if (hs) {
+                            GEMM(hs, D, hs, t.dp, nc, 1, k_j, ldk, dq_i, D, 1);
+                            GEMM(nr - hs, D, nc, t.dp + hs * nc, nc, 1, k_j, ldk, dq_i + hs * D, D, 1);
+                        } else {
+                            GEMM(nr, D, nc, t.dp, nc, 1, k_j, ldk, dq_i, D, 1);
+                        }
                     }
                 }
             }
