@@ -225,9 +225,9 @@ static inline void ctile_end(const ctile *t, float *C, int64_t ldc, int64_t m, i
 /* MT x NT (1 or 2) C tiles += sum over k tiles and parts (i, j), i + j < terms,
  * of A_i B_j. Tile numbers are immediates, hence the constant MT, NT. The
  * parts' products run in an order that keeps the loaded tiles: A_i stays
- * while B_j changes, and B_0 stays from the end of one A part to the start
- * of the next (i = 0: j = 0, 1, 2; i = 1: j = 1, 0; i = 2: j = 0), 16 tile
- * loads for 24 products at 3 parts instead of 24. */
+ * while B_j changes, and the last B part loaded is used first by the next A
+ * part (i = 0: j = 2, 1, 0; i = 1: j = 0, 1; i = 2: j = 0): 16 tile loads
+ * for 24 products at 3 parts instead of 24. */
 static inline __attribute__((always_inline)) void amx_block(const int MT, const int NT, amx_view a, int64_t mt,
                                                             amx_view b, int64_t nt, int64_t nkt, int terms) {
     for (int64_t kt = 0; kt < nkt; kt++) {

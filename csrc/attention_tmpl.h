@@ -260,8 +260,16 @@ static inline int64_t FN(kv_end)(int is_causal, int64_t Lk, int64_t i0, int64_t 
  * block_q == block_k): with hs = block_q / 2, the queries before hs see
  * none of the keys from hs on, so that quarter of the tile is never
  * computed: each product runs as its two live parts. The skipped entries are
- * exactly 0 in P and dS, so every other value is the same, bit for bit.
- * Returns hs, or 0 when the tile is not split. */
+ * exactly 0 in P and dS, so for finite inputs every other value is the same,
+ * bit for bit (a mask gradient's skipped zeros may differ in sign). NaN or
+ * inf in those hidden keys' v (or in those queries' dout) used to reach the
+ * whole tile through 0 * NaN; now it reaches only the rows (keys) from hs
+ * on, as every other masked key already reached only its own tiles. The
+ * skipped quarter of the score tile holds stale scratch until add_bias's
+ * causal fill overwrites it with -inf (its bias adds before that act on
+ * garbage and are discarded); every later read comes after the fill, and
+ * the backward zeroes that quarter of dP. Returns hs, or 0 when the tile is
+ * not split. */
 static inline int64_t FN(diag_split)(int is_causal, int64_t BQ, int64_t BK, int64_t i0, int64_t nr, int64_t j0,
                                      int64_t nc) {
     const int64_t hs = BQ / 2;

@@ -130,7 +130,8 @@ typedef struct {
     int64_t kv_chunks;
     int64_t B, H, Hkv, Lq, Lk, D, Dv;
     int64_t block_q, block_k;
-    int stream_stores;      /* write dq, dk, dv with non-temporal stores (see below) */
+    int stream_stores;      /* write dq, dk, dv with non-temporal stores (see below); dq
+                               summed by the reduce task (kv_chunks > 1) has plain stores */
     ma_isa isa;
 } ma_attn_bwd_params;
 

@@ -369,7 +369,7 @@ std::tuple<Tensor, Tensor> attn_backward_impl(
   p.delta = delta.mutable_data_ptr();
   p.B = s.B, p.H = s.H, p.Hkv = s.Hkv, p.Lq = s.Lq, p.Lk = s.Lk, p.D = s.D, p.Dv = s.Dv;
   p.block_q = kBlockQ, p.block_k = kBlockK;
-  p.stream_stores = worth_streaming(dq) || worth_streaming(dk);
+  p.stream_stores = worth_streaming(dq) || worth_streaming(dk) || worth_streaming(dv);
   p.isa = select_isa(p.dtype);
   p.kv_chunks = 1;
 

@@ -223,50 +223,158 @@ def test_trailing_padding_and_unseen_keys_are_never_read(isa, dtype):
         assert not torch.isnan(t).any(), name
 
 
+# ---------------------------------------------------------------------------
+# large outputs, written with non-temporal stores (masked_attn.h, stream_stores)
+# ---------------------------------------------------------------------------
+
+def _op_fwd(q, k, v, kpm=None, causal=True):
+    return torch.ops.masked_attn.forward(q, k, v, None, kpm, None, causal, None, False)
+
+
+def _op_bwd(g, q, k, v, out, lse, kpm=None, causal=True, into=None):
+    args = (g, None, q, k, v, out, lse, None, kpm, None, causal, None, False, False)
+    if into is None:
+        return torch.ops.masked_attn.backward(*args)[:3]
+    torch.ops.masked_attn.backward_into(*args, *into)
+    return into
+
+
 @pytest.mark.parametrize("isa", ["avx2", "avx512", "amx"])
+@pytest.mark.parametrize("D", [64, 48, 80])
 @pytest.mark.parametrize("masks", ["causal+kpm", "none"])
-def test_large_outputs_streamed_same_values(isa, masks):
-    """Outputs of 4 MB or more are written with non-temporal stores
-    (masked_attn.h, stream_stores). 16 heads at once (4 MB outputs: streamed)
-    must give bitwise the values of two calls on 8 heads each (2 MB: plain
-    stores), forward and backward, with rows in the (B, L, H, D) layout the
-    op writes and D = 48 (rows of 3 cache lines)."""
+def test_large_outputs_streamed_same_values(isa, D, masks):
+    """16 heads at once (outputs of 4 MB or more: streamed) must give bitwise
+    the values of two calls on 8 heads each (under 4 MB: plain stores),
+    forward and backward, with rows in the (B, L, H, D) layout the op writes;
+    D = 48 and 80 make rows of 3 and 5 cache lines."""
     if not isa_available(isa):
         pytest.skip(f"this CPU has no {isa}")
     torch.manual_seed(0)
-    B, H, L, D = 1, 16, 1024, 64
+    B, H = 1, 16
+    L = (4 << 20) // (H * D * 4) + 8
     q, k, v, g = (torch.randn(B, H, L, D) for _ in range(4))
-    kw = {}
+    kpm, causal = None, False
     if masks == "causal+kpm":
         kpm = torch.zeros(B, L, dtype=torch.bool)
         kpm[:, L - 100:] = True
-        kw = dict(is_causal=True, key_padding_mask=kpm)
-    for d in (D, 48):
-        t = [x[..., :d].contiguous() for x in (q, k, v, g)]
-        whole = run_isa(isa, lambda: fwd_bwd(*t, **kw))
-        assert whole[0].numel() * 4 >= 4 << 20 or d != D
-        halves = [run_isa(isa, lambda: fwd_bwd(*(x[:, s].contiguous() for x in t), **kw))
-                  for s in (slice(0, H // 2), slice(H // 2, H))]
-        for name, a, b0, b1 in zip(("out", "lse", "dq", "dk", "dv"), whole, *halves):
-            assert torch.equal(a, torch.cat([b0, b1], dim=1)), f"{isa} D={d}: {name}"
+        causal = True
+    whole = run_isa(isa, lambda: _op_fwd(q, k, v, kpm, causal))
+    assert whole[0].numel() * 4 >= 4 << 20
+    grads = run_isa(isa, lambda: _op_bwd(g, q, k, v, whole[0], whole[1], kpm, causal))
+    for s in (slice(0, H // 2), slice(H // 2, H)):
+        part = [x[:, s].contiguous() for x in (q, k, v, g)]
+        half = run_isa(isa, lambda: _op_fwd(*part[:3], kpm, causal))
+        assert half[0].numel() * 4 < 4 << 20
+        assert torch.equal(whole[0][:, s], half[0]) and torch.equal(whole[1][:, s], half[1]), f"{isa} D={D}: out"
+        hgrads = run_isa(isa, lambda: _op_bwd(part[3], *part[:3], half[0], half[1], kpm, causal))
+        for name, a, b in zip(("dq", "dk", "dv"), grads, hgrads):
+            assert torch.equal(a[:, s], b), f"{isa} D={D}: {name}"
 
 
-@pytest.mark.parametrize("isa", VARIANTS)
-@pytest.mark.parametrize("L", [100, 130, 200])
-def test_causal_diagonal_split_is_exact(isa, L):
-    """Under is_causal a diagonal tile skips the quarter that the causal mask
-    hides (queries before the tile's middle, keys after it). The same mask
-    given as a bool attn_mask is computed whole, tile by tile: every output
-    and gradient must be identical, bit for bit."""
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "amx"])
+@pytest.mark.parametrize("off", [0, 4, 8])
+def test_streamed_gradients_into_misaligned_views(isa, off):
+    """backward_into views whose rows start 0, 16 or 32 bytes off a cache
+    line, and H * (D + 8) floats apart (alignment alternating from row to
+    row): only whole aligned lines are streamed, values are bitwise those of
+    fresh outputs."""
     if not isa_available(isa):
         pytest.skip(f"this CPU has no {isa}")
     torch.manual_seed(0)
-    B, H, D = 2, 2, 48
-    q, k, v, g = (torch.randn(B, H, L, D) for _ in range(4))
-    kpm = torch.zeros(B, L, dtype=torch.bool)
-    kpm[1, L - 7:] = True
-    causal = torch.ones(L, L, dtype=torch.bool).triu(1)
-    split = run_isa(isa, lambda: fwd_bwd(q, k, v, g, is_causal=True, key_padding_mask=kpm))
-    whole = run_isa(isa, lambda: fwd_bwd(q, k, v, g, attn_mask=causal, key_padding_mask=kpm))
-    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), split, whole):
-        assert torch.equal(a, b), f"{isa} L={L}: {name}"
+    B, H, L, D = 1, 8, 2048, 64
+    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+    out, lse, _ = _op_fwd(q, k, v)
+    g = torch.randn_like(out)
+    ref = run_isa(isa, lambda: _op_bwd(g, q, k, v, out, lse))
+    n = B * L * H * (D + 8)
+    buf = torch.zeros(3 * n + off + 64)
+    views = [buf[off + i * n: off + (i + 1) * n].view(B, L, H, D + 8)[..., :D].transpose(1, 2) for i in range(3)]
+    run_isa(isa, lambda: _op_bwd(g, q, k, v, out, lse, into=views))
+    for name, a, b in zip(("dq", "dk", "dv"), ref, views):
+        assert torch.equal(a, b), f"{isa} off={off}: {name}"
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "amx"])
+def test_streamed_gradients_over_their_inputs_with_key_chunks(isa):
+    """dq, dk, dv written over q, k, v themselves (MultiheadAttention's
+    recompute path) with 4 MB gradients, streamed, and B * Hkv = 4 (key
+    chunks, dq through the reduce task): bitwise the fresh outputs."""
+    if not isa_available(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    torch.manual_seed(0)
+    N, L, H, hd = 1, 4096, 4, 64
+    qkv = torch.randn(N, L, 3, H, hd)
+    q, k, v = (qkv.select(2, i).permute(0, 2, 1, 3) for i in range(3))
+    out, lse, _ = _op_fwd(q, k, v)
+    g = torch.randn_like(out)
+    ref = run_isa(isa, lambda: [t.clone() for t in _op_bwd(g, q, k, v, out, lse)])
+    run_isa(isa, lambda: _op_bwd(g, q, k, v, out, lse, into=(q, k, v)))
+    for name, a, b in zip(("dq", "dk", "dv"), ref, (q, k, v)):
+        assert torch.equal(a, b), f"{isa}: {name}"
+
+
+# ---------------------------------------------------------------------------
+# the causal diagonal split
+# ---------------------------------------------------------------------------
+
+def _fwd_bwd_all(q, k, v, g, hm=None, am=None, need_weights=False, **kw):
+    """out, lse, and the gradients of q, k, v, head mask and float mask (and
+    the weights) of one call."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    leaves = [q, k, v]
+    if hm is not None:
+        hm = hm.detach().requires_grad_()
+        leaves.append(hm)
+    if am is not None and am.dtype.is_floating_point:
+        am = am.detach().requires_grad_()
+        leaves.append(am)
+    res = tma.functional.masked_attention(q, k, v, head_mask=hm, attn_mask=am, need_weights=need_weights,
+                                          return_lse=True, **kw)
+    grads = torch.autograd.grad(res[0], leaves, g)
+    return (res[0], res[-1]) + tuple(grads) + ((res[1],) if need_weights else ())
+
+
+SPLIT_CASES = {  # (B, H, Hkv, Lq, Lk, D, Dv)
+    "gqa": (2, 4, 2, 130, 130, 32, 48),           # B * Hkv = 4: key chunks
+    "lq<lk": (1, 2, 1, 100, 190, 48, 16),
+    "lq>lk": (1, 2, 2, 190, 100, 48, 16),
+    "one-chunk": (4, 2, 2, 128, 128, 16, 16),     # B * Hkv = 8: kv_chunks 1
+}
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+@pytest.mark.parametrize("extra", ["plain", "head", "floatmask", "weights"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_causal_diagonal_split_is_exact(isa, case, extra, dtype):
+    """Under is_causal a diagonal tile skips the quarter that the causal mask
+    hides (queries before the tile's middle, keys after it). The same mask
+    given as a bool attn_mask (or folded into a float one) is computed whole,
+    tile by tile: for finite inputs every output and gradient must be
+    identical, bit for bit. need_weights also takes the AMX instance through
+    the split (its tile kernels do not split)."""
+    if not isa_available(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    if dtype == torch.float64 and isa != "scalar":
+        pytest.skip("float64 always runs the scalar instance")
+    B, H, Hkv, Lq, Lk, D, Dv = SPLIT_CASES[case]
+    torch.manual_seed(1)
+    q, k = torch.randn(B, H, Lq, D, dtype=dtype), torch.randn(B, Hkv, Lk, D, dtype=dtype)
+    v, g = torch.randn(B, Hkv, Lk, Dv, dtype=dtype), torch.randn(B, H, Lq, Dv, dtype=dtype)
+    causal = torch.ones(Lq, Lk, dtype=torch.bool).triu(1)
+    kpm = torch.zeros(B, Lk, dtype=torch.bool)
+    kpm[-1, Lk - 9:] = True
+    hm = torch.rand(H, dtype=dtype) + 0.5 if extra == "head" else None
+    nw = extra == "weights"
+    if extra == "floatmask":
+        fm = torch.randn(Lq, Lk, dtype=dtype)
+        split = run_isa(isa, lambda: _fwd_bwd_all(q, k, v, g, hm, fm, nw, is_causal=True, key_padding_mask=kpm))
+        whole = run_isa(isa, lambda: _fwd_bwd_all(q, k, v, g, hm, fm.masked_fill(causal, float("-inf")), nw,
+                                                  key_padding_mask=kpm))
+    else:
+        split = run_isa(isa, lambda: _fwd_bwd_all(q, k, v, g, hm, None, nw, is_causal=True, key_padding_mask=kpm))
+        whole = run_isa(isa, lambda: _fwd_bwd_all(q, k, v, g, hm, causal, nw, key_padding_mask=kpm))
+    for i, (a, b) in enumerate(zip(split, whole)):
+        if extra == "floatmask" and i == len(split) - 1:  # the mask's gradient: compare where not masked
+            a, b = a.masked_fill(causal, 0), b.masked_fill(causal, 0)
+        assert torch.equal(a, b), f"{isa} {case} {extra}: output {i}, max diff {(a - b).abs().max()}"
