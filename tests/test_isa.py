@@ -342,11 +342,11 @@ SPLIT_CASES = {  # (B, H, Hkv, Lq, Lk, D, Dv)
 }
 
 
-@pytest.mark.parametrize("isa", VARIANTS)
+@pytest.mark.parametrize("isa,dtype", [(isa, torch.float32) for isa in VARIANTS] + [("scalar", torch.float64)],
+                         ids=[f"{isa}-float32" for isa in VARIANTS] + ["float64"])  # float64 runs the scalar instance
 @pytest.mark.parametrize("case", list(SPLIT_CASES))
 @pytest.mark.parametrize("extra", ["plain", "head", "floatmask", "weights"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-def test_causal_diagonal_split_is_exact(isa, case, extra, dtype):
+def test_causal_diagonal_split_is_exact(isa, dtype, case, extra):
     """Under is_causal a diagonal tile skips the quarter that the causal mask
     hides (queries before the tile's middle, keys after it). The same mask
     given as a bool attn_mask (or folded into a float one) is computed whole,
@@ -355,8 +355,6 @@ def test_causal_diagonal_split_is_exact(isa, case, extra, dtype):
     the split (its tile kernels do not split)."""
     if not isa_available(isa):
         pytest.skip(f"this CPU has no {isa}")
-    if dtype == torch.float64 and isa != "scalar":
-        pytest.skip("float64 always runs the scalar instance")
     B, H, Hkv, Lq, Lk, D, Dv = SPLIT_CASES[case]
     torch.manual_seed(1)
     q, k = torch.randn(B, H, Lq, D, dtype=dtype), torch.randn(B, Hkv, Lk, D, dtype=dtype)
