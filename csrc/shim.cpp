@@ -137,6 +137,19 @@ constexpr int64_t kStreamBytes = int64_t{4} << 20;
 
 bool worth_streaming(const Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()) >= kStreamBytes; }
 
+// Forward work items a thread takes at a time: consecutive query blocks of
+// one head (the kernel orders a head's blocks cheap, expensive, cheap, ...),
+// up to the whole head, so that a thread reads that head's K and V into its
+// own L2 once instead of both threads pulling every head; at least 8 takes
+// per thread are left for balance. Results do not depend on it: every query
+// block is computed the same way by whichever thread takes it. Measured on
+// gpt-train (L = 512): the forward about 10% faster.
+int64_t fwd_grain(const ma_attn_fwd_params& p) {
+  const int64_t n = ma_attn_fwd_work_items(&p), nq = (p.Lq + p.block_q - 1) / p.block_q;
+  const int64_t threads = std::max<int64_t>(1, torch::stable::get_num_threads());
+  return std::max<int64_t>(1, std::min<int64_t>(nq, n / (8 * threads)));
+}
+
 // ---- input checks -----------------------------------------------------------
 
 struct Sizes {
@@ -293,7 +306,7 @@ std::tuple<Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tensor v,
     if (need_weights) torch::stable::zero_(weights);
     return {out, lse, weights};
   }
-  run_tasks(ma_attn_fwd_task, &p, ma_attn_fwd_work_items(&p), ma_attn_fwd_scratch_bytes(&p), q, 1);
+  run_tasks(ma_attn_fwd_task, &p, ma_attn_fwd_work_items(&p), ma_attn_fwd_scratch_bytes(&p), q, fwd_grain(p));
   return {out, lse, weights};
 }
 
