@@ -19,21 +19,27 @@
  * ever makes a denormal: each vector with a denormal result costs a microcode
  * assist (about 18x slower here), and masked scores (-inf) are common. NaN
  * stays NaN (it passes the clamps as their second operand). */
+/* The constants both widths share: x = n ln2 + r with ln2 split in two
+ * (Cody-Waite, the high part exact in 9 bits), and e^r's polynomial,
+ * highest degree first, evaluated by Horner's rule. */
+#define MA_EXP_LOG2E 1.44269504088896341f
+#define MA_EXP_LN2_HI 0.693359375f
+#define MA_EXP_LN2_LO -2.12194440e-4f
+#define MA_EXP_TERMS 7
+static const float ma_exp_poly[MA_EXP_TERMS] = {1.3846145011484623e-3f, 8.374120108783245e-3f,
+                                                4.1667960584163666e-2f, 1.6666431725025177e-1f,
+                                                4.999999403953552e-1f, 1.0f, 1.0f};
+
 #if defined(__AVX512F__)
 static inline __m512 exp512(__m512 x_in) {
     const __mmask16 underflow = _mm512_cmp_ps_mask(x_in, _mm512_set1_ps(-87.33f), _CMP_LT_OQ);
     const __m512 x = _mm512_max_ps(_mm512_set1_ps(-87.33f), x_in);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(MA_EXP_LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.3846145011484623e-3f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.374120108783245e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1667960584163666e-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666431725025177e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.999999403953552e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(MA_EXP_LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(MA_EXP_LN2_LO), r);
+    __m512 y = _mm512_set1_ps(ma_exp_poly[0]);
+    for (int i = 1; i < MA_EXP_TERMS; i++) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ma_exp_poly[i]));
     return _mm512_maskz_scalef_ps((__mmask16)~underflow, y, n); /* 2^n; past 88.72 it overflows to inf */
 }
 
@@ -75,17 +81,12 @@ static inline void stream_row512(float *y, const float *x, int64_t n, float mul)
 static inline __m256 exp256(__m256 x_in) {
     __m256 x = _mm256_max_ps(_mm256_set1_ps(-87.33f), x_in);
     x = _mm256_min_ps(_mm256_set1_ps(88.37f), x);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(MA_EXP_LOG2E)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.3846145011484623e-3f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.374120108783245e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1667960584163666e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666431725025177e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.999999403953552e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(MA_EXP_LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(MA_EXP_LN2_LO), r);
+    __m256 y = _mm256_set1_ps(ma_exp_poly[0]);
+    for (int i = 1; i < MA_EXP_TERMS; i++) y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(ma_exp_poly[i]));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
     const __m256 underflow = _mm256_cmp_ps(x_in, _mm256_set1_ps(-87.33f), _CMP_LT_OQ);
