@@ -324,7 +324,8 @@ GROUPS = {
 
 SWEEP_FULL = dict(L=[128, 256, 512, 1024, 2048, 4096, 8192], D=[64, 128], pad=[0.0, 0.25, 0.5],
                   dtype=["fp32", "bf16"])
-SWEEP_QUICK = dict(L=[128, 256, 512, 1024, 2048], D=[64], pad=[0.0, 0.5], dtype=["fp32", "bf16"])
+# make bench's sweep: the whole range of every axis, every other length
+SWEEP_QUICK = dict(L=[128, 512, 2048, 8192], D=[64, 128], pad=[0.0, 0.25, 0.5], dtype=["fp32", "bf16"])
 _SWEEP_RE = re.compile(r"sweep-L(\d+)-D(\d+)-p(\d+)-(fp32|bf16)$")
 
 # cross-entropy vocabulary sweep: V (8k to 256k) x % of targets ignored, 2^28 float32 logits each

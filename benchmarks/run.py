@@ -244,24 +244,29 @@ def plot(records, path):
     for r in pts:
         s = r["info"]["sweep"]
         lines.setdefault((s["D"], s["pad"], s["dtype"]), []).append((s["L"], r["ratio"]))
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for (D, pad, dt), xy in sorted(lines.items()):
-        xy.sort()
-        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o",
-                linestyle="-" if dt == "fp32" else "--", label=f"D={D}, pad {pad:.0%}, {dt}")
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
+    dtypes = sorted({dt for _, _, dt in lines}, key=lambda d: d != "fp32")          # fp32 first
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(7 * len(dtypes), 5), sharey=True, squeeze=False)
     lengths = sorted({x for xy in lines.values() for x, _ in xy})
-    ax.set_xticks(lengths, [str(x) for x in lengths])
-    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-    ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-    ax.set_xlabel("sequence length L (B = max(1, 4096 / L), H = 8, causal, fwd+bwd)")
-    ax.set_ylabel("ratio = native ms / ours ms (above 1: ours faster)")
-    ax.set_title(f"torch_masked_attn vs F.scaled_dot_product_attention, {torch.get_num_threads()} threads")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    for ax, dtype in zip(axes[0], dtypes):
+        for (D, pad, dt), xy in sorted(lines.items()):
+            if dt != dtype:
+                continue
+            xy.sort()
+            ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o",
+                    linestyle="-" if D == 64 else "--", label=f"D={D}, pad {pad:.0%}")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(lengths, [str(x) for x in lengths])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.set_xlabel("sequence length L (B = max(1, 4096 / L), H = 8, causal, fwd+bwd)")
+        ax.set_title({"fp32": "float32", "bf16": "bfloat16"}.get(dtype, dtype))
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("ratio = native ms / ours ms (above 1: ours faster)")
+    fig.suptitle(f"torch_masked_attn vs F.scaled_dot_product_attention, {torch.get_num_threads()} threads")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fig.savefig(path, dpi=120)
