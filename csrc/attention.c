@@ -108,8 +108,58 @@ static void exp_sub_col_f64(double *x, int64_t rows, int64_t n, const double *m,
         }
 }
 
-const ma_blocks ma_blocks_scalar = {"scalar", gemm_scalar_f32, exp_sub_sum_scalar_f32, col_max_scalar_f32,
-                                    exp_sub_col_scalar_f32, transpose_scalar_f32};
+/* max(m, x[c] for c < n); a NaN anywhere (or m NaN) gives NaN. */
+static float row_max_scalar_f32(const float *x, int64_t n, float m) {
+    for (int64_t c = 0; c < n; c++)
+        if (x[c] > m || x[c] != x[c]) m = x[c];
+    return m;
+}
+
+/* s[r * lds + c] = sum_d q[r * D + d] k[off + c * ld + d] (k in its own dtype). */
+static void dot_keys_scalar_f32(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k,
+                                ma_dtype dt, int64_t off, int64_t ld, int64_t nc) {
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t c = 0; c < nc; c++) {
+            float acc = 0;
+            for (int64_t d = 0; d < D; d++) acc += q[r * D + d] * ma_load_f32(k, dt, off + c * ld + d);
+            s[r * lds + c] = acc;
+        }
+}
+
+/* o[r * Dv + d] += sum_c p[r * ldp + c] v[off + c * ld + d] (v in its own dtype). */
+static void axpy_keys_scalar_f32(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v,
+                                 ma_dtype dt, int64_t off, int64_t ld, int64_t nc) {
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t c = 0; c < nc; c++)
+            for (int64_t d = 0; d < Dv; d++) o[r * Dv + d] += p[r * ldp + c] * ma_load_f32(v, dt, off + c * ld + d);
+}
+
+static double row_max_f64(const double *x, int64_t n, double m) {
+    for (int64_t c = 0; c < n; c++)
+        if (x[c] > m || x[c] != x[c]) m = x[c];
+    return m;
+}
+
+static void dot_keys_f64(double *s, int64_t lds, const double *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
+                         int64_t off, int64_t ld, int64_t nc) {
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t c = 0; c < nc; c++) {
+            double acc = 0;
+            for (int64_t d = 0; d < D; d++) acc += q[r * D + d] * ma_load_f64(k, dt, off + c * ld + d);
+            s[r * lds + c] = acc;
+        }
+}
+
+static void axpy_keys_f64(double *o, const double *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v, ma_dtype dt,
+                          int64_t off, int64_t ld, int64_t nc) {
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t c = 0; c < nc; c++)
+            for (int64_t d = 0; d < Dv; d++) o[r * Dv + d] += p[r * ldp + c] * ma_load_f64(v, dt, off + c * ld + d);
+}
+
+const ma_blocks ma_blocks_scalar = {"scalar",           gemm_scalar_f32,     exp_sub_sum_scalar_f32,
+                                    col_max_scalar_f32, exp_sub_col_scalar_f32, transpose_scalar_f32,
+                                    row_max_scalar_f32, dot_keys_scalar_f32, axpy_keys_scalar_f32};
 
 /* float accumulation, scalar: the reference */
 #define ACC float
@@ -122,6 +172,9 @@ const ma_blocks ma_blocks_scalar = {"scalar", gemm_scalar_f32, exp_sub_sum_scala
 #define COL_MAX col_max_scalar_f32
 #define EXP_SUB_COL exp_sub_col_scalar_f32
 #define TRANSPOSE transpose_scalar_f32
+#define ROW_MAX row_max_scalar_f32
+#define DOT_KEYS dot_keys_scalar_f32
+#define AXPY_KEYS axpy_keys_scalar_f32
 #include "attention_tmpl.h"
 #include "undef_tmpl.h"
 
@@ -136,6 +189,9 @@ const ma_blocks ma_blocks_scalar = {"scalar", gemm_scalar_f32, exp_sub_sum_scala
 #define COL_MAX col_max_f64
 #define EXP_SUB_COL exp_sub_col_f64
 #define TRANSPOSE transpose_f64
+#define ROW_MAX row_max_f64
+#define DOT_KEYS dot_keys_f64
+#define AXPY_KEYS axpy_keys_f64
 #include "attention_tmpl.h"
 #include "undef_tmpl.h"
 

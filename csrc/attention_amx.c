@@ -365,8 +365,8 @@ static void gemm_amx3(int64_t m, int64_t n, int64_t k, const float *A, int64_t a
 }
 
 /* The harness tests the two precisions' GEMMs; the other blocks are AVX-512's. */
-const ma_blocks ma_blocks_amx2 = {"amx2", gemm_amx2, NULL, NULL, NULL, NULL};
-const ma_blocks ma_blocks_amx3 = {"amx3", gemm_amx3, NULL, NULL, NULL, NULL};
+const ma_blocks ma_blocks_amx2 = {"amx2", gemm_amx2, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+const ma_blocks ma_blocks_amx3 = {"amx3", gemm_amx3, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
 
 /* ---- the kernels ----------------------------------------------------------
  *
@@ -385,6 +385,9 @@ const ma_blocks ma_blocks_amx3 = {"amx3", gemm_amx3, NULL, NULL, NULL, NULL};
 #define COL_MAX ma_blocks_avx512.col_max
 #define EXP_SUB_COL ma_blocks_avx512.exp_sub_col
 #define TRANSPOSE ma_blocks_avx512.transpose
+#define ROW_MAX ma_blocks_avx512.row_max
+#define DOT_KEYS ma_blocks_avx512.dot_keys
+#define AXPY_KEYS ma_blocks_avx512.axpy_keys
 #define MA_TMPL_SIMD
 #include "attention_tmpl.h"
 #undef MA_TMPL_SIMD
@@ -488,6 +491,10 @@ static void attn_fwd_tiles_amx(int64_t begin, int64_t end, void *vctx) {
     for (int64_t w = begin; w < end; w++) {
         const int64_t b = w / (H * nq), h = (w / nq) % H, qb_i = interleave_amx(w % nq, nq), hk = h / G;
         const int64_t i0 = qb_i * BQ, nr = ma_min(BQ, Lq - i0);
+        if (fwd_by_rows_amx(p, nr)) { /* a few query rows: K and V rows in place (attention_tmpl.h) */
+            attn_fwd_amx(w, w + 1, vctx);
+            continue;
+        }
         const int64_t kv_end = kv_end_amx(p->is_causal, Lk, i0, nr);
         fwd_pack_head(p, pr, &a, &hdr->tag[0], b, hk);
         load_tile_t_amx(t.qT, p->q, p->dtype, p->q_stride, b, h, i0, nr, D, 1);

@@ -124,7 +124,109 @@ static void transpose_avx2(float *dst, const float *src, int64_t lds, int64_t nr
         for (int64_t c = 0; c < ncol; c++) dst[c * nr + r] = mul * src[r * lds + c];
 }
 
-const ma_blocks ma_blocks_avx2 = {"avx2", gemm_avx2, exp_sub_sum_avx2, col_max_avx2, exp_sub_col_avx2, transpose_avx2};
+/* 8 elements of a row in its own dtype (float32, bfloat16 or float16) as
+ * float32; n < 8 reads only the first n (the rest are 0). */
+static inline __m256 load8(const void *base, ma_dtype dt, int64_t off, int64_t n) {
+    if (dt == MA_F32) {
+        const float *x = (const float *)base + off;
+        return n >= 8 ? _mm256_loadu_ps(x) : _mm256_maskload_ps(x, tail_mask(n));
+    }
+    const uint16_t *x = (const uint16_t *)base + off;
+    __m128i h;
+    if (n >= 8) {
+        h = _mm_loadu_si128((const __m128i *)x);
+    } else {
+        uint16_t buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int64_t i = 0; i < n; i++) buf[i] = x[i];
+        h = _mm_loadu_si128((const __m128i *)buf);
+    }
+    if (dt == MA_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+/* r[0..7] = the 8 x 8 block whose rows they are, transposed in registers. */
+static inline void transpose8x8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+/* max(m, x[c] for c < n); NaN sticks. */
+static float row_max_avx2(const float *x, int64_t n, float m) {
+    __m256 mx = _mm256_set1_ps(m), nan = _mm256_cmp_ps(mx, mx, _CMP_UNORD_Q);
+    for (int64_t c = 0; c < n; c += 8) {
+        const int64_t k = ma_min(8, n - c);
+        const __m256 xv = k == 8 ? _mm256_loadu_ps(x + c)
+                                 : _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_maskload_ps(x + c, tail_mask(k)),
+                                                    _mm256_castsi256_ps(tail_mask(k)));
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));
+        mx = _mm256_max_ps(xv, mx);
+    }
+    if (_mm256_movemask_ps(nan)) return NAN;
+    float t[8], r = m;
+    _mm256_storeu_ps(t, mx);
+    for (int i = 0; i < 8; i++) r = t[i] > r ? t[i] : r;
+    return r;
+}
+
+/* s[r * lds + c] = q_r . k_c, bit for bit the GEMM's value, 8 keys in the
+ * lanes (see dot_keys_avx512). nr <= 8. */
+static void dot_keys_avx2(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
+                          int64_t off, int64_t ld, int64_t nc) {
+    for (int64_t c0 = 0; c0 < nc; c0 += 8) {
+        const int64_t nk = ma_min(8, nc - c0);
+        __m256 acc[8];
+        for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t d0 = 0; d0 < D; d0 += 8) {
+            const int64_t dn = ma_min(8, D - d0);
+            __m256 x[8];
+            for (int i = 0; i < 8; i++) x[i] = i < nk ? load8(k, dt, off + (c0 + i) * ld + d0, dn) : _mm256_setzero_ps();
+            transpose8x8(x); /* x[dd] lane i = k[c0 + i][d0 + dd] */
+            for (int64_t dd = 0; dd < dn; dd++)
+                for (int r = 0; r < 8; r++)
+                    if (r < nr) acc[r] = _mm256_fmadd_ps(x[dd], _mm256_set1_ps(q[r * D + d0 + dd]), acc[r]);
+        }
+        for (int r = 0; r < 8; r++)
+            if (r < nr) _mm256_maskstore_ps(s + r * lds + c0, tail_mask(nk), acc[r]);
+    }
+}
+
+/* o[r * Dv + d] += sum_c p[r * ldp + c] v_c[d] (see axpy_keys_avx512). */
+static void axpy_keys_avx2(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v, ma_dtype dt,
+                           int64_t off, int64_t ld, int64_t nc) {
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t d0 = 0; d0 < Dv; d0 += 32) {
+            int64_t n[4];
+            __m256 acc[4];
+            for (int u = 0; u < 4; u++) {
+                n[u] = Dv - d0 - 8 * u < 0 ? 0 : ma_min(8, Dv - d0 - 8 * u);
+                acc[u] = load8(o, MA_F32, r * Dv + d0 + 8 * u, n[u]);
+            }
+            for (int64_t c = 0; c < nc; c++) {
+                const __m256 pv = _mm256_set1_ps(p[r * ldp + c]);
+                for (int u = 0; u < 4; u++)
+                    if (n[u] > 0) acc[u] = _mm256_fmadd_ps(pv, load8(v, dt, off + c * ld + d0 + 8 * u, n[u]), acc[u]);
+            }
+            for (int u = 0; u < 4; u++)
+                if (n[u] > 0) _mm256_maskstore_ps(o + r * Dv + d0 + 8 * u, tail_mask(n[u]), acc[u]);
+        }
+}
+
+const ma_blocks ma_blocks_avx2 = {"avx2",           gemm_avx2,      exp_sub_sum_avx2, col_max_avx2,
+                                  exp_sub_col_avx2, transpose_avx2, row_max_avx2,     dot_keys_avx2,
+                                  axpy_keys_avx2};
 
 #define STREAM_ROW_F32 stream_row256
 #define STREAM_FENCE _mm_sfence
@@ -138,6 +240,9 @@ const ma_blocks ma_blocks_avx2 = {"avx2", gemm_avx2, exp_sub_sum_avx2, col_max_a
 #define COL_MAX col_max_avx2
 #define EXP_SUB_COL exp_sub_col_avx2
 #define TRANSPOSE transpose_avx2
+#define ROW_MAX row_max_avx2
+#define DOT_KEYS dot_keys_avx2
+#define AXPY_KEYS axpy_keys_avx2
 #define MA_TMPL_SIMD
 #include "attention_tmpl.h"
 #undef MA_TMPL_SIMD

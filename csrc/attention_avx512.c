@@ -171,8 +171,110 @@ static void transpose_avx512(float *dst, const float *src, int64_t lds, int64_t 
     }
 }
 
+/* 16 elements of a row in its own dtype (float32, bfloat16 or float16) as
+ * float32; lanes outside k read nothing and are 0. */
+static inline __m512 load16(const void *base, ma_dtype dt, int64_t off, __mmask16 k) {
+    if (dt == MA_F32) return _mm512_maskz_loadu_ps(k, (const float *)base + off);
+    const __m256i h = _mm256_maskz_loadu_epi16(k, (const uint16_t *)base + off);
+    if (dt == MA_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+/* max(m, x[c] for c < n); NaN sticks (vmaxps alone would drop it). */
+static float row_max_avx512(const float *x, int64_t n, float m) {
+    __m512 mx = _mm512_set1_ps(m);
+    __mmask16 nan = _mm512_cmp_ps_mask(mx, mx, _CMP_UNORD_Q);
+    for (int64_t c = 0; c < n; c += 16) {
+        const __mmask16 k = tail_mask(n - c);
+        const __m512 xv = _mm512_maskz_loadu_ps(k, x + c);
+        nan |= _mm512_mask_cmp_ps_mask(k, xv, xv, _CMP_UNORD_Q);
+        mx = _mm512_mask_max_ps(mx, k, xv, mx);
+    }
+    return nan ? NAN : _mm512_reduce_max_ps(mx);
+}
+
+/* s[r * lds + c] = q_r . k_c, bit for bit the GEMM's value (one FMA per d,
+ * in order, from 0): 16 keys in the lanes, their 16 x 16 blocks of K
+ * transposed in registers, so every query row reuses each block. nr <= 8.
+ * Instantiated per dtype (dt a constant after inlining). */
+static inline __attribute__((always_inline)) void dot_keys_dt(float *s, int64_t lds, const float *q, int64_t nr,
+                                                              int64_t D, const void *k, const ma_dtype dt,
+                                                              int64_t off, int64_t ld, int64_t nc) {
+    int64_t c0 = 0;
+    if (nr == 1) /* decoding: 4 groups of 16 keys side by side, 4 independent FMA chains */
+        for (; c0 + 64 <= nc; c0 += 64) {
+            __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            for (int64_t d0 = 0; d0 < D; d0 += 16) {
+                const int64_t dn = ma_min(16, D - d0);
+                const __mmask16 dm = tail_mask(dn);
+                for (int g = 0; g < 4; g++) {
+                    __m512 x[16];
+                    for (int i = 0; i < 16; i++) x[i] = load16(k, dt, off + (c0 + 16 * g + i) * ld + d0, dm);
+                    transpose16x16(x);
+                    for (int64_t dd = 0; dd < dn; dd++)
+                        acc[g] = _mm512_fmadd_ps(x[dd], _mm512_set1_ps(q[d0 + dd]), acc[g]);
+                }
+            }
+            for (int g = 0; g < 4; g++) _mm512_storeu_ps(s + c0 + 16 * g, acc[g]);
+        }
+    for (; c0 < nc; c0 += 16) {
+        const int64_t nk = ma_min(16, nc - c0);
+        __m512 acc[8];
+        for (int r = 0; r < 8; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+            const int64_t dn = ma_min(16, D - d0);
+            const __mmask16 dm = tail_mask(dn);
+            __m512 x[16];
+            for (int i = 0; i < 16; i++) /* keys past nc: nothing read */
+                x[i] = i < nk ? load16(k, dt, off + (c0 + i) * ld + d0, dm) : _mm512_setzero_ps();
+            transpose16x16(x); /* x[dd] lane i = k[c0 + i][d0 + dd] */
+            for (int64_t dd = 0; dd < dn; dd++)
+                for (int r = 0; r < 8; r++)
+                    if (r < nr) acc[r] = _mm512_fmadd_ps(x[dd], _mm512_set1_ps(q[r * D + d0 + dd]), acc[r]);
+        }
+        for (int r = 0; r < 8; r++)
+            if (r < nr) _mm512_mask_storeu_ps(s + r * lds + c0, tail_mask(nk), acc[r]);
+    }
+}
+
+static void dot_keys_avx512(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
+                            int64_t off, int64_t ld, int64_t nc) {
+    if (dt == MA_F32) dot_keys_dt(s, lds, q, nr, D, k, MA_F32, off, ld, nc);
+    else if (dt == MA_BF16) dot_keys_dt(s, lds, q, nr, D, k, MA_BF16, off, ld, nc);
+    else dot_keys_dt(s, lds, q, nr, D, k, MA_F16, off, ld, nc);
+}
+
+/* o[r * Dv + d] += sum_c p[r * ldp + c] v_c[d]: 64 columns of one row in
+ * registers while the keys stream past (per dtype, as dot_keys). */
+static inline __attribute__((always_inline)) void axpy_keys_dt(float *o, const float *p, int64_t ldp, int64_t nr,
+                                                               int64_t Dv, const void *v, const ma_dtype dt,
+                                                               int64_t off, int64_t ld, int64_t nc) {
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t d0 = 0; d0 < Dv; d0 += 64) {
+            __mmask16 mk[4];
+            __m512 acc[4];
+            for (int u = 0; u < 4; u++) {
+                mk[u] = tail_mask(Dv - d0 - 16 * u);
+                acc[u] = _mm512_maskz_loadu_ps(mk[u], o + r * Dv + d0 + 16 * u);
+            }
+            for (int64_t c = 0; c < nc; c++) {
+                const __m512 pv = _mm512_set1_ps(p[r * ldp + c]);
+                for (int u = 0; u < 4; u++)
+                    acc[u] = _mm512_fmadd_ps(pv, load16(v, dt, off + c * ld + d0 + 16 * u, mk[u]), acc[u]);
+            }
+            for (int u = 0; u < 4; u++) _mm512_mask_storeu_ps(o + r * Dv + d0 + 16 * u, mk[u], acc[u]);
+        }
+}
+
+static void axpy_keys_avx512(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v,
+                             ma_dtype dt, int64_t off, int64_t ld, int64_t nc) {
+    if (dt == MA_F32) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_F32, off, ld, nc);
+    else if (dt == MA_BF16) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_BF16, off, ld, nc);
+    else axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_F16, off, ld, nc);
+}
+
 const ma_blocks ma_blocks_avx512 = {"avx512", gemm_avx512, exp_sub_sum_avx512, col_max_avx512, exp_sub_col_avx512,
-                                    transpose_avx512};
+                                    transpose_avx512, row_max_avx512, dot_keys_avx512, axpy_keys_avx512};
 
 #define STREAM_ROW_F32 stream_row512
 #define STREAM_FENCE _mm_sfence
@@ -186,6 +288,9 @@ const ma_blocks ma_blocks_avx512 = {"avx512", gemm_avx512, exp_sub_sum_avx512, c
 #define COL_MAX col_max_avx512
 #define EXP_SUB_COL exp_sub_col_avx512
 #define TRANSPOSE transpose_avx512
+#define ROW_MAX row_max_avx512
+#define DOT_KEYS dot_keys_avx512
+#define AXPY_KEYS axpy_keys_avx512
 #define MA_TMPL_SIMD
 #include "attention_tmpl.h"
 #undef MA_TMPL_SIMD

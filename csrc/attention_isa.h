@@ -20,6 +20,15 @@ typedef struct {
     void (*col_max)(const float *x, int64_t rows, int64_t n, float *m);
     void (*exp_sub_col)(float *x, int64_t rows, int64_t n, const float *m, float *sum);
     void (*transpose)(float *dst, const float *src, int64_t lds, int64_t nr, int64_t ncol, float mul);
+    /* a few query rows against key / value rows read in place in their own
+     * dtype (float32, bfloat16, float16; unit column stride), row c at
+     * src[off + c * ld], and the row max of their scores: the forward of a
+     * short query block (decoding) */
+    float (*row_max)(const float *x, int64_t n, float m);
+    void (*dot_keys)(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
+                     int64_t off, int64_t ld, int64_t nc);
+    void (*axpy_keys)(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v, ma_dtype dt,
+                      int64_t off, int64_t ld, int64_t nc);
 } ma_blocks;
 
 extern const ma_blocks ma_blocks_scalar, ma_blocks_avx2, ma_blocks_avx512;

@@ -18,6 +18,11 @@
  *       dst (ncol, nr) = mul * src (nr, ncol)^T, src rows lds apart
  *   EXP_SUB_COL(x, rows, n, m, sum)
  *       x[c*n + r] = exp(x[c*n + r] - m[r]), sum[r] += it; m[r] = -inf acts as 0
+ *   ROW_MAX(x, n, m)              max(m, x[c] for c < n); NaN sticks
+ *   DOT_KEYS(s, lds, q, nr, D, k, dt, off, ld, nc)
+ *       s[r*lds + c] = q[r*D : r*D + D] . k[off + c*ld : ... + D], k in its own dtype
+ *   AXPY_KEYS(o, p, ldp, nr, Dv, v, dt, off, ld, nc)
+ *       o[r*Dv + d] += sum_c p[r*ldp + c] v[off + c*ld + d], v in its own dtype
  * exp(-inf) is exactly 0 in every building block: masked keys get exactly
  * zero probability, so they cannot leak into any output.
  *
@@ -337,6 +342,48 @@ static inline size_t FN(fwd_scratch_elems)(const ma_attn_fwd_params *p) {
                     (FN(needs_copy)(p->dtype, p->v_stride) ? p->Lk * Dv : 0));
 }
 
+/* Query blocks of at most MA_FWD_ROWS rows (decoding: Lq = 1, or the last
+ * rows of a prefill) take the key and value rows in place, in their own
+ * dtype: the scores are dot products of each query row with each key row
+ * (DOT_KEYS), the softmax runs along rows, and O += P V is one pass over the
+ * value rows (AXPY_KEYS). The tile path would pack every key block for a
+ * handful of queries (its broadcast GEMM is 16-32x wasteful at one column),
+ * convert a bfloat16 head to float32 first, and run the column-wise softmax
+ * on columns one lane wide; at Lq = 1 the work is reading K and V. */
+#define MA_FWD_ROWS 8
+static inline int FN(fwd_by_rows)(const ma_attn_fwd_params *p, int64_t nr) {
+    return nr <= MA_FWD_ROWS && !p->weights && p->k_stride[3] == 1 && p->v_stride[3] == 1;
+}
+
+/* One key block j0 .. j0 + nc of that path: q holds scale * Q rows (nr, D),
+ * o the running output (nr, Dv), m and l the running max and sum; s (nr, nc),
+ * m_new, lsum and alpha are scratch. The same arithmetic as the tiles: scores
+ * plus bias, m_new = max(m, row max), P = exp(S - m_new) (m_new = -inf as 0),
+ * l = alpha l + sum P, O = alpha O + P V, each in the order the tiles use
+ * (DOT_KEYS and AXPY_KEYS are bit for bit the GEMM's sums, P sums in key
+ * order): a row's values never depend on which path computed it, so adding
+ * query rows (padding) changes no other row. The AMX tile kernels round
+ * differently; their short blocks take this path on AVX-512. */
+static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s, ACC *o, ACC *m, ACC *l, ACC *m_new,
+                              ACC *lsum, ACC *alpha, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t nr,
+                              int64_t j0, int64_t nc) {
+    const int64_t D = p->D, Dv = p->Dv, *ks = p->k_stride, *vs = p->v_stride;
+    DOT_KEYS(s, nc, q, nr, D, p->k, p->dtype, b * ks[0] + hk * ks[1] + j0 * ks[2], ks[2], nc);
+    FN(add_bias)(s, nc, 1, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
+    for (int64_t r = 0; r < nr; r++) {
+        m_new[r] = ROW_MAX(s + r * nc, nc, m[r]);
+        (void)EXP_SUB_SUM(s + r * nc, nc, m_new[r] == -(ACC)INFINITY ? 0 : m_new[r]);
+        lsum[r] = 0;
+    }
+    for (int64_t c = 0; c < nc; c++) /* summed in key order, as EXP_SUB_COL does */
+        for (int64_t r = 0; r < nr; r++) lsum[r] += s[r * nc + c];
+    if (FN(online_step)(m, m_new, l, lsum, alpha, nr))
+        for (int64_t r = 0; r < nr; r++)
+            if (alpha[r] != 1)
+                for (int64_t d = 0; d < Dv; d++) o[r * Dv + d] *= alpha[r];
+    AXPY_KEYS(o, s, nc, nr, Dv, p->v, p->dtype, b * vs[0] + hk * vs[1] + j0 * vs[2], vs[2], nc);
+}
+
 static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
     const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
     const ma_attn_fwd_params *p = (const ma_attn_fwd_params *)ctx->params;
@@ -350,14 +397,21 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
         const int64_t b = w / (H * nq), h = (w / nq) % H, qb = FN(interleave)(w % nq, nq), hk = h / G;
         const int64_t i0 = qb * BQ, nr = ma_min(BQ, Lq - i0);
         const int64_t kv_end = FN(kv_end)(p->is_causal, Lk, i0, nr);
-        const ACC *k_bh = FN(needs_copy)(p->dtype, p->k_stride)
+        const int by_rows = FN(fwd_by_rows)(p, nr);
+        const ACC *k_bh = !by_rows && FN(needs_copy)(p->dtype, p->k_stride)
                               ? FN(head_cache)(&hdr->tag[0], t.kc, p->k, p->dtype, p->k_stride, b, hk, 1, Lk, D)
                               : NULL;
-        const ACC *v_bh = FN(needs_copy)(p->dtype, p->v_stride)
+        const ACC *v_bh = !by_rows && FN(needs_copy)(p->dtype, p->v_stride)
                               ? FN(head_cache)(&hdr->tag[1], t.vc, p->v, p->dtype, p->v_stride, b, hk, 1, Lk, Dv)
                               : NULL;
 
-        FN(load_tile_t)(t.qT, p->q, p->dtype, p->q_stride, b, h, i0, nr, D, (ACC)p->scale);
+        if (by_rows) /* scale * Q rows, (nr, D), in qT's place */
+            for (int64_t r = 0; r < nr; r++)
+                FN(convert_row)(t.qT + r * D, 1, p->q, p->dtype,
+                                b * p->q_stride[0] + h * p->q_stride[1] + (i0 + r) * p->q_stride[2], p->q_stride[3],
+                                D, (ACC)p->scale);
+        else
+            FN(load_tile_t)(t.qT, p->q, p->dtype, p->q_stride, b, h, i0, nr, D, (ACC)p->scale);
         for (int64_t r = 0; r < nr; r++) {
             t.m[r] = -(ACC)INFINITY;
             t.l[r] = 0;
@@ -367,6 +421,10 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
         for (int64_t j0 = 0; j0 < kv_end; j0 += BK) {
             const int64_t nc = FN(keys_read)(&p->key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
             if (nc == 0) continue;
+            if (by_rows) {
+                FN(fwd_rows_step)(p, t.qT, t.sT, t.o, t.m, t.l, t.m_new, t.lsum, t.lse, b, h, hk, i0, nr, j0, nc);
+                continue;
+            }
             int64_t ldk, ldv;
             const ACC *k_j = FN(rows_in)(p->k, p->dtype, p->k_stride, b, hk, j0, k_bh, D, &ldk);
             const ACC *v_j = FN(rows_in)(p->v, p->dtype, p->v_stride, b, hk, j0, v_bh, Dv, &ldv);

@@ -9,5 +9,8 @@
 #undef COL_MAX
 #undef EXP_SUB_COL
 #undef TRANSPOSE
+#undef ROW_MAX
+#undef DOT_KEYS
+#undef AXPY_KEYS
 #undef STREAM_ROW_F32
 #undef STREAM_FENCE

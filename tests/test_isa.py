@@ -376,3 +376,73 @@ def test_causal_diagonal_split_is_exact(isa, dtype, case, extra):
         if extra == "floatmask" and i == len(split) - 1:  # the mask's gradient: compare where not masked
             a, b = a.masked_fill(causal, 0), b.masked_fill(causal, 0)
         assert torch.equal(a, b), f"{isa} {case} {extra}: output {i}, max diff {(a - b).abs().max()}"
+
+
+# (B, H, Hkv, Lk, D, Dv) for the short query blocks (decoding and the last rows of a prefill)
+ROWS_CASES = {
+    "decode": (2, 4, 4, 200, 64, 64),
+    "gqa-tails": (1, 4, 2, 97, 13, 80),
+    "long-D": (1, 2, 1, 70, 128, 16),
+}
+
+
+@pytest.mark.parametrize("isa,dtype", [(isa, torch.float32) for isa in VARIANTS]
+                         + [(isa, dt) for isa in ("scalar", "avx2", "avx512") for dt in (torch.bfloat16, torch.float16)]
+                         + [("amx", torch.bfloat16), ("scalar", torch.float64)], ids=str)
+@pytest.mark.parametrize("case", list(ROWS_CASES))
+@pytest.mark.parametrize("masks", ["none", "causal+kpm", "float+head"])
+def test_short_query_blocks_match_the_tiles(isa, dtype, case, masks):
+    """A query block of at most 8 rows (Lq = 1 when decoding) reads K and V
+    rows in place with dot products; a longer block goes through the tiles.
+    Row for row the two give the same values, bit for bit (so more query
+    rows, e.g. padding, change no row's output), except on AMX, whose tiles
+    round differently; and both match PyTorch in float64."""
+    if not isa_available(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    B, H, Hkv, Lk, D, Dv = ROWS_CASES[case]
+    torch.manual_seed(2)
+    Lq = 72  # 64 + 8: the last block is short too
+    q = torch.randn(B, H, Lq, D, dtype=torch.float64).to(dtype)
+    k = torch.randn(B, Hkv, Lk, D, dtype=torch.float64).to(dtype)
+    v = torch.randn(B, Hkv, Lk, Dv, dtype=torch.float64).to(dtype)
+    kw = {}
+    if masks == "causal+kpm":
+        kpm = torch.zeros(B, Lk, dtype=torch.bool)
+        kpm[-1, 5:9] = True
+        kpm[0, Lk - 20:] = True
+        kw = dict(is_causal=True, key_padding_mask=kpm)
+    elif masks == "float+head":
+        kw = dict(attn_mask=torch.randn(Lq, Lk, dtype=torch.float64).to(dtype), head_mask=torch.rand(H).to(dtype))
+
+    def call(n):  # the first n query rows
+        kk = dict(kw)
+        if "attn_mask" in kk:
+            kk["attn_mask"] = kk["attn_mask"][:n]
+        with torch.no_grad():
+            return tma.functional.masked_attention(q[:, :, :n], k, v, return_lse=True, **kk)
+
+    full_out, full_lse = run_isa(isa, lambda: call(Lq))
+    for n in (1, 3, 8):
+        out, lse = run_isa(isa, lambda: call(n))
+        if isa == "amx":  # the tiles' split-bfloat16 products round differently
+            tol = 2e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(out, full_out[:, :, :n], rtol=tol, atol=tol)
+        else:
+            assert torch.equal(out, full_out[:, :, :n]), f"{isa} {dtype} n={n}: {(out - full_out[:, :, :n]).abs().max()}"
+            assert torch.equal(lse, full_lse[:, :, :n])
+    # the short path against PyTorch in float64 (its last rows 64..71 are a short block as well)
+    am = torch.zeros(B, H, Lq, Lk, dtype=torch.float64)
+    if masks == "causal+kpm":
+        am = am.masked_fill(torch.ones(Lq, Lk, dtype=torch.bool).triu(1), float("-inf"))
+        am = am.masked_fill(kw["key_padding_mask"][:, None, None, :], float("-inf"))
+    elif masks == "float+head":
+        am = am + kw["attn_mask"].double()
+    G = H // Hkv
+    p = torch.softmax(q.double() @ k.double().repeat_interleave(G, 1).transpose(-1, -2) / D ** 0.5 + am, -1)
+    if masks == "float+head":
+        p = p * kw["head_mask"].double()[None, :, None, None]
+    ref = p @ v.double().repeat_interleave(G, 1)
+    tol = {torch.float32: 2e-5, torch.float64: 1e-12}.get(dtype, 3e-2)
+    torch.testing.assert_close(full_out.double(), ref, rtol=tol, atol=tol)
+    out1, _ = run_isa(isa, lambda: call(1))
+    torch.testing.assert_close(out1.double(), ref[:, :, :1], rtol=tol, atol=tol)

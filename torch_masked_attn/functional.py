@@ -120,15 +120,20 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         raise ValueError(f"scaled_dot_product_attention: the number of query heads ({hq}) must be a "
                          f"multiple of the number of key/value heads ({hk})")
 
-    batch = torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])
+    if query.dim() == key.dim() == value.dim() == 4 and query.size(0) == key.size(0) == value.size(0):
+        # the common (B, H, L, E) call, as is (torch.broadcast_shapes alone costs ~20 us a call,
+        # which a decoding step notices)
+        batch, q, k, v = query.shape[:1], query, key, value
+    else:
+        batch = torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])
 
-    def to4d(t):
-        t = t.expand(*batch, *t.shape[-3:]) if t.dim() >= 3 else t.expand(*batch, 1, *t.shape)
-        if len(batch) == 0:
-            return t.unsqueeze(0)
-        return t if len(batch) == 1 else t.reshape(-1, *t.shape[-3:])
+        def to4d(t):
+            t = t.expand(*batch, *t.shape[-3:]) if t.dim() >= 3 else t.expand(*batch, 1, *t.shape)
+            if len(batch) == 0:
+                return t.unsqueeze(0)
+            return t if len(batch) == 1 else t.reshape(-1, *t.shape[-3:])
 
-    q, k, v = to4d(query), to4d(key), to4d(value)
+        q, k, v = to4d(query), to4d(key), to4d(value)
     mask = attn_mask
     if mask is not None:
         if mask.dtype == torch.bool:
@@ -136,6 +141,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         if len(batch) > 1 and mask.dim() > 3:  # flatten the batch dims like q's
             mask = mask.expand(*batch, *mask.shape[-3:]).reshape(-1, *mask.shape[-3:])
     out = masked_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+    if query.dim() == 4:
+        return out
     out_shape = (*batch, hq, query.size(-2), value.size(-1)) if query.dim() >= 3 else \
         (query.size(-2), value.size(-1))
     return out.reshape(out_shape)

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "attention_isa.h"
+#include "dtype.h"
 #include "masked_attn.h"
 
 #include "harness.h"
@@ -133,6 +134,70 @@ static void test_transpose(const ma_blocks *v) {
         }
 }
 
+/* The short-query blocks: row_max against the scalar one (exact, NaN
+ * included); dot_keys and axpy_keys bit for bit equal to the variant's own
+ * GEMM on the same operands (the forward relies on it: a query row gets the
+ * same value from either path), for float32 rows, and on bfloat16 and
+ * float16 rows bit for bit equal to float32 rows of the same values. */
+static void test_rows(const ma_blocks *v) {
+    static const int64_t ns[] = {1, 5, 15, 16, 17, 33, 64};
+    static const int64_t ds[] = {1, 7, 16, 17, 64, 80, 128};
+    for (int in = 0; in < 7; in++) { /* row_max */
+        const int64_t n = ns[in];
+        float x[64];
+        for (int64_t c = 0; c < n; c++) x[c] = frand();
+        CHECK(v->row_max(x, n, -INFINITY) == ma_blocks_scalar.row_max(x, n, -INFINITY), "%s row_max n=%ld", v->name,
+              (long)n);
+        CHECK(v->row_max(x, n, 5.0f) == 5.0f, "%s row_max keeps m n=%ld", v->name, (long)n);
+        x[n / 2] = NAN;
+        CHECK(isnan(v->row_max(x, n, -INFINITY)), "%s row_max lost a NaN n=%ld", v->name, (long)n);
+        x[n / 2] = 0;
+        CHECK(isnan(v->row_max(x, n, NAN)), "%s row_max lost a NaN m n=%ld", v->name, (long)n);
+    }
+    for (int inc = 0; inc < 7; inc++)
+        for (int id = 0; id < 7; id++)
+            for (int64_t nr = 1; nr <= 8; nr += 3) {
+                const int64_t nc = ns[inc], D = ds[id], ld = D + 3, lds = nc + 2;
+                float *k = malloc(sizeof(float) * nc * ld), *q = malloc(sizeof(float) * nr * D);
+                float *qT = malloc(sizeof(float) * D * nr), *sT = malloc(sizeof(float) * nc * nr);
+                float *s = malloc(sizeof(float) * nr * lds), *s2 = malloc(sizeof(float) * nr * lds);
+                uint16_t *kb = malloc(sizeof(uint16_t) * nc * ld), *kh = malloc(sizeof(uint16_t) * nc * ld);
+                for (int64_t x = 0; x < nc * ld; x++) {
+                    kb[x] = ma_f32_to_bf16(frand()); /* the same values as bfloat16, float16 and float32 */
+                    kh[x] = ma_f32_to_f16(ma_bf16_to_f32(kb[x]));
+                    k[x] = ma_bf16_to_f32(kb[x]);
+                }
+                for (int64_t r = 0; r < nr; r++)
+                    for (int64_t d = 0; d < D; d++) qT[d * nr + r] = q[r * D + d] = frand();
+                v->gemm(nc, nr, D, k, ld, 1, qT, nr, sT, nr, 0); /* the tiles' scores, transposed */
+                for (int64_t x = 0; x < nr * lds; x++) s[x] = s2[x] = 7.0f;
+                v->dot_keys(s, lds, q, nr, D, k, MA_F32, 0, ld, nc);
+                for (int64_t r = 0; r < nr; r++)
+                    for (int64_t c = 0; c < lds; c++)
+                        CHECK(c < nc ? s[r * lds + c] == sT[c * nr + r] : s[r * lds + c] == 7.0f,
+                              "%s dot_keys nr=%ld nc=%ld D=%ld s[%ld,%ld] %g vs gemm %g", v->name, (long)nr,
+                              (long)nc, (long)D, (long)r, (long)c, s[r * lds + c], c < nc ? sT[c * nr + r] : 7.0f);
+                v->dot_keys(s2, lds, q, nr, D, kb, MA_BF16, 0, ld, nc);
+                CHECK(memcmp(s, s2, sizeof(float) * nr * lds) == 0, "%s dot_keys bfloat16 nr=%ld nc=%ld D=%ld",
+                      v->name, (long)nr, (long)nc, (long)D);
+                v->dot_keys(s2, lds, q, nr, D, kh, MA_F16, 0, ld, nc);
+                CHECK(memcmp(s, s2, sizeof(float) * nr * lds) == 0, "%s dot_keys float16 nr=%ld nc=%ld D=%ld",
+                      v->name, (long)nr, (long)nc, (long)D);
+                /* o += P V with the keys as rows of V (Dv = D): against the GEMM with P transposed */
+                float *o = malloc(sizeof(float) * nr * D), *o2 = malloc(sizeof(float) * nr * D);
+                float *o3 = malloc(sizeof(float) * nr * D);
+                for (int64_t x = 0; x < nr * D; x++) o[x] = o2[x] = o3[x] = frand();
+                v->gemm(nr, D, nc, sT, 1, nr, k, ld, o, D, 1);
+                v->axpy_keys(o2, s, lds, nr, D, k, MA_F32, 0, ld, nc);
+                CHECK(memcmp(o, o2, sizeof(float) * nr * D) == 0, "%s axpy_keys nr=%ld nc=%ld Dv=%ld", v->name,
+                      (long)nr, (long)nc, (long)D);
+                v->axpy_keys(o3, s, lds, nr, D, kb, MA_BF16, 0, ld, nc);
+                CHECK(memcmp(o, o3, sizeof(float) * nr * D) == 0, "%s axpy_keys bfloat16 nr=%ld nc=%ld Dv=%ld",
+                      v->name, (long)nr, (long)nc, (long)D);
+                free(k), free(q), free(qT), free(sT), free(s), free(s2), free(kb), free(kh), free(o), free(o2), free(o3);
+            }
+}
+
 int main(void) {
     const struct {
         ma_isa isa;
@@ -152,6 +217,7 @@ int main(void) {
             test_exp(v);
             test_columns(v);
             test_transpose(v);
+            test_rows(v);
         }
         printf("%-7s %s\n", v->name, failures == before ? "ok" : "FAILED");
     }
