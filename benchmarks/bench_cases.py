@@ -299,6 +299,29 @@ def linear_cross_entropy_case(N, d, V, dtype, ignored_fraction=0.25, chunk_size=
                  info=dict(N=N, d=d, V=V, dtype=str(dtype), ignored=ignored_fraction))
 
 
+def decode(dtype, B=8, H=32, Lk=2048, D=128):
+    """One decoding step: one new query per sequence against a cache of Lk
+    keys and values, no grad. Memory-bound: the work is reading K and V once
+    (traffic_bytes), which both implementations must do."""
+    q = torch.randn(B, H, 1, D, dtype=dtype)
+    k, v = (torch.randn(B, H, Lk, D, dtype=dtype) for _ in range(2))
+
+    def native():
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(q, k, v)
+
+    def ours():
+        with torch.no_grad():
+            return tma.functional.scaled_dot_product_attention(q, k, v)
+    fl = attention_flops(B, H, 1, Lk, D, causal=False, backward=False)
+    traffic = 2.0 * B * H * Lk * D * k.element_size()
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+    return Bench(work=f"B={B} H={H} Lq=1 Lk={Lk} D={D} {name}, forward (no grad), "
+                      f"K+V {traffic / 1e6:.0f} MB",
+                 natives={"sdpa": native}, ours=ours, flops=fl, attn_flops=fl, traffic_bytes=traffic,
+                 info=dict(B=B, H=H, Lq=1, Lk=Lk, D=D, dtype=str(dtype)))
+
+
 # ---------------------------------------------------------------- registry
 
 NAMED = {
@@ -310,6 +333,8 @@ NAMED = {
     "mha-train": lambda: mha_train(8, 512),
     "gpt-train-bf16": lambda: gpt_train(torch.bfloat16),
     "long-causal-bf16": lambda: long_causal(torch.bfloat16),
+    "decode": lambda: decode(torch.float32),
+    "decode-bf16": lambda: decode(torch.bfloat16),
     "mha-mem-8192": lambda: mha_train(1, 8192, timed=False),
     "ce": lambda: cross_entropy_case(8192, 32000, torch.float32),
     "ce-bf16": lambda: cross_entropy_case(4096, 128256, torch.bfloat16),
@@ -317,7 +342,7 @@ NAMED = {
 }
 GROUPS = {
     "attention": ["gpt-train", "long-causal", "long-causal-fwd", "one-head-long", "bert-infer", "mha-train",
-                  "gpt-train-bf16", "long-causal-bf16"],
+                  "gpt-train-bf16", "long-causal-bf16", "decode", "decode-bf16"],
     "memory": ["mha-mem-8192"],
     "ce": ["ce", "ce-bf16", "linear-ce"],
 }

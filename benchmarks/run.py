@@ -416,7 +416,7 @@ def main():
             "the projections).")
     log("Peak MB: peak RSS growth during one call in a fresh process, inputs already allocated.")
     if bl:
-        log(f"Cross-entropy against the streaming bandwidth ({y['bandwidth_gbs']:.1f} GB/s, "
+        log(f"Memory-bound cases (cross-entropy, decoding) against the streaming bandwidth ({y['bandwidth_gbs']:.1f} GB/s, "
             f"{y['bandwidth_source']}):")
         for line in bl:
             log(line)
