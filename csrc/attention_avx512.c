@@ -206,13 +206,13 @@ static inline __attribute__((always_inline)) void dot_keys_dt(float *s, int64_t 
                                                               int64_t D, const void *k, const ma_dtype dt,
                                                               int64_t off, int64_t ld, int64_t nc) {
     int64_t c0 = 0;
-    if (nr == 1) /* decoding: 4 groups of 16 keys side by side, 4 independent FMA chains */
-        for (; c0 + 64 <= nc; c0 += 64) {
-            __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    if (nr == 1) /* decoding: 2 groups of 16 keys side by side, 2 independent FMA chains */
+        for (; c0 + 32 <= nc; c0 += 32) {
+            __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
             for (int64_t d0 = 0; d0 < D; d0 += 16) {
                 const int64_t dn = ma_min(16, D - d0);
                 const __mmask16 dm = tail_mask(dn);
-                for (int g = 0; g < 4; g++) {
+                for (int g = 0; g < 2; g++) {
                     __m512 x[16];
                     for (int i = 0; i < 16; i++) {
                         x[i] = load16(k, dt, off + (c0 + 16 * g + i) * ld + d0, dm);
@@ -223,7 +223,7 @@ static inline __attribute__((always_inline)) void dot_keys_dt(float *s, int64_t 
                         acc[g] = _mm512_fmadd_ps(x[dd], _mm512_set1_ps(q[d0 + dd]), acc[g]);
                 }
             }
-            for (int g = 0; g < 4; g++) _mm512_storeu_ps(s + c0 + 16 * g, acc[g]);
+            for (int g = 0; g < 2; g++) _mm512_storeu_ps(s + c0 + 16 * g, acc[g]);
         }
     for (; c0 < nc; c0 += 16) {
         const int64_t nk = ma_min(16, nc - c0);
@@ -252,28 +252,31 @@ static void dot_keys_avx512(float *s, int64_t lds, const float *q, int64_t nr, i
     else dot_keys_dt(s, lds, q, nr, D, k, MA_F16, off, ld, nc);
 }
 
-/* o[r * Dv + d] += sum_c p[r * ldp + c] v_c[d]: 64 columns of one row in
- * registers while the keys stream past (per dtype, as dot_keys). */
+/* o[r * Dv + d] += sum_c p[r * ldp + c] v_c[d]: 128 columns of one row in
+ * registers while the keys stream past, so a value row of D <= 128 is read
+ * once, front to back (per dtype, as dot_keys). */
 static inline __attribute__((always_inline)) void axpy_keys_dt(float *o, const float *p, int64_t ldp, int64_t nr,
                                                                int64_t Dv, const void *v, const ma_dtype dt,
                                                                int64_t off, int64_t ld, int64_t nc) {
+    const int es = dt == MA_F32 ? 4 : 2;
     for (int64_t r = 0; r < nr; r++)
-        for (int64_t d0 = 0; d0 < Dv; d0 += 64) {
-            __mmask16 mk[4];
-            __m512 acc[4];
-            for (int u = 0; u < 4; u++) {
+        for (int64_t d0 = 0; d0 < Dv; d0 += 128) {
+            __mmask16 mk[8];
+            __m512 acc[8];
+            for (int u = 0; u < 8; u++) {
                 mk[u] = tail_mask(Dv - d0 - 16 * u);
                 acc[u] = _mm512_maskz_loadu_ps(mk[u], o + r * Dv + d0 + 16 * u);
             }
             for (int64_t c = 0; c < nc; c++) {
                 const __m512 pv = _mm512_set1_ps(p[r * ldp + c]);
-                for (int u = 0; u < 4; u++) {
+                for (int u = 0; u < 8; u++) {
+                    if (mk[u] == 0) break;
                     acc[u] = _mm512_fmadd_ps(pv, load16(v, dt, off + c * ld + d0 + 16 * u, mk[u]), acc[u]);
-                    if (r == 0 && (dt == MA_F32 || u % 2 == 0))
-                        _mm_prefetch((const char *)v + (off + (c + 64) * ld + d0 + 16 * u) * (dt == MA_F32 ? 4 : 2), _MM_HINT_T0);
+                    if (r == 0 && (16 * u * es) % MA_CACHE_LINE == 0) /* the row 64 keys ahead (see dot_keys) */
+                        _mm_prefetch((const char *)v + (off + (c + 64) * ld + d0 + 16 * u) * es, _MM_HINT_T0);
                 }
             }
-            for (int u = 0; u < 4; u++) _mm512_mask_storeu_ps(o + r * Dv + d0 + 16 * u, mk[u], acc[u]);
+            for (int u = 0; u < 8; u++) _mm512_mask_storeu_ps(o + r * Dv + d0 + 16 * u, mk[u], acc[u]);
         }
 }
 
