@@ -259,25 +259,33 @@ static inline __attribute__((always_inline)) void axpy_keys_dt(float *o, const f
                                                                int64_t Dv, const void *v, const ma_dtype dt,
                                                                int64_t off, int64_t ld, int64_t nc) {
     const int es = dt == MA_F32 ? 4 : 2;
-    for (int64_t r = 0; r < nr; r++)
+    for (int64_t r = 0; r < nr; r += 2) { /* two rows share each value row read: 2 x 8 accumulators */
+        const int two = r + 1 < nr;
         for (int64_t d0 = 0; d0 < Dv; d0 += 128) {
             __mmask16 mk[8];
-            __m512 acc[8];
+            __m512 acc[2][8];
             for (int u = 0; u < 8; u++) {
                 mk[u] = tail_mask(Dv - d0 - 16 * u);
-                acc[u] = _mm512_maskz_loadu_ps(mk[u], o + r * Dv + d0 + 16 * u);
+                acc[0][u] = _mm512_maskz_loadu_ps(mk[u], o + r * Dv + d0 + 16 * u);
+                acc[1][u] = two ? _mm512_maskz_loadu_ps(mk[u], o + (r + 1) * Dv + d0 + 16 * u) : _mm512_setzero_ps();
             }
             for (int64_t c = 0; c < nc; c++) {
-                const __m512 pv = _mm512_set1_ps(p[r * ldp + c]);
+                const __m512 p0 = _mm512_set1_ps(p[r * ldp + c]), p1 = _mm512_set1_ps(two ? p[(r + 1) * ldp + c] : 0);
                 for (int u = 0; u < 8; u++) {
                     if (mk[u] == 0) break;
-                    acc[u] = _mm512_fmadd_ps(pv, load16(v, dt, off + c * ld + d0 + 16 * u, mk[u]), acc[u]);
+                    const __m512 vv = load16(v, dt, off + c * ld + d0 + 16 * u, mk[u]);
+                    acc[0][u] = _mm512_fmadd_ps(p0, vv, acc[0][u]);
+                    if (two) acc[1][u] = _mm512_fmadd_ps(p1, vv, acc[1][u]);
                     if (r == 0 && (16 * u * es) % MA_CACHE_LINE == 0) /* the row 64 keys ahead (see dot_keys) */
                         _mm_prefetch((const char *)v + (off + (c + 64) * ld + d0 + 16 * u) * es, _MM_HINT_T0);
                 }
             }
-            for (int u = 0; u < 8; u++) _mm512_mask_storeu_ps(o + r * Dv + d0 + 16 * u, mk[u], acc[u]);
+            for (int u = 0; u < 8; u++) {
+                _mm512_mask_storeu_ps(o + r * Dv + d0 + 16 * u, mk[u], acc[0][u]);
+                if (two) _mm512_mask_storeu_ps(o + (r + 1) * Dv + d0 + 16 * u, mk[u], acc[1][u]);
+            }
         }
+    }
 }
 
 static void axpy_keys_avx512(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v,
