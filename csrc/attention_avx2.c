@@ -194,9 +194,10 @@ static void dot_keys_avx2(float *s, int64_t lds, const float *q, int64_t nr, int
             __m256 x[8];
             for (int i = 0; i < 8; i++) x[i] = i < nk ? load8(k, dt, off + (c0 + i) * ld + d0, dn) : _mm256_setzero_ps();
             transpose8x8(x); /* x[dd] lane i = k[c0 + i][d0 + dd] */
-            for (int64_t dd = 0; dd < dn; dd++)
+#pragma GCC unroll 8 /* x[dd] at constant indices: the block stays in registers */
+            for (int dd = 0; dd < 8; dd++)
                 for (int r = 0; r < 8; r++)
-                    if (r < nr) acc[r] = _mm256_fmadd_ps(x[dd], _mm256_set1_ps(q[r * D + d0 + dd]), acc[r]);
+                    if (dd < dn && r < nr) acc[r] = _mm256_fmadd_ps(x[dd], _mm256_set1_ps(q[r * D + d0 + dd]), acc[r]);
         }
         for (int r = 0; r < 8; r++)
             if (r < nr) _mm256_maskstore_ps(s + r * lds + c0, tail_mask(nk), acc[r]);

@@ -212,15 +212,18 @@ static inline __attribute__((always_inline)) void dot_keys_dt(float *s, int64_t 
             for (int64_t d0 = 0; d0 < D; d0 += 16) {
                 const int64_t dn = ma_min(16, D - d0);
                 const __mmask16 dm = tail_mask(dn);
+#pragma GCC unroll 2
                 for (int g = 0; g < 2; g++) {
                     __m512 x[16];
+#pragma GCC unroll 16
                     for (int i = 0; i < 16; i++) {
                         x[i] = load16(k, dt, off + (c0 + 16 * g + i) * ld + d0, dm);
                         _mm_prefetch((const char *)k + (off + (c0 + 64 + 16 * g + i) * ld + d0) * (dt == MA_F32 ? 4 : 2), _MM_HINT_T0);
                     }
                     transpose16x16(x);
-                    for (int64_t dd = 0; dd < dn; dd++)
-                        acc[g] = _mm512_fmadd_ps(x[dd], _mm512_set1_ps(q[d0 + dd]), acc[g]);
+#pragma GCC unroll 16 /* x[dd] at constant indices: the block stays in registers */
+                    for (int dd = 0; dd < 16; dd++)
+                        if (dd < dn) acc[g] = _mm512_fmadd_ps(x[dd], _mm512_set1_ps(q[d0 + dd]), acc[g]);
                 }
             }
             for (int g = 0; g < 2; g++) _mm512_storeu_ps(s + c0 + 16 * g, acc[g]);
@@ -236,9 +239,10 @@ static inline __attribute__((always_inline)) void dot_keys_dt(float *s, int64_t 
             for (int i = 0; i < 16; i++) /* keys past nc: nothing read */
                 x[i] = i < nk ? load16(k, dt, off + (c0 + i) * ld + d0, dm) : _mm512_setzero_ps();
             transpose16x16(x); /* x[dd] lane i = k[c0 + i][d0 + dd] */
-            for (int64_t dd = 0; dd < dn; dd++)
+#pragma GCC unroll 16
+            for (int dd = 0; dd < 16; dd++)
                 for (int r = 0; r < 8; r++)
-                    if (r < nr) acc[r] = _mm512_fmadd_ps(x[dd], _mm512_set1_ps(q[r * D + d0 + dd]), acc[r]);
+                    if (dd < dn && r < nr) acc[r] = _mm512_fmadd_ps(x[dd], _mm512_set1_ps(q[r * D + d0 + dd]), acc[r]);
         }
         for (int r = 0; r < 8; r++)
             if (r < nr) _mm512_mask_storeu_ps(s + r * lds + c0, tail_mask(nk), acc[r]);
