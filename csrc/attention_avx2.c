@@ -144,25 +144,6 @@ static inline __m256 load8(const void *base, ma_dtype dt, int64_t off, int64_t n
     return _mm256_cvtph_ps(h);
 }
 
-/* r[0..7] = the 8 x 8 block whose rows they are, transposed in registers. */
-static inline void transpose8x8(__m256 r[8]) {
-    __m256 t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
-    }
-}
-
 /* max(m, x[c] for c < n); NaN sticks. */
 static float row_max_avx2(const float *x, int64_t n, float m) {
     __m256 mx = _mm256_set1_ps(m), nan = _mm256_cmp_ps(mx, mx, _CMP_UNORD_Q);

@@ -4,7 +4,7 @@
  * translation unit's -m flags enable it. Private to the kernels.
  *
  *   exp512 / exp256   exp of 16 / 8 floats
- *   transpose16x16    a 16 x 16 block of 32-bit lanes transposed in registers
+ *   transpose16x16 / transpose8x8   a 16 x 16 / 8 x 8 block of 32-bit lanes transposed in registers
  *   stream_row512 / stream_row256   y = mul * x with non-temporal stores
  */
 #ifndef MA_SIMD_H
@@ -92,6 +92,25 @@ static inline __m256 exp256(__m256 x_in) {
     const __m256 underflow = _mm256_cmp_ps(x_in, _mm256_set1_ps(-87.33f), _CMP_LT_OQ);
     return _mm256_blendv_ps(y, _mm256_setzero_ps(), underflow);
 }
+/* r[0..7] = the 8 x 8 block whose rows they are, transposed in registers. */
+static inline void transpose8x8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
 /* The same for AVX2: y 32-byte aligned, n a multiple of 8. */
 static inline void stream_row256(float *y, const float *x, int64_t n, float mul) {
     const __m256 m = _mm256_set1_ps(mul);

@@ -30,6 +30,24 @@ SHAPES = [
 ]
 
 
+def torch_reference(q, k, v, masks, kw):
+    """PyTorch's attention in float64 with the masks of `masks` ("none",
+    "causal+kpm", "float+head"; their tensors in kw); GQA by repeated heads."""
+    B, H, Lq, D = q.shape
+    Lk = k.size(2)
+    am = torch.zeros(B, H, Lq, Lk, dtype=torch.float64)
+    if masks == "causal+kpm":
+        am = am.masked_fill(torch.ones(Lq, Lk, dtype=torch.bool).triu(1), float("-inf"))
+        am = am.masked_fill(kw["key_padding_mask"][:, None, None, :], float("-inf"))
+    elif masks == "float+head":
+        am = am + kw["attn_mask"].double()
+    kr, vr = (t.double().repeat_interleave(H // k.size(1), dim=1) for t in (k, v))
+    p = torch.softmax(q.double() @ kr.transpose(-1, -2) / D ** 0.5 + am, dim=-1).nan_to_num(0.0)
+    if masks == "float+head":
+        p = p * kw["head_mask"].double()[None, :, None, None]
+    return p @ vr
+
+
 @pytest.mark.parametrize("isa", ["avx2", "avx512", "amx"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("masks", ["none", "causal+kpm", "float+head"])
@@ -52,17 +70,7 @@ def test_variant_matches_scalar_and_torch(isa, shape, masks):
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5, msg=f"{isa} vs scalar: {name}")
     # and against PyTorch's own attention, in float64
-    am = torch.zeros(B, H, Lq, Lk, dtype=torch.float64)
-    if masks == "causal+kpm":
-        am = am.masked_fill(torch.ones(Lq, Lk, dtype=torch.bool).triu(1), float("-inf"))
-        am = am.masked_fill(kw["key_padding_mask"][:, None, None, :], float("-inf"))
-    elif masks == "float+head":
-        am = am + kw["attn_mask"].double()
-    kr, vr = (t.double().repeat_interleave(H // Hkv, dim=1) for t in (k, v))
-    p = torch.softmax(q.double() @ kr.transpose(-1, -2) / D ** 0.5 + am, dim=-1).nan_to_num(0.0)
-    if masks == "float+head":
-        p = p * kw["head_mask"].double()[None, :, None, None]
-    torch.testing.assert_close(got[0].double(), p @ vr, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[0].double(), torch_reference(q, k, v, masks, kw), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("isa", VARIANTS)
@@ -431,17 +439,7 @@ def test_short_query_blocks_match_the_tiles(isa, dtype, case, masks):
             assert torch.equal(out, full_out[:, :, :n]), f"{isa} {dtype} n={n}: {(out - full_out[:, :, :n]).abs().max()}"
             assert torch.equal(lse, full_lse[:, :, :n])
     # the short path against PyTorch in float64 (its last rows 64..71 are a short block as well)
-    am = torch.zeros(B, H, Lq, Lk, dtype=torch.float64)
-    if masks == "causal+kpm":
-        am = am.masked_fill(torch.ones(Lq, Lk, dtype=torch.bool).triu(1), float("-inf"))
-        am = am.masked_fill(kw["key_padding_mask"][:, None, None, :], float("-inf"))
-    elif masks == "float+head":
-        am = am + kw["attn_mask"].double()
-    G = H // Hkv
-    p = torch.softmax(q.double() @ k.double().repeat_interleave(G, 1).transpose(-1, -2) / D ** 0.5 + am, -1)
-    if masks == "float+head":
-        p = p * kw["head_mask"].double()[None, :, None, None]
-    ref = p @ v.double().repeat_interleave(G, 1)
+    ref = torch_reference(q, k, v, masks, kw)
     tol = {torch.float32: 2e-5, torch.float64: 1e-12}.get(dtype, 3e-2)
     torch.testing.assert_close(full_out.double(), ref, rtol=tol, atol=tol)
     out1, _ = run_isa(isa, lambda: call(1))
