@@ -71,7 +71,24 @@ def fma_peak(threads):
         out = json.loads(r.stdout)
         res[key], res["isa"] = out["gflops"], out["isa"]
     res["threads"] = threads
+    res["exe"] = exe
     return res
+
+
+class PeakAlongside:
+    """The FMA peak measured between a case's repetitions: fma_peak.c built
+    by fma_peak() is run on `threads` threads after every repetition (the
+    best of its 7 windows of `seconds`), so the load that slows the case in
+    that moment (other work on a shared machine) lowers this yardstick too.
+    Call it to take one measurement; .values holds them (GFLOP/s)."""
+
+    def __init__(self, exe, threads, seconds=0.02):
+        self.cmd, self.values = [exe, str(threads), str(seconds)], []
+
+    def __call__(self):
+        r = subprocess.run(self.cmd, capture_output=True, text=True)
+        if r.returncode == 0:
+            self.values.append(json.loads(r.stdout)["gflops"])
 
 
 def stream_bandwidth(mbytes=256, reps=7):

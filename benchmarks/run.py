@@ -17,6 +17,7 @@ import argparse
 import gc
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -48,13 +49,22 @@ def log(msg):
 PRUNE = 2.0   # a native variant whose warm-up is this much slower than the fastest one is not timed further
 
 
-def time_interleaved(impls, min_reps, max_reps, budget_s):
+def minor_faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def time_interleaved(impls, min_reps, max_reps, budget_s, between=None):
     """One warm-up call of each implementation (its output kept for the
     cross-check), then repetitions in which every implementation runs once,
     in alternating order, until min_reps are done and budget_s has passed
     (or max_reps). Native variants more than PRUNE times slower than the
     fastest native in the warm-up are dropped (only the fastest native counts).
-    Returns ({name: median seconds}, {name: warm-up output}, reps, {dropped name: warm-up seconds})."""
+    between(), if given, runs after every repetition (untimed): the FMA peak
+    measured alongside. The page faults of every call are counted too
+    (memory the allocator handed back to the OS and takes again costs a
+    fault per 4 KB page on first touch).
+    Returns ({name: median seconds}, {name: warm-up output}, reps, {dropped name: warm-up seconds},
+    {name: median page faults per call})."""
     outs, warm = {}, {}
     for name, fn in impls.items():
         t0 = time.perf_counter()
@@ -64,19 +74,27 @@ def time_interleaved(impls, min_reps, max_reps, budget_s):
     dropped = {n: t for n, t in warm.items() if n.startswith("native:") and t > PRUNE * fastest}
     names = [n for n in impls if n not in dropped]
     times = {name: [] for name in names}
+    faults = {name: [] for name in names}
     start, reps = time.perf_counter(), 0
     gc.collect()
     gc.disable()  # as timeit does: a collection landing in one call is not that call's cost
     try:
         while reps < max_reps and (reps < min_reps or time.perf_counter() - start < budget_s):
             for name in (names if reps % 2 == 0 else names[::-1]):
+                f0 = minor_faults()
                 t0 = time.perf_counter()
                 impls[name]()
                 times[name].append(time.perf_counter() - t0)
+                faults[name].append(minor_faults() - f0)
+            if between is not None:
+                t0 = time.perf_counter()
+                between()
+                start += time.perf_counter() - t0   # not counted in the case's budget
             reps += 1
     finally:
         gc.enable()
-    return {n: statistics.median(t) for n, t in times.items()}, outs, reps, dropped
+    return ({n: statistics.median(t) for n, t in times.items()}, outs, reps, dropped,
+            {n: statistics.median(f) for n, f in faults.items()})
 
 
 def max_abs_diff(a, b):
@@ -126,7 +144,10 @@ def run_case(name, mode, args):
     impl_list = list(impls)               # every timed native variant and ours get a memory probe
     try:
         if bench.timed:
-            med, outs, reps, dropped = time_interleaved(impls, min_reps, max_reps, budget)
+            alongside = None
+            if bench.flops and rec["group"] == "attention" and args.fma_exe:
+                alongside = machine.PeakAlongside(args.fma_exe, args.threads)
+            med, outs, reps, dropped, faults = time_interleaved(impls, min_reps, max_reps, budget, alongside)
             if dropped:
                 rec["dropped_after_warmup_ms"] = {k: round(v * 1e3, 1) for k, v in dropped.items()}
                 impl_list = [n for n in impl_list if n not in dropped]
@@ -141,12 +162,19 @@ def run_case(name, mode, args):
                 native_ms=round(natives[best] * 1e3, 3),
                 ours_ms=round(med["ours"] * 1e3, 3),
                 ratio=round(natives[best] / med["ours"], 4),
-                max_abs_diff=max_abs_diff(outs["ours"], outs[best]))
+                max_abs_diff=max_abs_diff(outs["ours"], outs[best]),
+                page_faults_per_call={k: round(v) for k, v in faults.items()})
             if bench.flops:
                 rec["gflops"] = round(bench.flops / med["ours"] / 1e9, 2)
                 rec["gflops_native"] = round(bench.flops / natives[best] / 1e9, 2)
+            if alongside is not None and alongside.values:
+                rec["fma_peak_alongside"] = round(statistics.median(alongside.values), 1)
+                rec["pct_peak_alongside"] = round(100 * rec["gflops"] / rec["fma_peak_alongside"], 2)
             log(f"  {name}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in med.items())
-                + f" | ratio {rec['ratio']:.3f} | {reps} reps | max|ours-native| {rec['max_abs_diff']:.1e}")
+                + f" | ratio {rec['ratio']:.3f} | {reps} reps | max|ours-native| {rec['max_abs_diff']:.1e}"
+                + " | page faults/call " + ", ".join(f"{k} {v:.0f}" for k, v in faults.items())
+                + (f" | {rec['pct_peak_alongside']:.1f}% of the FMA peak measured alongside "
+                   f"({rec['fma_peak_alongside']:.0f} GFLOP/s)" if "pct_peak_alongside" in rec else ""))
         del impls, bench
         gc.collect()
         if not args.no_memory:
@@ -186,11 +214,12 @@ def fmt(x, spec):
 
 
 def table(records):
-    lines = ["| case | work | native ms | ours ms | ratio | GFLOP/s | % peak | peak MB native | peak MB ours |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| case | work | native ms | ours ms | ratio | GFLOP/s | % peak | % peak alongside "
+             "| peak MB native | peak MB ours |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in records:
         if "skipped" in r:
-            lines.append(f"| {r['name']} | skipped: {r['skipped']} | - | - | - | - | - | - | - |")
+            lines.append(f"| {r['name']} | skipped: {r['skipped']} | - | - | - | - | - | - | - | - |")
             continue
         native = fmt(r.get("native_ms"), ".1f")
         if r.get("native_variant") and len(r.get("ms", {})) + len(r.get("dropped_after_warmup_ms", {})) > 2:
@@ -199,6 +228,7 @@ def table(records):
         lines.append(
             f"| {r['name']} | {work} | {native} | {fmt(r.get('ours_ms'), '.1f')} | {fmt(r.get('ratio'), '.3f')} "
             f"| {fmt(r.get('gflops'), '.1f')} | {fmt(r.get('pct_peak'), '.1f')} "
+            f"| {fmt(r.get('pct_peak_alongside'), '.1f')} "
             f"| {fmt(r.get('peak_mb_native'), '.0f')} | {fmt(r.get('peak_mb_ours'), '.0f')} |")
     return "\n".join(lines)
 
@@ -378,6 +408,7 @@ def main():
     log(f"torch_masked_attn benchmarks ({mode}): {info['cpu_model']}, torch {info['torch']}, "
         f"{args.threads} threads, flags {', '.join(k for k, v in info['flags'].items() if v)}")
     measurements = [measure_machine(args.threads, "start")]
+    args.fma_exe = measurements[0]["fma"].get("exe")
 
     cases.warm_up_libraries()             # one-time initialisation out of the first case's warm-up
     results = {"mode": mode, "machine": info, "cases": []}
@@ -413,7 +444,8 @@ def main():
         log(f"% peak: of the float32 FMA peak, {y['fma_all_threads']:.0f} GFLOP/s on {args.threads} threads "
             f"({y['fma_1thread']:.0f} on 1 thread, {info.get('fma_isa')}; {y['fma_source']}), also for "
             "bfloat16 cases. GFLOP are nominal (causal halved, padding not subtracted; MHA rows include "
-            "the projections).")
+            "the projections). % peak alongside: of the FMA peak measured after every repetition of "
+            "the case (median), so that load from other work lowers the yardstick as it lowers the case.")
     log("Peak MB: peak RSS growth during one call in a fresh process, inputs already allocated.")
     if bl:
         log(f"Memory-bound cases (cross-entropy, decoding) against the streaming bandwidth ({y['bandwidth_gbs']:.1f} GB/s, "
