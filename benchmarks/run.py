@@ -145,7 +145,7 @@ def run_case(name, mode, args):
     try:
         if bench.timed:
             alongside = None
-            if bench.flops and rec["group"] == "attention" and args.fma_exe:
+            if bench.flops and not bench.traffic_bytes and rec["group"] == "attention" and args.fma_exe:
                 alongside = machine.PeakAlongside(args.fma_exe, args.threads)
             med, outs, reps, dropped, faults = time_interleaved(impls, min_reps, max_reps, budget, alongside)
             if dropped:
