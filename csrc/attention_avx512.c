@@ -38,11 +38,13 @@ static inline __attribute__((always_inline)) void ukernel_step(const int MR, con
 
 /* C[0:MR, 0:16 NV] (+)= A[0:MR, 0:k] @ B[0:k, 0:16 NV], MR <= 8, NV <= 4, MR * NV + NV + 1 <= 32
  * registers. masked: only columns < nr are read and written (else nr = 16 NV). MR, NV, masked are
- * constants after inlining, so the accumulators stay in registers; k is unrolled by 2. */
+ * constants after inlining, so the accumulators stay in registers; k is unrolled by 2. With
+ * accumulate and rs, row r of C is first multiplied by rs[r] (rounded once, as a separate pass
+ * would store it). */
 static inline __attribute__((always_inline)) void ukernel(const int MR, const int NV, const int masked, int64_t nr,
                                                           int64_t k, const float *A, int64_t ars, int64_t acs,
                                                           const float *B, int64_t ldb, float *C, int64_t ldc,
-                                                          int accumulate) {
+                                                          int accumulate, const float *rs) {
     __mmask16 mk[4];
     __m512 c[8][4];
     for (int v = 0; v < NV; v++) mk[v] = masked ? tail_mask(nr - 16 * v) : (__mmask16)0xffff;
@@ -51,6 +53,11 @@ static inline __attribute__((always_inline)) void ukernel(const int MR, const in
             c[r][v] = !accumulate ? _mm512_setzero_ps()
                       : masked    ? _mm512_maskz_loadu_ps(mk[v], C + r * ldc + 16 * v)
                                   : _mm512_loadu_ps(C + r * ldc + 16 * v);
+    if (accumulate && rs)
+        for (int r = 0; r < MR; r++) {
+            const __m512 sv = _mm512_set1_ps(rs[r]);
+            for (int v = 0; v < NV; v++) c[r][v] = _mm512_mul_ps(c[r][v], sv);
+        }
 #pragma GCC unroll 2 /* ~7% faster with B rows 2 KB apart (ldb 512), same elsewhere; clang reads it too */
     for (int64_t p = 0; p < k; p++) ukernel_step(MR, NV, masked, mk, c, A + p * acs, ars, B + p * ldb);
     for (int r = 0; r < MR; r++)
@@ -62,12 +69,15 @@ static inline __attribute__((always_inline)) void ukernel(const int MR, const in
         }
 }
 
-/* C (m, n) = [C +] A (m, k) @ B (k, n); A[i, p] = A[i*ars + p*acs]. */
-static void gemm_avx512(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs,
-                        const float *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
+/* C (m, n) = [diag(rs) C +] A (m, k) @ B (k, n); A[i, p] = A[i*ars + p*acs]; rs only with accumulate. */
+static inline __attribute__((always_inline)) void gemm_avx512_rs(int64_t m, int64_t n, int64_t k, const float *A,
+                                                                  int64_t ars, int64_t acs, const float *B,
+                                                                  int64_t ldb, float *C, int64_t ldc, int accumulate,
+                                                                  const float *rs) {
 #define MA_ROWS(MR, NV, masked)                                                                                  \
     for (; i + MR <= m; i += MR)                                                                               \
-        ukernel(MR, NV, masked, nr, k, A + i * ars, ars, acs, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+        ukernel(MR, NV, masked, nr, k, A + i * ars, ars, acs, B + j, ldb, C + i * ldc + j, ldc, accumulate,    \
+                rs ? rs + i : NULL);
     int64_t j = 0;
     for (; j + 64 <= n; j += 64) { /* 6 x 64 blocks; m % 6 rows as 4 + 2 + 1 */
         const int64_t nr = 64;
@@ -91,6 +101,19 @@ static void gemm_avx512(int64_t m, int64_t n, int64_t k, const float *A, int64_t
         }
     }
 #undef MA_ROWS
+}
+
+/* C (m, n) = [C +] A (m, k) @ B (k, n); A[i, p] = A[i*ars + p*acs]. */
+static void gemm_avx512(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs,
+                        const float *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
+    gemm_avx512_rs(m, n, k, A, ars, acs, B, ldb, C, ldc, accumulate, NULL);
+}
+
+/* C (m, n) = diag(rs) C + A (m, k) @ B (k, n): the online softmax's rescaling of O folded
+ * into the product that accumulates into it (rs NULL: no rescaling). */
+static void gemm_rowscale_avx512(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs,
+                                 const float *B, int64_t ldb, float *C, int64_t ldc, const float *rs) {
+    gemm_avx512_rs(m, n, k, A, ars, acs, B, ldb, C, ldc, 1, rs);
 }
 
 /* x[c] = exp(x[c] - m) in place; returns the sum. */
@@ -310,6 +333,7 @@ const ma_blocks ma_blocks_avx512 = {"avx512", gemm_avx512, exp_sub_sum_avx512, c
 #define STORE ma_store_f32
 #define LOG logf
 #define GEMM gemm_avx512
+#define GEMM_ROWSCALE gemm_rowscale_avx512
 #define EXP_SUB_SUM exp_sub_sum_avx512
 #define COL_MAX col_max_avx512
 #define EXP_SUB_COL exp_sub_col_avx512

@@ -314,6 +314,20 @@ static inline ACC FN(finite_or_zero)(ACC x) { return x == -(ACC)INFINITY ? 0 : x
 
 /* ---- forward ------------------------------------------------------------ */
 
+#ifndef GEMM_ROWSCALE
+/* C (m, n) = diag(rs) C + A (m, k) @ B (k, n), rs NULL: no rescaling. Variants
+ * without a fused one rescale in a pass of their own: the same products. */
+static void FN(gemm_rowscale)(int64_t m, int64_t n, int64_t k, const ACC *A, int64_t ars, int64_t acs, const ACC *B,
+                              int64_t ldb, ACC *C, int64_t ldc, const ACC *rs) {
+    if (rs)
+        for (int64_t r = 0; r < m; r++)
+            if (rs[r] != 1)
+                for (int64_t d = 0; d < n; d++) C[r * ldc + d] *= rs[r];
+    GEMM(m, n, k, A, ars, acs, B, ldb, C, ldc, 1);
+}
+#define GEMM_ROWSCALE FN(gemm_rowscale)
+#endif
+
 typedef struct {
     ACC *qT, *sT, *o, *m, *m_new, *l, *lsum, *lse;
     ACC *kc, *vc; /* head caches (Lk, D), (Lk, Dv) when K, V need converting */
@@ -468,16 +482,14 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
             }
             COL_MAX(t.sT, nc, nr, t.m_new);
             EXP_SUB_COL(t.sT, nc, nr, t.m_new, t.lsum);
-            if (FN(online_step)(t.m, t.m_new, t.l, t.lsum, t.lse, nr)) /* alpha in t.lse for now */
-                for (int64_t r = 0; r < nr; r++)
-                    if (t.lse[r] != 1)
-                        for (int64_t d = 0; d < Dv; d++) t.o[r * Dv + d] *= t.lse[r];
-            /* O += P V */
+            /* alpha (in t.lse for now), or NULL where no row's max moved */
+            const ACC *alpha = FN(online_step)(t.m, t.m_new, t.l, t.lsum, t.lse, nr) ? t.lse : NULL;
+            /* O = alpha O + P V */
             if (hs) {
-                GEMM(hs, Dv, hs, t.sT, 1, nr, v_j, ldv, t.o, Dv, 1);
-                GEMM(nr - hs, Dv, nc, t.sT + hs, 1, nr, v_j, ldv, t.o + hs * Dv, Dv, 1);
+                GEMM_ROWSCALE(hs, Dv, hs, t.sT, 1, nr, v_j, ldv, t.o, Dv, alpha);
+                GEMM_ROWSCALE(nr - hs, Dv, nc, t.sT + hs, 1, nr, v_j, ldv, t.o + hs * Dv, Dv, alpha ? alpha + hs : NULL);
             } else {
-                GEMM(nr, Dv, nc, t.sT, 1, nr, v_j, ldv, t.o, Dv, 1);
+                GEMM_ROWSCALE(nr, Dv, nc, t.sT, 1, nr, v_j, ldv, t.o, Dv, alpha);
             }
         }
 

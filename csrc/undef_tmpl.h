@@ -14,3 +14,4 @@
 #undef AXPY_KEYS
 #undef STREAM_ROW_F32
 #undef STREAM_FENCE
+#undef GEMM_ROWSCALE
