@@ -21,15 +21,21 @@ static inline __m256i tail_mask(int64_t n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(nn), idx);
 }
 
-/* C[0:MR, 0:nr] (+)= A[0:MR, 0:k] @ B[0:k, 0:nr], nr <= 16. */
+/* C[0:MR, 0:nr] (+)= A[0:MR, 0:k] @ B[0:k, 0:nr], nr <= 16; with accumulate and rs, row r of C
+ * is first multiplied by rs[r] (rounded once, as a separate pass would store it). */
 static inline __attribute__((always_inline)) void ukernel_4x16(
     const int MR, int64_t nr, int64_t k, const float *A, int64_t ars, int64_t acs, const float *B,
-    int64_t ldb, float *C, int64_t ldc, int accumulate) {
+    int64_t ldb, float *C, int64_t ldc, int accumulate, const float *rs) {
     const __m256i m0 = tail_mask(nr), m1 = tail_mask(nr - 8);
     __m256 c0[4], c1[4];
     for (int r = 0; r < MR; r++) {
         c0[r] = accumulate ? _mm256_maskload_ps(C + r * ldc, m0) : _mm256_setzero_ps();
         c1[r] = accumulate ? _mm256_maskload_ps(C + r * ldc + 8, m1) : _mm256_setzero_ps();
+        if (accumulate && rs) {
+            const __m256 sv = _mm256_set1_ps(rs[r]);
+            c0[r] = _mm256_mul_ps(c0[r], sv);
+            c1[r] = _mm256_mul_ps(c1[r], sv);
+        }
     }
     for (int64_t p = 0; p < k; p++) {
         const __m256 b0 = _mm256_maskload_ps(B + p * ldb, m0);
@@ -46,17 +52,34 @@ static inline __attribute__((always_inline)) void ukernel_4x16(
     }
 }
 
-/* C (m, n) = [C +] A (m, k) @ B (k, n); A[i, p] = A[i*ars + p*acs]. */
-static void gemm_avx2(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs,
-                      const float *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
+/* C (m, n) = [diag(rs) C +] A (m, k) @ B (k, n); A[i, p] = A[i*ars + p*acs]; rs only with accumulate. */
+static inline __attribute__((always_inline)) void gemm_avx2_rs(int64_t m, int64_t n, int64_t k, const float *A,
+                                                                int64_t ars, int64_t acs, const float *B, int64_t ldb,
+                                                                float *C, int64_t ldc, int accumulate,
+                                                                const float *rs) {
     for (int64_t j = 0; j < n; j += 16) {
         const int64_t nr = ma_min(16, n - j);
         int64_t i = 0;
         for (; i + 4 <= m; i += 4)
-            ukernel_4x16(4, nr, k, A + i * ars, ars, acs, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+            ukernel_4x16(4, nr, k, A + i * ars, ars, acs, B + j, ldb, C + i * ldc + j, ldc, accumulate,
+                         rs ? rs + i : NULL);
         for (; i < m; i++)
-            ukernel_4x16(1, nr, k, A + i * ars, ars, acs, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+            ukernel_4x16(1, nr, k, A + i * ars, ars, acs, B + j, ldb, C + i * ldc + j, ldc, accumulate,
+                         rs ? rs + i : NULL);
     }
+}
+
+/* C (m, n) = [C +] A (m, k) @ B (k, n); A[i, p] = A[i*ars + p*acs]. */
+static void gemm_avx2(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs,
+                      const float *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
+    gemm_avx2_rs(m, n, k, A, ars, acs, B, ldb, C, ldc, accumulate, NULL);
+}
+
+/* C (m, n) = diag(rs) C + A (m, k) @ B (k, n): the online softmax's rescaling of O folded
+ * into the product that accumulates into it (rs NULL: no rescaling). */
+static void gemm_rowscale_avx2(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs,
+                               const float *B, int64_t ldb, float *C, int64_t ldc, const float *rs) {
+    gemm_avx2_rs(m, n, k, A, ars, acs, B, ldb, C, ldc, 1, rs);
 }
 
 /* x[c] = exp(x[c] - m) in place; returns the sum. */
@@ -218,6 +241,7 @@ const ma_blocks ma_blocks_avx2 = {"avx2",           gemm_avx2,      exp_sub_sum_
 #define STORE ma_store_f32
 #define LOG logf
 #define GEMM gemm_avx2
+#define GEMM_ROWSCALE gemm_rowscale_avx2
 #define EXP_SUB_SUM exp_sub_sum_avx2
 #define COL_MAX col_max_avx2
 #define EXP_SUB_COL exp_sub_col_avx2
