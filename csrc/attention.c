@@ -157,10 +157,6 @@ static void axpy_keys_f64(double *o, const double *p, int64_t ldp, int64_t nr, i
             for (int64_t d = 0; d < Dv; d++) o[r * Dv + d] += p[r * ldp + c] * ma_load_f64(v, dt, off + c * ld + d);
 }
 
-const ma_blocks ma_blocks_scalar = {"scalar",           gemm_scalar_f32,     exp_sub_sum_scalar_f32,
-                                    col_max_scalar_f32, exp_sub_col_scalar_f32, transpose_scalar_f32,
-                                    row_max_scalar_f32, dot_keys_scalar_f32, axpy_keys_scalar_f32};
-
 /* float accumulation, scalar: the reference */
 #define ACC float
 #define FN(name) name##_scalar
@@ -177,6 +173,12 @@ const ma_blocks ma_blocks_scalar = {"scalar",           gemm_scalar_f32,     exp
 #define AXPY_KEYS axpy_keys_scalar_f32
 #include "attention_tmpl.h"
 #include "undef_tmpl.h"
+
+/* gemm_rowscale_scalar: attention_tmpl.h's rescaling pass, then the product */
+const ma_blocks ma_blocks_scalar = {"scalar",           gemm_scalar_f32,     exp_sub_sum_scalar_f32,
+                                    col_max_scalar_f32, exp_sub_col_scalar_f32, transpose_scalar_f32,
+                                    row_max_scalar_f32, dot_keys_scalar_f32, axpy_keys_scalar_f32,
+                                    gemm_rowscale_scalar};
 
 /* double accumulation (float64 inputs) */
 #define ACC double

@@ -231,7 +231,7 @@ static void axpy_keys_avx2(float *o, const float *p, int64_t ldp, int64_t nr, in
 
 const ma_blocks ma_blocks_avx2 = {"avx2",           gemm_avx2,      exp_sub_sum_avx2, col_max_avx2,
                                   exp_sub_col_avx2, transpose_avx2, row_max_avx2,     dot_keys_avx2,
-                                  axpy_keys_avx2};
+                                  axpy_keys_avx2,   gemm_rowscale_avx2};
 
 #define STREAM_ROW_F32 stream_row256
 #define STREAM_FENCE _mm_sfence

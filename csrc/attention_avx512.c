@@ -322,8 +322,9 @@ static void axpy_keys_avx512(float *o, const float *p, int64_t ldp, int64_t nr, 
     else axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_F16, off, ld, nc);
 }
 
-const ma_blocks ma_blocks_avx512 = {"avx512", gemm_avx512, exp_sub_sum_avx512, col_max_avx512, exp_sub_col_avx512,
-                                    transpose_avx512, row_max_avx512, dot_keys_avx512, axpy_keys_avx512};
+const ma_blocks ma_blocks_avx512 = {"avx512",         gemm_avx512,         exp_sub_sum_avx512, col_max_avx512,
+                                    exp_sub_col_avx512, transpose_avx512,  row_max_avx512,     dot_keys_avx512,
+                                    axpy_keys_avx512,   gemm_rowscale_avx512};
 
 #define STREAM_ROW_F32 stream_row512
 #define STREAM_FENCE _mm_sfence

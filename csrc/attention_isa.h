@@ -29,6 +29,9 @@ typedef struct {
                      int64_t off, int64_t ld, int64_t nc);
     void (*axpy_keys)(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v, ma_dtype dt,
                       int64_t off, int64_t ld, int64_t nc);
+    /* C = diag(rs) C + A B (rs NULL: C + A B): the forward's O = alpha O + P V */
+    void (*gemm_rowscale)(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs,
+                          const float *B, int64_t ldb, float *C, int64_t ldc, const float *rs);
 } ma_blocks;
 
 extern const ma_blocks ma_blocks_scalar, ma_blocks_avx2, ma_blocks_avx512;

@@ -56,6 +56,47 @@ static void test_gemm(const ma_blocks *v, float rtol) {
                     }
 }
 
+/* gemm_rowscale: C = diag(rs) C + A B, bit for bit what a rescaling pass
+ * followed by the same variant's accumulating gemm gives (the forward's
+ * O = alpha O + P V must not depend on whether the variant fuses it), and
+ * close to the scalar reference. rs has 1s (rows left alone), 0s (a row
+ * whose running max was -inf), NaN-free values below 1; NULL = no rescale. */
+static void test_gemm_rowscale(const ma_blocks *v) {
+    static const int64_t sizes[] = {1, 5, 6, 7, 8, 13, 16, 31, 33, 64, 65, 128};
+    const int ns = (int)(sizeof sizes / sizeof sizes[0]);
+    for (int im = 0; im < ns; im++)
+        for (int in = 0; in < ns; in++)
+            for (int64_t k = 1; k <= 65; k += 32)
+                for (int with_rs = 0; with_rs < 2; with_rs++) {
+                    const int64_t m = sizes[im], n = sizes[in], ldc = n + 3, ldb = n + 1, ars = 1, acs = m;
+                    float *A = malloc(sizeof(float) * m * k), *B = malloc(sizeof(float) * k * ldb);
+                    float *C0 = malloc(sizeof(float) * m * ldc), *C1 = malloc(sizeof(float) * m * ldc);
+                    float *C2 = malloc(sizeof(float) * m * ldc), *rs = malloc(sizeof(float) * m);
+                    for (int64_t x = 0; x < m * k; x++) A[x] = frand();
+                    for (int64_t x = 0; x < k * ldb; x++) B[x] = frand();
+                    for (int64_t x = 0; x < m * ldc; x++) C0[x] = C1[x] = C2[x] = frand();
+                    for (int64_t i = 0; i < m; i++) rs[i] = i % 3 == 0 ? 1.0f : i % 7 == 1 ? 0.0f : 0.5f + 0.4f * frand();
+                    const float *r = with_rs ? rs : NULL;
+                    ma_blocks_scalar.gemm_rowscale(m, n, k, A, ars, acs, B, ldb, C0, ldc, r);
+                    v->gemm_rowscale(m, n, k, A, ars, acs, B, ldb, C1, ldc, r);
+                    for (int64_t i = 0; i < m; i++) /* the separate pass */
+                        for (int64_t j = 0; j < n; j++) C2[i * ldc + j] *= r ? r[i] : 1.0f;
+                    v->gemm(m, n, k, A, ars, acs, B, ldb, C2, ldc, 1);
+                    for (int64_t i = 0; i < m; i++)
+                        for (int64_t j = 0; j < ldc; j++) {
+                            const float a = C1[i * ldc + j];
+                            CHECK(memcmp(&a, &C2[i * ldc + j], sizeof a) == 0,
+                                  "%s gemm_rowscale m=%ld n=%ld k=%ld rs=%d C[%ld,%ld] %g vs pass + gemm %g", v->name,
+                                  (long)m, (long)n, (long)k, with_rs, (long)i, (long)j, a, C2[i * ldc + j]);
+                            if (j < n)
+                                CHECK(close_enough(a, C0[i * ldc + j], 1e-5f, 1e-5f),
+                                      "%s gemm_rowscale m=%ld n=%ld k=%ld C[%ld,%ld] %g vs scalar %g", v->name,
+                                      (long)m, (long)n, (long)k, (long)i, (long)j, a, C0[i * ldc + j]);
+                        }
+                    free(A), free(B), free(C0), free(C1), free(C2), free(rs);
+                }
+}
+
 static void test_exp(const ma_blocks *v) {
     /* the exp itself, over the range softmax uses (x - max <= 0) and beyond */
     enum { N = 4001 };
@@ -214,6 +255,7 @@ int main(void) {
         const ma_blocks *v = variants[i].blocks;
         test_gemm(v, v == &ma_blocks_amx2 ? 1e-4f : 1e-5f);
         if (variants[i].isa != MA_ISA_AMX) { /* AMX has the GEMM only; the rest is AVX-512's */
+            test_gemm_rowscale(v);
             test_exp(v);
             test_columns(v);
             test_transpose(v);
