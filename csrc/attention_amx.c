@@ -381,6 +381,7 @@ const ma_blocks ma_blocks_amx3 = {"amx3", gemm_amx3, NULL, NULL, NULL, NULL, NUL
 #define STORE ma_store_f32
 #define LOG logf
 #define GEMM ma_blocks_avx512.gemm
+#define GEMM_ROWSCALE ma_blocks_avx512.gemm_rowscale
 #define EXP_SUB_SUM ma_blocks_avx512.exp_sub_sum
 #define COL_MAX ma_blocks_avx512.col_max
 #define EXP_SUB_COL ma_blocks_avx512.exp_sub_col
