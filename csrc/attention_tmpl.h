@@ -314,15 +314,20 @@ static inline ACC FN(finite_or_zero)(ACC x) { return x == -(ACC)INFINITY ? 0 : x
 
 /* ---- forward ------------------------------------------------------------ */
 
+/* C (m, n) = diag(rs) C: the online softmax's rescaling of the running output
+ * (rows whose factor is 1 are left alone). */
+static void FN(scale_rows)(ACC *C, int64_t ldc, int64_t m, int64_t n, const ACC *rs) {
+    for (int64_t r = 0; r < m; r++)
+        if (rs[r] != 1)
+            for (int64_t d = 0; d < n; d++) C[r * ldc + d] *= rs[r];
+}
+
 #ifndef GEMM_ROWSCALE
 /* C (m, n) = diag(rs) C + A (m, k) @ B (k, n), rs NULL: no rescaling. Variants
  * without a fused one rescale in a pass of their own: the same products. */
 static void FN(gemm_rowscale)(int64_t m, int64_t n, int64_t k, const ACC *A, int64_t ars, int64_t acs, const ACC *B,
                               int64_t ldb, ACC *C, int64_t ldc, const ACC *rs) {
-    if (rs)
-        for (int64_t r = 0; r < m; r++)
-            if (rs[r] != 1)
-                for (int64_t d = 0; d < n; d++) C[r * ldc + d] *= rs[r];
+    if (rs) FN(scale_rows)(C, ldc, m, n, rs);
     GEMM(m, n, k, A, ars, acs, B, ldb, C, ldc, 1);
 }
 #define GEMM_ROWSCALE FN(gemm_rowscale)
@@ -415,10 +420,7 @@ static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s,
         (void)EXP_SUB_SUM(s + r * nc, nc, m_new[r] == -(ACC)INFINITY ? 0 : m_new[r]);
     }
     FN(sum_rows_in_order)(s, nc, nr, lsum);
-    if (FN(online_step)(m, m_new, l, lsum, alpha, nr))
-        for (int64_t r = 0; r < nr; r++)
-            if (alpha[r] != 1)
-                for (int64_t d = 0; d < Dv; d++) o[r * Dv + d] *= alpha[r];
+    if (FN(online_step)(m, m_new, l, lsum, alpha, nr)) FN(scale_rows)(o, Dv, nr, Dv, alpha);
     AXPY_KEYS(o, s, nc, nr, Dv, p->v, p->dtype, b * vs[0] + hk * vs[1] + j0 * vs[2], vs[2], nc);
 }
 
