@@ -17,6 +17,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <cstdint>
+#include <cstdio>
+#include <stdexcept>
+#include <type_traits>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -30,6 +33,38 @@
 
 using torch::stable::Tensor;
 using torch::headeronly::ScalarType;
+
+// ---- errors -------------------------------------------------------------------
+
+// MA_CHECK(cond, parts...) throws std::runtime_error("parts...") when cond is
+// false; torch turns it into a Python RuntimeError. The message is built with
+// std::string and std::to_string only. STD_TORCH_CHECK formats through an
+// std::ostringstream (its __LINE__ at least), and a toolchain that links
+// libstdc++ statically into the extension (seen with torch 2.11 and a
+// source build) crashes there instead of raising: iostreams' locale is never
+// initialised in the extension's private copy.
+namespace ma_err {
+inline void append(std::string& s, const std::string& x) { s += x; }
+inline void append(std::string& s, const char* x) { s += x; }
+inline void append(std::string& s, char x) { s += x; }
+inline void append(std::string& s, double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", x);
+  s += buf;
+}
+template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+inline void append(std::string& s, T x) { s += std::to_string(x); }
+template <typename... Args>
+[[noreturn]] void fail(const Args&... args) {
+  std::string s;
+  (append(s, args), ...);
+  throw std::runtime_error(s);
+}
+}  // namespace ma_err
+#define MA_CHECK(cond, ...)                      \
+  do {                                           \
+    if (!(cond)) ::ma_err::fail(__VA_ARGS__);    \
+  } while (0)
 
 namespace {
 
@@ -157,23 +192,23 @@ struct Sizes {
 };
 
 Sizes check_qkv(const Tensor& q, const Tensor& k, const Tensor& v) {
-  STD_TORCH_CHECK(q.dim() == 4, "masked_attn: q must be 4-D (B, H, Lq, D), got shape ", shape_str(q));
-  STD_TORCH_CHECK(k.dim() == 4, "masked_attn: k must be 4-D (B, Hkv, Lk, D), got shape ", shape_str(k));
-  STD_TORCH_CHECK(v.dim() == 4, "masked_attn: v must be 4-D (B, Hkv, Lk, Dv), got shape ", shape_str(v));
-  STD_TORCH_CHECK(q.is_cpu() && k.is_cpu() && v.is_cpu(), "masked_attn: q, k, v must be CPU tensors");
-  STD_TORCH_CHECK(is_floating(q.scalar_type()),
+  MA_CHECK(q.dim() == 4, "masked_attn: q must be 4-D (B, H, Lq, D), got shape ", shape_str(q));
+  MA_CHECK(k.dim() == 4, "masked_attn: k must be 4-D (B, Hkv, Lk, D), got shape ", shape_str(k));
+  MA_CHECK(v.dim() == 4, "masked_attn: v must be 4-D (B, Hkv, Lk, Dv), got shape ", shape_str(v));
+  MA_CHECK(q.is_cpu() && k.is_cpu() && v.is_cpu(), "masked_attn: q, k, v must be CPU tensors");
+  MA_CHECK(is_floating(q.scalar_type()),
                   "masked_attn: q must be float32, float64, bfloat16 or float16");
-  STD_TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+  MA_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
                   "masked_attn: q, k and v must have the same dtype");
   Sizes s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
-  STD_TORCH_CHECK(k.size(0) == s.B && v.size(0) == s.B, "masked_attn: q, k, v batch sizes differ: q ",
+  MA_CHECK(k.size(0) == s.B && v.size(0) == s.B, "masked_attn: q, k, v batch sizes differ: q ",
                   shape_str(q), ", k ", shape_str(k), ", v ", shape_str(v));
-  STD_TORCH_CHECK(k.size(3) == s.D, "masked_attn: k head dim must equal q's (", s.D, "), got k ",
+  MA_CHECK(k.size(3) == s.D, "masked_attn: k head dim must equal q's (", s.D, "), got k ",
                   shape_str(k));
-  STD_TORCH_CHECK(v.size(1) == s.Hkv && v.size(2) == s.Lk,
+  MA_CHECK(v.size(1) == s.Hkv && v.size(2) == s.Lk,
                   "masked_attn: v must have k's heads and length (B, Hkv, Lk, Dv): k ", shape_str(k),
                   ", v ", shape_str(v));
-  STD_TORCH_CHECK(s.Hkv > 0 ? s.H % s.Hkv == 0 : s.H == 0,
+  MA_CHECK(s.Hkv > 0 ? s.H % s.Hkv == 0 : s.H == 0,
                   "masked_attn: the number of q heads (", s.H,
                   ") must be a multiple of the number of k/v heads (", s.Hkv, ")");
   return s;
@@ -188,11 +223,11 @@ ma_mask canonical_mask(const std::optional<Tensor>& m, const char* name, std::ve
   if (!m.has_value()) return out;
   const Tensor& t = *m;
   const int64_t n = static_cast<int64_t>(dims.size());
-  STD_TORCH_CHECK(t.is_cpu(), "masked_attn: ", name, " must be a CPU tensor");
-  STD_TORCH_CHECK(t.dim() <= n, "masked_attn: ", name, " must broadcast to ", dims_str, ", got shape ",
+  MA_CHECK(t.is_cpu(), "masked_attn: ", name, " must be a CPU tensor");
+  MA_CHECK(t.dim() <= n, "masked_attn: ", name, " must broadcast to ", dims_str, ", got shape ",
                   shape_str(t));
   ScalarType st = t.scalar_type();
-  STD_TORCH_CHECK((allow_bool && st == ScalarType::Bool) || is_floating(st), "masked_attn: ", name,
+  MA_CHECK((allow_bool && st == ScalarType::Bool) || is_floating(st), "masked_attn: ", name,
                   allow_bool ? " must be bool or floating point" : " must be floating point");
   to_ma_dtype(st, &out.dtype);
   for (int64_t i = 0; i < n; i++) {
@@ -202,7 +237,7 @@ ma_mask canonical_mask(const std::optional<Tensor>& m, const char* name, std::ve
       continue;
     }
     const int64_t sz = t.size(ti);
-    STD_TORCH_CHECK(sz == dims[i] || sz == 1, "masked_attn: ", name, " of shape ", shape_str(t),
+    MA_CHECK(sz == dims[i] || sz == 1, "masked_attn: ", name, " of shape ", shape_str(t),
                     " does not broadcast to ", dims_str, " = (", dims[0], ", ", dims[1],
                     n > 2 ? ", ..." : "", ")");
     out.stride[i] = sz == 1 ? 0 : t.stride(ti);
@@ -220,13 +255,13 @@ Masks check_masks(const Sizes& s, const std::optional<Tensor>& attn_mask,
   Masks m;
   m.attn_mask = canonical_mask(attn_mask, "attn_mask", {s.B, s.H, s.Lq, s.Lk}, "(B, H, Lq, Lk)", true);
   if (key_padding_mask.has_value())
-    STD_TORCH_CHECK(key_padding_mask->dim() == 2 && key_padding_mask->size(0) == s.B &&
+    MA_CHECK(key_padding_mask->dim() == 2 && key_padding_mask->size(0) == s.B &&
                         key_padding_mask->size(1) == s.Lk,
                     "masked_attn: key_padding_mask must have shape (B, Lk) = (", s.B, ", ", s.Lk,
                     "), got ", shape_str(*key_padding_mask));
   m.key_padding_mask = canonical_mask(key_padding_mask, "key_padding_mask", {s.B, s.Lk}, "(B, Lk)", true);
   if (head_mask.has_value())
-    STD_TORCH_CHECK((head_mask->dim() == 1 && head_mask->size(0) == s.H) ||
+    MA_CHECK((head_mask->dim() == 1 && head_mask->size(0) == s.H) ||
                         (head_mask->dim() == 2 && head_mask->size(0) == s.B && head_mask->size(1) == s.H),
                     "masked_attn: head_mask must have shape (H,) = (", s.H, ",) or (B, H) = (", s.B,
                     ", ", s.H, "), got ", shape_str(*head_mask));
@@ -247,9 +282,9 @@ ma_isa select_isa(ma_dtype dt) {
   else if (s == "avx512") isa = MA_ISA_AVX512;
   else if (s == "amx") isa = MA_ISA_AMX;
   else
-    STD_TORCH_CHECK(false, "masked_attn: MASKED_ATTN_ISA='", s,
+    MA_CHECK(false, "masked_attn: MASKED_ATTN_ISA='", s,
                     "' is not a kernel variant; expected scalar, avx2, avx512 or amx");
-  STD_TORCH_CHECK(ma_isa_available(isa), "masked_attn: MASKED_ATTN_ISA='", s,
+  MA_CHECK(ma_isa_available(isa), "masked_attn: MASKED_ATTN_ISA='", s,
                   "': this CPU does not support it");
   return isa;
 }
@@ -315,7 +350,7 @@ void check_shape(const Tensor& t, const char* name, std::vector<int64_t> dims, c
                  ScalarType dtype) {
   bool ok = t.is_cpu() && t.scalar_type() == dtype && t.dim() == static_cast<int64_t>(dims.size());
   for (int64_t i = 0; ok && i < t.dim(); i++) ok = t.size(i) == dims[i];
-  STD_TORCH_CHECK(ok, "masked_attn: ", name, " must be a CPU tensor of shape ", dims_str,
+  MA_CHECK(ok, "masked_attn: ", name, " must be a CPU tensor of shape ", dims_str,
                   " with the dtype of q, got shape ", shape_str(t));
 }
 
@@ -331,13 +366,13 @@ std::tuple<Tensor, Tensor> attn_backward_impl(
   const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(s.D));
   check_shape(out, "out", {s.B, s.H, s.Lq, s.Dv}, "(B, H, Lq, Dv)", q.scalar_type());
   check_shape(grad_out, "grad_out", {s.B, s.H, s.Lq, s.Dv}, "(B, H, Lq, Dv)", q.scalar_type());
-  STD_TORCH_CHECK(lse.dim() == 3 && lse.size(0) == s.B && lse.size(1) == s.H && lse.size(2) == s.Lq &&
+  MA_CHECK(lse.dim() == 3 && lse.size(0) == s.B && lse.size(1) == s.H && lse.size(2) == s.Lq &&
                       lse.scalar_type() == acc_type(q.scalar_type()) && lse.is_contiguous(),
                   "masked_attn: lse must be the forward's contiguous (B, H, Lq) log-sum-exp");
   if (grad_weights.has_value())
     check_shape(*grad_weights, "grad_weights", {s.B, s.H, s.Lq, s.Lk}, "(B, H, Lq, Lk)",
                 q.scalar_type());
-  STD_TORCH_CHECK(!head_mask_grad || head_mask.has_value(),
+  MA_CHECK(!head_mask_grad || head_mask.has_value(),
                   "masked_attn: head_mask_grad=True needs a head_mask");
 
   check_shape(dq, "grad_q", {s.B, s.H, s.Lq, s.D}, "(B, H, Lq, D)", q.scalar_type());
@@ -440,7 +475,7 @@ std::tuple<Tensor, Tensor> attn_backward_into(
     bool head_mask_grad, bool mask_grad, Tensor grad_q, Tensor grad_k, Tensor grad_v) {
   for (const Tensor* t : {&grad_q, &grad_k, &grad_v})
     for (int64_t i = 0; i < t->dim(); i++)
-      STD_TORCH_CHECK(t->stride(i) != 0 || t->size(i) <= 1,
+      MA_CHECK(t->stride(i) != 0 || t->size(i) <= 1,
                       "masked_attn.backward_into: grad_q, grad_k, grad_v must not be expanded views");
   return attn_backward_impl(grad_out, grad_weights, q, k, v, out, lse, attn_mask, key_padding_mask,
                             head_mask, is_causal, scale, head_mask_grad, mask_grad, grad_q, grad_k,
@@ -465,7 +500,7 @@ enum class CeReduction { None, Mean, Sum };
 CeReduction ce_reduction(const std::string& r) {
   if (r == "none") return CeReduction::None;
   if (r == "mean") return CeReduction::Mean;
-  STD_TORCH_CHECK(r == "sum", "masked_attn.cross_entropy: reduction must be 'none', 'mean' or 'sum', got '",
+  MA_CHECK(r == "sum", "masked_attn.cross_entropy: reduction must be 'none', 'mean' or 'sum', got '",
                   r, "'");
   return CeReduction::Sum;
 }
@@ -489,7 +524,7 @@ struct CeShape {
 };
 
 CeShape ce_shape(const Tensor& input) {
-  STD_TORCH_CHECK(input.dim() >= 1,
+  MA_CHECK(input.dim() >= 1,
                   "masked_attn.cross_entropy: input must be (C,), (N, C) or (N, C, d1, ..., dk), got shape ()");
   CeShape s{1, input.size(0), 1, {}};
   if (input.dim() >= 2) {
@@ -514,15 +549,15 @@ struct CeInputs {
 CeInputs ce_inputs(const Tensor& input, const Tensor& target, const std::optional<Tensor>& weight,
                    int64_t ignore_index, double label_smoothing, double z_loss, std::optional<double> softcap,
                    const CeShape& s) {
-  STD_TORCH_CHECK(input.is_cpu() && target.is_cpu() && (!weight.has_value() || weight->is_cpu()),
+  MA_CHECK(input.is_cpu() && target.is_cpu() && (!weight.has_value() || weight->is_cpu()),
                   "masked_attn.cross_entropy: input, target and weight must be CPU tensors");
   const ScalarType dt = input.scalar_type();
-  STD_TORCH_CHECK(is_floating(dt), "masked_attn.cross_entropy: input must be float32, float64, bfloat16 or float16");
-  STD_TORCH_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0,
+  MA_CHECK(is_floating(dt), "masked_attn.cross_entropy: input must be float32, float64, bfloat16 or float16");
+  MA_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0,
                   "masked_attn.cross_entropy: label_smoothing must be in [0, 1], got ", label_smoothing);
-  STD_TORCH_CHECK(z_loss >= 0.0 && std::isfinite(z_loss),
+  MA_CHECK(z_loss >= 0.0 && std::isfinite(z_loss),
                   "masked_attn.cross_entropy: z_loss must be a finite number >= 0, got ", z_loss);
-  STD_TORCH_CHECK(!softcap.has_value() || (*softcap > 0.0 && std::isfinite(*softcap)),
+  MA_CHECK(!softcap.has_value() || (*softcap > 0.0 && std::isfinite(*softcap)),
                   "masked_attn.cross_entropy: softcap must be None or a finite number > 0, got ",
                   softcap.has_value() ? *softcap : 0.0);
   CeInputs in;
@@ -540,7 +575,7 @@ CeInputs ce_inputs(const Tensor& input, const Tensor& target, const std::optiona
 
   if (target.scalar_type() == ScalarType::Long) {  // class indices
     const bool ok = has_shape(target, s.rows) || (input.dim() == 1 && has_shape(target, {1}));
-    STD_TORCH_CHECK(ok, "masked_attn.cross_entropy: class-index target must have shape ", dims_str(s.rows),
+    MA_CHECK(ok, "masked_attn.cross_entropy: class-index target must have shape ", dims_str(s.rows),
                     " (input ", shape_str(input), " without its class dim), got ", shape_str(target));
     in.target = torch::stable::reshape(target, {s.N, s.S});
     a.target = static_cast<const int64_t*>(in.target.const_data_ptr());
@@ -548,14 +583,14 @@ CeInputs ce_inputs(const Tensor& input, const Tensor& target, const std::optiona
     for (int64_t n = 0; n < s.N; n++)
       for (int64_t j = 0; j < s.S; j++) {
         const int64_t t = a.target[n * a.target_stride[0] + j * a.target_stride[1]];
-        STD_TORCH_CHECK(t == ignore_index || (t >= 0 && t < s.C), "masked_attn.cross_entropy: Target ", t,
+        MA_CHECK(t == ignore_index || (t >= 0 && t < s.C), "masked_attn.cross_entropy: Target ", t,
                         " is out of bounds.");
       }
   } else {  // class probabilities
-    STD_TORCH_CHECK(is_floating(target.scalar_type()),
+    MA_CHECK(is_floating(target.scalar_type()),
                     "masked_attn.cross_entropy: target must be int64 class indices or floating point "
                     "class probabilities");
-    STD_TORCH_CHECK(target.scalar_type() == dt && target.dim() == input.dim() &&
+    MA_CHECK(target.scalar_type() == dt && target.dim() == input.dim() &&
                         has_shape(target, std::vector<int64_t>(input.sizes().begin(), input.sizes().end())),
                     "masked_attn.cross_entropy: probability target must have input's shape ", shape_str(input),
                     " and dtype, got shape ", shape_str(target));
@@ -565,7 +600,7 @@ CeInputs ce_inputs(const Tensor& input, const Tensor& target, const std::optiona
   }
 
   if (weight.has_value()) {
-    STD_TORCH_CHECK(weight->dim() == 1 && weight->size(0) == s.C && weight->scalar_type() == dt,
+    MA_CHECK(weight->dim() == 1 && weight->size(0) == s.C && weight->scalar_type() == dt,
                     "masked_attn.cross_entropy: weight must be a (C,) = (", s.C,
                     ",) tensor with input's dtype, got shape ", shape_str(*weight));
     in.weight = *weight;
@@ -580,7 +615,7 @@ CeInputs ce_inputs(const Tensor& input, const Tensor& target, const std::optiona
 void check_writable_in_place(const CeInputs& in, const Tensor& input, const char* op) {
   bool ok = in.input.data_ptr() == input.data_ptr();
   for (int i = 0; i < 3 && ok; i++) ok = in.input.stride(i) > 0 || in.input.size(i) <= 1;
-  STD_TORCH_CHECK(ok, "masked_attn.", op, ": input must be a tensor whose memory can be written in place "
+  MA_CHECK(ok, "masked_attn.", op, ": input must be a tensor whose memory can be written in place "
                   "(its dims after the class dim flattenable, no expanded dims), got shape ", shape_str(input));
 }
 
@@ -635,12 +670,12 @@ std::tuple<Tensor, Tensor> ce_forward(Tensor input, Tensor target, std::optional
 void ce_backward_into(const Tensor& grad_loss, const CeInputs& in, const CeShape& s, const Tensor& input,
                       const Tensor& lse, CeReduction red, Tensor& dinput3, Tensor* dtarget3) {
   const int64_t R = s.N * s.S;
-  STD_TORCH_CHECK(has_shape(lse, s.rows) && lse.scalar_type() == acc_type(input.scalar_type()) &&
+  MA_CHECK(has_shape(lse, s.rows) && lse.scalar_type() == acc_type(input.scalar_type()) &&
                       lse.is_contiguous() && lse.is_cpu(),
                   "masked_attn.cross_entropy_backward: lse must be the forward's contiguous ", dims_str(s.rows),
                   " log-sum-exp, got shape ", shape_str(lse));
   const bool grad_ok = red == CeReduction::None ? has_shape(grad_loss, s.rows) : grad_loss.numel() == 1;
-  STD_TORCH_CHECK(grad_ok && grad_loss.is_cpu() && grad_loss.scalar_type() == input.scalar_type(),
+  MA_CHECK(grad_ok && grad_loss.is_cpu() && grad_loss.scalar_type() == input.scalar_type(),
                   "masked_attn.cross_entropy_backward: grad_loss must have the loss's shape ",
                   red == CeReduction::None ? dims_str(s.rows) : std::string("()"), " and input's dtype, got shape ",
                   shape_str(grad_loss));
@@ -669,7 +704,7 @@ std::tuple<Tensor, Tensor> ce_backward(Tensor grad_loss, Tensor input, Tensor ta
   const CeReduction red = ce_reduction(reduction);
   const CeShape s = ce_shape(input);
   const CeInputs in = ce_inputs(input, target, weight, ignore_index, label_smoothing, z_loss, softcap, s);
-  STD_TORCH_CHECK(!target_grad || in.a.target_prob,
+  MA_CHECK(!target_grad || in.a.target_prob,
                   "masked_attn.cross_entropy_backward: target_grad=True needs probability targets");
   Tensor dinput = torch::stable::new_empty(input, {s.N, s.C, s.S});
   Tensor dtarget = torch::stable::new_empty(input, {target_grad ? s.N : 0, s.C, s.S});
@@ -699,7 +734,7 @@ std::tuple<Tensor, Tensor> ce_chunk_inplace(Tensor input, Tensor target, std::op
                                             double label_smoothing, double z_loss, std::optional<double> softcap) {
   const CeShape s = ce_shape(input);
   CeInputs in = ce_inputs(input, target, weight, ignore_index, label_smoothing, z_loss, softcap, s);
-  STD_TORCH_CHECK(in.a.target != nullptr, "masked_attn.cross_entropy_chunk_: target must be int64 class indices");
+  MA_CHECK(in.a.target != nullptr, "masked_attn.cross_entropy_chunk_: target must be int64 class indices");
   const ScalarType acc = acc_type(input.scalar_type());
   Tensor lse = torch::stable::new_empty(input, s.rows, acc);
   Tensor loss = torch::stable::new_empty(input, s.rows, acc);

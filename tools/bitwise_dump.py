@@ -1,0 +1,102 @@
+"""Dump the raw ops' outputs and gradients on a fixed set of cases, for one
+build and one instruction set, so that two builds can be compared bit for bit.
+
+    python tools/bitwise_dump.py LIB.so ISA OUT.pt     # one build, one ISA
+    python tools/bitwise_dump.py --compare A.pt B.pt   # exits 1 on any difference
+
+Used to show that a refactoring leaves every result unchanged (docs/design.md,
+"Changing the kernels"). Only the raw torch.ops.masked_attn.* ops are called,
+so the Python package of either build does not matter.
+"""
+import os
+import sys
+
+import torch
+
+
+def attention_cases():
+    g = torch.Generator().manual_seed(0)
+
+    def r(*s, dt):
+        return torch.randn(*s, generator=g, dtype=torch.float64).to(dt)
+
+    for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for (B, H, Hkv, Lq, Lk, D, Dv) in [(2, 4, 2, 130, 130, 64, 64), (1, 2, 2, 7, 200, 40, 24),
+                                           (2, 2, 1, 64, 96, 128, 128), (1, 1, 1, 300, 300, 64, 32)]:
+            q, k, v = r(B, H, Lq, D, dt=dt), r(B, Hkv, Lk, D, dt=dt), r(B, Hkv, Lk, Dv, dt=dt)
+            go = r(B, H, Lq, Dv, dt=dt)
+            kpm = torch.arange(Lk)[None] >= torch.tensor([Lk, Lk * 2 // 3] * B)[:B, None]
+            fm = r(1, H, Lq, Lk, dt=dt) * 0.5
+            hm = torch.rand(H, generator=g, dtype=torch.float64).to(dt) + 0.5
+            yield f"{dt}-{B}{H}{Hkv}-{Lq}x{Lk}-{D}/{Dv}", q, k, v, go, kpm, fm, hm
+
+
+def dump_attention(res):
+    fwd, bwd = torch.ops.masked_attn.forward, torch.ops.masked_attn.backward
+    for name, q, k, v, go, kpm, fm, hm in attention_cases():
+        variants = {
+            "plain": dict(),
+            "causal+kpm": dict(key_padding_mask=kpm, is_causal=True),
+            "float+head": dict(attn_mask=fm, head_mask=hm),
+            "all": dict(attn_mask=fm, key_padding_mask=kpm, head_mask=hm, is_causal=True),
+        }
+        for vname, kw in variants.items():
+            am, kp, hmask, causal = kw.get("attn_mask"), kw.get("key_padding_mask"), kw.get("head_mask"), kw.get("is_causal", False)
+            for need_w in (False, True):
+                out, lse, w = fwd(q, k, v, am, kp, hmask, causal, None, need_w)
+                gw = torch.ones_like(w) * 0.1 if need_w else None
+                mask_grad = am is not None and am.dtype != torch.bool
+                grads = bwd(go, gw, q, k, v, out, lse, am, kp, hmask, causal, None, hmask is not None, mask_grad)
+                key = f"{name}-{vname}-w{int(need_w)}"
+                res[key] = [out, lse, w, *grads]
+        # strided (non-contiguous) q, k, v
+        qs = q.transpose(2, 3).contiguous().transpose(2, 3)
+        out, lse, w = fwd(qs, k, v, None, kpm, None, True, 0.3, False)
+        res[f"{name}-strided"] = [out, lse, *bwd(go, None, qs, k, v, out, lse, None, kpm, None, True, 0.3, False, False)]
+
+
+def dump_ce(res):
+    g = torch.Generator().manual_seed(1)
+    for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for (N, C) in [(37, 1000), (8, 32001), (5, 7)]:
+            x = torch.randn(N, C, generator=g, dtype=torch.float64).to(dt) * 3
+            t = torch.randint(0, C, (N,), generator=g)
+            t[::4] = -100
+            w = torch.rand(C, generator=g, dtype=torch.float64).to(dt) + 0.5
+            for red in ("mean", "sum", "none"):
+                for opts in [(None, 0.0, 0.0, None), (w, 0.1, 1e-4, 30.0)]:
+                    wt, ls, z, cap = opts
+                    loss, lse = torch.ops.masked_attn.cross_entropy(x, t, wt, red, -100, ls, z, cap, False)
+                    gl = torch.ones_like(loss)
+                    gi, _ = torch.ops.masked_attn.cross_entropy_backward(gl, x, t, wt, lse, red, -100, ls, False, z, cap)
+                    res[f"ce-{dt}-{N}x{C}-{red}-{wt is not None}"] = [loss, lse, gi]
+
+
+def main():
+    if sys.argv[1] == "--compare":
+        a, b = torch.load(sys.argv[2]), torch.load(sys.argv[3])
+        bad = 0
+        if a.keys() != b.keys():
+            print("different case sets"); sys.exit(1)
+        for key in a:
+            for i, (x, y) in enumerate(zip(a[key], b[key])):
+                same = x.shape == y.shape and x.dtype == y.dtype and torch.equal(
+                    x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+                if not same:
+                    bad += 1
+                    print("DIFF", key, i)
+        n = sum(len(v) for v in a.values())
+        print(f"{len(a)} cases, {n} tensors, {bad} differ")
+        sys.exit(1 if bad else 0)
+    lib, isa, out = sys.argv[1:4]
+    os.environ["MASKED_ATTN_ISA"] = isa
+    torch.ops.load_library(lib)
+    res = {}
+    dump_attention(res)
+    dump_ce(res)
+    torch.save({k: [t.contiguous().clone() for t in v] for k, v in res.items()}, out)
+    print(isa, len(res), "cases ->", out)
+
+
+if __name__ == "__main__":
+    main()
