@@ -1,12 +1,16 @@
-# make demo | make test | make bench -- each does the set-up first.
+# make demo | make test | make bench | make lint -- each does the set-up first.
 PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.deps-installed
-SOURCES := $(wildcard csrc/*.c csrc/*.h csrc/*.cpp) setup.py
+SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.c csrc/*/*.h) setup.py pyproject.toml
 BUILT   := $(VENV)/.built
+RUFF    := $(VENV)/bin/ruff
+CLANG_FORMAT ?= clang-format
+# the C kernels (not shim.cpp: see .clang-format)
+C_FILES := $(shell find csrc -name '*.c' -o -name '*.h' | sort)
 
-.PHONY: setup demo demo-attention test bench clean
+.PHONY: setup demo demo-attention test bench lint clean
 
 setup: $(BUILT)
 
@@ -37,5 +41,20 @@ test: setup
 bench: setup
 	$(VPY) benchmarks/run.py
 
+# pinned: a newer ruff may bring new rules into the selected sets
+$(RUFF): | $(STAMP)
+	$(VPY) -m pip install ruff==0.17.6
+
+# ruff over the Python (its rules: pyproject.toml); clang-format over the C
+# kernels (.clang-format) where it is installed -- it is not a requirement.
+lint: $(RUFF)
+	$(RUFF) check .
+	@if command -v $(CLANG_FORMAT) >/dev/null 2>&1; then \
+		echo "$(CLANG_FORMAT) --dry-run -Werror <the C files under csrc/>"; \
+		$(CLANG_FORMAT) --dry-run -Werror $(C_FILES); \
+	else \
+		echo "lint: $(CLANG_FORMAT) not installed, C formatting not checked"; \
+	fi
+
 clean:
-	rm -rf build *.egg-info torch_masked_attn/_C*.so
+	rm -rf build *.egg-info torch_masked_attn/_C*.so .ruff_cache

@@ -13,21 +13,28 @@ from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-C_SOURCES = sorted(glob.glob(os.path.join("csrc", "*.c")))
-C_HEADERS = sorted(glob.glob(os.path.join("csrc", "*.h")))
-C_FLAGS = ["-std=c11", "-O3", "-fPIC", "-Wall", "-Wextra", "-fno-math-errno"]
-# Instruction-set variants: one translation unit per instruction set, chosen at
-# run time by the kernels. Never -march=native.
+C_SOURCES = sorted(glob.glob(os.path.join("csrc", "**", "*.c"), recursive=True))
+C_HEADERS = sorted(glob.glob(os.path.join("csrc", "**", "*.h"), recursive=True))
+C_FLAGS = ["-std=c11", "-O3", "-fPIC", "-Wall", "-Wextra", "-fno-math-errno", "-I" + os.path.join(ROOT, "csrc")]
+# Instruction-set variants: an op's instance for instruction set X is the
+# file csrc/<op>/X.c, compiled with X's flags (never -march=native); which
+# one runs is decided at run time (csrc/common/isa.c, csrc/<op>/dispatch.c).
 ISA_FLAGS = {
-    "_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
-    "_avx512.c": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-mf16c"],
-    "_amx.c": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mamx-tile",
-               "-mamx-bf16", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-mf16c"],
+    "amx": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mamx-tile",
+            "-mamx-bf16", "-mfma", "-mf16c"],
 }
 
 
 def isa_flags(src):
-    return next((f for suffix, f in ISA_FLAGS.items() if src.endswith(suffix)), [])
+    return ISA_FLAGS.get(os.path.splitext(os.path.basename(src))[0], [])
+
+
+def object_name(src):
+    """csrc/attention/avx2.c -> attention_avx2.o (instances of different ops share file names)."""
+    rel = os.path.relpath(src, os.path.join(ROOT, "csrc") if os.path.isabs(src) else "csrc")
+    return rel[:-2].replace(os.sep, "_") + ".o"
 
 
 class BuildC11ThenExtension(BuildExtension):
@@ -38,7 +45,7 @@ class BuildC11ThenExtension(BuildExtension):
         newest_header = max((os.path.getmtime(h) for h in C_HEADERS), default=0)
         objects = []
         for src in C_SOURCES:
-            obj = os.path.join(obj_dir, os.path.basename(src)[:-2] + ".o")
+            obj = os.path.join(obj_dir, object_name(src))
             stale = not os.path.exists(obj) or os.path.getmtime(obj) < max(
                 os.path.getmtime(src), newest_header)
             if stale:
@@ -53,10 +60,7 @@ class BuildC11ThenExtension(BuildExtension):
 
 
 if __name__ == "__main__":  # tests import this file for the C flags
-    setup(
-        name="torch_masked_attn",
-        version="0.1.0",
-        description="Masked attention and cross-entropy for PyTorch on CPUs: C11 kernels, drop-in modules",
+    setup(  # name, version, description, dependencies: pyproject.toml's [project]
         packages=find_packages(include=["torch_masked_attn", "torch_masked_attn.*"]),
         ext_modules=[
             CppExtension(
@@ -70,6 +74,4 @@ if __name__ == "__main__":  # tests import this file for the C flags
             )
         ],
         cmdclass={"build_ext": BuildC11ThenExtension},
-        python_requires=">=3.10",
-        install_requires=["torch>=2.10"],
     )

@@ -34,10 +34,11 @@ typedef enum {
     MA_F16 = 4,
 } ma_dtype;
 
-/* Instruction-set variants of the float32-accumulating kernels. The shim
- * picks one per call: MASKED_ATTN_ISA=scalar|avx2|avx512|amx if set, else the
- * best the CPU has for the dtype (ma_isa_best). float64 always runs the
- * scalar kernels; the cross-entropy kernels run AMX calls on AVX-512. */
+/* Instruction-set variants of the float32-accumulating kernels. The policy
+ * (which one a call gets) is common/isa.h's; each op's dispatch.c maps
+ * (dtype, variant) to a kernel: float64 always runs the double-accumulating
+ * scalar kernels, and cross-entropy, which has no AMX kernels, runs AMX on
+ * AVX-512. */
 typedef enum {
     MA_ISA_SCALAR = 0,
     MA_ISA_AVX2 = 1,   /* AVX2 + FMA */
@@ -79,25 +80,32 @@ typedef struct {
     int64_t stride[4];   /* attn_mask: b, h, i, j; key_padding_mask: b, j; head_mask: b, h */
 } ma_mask;
 
+/* What the forward and the backward of one call both read. Filled once by
+ * the shim (attn_args in shim.cpp). */
 typedef struct {
-    /* outputs */
-    void *out;              /* (B, H, Lq, Dv)  dtype                        */
-    void *lse;              /* (B, H, Lq)      contiguous, float32 (float64 for MA_F64) */
-    void *weights;          /* (B, H, Lq, Lk)  contiguous, dtype; NULL unless need_weights */
-    /* inputs */
     const void *q;          /* (B, H, Lq, D)   */
     const void *k;          /* (B, Hkv, Lk, D) */
     const void *v;          /* (B, Hkv, Lk, Dv) */
-    ma_dtype dtype;         /* of q, k, v, out, weights */
-    int64_t out_stride[4], q_stride[4], k_stride[4], v_stride[4];
+    ma_dtype dtype;         /* of q, k, v and of every output but lse */
+    int64_t q_stride[4], k_stride[4], v_stride[4];
+    int64_t out_stride[4];  /* of out: written by the forward, read by the backward */
     ma_mask attn_mask, key_padding_mask, head_mask;
     int is_causal;
     double scale;
     /* sizes */
     int64_t B, H, Hkv, Lq, Lk, D, Dv;
     int64_t block_q, block_k;   /* tile sizes, set by the shim */
-    int stream_stores;          /* write out with non-temporal stores (see below) */
-    ma_isa isa;
+    int stream_stores;          /* write the large outputs with non-temporal stores (see below) */
+    ma_isa isa;                 /* the variant for this call (common/isa.h) */
+} ma_attn_args;
+
+typedef struct {
+    /* outputs */
+    void *out;              /* (B, H, Lq, Dv)  dtype, strides a.out_stride        */
+    void *lse;              /* (B, H, Lq)      contiguous, float32 (float64 for MA_F64) */
+    void *weights;          /* (B, H, Lq, Lk)  contiguous, dtype; NULL unless need_weights */
+    /* inputs */
+    ma_attn_args a;
 } ma_attn_fwd_params;
 
 typedef struct {
@@ -108,19 +116,15 @@ typedef struct {
     void *dhm_rows;         /* (B, H, Lq) acc type: sum_j P dP/hm per row; NULL unless head_mask grad wanted */
     void *dscores;          /* (B, H, Lq, Lk) acc type, contiguous, zero-filled by the shim: dL/dS,
                                the gradient of an additive mask; NULL unless a mask needs it */
+    int64_t dq_stride[4], dk_stride[4], dv_stride[4];
     /* gradients of the forward's outputs */
     const void *dout;       /* (B, H, Lq, Dv) */
     const void *dweights;   /* (B, H, Lq, Lk) NULL if the weights were not used */
-    /* what the forward saw and saved */
-    const void *q, *k, *v, *out;
-    const void *lse;        /* (B, H, Lq) contiguous, acc type */
-    ma_dtype dtype;
-    int64_t dq_stride[4], dk_stride[4], dv_stride[4];
     int64_t dout_stride[4], dweights_stride[4];
-    int64_t q_stride[4], k_stride[4], v_stride[4], out_stride[4];
-    ma_mask attn_mask, key_padding_mask, head_mask;
-    int is_causal;
-    double scale;
+    /* what the forward saw and saved */
+    const void *out;        /* (B, H, Lq, Dv) strides a.out_stride */
+    const void *lse;        /* (B, H, Lq) contiguous, acc type */
+    ma_attn_args a;
     /* scratch shared between the two passes */
     void *delta;            /* (B, H, Lq) acc type: D_i = sum_j P_ij dP_ij, written by the dq pass */
     /* single pass with kv_chunks > 1: dq and dhm partial sums of each key
@@ -128,11 +132,6 @@ typedef struct {
      * summed in chunk order by the reduce task */
     void *dq_part, *dhm_part;
     int64_t kv_chunks;
-    int64_t B, H, Hkv, Lq, Lk, D, Dv;
-    int64_t block_q, block_k;
-    int stream_stores;      /* write dq, dk, dv with non-temporal stores (see below); dq
-                               summed by the reduce task (kv_chunks > 1) has plain stores */
-    ma_isa isa;
 } ma_attn_bwd_params;
 
 /* stream_stores: the outputs are large (the shim sets it from their size), so

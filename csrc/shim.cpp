@@ -25,6 +25,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/isa.h"
 #include "masked_attn.h"
 
 #if defined(__linux__)
@@ -180,7 +181,7 @@ bool worth_streaming(const Tensor& t) { return t.numel() * static_cast<int64_t>(
 // block is computed the same way by whichever thread takes it. Measured on
 // gpt-train (L = 512): the forward about 10% faster.
 int64_t fwd_grain(const ma_attn_fwd_params& p) {
-  const int64_t n = ma_attn_fwd_work_items(&p), nq = (p.Lq + p.block_q - 1) / p.block_q;
+  const int64_t n = ma_attn_fwd_work_items(&p), nq = (p.a.Lq + p.a.block_q - 1) / p.a.block_q;
   const int64_t threads = std::max<int64_t>(1, torch::stable::get_num_threads());
   return std::max<int64_t>(1, std::min<int64_t>(nq, n / (8 * threads)));
 }
@@ -269,30 +270,47 @@ Masks check_masks(const Sizes& s, const std::optional<Tensor>& attn_mask,
   return m;
 }
 
-// The instruction-set variant for this call: MASKED_ATTN_ISA if set (tests use
-// it to run every variant the machine has), else the best the CPU supports
-// for the dtype.
+// The instruction-set variant for this call: common/isa.h decides (the CPU's
+// best for the dtype, or MASKED_ATTN_ISA read once per process, or
+// torch_masked_attn.ops.use_isa); a MASKED_ATTN_ISA it cannot honour is an error.
 ma_isa select_isa(ma_dtype dt) {
-  const char* env = std::getenv("MASKED_ATTN_ISA");
-  if (env == nullptr || *env == '\0') return ma_isa_best(dt);
-  const std::string s(env);
-  ma_isa isa = MA_ISA_SCALAR;
-  if (s == "scalar") isa = MA_ISA_SCALAR;
-  else if (s == "avx2") isa = MA_ISA_AVX2;
-  else if (s == "avx512") isa = MA_ISA_AVX512;
-  else if (s == "amx") isa = MA_ISA_AMX;
-  else
-    MA_CHECK(false, "masked_attn: MASKED_ATTN_ISA='", s,
-                    "' is not a kernel variant; expected scalar, avx2, avx512 or amx");
-  MA_CHECK(ma_isa_available(isa), "masked_attn: MASKED_ATTN_ISA='", s,
-                  "': this CPU does not support it");
-  return isa;
+  if (const char* err = ma_isa_env_error()) {
+    const char* env = std::getenv("MASKED_ATTN_ISA");
+    MA_CHECK(false, err, " (MASKED_ATTN_ISA='", env ? env : "", "')");
+  }
+  return ma_isa_for(dt);
 }
 
 // Tile sizes: a q-block of 64 rows by a k-block of 64 keys.
 constexpr int64_t kBlockQ = 64, kBlockK = 64;
 // The AMX kernels' packed views start at multiples of 32 rows and keys.
 static_assert(kBlockQ % 32 == 0 && kBlockK % 32 == 0, "block sizes must be multiples of 32");
+
+// What the forward and the backward of one call both read (ma_attn_args),
+// filled in one place: q, k, v and out with their strides, the canonical
+// masks, the flags, sizes and tiles, and the variant.
+ma_attn_args attn_args(const Sizes& s, const Masks& m, const Tensor& q, const Tensor& k, const Tensor& v,
+                       const Tensor& out, bool is_causal, double scale, bool stream_stores) {
+  ma_attn_args a{};
+  a.q = q.const_data_ptr();
+  a.k = k.const_data_ptr();
+  a.v = v.const_data_ptr();
+  to_ma_dtype(q.scalar_type(), &a.dtype);
+  fill_strides4(a.q_stride, q);
+  fill_strides4(a.k_stride, k);
+  fill_strides4(a.v_stride, v);
+  fill_strides4(a.out_stride, out);
+  a.attn_mask = m.attn_mask;
+  a.key_padding_mask = m.key_padding_mask;
+  a.head_mask = m.head_mask;
+  a.is_causal = is_causal;
+  a.scale = scale;
+  a.B = s.B, a.H = s.H, a.Hkv = s.Hkv, a.Lq = s.Lq, a.Lk = s.Lk, a.D = s.D, a.Dv = s.Dv;
+  a.block_q = kBlockQ, a.block_k = kBlockK;
+  a.stream_stores = stream_stores;
+  a.isa = select_isa(a.dtype);
+  return a;
+}
 
 // ---- ops --------------------------------------------------------------------
 
@@ -317,23 +335,7 @@ std::tuple<Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tensor v,
   p.out = out.mutable_data_ptr();
   p.lse = lse.mutable_data_ptr();
   p.weights = need_weights ? weights.mutable_data_ptr() : nullptr;
-  p.q = q.const_data_ptr();
-  p.k = k.const_data_ptr();
-  p.v = v.const_data_ptr();
-  to_ma_dtype(q.scalar_type(), &p.dtype);
-  fill_strides4(p.out_stride, out);
-  fill_strides4(p.q_stride, q);
-  fill_strides4(p.k_stride, k);
-  fill_strides4(p.v_stride, v);
-  p.attn_mask = m.attn_mask;
-  p.key_padding_mask = m.key_padding_mask;
-  p.head_mask = m.head_mask;
-  p.is_causal = is_causal;
-  p.scale = sc;
-  p.B = s.B, p.H = s.H, p.Hkv = s.Hkv, p.Lq = s.Lq, p.Lk = s.Lk, p.D = s.D, p.Dv = s.Dv;
-  p.block_q = kBlockQ, p.block_k = kBlockK;
-  p.stream_stores = worth_streaming(out);
-  p.isa = select_isa(p.dtype);
+  p.a = attn_args(s, m, q, k, v, out, is_causal, sc, worth_streaming(out));
 
   if (s.Lk == 0) {  // no key at all: every row is fully masked
     torch::stable::zero_(out);
@@ -394,31 +396,16 @@ std::tuple<Tensor, Tensor> attn_backward_impl(
   p.dscores = mask_grad ? dscores.mutable_data_ptr() : nullptr;
   p.dout = grad_out.const_data_ptr();
   p.dweights = grad_weights.has_value() ? grad_weights->const_data_ptr() : nullptr;
-  p.q = q.const_data_ptr();
-  p.k = k.const_data_ptr();
-  p.v = v.const_data_ptr();
   p.out = out.const_data_ptr();
   p.lse = lse.const_data_ptr();
-  to_ma_dtype(q.scalar_type(), &p.dtype);
   fill_strides4(p.dq_stride, dq);
   fill_strides4(p.dk_stride, dk);
   fill_strides4(p.dv_stride, dv);
   fill_strides4(p.dout_stride, grad_out);
   if (grad_weights.has_value()) fill_strides4(p.dweights_stride, *grad_weights);
-  fill_strides4(p.q_stride, q);
-  fill_strides4(p.k_stride, k);
-  fill_strides4(p.v_stride, v);
-  fill_strides4(p.out_stride, out);
-  p.attn_mask = m.attn_mask;
-  p.key_padding_mask = m.key_padding_mask;
-  p.head_mask = m.head_mask;
-  p.is_causal = is_causal;
-  p.scale = sc;
+  p.a = attn_args(s, m, q, k, v, out, is_causal, sc,
+                  worth_streaming(dq) || worth_streaming(dk) || worth_streaming(dv));
   p.delta = delta.mutable_data_ptr();
-  p.B = s.B, p.H = s.H, p.Hkv = s.Hkv, p.Lq = s.Lq, p.Lk = s.Lk, p.D = s.D, p.Dv = s.Dv;
-  p.block_q = kBlockQ, p.block_k = kBlockK;
-  p.stream_stores = worth_streaming(dq) || worth_streaming(dk) || worth_streaming(dv);
-  p.isa = select_isa(p.dtype);
   p.kv_chunks = 1;
 
   const size_t bytes = ma_attn_bwd_scratch_bytes(&p);

@@ -285,24 +285,13 @@ def assert_close64(ours, theirs, *, name="", atol=1e-10, rtol=1e-9):
 # ---- instruction-set variants ------------------------------------------------
 
 def run_isa(isa, fn):
-    """fn() with MASKED_ATTN_ISA forced to isa (the kernels read it per call)."""
-    old = os.environ.get("MASKED_ATTN_ISA")
-    os.environ["MASKED_ATTN_ISA"] = isa
-    try:
+    """fn() with the kernels' variant forced to isa (ops.use_isa)."""
+    from torch_masked_attn.ops import use_isa
+    with use_isa(isa):
         return fn()
-    finally:
-        if old is None:
-            del os.environ["MASKED_ATTN_ISA"]
-        else:
-            os.environ["MASKED_ATTN_ISA"] = old
 
 
 def isa_available(isa):
-    """Does this CPU run the isa variant? (The shim refuses one it lacks.)"""
-    q = torch.randn(1, 1, 1, 1)
-    try:
-        run_isa(isa, lambda: torch.ops.masked_attn.forward(q, q, q, None, None, None, False, None, False))
-        return True
-    except RuntimeError as e:
-        assert "does not support" in str(e)
-        return False
+    """Does this CPU run the isa variant?"""
+    from torch_masked_attn.ops import isa_available as available
+    return available(isa)

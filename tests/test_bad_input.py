@@ -106,7 +106,7 @@ def test_sdpa_bad_input(case):
     kw, pattern = _sdpa_bad_cases()[case]
     # PyTorch rejects the same call (its math path: the CPU flash kernel
     # silently accepts a key/value length mismatch)
-    with sdpa_kernel(SDPBackend.MATH), pytest.raises(Exception):
+    with sdpa_kernel(SDPBackend.MATH), pytest.raises(Exception):  # noqa: B017  (whatever PyTorch raises)
         F.scaled_dot_product_attention(**kw)
     with pytest.raises(ERRORS, match=pattern):
         tmaF.scaled_dot_product_attention(**kw)
@@ -159,7 +159,7 @@ def test_mha_is_causal_without_mask():
     """nn.MultiheadAttention requires attn_mask with the is_causal hint."""
     mod = tma.MultiheadAttention(E, NH)
     x = _t(L, N, E)
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017  (whatever PyTorch raises)
         nn.MultiheadAttention(E, NH)(x, x, x, is_causal=True)
     with pytest.raises(ERRORS, match=r"(?i)attn_mask|is_causal"):
         mod(x, x, x, is_causal=True)

@@ -15,18 +15,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from setup import C_FLAGS, isa_flags  # noqa: E402  (the build's own flags)
 
-ATTENTION = ("attention.c", "attention_avx2.c", "attention_avx512.c", "attention_amx.c")  # also ma_isa_available
-CROSS_ENTROPY = ("cross_entropy.c", "cross_entropy_avx2.c", "cross_entropy_avx512.c")
+COMMON = ("common/isa.c",)  # ma_isa_available
+ATTENTION = ("attention/scalar.c", "attention/avx2.c", "attention/avx512.c", "attention/amx.c",
+             "attention/dispatch.c")
+CROSS_ENTROPY = ("cross_entropy/scalar.c", "cross_entropy/avx2.c", "cross_entropy/avx512.c",
+                 "cross_entropy/dispatch.c")
 
 
-@pytest.mark.parametrize("harness,sources", [("test_blocks.c", ATTENTION),
-                                             ("test_ce_blocks.c", CROSS_ENTROPY + ATTENTION)])
+@pytest.mark.parametrize("harness,sources", [("test_blocks.c", COMMON + ATTENTION),
+                                             ("test_ce_blocks.c", COMMON + CROSS_ENTROPY)])
 def test_every_variant_against_scalar(tmp_path, harness, sources):
     cc = os.environ.get("CC", "cc")
     objs = []
     for src in sources:
         path = os.path.join(ROOT, "csrc", src)
-        obj = tmp_path / (src + ".o")
+        obj = tmp_path / (src.replace("/", "_") + ".o")
         subprocess.run([cc, *C_FLAGS, *isa_flags(path), "-c", path, "-o", str(obj)], check=True)
         objs.append(str(obj))
     exe = tmp_path / harness[:-2]

@@ -436,7 +436,8 @@ def test_short_query_blocks_match_the_tiles(isa, dtype, case, masks):
             tol = 2e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(out, full_out[:, :, :n], rtol=tol, atol=tol)
         else:
-            assert torch.equal(out, full_out[:, :, :n]), f"{isa} {dtype} n={n}: {(out - full_out[:, :, :n]).abs().max()}"
+            assert torch.equal(out, full_out[:, :, :n]), \
+                f"{isa} {dtype} n={n}: {(out - full_out[:, :, :n]).abs().max()}"
             assert torch.equal(lse, full_lse[:, :, :n])
     # the short path against PyTorch in float64 (its last rows 64..71 are a short block as well)
     ref = torch_reference(q, k, v, masks, kw)

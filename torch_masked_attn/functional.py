@@ -6,9 +6,10 @@ masked_attention              the op's own conventions, nn.MultiheadAttention's
                               (bool mask True = blocked), with key padding and
                               head masks as separate arguments
 """
-import math
+from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from . import ops  # noqa: F401  (registers torch.ops.masked_attn)
 
@@ -31,9 +32,10 @@ def _as_4d_attn_mask(attn_mask, B, H):
     return attn_mask
 
 
-def masked_attention(q, k, v, *, attn_mask=None, key_padding_mask=None, head_mask=None,
-                     is_causal=False, scale=None, dropout_p=0.0, need_weights=False,
-                     return_lse=False):
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = None,
+                     key_padding_mask: Tensor | None = None, head_mask: Tensor | None = None,
+                     is_causal: bool = False, scale: float | None = None, dropout_p: float = 0.0,
+                     need_weights: bool = False, return_lse: bool = False) -> Tensor | tuple[Tensor, ...]:
     """Masked multi-head attention.
 
     Args:
@@ -79,8 +81,9 @@ def masked_attention(q, k, v, *, attn_mask=None, key_padding_mask=None, head_mas
     return (out,) + ((weights,) if need_weights else ()) + ((lse,) if return_lse else ())
 
 
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
-                                 is_causal=False, scale=None, enable_gqa=False):
+def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                                 enable_gqa: bool = False) -> Tensor:
     """Drop-in for torch.nn.functional.scaled_dot_product_attention.
 
     query (..., Hq, L, E), key (..., H, S, E), value (..., H, S, Ev); a bool

@@ -283,8 +283,8 @@ class CrossEntropyLoss(nn.CrossEntropyLoss):
     ``z_loss``, ``softcap`` and ``inplace_backward`` are that function's
     options (off by default); they are plain attributes, not state."""
 
-    def __init__(self, weight: Tensor | None = None, size_average=None, ignore_index: int = -100,
-                 reduce=None, reduction: str = "mean", label_smoothing: float = 0.0, *,
+    def __init__(self, weight: Tensor | None = None, size_average: bool | None = None, ignore_index: int = -100,
+                 reduce: bool | None = None, reduction: str = "mean", label_smoothing: float = 0.0, *,
                  z_loss: float = 0.0, softcap: float | None = None, inplace_backward: bool = False) -> None:
         super().__init__(weight, size_average, ignore_index, reduce, reduction, label_smoothing)
         self.z_loss, self.softcap = _check_options(z_loss, softcap, "CrossEntropyLoss")
@@ -407,6 +407,7 @@ def _scatter_rows(grad_kept, kept, N):
     return out.index_copy_(0, kept, grad_kept)
 
 
+# an autograd.Function, not register_autograd: see "How gradients are registered" in ops.py
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, bias, t, ignore_index, reduction, ls, z_loss, softcap, chunk_size):

@@ -1,7 +1,9 @@
 """Drop-in modules."""
+from __future__ import annotations
+
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from .functional import _dropout_not_implemented
 from .ops import _needs, attention_backward, first_order_only
@@ -31,6 +33,7 @@ def _split_qkv(qkv, batch_first):
     return tuple(qkv.select(2, i).permute(*perm) for i in range(3))
 
 
+# an autograd.Function, not register_autograd: see "How gradients are registered" in ops.py
 class _PackedSelfAttention(torch.autograd.Function):
     """Self-attention on one fused in-projection qkv, (N, L, 3, H, hd) or
     (L, N, 3, H, hd). Its backward writes dq, dk, dv straight into one buffer
@@ -67,6 +70,7 @@ def _merge_heads(t, batch_first):
     return t.permute(2, 0, 1, 3).reshape(L, N, H * hd)
 
 
+# an autograd.Function, not register_autograd: see "How gradients are registered" in ops.py
 class _RecomputedSelfAttention(torch.autograd.Function):
     """A whole self-attention block, in-projection, attention and
     out-projection, as one autograd node, for long sequences. The forward
@@ -150,9 +154,10 @@ class MultiheadAttention(nn.MultiheadAttention):
     either way.
     """
 
-    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False,
-                 add_zero_attn=False, kdim=None, vdim=None, batch_first=False, device=None,
-                 dtype=None):
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
+                 add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: int | None = None,
+                 vdim: int | None = None, batch_first: bool = False, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         if embed_dim <= 0 or num_heads <= 0:
             raise ArgumentError(f"MultiheadAttention: embed_dim and num_heads must be > 0, got "
                                 f"embed_dim={embed_dim}, num_heads={num_heads}")
@@ -174,8 +179,9 @@ class MultiheadAttention(nn.MultiheadAttention):
         # extra work 6 L E^2 vs causal attention's ~7 L^2 E per sequence: at most 1/16
         return 7 * L >= 96 * self.embed_dim
 
-    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
-                average_attn_weights=True, is_causal=False, *, head_mask=None):
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None = None,
+                need_weights: bool = True, attn_mask: Tensor | None = None, average_attn_weights: bool = True,
+                is_causal: bool = False, *, head_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         if self.dropout > 0.0 and self.training:
             _dropout_not_implemented(self.dropout)
         E, H = self.embed_dim, self.num_heads

@@ -15,11 +15,47 @@ is materialised only when mask_grad (a floating mask requires grad).
 
 Conventions are nn.MultiheadAttention's: a bool mask is True where attention
 is blocked; a floating mask is added to the scaled scores.
+
+How gradients are registered
+----------------------------
+One mechanism for the ops: torch.library.register_autograd, at the end of
+each op's section below (masked_attn::forward -> _forward_backward,
+masked_attn::cross_entropy -> _cross_entropy_backward). The other ops
+(backward, backward_into, cross_entropy_backward(_), cross_entropy_chunk_)
+are building blocks of backwards and have no gradient of their own.
+
+Four torch.autograd.Function subclasses remain, each for a reason the op-level
+registration cannot express (a one-line comment at each points back here):
+
+* ops.py, _FirstOrderOnly: not a gradient formula but a guard. It wraps the
+  gradients our backward kernels return, so that differentiating them again
+  (double backward after create_graph=True) raises instead of silently giving
+  zero. It needs a node of its own in the recorded backward graph.
+* modules.py, _PackedSelfAttention: self-attention on one fused qkv
+  projection; its backward has the kernel write dq, dk, dv straight into one
+  qkv-shaped buffer (masked_attn::backward_into). Through the op, the three
+  gradients would go back through the q, k, v views of qkv: zero-filled
+  buffers and copies.
+* modules.py, _RecomputedSelfAttention: in-projection, attention and
+  out-projection as one node, so that the forward need not save qkv (3
+  activations per token) and the backward recomputes it. An op-level
+  backward only sees the attention, not the projections around it.
+* losses.py, _LinearCrossEntropy: linear layer + cross-entropy without the
+  (N, V) logits. Its chunking depends on the data (the rows kept by
+  ignore_index) and, for 'mean' / 'sum', it computes the gradients in the
+  forward and the backward only scales them: Python-level control flow over
+  the ops, not one op with a backward.
 """
+from __future__ import annotations
+
+import contextlib
+import ctypes
 import glob
 import os
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
+from torch import Tensor
 
 _here = os.path.dirname(os.path.abspath(__file__))
 _libs = sorted(glob.glob(os.path.join(_here, "_C*.so")))
@@ -28,6 +64,41 @@ if not _libs:
         "torch_masked_attn._C is not built; run `make setup` or "
         "`pip install --no-build-isolation -e .` in the repository")
 torch.ops.load_library(_libs[0])
+
+
+# ---- the instruction-set variant ---------------------------------------------
+#
+# csrc/common/isa.c owns the policy: the CPU's best variant for the dtype,
+# unless MASKED_ATTN_ISA (read once, at the first op call) or use_isa forces
+# one. use_isa reaches the C function directly (the library is plain C there).
+
+_ISAS = ("scalar", "avx2", "avx512", "amx")
+_clib = ctypes.CDLL(_libs[0])
+_clib.ma_isa_force.argtypes = [ctypes.c_int]
+_clib.ma_isa_force.restype = ctypes.c_int
+_clib.ma_isa_forced.restype = ctypes.c_int
+
+
+def isa_available(name: str) -> bool:
+    """Whether this CPU runs the kernel variant ``name`` (scalar, avx2, avx512, amx)."""
+    if name not in _ISAS:
+        raise ValueError(f"isa must be one of {', '.join(_ISAS)}, got {name!r}")
+    return bool(_clib.ma_isa_available(_ISAS.index(name)))
+
+
+@contextlib.contextmanager
+def use_isa(name: str | None) -> Iterator[None]:
+    """Run the kernels with variant ``name`` inside the block (None: the CPU's
+    best), for the whole process; the previous choice is restored after.
+    Raises ValueError for an unknown name or one this CPU lacks."""
+    if name is not None and not isa_available(name):
+        raise ValueError(f"use_isa: this CPU does not support the {name!r} kernels")
+    old = _clib.ma_isa_forced()
+    _clib.ma_isa_force(-1 if name is None else _ISAS.index(name))
+    try:
+        yield
+    finally:
+        _clib.ma_isa_force(old)
 
 
 def _lse_dtype(dtype):
@@ -88,7 +159,9 @@ def _forward_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def attention_backward(saved, needs, is_causal, scale, grad_out, grad_weights, into=None):
+def attention_backward(saved: Sequence[Tensor | None], needs: Sequence[bool], is_causal: bool,
+                       scale: float | None, grad_out: Tensor | None, grad_weights: Tensor | None,
+                       into: Sequence[Tensor] | None = None) -> tuple[Tensor | None, ...]:
     """The backward of masked_attn::forward from what it saved.
 
     saved = (q, k, v, out, lse, attn_mask, key_padding_mask, head_mask);
@@ -126,6 +199,7 @@ def _needs(ctx, *indices):
     return tuple(bool(n[i]) if i < len(n) else False for i in indices)
 
 
+# an autograd.Function, not register_autograd: see "How gradients are registered" above
 class _FirstOrderOnly(torch.autograd.Function):
     """The identity on gradients our backward kernels computed. Those kernels
     are not differentiable themselves: when a backward is recorded
@@ -145,7 +219,7 @@ class _FirstOrderOnly(torch.autograd.Function):
             "(differentiating a gradient taken with create_graph=True) is not supported")
 
 
-def first_order_only(what, anchors, *grads):
+def first_order_only(what: str, anchors: Iterable[object], *grads: Tensor | None) -> tuple[Tensor | None, ...]:
     """grads as they are, or, while a backward is being recorded
     (create_graph=True), routed through a node, hanging off the anchors
     (saved inputs), that raises if it is differentiated."""

@@ -11,8 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "attention_isa.h"
-#include "dtype.h"
+#include "attention/blocks.h"
+#include "common/dtype.h"
 #include "masked_attn.h"
 
 #include "harness.h"

@@ -13,8 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cross_entropy_isa.h"
-#include "dtype.h"
+#include "common/dtype.h"
+#include "cross_entropy/blocks.h"
 #include "masked_attn.h"
 
 #include "harness.h"

@@ -1,16 +1,14 @@
 /*
  * cross_entropy_tmpl.h -- cross-entropy forward and backward, written once
- * over the accumulation type and the row building blocks. Instances:
- *   cross_entropy.c         ACC = float, the scalar blocks (the reference)
- *                           ACC = double (float64 inputs, for gradcheck), no blocks
- *   cross_entropy_avx2.c    ACC = float, AVX2 blocks
- *   cross_entropy_avx512.c  ACC = float, AVX-512 blocks
- * with FN(x) giving each instance its suffix, LOAD/STORE the element access
- * of that precision, EXP/TANH the libm functions, and, for float instances,
- * ROW_STATS / ROW_GRAD the blocks of cross_entropy_isa.h. Per-element
- * arithmetic is in ACC; the sums over a row's C classes (sum of exponentials,
- * the smoothing and probability terms) are kept in double, so a 128k-class
- * vocabulary loses nothing to a long float32 running sum.
+ * over the accumulation type and the row building blocks. Instances (each a
+ * few lines): scalar.c (float with the scalar blocks, the reference; and
+ * double for float64 inputs, generic loops only), avx2.c, avx512.c. An
+ * instance defines FN(x) (its suffix), BLK(x) (the suffix of its row blocks,
+ * blocks.h; none for the double instance) and MA_ACC_F64 for double, and gets
+ * const ma_ce_kernels ma_ce_kernels_<suffix>. Per-element arithmetic is in
+ * ACC; the sums over a row's C classes (sum of exponentials, the smoothing
+ * and probability terms) are kept in double, so a 128k-class vocabulary
+ * loses nothing to a long float32 running sum.
  *
  * Shapes: N, C, S, R as in masked_attn.h. Row r = n * S + s is x[n, :, s],
  * read in place with the class stride: an (N, C, d1, ..., dk) input is never
@@ -24,6 +22,30 @@
  * A row whose target is ignore_index costs one compare in the forward and a
  * row of zeros in the backward.
  */
+#include <math.h>
+#include <string.h>
+
+#include "blocks.h"
+#include "common/dtype.h"
+#include "masked_attn.h"
+
+#ifdef MA_ACC_F64
+#define ACC double
+#define LOAD ma_load_f64
+#define STORE ma_store_f64
+#define EXP exp
+#define TANH tanh
+#else
+#define ACC float
+#define LOAD ma_load_f32
+#define STORE ma_store_f32
+#define EXP expf
+#define TANH tanhf
+#endif
+#ifdef BLK
+#define ROW_STATS BLK(row_stats)
+#define ROW_GRAD BLK(row_grad)
+#endif
 
 /* ---- per-element and per-row helpers ------------------------------------ */
 
@@ -137,7 +159,7 @@ static inline FN(row_summary) FN(class_row_stats)(const ma_ce_args *a, int64_t x
 static inline void FN(zero_row)(void *dx, ma_dtype dt, int64_t dx_row, int64_t dcs, int64_t C) {
     if (dcs == 1) {
         const size_t es = FN(elem_size)(dt);
-        memset((char *)dx + dx_row * es, 0, (size_t)C * es);
+        if (C > 0) memset((char *)dx + dx_row * es, 0, (size_t)C * es); /* never memset(NULL, 0, 0) */
         return;
     }
     for (int64_t c = 0; c < C; c++) STORE(dx, dt, dx_row + c * dcs, 0);
@@ -292,3 +314,16 @@ static void FN(ce_bwd)(int64_t begin, int64_t end, void *vctx) {
         }
     }
 }
+
+const ma_ce_kernels FN(ma_ce_kernels) = {FN(ce_fwd), FN(ce_bwd)};
+
+#undef ACC
+#undef LOAD
+#undef STORE
+#undef EXP
+#undef TANH
+#undef ROW_STATS
+#undef ROW_GRAD
+#undef FN
+#undef BLK
+#undef MA_ACC_F64

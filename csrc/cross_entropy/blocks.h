@@ -1,17 +1,16 @@
-/* cross_entropy_isa.h -- the row building blocks of the float-accumulating
- * cross-entropy kernels, one table per instruction set, each defined in its
- * own translation unit (cross_entropy.c: scalar reference;
- * cross_entropy_<isa>.c: compiled with that instruction set's flags).
- * Private to the kernels; cross_entropy.c dispatches. Exported so that the C
- * harness (tests/c/test_ce_blocks.c) checks every variant against the scalar
- * reference directly.
+/* blocks.h -- the contract between the cross-entropy loops
+ * (cross_entropy_tmpl.h) and the instruction sets: the row building blocks an
+ * instruction set X provides as row_stats_X and row_grad_X (blocks_X.h; the
+ * scalar reference in scalar.c), the table of them the C harness
+ * (tests/c/test_ce_blocks.c) checks against the reference, and the kernels
+ * of an instance, which dispatch.c picks. Private to the kernels.
  *
  * A row here is C contiguous logits x[0:C] of dtype dt (float32, bfloat16 or
  * float16), optionally with C contiguous class weights w[0:C] of the same
  * dtype (NULL: all 1). y_c = x_c, or cap tanh(x_c / cap) when cap > 0.
  */
-#ifndef MA_CROSS_ENTROPY_ISA_H
-#define MA_CROSS_ENTROPY_ISA_H
+#ifndef MA_CROSS_ENTROPY_BLOCKS_H
+#define MA_CROSS_ENTROPY_BLOCKS_H
 
 #include <stdint.h>
 
@@ -37,9 +36,13 @@ typedef struct {
 
 extern const ma_ce_blocks ma_ce_blocks_scalar, ma_ce_blocks_avx2, ma_ce_blocks_avx512;
 
-void ma_ce_fwd_avx2(int64_t begin, int64_t end, void *ctx);
-void ma_ce_bwd_avx2(int64_t begin, int64_t end, void *ctx);
-void ma_ce_fwd_avx512(int64_t begin, int64_t end, void *ctx);
-void ma_ce_bwd_avx512(int64_t begin, int64_t end, void *ctx);
+#define MA_CE_BLOCKS(X) {#X, row_stats_##X, row_grad_##X}
+
+/* The kernels of one instance (cross_entropy_tmpl.h); dispatch.c picks one. */
+typedef struct {
+    ma_task_fn fwd, bwd;
+} ma_ce_kernels;
+
+extern const ma_ce_kernels ma_ce_kernels_scalar, ma_ce_kernels_f64, ma_ce_kernels_avx2, ma_ce_kernels_avx512;
 
 #endif

@@ -1,24 +1,26 @@
 /*
- * attention_avx512.c -- the float-accumulating attention kernels with AVX-512
- * building blocks. Compiled with -mavx512f -mavx512bw -mavx512dq -mavx512vl
- * -mfma only (setup.py); called only when the CPU has them (attention.c).
+ * blocks_avx512.h -- the attention building blocks (blocks.h) on AVX-512
+ * (F, BW, DQ, VL + FMA), for avx512.c and, beside its tile hooks, amx.c.
  *
  * GEMM is a BLIS-style split: register-blocked micro-kernels and the loops
  * around them. Full 64-column panels use a 6 x 64 block (24 zmm accumulators
  * + 4 of B + 1 broadcast of A = 29 of the 32 registers; each step is 10 loads
  * per 24 FMAs, the best ratio that fits); on the attention tiles (m, n, k =
- * 64 or 128, either A layout) it runs ~1.15-1.2x the 8 x 32 block it replaced.
+ * 64 or 128, either A layout) it runs faster than an 8 x 32 block.
  * The last n % 64 columns use an 8 x 32 block, masked only when fewer than 32
  * columns are left, so any n works; row tails use the same micro-kernels with
  * fewer rows.
  */
+#ifndef MA_ATTENTION_BLOCKS_AVX512_H
+#define MA_ATTENTION_BLOCKS_AVX512_H
+
 #include <immintrin.h>
 #include <math.h>
 
-#include "attention_isa.h"
-#include "dtype.h"
+#include "blocks.h"
+#include "common/dtype.h"
+#include "common/simd.h"
 #include "masked_attn.h"
-#include "simd.h"
 
 static inline __mmask16 tail_mask(int64_t n) {
     return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
@@ -322,32 +324,9 @@ static void axpy_keys_avx512(float *o, const float *p, int64_t ldp, int64_t nr, 
     else axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_F16, off, ld, nc);
 }
 
-const ma_blocks ma_blocks_avx512 = {"avx512",         gemm_avx512,         exp_sub_sum_avx512, col_max_avx512,
-                                    exp_sub_col_avx512, transpose_avx512,  row_max_avx512,     dot_keys_avx512,
-                                    axpy_keys_avx512,   gemm_rowscale_avx512};
+/* non-temporal stores of whole float32 rows (store_tile, stream_stores) */
+#define MA_BLK_STREAM
+#define stream_row_f32_avx512 stream_row512
+#define stream_fence_avx512 _mm_sfence
 
-#define STREAM_ROW_F32 stream_row512
-#define STREAM_FENCE _mm_sfence
-#define ACC float
-#define FN(name) name##_avx512
-#define LOAD ma_load_f32
-#define STORE ma_store_f32
-#define LOG logf
-#define GEMM gemm_avx512
-#define GEMM_ROWSCALE gemm_rowscale_avx512
-#define EXP_SUB_SUM exp_sub_sum_avx512
-#define COL_MAX col_max_avx512
-#define EXP_SUB_COL exp_sub_col_avx512
-#define TRANSPOSE transpose_avx512
-#define ROW_MAX row_max_avx512
-#define DOT_KEYS dot_keys_avx512
-#define AXPY_KEYS axpy_keys_avx512
-#define MA_TMPL_SIMD
-#include "attention_tmpl.h"
-#undef MA_TMPL_SIMD
-#include "undef_tmpl.h"
-
-void ma_attn_fwd_avx512(int64_t begin, int64_t end, void *ctx) { attn_fwd_avx512(begin, end, ctx); }
-void ma_attn_bwd_dq_avx512(int64_t begin, int64_t end, void *ctx) { attn_bwd_dq_avx512(begin, end, ctx); }
-void ma_attn_bwd_dkdv_avx512(int64_t begin, int64_t end, void *ctx) { attn_bwd_dkdv_avx512(begin, end, ctx); }
-void ma_attn_bwd_fused_avx512(int64_t begin, int64_t end, void *ctx) { attn_bwd_fused_avx512(begin, end, ctx); }
+#endif /* MA_ATTENTION_BLOCKS_AVX512_H */

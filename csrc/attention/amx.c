@@ -28,10 +28,9 @@
 #include <math.h>
 #include <string.h>
 
-#include "attention_isa.h"
-#include "dtype.h"
+#include "blocks_avx512.h" /* every block but the products: exp, column max, transposes, rows */
+#include "common/dtype.h"
 #include "masked_attn.h"
-#include "simd.h"
 
 #define AMX_PARTS 3 /* at most x0, x1, x2 */
 #define AMX_TILE 512 /* bf16 elements of one tile: 16 rows x 64 bytes */
@@ -51,10 +50,6 @@ static inline void amx_configure(void) {
         cfg.rows[t] = 16;
     }
     _tile_loadconfig(&cfg);
-}
-
-static inline __mmask16 tail_mask(int64_t n) {
-    return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
 }
 
 /* The 16 float32 values of the bf16 in the low or high half of v. */
@@ -368,30 +363,15 @@ static void gemm_amx3(int64_t m, int64_t n, int64_t k, const float *A, int64_t a
 const ma_blocks ma_blocks_amx2 = {"amx2", gemm_amx2, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
 const ma_blocks ma_blocks_amx3 = {"amx3", gemm_amx3, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
 
-/* ---- the kernels ----------------------------------------------------------
+/* ---- the instance: the template's loops, AVX-512 blocks, tile hooks -------------
  *
- * The template instance gives the helpers (masks, conversions, tiles) and
- * the kernels the tiles do not cover (weights on request, the two-pass
- * backward for weight gradients), with the AVX-512 building blocks. */
-#define STREAM_ROW_F32 stream_row512
-#define STREAM_FENCE _mm_sfence
-#define ACC float
+ * The loops, masks and softmax are attention_tmpl.h's; the building blocks
+ * are AVX-512's (blocks_avx512.h); the tile hooks below do the tile path's
+ * products on AMX tiles. */
+#define MA_TILE_HOOKS
 #define FN(name) name##_amx
-#define LOAD ma_load_f32
-#define STORE ma_store_f32
-#define LOG logf
-#define GEMM ma_blocks_avx512.gemm
-#define GEMM_ROWSCALE ma_blocks_avx512.gemm_rowscale
-#define EXP_SUB_SUM ma_blocks_avx512.exp_sub_sum
-#define COL_MAX ma_blocks_avx512.col_max
-#define EXP_SUB_COL ma_blocks_avx512.exp_sub_col
-#define TRANSPOSE ma_blocks_avx512.transpose
-#define ROW_MAX ma_blocks_avx512.row_max
-#define DOT_KEYS ma_blocks_avx512.dot_keys
-#define AXPY_KEYS ma_blocks_avx512.axpy_keys
-#define MA_TMPL_SIMD
+#define BLK(name) name##_avx512
 #include "attention_tmpl.h"
-#undef MA_TMPL_SIMD
 
 /* Parts per operand and product terms, by dtype (see the top): inputs (q, k,
  * v, dout) and computed operands (P, dS). */
@@ -417,24 +397,54 @@ static inline void scale_inplace(float *x, int64_t n, float s) {
     for (int64_t i = 0; i < n; i++) x[i] *= s;
 }
 
-/* ---- forward on tiles --------------------------------------------------------
+/* ---- forward hooks ----------------------------------------------------------
  * Per (b, hkv), once per thread: K as A (Lk, D) and V^T as A (Dv, Lk).
  * Per item (b, h, q-block): Q^T as B (D, nr). Per key block:
- *   sT (nc, nr) = K Q^T, times scale, + bias^T; online softmax by columns
- *   oT (Dv, nr) = alpha oT + V^T P^T   (P^T = sT packed as B)
- * oT is transposed to rows at the end. */
+ *   sT (nc, nr) = K Q^T, times scale        (fwd_scores)
+ *   oT (Dv, nr) = alpha oT + V^T P^T        (fwd_pv; P^T = sT packed as B)
+ * O is kept transposed, oT, and turned into rows by fwd_o_rows. */
 typedef struct {
     uint16_t *ka, *vta, *qb, *pb, *clip;
     float *rows;
 } fwd_amx_scratch;
 
+/* ---- backward hooks -----------------------------------------------------------
+ * dk, dv accumulate transposed, so that P and dS are packed from rows only:
+ *   per (b, hkv), for each of the G heads: Q as A (Lq, D), Q^T as A (D, Lq),
+ *     dO as A (Lq, Dv), dO^T as A (Dv, Lq)                       (bwd_group)
+ *   per key block: K^T as B (D, nc), V^T as B (Dv, nc), K as B (nc, D)   (bwd_keys)
+ *   per tile:  s = scale Q K^T;  dP = dO V^T                    (bwd_scores, bwd_dp)
+ *              dK^T += Q^T dS,  dQ += dS K,  dV^T += dO^T (hm P)  (bwd_accum) */
+typedef struct {
+    uint16_t *qa, *qta, *ga, *gta, *ktb, *vtb, *kb, *pb, *dsb, *dsa;
+    float *rows;
+} bwd_amx_scratch;
+
+/* One thread's hook state, carved at the start of its hooks' scratch. */
+struct tiles_amx {
+    amx_prec pr;
+    int64_t b, hk, nr, j0, nc;
+    /* forward */
+    const ma_attn_fwd_params *fp;
+    fwd_scratch_amx *ft;
+    ma_scratch_header *hdr;
+    fwd_amx_scratch fa;
+    amx_view ka, vta, qb, pb;
+    /* backward */
+    const ma_attn_bwd_params *bp;
+    bwd_scratch_amx *bt;
+    bwd_amx_scratch ba;
+    amx_view ktb, vtb, kb, pbb, dsb, dsa;
+    float *dkT, *dvT; /* (D, nc), (Dv, nc): in t->kT, t->vT, after packing K^T and V^T from them */
+};
+
 static size_t fwd_amx_bytes(const ma_attn_fwd_params *p, fwd_amx_scratch *t, void *base) {
-    const amx_prec pr = amx_precision(p->dtype);
-    const int64_t BQ = p->block_q, BK = p->block_k, D = p->D, Dv = p->Dv;
+    const amx_prec pr = amx_precision(p->a.dtype);
+    const int64_t BQ = p->a.block_q, BK = p->a.block_k, D = p->a.D, Dv = p->a.Dv;
     void *x = base;
     fwd_amx_scratch s;
-    s.ka = CARVE(uint16_t, &x, pr.in * amx_a_elems(p->Lk, D));
-    s.vta = CARVE(uint16_t, &x, pr.in * amx_a_elems(Dv, p->Lk));
+    s.ka = CARVE(uint16_t, &x, pr.in * amx_a_elems(p->a.Lk, D));
+    s.vta = CARVE(uint16_t, &x, pr.in * amx_a_elems(Dv, p->a.Lk));
     s.qb = CARVE(uint16_t, &x, pr.in * amx_b_elems(D, BQ));
     s.pb = CARVE(uint16_t, &x, pr.pd * amx_b_elems(BK, BQ));
     s.clip = CARVE(uint16_t, &x, pr.in * ma_cdiv(Dv, 16) * AMX_TILE);
@@ -443,131 +453,81 @@ static size_t fwd_amx_bytes(const ma_attn_fwd_params *p, fwd_amx_scratch *t, voi
     return (size_t)((char *)x - (char *)base);
 }
 
-static size_t fwd_generic_bytes(const ma_attn_fwd_params *p) {
-    return ma_round_up(MA_CACHE_LINE + fwd_scratch_elems_amx(p) * sizeof(float), MA_CACHE_LINE);
+static int tiles_apply_amx(const ma_attn_fwd_params *p) {
+    return !p->weights; /* the weights need every score again: the generic products */
 }
 
-size_t ma_attn_fwd_scratch_bytes_amx(const ma_attn_fwd_params *p) {
-    return fwd_generic_bytes(p) + fwd_amx_bytes(p, NULL, NULL);
+static size_t tiles_fwd_scratch_bytes_amx(const ma_attn_fwd_params *p) {
+    return ma_round_up(sizeof(struct tiles_amx), MA_CACHE_LINE) + fwd_amx_bytes(p, NULL, NULL);
+}
+
+static void tiles_fwd_begin_amx(tiles_amx **T, const ma_attn_fwd_params *p, fwd_scratch_amx *t,
+                                ma_scratch_header *hdr, void *extra) {
+    tiles_amx *s = (tiles_amx *)extra;
+    const int64_t BQ = p->a.block_q, BK = p->a.block_k;
+    s->pr = amx_precision(p->a.dtype);
+    s->fp = p, s->ft = t, s->hdr = hdr;
+    fwd_amx_bytes(p, &s->fa, (char *)extra + ma_round_up(sizeof(struct tiles_amx), MA_CACHE_LINE));
+    s->ka = amx_a_layout(s->fa.ka, p->a.Lk, p->a.D, s->pr.in, 0);
+    s->vta = amx_a_layout(s->fa.vta, p->a.Dv, p->a.Lk, s->pr.in, 1);
+    s->qb = amx_b_layout(s->fa.qb, p->a.D, BQ, s->pr.in, 0);
+    s->pb = amx_b_layout(s->fa.pb, BK, BQ, s->pr.pd, 0);
+    amx_configure();
+    *T = s;
 }
 
 /* Packs K rows as A and V^T as A of head (b, hk), unless this thread's cache holds them. */
-static void fwd_pack_head(const ma_attn_fwd_params *p, amx_prec pr, const fwd_amx_scratch *a, int64_t *tag,
-                          int64_t b, int64_t hk) {
-    const int64_t key = b * 65536 + hk + 1, Lk = p->Lk, D = p->D, Dv = p->Dv, BK = p->block_k;
-    if (*tag == key) return;
+static void fwd_pack_head(tiles_amx *s, int64_t b, int64_t hk) {
+    const ma_attn_fwd_params *p = s->fp;
+    const int64_t key = b * 65536 + hk + 1, Lk = p->a.Lk, D = p->a.D, Dv = p->a.Dv, BK = p->a.block_k;
+    if (s->hdr->tag[0] == key) return;
     for (int64_t r0 = 0; r0 < Lk; r0 += BK) {
         const int64_t nr = ma_min(BK, Lk - r0);
         int64_t ld;
-        const float *k_r = rows_amx(p->k, p->dtype, p->k_stride, b, hk, r0, nr, D, a->rows, &ld);
-        amx_pack_a(amx_rows(amx_a_layout(a->ka, Lk, D, pr.in, 0), r0), k_r, ld, 1, nr, D);
-        const float *v_r = rows_amx(p->v, p->dtype, p->v_stride, b, hk, r0, nr, Dv, a->rows, &ld);
-        amx_pack_a(amx_krows(amx_a_layout(a->vta, Dv, Lk, pr.in, 1), r0), v_r, 1, ld, Dv, nr);
+        const float *k_r = rows_amx(p->a.k, p->a.dtype, p->a.k_stride, b, hk, r0, nr, D, s->fa.rows, &ld);
+        amx_pack_a(amx_rows(s->ka, r0), k_r, ld, 1, nr, D);
+        const float *v_r = rows_amx(p->a.v, p->a.dtype, p->a.v_stride, b, hk, r0, nr, Dv, s->fa.rows, &ld);
+        amx_pack_a(amx_krows(s->vta, r0), v_r, 1, ld, Dv, nr);
     }
-    *tag = key;
+    s->hdr->tag[0] = key;
 }
 
-static void attn_fwd_tiles_amx(int64_t begin, int64_t end, void *vctx) {
-    const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
-    const ma_attn_fwd_params *p = (const ma_attn_fwd_params *)ctx->params;
-    if (p->weights) { /* the weights need every score again: the generic kernel */
-        attn_fwd_amx(begin, end, vctx);
-        return;
-    }
-    const amx_prec pr = amx_precision(p->dtype);
-    const int64_t H = p->H, G = p->H / p->Hkv, Lq = p->Lq, Lk = p->Lk, D = p->D, Dv = p->Dv;
-    const int64_t BQ = p->block_q, BK = p->block_k, nq = ma_cdiv(Lq, BQ);
-    const float scale = (float)p->scale;
-    fwd_scratch_amx t = fwd_carve_amx(ctx->scratch, BQ, BK, D, Dv);
-    fwd_amx_scratch a;
-    fwd_amx_bytes(p, &a, (char *)ctx->scratch + fwd_generic_bytes(p));
-    ma_scratch_header *hdr = (ma_scratch_header *)ctx->scratch;
-    const amx_view ka = amx_a_layout(a.ka, Lk, D, pr.in, 0);
-    const amx_view vta = amx_a_layout(a.vta, Dv, Lk, pr.in, 1);
-    const amx_view qb = amx_b_layout(a.qb, D, BQ, pr.in, 0);
-    const amx_view pb = amx_b_layout(a.pb, BK, BQ, pr.pd, 0);
-    float *oT = t.o, *alpha = t.lse;
-    amx_configure();
-
-    for (int64_t w = begin; w < end; w++) {
-        const int64_t b = w / (H * nq), h = (w / nq) % H, qb_i = interleave_amx(w % nq, nq), hk = h / G;
-        const int64_t i0 = qb_i * BQ, nr = ma_min(BQ, Lq - i0);
-        if (fwd_by_rows_amx(p, nr)) { /* a few query rows: K and V rows in place (attention_tmpl.h) */
-            attn_fwd_amx(w, w + 1, vctx);
-            continue;
-        }
-        const int64_t kv_end = kv_end_amx(p->is_causal, Lk, i0, nr);
-        fwd_pack_head(p, pr, &a, &hdr->tag[0], b, hk);
-        load_tile_t_amx(t.qT, p->q, p->dtype, p->q_stride, b, h, i0, nr, D, 1);
-        amx_pack_b(qb, t.qT, nr, D, nr);
-        for (int64_t r = 0; r < nr; r++) {
-            t.m[r] = -INFINITY;
-            t.l[r] = 0;
-        }
-        for (int64_t x = 0; x < Dv * nr; x++) oT[x] = 0;
-
-        for (int64_t j0 = 0; j0 < kv_end; j0 += BK) {
-            const int64_t nc = keys_read_amx(&p->key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
-            if (nc == 0) continue;
-            /* sT = scale K Q^T + bias^T */
-            amx_gemm(nc, nr, D, amx_rows(ka, j0), qb, t.sT, nr, 0, pr.terms);
-            scale_inplace(t.sT, nc * nr, scale);
-            add_bias_amx(t.sT, 1, nr, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
-            /* online softmax by columns: m_new = max(m, colmax sT); P^T = exp(sT - m_new) */
-            for (int64_t r = 0; r < nr; r++) {
-                t.m_new[r] = t.m[r];
-                t.lsum[r] = 0;
-            }
-            COL_MAX(t.sT, nc, nr, t.m_new);
-            EXP_SUB_COL(t.sT, nc, nr, t.m_new, t.lsum);
-            if (online_step_amx(t.m, t.m_new, t.l, t.lsum, alpha, nr))
-                for (int64_t d = 0; d < Dv; d++)
-                    for (int64_t r = 0; r < nr; r++) oT[d * nr + r] *= alpha[r];
-            /* oT += V^T P^T */
-            amx_pack_b(pb, t.sT, nr, nc, nr);
-            amx_gemm_kclip(Dv, nr, nc, amx_krows(vta, j0), pb, oT, nr, 1, pr.terms, a.clip);
-        }
-
-        /* out = hm * O / l;  lse = m + log l.  A fully masked row (l = 0) gives 0 and -inf. */
-        const float hm = head_scale_amx(&p->head_mask, b, h);
-        float *lse_bh = (float *)p->lse + (b * H + h) * Lq;
-        for (int64_t r = 0; r < nr; r++) {
-            alpha[r] = t.l[r] == 0 ? 0 : hm / t.l[r];
-            lse_bh[i0 + r] = t.l[r] == 0 ? -INFINITY : t.m[r] + logf(t.l[r]);
-        }
-        for (int64_t d = 0; d < Dv; d++) /* a fully masked row is 0 outright: its oT may hold 0 * inf */
-            for (int64_t r = 0; r < nr; r++) oT[d * nr + r] = t.l[r] == 0 ? 0 : oT[d * nr + r] * alpha[r];
-        TRANSPOSE(a.rows, oT, nr, Dv, nr, 1);
-        store_tile_amx(p->out, p->dtype, p->out_stride, b, h, i0, nr, Dv, a.rows, 1, p->stream_stores);
-    }
-    _tile_release();
-    _mm_sfence(); /* store_tile may have streamed */
+static void tiles_fwd_query_amx(tiles_amx *s, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t nr) {
+    const ma_attn_fwd_params *p = s->fp;
+    s->b = b, s->hk = hk, s->nr = nr;
+    fwd_pack_head(s, b, hk);
+    load_tile_t_amx(s->ft->qT, p->a.q, p->a.dtype, p->a.q_stride, b, h, i0, nr, p->a.D, 1);
+    amx_pack_b(s->qb, s->ft->qT, nr, p->a.D, nr);
 }
 
-/* ---- backward on tiles ------------------------------------------------------
- * The single pass of attention_tmpl.h (attn_bwd_fused) with every product on
- * tiles and dk, dv accumulated transposed, so that P and dS are packed from
- * rows only:
- *   per (b, hkv), for each of the G heads: Q as A (Lq, D), Q^T as A (D, Lq),
- *     dO as A (Lq, Dv), dO^T as A (Dv, Lq)
- *   per key block: K^T as B (D, nc), V^T as B (Dv, nc), K as B (nc, D)
- *   per tile:  s = scale Q K^T + bias;  P = exp(s - lse);  dP = dO V^T
- *              dS = P (hm dP - delta)
- *              dK^T += Q^T dS,  dV^T += dO^T (hm P),  dQ += dS K */
-typedef struct {
-    uint16_t *qa, *qta, *ga, *gta, *ktb, *vtb, *kb, *pb, *dsb, *dsa;
-    float *rows;
-} bwd_amx_scratch;
-
-static size_t bwd_generic_bytes(const ma_attn_bwd_params *p) {
-    const size_t n = bwd_scratch_elems_amx(p->block_q, p->block_k, p->D, p->Dv) +
-                     (size_t)(p->H / p->Hkv * p->Lq * (p->D + 3));
-    return ma_round_up(MA_CACHE_LINE + n * sizeof(float), MA_CACHE_LINE);
+static void tiles_fwd_scores_amx(tiles_amx *s, float *sT, int64_t i0, int64_t j0, int64_t nc) {
+    (void)i0;
+    amx_gemm(nc, s->nr, s->fp->a.D, amx_rows(s->ka, j0), s->qb, sT, s->nr, 0, s->pr.terms);
+    scale_inplace(sT, nc * s->nr, (float)s->fp->a.scale);
 }
+
+static void tiles_fwd_pv_amx(tiles_amx *s, float *oT, const float *alpha, const float *sT, int64_t i0, int64_t j0,
+                             int64_t nc) {
+    (void)i0;
+    const int64_t nr = s->nr, Dv = s->fp->a.Dv;
+    if (alpha)
+        for (int64_t d = 0; d < Dv; d++)
+            for (int64_t r = 0; r < nr; r++) oT[d * nr + r] *= alpha[r];
+    amx_pack_b(s->pb, sT, nr, nc, nr);
+    amx_gemm_kclip(Dv, nr, nc, amx_krows(s->vta, j0), s->pb, oT, nr, 1, s->pr.terms, s->fa.clip);
+}
+
+static float *tiles_fwd_o_rows_amx(tiles_amx *s, float *oT) {
+    transpose_avx512(s->fa.rows, oT, s->nr, s->fp->a.Dv, s->nr, 1);
+    return s->fa.rows;
+}
+
+static void tiles_end_amx(void) { _tile_release(); }
 
 static size_t bwd_amx_bytes(const ma_attn_bwd_params *p, bwd_amx_scratch *t, void *base) {
-    const amx_prec pr = amx_precision(p->dtype);
-    const int64_t BQ = p->block_q, BK = p->block_k, D = p->D, Dv = p->Dv, G = p->H / p->Hkv, Lq = p->Lq;
+    const amx_prec pr = amx_precision(p->a.dtype);
+    const int64_t BQ = p->a.block_q, BK = p->a.block_k, D = p->a.D, Dv = p->a.Dv, G = p->a.H / p->a.Hkv;
+    const int64_t Lq = p->a.Lq;
     void *x = base;
     bwd_amx_scratch s;
     s.qa = CARVE(uint16_t, &x, G * pr.in * amx_a_elems(Lq, D));
@@ -585,138 +545,105 @@ static size_t bwd_amx_bytes(const ma_attn_bwd_params *p, bwd_amx_scratch *t, voi
     return (size_t)((char *)x - (char *)base);
 }
 
-size_t ma_attn_bwd_fused_scratch_bytes_amx(const ma_attn_bwd_params *p) {
-    return bwd_generic_bytes(p) + bwd_amx_bytes(p, NULL, NULL);
+static size_t tiles_bwd_scratch_bytes_amx(const ma_attn_bwd_params *p) {
+    return ma_round_up(sizeof(struct tiles_amx), MA_CACHE_LINE) + bwd_amx_bytes(p, NULL, NULL);
+}
+
+static void tiles_bwd_begin_amx(tiles_amx **T, const ma_attn_bwd_params *p, bwd_scratch_amx *t, void *extra) {
+    tiles_amx *s = (tiles_amx *)extra;
+    const int64_t BQ = p->a.block_q, BK = p->a.block_k, D = p->a.D, Dv = p->a.Dv;
+    s->pr = amx_precision(p->a.dtype);
+    s->bp = p, s->bt = t;
+    bwd_amx_bytes(p, &s->ba, (char *)extra + ma_round_up(sizeof(struct tiles_amx), MA_CACHE_LINE));
+    s->ktb = amx_b_layout(s->ba.ktb, D, BK, s->pr.in, 0);
+    s->vtb = amx_b_layout(s->ba.vtb, Dv, BK, s->pr.in, 0);
+    s->kb = amx_b_layout(s->ba.kb, BK, D, s->pr.in, 0);
+    s->pbb = amx_b_layout(s->ba.pb, BQ, BK, s->pr.pd, 0);
+    s->dsb = amx_b_layout(s->ba.dsb, BQ, BK, s->pr.pd, 0);
+    s->dsa = amx_a_layout(s->ba.dsa, BQ, BK, s->pr.pd, 0);
+    s->dkT = t->kT, s->dvT = t->vT;
+    amx_configure();
+    *T = s;
+}
+
+/* The packed operands of head g of the group: Q (Lq, D), Q^T (D, Lq), dO (Lq, Dv), dO^T (Dv, Lq). */
+static amx_view bwd_view(const tiles_amx *s, int which, int64_t g) {
+    const ma_attn_bwd_params *p = s->bp;
+    const int64_t Lq = p->a.Lq, D = p->a.D, Dv = p->a.Dv, in = s->pr.in;
+    switch (which) {
+    case 0: return amx_a_layout(s->ba.qa + g * in * amx_a_elems(Lq, D), Lq, D, in, 0);
+    case 1: return amx_a_layout(s->ba.qta + g * in * amx_a_elems(D, Lq), D, Lq, in, 1);
+    case 2: return amx_a_layout(s->ba.ga + g * in * amx_a_elems(Lq, Dv), Lq, Dv, in, 0);
+    default: return amx_a_layout(s->ba.gta + g * in * amx_a_elems(Dv, Lq), Dv, Lq, in, 1);
+    }
 }
 
 /* src[b, h] rows as A (L, ncol) into rows_a (row-major) and transposed as
  * A (ncol, L) into cols_a (k-major). */
-static void bwd_pack_rows(const ma_attn_bwd_params *p, const void *src, const int64_t st[4], int64_t b,
-                          int64_t h, int64_t L, int64_t ncol, amx_view rows_a, amx_view cols_a, float *buf) {
-    const int64_t BQ = p->block_q;
+static void bwd_pack_rows(const tiles_amx *s, const void *src, const int64_t st[4], int64_t b, int64_t h,
+                          int64_t ncol, amx_view rows_a, amx_view cols_a) {
+    const ma_attn_bwd_params *p = s->bp;
+    const int64_t BQ = p->a.block_q, L = p->a.Lq;
     for (int64_t r0 = 0; r0 < L; r0 += BQ) {
         const int64_t nr = ma_min(BQ, L - r0);
         int64_t ld;
-        const float *x = rows_amx(src, p->dtype, st, b, h, r0, nr, ncol, buf, &ld);
+        const float *x = rows_amx(src, p->a.dtype, st, b, h, r0, nr, ncol, s->ba.rows, &ld);
         amx_pack_a(amx_rows(rows_a, r0), x, ld, 1, nr, ncol);
         amx_pack_a(amx_krows(cols_a, r0), x, 1, ld, ncol, nr);
     }
 }
 
-static void attn_bwd_fused_tiles_amx(int64_t begin, int64_t end, void *vctx) {
-    const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
-    const ma_attn_bwd_params *p = (const ma_attn_bwd_params *)ctx->params;
-    const amx_prec pr = amx_precision(p->dtype);
-    const int64_t H = p->H, Hkv = p->Hkv, G = p->H / p->Hkv, Lq = p->Lq, Lk = p->Lk, D = p->D, Dv = p->Dv;
-    const int64_t BQ = p->block_q, BK = p->block_k;
-    const float scale = (float)p->scale;
-    bwd_scratch_amx t = bwd_carve_amx(ctx->scratch, BQ, BK, D, Dv);
-    float *dq_all = t.extra;                /* (G, Lq, D) */
-    float *delta_all = dq_all + G * Lq * D; /* (G, Lq) */
-    float *lse_all = delta_all + G * Lq;    /* (G, Lq), -inf -> 0 */
-    float *dhm_all = lse_all + G * Lq;      /* (G, Lq) */
-    bwd_amx_scratch a;
-    bwd_amx_bytes(p, &a, (char *)ctx->scratch + bwd_generic_bytes(p));
-    const int64_t qa_n = amx_a_elems(Lq, D), qta_n = amx_a_elems(D, Lq);
-    const int64_t ga_n = amx_a_elems(Lq, Dv), gta_n = amx_a_elems(Dv, Lq);
-    const amx_view ktb = amx_b_layout(a.ktb, D, BK, pr.in, 0);
-    const amx_view vtb = amx_b_layout(a.vtb, Dv, BK, pr.in, 0);
-    const amx_view kb = amx_b_layout(a.kb, BK, D, pr.in, 0);
-    const amx_view pb = amx_b_layout(a.pb, BQ, BK, pr.pd, 0);
-    const amx_view dsb = amx_b_layout(a.dsb, BQ, BK, pr.pd, 0);
-    const amx_view dsa = amx_a_layout(a.dsa, BQ, BK, pr.pd, 0);
-    float *dkT = t.kT, *dvT = t.vT; /* (D, nc), (Dv, nc): after packing K^T and V^T from them */
-    amx_configure();
-
-    const int64_t C = p->kv_chunks;
-    for (int64_t w = begin; w < end; w++) {
-        const int64_t c = w % C, b = w / C / Hkv, hk = (w / C) % Hkv;
-        float *dq_acc = p->dq_part ? (float *)p->dq_part + ((c * p->B + b) * H + hk * G) * Lq * D : dq_all;
-        for (int64_t g = 0; g < G; g++) {
-            const int64_t h = hk * G + g;
-            delta_rows_amx(p, b, h, t.gbuf, delta_all + g * Lq, lse_all + g * Lq, dhm_all + g * Lq);
-            bwd_pack_rows(p, p->q, p->q_stride, b, h, Lq, D, amx_a_layout(a.qa + g * pr.in * qa_n, Lq, D, pr.in, 0),
-                          amx_a_layout(a.qta + g * pr.in * qta_n, D, Lq, pr.in, 1), a.rows);
-            bwd_pack_rows(p, p->dout, p->dout_stride, b, h, Lq, Dv,
-                          amx_a_layout(a.ga + g * pr.in * ga_n, Lq, Dv, pr.in, 0),
-                          amx_a_layout(a.gta + g * pr.in * gta_n, Dv, Lq, pr.in, 1), a.rows);
-        }
-        for (int64_t x = 0; x < G * Lq * D; x++) dq_acc[x] = 0;
-
-        for (int64_t j0 = c * BK; j0 < Lk; j0 += C * BK) {
-            const int64_t nc_out = ma_min(BK, Lk - j0);          /* rows of dk, dv written */
-            const int64_t nc = bwd_keys_read_amx(p, b, j0, nc_out); /* keys read; the rest get 0 */
-            for (int64_t x = 0; x < nc_out * D; x++) t.dk[x] = 0;
-            for (int64_t x = 0; x < nc_out * Dv; x++) t.dv[x] = 0;
-            if (nc > 0) {
-                int64_t ldk;
-                const float *k_j = rows_amx(p->k, p->dtype, p->k_stride, b, hk, j0, nc, D, a.rows, &ldk);
-                amx_pack_b(kb, k_j, ldk, nc, D);
-                load_tile_t_amx(dkT, p->k, p->dtype, p->k_stride, b, hk, j0, nc, D, 1);
-                amx_pack_b(ktb, dkT, nc, D, nc);
-                load_tile_t_amx(dvT, p->v, p->dtype, p->v_stride, b, hk, j0, nc, Dv, 1);
-                amx_pack_b(vtb, dvT, nc, Dv, nc);
-                for (int64_t x = 0; x < D * nc; x++) dkT[x] = 0;
-                for (int64_t x = 0; x < Dv * nc; x++) dvT[x] = 0;
-                const int64_t i_begin = p->is_causal ? j0 : 0;
-                for (int64_t g = 0; g < G; g++) {
-                    const int64_t h = hk * G + g;
-                    const float hm = head_scale_amx(&p->head_mask, b, h);
-                    const amx_view qa = amx_a_layout(a.qa + g * pr.in * qa_n, Lq, D, pr.in, 0);
-                    const amx_view qta = amx_a_layout(a.qta + g * pr.in * qta_n, D, Lq, pr.in, 1);
-                    const amx_view ga = amx_a_layout(a.ga + g * pr.in * ga_n, Lq, Dv, pr.in, 0);
-                    const amx_view gta = amx_a_layout(a.gta + g * pr.in * gta_n, Dv, Lq, pr.in, 1);
-                    for (int64_t i0 = i_begin; i0 < Lq; i0 += BQ) {
-                        const int64_t nr = ma_min(BQ, Lq - i0);
-                        const float *lse_r = lse_all + g * Lq + i0;
-                        /* P = exp(scale Q K^T + bias - lse) */
-                        amx_gemm(nr, nc, D, amx_rows(qa, i0), ktb, t.s, nc, 0, pr.terms);
-                        scale_inplace(t.s, nr * nc, scale);
-                        add_bias_amx(t.s, nc, 1, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr,
-                                     j0, nc);
-                        for (int64_t r = 0; r < nr; r++) (void)EXP_SUB_SUM(t.s + r * nc, nc, lse_r[r]);
-                        /* dP = dO V^T;  dS = P (hm dP - delta) */
-                        amx_gemm(nr, nc, Dv, amx_rows(ga, i0), vtb, t.dp, nc, 0, pr.terms);
-                        dscores_amx(t.dp, t.s, nc, 1, delta_all + g * Lq + i0,
-                                    p->dhm_rows ? dhm_all + g * Lq + i0 : NULL, hm, nr, nc);
-                        if (p->dscores) store_dscores_amx(p, t.dp, nc, 1, b, h, i0, nr, j0, nc);
-                        /* dK^T += Q^T dS;  dQ += dS K;  dV^T += dO^T (hm P) (scale at the stores) */
-                        amx_pack_b(dsb, t.dp, nc, nr, nc);
-                        amx_gemm(D, nc, nr, amx_krows(qta, i0), dsb, dkT, nc, 1, pr.terms);
-                        amx_pack_a(dsa, t.dp, nc, 1, nr, nc);
-                        amx_gemm(nr, D, nc, dsa, kb, dq_acc + (g * Lq + i0) * D, D, 1, pr.terms);
-                        if (hm != 1) scale_inplace(t.s, nr * nc, hm);
-                        amx_pack_b(pb, t.s, nc, nr, nc);
-                        amx_gemm(Dv, nc, nr, amx_krows(gta, i0), pb, dvT, nc, 1, pr.terms);
-                    }
-                }
-                TRANSPOSE(t.dk, dkT, nc, D, nc, 1);
-                TRANSPOSE(t.dv, dvT, nc, Dv, nc, 1);
-            }
-            store_tile_amx(p->dk, p->dtype, p->dk_stride, b, hk, j0, nc_out, D, t.dk, scale, p->stream_stores);
-            store_tile_amx(p->dv, p->dtype, p->dv_stride, b, hk, j0, nc_out, Dv, t.dv, 1, p->stream_stores);
-        }
-        for (int64_t g = 0; g < G; g++) {
-            const int64_t h = hk * G + g;
-            if (!p->dq_part)
-                store_tile_amx(p->dq, p->dtype, p->dq_stride, b, h, 0, Lq, D, dq_acc + g * Lq * D, scale,
-                               p->stream_stores);
-            if (p->dhm_rows) {
-                float *dhm_out = p->dhm_part ? (float *)p->dhm_part + ((c * p->B + b) * H + h) * Lq
-                                             : (float *)p->dhm_rows + (b * H + h) * Lq;
-                for (int64_t i = 0; i < Lq; i++) dhm_out[i] = dhm_all[g * Lq + i];
-            }
-        }
+static void tiles_bwd_group_amx(tiles_amx *s, int64_t b, int64_t hk) {
+    const ma_attn_bwd_params *p = s->bp;
+    const int64_t G = p->a.H / p->a.Hkv;
+    s->b = b, s->hk = hk;
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t h = hk * G + g;
+        bwd_pack_rows(s, p->a.q, p->a.q_stride, b, h, p->a.D, bwd_view(s, 0, g), bwd_view(s, 1, g));
+        bwd_pack_rows(s, p->dout, p->dout_stride, b, h, p->a.Dv, bwd_view(s, 2, g), bwd_view(s, 3, g));
     }
-    _tile_release();
-    _mm_sfence(); /* store_tile may have streamed */
 }
-#include "undef_tmpl.h"
 
-void ma_attn_fwd_amx(int64_t begin, int64_t end, void *ctx) { attn_fwd_tiles_amx(begin, end, ctx); }
-void ma_attn_bwd_dq_amx(int64_t begin, int64_t end, void *ctx) { attn_bwd_dq_amx(begin, end, ctx); }
-void ma_attn_bwd_dkdv_amx(int64_t begin, int64_t end, void *ctx) { attn_bwd_dkdv_amx(begin, end, ctx); }
-void ma_attn_bwd_fused_amx(int64_t begin, int64_t end, void *ctx) { attn_bwd_fused_tiles_amx(begin, end, ctx); }
+static void tiles_bwd_keys_amx(tiles_amx *s, int64_t j0, int64_t nc) {
+    const ma_attn_bwd_params *p = s->bp;
+    const int64_t D = p->a.D, Dv = p->a.Dv, b = s->b, hk = s->hk;
+    s->j0 = j0, s->nc = nc;
+    int64_t ldk;
+    const float *k_j = rows_amx(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, nc, D, s->ba.rows, &ldk);
+    amx_pack_b(s->kb, k_j, ldk, nc, D);
+    load_tile_t_amx(s->dkT, p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, nc, D, 1);
+    amx_pack_b(s->ktb, s->dkT, nc, D, nc);
+    load_tile_t_amx(s->dvT, p->a.v, p->a.dtype, p->a.v_stride, b, hk, j0, nc, Dv, 1);
+    amx_pack_b(s->vtb, s->dvT, nc, Dv, nc);
+    for (int64_t x = 0; x < D * nc; x++) s->dkT[x] = 0;
+    for (int64_t x = 0; x < Dv * nc; x++) s->dvT[x] = 0;
+}
 
-/* The template's own single pass stays reachable for comparison in the C harness. */
-static void (*const generic_fused_amx)(int64_t, int64_t, void *) __attribute__((unused)) = attn_bwd_fused_amx;
+static void tiles_bwd_scores_amx(tiles_amx *s, int64_t g, int64_t h, int64_t i0, int64_t nr) {
+    (void)h;
+    const ma_attn_bwd_params *p = s->bp;
+    amx_gemm(nr, s->nc, p->a.D, amx_rows(bwd_view(s, 0, g), i0), s->ktb, s->bt->s, s->nc, 0, s->pr.terms);
+    scale_inplace(s->bt->s, nr * s->nc, (float)p->a.scale);
+}
+
+static void tiles_bwd_dp_amx(tiles_amx *s, int64_t g, int64_t h, int64_t i0, int64_t nr) {
+    (void)h;
+    amx_gemm(nr, s->nc, s->bp->a.Dv, amx_rows(bwd_view(s, 2, g), i0), s->vtb, s->bt->dp, s->nc, 0, s->pr.terms);
+}
+
+static void tiles_bwd_accum_amx(tiles_amx *s, float *dq_i, int64_t g, int64_t h, int64_t i0, int64_t nr) {
+    (void)h;
+    const int64_t nc = s->nc, D = s->bp->a.D, Dv = s->bp->a.Dv, terms = s->pr.terms;
+    const bwd_scratch_amx *t = s->bt;
+    amx_pack_b(s->dsb, t->dp, nc, nr, nc);
+    amx_gemm(D, nc, nr, amx_krows(bwd_view(s, 1, g), i0), s->dsb, s->dkT, nc, 1, terms);
+    amx_pack_a(s->dsa, t->dp, nc, 1, nr, nc);
+    amx_gemm(nr, D, nc, s->dsa, s->kb, dq_i, D, 1, terms);
+    amx_pack_b(s->pbb, t->s, nc, nr, nc);
+    amx_gemm(Dv, nc, nr, amx_krows(bwd_view(s, 3, g), i0), s->pbb, s->dvT, nc, 1, terms);
+}
+
+static void tiles_bwd_keys_end_amx(tiles_amx *s, int64_t nc) {
+    transpose_avx512(s->bt->dk, s->dkT, nc, s->bp->a.D, nc, 1);
+    transpose_avx512(s->bt->dv, s->dvT, nc, s->bp->a.Dv, nc, 1);
+}

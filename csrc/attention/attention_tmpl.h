@@ -1,33 +1,23 @@
 /*
  * attention_tmpl.h -- masked attention forward and backward, written once.
  *
- * Instantiated once per (accumulation type, instruction set):
- *   attention.c         ACC = float, scalar (the reference), and ACC = double
- *   attention_avx2.c    ACC = float, AVX2 + FMA building blocks
- *   attention_avx512.c  ACC = float, AVX-512 building blocks
- * Each instance defines before including it:
- *   ACC, FN(x)   the accumulation type and the instance's name suffix
- *   LOAD, STORE  element access in that precision (dtype.h)
- *   LOG          scalar log
- *   GEMM(m, n, k, A, ars, acs, B, ldb, C, ldc, accumulate)
- *       C (m, n) [+]= A (m, k) @ B (k, n); A[i, p] = A[i*ars + p*acs] (a
- *       transposed A is free), B and C row-major with leading dims ldb, ldc
- *   EXP_SUB_SUM(x, n, m)          x[c] = exp(x[c] - m); returns the sum (a row)
- *   COL_MAX(x, rows, n, m)        m[r] = max(m[r], x[c*n + r] for c < rows); NaN sticks
- *   TRANSPOSE(dst, src, lds, nr, ncol, mul)
- *       dst (ncol, nr) = mul * src (nr, ncol)^T, src rows lds apart
- *   EXP_SUB_COL(x, rows, n, m, sum)
- *       x[c*n + r] = exp(x[c*n + r] - m[r]), sum[r] += it; m[r] = -inf acts as 0
- *   ROW_MAX(x, n, m)              max(m, x[c] for c < n); NaN sticks
- *   DOT_KEYS(s, lds, q, nr, D, k, dt, off, ld, nc)
- *       s[r*lds + c] = q[r*D : r*D + D] . k[off + c*ld : ... + D], k in its own dtype
- *   AXPY_KEYS(o, p, ldp, nr, Dv, v, dt, off, ld, nc)
- *       o[r*Dv + d] += sum_c p[r*ldp + c] v[off + c*ld + d], v in its own dtype
- * exp(-inf) is exactly 0 in every building block: masked keys get exactly
- * zero probability, so they cannot leak into any output.
+ * Instantiated once per (accumulation type, instruction set) by a small
+ * instance file (blocks.h, "An instance"): scalar.c (the float reference and
+ * the float64 instance), avx2.c, avx512.c, amx.c. The instance defines
+ *   FN(name)    its suffix: every function here is FN(...), static
+ *   BLK(name)   the suffix of the building blocks it calls (blocks.h)
+ *   MA_ACC_F64  for double accumulation (float64 inputs); float otherwise
+ *   MA_TILE_HOOKS  when it supplies the tile products (AMX; "tile hooks" below)
+ * and gets const ma_attn_kernels ma_attn_kernels_<suffix> (at the end).
  *
  * Shapes: B, H, Hkv, Lq, Lk, D, Dv as in masked_attn.h; G = H / Hkv; a tile
  * is nr <= BQ query rows by nc <= BK keys (block_q, block_k).
+ *
+ * Where the masks are interpreted: FN(mask_value) (a bool or float element
+ * into its additive form), FN(keys_read) (trailing key padding that is never
+ * read), FN(kv_end) (causal block skipping). Where they are applied:
+ * FN(add_bias), the only place scores get their bias; head_mask in
+ * FN(head_scale) and the output/gradient lines that use it.
  *
  * The algorithm is FlashAttention-2. The forward and the dq pass hold one
  * query block and stream the key blocks; they work on transposed scores
@@ -40,6 +30,34 @@
  * The forward saves only lse = m + log l per query; the backward recomputes
  * P = exp(S - lse).
  */
+
+#include <math.h>
+#include <string.h>
+
+#include "blocks.h"
+#include "common/dtype.h"
+#include "masked_attn.h"
+
+#ifdef MA_ACC_F64
+#define ACC double
+#define LOAD ma_load_f64
+#define STORE ma_store_f64
+#define LOG log
+#else
+#define ACC float
+#define LOAD ma_load_f32
+#define STORE ma_store_f32
+#define LOG logf
+#endif
+#define GEMM BLK(gemm)
+#define GEMM_ROWSCALE BLK(gemm_rowscale)
+#define EXP_SUB_SUM BLK(exp_sub_sum)
+#define COL_MAX BLK(col_max)
+#define EXP_SUB_COL BLK(exp_sub_col)
+#define TRANSPOSE BLK(transpose)
+#define ROW_MAX BLK(row_max)
+#define DOT_KEYS BLK(dot_keys)
+#define AXPY_KEYS BLK(axpy_keys)
 
 /* ---- tiles ----------------------------------------------------------------- */
 
@@ -148,8 +166,8 @@ static inline const ACC *FN(rows_in)(const void *src, ma_dtype dt, const int64_t
 
 /* dst[b, h, r0 : r0 + nr, 0 : ncol] = mul * src (nr, ncol); overwrites. With
  * stream (masked_attn.h, stream_stores), float32 rows that are whole cache
- * lines go out through STREAM_ROW_F32 where the instance has one; the task
- * then ends with STREAM_FENCE. */
+ * lines go out through the blocks' stream_row_f32 where they have one
+ * (MA_BLK_STREAM); the task then ends with FN(fence_streams). */
 static void FN(store_tile)(void *dst, ma_dtype dt, const int64_t st[4], int64_t b, int64_t h,
                            int64_t r0, int64_t nr, int64_t ncol, const ACC *src, ACC mul, int stream) {
     (void)stream;
@@ -158,9 +176,9 @@ static void FN(store_tile)(void *dst, ma_dtype dt, const int64_t st[4], int64_t 
         const ACC *src_r = src + r * ncol;
         if (dt == MA_F32 && st[3] == 1) {
             float *y = (float *)dst + base;
-#ifdef STREAM_ROW_F32
+#ifdef MA_BLK_STREAM
             if (stream && ((uintptr_t)y & 63) == 0 && ncol % 16 == 0) {
-                STREAM_ROW_F32(y, src_r, ncol, mul);
+                BLK(stream_row_f32)(y, src_r, ncol, mul);
                 continue;
             }
 #endif
@@ -175,6 +193,13 @@ static void FN(store_tile)(void *dst, ma_dtype dt, const int64_t st[4], int64_t 
             for (int64_t c = 0; c < ncol; c++) STORE(dst, dt, base + c * st[3], mul * src_r[c]);
         }
     }
+}
+
+/* Orders the non-temporal stores of a task before its end (MA_BLK_STREAM). */
+static inline void FN(fence_streams)(void) {
+#ifdef MA_BLK_STREAM
+    BLK(stream_fence)();
+#endif
 }
 
 /* ---- masks ----------------------------------------------------------------- */
@@ -248,8 +273,8 @@ static int64_t FN(keys_read)(const ma_mask *kpm, int64_t b, int64_t j0, int64_t 
 /* The same for a backward key block: also not the keys after the last query
  * under is_causal (no query sees them). */
 static inline int64_t FN(bwd_keys_read)(const ma_attn_bwd_params *p, int64_t b, int64_t j0, int64_t nc) {
-    if (p->is_causal) nc = ma_min(nc, p->Lq - j0);
-    return nc > 0 ? FN(keys_read)(&p->key_padding_mask, b, j0, nc) : 0;
+    if (p->a.is_causal) nc = ma_min(nc, p->a.Lq - j0);
+    return nc > 0 ? FN(keys_read)(&p->a.key_padding_mask, b, j0, nc) : 0;
 }
 
 static inline ACC FN(head_scale)(const ma_mask *hm, int64_t b, int64_t h) {
@@ -322,16 +347,6 @@ static void FN(scale_rows)(ACC *C, int64_t ldc, int64_t m, int64_t n, const ACC 
             for (int64_t d = 0; d < n; d++) C[r * ldc + d] *= rs[r];
 }
 
-#ifndef GEMM_ROWSCALE
-/* C (m, n) = diag(rs) C + A (m, k) @ B (k, n), rs NULL: no rescaling. Variants
- * without a fused one rescale in a pass of their own: the same products. */
-static void FN(gemm_rowscale)(int64_t m, int64_t n, int64_t k, const ACC *A, int64_t ars, int64_t acs, const ACC *B,
-                              int64_t ldb, ACC *C, int64_t ldc, const ACC *rs) {
-    if (rs) FN(scale_rows)(C, ldc, m, n, rs);
-    GEMM(m, n, k, A, ars, acs, B, ldb, C, ldc, 1);
-}
-#define GEMM_ROWSCALE FN(gemm_rowscale)
-#endif
 
 typedef struct {
     ACC *qT, *sT, *o, *m, *m_new, *l, *lsum, *lse;
@@ -355,10 +370,10 @@ static FN(fwd_scratch) FN(fwd_carve)(void *scratch, int64_t BQ, int64_t BK, int6
 
 /* Elements of ACC after the header; caches included when K, V need converting. */
 static inline size_t FN(fwd_scratch_elems)(const ma_attn_fwd_params *p) {
-    const int64_t BQ = p->block_q, BK = p->block_k, D = p->D, Dv = p->Dv;
+    const int64_t BQ = p->a.block_q, BK = p->a.block_k, D = p->a.D, Dv = p->a.Dv;
     return (size_t)(D * BQ + BK * BQ + BQ * Dv + 5 * BQ +
-                    (FN(needs_copy)(p->dtype, p->k_stride) ? p->Lk * D : 0) +
-                    (FN(needs_copy)(p->dtype, p->v_stride) ? p->Lk * Dv : 0));
+                    (FN(needs_copy)(p->a.dtype, p->a.k_stride) ? p->a.Lk * D : 0) +
+                    (FN(needs_copy)(p->a.dtype, p->a.v_stride) ? p->a.Lk * Dv : 0));
 }
 
 /* Query blocks of at most MA_FWD_ROWS rows (decoding: Lq = 1, or the last
@@ -371,7 +386,7 @@ static inline size_t FN(fwd_scratch_elems)(const ma_attn_fwd_params *p) {
  * on columns one lane wide; at Lq = 1 the work is reading K and V. */
 #define MA_FWD_ROWS 8
 static inline int FN(fwd_by_rows)(const ma_attn_fwd_params *p, int64_t nr) {
-    return nr <= MA_FWD_ROWS && !p->weights && p->k_stride[3] == 1 && p->v_stride[3] == 1;
+    return nr <= MA_FWD_ROWS && !p->weights && p->a.k_stride[3] == 1 && p->a.v_stride[3] == 1;
 }
 
 /* lsum[r] = sum of s[r * nc + c] over c = 0 .. nc in key order (as
@@ -412,46 +427,160 @@ static void FN(sum_rows_in_order)(const ACC *s, int64_t nc, int64_t nr, ACC *lsu
 static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s, ACC *o, ACC *m, ACC *l, ACC *m_new,
                               ACC *lsum, ACC *alpha, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t nr,
                               int64_t j0, int64_t nc) {
-    const int64_t D = p->D, Dv = p->Dv, *ks = p->k_stride, *vs = p->v_stride;
-    DOT_KEYS(s, nc, q, nr, D, p->k, p->dtype, b * ks[0] + hk * ks[1] + j0 * ks[2], ks[2], nc);
-    FN(add_bias)(s, nc, 1, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
+    const int64_t D = p->a.D, Dv = p->a.Dv, *ks = p->a.k_stride, *vs = p->a.v_stride;
+    DOT_KEYS(s, nc, q, nr, D, p->a.k, p->a.dtype, b * ks[0] + hk * ks[1] + j0 * ks[2], ks[2], nc);
+    FN(add_bias)(s, nc, 1, &p->a.attn_mask, &p->a.key_padding_mask, p->a.is_causal, b, h, i0, nr, j0, nc);
     for (int64_t r = 0; r < nr; r++) {
         m_new[r] = ROW_MAX(s + r * nc, nc, m[r]);
         (void)EXP_SUB_SUM(s + r * nc, nc, m_new[r] == -(ACC)INFINITY ? 0 : m_new[r]);
     }
     FN(sum_rows_in_order)(s, nc, nr, lsum);
     if (FN(online_step)(m, m_new, l, lsum, alpha, nr)) FN(scale_rows)(o, Dv, nr, Dv, alpha);
-    AXPY_KEYS(o, s, nc, nr, Dv, p->v, p->dtype, b * vs[0] + hk * vs[1] + j0 * vs[2], vs[2], nc);
+    AXPY_KEYS(o, s, nc, nr, Dv, p->a.v, p->a.dtype, b * vs[0] + hk * vs[1] + j0 * vs[2], vs[2], nc);
+}
+
+/* ---- tile hooks -------------------------------------------------------------
+ *
+ * The tile path of the forward and the single-pass backward do their matrix
+ * products (and the packing of operands for them) through these steps. The
+ * generic ones below (FN(gen_*)) call the instance's GEMM; an instance with
+ * MA_TILE_HOOKS (AMX) defines FN(tiles_*) with the same meaning and its own
+ * per-thread state FN(tiles), used whenever FN(tiles_apply)(p) (AMX: always
+ * but with weights, which need every score again). Everything else (masks,
+ * softmax, online rescaling, output and gradient lines, scheduling) is the
+ * loops' own, written once below.
+ *
+ *   forward, per work item (b, h, query block i0..i0+nr):
+ *     fwd_query(b, h, hk, i0, nr)    prepare K, V of head (b, hk) and the query block
+ *     fwd_scores(sT, j0, nc, nr)     sT (nc, nr) = scale K Q^T          (before the bias)
+ *     fwd_pv(o, alpha, sT, j0, nc)   O = diag(alpha) O + P V, P^T in sT (alpha NULL: 1);
+ *                                    O in the step's own layout, zeroed by the loop
+ *     fwd_o_rows(o)                  O as rows (nr, Dv)
+ *   single-pass backward, per (b, hkv), key block j0..j0+nc, query block i0..i0+nr of head g:
+ *     bwd_group(b, hk)               prepare Q, dO of the G heads
+ *     bwd_keys(b, hk, j0, nc)        prepare K, V of the key block; zero its dK, dV sums
+ *     bwd_scores(s, g, h, i0, nr)    s (nr, nc) = scale Q K^T           (before the bias)
+ *     bwd_dp(dp, g, h, i0, nr)       dp (nr, nc) = dO V^T
+ *     bwd_accum(dq, g, h, i0, nr)    dK += dS^T Q, dV += (hm P)^T dO, dq (nr, D) += dS K,
+ *                                    dS in t->dp, hm P in t->s (unscaled by scale: the stores scale)
+ *     bwd_keys_end(nc)               dK, dV sums of the key block into t->dk (nc, D), t->dv (nc, Dv)
+ */
+
+/* Generic forward state: the converted head caches when K, V need converting. */
+typedef struct {
+    FN(fwd_scratch) *t;
+    ma_scratch_header *hdr;
+    const ma_attn_fwd_params *p;
+    int64_t b, hk, nr;
+    const ACC *k_bh, *v_bh;
+} FN(gen_fwd);
+
+static void FN(gen_fwd_query)(FN(gen_fwd) *g, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t nr) {
+    const ma_attn_fwd_params *p = g->p;
+    FN(fwd_scratch) *t = g->t;
+    g->b = b, g->hk = hk, g->nr = nr;
+    g->k_bh = FN(needs_copy)(p->a.dtype, p->a.k_stride)
+                  ? FN(head_cache)(&g->hdr->tag[0], t->kc, p->a.k, p->a.dtype, p->a.k_stride, b, hk, 1, p->a.Lk, p->a.D)
+                  : NULL;
+    g->v_bh = FN(needs_copy)(p->a.dtype, p->a.v_stride)
+                  ? FN(head_cache)(&g->hdr->tag[1], t->vc, p->a.v, p->a.dtype, p->a.v_stride, b, hk, 1, p->a.Lk, p->a.Dv)
+                  : NULL;
+    FN(load_tile_t)(t->qT, p->a.q, p->a.dtype, p->a.q_stride, b, h, i0, nr, p->a.D, (ACC)p->a.scale);
+}
+
+/* sT = K (scale Q)^T; a split diagonal tile: keys hs.. x queries ..hs are left to the causal fill */
+static void FN(gen_fwd_scores)(FN(gen_fwd) *g, ACC *sT, int64_t i0, int64_t j0, int64_t nc) {
+    const ma_attn_fwd_params *p = g->p;
+    const int64_t nr = g->nr, D = p->a.D;
+    int64_t ldk;
+    const ACC *k_j = FN(rows_in)(p->a.k, p->a.dtype, p->a.k_stride, g->b, g->hk, j0, g->k_bh, D, &ldk);
+    const int64_t hs = FN(diag_split)(p->a.is_causal, p->a.block_q, p->a.block_k, i0, nr, j0, nc);
+    if (hs) {
+        GEMM(hs, nr, D, k_j, ldk, 1, g->t->qT, nr, sT, nr, 0);
+        GEMM(nc - hs, nr - hs, D, k_j + hs * ldk, ldk, 1, g->t->qT + hs, nr, sT + hs * nr + hs, nr, 0);
+    } else {
+        GEMM(nc, nr, D, k_j, ldk, 1, g->t->qT, nr, sT, nr, 0);
+    }
+}
+
+static void FN(gen_fwd_pv)(FN(gen_fwd) *g, ACC *o, const ACC *alpha, const ACC *sT, int64_t i0, int64_t j0,
+                           int64_t nc) {
+    const ma_attn_fwd_params *p = g->p;
+    const int64_t nr = g->nr, Dv = p->a.Dv;
+    int64_t ldv;
+    const ACC *v_j = FN(rows_in)(p->a.v, p->a.dtype, p->a.v_stride, g->b, g->hk, j0, g->v_bh, Dv, &ldv);
+    const int64_t hs = FN(diag_split)(p->a.is_causal, p->a.block_q, p->a.block_k, i0, nr, j0, nc);
+    if (hs) {
+        GEMM_ROWSCALE(hs, Dv, hs, sT, 1, nr, v_j, ldv, o, Dv, alpha);
+        GEMM_ROWSCALE(nr - hs, Dv, nc, sT + hs, 1, nr, v_j, ldv, o + hs * Dv, Dv, alpha ? alpha + hs : NULL);
+    } else {
+        GEMM_ROWSCALE(nr, Dv, nc, sT, 1, nr, v_j, ldv, o, Dv, alpha);
+    }
+}
+
+static ACC *FN(gen_fwd_o_rows)(FN(gen_fwd) *g, ACC *o) {
+    (void)g;
+    return o;
+}
+
+#ifdef MA_TILE_HOOKS
+typedef struct FN(tiles) FN(tiles);
+static int FN(tiles_apply)(const ma_attn_fwd_params *p);
+static size_t FN(tiles_fwd_scratch_bytes)(const ma_attn_fwd_params *p);
+static void FN(tiles_fwd_begin)(FN(tiles) **T, const ma_attn_fwd_params *p, FN(fwd_scratch) *t, ma_scratch_header *hdr,
+                                void *extra);
+static void FN(tiles_fwd_query)(FN(tiles) *T, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t nr);
+static void FN(tiles_fwd_scores)(FN(tiles) *T, ACC *sT, int64_t i0, int64_t j0, int64_t nc);
+static void FN(tiles_fwd_pv)(FN(tiles) *T, ACC *o, const ACC *alpha, const ACC *sT, int64_t i0, int64_t j0,
+                             int64_t nc);
+static ACC *FN(tiles_fwd_o_rows)(FN(tiles) *T, ACC *o);
+static void FN(tiles_end)(void);
+/* step(args): the hooks' step when they apply to this call, else the generic one */
+#define FWD_STEP(step, ...) (hooked ? FN(tiles_fwd_##step)(tiles, __VA_ARGS__) : FN(gen_fwd_##step)(&gen, __VA_ARGS__))
+#else
+#define FWD_STEP(step, ...) FN(gen_fwd_##step)(&gen, __VA_ARGS__)
+#endif
+
+static size_t FN(generic_fwd_scratch_bytes)(const ma_attn_fwd_params *p) {
+    return ma_round_up(MA_CACHE_LINE + FN(fwd_scratch_elems)(p) * sizeof(ACC), MA_CACHE_LINE);
+}
+
+static size_t FN(fwd_scratch_bytes)(const ma_attn_fwd_params *p) {
+    size_t n = FN(generic_fwd_scratch_bytes)(p);
+#ifdef MA_TILE_HOOKS
+    if (FN(tiles_apply)(p)) n += FN(tiles_fwd_scratch_bytes)(p);
+#endif
+    return n;
 }
 
 static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
     const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
     const ma_attn_fwd_params *p = (const ma_attn_fwd_params *)ctx->params;
-    const int64_t H = p->H, G = p->H / p->Hkv, Lq = p->Lq, Lk = p->Lk, D = p->D, Dv = p->Dv;
-    const int64_t BQ = p->block_q, BK = p->block_k, nq = ma_cdiv(Lq, BQ);
+    const int64_t H = p->a.H, G = p->a.H / p->a.Hkv, Lq = p->a.Lq, Lk = p->a.Lk, D = p->a.D, Dv = p->a.Dv;
+    const int64_t BQ = p->a.block_q, BK = p->a.block_k, nq = ma_cdiv(Lq, BQ);
     FN(fwd_scratch) t = FN(fwd_carve)(ctx->scratch, BQ, BK, D, Dv);
     ma_scratch_header *hdr = (ma_scratch_header *)ctx->scratch;
-    t.vc = t.kc + (FN(needs_copy)(p->dtype, p->k_stride) ? Lk * D : 0);
+    t.vc = t.kc + (FN(needs_copy)(p->a.dtype, p->a.k_stride) ? Lk * D : 0);
+    FN(gen_fwd) gen = {&t, hdr, p, 0, 0, 0, NULL, NULL};
+#ifdef MA_TILE_HOOKS
+    const int hooked = FN(tiles_apply)(p);
+    FN(tiles) *tiles = NULL;
+    if (hooked) FN(tiles_fwd_begin)(&tiles, p, &t, hdr, (char *)ctx->scratch + FN(generic_fwd_scratch_bytes)(p));
+#endif
 
     for (int64_t w = begin; w < end; w++) {
         const int64_t b = w / (H * nq), h = (w / nq) % H, qb = FN(interleave)(w % nq, nq), hk = h / G;
         const int64_t i0 = qb * BQ, nr = ma_min(BQ, Lq - i0);
-        const int64_t kv_end = FN(kv_end)(p->is_causal, Lk, i0, nr);
+        const int64_t kv_end = FN(kv_end)(p->a.is_causal, Lk, i0, nr);
         const int by_rows = FN(fwd_by_rows)(p, nr);
-        const ACC *k_bh = !by_rows && FN(needs_copy)(p->dtype, p->k_stride)
-                              ? FN(head_cache)(&hdr->tag[0], t.kc, p->k, p->dtype, p->k_stride, b, hk, 1, Lk, D)
-                              : NULL;
-        const ACC *v_bh = !by_rows && FN(needs_copy)(p->dtype, p->v_stride)
-                              ? FN(head_cache)(&hdr->tag[1], t.vc, p->v, p->dtype, p->v_stride, b, hk, 1, Lk, Dv)
-                              : NULL;
 
         if (by_rows) /* scale * Q rows, (nr, D), in qT's place */
             for (int64_t r = 0; r < nr; r++)
-                FN(convert_row)(t.qT + r * D, 1, p->q, p->dtype,
-                                b * p->q_stride[0] + h * p->q_stride[1] + (i0 + r) * p->q_stride[2], p->q_stride[3],
-                                D, (ACC)p->scale);
+                FN(convert_row)(t.qT + r * D, 1, p->a.q, p->a.dtype,
+                                b * p->a.q_stride[0] + h * p->a.q_stride[1] + (i0 + r) * p->a.q_stride[2], p->a.q_stride[3],
+                                D, (ACC)p->a.scale);
         else
-            FN(load_tile_t)(t.qT, p->q, p->dtype, p->q_stride, b, h, i0, nr, D, (ACC)p->scale);
+            FWD_STEP(query, b, h, hk, i0, nr);
         for (int64_t r = 0; r < nr; r++) {
             t.m[r] = -(ACC)INFINITY;
             t.l[r] = 0;
@@ -459,24 +588,15 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
         for (int64_t x = 0; x < nr * Dv; x++) t.o[x] = 0;
 
         for (int64_t j0 = 0; j0 < kv_end; j0 += BK) {
-            const int64_t nc = FN(keys_read)(&p->key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
+            const int64_t nc = FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
             if (nc == 0) continue;
             if (by_rows) {
                 FN(fwd_rows_step)(p, t.qT, t.sT, t.o, t.m, t.l, t.m_new, t.lsum, t.lse, b, h, hk, i0, nr, j0, nc);
                 continue;
             }
-            int64_t ldk, ldv;
-            const ACC *k_j = FN(rows_in)(p->k, p->dtype, p->k_stride, b, hk, j0, k_bh, D, &ldk);
-            const ACC *v_j = FN(rows_in)(p->v, p->dtype, p->v_stride, b, hk, j0, v_bh, Dv, &ldv);
-            /* sT = K (scale Q)^T + bias^T  (a split diagonal tile: keys hs.. x queries ..hs only by the causal fill) */
-            const int64_t hs = FN(diag_split)(p->is_causal, BQ, BK, i0, nr, j0, nc);
-            if (hs) {
-                GEMM(hs, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
-                GEMM(nc - hs, nr - hs, D, k_j + hs * ldk, ldk, 1, t.qT + hs, nr, t.sT + hs * nr + hs, nr, 0);
-            } else {
-                GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
-            }
-            FN(add_bias)(t.sT, 1, nr, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
+            /* sT = K (scale Q)^T + bias^T */
+            FWD_STEP(scores, t.sT, i0, j0, nc);
+            FN(add_bias)(t.sT, 1, nr, &p->a.attn_mask, &p->a.key_padding_mask, p->a.is_causal, b, h, i0, nr, j0, nc);
             /* online softmax: m_new = max(m, colmax sT); P = exp(sT - m_new); l, O rescaled */
             for (int64_t r = 0; r < nr; r++) {
                 t.m_new[r] = t.m[r];
@@ -487,19 +607,15 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
             /* alpha (in t.lse for now), or NULL where no row's max moved */
             const ACC *alpha = FN(online_step)(t.m, t.m_new, t.l, t.lsum, t.lse, nr) ? t.lse : NULL;
             /* O = alpha O + P V */
-            if (hs) {
-                GEMM_ROWSCALE(hs, Dv, hs, t.sT, 1, nr, v_j, ldv, t.o, Dv, alpha);
-                GEMM_ROWSCALE(nr - hs, Dv, nc, t.sT + hs, 1, nr, v_j, ldv, t.o + hs * Dv, Dv, alpha ? alpha + hs : NULL);
-            } else {
-                GEMM_ROWSCALE(nr, Dv, nc, t.sT, 1, nr, v_j, ldv, t.o, Dv, alpha);
-            }
+            FWD_STEP(pv, t.o, alpha, t.sT, i0, j0, nc);
         }
 
         /* out = hm * O / l;  lse = m + log l.  A fully masked row (l = 0) gives 0 and -inf. */
-        const ACC hm = FN(head_scale)(&p->head_mask, b, h);
+        const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
         ACC *lse_bh = (ACC *)p->lse + (b * H + h) * Lq;
+        ACC *o = by_rows ? t.o : FWD_STEP(o_rows, t.o);
         for (int64_t r = 0; r < nr; r++) {
-            ACC *o_r = t.o + r * Dv;
+            ACC *o_r = o + r * Dv;
             if (t.l[r] == 0) {
                 for (int64_t d = 0; d < Dv; d++) o_r[d] = 0;
                 t.lse[r] = -(ACC)INFINITY;
@@ -511,32 +627,34 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
             lse_bh[i0 + r] = t.lse[r];
             t.m_new[r] = FN(finite_or_zero)(t.lse[r]);
         }
-        FN(store_tile)(p->out, p->dtype, p->out_stride, b, h, i0, nr, Dv, t.o, 1, p->stream_stores);
+        FN(store_tile)(p->out, p->a.dtype, p->a.out_stride, b, h, i0, nr, Dv, o, 1, p->a.stream_stores);
 
-        /* weights = hm * exp(S - lse) over every key, on request only */
+        /* weights = hm * exp(S - lse) over every key, on request only (never hooked) */
         if (p->weights) {
             const int64_t w_st[4] = {H * Lq * Lk, Lq * Lk, Lk, 1};
             for (int64_t j0 = 0; j0 < Lk; j0 += BK) {
                 const int64_t nw = ma_min(BK, Lk - j0); /* weights written */
-                const int64_t nc = j0 < kv_end ? FN(keys_read)(&p->key_padding_mask, b, j0, ma_min(nw, kv_end - j0)) : 0;
+                const int64_t nc = j0 < kv_end ? FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(nw, kv_end - j0)) : 0;
                 if (nc > 0) {
                     int64_t ldk;
-                    const ACC *k_j = FN(rows_in)(p->k, p->dtype, p->k_stride, b, hk, j0, k_bh, D, &ldk);
+                    const ACC *k_j = FN(rows_in)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, gen.k_bh, D, &ldk);
                     GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
-                    FN(add_bias)(t.sT, 1, nr, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
+                    FN(add_bias)(t.sT, 1, nr, &p->a.attn_mask, &p->a.key_padding_mask, p->a.is_causal, b, h, i0, nr, j0, nc);
                     EXP_SUB_COL(t.sT, nc, nr, t.m_new, t.lsum);
                 }
                 for (int64_t r = 0; r < nr; r++) /* keys not read: weight 0 */
                     for (int64_t c = 0; c < nw; c++)
-                        STORE(p->weights, p->dtype, b * w_st[0] + h * w_st[1] + (i0 + r) * w_st[2] + j0 + c,
+                        STORE(p->weights, p->a.dtype, b * w_st[0] + h * w_st[1] + (i0 + r) * w_st[2] + j0 + c,
                               c < nc ? hm * t.sT[c * nr + r] : 0);
             }
         }
     }
-#ifdef STREAM_FENCE
-    STREAM_FENCE();
+#ifdef MA_TILE_HOOKS
+    if (hooked) FN(tiles_end)();
 #endif
+    FN(fence_streams)();
 }
+#undef FWD_STEP
 
 /* ---- backward ------------------------------------------------------------
  *
@@ -597,18 +715,41 @@ static inline size_t FN(bwd_scratch_elems)(int64_t BQ, int64_t BK, int64_t D, in
  *   dkdv pass  Q, dO caches of the G heads (G, Lq, D), (G, Lq, Dv)   if they need converting
  *   single pass  dq (G, Lq, D), delta, lse, dhm (G, Lq), then the Q, dO caches */
 static inline int64_t FN(bwd_qg_cache_elems)(const ma_attn_bwd_params *p) {
-    const int64_t G = p->H / p->Hkv;
-    return (FN(needs_copy)(p->dtype, p->q_stride) ? G * p->Lq * p->D : 0) +
-           (FN(needs_copy)(p->dtype, p->dout_stride) ? G * p->Lq * p->Dv : 0);
+    const int64_t G = p->a.H / p->a.Hkv;
+    return (FN(needs_copy)(p->a.dtype, p->a.q_stride) ? G * p->a.Lq * p->a.D : 0) +
+           (FN(needs_copy)(p->a.dtype, p->dout_stride) ? G * p->a.Lq * p->a.Dv : 0);
 }
 
 static inline size_t FN(bwd_extra_elems)(const ma_attn_bwd_params *p, int single_pass) {
-    const int64_t G = p->H / p->Hkv;
-    if (single_pass) return (size_t)(G * p->Lq * (p->D + 3) + FN(bwd_qg_cache_elems)(p));
-    const int64_t kv = (FN(needs_copy)(p->dtype, p->k_stride) ? p->Lk * p->D : 0) +
-                       (FN(needs_copy)(p->dtype, p->v_stride) ? p->Lk * p->Dv : 0);
+    const int64_t G = p->a.H / p->a.Hkv;
+    if (single_pass) return (size_t)(G * p->a.Lq * (p->a.D + 3) + FN(bwd_qg_cache_elems)(p));
+    const int64_t kv = (FN(needs_copy)(p->a.dtype, p->a.k_stride) ? p->a.Lk * p->a.D : 0) +
+                       (FN(needs_copy)(p->a.dtype, p->a.v_stride) ? p->a.Lk * p->a.Dv : 0);
     const int64_t qg = FN(bwd_qg_cache_elems)(p);
     return (size_t)(kv > qg ? kv : qg);
+}
+
+/* Bytes of a thread's backward scratch without the hooks' own; with tile
+ * hooks the single pass needs no Q, dO caches (the hooks pack from rows). */
+static size_t FN(generic_bwd_scratch_bytes)(const ma_attn_bwd_params *p) {
+    const int single = ma_attn_bwd_single_pass(p);
+    size_t n = FN(bwd_scratch_elems)(p->a.block_q, p->a.block_k, p->a.D, p->a.Dv) + FN(bwd_extra_elems)(p, single);
+#ifdef MA_TILE_HOOKS
+    if (single) n -= (size_t)FN(bwd_qg_cache_elems)(p);
+#endif
+    return ma_round_up(MA_CACHE_LINE + n * sizeof(ACC), MA_CACHE_LINE);
+}
+
+#ifdef MA_TILE_HOOKS
+static size_t FN(tiles_bwd_scratch_bytes)(const ma_attn_bwd_params *p);
+#endif
+
+static size_t FN(bwd_scratch_bytes)(const ma_attn_bwd_params *p) {
+    size_t n = FN(generic_bwd_scratch_bytes)(p);
+#ifdef MA_TILE_HOOKS
+    if (ma_attn_bwd_single_pass(p)) n += FN(tiles_bwd_scratch_bytes)(p);
+#endif
+    return n;
 }
 
 /* dW[b, h, i0 + r, j0 + c] added to dP at dp[r * rs + c * cs]. */
@@ -617,7 +758,7 @@ static void FN(add_dweights)(ACC *dp, int64_t rs, int64_t cs, const ma_attn_bwd_
     const int64_t *st = p->dweights_stride;
     for (int64_t r = 0; r < nr; r++) {
         const int64_t base = b * st[0] + h * st[1] + (i0 + r) * st[2] + j0 * st[3];
-        for (int64_t c = 0; c < nc; c++) dp[r * rs + c * cs] += LOAD(p->dweights, p->dtype, base + c * st[3]);
+        for (int64_t c = 0; c < nc; c++) dp[r * rs + c * cs] += LOAD(p->dweights, p->a.dtype, base + c * st[3]);
     }
 }
 
@@ -646,57 +787,57 @@ static void FN(dscores)(ACC *dp, const ACC *pr, int64_t rs, int64_t cs, const AC
  * of the scores, which is the gradient of an additive mask; overwrites. */
 static void FN(store_dscores)(const ma_attn_bwd_params *p, const ACC *ds, int64_t rs, int64_t cs,
                               int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t nc) {
-    ACC *out = (ACC *)p->dscores + ((b * p->H + h) * p->Lq + i0) * p->Lk + j0;
+    ACC *out = (ACC *)p->dscores + ((b * p->a.H + h) * p->a.Lq + i0) * p->a.Lk + j0;
     for (int64_t r = 0; r < nr; r++)
-        for (int64_t c = 0; c < nc; c++) out[r * p->Lk + c] = ds[r * rs + c * cs];
+        for (int64_t c = 0; c < nc; c++) out[r * p->a.Lk + c] = ds[r * rs + c * cs];
 }
 
 /* Pass 1, work item (b, h, q-block): delta and dq for its rows. */
 static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
     const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
     const ma_attn_bwd_params *p = (const ma_attn_bwd_params *)ctx->params;
-    const int64_t H = p->H, G = p->H / p->Hkv, Lq = p->Lq, Lk = p->Lk, D = p->D, Dv = p->Dv;
-    const int64_t BQ = p->block_q, BK = p->block_k, nq = ma_cdiv(Lq, BQ);
+    const int64_t H = p->a.H, G = p->a.H / p->a.Hkv, Lq = p->a.Lq, Lk = p->a.Lk, D = p->a.D, Dv = p->a.Dv;
+    const int64_t BQ = p->a.block_q, BK = p->a.block_k, nq = ma_cdiv(Lq, BQ);
     FN(bwd_scratch) t = FN(bwd_carve)(ctx->scratch, BQ, BK, D, Dv);
     ma_scratch_header *hdr = (ma_scratch_header *)ctx->scratch;
-    ACC *kc = t.extra, *vc = kc + (FN(needs_copy)(p->dtype, p->k_stride) ? Lk * D : 0);
+    ACC *kc = t.extra, *vc = kc + (FN(needs_copy)(p->a.dtype, p->a.k_stride) ? Lk * D : 0);
 
     for (int64_t w = begin; w < end; w++) {
         const int64_t b = w / (H * nq), h = (w / nq) % H, qb = FN(interleave)(w % nq, nq), hk = h / G;
         const int64_t i0 = qb * BQ, nr = ma_min(BQ, Lq - i0);
-        const int64_t kv_end = FN(kv_end)(p->is_causal, Lk, i0, nr);
-        const ACC hm = FN(head_scale)(&p->head_mask, b, h);
-        const ACC *k_bh = FN(needs_copy)(p->dtype, p->k_stride)
-                              ? FN(head_cache)(&hdr->tag[0], kc, p->k, p->dtype, p->k_stride, b, hk, 1, Lk, D)
+        const int64_t kv_end = FN(kv_end)(p->a.is_causal, Lk, i0, nr);
+        const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
+        const ACC *k_bh = FN(needs_copy)(p->a.dtype, p->a.k_stride)
+                              ? FN(head_cache)(&hdr->tag[0], kc, p->a.k, p->a.dtype, p->a.k_stride, b, hk, 1, Lk, D)
                               : NULL;
-        const ACC *v_bh = FN(needs_copy)(p->dtype, p->v_stride)
-                              ? FN(head_cache)(&hdr->tag[1], vc, p->v, p->dtype, p->v_stride, b, hk, 1, Lk, Dv)
+        const ACC *v_bh = FN(needs_copy)(p->a.dtype, p->a.v_stride)
+                              ? FN(head_cache)(&hdr->tag[1], vc, p->a.v, p->a.dtype, p->a.v_stride, b, hk, 1, Lk, Dv)
                               : NULL;
         const ACC *lse_bh = (const ACC *)p->lse + (b * H + h) * Lq;
         ACC *delta_bh = (ACC *)p->delta + (b * H + h) * Lq;
 
-        FN(load_tile_t)(t.qT, p->q, p->dtype, p->q_stride, b, h, i0, nr, D, (ACC)p->scale);
-        FN(load_tile_t)(t.gT, p->dout, p->dtype, p->dout_stride, b, h, i0, nr, Dv, 1);
+        FN(load_tile_t)(t.qT, p->a.q, p->a.dtype, p->a.q_stride, b, h, i0, nr, D, (ACC)p->a.scale);
+        FN(load_tile_t)(t.gT, p->dout, p->a.dtype, p->dout_stride, b, h, i0, nr, Dv, 1);
         for (int64_t r = 0; r < nr; r++) {
             t.lse[r] = FN(finite_or_zero)(lse_bh[i0 + r]);
             t.dhm[r] = 0;
             /* delta_i = g_i . out_i  (+ hm * sum_j P_ij dW_ij below) */
             ACC *o_r = t.gbuf;
-            FN(convert_row)(o_r, 1, p->out, p->dtype,
-                            b * p->out_stride[0] + h * p->out_stride[1] + (i0 + r) * p->out_stride[2],
-                            p->out_stride[3], Dv, 1);
+            FN(convert_row)(o_r, 1, p->out, p->a.dtype,
+                            b * p->a.out_stride[0] + h * p->a.out_stride[1] + (i0 + r) * p->a.out_stride[2],
+                            p->a.out_stride[3], Dv, 1);
             ACC dot = 0;
             for (int64_t d = 0; d < Dv; d++) dot += t.gT[d * nr + r] * o_r[d];
             t.delta[r] = dot;
         }
         if (p->dweights) {
             for (int64_t j0 = 0; j0 < kv_end; j0 += BK) {
-                const int64_t nc = FN(keys_read)(&p->key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
+                const int64_t nc = FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
                 if (nc == 0) continue;
                 int64_t ldk;
-                const ACC *k_j = FN(rows_in)(p->k, p->dtype, p->k_stride, b, hk, j0, k_bh, D, &ldk);
+                const ACC *k_j = FN(rows_in)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, k_bh, D, &ldk);
                 GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
-                FN(add_bias)(t.sT, 1, nr, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
+                FN(add_bias)(t.sT, 1, nr, &p->a.attn_mask, &p->a.key_padding_mask, p->a.is_causal, b, h, i0, nr, j0, nc);
                 EXP_SUB_COL(t.sT, nc, nr, t.lse, t.tmp);
                 for (int64_t x = 0; x < nc * nr; x++) t.dpT[x] = 0;
                 FN(add_dweights)(t.dpT, 1, nr, p, b, h, i0, nr, j0, nc);
@@ -711,14 +852,14 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
 
         for (int64_t x = 0; x < nr * D; x++) t.dq[x] = 0;
         for (int64_t j0 = 0; j0 < kv_end; j0 += BK) {
-            const int64_t nc = FN(keys_read)(&p->key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
+            const int64_t nc = FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
             if (nc == 0) continue;
             int64_t ldk, ldv;
-            const ACC *k_j = FN(rows_in)(p->k, p->dtype, p->k_stride, b, hk, j0, k_bh, D, &ldk);
-            const ACC *v_j = FN(rows_in)(p->v, p->dtype, p->v_stride, b, hk, j0, v_bh, Dv, &ldv);
+            const ACC *k_j = FN(rows_in)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, k_bh, D, &ldk);
+            const ACC *v_j = FN(rows_in)(p->a.v, p->a.dtype, p->a.v_stride, b, hk, j0, v_bh, Dv, &ldv);
             /* P^T = exp(K (scale Q)^T + bias^T - lse) */
             GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
-            FN(add_bias)(t.sT, 1, nr, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
+            FN(add_bias)(t.sT, 1, nr, &p->a.attn_mask, &p->a.key_padding_mask, p->a.is_causal, b, h, i0, nr, j0, nc);
             EXP_SUB_COL(t.sT, nc, nr, t.lse, t.tmp);
             /* dP^T = V dO^T (+ dW^T);  dS^T = P^T (hm dP^T - delta) */
             GEMM(nc, nr, Dv, v_j, ldv, 1, t.gT, nr, t.dpT, nr, 0);
@@ -728,37 +869,43 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
             /* dQ += dS K */
             GEMM(nr, D, nc, t.dpT, 1, nr, k_j, ldk, t.dq, D, 1);
         }
-        FN(store_tile)(p->dq, p->dtype, p->dq_stride, b, h, i0, nr, D, t.dq, (ACC)p->scale, p->stream_stores);
+        FN(store_tile)(p->dq, p->a.dtype, p->dq_stride, b, h, i0, nr, D, t.dq, (ACC)p->a.scale, p->a.stream_stores);
         if (p->dhm_rows) {
             ACC *dhm_bh = (ACC *)p->dhm_rows + (b * H + h) * Lq;
             for (int64_t r = 0; r < nr; r++) dhm_bh[i0 + r] = t.dhm[r];
         }
     }
-#ifdef STREAM_FENCE
-    STREAM_FENCE();
-#endif
+    FN(fence_streams)();
 }
 
 /* One (query block, key block) tile of the row-wise backward, rows i0 .. i0 + nr
- * of head h against keys j0 .. j0 + nc (kT, vT packed in t):
- *   P = exp(Q (scale K^T) + bias - lse),  dP = dO V^T (+ dW),  dS = P (hm dP - delta)
- *   dK += dS^T Q (times scale at the store),  dV += (hm P)^T dO
- * lse_r and delta_r are the tile's rows (lse with -inf already 0); dhm_r gets
- * the head mask's row sums when not NULL. Leaves dS in t->dp for the caller. */
-static void FN(bwd_key_tile)(const FN(bwd_scratch) *t, const ma_attn_bwd_params *p, int64_t b,
-                             int64_t h, ACC hm, int64_t i0, int64_t nr, int64_t j0, int64_t nc,
-                             const ACC *q_i, int64_t ldq, const ACC *g_i, int64_t ldg,
-                             const ACC *lse_r, const ACC *delta_r, ACC *dhm_r) {
-    const int64_t D = p->D, Dv = p->Dv;
-    const int64_t hs = p->dweights ? 0 : FN(diag_split)(p->is_causal, p->block_q, p->block_k, i0, nr, j0, nc);
-    if (hs) { /* rows ..hs x keys hs.. are left to the causal fill (P = 0) and zeroed in dP */
+ * of head h against keys j0 .. j0 + nc, in three steps:
+ *   products     s = Q (scale K^T),  dp = dO V^T              (gen_bwd_scores, gen_bwd_dp, or the hooks)
+ *   FN(bwd_tile_softmax)   P = exp(s + bias - lse) in s;  dS = P (hm (dp + dW) - delta) in dp;  s = hm P
+ *   products     dK += dS^T Q (times scale at the store),  dV += (hm P)^T dO,  and dQ += dS K in
+ *                the single pass                            (gen_bwd_accum, or the hooks)
+ * The generic products split a causal diagonal tile (FN(diag_split)) unless
+ * dweights are read (their dP needs every entry). */
+static inline int64_t FN(bwd_split)(const ma_attn_bwd_params *p, int64_t i0, int64_t nr, int64_t j0, int64_t nc) {
+    return p->dweights ? 0 : FN(diag_split)(p->a.is_causal, p->a.block_q, p->a.block_k, i0, nr, j0, nc);
+}
+
+/* s (nr, nc) = Q kT: rows ..hs x keys hs.. are left to the causal fill (P = 0) */
+static void FN(gen_bwd_scores_at)(const FN(bwd_scratch) *t, const ma_attn_bwd_params *p, int64_t i0, int64_t nr,
+                                  int64_t j0, int64_t nc, const ACC *q_i, int64_t ldq) {
+    const int64_t D = p->a.D, hs = FN(bwd_split)(p, i0, nr, j0, nc);
+    if (hs) {
         GEMM(hs, hs, D, q_i, ldq, 1, t->kT, nc, t->s, nc, 0);
         GEMM(nr - hs, nc, D, q_i + hs * ldq, ldq, 1, t->kT, nc, t->s + hs * nc, nc, 0);
     } else {
         GEMM(nr, nc, D, q_i, ldq, 1, t->kT, nc, t->s, nc, 0);
     }
-    FN(add_bias)(t->s, nc, 1, &p->attn_mask, &p->key_padding_mask, p->is_causal, b, h, i0, nr, j0, nc);
-    for (int64_t r = 0; r < nr; r++) (void)EXP_SUB_SUM(t->s + r * nc, nc, lse_r[r]);
+}
+
+/* dp (nr, nc) = dO vT, the split quarter zeroed */
+static void FN(gen_bwd_dp_at)(const FN(bwd_scratch) *t, const ma_attn_bwd_params *p, int64_t i0, int64_t nr,
+                              int64_t j0, int64_t nc, const ACC *g_i, int64_t ldg) {
+    const int64_t Dv = p->a.Dv, hs = FN(bwd_split)(p, i0, nr, j0, nc);
     if (hs) {
         GEMM(hs, hs, Dv, g_i, ldg, 1, t->vT, nc, t->dp, nc, 0);
         for (int64_t r = 0; r < hs; r++)
@@ -767,11 +914,13 @@ static void FN(bwd_key_tile)(const FN(bwd_scratch) *t, const ma_attn_bwd_params 
     } else {
         GEMM(nr, nc, Dv, g_i, ldg, 1, t->vT, nc, t->dp, nc, 0);
     }
-    if (p->dweights) FN(add_dweights)(t->dp, nc, 1, p, b, h, i0, nr, j0, nc);
-    FN(dscores)(t->dp, t->s, nc, 1, delta_r, dhm_r, hm, nr, nc);
-    if (hm != 1)
-        for (int64_t x = 0; x < nr * nc; x++) t->s[x] *= hm;
-    if (hs) { /* dK += dS^T Q, dV += (hm P)^T dO: keys hs.. take rows hs.. only */
+}
+
+/* dK += dS^T Q, dV += (hm P)^T dO: keys hs.. take rows hs.. only */
+static void FN(gen_bwd_dkdv_at)(const FN(bwd_scratch) *t, const ma_attn_bwd_params *p, int64_t i0, int64_t nr,
+                                int64_t j0, int64_t nc, const ACC *q_i, int64_t ldq, const ACC *g_i, int64_t ldg) {
+    const int64_t D = p->a.D, Dv = p->a.Dv, hs = FN(bwd_split)(p, i0, nr, j0, nc);
+    if (hs) {
         GEMM(hs, D, nr, t->dp, 1, nc, q_i, ldq, t->dk, D, 1);
         GEMM(nc - hs, D, nr - hs, t->dp + hs * nc + hs, 1, nc, q_i + hs * ldq, ldq, t->dk + hs * D, D, 1);
         GEMM(hs, Dv, nr, t->s, 1, nc, g_i, ldg, t->dv, Dv, 1);
@@ -782,24 +931,48 @@ static void FN(bwd_key_tile)(const FN(bwd_scratch) *t, const ma_attn_bwd_params 
     }
 }
 
+/* The softmax lines of a row-wise tile, between the products: s holds the
+ * scores, dp holds dO V^T; lse_r and delta_r are the tile's rows (lse with
+ * -inf already 0); dhm_r gets the head mask's row sums when not NULL. */
+static void FN(bwd_tile_softmax)(ACC *s, ACC *dp, const ma_attn_bwd_params *p, int64_t b, int64_t h, ACC hm,
+                                 int64_t i0, int64_t nr, int64_t j0, int64_t nc, const ACC *lse_r,
+                                 const ACC *delta_r, ACC *dhm_r) {
+    FN(add_bias)(s, nc, 1, &p->a.attn_mask, &p->a.key_padding_mask, p->a.is_causal, b, h, i0, nr, j0, nc);
+    for (int64_t r = 0; r < nr; r++) (void)EXP_SUB_SUM(s + r * nc, nc, lse_r[r]);
+    if (p->dweights) FN(add_dweights)(dp, nc, 1, p, b, h, i0, nr, j0, nc);
+    FN(dscores)(dp, s, nc, 1, delta_r, dhm_r, hm, nr, nc);
+    if (hm != 1)
+        for (int64_t x = 0; x < nr * nc; x++) s[x] *= hm;
+}
+
+/* The whole generic tile of the two-pass dkdv pass (kT, vT packed in t). */
+static void FN(bwd_key_tile)(const FN(bwd_scratch) *t, const ma_attn_bwd_params *p, int64_t b, int64_t h, ACC hm,
+                             int64_t i0, int64_t nr, int64_t j0, int64_t nc, const ACC *q_i, int64_t ldq,
+                             const ACC *g_i, int64_t ldg, const ACC *lse_r, const ACC *delta_r, ACC *dhm_r) {
+    FN(gen_bwd_scores_at)(t, p, i0, nr, j0, nc, q_i, ldq);
+    FN(gen_bwd_dp_at)(t, p, i0, nr, j0, nc, g_i, ldg);
+    FN(bwd_tile_softmax)(t->s, t->dp, p, b, h, hm, i0, nr, j0, nc, lse_r, delta_r, dhm_r);
+    FN(gen_bwd_dkdv_at)(t, p, i0, nr, j0, nc, q_i, ldq, g_i, ldg);
+}
+
 /* Pass 2, work item (b, hkv, k-block): dk and dv of its keys, summed over the
  * G query heads of the group and every query row that can see the block. */
 static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
     const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
     const ma_attn_bwd_params *p = (const ma_attn_bwd_params *)ctx->params;
-    const int64_t H = p->H, Hkv = p->Hkv, G = p->H / p->Hkv, Lq = p->Lq, Lk = p->Lk, D = p->D, Dv = p->Dv;
-    const int64_t BQ = p->block_q, BK = p->block_k, nk = ma_cdiv(Lk, BK);
+    const int64_t H = p->a.H, Hkv = p->a.Hkv, G = p->a.H / p->a.Hkv, Lq = p->a.Lq, Lk = p->a.Lk, D = p->a.D, Dv = p->a.Dv;
+    const int64_t BQ = p->a.block_q, BK = p->a.block_k, nk = ma_cdiv(Lk, BK);
     FN(bwd_scratch) t = FN(bwd_carve)(ctx->scratch, BQ, BK, D, Dv);
     ma_scratch_header *hdr = (ma_scratch_header *)ctx->scratch;
-    ACC *qc = t.extra, *gc = qc + (FN(needs_copy)(p->dtype, p->q_stride) ? G * Lq * D : 0);
+    ACC *qc = t.extra, *gc = qc + (FN(needs_copy)(p->a.dtype, p->a.q_stride) ? G * Lq * D : 0);
 
     for (int64_t w = begin; w < end; w++) {
         const int64_t b = w / (Hkv * nk), hk = (w / nk) % Hkv, kb = FN(interleave)(w % nk, nk);
-        const ACC *q_bg = FN(needs_copy)(p->dtype, p->q_stride)
-                              ? FN(head_cache)(&hdr->tag[2], qc, p->q, p->dtype, p->q_stride, b, hk * G, G, Lq, D)
+        const ACC *q_bg = FN(needs_copy)(p->a.dtype, p->a.q_stride)
+                              ? FN(head_cache)(&hdr->tag[2], qc, p->a.q, p->a.dtype, p->a.q_stride, b, hk * G, G, Lq, D)
                               : NULL;
-        const ACC *g_bg = FN(needs_copy)(p->dtype, p->dout_stride)
-                              ? FN(head_cache)(&hdr->tag[3], gc, p->dout, p->dtype, p->dout_stride, b, hk * G, G, Lq, Dv)
+        const ACC *g_bg = FN(needs_copy)(p->a.dtype, p->dout_stride)
+                              ? FN(head_cache)(&hdr->tag[3], gc, p->dout, p->a.dtype, p->dout_stride, b, hk * G, G, Lq, Dv)
                               : NULL;
         const int64_t j0 = kb * BK, nc_out = ma_min(BK, Lk - j0); /* rows of dk, dv written */
         const int64_t nc = FN(bwd_keys_read)(p, b, j0, nc_out);      /* keys read; the rest get 0 */
@@ -807,12 +980,12 @@ static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
         for (int64_t x = 0; x < nc_out * Dv; x++) t.dv[x] = 0;
 
         if (nc > 0) {
-            FN(load_tile_t)(t.kT, p->k, p->dtype, p->k_stride, b, hk, j0, nc, D, (ACC)p->scale);
-            FN(load_tile_t)(t.vT, p->v, p->dtype, p->v_stride, b, hk, j0, nc, Dv, 1);
+            FN(load_tile_t)(t.kT, p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, nc, D, (ACC)p->a.scale);
+            FN(load_tile_t)(t.vT, p->a.v, p->a.dtype, p->a.v_stride, b, hk, j0, nc, Dv, 1);
             /* queries i < j0 see none of these keys under the causal mask */
-            const int64_t i_begin = p->is_causal ? j0 : 0;
+            const int64_t i_begin = p->a.is_causal ? j0 : 0;
             for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
-                const ACC hm = FN(head_scale)(&p->head_mask, b, h);
+                const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
                 const ACC *lse_bh = (const ACC *)p->lse + (b * H + h) * Lq;
                 const ACC *delta_bh = (const ACC *)p->delta + (b * H + h) * Lq;
                 const ACC *q_bh = q_bg ? q_bg + (h - hk * G) * Lq * D : NULL;
@@ -820,20 +993,18 @@ static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
                 for (int64_t i0 = i_begin; i0 < Lq; i0 += BQ) {
                     const int64_t nr = ma_min(BQ, Lq - i0);
                     int64_t ldq, ldg;
-                    const ACC *q_i = FN(rows_in)(p->q, p->dtype, p->q_stride, b, h, i0, q_bh, D, &ldq);
-                    const ACC *g_i = FN(rows_in)(p->dout, p->dtype, p->dout_stride, b, h, i0, g_bh, Dv, &ldg);
+                    const ACC *q_i = FN(rows_in)(p->a.q, p->a.dtype, p->a.q_stride, b, h, i0, q_bh, D, &ldq);
+                    const ACC *g_i = FN(rows_in)(p->dout, p->a.dtype, p->dout_stride, b, h, i0, g_bh, Dv, &ldg);
                     for (int64_t r = 0; r < nr; r++) t.lse[r] = FN(finite_or_zero)(lse_bh[i0 + r]);
                     FN(bwd_key_tile)(&t, p, b, h, hm, i0, nr, j0, nc, q_i, ldq, g_i, ldg, t.lse, delta_bh + i0, NULL);
                 }
             }
         }
-        FN(store_tile)(p->dk, p->dtype, p->dk_stride, b, hk, j0, nc_out, D, t.dk, (ACC)p->scale,
-                       p->stream_stores);
-        FN(store_tile)(p->dv, p->dtype, p->dv_stride, b, hk, j0, nc_out, Dv, t.dv, 1, p->stream_stores);
+        FN(store_tile)(p->dk, p->a.dtype, p->dk_stride, b, hk, j0, nc_out, D, t.dk, (ACC)p->a.scale,
+                       p->a.stream_stores);
+        FN(store_tile)(p->dv, p->a.dtype, p->dv_stride, b, hk, j0, nc_out, Dv, t.dv, 1, p->a.stream_stores);
     }
-#ifdef STREAM_FENCE
-    STREAM_FENCE();
-#endif
+    FN(fence_streams)();
 }
 
 /* The per-row values of head (b, h) the single pass needs, rows 0 .. Lq:
@@ -842,16 +1013,16 @@ static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
  * into gbuf (2 Dv). The dot product runs in 8 interleaved partial sums. */
 static void FN(delta_rows)(const ma_attn_bwd_params *p, int64_t b, int64_t h, ACC *gbuf, ACC *delta, ACC *lse,
                           ACC *dhm) {
-    const int64_t Lq = p->Lq, Dv = p->Dv;
-    const ACC *lse_bh = (const ACC *)p->lse + (b * p->H + h) * Lq;
-    const int direct = FN(is_native)(p->dtype) && p->dout_stride[3] == 1 && p->out_stride[3] == 1;
+    const int64_t Lq = p->a.Lq, Dv = p->a.Dv;
+    const ACC *lse_bh = (const ACC *)p->lse + (b * p->a.H + h) * Lq;
+    const int direct = FN(is_native)(p->a.dtype) && p->dout_stride[3] == 1 && p->a.out_stride[3] == 1;
     for (int64_t i = 0; i < Lq; i++) {
         const int64_t g_off = b * p->dout_stride[0] + h * p->dout_stride[1] + i * p->dout_stride[2];
-        const int64_t o_off = b * p->out_stride[0] + h * p->out_stride[1] + i * p->out_stride[2];
+        const int64_t o_off = b * p->a.out_stride[0] + h * p->a.out_stride[1] + i * p->a.out_stride[2];
         const ACC *g_r = (const ACC *)p->dout + g_off, *o_r = (const ACC *)p->out + o_off;
         if (!direct) {
-            FN(convert_row)(gbuf, 1, p->dout, p->dtype, g_off, p->dout_stride[3], Dv, 1);
-            FN(convert_row)(gbuf + Dv, 1, p->out, p->dtype, o_off, p->out_stride[3], Dv, 1);
+            FN(convert_row)(gbuf, 1, p->dout, p->a.dtype, g_off, p->dout_stride[3], Dv, 1);
+            FN(convert_row)(gbuf + Dv, 1, p->out, p->a.dtype, o_off, p->a.out_stride[3], Dv, 1);
             g_r = gbuf, o_r = gbuf + Dv;
         }
         ACC part[8] = {0, 0, 0, 0, 0, 0, 0, 0}, dot = 0;
@@ -866,6 +1037,85 @@ static void FN(delta_rows)(const ma_attn_bwd_params *p, int64_t b, int64_t h, AC
     }
 }
 
+/* Generic single-pass state: the converted Q, dO caches of the group's heads
+ * and the tile's rows in place (set by gen_bwd_scores, used by the later steps
+ * of the same tile). */
+typedef struct {
+    FN(bwd_scratch) *t;
+    ma_scratch_header *hdr;
+    const ma_attn_bwd_params *p;
+    ACC *qc, *gc;
+    int64_t b, hk, j0, nc, ldk, ldq, ldg;
+    const ACC *q_bg, *g_bg, *k_j, *q_i, *g_i;
+} FN(gen_bwd);
+
+static void FN(gen_bwd_group)(FN(gen_bwd) *g, int64_t b, int64_t hk) {
+    const ma_attn_bwd_params *p = g->p;
+    const int64_t G = p->a.H / p->a.Hkv;
+    g->b = b, g->hk = hk;
+    g->q_bg = FN(needs_copy)(p->a.dtype, p->a.q_stride)
+                  ? FN(head_cache)(&g->hdr->tag[2], g->qc, p->a.q, p->a.dtype, p->a.q_stride, b, hk * G, G, p->a.Lq, p->a.D)
+                  : NULL;
+    g->g_bg = FN(needs_copy)(p->a.dtype, p->dout_stride)
+                  ? FN(head_cache)(&g->hdr->tag[3], g->gc, p->dout, p->a.dtype, p->dout_stride, b, hk * G, G, p->a.Lq,
+                                   p->a.Dv)
+                  : NULL;
+}
+
+static void FN(gen_bwd_keys)(FN(gen_bwd) *g, int64_t j0, int64_t nc) {
+    const ma_attn_bwd_params *p = g->p;
+    FN(bwd_scratch) *t = g->t;
+    g->j0 = j0, g->nc = nc;
+    g->k_j = FN(rows)(p->a.k, p->a.dtype, p->a.k_stride, g->b, g->hk, j0, nc, p->a.D, t->kbuf, &g->ldk);
+    FN(load_tile_t)(t->kT, p->a.k, p->a.dtype, p->a.k_stride, g->b, g->hk, j0, nc, p->a.D, (ACC)p->a.scale);
+    FN(load_tile_t)(t->vT, p->a.v, p->a.dtype, p->a.v_stride, g->b, g->hk, j0, nc, p->a.Dv, 1);
+}
+
+static void FN(gen_bwd_scores)(FN(gen_bwd) *g, int64_t gi, int64_t h, int64_t i0, int64_t nr) {
+    const ma_attn_bwd_params *p = g->p;
+    const int64_t Lq = p->a.Lq;
+    g->q_i = FN(rows_in)(p->a.q, p->a.dtype, p->a.q_stride, g->b, h, i0, g->q_bg ? g->q_bg + gi * Lq * p->a.D : NULL, p->a.D,
+                         &g->ldq);
+    g->g_i = FN(rows_in)(p->dout, p->a.dtype, p->dout_stride, g->b, h, i0,
+                         g->g_bg ? g->g_bg + gi * Lq * p->a.Dv : NULL, p->a.Dv, &g->ldg);
+    FN(gen_bwd_scores_at)(g->t, p, i0, nr, g->j0, g->nc, g->q_i, g->ldq);
+}
+
+static void FN(gen_bwd_dp)(FN(gen_bwd) *g, int64_t gi, int64_t h, int64_t i0, int64_t nr) {
+    (void)gi, (void)h;
+    FN(gen_bwd_dp_at)(g->t, g->p, i0, nr, g->j0, g->nc, g->g_i, g->ldg);
+}
+
+/* dK, dV as the dkdv pass; dQ += dS K (times scale at the store): rows ..hs of a split diagonal tile see keys ..hs */
+static void FN(gen_bwd_accum)(FN(gen_bwd) *g, ACC *dq_i, int64_t gi, int64_t h, int64_t i0, int64_t nr) {
+    (void)gi, (void)h;
+    const ma_attn_bwd_params *p = g->p;
+    const FN(bwd_scratch) *t = g->t;
+    const int64_t nc = g->nc, D = p->a.D, hs = FN(bwd_split)(p, i0, nr, g->j0, nc);
+    FN(gen_bwd_dkdv_at)(t, p, i0, nr, g->j0, nc, g->q_i, g->ldq, g->g_i, g->ldg);
+    if (hs) {
+        GEMM(hs, D, hs, t->dp, nc, 1, g->k_j, g->ldk, dq_i, D, 1);
+        GEMM(nr - hs, D, nc, t->dp + hs * nc, nc, 1, g->k_j, g->ldk, dq_i + hs * D, D, 1);
+    } else {
+        GEMM(nr, D, nc, t->dp, nc, 1, g->k_j, g->ldk, dq_i, D, 1);
+    }
+}
+
+static void FN(gen_bwd_keys_end)(FN(gen_bwd) *g, int64_t nc) { (void)g, (void)nc; }
+
+#ifdef MA_TILE_HOOKS
+static void FN(tiles_bwd_begin)(FN(tiles) **T, const ma_attn_bwd_params *p, FN(bwd_scratch) *t, void *extra);
+static void FN(tiles_bwd_group)(FN(tiles) *T, int64_t b, int64_t hk);
+static void FN(tiles_bwd_keys)(FN(tiles) *T, int64_t j0, int64_t nc);
+static void FN(tiles_bwd_scores)(FN(tiles) *T, int64_t gi, int64_t h, int64_t i0, int64_t nr);
+static void FN(tiles_bwd_dp)(FN(tiles) *T, int64_t gi, int64_t h, int64_t i0, int64_t nr);
+static void FN(tiles_bwd_accum)(FN(tiles) *T, ACC *dq_i, int64_t gi, int64_t h, int64_t i0, int64_t nr);
+static void FN(tiles_bwd_keys_end)(FN(tiles) *T, int64_t nc);
+#define BWD_STEP(step, ...) (hooked ? FN(tiles_bwd_##step)(tiles, __VA_ARGS__) : FN(gen_bwd_##step)(&gen, __VA_ARGS__))
+#else
+#define BWD_STEP(step, ...) FN(gen_bwd_##step)(&gen, __VA_ARGS__)
+#endif
+
 /* Single pass, work item (b, hkv): for every key block (outer loop) and every
  * query block of the G heads of the group (inner loop), dk and dv of the key
  * block accumulate in tiles while dq of every query of the group accumulates
@@ -876,27 +1126,28 @@ static void FN(delta_rows)(const ma_attn_bwd_params *p, int64_t b, int64_t h, AC
 static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
     const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
     const ma_attn_bwd_params *p = (const ma_attn_bwd_params *)ctx->params;
-    const int64_t H = p->H, Hkv = p->Hkv, G = p->H / p->Hkv, Lq = p->Lq, Lk = p->Lk, D = p->D, Dv = p->Dv;
-    const int64_t BQ = p->block_q, BK = p->block_k;
+    const int64_t H = p->a.H, Hkv = p->a.Hkv, G = p->a.H / p->a.Hkv, Lq = p->a.Lq, Lk = p->a.Lk, D = p->a.D, Dv = p->a.Dv;
+    const int64_t BQ = p->a.block_q, BK = p->a.block_k;
     FN(bwd_scratch) t = FN(bwd_carve)(ctx->scratch, BQ, BK, D, Dv);
-    ma_scratch_header *hdr = (ma_scratch_header *)ctx->scratch;
     ACC *dq_all = t.extra;                                                   /* (G, Lq, D) */
     ACC *delta_all = dq_all + G * Lq * D;                                    /* (G, Lq) */
     ACC *lse_all = delta_all + G * Lq;                                       /* (G, Lq), -inf -> 0 */
     ACC *dhm_all = lse_all + G * Lq;                                         /* (G, Lq) */
-    ACC *qc = dhm_all + G * Lq, *gc = qc + (FN(needs_copy)(p->dtype, p->q_stride) ? G * Lq * D : 0);
+    ACC *qc = dhm_all + G * Lq, *gc = qc + (FN(needs_copy)(p->a.dtype, p->a.q_stride) ? G * Lq * D : 0);
+    FN(gen_bwd) gen = {&t, (ma_scratch_header *)ctx->scratch, p, qc, gc, 0, 0, 0, 0, 0, 0, 0,
+                       NULL, NULL, NULL, NULL, NULL};
+#ifdef MA_TILE_HOOKS
+    const int hooked = 1; /* the single pass never reads dweights */
+    FN(tiles) *tiles = NULL;
+    FN(tiles_bwd_begin)(&tiles, p, &t, (char *)ctx->scratch + FN(generic_bwd_scratch_bytes)(p));
+#endif
 
     const int64_t C = p->kv_chunks;
     for (int64_t w = begin; w < end; w++) {
         const int64_t c = w % C, b = w / C / Hkv, hk = (w / C) % Hkv;
         /* dq of the group's heads accumulates in this thread's scratch, or in chunk c's partial sums */
-        ACC *dq_acc = p->dq_part ? (ACC *)p->dq_part + ((c * p->B + b) * H + hk * G) * Lq * D : dq_all;
-        const ACC *q_bg = FN(needs_copy)(p->dtype, p->q_stride)
-                              ? FN(head_cache)(&hdr->tag[2], qc, p->q, p->dtype, p->q_stride, b, hk * G, G, Lq, D)
-                              : NULL;
-        const ACC *g_bg = FN(needs_copy)(p->dtype, p->dout_stride)
-                              ? FN(head_cache)(&hdr->tag[3], gc, p->dout, p->dtype, p->dout_stride, b, hk * G, G, Lq, Dv)
-                              : NULL;
+        ACC *dq_acc = p->dq_part ? (ACC *)p->dq_part + ((c * p->a.B + b) * H + hk * G) * Lq * D : dq_all;
+        BWD_STEP(group, b, hk);
         for (int64_t g = 0; g < G; g++) {
             const int64_t h = hk * G + g;
             FN(delta_rows)(p, b, h, t.gbuf, delta_all + g * Lq, lse_all + g * Lq, dhm_all + g * Lq);
@@ -909,68 +1160,55 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
             for (int64_t x = 0; x < nc_out * D; x++) t.dk[x] = 0;
             for (int64_t x = 0; x < nc_out * Dv; x++) t.dv[x] = 0;
             if (nc > 0) {
-                int64_t ldk;
-                const ACC *k_j = FN(rows)(p->k, p->dtype, p->k_stride, b, hk, j0, nc, D, t.kbuf, &ldk);
-                FN(load_tile_t)(t.kT, p->k, p->dtype, p->k_stride, b, hk, j0, nc, D, (ACC)p->scale);
-                FN(load_tile_t)(t.vT, p->v, p->dtype, p->v_stride, b, hk, j0, nc, Dv, 1);
-                const int64_t i_begin = p->is_causal ? j0 : 0;
+                BWD_STEP(keys, j0, nc);
+                const int64_t i_begin = p->a.is_causal ? j0 : 0;
                 for (int64_t g = 0; g < G; g++) {
                     const int64_t h = hk * G + g;
-                    const ACC hm = FN(head_scale)(&p->head_mask, b, h);
-                    const ACC *q_bh = q_bg ? q_bg + g * Lq * D : NULL;
-                    const ACC *g_bh = g_bg ? g_bg + g * Lq * Dv : NULL;
+                    const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
                     for (int64_t i0 = i_begin; i0 < Lq; i0 += BQ) {
                         const int64_t nr = ma_min(BQ, Lq - i0);
-                        int64_t ldq, ldg;
-                        const ACC *q_i = FN(rows_in)(p->q, p->dtype, p->q_stride, b, h, i0, q_bh, D, &ldq);
-                        const ACC *g_i = FN(rows_in)(p->dout, p->dtype, p->dout_stride, b, h, i0, g_bh, Dv, &ldg);
-                        FN(bwd_key_tile)(&t, p, b, h, hm, i0, nr, j0, nc, q_i, ldq, g_i, ldg,
-                                         lse_all + g * Lq + i0, delta_all + g * Lq + i0,
-                                         p->dhm_rows ? dhm_all + g * Lq + i0 : NULL);
+                        BWD_STEP(scores, g, h, i0, nr);
+                        BWD_STEP(dp, g, h, i0, nr);
+                        FN(bwd_tile_softmax)(t.s, t.dp, p, b, h, hm, i0, nr, j0, nc, lse_all + g * Lq + i0,
+                                             delta_all + g * Lq + i0, p->dhm_rows ? dhm_all + g * Lq + i0 : NULL);
                         if (p->dscores) FN(store_dscores)(p, t.dp, nc, 1, b, h, i0, nr, j0, nc);
-                        /* dQ += dS K (times scale at the store); rows ..hs of a split diagonal tile see keys ..hs */
-                        ACC *dq_i = dq_acc + (g * Lq + i0) * D;
-                        const int64_t hs = FN(diag_split)(p->is_causal, BQ, BK, i0, nr, j0, nc);
-                        if (hs) {
-                            GEMM(hs, D, hs, t.dp, nc, 1, k_j, ldk, dq_i, D, 1);
-                            GEMM(nr - hs, D, nc, t.dp + hs * nc, nc, 1, k_j, ldk, dq_i + hs * D, D, 1);
-                        } else {
-                            GEMM(nr, D, nc, t.dp, nc, 1, k_j, ldk, dq_i, D, 1);
-                        }
+                        BWD_STEP(accum, dq_acc + (g * Lq + i0) * D, g, h, i0, nr);
                     }
                 }
+                BWD_STEP(keys_end, nc);
             }
-            FN(store_tile)(p->dk, p->dtype, p->dk_stride, b, hk, j0, nc_out, D, t.dk, (ACC)p->scale,
-                           p->stream_stores);
-            FN(store_tile)(p->dv, p->dtype, p->dv_stride, b, hk, j0, nc_out, Dv, t.dv, 1, p->stream_stores);
+            FN(store_tile)(p->dk, p->a.dtype, p->dk_stride, b, hk, j0, nc_out, D, t.dk, (ACC)p->a.scale,
+                           p->a.stream_stores);
+            FN(store_tile)(p->dv, p->a.dtype, p->dv_stride, b, hk, j0, nc_out, Dv, t.dv, 1, p->a.stream_stores);
         }
         for (int64_t g = 0; g < G; g++) {
             const int64_t h = hk * G + g;
             if (!p->dq_part)
-                FN(store_tile)(p->dq, p->dtype, p->dq_stride, b, h, 0, Lq, D, dq_acc + g * Lq * D, (ACC)p->scale,
-                               p->stream_stores);
+                FN(store_tile)(p->dq, p->a.dtype, p->dq_stride, b, h, 0, Lq, D, dq_acc + g * Lq * D, (ACC)p->a.scale,
+                               p->a.stream_stores);
             if (p->dhm_rows) {
-                ACC *dhm_out = p->dhm_part ? (ACC *)p->dhm_part + ((c * p->B + b) * H + h) * Lq
+                ACC *dhm_out = p->dhm_part ? (ACC *)p->dhm_part + ((c * p->a.B + b) * H + h) * Lq
                                            : (ACC *)p->dhm_rows + (b * H + h) * Lq;
                 for (int64_t i = 0; i < Lq; i++) dhm_out[i] = dhm_all[g * Lq + i];
             }
         }
     }
-#ifdef STREAM_FENCE
-    STREAM_FENCE();
+#ifdef MA_TILE_HOOKS
+    FN(tiles_end)();
 #endif
+    FN(fence_streams)();
 }
+#undef BWD_STEP
 
-#ifndef MA_TMPL_SIMD /* elementwise: the scalar and float64 instances serve every variant */
 /* After the single pass with C > 1 key chunks, work item (b, h, q-block):
  * dq = scale * sum_c dq_part[c] and dhm_rows = sum_c dhm_part[c], in chunk
  * order. */
 static void FN(attn_bwd_reduce)(int64_t begin, int64_t end, void *vctx) {
     const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
     const ma_attn_bwd_params *p = (const ma_attn_bwd_params *)ctx->params;
-    const int64_t H = p->H, Lq = p->Lq, D = p->D, BQ = p->block_q, nq = ma_cdiv(Lq, BQ), C = p->kv_chunks;
-    const int64_t part_stride = p->B * H * Lq; /* rows per chunk */
-    FN(bwd_scratch) t = FN(bwd_carve)(ctx->scratch, BQ, p->block_k, D, p->Dv);
+    const int64_t H = p->a.H, Lq = p->a.Lq, D = p->a.D, BQ = p->a.block_q, nq = ma_cdiv(Lq, BQ), C = p->kv_chunks;
+    const int64_t part_stride = p->a.B * H * Lq; /* rows per chunk */
+    FN(bwd_scratch) t = FN(bwd_carve)(ctx->scratch, BQ, p->a.block_k, D, p->a.Dv);
     for (int64_t w = begin; w < end; w++) {
         const int64_t b = w / (H * nq), h = (w / nq) % H, i0 = (w % nq) * BQ, nr = ma_min(BQ, Lq - i0);
         const int64_t row0 = (b * H + h) * Lq + i0;
@@ -980,7 +1218,7 @@ static void FN(attn_bwd_reduce)(int64_t begin, int64_t end, void *vctx) {
             const ACC *part_c = part + (c * part_stride + row0) * D;
             for (int64_t x = 0; x < nr * D; x++) t.dq[x] += part_c[x];
         }
-        FN(store_tile)(p->dq, p->dtype, p->dq_stride, b, h, i0, nr, D, t.dq, (ACC)p->scale, p->stream_stores);
+        FN(store_tile)(p->dq, p->a.dtype, p->dq_stride, b, h, i0, nr, D, t.dq, (ACC)p->a.scale, p->a.stream_stores);
         if (p->dhm_rows) {
             const ACC *dpart = (const ACC *)p->dhm_part;
             for (int64_t r = 0; r < nr; r++) {
@@ -991,4 +1229,25 @@ static void FN(attn_bwd_reduce)(int64_t begin, int64_t end, void *vctx) {
         }
     }
 }
-#endif /* MA_TMPL_SIMD */
+
+const ma_attn_kernels FN(ma_attn_kernels) = {FN(attn_fwd),          FN(attn_bwd_dq),       FN(attn_bwd_dkdv),
+                                             FN(attn_bwd_fused),    FN(attn_bwd_reduce),   FN(fwd_scratch_bytes),
+                                             FN(bwd_scratch_bytes)};
+
+#undef ACC
+#undef LOAD
+#undef STORE
+#undef LOG
+#undef GEMM
+#undef GEMM_ROWSCALE
+#undef EXP_SUB_SUM
+#undef COL_MAX
+#undef EXP_SUB_COL
+#undef TRANSPOSE
+#undef ROW_MAX
+#undef DOT_KEYS
+#undef AXPY_KEYS
+#undef FN
+#undef BLK
+#undef MA_ACC_F64
+#undef MA_TILE_HOOKS

@@ -1,20 +1,21 @@
 /*
- * cross_entropy_avx2.c -- the float-accumulating cross-entropy kernels with
- * AVX2 + FMA row blocks. Compiled with -mavx2 -mfma -mf16c only (setup.py);
- * called only when the CPU has them (cross_entropy.c).
+ * blocks_avx2.h -- the cross-entropy row blocks (blocks.h) on AVX2 + FMA.
  *
- * The same algorithm as cross_entropy_avx512.c on 8 lanes, blocks of 4
+ * The same algorithm as blocks_avx512.h on 8 lanes, blocks of 4
  * vectors. AVX2 has no 16-bit masked loads: the column tail is copied
  * through a small zero-padded buffer.
  */
+#ifndef MA_CE_BLOCKS_AVX2_H
+#define MA_CE_BLOCKS_AVX2_H
+
 #include <immintrin.h>
 #include <math.h>
 #include <string.h>
 
-#include "cross_entropy_isa.h"
-#include "dtype.h"
+#include "blocks.h"
+#include "common/dtype.h"
+#include "common/simd.h"
 #include "masked_attn.h"
-#include "simd.h"
 
 enum { VL = 8, UNROLL = 4 };
 
@@ -255,17 +256,4 @@ static void row_grad_avx2(void *dx, const void *x, const void *w, ma_dtype dt, i
     }
 }
 
-const ma_ce_blocks ma_ce_blocks_avx2 = {"avx2", row_stats_avx2, row_grad_avx2};
-
-#define ACC float
-#define FN(name) name##_avx2
-#define LOAD ma_load_f32
-#define STORE ma_store_f32
-#define EXP expf
-#define TANH tanhf
-#define ROW_STATS row_stats_avx2
-#define ROW_GRAD row_grad_avx2
-#include "cross_entropy_tmpl.h"
-
-void ma_ce_fwd_avx2(int64_t begin, int64_t end, void *ctx) { ce_fwd_avx2(begin, end, ctx); }
-void ma_ce_bwd_avx2(int64_t begin, int64_t end, void *ctx) { ce_bwd_avx2(begin, end, ctx); }
+#endif /* MA_CE_BLOCKS_AVX2_H */

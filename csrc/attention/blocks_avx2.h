@@ -1,18 +1,20 @@
 /*
- * attention_avx2.c -- the float-accumulating attention kernels with AVX2 + FMA
- * building blocks. Compiled with -mavx2 -mfma only (setup.py); called only
- * when the CPU has them (attention.c).
+ * blocks_avx2.h -- the attention building blocks (blocks.h) on AVX2 + FMA,
+ * for avx2.c.
  *
  * GEMM: a 4 x 16 register-blocked micro-kernel (8 ymm accumulators) and the
  * loops around it; column tails use masked loads and stores.
  */
+#ifndef MA_ATTENTION_BLOCKS_AVX2_H
+#define MA_ATTENTION_BLOCKS_AVX2_H
+
 #include <immintrin.h>
 #include <math.h>
 
-#include "attention_isa.h"
-#include "dtype.h"
+#include "blocks.h"
+#include "common/dtype.h"
+#include "common/simd.h"
 #include "masked_attn.h"
-#include "simd.h"
 
 /* lanes [0, n) set, n clamped to [0, 8] */
 static inline __m256i tail_mask(int64_t n) {
@@ -229,32 +231,9 @@ static void axpy_keys_avx2(float *o, const float *p, int64_t ldp, int64_t nr, in
         }
 }
 
-const ma_blocks ma_blocks_avx2 = {"avx2",           gemm_avx2,      exp_sub_sum_avx2, col_max_avx2,
-                                  exp_sub_col_avx2, transpose_avx2, row_max_avx2,     dot_keys_avx2,
-                                  axpy_keys_avx2,   gemm_rowscale_avx2};
+/* non-temporal stores of whole float32 rows (store_tile, stream_stores) */
+#define MA_BLK_STREAM
+#define stream_row_f32_avx2 stream_row256
+#define stream_fence_avx2 _mm_sfence
 
-#define STREAM_ROW_F32 stream_row256
-#define STREAM_FENCE _mm_sfence
-#define ACC float
-#define FN(name) name##_avx2
-#define LOAD ma_load_f32
-#define STORE ma_store_f32
-#define LOG logf
-#define GEMM gemm_avx2
-#define GEMM_ROWSCALE gemm_rowscale_avx2
-#define EXP_SUB_SUM exp_sub_sum_avx2
-#define COL_MAX col_max_avx2
-#define EXP_SUB_COL exp_sub_col_avx2
-#define TRANSPOSE transpose_avx2
-#define ROW_MAX row_max_avx2
-#define DOT_KEYS dot_keys_avx2
-#define AXPY_KEYS axpy_keys_avx2
-#define MA_TMPL_SIMD
-#include "attention_tmpl.h"
-#undef MA_TMPL_SIMD
-#include "undef_tmpl.h"
-
-void ma_attn_fwd_avx2(int64_t begin, int64_t end, void *ctx) { attn_fwd_avx2(begin, end, ctx); }
-void ma_attn_bwd_dq_avx2(int64_t begin, int64_t end, void *ctx) { attn_bwd_dq_avx2(begin, end, ctx); }
-void ma_attn_bwd_dkdv_avx2(int64_t begin, int64_t end, void *ctx) { attn_bwd_dkdv_avx2(begin, end, ctx); }
-void ma_attn_bwd_fused_avx2(int64_t begin, int64_t end, void *ctx) { attn_bwd_fused_avx2(begin, end, ctx); }
+#endif /* MA_ATTENTION_BLOCKS_AVX2_H */

@@ -1,8 +1,5 @@
 /*
- * cross_entropy_avx512.c -- the float-accumulating cross-entropy kernels with
- * AVX-512 row blocks. Compiled with -mavx512f -mavx512bw -mavx512dq
- * -mavx512vl -mfma -mf16c only (setup.py); called only when the CPU has them
- * (cross_entropy.c).
+ * blocks_avx512.h -- the cross-entropy row blocks (blocks.h) on AVX-512.
  *
  * row_stats keeps a running max and sum per lane (16 lanes), updated once per
  * block of 8 vectors: the block's max first (from registers), the lanes whose
@@ -12,14 +9,17 @@
  * float32, bfloat16 and float16 rows are converted in registers; the column
  * tail uses masked loads and stores.
  */
+#ifndef MA_CE_BLOCKS_AVX512_H
+#define MA_CE_BLOCKS_AVX512_H
+
 #include <immintrin.h>
 #include <math.h>
 #include <string.h>
 
-#include "cross_entropy_isa.h"
-#include "dtype.h"
+#include "blocks.h"
+#include "common/dtype.h"
+#include "common/simd.h"
 #include "masked_attn.h"
-#include "simd.h"
 
 enum { VL = 16, UNROLL = 8 };
 
@@ -240,17 +240,4 @@ static void row_grad_avx512(void *dx, const void *x, const void *w, ma_dtype dt,
     }
 }
 
-const ma_ce_blocks ma_ce_blocks_avx512 = {"avx512", row_stats_avx512, row_grad_avx512};
-
-#define ACC float
-#define FN(name) name##_avx512
-#define LOAD ma_load_f32
-#define STORE ma_store_f32
-#define EXP expf
-#define TANH tanhf
-#define ROW_STATS row_stats_avx512
-#define ROW_GRAD row_grad_avx512
-#include "cross_entropy_tmpl.h"
-
-void ma_ce_fwd_avx512(int64_t begin, int64_t end, void *ctx) { ce_fwd_avx512(begin, end, ctx); }
-void ma_ce_bwd_avx512(int64_t begin, int64_t end, void *ctx) { ce_bwd_avx512(begin, end, ctx); }
+#endif /* MA_CE_BLOCKS_AVX512_H */

@@ -1,0 +1,91 @@
+/* blocks.h -- the contract between the attention loops (attention_tmpl.h)
+ * and the instruction sets. Private to the kernels.
+ *
+ * 1. Building blocks. An instruction set X provides these functions, named
+ *    <block>_X, in csrc/attention/blocks_X.h (static, so the loops inline
+ *    them); ACC is float (double for the float64 instance, X = f64):
+ *
+ *   gemm_X(m, n, k, A, ars, acs, B, ldb, C, ldc, accumulate)
+ *       C (m, n) [+]= A (m, k) @ B (k, n); A[i, p] = A[i*ars + p*acs] (a
+ *       transposed A is free), B and C row-major; overwrites C unless accumulate
+ *   gemm_rowscale_X(m, n, k, A, ars, acs, B, ldb, C, ldc, rs)
+ *       C = diag(rs) C + A B (rs NULL: C + A B), one rounding of rs * C as a
+ *       pass of its own would give: the forward's O = alpha O + P V
+ *   exp_sub_sum_X(x, n, m)         x[c] = exp(x[c] - m); returns the sum (a row)
+ *   col_max_X(x, rows, n, m)       m[r] = max(m[r], x[c*n + r] for c < rows); NaN sticks
+ *   exp_sub_col_X(x, rows, n, m, sum)
+ *       x[c*n + r] = exp(x[c*n + r] - m[r]), sum[r] += it; m[r] = -inf acts as 0
+ *   transpose_X(dst, src, lds, nr, ncol, mul)
+ *       dst (ncol, nr) = mul * src (nr, ncol)^T, src rows lds apart
+ *   row_max_X(x, n, m)             max(m, x[c] for c < n); NaN sticks
+ *   dot_keys_X(s, lds, q, nr, D, k, dt, off, ld, nc)
+ *       s[r*lds + c] = q[r*D : r*D + D] . k[off + c*ld : ... + D], k in its own
+ *       dtype, summed in gemm_X's order (bit for bit the tile's score)
+ *   axpy_keys_X(o, p, ldp, nr, Dv, v, dt, off, ld, nc)
+ *       o[r*Dv + d] += sum_c p[r*ldp + c] v[off + c*ld + d], v in its own dtype,
+ *       in gemm_X's order
+ *   and, optionally (with #define MA_BLK_STREAM), stream_row_f32_X(y, src, n,
+ *   mul): y[c] = mul * src[c] with non-temporal stores (y 64-byte aligned,
+ *   n % 16 == 0), and stream_fence_X().
+ *
+ *   exp(-inf) is exactly 0 in every block: masked keys get exactly zero
+ *   probability, so they cannot leak into any output.
+ *
+ * 2. An instance: a translation unit compiled with X's flags that includes
+ *    blocks_X.h, defines FN(name) (the instance's suffix) and BLK(name) (the
+ *    blocks' suffix, usually the same) and includes attention_tmpl.h, which
+ *    then defines const ma_attn_kernels ma_attn_kernels_<suffix>.
+ *    MA_ATTN_BLOCKS(X) builds the float blocks' table the C harness tests.
+ *
+ * 3. Tile hooks (optional, AMX). With #define MA_TILE_HOOKS the instance
+ *    supplies the tile products and their operand packing of the forward's
+ *    tile path and of the single-pass backward (attention_tmpl.h, "tile
+ *    hooks", lists them); the loops, masks and softmax stay the template's.
+ *    The instance's other blocks serve everything else (short query blocks,
+ *    weights, the two-pass backward).
+ */
+#ifndef MA_ATTENTION_BLOCKS_H
+#define MA_ATTENTION_BLOCKS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "masked_attn.h"
+
+/* The float building blocks of one instruction set, for the C harness
+ * (tests/c/test_blocks.c checks every variant against the scalar reference). */
+typedef struct {
+    const char *name;
+    void (*gemm)(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs,
+                 const float *B, int64_t ldb, float *C, int64_t ldc, int accumulate);
+    float (*exp_sub_sum)(float *x, int64_t n, float m);
+    void (*col_max)(const float *x, int64_t rows, int64_t n, float *m);
+    void (*exp_sub_col)(float *x, int64_t rows, int64_t n, const float *m, float *sum);
+    void (*transpose)(float *dst, const float *src, int64_t lds, int64_t nr, int64_t ncol, float mul);
+    float (*row_max)(const float *x, int64_t n, float m);
+    void (*dot_keys)(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
+                     int64_t off, int64_t ld, int64_t nc);
+    void (*axpy_keys)(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v, ma_dtype dt,
+                      int64_t off, int64_t ld, int64_t nc);
+    void (*gemm_rowscale)(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs,
+                          const float *B, int64_t ldb, float *C, int64_t ldc, const float *rs);
+} ma_blocks;
+
+#define MA_ATTN_BLOCKS(X)                                                                                     \
+    {#X, gemm_##X, exp_sub_sum_##X, col_max_##X, exp_sub_col_##X, transpose_##X, row_max_##X, dot_keys_##X, \
+     axpy_keys_##X, gemm_rowscale_##X}
+
+extern const ma_blocks ma_blocks_scalar, ma_blocks_avx2, ma_blocks_avx512;
+extern const ma_blocks ma_blocks_amx2, ma_blocks_amx3; /* GEMM only: 3 and 6 bf16 products */
+
+/* The kernels of one instance (attention_tmpl.h); dispatch.c picks one. */
+typedef struct {
+    ma_task_fn fwd, bwd_dq, bwd_dkdv, bwd_fused, bwd_reduce;
+    size_t (*fwd_scratch_bytes)(const ma_attn_fwd_params *p);
+    size_t (*bwd_scratch_bytes)(const ma_attn_bwd_params *p);
+} ma_attn_kernels;
+
+extern const ma_attn_kernels ma_attn_kernels_scalar, ma_attn_kernels_f64, ma_attn_kernels_avx2,
+    ma_attn_kernels_avx512, ma_attn_kernels_amx;
+
+#endif /* MA_ATTENTION_BLOCKS_H */

@@ -1,0 +1,87 @@
+/* blocks_scalar.h -- the scalar building blocks (blocks.h): the reference
+ * every SIMD variant is tested against, and the float64 instance's blocks.
+ * Written once over the element type: included with T = float, X = scalar
+ * and with T = double, X = f64 (scalar.c). Plain loops in the order the
+ * contract states, nothing else. */
+#define CAT_(a, b) a##_##b
+#define CAT(a, b) CAT_(a, b)
+#define B_(name) CAT(name, X)
+
+static void B_(gemm)(int64_t m, int64_t n, int64_t k, const T *A, int64_t ars, int64_t acs, const T *B, int64_t ldb,
+                     T *C, int64_t ldc, int accumulate) {
+    for (int64_t i = 0; i < m; i++) {
+        T *c_i = C + i * ldc;
+        if (!accumulate)
+            for (int64_t j = 0; j < n; j++) c_i[j] = 0;
+        for (int64_t p = 0; p < k; p++) {
+            const T a = A[i * ars + p * acs], *b_p = B + p * ldb;
+            for (int64_t j = 0; j < n; j++) c_i[j] += a * b_p[j];
+        }
+    }
+}
+
+/* the rescaling as a pass of its own (rows whose factor is 1 left alone), then the product */
+static void B_(gemm_rowscale)(int64_t m, int64_t n, int64_t k, const T *A, int64_t ars, int64_t acs, const T *B,
+                              int64_t ldb, T *C, int64_t ldc, const T *rs) {
+    if (rs)
+        for (int64_t r = 0; r < m; r++)
+            if (rs[r] != 1)
+                for (int64_t d = 0; d < n; d++) C[r * ldc + d] *= rs[r];
+    B_(gemm)(m, n, k, A, ars, acs, B, ldb, C, ldc, 1);
+}
+
+static T B_(exp_sub_sum)(T *x, int64_t n, T m) {
+    T sum = 0;
+    for (int64_t c = 0; c < n; c++) {
+        x[c] = EXP(x[c] - m);
+        sum += x[c];
+    }
+    return sum;
+}
+
+static void B_(col_max)(const T *x, int64_t rows, int64_t n, T *m) {
+    for (int64_t c = 0; c < rows; c++)
+        for (int64_t r = 0; r < n; r++)
+            if (x[c * n + r] > m[r] || x[c * n + r] != x[c * n + r]) m[r] = x[c * n + r];
+}
+
+static void B_(exp_sub_col)(T *x, int64_t rows, int64_t n, const T *m, T *sum) {
+    for (int64_t c = 0; c < rows; c++)
+        for (int64_t r = 0; r < n; r++) {
+            const T m_r = m[r] == -INFINITY ? 0 : m[r];
+            x[c * n + r] = EXP(x[c * n + r] - m_r);
+            sum[r] += x[c * n + r];
+        }
+}
+
+static void B_(transpose)(T *dst, const T *src, int64_t lds, int64_t nr, int64_t ncol, T mul) {
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t c = 0; c < ncol; c++) dst[c * nr + r] = mul * src[r * lds + c];
+}
+
+static T B_(row_max)(const T *x, int64_t n, T m) {
+    for (int64_t c = 0; c < n; c++)
+        if (x[c] > m || x[c] != x[c]) m = x[c];
+    return m;
+}
+
+static void B_(dot_keys)(T *s, int64_t lds, const T *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
+                         int64_t off, int64_t ld, int64_t nc) {
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t c = 0; c < nc; c++) {
+            T acc = 0;
+            for (int64_t d = 0; d < D; d++) acc += q[r * D + d] * LOADT(k, dt, off + c * ld + d);
+            s[r * lds + c] = acc;
+        }
+}
+
+static void B_(axpy_keys)(T *o, const T *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v, ma_dtype dt,
+                          int64_t off, int64_t ld, int64_t nc) {
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t c = 0; c < nc; c++)
+            for (int64_t d = 0; d < Dv; d++) o[r * Dv + d] += p[r * ldp + c] * LOADT(v, dt, off + c * ld + d);
+}
+
+#undef B_
+#undef CAT
+#undef CAT_

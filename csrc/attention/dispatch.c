@@ -1,0 +1,64 @@
+/* dispatch.c -- the public attention task functions (masked_attn.h): the one
+ * switch from (dtype, instruction set) to an instance of attention_tmpl.h,
+ * and the work split the shim plans with. */
+#include "blocks.h"
+#include "common/dtype.h"
+#include "masked_attn.h"
+
+/* float64 runs the double-accumulating instance whatever the ISA (the shim
+ * asked common/isa.c for p->isa); float32, bfloat16, float16 the ISA's. */
+static const ma_attn_kernels *kernels(ma_dtype dt, ma_isa isa) {
+    if (dt == MA_F64) return &ma_attn_kernels_f64;
+    switch (isa) {
+    case MA_ISA_AMX: return &ma_attn_kernels_amx;
+    case MA_ISA_AVX512: return &ma_attn_kernels_avx512;
+    case MA_ISA_AVX2: return &ma_attn_kernels_avx2;
+    case MA_ISA_SCALAR:
+    default: return &ma_attn_kernels_scalar;
+    }
+}
+
+#define KERNELS(P) kernels((P)->a.dtype, (P)->a.isa)
+#define PARAMS(T, ctx) ((const T *)((const ma_task_ctx *)(ctx))->params)
+
+int64_t ma_attn_fwd_work_items(const ma_attn_fwd_params *p) { return p->a.B * p->a.H * ma_cdiv(p->a.Lq, p->a.block_q); }
+size_t ma_attn_fwd_scratch_bytes(const ma_attn_fwd_params *p) { return KERNELS(p)->fwd_scratch_bytes(p); }
+void ma_attn_fwd_task(int64_t begin, int64_t end, void *ctx) {
+    KERNELS(PARAMS(ma_attn_fwd_params, ctx))->fwd(begin, end, ctx);
+}
+
+int64_t ma_attn_bwd_dq_work_items(const ma_attn_bwd_params *p) {
+    return p->a.B * p->a.H * ma_cdiv(p->a.Lq, p->a.block_q);
+}
+int64_t ma_attn_bwd_dkdv_work_items(const ma_attn_bwd_params *p) {
+    return p->a.B * p->a.Hkv * ma_cdiv(p->a.Lk, p->a.block_k);
+}
+size_t ma_attn_bwd_scratch_bytes(const ma_attn_bwd_params *p) { return KERNELS(p)->bwd_scratch_bytes(p); }
+void ma_attn_bwd_dq_task(int64_t begin, int64_t end, void *ctx) {
+    KERNELS(PARAMS(ma_attn_bwd_params, ctx))->bwd_dq(begin, end, ctx);
+}
+void ma_attn_bwd_dkdv_task(int64_t begin, int64_t end, void *ctx) {
+    KERNELS(PARAMS(ma_attn_bwd_params, ctx))->bwd_dkdv(begin, end, ctx);
+}
+
+int ma_attn_bwd_single_pass(const ma_attn_bwd_params *p) { return p->dweights == NULL; }
+
+/* Enough (b, hkv, chunk) items for 8 threads, never more chunks than key blocks. */
+int64_t ma_attn_bwd_kv_chunks(const ma_attn_bwd_params *p) {
+    const int64_t items = p->a.B * p->a.Hkv, nk = ma_cdiv(p->a.Lk, p->a.block_k);
+    if (items <= 0 || nk <= 1 || items >= 8) return 1;
+    const int64_t c = ma_cdiv(8, items);
+    return c < nk ? c : nk;
+}
+
+int64_t ma_attn_bwd_fused_work_items(const ma_attn_bwd_params *p) { return p->a.B * p->a.Hkv * p->kv_chunks; }
+void ma_attn_bwd_fused_task(int64_t begin, int64_t end, void *ctx) {
+    KERNELS(PARAMS(ma_attn_bwd_params, ctx))->bwd_fused(begin, end, ctx);
+}
+
+int64_t ma_attn_bwd_reduce_work_items(const ma_attn_bwd_params *p) {
+    return p->a.B * p->a.H * ma_cdiv(p->a.Lq, p->a.block_q);
+}
+void ma_attn_bwd_reduce_task(int64_t begin, int64_t end, void *ctx) {
+    KERNELS(PARAMS(ma_attn_bwd_params, ctx))->bwd_reduce(begin, end, ctx);
+}

@@ -1,0 +1,40 @@
+/* scalar.c -- the attention kernels (attention_tmpl.h) on the scalar
+ * building blocks (blocks_scalar.h): the float reference every SIMD variant
+ * is tested against, and the float64 instance (double accumulation), which
+ * float64 inputs always run. */
+#include <math.h>
+
+#include "blocks.h"
+#include "common/dtype.h"
+#include "masked_attn.h"
+
+#define T float
+#define X scalar
+#define EXP expf
+#define LOADT ma_load_f32
+#include "blocks_scalar.h"
+#undef T
+#undef X
+#undef EXP
+#undef LOADT
+
+#define T double
+#define X f64
+#define EXP exp
+#define LOADT ma_load_f64
+#include "blocks_scalar.h"
+#undef T
+#undef X
+#undef EXP
+#undef LOADT
+
+#define FN(name) name##_scalar
+#define BLK(name) name##_scalar
+#include "attention_tmpl.h"
+
+const ma_blocks ma_blocks_scalar = MA_ATTN_BLOCKS(scalar);
+
+#define MA_ACC_F64
+#define FN(name) name##_f64
+#define BLK(name) name##_f64
+#include "attention_tmpl.h"

@@ -1,0 +1,97 @@
+/* isa.c -- the instruction-set policy (isa.h). */
+#define _GNU_SOURCE /* syscall() */
+#include "common/isa.h"
+
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+/* Linux hands out the AMX tile data state (8 KB per thread) only on request:
+ * ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, once per process. */
+static int amx_permitted(void) {
+    static atomic_int state = -1;
+    int s = atomic_load(&state);
+    if (s < 0) {
+        s = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+        atomic_store(&state, s);
+    }
+    return s;
+}
+#else
+static int amx_permitted(void) { return 0; }
+#endif
+
+int ma_isa_available(ma_isa isa) {
+    switch (isa) {
+    case MA_ISA_SCALAR: return 1;
+#if defined(__x86_64__) || defined(__i386__)
+    case MA_ISA_AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case MA_ISA_AVX512:
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+    case MA_ISA_AMX:
+        return ma_isa_available(MA_ISA_AVX512) && __builtin_cpu_supports("avx512bf16") &&
+               __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && amx_permitted();
+#endif
+    default: return 0;
+    }
+}
+
+/* AMX for bfloat16 and float16 only: float32 on tiles needs 6 bf16 products
+ * per float product to keep float32's accuracy, and is no faster than the
+ * AVX-512 FMAs (docs/performance.md). */
+ma_isa ma_isa_best(ma_dtype dt) {
+    if ((dt == MA_BF16 || dt == MA_F16) && ma_isa_available(MA_ISA_AMX)) return MA_ISA_AMX;
+    if (ma_isa_available(MA_ISA_AVX512)) return MA_ISA_AVX512;
+    if (ma_isa_available(MA_ISA_AVX2)) return MA_ISA_AVX2;
+    return MA_ISA_SCALAR;
+}
+
+/* -2: not decided yet (the environment is read at the first call), -1: none,
+ * else the forced ma_isa. env_error is set once, with the first decision. */
+static atomic_int forced = -2;
+static const char *env_error = NULL;
+
+static void read_env(void) {
+    const char *env = getenv("MASKED_ATTN_ISA");
+    static const char *const names[] = {"scalar", "avx2", "avx512", "amx"};
+    int isa = -1;
+    const char *err = NULL;
+    if (env && *env) {
+        for (int i = 0; i < 4; i++)
+            if (strcmp(env, names[i]) == 0) isa = i;
+        if (isa < 0) err = "masked_attn: MASKED_ATTN_ISA is not a kernel variant; expected scalar, avx2, avx512 or amx";
+        else if (!ma_isa_available((ma_isa)isa)) {
+            err = "masked_attn: MASKED_ATTN_ISA names a variant this CPU does not support";
+            isa = -1;
+        }
+    }
+    int expected = -2;
+    if (atomic_compare_exchange_strong(&forced, &expected, isa)) env_error = err;
+}
+
+int ma_isa_forced(void) {
+    if (atomic_load(&forced) == -2) read_env();
+    return atomic_load(&forced);
+}
+
+const char *ma_isa_env_error(void) {
+    (void)ma_isa_forced();
+    return env_error;
+}
+
+int ma_isa_force(int isa) {
+    if (isa >= 0 && !ma_isa_available((ma_isa)isa)) return -1;
+    (void)ma_isa_forced(); /* the environment is decided first, so it never overrides this later */
+    env_error = NULL;
+    atomic_store(&forced, isa < 0 ? -1 : isa);
+    return 0;
+}
+
+ma_isa ma_isa_for(ma_dtype dt) {
+    const int f = ma_isa_forced();
+    return f >= 0 ? (ma_isa)f : ma_isa_best(dt);
+}

@@ -1,0 +1,37 @@
+/* isa.h -- the instruction-set policy, in one place.
+ *
+ * Which variants this CPU can run (ma_isa_available), which one a dtype gets
+ * by default (ma_isa_best), and the override: MASKED_ATTN_ISA=scalar|avx2|
+ * avx512|amx in the environment, read once per process, or ma_isa_force()
+ * (torch_masked_attn.ops.use_isa, which the tests use to run every variant).
+ * The shim asks ma_isa_for() once per op call and stores the answer in the
+ * params; each op's dispatch.c maps (dtype, isa) to a kernel. */
+#ifndef MA_ISA_H
+#define MA_ISA_H
+
+#include "masked_attn.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The variant for a call on dtype dt: the forced one if any, else the best. */
+ma_isa ma_isa_for(ma_dtype dt);
+
+/* NULL, or why MASKED_ATTN_ISA cannot be honoured (an unknown name, or a
+ * variant this CPU lacks); the shim raises it as the op's error. */
+const char *ma_isa_env_error(void);
+
+/* Force a variant for the whole process (-1: none, back to the CPU's best;
+ * the environment is not read again). Returns 0, or -1 when isa is not
+ * available here (nothing changes then). */
+int ma_isa_force(int isa);
+
+/* The forced variant, or -1. */
+int ma_isa_forced(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MA_ISA_H */
