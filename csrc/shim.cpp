@@ -167,8 +167,7 @@ void advise_huge_pages(Tensor& t) {
 // Outputs of at least this many bytes are written with non-temporal stores
 // (stream_stores, masked_attn.h): twice a core's L2 here, so the caches could
 // not have kept them for their reader anyway. Smaller ones (decoding, short
-// batches) stay in cache for the next op. Measured on gpt-train (4 outputs of
-// 8 MB, rows 2 KB apart): the backward 12% faster, bert-infer end to end 7%.
+// batches) stay in cache for the next op (figures: docs/performance.md).
 constexpr int64_t kStreamBytes = int64_t{4} << 20;
 
 bool worth_streaming(const Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()) >= kStreamBytes; }
@@ -178,12 +177,66 @@ bool worth_streaming(const Tensor& t) { return t.numel() * static_cast<int64_t>(
 // up to the whole head, so that a thread reads that head's K and V into its
 // own L2 once instead of both threads pulling every head; at least 8 takes
 // per thread are left for balance. Results do not depend on it: every query
-// block is computed the same way by whichever thread takes it. Measured on
-// gpt-train (L = 512): the forward about 10% faster.
+// block is computed the same way by whichever thread takes it.
 int64_t fwd_grain(const ma_attn_fwd_params& p) {
   const int64_t n = ma_attn_fwd_work_items(&p), nq = (p.a.Lq + p.a.block_q - 1) / p.a.block_q;
   const int64_t threads = std::max<int64_t>(1, torch::stable::get_num_threads());
   return std::max<int64_t>(1, std::min<int64_t>(nq, n / (8 * threads)));
+}
+
+// ---- memory overlap ------------------------------------------------------------
+//
+// The rules torch applies to out= arguments (at::assert_no_internal_overlap,
+// at::assert_no_overlap), restated on the stable ABI: a tensor a kernel
+// writes must not have two indices at one address; two tensors overlap when
+// they start at the same element, or when both are dense and their byte
+// ranges intersect. Views that interleave without sharing an element (the
+// q, k, v thirds of one packed projection) are allowed, as torch allows them.
+
+// One past the last byte of t, from its first element.
+uintptr_t end_byte(const Tensor& t) {
+  uintptr_t span = 1;
+  for (int64_t i = 0; i < t.dim(); i++)
+    if (t.size(i) > 1) span += static_cast<uintptr_t>(t.size(i) - 1) * static_cast<uintptr_t>(t.stride(i));
+  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) + span * t.element_size();
+}
+
+// No two indices of t share an address: with its dims of size > 1 sorted by
+// stride, each stride exceeds the span of the smaller ones.
+bool no_internal_overlap(const Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
+  for (int64_t i = 0; i < t.dim(); i++)
+    if (t.size(i) > 1) dims.emplace_back(t.stride(i), t.size(i));
+  std::sort(dims.begin(), dims.end());
+  int64_t span = 0;  // elements covered by the smaller dims, minus 1
+  for (const auto& [stride, size] : dims) {
+    if (stride <= span) return false;
+    span += stride * (size - 1);
+  }
+  return true;
+}
+
+// Dense: its elements fill [first, end) exactly.
+bool is_dense(const Tensor& t) {
+  return no_internal_overlap(t) &&
+         end_byte(t) - reinterpret_cast<uintptr_t>(t.const_data_ptr()) ==
+             static_cast<uintptr_t>(t.numel()) * t.element_size();
+}
+
+bool may_overlap(const Tensor& a, const Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  const uintptr_t a0 = reinterpret_cast<uintptr_t>(a.const_data_ptr());
+  const uintptr_t b0 = reinterpret_cast<uintptr_t>(b.const_data_ptr());
+  if (a0 == b0) return true;
+  return is_dense(a) && is_dense(b) && a0 < end_byte(b) && b0 < end_byte(a);
+}
+
+// The same elements, element for element: same start, shape and strides.
+bool same_view(const Tensor& a, const Tensor& b) {
+  if (a.const_data_ptr() != b.const_data_ptr() || a.dim() != b.dim()) return false;
+  for (int64_t i = 0; i < a.dim(); i++)
+    if (a.size(i) != b.size(i) || (a.size(i) > 1 && a.stride(i) != b.stride(i))) return false;
+  return true;
 }
 
 // ---- input checks -----------------------------------------------------------
@@ -460,10 +513,37 @@ std::tuple<Tensor, Tensor> attn_backward_into(
     Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
     std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
     bool head_mask_grad, bool mask_grad, Tensor grad_q, Tensor grad_k, Tensor grad_v) {
-  for (const Tensor* t : {&grad_q, &grad_k, &grad_v})
-    for (int64_t i = 0; i < t->dim(); i++)
-      MA_CHECK(t->stride(i) != 0 || t->size(i) <= 1,
-                      "masked_attn.backward_into: grad_q, grad_k, grad_v must not be expanded views");
+  // What the kernels allow (masked_attn.h): outputs that never share memory
+  // with each other or with what is read, except that the single pass (no
+  // grad_weights) may write grad_q, grad_k, grad_v over q, k, v themselves,
+  // element for element.
+  const char* names[3] = {"grad_q", "grad_k", "grad_v"};
+  const Tensor* outs[3] = {&grad_q, &grad_k, &grad_v};
+  const Tensor* ins[3] = {&q, &k, &v};
+  for (int i = 0; i < 3; i++) {
+    MA_CHECK(no_internal_overlap(*outs[i]), "masked_attn.backward_into: ", names[i],
+             " has elements that share memory (an expanded or overlapping view); it must be writable element "
+             "by element");
+    for (int j = 0; j < i; j++)
+      MA_CHECK(!may_overlap(*outs[i], *outs[j]), "masked_attn.backward_into: ", names[i], " and ", names[j],
+               " share memory; each gradient needs memory of its own");
+    for (int j = 0; j < 3; j++) {
+      const bool exact_alias_ok = i == j && !grad_weights.has_value() && same_view(*outs[i], *ins[j]);
+      MA_CHECK(exact_alias_ok || !may_overlap(*outs[i], *ins[j]), "masked_attn.backward_into: ", names[i],
+               " shares memory with ", "qkv"[j],
+               grad_weights.has_value()
+                   ? " (with grad_weights, the gradients must not share memory with q, k, v)"
+                   : " (only grad_q = q, grad_k = k, grad_v = v, element for element, is allowed)");
+    }
+    const Tensor* read[3] = {&grad_out, &out, &lse};
+    const char* read_names[3] = {"grad_out", "out", "lse"};
+    for (int j = 0; j < 3; j++)
+      MA_CHECK(!may_overlap(*outs[i], *read[j]), "masked_attn.backward_into: ", names[i], " shares memory with ",
+               read_names[j]);
+    if (grad_weights.has_value())
+      MA_CHECK(!may_overlap(*outs[i], *grad_weights), "masked_attn.backward_into: ", names[i],
+               " shares memory with grad_weights");
+  }
   return attn_backward_impl(grad_out, grad_weights, q, k, v, out, lse, attn_mask, key_padding_mask,
                             head_mask, is_causal, scale, head_mask_grad, mask_grad, grad_q, grad_k,
                             grad_v);
@@ -604,6 +684,11 @@ void check_writable_in_place(const CeInputs& in, const Tensor& input, const char
   for (int i = 0; i < 3 && ok; i++) ok = in.input.stride(i) > 0 || in.input.size(i) <= 1;
   MA_CHECK(ok, "masked_attn.", op, ": input must be a tensor whose memory can be written in place "
                   "(its dims after the class dim flattenable, no expanded dims), got shape ", shape_str(input));
+  MA_CHECK(no_internal_overlap(input), "masked_attn.", op,
+           ": input has elements that share memory (an overlapping view); the gradient cannot be written over it");
+  if (in.a.weight) MA_CHECK(!may_overlap(input, in.weight), "masked_attn.", op, ": input shares memory with weight");
+  if (in.a.target_prob)
+    MA_CHECK(!may_overlap(input, in.target), "masked_attn.", op, ": input shares memory with target");
 }
 
 

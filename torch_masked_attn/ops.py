@@ -106,10 +106,28 @@ def _lse_dtype(dtype):
 
 
 # ---- fake kernels: shapes and dtypes only --------------------------------
+#
+# They also run for real when any argument is a meta tensor (the dispatcher
+# picks Meta over CPU), so they check what the CPU kernels rely on first: one
+# device for every tensor.
+
+def _same_device(op: str, **tensors: Tensor | None) -> None:
+    first_name, first = None, None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if first is None:
+            first_name, first = name, t
+        elif t.device != first.device:
+            raise RuntimeError(f"masked_attn.{op}: expected all tensors on one device, got {first_name} "
+                               f"on {first.device} and {name} on {t.device}")
+
 
 @torch.library.register_fake("masked_attn::forward")
 def _forward_fake(q, k, v, attn_mask=None, key_padding_mask=None, head_mask=None,
                   is_causal=False, scale=None, need_weights=False):
+    _same_device("forward", q=q, k=k, v=v, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+                 head_mask=head_mask)
     torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
                  lambda: "masked_attn: q, k, v must be 4-D")
     B, H, Lq, _ = q.shape
@@ -124,6 +142,9 @@ def _forward_fake(q, k, v, attn_mask=None, key_padding_mask=None, head_mask=None
 def _backward_into_fake(grad_out, grad_weights, q, k, v, out, lse, attn_mask=None,
                         key_padding_mask=None, head_mask=None, is_causal=False, scale=None,
                         head_mask_grad=False, mask_grad=False, grad_q=None, grad_k=None, grad_v=None):
+    _same_device("backward_into", grad_out=grad_out, grad_weights=grad_weights, q=q, k=k, v=v, out=out, lse=lse,
+                 attn_mask=attn_mask, key_padding_mask=key_padding_mask, head_mask=head_mask, grad_q=grad_q,
+                 grad_k=grad_k, grad_v=grad_v)
     B, H, Lq = q.shape[:3]
     acc = _lse_dtype(q.dtype)
     grad_hm = q.new_empty(B, H) if head_mask_grad else q.new_empty(0)
@@ -136,6 +157,8 @@ def _backward_into_fake(grad_out, grad_weights, q, k, v, out, lse, attn_mask=Non
 def _backward_fake(grad_out, grad_weights, q, k, v, out, lse, attn_mask=None,
                    key_padding_mask=None, head_mask=None, is_causal=False, scale=None,
                    head_mask_grad=False, mask_grad=False):
+    _same_device("backward", grad_out=grad_out, grad_weights=grad_weights, q=q, k=k, v=v, out=out, lse=lse,
+                 attn_mask=attn_mask, key_padding_mask=key_padding_mask, head_mask=head_mask)
     B, H = q.shape[:2]
     grad_hm = q.new_empty(B, H) if head_mask_grad else q.new_empty(0)
 
@@ -282,6 +305,7 @@ def _ce_rows_shape(input):
 @torch.library.register_fake("masked_attn::cross_entropy")
 def _cross_entropy_fake(input, target, weight=None, reduction="mean", ignore_index=-100,
                         label_smoothing=0.0, z_loss=0.0, softcap=None, inplace_backward=False):
+    _same_device("cross_entropy", input=input, target=target, weight=weight)
     torch._check(input.dim() >= 1, lambda: "masked_attn.cross_entropy: input must have a class dim")
     rows = _ce_rows_shape(input)
     loss = input.new_empty(rows if reduction == "none" else ())
@@ -292,18 +316,21 @@ def _cross_entropy_fake(input, target, weight=None, reduction="mean", ignore_ind
 @torch.library.register_fake("masked_attn::cross_entropy_backward")
 def _cross_entropy_backward_fake(grad_loss, input, target, weight, lse, reduction, ignore_index,
                                  label_smoothing, target_grad=False, z_loss=0.0, softcap=None):
+    _same_device("cross_entropy_backward", grad_loss=grad_loss, input=input, target=target, weight=weight, lse=lse)
     return input.new_empty(input.shape), input.new_empty(input.shape if target_grad else (0,))
 
 
 @torch.library.register_fake("masked_attn::cross_entropy_backward_")
 def _cross_entropy_backward_inplace_fake(grad_loss, input, target, weight, lse, reduction, ignore_index,
                                          label_smoothing, z_loss=0.0, softcap=None):
+    _same_device("cross_entropy_backward_", grad_loss=grad_loss, input=input, target=target, weight=weight, lse=lse)
     return None
 
 
 @torch.library.register_fake("masked_attn::cross_entropy_chunk_")
 def _cross_entropy_chunk_fake(input, target, weight=None, grad_scale=None, ignore_index=-100,
                               label_smoothing=0.0, z_loss=0.0, softcap=None):
+    _same_device("cross_entropy_chunk_", input=input, target=target, weight=weight)
     rows = _ce_rows_shape(input)
     acc = _lse_dtype(input.dtype)
     return input.new_empty(rows, dtype=acc), input.new_empty(rows, dtype=acc)

@@ -292,9 +292,9 @@ static inline int64_t FN(kv_end)(int is_causal, int64_t Lk, int64_t i0, int64_t 
  * computed: each product runs as its two live parts. The skipped entries are
  * exactly 0 in P and dS, so for finite inputs every other value is the same,
  * bit for bit (a mask gradient's skipped zeros may differ in sign). NaN or
- * inf in those hidden keys' v (or in those queries' dout) used to reach the
- * whole tile through 0 * NaN; now it reaches only the rows (keys) from hs
- * on, as every other masked key already reached only its own tiles. The
+ * inf in those hidden keys' v (or in those queries' dout) reaches only the
+ * rows (keys) from hs on, never the whole tile through 0 * NaN, as every
+ * other masked key reaches only its own tiles. The
  * skipped quarter of the score tile holds stale scratch until add_bias's
  * causal fill overwrites it with -inf (its bias adds before that act on
  * garbage and are discarded); every later read comes after the fill, and

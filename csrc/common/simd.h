@@ -17,7 +17,7 @@
  * expf in two fewer operations). Results below FLT_MIN (x < -87.33, and
  * -inf) are exactly 0, and x is clamped to -87.33 first, so no operation
  * ever makes a denormal: each vector with a denormal result costs a microcode
- * assist (about 18x slower here), and masked scores (-inf) are common. NaN
+ * assist, and masked scores (-inf) are common. NaN
  * stays NaN (it passes the clamps as their second operand). */
 /* The constants both widths share: x = n ln2 + r with ln2 split in two
  * (Cody-Waite, the high part exact in 9 bits), and e^r's polynomial,

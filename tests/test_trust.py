@@ -1,0 +1,244 @@
+"""What an audit of the project checks, kept checked: no silent wrong answer
+on aliased or overlapping outputs, on mixed devices, on the instruction-set
+switch; results independent of threads (Python threads and pool sizes); and
+64-bit index arithmetic on very long rows (zero-stride inputs keep them cheap).
+"""
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import torch_masked_attn as tma
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _qkv(B=2, H=2, L=70, D=16, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, L, D, generator=g, dtype=dtype) for _ in range(4)]
+
+
+def _forward(q, k, v, causal=True):
+    return torch.ops.masked_attn.forward(q, k, v, None, None, None, causal, None, False)
+
+
+def _backward_into(go, gw, q, k, v, out, lse, dq, dk, dv):
+    return torch.ops.masked_attn.backward_into(go, gw, q, k, v, out, lse, None, None, None, True, None,
+                                               False, False, dq, dk, dv)
+
+
+# ---- aliasing and overlap of backward_into's outputs --------------------------
+
+def test_backward_into_over_qkv_single_pass_is_exact():
+    """Without grad_weights, grad_q = q, grad_k = k, grad_v = v is allowed and gives the same gradients."""
+    q, k, v, go = _qkv()
+    out, lse, _ = _forward(q, k, v)
+    dq, dk, dv, _, _ = torch.ops.masked_attn.backward(go, None, q, k, v, out, lse, None, None, None, True, None,
+                                                      False, False)
+    q2, k2, v2 = q.clone(), k.clone(), v.clone()
+    _backward_into(go, None, q2, k2, v2, out, lse, q2, k2, v2)
+    assert torch.equal(q2, dq) and torch.equal(k2, dk) and torch.equal(v2, dv)
+
+
+def test_backward_into_over_qkv_two_pass_is_refused():
+    q, k, v, go = _qkv()
+    out, lse, w = torch.ops.masked_attn.forward(q, k, v, None, None, None, True, None, True)
+    gw = torch.randn_like(w)
+    with pytest.raises(RuntimeError, match="grad_q shares memory with q.*grad_weights"):
+        _backward_into(go, gw, q, k, v, out, lse, q, k, v)
+
+
+@pytest.mark.parametrize("case", ["k_and_v_one_buffer", "q_and_k_one_buffer", "self_overlapping_q",
+                                  "q_over_out", "k_over_grad_out", "v_partly_over_k"])
+def test_backward_into_overlapping_outputs_are_refused(case):
+    q, k, v, go = _qkv()
+    out, lse, _ = _forward(q, k, v)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if case == "k_and_v_one_buffer":
+        dv, match = dk, "grad_v and grad_k share memory"
+    elif case == "q_and_k_one_buffer":
+        dk, match = dq, "grad_k and grad_q share memory"
+    elif case == "self_overlapping_q":
+        base = torch.empty(q.numel())
+        dq, match = base.as_strided(q.shape, (q.shape[1] * q.shape[2] * 8, q.shape[2] * 8, 8, 1)), "grad_q has elements"
+    elif case == "q_over_out":
+        dq, match = out, "grad_q shares memory with out"
+    elif case == "k_over_grad_out":
+        dk, match = go, "grad_k shares memory with grad_out"
+    else:  # v a dense view starting inside k's memory
+        buf = torch.empty(2 * k.numel())
+        dk = buf[: k.numel()].view(k.shape)
+        dv, match = buf[k.numel() // 2: k.numel() // 2 + v.numel()].view(v.shape), "grad_v and grad_k share memory"
+    with pytest.raises(RuntimeError, match=match):
+        _backward_into(go, None, q, k, v, out, lse, dq, dk, dv)
+
+
+def test_interleaved_views_of_one_buffer_are_allowed():
+    """q, k, v gradients as the thirds of one packed (B, L, 3, H, D) buffer share no element: allowed."""
+    q, k, v, go = _qkv()
+    out, lse, _ = _forward(q, k, v)
+    B, H, L, D = q.shape
+    packed = torch.empty(B, L, 3, H, D)
+    dq, dk, dv = (packed[:, :, i].transpose(1, 2) for i in range(3))
+    _backward_into(go, None, q, k, v, out, lse, dq, dk, dv)
+    ref = torch.ops.masked_attn.backward(go, None, q, k, v, out, lse, None, None, None, True, None, False, False)
+    for got, want in zip((dq, dk, dv), ref[:3]):
+        assert torch.equal(got, want)
+
+
+def test_cross_entropy_inplace_backward_on_overlapping_input_is_refused():
+    base = torch.randn(40)
+    x = (base * 1.0).as_strided((4, 10), (3, 1)).requires_grad_(False)
+    logits = x.clone().requires_grad_(True) * 1.0   # a non-leaf, as inplace_backward requires
+    overlapping = logits.detach().as_strided((4, 10), (3, 1))
+    t = torch.tensor([1, 2, 3, 4])
+    with pytest.raises(RuntimeError, match="share memory"):
+        torch.ops.masked_attn.cross_entropy(overlapping, t, None, "mean", -100, 0.0, 0.0, None, True)
+
+
+# ---- devices -------------------------------------------------------------------
+
+@pytest.mark.parametrize("which", ["attn_mask", "key_padding_mask", "head_mask", "k"])
+def test_meta_tensor_mixed_with_cpu_is_refused(which):
+    q, k, v, _ = _qkv()
+    kw = dict(attn_mask=torch.zeros(70, 70), key_padding_mask=torch.zeros(2, 70, dtype=torch.bool),
+              head_mask=torch.ones(2))
+    if which == "k":
+        k = k.to("meta")
+    else:
+        kw[which] = kw[which].to("meta")
+    with pytest.raises(RuntimeError, match="one device"):
+        torch.ops.masked_attn.forward(q, k, v, kw["attn_mask"], kw["key_padding_mask"], kw["head_mask"], False,
+                                      None, False)
+
+
+def test_cross_entropy_meta_weight_is_refused():
+    x, t = torch.randn(4, 10), torch.tensor([1, 2, 3, 4])
+    with pytest.raises(RuntimeError, match="one device"):
+        torch.ops.masked_attn.cross_entropy(x, t, torch.ones(10, device="meta"), "mean", -100, 0.0, 0.0, None,
+                                            False)
+
+
+def test_all_meta_still_gives_shapes():
+    q = torch.empty(2, 3, 5, 8, device="meta")
+    out, lse, w = torch.ops.masked_attn.forward(q, q, q, None, None, None, False, None, False)
+    assert out.device.type == "meta" and out.shape == (2, 3, 5, 8) and lse.shape == (2, 3, 5)
+
+
+def test_cross_entropy_zero_classes_all_ignored_matches_pytorch():
+    x, t = torch.randn(3, 0, requires_grad=True), torch.full((3,), -100)
+    want = torch.nn.functional.cross_entropy(x, t, reduction="sum")
+    got = tma.functional.cross_entropy(x, t, reduction="sum")
+    torch.testing.assert_close(got, want, equal_nan=True)
+    got.backward()
+    assert x.grad.shape == (3, 0)
+
+
+# ---- the instruction-set switch -------------------------------------------------
+
+def _child(code, env):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, **env})
+
+
+def test_unknown_isa_in_environment_raises_naming_it():
+    r = _child("import torch, torch_masked_attn as t\nq = torch.randn(1, 1, 2, 4)\n"
+               "try:\n    t.functional.masked_attention(q, q, q)\nexcept RuntimeError as e:\n    print('RAISED', e)",
+               {"MASKED_ATTN_ISA": "bogus"})
+    assert r.returncode == 0, r.stderr
+    assert "RAISED" in r.stdout and "bogus" in r.stdout and "scalar, avx2, avx512 or amx" in r.stdout
+
+
+def test_environment_is_read_once_and_use_isa_forces():
+    code = ("import os, torch, torch_masked_attn as t\n"
+            "q = torch.randn(2, 2, 70, 24, generator=torch.Generator().manual_seed(1))\n"
+            "a = t.functional.masked_attention(q, q, q, is_causal=True)\n"
+            "os.environ['MASKED_ATTN_ISA'] = 'bogus'   # read once: ignored from now on\n"
+            "b = t.functional.masked_attention(q, q, q, is_causal=True)\n"
+            "with t.ops.use_isa('scalar'):\n    c = t.functional.masked_attention(q, q, q, is_causal=True)\n"
+            "print(torch.equal(a, b), torch.equal(a, c))")
+    r = _child(code, {"MASKED_ATTN_ISA": "scalar"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "True"]
+
+
+def test_use_isa_rejects_unknown_and_restores():
+    with pytest.raises(ValueError, match="one of"):
+        with tma.ops.use_isa("sse9"):
+            pass
+    before = tma.ops._clib.ma_isa_forced()
+    with tma.ops.use_isa("scalar"):
+        assert tma.ops._clib.ma_isa_forced() == 0
+    assert tma.ops._clib.ma_isa_forced() == before
+
+
+# ---- threads ---------------------------------------------------------------------
+
+def _step(q, k, v, go, kpm):
+    q, k, v = (x.clone().requires_grad_(True) for x in (q, k, v))
+    out = tma.functional.masked_attention(q, k, v, key_padding_mask=kpm, is_causal=True)
+    out.backward(go)
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def test_python_threads_at_once_are_bitwise_single_threaded():
+    q, k, v, go = _qkv(B=2, H=4, L=200, D=32)
+    kpm = torch.arange(200)[None] >= torch.tensor([200, 130])[:, None]
+    want = _step(q, k, v, go, kpm)
+    results, errors = [None] * 4, []
+
+    def work(i):
+        try:
+            for _ in range(5):
+                results[i] = _step(q, k, v, go, kpm)
+                assert all(torch.equal(a, b) for a, b in zip(results[i], want))
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7])
+def test_thread_counts_give_bitwise_equal_results(n):
+    q, k, v, go = _qkv(B=1, H=3, L=300, D=40, seed=3)
+    kpm = torch.arange(300)[None] >= torch.tensor([250])[:, None]
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = _step(q, k, v, go, kpm)
+        torch.set_num_threads(n)
+        got = _step(q, k, v, go, kpm)
+    finally:
+        torch.set_num_threads(old)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+# ---- 64-bit indices -------------------------------------------------------------------
+
+def test_attention_with_66000_rows_through_zero_strides():
+    """Lq = Lk = 66,000 (row offsets past 2^32 elements of a dense (L, L) tile); all but the first 40
+    keys are trailing padding, never read, so the work stays small."""
+    L, D = 66000, 4
+    q = torch.randn(1, 1, 1, D).expand(1, 1, L, D)
+    kv = torch.randn(1, 1, L, D)
+    kpm = torch.arange(L)[None] >= 40
+    out = tma.functional.masked_attention(q, kv, kv, key_padding_mask=kpm, need_weights=False)
+    p = torch.softmax(q[0, 0, :1] @ kv[0, 0, :40].T / D ** 0.5, -1)
+    torch.testing.assert_close(out[0, 0, -1:], p @ kv[0, 0, :40], rtol=1e-5, atol=1e-6)
+    assert torch.equal(out[0, 0, 0], out[0, 0, -1])
+
+
+@pytest.mark.skipif(os.environ.get("MASKED_ATTN_SKIP_SLOW") == "1", reason="slow probe skipped by request")
+def test_cross_entropy_with_more_than_2_31_classes_through_zero_strides():
+    C = 2 ** 31 + 64
+    x = torch.zeros(1, 1).expand(1, C)             # every logit 0: loss = log C
+    loss = tma.functional.cross_entropy(x, torch.tensor([C - 1]))
+    assert abs(loss.item() - torch.log(torch.tensor(float(C), dtype=torch.float64)).item()) < 1e-4
