@@ -10,7 +10,7 @@ CLANG_FORMAT ?= clang-format
 # the C kernels (not shim.cpp: see .clang-format)
 C_FILES := $(shell find csrc -name '*.c' -o -name '*.h' | sort)
 
-.PHONY: setup demo demo-attention test bench lint clean
+.PHONY: setup demo demo-attention test test-compat bench lint clean
 
 setup: $(BUILT)
 
@@ -40,6 +40,20 @@ test: setup
 
 bench: setup
 	$(VPY) benchmarks/run.py
+
+# The suite under the oldest torch that pyproject.toml admits, built from
+# source against it in a copy of the tracked files (torch from PyPI is a CUDA
+# build of several GB that runs on the CPU: not part of `make test`).
+COMPAT_TORCH ?= 2.10.0
+COMPAT_VENV  := .venv-compat
+COMPAT_DIR   := build-compat
+test-compat:
+	test -x $(COMPAT_VENV)/bin/python || $(PY) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install -q torch==$(COMPAT_TORCH) pytest numpy setuptools wheel
+	rm -rf $(COMPAT_DIR) && mkdir -p $(COMPAT_DIR)
+	git ls-files -z | xargs -0 cp --parents -t $(COMPAT_DIR)
+	cd $(COMPAT_DIR) && $(CURDIR)/$(COMPAT_VENV)/bin/python setup.py -q build_ext --inplace
+	cd $(COMPAT_DIR) && $(CURDIR)/$(COMPAT_VENV)/bin/python -m pytest tests -q -p no:cacheprovider
 
 # pinned: a newer ruff may bring new rules into the selected sets
 $(RUFF): | $(STAMP)

@@ -22,6 +22,7 @@ Where we differ from PyTorch (on purpose):
 * a (C,) input with a (1,) target and label_smoothing > 0 gives the loss;
   PyTorch 2.13 raises a broadcasting RuntimeError there.
 """
+import functools
 import math
 import numbers
 import operator
@@ -103,6 +104,21 @@ def _check_logits(input, class_dim):
         raise NotImplementedError(f'"{kernel}" not implemented for \'{_st(input.dtype)}\'')
 
 
+@functools.cache
+def _native_target_dtype_error(dtype: torch.dtype) -> str | None:
+    """PyTorch's own error for class-index targets of this dtype, or None when
+    it accepts them. Asked of F.nll_loss on a tiny call (once per dtype): which
+    dtypes pass and the message differ between torch versions (uint8 targets
+    are accepted from 2.12 on)."""
+    if dtype == torch.int64:
+        return None
+    try:
+        nn.functional.nll_loss(torch.zeros(1, 2), torch.zeros(1, dtype=dtype))
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
 def _check_weight_no_grad(weight):
     if weight is not None and weight.requires_grad and torch.is_grad_enabled():
         raise RuntimeError(
@@ -154,8 +170,8 @@ def _prepare_class_indices(input, target, weight, ignore_index, ls):
             raise ValueError(f"Expected input batch_size ({input.shape[0]}) to match target "
                              f"batch_size ({target_batch}).")
     _check_weight_no_grad(weight)
-    bad_dtype = target.dtype not in (torch.int64, torch.uint8)
-    dtype_msg = f"expected target dtype to be Long or Byte, but got {_st(target.dtype)}"
+    dtype_msg = _native_target_dtype_error(target.dtype)
+    bad_dtype = dtype_msg is not None
     C = input.shape[-1] if input.dim() == 1 else input.shape[1]
     if input.dim() <= 2:  # nll_loss
         if target.dim() > 1:
