@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <cstdint>
+#include <mutex>
 #include <cstdio>
 #include <stdexcept>
 #include <type_traits>
@@ -98,38 +99,145 @@ ScalarType acc_type(ScalarType t) {
   return t == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
 }
 
+// ---- scratch memory ----------------------------------------------------------
+//
+// The kernels' per-thread scratch comes from blocks kept between calls: a
+// block's pages stay mapped, so a call faults in no fresh page once the pool
+// holds a large enough block (fresh pages touched by many threads at once
+// serialise in the OS). Each call takes a block for the duration of its
+// parallel region and gives it back, so Python threads calling at once get
+// blocks of their own. At most kPoolBlocks idle blocks and kPoolBytes idle
+// bytes are kept; torch_masked_attn.release_memory() frees the idle ones, and
+// so does process exit.
+class ScratchPool {
+ public:
+  struct Block {
+    void* ptr = nullptr;
+    size_t bytes = 0;
+  };
+
+  Block take(size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      // the smallest idle block that fits
+      size_t best = idle_.size();
+      for (size_t i = 0; i < idle_.size(); i++)
+        if (idle_[i].bytes >= bytes && (best == idle_.size() || idle_[i].bytes < idle_[best].bytes)) best = i;
+      if (best < idle_.size()) {
+        Block b = idle_[best];
+        idle_.erase(idle_.begin() + static_cast<std::ptrdiff_t>(best));
+        idle_bytes_ -= b.bytes;
+        return b;
+      }
+    }
+    Block b;
+    b.bytes = (bytes + kAlign - 1) / kAlign * kAlign;
+    b.ptr = std::aligned_alloc(kAlign, b.bytes);
+    MA_CHECK(b.ptr != nullptr, "masked_attn: could not allocate ", b.bytes, " bytes of scratch memory");
+    return b;
+  }
+
+  void give(Block b) {
+    std::vector<Block> drop;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      idle_.push_back(b);
+      idle_bytes_ += b.bytes;
+      // over the bounds: free the smallest idle blocks first (the largest serves every call)
+      std::sort(idle_.begin(), idle_.end(), [](const Block& x, const Block& y) { return x.bytes > y.bytes; });
+      while (idle_.size() > kPoolBlocks || (idle_bytes_ > kPoolBytes && idle_.size() > 1)) {
+        drop.push_back(idle_.back());
+        idle_bytes_ -= idle_.back().bytes;
+        idle_.pop_back();
+      }
+    }
+    for (const Block& d : drop) std::free(d.ptr);
+  }
+
+  // Frees every idle block; returns the bytes freed.
+  size_t release() {
+    std::vector<Block> drop;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      drop.swap(idle_);
+      idle_bytes_ = 0;
+    }
+    size_t n = 0;
+    for (const Block& d : drop) {
+      n += d.bytes;
+      std::free(d.ptr);
+    }
+    return n;
+  }
+
+  size_t idle_bytes() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return idle_bytes_;
+  }
+
+  ~ScratchPool() { release(); }
+
+ private:
+  static constexpr size_t kAlign = 4096;
+  static constexpr size_t kPoolBlocks = 4;
+  static constexpr size_t kPoolBytes = size_t{1} << 30;
+  std::mutex mu_;
+  std::vector<Block> idle_;
+  size_t idle_bytes_ = 0;
+};
+
+ScratchPool& scratch_pool() {
+  static ScratchPool pool;
+  return pool;
+}
+
+// Bytes of scratch the last parallel region used (the benchmarks report it).
+std::atomic<size_t> last_scratch_bytes{0};
+
+// Gives a block back to the pool when the parallel region ends, even on an error.
+struct ScratchLease {
+  ScratchPool::Block block;
+  explicit ScratchLease(size_t bytes) : block(scratch_pool().take(bytes)) {}
+  ~ScratchLease() { scratch_pool().give(block); }
+  ScratchLease(const ScratchLease&) = delete;
+  ScratchLease& operator=(const ScratchLease&) = delete;
+};
+
 // ---- running a task function on the thread pool ---------------------------
 
-// Runs fn over work items [0, n) on PyTorch's intra-op pool. Each thread gets
-// its own slice of one scratch buffer, allocated here before the parallel
-// region; the kernels never allocate. Items are handed out dynamically, `grain`
-// at a time (default: about 16 grabs per thread), so threads stay busy when
-// items cost different amounts (causal blocks, padded sequences). Every item
-// is computed the same way whichever thread takes it: results do not depend
-// on the schedule.
+// Runs fn over work items [0, n) on PyTorch's intra-op pool, in at most one
+// chunk per thread. Each chunk gets its own slice of scratch, so scratch is
+// sized by the work (slices = chunks, never more than the threads) and taken
+// from the pool before the parallel region; the kernels never allocate.
+// Items are handed out dynamically, `grain` at a time (default: about 16
+// grabs per thread), so threads stay busy when items cost different amounts
+// (causal blocks, padded sequences). Every item is computed the same way
+// whichever thread takes it: results do not depend on the schedule.
 void run_tasks(ma_task_fn fn, const void* params, int64_t n, size_t scratch_bytes,
                const Tensor& like, int64_t grain = 0) {
+  (void)like;
   if (n <= 0) return;
   const int64_t nthreads = std::max<int64_t>(1, torch::stable::get_num_threads());
   if (grain <= 0) grain = std::max<int64_t>(1, n / (16 * nthreads));
-  Tensor scratch = torch::stable::new_empty(
-      like, {static_cast<int64_t>(scratch_bytes) * nthreads + MA_CACHE_LINE}, ScalarType::Byte);
-  uintptr_t base = reinterpret_cast<uintptr_t>(scratch.mutable_data_ptr());
-  base = (base + MA_CACHE_LINE - 1) / MA_CACHE_LINE * MA_CACHE_LINE;
+  const int64_t nchunks = std::min(nthreads, (n + grain - 1) / grain);
+  const size_t total = scratch_bytes * static_cast<size_t>(nchunks);
+  last_scratch_bytes.store(total);
+  ScratchLease lease(std::max<size_t>(total, 1));
+  const uintptr_t base = reinterpret_cast<uintptr_t>(lease.block.ptr);
   if (scratch_bytes >= MA_CACHE_LINE)  // each slice's header (masked_attn.h) starts zeroed
-    for (int64_t t = 0; t < nthreads; t++) std::memset(reinterpret_cast<void*>(base + t * scratch_bytes), 0, MA_CACHE_LINE);
+    for (int64_t c = 0; c < nchunks; c++) std::memset(reinterpret_cast<void*>(base + c * scratch_bytes), 0, MA_CACHE_LINE);
   std::atomic<int64_t> next{0};
-  auto worker = [&](int64_t, int64_t) {
-    uint32_t tid = 0;
-    torch_get_thread_idx(&tid);
-    ma_task_ctx ctx{params, reinterpret_cast<void*>(base + tid * scratch_bytes)};
+  // chunk_begin identifies this invocation: parallel_for hands out disjoint
+  // ranges of [0, nchunks), so no two running at once share a slice.
+  auto worker = [&](int64_t chunk_begin, int64_t) {
+    ma_task_ctx ctx{params, reinterpret_cast<void*>(base + chunk_begin * scratch_bytes)};
     for (int64_t begin; (begin = next.fetch_add(grain)) < n;)
       fn(begin, std::min(begin + grain, n), &ctx);
   };
-  if (nthreads == 1 || n <= grain) {
+  if (nchunks == 1) {
     worker(0, 1);
   } else {
-    torch::stable::parallel_for(0, std::min(nthreads, (n + grain - 1) / grain), 1, worker);
+    torch::stable::parallel_for(0, nchunks, 1, worker);
   }
 }
 
@@ -826,6 +934,15 @@ std::tuple<Tensor, Tensor> ce_chunk_inplace(Tensor input, Tensor target, std::op
 }
 
 }  // namespace
+
+// Plain C entry points for torch_masked_attn (ops.py, through ctypes).
+extern "C" {
+// Frees the scratch blocks the pool keeps between calls; returns the bytes freed.
+size_t ma_release_memory(void) { return scratch_pool().release(); }
+// Bytes the pool keeps now (idle), and the scratch the last parallel region used.
+size_t ma_scratch_idle_bytes(void) { return scratch_pool().idle_bytes(); }
+size_t ma_scratch_last_bytes(void) { return last_scratch_bytes.load(); }
+}
 
 STABLE_TORCH_LIBRARY(masked_attn, m) {
   m.def(

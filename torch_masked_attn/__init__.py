@@ -6,8 +6,10 @@ nn.CrossEntropyLoss.
 from . import functional, ops  # noqa: F401  (ops loads the library and registers the ops)
 from .losses import CrossEntropyLoss, LinearCrossEntropyLoss, perplexity
 from .modules import MultiheadAttention
+from .ops import release_memory
 
-__all__ = ["functional", "MultiheadAttention", "CrossEntropyLoss", "LinearCrossEntropyLoss", "perplexity"]
+__all__ = ["functional", "MultiheadAttention", "CrossEntropyLoss", "LinearCrossEntropyLoss", "perplexity",
+           "release_memory"]
 
 
 def _version() -> str:

@@ -79,6 +79,25 @@ _clib.ma_isa_force.restype = ctypes.c_int
 _clib.ma_isa_forced.restype = ctypes.c_int
 
 
+_clib.ma_release_memory.restype = ctypes.c_size_t
+_clib.ma_scratch_idle_bytes.restype = ctypes.c_size_t
+_clib.ma_scratch_last_bytes.restype = ctypes.c_size_t
+
+
+def release_memory() -> int:
+    """Return the kernels' cached scratch memory to the OS; returns the bytes freed.
+
+    The kernels keep the scratch blocks of their parallel regions between
+    calls (a few, at most 1 GB), so that a call touches no fresh pages; this
+    frees them (the next call allocates again). Process exit frees them too."""
+    return int(_clib.ma_release_memory())
+
+
+def scratch_stats() -> dict[str, int]:
+    """{"idle_bytes": kept between calls now, "last_call_bytes": the last parallel region's scratch}."""
+    return {"idle_bytes": int(_clib.ma_scratch_idle_bytes()), "last_call_bytes": int(_clib.ma_scratch_last_bytes())}
+
+
 def isa_available(name: str) -> bool:
     """Whether this CPU runs the kernel variant ``name`` (scalar, avx2, avx512, amx)."""
     if name not in _ISAS:
