@@ -10,7 +10,7 @@ CLANG_FORMAT ?= clang-format
 # the C kernels (not shim.cpp: see .clang-format)
 C_FILES := $(shell find csrc -name '*.c' -o -name '*.h' | sort)
 
-.PHONY: setup demo demo-attention test test-compat bench lint clean
+.PHONY: setup demo demo-attention test test-compat bench fuzz lint clean
 
 setup: $(BUILT)
 
@@ -40,6 +40,14 @@ test: setup
 
 bench: setup
 	$(VPY) benchmarks/run.py
+	$(VPY) benchmarks/threads.py
+
+# differential fuzzer (tools/fuzz.py): random attention and cross-entropy cases
+# against a float64 reference, FUZZ_SECONDS per instruction set the CPU runs;
+# each finding prints its replay seed. `make test` runs a slice (tests/test_fuzz.py).
+FUZZ_SECONDS ?= 600
+fuzz: setup
+	$(VPY) tools/fuzz.py --seconds $(FUZZ_SECONDS) --isa all
 
 # The suite under the oldest torch that pyproject.toml admits, built from
 # source against it in a copy of the tracked files (torch from PyPI is a CUDA
