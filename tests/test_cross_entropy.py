@@ -23,6 +23,8 @@ from torch.autograd import gradcheck
 import torch_masked_attn as tma
 from conftest import assert_close64, assert_close_ref
 
+_TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
 tmaF = tma.functional
 ops = torch.ops.masked_attn
 
@@ -717,6 +719,12 @@ def test_errors_match_pytorch(case):
     want = _outcome(F.cross_entropy, *args, **kwargs)
     assert want is not None, f"{case}: PyTorch raises nothing"
     got = _outcome(tmaF.cross_entropy, *args, **kwargs)
+    if _TORCH < (2, 13) and got != want:
+        # the messages and the order of the checks are torch 2.13's; older torch words some of
+        # them differently or checks in another order: the same exception type, still raised
+        # (README, "Supported torch versions")
+        assert got[0] is want[0], (got, want)
+        return
     assert got == want
 
 
