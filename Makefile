@@ -10,7 +10,7 @@ CLANG_FORMAT ?= clang-format
 # the C kernels (not shim.cpp: see .clang-format)
 C_FILES := $(shell find csrc -name '*.c' -o -name '*.h' | sort)
 
-.PHONY: setup demo demo-attention test test-compat bench fuzz lint clean
+.PHONY: setup demo demo-attention test test-compat bench fuzz sanitize lint clean
 
 setup: $(BUILT)
 
@@ -62,6 +62,12 @@ test-compat:
 	git ls-files -z | xargs -0 cp --parents -t $(COMPAT_DIR)
 	cd $(COMPAT_DIR) && $(CURDIR)/$(COMPAT_VENV)/bin/python setup.py -q build_ext --inplace
 	cd $(COMPAT_DIR) && $(CURDIR)/$(COMPAT_VENV)/bin/python -m pytest tests -q -p no:cacheprovider
+
+# The C harnesses and a slice of the suite under ASan + UBSan (tools/sanitize.py),
+# built into build-sanitize/ with setup.py's flags + the sanitizers
+# (MASKED_ATTN_CFLAGS); the editable install and build/ are left alone.
+sanitize: $(STAMP)
+	$(VPY) tools/sanitize.py
 
 # pinned: a newer ruff may bring new rules into the selected sets
 $(RUFF): | $(STAMP)

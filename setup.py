@@ -25,6 +25,9 @@ ISA_FLAGS = {
     "amx": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mamx-tile",
             "-mamx-bf16", "-mfma", "-mf16c"],
 }
+# MASKED_ATTN_CFLAGS: extra words appended to every compile (C11 and C++) and to
+# the link, e.g. the sanitizers (make sanitize); unset: the flags above only.
+EXTRA_FLAGS = os.environ.get("MASKED_ATTN_CFLAGS", "").split()
 
 
 def isa_flags(src):
@@ -49,7 +52,7 @@ class BuildC11ThenExtension(BuildExtension):
             stale = not os.path.exists(obj) or os.path.getmtime(obj) < max(
                 os.path.getmtime(src), newest_header)
             if stale:
-                cmd = [cc, *C_FLAGS, *isa_flags(src), "-c", src, "-o", obj]
+                cmd = [cc, *C_FLAGS, *isa_flags(src), *EXTRA_FLAGS, "-c", src, "-o", obj]
                 print(" ".join(cmd))
                 subprocess.check_call(cmd)
             objects.append(obj)
@@ -68,8 +71,9 @@ if __name__ == "__main__":  # tests import this file for the C flags
                 ["csrc/shim.cpp"],
                 include_dirs=[os.path.join(ROOT, "csrc")],
                 extra_compile_args={
-                    "cxx": ["-O2", "-std=c++17", "-DTORCH_TARGET_VERSION=0x020a000000000000"],
+                    "cxx": ["-O2", "-std=c++17", "-DTORCH_TARGET_VERSION=0x020a000000000000", *EXTRA_FLAGS],
                 },
+                extra_link_args=EXTRA_FLAGS,
                 py_limited_api=True,
             )
         ],
