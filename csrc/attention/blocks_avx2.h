@@ -2,8 +2,22 @@
  * blocks_avx2.h -- the attention building blocks (blocks.h) on AVX2 + FMA,
  * for avx2.c.
  *
- * GEMM: a 4 x 16 register-blocked micro-kernel (8 ymm accumulators) and the
- * loops around it; column tails use masked loads and stores.
+ * GEMM: register-blocked micro-kernels and the loops around them, B read in
+ * place (row-major, leading dimension ldb), A through its (ars, acs) strides
+ * by broadcasts, nothing packed.
+ *   - Full 16-column panels use a 6 x 16 block: 12 ymm accumulators + 2 rows
+ *     of B + 1 broadcast of A = 15 of the 16 registers; each step p is 8 loads
+ *     per 12 FMAs. Its loads and stores are plain (unmasked).
+ *   - Row tails (m % 6) use the same block with fewer rows (MR = 1..5).
+ *   - Column tails (n % 16): 9..15 columns a masked 2-vector block, exactly 8
+ *     an unmasked 1-vector block, 1..7 a masked 1-vector block; only columns
+ *     < n are read and written.
+ * Every element of C is computed the same way in every block: c = 0 (or C,
+ * or, in gemm_rowscale_avx2, rs[r] * C rounded once as it is loaded), then
+ * c = fma(A[i, p], B[p, j], c) for p = 0, 1, ..., k - 1 in order, one FMA
+ * per p in one register lane. So results never depend on the block shape,
+ * m, n or where a tile is split, and dot_keys_avx2 / axpy_keys_avx2, which
+ * sum in the same order, are bit for bit the GEMM's (tests/c/test_blocks.c).
  */
 #ifndef MA_ATTENTION_BLOCKS_AVX2_H
 #define MA_ATTENTION_BLOCKS_AVX2_H
@@ -23,35 +37,68 @@ static inline __m256i tail_mask(int64_t n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(nn), idx);
 }
 
-/* C[0:MR, 0:nr] (+)= A[0:MR, 0:k] @ B[0:k, 0:nr], nr <= 16; with accumulate and rs, row r of C
- * is first multiplied by rs[r] (rounded once, as a separate pass would store it). */
-static inline __attribute__((always_inline)) void ukernel_4x16(
-    const int MR, int64_t nr, int64_t k, const float *A, int64_t ars, int64_t acs, const float *B,
-    int64_t ldb, float *C, int64_t ldc, int accumulate, const float *rs) {
-    const __m256i m0 = tail_mask(nr), m1 = tail_mask(nr - 8);
-    __m256 c0[4], c1[4];
+/* One step p of the micro-kernel: c[r][v] = fma(A[r, p], B[p, 8v : 8v + 8], c[r][v]). */
+static inline __attribute__((always_inline)) void ukernel_step(const int MR, const int NV, const int masked,
+                                                               const __m256i mk[2], __m256 c[6][2], const float *A,
+                                                               int64_t ars, const float *B) {
+    __m256 b[2];
+    for (int v = 0; v < NV; v++) b[v] = masked ? _mm256_maskload_ps(B + 8 * v, mk[v]) : _mm256_loadu_ps(B + 8 * v);
     for (int r = 0; r < MR; r++) {
-        c0[r] = accumulate ? _mm256_maskload_ps(C + r * ldc, m0) : _mm256_setzero_ps();
-        c1[r] = accumulate ? _mm256_maskload_ps(C + r * ldc + 8, m1) : _mm256_setzero_ps();
-        if (accumulate && rs) {
-            const __m256 sv = _mm256_set1_ps(rs[r]);
-            c0[r] = _mm256_mul_ps(c0[r], sv);
-            c1[r] = _mm256_mul_ps(c1[r], sv);
-        }
+        const __m256 a = _mm256_broadcast_ss(A + r * ars);
+        for (int v = 0; v < NV; v++) c[r][v] = _mm256_fmadd_ps(a, b[v], c[r][v]);
     }
-    for (int64_t p = 0; p < k; p++) {
-        const __m256 b0 = _mm256_maskload_ps(B + p * ldb, m0);
-        const __m256 b1 = _mm256_maskload_ps(B + p * ldb + 8, m1);
+}
+
+/* C[0:MR, 0:8 NV] (+)= A[0:MR, 0:k] @ B[0:k, 0:8 NV], MR <= 6, NV <= 2. masked: only columns < nr
+ * are read and written (else nr = 8 NV). MR, NV, masked are constants after inlining, so the
+ * accumulators stay in registers. With accumulate and rs, row r of C is first multiplied by
+ * rs[r] (rounded once, as a separate pass would store it). */
+static inline __attribute__((always_inline)) void ukernel(const int MR, const int NV, const int masked, int64_t nr,
+                                                          int64_t k, const float *A, int64_t ars, int64_t acs,
+                                                          const float *B, int64_t ldb, float *C, int64_t ldc,
+                                                          int accumulate, const float *rs) {
+    __m256i mk[2];
+    __m256 c[6][2];
+    for (int v = 0; v < NV; v++) mk[v] = tail_mask(masked ? nr - 8 * v : 8);
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < NV; v++)
+            c[r][v] = !accumulate ? _mm256_setzero_ps()
+                      : masked    ? _mm256_maskload_ps(C + r * ldc + 8 * v, mk[v])
+                                  : _mm256_loadu_ps(C + r * ldc + 8 * v);
+    if (accumulate && rs)
         for (int r = 0; r < MR; r++) {
-            const __m256 a = _mm256_broadcast_ss(A + r * ars + p * acs);
-            c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
-            c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
+            const __m256 sv = _mm256_set1_ps(rs[r]);
+            for (int v = 0; v < NV; v++) c[r][v] = _mm256_mul_ps(c[r][v], sv);
         }
+#pragma GCC unroll 2
+    for (int64_t p = 0; p < k; p++) ukernel_step(MR, NV, masked, mk, c, A + p * acs, ars, B + p * ldb);
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < NV; v++) {
+            if (masked)
+                _mm256_maskstore_ps(C + r * ldc + 8 * v, mk[v], c[r][v]);
+            else
+                _mm256_storeu_ps(C + r * ldc + 8 * v, c[r][v]);
+        }
+}
+
+/* One column panel C[0:m, 0:8 NV]: 6-row blocks, then the m % 6 rows in one block. */
+static inline __attribute__((always_inline)) void gemm_panel(const int NV, const int masked, int64_t m, int64_t nr,
+                                                             int64_t k, const float *A, int64_t ars, int64_t acs,
+                                                             const float *B, int64_t ldb, float *C, int64_t ldc,
+                                                             int accumulate, const float *rs) {
+#define MA_BLOCK(MR) \
+    ukernel(MR, NV, masked, nr, k, A + i * ars, ars, acs, B, ldb, C + i * ldc, ldc, accumulate, rs ? rs + i : NULL)
+    int64_t i = 0;
+    for (; i + 6 <= m; i += 6) MA_BLOCK(6);
+    switch (m - i) {
+    case 5: MA_BLOCK(5); break;
+    case 4: MA_BLOCK(4); break;
+    case 3: MA_BLOCK(3); break;
+    case 2: MA_BLOCK(2); break;
+    case 1: MA_BLOCK(1); break;
+    default: break;
     }
-    for (int r = 0; r < MR; r++) {
-        _mm256_maskstore_ps(C + r * ldc, m0, c0[r]);
-        _mm256_maskstore_ps(C + r * ldc + 8, m1, c1[r]);
-    }
+#undef MA_BLOCK
 }
 
 /* C (m, n) = [diag(rs) C +] A (m, k) @ B (k, n); A[i, p] = A[i*ars + p*acs]; rs only with accumulate. */
@@ -59,16 +106,15 @@ static inline __attribute__((always_inline)) void gemm_avx2_rs(int64_t m, int64_
                                                                 int64_t ars, int64_t acs, const float *B, int64_t ldb,
                                                                 float *C, int64_t ldc, int accumulate,
                                                                 const float *rs) {
-    for (int64_t j = 0; j < n; j += 16) {
-        const int64_t nr = ma_min(16, n - j);
-        int64_t i = 0;
-        for (; i + 4 <= m; i += 4)
-            ukernel_4x16(4, nr, k, A + i * ars, ars, acs, B + j, ldb, C + i * ldc + j, ldc, accumulate,
-                         rs ? rs + i : NULL);
-        for (; i < m; i++)
-            ukernel_4x16(1, nr, k, A + i * ars, ars, acs, B + j, ldb, C + i * ldc + j, ldc, accumulate,
-                         rs ? rs + i : NULL);
-    }
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) gemm_panel(2, 0, m, 16, k, A, ars, acs, B + j, ldb, C + j, ldc, accumulate, rs);
+    const int64_t nr = n - j; /* the last n % 16 columns */
+    if (nr > 8)
+        gemm_panel(2, 1, m, nr, k, A, ars, acs, B + j, ldb, C + j, ldc, accumulate, rs);
+    else if (nr == 8)
+        gemm_panel(1, 0, m, 8, k, A, ars, acs, B + j, ldb, C + j, ldc, accumulate, rs);
+    else if (nr > 0)
+        gemm_panel(1, 1, m, nr, k, A, ars, acs, B + j, ldb, C + j, ldc, accumulate, rs);
 }
 
 /* C (m, n) = [C +] A (m, k) @ B (k, n); A[i, p] = A[i*ars + p*acs]. */
