@@ -18,6 +18,10 @@
  * per p in one register lane. So results never depend on the block shape,
  * m, n or where a tile is split, and dot_keys_avx2 / axpy_keys_avx2, which
  * sum in the same order, are bit for bit the GEMM's (tests/c/test_blocks.c).
+ *
+ * Memory moves: whole 8-float vectors are loaded and stored plainly; masked
+ * moves (vmaskmovps, slow on AMD processors, its stores most of all) only
+ * for the last n % 8 columns (GEMM, col_max, exp_sub_col, exp_sub_sum).
  */
 #ifndef MA_ATTENTION_BLOCKS_AVX2_H
 #define MA_ATTENTION_BLOCKS_AVX2_H
@@ -130,11 +134,30 @@ static void gemm_rowscale_avx2(int64_t m, int64_t n, int64_t k, const float *A, 
     gemm_avx2_rs(m, n, k, A, ars, acs, B, ldb, C, ldc, 1, rs);
 }
 
+/* 8 floats at x: all of them (full), or lanes where k is set (the rest read as 0, never
+ * written). Masked moves are slow on some processors (vmaskmovps stores on AMD), so whole
+ * vectors use plain ones; the values are the same. */
+static inline __attribute__((always_inline)) __m256 load_ps(const int full, const float *x, __m256i k) {
+    return full ? _mm256_loadu_ps(x) : _mm256_maskload_ps(x, k);
+}
+static inline __attribute__((always_inline)) void store_ps(const int full, float *x, __m256i k, __m256 v) {
+    if (full)
+        _mm256_storeu_ps(x, v);
+    else
+        _mm256_maskstore_ps(x, k, v);
+}
+
 /* x[c] = exp(x[c] - m) in place; returns the sum. */
 static float exp_sub_sum_avx2(float *x, int64_t n, float m) {
     const __m256 mv = _mm256_set1_ps(m);
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t c = 0; c < n; c += 8) {
+    int64_t c = 0;
+    for (; c + 8 <= n; c += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + c), mv));
+        _mm256_storeu_ps(x + c, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    if (c < n) {
         const __m256i k = tail_mask(n - c);
         __m256 e = exp256(_mm256_sub_ps(_mm256_maskload_ps(x + c, k), mv));
         e = _mm256_and_ps(e, _mm256_castsi256_ps(k)); /* lanes past n add nothing */
@@ -147,46 +170,58 @@ static float exp_sub_sum_avx2(float *x, int64_t n, float m) {
     return _mm_cvtss_f32(s);
 }
 
-/* m[r] = max(m[r], max_c x[c*n + r]); NaN sticks (vmaxps alone would drop it). */
-static void col_max_avx2(const float *x, int64_t rows, int64_t n, float *m) {
-    for (int64_t r = 0; r < n; r += 8) { /* four running maxima per strip, as in AVX-512 */
-        const __m256i k = tail_mask(n - r);
-        __m256 mv[4];
-        mv[0] = _mm256_maskload_ps(m + r, k);
-        mv[1] = mv[2] = mv[3] = mv[0];
-        __m256 nan = _mm256_cmp_ps(mv[0], mv[0], _CMP_UNORD_Q);
-        int64_t c = 0;
-        for (; c + 4 <= rows; c += 4)
-            for (int u = 0; u < 4; u++) {
-                const __m256 xv = _mm256_maskload_ps(x + (c + u) * n + r, k);
-                nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));
-                mv[u] = _mm256_max_ps(xv, mv[u]);
-            }
-        for (; c < rows; c++) {
-            const __m256 xv = _mm256_maskload_ps(x + c * n + r, k);
+/* One strip of 8 columns r.. of col_max_avx2 (full: all 8 inside n). */
+static inline __attribute__((always_inline)) void col_max_strip(const int full, const float *x, int64_t rows,
+                                                                int64_t n, float *m, __m256i k) {
+    __m256 mv[4];
+    mv[0] = load_ps(full, m, k);
+    mv[1] = mv[2] = mv[3] = mv[0];
+    __m256 nan = _mm256_cmp_ps(mv[0], mv[0], _CMP_UNORD_Q);
+    int64_t c = 0;
+    for (; c + 4 <= rows; c += 4)
+        for (int u = 0; u < 4; u++) {
+            const __m256 xv = load_ps(full, x + (c + u) * n, k);
             nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));
-            mv[0] = _mm256_max_ps(xv, mv[0]);
+            mv[u] = _mm256_max_ps(xv, mv[u]);
         }
-        __m256 mx = _mm256_max_ps(_mm256_max_ps(mv[0], mv[1]), _mm256_max_ps(mv[2], mv[3]));
-        mx = _mm256_blendv_ps(mx, _mm256_set1_ps(NAN), nan);
-        _mm256_maskstore_ps(m + r, k, mx);
+    for (; c < rows; c++) {
+        const __m256 xv = load_ps(full, x + c * n, k);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));
+        mv[0] = _mm256_max_ps(xv, mv[0]);
     }
+    __m256 mx = _mm256_max_ps(_mm256_max_ps(mv[0], mv[1]), _mm256_max_ps(mv[2], mv[3]));
+    mx = _mm256_blendv_ps(mx, _mm256_set1_ps(NAN), nan);
+    store_ps(full, m, k, mx);
+}
+
+/* m[r] = max(m[r], max_c x[c*n + r]); NaN sticks (vmaxps alone would drop it). Four running
+ * maxima per strip of 8 columns, as in AVX-512. */
+static void col_max_avx2(const float *x, int64_t rows, int64_t n, float *m) {
+    int64_t r = 0;
+    for (; r + 8 <= n; r += 8) col_max_strip(1, x + r, rows, n, m + r, tail_mask(8));
+    if (r < n) col_max_strip(0, x + r, rows, n, m + r, tail_mask(n - r));
+}
+
+/* One strip of 8 columns r.. of exp_sub_col_avx2 (full: all 8 inside n). */
+static inline __attribute__((always_inline)) void exp_sub_col_strip(const int full, float *x, int64_t rows,
+                                                                    int64_t n, const float *m, float *sum,
+                                                                    __m256i k) {
+    __m256 mv = load_ps(full, m, k);
+    mv = _mm256_blendv_ps(mv, _mm256_setzero_ps(), _mm256_cmp_ps(mv, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
+    __m256 acc = load_ps(full, sum, k);
+    for (int64_t c = 0; c < rows; c++) {
+        const __m256 e = exp256(_mm256_sub_ps(load_ps(full, x + c * n, k), mv));
+        store_ps(full, x + c * n, k, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    store_ps(full, sum, k, acc);
 }
 
 /* x[c*n + r] = exp(x[c*n + r] - m[r]) (m[r] = -inf counts as 0); sum[r] += it. */
 static void exp_sub_col_avx2(float *x, int64_t rows, int64_t n, const float *m, float *sum) {
-    for (int64_t r = 0; r < n; r += 8) {
-        const __m256i k = tail_mask(n - r);
-        __m256 mv = _mm256_maskload_ps(m + r, k);
-        mv = _mm256_blendv_ps(mv, _mm256_setzero_ps(), _mm256_cmp_ps(mv, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
-        __m256 acc = _mm256_maskload_ps(sum + r, k);
-        for (int64_t c = 0; c < rows; c++) {
-            const __m256 e = exp256(_mm256_sub_ps(_mm256_maskload_ps(x + c * n + r, k), mv));
-            _mm256_maskstore_ps(x + c * n + r, k, e);
-            acc = _mm256_add_ps(acc, e);
-        }
-        _mm256_maskstore_ps(sum + r, k, acc);
-    }
+    int64_t r = 0;
+    for (; r + 8 <= n; r += 8) exp_sub_col_strip(1, x + r, rows, n, m + r, sum + r, tail_mask(8));
+    if (r < n) exp_sub_col_strip(0, x + r, rows, n, m + r, sum + r, tail_mask(n - r));
 }
 
 /* dst (ncol, nr) = mul * src (nr, ncol)^T, src rows lds apart (plain loops). */
