@@ -135,6 +135,23 @@ def gpt_train(dtype):
     return functional_attention(B, H, L, D, dtype, key_padding(B, L), ("bool", "float"))
 
 
+def hf_mask():
+    """Hugging Face's attention mask: causal + key padding materialised as one
+    4-D bool mask (B, 1, L, L), True = take part, passed to F.sdpa, and the same
+    mask through our F.sdpa drop-in (which finds the blocked tiles by reading it)."""
+    B, H, L, D = 4, 8, 1024, 64
+    q, k, v, g = qkv(B, H, L, D, torch.float32)
+    kpm = key_padding(B, L)
+    allowed = ~(causal_blocked(L)[None, None] | kpm[:, None, None, :])       # (B, 1, L, L)
+    native = fwd_bwd(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed), (q, k, v), g)
+    ours = fwd_bwd(lambda: tma.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed), (q, k, v), g)
+    fl = attention_flops(B, H, L, L, D, causal=True, backward=True)
+    return Bench(work=f"B={B} H={H} L={L} D={D} causal + key padding {kpm.float().mean().item():.0%} as a "
+                      f"4-D bool mask (B, 1, L, L), both through F.sdpa, fwd+bwd, {gflop(fl)}",
+                 natives={"sdpa-bool": native}, ours=ours, flops=fl, attn_flops=fl,
+                 info=dict(B=B, H=H, L=L, D=D, dtype=str(torch.float32)))
+
+
 def long_causal(dtype):
     return functional_attention(1, 8, 4096, 64, dtype, None, ("causal",))
 
@@ -335,6 +352,7 @@ NAMED = {
     "long-causal-bf16": lambda: long_causal(torch.bfloat16),
     "decode": lambda: decode(torch.float32),
     "decode-bf16": lambda: decode(torch.bfloat16),
+    "hf-mask": hf_mask,
     "mha-mem-8192": lambda: mha_train(1, 8192, timed=False),
     "ce": lambda: cross_entropy_case(8192, 32000, torch.float32),
     "ce-bf16": lambda: cross_entropy_case(4096, 128256, torch.bfloat16),
@@ -342,7 +360,7 @@ NAMED = {
 }
 GROUPS = {
     "attention": ["gpt-train", "long-causal", "long-causal-fwd", "one-head-long", "bert-infer", "mha-train",
-                  "gpt-train-bf16", "long-causal-bf16", "decode", "decode-bf16"],
+                  "gpt-train-bf16", "long-causal-bf16", "decode", "decode-bf16", "hf-mask"],
     "memory": ["mha-mem-8192"],
     "ce": ["ce", "ce-bf16", "linear-ce"],
 }

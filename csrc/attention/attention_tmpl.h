@@ -15,9 +15,11 @@
  *
  * Where the masks are interpreted: FN(mask_value) (a bool or float element
  * into its additive form), FN(keys_read) (trailing key padding that is never
- * read), FN(kv_end) (causal block skipping). Where they are applied:
- * FN(add_bias), the only place scores get their bias; head_mask in
- * FN(head_scale) and the output/gradient lines that use it.
+ * read), FN(kv_end) (causal block skipping), FN(mask_tile_state) (an
+ * attn_mask tile that blocks every entry is skipped, one that adds only
+ * zeros is not added). Where they are applied: FN(add_bias), the only place
+ * scores get their bias; head_mask in FN(head_scale) and the output/gradient
+ * lines that use it.
  *
  * The algorithm is FlashAttention-2. The forward and the dq pass hold one
  * query block and stream the key blocks; they work on transposed scores
@@ -210,11 +212,62 @@ static inline ACC FN(mask_value)(const ma_mask *m, int64_t off) {
     return LOAD(m->ptr, m->dtype, off);
 }
 
+#ifndef MA_TILE_STATES
+#define MA_TILE_STATES
+enum { MA_TILE_MIXED = 0, MA_TILE_BLOCKED = 1, MA_TILE_ZERO = 2 };
+#endif
+
+/* What the attn_mask entries of one tile (queries i0 .. i0 + nr, keys
+ * j0 .. j0 + nc of head (b, h)) say, read from those entries alone (not from
+ * any assumed structure), through the broadcasting strides (a dimension of
+ * stride 0 is read once):
+ *   MA_TILE_BLOCKED  every entry blocks (bool true, float -inf). For finite
+ *                    q, k, v the tile contributes exactly nothing (P =
+ *                    exp(-inf) = 0, the running max does not move), so the
+ *                    loops skip it whole: no products, and its keys' k, v are
+ *                    not read for its queries (NaN there reaches no other row);
+ *   MA_TILE_ZERO     every entry adds 0 (bool false, float +-0), or there is
+ *                    no attn_mask: FN(add_bias) adds nothing from it;
+ *   MA_TILE_MIXED    anything else (NaN and +inf included): added as is.
+ * Other masks (causal, key padding) are not consulted: each has its own skip. */
+static int FN(mask_tile_state)(const ma_mask *m, int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0,
+                               int64_t nc) {
+    if (!m->ptr) return MA_TILE_ZERO;
+    const int64_t *st = m->stride;
+    const int64_t rows = st[2] ? nr : 1, cols = st[3] ? nc : 1, cst = st[3] ? st[3] : 1;
+    const int64_t base = b * st[0] + h * st[1] + i0 * st[2] + j0 * st[3];
+    int blocked = 1, zero = 1;
+    for (int64_t r = 0; r < rows && (blocked | zero); r++) {
+        const int64_t off = base + r * st[2];
+        if (m->dtype == MA_BOOL && cst == 1) { /* bytes 0 / 1: AND and OR over the row */
+            const uint8_t *x = (const uint8_t *)m->ptr + off;
+            uint8_t all = 1, any = 0;
+            for (int64_t c = 0; c < cols; c++) all &= x[c], any |= x[c];
+            blocked &= all != 0;
+            zero &= any == 0;
+        } else if (m->dtype == MA_F32 && cst == 1) {
+            const float *x = (const float *)m->ptr + off;
+            int all = 1, none = 1;
+            for (int64_t c = 0; c < cols; c++) all &= x[c] == -INFINITY, none &= x[c] == 0;
+            blocked &= all;
+            zero &= none;
+        } else {
+            for (int64_t c = 0; c < cols; c++) {
+                const ACC x = FN(mask_value)(m, off + c * cst);
+                blocked &= x == -(ACC)INFINITY;
+                zero &= x == 0;
+            }
+        }
+    }
+    return blocked ? MA_TILE_BLOCKED : zero ? MA_TILE_ZERO : MA_TILE_MIXED;
+}
+
 /* Scores of queries i0 .. i0 + nr against keys j0 .. j0 + nc, plus the bias
  * of every mask (additive forms); accumulates. Element (r, c) lives at
  * s[r * rs + c * cs]: rs = nc, cs = 1 for row-wise s (nr, nc), rs = 1,
- * cs = nr for transposed sT (nc, nr). */
-static void FN(add_bias)(ACC *s, int64_t rs, int64_t cs, const ma_mask *am, const ma_mask *kpm,
+ * cs = nr for transposed sT (nc, nr). am_state is FN(mask_tile_state) of
+ * the tile: MA_TILE_ZERO adds nothing from am (s + 0 = s: the same values). */
+static void FN(add_bias)(ACC *s, int64_t rs, int64_t cs, const ma_mask *am, int am_state, const ma_mask *kpm,
                          int is_causal, int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0,
                          int64_t nc) {
     if (kpm->ptr) {
@@ -240,7 +293,7 @@ static void FN(add_bias)(ACC *s, int64_t rs, int64_t cs, const ma_mask *am, cons
             }
         }
     }
-    if (am->ptr) {
+    if (am->ptr && am_state != MA_TILE_ZERO) {
         for (int64_t r = 0; r < nr; r++) {
             const int64_t base = b * am->stride[0] + h * am->stride[1] + (i0 + r) * am->stride[2] +
                                  j0 * am->stride[3];
@@ -423,13 +476,14 @@ static void FN(sum_rows_in_order)(const ACC *s, int64_t nc, int64_t nr, ACC *lsu
  * (DOT_KEYS and AXPY_KEYS are bit for bit the GEMM's sums, P sums in key
  * order): a row's values never depend on which path computed it, so adding
  * query rows (padding) changes no other row. The AMX tile kernels round
- * differently; their short blocks take this path on AVX-512. */
+ * differently; their short blocks take this path on AVX-512. am_state is
+ * the tile's FN(mask_tile_state) (the loop skips MA_TILE_BLOCKED). */
 static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s, ACC *o, ACC *m, ACC *l, ACC *m_new,
                               ACC *lsum, ACC *alpha, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t nr,
-                              int64_t j0, int64_t nc) {
+                              int64_t j0, int64_t nc, int am_state) {
     const int64_t D = p->a.D, Dv = p->a.Dv, *ks = p->a.k_stride, *vs = p->a.v_stride;
     DOT_KEYS(s, nc, q, nr, D, p->a.k, p->a.dtype, b * ks[0] + hk * ks[1] + j0 * ks[2], ks[2], nc);
-    FN(add_bias)(s, nc, 1, &p->a.attn_mask, &p->a.key_padding_mask, p->a.is_causal, b, h, i0, nr, j0, nc);
+    FN(add_bias)(s, nc, 1, &p->a.attn_mask, am_state, &p->a.key_padding_mask, p->a.is_causal, b, h, i0, nr, j0, nc);
     for (int64_t r = 0; r < nr; r++) {
         m_new[r] = ROW_MAX(s + r * nc, nc, m[r]);
         (void)EXP_SUB_SUM(s + r * nc, nc, m_new[r] == -(ACC)INFINITY ? 0 : m_new[r]);
@@ -590,13 +644,15 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
         for (int64_t j0 = 0; j0 < kv_end; j0 += BK) {
             const int64_t nc = FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
             if (nc == 0) continue;
+            const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
+            if (ms == MA_TILE_BLOCKED) continue; /* contributes exactly 0 */
             if (by_rows) {
-                FN(fwd_rows_step)(p, t.qT, t.sT, t.o, t.m, t.l, t.m_new, t.lsum, t.lse, b, h, hk, i0, nr, j0, nc);
+                FN(fwd_rows_step)(p, t.qT, t.sT, t.o, t.m, t.l, t.m_new, t.lsum, t.lse, b, h, hk, i0, nr, j0, nc, ms);
                 continue;
             }
             /* sT = K (scale Q)^T + bias^T */
             FWD_STEP(scores, t.sT, i0, j0, nc);
-            FN(add_bias)(t.sT, 1, nr, &p->a.attn_mask, &p->a.key_padding_mask, p->a.is_causal, b, h, i0, nr, j0, nc);
+            FN(add_bias)(t.sT, 1, nr, &p->a.attn_mask, ms, &p->a.key_padding_mask, p->a.is_causal, b, h, i0, nr, j0, nc);
             /* online softmax: m_new = max(m, colmax sT); P = exp(sT - m_new); l, O rescaled */
             for (int64_t r = 0; r < nr; r++) {
                 t.m_new[r] = t.m[r];
@@ -634,12 +690,14 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
             const int64_t w_st[4] = {H * Lq * Lk, Lq * Lk, Lk, 1};
             for (int64_t j0 = 0; j0 < Lk; j0 += BK) {
                 const int64_t nw = ma_min(BK, Lk - j0); /* weights written */
-                const int64_t nc = j0 < kv_end ? FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(nw, kv_end - j0)) : 0;
+                int64_t nc = j0 < kv_end ? FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(nw, kv_end - j0)) : 0;
+                const int ms = nc > 0 ? FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc) : MA_TILE_BLOCKED;
+                if (ms == MA_TILE_BLOCKED) nc = 0;
                 if (nc > 0) {
                     int64_t ldk;
                     const ACC *k_j = FN(rows_in)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, gen.k_bh, D, &ldk);
                     GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
-                    FN(add_bias)(t.sT, 1, nr, &p->a.attn_mask, &p->a.key_padding_mask, p->a.is_causal, b, h, i0, nr, j0, nc);
+                    FN(add_bias)(t.sT, 1, nr, &p->a.attn_mask, ms, &p->a.key_padding_mask, p->a.is_causal, b, h, i0, nr, j0, nc);
                     EXP_SUB_COL(t.sT, nc, nr, t.m_new, t.lsum);
                 }
                 for (int64_t r = 0; r < nr; r++) /* keys not read: weight 0 */
@@ -834,10 +892,12 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
             for (int64_t j0 = 0; j0 < kv_end; j0 += BK) {
                 const int64_t nc = FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
                 if (nc == 0) continue;
+                const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
+                if (ms == MA_TILE_BLOCKED) continue;
                 int64_t ldk;
                 const ACC *k_j = FN(rows_in)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, k_bh, D, &ldk);
                 GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
-                FN(add_bias)(t.sT, 1, nr, &p->a.attn_mask, &p->a.key_padding_mask, p->a.is_causal, b, h, i0, nr, j0, nc);
+                FN(add_bias)(t.sT, 1, nr, &p->a.attn_mask, ms, &p->a.key_padding_mask, p->a.is_causal, b, h, i0, nr, j0, nc);
                 EXP_SUB_COL(t.sT, nc, nr, t.lse, t.tmp);
                 for (int64_t x = 0; x < nc * nr; x++) t.dpT[x] = 0;
                 FN(add_dweights)(t.dpT, 1, nr, p, b, h, i0, nr, j0, nc);
@@ -854,12 +914,14 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
         for (int64_t j0 = 0; j0 < kv_end; j0 += BK) {
             const int64_t nc = FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
             if (nc == 0) continue;
+            const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
+            if (ms == MA_TILE_BLOCKED) continue; /* P = 0, dS = 0: dq, dhm unchanged, dscores stays 0 */
             int64_t ldk, ldv;
             const ACC *k_j = FN(rows_in)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, k_bh, D, &ldk);
             const ACC *v_j = FN(rows_in)(p->a.v, p->a.dtype, p->a.v_stride, b, hk, j0, v_bh, Dv, &ldv);
             /* P^T = exp(K (scale Q)^T + bias^T - lse) */
             GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
-            FN(add_bias)(t.sT, 1, nr, &p->a.attn_mask, &p->a.key_padding_mask, p->a.is_causal, b, h, i0, nr, j0, nc);
+            FN(add_bias)(t.sT, 1, nr, &p->a.attn_mask, ms, &p->a.key_padding_mask, p->a.is_causal, b, h, i0, nr, j0, nc);
             EXP_SUB_COL(t.sT, nc, nr, t.lse, t.tmp);
             /* dP^T = V dO^T (+ dW^T);  dS^T = P^T (hm dP^T - delta) */
             GEMM(nc, nr, Dv, v_j, ldv, 1, t.gT, nr, t.dpT, nr, 0);
@@ -933,11 +995,13 @@ static void FN(gen_bwd_dkdv_at)(const FN(bwd_scratch) *t, const ma_attn_bwd_para
 
 /* The softmax lines of a row-wise tile, between the products: s holds the
  * scores, dp holds dO V^T; lse_r and delta_r are the tile's rows (lse with
- * -inf already 0); dhm_r gets the head mask's row sums when not NULL. */
+ * -inf already 0); dhm_r gets the head mask's row sums when not NULL;
+ * am_state is the tile's FN(mask_tile_state) (never MA_TILE_BLOCKED: the
+ * loops skip those tiles). */
 static void FN(bwd_tile_softmax)(ACC *s, ACC *dp, const ma_attn_bwd_params *p, int64_t b, int64_t h, ACC hm,
-                                 int64_t i0, int64_t nr, int64_t j0, int64_t nc, const ACC *lse_r,
+                                 int64_t i0, int64_t nr, int64_t j0, int64_t nc, int am_state, const ACC *lse_r,
                                  const ACC *delta_r, ACC *dhm_r) {
-    FN(add_bias)(s, nc, 1, &p->a.attn_mask, &p->a.key_padding_mask, p->a.is_causal, b, h, i0, nr, j0, nc);
+    FN(add_bias)(s, nc, 1, &p->a.attn_mask, am_state, &p->a.key_padding_mask, p->a.is_causal, b, h, i0, nr, j0, nc);
     for (int64_t r = 0; r < nr; r++) (void)EXP_SUB_SUM(s + r * nc, nc, lse_r[r]);
     if (p->dweights) FN(add_dweights)(dp, nc, 1, p, b, h, i0, nr, j0, nc);
     FN(dscores)(dp, s, nc, 1, delta_r, dhm_r, hm, nr, nc);
@@ -947,11 +1011,12 @@ static void FN(bwd_tile_softmax)(ACC *s, ACC *dp, const ma_attn_bwd_params *p, i
 
 /* The whole generic tile of the two-pass dkdv pass (kT, vT packed in t). */
 static void FN(bwd_key_tile)(const FN(bwd_scratch) *t, const ma_attn_bwd_params *p, int64_t b, int64_t h, ACC hm,
-                             int64_t i0, int64_t nr, int64_t j0, int64_t nc, const ACC *q_i, int64_t ldq,
-                             const ACC *g_i, int64_t ldg, const ACC *lse_r, const ACC *delta_r, ACC *dhm_r) {
+                             int64_t i0, int64_t nr, int64_t j0, int64_t nc, int am_state, const ACC *q_i,
+                             int64_t ldq, const ACC *g_i, int64_t ldg, const ACC *lse_r, const ACC *delta_r,
+                             ACC *dhm_r) {
     FN(gen_bwd_scores_at)(t, p, i0, nr, j0, nc, q_i, ldq);
     FN(gen_bwd_dp_at)(t, p, i0, nr, j0, nc, g_i, ldg);
-    FN(bwd_tile_softmax)(t->s, t->dp, p, b, h, hm, i0, nr, j0, nc, lse_r, delta_r, dhm_r);
+    FN(bwd_tile_softmax)(t->s, t->dp, p, b, h, hm, i0, nr, j0, nc, am_state, lse_r, delta_r, dhm_r);
     FN(gen_bwd_dkdv_at)(t, p, i0, nr, j0, nc, q_i, ldq, g_i, ldg);
 }
 
@@ -992,11 +1057,14 @@ static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
                 const ACC *g_bh = g_bg ? g_bg + (h - hk * G) * Lq * Dv : NULL;
                 for (int64_t i0 = i_begin; i0 < Lq; i0 += BQ) {
                     const int64_t nr = ma_min(BQ, Lq - i0);
+                    const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
+                    if (ms == MA_TILE_BLOCKED) continue; /* dS = 0, hm P = 0: dk, dv unchanged */
                     int64_t ldq, ldg;
                     const ACC *q_i = FN(rows_in)(p->a.q, p->a.dtype, p->a.q_stride, b, h, i0, q_bh, D, &ldq);
                     const ACC *g_i = FN(rows_in)(p->dout, p->a.dtype, p->dout_stride, b, h, i0, g_bh, Dv, &ldg);
                     for (int64_t r = 0; r < nr; r++) t.lse[r] = FN(finite_or_zero)(lse_bh[i0 + r]);
-                    FN(bwd_key_tile)(&t, p, b, h, hm, i0, nr, j0, nc, q_i, ldq, g_i, ldg, t.lse, delta_bh + i0, NULL);
+                    FN(bwd_key_tile)(&t, p, b, h, hm, i0, nr, j0, nc, ms, q_i, ldq, g_i, ldg, t.lse, delta_bh + i0,
+                                     NULL);
                 }
             }
         }
@@ -1167,9 +1235,11 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
                     const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
                     for (int64_t i0 = i_begin; i0 < Lq; i0 += BQ) {
                         const int64_t nr = ma_min(BQ, Lq - i0);
+                        const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
+                        if (ms == MA_TILE_BLOCKED) continue; /* dS = 0, hm P = 0: nothing to add; dscores stays 0 */
                         BWD_STEP(scores, g, h, i0, nr);
                         BWD_STEP(dp, g, h, i0, nr);
-                        FN(bwd_tile_softmax)(t.s, t.dp, p, b, h, hm, i0, nr, j0, nc, lse_all + g * Lq + i0,
+                        FN(bwd_tile_softmax)(t.s, t.dp, p, b, h, hm, i0, nr, j0, nc, ms, lse_all + g * Lq + i0,
                                              delta_all + g * Lq + i0, p->dhm_rows ? dhm_all + g * Lq + i0 : NULL);
                         if (p->dscores) FN(store_dscores)(p, t.dp, nc, 1, b, h, i0, nr, j0, nc);
                         BWD_STEP(accum, dq_acc + (g * Lq + i0) * D, g, h, i0, nr);
