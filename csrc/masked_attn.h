@@ -95,9 +95,40 @@ typedef struct {
     /* sizes */
     int64_t B, H, Hkv, Lq, Lk, D, Dv;
     int64_t block_q, block_k;   /* tile sizes, set by the shim */
+    /* The band every score must pass: key j is visible to query i iff
+     * band_lo <= j - i <= band_hi (MA_BAND_INF: no bound). The shim sets
+     * is_causal as band_hi = 0 (top-left); for varlen the template sets the
+     * band of each sequence (ma_attn_varlen below). */
+    int64_t band_lo, band_hi;
+    /* Where the per-row statistics (lse, delta, dhm_rows) of row i of head
+     * (b, h) live: b * stat_stride[0] + h * stat_stride[1] + i. Dense
+     * (B, H, Lq): {H * Lq, Lq}; varlen (H, Tq): {0, Tq}, from the sequence's first row. */
+    int64_t stat_stride[2];
     int stream_stores;          /* write the large outputs with non-temporal stores (see below) */
     ma_isa isa;                 /* the variant for this call (common/isa.h) */
+    /* ---- packed variable-length sequences (masked_attn::varlen_*); cu_q NULL for a dense call ----
+     * q, out, dq, dout are (Tq, H, D) and k, v, dk, dv (Tk, Hkv, D), passed as
+     * 4-D strides {0, head, row, dim}; batch entry b is the rows
+     * [cu_q[b], cu_q[b + 1]) of q and [cu_k[b], cu_k[b] + Lk_b) of k, v, with
+     * Lk_b = seqused_k ? seqused_k[b] : cu_k[b + 1] - cu_k[b]. The loops see
+     * one entry at a time through FN(seq) (attention_tmpl.h): pointers moved to
+     * the entry's first row, Lq, Lk its own, the band its window's. B is the
+     * number of sequences, Lq and Lk (set by the shim) the longest ones. No
+     * masks, no head mask, no weights; the two-pass backward. */
+    const int32_t *cu_q, *cu_k;  /* (B + 1), nondecreasing from 0, checked by the shim */
+    const int32_t *seqused_k;    /* (B) or NULL */
+    int64_t win_left, win_right; /* window, -1 = unbounded; aligned to the bottom right: query i of
+                                    a sequence sees keys j with i + Lk_b - Lq_b - win_left <= j
+                                    <= i + Lk_b - Lq_b + win_right */
+    /* work-item tables built by the shim, 3 int64 per item: (b, h, q-block)
+     * for the forward and the dq pass, (b, hkv, k-block) for the dkdv pass;
+     * ordered most expensive first (the pool hands items out dynamically) */
+    const int64_t *q_items, *kv_items;
+    int64_t n_q_items, n_kv_items;
 } ma_attn_args;
+
+/* No bound on that side of the band (ma_attn_args.band_lo = -MA_BAND_INF). */
+#define MA_BAND_INF ((int64_t)1 << 60)
 
 typedef struct {
     /* outputs */

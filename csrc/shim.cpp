@@ -465,6 +465,9 @@ ma_attn_args attn_args(const Sizes& s, const Masks& m, const Tensor& q, const Te
   a.key_padding_mask = m.key_padding_mask;
   a.head_mask = m.head_mask;
   a.is_causal = is_causal;
+  a.band_lo = -MA_BAND_INF;
+  a.band_hi = is_causal ? 0 : MA_BAND_INF;
+  a.stat_stride[0] = s.H * s.Lq, a.stat_stride[1] = s.Lq;
   a.scale = scale;
   a.B = s.B, a.H = s.H, a.Hkv = s.Hkv, a.Lq = s.Lq, a.Lk = s.Lk, a.D = s.D, a.Dv = s.Dv;
   a.block_q = kBlockQ, a.block_k = kBlockK;
@@ -655,6 +658,213 @@ std::tuple<Tensor, Tensor> attn_backward_into(
   return attn_backward_impl(grad_out, grad_weights, q, k, v, out, lse, attn_mask, key_padding_mask,
                             head_mask, is_causal, scale, head_mask_grad, mask_grad, grad_q, grad_k,
                             grad_v);
+}
+
+
+// ---- packed variable-length sequences -------------------------------------------
+//
+// varlen_forward / varlen_backward: torch.nn.attention.varlen's conventions.
+// q (Tq, H, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv); cu_seq_q, cu_seq_k int32
+// (N + 1) offsets; lse (H, Tq). The kernels run the dense template one
+// sequence at a time (ma_attn_args' varlen group); this checks the offsets,
+// finds the real lengths and builds the work-item tables from them.
+
+struct Varlen {
+  int64_t N = 0, Tq = 0, Tk = 0, H = 0, Hkv = 0, D = 0, Dv = 0, max_q = 0, max_k = 0;
+  std::vector<int64_t> q_items, kv_items;
+};
+
+// A 1-D int32 CPU tensor of n entries, contiguous (it is read as an array).
+void check_index_tensor(const Tensor& t, const char* name, int64_t n, const char* what) {
+  MA_CHECK(t.is_cpu(), "masked_attn.varlen: ", name, " must be a CPU tensor");
+  MA_CHECK(t.scalar_type() == ScalarType::Int, "masked_attn.varlen: ", name, " must be int32 (", what,
+           "), got another dtype");
+  MA_CHECK(t.dim() == 1 && (n < 0 || t.size(0) == n), "masked_attn.varlen: ", name, " must be 1-D ", what,
+           ", got shape ", shape_str(t));
+  MA_CHECK(t.is_contiguous(), "masked_attn.varlen: ", name, " must be contiguous");
+}
+
+// Checks q, k, v, the offsets, seqused_k, max_q, max_k and the window; fills
+// the sizes and, when `plan`, the work-item tables.
+Varlen check_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_q, const Tensor& cu_k,
+                    int64_t max_q, int64_t max_k, int64_t wl, int64_t wr, const std::optional<Tensor>& seqused_k) {
+  Varlen r;
+  MA_CHECK(q.dim() == 3, "masked_attn.varlen: query must be 3-D (T_q, H, D), got shape ", shape_str(q));
+  MA_CHECK(k.dim() == 3, "masked_attn.varlen: key must be 3-D (T_k, H_kv, D), got shape ", shape_str(k));
+  MA_CHECK(v.dim() == 3, "masked_attn.varlen: value must be 3-D (T_k, H_kv, Dv), got shape ", shape_str(v));
+  MA_CHECK(q.is_cpu() && k.is_cpu() && v.is_cpu(), "masked_attn.varlen: query, key, value must be CPU tensors");
+  MA_CHECK(is_floating(q.scalar_type()), "masked_attn.varlen: query must be float32, float64, bfloat16 or float16");
+  MA_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+           "masked_attn.varlen: query, key and value must have the same dtype");
+  r.Tq = q.size(0), r.H = q.size(1), r.D = q.size(2), r.Tk = k.size(0), r.Hkv = k.size(1), r.Dv = v.size(2);
+  MA_CHECK(k.size(2) == r.D, "masked_attn.varlen: key head dim must equal query's (", r.D, "), got key ",
+           shape_str(k));
+  MA_CHECK(v.size(0) == r.Tk && v.size(1) == r.Hkv,
+           "masked_attn.varlen: value must have key's tokens and heads (T_k, H_kv, Dv): key ", shape_str(k),
+           ", value ", shape_str(v));
+  MA_CHECK(r.Hkv > 0 ? r.H % r.Hkv == 0 : r.H == 0, "masked_attn.varlen: the number of query heads (", r.H,
+           ") must be a multiple of the number of key/value heads (", r.Hkv, ")");
+  MA_CHECK(cu_q.dim() == 1 && cu_q.size(0) >= 1, "masked_attn.varlen: cu_seq_q must be 1-D (N + 1,), got shape ",
+           shape_str(cu_q));
+  r.N = cu_q.size(0) - 1;
+  check_index_tensor(cu_q, "cu_seq_q", r.N + 1, "(N + 1,)");
+  check_index_tensor(cu_k, "cu_seq_k", r.N + 1, "(N + 1,) like cu_seq_q");
+  if (seqused_k.has_value()) check_index_tensor(*seqused_k, "seqused_k", r.N, "(N,)");
+  MA_CHECK(wl >= -1 && wr >= -1, "masked_attn.varlen: window_size must be (left, right) with each -1 (unbounded) "
+           "or >= 0, got (", wl, ", ", wr, ")");
+  const int32_t* cq = static_cast<const int32_t*>(cu_q.const_data_ptr());
+  const int32_t* ck = static_cast<const int32_t*>(cu_k.const_data_ptr());
+  const int32_t* used = seqused_k.has_value() ? static_cast<const int32_t*>(seqused_k->const_data_ptr()) : nullptr;
+  MA_CHECK(cq[0] == 0 && ck[0] == 0, "masked_attn.varlen: cu_seq_q and cu_seq_k must start at 0, got ", cq[0],
+           " and ", ck[0]);
+  int64_t real_q = 0, real_k = 0;
+  for (int64_t b = 0; b < r.N; b++) {
+    MA_CHECK(cq[b + 1] >= cq[b], "masked_attn.varlen: cu_seq_q must be nondecreasing, got cu_seq_q[", b, "] = ",
+             cq[b], " > cu_seq_q[", b + 1, "] = ", cq[b + 1]);
+    MA_CHECK(ck[b + 1] >= ck[b], "masked_attn.varlen: cu_seq_k must be nondecreasing, got cu_seq_k[", b, "] = ",
+             ck[b], " > cu_seq_k[", b + 1, "] = ", ck[b + 1]);
+    int64_t lk = ck[b + 1] - ck[b];
+    if (used) {
+      MA_CHECK(used[b] >= 0 && used[b] <= lk, "masked_attn.varlen: seqused_k[", b, "] = ", used[b],
+               " must be in [0, cu_seq_k[", b + 1, "] - cu_seq_k[", b, "]] = [0, ", lk, "]");
+      lk = used[b];
+    }
+    real_q = std::max<int64_t>(real_q, cq[b + 1] - cq[b]);
+    real_k = std::max<int64_t>(real_k, lk);
+  }
+  MA_CHECK(cq[r.N] == r.Tq, "masked_attn.varlen: cu_seq_q[-1] = ", cq[r.N],
+           " must equal the number of query tokens T_q = query.size(0) = ", r.Tq);
+  MA_CHECK(ck[r.N] == r.Tk, "masked_attn.varlen: cu_seq_k[-1] = ", ck[r.N],
+           " must equal the number of key tokens T_k = key.size(0) = ", r.Tk);
+  MA_CHECK(max_q >= real_q, "masked_attn.varlen: max_q = ", max_q, " is less than the longest query sequence (",
+           real_q, ")");
+  MA_CHECK(max_k >= real_k, "masked_attn.varlen: max_k = ", max_k, " is less than the longest key sequence (",
+           real_k, ")");
+  r.max_q = real_q, r.max_k = real_k;  // scratch is sized by the real longest
+
+  // Work items, most expensive first (run_tasks hands them out one at a
+  // time, so one long sequence among short ones never leaves a thread
+  // idle at the end). Cost: keys read per query block, queries per key block.
+  const int64_t BQ = kBlockQ, BK = kBlockK, G = r.Hkv > 0 ? r.H / r.Hkv : 1;
+  struct Item {
+    int64_t cost, b, h, blk;
+  };
+  std::vector<Item> qi, ki;
+  for (int64_t b = 0; b < r.N; b++) {
+    const int64_t Lq = cq[b + 1] - cq[b], Lk = used ? used[b] : ck[b + 1] - ck[b];
+    const int64_t lo = wl >= 0 ? Lk - Lq - wl : -MA_BAND_INF, hi = wr >= 0 ? Lk - Lq + wr : MA_BAND_INF;
+    for (int64_t qb = 0; qb * BQ < Lq; qb++) {
+      const int64_t i0 = qb * BQ, nr = std::min(BQ, Lq - i0);
+      const int64_t kb = lo > -MA_BAND_INF ? std::max<int64_t>(0, i0 + lo) : 0;
+      const int64_t ke = hi < MA_BAND_INF ? std::min(Lk, i0 + nr + hi) : Lk;
+      const int64_t cost = nr * std::max<int64_t>(ke - kb, 0) + nr;
+      for (int64_t h = 0; h < r.H; h++) qi.push_back({cost, b, h, qb});
+    }
+    for (int64_t kb = 0; kb * BK < Lk; kb++) {
+      const int64_t j0 = kb * BK, nc = std::min(BK, Lk - j0);
+      const int64_t qb = hi < MA_BAND_INF ? std::max<int64_t>(0, j0 - hi) : 0;
+      const int64_t qe = lo > -MA_BAND_INF ? std::min(Lq, j0 + nc - lo) : Lq;
+      const int64_t cost = G * nc * std::max<int64_t>(qe - qb, 0) + nc;
+      for (int64_t h = 0; h < r.Hkv; h++) ki.push_back({cost, b, h, kb});
+    }
+  }
+  auto order = [](std::vector<Item>& v, std::vector<int64_t>& out) {
+    std::stable_sort(v.begin(), v.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+    out.reserve(3 * v.size());
+    for (const Item& it : v) out.insert(out.end(), {it.b, it.h, it.blk});
+  };
+  order(qi, r.q_items);
+  order(ki, r.kv_items);
+  return r;
+}
+
+// (T, H, D) as the kernels' 4-D strides {0, head, row, dim}.
+void fill_strides_thd(int64_t out[4], const Tensor& t) {
+  out[0] = 0, out[1] = t.stride(1), out[2] = t.stride(0), out[3] = t.stride(2);
+}
+
+ma_attn_args varlen_args(const Varlen& r, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                         const Tensor& cu_q, const Tensor& cu_k, const std::optional<Tensor>& seqused_k,
+                         double scale, int64_t wl, int64_t wr, bool stream_stores) {
+  ma_attn_args a{};
+  a.q = q.const_data_ptr();
+  a.k = k.const_data_ptr();
+  a.v = v.const_data_ptr();
+  to_ma_dtype(q.scalar_type(), &a.dtype);
+  fill_strides_thd(a.q_stride, q);
+  fill_strides_thd(a.k_stride, k);
+  fill_strides_thd(a.v_stride, v);
+  fill_strides_thd(a.out_stride, out);
+  a.scale = scale;
+  a.B = r.N, a.H = r.H, a.Hkv = r.Hkv, a.Lq = r.max_q, a.Lk = r.max_k, a.D = r.D, a.Dv = r.Dv;
+  a.block_q = kBlockQ, a.block_k = kBlockK;
+  a.band_lo = -MA_BAND_INF, a.band_hi = MA_BAND_INF;  // per sequence: FN(seq_args)
+  a.stat_stride[0] = 0, a.stat_stride[1] = r.Tq;
+  a.stream_stores = stream_stores;
+  a.isa = select_isa(a.dtype);
+  a.cu_q = static_cast<const int32_t*>(cu_q.const_data_ptr());
+  a.cu_k = static_cast<const int32_t*>(cu_k.const_data_ptr());
+  a.seqused_k = seqused_k.has_value() ? static_cast<const int32_t*>(seqused_k->const_data_ptr()) : nullptr;
+  a.win_left = wl, a.win_right = wr;
+  a.q_items = r.q_items.data(), a.n_q_items = static_cast<int64_t>(r.q_items.size() / 3);
+  a.kv_items = r.kv_items.data(), a.n_kv_items = static_cast<int64_t>(r.kv_items.size() / 3);
+  return a;
+}
+
+std::tuple<Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seq_q, Tensor cu_seq_k,
+                                          int64_t max_q, int64_t max_k, std::optional<double> scale,
+                                          int64_t window_left, int64_t window_right,
+                                          std::optional<Tensor> seqused_k) {
+  const Varlen r = check_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, window_left, window_right, seqused_k);
+  const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(r.D));
+  Tensor out = torch::stable::new_empty(q, {r.Tq, r.H, r.Dv});
+  advise_huge_pages(out);
+  Tensor lse = torch::stable::new_empty(q, {r.H, r.Tq}, acc_type(q.scalar_type()));
+  ma_attn_fwd_params p{};
+  p.out = out.mutable_data_ptr();
+  p.lse = lse.mutable_data_ptr();
+  p.a = varlen_args(r, q, k, v, out, cu_seq_q, cu_seq_k, seqused_k, sc, window_left, window_right,
+                    worth_streaming(out));
+  run_tasks(ma_attn_fwd_task, &p, ma_attn_fwd_work_items(&p), ma_attn_fwd_scratch_bytes(&p), q, 1);
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor> varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out,
+                                                   Tensor lse, Tensor cu_seq_q, Tensor cu_seq_k, int64_t max_q,
+                                                   int64_t max_k, std::optional<double> scale,
+                                                   int64_t window_left, int64_t window_right) {
+  const Varlen r = check_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, window_left, window_right, std::nullopt);
+  const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(r.D));
+  check_shape(out, "out", {r.Tq, r.H, r.Dv}, "(T_q, H, Dv)", q.scalar_type());
+  check_shape(grad_out, "grad_out", {r.Tq, r.H, r.Dv}, "(T_q, H, Dv)", q.scalar_type());
+  MA_CHECK(lse.dim() == 2 && lse.size(0) == r.H && lse.size(1) == r.Tq &&
+               lse.scalar_type() == acc_type(q.scalar_type()) && lse.is_contiguous(),
+           "masked_attn.varlen: lse must be the forward's contiguous (H, T_q) log-sum-exp");
+  Tensor dq = torch::stable::new_empty(q, {r.Tq, r.H, r.D});
+  Tensor dk = torch::stable::new_empty(q, {r.Tk, r.Hkv, r.D});
+  Tensor dv = torch::stable::new_empty(q, {r.Tk, r.Hkv, r.Dv});
+  for (Tensor* t : {&dq, &dk, &dv}) advise_huge_pages(*t);
+  Tensor delta = torch::stable::new_empty(q, {r.H, r.Tq}, acc_type(q.scalar_type()));
+  ma_attn_bwd_params p{};
+  p.dq = dq.mutable_data_ptr();
+  p.dk = dk.mutable_data_ptr();
+  p.dv = dv.mutable_data_ptr();
+  p.dout = grad_out.const_data_ptr();
+  p.out = out.const_data_ptr();
+  p.lse = lse.const_data_ptr();
+  fill_strides_thd(p.dq_stride, dq);
+  fill_strides_thd(p.dk_stride, dk);
+  fill_strides_thd(p.dv_stride, dv);
+  fill_strides_thd(p.dout_stride, grad_out);
+  p.a = varlen_args(r, q, k, v, out, cu_seq_q, cu_seq_k, std::nullopt, sc, window_left, window_right,
+                    worth_streaming(dq) || worth_streaming(dk) || worth_streaming(dv));
+  p.delta = delta.mutable_data_ptr();
+  p.kv_chunks = 1;
+  const size_t bytes = ma_attn_bwd_scratch_bytes(&p);
+  run_tasks(ma_attn_bwd_dq_task, &p, ma_attn_bwd_dq_work_items(&p), bytes, q, 1);
+  run_tasks(ma_attn_bwd_dkdv_task, &p, ma_attn_bwd_dkdv_work_items(&p), bytes, q, 1);
+  // key rows no item covers (none: cu_seq_k[-1] == T_k and no seqused_k) would stay unwritten
+  return {dq, dk, dv};
 }
 
 // ---- cross-entropy -------------------------------------------------------------
@@ -960,6 +1170,14 @@ STABLE_TORCH_LIBRARY(masked_attn, m) {
       "float? scale, bool head_mask_grad, bool mask_grad, Tensor(a!) grad_q, Tensor(b!) grad_k, "
       "Tensor(c!) grad_v) -> (Tensor grad_head_mask, Tensor grad_scores)");
   m.def(
+      "varlen_forward(Tensor query, Tensor key, Tensor value, Tensor cu_seq_q, Tensor cu_seq_k, int max_q, "
+      "int max_k, float? scale=None, int window_left=-1, int window_right=-1, Tensor? seqused_k=None) "
+      "-> (Tensor out, Tensor lse)");
+  m.def(
+      "varlen_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
+      "Tensor cu_seq_q, Tensor cu_seq_k, int max_q, int max_k, float? scale=None, int window_left=-1, "
+      "int window_right=-1) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
+  m.def(
       "cross_entropy(Tensor input, Tensor target, Tensor? weight=None, str reduction='mean', "
       "int ignore_index=-100, float label_smoothing=0.0, float z_loss=0.0, float? softcap=None, "
       "bool inplace_backward=False) -> (Tensor loss, Tensor lse)");
@@ -980,6 +1198,8 @@ STABLE_TORCH_LIBRARY_IMPL(masked_attn, CPU, m) {
   m.impl("forward", TORCH_BOX(&attn_forward));
   m.impl("backward", TORCH_BOX(&attn_backward));
   m.impl("backward_into", TORCH_BOX(&attn_backward_into));
+  m.impl("varlen_forward", TORCH_BOX(&varlen_forward));
+  m.impl("varlen_backward", TORCH_BOX(&varlen_backward));
   m.impl("cross_entropy", TORCH_BOX(&ce_forward));
   m.impl("cross_entropy_backward", TORCH_BOX(&ce_backward));
   m.impl("cross_entropy_backward_", TORCH_BOX(&ce_backward_inplace));

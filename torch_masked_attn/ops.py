@@ -289,6 +289,68 @@ torch.library.register_autograd(
     "masked_attn::forward", _forward_backward, setup_context=_forward_setup_context)
 
 
+# ---- packed variable-length sequences ---------------------------------------
+#
+#   masked_attn::varlen_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
+#                               scale?, window_left, window_right, seqused_k?) -> (out, lse)
+#   masked_attn::varlen_backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k,
+#                                max_q, max_k, scale?, window_left, window_right)
+#                                -> (grad_query, grad_key, grad_value)
+#
+# query (T_q, H, D), key (T_k, H_kv, D), value (T_k, H_kv, Dv); int32 offsets
+# (N + 1,); out (T_q, H, Dv); lse (H, T_q) (float32, float64 for float64).
+# The window is bottom-right aligned (flash-attn's): query i of a sequence sees
+# key j iff i + Lk - Lq - left <= j <= i + Lk - Lq + right, -1 = unbounded.
+# seqused_k is inference-only (no backward). The user-facing function is
+# torch_masked_attn.functional.varlen_attn.
+
+@torch.library.register_fake("masked_attn::varlen_forward")
+def _varlen_forward_fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=None,
+                         window_left=-1, window_right=-1, seqused_k=None):
+    _same_device("varlen_forward", query=query, key=key, value=value, cu_seq_q=cu_seq_q, cu_seq_k=cu_seq_k,
+                 seqused_k=seqused_k)
+    torch._check(query.dim() == 3 and key.dim() == 3 and value.dim() == 3,
+                 lambda: "masked_attn.varlen: query, key, value must be 3-D (T, H, D)")
+    T, H, _ = query.shape
+    return query.new_empty(T, H, value.shape[2]), query.new_empty(H, T, dtype=_lse_dtype(query.dtype))
+
+
+@torch.library.register_fake("masked_attn::varlen_backward")
+def _varlen_backward_fake(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, scale=None,
+                          window_left=-1, window_right=-1):
+    _same_device("varlen_backward", grad_out=grad_out, query=query, key=key, value=value, out=out, lse=lse,
+                 cu_seq_q=cu_seq_q, cu_seq_k=cu_seq_k)
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, wl, wr, seqused_k = inputs
+    out, lse = output
+    if seqused_k is not None:
+        raise RuntimeError("varlen_attn: seqused_k is an inference-only parameter (no backward); "
+                           "call it under torch.no_grad() or on tensors that do not require grad")
+    ctx.save_for_backward(query, key, value, cu_seq_q, cu_seq_k, out, lse)
+    ctx.args = (max_q, max_k, scale, wl, wr)
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+
+
+def _varlen_backward(ctx, grad_out, grad_lse):
+    query, key, value, cu_seq_q, cu_seq_k, out, lse = ctx.saved_tensors
+    if grad_out is None:
+        return (None,) * 11
+    dq, dk, dv = torch.ops.masked_attn.varlen_backward(
+        grad_out.contiguous(), query, key, value, out, lse, cu_seq_q, cu_seq_k, *ctx.args)
+    n = ctx.needs_input_grad
+    grads = first_order_only("varlen attention", (query, key, value), dq if n[0] else None,
+                             dk if n[1] else None, dv if n[2] else None)
+    return grads + (None,) * 8
+
+
+torch.library.register_autograd(
+    "masked_attn::varlen_forward", _varlen_backward, setup_context=_varlen_setup_context)
+
+
 # ---- cross-entropy ---------------------------------------------------------
 #
 #   masked_attn::cross_entropy(input, target, weight?, reduction, ignore_index,
