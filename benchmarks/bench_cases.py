@@ -339,6 +339,40 @@ def decode(dtype, B=8, H=32, Lk=2048, D=128):
                  info=dict(B=B, H=H, Lq=1, Lk=Lk, D=D, dtype=str(dtype)))
 
 
+def varlen(B=8, H=8, D=64, lo=64, hi=2048):
+    """A packed causal batch, lengths uniform in [lo, hi], fwd+bwd: ours
+    through varlen_attn on the packed (T, H, D) tokens (no padding), native
+    F.sdpa on the same batch padded to the longest with a bool (B, 1, L, L)
+    mask (causal + key padding, True = take part), built outside the timed call."""
+    lengths = torch.randint(lo, hi + 1, (B,)).tolist()
+    L, T = max(lengths), sum(lengths)
+    cu = torch.zeros(B + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths).cumsum(0)
+    q, k, v = (torch.randn(T, H, D, requires_grad=True) for _ in range(3))
+    g = torch.randn(T, H, D)
+    # the padded batch: the same values at (b, :, :len_b), zeros after
+    pos = torch.arange(L)
+    valid = pos[None] < torch.tensor(lengths)[:, None]                    # (B, L)
+
+    def pad(t):
+        out = t.new_zeros(B, L, H, D)
+        out[valid] = t.detach()
+        return out.transpose(1, 2).contiguous()
+    qp, kp, vp = (pad(t).requires_grad_() for t in (q, k, v))
+    gp = pad(g)
+    allowed = (pos[None, :] <= pos[:, None])[None, None] & valid[:, None, None, :]   # (B, 1, L, L)
+    padded = fwd_bwd(lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=allowed), (qp, kp, vp), gp)
+
+    def native():  # the cross-check compares the real tokens, packed (untimed work is negligible)
+        return padded().transpose(1, 2)[valid]
+    ours = fwd_bwd(lambda: tma.functional.varlen_attn(q, k, v, cu, cu, L, L, window_size=(-1, 0)), (q, k, v), g)
+    fl = sum(attention_flops(1, H, n, n, D, causal=True, backward=True) for n in lengths)
+    return Bench(work=f"B={B} packed causal, lengths uniform in [{lo}, {hi}] (T={T}, longest {L}) H={H} D={D}, "
+                      f"fwd+bwd, varlen_attn vs F.sdpa padded + bool mask, {gflop(fl)} of real work",
+                 natives={"sdpa-padded-bool": native}, ours=ours, flops=fl, attn_flops=fl,
+                 info=dict(B=B, H=H, D=D, lengths=lengths, dtype=str(torch.float32)))
+
+
 # ---------------------------------------------------------------- registry
 
 NAMED = {
@@ -353,6 +387,7 @@ NAMED = {
     "decode": lambda: decode(torch.float32),
     "decode-bf16": lambda: decode(torch.bfloat16),
     "hf-mask": hf_mask,
+    "varlen": varlen,
     "mha-mem-8192": lambda: mha_train(1, 8192, timed=False),
     "ce": lambda: cross_entropy_case(8192, 32000, torch.float32),
     "ce-bf16": lambda: cross_entropy_case(4096, 128256, torch.bfloat16),
@@ -360,7 +395,7 @@ NAMED = {
 }
 GROUPS = {
     "attention": ["gpt-train", "long-causal", "long-causal-fwd", "one-head-long", "bert-infer", "mha-train",
-                  "gpt-train-bf16", "long-causal-bf16", "decode", "decode-bf16", "hf-mask"],
+                  "gpt-train-bf16", "long-causal-bf16", "decode", "decode-bf16", "hf-mask", "varlen"],
     "memory": ["mha-mem-8192"],
     "ce": ["ce", "ce-bf16", "linear-ce"],
 }

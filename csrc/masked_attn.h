@@ -172,7 +172,8 @@ typedef struct {
  * conflicts of rows H * D apart). Values are the same either way; every task
  * that may stream ends with a store fence. */
 
-/* Forward: work item w = ((b * H) + h) * nq + qb,  nq = ceil(Lq / block_q).
+/* Forward: work item w = ((b * H) + h) * nq + qb,  nq = ceil(Lq / block_q)
+ * (varlen: q_items[3 w ..], the dq pass too; the dkdv pass: kv_items).
  * Writes out, lse (and weights) of its (b, h, q-block). */
 void ma_attn_fwd_task(int64_t begin, int64_t end, void *ctx);
 int64_t ma_attn_fwd_work_items(const ma_attn_fwd_params *p);

@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
-from conftest import assert_close_ref, isa_available, run_isa
 from torch.autograd import gradcheck
 
+from conftest import assert_close_ref, isa_available, run_isa
 from torch_masked_attn.functional import AuxRequest, masked_attention, varlen_attn
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
