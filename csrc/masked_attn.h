@@ -116,7 +116,13 @@ typedef struct {
      * number of sequences, Lq and Lk (set by the shim) the longest ones. No
      * masks, no head mask, no weights; the two-pass backward. */
     const int32_t *cu_q, *cu_k;  /* (B + 1), nondecreasing from 0, checked by the shim */
-    const int32_t *seqused_k;    /* (B) or NULL */
+    const int32_t *seqused_k;    /* (B) or NULL; required with block_table */
+    /* paged KV cache (forward only): k, v are pools (pages, page_size, Hkv, D)
+     * passed with strides {0, head, row, dim} plus the page strides; key row j
+     * of entry b is row j % page_size of page block_table[b * bt_stride + j / page_size].
+     * page_size is a multiple of block_k, so a key block lies in one page. cu_k unused. */
+    const int32_t *block_table;  /* NULL: no paging */
+    int64_t bt_stride, page_size, k_page_stride, v_page_stride;
     int64_t win_left, win_right; /* window, -1 = unbounded; aligned to the bottom right: query i of
                                     a sequence sees keys j with i + Lk_b - Lq_b - win_left <= j
                                     <= i + Lk_b - Lq_b + win_right */

@@ -686,20 +686,38 @@ void check_index_tensor(const Tensor& t, const char* name, int64_t n, const char
 
 // Checks q, k, v, the offsets, seqused_k, max_q, max_k and the window; fills
 // the sizes and, when `plan`, the work-item tables.
-Varlen check_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_q, const Tensor& cu_k,
-                    int64_t max_q, int64_t max_k, int64_t wl, int64_t wr, const std::optional<Tensor>& seqused_k) {
+// With block_table, key and value are page pools (pages, page_size, H_kv, D)
+// and cu_k is not read (may be absent); seqused_k gives the lengths.
+Varlen check_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_q,
+                    const std::optional<Tensor>& cu_k_opt, int64_t max_q, int64_t max_k, int64_t wl, int64_t wr,
+                    const std::optional<Tensor>& seqused_k, const std::optional<Tensor>& block_table = std::nullopt) {
   Varlen r;
+  const bool paged = block_table.has_value();
   MA_CHECK(q.dim() == 3, "masked_attn.varlen: query must be 3-D (T_q, H, D), got shape ", shape_str(q));
-  MA_CHECK(k.dim() == 3, "masked_attn.varlen: key must be 3-D (T_k, H_kv, D), got shape ", shape_str(k));
-  MA_CHECK(v.dim() == 3, "masked_attn.varlen: value must be 3-D (T_k, H_kv, Dv), got shape ", shape_str(v));
+  if (paged) {
+    MA_CHECK(k.dim() == 4, "masked_attn.varlen: with block_table, key must be 4-D (pages, page_size, H_kv, D), got shape ",
+             shape_str(k));
+    MA_CHECK(v.dim() == 4 && v.size(0) == k.size(0) && v.size(1) == k.size(1),
+             "masked_attn.varlen: with block_table, value must be 4-D (pages, page_size, H_kv, Dv) like key, got key ",
+             shape_str(k), ", value ", shape_str(v));
+    MA_CHECK(k.size(1) > 0 && k.size(1) % kBlockK == 0, "masked_attn.varlen: page_size = key.size(1) must be a "
+             "positive multiple of ", kBlockK, ", got ", k.size(1));
+    MA_CHECK(seqused_k.has_value(), "masked_attn.varlen: block_table requires seqused_k");
+  } else {
+    MA_CHECK(cu_k_opt.has_value(), "masked_attn.varlen: cu_seq_k is required without block_table");
+    MA_CHECK(k.dim() == 3, "masked_attn.varlen: key must be 3-D (T_k, H_kv, D), got shape ", shape_str(k));
+    MA_CHECK(v.dim() == 3, "masked_attn.varlen: value must be 3-D (T_k, H_kv, Dv), got shape ", shape_str(v));
+  }
+  const int64_t kd = paged ? 1 : 0;  // key/value dims are shifted by the page dim
   MA_CHECK(q.is_cpu() && k.is_cpu() && v.is_cpu(), "masked_attn.varlen: query, key, value must be CPU tensors");
   MA_CHECK(is_floating(q.scalar_type()), "masked_attn.varlen: query must be float32, float64, bfloat16 or float16");
   MA_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
            "masked_attn.varlen: query, key and value must have the same dtype");
-  r.Tq = q.size(0), r.H = q.size(1), r.D = q.size(2), r.Tk = k.size(0), r.Hkv = k.size(1), r.Dv = v.size(2);
-  MA_CHECK(k.size(2) == r.D, "masked_attn.varlen: key head dim must equal query's (", r.D, "), got key ",
+  r.Tq = q.size(0), r.H = q.size(1), r.D = q.size(2), r.Tk = k.size(0), r.Hkv = k.size(1 + kd),
+  r.Dv = v.size(2 + kd);
+  MA_CHECK(k.size(2 + kd) == r.D, "masked_attn.varlen: key head dim must equal query's (", r.D, "), got key ",
            shape_str(k));
-  MA_CHECK(v.size(0) == r.Tk && v.size(1) == r.Hkv,
+  MA_CHECK(v.size(0) == r.Tk && v.size(1 + kd) == r.Hkv,
            "masked_attn.varlen: value must have key's tokens and heads (T_k, H_kv, Dv): key ", shape_str(k),
            ", value ", shape_str(v));
   MA_CHECK(r.Hkv > 0 ? r.H % r.Hkv == 0 : r.H == 0, "masked_attn.varlen: the number of query heads (", r.H,
@@ -708,12 +726,22 @@ Varlen check_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
            shape_str(cu_q));
   r.N = cu_q.size(0) - 1;
   check_index_tensor(cu_q, "cu_seq_q", r.N + 1, "(N + 1,)");
-  check_index_tensor(cu_k, "cu_seq_k", r.N + 1, "(N + 1,) like cu_seq_q");
+  if (cu_k_opt.has_value()) check_index_tensor(*cu_k_opt, "cu_seq_k", r.N + 1, "(N + 1,) like cu_seq_q");
   if (seqused_k.has_value()) check_index_tensor(*seqused_k, "seqused_k", r.N, "(N,)");
+  if (paged) {
+    const Tensor& bt = *block_table;
+    MA_CHECK(bt.is_cpu() && bt.scalar_type() == ScalarType::Int && bt.dim() == 2 && bt.size(0) == r.N &&
+                 bt.is_contiguous(),
+             "masked_attn.varlen: block_table must be a contiguous int32 CPU tensor (N, max_pages) = (", r.N,
+             ", ...), got shape ", shape_str(bt));
+  }
   MA_CHECK(wl >= -1 && wr >= -1, "masked_attn.varlen: window_size must be (left, right) with each -1 (unbounded) "
            "or >= 0, got (", wl, ", ", wr, ")");
   const int32_t* cq = static_cast<const int32_t*>(cu_q.const_data_ptr());
-  const int32_t* ck = static_cast<const int32_t*>(cu_k.const_data_ptr());
+  // paged: the key offsets are not read; every sequence may use all its table's pages
+  std::vector<int32_t> no_ck;
+  if (paged) no_ck.assign(static_cast<size_t>(r.N + 1), 0);
+  const int32_t* ck = paged ? no_ck.data() : static_cast<const int32_t*>(cu_k_opt->const_data_ptr());
   const int32_t* used = seqused_k.has_value() ? static_cast<const int32_t*>(seqused_k->const_data_ptr()) : nullptr;
   MA_CHECK(cq[0] == 0 && ck[0] == 0, "masked_attn.varlen: cu_seq_q and cu_seq_k must start at 0, got ", cq[0],
            " and ", ck[0]);
@@ -724,7 +752,17 @@ Varlen check_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
     MA_CHECK(ck[b + 1] >= ck[b], "masked_attn.varlen: cu_seq_k must be nondecreasing, got cu_seq_k[", b, "] = ",
              ck[b], " > cu_seq_k[", b + 1, "] = ", ck[b + 1]);
     int64_t lk = ck[b + 1] - ck[b];
-    if (used) {
+    if (paged) {
+      const Tensor& bt = *block_table;
+      const int64_t P = k.size(1), pages = (used[b] + P - 1) / P;
+      MA_CHECK(used[b] >= 0 && pages <= bt.size(1), "masked_attn.varlen: seqused_k[", b, "] = ", used[b],
+               " needs ", pages, " pages of ", P, " but block_table has ", bt.size(1), " columns");
+      const int32_t* row = static_cast<const int32_t*>(bt.const_data_ptr()) + b * bt.size(1);
+      for (int64_t i = 0; i < pages; i++)
+        MA_CHECK(row[i] >= 0 && row[i] < k.size(0), "masked_attn.varlen: block_table[", b, ", ", i, "] = ", row[i],
+                 " is not a page of key (", k.size(0), " pages)");
+      lk = used[b];
+    } else if (used) {
       MA_CHECK(used[b] >= 0 && used[b] <= lk, "masked_attn.varlen: seqused_k[", b, "] = ", used[b],
                " must be in [0, cu_seq_k[", b + 1, "] - cu_seq_k[", b, "]] = [0, ", lk, "]");
       lk = used[b];
@@ -734,7 +772,7 @@ Varlen check_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
   }
   MA_CHECK(cq[r.N] == r.Tq, "masked_attn.varlen: cu_seq_q[-1] = ", cq[r.N],
            " must equal the number of query tokens T_q = query.size(0) = ", r.Tq);
-  MA_CHECK(ck[r.N] == r.Tk, "masked_attn.varlen: cu_seq_k[-1] = ", ck[r.N],
+  MA_CHECK(paged || ck[r.N] == r.Tk, "masked_attn.varlen: cu_seq_k[-1] = ", ck[r.N],
            " must equal the number of key tokens T_k = key.size(0) = ", r.Tk);
   MA_CHECK(max_q >= real_q, "masked_attn.varlen: max_q = ", max_q, " is less than the longest query sequence (",
            real_q, ")");
@@ -783,17 +821,32 @@ void fill_strides_thd(int64_t out[4], const Tensor& t) {
   out[0] = 0, out[1] = t.stride(1), out[2] = t.stride(0), out[3] = t.stride(2);
 }
 
+// (pages, page_size, H, D) as {0, head, row, dim} and the page stride.
+int64_t fill_strides_paged(int64_t out[4], const Tensor& t) {
+  out[0] = 0, out[1] = t.stride(2), out[2] = t.stride(1), out[3] = t.stride(3);
+  return t.stride(0);
+}
+
 ma_attn_args varlen_args(const Varlen& r, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                         const Tensor& cu_q, const Tensor& cu_k, const std::optional<Tensor>& seqused_k,
-                         double scale, int64_t wl, int64_t wr, bool stream_stores) {
+                         const Tensor& cu_q, const std::optional<Tensor>& cu_k, const std::optional<Tensor>& seqused_k,
+                         double scale, int64_t wl, int64_t wr, bool stream_stores,
+                         const std::optional<Tensor>& block_table = std::nullopt) {
   ma_attn_args a{};
   a.q = q.const_data_ptr();
   a.k = k.const_data_ptr();
   a.v = v.const_data_ptr();
   to_ma_dtype(q.scalar_type(), &a.dtype);
   fill_strides_thd(a.q_stride, q);
-  fill_strides_thd(a.k_stride, k);
-  fill_strides_thd(a.v_stride, v);
+  if (block_table.has_value()) {
+    a.k_page_stride = fill_strides_paged(a.k_stride, k);
+    a.v_page_stride = fill_strides_paged(a.v_stride, v);
+    a.block_table = static_cast<const int32_t*>(block_table->const_data_ptr());
+    a.bt_stride = block_table->size(1);
+    a.page_size = k.size(1);
+  } else {
+    fill_strides_thd(a.k_stride, k);
+    fill_strides_thd(a.v_stride, v);
+  }
   fill_strides_thd(a.out_stride, out);
   a.scale = scale;
   a.B = r.N, a.H = r.H, a.Hkv = r.Hkv, a.Lq = r.max_q, a.Lk = r.max_k, a.D = r.D, a.Dv = r.Dv;
@@ -803,7 +856,7 @@ ma_attn_args varlen_args(const Varlen& r, const Tensor& q, const Tensor& k, cons
   a.stream_stores = stream_stores;
   a.isa = select_isa(a.dtype);
   a.cu_q = static_cast<const int32_t*>(cu_q.const_data_ptr());
-  a.cu_k = static_cast<const int32_t*>(cu_k.const_data_ptr());
+  a.cu_k = cu_k.has_value() && !block_table.has_value() ? static_cast<const int32_t*>(cu_k->const_data_ptr()) : nullptr;
   a.seqused_k = seqused_k.has_value() ? static_cast<const int32_t*>(seqused_k->const_data_ptr()) : nullptr;
   a.win_left = wl, a.win_right = wr;
   a.q_items = r.q_items.data(), a.n_q_items = static_cast<int64_t>(r.q_items.size() / 3);
@@ -811,11 +864,12 @@ ma_attn_args varlen_args(const Varlen& r, const Tensor& q, const Tensor& k, cons
   return a;
 }
 
-std::tuple<Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seq_q, Tensor cu_seq_k,
-                                          int64_t max_q, int64_t max_k, std::optional<double> scale,
-                                          int64_t window_left, int64_t window_right,
-                                          std::optional<Tensor> seqused_k) {
-  const Varlen r = check_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, window_left, window_right, seqused_k);
+std::tuple<Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seq_q,
+                                          std::optional<Tensor> cu_seq_k, int64_t max_q, int64_t max_k,
+                                          std::optional<double> scale, int64_t window_left, int64_t window_right,
+                                          std::optional<Tensor> seqused_k, std::optional<Tensor> block_table) {
+  const Varlen r = check_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, window_left, window_right, seqused_k,
+                                block_table);
   const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(r.D));
   Tensor out = torch::stable::new_empty(q, {r.Tq, r.H, r.Dv});
   advise_huge_pages(out);
@@ -824,7 +878,7 @@ std::tuple<Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, Tensor c
   p.out = out.mutable_data_ptr();
   p.lse = lse.mutable_data_ptr();
   p.a = varlen_args(r, q, k, v, out, cu_seq_q, cu_seq_k, seqused_k, sc, window_left, window_right,
-                    worth_streaming(out));
+                    worth_streaming(out), block_table);
   run_tasks(ma_attn_fwd_task, &p, ma_attn_fwd_work_items(&p), ma_attn_fwd_scratch_bytes(&p), q, 1);
   return {out, lse};
 }
@@ -1170,9 +1224,9 @@ STABLE_TORCH_LIBRARY(masked_attn, m) {
       "float? scale, bool head_mask_grad, bool mask_grad, Tensor(a!) grad_q, Tensor(b!) grad_k, "
       "Tensor(c!) grad_v) -> (Tensor grad_head_mask, Tensor grad_scores)");
   m.def(
-      "varlen_forward(Tensor query, Tensor key, Tensor value, Tensor cu_seq_q, Tensor cu_seq_k, int max_q, "
-      "int max_k, float? scale=None, int window_left=-1, int window_right=-1, Tensor? seqused_k=None) "
-      "-> (Tensor out, Tensor lse)");
+      "varlen_forward(Tensor query, Tensor key, Tensor value, Tensor cu_seq_q, Tensor? cu_seq_k, int max_q, "
+      "int max_k, float? scale=None, int window_left=-1, int window_right=-1, Tensor? seqused_k=None, "
+      "Tensor? block_table=None) -> (Tensor out, Tensor lse)");
   m.def(
       "varlen_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
       "Tensor cu_seq_q, Tensor cu_seq_k, int max_q, int max_k, float? scale=None, int window_left=-1, "

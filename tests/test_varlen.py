@@ -120,7 +120,7 @@ OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
 @pytest.mark.parametrize("window", [(-1, -1), (3, 0)], ids=str)
 def test_opcheck(window):
     q, k, v, cq, ck = make([5, 0, 70], [6, 2, 70], 2, 1, 8, 8, torch.float32)
-    args = (q, k, v, cq, ck, 70, 70, None, window[0], window[1], None)
+    args = (q, k, v, cq, ck, 70, 70, None, window[0], window[1], None, None)
     torch.library.opcheck(torch.ops.masked_attn.varlen_forward.default, args, test_utils=OPCHECK_UTILS)
     out, lse = torch.ops.masked_attn.varlen_forward(*args)
     bargs = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, cq, ck, 70, 70, 0.5,
@@ -219,30 +219,33 @@ def test_large_window_is_unbounded():
     assert torch.equal(a, b) and torch.equal(c, d)
 
 
-def test_seqused_k_and_block_table():
+@pytest.mark.parametrize("page", [64, 128, 32])        # in place (multiples of 64), gathered (32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("lq", [[1, 1, 3, 1, 1], [1, 1, 40, 1, 70]], ids=["decode", "prefill-chunks"])
+def test_seqused_k_and_block_table(page, dtype, lq):
     torch.manual_seed(1)
-    H, D, page = 2, 16, 64
+    H, D = 2, 16
     used = [100, 1, 64, 0, 200]
     slot = [128, 64, 128, 64, 256]   # cache slots larger than the sequences
-    lq = [1, 1, 3, 1, 1]             # decoding steps (and a short prefill)
     cq = cu(lq)
-    q = torch.randn(int(cq[-1]), H, D)
+    q = torch.randn(int(cq[-1]), H, D, dtype=dtype)
     ck_slot = cu(slot)
-    k = torch.randn(int(ck_slot[-1]), H, D)
-    v = torch.randn(int(ck_slot[-1]), H, D)
+    k = torch.randn(int(ck_slot[-1]), H, D, dtype=dtype)
+    v = torch.randn(int(ck_slot[-1]), H, D, dtype=dtype)
     seqused = torch.tensor(used, dtype=torch.int32)
-    out = varlen_attn(q, k, v, cq, ck_slot, 3, 256, seqused_k=seqused, window_size=(-1, 0))
+    mq = max(lq)
+    out = varlen_attn(q, k, v, cq, ck_slot, mq, 256, seqused_k=seqused, window_size=(-1, 0))
     # the same keys packed without the unused tail
     idx = torch.cat([torch.arange(int(ck_slot[b]), int(ck_slot[b]) + used[b]) for b in range(5)])
-    ref = varlen_attn(q, k[idx], v[idx], cq, cu(used), 3, 200, window_size=(-1, 0))
+    ref = varlen_attn(q, k[idx], v[idx], cq, cu(used), mq, 200, window_size=(-1, 0))
     assert torch.equal(out, ref)
     # paged: pages of 64 tokens in a shuffled pool
     n_pages = [math.ceil(u / page) for u in used]
     pool_pages = sum(n_pages) + 3
     perm = torch.randperm(pool_pages)
-    kp = torch.randn(pool_pages, page, H, D)
-    vp = torch.randn(pool_pages, page, H, D)
-    table = torch.zeros(5, 4, dtype=torch.int32)
+    kp = torch.randn(pool_pages, page, H, D, dtype=dtype)
+    vp = torch.randn(pool_pages, page, H, D, dtype=dtype)
+    table = torch.zeros(5, 8, dtype=torch.int32)
     kk, vv, at = [], [], 0
     for b in range(5):
         for p in range(n_pages[b]):
@@ -252,16 +255,23 @@ def test_seqused_k_and_block_table():
             at += 1
     kk = torch.cat(kk)
     vv = torch.cat(vv)
-    out_p = varlen_attn(q, kp, vp, cq, None, 3, 256, seqused_k=seqused, block_table=table, window_size=(-1, 0))
-    ref_p = varlen_attn(q, kk, vv, cq, cu([n * page for n in n_pages]), 3, 256, seqused_k=seqused,
+    out_p = varlen_attn(q, kp, vp, cq, None, mq, 256, seqused_k=seqused, block_table=table, window_size=(-1, 0))
+    ref_p = varlen_attn(q, kk, vv, cq, cu([n * page for n in n_pages]), mq, 256, seqused_k=seqused,
                         window_size=(-1, 0))
     assert torch.equal(out_p, ref_p)
+    if page % 64 == 0:  # the raw op reads the pool in place; a page outside the pool is refused
+        raw = torch.ops.masked_attn.varlen_forward(q, kp, vp, cq, None, mq, 256, None, -1, 0, seqused, table)[0]
+        assert torch.equal(raw, ref_p)
+        bad = table.clone()
+        bad[0, 0] = pool_pages
+        with pytest.raises(RuntimeError, match=r"block_table\[0, 0\] = .* is not a page of key"):
+            torch.ops.masked_attn.varlen_forward(q, kp, vp, cq, None, mq, 256, None, -1, 0, seqused, bad)
     # inference only
     qg = q.clone().requires_grad_()
     with pytest.raises(RuntimeError, match="inference-only"):
-        varlen_attn(qg, k, v, cq, ck_slot, 3, 256, seqused_k=seqused)
+        varlen_attn(qg, k, v, cq, ck_slot, mq, 256, seqused_k=seqused)
     with pytest.raises(RuntimeError, match="inference-only"):
-        varlen_attn(qg, kp, vp, cq, None, 3, 256, seqused_k=seqused, block_table=table)
+        varlen_attn(qg, kp, vp, cq, None, mq, 256, seqused_k=seqused, block_table=table)
 
 
 def test_bad_input():

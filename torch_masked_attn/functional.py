@@ -211,7 +211,8 @@ def varlen_attn(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_
         seqused_k: int32 (N,): only the first seqused_k[b] keys of sequence b
             take part (a KV cache slot larger than the sequence). Inference only.
         block_table: int32 (N, max_pages) paged KV cache, with seqused_k;
-            inference only. The used pages are gathered into packed rows first.
+            inference only. With page_size a multiple of 64 the kernels read the
+            pages in place; other page sizes are gathered into packed rows first.
         num_splits: accepted for compatibility; results never depend on the
             thread count or on the other sequences of the batch (batch invariant).
 
@@ -260,13 +261,15 @@ def varlen_attn(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_
             raise ValueError("varlen_attn: seqused_k must be int32 (N,) with N = block_table.size(0)")
         if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
             raise RuntimeError("varlen_attn: block_table is an inference-only parameter (no backward)")
-        key, cu_seq_k = _gather_pages(key, block_table, seqused_k)
-        value, _ = _gather_pages(value, block_table, seqused_k)
+        if key.size(1) % 64 != 0:  # the kernels read pages of a multiple of 64 tokens in place
+            key, cu_seq_k = _gather_pages(key, block_table, seqused_k)
+            value, _ = _gather_pages(value, block_table, seqused_k)
+            block_table = None
     elif cu_seq_k is None:
         raise ValueError("varlen_attn: cu_seq_k is required without block_table")
     out, lse = torch.ops.masked_attn.varlen_forward(
         query, key, value, cu_seq_q, cu_seq_k, int(max_q), int(max_k),
-        None if scale is None else float(scale), left, right, seqused_k)
+        None if scale is None else float(scale), left, right, seqused_k, block_table)
     if return_aux is not None and return_aux.lse:
         return out, lse
     return out

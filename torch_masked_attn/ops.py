@@ -291,8 +291,9 @@ torch.library.register_autograd(
 
 # ---- packed variable-length sequences ---------------------------------------
 #
-#   masked_attn::varlen_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
-#                               scale?, window_left, window_right, seqused_k?) -> (out, lse)
+#   masked_attn::varlen_forward(query, key, value, cu_seq_q, cu_seq_k?, max_q, max_k,
+#                               scale?, window_left, window_right, seqused_k?, block_table?)
+#                               -> (out, lse)
 #   masked_attn::varlen_backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k,
 #                                max_q, max_k, scale?, window_left, window_right)
 #                                -> (grad_query, grad_key, grad_value)
@@ -301,18 +302,20 @@ torch.library.register_autograd(
 # (N + 1,); out (T_q, H, Dv); lse (H, T_q) (float32, float64 for float64).
 # The window is bottom-right aligned (flash-attn's): query i of a sequence sees
 # key j iff i + Lk - Lq - left <= j <= i + Lk - Lq + right, -1 = unbounded.
-# seqused_k is inference-only (no backward). The user-facing function is
+# seqused_k and block_table (key, value then (pages, page_size, H_kv, D) pools,
+# page_size a multiple of 64) are inference-only (no backward). The user-facing function is
 # torch_masked_attn.functional.varlen_attn.
 
 @torch.library.register_fake("masked_attn::varlen_forward")
 def _varlen_forward_fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=None,
-                         window_left=-1, window_right=-1, seqused_k=None):
+                         window_left=-1, window_right=-1, seqused_k=None, block_table=None):
     _same_device("varlen_forward", query=query, key=key, value=value, cu_seq_q=cu_seq_q, cu_seq_k=cu_seq_k,
-                 seqused_k=seqused_k)
-    torch._check(query.dim() == 3 and key.dim() == 3 and value.dim() == 3,
-                 lambda: "masked_attn.varlen: query, key, value must be 3-D (T, H, D)")
+                 seqused_k=seqused_k, block_table=block_table)
+    kv_dim = 3 if block_table is None else 4
+    torch._check(query.dim() == 3 and key.dim() == kv_dim and value.dim() == kv_dim,
+                 lambda: "masked_attn.varlen: query must be 3-D (T, H, D), key and value 3-D (or 4-D paged)")
     T, H, _ = query.shape
-    return query.new_empty(T, H, value.shape[2]), query.new_empty(H, T, dtype=_lse_dtype(query.dtype))
+    return query.new_empty(T, H, value.shape[-1]), query.new_empty(H, T, dtype=_lse_dtype(query.dtype))
 
 
 @torch.library.register_fake("masked_attn::varlen_backward")
@@ -324,11 +327,12 @@ def _varlen_backward_fake(grad_out, query, key, value, out, lse, cu_seq_q, cu_se
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, wl, wr, seqused_k = inputs
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, wl, wr, seqused_k, block_table = inputs
     out, lse = output
-    if seqused_k is not None:
-        raise RuntimeError("varlen_attn: seqused_k is an inference-only parameter (no backward); "
-                           "call it under torch.no_grad() or on tensors that do not require grad")
+    for name, t in (("block_table", block_table), ("seqused_k", seqused_k)):
+        if t is not None:
+            raise RuntimeError(f"varlen_attn: {name} is an inference-only parameter (no backward); "
+                               "call it under torch.no_grad() or on tensors that do not require grad")
     ctx.save_for_backward(query, key, value, cu_seq_q, cu_seq_k, out, lse)
     ctx.args = (max_q, max_k, scale, wl, wr)
     ctx.mark_non_differentiable(lse)
@@ -338,13 +342,13 @@ def _varlen_setup_context(ctx, inputs, output):
 def _varlen_backward(ctx, grad_out, grad_lse):
     query, key, value, cu_seq_q, cu_seq_k, out, lse = ctx.saved_tensors
     if grad_out is None:
-        return (None,) * 11
+        return (None,) * 12
     dq, dk, dv = torch.ops.masked_attn.varlen_backward(
         grad_out.contiguous(), query, key, value, out, lse, cu_seq_q, cu_seq_k, *ctx.args)
     n = ctx.needs_input_grad
     grads = first_order_only("varlen attention", (query, key, value), dq if n[0] else None,
                              dk if n[1] else None, dv if n[2] else None)
-    return grads + (None,) * 8
+    return grads + (None,) * 9
 
 
 torch.library.register_autograd(

@@ -411,10 +411,11 @@ static inline const void *FN(elem_at)(const void *x, ma_dtype dt, int64_t off) {
     return x ? (const char *)x + off * size[dt] : x;
 }
 
-/* Moves args a (a copy) to varlen entry b; returns its first q row, *k0 its first k row. */
+/* Moves args a (a copy) to varlen entry b; returns its first q row, *k0 its
+ * first k row (paged: k, v stay at the pool, FN(key_off) finds the rows). */
 static int64_t FN(seq_args)(ma_attn_args *a, int64_t b, int64_t *k0) {
     const int64_t q0 = a->cu_q[b], Lq = a->cu_q[b + 1] - q0;
-    *k0 = a->cu_k[b];
+    *k0 = a->block_table ? 0 : a->cu_k[b];
     const int64_t Lk = a->seqused_k ? a->seqused_k[b] : a->cu_k[b + 1] - *k0;
     a->q = FN(elem_at)(a->q, a->dtype, q0 * a->q_stride[2]);
     a->k = FN(elem_at)(a->k, a->dtype, *k0 * a->k_stride[2]);
@@ -450,6 +451,40 @@ static const ma_attn_bwd_params *FN(bwd_seq)(const ma_attn_bwd_params *p, int64_
     loc->lse = (const ACC *)p->lse + q0;
     loc->delta = (ACC *)p->delta + q0;
     return loc;
+}
+
+/* The offset of key row j of entry b in k (page_st = k_page_stride) or v
+ * (v_page_stride), without the head's: j * st[2], or through the block table. */
+static inline int64_t FN(key_off)(const ma_attn_args *a, const int64_t st[4], int64_t page_st, int64_t b, int64_t j) {
+    if (!a->block_table) return j * st[2];
+    return (int64_t)a->block_table[b * a->bt_stride + j / a->page_size] * page_st + (j % a->page_size) * st[2];
+}
+
+/* FN(head_cache) and FN(rows_in) for the keys or values of head (b, h) of
+ * the forward: through FN(key_off) (paged: row by row; a key block never
+ * crosses a page). */
+static const ACC *FN(kv_head_cache)(const ma_attn_args *a, int64_t *tag, ACC *cache, const void *src,
+                                    const int64_t st[4], int64_t page_st, int64_t b, int64_t h, int64_t ncol) {
+    if (!a->block_table) return FN(head_cache)(tag, cache, src, a->dtype, st, b, h, 1, a->Lk, ncol);
+    const int64_t key = b * 65536 + h + 1;
+    if (*tag != key) {
+        for (int64_t r = 0; r < a->Lk; r++)
+            FN(convert_row)(cache + r * ncol, 1, src, a->dtype, b * st[0] + h * st[1] + FN(key_off)(a, st, page_st, b, r),
+                            st[3], ncol, 1);
+        *tag = key;
+    }
+    return cache;
+}
+
+static inline const ACC *FN(kv_rows_in)(const ma_attn_args *a, const void *src, const int64_t st[4], int64_t page_st,
+                                        int64_t b, int64_t h, int64_t j0, const ACC *head_base, int64_t ncol,
+                                        int64_t *ld) {
+    if (!FN(needs_copy)(a->dtype, st)) {
+        *ld = st[2];
+        return (const ACC *)src + b * st[0] + h * st[1] + FN(key_off)(a, st, page_st, b, j0);
+    }
+    *ld = ncol;
+    return head_base + j0 * ncol;
 }
 
 /* Work item w of the forward and the dq pass: (b, h, query block). Dense:
@@ -589,7 +624,8 @@ static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s,
                               ACC *lsum, ACC *alpha, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t nr,
                               int64_t j0, int64_t nc, int am_state) {
     const int64_t D = p->a.D, Dv = p->a.Dv, *ks = p->a.k_stride, *vs = p->a.v_stride;
-    DOT_KEYS(s, nc, q, nr, D, p->a.k, p->a.dtype, b * ks[0] + hk * ks[1] + j0 * ks[2], ks[2], nc);
+    DOT_KEYS(s, nc, q, nr, D, p->a.k, p->a.dtype, b * ks[0] + hk * ks[1] + FN(key_off)(&p->a, ks, p->a.k_page_stride, b, j0),
+             ks[2], nc);
     FN(add_bias)(s, nc, 1, &p->a.attn_mask, am_state, &p->a.key_padding_mask, p->a.band_lo, p->a.band_hi, b, h, i0, nr, j0, nc);
     for (int64_t r = 0; r < nr; r++) {
         m_new[r] = ROW_MAX(s + r * nc, nc, m[r]);
@@ -597,7 +633,8 @@ static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s,
     }
     FN(sum_rows_in_order)(s, nc, nr, lsum);
     if (FN(online_step)(m, m_new, l, lsum, alpha, nr)) FN(scale_rows)(o, Dv, nr, Dv, alpha);
-    AXPY_KEYS(o, s, nc, nr, Dv, p->a.v, p->a.dtype, b * vs[0] + hk * vs[1] + j0 * vs[2], vs[2], nc);
+    AXPY_KEYS(o, s, nc, nr, Dv, p->a.v, p->a.dtype, b * vs[0] + hk * vs[1] + FN(key_off)(&p->a, vs, p->a.v_page_stride, b, j0),
+              vs[2], nc);
 }
 
 /* ---- tile hooks -------------------------------------------------------------
@@ -641,10 +678,10 @@ static void FN(gen_fwd_query)(FN(gen_fwd) *g, int64_t b, int64_t h, int64_t hk, 
     FN(fwd_scratch) *t = g->t;
     g->b = b, g->hk = hk, g->nr = nr;
     g->k_bh = FN(needs_copy)(p->a.dtype, p->a.k_stride)
-                  ? FN(head_cache)(&g->hdr->tag[0], t->kc, p->a.k, p->a.dtype, p->a.k_stride, b, hk, 1, p->a.Lk, p->a.D)
+                  ? FN(kv_head_cache)(&p->a, &g->hdr->tag[0], t->kc, p->a.k, p->a.k_stride, p->a.k_page_stride, b, hk, p->a.D)
                   : NULL;
     g->v_bh = FN(needs_copy)(p->a.dtype, p->a.v_stride)
-                  ? FN(head_cache)(&g->hdr->tag[1], t->vc, p->a.v, p->a.dtype, p->a.v_stride, b, hk, 1, p->a.Lk, p->a.Dv)
+                  ? FN(kv_head_cache)(&p->a, &g->hdr->tag[1], t->vc, p->a.v, p->a.v_stride, p->a.v_page_stride, b, hk, p->a.Dv)
                   : NULL;
     FN(load_tile_t)(t->qT, p->a.q, p->a.dtype, p->a.q_stride, b, h, i0, nr, p->a.D, (ACC)p->a.scale);
 }
@@ -654,7 +691,7 @@ static void FN(gen_fwd_scores)(FN(gen_fwd) *g, ACC *sT, int64_t i0, int64_t j0, 
     const ma_attn_fwd_params *p = g->p;
     const int64_t nr = g->nr, D = p->a.D;
     int64_t ldk;
-    const ACC *k_j = FN(rows_in)(p->a.k, p->a.dtype, p->a.k_stride, g->b, g->hk, j0, g->k_bh, D, &ldk);
+    const ACC *k_j = FN(kv_rows_in)(&p->a, p->a.k, p->a.k_stride, p->a.k_page_stride, g->b, g->hk, j0, g->k_bh, D, &ldk);
     const int64_t hs = FN(diag_split)(p->a.band_hi, p->a.block_q, p->a.block_k, i0, nr, j0, nc);
     if (hs) {
         GEMM(hs, nr, D, k_j, ldk, 1, g->t->qT, nr, sT, nr, 0);
@@ -669,7 +706,7 @@ static void FN(gen_fwd_pv)(FN(gen_fwd) *g, ACC *o, const ACC *alpha, const ACC *
     const ma_attn_fwd_params *p = g->p;
     const int64_t nr = g->nr, Dv = p->a.Dv;
     int64_t ldv;
-    const ACC *v_j = FN(rows_in)(p->a.v, p->a.dtype, p->a.v_stride, g->b, g->hk, j0, g->v_bh, Dv, &ldv);
+    const ACC *v_j = FN(kv_rows_in)(&p->a, p->a.v, p->a.v_stride, p->a.v_page_stride, g->b, g->hk, j0, g->v_bh, Dv, &ldv);
     const int64_t hs = FN(diag_split)(p->a.band_hi, p->a.block_q, p->a.block_k, i0, nr, j0, nc);
     if (hs) {
         GEMM_ROWSCALE(hs, Dv, hs, sT, 1, nr, v_j, ldv, o, Dv, alpha);
