@@ -373,6 +373,42 @@ def varlen(B=8, H=8, D=64, lo=64, hi=2048):
                  info=dict(B=B, H=H, D=D, lengths=lengths, dtype=str(torch.float32)))
 
 
+def decode_paged(B=8, H=32, Lk=2048, D=128, page=256):
+    """The decode case's step read from a paged KV cache: the same B x Lk keys
+    and values as pages of `page` tokens in a shuffled pool, one query per
+    sequence through varlen_attn(block_table=..., seqused_k=...), against
+    native F.sdpa on the dense (B, H, Lk, D) cache (the decode case's native)."""
+    q = torch.randn(B, H, 1, D)
+    k, v = (torch.randn(B, H, Lk, D) for _ in range(2))
+    n = Lk // page
+    perm = torch.randperm(B * n)
+    table = perm.view(B, n).to(torch.int32)
+
+    def pool(t):  # (B, H, Lk, D) -> (B * n, page, H, D) with page (b, i) at perm[b * n + i]
+        pages = t.transpose(1, 2).reshape(B * n, page, H, D)
+        out = torch.empty_like(pages)
+        out[perm] = pages
+        return out
+    kp, vp = pool(k), pool(v)
+    qv = q[:, :, 0].contiguous()                                           # (B, H, D) = (T_q, H, D)
+    cu = torch.arange(B + 1, dtype=torch.int32)
+    used = torch.full((B,), Lk, dtype=torch.int32)
+
+    def native():
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(q, k, v)[:, :, 0]
+
+    def ours():
+        with torch.no_grad():
+            return tma.functional.varlen_attn(qv, kp, vp, cu, None, 1, Lk, seqused_k=used, block_table=table)
+    fl = attention_flops(B, H, 1, Lk, D, causal=False, backward=False)
+    traffic = 2.0 * B * H * Lk * D * k.element_size()
+    return Bench(work=f"B={B} H={H} Lq=1 Lk={Lk} D={D} float32, forward (no grad), paged KV (pages of {page}) "
+                      f"vs native on the dense cache, K+V {traffic / 1e6:.0f} MB",
+                 natives={"sdpa-dense": native}, ours=ours, flops=fl, attn_flops=fl, traffic_bytes=traffic,
+                 info=dict(B=B, H=H, Lq=1, Lk=Lk, D=D, page=page, dtype=str(torch.float32)))
+
+
 # ---------------------------------------------------------------- registry
 
 NAMED = {
@@ -388,6 +424,7 @@ NAMED = {
     "decode-bf16": lambda: decode(torch.bfloat16),
     "hf-mask": hf_mask,
     "varlen": varlen,
+    "decode-paged": decode_paged,
     "mha-mem-8192": lambda: mha_train(1, 8192, timed=False),
     "ce": lambda: cross_entropy_case(8192, 32000, torch.float32),
     "ce-bf16": lambda: cross_entropy_case(4096, 128256, torch.bfloat16),
@@ -395,7 +432,7 @@ NAMED = {
 }
 GROUPS = {
     "attention": ["gpt-train", "long-causal", "long-causal-fwd", "one-head-long", "bert-infer", "mha-train",
-                  "gpt-train-bf16", "long-causal-bf16", "decode", "decode-bf16", "hf-mask", "varlen"],
+                  "gpt-train-bf16", "long-causal-bf16", "decode", "decode-bf16", "hf-mask", "varlen", "decode-paged"],
     "memory": ["mha-mem-8192"],
     "ce": ["ce", "ce-bf16", "linear-ce"],
 }
