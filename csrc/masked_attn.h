@@ -127,6 +127,12 @@ typedef struct {
     ma_attn_args a;
     /* scratch shared between the two passes */
     void *delta;            /* (B, H, Lq) acc type: D_i = sum_j P_ij dP_ij, written by the dq pass */
+    /* delta summed from P and dP over the row's key tiles in the dq pass,
+     * instead of dO . out: out was rounded to the input dtype after the head
+     * mask scaled it, so in bfloat16/float16 with a head mask dO . out is not
+     * the exact sum (a row that sees one key would get dS != 0). Set by the
+     * shim for exactly that case; it makes the backward two passes. */
+    int exact_delta;
     /* single pass with kv_chunks > 1: dq and dhm partial sums of each key
      * chunk, (kv_chunks, B, H, Lq, D) and (kv_chunks, B, H, Lq), acc type,
      * summed in chunk order by the reduce task */
@@ -160,7 +166,7 @@ int64_t ma_attn_bwd_dq_work_items(const ma_attn_bwd_params *p);
 int64_t ma_attn_bwd_dkdv_work_items(const ma_attn_bwd_params *p);
 size_t ma_attn_bwd_scratch_bytes(const ma_attn_bwd_params *p);
 
-/* Or, when ma_attn_bwd_single_pass (no dweights): one pass over the key
+/* Or, when ma_attn_bwd_single_pass (no dweights, no exact_delta): one pass over the key
  * blocks, work item = (b, hkv, key chunk c), chunk c holding key blocks c,
  * c + C, c + 2C, ... (C = ma_attn_bwd_kv_chunks, a rule on the shape alone,
  * so results never depend on the thread count: enough items for 8 threads).

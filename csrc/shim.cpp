@@ -517,6 +517,12 @@ void check_shape(const Tensor& t, const char* name, std::vector<int64_t> dims, c
                   " with the dtype of q, got shape ", shape_str(t));
 }
 
+// masked_attn.h's exact_delta: bfloat16/float16 with a head mask. Such a
+// backward runs two passes, like one with grad_weights.
+bool exact_delta(ScalarType dt, bool has_head_mask) {
+  return has_head_mask && (dt == ScalarType::BFloat16 || dt == ScalarType::Half);
+}
+
 // The backward, writing dq, dk, dv into the given (B, H, L, D) tensors (any
 // strides); returns (grad_head_mask, grad_scores).
 std::tuple<Tensor, Tensor> attn_backward_impl(
@@ -567,6 +573,7 @@ std::tuple<Tensor, Tensor> attn_backward_impl(
   p.a = attn_args(s, m, q, k, v, out, is_causal, sc,
                   worth_streaming(dq) || worth_streaming(dk) || worth_streaming(dv));
   p.delta = delta.mutable_data_ptr();
+  p.exact_delta = exact_delta(q.scalar_type(), head_mask.has_value());
   p.kv_chunks = 1;
 
   const size_t bytes = ma_attn_bwd_scratch_bytes(&p);
@@ -623,8 +630,9 @@ std::tuple<Tensor, Tensor> attn_backward_into(
     bool head_mask_grad, bool mask_grad, Tensor grad_q, Tensor grad_k, Tensor grad_v) {
   // What the kernels allow (masked_attn.h): outputs that never share memory
   // with each other or with what is read, except that the single pass (no
-  // grad_weights) may write grad_q, grad_k, grad_v over q, k, v themselves,
-  // element for element.
+  // grad_weights, no exact_delta) may write grad_q, grad_k, grad_v over q, k,
+  // v themselves, element for element.
+  const bool two_passes = grad_weights.has_value() || exact_delta(q.scalar_type(), head_mask.has_value());
   const char* names[3] = {"grad_q", "grad_k", "grad_v"};
   const Tensor* outs[3] = {&grad_q, &grad_k, &grad_v};
   const Tensor* ins[3] = {&q, &k, &v};
@@ -636,12 +644,12 @@ std::tuple<Tensor, Tensor> attn_backward_into(
       MA_CHECK(!may_overlap(*outs[i], *outs[j]), "masked_attn.backward_into: ", names[i], " and ", names[j],
                " share memory; each gradient needs memory of its own");
     for (int j = 0; j < 3; j++) {
-      const bool exact_alias_ok = i == j && !grad_weights.has_value() && same_view(*outs[i], *ins[j]);
+      const bool exact_alias_ok = i == j && !two_passes && same_view(*outs[i], *ins[j]);
       MA_CHECK(exact_alias_ok || !may_overlap(*outs[i], *ins[j]), "masked_attn.backward_into: ", names[i],
                " shares memory with ", "qkv"[j],
-               grad_weights.has_value()
-                   ? " (with grad_weights, the gradients must not share memory with q, k, v)"
-                   : " (only grad_q = q, grad_k = k, grad_v = v, element for element, is allowed)");
+               two_passes ? " (with grad_weights, or a head mask in bfloat16/float16, the gradients must not "
+                            "share memory with q, k, v)"
+                          : " (only grad_q = q, grad_k = k, grad_v = v, element for element, is allowed)");
     }
     const Tensor* read[3] = {&grad_out, &out, &lse};
     const char* read_names[3] = {"grad_out", "out", "lse"};

@@ -879,6 +879,10 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
         for (int64_t r = 0; r < nr; r++) {
             t.lse[r] = FN(finite_or_zero)(lse_bh[i0 + r]);
             t.dhm[r] = 0;
+            if (p->exact_delta) { /* delta_i = hm sum_j P_ij (g_i . v_j + dW_ij), summed below */
+                t.delta[r] = 0;
+                continue;
+            }
             /* delta_i = g_i . out_i  (+ hm * sum_j P_ij dW_ij below) */
             ACC *o_r = t.gbuf;
             FN(convert_row)(o_r, 1, p->out, p->a.dtype,
@@ -888,7 +892,7 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
             for (int64_t d = 0; d < Dv; d++) dot += t.gT[d * nr + r] * o_r[d];
             t.delta[r] = dot;
         }
-        if (p->dweights) {
+        if (p->dweights || p->exact_delta) {
             for (int64_t j0 = 0; j0 < kv_end; j0 += BK) {
                 const int64_t nc = FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
                 if (nc == 0) continue;
@@ -899,8 +903,14 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
                 GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
                 FN(add_bias)(t.sT, 1, nr, &p->a.attn_mask, ms, &p->a.key_padding_mask, p->a.is_causal, b, h, i0, nr, j0, nc);
                 EXP_SUB_COL(t.sT, nc, nr, t.lse, t.tmp);
-                for (int64_t x = 0; x < nc * nr; x++) t.dpT[x] = 0;
-                FN(add_dweights)(t.dpT, 1, nr, p, b, h, i0, nr, j0, nc);
+                if (p->exact_delta) { /* dP^T = V dO^T */
+                    int64_t ldv;
+                    const ACC *v_j = FN(rows_in)(p->a.v, p->a.dtype, p->a.v_stride, b, hk, j0, v_bh, Dv, &ldv);
+                    GEMM(nc, nr, Dv, v_j, ldv, 1, t.gT, nr, t.dpT, nr, 0);
+                } else {
+                    for (int64_t x = 0; x < nc * nr; x++) t.dpT[x] = 0;
+                }
+                if (p->dweights) FN(add_dweights)(t.dpT, 1, nr, p, b, h, i0, nr, j0, nc);
                 for (int64_t r = 0; r < nr; r++) {
                     ACC dot = 0;
                     for (int64_t c = 0; c < nc; c++) dot += t.sT[c * nr + r] * t.dpT[c * nr + r];

@@ -41,7 +41,7 @@ void ma_attn_bwd_dkdv_task(int64_t begin, int64_t end, void *ctx) {
     KERNELS(PARAMS(ma_attn_bwd_params, ctx))->bwd_dkdv(begin, end, ctx);
 }
 
-int ma_attn_bwd_single_pass(const ma_attn_bwd_params *p) { return p->dweights == NULL; }
+int ma_attn_bwd_single_pass(const ma_attn_bwd_params *p) { return p->dweights == NULL && !p->exact_delta; }
 
 /* Enough (b, hkv, chunk) items for 8 threads, never more chunks than key blocks. */
 int64_t ma_attn_bwd_kv_chunks(const ma_attn_bwd_params *p) {
