@@ -350,10 +350,10 @@ static inline const ma_dropout *FN(head_dropout)(const ma_attn_args *a, int64_t 
     return d;
 }
 
-/* x[e] = z[e] x[e] where z[e] != 0, else 0 (z from DROPOUT's z form): the
+/* x[e] *= z[e] (z from DROPOUT's multiplier form, 1 / (1 - p) or 0): the
  * same values as DROPOUT applied to x itself. */
-static inline void FN(apply_dropout)(ACC *x, const ACC *z, int64_t n) {
-    for (int64_t e = 0; e < n; e++) x[e] = z[e] != 0 ? x[e] * z[e] : 0;
+static inline void FN(apply_dropout)(ACC *restrict x, const ACC *restrict z, int64_t n) {
+    for (int64_t e = 0; e < n; e++) x[e] *= z[e];
 }
 
 /* Keys a query block [i0, i0 + nr) can see: [0, kv_end). */

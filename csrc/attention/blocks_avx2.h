@@ -363,8 +363,8 @@ static void dropout_avx2(float *x, float *z, int64_t rs, int64_t cs, int64_t nr,
                 for (int m = 0; m < 8; m++) {
                     if (c0 + m < 0 || c0 + m >= nc) continue;
                     float *e = (z ? z : x) + (c0 + m) * cs + r0;
-                    const __m256 v = z ? scale : _mm256_mul_ps(_mm256_loadu_ps(e), scale);
-                    _mm256_storeu_ps(e, _mm256_andnot_ps(_mm256_castsi256_ps(drop[m]), v));
+                    const __m256 mul = _mm256_andnot_ps(_mm256_castsi256_ps(drop[m]), scale);
+                    _mm256_storeu_ps(e, z ? mul : _mm256_mul_ps(_mm256_loadu_ps(e), mul));
                 }
             } else if (whole && cs == 1) {
                 __m256 t[8];
@@ -372,8 +372,8 @@ static void dropout_avx2(float *x, float *z, int64_t rs, int64_t cs, int64_t nr,
                 transpose8x8(t); /* t[l], lane m: element (r0 + l, key 8 g + m) */
                 for (int l = 0; l < 8; l++) {
                     float *e = (z ? z : x) + (r0 + l) * rs + c0;
-                    const __m256 v = z ? scale : _mm256_mul_ps(_mm256_loadu_ps(e), scale);
-                    _mm256_storeu_ps(e, _mm256_andnot_ps(t[l], v));
+                    const __m256 mul = _mm256_andnot_ps(t[l], scale);
+                    _mm256_storeu_ps(e, z ? mul : _mm256_mul_ps(_mm256_loadu_ps(e), mul));
                 }
             } else {
                 int32_t dm[8][8];
@@ -383,7 +383,8 @@ static void dropout_avx2(float *x, float *z, int64_t rs, int64_t cs, int64_t nr,
                     for (int m = 0; m < 8; m++) {
                         if (c0 + m < 0 || c0 + m >= nc) continue;
                         float *e = (z ? z : x) + (r0 + l) * rs + (c0 + m) * cs;
-                        *e = dm[m][l] ? 0 : z ? s : *e * s;
+                        const float mul = dm[m][l] ? 0 : s;
+                        *e = z ? mul : *e * mul;
                     }
             }
         }

@@ -373,9 +373,8 @@ static void dropout_avx512(float *x, float *z, int64_t rs, int64_t cs, int64_t n
                 for (int m = 0; m < 8; m++) {
                     if (c0 + m < 0 || c0 + m >= nc) continue;
                     float *e = (z ? z : x) + (c0 + m) * cs + r0;
-                    const __m512 v = z ? scale : _mm512_loadu_ps(e);
-                    _mm512_storeu_ps(e, z ? _mm512_maskz_mov_ps((__mmask16)~drop[m], v)
-                                          : _mm512_maskz_mul_ps((__mmask16)~drop[m], v, scale));
+                    const __m512 mul = _mm512_maskz_mov_ps((__mmask16)~drop[m], scale);
+                    _mm512_storeu_ps(e, z ? mul : _mm512_mul_ps(_mm512_loadu_ps(e), mul));
                 }
             } else {
                 const float s = (float)d->scale;
@@ -383,7 +382,8 @@ static void dropout_avx512(float *x, float *z, int64_t rs, int64_t cs, int64_t n
                     for (int m = 0; m < 8; m++) {
                         if (c0 + m < 0 || c0 + m >= nc) continue;
                         float *e = (z ? z : x) + (r0 + l) * rs + (c0 + m) * cs;
-                        *e = (drop[m] >> l) & 1 ? 0 : z ? s : *e * s;
+                        const float mul = (drop[m] >> l) & 1 ? 0 : s;
+                        *e = z ? mul : *e * mul;
                     }
             }
         }

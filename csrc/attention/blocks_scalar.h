@@ -85,9 +85,10 @@ static void B_(axpy_keys)(T *o, const T *p, int64_t ldp, int64_t nr, int64_t Dv,
 }
 
 /* Dropout of the elements (i0 + r, j0 + c), r < nr, c < nc, of one head
- * (philox.h): element (r, c) at [r * rs + c * cs]. z NULL: x = kept ? x *
- * scale : 0 in place; else z = kept ? scale : 0 (x unused). One Philox call
- * per 8 keys of a row. */
+ * (philox.h): element (r, c) at [r * rs + c * cs], multiplier m = kept ?
+ * scale : 0. z NULL: x = x * m in place (a dropped NaN stays NaN, as
+ * P * Z / (1 - p) does); else z = m (x unused). One Philox call per 8 keys
+ * of a row. */
 static void B_(dropout)(T *x, T *z, int64_t rs, int64_t cs, int64_t nr, int64_t nc, const ma_dropout *d, int64_t i0,
                         int64_t j0) {
     const T scale = (T)d->scale;
@@ -99,8 +100,9 @@ static void B_(dropout)(T *x, T *z, int64_t rs, int64_t cs, int64_t nr, int64_t 
                 const int64_t c = g * 8 + m - j0;
                 if (c < 0 || c >= nc) continue;
                 const int keep = (int32_t)((ctr[m >> 1] >> (16 * (m & 1))) & 0xffffu) >= d->thr;
+                const T mul = keep ? scale : 0;
                 T *e = (z ? z : x) + r * rs + c * cs;
-                *e = keep ? (z ? scale : *e * scale) : 0;
+                *e = z ? mul : *e * mul;
             }
         }
 }
