@@ -99,7 +99,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     query (..., Hq, L, E), key (..., H, S, E), value (..., H, S, Ev); a bool
     attn_mask is True where attention is allowed, a floating one is added;
     is_causal is top-left aligned and combines with attn_mask. Rows with no
-    allowed key give 0, as PyTorch does from 2.5 on.
+    allowed key give 0, as PyTorch does from 2.5 on. dropout_p > 0 drops
+    attention probabilities inside the kernels (whenever given, as F.sdpa),
+    the mask drawn from PyTorch's default generator.
     """
     _check_dropout_p("scaled_dot_product_attention", float(dropout_p))
     for name, t in (("query", query), ("key", key), ("value", value)):
