@@ -99,6 +99,23 @@ def test_mask_is_the_definition(isa, shape):
     assert torch.equal(w != 0, keep_mask(seed, B, H, Lq, Lk, p))
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("Lq", [1, 5, 67])
+def test_short_rows_path(isa, Lq):
+    """Query blocks of <= 8 rows without weights run by rows (decoding, the
+    last rows of a prefill): the same mask there, against the definition."""
+    B, H, Lk = 2, 2, 150
+    q, k, v = _qkv(B, H, None, Lq, Lk, dtype=torch.float64)
+    seed, p = ops.new_dropout_seed(), 0.2
+    out = run_isa(isa, lambda: masked_attention(q, k, v, dropout_p=p, dropout_seed=seed))
+    _, w0 = masked_attention(q, k, v, need_weights=True)
+    ref = (w0 * keep_mask(seed, B, H, Lq, Lk, p) / (1 - p)) @ v
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    out32 = run_isa(isa, lambda: masked_attention(q32, k32, v32, dropout_p=p, dropout_seed=seed))
+    torch.testing.assert_close(out32.double(), ref, rtol=1e-4, atol=1e-5)
+
+
 # ---- statistics ---------------------------------------------------------------
 
 def _binomial_ok(kept, n, keep_prob, sigmas=5.0):
