@@ -431,6 +431,35 @@ Masks check_masks(const Sizes& s, const std::optional<Tensor>& attn_mask,
   return m;
 }
 
+// ---- dropout (issue 14) ----
+// dropout_p in [0, 1]; with dropout_p > 0, dropout_seed is an int64 CPU tensor
+// of shape (2,): (seed, offset), the Philox key and counter words
+// (csrc/attention/philox.h). The op draws nothing: the caller does (Python,
+// from PyTorch's default generator), so a given seed reproduces the mask.
+struct Dropout {
+  double p = 0;
+  uint64_t seed = 0, offset = 0;
+};
+
+Dropout check_dropout(const Sizes& s, double dropout_p, const std::optional<Tensor>& dropout_seed) {
+  Dropout d;
+  MA_CHECK(dropout_p >= 0.0 && dropout_p <= 1.0, "masked_attn: dropout_p must be in [0, 1], got ", dropout_p);
+  if (dropout_p == 0.0) return d;
+  MA_CHECK(dropout_seed.has_value(), "masked_attn: dropout_p > 0 needs dropout_seed, an int64 tensor (seed, offset)");
+  const Tensor& t = *dropout_seed;
+  MA_CHECK(t.is_cpu() && t.scalar_type() == ScalarType::Long && t.dim() == 1 && t.size(0) == 2,
+           "masked_attn: dropout_seed must be an int64 CPU tensor of shape (2,) (seed, offset), got shape ",
+           shape_str(t));
+  MA_CHECK(s.Lq <= (int64_t{1} << 32) && s.Lk <= (int64_t{1} << 35),
+           "masked_attn: dropout needs Lq <= 2^32 and Lk <= 2^35 (the Philox counter's words)");
+  const int64_t* x = static_cast<const int64_t*>(t.const_data_ptr());
+  d.p = dropout_p;
+  d.seed = static_cast<uint64_t>(x[0]);
+  d.offset = static_cast<uint64_t>(x[t.stride(0)]);
+  return d;
+}
+// ---- end dropout ----
+
 // The instruction-set variant for this call: common/isa.h decides (the CPU's
 // best for the dtype, or MASKED_ATTN_ISA read once per process, or
 // torch_masked_attn.ops.use_isa); a MASKED_ATTN_ISA it cannot honour is an error.
@@ -451,7 +480,7 @@ static_assert(kBlockQ % 32 == 0 && kBlockK % 32 == 0, "block sizes must be multi
 // filled in one place: q, k, v and out with their strides, the canonical
 // masks, the flags, sizes and tiles, and the variant.
 ma_attn_args attn_args(const Sizes& s, const Masks& m, const Tensor& q, const Tensor& k, const Tensor& v,
-                       const Tensor& out, bool is_causal, double scale, bool stream_stores) {
+                       const Tensor& out, bool is_causal, double scale, bool stream_stores, const Dropout& dr) {
   ma_attn_args a{};
   a.q = q.const_data_ptr();
   a.k = k.const_data_ptr();
@@ -470,6 +499,7 @@ ma_attn_args attn_args(const Sizes& s, const Masks& m, const Tensor& q, const Te
   a.block_q = kBlockQ, a.block_k = kBlockK;
   a.stream_stores = stream_stores;
   a.isa = select_isa(a.dtype);
+  a.dropout_p = dr.p, a.dropout_seed = dr.seed, a.dropout_offset = dr.offset;
   return a;
 }
 
@@ -479,9 +509,11 @@ std::tuple<Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tensor v,
                                                 std::optional<Tensor> attn_mask,
                                                 std::optional<Tensor> key_padding_mask,
                                                 std::optional<Tensor> head_mask, bool is_causal,
-                                                std::optional<double> scale, bool need_weights) {
+                                                std::optional<double> scale, bool need_weights,
+                                                double dropout_p, std::optional<Tensor> dropout_seed) {
   const Sizes s = check_qkv(q, k, v);
   const Masks m = check_masks(s, attn_mask, key_padding_mask, head_mask);
+  const Dropout dr = check_dropout(s, dropout_p, dropout_seed);
   const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(s.D));
 
   // out (B, H, Lq, Dv) is stored as (B, Lq, H, Dv): the layout the output
@@ -496,7 +528,7 @@ std::tuple<Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tensor v,
   p.out = out.mutable_data_ptr();
   p.lse = lse.mutable_data_ptr();
   p.weights = need_weights ? weights.mutable_data_ptr() : nullptr;
-  p.a = attn_args(s, m, q, k, v, out, is_causal, sc, worth_streaming(out));
+  p.a = attn_args(s, m, q, k, v, out, is_causal, sc, worth_streaming(out), dr);
 
   if (s.Lk == 0) {  // no key at all: every row is fully masked
     torch::stable::zero_(out);
@@ -529,9 +561,11 @@ std::tuple<Tensor, Tensor> attn_backward_impl(
     Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
     Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
     std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
-    bool head_mask_grad, bool mask_grad, Tensor dq, Tensor dk, Tensor dv) {
+    bool head_mask_grad, bool mask_grad, double dropout_p, std::optional<Tensor> dropout_seed, Tensor dq,
+    Tensor dk, Tensor dv) {
   const Sizes s = check_qkv(q, k, v);
   const Masks m = check_masks(s, attn_mask, key_padding_mask, head_mask);
+  const Dropout dr = check_dropout(s, dropout_p, dropout_seed);
   const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(s.D));
   check_shape(out, "out", {s.B, s.H, s.Lq, s.Dv}, "(B, H, Lq, Dv)", q.scalar_type());
   check_shape(grad_out, "grad_out", {s.B, s.H, s.Lq, s.Dv}, "(B, H, Lq, Dv)", q.scalar_type());
@@ -571,7 +605,7 @@ std::tuple<Tensor, Tensor> attn_backward_impl(
   fill_strides4(p.dout_stride, grad_out);
   if (grad_weights.has_value()) fill_strides4(p.dweights_stride, *grad_weights);
   p.a = attn_args(s, m, q, k, v, out, is_causal, sc,
-                  worth_streaming(dq) || worth_streaming(dk) || worth_streaming(dv));
+                  worth_streaming(dq) || worth_streaming(dk) || worth_streaming(dv), dr);
   p.delta = delta.mutable_data_ptr();
   p.exact_delta = exact_delta(q.scalar_type(), head_mask.has_value());
   p.kv_chunks = 1;
@@ -608,7 +642,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
     Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
     Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
     std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
-    bool head_mask_grad, bool mask_grad) {
+    bool head_mask_grad, bool mask_grad, double dropout_p, std::optional<Tensor> dropout_seed) {
   const Sizes s = check_qkv(q, k, v);
   Tensor dq = blhd(q, s.B, s.H, s.Lq, s.D);
   Tensor dk = blhd(q, s.B, s.Hkv, s.Lk, s.D);
@@ -616,7 +650,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
   for (Tensor* t : {&dq, &dk, &dv}) advise_huge_pages(*t);
   auto [dhm, dscores] = attn_backward_impl(grad_out, grad_weights, q, k, v, out, lse, attn_mask,
                                            key_padding_mask, head_mask, is_causal, scale,
-                                           head_mask_grad, mask_grad, dq, dk, dv);
+                                           head_mask_grad, mask_grad, dropout_p, dropout_seed, dq, dk, dv);
   return {dq, dk, dv, dhm, dscores};
 }
 
@@ -627,7 +661,8 @@ std::tuple<Tensor, Tensor> attn_backward_into(
     Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
     Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
     std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
-    bool head_mask_grad, bool mask_grad, Tensor grad_q, Tensor grad_k, Tensor grad_v) {
+    bool head_mask_grad, bool mask_grad, Tensor grad_q, Tensor grad_k, Tensor grad_v, double dropout_p,
+    std::optional<Tensor> dropout_seed) {
   // What the kernels allow (masked_attn.h): outputs that never share memory
   // with each other or with what is read, except that the single pass (no
   // grad_weights, no exact_delta) may write grad_q, grad_k, grad_v over q, k,
@@ -661,8 +696,8 @@ std::tuple<Tensor, Tensor> attn_backward_into(
                " shares memory with grad_weights");
   }
   return attn_backward_impl(grad_out, grad_weights, q, k, v, out, lse, attn_mask, key_padding_mask,
-                            head_mask, is_causal, scale, head_mask_grad, mask_grad, grad_q, grad_k,
-                            grad_v);
+                            head_mask, is_causal, scale, head_mask_grad, mask_grad, dropout_p, dropout_seed,
+                            grad_q, grad_k, grad_v);
 }
 
 // ---- cross-entropy -------------------------------------------------------------
@@ -955,18 +990,21 @@ size_t ma_scratch_last_bytes(void) { return last_scratch_bytes.load(); }
 STABLE_TORCH_LIBRARY(masked_attn, m) {
   m.def(
       "forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, Tensor? key_padding_mask=None, "
-      "Tensor? head_mask=None, bool is_causal=False, float? scale=None, bool need_weights=False) "
+      "Tensor? head_mask=None, bool is_causal=False, float? scale=None, bool need_weights=False, "
+      "float dropout_p=0., Tensor? dropout_seed=None) "
       "-> (Tensor out, Tensor lse, Tensor weights)");
   m.def(
       "backward(Tensor grad_out, Tensor? grad_weights, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, Tensor? attn_mask=None, Tensor? key_padding_mask=None, Tensor? head_mask=None, "
-      "bool is_causal=False, float? scale=None, bool head_mask_grad=False, bool mask_grad=False) "
+      "bool is_causal=False, float? scale=None, bool head_mask_grad=False, bool mask_grad=False, "
+      "float dropout_p=0., Tensor? dropout_seed=None) "
       "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_head_mask, Tensor grad_scores)");
   m.def(
       "backward_into(Tensor grad_out, Tensor? grad_weights, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, Tensor? attn_mask, Tensor? key_padding_mask, Tensor? head_mask, bool is_causal, "
       "float? scale, bool head_mask_grad, bool mask_grad, Tensor(a!) grad_q, Tensor(b!) grad_k, "
-      "Tensor(c!) grad_v) -> (Tensor grad_head_mask, Tensor grad_scores)");
+      "Tensor(c!) grad_v, float dropout_p=0., Tensor? dropout_seed=None) "
+      "-> (Tensor grad_head_mask, Tensor grad_scores)");
   m.def(
       "cross_entropy(Tensor input, Tensor target, Tensor? weight=None, str reduction='mean', "
       "int ignore_index=-100, float label_smoothing=0.0, float z_loss=0.0, float? softcap=None, "

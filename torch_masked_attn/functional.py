@@ -18,10 +18,9 @@ __all__ = ["masked_attention", "scaled_dot_product_attention", "cross_entropy", 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
-def _dropout_not_implemented(dropout_p):
-    raise NotImplementedError(
-        f"torch_masked_attn: attention dropout (dropout_p={dropout_p}) is not implemented yet; "
-        "use dropout_p=0.0, or put the module in eval mode")
+def _check_dropout_p(fn, dropout_p):
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{fn}: dropout_p must be in [0, 1], got {dropout_p}")
 
 
 def _as_4d_attn_mask(attn_mask, B, H):
@@ -35,7 +34,8 @@ def _as_4d_attn_mask(attn_mask, B, H):
 def masked_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = None,
                      key_padding_mask: Tensor | None = None, head_mask: Tensor | None = None,
                      is_causal: bool = False, scale: float | None = None, dropout_p: float = 0.0,
-                     need_weights: bool = False, return_lse: bool = False) -> Tensor | tuple[Tensor, ...]:
+                     need_weights: bool = False, return_lse: bool = False,
+                     dropout_seed: Tensor | None = None) -> Tensor | tuple[Tensor, ...]:
     """Masked multi-head attention.
 
     Args:
@@ -52,8 +52,15 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | Non
             probabilities (differentiable).
         is_causal: query i sees key j only if j <= i (top-left aligned).
         scale: defaults to 1 / sqrt(D).
+        dropout_p: drop each attention probability with this probability and
+            scale the kept ones by 1 / (1 - dropout_p), inside the kernels (the
+            mask is never stored; the backward regenerates it). Applied
+            whenever > 0, as F.scaled_dot_product_attention does.
         need_weights: also return the attention probabilities (B, H, Lq, Lk),
-            after the head mask.
+            after dropout and the head mask (out = weights @ v).
+        dropout_seed: the int64 (seed, offset) tensor of shape (2,) the mask
+            is a function of; None draws one from PyTorch's default
+            generator (ops.new_dropout_seed), so torch.manual_seed reproduces.
         return_lse: also return the per-row log-sum-exp (B, H, Lq) (float32,
             float64 for float64 inputs); -inf for a fully masked row.
 
@@ -62,8 +69,8 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | Non
         return_lse. A query row that no key may attend to gives 0 (and zero
         gradients), never NaN.
     """
-    if dropout_p > 0.0:
-        _dropout_not_implemented(dropout_p)
+    dropout_p = float(dropout_p)
+    _check_dropout_p("masked_attention", dropout_p)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"masked_attention: {name} must be a Tensor, got {type(t).__name__}")
@@ -73,9 +80,12 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | Non
             raise TypeError(f"masked_attention: {name} must be float32, float64, bfloat16 or float16, "
                             f"got {t.dtype}")
     attn_mask = _as_4d_attn_mask(attn_mask, q.size(0), q.size(1))
+    drop = ()
+    if dropout_p > 0.0:
+        drop = (dropout_p, ops.new_dropout_seed() if dropout_seed is None else dropout_seed)
     out, lse, weights = torch.ops.masked_attn.forward(
         q, k, v, attn_mask, key_padding_mask, head_mask, bool(is_causal),
-        None if scale is None else float(scale), bool(need_weights))
+        None if scale is None else float(scale), bool(need_weights), *drop)
     if not (need_weights or return_lse):
         return out
     return (out,) + ((weights,) if need_weights else ()) + ((lse,) if return_lse else ())
@@ -89,10 +99,11 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     query (..., Hq, L, E), key (..., H, S, E), value (..., H, S, Ev); a bool
     attn_mask is True where attention is allowed, a floating one is added;
     is_causal is top-left aligned and combines with attn_mask. Rows with no
-    allowed key give 0, as PyTorch does from 2.5 on.
+    allowed key give 0, as PyTorch does from 2.5 on. dropout_p > 0 drops
+    attention probabilities inside the kernels (whenever given, as F.sdpa),
+    the mask drawn from PyTorch's default generator.
     """
-    if dropout_p > 0.0:
-        _dropout_not_implemented(dropout_p)
+    _check_dropout_p("scaled_dot_product_attention", float(dropout_p))
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"scaled_dot_product_attention: {name} must be a Tensor")
@@ -143,7 +154,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
             mask = ~mask  # F.sdpa: True = take part; ours: True = blocked
         if len(batch) > 1 and mask.dim() > 3:  # flatten the batch dims like q's
             mask = mask.expand(*batch, *mask.shape[-3:]).reshape(-1, *mask.shape[-3:])
-    out = masked_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+    out = masked_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p)
     if query.dim() == 4:
         return out
     out_shape = (*batch, hq, query.size(-2), value.size(-1)) if query.dim() >= 3 else \

@@ -5,8 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .functional import _dropout_not_implemented
-from .ops import _needs, attention_backward, first_order_only
+from .ops import _needs, attention_backward, first_order_only, new_dropout_seed
 
 __all__ = ["MultiheadAttention"]
 
@@ -41,25 +40,28 @@ class _PackedSelfAttention(torch.autograd.Function):
     projection needs no zero-filled buffers, no stack and no copy."""
 
     @staticmethod
-    def forward(ctx, qkv, attn_mask, key_padding_mask, head_mask, is_causal, need_weights, batch_first):
+    def forward(ctx, qkv, attn_mask, key_padding_mask, head_mask, is_causal, need_weights, batch_first,
+                dropout_p, dropout_seed):
         q, k, v = _split_qkv(qkv, batch_first)
         out, lse, weights = torch.ops.masked_attn.forward(
-            q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, None, need_weights)
-        ctx.save_for_backward(qkv, out, lse, attn_mask, key_padding_mask, head_mask)
+            q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, None, need_weights, dropout_p, dropout_seed)
+        ctx.save_for_backward(qkv, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed)
         ctx.is_causal, ctx.need_weights, ctx.batch_first = is_causal, need_weights, batch_first
+        ctx.dropout_p = dropout_p
         ctx.set_materialize_grads(False)
         return out, weights
 
     @staticmethod
     def backward(ctx, grad_out, grad_weights):
-        qkv, out, lse, attn_mask, key_padding_mask, head_mask = ctx.saved_tensors
+        qkv, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed = ctx.saved_tensors
         grad_qkv = torch.empty_like(qkv)
         _, _, _, d_am, d_kpm, dhm = attention_backward(
             (*_split_qkv(qkv, ctx.batch_first), out, lse, attn_mask, key_padding_mask, head_mask),
             _needs(ctx, 1, 2, 3), ctx.is_causal, None, grad_out,
-            grad_weights if ctx.need_weights else None, into=_split_qkv(grad_qkv, ctx.batch_first))
-        return first_order_only("MultiheadAttention", ctx.saved_tensors, grad_qkv, d_am, d_kpm,
-                                dhm) + (None, None, None)
+            grad_weights if ctx.need_weights else None, into=_split_qkv(grad_qkv, ctx.batch_first),
+            dropout_p=ctx.dropout_p, dropout_seed=dropout_seed)
+        return first_order_only("MultiheadAttention", ctx.saved_tensors[:6], grad_qkv, d_am, d_kpm,
+                                dhm) + (None,) * 5
 
 
 def _merge_heads(t, batch_first):
@@ -84,19 +86,21 @@ class _RecomputedSelfAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_in, b_in, w_out, b_out, attn_mask, key_padding_mask, head_mask, is_causal,
-                batch_first, H):
+                batch_first, H, dropout_p, dropout_seed):
         qkv = F.linear(x, w_in, b_in).unflatten(-1, (3, H, -1))
         q, k, v = _split_qkv(qkv, batch_first)
         out, lse, _ = torch.ops.masked_attn.forward(
-            q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, None, False)
+            q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, None, False, dropout_p, dropout_seed)
         del qkv, q, k, v
-        ctx.save_for_backward(x, w_in, b_in, w_out, out, lse, attn_mask, key_padding_mask, head_mask)
+        ctx.save_for_backward(x, w_in, b_in, w_out, out, lse, attn_mask, key_padding_mask, head_mask,
+                              dropout_seed)
+        ctx.dropout_p = dropout_p
         ctx.is_causal, ctx.batch_first, ctx.H, ctx.has_b_out = is_causal, batch_first, H, b_out is not None
         return F.linear(_merge_heads(out, batch_first), w_out, b_out)
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, w_in, b_in, w_out, out, lse, attn_mask, key_padding_mask, head_mask = ctx.saved_tensors
+        x, w_in, b_in, w_out, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed = ctx.saved_tensors
         need_x, need_w_in, need_b_in, need_w_out, need_b_out = _needs(ctx, 0, 1, 2, 3, 4)
         bf, H = ctx.batch_first, ctx.H
         with torch.no_grad():
@@ -110,15 +114,16 @@ class _RecomputedSelfAttention(torch.autograd.Function):
             views = _split_qkv(qkv, bf)
             _, _, _, d_am, d_kpm, dhm = attention_backward(
                 (*views, out, lse, attn_mask, key_padding_mask, head_mask), _needs(ctx, 5, 6, 7),
-                ctx.is_causal, None, grad_attn, None, into=views)
+                ctx.is_causal, None, grad_attn, None, into=views, dropout_p=ctx.dropout_p,
+                dropout_seed=dropout_seed)
             del grad_attn, views
             dqkv = qkv.flatten(-3)
             d2 = dqkv.reshape(-1, dqkv.size(-1))
             dw_in = d2.t() @ x.reshape(-1, x.size(-1)) if need_w_in else None
             db_in = d2.sum(0) if need_b_in and b_in is not None else None
             dx = dqkv @ w_in if need_x else None
-        return first_order_only("MultiheadAttention", ctx.saved_tensors, dx, dw_in, db_in, dw_out, db_out,
-                                d_am, d_kpm, dhm) + (None, None, None)
+        return first_order_only("MultiheadAttention", ctx.saved_tensors[:9], dx, dw_in, db_in, dw_out, db_out,
+                                d_am, d_kpm, dhm) + (None,) * 5
 
 
 class ArgumentError(ValueError, AssertionError):
@@ -141,7 +146,9 @@ class MultiheadAttention(nn.MultiheadAttention):
         documents: the attn_mask you pass must be the causal mask, and it is
         applied as a causal mask (masked key blocks are skipped) instead of
         being read; with add_bias_kv / add_zero_attn the mask is read as is;
-      * dropout > 0 in training mode raises NotImplementedError (planned).
+      * dropout > 0 in training mode drops attention probabilities inside the
+        kernels (Philox mask from PyTorch's default generator, never stored);
+        the returned weights are after dropout and rescaling, as native.
 
     ``recompute_projection`` (attribute; None = automatic): whether a
     self-attention call (query is key is value) keeps its fused q, k, v
@@ -187,8 +194,9 @@ class MultiheadAttention(nn.MultiheadAttention):
     def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None = None,
                 need_weights: bool = True, attn_mask: Tensor | None = None, average_attn_weights: bool = True,
                 is_causal: bool = False, *, head_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        if self.dropout > 0.0 and self.training:
-            _dropout_not_implemented(self.dropout)
+        # dropout on the attention probabilities in training mode, inside the kernels
+        dropout_p = float(self.dropout) if self.training else 0.0
+        dropout_seed = new_dropout_seed() if dropout_p > 0.0 else None
         E, H = self.embed_dim, self.num_heads
         hd = self.head_dim
 
@@ -263,13 +271,14 @@ class MultiheadAttention(nn.MultiheadAttention):
             # the whole block as one node; the projection recomputed in the backward (long sequences)
             attn = _RecomputedSelfAttention.apply(query, self.in_proj_weight, self.in_proj_bias,
                                                   self.out_proj.weight, self.out_proj.bias, attn_mask,
-                                                  key_padding_mask, head_mask, causal, bf, H)
+                                                  key_padding_mask, head_mask, causal, bf, H, dropout_p,
+                                                  dropout_seed)
             return (attn if is_batched else attn.squeeze(1)), None
         if packed and extra_keys == 0:
             # one fused projection, and its gradient written in place by the kernel
             qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias).unflatten(-1, (3, H, hd))
             out = _PackedSelfAttention.apply(qkv, attn_mask, key_padding_mask, head_mask, causal,
-                                             bool(need_weights), bf)
+                                             bool(need_weights), bf, dropout_p, dropout_seed)
         else:
             if packed:
                 qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)
@@ -295,7 +304,8 @@ class MultiheadAttention(nn.MultiheadAttention):
                 attn_mask = _pad_key(attn_mask)
                 key_padding_mask = _pad_key(key_padding_mask)
             out = torch.ops.masked_attn.forward(
-                q, k, v, attn_mask, key_padding_mask, head_mask, causal, None, bool(need_weights))
+                q, k, v, attn_mask, key_padding_mask, head_mask, causal, None, bool(need_weights), dropout_p,
+                dropout_seed)
             out = (out[0], out[2])
         attn, weights = out                         # (N, H, L, hd), stored as (N, L, H, hd)
         if bf:

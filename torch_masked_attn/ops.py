@@ -4,11 +4,18 @@ kernels and autograd for every op.
 The ops themselves are defined in csrc/shim.cpp:
 
     masked_attn::forward(q, k, v, attn_mask?, key_padding_mask?, head_mask?,
-                         is_causal, scale?, need_weights) -> (out, lse, weights)
+                         is_causal, scale?, need_weights, dropout_p=0., dropout_seed?)
+        -> (out, lse, weights)
     masked_attn::backward(grad_out, grad_weights?, q, k, v, out, lse, attn_mask?,
                           key_padding_mask?, head_mask?, is_causal, scale?,
-                          head_mask_grad, mask_grad)
+                          head_mask_grad, mask_grad, dropout_p=0., dropout_seed?)
         -> (grad_q, grad_k, grad_v, grad_head_mask, grad_scores)
+
+dropout_seed is an int64 tensor (seed, offset) of shape (2,), required when
+dropout_p > 0: the keep mask is a function of it and of the element's
+(b, h, i, j) (Philox-4x32-10, csrc/attention/philox.h), so the op draws
+nothing and the backward, given the same seed, regenerates the same mask.
+new_dropout_seed() draws one from PyTorch's default generator.
 
 grad_scores (B, H, Lq, Lk) is dL/dS, the gradient of the additive masks, and
 is materialised only when mask_grad (a floating mask requires grad).
@@ -120,6 +127,13 @@ def use_isa(name: str | None) -> Iterator[None]:
         _clib.ma_isa_force(old)
 
 
+def new_dropout_seed() -> Tensor:
+    """(seed, offset), an int64 tensor of shape (2,) drawn from PyTorch's
+    default CPU generator: torch.manual_seed reproduces it, successive calls
+    differ, get_rng_state / set_rng_state replay it."""
+    return torch.randint(-(2 ** 63), 2 ** 63 - 1, (2,), dtype=torch.int64)
+
+
 def _lse_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -144,9 +158,9 @@ def _same_device(op: str, **tensors: Tensor | None) -> None:
 
 @torch.library.register_fake("masked_attn::forward")
 def _forward_fake(q, k, v, attn_mask=None, key_padding_mask=None, head_mask=None,
-                  is_causal=False, scale=None, need_weights=False):
+                  is_causal=False, scale=None, need_weights=False, dropout_p=0.0, dropout_seed=None):
     _same_device("forward", q=q, k=k, v=v, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
-                 head_mask=head_mask)
+                 head_mask=head_mask, dropout_seed=dropout_seed)
     torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
                  lambda: "masked_attn: q, k, v must be 4-D")
     B, H, Lq, _ = q.shape
@@ -160,10 +174,11 @@ def _forward_fake(q, k, v, attn_mask=None, key_padding_mask=None, head_mask=None
 @torch.library.register_fake("masked_attn::backward_into")
 def _backward_into_fake(grad_out, grad_weights, q, k, v, out, lse, attn_mask=None,
                         key_padding_mask=None, head_mask=None, is_causal=False, scale=None,
-                        head_mask_grad=False, mask_grad=False, grad_q=None, grad_k=None, grad_v=None):
+                        head_mask_grad=False, mask_grad=False, grad_q=None, grad_k=None, grad_v=None,
+                        dropout_p=0.0, dropout_seed=None):
     _same_device("backward_into", grad_out=grad_out, grad_weights=grad_weights, q=q, k=k, v=v, out=out, lse=lse,
                  attn_mask=attn_mask, key_padding_mask=key_padding_mask, head_mask=head_mask, grad_q=grad_q,
-                 grad_k=grad_k, grad_v=grad_v)
+                 grad_k=grad_k, grad_v=grad_v, dropout_seed=dropout_seed)
     B, H, Lq = q.shape[:3]
     acc = _lse_dtype(q.dtype)
     grad_hm = q.new_empty(B, H) if head_mask_grad else q.new_empty(0)
@@ -175,9 +190,10 @@ def _backward_into_fake(grad_out, grad_weights, q, k, v, out, lse, attn_mask=Non
 @torch.library.register_fake("masked_attn::backward")
 def _backward_fake(grad_out, grad_weights, q, k, v, out, lse, attn_mask=None,
                    key_padding_mask=None, head_mask=None, is_causal=False, scale=None,
-                   head_mask_grad=False, mask_grad=False):
+                   head_mask_grad=False, mask_grad=False, dropout_p=0.0, dropout_seed=None):
     _same_device("backward", grad_out=grad_out, grad_weights=grad_weights, q=q, k=k, v=v, out=out, lse=lse,
-                 attn_mask=attn_mask, key_padding_mask=key_padding_mask, head_mask=head_mask)
+                 attn_mask=attn_mask, key_padding_mask=key_padding_mask, head_mask=head_mask,
+                 dropout_seed=dropout_seed)
     B, H = q.shape[:2]
     grad_hm = q.new_empty(B, H) if head_mask_grad else q.new_empty(0)
 
@@ -193,37 +209,41 @@ def _backward_fake(grad_out, grad_weights, q, k, v, out, lse, attn_mask=None,
 # ---- autograd ------------------------------------------------------------
 
 def _forward_setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, scale, need_weights = inputs
+    q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, scale, need_weights = inputs[:9]
+    dropout_p, dropout_seed = (tuple(inputs[9:]) + (0.0, None))[:2]
     out, lse, weights = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask, head_mask)
-    ctx.is_causal, ctx.scale, ctx.need_weights = is_causal, scale, need_weights
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed)
+    ctx.is_causal, ctx.scale, ctx.need_weights, ctx.dropout_p = is_causal, scale, need_weights, dropout_p
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
 
 
 def attention_backward(saved: Sequence[Tensor | None], needs: Sequence[bool], is_causal: bool,
                        scale: float | None, grad_out: Tensor | None, grad_weights: Tensor | None,
-                       into: Sequence[Tensor] | None = None) -> tuple[Tensor | None, ...]:
+                       into: Sequence[Tensor] | None = None, dropout_p: float = 0.0,
+                       dropout_seed: Tensor | None = None) -> tuple[Tensor | None, ...]:
     """The backward of masked_attn::forward from what it saved.
 
     saved = (q, k, v, out, lse, attn_mask, key_padding_mask, head_mask);
+    dropout_p, dropout_seed = the forward's (the same mask is regenerated);
     needs = whether (attn_mask, key_padding_mask, head_mask) need a gradient;
     into = optional (grad_q, grad_k, grad_v) views to write the q/k/v
     gradients into (masked_attn::backward_into). Returns (dq, dk, dv, d_attn_mask,
     d_key_padding_mask, d_head_mask), masks' gradients reduced to their shapes.
     """
-    q, k, v, out, lse, attn_mask, key_padding_mask, head_mask = saved
+    q, k, v, out, lse, attn_mask, key_padding_mask, head_mask = saved[:8]
     am_grad, kpm_grad, hm_grad = (m is not None and n for m, n in
                                   zip((attn_mask, key_padding_mask, head_mask), needs))
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     args = (grad_out, grad_weights, q, k, v, out, lse, attn_mask, key_padding_mask, head_mask,
             is_causal, scale, hm_grad, am_grad or kpm_grad)
+    drop = (float(dropout_p), dropout_seed) if dropout_p > 0 else ()
     if into is None:
-        dq, dk, dv, dhm, dscores = torch.ops.masked_attn.backward(*args)
+        dq, dk, dv, dhm, dscores = torch.ops.masked_attn.backward(*args, *drop)
     else:
         dq, dk, dv = into
-        dhm, dscores = torch.ops.masked_attn.backward_into(*args, dq, dk, dv)
+        dhm, dscores = torch.ops.masked_attn.backward_into(*args, dq, dk, dv, *drop)
     if hm_grad:
         dhm = (dhm.sum(0) if head_mask.dim() == 1 else dhm).to(head_mask.dtype)
     else:
@@ -279,10 +299,11 @@ def first_order_only(what: str, anchors: Iterable[object], *grads: Tensor | None
 
 
 def _forward_backward(ctx, grad_out, grad_lse, grad_weights):
+    saved = ctx.saved_tensors
     grads = attention_backward(
-        ctx.saved_tensors, _needs(ctx, 3, 4, 5), ctx.is_causal, ctx.scale, grad_out,
-        grad_weights if ctx.need_weights else None)
-    return first_order_only("masked attention", ctx.saved_tensors, *grads) + (None, None, None)
+        saved, _needs(ctx, 3, 4, 5), ctx.is_causal, ctx.scale, grad_out,
+        grad_weights if ctx.need_weights else None, dropout_p=ctx.dropout_p, dropout_seed=saved[8])
+    return first_order_only("masked attention", saved[:8], *grads) + (None,) * 5
 
 
 torch.library.register_autograd(

@@ -31,6 +31,13 @@
  * on row-wise scores s (nr, nc) = Q kT.
  * The forward saves only lse = m + log l per query; the backward recomputes
  * P = exp(S - lse).
+ *
+ * Dropout (masked_attn.h; philox.h): the keep mask of a tile is regenerated
+ * wherever it is needed by DROPOUT (the blocks' dropout_X), never stored:
+ * the forward drops (and rescales) P after the softmax statistics took it
+ * whole, before O += P V and before the weights are written; the backward
+ * drops dP = dO V^T (+ dW) before dS = P (hm dP - delta) and drops P before
+ * dV += (hm P')^T dO. FN(head_dropout) is NULL when dropout is off.
  */
 
 #include <math.h>
@@ -39,6 +46,7 @@
 #include "blocks.h"
 #include "common/dtype.h"
 #include "masked_attn.h"
+#include "philox.h"
 
 #ifdef MA_ACC_F64
 #define ACC double
@@ -60,6 +68,7 @@
 #define ROW_MAX BLK(row_max)
 #define DOT_KEYS BLK(dot_keys)
 #define AXPY_KEYS BLK(axpy_keys)
+#define DROPOUT BLK(dropout)
 
 /* ---- tiles ----------------------------------------------------------------- */
 
@@ -334,6 +343,19 @@ static inline ACC FN(head_scale)(const ma_mask *hm, int64_t b, int64_t h) {
     return hm->ptr ? LOAD(hm->ptr, hm->dtype, b * hm->stride[0] + h * hm->stride[1]) : (ACC)1;
 }
 
+/* The dropout of head (b, h) in *d, or NULL when the call has none. */
+static inline const ma_dropout *FN(head_dropout)(const ma_attn_args *a, int64_t b, int64_t h, ma_dropout *d) {
+    if (!ma_dropout_on(a)) return NULL;
+    *d = ma_dropout_head(a, b, h);
+    return d;
+}
+
+/* x[e] *= z[e] (z from DROPOUT's multiplier form, 1 / (1 - p) or 0): the
+ * same values as DROPOUT applied to x itself. */
+static inline void FN(apply_dropout)(ACC *restrict x, const ACC *restrict z, int64_t n) {
+    for (int64_t e = 0; e < n; e++) x[e] *= z[e];
+}
+
 /* Keys a query block [i0, i0 + nr) can see: [0, kv_end). */
 static inline int64_t FN(kv_end)(int is_causal, int64_t Lk, int64_t i0, int64_t nr) {
     return is_causal ? ma_min(Lk, i0 + nr) : Lk;
@@ -480,7 +502,7 @@ static void FN(sum_rows_in_order)(const ACC *s, int64_t nc, int64_t nr, ACC *lsu
  * the tile's FN(mask_tile_state) (the loop skips MA_TILE_BLOCKED). */
 static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s, ACC *o, ACC *m, ACC *l, ACC *m_new,
                               ACC *lsum, ACC *alpha, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t nr,
-                              int64_t j0, int64_t nc, int am_state) {
+                              int64_t j0, int64_t nc, int am_state, const ma_dropout *dr) {
     const int64_t D = p->a.D, Dv = p->a.Dv, *ks = p->a.k_stride, *vs = p->a.v_stride;
     DOT_KEYS(s, nc, q, nr, D, p->a.k, p->a.dtype, b * ks[0] + hk * ks[1] + j0 * ks[2], ks[2], nc);
     FN(add_bias)(s, nc, 1, &p->a.attn_mask, am_state, &p->a.key_padding_mask, p->a.is_causal, b, h, i0, nr, j0, nc);
@@ -490,6 +512,7 @@ static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s,
     }
     FN(sum_rows_in_order)(s, nc, nr, lsum);
     if (FN(online_step)(m, m_new, l, lsum, alpha, nr)) FN(scale_rows)(o, Dv, nr, Dv, alpha);
+    if (dr) DROPOUT(s, NULL, nc, 1, nr, nc, dr, i0, j0); /* l summed the whole P; O takes P' */
     AXPY_KEYS(o, s, nc, nr, Dv, p->a.v, p->a.dtype, b * vs[0] + hk * vs[1] + j0 * vs[2], vs[2], nc);
 }
 
@@ -627,6 +650,8 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
         const int64_t i0 = qb * BQ, nr = ma_min(BQ, Lq - i0);
         const int64_t kv_end = FN(kv_end)(p->a.is_causal, Lk, i0, nr);
         const int by_rows = FN(fwd_by_rows)(p, nr);
+        ma_dropout dr_buf;
+        const ma_dropout *dr = FN(head_dropout)(&p->a, b, h, &dr_buf);
 
         if (by_rows) /* scale * Q rows, (nr, D), in qT's place */
             for (int64_t r = 0; r < nr; r++)
@@ -647,7 +672,8 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
             const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
             if (ms == MA_TILE_BLOCKED) continue; /* contributes exactly 0 */
             if (by_rows) {
-                FN(fwd_rows_step)(p, t.qT, t.sT, t.o, t.m, t.l, t.m_new, t.lsum, t.lse, b, h, hk, i0, nr, j0, nc, ms);
+                FN(fwd_rows_step)(p, t.qT, t.sT, t.o, t.m, t.l, t.m_new, t.lsum, t.lse, b, h, hk, i0, nr, j0, nc, ms,
+                                  dr);
                 continue;
             }
             /* sT = K (scale Q)^T + bias^T */
@@ -662,6 +688,8 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
             EXP_SUB_COL(t.sT, nc, nr, t.m_new, t.lsum);
             /* alpha (in t.lse for now), or NULL where no row's max moved */
             const ACC *alpha = FN(online_step)(t.m, t.m_new, t.l, t.lsum, t.lse, nr) ? t.lse : NULL;
+            /* dropout: l summed the whole P; O takes P' = P Z / (1 - p) */
+            if (dr) DROPOUT(t.sT, NULL, 1, nr, nr, nc, dr, i0, j0);
             /* O = alpha O + P V */
             FWD_STEP(pv, t.o, alpha, t.sT, i0, j0, nc);
         }
@@ -699,6 +727,7 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
                     GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
                     FN(add_bias)(t.sT, 1, nr, &p->a.attn_mask, ms, &p->a.key_padding_mask, p->a.is_causal, b, h, i0, nr, j0, nc);
                     EXP_SUB_COL(t.sT, nc, nr, t.m_new, t.lsum);
+                    if (dr) DROPOUT(t.sT, NULL, 1, nr, nr, nc, dr, i0, j0); /* the weights after dropout */
                 }
                 for (int64_t r = 0; r < nr; r++) /* keys not read: weight 0 */
                     for (int64_t c = 0; c < nw; c++)
@@ -737,6 +766,7 @@ typedef struct {
     ACC *kT, *vT, *gbuf, *s, *dp, *dk, *dv;
     /* per query row */
     ACC *lse, *delta, *dhm, *tmp;
+    ACC *z; /* (BQ, BK) dropout multipliers of a row-wise tile (DROPOUT's z form) */
     ACC *extra;
 } FN(bwd_scratch);
 
@@ -760,12 +790,13 @@ static FN(bwd_scratch) FN(bwd_carve)(void *scratch, int64_t BQ, int64_t BK, int6
     t.delta = x; x += BQ;
     t.dhm = x;  x += BQ;
     t.tmp = x;  x += BQ;
+    t.z = x;    x += BQ * BK;
     t.extra = x;               /* the pass's own regions, see bwd_extra_elems */
     return t;
 }
 
 static inline size_t FN(bwd_scratch_elems)(int64_t BQ, int64_t BK, int64_t D, int64_t Dv) {
-    return (size_t)(2 * D * BQ + 2 * Dv * BQ + 3 * BK * D + 2 * BK * Dv + 4 * BK * BQ + 4 * BQ);
+    return (size_t)(2 * D * BQ + 2 * Dv * BQ + 3 * BK * D + 2 * BK * Dv + 5 * BK * BQ + 4 * BQ);
 }
 
 /* Elements after the tiles that each backward pass carves from t.extra:
@@ -865,6 +896,8 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
         const int64_t i0 = qb * BQ, nr = ma_min(BQ, Lq - i0);
         const int64_t kv_end = FN(kv_end)(p->a.is_causal, Lk, i0, nr);
         const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
+        ma_dropout dr_buf;
+        const ma_dropout *dr = FN(head_dropout)(&p->a, b, h, &dr_buf);
         const ACC *k_bh = FN(needs_copy)(p->a.dtype, p->a.k_stride)
                               ? FN(head_cache)(&hdr->tag[0], kc, p->a.k, p->a.dtype, p->a.k_stride, b, hk, 1, Lk, D)
                               : NULL;
@@ -911,6 +944,7 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
                     for (int64_t x = 0; x < nc * nr; x++) t.dpT[x] = 0;
                 }
                 if (p->dweights) FN(add_dweights)(t.dpT, 1, nr, p, b, h, i0, nr, j0, nc);
+                if (dr) DROPOUT(t.dpT, NULL, 1, nr, nr, nc, dr, i0, j0); /* P' (dP + dW) = P (Z (dP + dW) / (1 - p)) */
                 for (int64_t r = 0; r < nr; r++) {
                     ACC dot = 0;
                     for (int64_t c = 0; c < nc; c++) dot += t.sT[c * nr + r] * t.dpT[c * nr + r];
@@ -936,6 +970,7 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
             /* dP^T = V dO^T (+ dW^T);  dS^T = P^T (hm dP^T - delta) */
             GEMM(nc, nr, Dv, v_j, ldv, 1, t.gT, nr, t.dpT, nr, 0);
             if (p->dweights) FN(add_dweights)(t.dpT, 1, nr, p, b, h, i0, nr, j0, nc);
+            if (dr) DROPOUT(t.dpT, NULL, 1, nr, nr, nc, dr, i0, j0); /* dP = (dO V^T + dW) Z / (1 - p) */
             FN(dscores)(t.dpT, t.sT, 1, nr, t.delta, p->dhm_rows ? t.dhm : NULL, hm, nr, nc);
             if (p->dscores) FN(store_dscores)(p, t.dpT, 1, nr, b, h, i0, nr, j0, nc);
             /* dQ += dS K */
@@ -1010,11 +1045,16 @@ static void FN(gen_bwd_dkdv_at)(const FN(bwd_scratch) *t, const ma_attn_bwd_para
  * loops skip those tiles). */
 static void FN(bwd_tile_softmax)(ACC *s, ACC *dp, const ma_attn_bwd_params *p, int64_t b, int64_t h, ACC hm,
                                  int64_t i0, int64_t nr, int64_t j0, int64_t nc, int am_state, const ACC *lse_r,
-                                 const ACC *delta_r, ACC *dhm_r) {
+                                 const ACC *delta_r, ACC *dhm_r, const ma_dropout *dr, ACC *z) {
     FN(add_bias)(s, nc, 1, &p->a.attn_mask, am_state, &p->a.key_padding_mask, p->a.is_causal, b, h, i0, nr, j0, nc);
     for (int64_t r = 0; r < nr; r++) (void)EXP_SUB_SUM(s + r * nc, nc, lse_r[r]);
     if (p->dweights) FN(add_dweights)(dp, nc, 1, p, b, h, i0, nr, j0, nc);
+    if (dr) { /* one mask for both: dP' = dP Z / (1 - p) before dS, P' = P Z / (1 - p) after it */
+        DROPOUT(NULL, z, nc, 1, nr, nc, dr, i0, j0);
+        FN(apply_dropout)(dp, z, nr * nc);
+    }
     FN(dscores)(dp, s, nc, 1, delta_r, dhm_r, hm, nr, nc);
+    if (dr) FN(apply_dropout)(s, z, nr * nc);
     if (hm != 1)
         for (int64_t x = 0; x < nr * nc; x++) s[x] *= hm;
 }
@@ -1023,10 +1063,10 @@ static void FN(bwd_tile_softmax)(ACC *s, ACC *dp, const ma_attn_bwd_params *p, i
 static void FN(bwd_key_tile)(const FN(bwd_scratch) *t, const ma_attn_bwd_params *p, int64_t b, int64_t h, ACC hm,
                              int64_t i0, int64_t nr, int64_t j0, int64_t nc, int am_state, const ACC *q_i,
                              int64_t ldq, const ACC *g_i, int64_t ldg, const ACC *lse_r, const ACC *delta_r,
-                             ACC *dhm_r) {
+                             ACC *dhm_r, const ma_dropout *dr) {
     FN(gen_bwd_scores_at)(t, p, i0, nr, j0, nc, q_i, ldq);
     FN(gen_bwd_dp_at)(t, p, i0, nr, j0, nc, g_i, ldg);
-    FN(bwd_tile_softmax)(t->s, t->dp, p, b, h, hm, i0, nr, j0, nc, am_state, lse_r, delta_r, dhm_r);
+    FN(bwd_tile_softmax)(t->s, t->dp, p, b, h, hm, i0, nr, j0, nc, am_state, lse_r, delta_r, dhm_r, dr, t->z);
     FN(gen_bwd_dkdv_at)(t, p, i0, nr, j0, nc, q_i, ldq, g_i, ldg);
 }
 
@@ -1061,6 +1101,8 @@ static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
             const int64_t i_begin = p->a.is_causal ? j0 : 0;
             for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
                 const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
+                ma_dropout dr_buf;
+                const ma_dropout *dr = FN(head_dropout)(&p->a, b, h, &dr_buf);
                 const ACC *lse_bh = (const ACC *)p->lse + (b * H + h) * Lq;
                 const ACC *delta_bh = (const ACC *)p->delta + (b * H + h) * Lq;
                 const ACC *q_bh = q_bg ? q_bg + (h - hk * G) * Lq * D : NULL;
@@ -1074,7 +1116,7 @@ static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
                     const ACC *g_i = FN(rows_in)(p->dout, p->a.dtype, p->dout_stride, b, h, i0, g_bh, Dv, &ldg);
                     for (int64_t r = 0; r < nr; r++) t.lse[r] = FN(finite_or_zero)(lse_bh[i0 + r]);
                     FN(bwd_key_tile)(&t, p, b, h, hm, i0, nr, j0, nc, ms, q_i, ldq, g_i, ldg, t.lse, delta_bh + i0,
-                                     NULL);
+                                     NULL, dr);
                 }
             }
         }
@@ -1243,6 +1285,8 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
                 for (int64_t g = 0; g < G; g++) {
                     const int64_t h = hk * G + g;
                     const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
+                    ma_dropout dr_buf;
+                    const ma_dropout *dr = FN(head_dropout)(&p->a, b, h, &dr_buf);
                     for (int64_t i0 = i_begin; i0 < Lq; i0 += BQ) {
                         const int64_t nr = ma_min(BQ, Lq - i0);
                         const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
@@ -1250,7 +1294,8 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
                         BWD_STEP(scores, g, h, i0, nr);
                         BWD_STEP(dp, g, h, i0, nr);
                         FN(bwd_tile_softmax)(t.s, t.dp, p, b, h, hm, i0, nr, j0, nc, ms, lse_all + g * Lq + i0,
-                                             delta_all + g * Lq + i0, p->dhm_rows ? dhm_all + g * Lq + i0 : NULL);
+                                             delta_all + g * Lq + i0, p->dhm_rows ? dhm_all + g * Lq + i0 : NULL, dr,
+                                             t.z);
                         if (p->dscores) FN(store_dscores)(p, t.dp, nc, 1, b, h, i0, nr, j0, nc);
                         BWD_STEP(accum, dq_acc + (g * Lq + i0) * D, g, h, i0, nr);
                     }
@@ -1327,6 +1372,7 @@ const ma_attn_kernels FN(ma_attn_kernels) = {FN(attn_fwd),          FN(attn_bwd_
 #undef ROW_MAX
 #undef DOT_KEYS
 #undef AXPY_KEYS
+#undef DROPOUT
 #undef FN
 #undef BLK
 #undef MA_ACC_F64
