@@ -162,6 +162,24 @@ def hf_mask():
                  info=dict(B=B, H=H, L=L, D=D, dtype=str(torch.float32)))
 
 
+def sliding_window():
+    """A causal sliding window of 1024 keys at L = 8192 (Mistral, Gemma 2/3,
+    GPT-OSS): ours through window=(1024, 0), which skips every key block
+    outside the window; native F.sdpa has no window argument, so it gets the
+    window as a bool mask (1, 1, L, L) (True = take part)."""
+    B, H, L, D, W = 1, 8, 8192, 64, 1024
+    q, k, v, g = qkv(B, H, L, D, torch.float32)
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    allowed = ((j <= i) & (j >= i - W))[None, None]
+    native = fwd_bwd(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed), (q, k, v), g)
+    ours = fwd_bwd(lambda: tma.functional.masked_attention(q, k, v, window=(W, 0)), (q, k, v), g)
+    fl = 4.0 * B * H * L * (W + 1) * D * 3.5  # the keys in the window: ~ (W + 1) per query
+    return Bench(work=f"B={B} H={H} L={L} D={D} causal window {W}, fwd+bwd, native with the window as a bool "
+                      f"mask, {gflop(fl)} in the window",
+                 natives={"sdpa-bool": native}, ours=ours, flops=fl, attn_flops=fl,
+                 info=dict(B=B, H=H, L=L, D=D, window=W, dtype=str(torch.float32)))
+
+
 def long_causal(dtype):
     return functional_attention(1, 8, 4096, 64, dtype, None, ("causal",))
 
@@ -369,6 +387,7 @@ NAMED = {
     # our dropout's own cost: "native" = ours at dropout 0, ours at 0.1 (ratio = 1 / (1 + overhead))
     "gpt-train-dropout-cost": lambda: gpt_train(torch.float32, 0.1, ("ours-p0",)),
     "gpt-train-dropout-cost-bf16": lambda: gpt_train(torch.bfloat16, 0.1, ("ours-p0",)),
+    "sliding-window": sliding_window,
     "mha-mem-8192": lambda: mha_train(1, 8192, timed=False),
     "ce": lambda: cross_entropy_case(8192, 32000, torch.float32),
     "ce-bf16": lambda: cross_entropy_case(4096, 128256, torch.bfloat16),
@@ -376,7 +395,7 @@ NAMED = {
 }
 GROUPS = {
     "attention": ["gpt-train", "long-causal", "long-causal-fwd", "one-head-long", "bert-infer", "mha-train",
-                  "gpt-train-bf16", "long-causal-bf16", "decode", "decode-bf16", "hf-mask"],
+                  "gpt-train-bf16", "long-causal-bf16", "decode", "decode-bf16", "hf-mask", "sliding-window"],
     "dropout": ["gpt-train-dropout", "gpt-train-dropout-cost", "gpt-train-dropout-bf16",
                 "gpt-train-dropout-cost-bf16"],
     "memory": ["mha-mem-8192"],

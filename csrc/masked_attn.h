@@ -77,9 +77,22 @@ typedef void (*ma_task_fn)(int64_t begin, int64_t end, void *ctx);
  *
  * bias is the sum of the additive forms of the masks:
  *   is_causal           j > i               -> -inf
+ *   window              j < i - left or j > i + right -> -inf (a side of -1: none)
  *   key_padding_mask    (B, Lk)       bool: true -> -inf;  float: added
  *   attn_mask           (B, H, Lq, Lk) broadcast by strides
  *                                     bool: true -> -inf;  float: added
+ *
+ * Soft-capping (softcap = c > 0) replaces the scaled product before the bias:
+ *   S[b,h,i,j] = c tanh(scale * q . k / c) + bias[b,h,i,j]
+ *   dS/d(scale q . k) = 1 - tanh^2 = 1 - ((S - bias) / c)^2
+ * A sink (sinks[h], a logit of its own per head) joins every row's softmax
+ * denominator and has no value:
+ *   P[b,h,i,j] = exp(S_ij - lse_i),  lse_i = log(exp(sinks[h]) + sum_j exp(S_ij))
+ * so lse includes the sink, a row with no allowed key has out 0 and lse =
+ * sinks[h], and d sinks[h] = -sum_{b,i} exp(sinks[h] - lse_i) delta_i with
+ * delta_i = sum_j P_ij dP_ij (computed outside the kernels, torch_masked_attn/ops.py).
+ * The backward needs nothing else from the sink: P from the saved lse already
+ * carries it.
  * ---------------------------------------------------------------------- */
 
 typedef struct {
@@ -100,6 +113,13 @@ typedef struct {
     ma_mask attn_mask, key_padding_mask, head_mask;
     int is_causal;
     double scale;
+    /* ---- sliding window, soft-capping, sinks (issue 15), normalised by the shim:
+     * a side that reaches every key is -1, and a right side of 0 is is_causal ---- */
+    int64_t window_left;    /* query i sees keys j >= i - window_left; -1: no bound */
+    int64_t window_right;   /* ... and j <= i + window_right; -1: no bound (never 0, see above) */
+    double softcap;         /* > 0: scores s -> softcap tanh(s / softcap) before the bias; 0: off */
+    ma_mask sinks;          /* (H,) one logit per head in every row's denominator, stride[0] = h; ptr NULL: none */
+    /* ---- end of the window / softcap / sinks group ---- */
     /* sizes */
     int64_t B, H, Hkv, Lq, Lk, D, Dv;
     int64_t block_q, block_k;   /* tile sizes, set by the shim */

@@ -459,6 +459,39 @@ Dropout check_dropout(const Sizes& s, double dropout_p, const std::optional<Tens
   return d;
 }
 // ---- end dropout ----
+// The sliding window, soft-capping and sinks of one call (issue 15), checked
+// and normalised: a window side that reaches every key (left >= Lq - 1,
+// right >= Lk - 1) is unbounded (-1), is_causal caps the right side at 0, and
+// a right side of 0 is is_causal itself (which has the causal block skipping
+// and diagonal split): the kernels see window_right -1 or > 0.
+struct WindowCapSinks {
+  int64_t left = -1, right = -1;
+  bool is_causal = false;
+  double softcap = 0;
+  ma_mask sinks{};
+};
+
+WindowCapSinks check_window_cap_sinks(const Sizes& s, bool is_causal, int64_t window_left, int64_t window_right,
+                                      std::optional<double> softcap, const std::optional<Tensor>& sinks) {
+  MA_CHECK(window_left >= -1, "masked_attn: window_left must be -1 (no bound) or >= 0, got ", window_left);
+  MA_CHECK(window_right >= -1, "masked_attn: window_right must be -1 (no bound) or >= 0, got ", window_right);
+  WindowCapSinks w;
+  w.left = window_left >= s.Lq - 1 ? -1 : window_left;
+  w.right = is_causal ? 0 : window_right >= s.Lk - 1 ? -1 : window_right;
+  w.is_causal = is_causal || w.right == 0;
+  if (w.right == 0) w.right = -1;
+  if (softcap.has_value()) {
+    MA_CHECK(std::isfinite(*softcap) && *softcap > 0, "masked_attn: softcap must be None or a finite number > 0, got ",
+             *softcap);
+    w.softcap = *softcap;
+  }
+  if (sinks.has_value()) {
+    MA_CHECK(sinks->dim() == 1 && sinks->size(0) == s.H, "masked_attn: sinks must have shape (H,) = (", s.H,
+             ",), got ", shape_str(*sinks));
+    w.sinks = canonical_mask(sinks, "sinks", {s.H}, "(H,)", false);
+  }
+  return w;
+}
 
 // The instruction-set variant for this call: common/isa.h decides (the CPU's
 // best for the dtype, or MASKED_ATTN_ISA read once per process, or
@@ -480,7 +513,7 @@ static_assert(kBlockQ % 32 == 0 && kBlockK % 32 == 0, "block sizes must be multi
 // filled in one place: q, k, v and out with their strides, the canonical
 // masks, the flags, sizes and tiles, and the variant.
 ma_attn_args attn_args(const Sizes& s, const Masks& m, const Tensor& q, const Tensor& k, const Tensor& v,
-                       const Tensor& out, bool is_causal, double scale, bool stream_stores, const Dropout& dr) {
+                       const Tensor& out, const WindowCapSinks& w, double scale, bool stream_stores, const Dropout& dr) {
   ma_attn_args a{};
   a.q = q.const_data_ptr();
   a.k = k.const_data_ptr();
@@ -493,8 +526,13 @@ ma_attn_args attn_args(const Sizes& s, const Masks& m, const Tensor& q, const Te
   a.attn_mask = m.attn_mask;
   a.key_padding_mask = m.key_padding_mask;
   a.head_mask = m.head_mask;
-  a.is_causal = is_causal;
+  a.is_causal = w.is_causal;
   a.scale = scale;
+  // window, soft-capping, sinks
+  a.window_left = w.left;
+  a.window_right = w.right;
+  a.softcap = w.softcap;
+  a.sinks = w.sinks;
   a.B = s.B, a.H = s.H, a.Hkv = s.Hkv, a.Lq = s.Lq, a.Lk = s.Lk, a.D = s.D, a.Dv = s.Dv;
   a.block_q = kBlockQ, a.block_k = kBlockK;
   a.stream_stores = stream_stores;
@@ -510,10 +548,13 @@ std::tuple<Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tensor v,
                                                 std::optional<Tensor> key_padding_mask,
                                                 std::optional<Tensor> head_mask, bool is_causal,
                                                 std::optional<double> scale, bool need_weights,
-                                                double dropout_p, std::optional<Tensor> dropout_seed) {
+                                                double dropout_p, std::optional<Tensor> dropout_seed,
+                                                int64_t window_left, int64_t window_right,
+                                                std::optional<double> softcap, std::optional<Tensor> sinks) {
   const Sizes s = check_qkv(q, k, v);
   const Masks m = check_masks(s, attn_mask, key_padding_mask, head_mask);
   const Dropout dr = check_dropout(s, dropout_p, dropout_seed);
+  const WindowCapSinks w = check_window_cap_sinks(s, is_causal, window_left, window_right, softcap, sinks);
   const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(s.D));
 
   // out (B, H, Lq, Dv) is stored as (B, Lq, H, Dv): the layout the output
@@ -528,11 +569,19 @@ std::tuple<Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tensor v,
   p.out = out.mutable_data_ptr();
   p.lse = lse.mutable_data_ptr();
   p.weights = need_weights ? weights.mutable_data_ptr() : nullptr;
-  p.a = attn_args(s, m, q, k, v, out, is_causal, sc, worth_streaming(out), dr);
+  p.a = attn_args(s, m, q, k, v, out, w, sc, worth_streaming(out), dr);
 
   if (s.Lk == 0) {  // no key at all: every row is fully masked
     torch::stable::zero_(out);
     torch::stable::fill_(lse, -INFINITY);
+    if (w.sinks.ptr) {  // lse = the sink's logit (masked_attn.h)
+      Tensor sk = torch::stable::contiguous(torch::stable::to(*sinks, acc_type(q.scalar_type())));
+      const size_t esz = q.scalar_type() == ScalarType::Double ? sizeof(double) : sizeof(float);
+      char* dst = static_cast<char*>(lse.mutable_data_ptr());
+      const char* src = static_cast<const char*>(sk.const_data_ptr());
+      for (int64_t bh = 0; bh < s.B * s.H; bh++)
+        for (int64_t i = 0; i < s.Lq; i++) std::memcpy(dst + (bh * s.Lq + i) * esz, src + (bh % s.H) * esz, esz);
+    }
     if (need_weights) torch::stable::zero_(weights);
     return {out, lse, weights};
   }
@@ -562,10 +611,12 @@ std::tuple<Tensor, Tensor> attn_backward_impl(
     Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
     std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
     bool head_mask_grad, bool mask_grad, double dropout_p, std::optional<Tensor> dropout_seed, Tensor dq,
-    Tensor dk, Tensor dv) {
+    Tensor dk, Tensor dv, int64_t window_left, int64_t window_right, std::optional<double> softcap,
+    std::optional<Tensor> sinks) {
   const Sizes s = check_qkv(q, k, v);
   const Masks m = check_masks(s, attn_mask, key_padding_mask, head_mask);
   const Dropout dr = check_dropout(s, dropout_p, dropout_seed);
+  const WindowCapSinks w = check_window_cap_sinks(s, is_causal, window_left, window_right, softcap, sinks);
   const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(s.D));
   check_shape(out, "out", {s.B, s.H, s.Lq, s.Dv}, "(B, H, Lq, Dv)", q.scalar_type());
   check_shape(grad_out, "grad_out", {s.B, s.H, s.Lq, s.Dv}, "(B, H, Lq, Dv)", q.scalar_type());
@@ -604,7 +655,7 @@ std::tuple<Tensor, Tensor> attn_backward_impl(
   fill_strides4(p.dv_stride, dv);
   fill_strides4(p.dout_stride, grad_out);
   if (grad_weights.has_value()) fill_strides4(p.dweights_stride, *grad_weights);
-  p.a = attn_args(s, m, q, k, v, out, is_causal, sc,
+  p.a = attn_args(s, m, q, k, v, out, w, sc,
                   worth_streaming(dq) || worth_streaming(dk) || worth_streaming(dv), dr);
   p.delta = delta.mutable_data_ptr();
   p.exact_delta = exact_delta(q.scalar_type(), head_mask.has_value());
@@ -642,7 +693,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
     Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
     Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
     std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
-    bool head_mask_grad, bool mask_grad, double dropout_p, std::optional<Tensor> dropout_seed) {
+    bool head_mask_grad, bool mask_grad, double dropout_p, std::optional<Tensor> dropout_seed,
+    int64_t window_left, int64_t window_right, std::optional<double> softcap, std::optional<Tensor> sinks) {
   const Sizes s = check_qkv(q, k, v);
   Tensor dq = blhd(q, s.B, s.H, s.Lq, s.D);
   Tensor dk = blhd(q, s.B, s.Hkv, s.Lk, s.D);
@@ -650,7 +702,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
   for (Tensor* t : {&dq, &dk, &dv}) advise_huge_pages(*t);
   auto [dhm, dscores] = attn_backward_impl(grad_out, grad_weights, q, k, v, out, lse, attn_mask,
                                            key_padding_mask, head_mask, is_causal, scale,
-                                           head_mask_grad, mask_grad, dropout_p, dropout_seed, dq, dk, dv);
+                                           head_mask_grad, mask_grad, dropout_p, dropout_seed, dq, dk, dv,
+                                           window_left, window_right, softcap, sinks);
   return {dq, dk, dv, dhm, dscores};
 }
 
@@ -662,7 +715,8 @@ std::tuple<Tensor, Tensor> attn_backward_into(
     Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
     std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
     bool head_mask_grad, bool mask_grad, Tensor grad_q, Tensor grad_k, Tensor grad_v, double dropout_p,
-    std::optional<Tensor> dropout_seed) {
+    std::optional<Tensor> dropout_seed, int64_t window_left, int64_t window_right, std::optional<double> softcap,
+    std::optional<Tensor> sinks) {
   // What the kernels allow (masked_attn.h): outputs that never share memory
   // with each other or with what is read, except that the single pass (no
   // grad_weights, no exact_delta) may write grad_q, grad_k, grad_v over q, k,
@@ -697,7 +751,7 @@ std::tuple<Tensor, Tensor> attn_backward_into(
   }
   return attn_backward_impl(grad_out, grad_weights, q, k, v, out, lse, attn_mask, key_padding_mask,
                             head_mask, is_causal, scale, head_mask_grad, mask_grad, dropout_p, dropout_seed,
-                            grad_q, grad_k, grad_v);
+                            grad_q, grad_k, grad_v, window_left, window_right, softcap, sinks);
 }
 
 // ---- cross-entropy -------------------------------------------------------------
@@ -991,19 +1045,22 @@ STABLE_TORCH_LIBRARY(masked_attn, m) {
   m.def(
       "forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, Tensor? key_padding_mask=None, "
       "Tensor? head_mask=None, bool is_causal=False, float? scale=None, bool need_weights=False, "
-      "float dropout_p=0., Tensor? dropout_seed=None) "
+      "float dropout_p=0., Tensor? dropout_seed=None, "
+      "int window_left=-1, int window_right=-1, float? softcap=None, Tensor? sinks=None) "
       "-> (Tensor out, Tensor lse, Tensor weights)");
   m.def(
       "backward(Tensor grad_out, Tensor? grad_weights, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, Tensor? attn_mask=None, Tensor? key_padding_mask=None, Tensor? head_mask=None, "
       "bool is_causal=False, float? scale=None, bool head_mask_grad=False, bool mask_grad=False, "
-      "float dropout_p=0., Tensor? dropout_seed=None) "
+      "float dropout_p=0., Tensor? dropout_seed=None, "
+      "int window_left=-1, int window_right=-1, float? softcap=None, Tensor? sinks=None) "
       "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_head_mask, Tensor grad_scores)");
   m.def(
       "backward_into(Tensor grad_out, Tensor? grad_weights, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, Tensor? attn_mask, Tensor? key_padding_mask, Tensor? head_mask, bool is_causal, "
       "float? scale, bool head_mask_grad, bool mask_grad, Tensor(a!) grad_q, Tensor(b!) grad_k, "
-      "Tensor(c!) grad_v, float dropout_p=0., Tensor? dropout_seed=None) "
+      "Tensor(c!) grad_v, float dropout_p=0., Tensor? dropout_seed=None, "
+      "int window_left=-1, int window_right=-1, float? softcap=None, Tensor? sinks=None) "
       "-> (Tensor grad_head_mask, Tensor grad_scores)");
   m.def(
       "cross_entropy(Tensor input, Tensor target, Tensor? weight=None, str reduction='mean', "

@@ -8,6 +8,8 @@ masked_attention              the op's own conventions, nn.MultiheadAttention's
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -31,11 +33,49 @@ def _as_4d_attn_mask(attn_mask, B, H):
     return attn_mask
 
 
+def _window_cap_sinks(fn, q, window, softcap, sinks):
+    """Checks window, softcap and sinks; returns (window_left, window_right,
+    softcap, sinks) as the op takes them."""
+    left = right = -1
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise TypeError(f"{fn}: window must be None or a pair (left, right), got {window!r}")
+        sides = []
+        for name, w in zip(("left", "right"), window):
+            if w is None:
+                w = -1
+            if isinstance(w, bool) or not isinstance(w, int):
+                raise TypeError(f"{fn}: window {name} must be an int or None, got {type(w).__name__}")
+            if w < -1:
+                raise ValueError(f"{fn}: window {name} must be >= 0, or -1 / None for no bound, got {w}")
+            sides.append(int(w))
+        left, right = sides
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+            raise TypeError(f"{fn}: softcap must be None or a number > 0, got {type(softcap).__name__}")
+        if not (math.isfinite(softcap) and softcap > 0):
+            raise ValueError(f"{fn}: softcap must be None or a finite number > 0, got {softcap}")
+        softcap = float(softcap)
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor):
+            raise TypeError(f"{fn}: sinks must be None or a Tensor, got {type(sinks).__name__}")
+        if not sinks.is_floating_point():
+            raise TypeError(f"{fn}: sinks must be floating point, got {sinks.dtype}")
+        if sinks.dim() != 1 or sinks.size(0) != q.size(-3):
+            raise ValueError(f"{fn}: sinks must have shape (H,) = ({q.size(-3)},), one logit per query head, "
+                             f"got {tuple(sinks.shape)}")
+        if sinks.device != q.device:
+            raise ValueError(f"{fn}: sinks must be on q's device ({q.device}), got {sinks.device}")
+    return left, right, softcap, sinks
+
+
 def masked_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = None,
                      key_padding_mask: Tensor | None = None, head_mask: Tensor | None = None,
                      is_causal: bool = False, scale: float | None = None, dropout_p: float = 0.0,
                      need_weights: bool = False, return_lse: bool = False,
-                     dropout_seed: Tensor | None = None) -> Tensor | tuple[Tensor, ...]:
+                     dropout_seed: Tensor | None = None,
+                     window: tuple[int | None, int | None] | None = None, softcap: float | None = None,
+                     sinks: Tensor | None = None) -> Tensor | tuple[Tensor, ...]:
     """Masked multi-head attention.
 
     Args:
@@ -62,7 +102,19 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | Non
             is a function of; None draws one from PyTorch's default
             generator (ops.new_dropout_seed), so torch.manual_seed reproduces.
         return_lse: also return the per-row log-sum-exp (B, H, Lq) (float32,
-            float64 for float64 inputs); -inf for a fully masked row.
+            float64 for float64 inputs); -inf for a fully masked row. It
+            includes the sink when sinks are given.
+        window: (left, right): query i sees only keys j with
+            i - left <= j <= i + right; a side None or -1 is unbounded.
+            Top-left aligned like is_causal (the diagonal j = i, also when
+            Lq != Lk), combined with every other mask; key blocks outside
+            the window are never computed. (W, 0) is a causal window of W
+            earlier keys.
+        softcap: scores s (scaled q . k) become softcap * tanh(s / softcap)
+            before the masks are added (Gemma 2).
+        sinks: (H,) floating, one learned logit per head that joins every
+            row's softmax denominator and has no value (GPT-OSS); gets a
+            gradient. A row that no key may attend to still gives 0.
 
     Returns:
         out (B, H, Lq, Dv), followed by weights if need_weights and by lse if
@@ -79,13 +131,14 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | Non
         if t.dtype not in _FLOATS:
             raise TypeError(f"masked_attention: {name} must be float32, float64, bfloat16 or float16, "
                             f"got {t.dtype}")
+    extra = _window_cap_sinks("masked_attention", q, window, softcap, sinks)
     attn_mask = _as_4d_attn_mask(attn_mask, q.size(0), q.size(1))
     drop = ()
     if dropout_p > 0.0:
         drop = (dropout_p, ops.new_dropout_seed() if dropout_seed is None else dropout_seed)
     out, lse, weights = torch.ops.masked_attn.forward(
         q, k, v, attn_mask, key_padding_mask, head_mask, bool(is_causal),
-        None if scale is None else float(scale), bool(need_weights), *drop)
+        None if scale is None else float(scale), bool(need_weights), *(drop or (0.0, None)), *extra)
     if not (need_weights or return_lse):
         return out
     return (out,) + ((weights,) if need_weights else ()) + ((lse,) if return_lse else ())
@@ -93,7 +146,8 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | Non
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
                                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                                 enable_gqa: bool = False) -> Tensor:
+                                 enable_gqa: bool = False, *, window: tuple[int | None, int | None] | None = None,
+                                 softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
     """Drop-in for torch.nn.functional.scaled_dot_product_attention.
 
     query (..., Hq, L, E), key (..., H, S, E), value (..., H, S, Ev); a bool
@@ -102,6 +156,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     allowed key give 0, as PyTorch does from 2.5 on. dropout_p > 0 drops
     attention probabilities inside the kernels (whenever given, as F.sdpa),
     the mask drawn from PyTorch's default generator.
+    allowed key give 0, as PyTorch does from 2.5 on.
+
+    Keyword-only extensions (not in PyTorch), as in masked_attention:
+    window=(left, right), softcap, sinks (Hq,).
     """
     _check_dropout_p("scaled_dot_product_attention", float(dropout_p))
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -154,7 +212,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
             mask = ~mask  # F.sdpa: True = take part; ours: True = blocked
         if len(batch) > 1 and mask.dim() > 3:  # flatten the batch dims like q's
             mask = mask.expand(*batch, *mask.shape[-3:]).reshape(-1, *mask.shape[-3:])
-    out = masked_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p)
+    out = masked_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+                           window=window, softcap=softcap, sinks=sinks)
     if query.dim() == 4:
         return out
     out_shape = (*batch, hq, query.size(-2), value.size(-1)) if query.dim() >= 3 else \

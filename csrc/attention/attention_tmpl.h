@@ -15,7 +15,8 @@
  *
  * Where the masks are interpreted: FN(mask_value) (a bool or float element
  * into its additive form), FN(keys_read) (trailing key padding that is never
- * read), FN(kv_end) (causal block skipping), FN(mask_tile_state) (an
+ * read), FN(kv_range) and FN(q_range) (causal and window block skipping),
+ * FN(mask_tile_state) (an
  * attn_mask tile that blocks every entry is skipped, one that adds only
  * zeros is not added). Where they are applied: FN(add_bias), the only place
  * scores get their bias; head_mask in FN(head_scale) and the output/gradient
@@ -53,11 +54,15 @@
 #define LOAD ma_load_f64
 #define STORE ma_store_f64
 #define LOG log
+#define EXPF exp
+#define TANH tanh
 #else
 #define ACC float
 #define LOAD ma_load_f32
 #define STORE ma_store_f32
 #define LOG logf
+#define EXPF expf
+#define TANH tanhf
 #endif
 #define GEMM BLK(gemm)
 #define GEMM_ROWSCALE BLK(gemm_rowscale)
@@ -276,9 +281,10 @@ static int FN(mask_tile_state)(const ma_mask *m, int64_t b, int64_t h, int64_t i
  * s[r * rs + c * cs]: rs = nc, cs = 1 for row-wise s (nr, nc), rs = 1,
  * cs = nr for transposed sT (nc, nr). am_state is FN(mask_tile_state) of
  * the tile: MA_TILE_ZERO adds nothing from am (s + 0 = s: the same values). */
-static void FN(add_bias)(ACC *s, int64_t rs, int64_t cs, const ma_mask *am, int am_state, const ma_mask *kpm,
-                         int is_causal, int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0,
-                         int64_t nc) {
+static void FN(add_bias)(ACC *s, int64_t rs, int64_t cs, const ma_attn_args *a, int am_state, int64_t b,
+                         int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t nc) {
+    const ma_mask *am = &a->attn_mask, *kpm = &a->key_padding_mask;
+    const int is_causal = a->is_causal;
     if (kpm->ptr) {
         const int64_t base = b * kpm->stride[0] + j0 * kpm->stride[1];
         if (cs == 1) { /* row-wise: the keys' biases as one row, added to every row */
@@ -318,6 +324,38 @@ static void FN(add_bias)(ACC *s, int64_t rs, int64_t cs, const ma_mask *am, int 
                 for (int64_t c = i0 + r - j0 + 1 < 0 ? 0 : i0 + r - j0 + 1; c < nc; c++)
                     s[r * rs + c * cs] = -(ACC)INFINITY;
     }
+    /* the window: key j = j0 + c is seen by the queries i in [j - right, j + left] */
+    const int64_t left = a->window_left, right = a->window_right;
+    if ((right >= 0 && j0 + nc - 1 - i0 > right) || (left >= 0 && i0 + nr - 1 - j0 > left))
+        for (int64_t c = 0; c < nc; c++) {
+            const int64_t lo = right >= 0 ? j0 + c - right - i0 : 0;     /* rows before lo: j > i + right */
+            const int64_t hi = left >= 0 ? j0 + c + left - i0 + 1 : nr;  /* rows from hi on: j < i - left */
+            for (int64_t r = 0; r < ma_min(lo, nr); r++) s[r * rs + c * cs] = -(ACC)INFINITY;
+            for (int64_t r = hi < 0 ? 0 : hi; r < nr; r++) s[r * rs + c * cs] = -(ACC)INFINITY;
+        }
+}
+
+/* Soft-capping of n scores before their bias: s = c tanh(s / c), c > 0 (a
+ * c of 0 leaves s alone). th, when not NULL, keeps tanh(s / c) for the
+ * backward's factor 1 - tanh^2 (FN(softcap_grad)). */
+static void FN(softcap)(ACC *s, int64_t n, double cap, ACC *th) {
+    if (cap <= 0) return;
+    const ACC c = (ACC)cap, inv = (ACC)(1.0 / cap);
+    if (th)
+        for (int64_t x = 0; x < n; x++) {
+            th[x] = TANH(s[x] * inv);
+            s[x] = c * th[x];
+        }
+    else
+        for (int64_t x = 0; x < n; x++) s[x] = c * TANH(s[x] * inv);
+}
+
+/* dS -> dS (1 - th^2): the gradient of the capped product from the gradient
+ * of the score, over n elements. An exact 0 stays 0 (th of a never-computed
+ * entry, such as the skipped quarter of a split diagonal tile, may be stale). */
+static void FN(softcap_grad)(ACC *ds, const ACC *th, int64_t n, double cap) {
+    if (cap <= 0) return;
+    for (int64_t x = 0; x < n; x++) ds[x] = ds[x] == 0 ? ds[x] : ds[x] * (1 - th[x] * th[x]);
 }
 
 /* How many of the keys j0 .. j0 + nc - 1 of batch b the kernels read: all
@@ -336,6 +374,7 @@ static int64_t FN(keys_read)(const ma_mask *kpm, int64_t b, int64_t j0, int64_t 
  * under is_causal (no query sees them). */
 static inline int64_t FN(bwd_keys_read)(const ma_attn_bwd_params *p, int64_t b, int64_t j0, int64_t nc) {
     if (p->a.is_causal) nc = ma_min(nc, p->a.Lq - j0);
+    if (p->a.window_right >= 0) nc = ma_min(nc, p->a.Lq + p->a.window_right - j0); /* keys after every window */
     return nc > 0 ? FN(keys_read)(&p->a.key_padding_mask, b, j0, nc) : 0;
 }
 
@@ -356,9 +395,24 @@ static inline void FN(apply_dropout)(ACC *restrict x, const ACC *restrict z, int
     for (int64_t e = 0; e < n; e++) x[e] *= z[e];
 }
 
-/* Keys a query block [i0, i0 + nr) can see: [0, kv_end). */
-static inline int64_t FN(kv_end)(int is_causal, int64_t Lk, int64_t i0, int64_t nr) {
-    return is_causal ? ma_min(Lk, i0 + nr) : Lk;
+/* Keys a query block [i0, i0 + nr) can see under is_causal and the window:
+ * [*j_begin, *j_end), j_begin a multiple of block_k (the key blocks stay
+ * those of a call without a window), j_end where the last query's causal or
+ * window range ends. Key blocks outside are never read. */
+static inline void FN(kv_range)(const ma_attn_args *a, int64_t i0, int64_t nr, int64_t *j_begin, int64_t *j_end) {
+    int64_t e = a->is_causal ? ma_min(a->Lk, i0 + nr) : a->Lk;
+    if (a->window_right >= 0) e = ma_min(e, i0 + nr + a->window_right);
+    *j_end = e;
+    *j_begin = a->window_left >= 0 && i0 - a->window_left > 0 ? (i0 - a->window_left) / a->block_k * a->block_k : 0;
+}
+
+/* Queries that can see keys [j0, j0 + nc): query blocks from *i_begin (j0
+ * itself under is_causal; else a multiple of block_q) to below *i_end. */
+static inline void FN(q_range)(const ma_attn_args *a, int64_t j0, int64_t nc, int64_t *i_begin, int64_t *i_end) {
+    int64_t bgn = a->window_right >= 0 && j0 - a->window_right > 0 ? (j0 - a->window_right) / a->block_q * a->block_q : 0;
+    if (a->is_causal && j0 > bgn) bgn = j0;
+    *i_begin = bgn;
+    *i_end = a->window_left >= 0 ? ma_min(a->Lq, j0 + nc + a->window_left) : a->Lq;
 }
 
 /* The split of a causal diagonal tile (queries and keys i0 .. i0 + nr, nc,
@@ -505,7 +559,8 @@ static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s,
                               int64_t j0, int64_t nc, int am_state, const ma_dropout *dr) {
     const int64_t D = p->a.D, Dv = p->a.Dv, *ks = p->a.k_stride, *vs = p->a.v_stride;
     DOT_KEYS(s, nc, q, nr, D, p->a.k, p->a.dtype, b * ks[0] + hk * ks[1] + j0 * ks[2], ks[2], nc);
-    FN(add_bias)(s, nc, 1, &p->a.attn_mask, am_state, &p->a.key_padding_mask, p->a.is_causal, b, h, i0, nr, j0, nc);
+    FN(softcap)(s, nr * nc, p->a.softcap, NULL);
+    FN(add_bias)(s, nc, 1, &p->a, am_state, b, h, i0, nr, j0, nc);
     for (int64_t r = 0; r < nr; r++) {
         m_new[r] = ROW_MAX(s + r * nc, nc, m[r]);
         (void)EXP_SUB_SUM(s + r * nc, nc, m_new[r] == -(ACC)INFINITY ? 0 : m_new[r]);
@@ -648,7 +703,8 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
     for (int64_t w = begin; w < end; w++) {
         const int64_t b = w / (H * nq), h = (w / nq) % H, qb = FN(interleave)(w % nq, nq), hk = h / G;
         const int64_t i0 = qb * BQ, nr = ma_min(BQ, Lq - i0);
-        const int64_t kv_end = FN(kv_end)(p->a.is_causal, Lk, i0, nr);
+        int64_t kv_begin, kv_end;
+        FN(kv_range)(&p->a, i0, nr, &kv_begin, &kv_end);
         const int by_rows = FN(fwd_by_rows)(p, nr);
         ma_dropout dr_buf;
         const ma_dropout *dr = FN(head_dropout)(&p->a, b, h, &dr_buf);
@@ -666,7 +722,7 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
         }
         for (int64_t x = 0; x < nr * Dv; x++) t.o[x] = 0;
 
-        for (int64_t j0 = 0; j0 < kv_end; j0 += BK) {
+        for (int64_t j0 = kv_begin; j0 < kv_end; j0 += BK) {
             const int64_t nc = FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
             if (nc == 0) continue;
             const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
@@ -678,7 +734,8 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
             }
             /* sT = K (scale Q)^T + bias^T */
             FWD_STEP(scores, t.sT, i0, j0, nc);
-            FN(add_bias)(t.sT, 1, nr, &p->a.attn_mask, ms, &p->a.key_padding_mask, p->a.is_causal, b, h, i0, nr, j0, nc);
+            FN(softcap)(t.sT, nc * nr, p->a.softcap, NULL);
+            FN(add_bias)(t.sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
             /* online softmax: m_new = max(m, colmax sT); P = exp(sT - m_new); l, O rescaled */
             for (int64_t r = 0; r < nr; r++) {
                 t.m_new[r] = t.m[r];
@@ -694,15 +751,25 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
             FWD_STEP(pv, t.o, alpha, t.sT, i0, j0, nc);
         }
 
-        /* out = hm * O / l;  lse = m + log l.  A fully masked row (l = 0) gives 0 and -inf. */
+        /* out = hm * O / l;  lse = m + log l.  A fully masked row (l = 0) gives 0 and -inf.
+         * With a sink (-inf: none): l' = l exp(m - M) + exp(sink - M), M = max(m, sink);
+         * out = hm * exp(m - M) O / l', lse = M + log l'; a fully masked row gives 0 and sink. */
         const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
+        const ACC sink = p->a.sinks.ptr ? LOAD(p->a.sinks.ptr, p->a.sinks.dtype, h * p->a.sinks.stride[0])
+                                        : -(ACC)INFINITY;
         ACC *lse_bh = (ACC *)p->lse + (b * H + h) * Lq;
         ACC *o = by_rows ? t.o : FWD_STEP(o_rows, t.o);
         for (int64_t r = 0; r < nr; r++) {
             ACC *o_r = o + r * Dv;
             if (t.l[r] == 0) {
                 for (int64_t d = 0; d < Dv; d++) o_r[d] = 0;
-                t.lse[r] = -(ACC)INFINITY;
+                t.lse[r] = sink;
+            } else if (sink != -(ACC)INFINITY) {
+                const ACC M = t.m[r] >= sink ? t.m[r] : sink; /* NaN sink: NaN */
+                const ACC a_m = EXPF(t.m[r] - M), l = t.l[r] * a_m + EXPF(sink - M);
+                const ACC inv = hm * a_m / l;
+                for (int64_t d = 0; d < Dv; d++) o_r[d] *= inv;
+                t.lse[r] = M + LOG(l);
             } else {
                 const ACC inv = hm / t.l[r];
                 for (int64_t d = 0; d < Dv; d++) o_r[d] *= inv;
@@ -718,14 +785,17 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
             const int64_t w_st[4] = {H * Lq * Lk, Lq * Lk, Lk, 1};
             for (int64_t j0 = 0; j0 < Lk; j0 += BK) {
                 const int64_t nw = ma_min(BK, Lk - j0); /* weights written */
-                int64_t nc = j0 < kv_end ? FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(nw, kv_end - j0)) : 0;
+                int64_t nc = j0 >= kv_begin && j0 < kv_end
+                                 ? FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(nw, kv_end - j0))
+                                 : 0;
                 const int ms = nc > 0 ? FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc) : MA_TILE_BLOCKED;
                 if (ms == MA_TILE_BLOCKED) nc = 0;
                 if (nc > 0) {
                     int64_t ldk;
                     const ACC *k_j = FN(rows_in)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, gen.k_bh, D, &ldk);
                     GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
-                    FN(add_bias)(t.sT, 1, nr, &p->a.attn_mask, ms, &p->a.key_padding_mask, p->a.is_causal, b, h, i0, nr, j0, nc);
+                    FN(softcap)(t.sT, nc * nr, p->a.softcap, NULL);
+                    FN(add_bias)(t.sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
                     EXP_SUB_COL(t.sT, nc, nr, t.m_new, t.lsum);
                     if (dr) DROPOUT(t.sT, NULL, 1, nr, nr, nc, dr, i0, j0); /* the weights after dropout */
                 }
@@ -767,6 +837,7 @@ typedef struct {
     /* per query row */
     ACC *lse, *delta, *dhm, *tmp;
     ACC *z; /* (BQ, BK) dropout multipliers of a row-wise tile (DROPOUT's z form) */
+    ACC *th; /* softcap's tanh of the tile's scores */
     ACC *extra;
 } FN(bwd_scratch);
 
@@ -791,12 +862,13 @@ static FN(bwd_scratch) FN(bwd_carve)(void *scratch, int64_t BQ, int64_t BK, int6
     t.dhm = x;  x += BQ;
     t.tmp = x;  x += BQ;
     t.z = x;    x += BQ * BK;
+    t.th = x;   x += BQ * BK;  /* (BQ, BK) or (BK, BQ): tanh of the capped scores (softcap) */
     t.extra = x;               /* the pass's own regions, see bwd_extra_elems */
     return t;
 }
 
 static inline size_t FN(bwd_scratch_elems)(int64_t BQ, int64_t BK, int64_t D, int64_t Dv) {
-    return (size_t)(2 * D * BQ + 2 * Dv * BQ + 3 * BK * D + 2 * BK * Dv + 5 * BK * BQ + 4 * BQ);
+    return (size_t)(2 * D * BQ + 2 * Dv * BQ + 3 * BK * D + 2 * BK * Dv + 6 * BK * BQ + 4 * BQ);
 }
 
 /* Elements after the tiles that each backward pass carves from t.extra:
@@ -894,7 +966,8 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
     for (int64_t w = begin; w < end; w++) {
         const int64_t b = w / (H * nq), h = (w / nq) % H, qb = FN(interleave)(w % nq, nq), hk = h / G;
         const int64_t i0 = qb * BQ, nr = ma_min(BQ, Lq - i0);
-        const int64_t kv_end = FN(kv_end)(p->a.is_causal, Lk, i0, nr);
+        int64_t kv_begin, kv_end;
+        FN(kv_range)(&p->a, i0, nr, &kv_begin, &kv_end);
         const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
         ma_dropout dr_buf;
         const ma_dropout *dr = FN(head_dropout)(&p->a, b, h, &dr_buf);
@@ -926,7 +999,7 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
             t.delta[r] = dot;
         }
         if (p->dweights || p->exact_delta) {
-            for (int64_t j0 = 0; j0 < kv_end; j0 += BK) {
+            for (int64_t j0 = kv_begin; j0 < kv_end; j0 += BK) {
                 const int64_t nc = FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
                 if (nc == 0) continue;
                 const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
@@ -934,7 +1007,8 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
                 int64_t ldk;
                 const ACC *k_j = FN(rows_in)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, k_bh, D, &ldk);
                 GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
-                FN(add_bias)(t.sT, 1, nr, &p->a.attn_mask, ms, &p->a.key_padding_mask, p->a.is_causal, b, h, i0, nr, j0, nc);
+                FN(softcap)(t.sT, nc * nr, p->a.softcap, NULL);
+                FN(add_bias)(t.sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
                 EXP_SUB_COL(t.sT, nc, nr, t.lse, t.tmp);
                 if (p->exact_delta) { /* dP^T = V dO^T */
                     int64_t ldv;
@@ -955,7 +1029,7 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
         for (int64_t r = 0; r < nr; r++) delta_bh[i0 + r] = t.delta[r];
 
         for (int64_t x = 0; x < nr * D; x++) t.dq[x] = 0;
-        for (int64_t j0 = 0; j0 < kv_end; j0 += BK) {
+        for (int64_t j0 = kv_begin; j0 < kv_end; j0 += BK) {
             const int64_t nc = FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
             if (nc == 0) continue;
             const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
@@ -965,7 +1039,8 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
             const ACC *v_j = FN(rows_in)(p->a.v, p->a.dtype, p->a.v_stride, b, hk, j0, v_bh, Dv, &ldv);
             /* P^T = exp(K (scale Q)^T + bias^T - lse) */
             GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
-            FN(add_bias)(t.sT, 1, nr, &p->a.attn_mask, ms, &p->a.key_padding_mask, p->a.is_causal, b, h, i0, nr, j0, nc);
+            FN(softcap)(t.sT, nc * nr, p->a.softcap, t.th);
+            FN(add_bias)(t.sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
             EXP_SUB_COL(t.sT, nc, nr, t.lse, t.tmp);
             /* dP^T = V dO^T (+ dW^T);  dS^T = P^T (hm dP^T - delta) */
             GEMM(nc, nr, Dv, v_j, ldv, 1, t.gT, nr, t.dpT, nr, 0);
@@ -973,6 +1048,7 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
             if (dr) DROPOUT(t.dpT, NULL, 1, nr, nr, nc, dr, i0, j0); /* dP = (dO V^T + dW) Z / (1 - p) */
             FN(dscores)(t.dpT, t.sT, 1, nr, t.delta, p->dhm_rows ? t.dhm : NULL, hm, nr, nc);
             if (p->dscores) FN(store_dscores)(p, t.dpT, 1, nr, b, h, i0, nr, j0, nc);
+            FN(softcap_grad)(t.dpT, t.th, nc * nr, p->a.softcap); /* through the cap: dS (1 - tanh^2) */
             /* dQ += dS K */
             GEMM(nr, D, nc, t.dpT, 1, nr, k_j, ldk, t.dq, D, 1);
         }
@@ -1043,10 +1119,11 @@ static void FN(gen_bwd_dkdv_at)(const FN(bwd_scratch) *t, const ma_attn_bwd_para
  * -inf already 0); dhm_r gets the head mask's row sums when not NULL;
  * am_state is the tile's FN(mask_tile_state) (never MA_TILE_BLOCKED: the
  * loops skip those tiles). */
-static void FN(bwd_tile_softmax)(ACC *s, ACC *dp, const ma_attn_bwd_params *p, int64_t b, int64_t h, ACC hm,
+static void FN(bwd_tile_softmax)(ACC *s, ACC *dp, ACC *th, const ma_attn_bwd_params *p, int64_t b, int64_t h, ACC hm,
                                  int64_t i0, int64_t nr, int64_t j0, int64_t nc, int am_state, const ACC *lse_r,
-                                 const ACC *delta_r, ACC *dhm_r, const ma_dropout *dr, ACC *z) {
-    FN(add_bias)(s, nc, 1, &p->a.attn_mask, am_state, &p->a.key_padding_mask, p->a.is_causal, b, h, i0, nr, j0, nc);
+                                 const ACC *delta_r, ACC *dhm_r, const ma_dropout *dr, ACC *z, int store_ds) {
+    FN(softcap)(s, nr * nc, p->a.softcap, th);
+    FN(add_bias)(s, nc, 1, &p->a, am_state, b, h, i0, nr, j0, nc);
     for (int64_t r = 0; r < nr; r++) (void)EXP_SUB_SUM(s + r * nc, nc, lse_r[r]);
     if (p->dweights) FN(add_dweights)(dp, nc, 1, p, b, h, i0, nr, j0, nc);
     if (dr) { /* one mask for both: dP' = dP Z / (1 - p) before dS, P' = P Z / (1 - p) after it */
@@ -1055,6 +1132,8 @@ static void FN(bwd_tile_softmax)(ACC *s, ACC *dp, const ma_attn_bwd_params *p, i
     }
     FN(dscores)(dp, s, nc, 1, delta_r, dhm_r, hm, nr, nc);
     if (dr) FN(apply_dropout)(s, z, nr * nc);
+    if (store_ds && p->dscores) FN(store_dscores)(p, dp, nc, 1, b, h, i0, nr, j0, nc);
+    FN(softcap_grad)(dp, th, nr * nc, p->a.softcap); /* through the cap: dS (1 - tanh^2) */
     if (hm != 1)
         for (int64_t x = 0; x < nr * nc; x++) s[x] *= hm;
 }
@@ -1066,7 +1145,7 @@ static void FN(bwd_key_tile)(const FN(bwd_scratch) *t, const ma_attn_bwd_params 
                              ACC *dhm_r, const ma_dropout *dr) {
     FN(gen_bwd_scores_at)(t, p, i0, nr, j0, nc, q_i, ldq);
     FN(gen_bwd_dp_at)(t, p, i0, nr, j0, nc, g_i, ldg);
-    FN(bwd_tile_softmax)(t->s, t->dp, p, b, h, hm, i0, nr, j0, nc, am_state, lse_r, delta_r, dhm_r, dr, t->z);
+    FN(bwd_tile_softmax)(t->s, t->dp, t->th, p, b, h, hm, i0, nr, j0, nc, am_state, lse_r, delta_r, dhm_r, dr, t->z, 0);
     FN(gen_bwd_dkdv_at)(t, p, i0, nr, j0, nc, q_i, ldq, g_i, ldg);
 }
 
@@ -1097,8 +1176,9 @@ static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
         if (nc > 0) {
             FN(load_tile_t)(t.kT, p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, nc, D, (ACC)p->a.scale);
             FN(load_tile_t)(t.vT, p->a.v, p->a.dtype, p->a.v_stride, b, hk, j0, nc, Dv, 1);
-            /* queries i < j0 see none of these keys under the causal mask */
-            const int64_t i_begin = p->a.is_causal ? j0 : 0;
+            /* queries i < j0 see none of these keys under the causal mask, nor those outside the window */
+            int64_t i_begin, i_end;
+            FN(q_range)(&p->a, j0, nc, &i_begin, &i_end);
             for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
                 const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
                 ma_dropout dr_buf;
@@ -1107,7 +1187,7 @@ static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
                 const ACC *delta_bh = (const ACC *)p->delta + (b * H + h) * Lq;
                 const ACC *q_bh = q_bg ? q_bg + (h - hk * G) * Lq * D : NULL;
                 const ACC *g_bh = g_bg ? g_bg + (h - hk * G) * Lq * Dv : NULL;
-                for (int64_t i0 = i_begin; i0 < Lq; i0 += BQ) {
+                for (int64_t i0 = i_begin; i0 < i_end; i0 += BQ) {
                     const int64_t nr = ma_min(BQ, Lq - i0);
                     const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
                     if (ms == MA_TILE_BLOCKED) continue; /* dS = 0, hm P = 0: dk, dv unchanged */
@@ -1281,22 +1361,22 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
             for (int64_t x = 0; x < nc_out * Dv; x++) t.dv[x] = 0;
             if (nc > 0) {
                 BWD_STEP(keys, j0, nc);
-                const int64_t i_begin = p->a.is_causal ? j0 : 0;
+                int64_t i_begin, i_end;
+                FN(q_range)(&p->a, j0, nc, &i_begin, &i_end);
                 for (int64_t g = 0; g < G; g++) {
                     const int64_t h = hk * G + g;
                     const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
                     ma_dropout dr_buf;
                     const ma_dropout *dr = FN(head_dropout)(&p->a, b, h, &dr_buf);
-                    for (int64_t i0 = i_begin; i0 < Lq; i0 += BQ) {
+                    for (int64_t i0 = i_begin; i0 < i_end; i0 += BQ) {
                         const int64_t nr = ma_min(BQ, Lq - i0);
                         const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
                         if (ms == MA_TILE_BLOCKED) continue; /* dS = 0, hm P = 0: nothing to add; dscores stays 0 */
                         BWD_STEP(scores, g, h, i0, nr);
                         BWD_STEP(dp, g, h, i0, nr);
-                        FN(bwd_tile_softmax)(t.s, t.dp, p, b, h, hm, i0, nr, j0, nc, ms, lse_all + g * Lq + i0,
+                        FN(bwd_tile_softmax)(t.s, t.dp, t.th, p, b, h, hm, i0, nr, j0, nc, ms, lse_all + g * Lq + i0,
                                              delta_all + g * Lq + i0, p->dhm_rows ? dhm_all + g * Lq + i0 : NULL, dr,
-                                             t.z);
-                        if (p->dscores) FN(store_dscores)(p, t.dp, nc, 1, b, h, i0, nr, j0, nc);
+                                             t.z, 1);
                         BWD_STEP(accum, dq_acc + (g * Lq + i0) * D, g, h, i0, nr);
                     }
                 }
@@ -1363,6 +1443,8 @@ const ma_attn_kernels FN(ma_attn_kernels) = {FN(attn_fwd),          FN(attn_bwd_
 #undef LOAD
 #undef STORE
 #undef LOG
+#undef EXPF
+#undef TANH
 #undef GEMM
 #undef GEMM_ROWSCALE
 #undef EXP_SUB_SUM
