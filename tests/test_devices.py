@@ -218,3 +218,14 @@ def test_cuda_model_matches_cpu():
     kpm[1] = True                                  # every key of batch 1 masked: 0, not NaN
     out = tF.masked_attention(q, q, q, key_padding_mask=kpm)
     assert out.device.type == "cuda" and not out.isnan().any() and (out[1] == 0).all()
+
+
+def test_export_and_meta_after_dispatch():
+    """torch.export traces the CPU kernels' ops through their fake kernels
+    (fake tensors of CPU tensors take the kernel path), and runs them."""
+    torch.manual_seed(0)
+    layer = tma.replace_attention(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)).eval()
+    x = torch.randn(2, 5, 16)
+    ep = torch.export.export(layer, (x,))
+    assert any("masked_attn" in str(n.target) for n in ep.graph.nodes)
+    torch.testing.assert_close(ep.module()(x), layer(x))
