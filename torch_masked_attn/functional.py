@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import ops  # noqa: F401  (registers torch.ops.masked_attn)
@@ -18,6 +19,99 @@ from . import ops  # noqa: F401  (registers torch.ops.masked_attn)
 __all__ = ["masked_attention", "scaled_dot_product_attention", "cross_entropy", "linear_cross_entropy"]
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+# ---- devices ------------------------------------------------------------------
+#
+# The C kernels run on CPU tensors; meta tensors (and fake tensors of CPU
+# tensors, under torch.compile / torch.export) go to the ops too, whose fake
+# kernels give the shapes. On any other device (cuda, xpu, mps, ...) every
+# drop-in computes the same thing with PyTorch's native ops, so a model built
+# with our modules keeps working after .to(device). The decision is made here,
+# in Python, per call, from the first tensor argument's device (the ops
+# themselves stay CPU-only: a direct torch.ops.masked_attn.* call on a CUDA
+# tensor raises the dispatcher's NotImplementedError). docs/design.md, "Devices".
+
+KERNEL_DEVICE_TYPES = frozenset({"cpu", "meta"})
+
+
+def uses_kernels(device: torch.device | str) -> bool:
+    """Whether tensors on ``device`` are computed by our C kernels (CPU, and
+    meta for shapes) or, on every other device, by PyTorch's native ops."""
+    return torch.device(device).type in KERNEL_DEVICE_TYPES
+
+
+def native_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
+                     key_padding_mask: Tensor | None = None, head_mask: Tensor | None = None,
+                     is_causal: bool = False, scale: float | None = None, need_weights: bool = False,
+                     return_lse: bool = False, dropout_p: float = 0.0) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """masked_attn::forward's semantics computed with PyTorch's native ops, on
+    any device: (out, lse, weights), lse and weights None unless asked for.
+
+    The op's conventions (bool masks True = blocked, floating masks added, all
+    masks summed, is_causal top-left and combined with the rest, head_mask
+    after softmax and after dropout), and ours where native attention differs:
+    a query row that no key may attend to gives 0, zero gradients, zero
+    weights and lse -inf, never NaN. Without head_mask, weights and lse this
+    is one F.scaled_dot_product_attention call (the device's fused kernels);
+    otherwise the probabilities are materialised (float32 for bfloat16 /
+    float16). dropout_p > 0 draws from the device's generator, as F.sdpa does.
+    """
+    B, H, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    scale = D ** -0.5 if scale is None else float(scale)
+    low = q.dtype in (torch.bfloat16, torch.float16)
+    acc = torch.float32 if low else q.dtype
+    need_lse = bool(return_lse)
+    fused = not (need_weights or need_lse or head_mask is not None)
+    bias_dtype = q.dtype if fused else acc
+
+    def additive(m):
+        if m.dtype == torch.bool:
+            return torch.zeros(m.shape, dtype=bias_dtype, device=m.device).masked_fill(m, float("-inf"))
+        return m.to(bias_dtype)
+
+    bias = None
+    for m in (attn_mask, None if key_padding_mask is None else key_padding_mask.view(B, 1, 1, Lk)):
+        if m is not None:
+            bias = additive(m) if bias is None else bias + additive(m)
+    causal_alone = bool(is_causal) and bias is None
+    if is_causal and bias is not None:
+        bias = bias + additive(torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).triu(1))
+    dead = None
+    if bias is not None:
+        # rows no key may attend to: unmask them for the computation (no NaN
+        # anywhere, in the forward or the backward), zero them after
+        dead = torch.isneginf(bias).all(-1, keepdim=True)
+        bias = bias.masked_fill(dead, 0.0)
+    if fused:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=float(dropout_p),
+                                             is_causal=causal_alone, scale=scale, enable_gqa=H != Hkv)
+        if dead is not None:
+            out = out.masked_fill(dead, 0.0)
+        return out, None, None
+    if H != Hkv:
+        k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * scale
+    if causal_alone:
+        s = s.masked_fill(torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    if bias is not None:
+        s = s + bias
+    lse = None
+    if need_lse:
+        with torch.no_grad():
+            lse = torch.logsumexp(s, -1)
+            if dead is not None:
+                lse = lse.masked_fill(dead.squeeze(-1).expand_as(lse), float("-inf"))
+    p = torch.softmax(s, -1)
+    if dead is not None:
+        p = p.masked_fill(dead, 0.0)
+    if dropout_p > 0.0:
+        p = F.dropout(p, float(dropout_p))
+    if head_mask is not None:
+        hm = head_mask.to(acc)
+        p = p * (hm.view(1, H, 1, 1) if hm.dim() == 1 else hm.view(B, H, 1, 1))
+    out = torch.matmul(p, v.to(acc)).to(q.dtype)
+    return out, lse, (p.to(q.dtype) if need_weights else None)
 
 
 def _check_dropout_p(fn, dropout_p):
@@ -120,6 +214,9 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | Non
         out (B, H, Lq, Dv), followed by weights if need_weights and by lse if
         return_lse. A query row that no key may attend to gives 0 (and zero
         gradients), never NaN.
+
+    On a device other than the CPU this is computed by PyTorch's native ops
+    (:func:`native_attention`), with the same semantics.
     """
     dropout_p = float(dropout_p)
     _check_dropout_p("masked_attention", dropout_p)
@@ -133,6 +230,15 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | Non
                             f"got {t.dtype}")
     extra = _window_cap_sinks("masked_attention", q, window, softcap, sinks)
     attn_mask = _as_4d_attn_mask(attn_mask, q.size(0), q.size(1))
+    if not uses_kernels(q.device):
+        if window is not None or softcap is not None or sinks is not None:
+            raise NotImplementedError(
+                f"masked_attention: window, softcap and sinks run in the CPU kernels only; got tensors on {q.device}")
+        out, lse, weights = native_attention(q, k, v, attn_mask, key_padding_mask, head_mask, bool(is_causal),
+                                             scale, bool(need_weights), bool(return_lse), float(dropout_p))
+        if not (need_weights or return_lse):
+            return out
+        return (out,) + ((weights,) if need_weights else ()) + ((lse,) if return_lse else ())
     drop = ()
     if dropout_p > 0.0:
         drop = (dropout_p, ops.new_dropout_seed() if dropout_seed is None else dropout_seed)

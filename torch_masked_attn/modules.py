@@ -5,9 +5,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .functional import native_attention, uses_kernels
 from .ops import _needs, attention_backward, first_order_only, new_dropout_seed
 
-__all__ = ["MultiheadAttention"]
+__all__ = ["MultiheadAttention", "replace_attention"]
 
 
 def _pad_key(mask):
@@ -126,6 +127,26 @@ class _RecomputedSelfAttention(torch.autograd.Function):
                                 d_am, d_kpm, dhm) + (None,) * 5
 
 
+def _calls_self_attn(module, args):
+    """A forward pre-hook that does nothing; what matters is that it is there.
+
+    nn.TransformerEncoderLayer.forward, in inference (eval, no gradient
+    recorded), computes the whole layer with torch._transformer_encoder_layer_fwd
+    from self_attn's weights and never calls self_attn, unless one of its
+    submodules has forward hooks. Every MultiheadAttention of ours carries
+    this hook, so a layer holding one always runs its ordinary path, which
+    calls our forward. Nothing is patched: a native layer elsewhere keeps its
+    fast path. (TransformerEncoder's nested-tensor path still applies; it
+    reaches our forward with a nested tensor: MultiheadAttention._forward_nested.)
+    """
+    return None
+
+
+def _guard_fast_path(module):
+    if _calls_self_attn not in module._forward_pre_hooks.values():
+        module.register_forward_pre_hook(_calls_self_attn)
+
+
 class ArgumentError(ValueError, AssertionError):
     """A bad constructor argument. A ValueError, and an AssertionError too, so
     code written against nn.MultiheadAttention (which asserts) still catches it."""
@@ -174,6 +195,26 @@ class MultiheadAttention(nn.MultiheadAttention):
         super().__init__(embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim,
                          batch_first, device, dtype)
         self.recompute_projection = None
+        _guard_fast_path(self)
+
+    def _forward_nested(self, query, key, value, key_padding_mask, need_weights, attn_mask,
+                        average_attn_weights, is_causal, head_mask):
+        """A nested tensor (N, j, E), as nn.TransformerEncoder's inference path
+        hands its layers when it was given a key padding mask: run on the
+        padded batch with the padding as key_padding_mask, nested again after."""
+        if not (query is key and key is value) or attn_mask is not None or key_padding_mask is not None \
+                or not self.batch_first:
+            raise ValueError("MultiheadAttention: a nested tensor input is supported for batch_first "
+                             "self-attention (query is key is value) without attn_mask or key_padding_mask")
+        lengths = [t.size(0) for t in query.unbind()]
+        x = query.to_padded_tensor(0.0)
+        n = torch.tensor(lengths, device=x.device)
+        pad = torch.arange(x.size(1), device=x.device).unsqueeze(0) >= n.unsqueeze(1)
+        out, weights = self.forward(x, x, x, key_padding_mask=pad, need_weights=need_weights,
+                                    average_attn_weights=average_attn_weights, is_causal=is_causal,
+                                    head_mask=head_mask)
+        out = torch.nested.as_nested_tensor([out[i, :m] for i, m in enumerate(lengths)], layout=query.layout)
+        return out, weights
 
     def _recomputes(self, L, need_weights, dtype, head_mask):
         """Does this call recompute the fused projection in the backward?
@@ -194,9 +235,13 @@ class MultiheadAttention(nn.MultiheadAttention):
     def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None = None,
                 need_weights: bool = True, attn_mask: Tensor | None = None, average_attn_weights: bool = True,
                 is_causal: bool = False, *, head_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        if isinstance(query, torch.Tensor) and query.is_nested:
+            return self._forward_nested(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                        average_attn_weights, is_causal, head_mask)
+        kernels = not isinstance(query, torch.Tensor) or uses_kernels(query.device)
         # dropout on the attention probabilities in training mode, inside the kernels
         dropout_p = float(self.dropout) if self.training else 0.0
-        dropout_seed = new_dropout_seed() if dropout_p > 0.0 else None
+        dropout_seed = new_dropout_seed() if dropout_p > 0.0 and kernels else None
         E, H = self.embed_dim, self.num_heads
         hd = self.head_dim
 
@@ -267,14 +312,14 @@ class MultiheadAttention(nn.MultiheadAttention):
         if causal:
             attn_mask = None  # trust the hint: the mask is causal
         packed = self._qkv_same_embed_dim and self_attention
-        if packed and extra_keys == 0 and self._recomputes(L, need_weights, query.dtype, head_mask):
+        if packed and extra_keys == 0 and kernels and self._recomputes(L, need_weights, query.dtype, head_mask):
             # the whole block as one node; the projection recomputed in the backward (long sequences)
             attn = _RecomputedSelfAttention.apply(query, self.in_proj_weight, self.in_proj_bias,
                                                   self.out_proj.weight, self.out_proj.bias, attn_mask,
                                                   key_padding_mask, head_mask, causal, bf, H, dropout_p,
                                                   dropout_seed)
             return (attn if is_batched else attn.squeeze(1)), None
-        if packed and extra_keys == 0:
+        if packed and extra_keys == 0 and kernels:
             # one fused projection, and its gradient written in place by the kernel
             qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias).unflatten(-1, (3, H, hd))
             out = _PackedSelfAttention.apply(qkv, attn_mask, key_padding_mask, head_mask, causal,
@@ -303,10 +348,15 @@ class MultiheadAttention(nn.MultiheadAttention):
             for _ in range(extra_keys):
                 attn_mask = _pad_key(attn_mask)
                 key_padding_mask = _pad_key(key_padding_mask)
-            out = torch.ops.masked_attn.forward(
-                q, k, v, attn_mask, key_padding_mask, head_mask, causal, None, bool(need_weights), dropout_p,
-                dropout_seed)
-            out = (out[0], out[2])
+            if kernels:
+                out = torch.ops.masked_attn.forward(
+                    q, k, v, attn_mask, key_padding_mask, head_mask, causal, None, bool(need_weights), dropout_p,
+                    dropout_seed)
+                out = (out[0], out[2])
+            else:  # another device: PyTorch's native attention, our semantics (functional.native_attention)
+                out = native_attention(q, k, v, attn_mask, key_padding_mask, head_mask, causal, None,
+                                       bool(need_weights), False, dropout_p)
+                out = (out[0], out[2])
         attn, weights = out                         # (N, H, L, hd), stored as (N, L, H, hd)
         if bf:
             attn = F.linear(attn.transpose(1, 2).reshape(N, L, E), self.out_proj.weight,
@@ -323,3 +373,34 @@ class MultiheadAttention(nn.MultiheadAttention):
         if not is_batched:
             weights = weights.squeeze(0)
         return attn, weights
+
+
+def replace_attention(module: nn.Module) -> nn.Module:
+    """Make every nn.MultiheadAttention inside ``module`` (``module`` itself
+    included) a :class:`MultiheadAttention` of ours, in place, and return
+    ``module``.
+
+    Each instance is converted where it stands (its class is switched): the
+    same object, so its parameters (the same Parameter objects: an optimizer
+    built before keeps working), buffers, hooks and their handles, device,
+    dtype, training mode and every reference to it are kept. Only instances of
+    exactly nn.MultiheadAttention are converted; subclasses (your own, or
+    torch.ao's quantizable one) are left alone, and ours are kept as they are.
+
+    Inside nn.TransformerEncoderLayer, TransformerDecoderLayer, Transformer
+    and TransformerEncoder, training and inference then run through our
+    kernels: the layer's native inference fast path is kept off (see
+    _calls_self_attn) and the encoder's nested-tensor path calls our module.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"replace_attention: expected an nn.Module, got {type(module).__name__}")
+    for m in module.modules():
+        if type(m) is nn.MultiheadAttention:
+            if m.embed_dim % m.num_heads != 0:   # what our constructor refuses (native asserts it too)
+                raise ArgumentError(f"replace_attention: embed_dim ({m.embed_dim}) must be divisible by "
+                                    f"num_heads ({m.num_heads})")
+            m.__class__ = MultiheadAttention
+            m.recompute_projection = None
+        if isinstance(m, MultiheadAttention):
+            _guard_fast_path(m)
+    return module
