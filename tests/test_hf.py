@@ -13,8 +13,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import torch_masked_attn.functional as tma_F  # noqa: E402
-import torch_masked_attn.hf as hf  # noqa: E402
 from transformers import (  # noqa: E402
     BertConfig,
     BertModel,
@@ -33,6 +31,9 @@ from transformers import (  # noqa: E402
     Qwen2ForCausalLM,
 )
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask  # noqa: E402
+
+import torch_masked_attn.functional as tma_F  # noqa: E402
+import torch_masked_attn.hf as hf  # noqa: E402
 
 V = 64  # vocabulary
 _SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -59,8 +60,8 @@ def _models():
                                                                                   "sliding_attention"]), "sdpa"),
         "gemma2": (Gemma2ForCausalLM, Gemma2Config(**_SMALL, head_dim=8, sliding_window=4, attn_logit_softcapping=5.0,
                                                    final_logit_softcapping=3.0, query_pre_attn_scalar=8), "eager"),
-        "gpt2": (GPT2LMHeadModel, GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
-                                             embd_pdrop=0.0, attn_pdrop=0.0,
+        "gpt2": (GPT2LMHeadModel, GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                              pad_token_id=0, bos_token_id=1, eos_token_id=2), "sdpa"),
         "gpt_neox": (GPTNeoXForCausalLM, GPTNeoXConfig(vocab_size=V, hidden_size=32, intermediate_size=48,
                                                        num_hidden_layers=2, num_attention_heads=4,

@@ -44,6 +44,7 @@ try:
     import transformers  # noqa: F401
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.loss.loss_utils import ForCausalLMLoss
     from transformers.masking_utils import (
         AttentionMaskInterface,
         and_masks,
@@ -53,7 +54,6 @@ try:
         sdpa_mask,
         sliding_window_overlay,
     )
-    from transformers.loss.loss_utils import ForCausalLMLoss
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise ImportError("torch_masked_attn.hf needs Hugging Face transformers (pip install transformers)") from e
 
