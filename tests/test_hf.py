@@ -345,6 +345,49 @@ def test_window_softcap_sinks_paths(name, monkeypatch):
         assert "sinks" in used
 
 
+def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+    """torch.nn.attention.varlen.varlen_attn's contract (the future functional.varlen_attn), sequence by
+    sequence through the float64 stand-in above."""
+    assert cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k) and max_q == max_k
+    assert enable_gqa == (k.shape[1] != q.shape[1])
+    outs = []
+    for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        assert 0 < b - a <= max_q
+        part = [t[a:b].transpose(0, 1)[None] for t in (q, k, v)]
+        outs.append(_reference_masked_attention(*part, scale=scale, window=window_size)[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_packed_sequences_through_varlen(name, monkeypatch):
+    """Packed sequences (position_ids restarting, no attention_mask): with a varlen_attn
+    (branch `varlen`), the mask function hands over the sequence ids and no mask is built;
+    run here against a stand-in with torch's varlen_attn contract."""
+    calls = []
+    monkeypatch.setattr(hf, "_HAS_VARLEN", True)
+    monkeypatch.setattr(hf, "_VARLEN", lambda *a, **k: calls.append(k["window_size"]) or _reference_varlen(*a, **k))
+    ref, ours = _pair(name)
+    ids = torch.randint(3, V, (2, 12))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2]])
+    a = ref(input_ids=ids, position_ids=pos, use_cache=False).logits  # transformers looks for packing without
+    b = ours(input_ids=ids, position_ids=pos, use_cache=False).logits  # a cache only
+    plain = ref(input_ids=ids, use_cache=False).logits
+    assert not torch.allclose(a, plain)  # the packing changes the result
+    torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-10)
+    assert calls and set(calls) == {(-1, 0) if name == "llama" else (3, 0)}
+
+
+def test_packed_sequences_without_varlen(monkeypatch):
+    """Without varlen_attn: transformers' own packed mask goes through as a mask."""
+    monkeypatch.setattr(hf, "_HAS_VARLEN", False)
+    ref, ours = _pair("llama")
+    ids = torch.randint(3, V, (2, 12))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2]])
+    a = ref(input_ids=ids, position_ids=pos, use_cache=False).logits
+    b = ours(input_ids=ids, position_ids=pos, use_cache=False).logits
+    torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-10)
+
+
 def test_softcap_falls_back_to_eager_until_the_kernel_has_it(monkeypatch):
     if hf._HAS_SOFTCAP:
         pytest.skip("masked_attention has softcap: no fallback")

@@ -50,7 +50,9 @@ try:
         and_masks,
         bidirectional_mask_function,
         causal_mask_function,
+        packed_sequence_mask_function,
         prepare_padding_mask,
+        remap_positions_for_packed_sequence,
         sdpa_mask,
         sliding_window_overlay,
     )
@@ -94,6 +96,8 @@ except ImportError:  # pragma: no cover
 
 _AND_CODE = and_masks(causal_mask_function).__code__
 _SLIDING_CODE = sliding_window_overlay(1).__code__
+_PACKED_CODE = packed_sequence_mask_function(None).__code__
+_REMAP_CODE = remap_positions_for_packed_sequence(causal_mask_function, None).__code__
 
 
 def _closure(fn) -> dict:
@@ -119,6 +123,19 @@ def _recognise(fn) -> tuple[str | None, int | None]:
     return None, None
 
 
+def _recognise_packed(fn) -> tuple[str | None, int | None, Tensor | None]:
+    """transformers' packed-sequence mask (packed_sequence_compatibility_function over a
+    causal or sliding pattern): (kind, window, (B, L) sequence ids), else (None, None, None)."""
+    if getattr(fn, "__code__", None) is _AND_CODE:
+        parts = _closure(fn).get("mask_functions")
+        if isinstance(parts, tuple) and len(parts) == 2 and getattr(parts[0], "__code__", None) is _PACKED_CODE \
+                and getattr(parts[1], "__code__", None) is _REMAP_CODE:
+            kind, window = _recognise(_closure(parts[1]).get("mask_function"))
+            if kind in ("causal", "sliding"):
+                return kind, window, _closure(parts[0]).get("packed_sequence_mask")
+    return None, None, None
+
+
 @dataclass(eq=False)
 class StructuredMask:
     """What transformers' mask says, without the 4-D tensor.
@@ -138,6 +155,7 @@ class StructuredMask:
     causal: bool
     sliding_window: int | None
     padding: Tensor | None
+    packed: Tensor | None = None  # (B, L) sequence ids of packed sequences (varlen_attn), or None
     _hf_args: dict = field(repr=False, default_factory=dict)
     _cache: dict = field(repr=False, default_factory=dict)
 
@@ -215,9 +233,17 @@ def mask_function(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv
                    kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                    local_size=local_size, use_vmap=use_vmap, device=device)
     kind, window = _recognise(mask_function)
+    packed = None
+    if kind is None and _HAS_VARLEN and attention_mask is None and not use_vmap and q_length == kv_length \
+            and not torch.compiler.is_compiling():
+        # packed sequences (found by transformers from position_ids): varlen_attn, no mask at all
+        # TODO(lead): on when branch `varlen` is merged (functional.varlen_attn)
+        kind, window, packed = _recognise_packed(mask_function)
+        if packed is not None and (q_offset != 0 or kv_offset != 0 or packed.shape != (batch_size, q_length)):
+            kind, window, packed = None, None, None
     # a caller that turns the skips off wants a tensor (e.g. to concatenate it with another mask)
     wants_tensor = (kind == "bidirectional" and not allow_is_bidirectional_skip) or \
-        (kind in ("causal", "sliding") and not allow_is_causal_skip and q_length > 1)
+        (kind in ("causal", "sliding") and not allow_is_causal_skip and q_length > 1 and packed is None)
     if kind is None or wants_tensor or use_vmap or torch.compiler.is_compiling():
         return sdpa_mask(**hf_args, allow_is_causal_skip=allow_is_causal_skip,
                          allow_is_bidirectional_skip=allow_is_bidirectional_skip, **kwargs)
@@ -229,7 +255,7 @@ def mask_function(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv
             padding = (~keep.bool()).contiguous()
     return StructuredMask(batch_size, q_length, kv_length, int(q_offset), int(kv_offset),
                           causal=kind != "bidirectional", sliding_window=window, padding=padding,
-                          _hf_args=hf_args)
+                          packed=packed, _hf_args=hf_args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,6 +336,9 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
                                       is_causal=is_causal, **kwargs)
 
     lq, lk = query.shape[2], key.shape[2]
+    if isinstance(attention_mask, StructuredMask) and attention_mask.packed is not None and not need_weights \
+            and softcap is None and sinks is None:
+        return _packed_attention(attention_mask, query, key, value, scaling), None
     if isinstance(attention_mask, StructuredMask):
         args = dict(attention_mask.kernel_args(lq, lk))
     elif attention_mask is None:  # sdpa's rule: the layer's causality, top-left, not for one query
@@ -328,6 +357,26 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     res = _F.masked_attention(query, key, value, scale=scaling, need_weights=need_weights, **args)
     out, weights = res if need_weights else (res, None)
     return out.transpose(1, 2).contiguous(), weights
+
+
+def _packed_attention(mask: StructuredMask, query: Tensor, key: Tensor, value: Tensor, scaling) -> Tensor:
+    """Packed sequences through varlen_attn: the (B, L) rows of sequence ids cut
+    into cu_seqlens over the B * L tokens; causal (or a sliding window) inside
+    each sequence. Returns (B, L, H, Dv), transformers' layout."""
+    B, H, L, D = query.shape
+    ids = mask.packed.to(query.device)
+    ids = ids + torch.arange(B, device=ids.device).unsqueeze(1) * (ids.amax() + 1)  # no run across rows
+    _, counts = torch.unique_consecutive(ids.reshape(-1), return_counts=True)
+    cu = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=query.device)
+    cu[1:] = counts.cumsum(0)
+    longest = int(counts.max())
+    left = -1 if mask.sliding_window is None else mask.sliding_window - 1
+    q = query.transpose(1, 2).reshape(B * L, H, D)
+    k = key.transpose(1, 2).reshape(B * L, key.shape[1], key.shape[3])
+    v = value.transpose(1, 2).reshape(B * L, value.shape[1], value.shape[3])
+    out = _VARLEN(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(left, 0),
+                  enable_gqa=key.shape[1] != H)
+    return out.reshape(B, L, H, value.shape[3])
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
