@@ -35,6 +35,17 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 import torch_masked_attn.functional as tma_F  # noqa: E402
 import torch_masked_attn.hf as hf  # noqa: E402
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The models are tiny: one thread (two threads' synchronisation costs more than
+    the work, and far more when other processes share the cores)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 V = 64  # vocabulary
 _SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
