@@ -503,3 +503,8 @@ def test_apply_refuses_non_causal_lm():
                                 num_attention_heads=4))
     with pytest.raises(TypeError, match="not a causal LM"):
         hf.apply(bert)
+    from transformers import CohereConfig, CohereForCausalLM
+    cohere = CohereForCausalLM(CohereConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                            num_attention_heads=4, num_key_value_heads=4, eos_token_id=2))
+    with pytest.raises(NotImplementedError, match="scales its logits"):
+        hf.apply(cohere)

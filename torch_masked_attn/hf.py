@@ -44,7 +44,7 @@ try:
     import transformers  # noqa: F401
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.loss.loss_utils import ForCausalLMLoss
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
     from transformers.masking_utils import (
         AttentionMaskInterface,
         and_masks,
@@ -427,8 +427,12 @@ def apply(model: nn.Module) -> nn.Module:
     """
     if getattr(model, "_tma_hf_applied", False):
         return model
-    loss_function = getattr(model, "loss_function", None)
-    if not (loss_function is ForCausalLMLoss and hasattr(model, "can_generate") and model.can_generate()):
+    # model.loss_function without reading the property (it warns for loss_type=None)
+    custom = getattr(model, "_loss_function", None)
+    loss_type = getattr(model, "loss_type", None)
+    causal_loss = custom is ForCausalLMLoss or (custom is None and (loss_type == "ForCausalLM"
+                                                                     or loss_type not in LOSS_MAPPING))
+    if not (causal_loss and hasattr(model, "can_generate") and model.can_generate()):
         raise TypeError(f"torch_masked_attn.hf.apply: {type(model).__name__} is not a causal LM with "
                         f"transformers' ForCausalLM loss (loss_type={getattr(model, 'loss_type', None)!r})")
     head = model.get_output_embeddings()
