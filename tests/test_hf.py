@@ -508,3 +508,23 @@ def test_apply_refuses_non_causal_lm():
                                             num_attention_heads=4, num_key_value_heads=4, eos_token_id=2))
     with pytest.raises(NotImplementedError, match="scales its logits"):
         hf.apply(cohere)
+
+
+def test_gradient_checkpointing_and_bfloat16():
+    """The structured mask through activation checkpointing; a bfloat16 model against sdpa."""
+    ref, ours = _pair("mistral")
+    for model in (ref, ours):
+        model.activation_checkpointing_enable()
+        model.train()
+    ids, mask = _batch("left")
+    labels = _labels(ids, mask)
+    for model in (ref, ours):
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    _assert_grads(ref, ours)
+    ref, ours = ref.to(torch.bfloat16).eval(), ours.to(torch.bfloat16).eval()
+    for model in (ref, ours):
+        model.activation_checkpointing_disable()
+    a = ref(input_ids=ids, attention_mask=mask).logits.float()
+    b = ours(input_ids=ids, attention_mask=mask).logits.float()
+    valid = mask.bool()
+    torch.testing.assert_close(b[valid], a[valid], rtol=0.05, atol=0.05)

@@ -279,10 +279,11 @@ def first_order_only(what: str, anchors: Iterable[object], *grads: Tensor | None
 
 
 def _forward_backward(ctx, grad_out, grad_lse, grad_weights):
+    saved = ctx.saved_tensors  # once: activation checkpointing unpacks each saved tensor only once
     grads = attention_backward(
-        ctx.saved_tensors, _needs(ctx, 3, 4, 5), ctx.is_causal, ctx.scale, grad_out,
+        saved, _needs(ctx, 3, 4, 5), ctx.is_causal, ctx.scale, grad_out,
         grad_weights if ctx.need_weights else None)
-    return first_order_only("masked attention", ctx.saved_tensors, *grads) + (None, None, None)
+    return first_order_only("masked attention", saved, *grads) + (None, None, None)
 
 
 torch.library.register_autograd(
