@@ -54,14 +54,15 @@ class _PackedSelfAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_weights):
-        qkv, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed = ctx.saved_tensors
+        saved = ctx.saved_tensors  # once: activation checkpointing unpacks each saved tensor only once
+        qkv, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed = saved
         grad_qkv = torch.empty_like(qkv)
         _, _, _, d_am, d_kpm, dhm = attention_backward(
             (*_split_qkv(qkv, ctx.batch_first), out, lse, attn_mask, key_padding_mask, head_mask),
             _needs(ctx, 1, 2, 3), ctx.is_causal, None, grad_out,
             grad_weights if ctx.need_weights else None, into=_split_qkv(grad_qkv, ctx.batch_first),
             dropout_p=ctx.dropout_p, dropout_seed=dropout_seed)
-        return first_order_only("MultiheadAttention", ctx.saved_tensors[:6], grad_qkv, d_am, d_kpm,
+        return first_order_only("MultiheadAttention", saved[:6], grad_qkv, d_am, d_kpm,
                                 dhm) + (None,) * 5
 
 
@@ -101,7 +102,8 @@ class _RecomputedSelfAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, w_in, b_in, w_out, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed = ctx.saved_tensors
+        saved = ctx.saved_tensors  # once (see _PackedSelfAttention.backward)
+        x, w_in, b_in, w_out, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed = saved
         need_x, need_w_in, need_b_in, need_w_out, need_b_out = _needs(ctx, 0, 1, 2, 3, 4)
         bf, H = ctx.batch_first, ctx.H
         with torch.no_grad():
@@ -123,7 +125,7 @@ class _RecomputedSelfAttention(torch.autograd.Function):
             dw_in = d2.t() @ x.reshape(-1, x.size(-1)) if need_w_in else None
             db_in = d2.sum(0) if need_b_in and b_in is not None else None
             dx = dqkv @ w_in if need_x else None
-        return first_order_only("MultiheadAttention", ctx.saved_tensors[:9], dx, dw_in, db_in, dw_out, db_out,
+        return first_order_only("MultiheadAttention", saved[:9], dx, dw_in, db_in, dw_out, db_out,
                                 d_am, d_kpm, dhm) + (None,) * 5
 
 
