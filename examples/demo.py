@@ -281,7 +281,7 @@ def lr_at(step, steps, lr, warmup):
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def train(steps=300, batch_size=16, lr=3e-3, seed=0, tokenizer="bpe", vocab_size=4096, max_len=128,
+def train(steps=600, batch_size=16, lr=3e-3, seed=0, tokenizer="bpe", vocab_size=4096, max_len=128,
           d=128, heads=4, layers=2, log_every=25, eval_every=50, names=NAMES, verbose=True, data=None):
     """Trains the models in `names` on the same batches, interleaved step by
     step (the order alternates). Returns (hist, models, data): hist[name] has
@@ -443,7 +443,7 @@ def plot(hist, steps, log_every):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--seed", type=int, default=0, help="initial weights (seed) and batch order (seed + 1)")
     ap.add_argument("--models", default="native,ours", help="which runs: native,ours (default), native or ours")
     ap.add_argument("--tokenizer", choices=("bpe", "bytes"), default="bpe")
