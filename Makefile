@@ -27,8 +27,9 @@ $(BUILT): $(STAMP) $(SOURCES)
 	$(VPY) -m pip install --no-build-isolation --no-deps -e .
 	touch $@
 
-# the main job: train a small causal LM on torch.nn and on ours side by side,
-# then a tour of the attention op on a padded batch
+# the main job: train a small causal LM on Python's own documentation text
+# (pydoc_data.topics) on torch.nn and on ours side by side, then a tour of the
+# attention op on a padded batch
 demo: setup
 	$(VPY) examples/demo.py
 	$(VPY) examples/attention_demo.py
