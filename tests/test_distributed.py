@@ -140,11 +140,14 @@ def test_fsdp2_trains_like_single_process():
         torch.testing.assert_close(res["state"][k], v, rtol=1e-4, atol=1e-5, msg=k)
 
 
-def test_compile_fullgraph_whole_model_matches_eager():
-    """Our attention (the packed self-attention node and its backward) and our
-    cross-entropy inside one graph, no graph break, forward and backward."""
+def _compiled_vs_eager(attn_dropout):
+    """One forward and backward of the whole model compiled (fullgraph) and
+    eager, from the same seed; returns (loss compiled, loss eager, the two
+    models) after asserting losses and every gradient equal."""
     torch._dynamo.reset()
     eager, compiled_model = _model(), _model()
+    for layer in (*eager.layers, *compiled_model.layers):
+        layer.self_attn.dropout = attn_dropout
     compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
     idx, target = _data()
     torch.manual_seed(1)
@@ -156,6 +159,13 @@ def test_compile_fullgraph_whole_model_matches_eager():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     for (k, p), q in zip(compiled_model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=k)
+    return eager, idx, target, ref
+
+
+def test_compile_fullgraph_whole_model_matches_eager():
+    """Our attention (the packed self-attention node and its backward) and our
+    cross-entropy inside one graph, no graph break, forward and backward."""
+    _compiled_vs_eager(DROPOUT)
 
 
 def test_compile_fullgraph_with_attention_dropout_matches_eager():
@@ -163,23 +173,6 @@ def test_compile_fullgraph_with_attention_dropout_matches_eager():
     default generator by a traced op, so the compiled and eager runs draw the
     same masks from the same torch.manual_seed (attention dropout 0.1, the
     layers' other dropouts 0)."""
-    torch._dynamo.reset()
-    eager, compiled_model = _model(), _model()
-    for m in (eager, compiled_model):
-        m.train()
-        for layer in m.layers:
-            layer.self_attn.dropout = 0.1
-    compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
-    idx, target = _data()
-    torch.manual_seed(1)
-    ref = eager(idx, target)
-    ref.backward()
-    torch.manual_seed(1)
-    out = compiled(idx, target)
-    out.backward()
+    eager, idx, target, ref = _compiled_vs_eager(0.1)
     torch.manual_seed(2)
-    other = eager(idx, target)
-    assert other.item() != ref.item()  # the dropout is live: another seed, another loss
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
-    for (k, p), q in zip(compiled_model.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=k)
+    assert eager(idx, target).item() != ref.item()  # the dropout is live: another seed, another loss
