@@ -18,6 +18,7 @@ $(STAMP):
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install --upgrade pip >/dev/null
 	$(VPY) -m pip install torch==2.13.0 pytest matplotlib numpy
+	$(VPY) -m pip install transformers==5.23.0 tokenizers==0.23.3
 	touch $@
 
 # --no-build-isolation: build against the torch installed above; an isolated
@@ -26,8 +27,9 @@ $(BUILT): $(STAMP) $(SOURCES)
 	$(VPY) -m pip install --no-build-isolation --no-deps -e .
 	touch $@
 
-# the main job: train a small causal LM on torch.nn and on ours side by side,
-# then a tour of the attention op on a padded batch
+# the main job: train a small causal LM on Python's own documentation text
+# (pydoc_data.topics) on torch.nn and on ours side by side, then a tour of the
+# attention op on a padded batch
 demo: setup
 	$(VPY) examples/demo.py
 	$(VPY) examples/attention_demo.py

@@ -94,15 +94,20 @@ def fwd_bwd(forward, inputs, grad_out):
 
 # ---------------------------------------------------------------- attention (functional)
 
-def functional_attention(B, H, L, D, dtype, kpm, native_masks):
+def functional_attention(B, H, L, D, dtype, kpm, native_masks, dropout_p=0.0):
     """Causal attention, forward + backward, with optional key padding.
 
     native_masks: which F.scaled_dot_product_attention variants to time:
       "causal": is_causal=True (only without key padding)
       "bool":   the equivalent bool (B, 1, L, L) mask, True = take part
       "float":  the float (B, H, L, L) additive mask nn.MultiheadAttention builds
-    The native masks are built once, outside the timed call.
+      "ours-p0": ours without dropout, as the "native" (dropout_p > 0: our
+                dropout's own cost, ratio = ours at 0 / ours at dropout_p)
+    The native masks are built once, outside the timed call. With dropout_p,
+    both sides drop attention probabilities (the outputs then differ by the
+    masks: the cross-check's difference means nothing).
     """
+    p = dropout_p
     q, k, v, g = qkv(B, H, L, D, dtype)
     natives = {}
     if "causal" in native_masks:
@@ -115,24 +120,29 @@ def functional_attention(B, H, L, D, dtype, kpm, native_masks):
     if "bool" in native_masks:
         allowed = ~blocked
         natives["sdpa-bool"] = fwd_bwd(
-            lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed), (q, k, v), g)
+            lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=p), (q, k, v), g)
     if "float" in native_masks:
         additive = torch.zeros(B, H, L, L, dtype=dtype).masked_fill_(blocked, float("-inf"))
         natives["sdpa-float"] = fwd_bwd(
-            lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=additive), (q, k, v), g)
+            lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=p), (q, k, v), g)
+    if "ours-p0" in native_masks:
+        natives["ours-p0"] = fwd_bwd(
+            lambda: tma.functional.masked_attention(q, k, v, key_padding_mask=kpm, is_causal=True),
+            (q, k, v), g)
     ours = fwd_bwd(
-        lambda: tma.functional.masked_attention(q, k, v, key_padding_mask=kpm, is_causal=True),
+        lambda: tma.functional.masked_attention(q, k, v, key_padding_mask=kpm, is_causal=True, dropout_p=p),
         (q, k, v), g)
     fl = attention_flops(B, H, L, L, D, causal=True, backward=True)
     pad = "" if kpm is None else f", key padding {kpm.float().mean().item():.0%}"
-    return Bench(work=f"B={B} H={H} L={L} D={D} causal{pad}, fwd+bwd, {gflop(fl)}",
+    drop = f", dropout {p}" if p else ""
+    return Bench(work=f"B={B} H={H} L={L} D={D} causal{pad}{drop}, fwd+bwd, {gflop(fl)}",
                  natives=natives, ours=ours, flops=fl, attn_flops=fl,
-                 info=dict(B=B, H=H, L=L, D=D, dtype=str(dtype)))
+                 info=dict(B=B, H=H, L=L, D=D, dtype=str(dtype), dropout_p=p))
 
 
-def gpt_train(dtype):
+def gpt_train(dtype, dropout_p=0.0, natives=("bool", "float")):
     B, H, L, D = 8, 8, 512, 64
-    return functional_attention(B, H, L, D, dtype, key_padding(B, L), ("bool", "float"))
+    return functional_attention(B, H, L, D, dtype, key_padding(B, L), natives, dropout_p)
 
 
 def hf_mask():
@@ -150,6 +160,24 @@ def hf_mask():
                       f"4-D bool mask (B, 1, L, L), both through F.sdpa, fwd+bwd, {gflop(fl)}",
                  natives={"sdpa-bool": native}, ours=ours, flops=fl, attn_flops=fl,
                  info=dict(B=B, H=H, L=L, D=D, dtype=str(torch.float32)))
+
+
+def sliding_window():
+    """A causal sliding window of 1024 keys at L = 8192 (Mistral, Gemma 2/3,
+    GPT-OSS): ours through window=(1024, 0), which skips every key block
+    outside the window; native F.sdpa has no window argument, so it gets the
+    window as a bool mask (1, 1, L, L) (True = take part)."""
+    B, H, L, D, W = 1, 8, 8192, 64, 1024
+    q, k, v, g = qkv(B, H, L, D, torch.float32)
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    allowed = ((j <= i) & (j >= i - W))[None, None]
+    native = fwd_bwd(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed), (q, k, v), g)
+    ours = fwd_bwd(lambda: tma.functional.masked_attention(q, k, v, window=(W, 0)), (q, k, v), g)
+    fl = 4.0 * B * H * L * (W + 1) * D * 3.5  # the keys in the window: ~ (W + 1) per query
+    return Bench(work=f"B={B} H={H} L={L} D={D} causal window {W}, fwd+bwd, native with the window as a bool "
+                      f"mask, {gflop(fl)} in the window",
+                 natives={"sdpa-bool": native}, ours=ours, flops=fl, attn_flops=fl,
+                 info=dict(B=B, H=H, L=L, D=D, window=W, dtype=str(torch.float32)))
 
 
 def long_causal(dtype):
@@ -423,6 +451,13 @@ NAMED = {
     "decode": lambda: decode(torch.float32),
     "decode-bf16": lambda: decode(torch.bfloat16),
     "hf-mask": hf_mask,
+    # dropout 0.1 on both sides (native F.sdpa falls back to its math path: the (B, H, L, L) mask materialised)
+    "gpt-train-dropout": lambda: gpt_train(torch.float32, 0.1),
+    "gpt-train-dropout-bf16": lambda: gpt_train(torch.bfloat16, 0.1),
+    # our dropout's own cost: "native" = ours at dropout 0, ours at 0.1 (ratio = 1 / (1 + overhead))
+    "gpt-train-dropout-cost": lambda: gpt_train(torch.float32, 0.1, ("ours-p0",)),
+    "gpt-train-dropout-cost-bf16": lambda: gpt_train(torch.bfloat16, 0.1, ("ours-p0",)),
+    "sliding-window": sliding_window,
     "varlen": varlen,
     "decode-paged": decode_paged,
     "mha-mem-8192": lambda: mha_train(1, 8192, timed=False),
@@ -432,7 +467,10 @@ NAMED = {
 }
 GROUPS = {
     "attention": ["gpt-train", "long-causal", "long-causal-fwd", "one-head-long", "bert-infer", "mha-train",
-                  "gpt-train-bf16", "long-causal-bf16", "decode", "decode-bf16", "hf-mask", "varlen", "decode-paged"],
+                  "gpt-train-bf16", "long-causal-bf16", "decode", "decode-bf16", "hf-mask", "sliding-window",
+                  "varlen", "decode-paged"],
+    "dropout": ["gpt-train-dropout", "gpt-train-dropout-cost", "gpt-train-dropout-bf16",
+                "gpt-train-dropout-cost-bf16"],
     "memory": ["mha-mem-8192"],
     "ce": ["ce", "ce-bf16", "linear-ce"],
 }

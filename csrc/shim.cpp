@@ -431,6 +431,68 @@ Masks check_masks(const Sizes& s, const std::optional<Tensor>& attn_mask,
   return m;
 }
 
+// ---- dropout (issue 14) ----
+// dropout_p in [0, 1]; with dropout_p > 0, dropout_seed is an int64 CPU tensor
+// of shape (2,): (seed, offset), the Philox key and counter words
+// (csrc/attention/philox.h). The op draws nothing: the caller does (Python,
+// from PyTorch's default generator), so a given seed reproduces the mask.
+struct Dropout {
+  double p = 0;
+  uint64_t seed = 0, offset = 0;
+};
+
+Dropout check_dropout(const Sizes& s, double dropout_p, const std::optional<Tensor>& dropout_seed) {
+  Dropout d;
+  MA_CHECK(dropout_p >= 0.0 && dropout_p <= 1.0, "masked_attn: dropout_p must be in [0, 1], got ", dropout_p);
+  if (dropout_p == 0.0) return d;
+  MA_CHECK(dropout_seed.has_value(), "masked_attn: dropout_p > 0 needs dropout_seed, an int64 tensor (seed, offset)");
+  const Tensor& t = *dropout_seed;
+  MA_CHECK(t.is_cpu() && t.scalar_type() == ScalarType::Long && t.dim() == 1 && t.size(0) == 2,
+           "masked_attn: dropout_seed must be an int64 CPU tensor of shape (2,) (seed, offset), got shape ",
+           shape_str(t));
+  MA_CHECK(s.Lq <= (int64_t{1} << 32) && s.Lk <= (int64_t{1} << 35),
+           "masked_attn: dropout needs Lq <= 2^32 and Lk <= 2^35 (the Philox counter's words)");
+  const int64_t* x = static_cast<const int64_t*>(t.const_data_ptr());
+  d.p = dropout_p;
+  d.seed = static_cast<uint64_t>(x[0]);
+  d.offset = static_cast<uint64_t>(x[t.stride(0)]);
+  return d;
+}
+// ---- end dropout ----
+// The sliding window, soft-capping and sinks of one call (issue 15), checked
+// and normalised: a window side that reaches every key (left >= Lq - 1,
+// right >= Lk - 1) is unbounded (-1), is_causal caps the right side at 0, and
+// a right side of 0 is is_causal itself (which has the causal block skipping
+// and diagonal split): the kernels see window_right -1 or > 0.
+struct WindowCapSinks {
+  int64_t left = -1, right = -1;
+  bool is_causal = false;
+  double softcap = 0;
+  ma_mask sinks{};
+};
+
+WindowCapSinks check_window_cap_sinks(const Sizes& s, bool is_causal, int64_t window_left, int64_t window_right,
+                                      std::optional<double> softcap, const std::optional<Tensor>& sinks) {
+  MA_CHECK(window_left >= -1, "masked_attn: window_left must be -1 (no bound) or >= 0, got ", window_left);
+  MA_CHECK(window_right >= -1, "masked_attn: window_right must be -1 (no bound) or >= 0, got ", window_right);
+  WindowCapSinks w;
+  w.left = window_left >= s.Lq - 1 ? -1 : window_left;
+  w.right = is_causal ? 0 : window_right >= s.Lk - 1 ? -1 : window_right;
+  w.is_causal = is_causal || w.right == 0;
+  if (w.right == 0) w.right = -1;
+  if (softcap.has_value()) {
+    MA_CHECK(std::isfinite(*softcap) && *softcap > 0, "masked_attn: softcap must be None or a finite number > 0, got ",
+             *softcap);
+    w.softcap = *softcap;
+  }
+  if (sinks.has_value()) {
+    MA_CHECK(sinks->dim() == 1 && sinks->size(0) == s.H, "masked_attn: sinks must have shape (H,) = (", s.H,
+             ",), got ", shape_str(*sinks));
+    w.sinks = canonical_mask(sinks, "sinks", {s.H}, "(H,)", false);
+  }
+  return w;
+}
+
 // The instruction-set variant for this call: common/isa.h decides (the CPU's
 // best for the dtype, or MASKED_ATTN_ISA read once per process, or
 // torch_masked_attn.ops.use_isa); a MASKED_ATTN_ISA it cannot honour is an error.
@@ -451,7 +513,7 @@ static_assert(kBlockQ % 32 == 0 && kBlockK % 32 == 0, "block sizes must be multi
 // filled in one place: q, k, v and out with their strides, the canonical
 // masks, the flags, sizes and tiles, and the variant.
 ma_attn_args attn_args(const Sizes& s, const Masks& m, const Tensor& q, const Tensor& k, const Tensor& v,
-                       const Tensor& out, bool is_causal, double scale, bool stream_stores) {
+                       const Tensor& out, const WindowCapSinks& w, double scale, bool stream_stores, const Dropout& dr) {
   ma_attn_args a{};
   a.q = q.const_data_ptr();
   a.k = k.const_data_ptr();
@@ -464,15 +526,22 @@ ma_attn_args attn_args(const Sizes& s, const Masks& m, const Tensor& q, const Te
   a.attn_mask = m.attn_mask;
   a.key_padding_mask = m.key_padding_mask;
   a.head_mask = m.head_mask;
-  a.is_causal = is_causal;
-  a.band_lo = -MA_BAND_INF;
-  a.band_hi = is_causal ? 0 : MA_BAND_INF;
+  a.is_causal = w.is_causal;
+  // the band the loops read (ma_attn_args): top-left aligned
+  a.band_lo = w.left >= 0 ? -w.left : -MA_BAND_INF;
+  a.band_hi = w.is_causal ? 0 : w.right >= 0 ? w.right : MA_BAND_INF;
   a.stat_stride[0] = s.H * s.Lq, a.stat_stride[1] = s.Lq;
   a.scale = scale;
+  // window, soft-capping, sinks
+  a.window_left = w.left;
+  a.window_right = w.right;
+  a.softcap = w.softcap;
+  a.sinks = w.sinks;
   a.B = s.B, a.H = s.H, a.Hkv = s.Hkv, a.Lq = s.Lq, a.Lk = s.Lk, a.D = s.D, a.Dv = s.Dv;
   a.block_q = kBlockQ, a.block_k = kBlockK;
   a.stream_stores = stream_stores;
   a.isa = select_isa(a.dtype);
+  a.dropout_p = dr.p, a.dropout_seed = dr.seed, a.dropout_offset = dr.offset;
   return a;
 }
 
@@ -482,9 +551,14 @@ std::tuple<Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tensor v,
                                                 std::optional<Tensor> attn_mask,
                                                 std::optional<Tensor> key_padding_mask,
                                                 std::optional<Tensor> head_mask, bool is_causal,
-                                                std::optional<double> scale, bool need_weights) {
+                                                std::optional<double> scale, bool need_weights,
+                                                double dropout_p, std::optional<Tensor> dropout_seed,
+                                                int64_t window_left, int64_t window_right,
+                                                std::optional<double> softcap, std::optional<Tensor> sinks) {
   const Sizes s = check_qkv(q, k, v);
   const Masks m = check_masks(s, attn_mask, key_padding_mask, head_mask);
+  const Dropout dr = check_dropout(s, dropout_p, dropout_seed);
+  const WindowCapSinks w = check_window_cap_sinks(s, is_causal, window_left, window_right, softcap, sinks);
   const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(s.D));
 
   // out (B, H, Lq, Dv) is stored as (B, Lq, H, Dv): the layout the output
@@ -499,11 +573,19 @@ std::tuple<Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tensor v,
   p.out = out.mutable_data_ptr();
   p.lse = lse.mutable_data_ptr();
   p.weights = need_weights ? weights.mutable_data_ptr() : nullptr;
-  p.a = attn_args(s, m, q, k, v, out, is_causal, sc, worth_streaming(out));
+  p.a = attn_args(s, m, q, k, v, out, w, sc, worth_streaming(out), dr);
 
   if (s.Lk == 0) {  // no key at all: every row is fully masked
     torch::stable::zero_(out);
     torch::stable::fill_(lse, -INFINITY);
+    if (w.sinks.ptr) {  // lse = the sink's logit (masked_attn.h)
+      Tensor sk = torch::stable::contiguous(torch::stable::to(*sinks, acc_type(q.scalar_type())));
+      const size_t esz = q.scalar_type() == ScalarType::Double ? sizeof(double) : sizeof(float);
+      char* dst = static_cast<char*>(lse.mutable_data_ptr());
+      const char* src = static_cast<const char*>(sk.const_data_ptr());
+      for (int64_t bh = 0; bh < s.B * s.H; bh++)
+        for (int64_t i = 0; i < s.Lq; i++) std::memcpy(dst + (bh * s.Lq + i) * esz, src + (bh % s.H) * esz, esz);
+    }
     if (need_weights) torch::stable::zero_(weights);
     return {out, lse, weights};
   }
@@ -520,15 +602,25 @@ void check_shape(const Tensor& t, const char* name, std::vector<int64_t> dims, c
                   " with the dtype of q, got shape ", shape_str(t));
 }
 
+// masked_attn.h's exact_delta: bfloat16/float16 with a head mask. Such a
+// backward runs two passes, like one with grad_weights.
+bool exact_delta(ScalarType dt, bool has_head_mask) {
+  return has_head_mask && (dt == ScalarType::BFloat16 || dt == ScalarType::Half);
+}
+
 // The backward, writing dq, dk, dv into the given (B, H, L, D) tensors (any
 // strides); returns (grad_head_mask, grad_scores).
 std::tuple<Tensor, Tensor> attn_backward_impl(
     Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
     Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
     std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
-    bool head_mask_grad, bool mask_grad, Tensor dq, Tensor dk, Tensor dv) {
+    bool head_mask_grad, bool mask_grad, double dropout_p, std::optional<Tensor> dropout_seed, Tensor dq,
+    Tensor dk, Tensor dv, int64_t window_left, int64_t window_right, std::optional<double> softcap,
+    std::optional<Tensor> sinks) {
   const Sizes s = check_qkv(q, k, v);
   const Masks m = check_masks(s, attn_mask, key_padding_mask, head_mask);
+  const Dropout dr = check_dropout(s, dropout_p, dropout_seed);
+  const WindowCapSinks w = check_window_cap_sinks(s, is_causal, window_left, window_right, softcap, sinks);
   const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(s.D));
   check_shape(out, "out", {s.B, s.H, s.Lq, s.Dv}, "(B, H, Lq, Dv)", q.scalar_type());
   check_shape(grad_out, "grad_out", {s.B, s.H, s.Lq, s.Dv}, "(B, H, Lq, Dv)", q.scalar_type());
@@ -567,9 +659,10 @@ std::tuple<Tensor, Tensor> attn_backward_impl(
   fill_strides4(p.dv_stride, dv);
   fill_strides4(p.dout_stride, grad_out);
   if (grad_weights.has_value()) fill_strides4(p.dweights_stride, *grad_weights);
-  p.a = attn_args(s, m, q, k, v, out, is_causal, sc,
-                  worth_streaming(dq) || worth_streaming(dk) || worth_streaming(dv));
+  p.a = attn_args(s, m, q, k, v, out, w, sc,
+                  worth_streaming(dq) || worth_streaming(dk) || worth_streaming(dv), dr);
   p.delta = delta.mutable_data_ptr();
+  p.exact_delta = exact_delta(q.scalar_type(), head_mask.has_value());
   p.kv_chunks = 1;
 
   const size_t bytes = ma_attn_bwd_scratch_bytes(&p);
@@ -604,7 +697,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
     Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
     Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
     std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
-    bool head_mask_grad, bool mask_grad) {
+    bool head_mask_grad, bool mask_grad, double dropout_p, std::optional<Tensor> dropout_seed,
+    int64_t window_left, int64_t window_right, std::optional<double> softcap, std::optional<Tensor> sinks) {
   const Sizes s = check_qkv(q, k, v);
   Tensor dq = blhd(q, s.B, s.H, s.Lq, s.D);
   Tensor dk = blhd(q, s.B, s.Hkv, s.Lk, s.D);
@@ -612,7 +706,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
   for (Tensor* t : {&dq, &dk, &dv}) advise_huge_pages(*t);
   auto [dhm, dscores] = attn_backward_impl(grad_out, grad_weights, q, k, v, out, lse, attn_mask,
                                            key_padding_mask, head_mask, is_causal, scale,
-                                           head_mask_grad, mask_grad, dq, dk, dv);
+                                           head_mask_grad, mask_grad, dropout_p, dropout_seed, dq, dk, dv,
+                                           window_left, window_right, softcap, sinks);
   return {dq, dk, dv, dhm, dscores};
 }
 
@@ -623,11 +718,14 @@ std::tuple<Tensor, Tensor> attn_backward_into(
     Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
     Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
     std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
-    bool head_mask_grad, bool mask_grad, Tensor grad_q, Tensor grad_k, Tensor grad_v) {
+    bool head_mask_grad, bool mask_grad, Tensor grad_q, Tensor grad_k, Tensor grad_v, double dropout_p,
+    std::optional<Tensor> dropout_seed, int64_t window_left, int64_t window_right, std::optional<double> softcap,
+    std::optional<Tensor> sinks) {
   // What the kernels allow (masked_attn.h): outputs that never share memory
   // with each other or with what is read, except that the single pass (no
-  // grad_weights) may write grad_q, grad_k, grad_v over q, k, v themselves,
-  // element for element.
+  // grad_weights, no exact_delta) may write grad_q, grad_k, grad_v over q, k,
+  // v themselves, element for element.
+  const bool two_passes = grad_weights.has_value() || exact_delta(q.scalar_type(), head_mask.has_value());
   const char* names[3] = {"grad_q", "grad_k", "grad_v"};
   const Tensor* outs[3] = {&grad_q, &grad_k, &grad_v};
   const Tensor* ins[3] = {&q, &k, &v};
@@ -639,12 +737,12 @@ std::tuple<Tensor, Tensor> attn_backward_into(
       MA_CHECK(!may_overlap(*outs[i], *outs[j]), "masked_attn.backward_into: ", names[i], " and ", names[j],
                " share memory; each gradient needs memory of its own");
     for (int j = 0; j < 3; j++) {
-      const bool exact_alias_ok = i == j && !grad_weights.has_value() && same_view(*outs[i], *ins[j]);
+      const bool exact_alias_ok = i == j && !two_passes && same_view(*outs[i], *ins[j]);
       MA_CHECK(exact_alias_ok || !may_overlap(*outs[i], *ins[j]), "masked_attn.backward_into: ", names[i],
                " shares memory with ", "qkv"[j],
-               grad_weights.has_value()
-                   ? " (with grad_weights, the gradients must not share memory with q, k, v)"
-                   : " (only grad_q = q, grad_k = k, grad_v = v, element for element, is allowed)");
+               two_passes ? " (with grad_weights, or a head mask in bfloat16/float16, the gradients must not "
+                            "share memory with q, k, v)"
+                          : " (only grad_q = q, grad_k = k, grad_v = v, element for element, is allowed)");
     }
     const Tensor* read[3] = {&grad_out, &out, &lse};
     const char* read_names[3] = {"grad_out", "out", "lse"};
@@ -656,8 +754,8 @@ std::tuple<Tensor, Tensor> attn_backward_into(
                " shares memory with grad_weights");
   }
   return attn_backward_impl(grad_out, grad_weights, q, k, v, out, lse, attn_mask, key_padding_mask,
-                            head_mask, is_causal, scale, head_mask_grad, mask_grad, grad_q, grad_k,
-                            grad_v);
+                            head_mask, is_causal, scale, head_mask_grad, mask_grad, dropout_p, dropout_seed,
+                            grad_q, grad_k, grad_v, window_left, window_right, softcap, sinks);
 }
 
 
@@ -858,7 +956,7 @@ ma_attn_args varlen_args(const Varlen& r, const Tensor& q, const Tensor& k, cons
   a.cu_q = static_cast<const int32_t*>(cu_q.const_data_ptr());
   a.cu_k = cu_k.has_value() && !block_table.has_value() ? static_cast<const int32_t*>(cu_k->const_data_ptr()) : nullptr;
   a.seqused_k = seqused_k.has_value() ? static_cast<const int32_t*>(seqused_k->const_data_ptr()) : nullptr;
-  a.win_left = wl, a.win_right = wr;
+  a.window_left = wl, a.window_right = wr;  // bottom-right aligned per sequence: FN(seq_args)
   a.q_items = r.q_items.data(), a.n_q_items = static_cast<int64_t>(r.q_items.size() / 3);
   a.kv_items = r.kv_items.data(), a.n_kv_items = static_cast<int64_t>(r.kv_items.size() / 3);
   return a;
@@ -1211,18 +1309,24 @@ size_t ma_scratch_last_bytes(void) { return last_scratch_bytes.load(); }
 STABLE_TORCH_LIBRARY(masked_attn, m) {
   m.def(
       "forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, Tensor? key_padding_mask=None, "
-      "Tensor? head_mask=None, bool is_causal=False, float? scale=None, bool need_weights=False) "
+      "Tensor? head_mask=None, bool is_causal=False, float? scale=None, bool need_weights=False, "
+      "float dropout_p=0., Tensor? dropout_seed=None, "
+      "int window_left=-1, int window_right=-1, float? softcap=None, Tensor? sinks=None) "
       "-> (Tensor out, Tensor lse, Tensor weights)");
   m.def(
       "backward(Tensor grad_out, Tensor? grad_weights, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, Tensor? attn_mask=None, Tensor? key_padding_mask=None, Tensor? head_mask=None, "
-      "bool is_causal=False, float? scale=None, bool head_mask_grad=False, bool mask_grad=False) "
+      "bool is_causal=False, float? scale=None, bool head_mask_grad=False, bool mask_grad=False, "
+      "float dropout_p=0., Tensor? dropout_seed=None, "
+      "int window_left=-1, int window_right=-1, float? softcap=None, Tensor? sinks=None) "
       "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_head_mask, Tensor grad_scores)");
   m.def(
       "backward_into(Tensor grad_out, Tensor? grad_weights, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, Tensor? attn_mask, Tensor? key_padding_mask, Tensor? head_mask, bool is_causal, "
       "float? scale, bool head_mask_grad, bool mask_grad, Tensor(a!) grad_q, Tensor(b!) grad_k, "
-      "Tensor(c!) grad_v) -> (Tensor grad_head_mask, Tensor grad_scores)");
+      "Tensor(c!) grad_v, float dropout_p=0., Tensor? dropout_seed=None, "
+      "int window_left=-1, int window_right=-1, float? softcap=None, Tensor? sinks=None) "
+      "-> (Tensor grad_head_mask, Tensor grad_scores)");
   m.def(
       "varlen_forward(Tensor query, Tensor key, Tensor value, Tensor cu_seq_q, Tensor? cu_seq_k, int max_q, "
       "int max_k, float? scale=None, int window_left=-1, int window_right=-1, Tensor? seqused_k=None, "

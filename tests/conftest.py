@@ -17,6 +17,7 @@ import zlib
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._python_dispatch
 
 # Keep the suite fast and deterministic on a 2-core machine.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -295,3 +296,18 @@ def isa_available(isa):
     """Does this CPU run the isa variant?"""
     from torch_masked_attn.ops import isa_available as available
     return available(isa)
+
+
+class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ops that reach the dispatcher (below autograd), by name:
+    ``ops`` the masked_attn::* ones (e.g. "forward", "backward_into"), ``aten``
+    the others."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.aten = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        (self.ops if func.namespace == "masked_attn" else self.aten).append(name)
+        return func(*args, **(kwargs or {}))

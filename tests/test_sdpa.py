@@ -218,10 +218,13 @@ def test_sdpa_fully_masked_rows(kind, dtype):
 
 
 def test_sdpa_dropout_train():
+    # dropout runs inside the kernels (tests/test_dropout.py checks it); a seed reproduces it
     q = _rand(B, H, LQ, D)
-    # not implemented yet (a later issue adds Philox dropout): a clear error naming it
-    with pytest.raises(NotImplementedError, match="dropout"):
-        tmaF.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+    torch.manual_seed(5)
+    a = tmaF.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+    torch.manual_seed(5)
+    assert torch.equal(a, tmaF.scaled_dot_product_attention(q, q, q, dropout_p=0.5))
+    assert not torch.equal(a, tmaF.scaled_dot_product_attention(q, q, q))
 
 
 # ---------------------------------------------------------------------------
@@ -465,8 +468,8 @@ def test_masked_attention_head_mask_zero_and_one():
 
 def test_masked_attention_dropout_train():
     q = _rand(B, H, LQ, D)
-    with pytest.raises(NotImplementedError, match="dropout"):
-        tmaF.masked_attention(q, q, q, dropout_p=0.25)
+    out, w = tmaF.masked_attention(q, q, q, dropout_p=0.25, need_weights=True)
+    torch.testing.assert_close(out, w @ q, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)

@@ -43,11 +43,7 @@ about 0.6 of the slack, and a reference with causal flipped, the head mask
 dropped, the scale doubled or a cross-entropy option dropped gives findings
 (tests/test_fuzz.py).
 
-Known class (docs/design.md): bfloat16 / float16 gradients with a head mask
-other than 1 carry noise at the dtype's rounding (delta from the rounded
-output); findings of that class are counted apart as
-"known: bf16/fp16 head-mask gradients" and do not set the exit status.
-Exit status 1 if any other finding.
+Exit status 1 if there is any finding.
 """
 from __future__ import annotations
 
@@ -70,7 +66,6 @@ ISAS = ("scalar", "avx2", "avx512", "amx")
 KINDS = ("attention", "ce")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 LOW = (torch.bfloat16, torch.float16)
-KNOWN_HM = "known: bf16/fp16 head-mask gradients"
 
 # Slack added to 2x torch's own error, relative (see the module docstring).
 REL_SLACK = {
@@ -90,11 +85,9 @@ class Finding:
     isa: str
     desc: str
     problems: list[str]
-    known: bool = False
 
     def __str__(self):
-        tag = f"KNOWN ({KNOWN_HM[7:]})" if self.known else "FINDING"
-        return (f"{tag} [{self.isa}] seed={self.seed}: {self.desc}\n    " + "\n    ".join(self.problems)
+        return (f"FINDING [{self.isa}] seed={self.seed}: {self.desc}\n    " + "\n    ".join(self.problems)
                 + f"\n    replay: python tools/fuzz.py --replay {self.seed} --isa {self.isa}")
 
 
@@ -831,9 +824,7 @@ def run_case(seed: int, isa: str | None = None, breaks: frozenset = frozenset(),
                                      [f"exception {type(e).__name__}: {str(e)[:300]}"] + tb[-4:])
     if not res.problems:
         return res, None
-    known = (kind == "attention" and c["dtype"] in LOW and c["hm"] is not None
-             and bool((c["hm"]["vals"] != 1).any()) and all(is_grad for _, _, is_grad in res.problems))
-    return res, Finding(seed, kind, isa or "default", desc, [m for _, m, _ in res.problems], known)
+    return res, Finding(seed, kind, isa or "default", desc, [m for _, m, _ in res.problems])
 
 
 def case_seeds(master: int, kinds=KINDS):
@@ -855,7 +846,6 @@ def available_isas() -> list[str]:
 class Stats:
     cases: dict = field(default_factory=dict)  # isa -> {kind: n}
     findings: list = field(default_factory=list)
-    known: list = field(default_factory=list)
     seconds: dict = field(default_factory=dict)
 
 
@@ -874,13 +864,13 @@ def fuzz(isas, seconds: float | None = None, cases: int | None = None, master: i
             _, f = run_case(seed, isa, breaks, force)
             n[kind_of(seed)] += 1
             if f is not None:
-                (st.known if f.known else st.findings).append(f)
+                st.findings.append(f)
                 if log:
                     log(str(f))
             if log and progress_every and now - last >= progress_every:
                 last = now
                 log(f"[{isa}] {now - t0:5.0f} s: {sum(n.values())} cases ({_counts(n)}), "
-                    f"{len(st.findings)} findings, {len(st.known)} known")
+                    f"{len(st.findings)} findings")
         st.seconds[isa] = time.monotonic() - t0
     return st
 
@@ -894,9 +884,7 @@ def summary(st: Stats) -> str:
                     f"{60 * sum(n.values()) / max(st.seconds[isa], 1e-9):.0f}/min)"
                     for isa, n in st.cases.items())
     seeds = " ".join(f"{f.isa}:{f.seed}" for f in st.findings)
-    kseeds = " ".join(f"{f.isa}:{f.seed}" for f in st.known)
-    return (f"fuzz summary: {per}; findings {len(st.findings)}{' [' + seeds + ']' if seeds else ''}; "
-            f"{KNOWN_HM} {len(st.known)}{' [' + kseeds + ']' if kseeds else ''}")
+    return f"fuzz summary: {per}; findings {len(st.findings)}{' [' + seeds + ']' if seeds else ''}"
 
 
 def main(argv=None) -> int:
@@ -928,7 +916,7 @@ def main(argv=None) -> int:
                 print("    " + line)
             if f is not None:
                 print(str(f))
-                bad = bad or not f.known
+                bad = True
             else:
                 print("    ok")
         return 1 if bad else 0

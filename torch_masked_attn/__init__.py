@@ -5,11 +5,11 @@ nn.CrossEntropyLoss.
 """
 from . import functional, ops  # noqa: F401  (ops loads the library and registers the ops)
 from .losses import CrossEntropyLoss, LinearCrossEntropyLoss, perplexity
-from .modules import MultiheadAttention
+from .modules import MultiheadAttention, replace_attention
 from .ops import release_memory
 
 __all__ = ["functional", "MultiheadAttention", "CrossEntropyLoss", "LinearCrossEntropyLoss", "perplexity",
-           "release_memory"]
+           "release_memory", "replace_attention"]
 
 
 def _version() -> str:

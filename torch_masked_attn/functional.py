@@ -10,9 +10,11 @@ varlen_attn                   torch.nn.attention.varlen.varlen_attn: packed
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import ops  # noqa: F401  (registers torch.ops.masked_attn)
@@ -22,11 +24,103 @@ __all__ = ["masked_attention", "scaled_dot_product_attention", "varlen_attn", "A
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
+# ---- devices ------------------------------------------------------------------
+#
+# The C kernels run on CPU tensors; meta tensors (and fake tensors of CPU
+# tensors, under torch.compile / torch.export) go to the ops too, whose fake
+# kernels give the shapes. On any other device (cuda, xpu, mps, ...) every
+# drop-in computes the same thing with PyTorch's native ops, so a model built
+# with our modules keeps working after .to(device). The decision is made here,
+# in Python, per call, from the first tensor argument's device (the ops
+# themselves stay CPU-only: a direct torch.ops.masked_attn.* call on a CUDA
+# tensor raises the dispatcher's NotImplementedError). docs/design.md, "Devices".
 
-def _dropout_not_implemented(dropout_p):
-    raise NotImplementedError(
-        f"torch_masked_attn: attention dropout (dropout_p={dropout_p}) is not implemented yet; "
-        "use dropout_p=0.0, or put the module in eval mode")
+KERNEL_DEVICE_TYPES = frozenset({"cpu", "meta"})
+
+
+def uses_kernels(device: torch.device | str) -> bool:
+    """Whether tensors on ``device`` are computed by our C kernels (CPU, and
+    meta for shapes) or, on every other device, by PyTorch's native ops."""
+    return torch.device(device).type in KERNEL_DEVICE_TYPES
+
+
+def native_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
+                     key_padding_mask: Tensor | None = None, head_mask: Tensor | None = None,
+                     is_causal: bool = False, scale: float | None = None, need_weights: bool = False,
+                     return_lse: bool = False, dropout_p: float = 0.0) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """masked_attn::forward's semantics computed with PyTorch's native ops, on
+    any device: (out, lse, weights), lse and weights None unless asked for.
+
+    The op's conventions (bool masks True = blocked, floating masks added, all
+    masks summed, is_causal top-left and combined with the rest, head_mask
+    after softmax and after dropout), and ours where native attention differs:
+    a query row that no key may attend to gives 0, zero gradients, zero
+    weights and lse -inf, never NaN. Without head_mask, weights and lse this
+    is one F.scaled_dot_product_attention call (the device's fused kernels);
+    otherwise the probabilities are materialised (float32 for bfloat16 /
+    float16). dropout_p > 0 draws from the device's generator, as F.sdpa does.
+    """
+    B, H, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    scale = D ** -0.5 if scale is None else float(scale)
+    low = q.dtype in (torch.bfloat16, torch.float16)
+    acc = torch.float32 if low else q.dtype
+    need_lse = bool(return_lse)
+    fused = not (need_weights or need_lse or head_mask is not None)
+    bias_dtype = q.dtype if fused else acc
+
+    def additive(m):
+        if m.dtype == torch.bool:
+            return torch.zeros(m.shape, dtype=bias_dtype, device=m.device).masked_fill(m, float("-inf"))
+        return m.to(bias_dtype)
+
+    bias = None
+    for m in (attn_mask, None if key_padding_mask is None else key_padding_mask.view(B, 1, 1, Lk)):
+        if m is not None:
+            bias = additive(m) if bias is None else bias + additive(m)
+    causal_alone = bool(is_causal) and bias is None
+    if is_causal and bias is not None:
+        bias = bias + additive(torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).triu(1))
+    dead = None
+    if bias is not None:
+        # rows no key may attend to: unmask them for the computation (no NaN
+        # anywhere, in the forward or the backward), zero them after
+        dead = torch.isneginf(bias).all(-1, keepdim=True)
+        bias = bias.masked_fill(dead, 0.0)
+    if fused:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=float(dropout_p),
+                                             is_causal=causal_alone, scale=scale, enable_gqa=H != Hkv)
+        if dead is not None:
+            out = out.masked_fill(dead, 0.0)
+        return out, None, None
+    if H != Hkv:
+        k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * scale
+    if causal_alone:
+        s = s.masked_fill(torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    if bias is not None:
+        s = s + bias
+    lse = None
+    if need_lse:
+        with torch.no_grad():
+            lse = torch.logsumexp(s, -1)
+            if dead is not None:
+                lse = lse.masked_fill(dead.squeeze(-1).expand_as(lse), float("-inf"))
+    p = torch.softmax(s, -1)
+    if dead is not None:
+        p = p.masked_fill(dead, 0.0)
+    if dropout_p > 0.0:
+        p = F.dropout(p, float(dropout_p))
+    if head_mask is not None:
+        hm = head_mask.to(acc)
+        p = p * (hm.view(1, H, 1, 1) if hm.dim() == 1 else hm.view(B, H, 1, 1))
+    out = torch.matmul(p, v.to(acc)).to(q.dtype)
+    return out, lse, (p.to(q.dtype) if need_weights else None)
+
+
+def _check_dropout_p(fn, dropout_p):
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{fn}: dropout_p must be in [0, 1], got {dropout_p}")
 
 
 def _as_4d_attn_mask(attn_mask, B, H):
@@ -37,10 +131,49 @@ def _as_4d_attn_mask(attn_mask, B, H):
     return attn_mask
 
 
+def _window_cap_sinks(fn, q, window, softcap, sinks):
+    """Checks window, softcap and sinks; returns (window_left, window_right,
+    softcap, sinks) as the op takes them."""
+    left = right = -1
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise TypeError(f"{fn}: window must be None or a pair (left, right), got {window!r}")
+        sides = []
+        for name, w in zip(("left", "right"), window):
+            if w is None:
+                w = -1
+            if isinstance(w, bool) or not isinstance(w, int):
+                raise TypeError(f"{fn}: window {name} must be an int or None, got {type(w).__name__}")
+            if w < -1:
+                raise ValueError(f"{fn}: window {name} must be >= 0, or -1 / None for no bound, got {w}")
+            sides.append(int(w))
+        left, right = sides
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+            raise TypeError(f"{fn}: softcap must be None or a number > 0, got {type(softcap).__name__}")
+        if not (math.isfinite(softcap) and softcap > 0):
+            raise ValueError(f"{fn}: softcap must be None or a finite number > 0, got {softcap}")
+        softcap = float(softcap)
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor):
+            raise TypeError(f"{fn}: sinks must be None or a Tensor, got {type(sinks).__name__}")
+        if not sinks.is_floating_point():
+            raise TypeError(f"{fn}: sinks must be floating point, got {sinks.dtype}")
+        if sinks.dim() != 1 or sinks.size(0) != q.size(-3):
+            raise ValueError(f"{fn}: sinks must have shape (H,) = ({q.size(-3)},), one logit per query head, "
+                             f"got {tuple(sinks.shape)}")
+        if sinks.device != q.device:
+            raise ValueError(f"{fn}: sinks must be on q's device ({q.device}), got {sinks.device}")
+    return left, right, softcap, sinks
+
+
 def masked_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = None,
                      key_padding_mask: Tensor | None = None, head_mask: Tensor | None = None,
                      is_causal: bool = False, scale: float | None = None, dropout_p: float = 0.0,
-                     need_weights: bool = False, return_lse: bool = False) -> Tensor | tuple[Tensor, ...]:
+                     need_weights: bool = False, return_lse: bool = False,
+                     dropout_seed: Tensor | None = None,
+                     window: tuple[int | None, int | None] | None = None, softcap: float | None = None,
+                     sinks: Tensor | None = None) -> Tensor | tuple[Tensor, ...]:
     """Masked multi-head attention.
 
     Args:
@@ -57,18 +190,40 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | Non
             probabilities (differentiable).
         is_causal: query i sees key j only if j <= i (top-left aligned).
         scale: defaults to 1 / sqrt(D).
+        dropout_p: drop each attention probability with this probability and
+            scale the kept ones by 1 / (1 - dropout_p), inside the kernels (the
+            mask is never stored; the backward regenerates it). Applied
+            whenever > 0, as F.scaled_dot_product_attention does.
         need_weights: also return the attention probabilities (B, H, Lq, Lk),
-            after the head mask.
+            after dropout and the head mask (out = weights @ v).
+        dropout_seed: the int64 (seed, offset) tensor of shape (2,) the mask
+            is a function of; None draws one from PyTorch's default
+            generator (ops.new_dropout_seed), so torch.manual_seed reproduces.
         return_lse: also return the per-row log-sum-exp (B, H, Lq) (float32,
-            float64 for float64 inputs); -inf for a fully masked row.
+            float64 for float64 inputs); -inf for a fully masked row. It
+            includes the sink when sinks are given.
+        window: (left, right): query i sees only keys j with
+            i - left <= j <= i + right; a side None or -1 is unbounded.
+            Top-left aligned like is_causal (the diagonal j = i, also when
+            Lq != Lk), combined with every other mask; key blocks outside
+            the window are never computed. (W, 0) is a causal window of W
+            earlier keys.
+        softcap: scores s (scaled q . k) become softcap * tanh(s / softcap)
+            before the masks are added (Gemma 2).
+        sinks: (H,) floating, one learned logit per head that joins every
+            row's softmax denominator and has no value (GPT-OSS); gets a
+            gradient. A row that no key may attend to still gives 0.
 
     Returns:
         out (B, H, Lq, Dv), followed by weights if need_weights and by lse if
         return_lse. A query row that no key may attend to gives 0 (and zero
         gradients), never NaN.
+
+    On a device other than the CPU this is computed by PyTorch's native ops
+    (:func:`native_attention`), with the same semantics.
     """
-    if dropout_p > 0.0:
-        _dropout_not_implemented(dropout_p)
+    dropout_p = float(dropout_p)
+    _check_dropout_p("masked_attention", dropout_p)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"masked_attention: {name} must be a Tensor, got {type(t).__name__}")
@@ -77,10 +232,23 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | Non
         if t.dtype not in _FLOATS:
             raise TypeError(f"masked_attention: {name} must be float32, float64, bfloat16 or float16, "
                             f"got {t.dtype}")
+    extra = _window_cap_sinks("masked_attention", q, window, softcap, sinks)
     attn_mask = _as_4d_attn_mask(attn_mask, q.size(0), q.size(1))
+    if not uses_kernels(q.device):
+        if window is not None or softcap is not None or sinks is not None:
+            raise NotImplementedError(
+                f"masked_attention: window, softcap and sinks run in the CPU kernels only; got tensors on {q.device}")
+        out, lse, weights = native_attention(q, k, v, attn_mask, key_padding_mask, head_mask, bool(is_causal),
+                                             scale, bool(need_weights), bool(return_lse), float(dropout_p))
+        if not (need_weights or return_lse):
+            return out
+        return (out,) + ((weights,) if need_weights else ()) + ((lse,) if return_lse else ())
+    drop = ()
+    if dropout_p > 0.0:
+        drop = (dropout_p, ops.new_dropout_seed() if dropout_seed is None else dropout_seed)
     out, lse, weights = torch.ops.masked_attn.forward(
         q, k, v, attn_mask, key_padding_mask, head_mask, bool(is_causal),
-        None if scale is None else float(scale), bool(need_weights))
+        None if scale is None else float(scale), bool(need_weights), *(drop or (0.0, None)), *extra)
     if not (need_weights or return_lse):
         return out
     return (out,) + ((weights,) if need_weights else ()) + ((lse,) if return_lse else ())
@@ -88,16 +256,22 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | Non
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
                                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                                 enable_gqa: bool = False) -> Tensor:
+                                 enable_gqa: bool = False, *, window: tuple[int | None, int | None] | None = None,
+                                 softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
     """Drop-in for torch.nn.functional.scaled_dot_product_attention.
 
     query (..., Hq, L, E), key (..., H, S, E), value (..., H, S, Ev); a bool
     attn_mask is True where attention is allowed, a floating one is added;
     is_causal is top-left aligned and combines with attn_mask. Rows with no
+    allowed key give 0, as PyTorch does from 2.5 on. dropout_p > 0 drops
+    attention probabilities inside the kernels (whenever given, as F.sdpa),
+    the mask drawn from PyTorch's default generator.
     allowed key give 0, as PyTorch does from 2.5 on.
+
+    Keyword-only extensions (not in PyTorch), as in masked_attention:
+    window=(left, right), softcap, sinks (Hq,).
     """
-    if dropout_p > 0.0:
-        _dropout_not_implemented(dropout_p)
+    _check_dropout_p("scaled_dot_product_attention", float(dropout_p))
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"scaled_dot_product_attention: {name} must be a Tensor")
@@ -148,7 +322,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
             mask = ~mask  # F.sdpa: True = take part; ours: True = blocked
         if len(batch) > 1 and mask.dim() > 3:  # flatten the batch dims like q's
             mask = mask.expand(*batch, *mask.shape[-3:]).reshape(-1, *mask.shape[-3:])
-    out = masked_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+    out = masked_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+                           window=window, softcap=softcap, sinks=sinks)
     if query.dim() == 4:
         return out
     out_shape = (*batch, hq, query.size(-2), value.size(-1)) if query.dim() >= 3 else \

@@ -34,8 +34,10 @@ from torch.nn import _reduction as _Reduction
 from torch.overrides import handle_torch_function, has_torch_function_variadic
 
 from . import ops  # noqa: F401  (registers torch.ops.masked_attn)
+from .functional import uses_kernels
 
-__all__ = ["cross_entropy", "CrossEntropyLoss", "perplexity", "linear_cross_entropy", "LinearCrossEntropyLoss"]
+__all__ = ["cross_entropy", "CrossEntropyLoss", "perplexity", "linear_cross_entropy", "LinearCrossEntropyLoss",
+           "native_cross_entropy"]
 
 _KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _REDUCTIONS = ("none", "mean", "sum")  # index = PyTorch's reduction enum
@@ -268,10 +270,13 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
             reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
             inplace_backward=inplace_backward)
     if size_average is not None or reduce is not None:
-        reduction = _Reduction.legacy_get_string(size_average, reduce)
+        reduction = _REDUCTIONS[_Reduction.get_enum(_Reduction.legacy_get_string(size_average, reduce))]
+    z_loss, softcap = _check_options(z_loss, softcap, "cross_entropy")
+    if isinstance(input, torch.Tensor) and not uses_kernels(input.device):
+        return native_cross_entropy(input, target, weight, reduction=reduction, ignore_index=ignore_index,
+                                    label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
     reduction = _REDUCTIONS[_Reduction.get_enum(reduction)]  # ValueError for a bad one
     ignore_index, ls = _check_arg_types(input, target, weight, ignore_index, label_smoothing)
-    z_loss, softcap = _check_options(z_loss, softcap, "cross_entropy")
 
     if input.shape == target.shape:
         input, target, weight = _prepare_probabilities(input, target, weight, ignore_index, ls)
@@ -290,6 +295,47 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
             raise
         raise IndexError(m.group(0)) from None
     return loss
+
+
+def native_cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, *, reduction: str = "mean",
+                         ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+                         softcap: float | None = None) -> Tensor:
+    """:func:`cross_entropy` computed with PyTorch's native ops, on any device
+    (what it runs on a device other than the CPU): F.cross_entropy itself
+    (its checks, messages and values), with softcap as
+    ``softcap * tanh(input / softcap)`` before it and z_loss as
+    ``z_loss * logsumexp(row)**2`` added to every kept row before the
+    reduction ('mean' divides by the same summed weight of kept rows, or by
+    the number of rows with probability targets). Differences from the
+    kernels: a NaN / inf logit in an ignored row gives NaN gradients (the
+    kernels never read ignored rows), and inplace_backward has no effect."""
+    if softcap is not None:
+        input = softcap * torch.tanh(input / softcap)
+    if not z_loss:
+        return nn.functional.cross_entropy(input, target, weight, ignore_index=ignore_index, reduction=reduction,
+                                           label_smoothing=label_smoothing)
+    rows = nn.functional.cross_entropy(input, target, weight, ignore_index=ignore_index, reduction="none",
+                                       label_smoothing=label_smoothing)
+    cdim = 0 if input.dim() == 1 else 1
+    acc = torch.float64 if input.dtype == torch.float64 else torch.float32
+    probabilities = target.shape == input.shape and target.is_floating_point()
+    kept = None if probabilities else target != ignore_index
+    x = input if kept is None else input.masked_fill((~kept).unsqueeze(cdim), 0.0)  # no NaN from ignored rows
+    z = z_loss * torch.logsumexp(x.to(acc), cdim) ** 2
+    if kept is not None:
+        z = z.masked_fill(~kept, 0.0)
+    rows = (rows.to(acc) + z)
+    if reduction == "none":
+        return rows.to(input.dtype)
+    total = rows.sum()
+    if reduction == "mean":
+        if kept is None:
+            total = total / max(rows.numel(), 1) if rows.numel() else total * float("nan")
+        elif weight is None:
+            total = total / kept.sum()
+        else:
+            total = total / torch.where(kept, weight.to(acc)[target.masked_fill(~kept, 0)], 0.0).sum()
+    return total.to(input.dtype)
 
 
 class CrossEntropyLoss(nn.CrossEntropyLoss):
@@ -525,6 +571,12 @@ def linear_cross_entropy(input: Tensor, weight: Tensor, target: Tensor, bias: Te
     ignore_index = operator.index(ignore_index)
     z_loss, softcap = _check_options(z_loss, softcap, "linear_cross_entropy")
     d = input.shape[-1]
+    if not uses_kernels(input.device):
+        # another device: the logits materialised, then native_cross_entropy
+        logits = nn.functional.linear(input.reshape(-1, d), weight, bias)
+        loss = native_cross_entropy(logits, target.reshape(-1), reduction=reduction, ignore_index=ignore_index,
+                                    label_smoothing=float(label_smoothing), z_loss=z_loss, softcap=softcap)
+        return loss.reshape(target.shape) if reduction == "none" else loss
     loss = _LinearCrossEntropy.apply(input.reshape(-1, d), weight, bias, target.reshape(-1), ignore_index,
                                      reduction, float(label_smoothing), z_loss, softcap, chunk_size)
     return loss.reshape(target.shape) if reduction == "none" else loss

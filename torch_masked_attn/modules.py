@@ -5,10 +5,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .functional import _dropout_not_implemented
-from .ops import _needs, attention_backward, first_order_only
+from .functional import native_attention, uses_kernels
+from .ops import _needs, attention_backward, first_order_only, new_dropout_seed
 
-__all__ = ["MultiheadAttention"]
+__all__ = ["MultiheadAttention", "replace_attention"]
 
 
 def _pad_key(mask):
@@ -41,25 +41,29 @@ class _PackedSelfAttention(torch.autograd.Function):
     projection needs no zero-filled buffers, no stack and no copy."""
 
     @staticmethod
-    def forward(ctx, qkv, attn_mask, key_padding_mask, head_mask, is_causal, need_weights, batch_first):
+    def forward(ctx, qkv, attn_mask, key_padding_mask, head_mask, is_causal, need_weights, batch_first,
+                dropout_p, dropout_seed):
         q, k, v = _split_qkv(qkv, batch_first)
         out, lse, weights = torch.ops.masked_attn.forward(
-            q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, None, need_weights)
-        ctx.save_for_backward(qkv, out, lse, attn_mask, key_padding_mask, head_mask)
+            q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, None, need_weights, dropout_p, dropout_seed)
+        ctx.save_for_backward(qkv, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed)
         ctx.is_causal, ctx.need_weights, ctx.batch_first = is_causal, need_weights, batch_first
+        ctx.dropout_p = dropout_p
         ctx.set_materialize_grads(False)
         return out, weights
 
     @staticmethod
     def backward(ctx, grad_out, grad_weights):
-        qkv, out, lse, attn_mask, key_padding_mask, head_mask = ctx.saved_tensors
+        saved = ctx.saved_tensors  # once: activation checkpointing unpacks each saved tensor only once
+        qkv, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed = saved
         grad_qkv = torch.empty_like(qkv)
         _, _, _, d_am, d_kpm, dhm = attention_backward(
             (*_split_qkv(qkv, ctx.batch_first), out, lse, attn_mask, key_padding_mask, head_mask),
             _needs(ctx, 1, 2, 3), ctx.is_causal, None, grad_out,
-            grad_weights if ctx.need_weights else None, into=_split_qkv(grad_qkv, ctx.batch_first))
-        return first_order_only("MultiheadAttention", ctx.saved_tensors, grad_qkv, d_am, d_kpm,
-                                dhm) + (None, None, None)
+            grad_weights if ctx.need_weights else None, into=_split_qkv(grad_qkv, ctx.batch_first),
+            dropout_p=ctx.dropout_p, dropout_seed=dropout_seed)
+        return first_order_only("MultiheadAttention", saved[:6], grad_qkv, d_am, d_kpm,
+                                dhm) + (None,) * 5
 
 
 def _merge_heads(t, batch_first):
@@ -84,19 +88,22 @@ class _RecomputedSelfAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_in, b_in, w_out, b_out, attn_mask, key_padding_mask, head_mask, is_causal,
-                batch_first, H):
+                batch_first, H, dropout_p, dropout_seed):
         qkv = F.linear(x, w_in, b_in).unflatten(-1, (3, H, -1))
         q, k, v = _split_qkv(qkv, batch_first)
         out, lse, _ = torch.ops.masked_attn.forward(
-            q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, None, False)
+            q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, None, False, dropout_p, dropout_seed)
         del qkv, q, k, v
-        ctx.save_for_backward(x, w_in, b_in, w_out, out, lse, attn_mask, key_padding_mask, head_mask)
+        ctx.save_for_backward(x, w_in, b_in, w_out, out, lse, attn_mask, key_padding_mask, head_mask,
+                              dropout_seed)
+        ctx.dropout_p = dropout_p
         ctx.is_causal, ctx.batch_first, ctx.H, ctx.has_b_out = is_causal, batch_first, H, b_out is not None
         return F.linear(_merge_heads(out, batch_first), w_out, b_out)
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, w_in, b_in, w_out, out, lse, attn_mask, key_padding_mask, head_mask = ctx.saved_tensors
+        saved = ctx.saved_tensors  # once (see _PackedSelfAttention.backward)
+        x, w_in, b_in, w_out, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed = saved
         need_x, need_w_in, need_b_in, need_w_out, need_b_out = _needs(ctx, 0, 1, 2, 3, 4)
         bf, H = ctx.batch_first, ctx.H
         with torch.no_grad():
@@ -110,15 +117,36 @@ class _RecomputedSelfAttention(torch.autograd.Function):
             views = _split_qkv(qkv, bf)
             _, _, _, d_am, d_kpm, dhm = attention_backward(
                 (*views, out, lse, attn_mask, key_padding_mask, head_mask), _needs(ctx, 5, 6, 7),
-                ctx.is_causal, None, grad_attn, None, into=views)
+                ctx.is_causal, None, grad_attn, None, into=views, dropout_p=ctx.dropout_p,
+                dropout_seed=dropout_seed)
             del grad_attn, views
             dqkv = qkv.flatten(-3)
             d2 = dqkv.reshape(-1, dqkv.size(-1))
             dw_in = d2.t() @ x.reshape(-1, x.size(-1)) if need_w_in else None
             db_in = d2.sum(0) if need_b_in and b_in is not None else None
             dx = dqkv @ w_in if need_x else None
-        return first_order_only("MultiheadAttention", ctx.saved_tensors, dx, dw_in, db_in, dw_out, db_out,
-                                d_am, d_kpm, dhm) + (None, None, None)
+        return first_order_only("MultiheadAttention", saved[:9], dx, dw_in, db_in, dw_out, db_out,
+                                d_am, d_kpm, dhm) + (None,) * 5
+
+
+def _calls_self_attn(module, args):
+    """A forward pre-hook that does nothing; what matters is that it is there.
+
+    nn.TransformerEncoderLayer.forward, in inference (eval, no gradient
+    recorded), computes the whole layer with torch._transformer_encoder_layer_fwd
+    from self_attn's weights and never calls self_attn, unless one of its
+    submodules has forward hooks. Every MultiheadAttention of ours carries
+    this hook, so a layer holding one always runs its ordinary path, which
+    calls our forward. Nothing is patched: a native layer elsewhere keeps its
+    fast path. (TransformerEncoder's nested-tensor path still applies; it
+    reaches our forward with a nested tensor: MultiheadAttention._forward_nested.)
+    """
+    return None
+
+
+def _guard_fast_path(module):
+    if _calls_self_attn not in module._forward_pre_hooks.values():
+        module.register_forward_pre_hook(_calls_self_attn)
 
 
 class ArgumentError(ValueError, AssertionError):
@@ -141,7 +169,9 @@ class MultiheadAttention(nn.MultiheadAttention):
         documents: the attn_mask you pass must be the causal mask, and it is
         applied as a causal mask (masked key blocks are skipped) instead of
         being read; with add_bias_kv / add_zero_attn the mask is read as is;
-      * dropout > 0 in training mode raises NotImplementedError (planned).
+      * dropout > 0 in training mode drops attention probabilities inside the
+        kernels (Philox mask from PyTorch's default generator, never stored);
+        the returned weights are after dropout and rescaling, as native.
 
     ``recompute_projection`` (attribute; None = automatic): whether a
     self-attention call (query is key is value) keeps its fused q, k, v
@@ -167,12 +197,37 @@ class MultiheadAttention(nn.MultiheadAttention):
         super().__init__(embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim,
                          batch_first, device, dtype)
         self.recompute_projection = None
+        _guard_fast_path(self)
 
-    def _recomputes(self, L, need_weights):
+    def _forward_nested(self, query, key, value, key_padding_mask, need_weights, attn_mask,
+                        average_attn_weights, is_causal, head_mask):
+        """A nested tensor (N, j, E), as nn.TransformerEncoder's inference path
+        hands its layers when it was given a key padding mask: run on the
+        padded batch with the padding as key_padding_mask, nested again after."""
+        if not (query is key and key is value) or attn_mask is not None or key_padding_mask is not None \
+                or not self.batch_first:
+            raise ValueError("MultiheadAttention: a nested tensor input is supported for batch_first "
+                             "self-attention (query is key is value) without attn_mask or key_padding_mask")
+        lengths = [t.size(0) for t in query.unbind()]
+        x = query.to_padded_tensor(0.0)
+        n = torch.tensor(lengths, device=x.device)
+        pad = torch.arange(x.size(1), device=x.device).unsqueeze(0) >= n.unsqueeze(1)
+        out, weights = self.forward(x, x, x, key_padding_mask=pad, need_weights=need_weights,
+                                    average_attn_weights=average_attn_weights, is_causal=is_causal,
+                                    head_mask=head_mask)
+        out = torch.nested.as_nested_tensor([out[i, :m] for i, m in enumerate(lengths)], layout=query.layout)
+        return out, weights
+
+    def _recomputes(self, L, need_weights, dtype, head_mask):
         """Does this call recompute the fused projection in the backward?
         Never under autocast: the backward would run outside the forward's
-        autocast state (its products in other dtypes than the saved ones)."""
+        autocast state (its products in other dtypes than the saved ones).
+        Never with a head mask in bfloat16/float16: that backward runs two
+        passes (masked_attn.h, exact_delta), which cannot write the gradients
+        over q, k, v."""
         if need_weights or not torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
+            return False
+        if head_mask is not None and dtype in (torch.bfloat16, torch.float16):
             return False
         if getattr(self, "recompute_projection", None) is not None:
             return bool(self.recompute_projection)
@@ -182,8 +237,13 @@ class MultiheadAttention(nn.MultiheadAttention):
     def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None = None,
                 need_weights: bool = True, attn_mask: Tensor | None = None, average_attn_weights: bool = True,
                 is_causal: bool = False, *, head_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        if self.dropout > 0.0 and self.training:
-            _dropout_not_implemented(self.dropout)
+        if isinstance(query, torch.Tensor) and query.is_nested:
+            return self._forward_nested(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                        average_attn_weights, is_causal, head_mask)
+        kernels = not isinstance(query, torch.Tensor) or uses_kernels(query.device)
+        # dropout on the attention probabilities in training mode, inside the kernels
+        dropout_p = float(self.dropout) if self.training else 0.0
+        dropout_seed = new_dropout_seed() if dropout_p > 0.0 and kernels else None
         E, H = self.embed_dim, self.num_heads
         hd = self.head_dim
 
@@ -254,17 +314,18 @@ class MultiheadAttention(nn.MultiheadAttention):
         if causal:
             attn_mask = None  # trust the hint: the mask is causal
         packed = self._qkv_same_embed_dim and self_attention
-        if packed and extra_keys == 0 and self._recomputes(L, need_weights):
+        if packed and extra_keys == 0 and kernels and self._recomputes(L, need_weights, query.dtype, head_mask):
             # the whole block as one node; the projection recomputed in the backward (long sequences)
             attn = _RecomputedSelfAttention.apply(query, self.in_proj_weight, self.in_proj_bias,
                                                   self.out_proj.weight, self.out_proj.bias, attn_mask,
-                                                  key_padding_mask, head_mask, causal, bf, H)
+                                                  key_padding_mask, head_mask, causal, bf, H, dropout_p,
+                                                  dropout_seed)
             return (attn if is_batched else attn.squeeze(1)), None
-        if packed and extra_keys == 0:
+        if packed and extra_keys == 0 and kernels:
             # one fused projection, and its gradient written in place by the kernel
             qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias).unflatten(-1, (3, H, hd))
             out = _PackedSelfAttention.apply(qkv, attn_mask, key_padding_mask, head_mask, causal,
-                                             bool(need_weights), bf)
+                                             bool(need_weights), bf, dropout_p, dropout_seed)
         else:
             if packed:
                 qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)
@@ -289,9 +350,15 @@ class MultiheadAttention(nn.MultiheadAttention):
             for _ in range(extra_keys):
                 attn_mask = _pad_key(attn_mask)
                 key_padding_mask = _pad_key(key_padding_mask)
-            out = torch.ops.masked_attn.forward(
-                q, k, v, attn_mask, key_padding_mask, head_mask, causal, None, bool(need_weights))
-            out = (out[0], out[2])
+            if kernels:
+                out = torch.ops.masked_attn.forward(
+                    q, k, v, attn_mask, key_padding_mask, head_mask, causal, None, bool(need_weights), dropout_p,
+                    dropout_seed)
+                out = (out[0], out[2])
+            else:  # another device: PyTorch's native attention, our semantics (functional.native_attention)
+                out = native_attention(q, k, v, attn_mask, key_padding_mask, head_mask, causal, None,
+                                       bool(need_weights), False, dropout_p)
+                out = (out[0], out[2])
         attn, weights = out                         # (N, H, L, hd), stored as (N, L, H, hd)
         if bf:
             attn = F.linear(attn.transpose(1, 2).reshape(N, L, E), self.out_proj.weight,
@@ -308,3 +375,34 @@ class MultiheadAttention(nn.MultiheadAttention):
         if not is_batched:
             weights = weights.squeeze(0)
         return attn, weights
+
+
+def replace_attention(module: nn.Module) -> nn.Module:
+    """Make every nn.MultiheadAttention inside ``module`` (``module`` itself
+    included) a :class:`MultiheadAttention` of ours, in place, and return
+    ``module``.
+
+    Each instance is converted where it stands (its class is switched): the
+    same object, so its parameters (the same Parameter objects: an optimizer
+    built before keeps working), buffers, hooks and their handles, device,
+    dtype, training mode and every reference to it are kept. Only instances of
+    exactly nn.MultiheadAttention are converted; subclasses (your own, or
+    torch.ao's quantizable one) are left alone, and ours are kept as they are.
+
+    Inside nn.TransformerEncoderLayer, TransformerDecoderLayer, Transformer
+    and TransformerEncoder, training and inference then run through our
+    kernels: the layer's native inference fast path is kept off (see
+    _calls_self_attn) and the encoder's nested-tensor path calls our module.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"replace_attention: expected an nn.Module, got {type(module).__name__}")
+    for m in module.modules():
+        if type(m) is nn.MultiheadAttention:
+            if m.embed_dim % m.num_heads != 0:   # what our constructor refuses (native asserts it too)
+                raise ArgumentError(f"replace_attention: embed_dim ({m.embed_dim}) must be divisible by "
+                                    f"num_heads ({m.num_heads})")
+            m.__class__ = MultiheadAttention
+            m.recompute_projection = None
+        if isinstance(m, MultiheadAttention):
+            _guard_fast_path(m)
+    return module

@@ -4,11 +4,28 @@ kernels and autograd for every op.
 The ops themselves are defined in csrc/shim.cpp:
 
     masked_attn::forward(q, k, v, attn_mask?, key_padding_mask?, head_mask?,
-                         is_causal, scale?, need_weights) -> (out, lse, weights)
+                         is_causal, scale?, need_weights, dropout_p=0., dropout_seed?,
+                         window_left=-1, window_right=-1, softcap?, sinks?)
+        -> (out, lse, weights)
     masked_attn::backward(grad_out, grad_weights?, q, k, v, out, lse, attn_mask?,
                           key_padding_mask?, head_mask?, is_causal, scale?,
-                          head_mask_grad, mask_grad)
+                          head_mask_grad, mask_grad, dropout_p=0., dropout_seed?,
+                          window_left=-1, window_right=-1, softcap?, sinks?)
         -> (grad_q, grad_k, grad_v, grad_head_mask, grad_scores)
+
+dropout_seed is an int64 tensor (seed, offset) of shape (2,), required when
+dropout_p > 0: the keep mask is a function of it and of the element's
+(b, h, i, j) (Philox-4x32-10, csrc/attention/philox.h), so the op draws
+nothing and the backward, given the same seed, regenerates the same mask.
+new_dropout_seed() draws one from PyTorch's default generator.
+
+window_left / window_right: query i sees keys j in [i - left, i + right]
+(-1: that side unbounded), top-left aligned like is_causal. softcap: scores
+s -> softcap * tanh(s / softcap) before the masks are added. sinks (H,): one
+logit per head in every row's softmax denominator (no value); lse includes
+it. The sinks' gradient is not an output of the backward op: it is
+-sum_{b,i} exp(sink_h - lse) * rowsum(grad_out * out), computed here
+(sinks_backward) from what the forward saved.
 
 grad_scores (B, H, Lq, Lk) is dL/dS, the gradient of the additive masks, and
 is materialised only when mask_grad (a floating mask requires grad).
@@ -120,6 +137,13 @@ def use_isa(name: str | None) -> Iterator[None]:
         _clib.ma_isa_force(old)
 
 
+def new_dropout_seed() -> Tensor:
+    """(seed, offset), an int64 tensor of shape (2,) drawn from PyTorch's
+    default CPU generator: torch.manual_seed reproduces it, successive calls
+    differ, get_rng_state / set_rng_state replay it."""
+    return torch.randint(-(2 ** 63), 2 ** 63 - 1, (2,), dtype=torch.int64)
+
+
 def _lse_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -144,9 +168,10 @@ def _same_device(op: str, **tensors: Tensor | None) -> None:
 
 @torch.library.register_fake("masked_attn::forward")
 def _forward_fake(q, k, v, attn_mask=None, key_padding_mask=None, head_mask=None,
-                  is_causal=False, scale=None, need_weights=False):
+                  is_causal=False, scale=None, need_weights=False, dropout_p=0.0, dropout_seed=None,
+                  window_left=-1, window_right=-1, softcap=None, sinks=None):
     _same_device("forward", q=q, k=k, v=v, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
-                 head_mask=head_mask)
+                 head_mask=head_mask, dropout_seed=dropout_seed, sinks=sinks)
     torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
                  lambda: "masked_attn: q, k, v must be 4-D")
     B, H, Lq, _ = q.shape
@@ -160,10 +185,12 @@ def _forward_fake(q, k, v, attn_mask=None, key_padding_mask=None, head_mask=None
 @torch.library.register_fake("masked_attn::backward_into")
 def _backward_into_fake(grad_out, grad_weights, q, k, v, out, lse, attn_mask=None,
                         key_padding_mask=None, head_mask=None, is_causal=False, scale=None,
-                        head_mask_grad=False, mask_grad=False, grad_q=None, grad_k=None, grad_v=None):
+                        head_mask_grad=False, mask_grad=False, grad_q=None, grad_k=None, grad_v=None,
+                        dropout_p=0.0, dropout_seed=None, window_left=-1, window_right=-1, softcap=None,
+                        sinks=None):
     _same_device("backward_into", grad_out=grad_out, grad_weights=grad_weights, q=q, k=k, v=v, out=out, lse=lse,
                  attn_mask=attn_mask, key_padding_mask=key_padding_mask, head_mask=head_mask, grad_q=grad_q,
-                 grad_k=grad_k, grad_v=grad_v)
+                 grad_k=grad_k, grad_v=grad_v, dropout_seed=dropout_seed, sinks=sinks)
     B, H, Lq = q.shape[:3]
     acc = _lse_dtype(q.dtype)
     grad_hm = q.new_empty(B, H) if head_mask_grad else q.new_empty(0)
@@ -175,9 +202,11 @@ def _backward_into_fake(grad_out, grad_weights, q, k, v, out, lse, attn_mask=Non
 @torch.library.register_fake("masked_attn::backward")
 def _backward_fake(grad_out, grad_weights, q, k, v, out, lse, attn_mask=None,
                    key_padding_mask=None, head_mask=None, is_causal=False, scale=None,
-                   head_mask_grad=False, mask_grad=False):
+                   head_mask_grad=False, mask_grad=False, dropout_p=0.0, dropout_seed=None, window_left=-1,
+                   window_right=-1, softcap=None, sinks=None):
     _same_device("backward", grad_out=grad_out, grad_weights=grad_weights, q=q, k=k, v=v, out=out, lse=lse,
-                 attn_mask=attn_mask, key_padding_mask=key_padding_mask, head_mask=head_mask)
+                 attn_mask=attn_mask, key_padding_mask=key_padding_mask, head_mask=head_mask,
+                 dropout_seed=dropout_seed, sinks=sinks)
     B, H = q.shape[:2]
     grad_hm = q.new_empty(B, H) if head_mask_grad else q.new_empty(0)
 
@@ -193,37 +222,49 @@ def _backward_fake(grad_out, grad_weights, q, k, v, out, lse, attn_mask=None,
 # ---- autograd ------------------------------------------------------------
 
 def _forward_setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, scale, need_weights = inputs
+    defaults = (0.0, None, -1, -1, None, None)  # dropout_p, dropout_seed, window_left, window_right, softcap, sinks
+    (q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, scale, need_weights, dropout_p, dropout_seed,
+     window_left, window_right, softcap, sinks) = tuple(inputs) + defaults[len(inputs) - 9:]
     out, lse, weights = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask, head_mask)
-    ctx.is_causal, ctx.scale, ctx.need_weights = is_causal, scale, need_weights
+    # the weights are kept (not copied) only for the sinks' gradient through them
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed, sinks,
+                          weights if need_weights and sinks is not None else None)
+    ctx.is_causal, ctx.scale, ctx.need_weights, ctx.dropout_p = is_causal, scale, need_weights, dropout_p
+    ctx.window, ctx.softcap = (window_left, window_right), softcap
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
 
 
 def attention_backward(saved: Sequence[Tensor | None], needs: Sequence[bool], is_causal: bool,
                        scale: float | None, grad_out: Tensor | None, grad_weights: Tensor | None,
-                       into: Sequence[Tensor] | None = None) -> tuple[Tensor | None, ...]:
+                       into: Sequence[Tensor] | None = None, dropout_p: float = 0.0,
+                       dropout_seed: Tensor | None = None, *, window: tuple[int, int] = (-1, -1),
+                       softcap: float | None = None, sinks: Tensor | None = None) -> tuple[Tensor | None, ...]:
     """The backward of masked_attn::forward from what it saved.
 
     saved = (q, k, v, out, lse, attn_mask, key_padding_mask, head_mask);
+    dropout_p, dropout_seed = the forward's (the same mask is regenerated);
     needs = whether (attn_mask, key_padding_mask, head_mask) need a gradient;
     into = optional (grad_q, grad_k, grad_v) views to write the q/k/v
-    gradients into (masked_attn::backward_into). Returns (dq, dk, dv, d_attn_mask,
-    d_key_padding_mask, d_head_mask), masks' gradients reduced to their shapes.
+    gradients into (masked_attn::backward_into); window, softcap, sinks as
+    the forward got them. Returns (dq, dk, dv, d_attn_mask, d_key_padding_mask,
+    d_head_mask), masks' gradients reduced to their shapes (the sinks'
+    gradient: sinks_backward).
     """
-    q, k, v, out, lse, attn_mask, key_padding_mask, head_mask = saved
+    q, k, v, out, lse, attn_mask, key_padding_mask, head_mask = saved[:8]
     am_grad, kpm_grad, hm_grad = (m is not None and n for m, n in
                                   zip((attn_mask, key_padding_mask, head_mask), needs))
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     args = (grad_out, grad_weights, q, k, v, out, lse, attn_mask, key_padding_mask, head_mask,
             is_causal, scale, hm_grad, am_grad or kpm_grad)
+    extra = (float(dropout_p), dropout_seed if dropout_p > 0 else None, int(window[0]), int(window[1]), softcap,
+             sinks)
     if into is None:
-        dq, dk, dv, dhm, dscores = torch.ops.masked_attn.backward(*args)
+        dq, dk, dv, dhm, dscores = torch.ops.masked_attn.backward(*args, *extra)
     else:
         dq, dk, dv = into
-        dhm, dscores = torch.ops.masked_attn.backward_into(*args, dq, dk, dv)
+        dhm, dscores = torch.ops.masked_attn.backward_into(*args, dq, dk, dv, *extra)
     if hm_grad:
         dhm = (dhm.sum(0) if head_mask.dim() == 1 else dhm).to(head_mask.dtype)
     else:
@@ -278,11 +319,36 @@ def first_order_only(what: str, anchors: Iterable[object], *grads: Tensor | None
     return tuple(out)
 
 
+def sinks_backward(sinks: Tensor, lse: Tensor, out: Tensor, grad_out: Tensor | None,
+                   weights: Tensor | None = None, grad_weights: Tensor | None = None) -> Tensor:
+    """d loss / d sinks (H,) of masked_attn::forward: the sink's probability of
+    row i is P_sink,i = exp(sink_h - lse_i) (lse includes the sink), and
+    d sink_h = -sum_{b,i} P_sink,i delta_i, delta_i = sum_j P_ij dP_ij =
+    grad_out_i . out_i (+ sum_j weights_ij grad_weights_ij when the weights
+    were used). In the accumulation type, summed by torch in a fixed order."""
+    acc = lse.dtype
+    delta = torch.zeros_like(lse)
+    if grad_out is not None:
+        delta = delta + (grad_out.to(acc) * out.to(acc)).sum(-1)
+    if grad_weights is not None and weights is not None:
+        delta = delta + (weights.to(acc) * grad_weights.to(acc)).sum(-1)
+    p_sink = torch.exp(sinks.to(acc)[:, None] - lse)
+    p_sink = torch.where(lse == float("-inf"), torch.zeros_like(p_sink), p_sink)
+    return -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
+
+
 def _forward_backward(ctx, grad_out, grad_lse, grad_weights):
+    saved = ctx.saved_tensors
+    sinks, weights = saved[9], saved[10]
+    grad_weights = grad_weights if ctx.need_weights else None
     grads = attention_backward(
-        ctx.saved_tensors, _needs(ctx, 3, 4, 5), ctx.is_causal, ctx.scale, grad_out,
-        grad_weights if ctx.need_weights else None)
-    return first_order_only("masked attention", ctx.saved_tensors, *grads) + (None, None, None)
+        saved[:8], _needs(ctx, 3, 4, 5), ctx.is_causal, ctx.scale, grad_out, grad_weights,
+        dropout_p=ctx.dropout_p, dropout_seed=saved[8], window=ctx.window, softcap=ctx.softcap, sinks=sinks)
+    d_sinks = None
+    if sinks is not None and _needs(ctx, 14)[0] and (grad_out is not None or grad_weights is not None):
+        d_sinks = sinks_backward(sinks, saved[4], saved[3], grad_out, weights, grad_weights)
+    grads = first_order_only("masked attention", saved, *grads, d_sinks)
+    return grads[:6] + (None,) * 8 + grads[6:]
 
 
 torch.library.register_autograd(

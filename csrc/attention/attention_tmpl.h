@@ -15,7 +15,8 @@
  *
  * Where the masks are interpreted: FN(mask_value) (a bool or float element
  * into its additive form), FN(keys_read) (trailing key padding that is never
- * read), FN(kv_end) (causal block skipping), FN(mask_tile_state) (an
+ * read), FN(kv_range) and FN(q_range) (causal and window block skipping),
+ * FN(mask_tile_state) (an
  * attn_mask tile that blocks every entry is skipped, one that adds only
  * zeros is not added). Where they are applied: FN(add_bias), the only place
  * scores get their bias; head_mask in FN(head_scale) and the output/gradient
@@ -31,6 +32,13 @@
  * on row-wise scores s (nr, nc) = Q kT.
  * The forward saves only lse = m + log l per query; the backward recomputes
  * P = exp(S - lse).
+ *
+ * Dropout (masked_attn.h; philox.h): the keep mask of a tile is regenerated
+ * wherever it is needed by DROPOUT (the blocks' dropout_X), never stored:
+ * the forward drops (and rescales) P after the softmax statistics took it
+ * whole, before O += P V and before the weights are written; the backward
+ * drops dP = dO V^T (+ dW) before dS = P (hm dP - delta) and drops P before
+ * dV += (hm P')^T dO. FN(head_dropout) is NULL when dropout is off.
  */
 
 #include <math.h>
@@ -39,17 +47,22 @@
 #include "blocks.h"
 #include "common/dtype.h"
 #include "masked_attn.h"
+#include "philox.h"
 
 #ifdef MA_ACC_F64
 #define ACC double
 #define LOAD ma_load_f64
 #define STORE ma_store_f64
 #define LOG log
+#define EXPF exp
+#define TANH tanh
 #else
 #define ACC float
 #define LOAD ma_load_f32
 #define STORE ma_store_f32
 #define LOG logf
+#define EXPF expf
+#define TANH tanhf
 #endif
 #define GEMM BLK(gemm)
 #define GEMM_ROWSCALE BLK(gemm_rowscale)
@@ -60,6 +73,7 @@
 #define ROW_MAX BLK(row_max)
 #define DOT_KEYS BLK(dot_keys)
 #define AXPY_KEYS BLK(axpy_keys)
+#define DROPOUT BLK(dropout)
 
 /* ---- tiles ----------------------------------------------------------------- */
 
@@ -267,9 +281,10 @@ static int FN(mask_tile_state)(const ma_mask *m, int64_t b, int64_t h, int64_t i
  * s[r * rs + c * cs]: rs = nc, cs = 1 for row-wise s (nr, nc), rs = 1,
  * cs = nr for transposed sT (nc, nr). am_state is FN(mask_tile_state) of
  * the tile: MA_TILE_ZERO adds nothing from am (s + 0 = s: the same values). */
-static void FN(add_bias)(ACC *s, int64_t rs, int64_t cs, const ma_mask *am, int am_state, const ma_mask *kpm,
-                         int64_t lo, int64_t hi, int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0,
-                         int64_t nc) {
+static void FN(add_bias)(ACC *s, int64_t rs, int64_t cs, const ma_attn_args *a, int am_state, int64_t b,
+                         int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t nc) {
+    const ma_mask *am = &a->attn_mask, *kpm = &a->key_padding_mask;
+    const int64_t lo = a->band_lo, hi = a->band_hi;
     if (kpm->ptr) {
         const int64_t base = b * kpm->stride[0] + j0 * kpm->stride[1];
         if (cs == 1) { /* row-wise: the keys' biases as one row, added to every row */
@@ -322,6 +337,29 @@ static void FN(add_bias)(ACC *s, int64_t rs, int64_t cs, const ma_mask *am, int 
     }
 }
 
+/* Soft-capping of n scores before their bias: s = c tanh(s / c), c > 0 (a
+ * c of 0 leaves s alone). th, when not NULL, keeps tanh(s / c) for the
+ * backward's factor 1 - tanh^2 (FN(softcap_grad)). */
+static void FN(softcap)(ACC *s, int64_t n, double cap, ACC *th) {
+    if (cap <= 0) return;
+    const ACC c = (ACC)cap, inv = (ACC)(1.0 / cap);
+    if (th)
+        for (int64_t x = 0; x < n; x++) {
+            th[x] = TANH(s[x] * inv);
+            s[x] = c * th[x];
+        }
+    else
+        for (int64_t x = 0; x < n; x++) s[x] = c * TANH(s[x] * inv);
+}
+
+/* dS -> dS (1 - th^2): the gradient of the capped product from the gradient
+ * of the score, over n elements. An exact 0 stays 0 (th of a never-computed
+ * entry, such as the skipped quarter of a split diagonal tile, may be stale). */
+static void FN(softcap_grad)(ACC *ds, const ACC *th, int64_t n, double cap) {
+    if (cap <= 0) return;
+    for (int64_t x = 0; x < n; x++) ds[x] = ds[x] == 0 ? ds[x] : ds[x] * (1 - th[x] * th[x]);
+}
+
 /* How many of the keys j0 .. j0 + nc - 1 of batch b the kernels read: all
  * but the trailing ones that key padding blocks (-inf). Those have
  * probability exactly 0 for every query, so they are never read, and NaN or
@@ -345,21 +383,35 @@ static inline ACC FN(head_scale)(const ma_mask *hm, int64_t b, int64_t h) {
     return hm->ptr ? LOAD(hm->ptr, hm->dtype, b * hm->stride[0] + h * hm->stride[1]) : (ACC)1;
 }
 
-/* Keys a query block [i0, i0 + nr) can see: [kv_begin, kv_end), kv_begin
- * rounded down to a key block (the key blocks stay on one grid). */
-static inline int64_t FN(kv_end)(const ma_attn_args *a, int64_t i0, int64_t nr) {
-    return a->band_hi < MA_BAND_INF ? ma_min(a->Lk, i0 + nr + a->band_hi) : a->Lk;
-}
-static inline int64_t FN(kv_begin)(const ma_attn_args *a, int64_t i0) {
-    return a->band_lo > -MA_BAND_INF && i0 + a->band_lo > 0 ? (i0 + a->band_lo) / a->block_k * a->block_k : 0;
+/* The dropout of head (b, h) in *d, or NULL when the call has none. */
+static inline const ma_dropout *FN(head_dropout)(const ma_attn_args *a, int64_t b, int64_t h, ma_dropout *d) {
+    if (!ma_dropout_on(a)) return NULL;
+    *d = ma_dropout_head(a, b, h);
+    return d;
 }
 
-/* Queries that can see some key of [j0, j0 + nc): [q_begin, q_end). */
-static inline int64_t FN(q_begin)(const ma_attn_args *a, int64_t j0) {
-    return a->band_hi < MA_BAND_INF && j0 - a->band_hi > 0 ? j0 - a->band_hi : 0;
+/* x[e] *= z[e] (z from DROPOUT's multiplier form, 1 / (1 - p) or 0): the
+ * same values as DROPOUT applied to x itself. */
+static inline void FN(apply_dropout)(ACC *restrict x, const ACC *restrict z, int64_t n) {
+    for (int64_t e = 0; e < n; e++) x[e] *= z[e];
 }
-static inline int64_t FN(q_end)(const ma_attn_args *a, int64_t j0, int64_t nc) {
-    return a->band_lo > -MA_BAND_INF ? ma_min(a->Lq, j0 + nc - a->band_lo) : a->Lq;
+
+/* Keys a query block [i0, i0 + nr) can see in the band: [*j_begin, *j_end),
+ * j_begin a multiple of block_k (the key blocks stay those of a call without
+ * a band), j_end where the last query's band ends. Key blocks outside are
+ * never read. (An empty range, j_end <= j_begin, leaves the rows fully masked.) */
+static inline void FN(kv_range)(const ma_attn_args *a, int64_t i0, int64_t nr, int64_t *j_begin, int64_t *j_end) {
+    *j_end = a->band_hi < MA_BAND_INF ? ma_min(a->Lk, i0 + nr + a->band_hi) : a->Lk;
+    *j_begin = a->band_lo > -MA_BAND_INF && i0 + a->band_lo > 0 ? (i0 + a->band_lo) / a->block_k * a->block_k : 0;
+}
+
+/* Queries that can see keys [j0, j0 + nc): query blocks from *i_begin (j0
+ * itself under a causal band_hi of 0, where the diagonal tiles split; else a
+ * multiple of block_q) to below *i_end. */
+static inline void FN(q_range)(const ma_attn_args *a, int64_t j0, int64_t nc, int64_t *i_begin, int64_t *i_end) {
+    const int64_t first = a->band_hi < MA_BAND_INF ? j0 - a->band_hi : 0; /* the first query j0 can see */
+    *i_begin = first <= 0 ? 0 : a->band_hi == 0 ? first : first / a->block_q * a->block_q;
+    *i_end = a->band_lo > -MA_BAND_INF ? ma_min(a->Lq, j0 + nc - a->band_lo) : a->Lq;
 }
 
 /* Where row 0 of head (b, h) of lse, delta, dhm_rows is (ma_attn_args.stat_stride). */
@@ -422,8 +474,8 @@ static int64_t FN(seq_args)(ma_attn_args *a, int64_t b, int64_t *k0) {
     a->v = FN(elem_at)(a->v, a->dtype, *k0 * a->v_stride[2]);
     a->Lq = Lq, a->Lk = Lk;
     /* bottom-right aligned: the diagonal of query i is key i + Lk - Lq */
-    a->band_lo = a->win_left >= 0 ? Lk - Lq - a->win_left : -MA_BAND_INF;
-    a->band_hi = a->win_right >= 0 ? Lk - Lq + a->win_right : MA_BAND_INF;
+    a->band_lo = a->window_left >= 0 ? Lk - Lq - a->window_left : -MA_BAND_INF;
+    a->band_hi = a->window_right >= 0 ? Lk - Lq + a->window_right : MA_BAND_INF;
     return q0;
 }
 
@@ -622,17 +674,19 @@ static void FN(sum_rows_in_order)(const ACC *s, int64_t nc, int64_t nr, ACC *lsu
  * the tile's FN(mask_tile_state) (the loop skips MA_TILE_BLOCKED). */
 static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s, ACC *o, ACC *m, ACC *l, ACC *m_new,
                               ACC *lsum, ACC *alpha, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t nr,
-                              int64_t j0, int64_t nc, int am_state) {
+                              int64_t j0, int64_t nc, int am_state, const ma_dropout *dr) {
     const int64_t D = p->a.D, Dv = p->a.Dv, *ks = p->a.k_stride, *vs = p->a.v_stride;
     DOT_KEYS(s, nc, q, nr, D, p->a.k, p->a.dtype, b * ks[0] + hk * ks[1] + FN(key_off)(&p->a, ks, p->a.k_page_stride, b, j0),
              ks[2], nc);
-    FN(add_bias)(s, nc, 1, &p->a.attn_mask, am_state, &p->a.key_padding_mask, p->a.band_lo, p->a.band_hi, b, h, i0, nr, j0, nc);
+    FN(softcap)(s, nr * nc, p->a.softcap, NULL);
+    FN(add_bias)(s, nc, 1, &p->a, am_state, b, h, i0, nr, j0, nc);
     for (int64_t r = 0; r < nr; r++) {
         m_new[r] = ROW_MAX(s + r * nc, nc, m[r]);
         (void)EXP_SUB_SUM(s + r * nc, nc, m_new[r] == -(ACC)INFINITY ? 0 : m_new[r]);
     }
     FN(sum_rows_in_order)(s, nc, nr, lsum);
     if (FN(online_step)(m, m_new, l, lsum, alpha, nr)) FN(scale_rows)(o, Dv, nr, Dv, alpha);
+    if (dr) DROPOUT(s, NULL, nc, 1, nr, nc, dr, i0, j0); /* l summed the whole P; O takes P' */
     AXPY_KEYS(o, s, nc, nr, Dv, p->a.v, p->a.dtype, b * vs[0] + hk * vs[1] + FN(key_off)(&p->a, vs, p->a.v_page_stride, b, j0),
               vs[2], nc);
 }
@@ -774,8 +828,11 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
         gen.p = p;
         const int64_t Lq = p->a.Lq, Lk = p->a.Lk, hk = h / G;
         const int64_t i0 = qb * BQ, nr = ma_min(BQ, Lq - i0);
-        const int64_t kv_begin = FN(kv_begin)(&p->a, i0), kv_end = FN(kv_end)(&p->a, i0, nr);
+        int64_t kv_begin, kv_end;
+        FN(kv_range)(&p->a, i0, nr, &kv_begin, &kv_end);
         const int by_rows = FN(fwd_by_rows)(p, nr);
+        ma_dropout dr_buf;
+        const ma_dropout *dr = FN(head_dropout)(&p->a, b, h, &dr_buf);
 
         if (by_rows) /* scale * Q rows, (nr, D), in qT's place */
             for (int64_t r = 0; r < nr; r++)
@@ -796,12 +853,14 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
             const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
             if (ms == MA_TILE_BLOCKED) continue; /* contributes exactly 0 */
             if (by_rows) {
-                FN(fwd_rows_step)(p, t.qT, t.sT, t.o, t.m, t.l, t.m_new, t.lsum, t.lse, b, h, hk, i0, nr, j0, nc, ms);
+                FN(fwd_rows_step)(p, t.qT, t.sT, t.o, t.m, t.l, t.m_new, t.lsum, t.lse, b, h, hk, i0, nr, j0, nc, ms,
+                                  dr);
                 continue;
             }
             /* sT = K (scale Q)^T + bias^T */
             FWD_STEP(scores, t.sT, i0, j0, nc);
-            FN(add_bias)(t.sT, 1, nr, &p->a.attn_mask, ms, &p->a.key_padding_mask, p->a.band_lo, p->a.band_hi, b, h, i0, nr, j0, nc);
+            FN(softcap)(t.sT, nc * nr, p->a.softcap, NULL);
+            FN(add_bias)(t.sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
             /* online softmax: m_new = max(m, colmax sT); P = exp(sT - m_new); l, O rescaled */
             for (int64_t r = 0; r < nr; r++) {
                 t.m_new[r] = t.m[r];
@@ -811,19 +870,31 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
             EXP_SUB_COL(t.sT, nc, nr, t.m_new, t.lsum);
             /* alpha (in t.lse for now), or NULL where no row's max moved */
             const ACC *alpha = FN(online_step)(t.m, t.m_new, t.l, t.lsum, t.lse, nr) ? t.lse : NULL;
+            /* dropout: l summed the whole P; O takes P' = P Z / (1 - p) */
+            if (dr) DROPOUT(t.sT, NULL, 1, nr, nr, nc, dr, i0, j0);
             /* O = alpha O + P V */
             FWD_STEP(pv, t.o, alpha, t.sT, i0, j0, nc);
         }
 
-        /* out = hm * O / l;  lse = m + log l.  A fully masked row (l = 0) gives 0 and -inf. */
+        /* out = hm * O / l;  lse = m + log l.  A fully masked row (l = 0) gives 0 and -inf.
+         * With a sink (-inf: none): l' = l exp(m - M) + exp(sink - M), M = max(m, sink);
+         * out = hm * exp(m - M) O / l', lse = M + log l'; a fully masked row gives 0 and sink. */
         const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
+        const ACC sink = p->a.sinks.ptr ? LOAD(p->a.sinks.ptr, p->a.sinks.dtype, h * p->a.sinks.stride[0])
+                                        : -(ACC)INFINITY;
         ACC *lse_bh = (ACC *)p->lse + FN(stat_row0)(&p->a, b, h);
         ACC *o = by_rows ? t.o : FWD_STEP(o_rows, t.o);
         for (int64_t r = 0; r < nr; r++) {
             ACC *o_r = o + r * Dv;
             if (t.l[r] == 0) {
                 for (int64_t d = 0; d < Dv; d++) o_r[d] = 0;
-                t.lse[r] = -(ACC)INFINITY;
+                t.lse[r] = sink;
+            } else if (sink != -(ACC)INFINITY) {
+                const ACC M = t.m[r] >= sink ? t.m[r] : sink; /* NaN sink: NaN */
+                const ACC a_m = EXPF(t.m[r] - M), l = t.l[r] * a_m + EXPF(sink - M);
+                const ACC inv = hm * a_m / l;
+                for (int64_t d = 0; d < Dv; d++) o_r[d] *= inv;
+                t.lse[r] = M + LOG(l);
             } else {
                 const ACC inv = hm / t.l[r];
                 for (int64_t d = 0; d < Dv; d++) o_r[d] *= inv;
@@ -839,15 +910,19 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
             const int64_t w_st[4] = {H * Lq * Lk, Lq * Lk, Lk, 1};
             for (int64_t j0 = 0; j0 < Lk; j0 += BK) {
                 const int64_t nw = ma_min(BK, Lk - j0); /* weights written */
-                int64_t nc = j0 < kv_end ? FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(nw, kv_end - j0)) : 0;
+                int64_t nc = j0 >= kv_begin && j0 < kv_end
+                                 ? FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(nw, kv_end - j0))
+                                 : 0;
                 const int ms = nc > 0 ? FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc) : MA_TILE_BLOCKED;
                 if (ms == MA_TILE_BLOCKED) nc = 0;
                 if (nc > 0) {
                     int64_t ldk;
                     const ACC *k_j = FN(rows_in)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, gen.k_bh, D, &ldk);
                     GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
-                    FN(add_bias)(t.sT, 1, nr, &p->a.attn_mask, ms, &p->a.key_padding_mask, p->a.band_lo, p->a.band_hi, b, h, i0, nr, j0, nc);
+                    FN(softcap)(t.sT, nc * nr, p->a.softcap, NULL);
+                    FN(add_bias)(t.sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
                     EXP_SUB_COL(t.sT, nc, nr, t.m_new, t.lsum);
+                    if (dr) DROPOUT(t.sT, NULL, 1, nr, nr, nc, dr, i0, j0); /* the weights after dropout */
                 }
                 for (int64_t r = 0; r < nr; r++) /* keys not read: weight 0 */
                     for (int64_t c = 0; c < nw; c++)
@@ -886,6 +961,8 @@ typedef struct {
     ACC *kT, *vT, *gbuf, *s, *dp, *dk, *dv;
     /* per query row */
     ACC *lse, *delta, *dhm, *tmp;
+    ACC *z; /* (BQ, BK) dropout multipliers of a row-wise tile (DROPOUT's z form) */
+    ACC *th; /* softcap's tanh of the tile's scores */
     ACC *extra;
 } FN(bwd_scratch);
 
@@ -909,12 +986,14 @@ static FN(bwd_scratch) FN(bwd_carve)(void *scratch, int64_t BQ, int64_t BK, int6
     t.delta = x; x += BQ;
     t.dhm = x;  x += BQ;
     t.tmp = x;  x += BQ;
+    t.z = x;    x += BQ * BK;
+    t.th = x;   x += BQ * BK;  /* (BQ, BK) or (BK, BQ): tanh of the capped scores (softcap) */
     t.extra = x;               /* the pass's own regions, see bwd_extra_elems */
     return t;
 }
 
 static inline size_t FN(bwd_scratch_elems)(int64_t BQ, int64_t BK, int64_t D, int64_t Dv) {
-    return (size_t)(2 * D * BQ + 2 * Dv * BQ + 3 * BK * D + 2 * BK * Dv + 4 * BK * BQ + 4 * BQ);
+    return (size_t)(2 * D * BQ + 2 * Dv * BQ + 3 * BK * D + 2 * BK * Dv + 6 * BK * BQ + 4 * BQ);
 }
 
 /* Elements after the tiles that each backward pass carves from t.extra:
@@ -1016,8 +1095,11 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
         const ma_attn_bwd_params *p = FN(bwd_seq)(p0, b, &loc); /* entry b's extent */
         const int64_t Lq = p->a.Lq, Lk = p->a.Lk, hk = h / G;
         const int64_t i0 = qb * BQ, nr = ma_min(BQ, Lq - i0);
-        const int64_t kv_begin = FN(kv_begin)(&p->a, i0), kv_end = FN(kv_end)(&p->a, i0, nr);
+        int64_t kv_begin, kv_end;
+        FN(kv_range)(&p->a, i0, nr, &kv_begin, &kv_end);
         const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
+        ma_dropout dr_buf;
+        const ma_dropout *dr = FN(head_dropout)(&p->a, b, h, &dr_buf);
         const ACC *k_bh = FN(needs_copy)(p->a.dtype, p->a.k_stride)
                               ? FN(head_cache)(&hdr->tag[0], kc, p->a.k, p->a.dtype, p->a.k_stride, b, hk, 1, Lk, D)
                               : NULL;
@@ -1032,6 +1114,10 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
         for (int64_t r = 0; r < nr; r++) {
             t.lse[r] = FN(finite_or_zero)(lse_bh[i0 + r]);
             t.dhm[r] = 0;
+            if (p->exact_delta) { /* delta_i = hm sum_j P_ij (g_i . v_j + dW_ij), summed below */
+                t.delta[r] = 0;
+                continue;
+            }
             /* delta_i = g_i . out_i  (+ hm * sum_j P_ij dW_ij below) */
             ACC *o_r = t.gbuf;
             FN(convert_row)(o_r, 1, p->out, p->a.dtype,
@@ -1041,7 +1127,7 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
             for (int64_t d = 0; d < Dv; d++) dot += t.gT[d * nr + r] * o_r[d];
             t.delta[r] = dot;
         }
-        if (p->dweights) {
+        if (p->dweights || p->exact_delta) {
             for (int64_t j0 = kv_begin; j0 < kv_end; j0 += BK) {
                 const int64_t nc = FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
                 if (nc == 0) continue;
@@ -1050,10 +1136,18 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
                 int64_t ldk;
                 const ACC *k_j = FN(rows_in)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, k_bh, D, &ldk);
                 GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
-                FN(add_bias)(t.sT, 1, nr, &p->a.attn_mask, ms, &p->a.key_padding_mask, p->a.band_lo, p->a.band_hi, b, h, i0, nr, j0, nc);
+                FN(softcap)(t.sT, nc * nr, p->a.softcap, NULL);
+                FN(add_bias)(t.sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
                 EXP_SUB_COL(t.sT, nc, nr, t.lse, t.tmp);
-                for (int64_t x = 0; x < nc * nr; x++) t.dpT[x] = 0;
-                FN(add_dweights)(t.dpT, 1, nr, p, b, h, i0, nr, j0, nc);
+                if (p->exact_delta) { /* dP^T = V dO^T */
+                    int64_t ldv;
+                    const ACC *v_j = FN(rows_in)(p->a.v, p->a.dtype, p->a.v_stride, b, hk, j0, v_bh, Dv, &ldv);
+                    GEMM(nc, nr, Dv, v_j, ldv, 1, t.gT, nr, t.dpT, nr, 0);
+                } else {
+                    for (int64_t x = 0; x < nc * nr; x++) t.dpT[x] = 0;
+                }
+                if (p->dweights) FN(add_dweights)(t.dpT, 1, nr, p, b, h, i0, nr, j0, nc);
+                if (dr) DROPOUT(t.dpT, NULL, 1, nr, nr, nc, dr, i0, j0); /* P' (dP + dW) = P (Z (dP + dW) / (1 - p)) */
                 for (int64_t r = 0; r < nr; r++) {
                     ACC dot = 0;
                     for (int64_t c = 0; c < nc; c++) dot += t.sT[c * nr + r] * t.dpT[c * nr + r];
@@ -1074,13 +1168,16 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
             const ACC *v_j = FN(rows_in)(p->a.v, p->a.dtype, p->a.v_stride, b, hk, j0, v_bh, Dv, &ldv);
             /* P^T = exp(K (scale Q)^T + bias^T - lse) */
             GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
-            FN(add_bias)(t.sT, 1, nr, &p->a.attn_mask, ms, &p->a.key_padding_mask, p->a.band_lo, p->a.band_hi, b, h, i0, nr, j0, nc);
+            FN(softcap)(t.sT, nc * nr, p->a.softcap, t.th);
+            FN(add_bias)(t.sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
             EXP_SUB_COL(t.sT, nc, nr, t.lse, t.tmp);
             /* dP^T = V dO^T (+ dW^T);  dS^T = P^T (hm dP^T - delta) */
             GEMM(nc, nr, Dv, v_j, ldv, 1, t.gT, nr, t.dpT, nr, 0);
             if (p->dweights) FN(add_dweights)(t.dpT, 1, nr, p, b, h, i0, nr, j0, nc);
+            if (dr) DROPOUT(t.dpT, NULL, 1, nr, nr, nc, dr, i0, j0); /* dP = (dO V^T + dW) Z / (1 - p) */
             FN(dscores)(t.dpT, t.sT, 1, nr, t.delta, p->dhm_rows ? t.dhm : NULL, hm, nr, nc);
             if (p->dscores) FN(store_dscores)(p, t.dpT, 1, nr, b, h, i0, nr, j0, nc);
+            FN(softcap_grad)(t.dpT, t.th, nc * nr, p->a.softcap); /* through the cap: dS (1 - tanh^2) */
             /* dQ += dS K */
             GEMM(nr, D, nc, t.dpT, 1, nr, k_j, ldk, t.dq, D, 1);
         }
@@ -1151,13 +1248,21 @@ static void FN(gen_bwd_dkdv_at)(const FN(bwd_scratch) *t, const ma_attn_bwd_para
  * -inf already 0); dhm_r gets the head mask's row sums when not NULL;
  * am_state is the tile's FN(mask_tile_state) (never MA_TILE_BLOCKED: the
  * loops skip those tiles). */
-static void FN(bwd_tile_softmax)(ACC *s, ACC *dp, const ma_attn_bwd_params *p, int64_t b, int64_t h, ACC hm,
+static void FN(bwd_tile_softmax)(ACC *s, ACC *dp, ACC *th, const ma_attn_bwd_params *p, int64_t b, int64_t h, ACC hm,
                                  int64_t i0, int64_t nr, int64_t j0, int64_t nc, int am_state, const ACC *lse_r,
-                                 const ACC *delta_r, ACC *dhm_r) {
-    FN(add_bias)(s, nc, 1, &p->a.attn_mask, am_state, &p->a.key_padding_mask, p->a.band_lo, p->a.band_hi, b, h, i0, nr, j0, nc);
+                                 const ACC *delta_r, ACC *dhm_r, const ma_dropout *dr, ACC *z, int store_ds) {
+    FN(softcap)(s, nr * nc, p->a.softcap, th);
+    FN(add_bias)(s, nc, 1, &p->a, am_state, b, h, i0, nr, j0, nc);
     for (int64_t r = 0; r < nr; r++) (void)EXP_SUB_SUM(s + r * nc, nc, lse_r[r]);
     if (p->dweights) FN(add_dweights)(dp, nc, 1, p, b, h, i0, nr, j0, nc);
+    if (dr) { /* one mask for both: dP' = dP Z / (1 - p) before dS, P' = P Z / (1 - p) after it */
+        DROPOUT(NULL, z, nc, 1, nr, nc, dr, i0, j0);
+        FN(apply_dropout)(dp, z, nr * nc);
+    }
     FN(dscores)(dp, s, nc, 1, delta_r, dhm_r, hm, nr, nc);
+    if (dr) FN(apply_dropout)(s, z, nr * nc);
+    if (store_ds && p->dscores) FN(store_dscores)(p, dp, nc, 1, b, h, i0, nr, j0, nc);
+    FN(softcap_grad)(dp, th, nr * nc, p->a.softcap); /* through the cap: dS (1 - tanh^2) */
     if (hm != 1)
         for (int64_t x = 0; x < nr * nc; x++) s[x] *= hm;
 }
@@ -1166,10 +1271,10 @@ static void FN(bwd_tile_softmax)(ACC *s, ACC *dp, const ma_attn_bwd_params *p, i
 static void FN(bwd_key_tile)(const FN(bwd_scratch) *t, const ma_attn_bwd_params *p, int64_t b, int64_t h, ACC hm,
                              int64_t i0, int64_t nr, int64_t j0, int64_t nc, int am_state, const ACC *q_i,
                              int64_t ldq, const ACC *g_i, int64_t ldg, const ACC *lse_r, const ACC *delta_r,
-                             ACC *dhm_r) {
+                             ACC *dhm_r, const ma_dropout *dr) {
     FN(gen_bwd_scores_at)(t, p, i0, nr, j0, nc, q_i, ldq);
     FN(gen_bwd_dp_at)(t, p, i0, nr, j0, nc, g_i, ldg);
-    FN(bwd_tile_softmax)(t->s, t->dp, p, b, h, hm, i0, nr, j0, nc, am_state, lse_r, delta_r, dhm_r);
+    FN(bwd_tile_softmax)(t->s, t->dp, t->th, p, b, h, hm, i0, nr, j0, nc, am_state, lse_r, delta_r, dhm_r, dr, t->z, 0);
     FN(gen_bwd_dkdv_at)(t, p, i0, nr, j0, nc, q_i, ldq, g_i, ldg);
 }
 
@@ -1204,16 +1309,19 @@ static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
         if (nc > 0) {
             FN(load_tile_t)(t.kT, p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, nc, D, (ACC)p->a.scale);
             FN(load_tile_t)(t.vT, p->a.v, p->a.dtype, p->a.v_stride, b, hk, j0, nc, Dv, 1);
-            /* only the queries in [i_begin, i_end) see these keys (causal: i >= j0) */
-            const int64_t i_begin = FN(q_begin)(&p->a, j0), i_end = FN(q_end)(&p->a, j0, nc);
+            /* queries i < j0 see none of these keys under the causal mask, nor those outside the band */
+            int64_t i_begin, i_end;
+            FN(q_range)(&p->a, j0, nc, &i_begin, &i_end);
             for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
                 const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
+                ma_dropout dr_buf;
+                const ma_dropout *dr = FN(head_dropout)(&p->a, b, h, &dr_buf);
                 const ACC *lse_bh = (const ACC *)p->lse + FN(stat_row0)(&p->a, b, h);
                 const ACC *delta_bh = (const ACC *)p->delta + FN(stat_row0)(&p->a, b, h);
                 const ACC *q_bh = q_bg ? q_bg + (h - hk * G) * Lq * D : NULL;
                 const ACC *g_bh = g_bg ? g_bg + (h - hk * G) * Lq * Dv : NULL;
                 for (int64_t i0 = i_begin; i0 < i_end; i0 += BQ) {
-                    const int64_t nr = ma_min(BQ, i_end - i0);
+                    const int64_t nr = ma_min(BQ, Lq - i0);
                     const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
                     if (ms == MA_TILE_BLOCKED) continue; /* dS = 0, hm P = 0: dk, dv unchanged */
                     int64_t ldq, ldg;
@@ -1221,7 +1329,7 @@ static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
                     const ACC *g_i = FN(rows_in)(p->dout, p->a.dtype, p->dout_stride, b, h, i0, g_bh, Dv, &ldg);
                     for (int64_t r = 0; r < nr; r++) t.lse[r] = FN(finite_or_zero)(lse_bh[i0 + r]);
                     FN(bwd_key_tile)(&t, p, b, h, hm, i0, nr, j0, nc, ms, q_i, ldq, g_i, ldg, t.lse, delta_bh + i0,
-                                     NULL);
+                                     NULL, dr);
                 }
             }
         }
@@ -1386,19 +1494,22 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
             for (int64_t x = 0; x < nc_out * Dv; x++) t.dv[x] = 0;
             if (nc > 0) {
                 BWD_STEP(keys, j0, nc);
-                const int64_t i_begin = FN(q_begin)(&p->a, j0); /* dense only: no lower band bound */
+                int64_t i_begin, i_end;
+                FN(q_range)(&p->a, j0, nc, &i_begin, &i_end);
                 for (int64_t g = 0; g < G; g++) {
                     const int64_t h = hk * G + g;
                     const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
-                    for (int64_t i0 = i_begin; i0 < Lq; i0 += BQ) {
+                    ma_dropout dr_buf;
+                    const ma_dropout *dr = FN(head_dropout)(&p->a, b, h, &dr_buf);
+                    for (int64_t i0 = i_begin; i0 < i_end; i0 += BQ) {
                         const int64_t nr = ma_min(BQ, Lq - i0);
                         const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
                         if (ms == MA_TILE_BLOCKED) continue; /* dS = 0, hm P = 0: nothing to add; dscores stays 0 */
                         BWD_STEP(scores, g, h, i0, nr);
                         BWD_STEP(dp, g, h, i0, nr);
-                        FN(bwd_tile_softmax)(t.s, t.dp, p, b, h, hm, i0, nr, j0, nc, ms, lse_all + g * Lq + i0,
-                                             delta_all + g * Lq + i0, p->dhm_rows ? dhm_all + g * Lq + i0 : NULL);
-                        if (p->dscores) FN(store_dscores)(p, t.dp, nc, 1, b, h, i0, nr, j0, nc);
+                        FN(bwd_tile_softmax)(t.s, t.dp, t.th, p, b, h, hm, i0, nr, j0, nc, ms, lse_all + g * Lq + i0,
+                                             delta_all + g * Lq + i0, p->dhm_rows ? dhm_all + g * Lq + i0 : NULL, dr,
+                                             t.z, 1);
                         BWD_STEP(accum, dq_acc + (g * Lq + i0) * D, g, h, i0, nr);
                     }
                 }
@@ -1465,6 +1576,8 @@ const ma_attn_kernels FN(ma_attn_kernels) = {FN(attn_fwd),          FN(attn_bwd_
 #undef LOAD
 #undef STORE
 #undef LOG
+#undef EXPF
+#undef TANH
 #undef GEMM
 #undef GEMM_ROWSCALE
 #undef EXP_SUB_SUM
@@ -1474,6 +1587,7 @@ const ma_attn_kernels FN(ma_attn_kernels) = {FN(attn_fwd),          FN(attn_bwd_
 #undef ROW_MAX
 #undef DOT_KEYS
 #undef AXPY_KEYS
+#undef DROPOUT
 #undef FN
 #undef BLK
 #undef MA_ACC_F64

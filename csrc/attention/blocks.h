@@ -24,6 +24,11 @@
  *   axpy_keys_X(o, p, ldp, nr, Dv, v, dt, off, ld, nc)
  *       o[r*Dv + d] += sum_c p[r*ldp + c] v[off + c*ld + d], v in its own dtype,
  *       in gemm_X's order
+ *   dropout_X(x, z, rs, cs, nr, nc, d, i0, j0)
+ *       dropout of the elements (i0 + r, j0 + c) of one head, element (r, c)
+ *       at [r * rs + c * cs], m = kept ? scale : 0: z NULL: x = x * m in
+ *       place, else z = m; kept as philox.h defines it, bit for bit the same
+ *       in every variant (the mask and the one rounding of x * m)
  *   and, optionally (with #define MA_BLK_STREAM), stream_row_f32_X(y, src, n,
  *   mul): y[c] = mul * src[c] with non-temporal stores (y 64-byte aligned,
  *   n % 16 == 0), and stream_fence_X().
@@ -51,6 +56,7 @@
 #include <stdint.h>
 
 #include "masked_attn.h"
+#include "philox.h"
 
 /* The float building blocks of one instruction set, for the C harness
  * (tests/c/test_blocks.c checks every variant against the scalar reference). */
@@ -69,11 +75,13 @@ typedef struct {
                       int64_t off, int64_t ld, int64_t nc);
     void (*gemm_rowscale)(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs,
                           const float *B, int64_t ldb, float *C, int64_t ldc, const float *rs);
+    void (*dropout)(float *x, float *z, int64_t rs, int64_t cs, int64_t nr, int64_t nc, const ma_dropout *d,
+                    int64_t i0, int64_t j0);
 } ma_blocks;
 
 #define MA_ATTN_BLOCKS(X)                                                                                     \
     {#X, gemm_##X, exp_sub_sum_##X, col_max_##X, exp_sub_col_##X, transpose_##X, row_max_##X, dot_keys_##X, \
-     axpy_keys_##X, gemm_rowscale_##X}
+     axpy_keys_##X, gemm_rowscale_##X, dropout_##X}
 
 extern const ma_blocks ma_blocks_scalar, ma_blocks_avx2, ma_blocks_avx512;
 extern const ma_blocks ma_blocks_amx2, ma_blocks_amx3; /* GEMM only: 3 and 6 bf16 products */

@@ -33,6 +33,7 @@
 #include "common/dtype.h"
 #include "common/simd.h"
 #include "masked_attn.h"
+#include "philox.h"
 
 /* lanes [0, n) set, n clamped to [0, 8] */
 static inline __m256i tail_mask(int64_t n) {
@@ -313,6 +314,83 @@ static void axpy_keys_avx2(float *o, const float *p, int64_t ldp, int64_t nr, in
 }
 
 /* non-temporal stores of whole float32 rows (store_tile, stream_stores) */
+/* Philox-4x32-10 (philox.h) on 8 counters side by side, lane l = query row
+ * i + l: c (4 vectors of 8 words) in place. */
+static inline __attribute__((always_inline)) __m256i philox_mulhilo_avx2(__m256i a, __m256i m, __m256i *lo) {
+    const __m256i pe = _mm256_mul_epu32(a, m), po = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m);
+    *lo = _mm256_blend_epi32(pe, _mm256_slli_epi64(po, 32), 0xAA);
+    return _mm256_blend_epi32(_mm256_srli_epi64(pe, 32), po, 0xAA);
+}
+
+static inline __attribute__((always_inline)) void philox_avx2(__m256i c[4], uint32_t k0, uint32_t k1) {
+    const __m256i m0 = _mm256_set1_epi32((int)MA_PHILOX_M0), m1 = _mm256_set1_epi32((int)MA_PHILOX_M1);
+    for (int round = 0; round < 10; round++) {
+        __m256i lo0, lo1;
+        const __m256i hi0 = philox_mulhilo_avx2(c[0], m0, &lo0), hi1 = philox_mulhilo_avx2(c[2], m1, &lo1);
+        c[0] = _mm256_xor_si256(_mm256_xor_si256(hi1, c[1]), _mm256_set1_epi32((int)k0));
+        c[1] = lo1;
+        c[2] = _mm256_xor_si256(_mm256_xor_si256(hi0, c[3]), _mm256_set1_epi32((int)k1));
+        c[3] = lo0;
+        k0 += MA_PHILOX_W0;
+        k1 += MA_PHILOX_W1;
+    }
+}
+
+/* dropout_scalar's contract (blocks_scalar.h), 8 query rows at a time: one
+ * vector Philox call gives rows r0 .. r0 + 7 x the 8 keys of a group; the
+ * drop masks go straight to a transposed tile (rs == 1), through an 8 x 8
+ * transpose to a row-wise one (cs == 1), elementwise at the edges. */
+static void dropout_avx2(float *x, float *z, int64_t rs, int64_t cs, int64_t nr, int64_t nc, const ma_dropout *d,
+                         int64_t i0, int64_t j0) {
+    const __m256 scale = _mm256_set1_ps((float)d->scale);
+    const __m256i thr = _mm256_set1_epi32(d->thr), low16 = _mm256_set1_epi32(0xffff);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t r0 = 0; r0 < nr; r0 += 8) {
+        const int64_t nl = ma_min(8, nr - r0);
+        const __m256i ci = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)(i0 + r0)), lane);
+        for (int64_t g = j0 >> 3; g * 8 < j0 + nc; g++) {
+            __m256i c[4] = {_mm256_set1_epi32((int)(uint32_t)g), ci, _mm256_set1_epi32((int)d->c2),
+                            _mm256_set1_epi32((int)d->c3)};
+            philox_avx2(c, d->k0, d->k1);
+            __m256i drop[8]; /* drop[m], lane l: element (r0 + l, key 8 g + m) is dropped */
+            for (int m = 0; m < 8; m++) {
+                const __m256i u = m & 1 ? _mm256_srli_epi32(c[m >> 1], 16) : _mm256_and_si256(c[m >> 1], low16);
+                drop[m] = _mm256_cmpgt_epi32(thr, u);
+            }
+            const int64_t c0 = g * 8 - j0; /* tile column of key 8 g */
+            const int whole = nl == 8 && c0 >= 0 && c0 + 8 <= nc;
+            if (nl == 8 && rs == 1) {
+                for (int m = 0; m < 8; m++) {
+                    if (c0 + m < 0 || c0 + m >= nc) continue;
+                    float *e = (z ? z : x) + (c0 + m) * cs + r0;
+                    const __m256 mul = _mm256_andnot_ps(_mm256_castsi256_ps(drop[m]), scale);
+                    _mm256_storeu_ps(e, z ? mul : _mm256_mul_ps(_mm256_loadu_ps(e), mul));
+                }
+            } else if (whole && cs == 1) {
+                __m256 t[8];
+                for (int m = 0; m < 8; m++) t[m] = _mm256_castsi256_ps(drop[m]);
+                transpose8x8(t); /* t[l], lane m: element (r0 + l, key 8 g + m) */
+                for (int l = 0; l < 8; l++) {
+                    float *e = (z ? z : x) + (r0 + l) * rs + c0;
+                    const __m256 mul = _mm256_andnot_ps(t[l], scale);
+                    _mm256_storeu_ps(e, z ? mul : _mm256_mul_ps(_mm256_loadu_ps(e), mul));
+                }
+            } else {
+                int32_t dm[8][8];
+                for (int m = 0; m < 8; m++) _mm256_storeu_si256((__m256i *)dm[m], drop[m]);
+                const float s = (float)d->scale;
+                for (int64_t l = 0; l < nl; l++)
+                    for (int m = 0; m < 8; m++) {
+                        if (c0 + m < 0 || c0 + m >= nc) continue;
+                        float *e = (z ? z : x) + (r0 + l) * rs + (c0 + m) * cs;
+                        const float mul = dm[m][l] ? 0 : s;
+                        *e = z ? mul : *e * mul;
+                    }
+            }
+        }
+    }
+}
+
 #define MA_BLK_STREAM
 #define stream_row_f32_avx2 stream_row256
 #define stream_fence_avx2 _mm_sfence

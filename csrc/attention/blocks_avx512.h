@@ -21,6 +21,7 @@
 #include "common/dtype.h"
 #include "common/simd.h"
 #include "masked_attn.h"
+#include "philox.h"
 
 static inline __mmask16 tail_mask(int64_t n) {
     return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
@@ -322,6 +323,71 @@ static void axpy_keys_avx512(float *o, const float *p, int64_t ldp, int64_t nr, 
     if (dt == MA_F32) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_F32, off, ld, nc);
     else if (dt == MA_BF16) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_BF16, off, ld, nc);
     else axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_F16, off, ld, nc);
+}
+
+/* Philox-4x32-10 (philox.h) on 16 counters side by side, lane l = query row
+ * i + l: c (4 vectors of 16 words) in place. */
+static inline __attribute__((always_inline)) __m512i philox_mulhilo_avx512(__m512i a, __m512i m, __m512i *lo) {
+    const __m512i pe = _mm512_mul_epu32(a, m), po = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), m);
+    *lo = _mm512_mask_blend_epi32(0xAAAA, pe, _mm512_slli_epi64(po, 32));
+    return _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(pe, 32), po);
+}
+
+static inline __attribute__((always_inline)) void philox_avx512(__m512i c[4], uint32_t k0, uint32_t k1) {
+    const __m512i m0 = _mm512_set1_epi32((int)MA_PHILOX_M0), m1 = _mm512_set1_epi32((int)MA_PHILOX_M1);
+    for (int round = 0; round < 10; round++) {
+        __m512i lo0, lo1;
+        const __m512i hi0 = philox_mulhilo_avx512(c[0], m0, &lo0), hi1 = philox_mulhilo_avx512(c[2], m1, &lo1);
+        c[0] = _mm512_xor_si512(_mm512_xor_si512(hi1, c[1]), _mm512_set1_epi32((int)k0));
+        c[1] = lo1;
+        c[2] = _mm512_xor_si512(_mm512_xor_si512(hi0, c[3]), _mm512_set1_epi32((int)k1));
+        c[3] = lo0;
+        k0 += MA_PHILOX_W0;
+        k1 += MA_PHILOX_W1;
+    }
+}
+
+/* dropout_scalar's contract (blocks_scalar.h), 16 query rows at a time: one
+ * vector Philox call gives rows r0 .. r0 + 15 x the 8 keys of a group, as
+ * drop bit masks over the rows; a transposed tile (rs == 1) takes them as
+ * store masks, other layouts elementwise. */
+static void dropout_avx512(float *x, float *z, int64_t rs, int64_t cs, int64_t nr, int64_t nc, const ma_dropout *d,
+                           int64_t i0, int64_t j0) {
+    const __m512 scale = _mm512_set1_ps((float)d->scale);
+    const __m512i thr = _mm512_set1_epi32(d->thr), low16 = _mm512_set1_epi32(0xffff);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t r0 = 0; r0 < nr; r0 += 16) {
+        const int64_t nl = ma_min(16, nr - r0);
+        const __m512i ci = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)(i0 + r0)), lane);
+        for (int64_t g = j0 >> 3; g * 8 < j0 + nc; g++) {
+            __m512i c[4] = {_mm512_set1_epi32((int)(uint32_t)g), ci, _mm512_set1_epi32((int)d->c2),
+                            _mm512_set1_epi32((int)d->c3)};
+            philox_avx512(c, d->k0, d->k1);
+            __mmask16 drop[8]; /* drop[m], bit l: element (r0 + l, key 8 g + m) is dropped */
+            for (int m = 0; m < 8; m++) {
+                const __m512i u = m & 1 ? _mm512_srli_epi32(c[m >> 1], 16) : _mm512_and_si512(c[m >> 1], low16);
+                drop[m] = _mm512_cmpgt_epi32_mask(thr, u);
+            }
+            const int64_t c0 = g * 8 - j0; /* tile column of key 8 g */
+            if (nl == 16 && rs == 1) {
+                for (int m = 0; m < 8; m++) {
+                    if (c0 + m < 0 || c0 + m >= nc) continue;
+                    float *e = (z ? z : x) + (c0 + m) * cs + r0;
+                    const __m512 mul = _mm512_maskz_mov_ps((__mmask16)~drop[m], scale);
+                    _mm512_storeu_ps(e, z ? mul : _mm512_mul_ps(_mm512_loadu_ps(e), mul));
+                }
+            } else {
+                const float s = (float)d->scale;
+                for (int64_t l = 0; l < nl; l++)
+                    for (int m = 0; m < 8; m++) {
+                        if (c0 + m < 0 || c0 + m >= nc) continue;
+                        float *e = (z ? z : x) + (r0 + l) * rs + (c0 + m) * cs;
+                        const float mul = (drop[m] >> l) & 1 ? 0 : s;
+                        *e = z ? mul : *e * mul;
+                    }
+            }
+        }
+    }
 }
 
 /* non-temporal stores of whole float32 rows (store_tile, stream_stores) */

@@ -3,6 +3,8 @@
  * Written once over the element type: included with T = float, X = scalar
  * and with T = double, X = f64 (scalar.c). Plain loops in the order the
  * contract states, nothing else. */
+#include "philox.h"
+
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
 #define B_(name) CAT(name, X)
@@ -80,6 +82,29 @@ static void B_(axpy_keys)(T *o, const T *p, int64_t ldp, int64_t nr, int64_t Dv,
     for (int64_t r = 0; r < nr; r++)
         for (int64_t c = 0; c < nc; c++)
             for (int64_t d = 0; d < Dv; d++) o[r * Dv + d] += p[r * ldp + c] * LOADT(v, dt, off + c * ld + d);
+}
+
+/* Dropout of the elements (i0 + r, j0 + c), r < nr, c < nc, of one head
+ * (philox.h): element (r, c) at [r * rs + c * cs], multiplier m = kept ?
+ * scale : 0. z NULL: x = x * m in place (a dropped NaN stays NaN, as
+ * P * Z / (1 - p) does); else z = m (x unused). One Philox call per 8 keys
+ * of a row. */
+static void B_(dropout)(T *x, T *z, int64_t rs, int64_t cs, int64_t nr, int64_t nc, const ma_dropout *d, int64_t i0,
+                        int64_t j0) {
+    const T scale = (T)d->scale;
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t g = j0 >> 3; g * 8 < j0 + nc; g++) {
+            uint32_t ctr[4] = {(uint32_t)g, (uint32_t)(i0 + r), d->c2, d->c3};
+            ma_philox4x32_10(ctr, d->k0, d->k1);
+            for (int m = 0; m < 8; m++) {
+                const int64_t c = g * 8 + m - j0;
+                if (c < 0 || c >= nc) continue;
+                const int keep = (int32_t)((ctr[m >> 1] >> (16 * (m & 1))) & 0xffffu) >= d->thr;
+                const T mul = keep ? scale : 0;
+                T *e = (z ? z : x) + r * rs + c * cs;
+                *e = z ? mul : *e * mul;
+            }
+        }
 }
 
 #undef B_

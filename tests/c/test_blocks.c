@@ -239,6 +239,38 @@ static void test_rows(const ma_blocks *v) {
             }
 }
 
+/* dropout: bit for bit the scalar block's, both layouts, in place and the
+ * multiplier form, at every row/key edge of the 8- and 16-lane blocks and
+ * unaligned key starts; and the mask is the definition (ma_dropout_keep). */
+static void test_dropout(const ma_blocks *v) {
+    static const int64_t nrs[] = {1, 5, 8, 13, 16, 17, 64}, ncs[] = {1, 7, 8, 9, 64}, j0s[] = {0, 3, 64}, i0s[] = {0, 5};
+    ma_attn_args a;
+    memset(&a, 0, sizeof a);
+    a.H = 3, a.dropout_p = 0.3, a.dropout_seed = 0x0123456789abcdefull, a.dropout_offset = 0xfedcba9876543210ull;
+    const ma_dropout d = ma_dropout_head(&a, 1, 2);
+    float *x0 = malloc(sizeof(float) * 64 * 64), *x1 = malloc(sizeof(float) * 64 * 64);
+    for (size_t a1 = 0; a1 < sizeof nrs / sizeof nrs[0]; a1++)
+        for (size_t a2 = 0; a2 < sizeof ncs / sizeof ncs[0]; a2++)
+            for (size_t a3 = 0; a3 < sizeof j0s / sizeof j0s[0]; a3++)
+                for (size_t a4 = 0; a4 < sizeof i0s / sizeof i0s[0]; a4++)
+                    for (int mode = 0; mode < 4; mode++) { /* bit 0: transposed; bit 1: multiplier form */
+                        const int64_t nr = nrs[a1], nc = ncs[a2], j0 = j0s[a3], i0 = i0s[a4];
+                        const int64_t rs = mode & 1 ? 1 : nc, cs = mode & 1 ? nr : 1;
+                        for (int64_t e = 0; e < nr * nc; e++) x0[e] = x1[e] = (float)rand() / RAND_MAX + 0.5f;
+                        float *z0 = mode & 2 ? x0 : NULL, *z1 = mode & 2 ? x1 : NULL;
+                        ma_blocks_scalar.dropout(x0, z0, rs, cs, nr, nc, &d, i0, j0);
+                        v->dropout(x1, z1, rs, cs, nr, nc, &d, i0, j0);
+                        CHECK(memcmp(x0, x1, sizeof(float) * nr * nc) == 0, "%s dropout nr=%ld nc=%ld j0=%ld i0=%ld mode=%d",
+                              v->name, (long)nr, (long)nc, (long)j0, (long)i0, mode);
+                        int def = 1;
+                        for (int64_t r = 0; r < nr; r++)
+                            for (int64_t c = 0; c < nc; c++)
+                                def &= (x1[r * rs + c * cs] != 0) == ma_dropout_keep(&d, i0 + r, j0 + c);
+                        CHECK(def, "%s dropout mask != definition nr=%ld nc=%ld mode=%d", v->name, (long)nr, (long)nc, mode);
+                    }
+    free(x0), free(x1);
+}
+
 int main(void) {
     const struct {
         ma_isa isa;
@@ -260,6 +292,7 @@ int main(void) {
             test_columns(v);
             test_transpose(v);
             test_rows(v);
+            test_dropout(v);
         }
         printf("%-7s %s\n", v->name, failures == before ? "ok" : "FAILED");
     }

@@ -1,0 +1,495 @@
+"""Hugging Face transformers integration.
+
+Importing this module registers ``attn_implementation="masked_attn"``::
+
+    import torch_masked_attn.hf                      # registers "masked_attn"
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="masked_attn")
+    torch_masked_attn.hf.apply(model)                # fused linear-cross-entropy loss
+
+Two parts, both registered in transformers' own interfaces:
+
+* a mask function (``AttentionMaskInterface``) that does not build the 4-D mask
+  when it knows the structure (causal, bidirectional, sliding window over
+  causal): it returns a :class:`StructuredMask` (the 2-D key padding, the
+  query / key offsets and the pattern) which the attention function turns into
+  ``key_padding_mask`` + ``is_causal`` (+ a window, or a small (Lq, Lk) mask
+  shared by the batch when the diagonal is not the top-left one). Any other
+  pattern (``or_mask_function`` / ``and_mask_function`` overlays, chunked and
+  blockwise attention, packed sequences, callers that ask for a tensor) is
+  built by transformers' own ``sdpa_mask`` and goes through as a mask.
+* an attention function (``AttentionInterface``) that calls
+  :func:`torch_masked_attn.functional.masked_attention` on (B, H, L, D) with
+  grouped-query heads as they are, and falls back to transformers' own code
+  where the kernel lacks a feature (see ``_fallback_reason``).
+
+Kernel features that other branches add (``window``, ``softcap``, ``sinks`` on
+masked_attention; ``functional.varlen_attn``) are detected from the installed
+package once at import (``_HAS_*`` below); until they exist, the fallbacks keep
+the results right.
+"""
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from . import functional as _F
+
+try:
+    import transformers  # noqa: F401
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    from transformers.masking_utils import (
+        AttentionMaskInterface,
+        and_masks,
+        bidirectional_mask_function,
+        causal_mask_function,
+        packed_sequence_mask_function,
+        prepare_padding_mask,
+        remap_positions_for_packed_sequence,
+        sdpa_mask,
+        sliding_window_overlay,
+    )
+except ImportError as e:  # pragma: no cover - exercised only without transformers
+    raise ImportError("torch_masked_attn.hf needs Hugging Face transformers (pip install transformers)") from e
+
+__all__ = ["ATTN_IMPLEMENTATION", "StructuredMask", "apply", "attention_forward", "mask_function"]
+
+ATTN_IMPLEMENTATION = "masked_attn"
+
+# ---------------------------------------------------------------------------------------------
+# Feature detection, once at import. The lead switches these paths on by merging the branches:
+#   branch `window`: masked_attention(..., window=(left, right), softcap=float|None, sinks=(H,)|None)
+#                    (query i sees keys j in [i - left, i + right], -1 = unbounded, top-left diagonal)
+#   branch `varlen`: functional.varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *,
+#                    scale=None, window_size=(-1, -1), enable_gqa=False, ...)  (torch.nn.attention.varlen's)
+# Until then: a sliding window (or a causal diagonal that is not the top-left one) becomes a small
+# (Lq, Lk) bool mask shared by the batch; softcap / sinks run transformers' own eager attention of
+# the model; packed sequences get transformers' 4-D mask.
+_MA_PARAMS = frozenset(inspect.signature(_F.masked_attention).parameters)
+_HAS_WINDOW = "window" in _MA_PARAMS
+_HAS_SOFTCAP = "softcap" in _MA_PARAMS
+_HAS_SINKS = "sinks" in _MA_PARAMS
+_VARLEN = getattr(_F, "varlen_attn", None)
+_HAS_VARLEN = _VARLEN is not None
+
+try:  # the hooks transformers uses to collect attention weights (output_attentions=True)
+    from transformers.utils.output_capturing import _active_collector
+except ImportError:  # pragma: no cover
+    _active_collector = None
+
+try:
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+except ImportError:  # pragma: no cover
+    PagedAttentionCache = ()
+
+
+# ---------------------------------------------------------------------------------------------
+# The mask function
+# ---------------------------------------------------------------------------------------------
+
+_AND_CODE = and_masks(causal_mask_function).__code__
+_SLIDING_CODE = sliding_window_overlay(1).__code__
+_PACKED_CODE = packed_sequence_mask_function(None).__code__
+_REMAP_CODE = remap_positions_for_packed_sequence(causal_mask_function, None).__code__
+
+
+def _closure(fn) -> dict:
+    cells = fn.__closure__ or ()
+    return {name: cell.cell_contents for name, cell in zip(fn.__code__.co_freevars, cells)}
+
+
+def _recognise(fn) -> tuple[str | None, int | None]:
+    """The pattern of one of transformers' mask functions: ('causal', None),
+    ('bidirectional', None), ('sliding', window) or (None, None) when it is
+    anything else (overlays, chunks, packed sequences, user functions)."""
+    if fn is causal_mask_function:
+        return "causal", None
+    if fn is bidirectional_mask_function:
+        return "bidirectional", None
+    if getattr(fn, "__code__", None) is _AND_CODE:  # sliding_window_causal_mask_function(w)
+        parts = _closure(fn).get("mask_functions")
+        if isinstance(parts, tuple) and len(parts) == 2 and parts[1] is causal_mask_function \
+                and getattr(parts[0], "__code__", None) is _SLIDING_CODE:
+            window = _closure(parts[0]).get("sliding_window")
+            if isinstance(window, int) and window > 0:
+                return "sliding", window
+    return None, None
+
+
+def _recognise_packed(fn) -> tuple[str | None, int | None, Tensor | None]:
+    """transformers' packed-sequence mask (packed_sequence_compatibility_function over a
+    causal or sliding pattern): (kind, window, (B, L) sequence ids), else (None, None, None)."""
+    if getattr(fn, "__code__", None) is _AND_CODE:
+        parts = _closure(fn).get("mask_functions")
+        if isinstance(parts, tuple) and len(parts) == 2 and getattr(parts[0], "__code__", None) is _PACKED_CODE \
+                and getattr(parts[1], "__code__", None) is _REMAP_CODE:
+            kind, window = _recognise(_closure(parts[1]).get("mask_function"))
+            if kind in ("causal", "sliding"):
+                return kind, window, _closure(parts[0]).get("packed_sequence_mask")
+    return None, None, None
+
+
+@dataclass(eq=False)
+class StructuredMask:
+    """What transformers' mask says, without the 4-D tensor.
+
+    Query row i is at absolute position ``q_offset + i``, key column j at
+    ``kv_offset + j`` (transformers' convention). ``causal``: j's position <=
+    i's; ``sliding_window`` w (with causal): also j's position > i's - w.
+    ``padding``: (B, kv_length) bool, True = blocked (our convention), or None.
+    The model hands this object to every attention layer of its kind, so the
+    per-shape pieces are cached on it.
+    """
+    batch_size: int
+    q_length: int
+    kv_length: int
+    q_offset: int
+    kv_offset: int
+    causal: bool
+    sliding_window: int | None
+    padding: Tensor | None
+    packed: Tensor | None = None  # (B, L) sequence ids of packed sequences (varlen_attn), or None
+    _hf_args: dict = field(repr=False, default_factory=dict)
+    _cache: dict = field(repr=False, default_factory=dict)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.batch_size, 1, self.q_length, self.kv_length)
+
+    @property
+    def ndim(self) -> int:  # 4: transformers takes it for a prepared mask, not a 2-D padding mask
+        return 4
+
+    def contiguous(self) -> StructuredMask:  # generate() calls it on the mask it prepares
+        return self
+
+    def to_bool(self) -> Tensor:
+        """transformers' own (B, 1, Lq, Lk) bool mask, True = attend (sdpa's
+        convention), for the fallbacks."""
+        if "bool" not in self._cache:
+            self._cache["bool"] = sdpa_mask(**self._hf_args, allow_is_causal_skip=False,
+                                            allow_is_bidirectional_skip=False)
+        return self._cache["bool"]
+
+    def kernel_args(self, lq: int, lk: int) -> dict:
+        """masked_attention's keyword arguments for queries (.., lq, ..) and
+        keys (.., lk, ..): key_padding_mask, is_causal, and attn_mask or window
+        for a diagonal that is not the top-left one."""
+        if lk != self.kv_length or lq != self.q_length:
+            raise ValueError(f"masked_attn: the attention mask was made for {self.q_length} queries and "
+                             f"{self.kv_length} keys, the layer has {lq} queries and {lk} keys")
+        if lq in self._cache:
+            return self._cache[lq]
+        args = {"key_padding_mask": self.padding, "is_causal": False}
+        if self.causal:
+            # allowed: i + d - w < j <= i + d, with d the offset of the diagonal
+            d = int(self.q_offset) - int(self.kv_offset)
+            w = self.sliding_window
+            no_lower = w is None or (lq - 1) + d - w + 1 <= 0   # every row's lower bound <= 0
+            no_upper = d >= lk - 1                              # every row sees up to the last key
+            left = -1 if no_lower else w - 1 - d   # -1: unbounded; < -1 cannot be a window
+            if no_lower and d == 0:
+                args["is_causal"] = True
+            elif no_lower and no_upper:
+                pass
+            elif _HAS_WINDOW and d >= 0 and (no_lower or left >= 0):
+                if d == 0:  # the kernel's own causal path, the window's left side on top
+                    args["is_causal"], args["window"] = True, (left, -1)
+                else:
+                    args["window"] = (left, -1 if no_upper else d)
+            else:
+                # a small (1, 1, Lq, Lk) mask shared by batch and heads (True = blocked); the
+                # kernel skips the key blocks it blocks entirely
+                device = self.padding.device if self.padding is not None else self._hf_args.get("device", "cpu")
+                i = torch.arange(lq, device=device).unsqueeze(1) + d
+                j = torch.arange(lk, device=device).unsqueeze(0)
+                blocked = j > i
+                if not no_lower:
+                    blocked |= j <= i - w
+                args["attn_mask"] = blocked[None, None]
+        self._cache[lq] = args
+        return args
+
+
+def mask_function(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
+                  mask_function=causal_mask_function, attention_mask: Tensor | None = None,
+                  local_size: int | None = None, allow_is_causal_skip: bool = True,
+                  allow_is_bidirectional_skip: bool = False, use_vmap: bool = False,
+                  device: torch.device | str = "cpu", **kwargs):
+    """transformers' mask interface for "masked_attn" (sdpa_mask's signature).
+
+    Returns a :class:`StructuredMask` for the patterns it knows, else what
+    transformers' sdpa_mask returns (a bool tensor, True = attend, or None)."""
+    if isinstance(attention_mask, StructuredMask):  # prepared before (generate with a static cache)
+        return attention_mask
+    hf_args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                   kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                   local_size=local_size, use_vmap=use_vmap, device=device)
+    kind, window = _recognise(mask_function)
+    packed = None
+    if kind is None and _HAS_VARLEN and attention_mask is None and not use_vmap and q_length == kv_length \
+            and not torch.compiler.is_compiling():
+        # packed sequences (found by transformers from position_ids): varlen_attn, no mask at all
+        # TODO(lead): on when branch `varlen` is merged (functional.varlen_attn)
+        kind, window, packed = _recognise_packed(mask_function)
+        if packed is not None and (q_offset != 0 or kv_offset != 0 or packed.shape != (batch_size, q_length)):
+            kind, window, packed = None, None, None
+    # a caller that turns the skips off wants a tensor (e.g. to concatenate it with another mask)
+    wants_tensor = (kind == "bidirectional" and not allow_is_bidirectional_skip) or \
+        (kind in ("causal", "sliding") and not allow_is_causal_skip and q_length > 1 and packed is None)
+    if kind is None or wants_tensor or use_vmap or torch.compiler.is_compiling():
+        return sdpa_mask(**hf_args, allow_is_causal_skip=allow_is_causal_skip,
+                         allow_is_bidirectional_skip=allow_is_bidirectional_skip, **kwargs)
+    padding = None
+    if attention_mask is not None:
+        keep = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+        keep = keep[:, int(kv_offset):int(kv_offset) + kv_length]
+        if not bool(keep.all()):
+            padding = (~keep.bool()).contiguous()
+    return StructuredMask(batch_size, q_length, kv_length, int(q_offset), int(kv_offset),
+                          causal=kind != "bidirectional", sliding_window=window, padding=padding,
+                          packed=packed, _hf_args=hf_args)
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention function
+# ---------------------------------------------------------------------------------------------
+
+def _wants_weights(kwargs) -> bool:
+    if kwargs.get("output_attentions", False):
+        return True
+    if _active_collector is not None:
+        collected = _active_collector.get()
+        return collected is not None and "attentions" in collected
+    return False
+
+
+def _model_eager(module: nn.Module):
+    """The model's own eager attention (the one its attention layer falls back to)."""
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is None:
+        raise NotImplementedError(
+            f"masked_attn: {type(module).__name__} needs the model's eager attention (softcap, sinks or "
+            "attention weights with dropout), and its module has no eager_attention_forward; use "
+            "attn_implementation='eager' for this model")
+    return fn
+
+
+def _bool_mask(attention_mask, module, query: Tensor, key: Tensor, is_causal) -> Tensor | None:
+    """The mask as sdpa takes it (bool True = attend, or float added)."""
+    if isinstance(attention_mask, StructuredMask):
+        return attention_mask.to_bool()
+    if attention_mask is None:
+        lq, lk = query.shape[2], key.shape[2]
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        if causal and lq > 1:  # sdpa's is_causal: top-left
+            return torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril()[None, None]
+    return attention_mask
+
+
+def _eager_mask(attention_mask, module, query: Tensor, key: Tensor, is_causal) -> Tensor | None:
+    """The mask as eager attention takes it (float, added: 0 or the dtype's min)."""
+    mask = _bool_mask(attention_mask, module, query, key, is_causal)
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.where(mask, torch.zeros((), dtype=query.dtype, device=query.device),
+                           torch.finfo(query.dtype).min)
+    return mask
+
+
+def _fallback_reason(dropout: float, softcap, sinks, position_bias, need_weights: bool) -> str | None:
+    """Which of transformers' own paths a call needs, if any: 'eager' or 'sdpa'."""
+    if (softcap is not None and not _HAS_SOFTCAP) or (sinks is not None and not _HAS_SINKS):
+        return "eager"      # a masked_attention without softcap / sinks (an older build)
+    if dropout > 0.0:       # the kernel has no attention dropout (yet): transformers' own code
+        return "eager" if (need_weights or softcap is not None or sinks is not None) else "sdpa"
+    if position_bias is not None:
+        return "sdpa"       # T5-style bias: sdpa folds it into a float mask
+    return None
+
+
+def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
+                      dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
+                      **kwargs) -> tuple[Tensor, Tensor | None]:
+    """transformers' attention interface for "masked_attn" (sdpa_attention_forward's
+    signature): query (B, H, Lq, D), key / value (B, Hkv, Lk, D); returns
+    (B, Lq, H, Dv) and the attention weights when output_attentions asks for them."""
+    if isinstance(kwargs.get("cache"), PagedAttentionCache):
+        raise NotImplementedError("masked_attn: continuous batching (PagedAttentionCache) is not supported; "
+                                  "use attn_implementation='sdpa' or 'paged|eager' for it")
+    softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux")
+    need_weights = _wants_weights(kwargs)
+    reason = _fallback_reason(float(dropout or 0.0), softcap, sinks, kwargs.get("position_bias"), need_weights)
+    if reason == "eager":
+        mask = _eager_mask(attention_mask, module, query, key, is_causal)
+        return _model_eager(module)(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+    if reason == "sdpa":
+        mask = _bool_mask(attention_mask, module, query, key, is_causal)
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+
+    lq, lk = query.shape[2], key.shape[2]
+    if isinstance(attention_mask, StructuredMask) and attention_mask.packed is not None and not need_weights \
+            and softcap is None and sinks is None:
+        return _packed_attention(attention_mask, query, key, value, scaling), None
+    if isinstance(attention_mask, StructuredMask):
+        args = dict(attention_mask.kernel_args(lq, lk))
+    elif attention_mask is None:  # sdpa's rule: the layer's causality, top-left, not for one query
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        args = {"is_causal": bool(causal) and lq > 1}
+    elif isinstance(attention_mask, Tensor):  # transformers' or the user's 4-D mask, sdpa's convention
+        args = {"attn_mask": ~attention_mask if attention_mask.dtype == torch.bool else attention_mask}
+    else:
+        raise TypeError(f"masked_attn: attention_mask must be a Tensor, None or a StructuredMask, got "
+                        f"{type(attention_mask).__name__} (a flex_attention BlockMask? build the model with "
+                        "attn_implementation='masked_attn' so that transformers calls our mask function)")
+    if softcap is not None:
+        args["softcap"] = float(softcap)
+    if sinks is not None:
+        args["sinks"] = sinks
+    res = _F.masked_attention(query, key, value, scale=scaling, need_weights=need_weights, **args)
+    out, weights = res if need_weights else (res, None)
+    return out.transpose(1, 2).contiguous(), weights
+
+
+def _packed_attention(mask: StructuredMask, query: Tensor, key: Tensor, value: Tensor, scaling) -> Tensor:
+    """Packed sequences through varlen_attn: the (B, L) rows of sequence ids cut
+    into cu_seqlens over the B * L tokens; causal (or a sliding window) inside
+    each sequence. Returns (B, L, H, Dv), transformers' layout."""
+    B, H, L, D = query.shape
+    ids = mask.packed.to(query.device)
+    ids = ids + torch.arange(B, device=ids.device).unsqueeze(1) * (ids.amax() + 1)  # no run across rows
+    _, counts = torch.unique_consecutive(ids.reshape(-1), return_counts=True)
+    cu = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=query.device)
+    cu[1:] = counts.cumsum(0)
+    longest = int(counts.max())
+    left = -1 if mask.sliding_window is None else mask.sliding_window - 1
+    q = query.transpose(1, 2).reshape(B * L, H, D)
+    k = key.transpose(1, 2).reshape(B * L, key.shape[1], key.shape[3])
+    v = value.transpose(1, 2).reshape(B * L, value.shape[1], value.shape[3])
+    out = _VARLEN(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(left, 0),
+                  enable_gqa=key.shape[1] != H)
+    return out.reshape(B, L, H, value.shape[3])
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, mask_function)
+
+
+# ---------------------------------------------------------------------------------------------
+# apply(model): the causal-LM loss through the fused linear-cross-entropy
+# ---------------------------------------------------------------------------------------------
+
+_CAPTURE: contextvars.ContextVar = contextvars.ContextVar("torch_masked_attn_hf_capture", default=None)
+
+# config attributes that scale the logits in some transformers models; apply() refuses them rather
+# than give a loss that differs from the model's own (final_logit_softcapping is supported)
+_LOGIT_TRANSFORMS = ("logit_scale", "logits_scaling", "output_multiplier_scale", "logits_scale",
+                     "lm_head_multiplier", "mup_width_multiplier")
+
+
+def _head_capture(head: nn.Linear):
+    forward = head.forward
+
+    def capture_forward(x: Tensor) -> Tensor:
+        slot = _CAPTURE.get()
+        if slot is not None and slot.get("head") is head and "hidden" not in slot:
+            slot["hidden"] = x
+            return x.new_empty(*x.shape[:-1], 0)  # no (tokens x vocab) product
+        return forward(x)
+
+    capture_forward._tma_original = forward
+    return capture_forward
+
+
+def apply(model: nn.Module) -> nn.Module:
+    """Route ``model``'s causal-LM loss through
+    :func:`torch_masked_attn.functional.linear_cross_entropy`; returns the model.
+
+    When the model gets ``labels`` in training mode (or ``skip_logits=True``),
+    its forward runs with the LM head capturing the final hidden states
+    instead of projecting them, and the loss is the fused
+    linear-cross-entropy: the (tokens x vocab) logits are never built, and rows
+    whose shifted label is ``ignore_index`` cost no matrix product. The output's
+    ``logits`` is then None. In eval mode, or with ``skip_logits=False``, or
+    without labels, the model runs as before (logits, its own loss).
+    Same loss as transformers' ForCausalLMLoss: labels shifted by one (or
+    ``shift_labels``), mean over kept tokens, or sum / ``num_items_in_batch``.
+    The attention implementation is separate: pick it with
+    ``attn_implementation="masked_attn"``.
+    """
+    if getattr(model, "_tma_hf_applied", False):
+        return model
+    # model.loss_function without reading the property (it warns for loss_type=None)
+    custom = getattr(model, "_loss_function", None)
+    loss_type = getattr(model, "loss_type", None)
+    causal_loss = custom is ForCausalLMLoss or (custom is None and (loss_type == "ForCausalLM"
+                                                                     or loss_type not in LOSS_MAPPING))
+    if not (causal_loss and hasattr(model, "can_generate") and model.can_generate()):
+        raise TypeError(f"torch_masked_attn.hf.apply: {type(model).__name__} is not a causal LM with "
+                        f"transformers' ForCausalLM loss (loss_type={getattr(model, 'loss_type', None)!r})")
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise TypeError(f"torch_masked_attn.hf.apply: the output embeddings of {type(model).__name__} must be "
+                        f"an nn.Linear, got {type(head).__name__}")
+    config = model.config
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in _LOGIT_TRANSFORMS:
+        value = getattr(text_config, name, None)
+        if value is not None and value != 1 and value is not False:
+            raise NotImplementedError(f"torch_masked_attn.hf.apply: {type(model).__name__} scales its logits "
+                                      f"(config.{name}={value!r}); the fused loss does not model that")
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    softcap = float(softcap) if softcap else None
+
+    head.forward = _head_capture(head)
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def fused_forward(*args, labels: Tensor | None = None, skip_logits: bool | None = None, **kwargs):
+        if skip_logits is None:
+            skip_logits = model.training and labels is not None
+        keep = kwargs.get("logits_to_keep", 0)
+        if not skip_logits or labels is None or not (isinstance(keep, int) and keep == 0):
+            return forward(*args, labels=labels, **kwargs)
+        ignore_index = kwargs.pop("ignore_index", -100)
+        shift_labels = kwargs.pop("shift_labels", None)
+        num_items = kwargs.get("num_items_in_batch")
+        slot = {"head": head}
+        token = _CAPTURE.set(slot)
+        try:
+            out = forward(*args, labels=None, **kwargs)
+        finally:
+            _CAPTURE.reset(token)
+        hidden = slot.get("hidden")
+        if hidden is None:
+            raise RuntimeError(f"torch_masked_attn.hf.apply: {type(model).__name__}'s forward did not call its "
+                               "LM head; its loss cannot be fused")
+        if shift_labels is None:
+            shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        shift_labels = shift_labels.to(hidden.device)
+        if tuple(shift_labels.shape) != tuple(hidden.shape[:-1]):
+            raise ValueError(f"torch_masked_attn.hf.apply: labels {tuple(shift_labels.shape)} do not match the "
+                             f"tokens {tuple(hidden.shape[:-1])}")
+        loss = _F.linear_cross_entropy(hidden, head.weight, shift_labels, head.bias, ignore_index=ignore_index,
+                                       reduction="mean" if num_items is None else "sum", softcap=softcap)
+        if loss.dtype in (torch.bfloat16, torch.float16):  # transformers' loss is float32 for these
+            loss = loss.float()
+        if num_items is not None:
+            loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+        if isinstance(out, tuple):  # return_dict=False: (loss, <the rest without logits>)
+            return (loss,) + tuple(out[1:])
+        out["loss"] = loss
+        out["logits"] = None
+        return out
+
+    model.forward = fused_forward
+    model._tma_hf_applied = True
+    return model
