@@ -471,6 +471,21 @@ struct WindowCapSinks {
   ma_mask sinks{};
 };
 
+// softcap (> 0, finite, or None: 0) and sinks ((H,), or None: ptr NULL), checked.
+void check_cap_sinks(int64_t H, std::optional<double> softcap, const std::optional<Tensor>& sinks, double* cap,
+                     ma_mask* sk) {
+  if (softcap.has_value()) {
+    MA_CHECK(std::isfinite(*softcap) && *softcap > 0, "masked_attn: softcap must be None or a finite number > 0, got ",
+             *softcap);
+    *cap = *softcap;
+  }
+  if (sinks.has_value()) {
+    MA_CHECK(sinks->dim() == 1 && sinks->size(0) == H, "masked_attn: sinks must have shape (H,) = (", H,
+             ",), got ", shape_str(*sinks));
+    *sk = canonical_mask(sinks, "sinks", {H}, "(H,)", false);
+  }
+}
+
 WindowCapSinks check_window_cap_sinks(const Sizes& s, bool is_causal, int64_t window_left, int64_t window_right,
                                       std::optional<double> softcap, const std::optional<Tensor>& sinks) {
   MA_CHECK(window_left >= -1, "masked_attn: window_left must be -1 (no bound) or >= 0, got ", window_left);
@@ -480,16 +495,7 @@ WindowCapSinks check_window_cap_sinks(const Sizes& s, bool is_causal, int64_t wi
   w.right = is_causal ? 0 : window_right >= s.Lk - 1 ? -1 : window_right;
   w.is_causal = is_causal || w.right == 0;
   if (w.right == 0) w.right = -1;
-  if (softcap.has_value()) {
-    MA_CHECK(std::isfinite(*softcap) && *softcap > 0, "masked_attn: softcap must be None or a finite number > 0, got ",
-             *softcap);
-    w.softcap = *softcap;
-  }
-  if (sinks.has_value()) {
-    MA_CHECK(sinks->dim() == 1 && sinks->size(0) == s.H, "masked_attn: sinks must have shape (H,) = (", s.H,
-             ",), got ", shape_str(*sinks));
-    w.sinks = canonical_mask(sinks, "sinks", {s.H}, "(H,)", false);
-  }
+  check_cap_sinks(s.H, softcap, sinks, &w.softcap, &w.sinks);
   return w;
 }
 
@@ -927,8 +933,8 @@ int64_t fill_strides_paged(int64_t out[4], const Tensor& t) {
 
 ma_attn_args varlen_args(const Varlen& r, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                          const Tensor& cu_q, const std::optional<Tensor>& cu_k, const std::optional<Tensor>& seqused_k,
-                         double scale, int64_t wl, int64_t wr, bool stream_stores,
-                         const std::optional<Tensor>& block_table = std::nullopt) {
+                         double scale, int64_t wl, int64_t wr, double softcap, const ma_mask& sinks,
+                         bool stream_stores, const std::optional<Tensor>& block_table = std::nullopt) {
   ma_attn_args a{};
   a.q = q.const_data_ptr();
   a.k = k.const_data_ptr();
@@ -947,6 +953,8 @@ ma_attn_args varlen_args(const Varlen& r, const Tensor& q, const Tensor& k, cons
   }
   fill_strides_thd(a.out_stride, out);
   a.scale = scale;
+  a.softcap = softcap;
+  a.sinks = sinks;
   a.B = r.N, a.H = r.H, a.Hkv = r.Hkv, a.Lq = r.max_q, a.Lk = r.max_k, a.D = r.D, a.Dv = r.Dv;
   a.block_q = kBlockQ, a.block_k = kBlockK;
   a.band_lo = -MA_BAND_INF, a.band_hi = MA_BAND_INF;  // per sequence: FN(seq_args)
@@ -965,9 +973,13 @@ ma_attn_args varlen_args(const Varlen& r, const Tensor& q, const Tensor& k, cons
 std::tuple<Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seq_q,
                                           std::optional<Tensor> cu_seq_k, int64_t max_q, int64_t max_k,
                                           std::optional<double> scale, int64_t window_left, int64_t window_right,
-                                          std::optional<Tensor> seqused_k, std::optional<Tensor> block_table) {
+                                          std::optional<Tensor> seqused_k, std::optional<Tensor> block_table,
+                                          std::optional<double> softcap, std::optional<Tensor> sinks) {
   const Varlen r = check_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, window_left, window_right, seqused_k,
                                 block_table);
+  double cap = 0;
+  ma_mask sk{};
+  check_cap_sinks(r.H, softcap, sinks, &cap, &sk);
   const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(r.D));
   Tensor out = torch::stable::new_empty(q, {r.Tq, r.H, r.Dv});
   advise_huge_pages(out);
@@ -975,7 +987,7 @@ std::tuple<Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, Tensor c
   ma_attn_fwd_params p{};
   p.out = out.mutable_data_ptr();
   p.lse = lse.mutable_data_ptr();
-  p.a = varlen_args(r, q, k, v, out, cu_seq_q, cu_seq_k, seqused_k, sc, window_left, window_right,
+  p.a = varlen_args(r, q, k, v, out, cu_seq_q, cu_seq_k, seqused_k, sc, window_left, window_right, cap, sk,
                     worth_streaming(out), block_table);
   run_tasks(ma_attn_fwd_task, &p, ma_attn_fwd_work_items(&p), ma_attn_fwd_scratch_bytes(&p), q, 1);
   return {out, lse};
@@ -984,8 +996,12 @@ std::tuple<Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, Tensor c
 std::tuple<Tensor, Tensor, Tensor> varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out,
                                                    Tensor lse, Tensor cu_seq_q, Tensor cu_seq_k, int64_t max_q,
                                                    int64_t max_k, std::optional<double> scale,
-                                                   int64_t window_left, int64_t window_right) {
+                                                   int64_t window_left, int64_t window_right,
+                                                   std::optional<double> softcap, std::optional<Tensor> sinks) {
   const Varlen r = check_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, window_left, window_right, std::nullopt);
+  double cap = 0;
+  ma_mask sk{};
+  check_cap_sinks(r.H, softcap, sinks, &cap, &sk);
   const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(r.D));
   check_shape(out, "out", {r.Tq, r.H, r.Dv}, "(T_q, H, Dv)", q.scalar_type());
   check_shape(grad_out, "grad_out", {r.Tq, r.H, r.Dv}, "(T_q, H, Dv)", q.scalar_type());
@@ -1008,7 +1024,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward(Tensor grad_out, Tensor q, Te
   fill_strides_thd(p.dk_stride, dk);
   fill_strides_thd(p.dv_stride, dv);
   fill_strides_thd(p.dout_stride, grad_out);
-  p.a = varlen_args(r, q, k, v, out, cu_seq_q, cu_seq_k, std::nullopt, sc, window_left, window_right,
+  p.a = varlen_args(r, q, k, v, out, cu_seq_q, cu_seq_k, std::nullopt, sc, window_left, window_right, cap, sk,
                     worth_streaming(dq) || worth_streaming(dk) || worth_streaming(dv));
   p.delta = delta.mutable_data_ptr();
   p.kv_chunks = 1;
@@ -1330,11 +1346,12 @@ STABLE_TORCH_LIBRARY(masked_attn, m) {
   m.def(
       "varlen_forward(Tensor query, Tensor key, Tensor value, Tensor cu_seq_q, Tensor? cu_seq_k, int max_q, "
       "int max_k, float? scale=None, int window_left=-1, int window_right=-1, Tensor? seqused_k=None, "
-      "Tensor? block_table=None) -> (Tensor out, Tensor lse)");
+      "Tensor? block_table=None, float? softcap=None, Tensor? sinks=None) -> (Tensor out, Tensor lse)");
   m.def(
       "varlen_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
       "Tensor cu_seq_q, Tensor cu_seq_k, int max_q, int max_k, float? scale=None, int window_left=-1, "
-      "int window_right=-1) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
+      "int window_right=-1, float? softcap=None, Tensor? sinks=None) "
+      "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
   m.def(
       "cross_entropy(Tensor input, Tensor target, Tensor? weight=None, str reduction='mean', "
       "int ignore_index=-100, float label_smoothing=0.0, float z_loss=0.0, float? softcap=None, "

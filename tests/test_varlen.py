@@ -32,9 +32,13 @@ def visible(Lq, Lk, window):
     return ok
 
 
-def ref_varlen(q, k, v, cq, ck, window=(-1, -1), scale=None, dtype=torch.float64):
+def ref_varlen(q, k, v, cq, ck, window=(-1, -1), scale=None, dtype=torch.float64, softcap=None, sinks=None):
     """Per sequence, plain torch ops in `dtype`: out (T_q, H, Dv), lse (H, T_q).
-    Rows that see no key give 0 and lse -inf."""
+    Rows that see no key give 0 and lse -inf (the sink's logit with sinks).
+    softcap: s -> softcap tanh(s / softcap) before the window; sinks (H,): a
+    logit column of its own in each row's softmax, no value."""
+    if softcap is not None or sinks is not None:
+        return _ref_varlen_cap_sinks(q, k, v, cq, ck, window, scale, dtype, softcap, sinks)
     H, Hkv = q.shape[1], k.shape[1]
     G = H // Hkv
     sc = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
@@ -51,6 +55,31 @@ def ref_varlen(q, k, v, cq, ck, window=(-1, -1), scale=None, dtype=torch.float64
         o = p @ vs if Lk > 0 else qs.new_zeros(H, Lq, v.shape[-1])
         outs.append(o.transpose(0, 1))
         lses.append(lse if Lk > 0 else torch.full((H, Lq), float("-inf"), dtype=torch.float64))
+    return torch.cat(outs), torch.cat(lses, -1)
+
+
+def _ref_varlen_cap_sinks(q, k, v, cq, ck, window, scale, dtype, softcap, sinks):
+    H, Hkv = q.shape[1], k.shape[1]
+    G = H // Hkv
+    sc = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
+    outs, lses = [], []
+    for b in range(len(cq) - 1):
+        qs = q[cq[b]:cq[b + 1]].to(dtype).transpose(0, 1)
+        ks = k[ck[b]:ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(G, 0)
+        vs = v[ck[b]:ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(G, 0)
+        Lq, Lk = qs.shape[1], ks.shape[1]
+        s = (qs @ ks.transpose(-1, -2)) * sc
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        s = s.masked_fill(~visible(Lq, Lk, window), float("-inf"))
+        if sinks is not None:  # the sink's column: in the softmax, no value
+            s = torch.cat([s, sinks.to(dtype)[:, None, None].expand(H, Lq, 1)], -1)
+        lse = torch.logsumexp(s.double(), -1)
+        p = torch.softmax(s, -1).nan_to_num(0.0)
+        if sinks is not None:
+            p = p[..., :-1]
+        outs.append((p @ vs).transpose(0, 1))
+        lses.append(lse)
     return torch.cat(outs), torch.cat(lses, -1)
 
 
@@ -114,17 +143,68 @@ def test_gradcheck(window):
                      (q, k, v))
 
 
+CAP_SINK_CASES = [  # (query lengths, key lengths, window, softcap, sinks)
+    ([1, 63, 64, 65, 0, 130], [1, 63, 64, 65, 0, 130], (-1, 0), 3.0, True),
+    ([3, 70, 1, 0], [10, 40, 0, 5], (-1, -1), None, True),         # empty keys: lse = the sink
+    ([100, 7, 129], [30, 90, 129], (17, 0), 2.0, False),
+    ([100, 7, 129], [30, 90, 129], (5, 3), 1.5, True),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CAP_SINK_CASES, ids=str)
+def test_softcap_and_sinks(case, dtype):
+    """The keyword extensions: values, lse and the gradients of q, k, v and
+    sinks against the per-sequence float64 reference (PyTorch's own error in
+    the test dtype as the yardstick)."""
+    lq, lk, window, cap, with_sinks = case
+    H, Hkv, D, Dv = 4, 2, 16, 24
+    q, k, v, cq, ck = make(lq, lk, H, Hkv, D, Dv, dtype)
+    sinks = (torch.randn(H, dtype=dtype) * 2).requires_grad_() if with_sinks else None
+    out, lse = varlen_attn(q, k, v, cq, ck, max(lq), max(lk), return_aux=AuxRequest(lse=True), window_size=window,
+                           enable_gqa=True, softcap=cap, sinks=sinks)
+    leaves = (q, k, v) + ((sinks,) if with_sinks else ())
+    ld = tuple(t.detach().double().requires_grad_() for t in leaves)
+    lt = tuple(t.detach().clone().requires_grad_() for t in leaves)
+    ref_out, ref_lse = ref_varlen(*ld[:3], cq.tolist(), ck.tolist(), window, softcap=cap,
+                                  sinks=ld[3] if with_sinks else None)
+    pt_out, _ = ref_varlen(*lt[:3], cq.tolist(), ck.tolist(), window, dtype=dtype, softcap=cap,
+                           sinks=lt[3] if with_sinks else None)
+    assert_close_ref(out, pt_out, ref_out, name="out")
+    assert torch.equal(lse.isneginf(), ref_lse.isneginf())
+    fin = ~ref_lse.isneginf()
+    tol = 1e-9 if dtype == torch.float64 else 2e-1 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+    assert (lse.double()[fin] - ref_lse[fin]).abs().max().item() <= tol
+    go = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, go)
+    ref_grads = torch.autograd.grad(ref_out, ld, go.double())
+    pt_grads = torch.autograd.grad(pt_out, lt, go, allow_unused=True)
+    for name, g, p, r in zip(("dq", "dk", "dv", "dsinks"), grads, pt_grads, ref_grads):
+        assert g.shape == r.shape and g.dtype == dtype
+        assert_close_ref(g, p if p is not None else torch.zeros_like(g), r, name=name)
+
+
+@pytest.mark.parametrize("window", [(-1, 0), (1, 2)], ids=str)
+def test_gradcheck_softcap_sinks(window):
+    q, k, v, cq, ck = make([3, 0, 5, 1], [4, 2, 5, 0], 4, 2, 3, 2, torch.float64)
+    sinks = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    assert gradcheck(lambda q, k, v, s: varlen_attn(q, k, v, cq, ck, 5, 5, window_size=window, enable_gqa=True,
+                                                    softcap=1.5, sinks=s), (q, k, v, sinks))
+
+
 OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
 @pytest.mark.parametrize("window", [(-1, -1), (3, 0)], ids=str)
-def test_opcheck(window):
+@pytest.mark.parametrize("cap_sinks", [False, True], ids=["plain", "softcap-sinks"])
+def test_opcheck(window, cap_sinks):
     q, k, v, cq, ck = make([5, 0, 70], [6, 2, 70], 2, 1, 8, 8, torch.float32)
-    args = (q, k, v, cq, ck, 70, 70, None, window[0], window[1], None, None)
+    extra = (2.5, torch.randn(2, requires_grad=True)) if cap_sinks else ()
+    args = (q, k, v, cq, ck, 70, 70, None, window[0], window[1], None, None) + extra
     torch.library.opcheck(torch.ops.masked_attn.varlen_forward.default, args, test_utils=OPCHECK_UTILS)
     out, lse = torch.ops.masked_attn.varlen_forward(*args)
     bargs = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, cq, ck, 70, 70, 0.5,
-             window[0], window[1])
+             window[0], window[1]) + tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in extra)
     torch.library.opcheck(torch.ops.masked_attn.varlen_backward.default, bargs,
                           test_utils=("test_schema", "test_faketensor"))
 
@@ -138,15 +218,19 @@ def test_isa_against_scalar(isa, dtype):
     q, k, v, cq, ck = make(lq, lk, 4, 2, 40, 24, dtype)
     go = torch.randn(q.shape[0], 4, 24, dtype=dtype)
 
-    def run(window):
-        out = varlen_attn(q, k, v, cq, ck, 150, 150, window_size=window, enable_gqa=True)
+    sinks = torch.randn(4, dtype=dtype)
+
+    def run(window, cap):
+        out = varlen_attn(q, k, v, cq, ck, 150, 150, window_size=window, enable_gqa=True, softcap=cap,
+                          sinks=sinks if cap else None)
         return (out,) + torch.autograd.grad(out, (q, k, v), go)
 
-    for window in [(-1, -1), (-1, 0), (20, 0)]:
-        ours = run_isa(isa, lambda: run(window))
-        scalar = run_isa("scalar", lambda: run(window))
+    for window, cap in [((-1, -1), None), ((-1, 0), None), ((20, 0), None), ((-1, 0), 2.0)]:
+        ours = run_isa(isa, lambda: run(window, cap))
+        scalar = run_isa("scalar", lambda: run(window, cap))
         qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
-        ref_out, _ = ref_varlen(qd, kd, vd, cq.tolist(), ck.tolist(), window)
+        ref_out, _ = ref_varlen(qd, kd, vd, cq.tolist(), ck.tolist(), window, softcap=cap,
+                                sinks=sinks if cap else None)
         refs = (ref_out,) + torch.autograd.grad(ref_out, (qd, kd, vd), go.double())
         for name, a, s, r in zip(("out", "dq", "dk", "dv"), ours, scalar, refs):
             # as close to float64 as the scalar reference is (plus the dtype's slack)
@@ -312,3 +396,13 @@ def test_bad_input():
         call(seqused_k=torch.tensor([5, 9], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="same dtype"):
         varlen_attn(q.double(), k, v, cq, ck, 7, 7)
+    with pytest.raises(RuntimeError, match="softcap must be None or a finite number > 0"):
+        call(softcap=0.0)
+    with pytest.raises(RuntimeError, match="softcap must be None or a finite number > 0"):
+        call(softcap=float("nan"))
+    with pytest.raises(RuntimeError, match=r"sinks must have shape \(H,\) = \(2,\)"):
+        call(sinks=torch.zeros(3))
+    with pytest.raises(RuntimeError, match="sinks must be floating point"):
+        call(sinks=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="got query on cpu and sinks on meta"):
+        call(sinks=torch.zeros(2, device="meta"))

@@ -360,7 +360,8 @@ def varlen_attn(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_
                 max_q: int, max_k: int, *, return_aux: AuxRequest | None = None, scale: float | None = None,
                 window_size: tuple[int, int] = (-1, -1), enable_gqa: bool = False,
                 seqused_k: Tensor | None = None, block_table: Tensor | None = None,
-                num_splits: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                num_splits: int | None = None, softcap: float | None = None,
+                sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over packed variable-length sequences, with
     torch.nn.attention.varlen.varlen_attn's signature and conventions, on the CPU.
 
@@ -390,6 +391,10 @@ def varlen_attn(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_
             pages in place; other page sizes are gathered into packed rows first.
         num_splits: accepted for compatibility; results never depend on the
             thread count or on the other sequences of the batch (batch invariant).
+        softcap, sinks: extensions (not in torch's varlen_attn), as in
+            masked_attention: scores -> softcap * tanh(s / softcap) before the
+            window; sinks (H,) one logit per head in every row's softmax
+            denominator, no value, differentiable (the lse includes it).
 
     Returns:
         out (T_q, H, Dv), and lse if return_aux.lse. A query row that sees no
@@ -444,7 +449,8 @@ def varlen_attn(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_
         raise ValueError("varlen_attn: cu_seq_k is required without block_table")
     out, lse = torch.ops.masked_attn.varlen_forward(
         query, key, value, cu_seq_q, cu_seq_k, int(max_q), int(max_k),
-        None if scale is None else float(scale), left, right, seqused_k, block_table)
+        None if scale is None else float(scale), left, right, seqused_k, block_table,
+        None if softcap is None else float(softcap), sinks)
     if return_aux is not None and return_aux.lse:
         return out, lse
     return out
