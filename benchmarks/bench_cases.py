@@ -367,6 +367,76 @@ def decode(dtype, B=8, H=32, Lk=2048, D=128):
                  info=dict(B=B, H=H, Lq=1, Lk=Lk, D=D, dtype=str(dtype)))
 
 
+def varlen(B=8, H=8, D=64, lo=64, hi=2048):
+    """A packed causal batch, lengths uniform in [lo, hi], fwd+bwd: ours
+    through varlen_attn on the packed (T, H, D) tokens (no padding), native
+    F.sdpa on the same batch padded to the longest with a bool (B, 1, L, L)
+    mask (causal + key padding, True = take part), built outside the timed call."""
+    lengths = torch.randint(lo, hi + 1, (B,)).tolist()
+    L, T = max(lengths), sum(lengths)
+    cu = torch.zeros(B + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths).cumsum(0)
+    q, k, v = (torch.randn(T, H, D, requires_grad=True) for _ in range(3))
+    g = torch.randn(T, H, D)
+    # the padded batch: the same values at (b, :, :len_b), zeros after
+    pos = torch.arange(L)
+    valid = pos[None] < torch.tensor(lengths)[:, None]                    # (B, L)
+
+    def pad(t):
+        out = t.new_zeros(B, L, H, D)
+        out[valid] = t.detach()
+        return out.transpose(1, 2).contiguous()
+    qp, kp, vp = (pad(t).requires_grad_() for t in (q, k, v))
+    gp = pad(g)
+    allowed = (pos[None, :] <= pos[:, None])[None, None] & valid[:, None, None, :]   # (B, 1, L, L)
+    padded = fwd_bwd(lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=allowed), (qp, kp, vp), gp)
+
+    def native():  # the cross-check compares the real tokens, packed (untimed work is negligible)
+        return padded().transpose(1, 2)[valid]
+    ours = fwd_bwd(lambda: tma.functional.varlen_attn(q, k, v, cu, cu, L, L, window_size=(-1, 0)), (q, k, v), g)
+    fl = sum(attention_flops(1, H, n, n, D, causal=True, backward=True) for n in lengths)
+    return Bench(work=f"B={B} packed causal, lengths uniform in [{lo}, {hi}] (T={T}, longest {L}) H={H} D={D}, "
+                      f"fwd+bwd, varlen_attn vs F.sdpa padded + bool mask, {gflop(fl)} of real work",
+                 natives={"sdpa-padded-bool": native}, ours=ours, flops=fl, attn_flops=fl,
+                 info=dict(B=B, H=H, D=D, lengths=lengths, dtype=str(torch.float32)))
+
+
+def decode_paged(B=8, H=32, Lk=2048, D=128, page=256):
+    """The decode case's step read from a paged KV cache: the same B x Lk keys
+    and values as pages of `page` tokens in a shuffled pool, one query per
+    sequence through varlen_attn(block_table=..., seqused_k=...), against
+    native F.sdpa on the dense (B, H, Lk, D) cache (the decode case's native)."""
+    q = torch.randn(B, H, 1, D)
+    k, v = (torch.randn(B, H, Lk, D) for _ in range(2))
+    n = Lk // page
+    perm = torch.randperm(B * n)
+    table = perm.view(B, n).to(torch.int32)
+
+    def pool(t):  # (B, H, Lk, D) -> (B * n, page, H, D) with page (b, i) at perm[b * n + i]
+        pages = t.transpose(1, 2).reshape(B * n, page, H, D)
+        out = torch.empty_like(pages)
+        out[perm] = pages
+        return out
+    kp, vp = pool(k), pool(v)
+    qv = q[:, :, 0].contiguous()                                           # (B, H, D) = (T_q, H, D)
+    cu = torch.arange(B + 1, dtype=torch.int32)
+    used = torch.full((B,), Lk, dtype=torch.int32)
+
+    def native():
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(q, k, v)[:, :, 0]
+
+    def ours():
+        with torch.no_grad():
+            return tma.functional.varlen_attn(qv, kp, vp, cu, None, 1, Lk, seqused_k=used, block_table=table)
+    fl = attention_flops(B, H, 1, Lk, D, causal=False, backward=False)
+    traffic = 2.0 * B * H * Lk * D * k.element_size()
+    return Bench(work=f"B={B} H={H} Lq=1 Lk={Lk} D={D} float32, forward (no grad), paged KV (pages of {page}) "
+                      f"vs native on the dense cache, K+V {traffic / 1e6:.0f} MB",
+                 natives={"sdpa-dense": native}, ours=ours, flops=fl, attn_flops=fl, traffic_bytes=traffic,
+                 info=dict(B=B, H=H, Lq=1, Lk=Lk, D=D, page=page, dtype=str(torch.float32)))
+
+
 # ---------------------------------------------------------------- registry
 
 NAMED = {
@@ -388,6 +458,8 @@ NAMED = {
     "gpt-train-dropout-cost": lambda: gpt_train(torch.float32, 0.1, ("ours-p0",)),
     "gpt-train-dropout-cost-bf16": lambda: gpt_train(torch.bfloat16, 0.1, ("ours-p0",)),
     "sliding-window": sliding_window,
+    "varlen": varlen,
+    "decode-paged": decode_paged,
     "mha-mem-8192": lambda: mha_train(1, 8192, timed=False),
     "ce": lambda: cross_entropy_case(8192, 32000, torch.float32),
     "ce-bf16": lambda: cross_entropy_case(4096, 128256, torch.bfloat16),
@@ -395,7 +467,8 @@ NAMED = {
 }
 GROUPS = {
     "attention": ["gpt-train", "long-causal", "long-causal-fwd", "one-head-long", "bert-infer", "mha-train",
-                  "gpt-train-bf16", "long-causal-bf16", "decode", "decode-bf16", "hf-mask", "sliding-window"],
+                  "gpt-train-bf16", "long-causal-bf16", "decode", "decode-bf16", "hf-mask", "sliding-window",
+                  "varlen", "decode-paged"],
     "dropout": ["gpt-train-dropout", "gpt-train-dropout-cost", "gpt-train-dropout-bf16",
                 "gpt-train-dropout-cost-bf16"],
     "memory": ["mha-mem-8192"],

@@ -114,15 +114,30 @@ typedef struct {
     int is_causal;
     double scale;
     /* ---- sliding window, soft-capping, sinks (issue 15), normalised by the shim:
-     * a side that reaches every key is -1, and a right side of 0 is is_causal ---- */
+     * a side that reaches every key is -1. Dense calls: aligned to the top
+     * left, and a right side of 0 is is_causal; varlen calls (cu_q below):
+     * aligned to the bottom right of each sequence, query i of entry b sees
+     * keys i + Lk_b - Lq_b - window_left <= j <= i + Lk_b - Lq_b + window_right,
+     * and is_causal is 0 (causal is window_right = 0). The loops read only the
+     * band (band_lo, band_hi below), which the shim (dense) or FN(seq_args)
+     * (varlen, per entry) derives from these. ---- */
     int64_t window_left;    /* query i sees keys j >= i - window_left; -1: no bound */
-    int64_t window_right;   /* ... and j <= i + window_right; -1: no bound (never 0, see above) */
+    int64_t window_right;   /* ... and j <= i + window_right; -1: no bound */
     double softcap;         /* > 0: scores s -> softcap tanh(s / softcap) before the bias; 0: off */
     ma_mask sinks;          /* (H,) one logit per head in every row's denominator, stride[0] = h; ptr NULL: none */
     /* ---- end of the window / softcap / sinks group ---- */
     /* sizes */
     int64_t B, H, Hkv, Lq, Lk, D, Dv;
     int64_t block_q, block_k;   /* tile sizes, set by the shim */
+    /* The band every score must pass: key j is visible to query i iff
+     * band_lo <= j - i <= band_hi (MA_BAND_INF: no bound). Dense: band_hi =
+     * 0 under is_causal, else window_right; band_lo = -window_left. Varlen:
+     * set per entry by the template from the window (see above). */
+    int64_t band_lo, band_hi;
+    /* Where the per-row statistics (lse, delta, dhm_rows) of row i of head
+     * (b, h) live: b * stat_stride[0] + h * stat_stride[1] + i. Dense
+     * (B, H, Lq): {H * Lq, Lq}; varlen (H, Tq): {0, Tq}, from the sequence's first row. */
+    int64_t stat_stride[2];
     int stream_stores;          /* write the large outputs with non-temporal stores (see below) */
     ma_isa isa;                 /* the variant for this call (common/isa.h) */
     /* ---- dropout (issue 14): P' = P * Z / (1 - p), Z ~ Bernoulli(1 - p) per
@@ -132,7 +147,32 @@ typedef struct {
     uint64_t dropout_seed;      /* Philox key */
     uint64_t dropout_offset;    /* folded into the counter and the key */
     /* ---- end dropout ---- */
+    /* ---- packed variable-length sequences (masked_attn::varlen_*); cu_q NULL for a dense call ----
+     * q, out, dq, dout are (Tq, H, D) and k, v, dk, dv (Tk, Hkv, D), passed as
+     * 4-D strides {0, head, row, dim}; batch entry b is the rows
+     * [cu_q[b], cu_q[b + 1]) of q and [cu_k[b], cu_k[b] + Lk_b) of k, v, with
+     * Lk_b = seqused_k ? seqused_k[b] : cu_k[b + 1] - cu_k[b]. The loops see
+     * one entry at a time through FN(seq) (attention_tmpl.h): pointers moved to
+     * the entry's first row, Lq, Lk its own, the band its window's. B is the
+     * number of sequences, Lq and Lk (set by the shim) the longest ones. No
+     * masks, no head mask, no weights; the two-pass backward. */
+    const int32_t *cu_q, *cu_k;  /* (B + 1), nondecreasing from 0, checked by the shim */
+    const int32_t *seqused_k;    /* (B) or NULL; required with block_table */
+    /* paged KV cache (forward only): k, v are pools (pages, page_size, Hkv, D)
+     * passed with strides {0, head, row, dim} plus the page strides; key row j
+     * of entry b is row j % page_size of page block_table[b * bt_stride + j / page_size].
+     * page_size is a multiple of block_k, so a key block lies in one page. cu_k unused. */
+    const int32_t *block_table;  /* NULL: no paging */
+    int64_t bt_stride, page_size, k_page_stride, v_page_stride;
+    /* work-item tables built by the shim, 3 int64 per item: (b, h, q-block)
+     * for the forward and the dq pass, (b, hkv, k-block) for the dkdv pass;
+     * ordered most expensive first (the pool hands items out dynamically) */
+    const int64_t *q_items, *kv_items;
+    int64_t n_q_items, n_kv_items;
 } ma_attn_args;
+
+/* No bound on that side of the band (ma_attn_args.band_lo = -MA_BAND_INF). */
+#define MA_BAND_INF ((int64_t)1 << 60)
 
 typedef struct {
     /* outputs */
@@ -182,7 +222,8 @@ typedef struct {
  * conflicts of rows H * D apart). Values are the same either way; every task
  * that may stream ends with a store fence. */
 
-/* Forward: work item w = ((b * H) + h) * nq + qb,  nq = ceil(Lq / block_q).
+/* Forward: work item w = ((b * H) + h) * nq + qb,  nq = ceil(Lq / block_q)
+ * (varlen: q_items[3 w ..], the dq pass too; the dkdv pass: kv_items).
  * Writes out, lse (and weights) of its (b, h, q-block). */
 void ma_attn_fwd_task(int64_t begin, int64_t end, void *ctx);
 int64_t ma_attn_fwd_work_items(const ma_attn_fwd_params *p);

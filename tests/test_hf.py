@@ -380,9 +380,9 @@ def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_s
 
 @pytest.mark.parametrize("name", ["llama", "mistral"])
 def test_packed_sequences_through_varlen(name, monkeypatch):
-    """Packed sequences (position_ids restarting, no attention_mask): with a varlen_attn
-    (branch `varlen`), the mask function hands over the sequence ids and no mask is built;
-    run here against a stand-in with torch's varlen_attn contract."""
+    """Packed sequences (position_ids restarting, no attention_mask): the mask function hands
+    over the sequence ids and no mask is built; run here against a float64 stand-in with
+    torch's varlen_attn contract (the exact window each model asks for)."""
     calls = []
     monkeypatch.setattr(hf, "_HAS_VARLEN", True)
     monkeypatch.setattr(hf, "_VARLEN", lambda *a, **k: calls.append(k["window_size"]) or _reference_varlen(*a, **k))
@@ -397,6 +397,33 @@ def test_packed_sequences_through_varlen(name, monkeypatch):
     assert calls and set(calls) == {(-1, 0) if name == "llama" else (3, 0)}
 
 
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2"])
+def test_packed_sequences_real_varlen(name, monkeypatch):
+    """Packed sequences through functional.varlen_attn itself (windows and softcap as its
+    keyword extensions): logits and every parameter's gradient equal the reference
+    implementation's on transformers' packed mask. (transformers 5.23 looks for packing in
+    these models; GPT-OSS's masks never carry it, so its sinks reach varlen_attn only
+    through tests/test_varlen.py.)"""
+    calls = []
+    real = hf._VARLEN
+    monkeypatch.setattr(hf, "_VARLEN", lambda *a, **k: calls.append(k) or real(*a, **k))
+    ref, ours = _pair(name)
+    ids = torch.randint(3, V, (2, 12))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2]])
+    a = ref(input_ids=ids, position_ids=pos, use_cache=False).logits
+    b = ours(input_ids=ids, position_ids=pos, use_cache=False).logits
+    torch.testing.assert_close(b, a, **_tol(name))
+    w = torch.randn_like(a)
+    (a * w).sum().backward()
+    (b * w).sum().backward()
+    for (n, p), (_, p2) in zip(ref.named_parameters(), ours.named_parameters()):
+        if p.grad is not None:
+            torch.testing.assert_close(p2.grad, p.grad, **_tol(name), msg=lambda m, n=n: f"{n}: {m}")
+    assert calls
+    if name == "gemma2":
+        assert all(c.get("softcap") for c in calls)
+
+
 def test_packed_sequences_without_varlen(monkeypatch):
     """Without varlen_attn: transformers' own packed mask goes through as a mask."""
     monkeypatch.setattr(hf, "_HAS_VARLEN", False)
@@ -408,9 +435,8 @@ def test_packed_sequences_without_varlen(monkeypatch):
     torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-10)
 
 
-def test_softcap_falls_back_to_eager_until_the_kernel_has_it(monkeypatch):
-    if hf._HAS_SOFTCAP:
-        pytest.skip("masked_attention has softcap: no fallback")
+def test_softcap_falls_back_to_eager_without_the_kernels_softcap(monkeypatch):
+    monkeypatch.setattr(hf, "_HAS_SOFTCAP", False)  # the path for a masked_attention without softcap
     seen = []
     real = hf._model_eager
     monkeypatch.setattr(hf, "_model_eager", lambda module: seen.append(type(module).__name__) or real(module))

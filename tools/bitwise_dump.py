@@ -50,6 +50,13 @@ def dump_attention(res):
                 grads = bwd(go, gw, q, k, v, out, lse, am, kp, hmask, causal, None, hmask is not None, mask_grad)
                 key = f"{name}-{vname}-w{int(need_w)}"
                 res[key] = [out, lse, w, *grads]
+        # sliding windows (top-left), with causal, and soft-capping
+        for vname, causal, wl, wr, cap in [("win", False, 20, 5, None), ("causal-win", True, 30, -1, None),
+                                           ("cap-win", False, 40, 70, 5.0)]:
+            win = (0.0, None, wl, wr, cap, None)
+            out, lse, _ = fwd(q, k, v, None, kpm, None, causal, None, False, *win)
+            grads = bwd(go, None, q, k, v, out, lse, None, kpm, None, causal, None, False, False, *win)
+            res[f"{name}-{vname}"] = [out, lse, *grads]
         # strided (non-contiguous) q, k, v
         qs = q.transpose(2, 3).contiguous().transpose(2, 3)
         out, lse, w = fwd(qs, k, v, None, kpm, None, True, 0.3, False)

@@ -64,14 +64,11 @@ __all__ = ["ATTN_IMPLEMENTATION", "StructuredMask", "apply", "attention_forward"
 ATTN_IMPLEMENTATION = "masked_attn"
 
 # ---------------------------------------------------------------------------------------------
-# Feature detection, once at import. The lead switches these paths on by merging the branches:
-#   branch `window`: masked_attention(..., window=(left, right), softcap=float|None, sinks=(H,)|None)
-#                    (query i sees keys j in [i - left, i + right], -1 = unbounded, top-left diagonal)
-#   branch `varlen`: functional.varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *,
-#                    scale=None, window_size=(-1, -1), enable_gqa=False, ...)  (torch.nn.attention.varlen's)
-# Until then: a sliding window (or a causal diagonal that is not the top-left one) becomes a small
-# (Lq, Lk) bool mask shared by the batch; softcap / sinks run transformers' own eager attention of
-# the model; packed sequences get transformers' 4-D mask.
+# Feature detection, once at import: masked_attention's window / softcap / sinks and
+# functional.varlen_attn (packed sequences) are used where they exist; without them a sliding
+# window becomes a small (Lq, Lk) bool mask shared by the batch, softcap / sinks run the model's
+# own eager attention and packed sequences get transformers' 4-D mask (the tests switch them off
+# to keep those paths honest).
 _MA_PARAMS = frozenset(inspect.signature(_F.masked_attention).parameters)
 _HAS_WINDOW = "window" in _MA_PARAMS
 _HAS_SOFTCAP = "softcap" in _MA_PARAMS
@@ -237,7 +234,6 @@ def mask_function(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv
     if kind is None and _HAS_VARLEN and attention_mask is None and not use_vmap and q_length == kv_length \
             and not torch.compiler.is_compiling():
         # packed sequences (found by transformers from position_ids): varlen_attn, no mask at all
-        # TODO(lead): on when branch `varlen` is merged (functional.varlen_attn)
         kind, window, packed = _recognise_packed(mask_function)
         if packed is not None and (q_offset != 0 or kv_offset != 0 or packed.shape != (batch_size, q_length)):
             kind, window, packed = None, None, None
@@ -336,9 +332,8 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
                                       is_causal=is_causal, **kwargs)
 
     lq, lk = query.shape[2], key.shape[2]
-    if isinstance(attention_mask, StructuredMask) and attention_mask.packed is not None and not need_weights \
-            and softcap is None and sinks is None:
-        return _packed_attention(attention_mask, query, key, value, scaling), None
+    if isinstance(attention_mask, StructuredMask) and attention_mask.packed is not None and not need_weights:
+        return _packed_attention(attention_mask, query, key, value, scaling, softcap, sinks), None
     if isinstance(attention_mask, StructuredMask):
         args = dict(attention_mask.kernel_args(lq, lk))
     elif attention_mask is None:  # sdpa's rule: the layer's causality, top-left, not for one query
@@ -359,7 +354,8 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     return out.transpose(1, 2).contiguous(), weights
 
 
-def _packed_attention(mask: StructuredMask, query: Tensor, key: Tensor, value: Tensor, scaling) -> Tensor:
+def _packed_attention(mask: StructuredMask, query: Tensor, key: Tensor, value: Tensor, scaling, softcap=None,
+                      sinks=None) -> Tensor:
     """Packed sequences through varlen_attn: the (B, L) rows of sequence ids cut
     into cu_seqlens over the B * L tokens; causal (or a sliding window) inside
     each sequence. Returns (B, L, H, Dv), transformers' layout."""
@@ -374,8 +370,13 @@ def _packed_attention(mask: StructuredMask, query: Tensor, key: Tensor, value: T
     q = query.transpose(1, 2).reshape(B * L, H, D)
     k = key.transpose(1, 2).reshape(B * L, key.shape[1], key.shape[3])
     v = value.transpose(1, 2).reshape(B * L, value.shape[1], value.shape[3])
+    extra = {}  # varlen_attn's keyword extensions, only when used (torch's own has none)
+    if softcap is not None:
+        extra["softcap"] = float(softcap)
+    if sinks is not None:
+        extra["sinks"] = sinks
     out = _VARLEN(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(left, 0),
-                  enable_gqa=key.shape[1] != H)
+                  enable_gqa=key.shape[1] != H, **extra)
     return out.reshape(B, L, H, value.shape[3])
 
 

@@ -355,6 +355,81 @@ torch.library.register_autograd(
     "masked_attn::forward", _forward_backward, setup_context=_forward_setup_context)
 
 
+# ---- packed variable-length sequences ---------------------------------------
+#
+#   masked_attn::varlen_forward(query, key, value, cu_seq_q, cu_seq_k?, max_q, max_k,
+#                               scale?, window_left, window_right, seqused_k?, block_table?,
+#                               softcap?, sinks?) -> (out, lse)
+#   masked_attn::varlen_backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k,
+#                                max_q, max_k, scale?, window_left, window_right, softcap?,
+#                                sinks?) -> (grad_query, grad_key, grad_value)
+#
+# query (T_q, H, D), key (T_k, H_kv, D), value (T_k, H_kv, Dv); int32 offsets
+# (N + 1,); out (T_q, H, Dv); lse (H, T_q) (float32, float64 for float64).
+# The window is bottom-right aligned (flash-attn's): query i of a sequence sees
+# key j iff i + Lk - Lq - left <= j <= i + Lk - Lq + right, -1 = unbounded.
+# seqused_k and block_table (key, value then (pages, page_size, H_kv, D) pools,
+# page_size a multiple of 64) are inference-only (no backward). softcap and sinks (H,) are
+# masked_attn::forward's (the lse includes the sink; its gradient: sinks_backward). The user-facing function is
+# torch_masked_attn.functional.varlen_attn.
+
+@torch.library.register_fake("masked_attn::varlen_forward")
+def _varlen_forward_fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=None,
+                         window_left=-1, window_right=-1, seqused_k=None, block_table=None, softcap=None,
+                         sinks=None):
+    _same_device("varlen_forward", query=query, key=key, value=value, cu_seq_q=cu_seq_q, cu_seq_k=cu_seq_k,
+                 seqused_k=seqused_k, block_table=block_table, sinks=sinks)
+    kv_dim = 3 if block_table is None else 4
+    torch._check(query.dim() == 3 and key.dim() == kv_dim and value.dim() == kv_dim,
+                 lambda: "masked_attn.varlen: query must be 3-D (T, H, D), key and value 3-D (or 4-D paged)")
+    T, H, _ = query.shape
+    return query.new_empty(T, H, value.shape[-1]), query.new_empty(H, T, dtype=_lse_dtype(query.dtype))
+
+
+@torch.library.register_fake("masked_attn::varlen_backward")
+def _varlen_backward_fake(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, scale=None,
+                          window_left=-1, window_right=-1, softcap=None, sinks=None):
+    _same_device("varlen_backward", grad_out=grad_out, query=query, key=key, value=value, out=out, lse=lse,
+                 cu_seq_q=cu_seq_q, cu_seq_k=cu_seq_k, sinks=sinks)
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    defaults = (None, None)  # softcap, sinks
+    (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, wl, wr, seqused_k, block_table, softcap,
+     sinks) = tuple(inputs) + defaults[len(inputs) - 12:]
+    out, lse = output
+    for name, t in (("block_table", block_table), ("seqused_k", seqused_k)):
+        if t is not None:
+            raise RuntimeError(f"varlen_attn: {name} is an inference-only parameter (no backward); "
+                               "call it under torch.no_grad() or on tensors that do not require grad")
+    ctx.save_for_backward(query, key, value, cu_seq_q, cu_seq_k, out, lse, sinks)
+    ctx.args = (max_q, max_k, scale, wl, wr, softcap)
+    ctx.n_inputs = len(inputs)
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+
+
+def _varlen_backward(ctx, grad_out, grad_lse):
+    query, key, value, cu_seq_q, cu_seq_k, out, lse, sinks = ctx.saved_tensors
+    if grad_out is None:
+        return (None,) * ctx.n_inputs
+    grad_out = grad_out.contiguous()
+    dq, dk, dv = torch.ops.masked_attn.varlen_backward(
+        grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, *ctx.args, sinks)
+    n = ctx.needs_input_grad
+    grads = first_order_only("varlen attention", (query, key, value), dq if n[0] else None,
+                             dk if n[1] else None, dv if n[2] else None)
+    d_sinks = None
+    if sinks is not None and ctx.n_inputs > 13 and n[13]:  # (H, T) statistics as one (1, H, T) batch
+        d_sinks = sinks_backward(sinks, lse[None], out.transpose(0, 1)[None], grad_out.transpose(0, 1)[None])
+    return (grads + (None,) * 10 + (d_sinks,))[:ctx.n_inputs]
+
+
+torch.library.register_autograd(
+    "masked_attn::varlen_forward", _varlen_backward, setup_context=_varlen_setup_context)
+
+
 # ---- cross-entropy ---------------------------------------------------------
 #
 #   masked_attn::cross_entropy(input, target, weight?, reduction, ignore_index,

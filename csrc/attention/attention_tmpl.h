@@ -284,7 +284,7 @@ static int FN(mask_tile_state)(const ma_mask *m, int64_t b, int64_t h, int64_t i
 static void FN(add_bias)(ACC *s, int64_t rs, int64_t cs, const ma_attn_args *a, int am_state, int64_t b,
                          int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t nc) {
     const ma_mask *am = &a->attn_mask, *kpm = &a->key_padding_mask;
-    const int is_causal = a->is_causal;
+    const int64_t lo = a->band_lo, hi = a->band_hi;
     if (kpm->ptr) {
         const int64_t base = b * kpm->stride[0] + j0 * kpm->stride[1];
         if (cs == 1) { /* row-wise: the keys' biases as one row, added to every row */
@@ -315,24 +315,26 @@ static void FN(add_bias)(ACC *s, int64_t rs, int64_t cs, const ma_attn_args *a, 
             for (int64_t c = 0; c < nc; c++) s[r * rs + c * cs] += FN(mask_value)(am, base + c * am->stride[3]);
         }
     }
-    if (is_causal && j0 + nc - 1 > i0) { /* key j = j0 + c is in the future of query i when j > i */
-        if (rs == 1) /* transposed: key c hides itself from the rows r < j0 + c - i0 of its column */
+    /* the band (ma_attn_args.band_lo, band_hi; causal: hi = 0): key j = j0 + c
+     * is hidden from query i = i0 + r when j - i > hi or j - i < lo */
+    if (hi < MA_BAND_INF && j0 + nc - 1 - i0 > hi) {
+        if (rs == 1) /* transposed: key c hides itself from the rows r < j0 + c - hi - i0 of its column */
             for (int64_t c = 0; c < nc; c++)
-                for (int64_t r = 0; r < ma_min(nr, j0 + c - i0); r++) s[c * cs + r] = -(ACC)INFINITY;
+                for (int64_t r = 0; r < ma_min(nr, j0 + c - hi - i0); r++) s[c * cs + r] = -(ACC)INFINITY;
         else
             for (int64_t r = 0; r < nr; r++)
-                for (int64_t c = i0 + r - j0 + 1 < 0 ? 0 : i0 + r - j0 + 1; c < nc; c++)
+                for (int64_t c = i0 + r + hi - j0 + 1 < 0 ? 0 : i0 + r + hi - j0 + 1; c < nc; c++)
                     s[r * rs + c * cs] = -(ACC)INFINITY;
     }
-    /* the window: key j = j0 + c is seen by the queries i in [j - right, j + left] */
-    const int64_t left = a->window_left, right = a->window_right;
-    if ((right >= 0 && j0 + nc - 1 - i0 > right) || (left >= 0 && i0 + nr - 1 - j0 > left))
-        for (int64_t c = 0; c < nc; c++) {
-            const int64_t lo = right >= 0 ? j0 + c - right - i0 : 0;     /* rows before lo: j > i + right */
-            const int64_t hi = left >= 0 ? j0 + c + left - i0 + 1 : nr;  /* rows from hi on: j < i - left */
-            for (int64_t r = 0; r < ma_min(lo, nr); r++) s[r * rs + c * cs] = -(ACC)INFINITY;
-            for (int64_t r = hi < 0 ? 0 : hi; r < nr; r++) s[r * rs + c * cs] = -(ACC)INFINITY;
-        }
+    if (lo > -MA_BAND_INF && j0 - (i0 + nr - 1) < lo) {
+        if (rs == 1) /* transposed: key c hides itself from the rows r > j0 + c - lo - i0 */
+            for (int64_t c = 0; c < nc; c++)
+                for (int64_t r = j0 + c - lo - i0 + 1 < 0 ? 0 : j0 + c - lo - i0 + 1; r < nr; r++)
+                    s[c * cs + r] = -(ACC)INFINITY;
+        else
+            for (int64_t r = 0; r < nr; r++)
+                for (int64_t c = 0; c < ma_min(nc, i0 + r + lo - j0); c++) s[r * rs + c * cs] = -(ACC)INFINITY;
+    }
 }
 
 /* Soft-capping of n scores before their bias: s = c tanh(s / c), c > 0 (a
@@ -370,11 +372,10 @@ static int64_t FN(keys_read)(const ma_mask *kpm, int64_t b, int64_t j0, int64_t 
     return nc;
 }
 
-/* The same for a backward key block: also not the keys after the last query
- * under is_causal (no query sees them). */
+/* The same for a backward key block: also not the keys after the last query's
+ * band (causal: after the last query; no query sees them). */
 static inline int64_t FN(bwd_keys_read)(const ma_attn_bwd_params *p, int64_t b, int64_t j0, int64_t nc) {
-    if (p->a.is_causal) nc = ma_min(nc, p->a.Lq - j0);
-    if (p->a.window_right >= 0) nc = ma_min(nc, p->a.Lq + p->a.window_right - j0); /* keys after every window */
+    if (p->a.band_hi < MA_BAND_INF) nc = ma_min(nc, p->a.Lq + p->a.band_hi - j0);
     return nc > 0 ? FN(keys_read)(&p->a.key_padding_mask, b, j0, nc) : 0;
 }
 
@@ -395,24 +396,27 @@ static inline void FN(apply_dropout)(ACC *restrict x, const ACC *restrict z, int
     for (int64_t e = 0; e < n; e++) x[e] *= z[e];
 }
 
-/* Keys a query block [i0, i0 + nr) can see under is_causal and the window:
- * [*j_begin, *j_end), j_begin a multiple of block_k (the key blocks stay
- * those of a call without a window), j_end where the last query's causal or
- * window range ends. Key blocks outside are never read. */
+/* Keys a query block [i0, i0 + nr) can see in the band: [*j_begin, *j_end),
+ * j_begin a multiple of block_k (the key blocks stay those of a call without
+ * a band), j_end where the last query's band ends. Key blocks outside are
+ * never read. (An empty range, j_end <= j_begin, leaves the rows fully masked.) */
 static inline void FN(kv_range)(const ma_attn_args *a, int64_t i0, int64_t nr, int64_t *j_begin, int64_t *j_end) {
-    int64_t e = a->is_causal ? ma_min(a->Lk, i0 + nr) : a->Lk;
-    if (a->window_right >= 0) e = ma_min(e, i0 + nr + a->window_right);
-    *j_end = e;
-    *j_begin = a->window_left >= 0 && i0 - a->window_left > 0 ? (i0 - a->window_left) / a->block_k * a->block_k : 0;
+    *j_end = a->band_hi < MA_BAND_INF ? ma_min(a->Lk, i0 + nr + a->band_hi) : a->Lk;
+    *j_begin = a->band_lo > -MA_BAND_INF && i0 + a->band_lo > 0 ? (i0 + a->band_lo) / a->block_k * a->block_k : 0;
 }
 
 /* Queries that can see keys [j0, j0 + nc): query blocks from *i_begin (j0
- * itself under is_causal; else a multiple of block_q) to below *i_end. */
+ * itself under a causal band_hi of 0, where the diagonal tiles split; else a
+ * multiple of block_q) to below *i_end. */
 static inline void FN(q_range)(const ma_attn_args *a, int64_t j0, int64_t nc, int64_t *i_begin, int64_t *i_end) {
-    int64_t bgn = a->window_right >= 0 && j0 - a->window_right > 0 ? (j0 - a->window_right) / a->block_q * a->block_q : 0;
-    if (a->is_causal && j0 > bgn) bgn = j0;
-    *i_begin = bgn;
-    *i_end = a->window_left >= 0 ? ma_min(a->Lq, j0 + nc + a->window_left) : a->Lq;
+    const int64_t first = a->band_hi < MA_BAND_INF ? j0 - a->band_hi : 0; /* the first query j0 can see */
+    *i_begin = first <= 0 ? 0 : a->band_hi == 0 ? first : first / a->block_q * a->block_q;
+    *i_end = a->band_lo > -MA_BAND_INF ? ma_min(a->Lq, j0 + nc - a->band_lo) : a->Lq;
+}
+
+/* Where row 0 of head (b, h) of lse, delta, dhm_rows is (ma_attn_args.stat_stride). */
+static inline int64_t FN(stat_row0)(const ma_attn_args *a, int64_t b, int64_t h) {
+    return b * a->stat_stride[0] + h * a->stat_stride[1];
 }
 
 /* The split of a causal diagonal tile (queries and keys i0 .. i0 + nr, nc,
@@ -429,10 +433,10 @@ static inline void FN(q_range)(const ma_attn_args *a, int64_t j0, int64_t nc, in
  * garbage and are discarded); every later read comes after the fill, and
  * the backward zeroes that quarter of dP. Returns hs, or 0 when the tile is
  * not split. */
-static inline int64_t FN(diag_split)(int is_causal, int64_t BQ, int64_t BK, int64_t i0, int64_t nr, int64_t j0,
+static inline int64_t FN(diag_split)(int64_t band_hi, int64_t BQ, int64_t BK, int64_t i0, int64_t nr, int64_t j0,
                                      int64_t nc) {
     const int64_t hs = BQ / 2;
-    return is_causal && BQ == BK && i0 == j0 && nr > hs && nc > hs ? hs : 0;
+    return band_hi == 0 && BQ == BK && i0 == j0 && nr > hs && nc > hs ? hs : 0;
 }
 
 /* Block index of the idx-th work item among n: 0, n-1, 1, n-2, ... so that
@@ -440,6 +444,120 @@ static inline int64_t FN(diag_split)(int is_causal, int64_t BQ, int64_t BK, int6
  * the thread pool's static split stays balanced. */
 static inline int64_t FN(interleave)(int64_t idx, int64_t n) {
     return idx % 2 == 0 ? idx / 2 : n - 1 - idx / 2;
+}
+
+/* ---- sequences ---------------------------------------------------------------
+ *
+ * A batch entry's extent: where its rows start in q (and out, dq, dout, the
+ * statistics) and in k (and v, dk, dv), how many there are, and its band.
+ * Dense: every entry is (B, H, Lq, D) / (B, Hkv, Lk, D) at b * stride[0], so
+ * the params are used as they are. Varlen (ma_attn_args.cu_q): FN(fwd_seq)
+ * and FN(bwd_seq) return a copy of the params moved to entry b (pointers at
+ * its first rows, its own Lq, Lk and band); the loops then run on it as on a
+ * dense entry of those lengths. b itself is kept (its stride[0] is 0), so the
+ * head caches' tags stay distinct per entry. */
+
+/* x + off elements of dt (NULL stays NULL). */
+static inline const void *FN(elem_at)(const void *x, ma_dtype dt, int64_t off) {
+    static const int64_t size[] = {1, 4, 8, 2, 2}; /* MA_BOOL, MA_F32, MA_F64, MA_BF16, MA_F16 */
+    return x ? (const char *)x + off * size[dt] : x;
+}
+
+/* Moves args a (a copy) to varlen entry b; returns its first q row, *k0 its
+ * first k row (paged: k, v stay at the pool, FN(key_off) finds the rows). */
+static int64_t FN(seq_args)(ma_attn_args *a, int64_t b, int64_t *k0) {
+    const int64_t q0 = a->cu_q[b], Lq = a->cu_q[b + 1] - q0;
+    *k0 = a->block_table ? 0 : a->cu_k[b];
+    const int64_t Lk = a->seqused_k ? a->seqused_k[b] : a->cu_k[b + 1] - *k0;
+    a->q = FN(elem_at)(a->q, a->dtype, q0 * a->q_stride[2]);
+    a->k = FN(elem_at)(a->k, a->dtype, *k0 * a->k_stride[2]);
+    a->v = FN(elem_at)(a->v, a->dtype, *k0 * a->v_stride[2]);
+    a->Lq = Lq, a->Lk = Lk;
+    /* bottom-right aligned: the diagonal of query i is key i + Lk - Lq */
+    a->band_lo = a->window_left >= 0 ? Lk - Lq - a->window_left : -MA_BAND_INF;
+    a->band_hi = a->window_right >= 0 ? Lk - Lq + a->window_right : MA_BAND_INF;
+    return q0;
+}
+
+static const ma_attn_fwd_params *FN(fwd_seq)(const ma_attn_fwd_params *p, int64_t b, ma_attn_fwd_params *loc) {
+    if (!p->a.cu_q) return p;
+    *loc = *p;
+    int64_t k0;
+    const int64_t q0 = FN(seq_args)(&loc->a, b, &k0);
+    loc->out = (void *)FN(elem_at)(p->out, p->a.dtype, q0 * p->a.out_stride[2]);
+    loc->lse = (ACC *)p->lse + q0;
+    return loc;
+}
+
+static const ma_attn_bwd_params *FN(bwd_seq)(const ma_attn_bwd_params *p, int64_t b, ma_attn_bwd_params *loc) {
+    if (!p->a.cu_q) return p;
+    *loc = *p;
+    int64_t k0;
+    const int64_t q0 = FN(seq_args)(&loc->a, b, &k0);
+    const ma_dtype dt = p->a.dtype;
+    loc->dq = (void *)FN(elem_at)(p->dq, dt, q0 * p->dq_stride[2]);
+    loc->dk = (void *)FN(elem_at)(p->dk, dt, k0 * p->dk_stride[2]);
+    loc->dv = (void *)FN(elem_at)(p->dv, dt, k0 * p->dv_stride[2]);
+    loc->dout = FN(elem_at)(p->dout, dt, q0 * p->dout_stride[2]);
+    loc->out = FN(elem_at)(p->out, dt, q0 * p->a.out_stride[2]);
+    loc->lse = (const ACC *)p->lse + q0;
+    loc->delta = (ACC *)p->delta + q0;
+    return loc;
+}
+
+/* The offset of key row j of entry b in k (page_st = k_page_stride) or v
+ * (v_page_stride), without the head's: j * st[2], or through the block table. */
+static inline int64_t FN(key_off)(const ma_attn_args *a, const int64_t st[4], int64_t page_st, int64_t b, int64_t j) {
+    if (!a->block_table) return j * st[2];
+    return (int64_t)a->block_table[b * a->bt_stride + j / a->page_size] * page_st + (j % a->page_size) * st[2];
+}
+
+/* FN(head_cache) and FN(rows_in) for the keys or values of head (b, h) of
+ * the forward: through FN(key_off) (paged: row by row; a key block never
+ * crosses a page). */
+static const ACC *FN(kv_head_cache)(const ma_attn_args *a, int64_t *tag, ACC *cache, const void *src,
+                                    const int64_t st[4], int64_t page_st, int64_t b, int64_t h, int64_t ncol) {
+    if (!a->block_table) return FN(head_cache)(tag, cache, src, a->dtype, st, b, h, 1, a->Lk, ncol);
+    const int64_t key = b * 65536 + h + 1;
+    if (*tag != key) {
+        for (int64_t r = 0; r < a->Lk; r++)
+            FN(convert_row)(cache + r * ncol, 1, src, a->dtype, b * st[0] + h * st[1] + FN(key_off)(a, st, page_st, b, r),
+                            st[3], ncol, 1);
+        *tag = key;
+    }
+    return cache;
+}
+
+static inline const ACC *FN(kv_rows_in)(const ma_attn_args *a, const void *src, const int64_t st[4], int64_t page_st,
+                                        int64_t b, int64_t h, int64_t j0, const ACC *head_base, int64_t ncol,
+                                        int64_t *ld) {
+    if (!FN(needs_copy)(a->dtype, st)) {
+        *ld = st[2];
+        return (const ACC *)src + b * st[0] + h * st[1] + FN(key_off)(a, st, page_st, b, j0);
+    }
+    *ld = ncol;
+    return head_base + j0 * ncol;
+}
+
+/* Work item w of the forward and the dq pass: (b, h, query block). Dense:
+ * the blocks of head (b, h) in FN(interleave) order; varlen: the shim's table. */
+static inline void FN(q_item)(const ma_attn_args *a, int64_t w, int64_t *b, int64_t *h, int64_t *qb) {
+    if (a->q_items) {
+        *b = a->q_items[3 * w], *h = a->q_items[3 * w + 1], *qb = a->q_items[3 * w + 2];
+        return;
+    }
+    const int64_t nq = ma_cdiv(a->Lq, a->block_q);
+    *b = w / (a->H * nq), *h = (w / nq) % a->H, *qb = FN(interleave)(w % nq, nq);
+}
+
+/* Work item w of the dkdv pass: (b, hkv, key block). */
+static inline void FN(kv_item)(const ma_attn_args *a, int64_t w, int64_t *b, int64_t *hk, int64_t *kb) {
+    if (a->kv_items) {
+        *b = a->kv_items[3 * w], *hk = a->kv_items[3 * w + 1], *kb = a->kv_items[3 * w + 2];
+        return;
+    }
+    const int64_t nk = ma_cdiv(a->Lk, a->block_k);
+    *b = w / (a->Hkv * nk), *hk = (w / nk) % a->Hkv, *kb = FN(interleave)(w % nk, nk);
 }
 
 /* The online-softmax step after a key block, rows 0 .. nr: alpha[r] =
@@ -558,7 +676,8 @@ static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s,
                               ACC *lsum, ACC *alpha, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t nr,
                               int64_t j0, int64_t nc, int am_state, const ma_dropout *dr) {
     const int64_t D = p->a.D, Dv = p->a.Dv, *ks = p->a.k_stride, *vs = p->a.v_stride;
-    DOT_KEYS(s, nc, q, nr, D, p->a.k, p->a.dtype, b * ks[0] + hk * ks[1] + j0 * ks[2], ks[2], nc);
+    DOT_KEYS(s, nc, q, nr, D, p->a.k, p->a.dtype, b * ks[0] + hk * ks[1] + FN(key_off)(&p->a, ks, p->a.k_page_stride, b, j0),
+             ks[2], nc);
     FN(softcap)(s, nr * nc, p->a.softcap, NULL);
     FN(add_bias)(s, nc, 1, &p->a, am_state, b, h, i0, nr, j0, nc);
     for (int64_t r = 0; r < nr; r++) {
@@ -568,7 +687,8 @@ static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s,
     FN(sum_rows_in_order)(s, nc, nr, lsum);
     if (FN(online_step)(m, m_new, l, lsum, alpha, nr)) FN(scale_rows)(o, Dv, nr, Dv, alpha);
     if (dr) DROPOUT(s, NULL, nc, 1, nr, nc, dr, i0, j0); /* l summed the whole P; O takes P' */
-    AXPY_KEYS(o, s, nc, nr, Dv, p->a.v, p->a.dtype, b * vs[0] + hk * vs[1] + j0 * vs[2], vs[2], nc);
+    AXPY_KEYS(o, s, nc, nr, Dv, p->a.v, p->a.dtype, b * vs[0] + hk * vs[1] + FN(key_off)(&p->a, vs, p->a.v_page_stride, b, j0),
+              vs[2], nc);
 }
 
 /* ---- tile hooks -------------------------------------------------------------
@@ -612,10 +732,10 @@ static void FN(gen_fwd_query)(FN(gen_fwd) *g, int64_t b, int64_t h, int64_t hk, 
     FN(fwd_scratch) *t = g->t;
     g->b = b, g->hk = hk, g->nr = nr;
     g->k_bh = FN(needs_copy)(p->a.dtype, p->a.k_stride)
-                  ? FN(head_cache)(&g->hdr->tag[0], t->kc, p->a.k, p->a.dtype, p->a.k_stride, b, hk, 1, p->a.Lk, p->a.D)
+                  ? FN(kv_head_cache)(&p->a, &g->hdr->tag[0], t->kc, p->a.k, p->a.k_stride, p->a.k_page_stride, b, hk, p->a.D)
                   : NULL;
     g->v_bh = FN(needs_copy)(p->a.dtype, p->a.v_stride)
-                  ? FN(head_cache)(&g->hdr->tag[1], t->vc, p->a.v, p->a.dtype, p->a.v_stride, b, hk, 1, p->a.Lk, p->a.Dv)
+                  ? FN(kv_head_cache)(&p->a, &g->hdr->tag[1], t->vc, p->a.v, p->a.v_stride, p->a.v_page_stride, b, hk, p->a.Dv)
                   : NULL;
     FN(load_tile_t)(t->qT, p->a.q, p->a.dtype, p->a.q_stride, b, h, i0, nr, p->a.D, (ACC)p->a.scale);
 }
@@ -625,8 +745,8 @@ static void FN(gen_fwd_scores)(FN(gen_fwd) *g, ACC *sT, int64_t i0, int64_t j0, 
     const ma_attn_fwd_params *p = g->p;
     const int64_t nr = g->nr, D = p->a.D;
     int64_t ldk;
-    const ACC *k_j = FN(rows_in)(p->a.k, p->a.dtype, p->a.k_stride, g->b, g->hk, j0, g->k_bh, D, &ldk);
-    const int64_t hs = FN(diag_split)(p->a.is_causal, p->a.block_q, p->a.block_k, i0, nr, j0, nc);
+    const ACC *k_j = FN(kv_rows_in)(&p->a, p->a.k, p->a.k_stride, p->a.k_page_stride, g->b, g->hk, j0, g->k_bh, D, &ldk);
+    const int64_t hs = FN(diag_split)(p->a.band_hi, p->a.block_q, p->a.block_k, i0, nr, j0, nc);
     if (hs) {
         GEMM(hs, nr, D, k_j, ldk, 1, g->t->qT, nr, sT, nr, 0);
         GEMM(nc - hs, nr - hs, D, k_j + hs * ldk, ldk, 1, g->t->qT + hs, nr, sT + hs * nr + hs, nr, 0);
@@ -640,8 +760,8 @@ static void FN(gen_fwd_pv)(FN(gen_fwd) *g, ACC *o, const ACC *alpha, const ACC *
     const ma_attn_fwd_params *p = g->p;
     const int64_t nr = g->nr, Dv = p->a.Dv;
     int64_t ldv;
-    const ACC *v_j = FN(rows_in)(p->a.v, p->a.dtype, p->a.v_stride, g->b, g->hk, j0, g->v_bh, Dv, &ldv);
-    const int64_t hs = FN(diag_split)(p->a.is_causal, p->a.block_q, p->a.block_k, i0, nr, j0, nc);
+    const ACC *v_j = FN(kv_rows_in)(&p->a, p->a.v, p->a.v_stride, p->a.v_page_stride, g->b, g->hk, j0, g->v_bh, Dv, &ldv);
+    const int64_t hs = FN(diag_split)(p->a.band_hi, p->a.block_q, p->a.block_k, i0, nr, j0, nc);
     if (hs) {
         GEMM_ROWSCALE(hs, Dv, hs, sT, 1, nr, v_j, ldv, o, Dv, alpha);
         GEMM_ROWSCALE(nr - hs, Dv, nc, sT + hs, 1, nr, v_j, ldv, o + hs * Dv, Dv, alpha ? alpha + hs : NULL);
@@ -687,21 +807,26 @@ static size_t FN(fwd_scratch_bytes)(const ma_attn_fwd_params *p) {
 
 static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
     const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
-    const ma_attn_fwd_params *p = (const ma_attn_fwd_params *)ctx->params;
-    const int64_t H = p->a.H, G = p->a.H / p->a.Hkv, Lq = p->a.Lq, Lk = p->a.Lk, D = p->a.D, Dv = p->a.Dv;
-    const int64_t BQ = p->a.block_q, BK = p->a.block_k, nq = ma_cdiv(Lq, BQ);
+    const ma_attn_fwd_params *p0 = (const ma_attn_fwd_params *)ctx->params;
+    const int64_t H = p0->a.H, G = p0->a.H / p0->a.Hkv, D = p0->a.D, Dv = p0->a.Dv;
+    const int64_t BQ = p0->a.block_q, BK = p0->a.block_k;
     FN(fwd_scratch) t = FN(fwd_carve)(ctx->scratch, BQ, BK, D, Dv);
     ma_scratch_header *hdr = (ma_scratch_header *)ctx->scratch;
-    t.vc = t.kc + (FN(needs_copy)(p->a.dtype, p->a.k_stride) ? Lk * D : 0);
-    FN(gen_fwd) gen = {&t, hdr, p, 0, 0, 0, NULL, NULL};
+    t.vc = t.kc + (FN(needs_copy)(p0->a.dtype, p0->a.k_stride) ? p0->a.Lk * D : 0); /* Lk: the longest */
+    FN(gen_fwd) gen = {&t, hdr, p0, 0, 0, 0, NULL, NULL};
 #ifdef MA_TILE_HOOKS
-    const int hooked = FN(tiles_apply)(p);
+    const int hooked = FN(tiles_apply)(p0) && !p0->a.cu_q; /* varlen: the generic products */
     FN(tiles) *tiles = NULL;
-    if (hooked) FN(tiles_fwd_begin)(&tiles, p, &t, hdr, (char *)ctx->scratch + FN(generic_fwd_scratch_bytes)(p));
+    if (hooked) FN(tiles_fwd_begin)(&tiles, p0, &t, hdr, (char *)ctx->scratch + FN(generic_fwd_scratch_bytes)(p0));
 #endif
 
     for (int64_t w = begin; w < end; w++) {
-        const int64_t b = w / (H * nq), h = (w / nq) % H, qb = FN(interleave)(w % nq, nq), hk = h / G;
+        int64_t b, h, qb;
+        FN(q_item)(&p0->a, w, &b, &h, &qb);
+        ma_attn_fwd_params loc;
+        const ma_attn_fwd_params *p = FN(fwd_seq)(p0, b, &loc); /* entry b's extent */
+        gen.p = p;
+        const int64_t Lq = p->a.Lq, Lk = p->a.Lk, hk = h / G;
         const int64_t i0 = qb * BQ, nr = ma_min(BQ, Lq - i0);
         int64_t kv_begin, kv_end;
         FN(kv_range)(&p->a, i0, nr, &kv_begin, &kv_end);
@@ -757,7 +882,7 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
         const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
         const ACC sink = p->a.sinks.ptr ? LOAD(p->a.sinks.ptr, p->a.sinks.dtype, h * p->a.sinks.stride[0])
                                         : -(ACC)INFINITY;
-        ACC *lse_bh = (ACC *)p->lse + (b * H + h) * Lq;
+        ACC *lse_bh = (ACC *)p->lse + FN(stat_row0)(&p->a, b, h);
         ACC *o = by_rows ? t.o : FWD_STEP(o_rows, t.o);
         for (int64_t r = 0; r < nr; r++) {
             ACC *o_r = o + r * Dv;
@@ -956,15 +1081,19 @@ static void FN(store_dscores)(const ma_attn_bwd_params *p, const ACC *ds, int64_
 /* Pass 1, work item (b, h, q-block): delta and dq for its rows. */
 static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
     const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
-    const ma_attn_bwd_params *p = (const ma_attn_bwd_params *)ctx->params;
-    const int64_t H = p->a.H, G = p->a.H / p->a.Hkv, Lq = p->a.Lq, Lk = p->a.Lk, D = p->a.D, Dv = p->a.Dv;
-    const int64_t BQ = p->a.block_q, BK = p->a.block_k, nq = ma_cdiv(Lq, BQ);
+    const ma_attn_bwd_params *p0 = (const ma_attn_bwd_params *)ctx->params;
+    const int64_t G = p0->a.H / p0->a.Hkv, D = p0->a.D, Dv = p0->a.Dv;
+    const int64_t BQ = p0->a.block_q, BK = p0->a.block_k;
     FN(bwd_scratch) t = FN(bwd_carve)(ctx->scratch, BQ, BK, D, Dv);
     ma_scratch_header *hdr = (ma_scratch_header *)ctx->scratch;
-    ACC *kc = t.extra, *vc = kc + (FN(needs_copy)(p->a.dtype, p->a.k_stride) ? Lk * D : 0);
+    ACC *kc = t.extra, *vc = kc + (FN(needs_copy)(p0->a.dtype, p0->a.k_stride) ? p0->a.Lk * D : 0);
 
     for (int64_t w = begin; w < end; w++) {
-        const int64_t b = w / (H * nq), h = (w / nq) % H, qb = FN(interleave)(w % nq, nq), hk = h / G;
+        int64_t b, h, qb;
+        FN(q_item)(&p0->a, w, &b, &h, &qb);
+        ma_attn_bwd_params loc;
+        const ma_attn_bwd_params *p = FN(bwd_seq)(p0, b, &loc); /* entry b's extent */
+        const int64_t Lq = p->a.Lq, Lk = p->a.Lk, hk = h / G;
         const int64_t i0 = qb * BQ, nr = ma_min(BQ, Lq - i0);
         int64_t kv_begin, kv_end;
         FN(kv_range)(&p->a, i0, nr, &kv_begin, &kv_end);
@@ -977,8 +1106,8 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
         const ACC *v_bh = FN(needs_copy)(p->a.dtype, p->a.v_stride)
                               ? FN(head_cache)(&hdr->tag[1], vc, p->a.v, p->a.dtype, p->a.v_stride, b, hk, 1, Lk, Dv)
                               : NULL;
-        const ACC *lse_bh = (const ACC *)p->lse + (b * H + h) * Lq;
-        ACC *delta_bh = (ACC *)p->delta + (b * H + h) * Lq;
+        const ACC *lse_bh = (const ACC *)p->lse + FN(stat_row0)(&p->a, b, h);
+        ACC *delta_bh = (ACC *)p->delta + FN(stat_row0)(&p->a, b, h);
 
         FN(load_tile_t)(t.qT, p->a.q, p->a.dtype, p->a.q_stride, b, h, i0, nr, D, (ACC)p->a.scale);
         FN(load_tile_t)(t.gT, p->dout, p->a.dtype, p->dout_stride, b, h, i0, nr, Dv, 1);
@@ -1054,7 +1183,7 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
         }
         FN(store_tile)(p->dq, p->a.dtype, p->dq_stride, b, h, i0, nr, D, t.dq, (ACC)p->a.scale, p->a.stream_stores);
         if (p->dhm_rows) {
-            ACC *dhm_bh = (ACC *)p->dhm_rows + (b * H + h) * Lq;
+            ACC *dhm_bh = (ACC *)p->dhm_rows + FN(stat_row0)(&p->a, b, h);
             for (int64_t r = 0; r < nr; r++) dhm_bh[i0 + r] = t.dhm[r];
         }
     }
@@ -1070,7 +1199,7 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
  * The generic products split a causal diagonal tile (FN(diag_split)) unless
  * dweights are read (their dP needs every entry). */
 static inline int64_t FN(bwd_split)(const ma_attn_bwd_params *p, int64_t i0, int64_t nr, int64_t j0, int64_t nc) {
-    return p->dweights ? 0 : FN(diag_split)(p->a.is_causal, p->a.block_q, p->a.block_k, i0, nr, j0, nc);
+    return p->dweights ? 0 : FN(diag_split)(p->a.band_hi, p->a.block_q, p->a.block_k, i0, nr, j0, nc);
 }
 
 /* s (nr, nc) = Q kT: rows ..hs x keys hs.. are left to the causal fill (P = 0) */
@@ -1153,15 +1282,19 @@ static void FN(bwd_key_tile)(const FN(bwd_scratch) *t, const ma_attn_bwd_params 
  * G query heads of the group and every query row that can see the block. */
 static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
     const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
-    const ma_attn_bwd_params *p = (const ma_attn_bwd_params *)ctx->params;
-    const int64_t H = p->a.H, Hkv = p->a.Hkv, G = p->a.H / p->a.Hkv, Lq = p->a.Lq, Lk = p->a.Lk, D = p->a.D, Dv = p->a.Dv;
-    const int64_t BQ = p->a.block_q, BK = p->a.block_k, nk = ma_cdiv(Lk, BK);
+    const ma_attn_bwd_params *p0 = (const ma_attn_bwd_params *)ctx->params;
+    const int64_t G = p0->a.H / p0->a.Hkv, D = p0->a.D, Dv = p0->a.Dv;
+    const int64_t BQ = p0->a.block_q, BK = p0->a.block_k;
     FN(bwd_scratch) t = FN(bwd_carve)(ctx->scratch, BQ, BK, D, Dv);
     ma_scratch_header *hdr = (ma_scratch_header *)ctx->scratch;
-    ACC *qc = t.extra, *gc = qc + (FN(needs_copy)(p->a.dtype, p->a.q_stride) ? G * Lq * D : 0);
+    ACC *qc = t.extra, *gc = qc + (FN(needs_copy)(p0->a.dtype, p0->a.q_stride) ? G * p0->a.Lq * D : 0);
 
     for (int64_t w = begin; w < end; w++) {
-        const int64_t b = w / (Hkv * nk), hk = (w / nk) % Hkv, kb = FN(interleave)(w % nk, nk);
+        int64_t b, hk, kb;
+        FN(kv_item)(&p0->a, w, &b, &hk, &kb);
+        ma_attn_bwd_params loc;
+        const ma_attn_bwd_params *p = FN(bwd_seq)(p0, b, &loc); /* entry b's extent */
+        const int64_t Lq = p->a.Lq, Lk = p->a.Lk;
         const ACC *q_bg = FN(needs_copy)(p->a.dtype, p->a.q_stride)
                               ? FN(head_cache)(&hdr->tag[2], qc, p->a.q, p->a.dtype, p->a.q_stride, b, hk * G, G, Lq, D)
                               : NULL;
@@ -1176,15 +1309,15 @@ static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
         if (nc > 0) {
             FN(load_tile_t)(t.kT, p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, nc, D, (ACC)p->a.scale);
             FN(load_tile_t)(t.vT, p->a.v, p->a.dtype, p->a.v_stride, b, hk, j0, nc, Dv, 1);
-            /* queries i < j0 see none of these keys under the causal mask, nor those outside the window */
+            /* queries i < j0 see none of these keys under the causal mask, nor those outside the band */
             int64_t i_begin, i_end;
             FN(q_range)(&p->a, j0, nc, &i_begin, &i_end);
             for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
                 const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
                 ma_dropout dr_buf;
                 const ma_dropout *dr = FN(head_dropout)(&p->a, b, h, &dr_buf);
-                const ACC *lse_bh = (const ACC *)p->lse + (b * H + h) * Lq;
-                const ACC *delta_bh = (const ACC *)p->delta + (b * H + h) * Lq;
+                const ACC *lse_bh = (const ACC *)p->lse + FN(stat_row0)(&p->a, b, h);
+                const ACC *delta_bh = (const ACC *)p->delta + FN(stat_row0)(&p->a, b, h);
                 const ACC *q_bh = q_bg ? q_bg + (h - hk * G) * Lq * D : NULL;
                 const ACC *g_bh = g_bg ? g_bg + (h - hk * G) * Lq * Dv : NULL;
                 for (int64_t i0 = i_begin; i0 < i_end; i0 += BQ) {

@@ -21,17 +21,20 @@ static const ma_attn_kernels *kernels(ma_dtype dt, ma_isa isa) {
 #define KERNELS(P) kernels((P)->a.dtype, (P)->a.isa)
 #define PARAMS(T, ctx) ((const T *)((const ma_task_ctx *)(ctx))->params)
 
-int64_t ma_attn_fwd_work_items(const ma_attn_fwd_params *p) { return p->a.B * p->a.H * ma_cdiv(p->a.Lq, p->a.block_q); }
+/* Varlen (a.cu_q): the shim's work-item tables, sized by the real lengths. */
+int64_t ma_attn_fwd_work_items(const ma_attn_fwd_params *p) {
+    return p->a.cu_q ? p->a.n_q_items : p->a.B * p->a.H * ma_cdiv(p->a.Lq, p->a.block_q);
+}
 size_t ma_attn_fwd_scratch_bytes(const ma_attn_fwd_params *p) { return KERNELS(p)->fwd_scratch_bytes(p); }
 void ma_attn_fwd_task(int64_t begin, int64_t end, void *ctx) {
     KERNELS(PARAMS(ma_attn_fwd_params, ctx))->fwd(begin, end, ctx);
 }
 
 int64_t ma_attn_bwd_dq_work_items(const ma_attn_bwd_params *p) {
-    return p->a.B * p->a.H * ma_cdiv(p->a.Lq, p->a.block_q);
+    return p->a.cu_q ? p->a.n_q_items : p->a.B * p->a.H * ma_cdiv(p->a.Lq, p->a.block_q);
 }
 int64_t ma_attn_bwd_dkdv_work_items(const ma_attn_bwd_params *p) {
-    return p->a.B * p->a.Hkv * ma_cdiv(p->a.Lk, p->a.block_k);
+    return p->a.cu_q ? p->a.n_kv_items : p->a.B * p->a.Hkv * ma_cdiv(p->a.Lk, p->a.block_k);
 }
 size_t ma_attn_bwd_scratch_bytes(const ma_attn_bwd_params *p) { return KERNELS(p)->bwd_scratch_bytes(p); }
 void ma_attn_bwd_dq_task(int64_t begin, int64_t end, void *ctx) {
@@ -41,7 +44,10 @@ void ma_attn_bwd_dkdv_task(int64_t begin, int64_t end, void *ctx) {
     KERNELS(PARAMS(ma_attn_bwd_params, ctx))->bwd_dkdv(begin, end, ctx);
 }
 
-int ma_attn_bwd_single_pass(const ma_attn_bwd_params *p) { return p->dweights == NULL && !p->exact_delta; }
+/* Varlen always takes the two passes: their items are sized by the real lengths. */
+int ma_attn_bwd_single_pass(const ma_attn_bwd_params *p) {
+    return p->dweights == NULL && !p->exact_delta && !p->a.cu_q;
+}
 
 /* Enough (b, hkv, chunk) items for 8 threads, never more chunks than key blocks. */
 int64_t ma_attn_bwd_kv_chunks(const ma_attn_bwd_params *p) {
