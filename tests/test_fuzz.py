@@ -63,6 +63,12 @@ BROKEN = [
     ("attention", "causal", {"is_causal": False}),
     ("attention", "head_mask", {"head_mask": True}),
     ("attention", "scale", {}),
+    ("attention", "window", {"window": True, "hf": False}),
+    ("attention", "softcap", {"softcap": True, "softcap_value": 1.0}),
+    ("attention", "sinks", {"sinks": True}),
+    ("attention", "dropout", {"dropout": True, "dropout_p": 0.3, "hf": False}),
+    ("attention", "sinks", {"sinks": True, "hf": True}),  # the HF backend passes them on
+    ("attention", "causal", {"hf": True, "is_causal": True}),
     ("ce", "label_smoothing", {"label_smoothing": 0.3}),
     ("ce", "z_loss", {"z_loss": 0.05}),
     ("ce", "softcap", {"softcap": 2.0}),
@@ -72,8 +78,11 @@ BROKEN = [
 @pytest.mark.parametrize("kind,breaks,force", BROKEN, ids=[f"{k}-{b}-{f}" for k, b, f in BROKEN])
 def test_broken_reference_is_caught(kind, breaks, force):
     """Self-test: the tolerance is tight enough that a kernel with the wrong
-    causal flag, no head mask, a wrong scale or a dropped cross-entropy
-    option would be caught (here the reference is the wrong one)."""
+    causal flag, no head mask, a wrong scale, a dropped window / softcap /
+    sink / dropout mask (also through the HF backend) or a dropped
+    cross-entropy option would be caught (here the reference is the wrong one)."""
+    if force.get("hf") and fuzz._HF is None:
+        pytest.skip("transformers is not installed (the HF backend)")
     seeds = [2 * (1000 + i) + fuzz.KINDS.index(kind) for i in range(20)]
     results = [fuzz.run_case(s, "scalar", frozenset({breaks}), force) for s in seeds]
     caught = [s for s, (_, f) in zip(seeds, results) if f is not None]
