@@ -449,7 +449,8 @@ Dropout check_dropout(const Sizes& s, double dropout_p, const std::optional<Tens
   const Tensor& t = *dropout_seed;
   MA_CHECK(t.is_cpu() && t.scalar_type() == ScalarType::Long && t.dim() == 1 && t.size(0) == 2,
            "masked_attn: dropout_seed must be an int64 CPU tensor of shape (2,) (seed, offset), got shape ",
-           shape_str(t));
+           shape_str(t), t.scalar_type() == ScalarType::Long ? ", int64" : ", not int64",
+           t.is_cpu() ? ", on the CPU" : ", not on the CPU");
   MA_CHECK(s.Lq <= (int64_t{1} << 32) && s.Lk <= (int64_t{1} << 35),
            "masked_attn: dropout needs Lq <= 2^32 and Lk <= 2^35 (the Philox counter's words)");
   const int64_t* x = static_cast<const int64_t*>(t.const_data_ptr());
