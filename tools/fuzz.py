@@ -7,7 +7,7 @@
 
 Each ISA (kernel variant forced with torch_masked_attn.ops.use_isa) runs the
 same seeded sequence of random cases for N seconds. A case is fully determined
-by its seed (even: attention, odd: cross-entropy), so every finding prints the
+by its seed (its kind: KINDS[seed % 3]), so every finding prints the
 seed it can be replayed with.
 
 Attention: torch_masked_attn.functional.masked_attention (random B, H, GQA,
@@ -56,6 +56,7 @@ Exit status 1 if there is any finding.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import random
 import sys
@@ -76,7 +77,7 @@ except ImportError:
     _HF = None
 
 ISAS = ("scalar", "avx2", "avx512", "amx")
-KINDS = ("attention", "ce")
+KINDS = ("attention", "ce", "varlen")  # a case's kind: KINDS[seed % 3]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 LOW = (torch.bfloat16, torch.float16)
 
@@ -1024,14 +1025,226 @@ def run_ce(c: dict, breaks: frozenset = frozenset()) -> Result:
     return res
 
 
+# ---- varlen_attn (packed sequences) ---------------------------------------------
+
+VARLEN = getattr(tmf, "varlen_attn", None)
+
+
+def _seq_length(r):
+    x = r.random()
+    if x < 0.15:
+        return r.choice((0, 1))
+    if x < 0.35:
+        return r.choice((63, 64, 65))
+    if x < 0.55:
+        return r.randint(1, 8)
+    return r.randint(0, 140)
+
+
+def _varlen_window(r):
+    x = r.random()
+    if x < 0.3:
+        return (-1, -1)
+    if x < 0.5:
+        return (-1, 0)
+    if x < 0.7:
+        return (r.choice((0, 1, 5, 63, 64, r.randint(0, 150))), 0)
+    return (r.choice((-1, 0, 1, r.randint(0, 150))), r.choice((-1, 0, 1, r.randint(0, 150))))
+
+
+def draw_varlen(seed: int, force: dict | None = None) -> dict:
+    """A packed batch for functional.varlen_attn: N sequences of query / key
+    lengths 0, 1, tile edges and random (the same lengths or independent), GQA,
+    every window (bottom-right aligned), scale, views of wider storage,
+    return_aux(lse)."""
+    r = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    force = force or {}
+    c: dict = {"seed": seed}
+    c["dtype"] = dtype = force.get("dtype", r.choice(DTYPES))
+    N = r.randint(1, 6)
+    lq = [_seq_length(r) for _ in range(N)]
+    lk = list(lq) if r.random() < 0.5 else [_seq_length(r) for _ in range(N)]
+    H = r.randint(1, 4)
+    Hkv = r.choice([d for d in range(1, H + 1) if H % d == 0])
+    D = _dim(r)
+    Dv = D if r.random() < 0.4 else _dim(r)
+    while sum(a * b for a, b in zip(lq, lk)) * H * (D + Dv) > 8_000_000:
+        D, Dv = max(1, D // 2), max(1, Dv // 2)
+        if D == 1 and Dv == 1:
+            break
+    c.update(N=N, lq=lq, lk=lk, H=H, Hkv=Hkv, D=D, Dv=Dv)
+    c["window"] = force.get("window", _varlen_window(r))
+    c["scale"] = None if r.random() < 0.5 else round(r.uniform(0.02, 2.0), 3)
+    c["gqa_flag"] = H != Hkv or r.random() < 0.3
+    c["lse"] = r.random() < 0.3
+    # slack in max_q / max_k: "at least the longest"
+    c["max_q"] = max(lq) + (r.randint(0, 5) if r.random() < 0.3 else 0)
+    c["max_k"] = max(lk) + (r.randint(0, 5) if r.random() < 0.3 else 0)
+    amp = r.choice((0.5, 1.0, 2.0))
+    Tq, Tk = sum(lq), sum(lk)
+    tensors = {}
+    for name, (T, h, d) in (("q", (Tq, H, D)), ("k", (Tk, Hkv, D)), ("v", (Tk, Hkv, Dv))):
+        lay = r.choice(("contig", "contig", "htd", "pad"))
+        if lay == "htd":  # (H, T, D) storage: one projection per head
+            base, view = (h, T, d), _permuted((1, 0, 2))
+        elif lay == "pad":
+            off = r.randint(0, 3)
+            base, view = (T, h, d + off + r.randint(0, 4)), _class_slice(2, off, d)
+        else:
+            base, view = (T, h, d), _identity
+        vals = rounded(torch.randn(base, generator=g, dtype=torch.float64) * (amp if name != "v" else 1.0), dtype)
+        tensors[name] = (lay, vals, view)
+    c["tensors"] = tensors
+    c["go"] = rounded(torch.randn((Tq, H, Dv), generator=g, dtype=torch.float64), dtype)
+    return c
+
+
+def describe_varlen(c: dict) -> str:
+    s = [f"varlen {DT_NAME[c['dtype']]} lq={c['lq']} lk={c['lk']} H={c['H']} Hkv={c['Hkv']} D={c['D']} "
+         f"Dv={c['Dv']} window={c['window']} max_q={c['max_q']} max_k={c['max_k']}",
+         "layout=" + ",".join(f"{n}:{t[0]}" for n, t in c["tensors"].items())]
+    if c["scale"] is not None:
+        s.append(f"scale={c['scale']}")
+    if c["gqa_flag"]:
+        s.append("enable_gqa")
+    if c["lse"]:
+        s.append("lse")
+    return " ".join(s)
+
+
+def _cu(lengths):
+    return torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
+
+
+def _varlen_visible(Lq, Lk, window):
+    """Bool (Lq, Lk): query i sees key j (the window aligned to the bottom right, flash-attn's)."""
+    left, right = window
+    i = torch.arange(Lq)[:, None]
+    j = torch.arange(Lk)[None, :]
+    ok = torch.ones(Lq, Lk, dtype=torch.bool)
+    if right >= 0:
+        ok &= j <= i + Lk - Lq + right
+    if left >= 0:
+        ok &= j >= i + Lk - Lq - left
+    return ok
+
+
+def _ref_varlen(q, k, v, c, window, scale, dtype):
+    """Per sequence, plain torch ops in dtype: out (T_q, H, Dv), lse (H, T_q) float64."""
+    G = c["H"] // c["Hkv"]
+    cq, ck = _cu(c["lq"]).tolist(), _cu(c["lk"]).tolist()
+    outs, lses = [], []
+    for b in range(c["N"]):
+        qs = q[cq[b]:cq[b + 1]].to(dtype).transpose(0, 1)
+        ks = k[ck[b]:ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(G, 0)
+        vs = v[ck[b]:ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(G, 0)
+        s = torch.matmul(qs, ks.transpose(-1, -2)) * scale
+        s = s.masked_fill(~_varlen_visible(qs.shape[1], ks.shape[1], window), -math.inf)
+        p, _, lse = _softmax(s, None, dtype)
+        outs.append(torch.matmul(p, vs).transpose(0, 1))
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses, -1)
+
+
+@torch.no_grad()
+def _varlen_magnitudes(c, q, k, v, window, scale, sensitivity=False) -> dict:
+    """_attention_magnitudes for a packed batch: per sequence, the max over all."""
+    G = c["H"] // c["Hkv"]
+    cq, ck = _cu(c["lq"]).tolist(), _cu(c["lk"]).tolist()
+    go = c["go"].abs()
+    m = dict.fromkeys(("out", "lse", "dq", "dk", "dv"), 0.0)
+    for b in range(c["N"]):
+        qs = q[cq[b]:cq[b + 1]].double().transpose(0, 1)
+        ks = k[ck[b]:ck[b + 1]].double().transpose(0, 1)
+        vs = v[ck[b]:ck[b + 1]].double().transpose(0, 1)
+        if qs.shape[1] == 0 or ks.shape[1] == 0:
+            continue
+        kr, vr = ks.repeat_interleave(G, 0), vs.repeat_interleave(G, 0)
+        s = torch.matmul(qs, kr.transpose(-1, -2)) * scale
+        s = s.masked_fill(~_varlen_visible(qs.shape[1], ks.shape[1], window), -math.inf)
+        p, _, _ = _softmax(s, None, torch.float64)
+        a = p * torch.where(p > 0, s.abs(), 0.0) if sensitivity else p
+        gos = go[cq[b]:cq[b + 1]].transpose(0, 1)
+        dp = torch.matmul(gos, vr.abs().transpose(-1, -2))
+        ds = a * (dp + (a * dp).sum(-1, keepdim=True))
+
+        def kv_sum(x):
+            return x.reshape(c["Hkv"], G, *x.shape[1:]).sum(1)
+
+        m["out"] = max(m["out"], torch.matmul(a, vr.abs()).max().item())
+        m["lse"] = max(m["lse"], (s.abs().masked_fill(torch.isinf(s), 0).amax() + math.log(s.shape[-1])).item())
+        m["dq"] = max(m["dq"], (scale * torch.matmul(ds, kr.abs())).max().item())
+        m["dk"] = max(m["dk"], kv_sum(scale * torch.matmul(ds.transpose(-1, -2), qs.abs())).max().item())
+        m["dv"] = max(m["dv"], kv_sum(torch.matmul(a.transpose(-1, -2), gos)).max().item())
+    return m
+
+
+def run_varlen(c: dict, breaks: frozenset = frozenset()) -> Result:
+    """One packed batch through varlen_attn and the per-sequence references.
+    `breaks`: "window" (the reference has no window), "seqs" (the reference
+    treats the batch as one sequence), for the self-test."""
+    dtype = c["dtype"]
+    res = Result(describe_varlen(c))
+
+    def leaves(dt):
+        lv = {n: vals.to(dt).requires_grad_() for n, (_, vals, _) in c["tensors"].items()}
+        return lv, {n: c["tensors"][n][2](t) for n, t in lv.items()}
+
+    cq, ck = _cu(c["lq"]), _cu(c["lk"])
+    lv, t = leaves(dtype)
+    r = VARLEN(t["q"], t["k"], t["v"], cq, ck, c["max_q"], c["max_k"], scale=c["scale"], window_size=c["window"],
+               enable_gqa=c["gqa_flag"], return_aux=tmf.AuxRequest(lse=True) if c["lse"] else None)
+    out, lse = r if c["lse"] else (r, None)
+    go = c["go"]
+    ours = {"out": out, "lse": lse}
+    grads = torch.autograd.grad(out, [lv["q"], lv["k"], lv["v"]], go.to(dtype), allow_unused=True)
+    ours.update((n, gr if gr is not None else torch.zeros_like(lv[n[1]])) for n, gr in zip(("dq", "dk", "dv"), grads))
+
+    window = (-1, -1) if "window" in breaks else c["window"]
+    scale = c["scale"] if c["scale"] is not None else 1.0 / math.sqrt(c["D"])
+    rc = dict(c, N=1, lq=[sum(c["lq"])], lk=[sum(c["lk"])]) if "seqs" in breaks else c
+
+    def reference(dt, reorder=False):
+        lv, tt = leaves(dt)
+        q = tt["q"] * scale if reorder else tt["q"]
+        o, ls = _ref_varlen(q, tt["k"], tt["v"], rc, window, 1.0 if reorder else scale, dt)
+        got = {"out": o, "lse": ls if c["lse"] else None}
+        got.update(zip(("dq", "dk", "dv"), torch.autograd.grad(o, [lv["q"], lv["k"], lv["v"]], go.to(dt),
+                                                               allow_unused=True)))
+        for n in ("dq", "dk", "dv"):
+            if got[n] is None:
+                got[n] = torch.zeros_like(lv[n[1]])
+        return got, tt
+
+    ref, t64 = reference(torch.float64)
+    theirs = [reference(dtype)[0], reference(dtype, reorder=True)[0]]
+    natural = _varlen_magnitudes(rc, t64["q"], t64["k"], t64["v"], window, scale)
+    natural_acc = _varlen_magnitudes(rc, t64["q"], t64["k"], t64["v"], window, scale, sensitivity=True)
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        if name == "lse" and not c["lse"]:
+            continue
+        cmp_dtype = torch.float32 if name == "lse" and dtype in LOW else dtype
+        compare(res, name, ours[name], [th[name] for th in theirs], ref[name], cmp_dtype, is_grad=name != "out"
+                and name != "lse", natural=natural[name], natural_acc=natural_acc[name])
+    return res
+
+
 # ---- driving -----------------------------------------------------------------
 
 def kind_of(seed: int) -> str:
-    return KINDS[seed % 2]
+    return KINDS[seed % len(KINDS)]
+
+
+# the kinds this build runs (varlen_attn: where functional has it)
+DEFAULT_KINDS = tuple(k for k in KINDS if k != "varlen" or VARLEN is not None)
+DRAW = {"attention": draw_attention, "ce": draw_ce, "varlen": draw_varlen}
+DESCRIBE = {"attention": describe_attention, "ce": describe_ce, "varlen": describe_varlen}
+RUN = {"attention": run_attention, "ce": run_ce, "varlen": run_varlen}
 
 
 def draw(seed: int, force: dict | None = None) -> dict:
-    return draw_attention(seed, force) if kind_of(seed) == "attention" else draw_ce(seed, force)
+    return DRAW[kind_of(seed)](seed, force)
 
 
 def run_case(seed: int, isa: str | None = None, breaks: frozenset = frozenset(),
@@ -1044,10 +1257,12 @@ def run_case(seed: int, isa: str | None = None, breaks: frozenset = frozenset(),
     except Exception:  # a fuzzer bug: report it like a finding
         return Result("?"), Finding(seed, kind, isa or "default", "draw failed",
                                     [traceback.format_exc(limit=3)])
-    desc = describe_attention(c) if kind == "attention" else describe_ce(c)
+    desc = DESCRIBE[kind](c)
     try:
+        if kind == "varlen" and VARLEN is None:
+            raise RuntimeError("this build has no functional.varlen_attn")
         with ops.use_isa(isa):
-            res = run_attention(c, breaks) if kind == "attention" else run_ce(c, breaks)
+            res = RUN[kind](c, breaks)
     except Exception as e:
         tb = traceback.format_exc(limit=-3).strip().splitlines()
         return Result(desc), Finding(seed, kind, isa or "default", desc,
@@ -1057,14 +1272,14 @@ def run_case(seed: int, isa: str | None = None, breaks: frozenset = frozenset(),
     return res, Finding(seed, kind, isa or "default", desc, [m for _, m, _ in res.problems])
 
 
-def case_seeds(master: int, kinds=KINDS):
+def case_seeds(master: int, kinds=DEFAULT_KINDS):
     """The endless, deterministic sequence of case seeds of a run: kinds in
-    turn, each seed even for attention and odd for cross-entropy."""
+    turn, each seed = its kind's index in KINDS modulo 3."""
     rng = random.Random(master)
     i = 0
     while True:
         kind = kinds[i % len(kinds)]
-        yield 2 * rng.getrandbits(40) + KINDS.index(kind)
+        yield len(KINDS) * rng.getrandbits(40) + KINDS.index(kind)
         i += 1
 
 
@@ -1079,7 +1294,7 @@ class Stats:
     seconds: dict = field(default_factory=dict)
 
 
-def fuzz(isas, seconds: float | None = None, cases: int | None = None, master: int = 0, kinds=KINDS,
+def fuzz(isas, seconds: float | None = None, cases: int | None = None, master: int = 0, kinds=DEFAULT_KINDS,
          breaks: frozenset = frozenset(), force: dict | None = None, log=print, progress_every: float = 15.0) -> Stats:
     """Run each ISA for `seconds` (or `cases` cases) of the seeded sequence."""
     st = Stats()
@@ -1122,7 +1337,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=60.0, help="per ISA")
     ap.add_argument("--isa", default="all", choices=ISAS + ("all",))
     ap.add_argument("--seed", type=int, default=None, help="master seed (default: from the clock)")
-    ap.add_argument("--kind", default="all", choices=KINDS + ("all",))
+    ap.add_argument("--kind", default="all", choices=DEFAULT_KINDS + ("all",))
     ap.add_argument("--replay", type=int, default=None, metavar="SEED", help="run one case, verbosely")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch.set_num_threads (default 1: the cases are small, and one thread runs "
@@ -1152,7 +1367,7 @@ def main(argv=None) -> int:
         return 1 if bad else 0
 
     master = a.seed if a.seed is not None else int(time.time())
-    kinds = KINDS if a.kind == "all" else (a.kind,)
+    kinds = DEFAULT_KINDS if a.kind == "all" else (a.kind,)
     print(f"fuzz: seed {master}, {a.seconds:g} s per ISA on {', '.join(isas)}, kinds {', '.join(kinds)}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}", flush=True)
     st = fuzz(isas, seconds=a.seconds, master=master, kinds=kinds,
