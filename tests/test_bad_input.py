@@ -217,6 +217,17 @@ _OP_SCRIPT = textwrap.dedent(r'''
         return fwd(q, k, v, None, None, None, False, None, False, **kw)
     def g(**kw):
         return bwd(dout, None, q, k, v, out, lse, None, None, None, False, None, False, False, **kw)
+    # varlen_forward / varlen_backward (packed sequences): two sequences of 5 and 7 tokens
+    vf, vb = torch.ops.masked_attn.varlen_forward, torch.ops.masked_attn.varlen_backward
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    pq, pk, pv = r(12, H, D), r(12, 2, D), r(12, 2, D)
+    cu = i32(0, 5, 12)
+    def vfw(q=pq, k=pk, v=pv, cq=cu, ck=cu, mq=7, mk=7, wl=-1, wr=-1, **kw):
+        return vf(q, k, v, cq, ck, mq, mk, None, wl, wr, **kw)
+    pout, plse = vfw()
+    pgo = torch.randn_like(pout)
+    def vbw(go=pgo, out=pout, lse=plse, cq=cu, ck=cu, mq=7, mk=7, **kw):
+        return vb(go, pq, pk, pv, out, lse, cq, ck, mq, mk, None, -1, -1, **kw)
     cases = {
       "q_rank3": lambda: fwd(q[0], k, v, None, None, None, False, None, False),
       "k_rank5": lambda: fwd(q, k[None], v, None, None, None, False, None, False),
@@ -273,6 +284,27 @@ _OP_SCRIPT = textwrap.dedent(r'''
       "bwd_softcap_nan": lambda: g(softcap=float("nan")),
       "bwd_sinks_shape": lambda: g(sinks=torch.zeros(H - 1)),
       "bwd_sinks_int": lambda: g(sinks=torch.zeros(H, dtype=torch.int32)),
+      "varlen_cu_decreasing": lambda: vfw(cq=i32(0, 13, 12)),
+      "varlen_cu_past_end": lambda: vfw(ck=i32(0, 5, 1000)),
+      "varlen_cu_negative": lambda: vfw(cq=i32(-5, 5, 12)),
+      "varlen_cu_int64": lambda: vfw(cq=cu.long()),
+      "varlen_cu_2d": lambda: vfw(cq=cu[None]),
+      "varlen_cu_lengths_differ": lambda: vfw(ck=i32(0, 12)),
+      "varlen_max_q_short": lambda: vfw(mq=6),
+      "varlen_max_k_short": lambda: vfw(mk=2),
+      "varlen_window_left": lambda: vfw(wl=-2),
+      "varlen_query_rank2": lambda: vfw(q=pq[:, 0]),
+      "varlen_kv_heads": lambda: vfw(q=r(12, 3, D)),
+      "varlen_dtype": lambda: vfw(k=pk.double()),
+      "varlen_softcap_nan": lambda: vfw(softcap=float("nan")),
+      "varlen_sinks_shape": lambda: vfw(sinks=torch.zeros(H + 2)),
+      "varlen_seqused_k_big": lambda: vfw(seqused_k=i32(5, 90)),
+      "varlen_block_table_out_of_range": lambda: vf(pq, r(4, 64, 2, D), r(4, 64, 2, D), cu, None, 7, 64, None,
+                                                    -1, -1, i32(5, 7), i32(99, 0, 1, 2).view(2, 2)),
+      "varlen_bwd_lse_shape": lambda: vbw(lse=plse[:, :-1]),
+      "varlen_bwd_grad_out_shape": lambda: vbw(go=pgo[:-1]),
+      "varlen_bwd_out_dtype": lambda: vbw(out=pout.double()),
+      "varlen_bwd_cu_past_end": lambda: vbw(ck=i32(0, 5, 1000)),
     }
     names = sys.argv[1:] or list(cases)
     for name in names:
@@ -305,6 +337,11 @@ _OP_NEW_ARGS = {
     "bwd_sinks_shape": "sinks", "bwd_sinks_int": "sinks",
 }
 _OP_CASES += list(_OP_NEW_ARGS)
+_OP_CASES += ["varlen_cu_decreasing", "varlen_cu_past_end", "varlen_cu_negative", "varlen_cu_int64", "varlen_cu_2d",
+              "varlen_cu_lengths_differ", "varlen_max_q_short", "varlen_max_k_short", "varlen_window_left",
+              "varlen_query_rank2", "varlen_kv_heads", "varlen_dtype", "varlen_softcap_nan", "varlen_sinks_shape",
+              "varlen_seqused_k_big", "varlen_block_table_out_of_range", "varlen_bwd_lse_shape",
+              "varlen_bwd_grad_out_shape", "varlen_bwd_out_dtype", "varlen_bwd_cu_past_end"]
 
 
 @pytest.fixture(scope="module")
