@@ -24,8 +24,18 @@ def _load_fuzz():
 
 fuzz = _load_fuzz()
 
-CASES_PER_ISA = 300  # attention and cross-entropy in turn
-MASTER_SEED = 17
+CASES_PER_ISA = 300  # attention, cross-entropy and varlen in turn
+MASTER_SEED = 18  # 17 draws KNOWN_OPEN's first case on AVX2
+
+# Findings of `make fuzz` not fixed yet (issue 17), replayed on the ISA that found
+# them; strict xfail, so a fix shows up as an XPASS to move them out. All are
+# within 1.1-12x of the bound, where the bound's PyTorch term is small:
+KNOWN_OPEN = [
+    ("avx2", 3107736406743),    # f32 dropout 0.62, Lq=1: dv 7.1e-5 vs bound 6.2e-5 (P's exp error, scaled)
+]
+# Also found by `make fuzz` (scalar) and replayed by `tools/fuzz.py --replay`, but clean when
+# replayed under pytest (not understood yet): 3198878986431 (f16 softcap + sinks: dk 1.7e-3 vs
+# 1.5e-3) and 663280712130 (bf16 sinks + need_weights, Lq=1: dq 4.3e-3 vs 2.0e-3).
 
 
 @pytest.fixture(autouse=True)
@@ -97,3 +107,14 @@ def test_broken_reference_is_caught(kind, breaks, force):
     for s in seeds[:4]:
         _, f = fuzz.run_case(s, "scalar", frozenset(), force)
         assert f is None, str(f)
+
+
+@pytest.mark.parametrize("isa,seed", KNOWN_OPEN, ids=[f"{i}-{s}" for i, s in KNOWN_OPEN])
+@pytest.mark.xfail(strict=True, reason="known open fuzz finding (issue 17)")
+def test_known_open_findings(isa, seed):
+    if not ops.isa_available(isa):
+        pytest.skip(f"this CPU does not run the {isa} kernels")
+    if fuzz.kind_of(seed) not in fuzz.DEFAULT_KINDS:
+        pytest.skip("this build lacks the kind")
+    _, f = fuzz.run_case(seed, isa)
+    assert f is None, str(f)
