@@ -457,7 +457,7 @@ def _hf_models(L):
 
         from torch_masked_attn import hf
     except ImportError as e:
-        raise Skip(f"Hugging Face transformers is not installed ({e})")
+        raise Skip(f"Hugging Face transformers is not installed ({e})") from e
     cfg = LlamaConfig(vocab_size=HF_VOCAB, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=max(L + 64, 2048),
                       pad_token_id=0, bos_token_id=1, eos_token_id=2)

@@ -13,7 +13,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from test_dropout import keep_mask  # noqa: E402
 from transformers import (  # noqa: E402
+    AttentionInterface,
     BertConfig,
     BertModel,
     DynamicCache,
@@ -30,7 +32,6 @@ from transformers import (  # noqa: E402
     Qwen2Config,
     Qwen2ForCausalLM,
 )
-from transformers import AttentionInterface  # noqa: E402
 from transformers.masking_utils import (  # noqa: E402
     AttentionMaskInterface,
     create_causal_mask,
@@ -40,7 +41,6 @@ from transformers.masking_utils import (  # noqa: E402
 
 import torch_masked_attn.functional as tma_F  # noqa: E402
 import torch_masked_attn.hf as hf  # noqa: E402
-from test_dropout import keep_mask  # noqa: E402
 from torch_masked_attn import ops as tma_ops  # noqa: E402
 
 
