@@ -443,6 +443,30 @@ def test_packed_sequences_without_varlen(monkeypatch):
     torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-10)
 
 
+def test_packed_sequences_with_weights_or_dropout():
+    """Packed sequences where varlen_attn cannot serve (attention weights, dropout): the packed
+    pattern as transformers' 4-D mask into masked_attention, never the plain causal pattern.
+    Weights: logits equal sdpa's on the packed batch. Dropout 0.25: equal to the plain-torch
+    dropout reference (same seeds) on the packed mask, and unlike the unpacked batch."""
+    ref, ours = _pair("llama")
+    ids = torch.randint(3, V, (2, 12))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2]])
+    a = ref(input_ids=ids, position_ids=pos, use_cache=False).logits
+    b = ours(input_ids=ids, position_ids=pos, use_cache=False, output_attentions=True).logits
+    torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-10)
+    for model in (ref, ours):
+        model.config.attention_dropout = 0.25
+        for layer in model.model.layers:
+            layer.self_attn.attention_dropout = 0.25
+    ref.set_attn_implementation("ref_dropout")
+    out = []
+    for model, p in ((ref, pos), (ours, pos), (ours, None)):
+        torch.manual_seed(3)
+        out.append(model.train()(input_ids=ids, position_ids=p, use_cache=False).logits)
+    torch.testing.assert_close(out[1], out[0], rtol=1e-9, atol=1e-10)
+    assert not torch.allclose(out[2], out[1])
+
+
 def test_softcap_falls_back_to_eager_without_the_kernels_softcap(monkeypatch):
     monkeypatch.setattr(hf, "_HAS_SOFTCAP", False)  # the path for a masked_attention without softcap
     seen = []
