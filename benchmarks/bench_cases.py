@@ -35,6 +35,8 @@ class Bench:
     attn_flops: Optional[float] = None          # the attention part of `flops`
     traffic_bytes: Optional[float] = None       # minimal memory traffic of one call (cross-entropy)
     timed: bool = True                          # False: peak memory only
+    memory: bool = True                         # False: no peak-memory probes
+    reps: Optional[tuple] = None                # (min reps, max reps, seconds): overrides the mode's
     info: dict = field(default_factory=dict)    # shapes etc. for results.json
 
     def impls(self):
@@ -437,6 +439,120 @@ def decode_paged(B=8, H=32, Lk=2048, D=128, page=256):
                  info=dict(B=B, H=H, Lq=1, Lk=Lk, D=D, page=page, dtype=str(torch.float32)))
 
 
+# ---------------------------------------------------------------- Hugging Face end to end
+
+HF_VOCAB = 32000
+
+
+def _hf_models(L):
+    """A Llama-style model from a random config (nothing downloaded): hidden 512, 4 layers,
+    8 heads / 2 KV heads (GQA), vocab 32000; twice with the same weights: native
+    (attn_implementation="sdpa", transformers' own loss) and ours ("masked_attn" +
+    torch_masked_attn.hf.apply). Each gets its own copy of the config (from_config writes
+    the attention implementation into the config object it is given)."""
+    try:
+        import copy
+
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        from torch_masked_attn import hf
+    except ImportError as e:
+        raise Skip(f"Hugging Face transformers is not installed ({e})") from e
+    cfg = LlamaConfig(vocab_size=HF_VOCAB, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=max(L + 64, 2048),
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    native = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="sdpa")
+    ours = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="masked_attn")
+    ours.load_state_dict(native.state_dict())
+    hf.apply(ours)
+    assert native.config._attn_implementation == "sdpa" and ours.config._attn_implementation == "masked_attn"
+    return native, ours
+
+
+def _hf_batch(B, L, side):
+    """Token ids (B, L) and the attention mask (1 = token), lengths uniform in [L/2, L],
+    padding on the right (training) or the left (prefill and generate, as generate wants)."""
+    lengths = torch.randint(L // 2, L + 1, (B,))
+    ids = torch.randint(3, HF_VOCAB, (B, L))
+    keep = torch.arange(L)[None, :] < lengths[:, None]
+    if side == "left":
+        keep = keep.flip(1)
+    ids = ids.masked_fill(~keep, 0)
+    return ids, keep.long(), 1.0 - keep.float().mean().item()
+
+
+HF_REPS = {1024: (3, 5, 10.0), 4096: (2, 2, 0.0)}   # L=4096: one warm-up and two timed calls of each
+
+
+def hf_e2e(kind, L, B=4, new_tokens=32):
+    """End to end on a Llama-style model (see _hf_models), native HF "sdpa" with its own loss
+    against "masked_attn" + hf.apply, same weights and inputs.
+
+    train:    model(input_ids, attention_mask, labels) and backward (padding labels -100), train mode;
+    prefill:  forward, no grad, eval, logits of the last position only (logits_to_keep=1, as
+              generate's first step does), left padding;
+    generate: greedy generate of new_tokens tokens (exactly: min_new_tokens) with transformers'
+              default dynamic KV cache from the left-padded prompts; ratio = tokens/s ratio.
+    Returns a loss, the last logits or the tokens for the cross-check."""
+    native, ours = _hf_models(L)
+    ids, mask, pad = _hf_batch(B, L, "right" if kind == "train" else "left")
+    labels = ids.masked_fill(mask == 0, -100)
+
+    if kind == "train":
+        def call(model):
+            model.train()
+
+            def run():
+                model.zero_grad(set_to_none=True)
+                out = model(input_ids=ids, attention_mask=mask, labels=labels)
+                out.loss.backward()
+                return out.loss.detach()
+            return run
+        what = "training step (fwd+bwd, loss from labels, padding labels -100), right padding"
+    elif kind == "prefill":
+        def call(model):
+            model.eval()
+
+            def run():
+                with torch.no_grad():
+                    return model(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits
+            return run
+        what = "prefill (forward, no grad, logits_to_keep=1), left padding"
+    elif kind == "generate":
+        def call(model):
+            model.eval()
+
+            def run():
+                with torch.no_grad():
+                    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                         min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+                return out[:, L:]
+            return run
+        what = f"greedy generate {new_tokens} new tokens (dynamic KV cache), left padding; ratio = tokens/s ratio"
+    else:
+        raise KeyError(kind)
+    return Bench(work=f"HF Llama d=512 4 layers 8/2 heads V={HF_VOCAB} B={B} L={L} ({pad:.0%} padding), {what}",
+                 natives={"hf-sdpa": call(native)}, ours=call(ours), memory=kind == "train",
+                 reps=HF_REPS.get(L), info=dict(B=B, L=L, kind=kind, padding=round(pad, 3),
+                                                 new_tokens=new_tokens if kind == "generate" else None))
+
+
+def warm_up_hf():
+    """One tiny training step, prefill and generate through both implementations (imports,
+    the attention / mask registries, lazy initialisation), for the HF cases' memory probes."""
+    try:
+        native, ours = _hf_models(64)
+    except Skip:
+        return
+    ids, mask, _ = _hf_batch(2, 64, "left")
+    for model in (native, ours):
+        model.train()
+        model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+        model.eval()
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
+
+
 # ---------------------------------------------------------------- registry
 
 NAMED = {
@@ -464,6 +580,12 @@ NAMED = {
     "ce": lambda: cross_entropy_case(8192, 32000, torch.float32),
     "ce-bf16": lambda: cross_entropy_case(4096, 128256, torch.bfloat16),
     "linear-ce": lambda: linear_cross_entropy_case(2048, 512, 65536, torch.float32),
+    "hf-train-1024": lambda: hf_e2e("train", 1024),
+    "hf-prefill-1024": lambda: hf_e2e("prefill", 1024),
+    "hf-generate-1024": lambda: hf_e2e("generate", 1024),
+    "hf-train-4096": lambda: hf_e2e("train", 4096),
+    "hf-prefill-4096": lambda: hf_e2e("prefill", 4096),
+    "hf-generate-4096": lambda: hf_e2e("generate", 4096),
 }
 GROUPS = {
     "attention": ["gpt-train", "long-causal", "long-causal-fwd", "one-head-long", "bert-infer", "mha-train",
@@ -473,6 +595,8 @@ GROUPS = {
                 "gpt-train-dropout-cost-bf16"],
     "memory": ["mha-mem-8192"],
     "ce": ["ce", "ce-bf16", "linear-ce"],
+    "hf-e2e": ["hf-train-1024", "hf-prefill-1024", "hf-generate-1024",
+               "hf-train-4096", "hf-prefill-4096", "hf-generate-4096"],
 }
 
 SWEEP_FULL = dict(L=[128, 256, 512, 1024, 2048, 4096, 8192], D=[64, 128], pad=[0.0, 0.25, 0.5],

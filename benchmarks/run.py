@@ -107,6 +107,8 @@ def probe(name, impl):
     """Child side: fresh process, warm up the libraries on tiny inputs, build
     the case (inputs allocated), then the peak RSS growth of one call."""
     cases.warm_up_libraries()
+    if name in cases.GROUPS["hf-e2e"]:
+        cases.warm_up_hf()
     bench = cases.build(name)
     fn = bench.impls()[impl]
     gc.collect()
@@ -140,8 +142,11 @@ def run_case(name, mode, args):
         return {**rec, "skipped": str(e)}
     rec.update(work=bench.work, flops=bench.flops, attn_flops=bench.attn_flops,
                traffic_bytes=bench.traffic_bytes, info=bench.info, timed=bench.timed)
+    if bench.reps:
+        min_reps, max_reps, budget = bench.reps
     impls = bench.impls()
-    impl_list = list(impls)               # every timed native variant and ours get a memory probe
+    impl_list = list(impls)
+    do_memory = bench.memory               # every timed native variant and ours get a memory probe
     try:
         if bench.timed:
             alongside = None
@@ -177,7 +182,7 @@ def run_case(name, mode, args):
                    f"({rec['fma_peak_alongside']:.0f} GFLOP/s)" if "pct_peak_alongside" in rec else ""))
         del impls, bench
         gc.collect()
-        if not args.no_memory:
+        if not args.no_memory and do_memory:
             mem = {}
             for impl in impl_list:
                 mem[impl] = measure_memory(name, impl, args.threads)
@@ -352,7 +357,7 @@ def select(args, mode):
     grid = MODES[mode][0]
     ce_grid = CE_GRIDS[mode]
     everything = [n for g in ("attention", "dropout", "memory") for n in cases.GROUPS[g]] + \
-        cases.sweep_names(grid) + cases.GROUPS["ce"] + cases.ce_sweep_names(ce_grid)
+        cases.sweep_names(grid) + cases.GROUPS["ce"] + cases.ce_sweep_names(ce_grid) + cases.GROUPS["hf-e2e"]
     if not args.cases:
         return everything
     chosen = []
@@ -377,7 +382,7 @@ def main():
     m.add_argument("--quick", action="store_true", help="subset of the sweep, fewer repetitions (default)")
     m.add_argument("--full", action="store_true", help="the whole sweep, more repetitions (an hour or more)")
     p.add_argument("--cases", help="comma-separated case names or groups "
-                                   "(attention, memory, sweep, ce, ce-sweep); default: all")
+                                   "(attention, memory, sweep, ce, ce-sweep, hf-e2e); default: all")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")

@@ -13,7 +13,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from test_dropout import keep_mask  # noqa: E402
 from transformers import (  # noqa: E402
+    AttentionInterface,
     BertConfig,
     BertModel,
     DynamicCache,
@@ -30,10 +32,16 @@ from transformers import (  # noqa: E402
     Qwen2Config,
     Qwen2ForCausalLM,
 )
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask  # noqa: E402
+from transformers.masking_utils import (  # noqa: E402
+    AttentionMaskInterface,
+    create_causal_mask,
+    create_sliding_window_causal_mask,
+    sdpa_mask,
+)
 
 import torch_masked_attn.functional as tma_F  # noqa: E402
 import torch_masked_attn.hf as hf  # noqa: E402
+from torch_masked_attn import ops as tma_ops  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -435,6 +443,30 @@ def test_packed_sequences_without_varlen(monkeypatch):
     torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-10)
 
 
+def test_packed_sequences_with_weights_or_dropout():
+    """Packed sequences where varlen_attn cannot serve (attention weights, dropout): the packed
+    pattern as transformers' 4-D mask into masked_attention, never the plain causal pattern.
+    Weights: logits equal sdpa's on the packed batch. Dropout 0.25: equal to the plain-torch
+    dropout reference (same seeds) on the packed mask, and unlike the unpacked batch."""
+    ref, ours = _pair("llama")
+    ids = torch.randint(3, V, (2, 12))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2]])
+    a = ref(input_ids=ids, position_ids=pos, use_cache=False).logits
+    b = ours(input_ids=ids, position_ids=pos, use_cache=False, output_attentions=True).logits
+    torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-10)
+    for model in (ref, ours):
+        model.config.attention_dropout = 0.25
+        for layer in model.model.layers:
+            layer.self_attn.attention_dropout = 0.25
+    ref.set_attn_implementation("ref_dropout")
+    out = []
+    for model, p in ((ref, pos), (ours, pos), (ours, None)):
+        torch.manual_seed(3)
+        out.append(model.train()(input_ids=ids, position_ids=p, use_cache=False).logits)
+    torch.testing.assert_close(out[1], out[0], rtol=1e-9, atol=1e-10)
+    assert not torch.allclose(out[2], out[1])
+
+
 def test_softcap_falls_back_to_eager_without_the_kernels_softcap(monkeypatch):
     monkeypatch.setattr(hf, "_HAS_SOFTCAP", False)  # the path for a masked_attention without softcap
     seen = []
@@ -446,21 +478,73 @@ def test_softcap_falls_back_to_eager_without_the_kernels_softcap(monkeypatch):
     assert seen and set(seen) == {"Gemma2Attention"}
 
 
-def test_dropout_falls_back_to_sdpa(monkeypatch):
-    seen = []
-    real = hf.sdpa_attention_forward
-    monkeypatch.setattr(hf, "sdpa_attention_forward", lambda *a, **k: seen.append(k["dropout"]) or real(*a, **k))
+def _ref_dropout_mask(*args, **kwargs):
+    """transformers' sdpa mask, always as a tensor (True = attend)."""
+    return sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False, "allow_is_bidirectional_skip": False})
+
+
+def _ref_dropout_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Attention with dropout from the definition, in plain torch (float64): P = softmax(scale
+    q k^T) under the mask, P' = P Z / (1 - p) with Z the keep mask of masked_attn.h
+    (test_dropout.keep_mask) for a (seed, offset) drawn from torch's default generator as
+    masked_attention draws it, out = P' v. Returns (B, Lq, H, Dv) as transformers wants."""
+    B, H, Lq, _ = query.shape
+    rep = H // key.shape[1]
+    k, v = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
+    s = (query @ k.transpose(-1, -2)) * scaling
+    s = s.masked_fill(~attention_mask, float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)   # a fully masked row gives 0, as ours does
+    if dropout > 0.0:
+        p = p * keep_mask(tma_ops.new_dropout_seed(), B, H, Lq, k.shape[2], dropout) / (1 - dropout)
+    return (p @ v).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("ref_dropout", _ref_dropout_attention)
+AttentionMaskInterface.register("ref_dropout", _ref_dropout_mask)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_dropout_in_our_kernel(side, monkeypatch):
+    """The model's attention_dropout in training runs in our kernel (no fallback), and is the
+    kernels' dropout: the loss and every parameter's gradient equal a plain-torch reference
+    that drops with the same keep mask (same seeds from torch's default generator); the same
+    seed gives the same loss, another seed another; eval mode has no dropout and equals sdpa."""
+    def no_fallback(*a, **k):
+        raise AssertionError("dropout fell back to transformers' sdpa")
+    monkeypatch.setattr(hf, "sdpa_attention_forward", no_fallback)
     cls, cfg, _ = MODELS["llama"]
     cfg = copy.deepcopy(cfg)
     cfg.attention_dropout = 0.25
-    model = cls(cfg).to(torch.float64)
-    model.set_attn_implementation("masked_attn")
-    ids, mask = _batch("left")
-    model.train()(input_ids=ids, attention_mask=mask).logits.sum().backward()
-    assert seen == [0.25, 0.25]
-    seen.clear()
-    model.eval()(input_ids=ids, attention_mask=mask)
-    assert seen == []  # no dropout in eval: the kernel
+    torch.manual_seed(1234)
+    ref = cls(cfg).to(torch.float64)
+    ours = copy.deepcopy(ref)
+    ref.set_attn_implementation("ref_dropout")
+    ours.set_attn_implementation("masked_attn")
+    ids, mask = _batch(side)
+    w = torch.randn(*ids.shape, V, dtype=torch.float64)
+
+    def loss(model, seed):
+        torch.manual_seed(seed)
+        model.zero_grad(set_to_none=True)
+        value = _valid_loss(model.train()(input_ids=ids, attention_mask=mask).logits, mask, w)
+        value.backward()
+        return value.detach()
+
+    a, b = loss(ref, 7), loss(ours, 7)
+    torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-10)
+    _assert_grads(ref, ours)
+    assert torch.equal(loss(ours, 7), b)                  # same seed, same result
+    assert not torch.allclose(loss(ours, 8), b)           # another seed, other masks
+    no_drop = copy.deepcopy(ours)
+    no_drop.config.attention_dropout = 0.0
+    for layer in no_drop.model.layers:
+        layer.self_attn.attention_dropout = 0.0
+    assert not torch.allclose(loss(no_drop, 7), b)        # the dropout is applied at all
+    sdpa = copy.deepcopy(ours)
+    sdpa.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(input_ids=ids, attention_mask=mask).logits,
+                                   sdpa.eval()(input_ids=ids, attention_mask=mask).logits, rtol=1e-9, atol=1e-10)
 
 
 def test_refuses_paged_cache():

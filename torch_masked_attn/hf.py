@@ -272,8 +272,8 @@ def _model_eager(module: nn.Module):
     fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if fn is None:
         raise NotImplementedError(
-            f"masked_attn: {type(module).__name__} needs the model's eager attention (softcap, sinks or "
-            "attention weights with dropout), and its module has no eager_attention_forward; use "
+            f"masked_attn: {type(module).__name__} needs the model's eager attention (softcap or sinks "
+            "on a build without them), and its module has no eager_attention_forward; use "
             "attn_implementation='eager' for this model")
     return fn
 
@@ -300,11 +300,11 @@ def _eager_mask(attention_mask, module, query: Tensor, key: Tensor, is_causal) -
 
 
 def _fallback_reason(dropout: float, softcap, sinks, position_bias, need_weights: bool) -> str | None:
-    """Which of transformers' own paths a call needs, if any: 'eager' or 'sdpa'."""
+    """Which of transformers' own paths a call needs, if any: 'eager' or 'sdpa'.
+    Attention dropout (the model's attention_dropout in training) is not a reason: it runs
+    inside our kernels (masked_attention's dropout_p, seeded from torch's default generator)."""
     if (softcap is not None and not _HAS_SOFTCAP) or (sinks is not None and not _HAS_SINKS):
         return "eager"      # a masked_attention without softcap / sinks (an older build)
-    if dropout > 0.0:       # the kernel has no attention dropout (yet): transformers' own code
-        return "eager" if (need_weights or softcap is not None or sinks is not None) else "sdpa"
     if position_bias is not None:
         return "sdpa"       # T5-style bias: sdpa folds it into a float mask
     return None
@@ -332,9 +332,12 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
                                       is_causal=is_causal, **kwargs)
 
     lq, lk = query.shape[2], key.shape[2]
-    if isinstance(attention_mask, StructuredMask) and attention_mask.packed is not None and not need_weights:
-        return _packed_attention(attention_mask, query, key, value, scaling, softcap, sinks), None
-    if isinstance(attention_mask, StructuredMask):
+    dropout = float(dropout or 0.0)
+    if isinstance(attention_mask, StructuredMask) and attention_mask.packed is not None:
+        if not need_weights and dropout == 0.0:
+            return _packed_attention(attention_mask, query, key, value, scaling, softcap, sinks), None
+        args = {"attn_mask": ~attention_mask.to_bool()}  # weights or dropout (varlen_attn has neither): 4-D mask
+    elif isinstance(attention_mask, StructuredMask):
         args = dict(attention_mask.kernel_args(lq, lk))
     elif attention_mask is None:  # sdpa's rule: the layer's causality, top-left, not for one query
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -349,6 +352,8 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
         args["softcap"] = float(softcap)
     if sinks is not None:
         args["sinks"] = sinks
+    if dropout > 0.0:  # the model passes its attention_dropout in training only, as to sdpa
+        args["dropout_p"] = dropout
     res = _F.masked_attention(query, key, value, scale=scaling, need_weights=need_weights, **args)
     out, weights = res if need_weights else (res, None)
     return out.transpose(1, 2).contiguous(), weights

@@ -225,15 +225,30 @@ static void exp_sub_col_avx2(float *x, int64_t rows, int64_t n, const float *m, 
     if (r < n) exp_sub_col_strip(0, x + r, rows, n, m + r, sum + r, tail_mask(n - r));
 }
 
-/* dst (ncol, nr) = mul * src (nr, ncol)^T, src rows lds apart (plain loops). */
+/* dst (ncol, nr) = mul * src (nr, ncol)^T, src rows lds apart: 8 x 8 blocks
+ * transposed in registers, the edges (nr % 8 rows, ncol % 8 columns) by plain
+ * loops. Each element is the one rounding of mul * x either way. */
 static void transpose_avx2(float *dst, const float *src, int64_t lds, int64_t nr, int64_t ncol, float mul) {
-    for (int64_t r = 0; r < nr; r++)
-        for (int64_t c = 0; c < ncol; c++) dst[c * nr + r] = mul * src[r * lds + c];
+    const __m256 mv = _mm256_set1_ps(mul);
+    int64_t r0 = 0;
+    for (; r0 + 8 <= nr; r0 += 8) {
+        int64_t c0 = 0;
+        for (; c0 + 8 <= ncol; c0 += 8) {
+            __m256 x[8];
+            for (int i = 0; i < 8; i++) x[i] = _mm256_mul_ps(mv, _mm256_loadu_ps(src + (r0 + i) * lds + c0));
+            transpose8x8(x); /* x[j] lane i = src[r0 + i][c0 + j] */
+            for (int j = 0; j < 8; j++) _mm256_storeu_ps(dst + (c0 + j) * nr + r0, x[j]);
+        }
+        for (; c0 < ncol; c0++)
+            for (int64_t r = r0; r < r0 + 8; r++) dst[c0 * nr + r] = mul * src[r * lds + c0];
+    }
+    for (; r0 < nr; r0++)
+        for (int64_t c = 0; c < ncol; c++) dst[c * nr + r0] = mul * src[r0 * lds + c];
 }
 
 /* 8 elements of a row in its own dtype (float32, bfloat16 or float16) as
  * float32; n < 8 reads only the first n (the rest are 0). */
-static inline __m256 load8(const void *base, ma_dtype dt, int64_t off, int64_t n) {
+static inline __attribute__((always_inline)) __m256 load8(const void *base, ma_dtype dt, int64_t off, int64_t n) {
     if (dt == MA_F32) {
         const float *x = (const float *)base + off;
         return n >= 8 ? _mm256_loadu_ps(x) : _mm256_maskload_ps(x, tail_mask(n));
@@ -269,18 +284,50 @@ static float row_max_avx2(const float *x, int64_t n, float m) {
     return r;
 }
 
-/* s[r * lds + c] = q_r . k_c, bit for bit the GEMM's value, 8 keys in the
- * lanes (see dot_keys_avx512). nr <= 8. */
-static void dot_keys_avx2(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
-                          int64_t off, int64_t ld, int64_t nc) {
-    for (int64_t c0 = 0; c0 < nc; c0 += 8) {
+/* s[r * lds + c] = q_r . k_c, bit for bit the GEMM's value (one FMA per d,
+ * in order, from 0): 8 keys in the lanes, their 8 x 8 blocks of K transposed
+ * in registers, so every query row reuses each block. nr <= 8. Instantiated
+ * per dtype (dt a constant after inlining), as in AVX-512.
+ * Decoding (nr = 1) streams K and V from memory once, so dot_keys and
+ * axpy_keys prefetch the rows 64 keys ahead, the next key block, a line at a
+ * time as they read the current one. Past the last key the prefetches touch
+ * memory that is not the tensor's: a prefetch is a hint that never faults. */
+static inline __attribute__((always_inline)) void dot_keys_dt(float *s, int64_t lds, const float *q, int64_t nr,
+                                                              int64_t D, const void *k, const ma_dtype dt,
+                                                              int64_t off, int64_t ld, int64_t nc) {
+    const int64_t es = dt == MA_F32 ? 4 : 2;
+    int64_t c0 = 0;
+    if (nr == 1) /* decoding: 2 groups of 8 keys side by side, 2 independent FMA chains */
+        for (; c0 + 16 <= nc; c0 += 16) {
+            __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int64_t d0 = 0; d0 < D; d0 += 8) {
+                const int64_t dn = ma_min(8, D - d0);
+                const int pf = (d0 * es) % MA_CACHE_LINE == 0; /* the first 8 elements of a line */
+#pragma GCC unroll 2
+                for (int g = 0; g < 2; g++) {
+                    __m256 x[8];
+#pragma GCC unroll 8
+                    for (int i = 0; i < 8; i++) {
+                        x[i] = load8(k, dt, off + (c0 + 8 * g + i) * ld + d0, dn);
+                        if (pf) _mm_prefetch((const char *)k + (off + (c0 + 64 + 8 * g + i) * ld + d0) * es, _MM_HINT_T0);
+                    }
+                    transpose8x8(x);
+#pragma GCC unroll 8 /* x[dd] at constant indices: the block stays in registers */
+                    for (int dd = 0; dd < 8; dd++)
+                        if (dd < dn) acc[g] = _mm256_fmadd_ps(x[dd], _mm256_set1_ps(q[d0 + dd]), acc[g]);
+                }
+            }
+            for (int g = 0; g < 2; g++) _mm256_storeu_ps(s + c0 + 8 * g, acc[g]);
+        }
+    for (; c0 < nc; c0 += 8) {
         const int64_t nk = ma_min(8, nc - c0);
         __m256 acc[8];
         for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
         for (int64_t d0 = 0; d0 < D; d0 += 8) {
             const int64_t dn = ma_min(8, D - d0);
             __m256 x[8];
-            for (int i = 0; i < 8; i++) x[i] = i < nk ? load8(k, dt, off + (c0 + i) * ld + d0, dn) : _mm256_setzero_ps();
+            for (int i = 0; i < 8; i++) /* keys past nc: nothing read */
+                x[i] = i < nk ? load8(k, dt, off + (c0 + i) * ld + d0, dn) : _mm256_setzero_ps();
             transpose8x8(x); /* x[dd] lane i = k[c0 + i][d0 + dd] */
 #pragma GCC unroll 8 /* x[dd] at constant indices: the block stays in registers */
             for (int dd = 0; dd < 8; dd++)
@@ -288,29 +335,73 @@ static void dot_keys_avx2(float *s, int64_t lds, const float *q, int64_t nr, int
                     if (dd < dn && r < nr) acc[r] = _mm256_fmadd_ps(x[dd], _mm256_set1_ps(q[r * D + d0 + dd]), acc[r]);
         }
         for (int r = 0; r < 8; r++)
-            if (r < nr) _mm256_maskstore_ps(s + r * lds + c0, tail_mask(nk), acc[r]);
+            if (r < nr) {
+                if (nk == 8)
+                    _mm256_storeu_ps(s + r * lds + c0, acc[r]);
+                else
+                    _mm256_maskstore_ps(s + r * lds + c0, tail_mask(nk), acc[r]);
+            }
     }
 }
 
-/* o[r * Dv + d] += sum_c p[r * ldp + c] v_c[d] (see axpy_keys_avx512). */
+static void dot_keys_avx2(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
+                          int64_t off, int64_t ld, int64_t nc) {
+    if (dt == MA_F32) dot_keys_dt(s, lds, q, nr, D, k, MA_F32, off, ld, nc);
+    else if (dt == MA_BF16) dot_keys_dt(s, lds, q, nr, D, k, MA_BF16, off, ld, nc);
+    else dot_keys_dt(s, lds, q, nr, D, k, MA_F16, off, ld, nc);
+}
+
+/* o[r * Dv + d] += sum_c p[r * ldp + c] v_c[d] (one FMA per key, in order):
+ * R rows x 8 NV columns in registers (8 accumulators) while the keys stream
+ * past; two rows share each value row read. Per dtype, as dot_keys. */
+static inline __attribute__((always_inline)) void axpy_keys_strip(const int R, const int NV, float *o,
+                                                                  const float *p, int64_t ldp, int64_t Dv,
+                                                                  const void *v, const ma_dtype dt, int64_t off,
+                                                                  int64_t ld, int64_t nc, int64_t d0, int prefetch) {
+    const int64_t es = dt == MA_F32 ? 4 : 2;
+    int64_t n[8];
+    __m256 acc[2][8];
+    for (int u = 0; u < NV; u++) {
+        n[u] = Dv - d0 - 8 * u < 0 ? 0 : ma_min(8, Dv - d0 - 8 * u);
+        for (int r = 0; r < R; r++) acc[r][u] = load8(o, MA_F32, r * Dv + d0 + 8 * u, n[u]);
+    }
+    for (int64_t c = 0; c < nc; c++) {
+        __m256 pv[2];
+        for (int r = 0; r < R; r++) pv[r] = _mm256_set1_ps(p[r * ldp + c]);
+        for (int u = 0; u < NV; u++) {
+            if (n[u] == 0) break;
+            const __m256 vv = load8(v, dt, off + c * ld + d0 + 8 * u, n[u]);
+            for (int r = 0; r < R; r++) acc[r][u] = _mm256_fmadd_ps(pv[r], vv, acc[r][u]);
+            if (prefetch && ((d0 + 8 * u) * es) % MA_CACHE_LINE == 0) /* the row 64 keys ahead (see dot_keys) */
+                _mm_prefetch((const char *)v + (off + (c + 64) * ld + d0 + 8 * u) * es, _MM_HINT_T0);
+        }
+    }
+    for (int u = 0; u < NV; u++)
+        for (int r = 0; r < R; r++) {
+            if (n[u] == 8)
+                _mm256_storeu_ps(o + r * Dv + d0 + 8 * u, acc[r][u]);
+            else if (n[u] > 0)
+                _mm256_maskstore_ps(o + r * Dv + d0 + 8 * u, tail_mask(n[u]), acc[r][u]);
+        }
+}
+
+static inline __attribute__((always_inline)) void axpy_keys_dt(float *o, const float *p, int64_t ldp, int64_t nr,
+                                                               int64_t Dv, const void *v, const ma_dtype dt,
+                                                               int64_t off, int64_t ld, int64_t nc) {
+    int64_t r = 0;
+    for (; r + 2 <= nr; r += 2) /* 2 rows x 32 columns */
+        for (int64_t d0 = 0; d0 < Dv; d0 += 32)
+            axpy_keys_strip(2, 4, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, d0, r == 0);
+    if (r < nr) /* the last row alone: 64 columns */
+        for (int64_t d0 = 0; d0 < Dv; d0 += 64)
+            axpy_keys_strip(1, 8, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, d0, r == 0);
+}
+
 static void axpy_keys_avx2(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v, ma_dtype dt,
                            int64_t off, int64_t ld, int64_t nc) {
-    for (int64_t r = 0; r < nr; r++)
-        for (int64_t d0 = 0; d0 < Dv; d0 += 32) {
-            int64_t n[4];
-            __m256 acc[4];
-            for (int u = 0; u < 4; u++) {
-                n[u] = Dv - d0 - 8 * u < 0 ? 0 : ma_min(8, Dv - d0 - 8 * u);
-                acc[u] = load8(o, MA_F32, r * Dv + d0 + 8 * u, n[u]);
-            }
-            for (int64_t c = 0; c < nc; c++) {
-                const __m256 pv = _mm256_set1_ps(p[r * ldp + c]);
-                for (int u = 0; u < 4; u++)
-                    if (n[u] > 0) acc[u] = _mm256_fmadd_ps(pv, load8(v, dt, off + c * ld + d0 + 8 * u, n[u]), acc[u]);
-            }
-            for (int u = 0; u < 4; u++)
-                if (n[u] > 0) _mm256_maskstore_ps(o + r * Dv + d0 + 8 * u, tail_mask(n[u]), acc[u]);
-        }
+    if (dt == MA_F32) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_F32, off, ld, nc);
+    else if (dt == MA_BF16) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_BF16, off, ld, nc);
+    else axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_F16, off, ld, nc);
 }
 
 /* non-temporal stores of whole float32 rows (store_tile, stream_stores) */
