@@ -250,8 +250,10 @@ def test_low_precision_delta_is_exact(dtype, what):
     """Every query sees one key (window (0, 0)): P = 1 for that key, so dS = 0
     and dq = dk = 0 exactly, as PyTorch's own bf16 computation gives. With
     delta = dO . out from the rounded out (scaled by dropout's 1 / (1 - p) or
-    by a sink's share), the fuzzer found |dq| ~ 0.02 here (issue 17); the
-    backward now sums delta from P and dP in float32 for bf16 / fp16."""
+    by a sink's share), the fuzzer found |dq| ~ 0.02 here (issue 17); such a
+    backward now sums delta from P and dP in float32 (exact_delta). Plain
+    bf16 / fp16 keeps delta = dO . out (out = v exactly here): dq, dk are
+    float32 rounding noise of dP - delta, far below the dtype's resolution."""
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(2, 3, 70, 24, generator=g).to(dtype).requires_grad_() for _ in range(3))
     kw = {"window": (0, 0)}
@@ -261,8 +263,11 @@ def test_low_precision_delta_is_exact(dtype, what):
         kw["sinks"] = torch.full((3,), -1.0)  # P(key) = 1 / (1 + e^(sink - s)) < 1: dS != 0, but tiny
     out = tma.functional.masked_attention(q, k, v, **kw)
     dq, dk, _ = torch.autograd.grad(out, (q, k, v), torch.randn(out.shape, generator=g).to(dtype))
-    if what != "sinks":
+    if what == "dropout":
         assert dq.abs().max().item() == 0 and dk.abs().max().item() == 0
+        return
+    if what == "plain":  # |dO| |v| ~ 1..10: float32 noise is ~1e-6, one bf16 ulp of 1 is 8e-3
+        assert dq.abs().max().item() <= 1e-5 and dk.abs().max().item() <= 1e-5
         return
     # with a sink: against float64
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
