@@ -204,9 +204,10 @@ typedef struct {
     void *delta;            /* (B, H, Lq) acc type: D_i = sum_j P_ij dP_ij, written by the dq pass */
     /* delta summed from P and dP over the row's key tiles in the dq pass,
      * instead of dO . out: out was rounded to the input dtype after the head
-     * mask scaled it, so in bfloat16/float16 with a head mask dO . out is not
-     * the exact sum (a row that sees one key would get dS != 0). Set by the
-     * shim for exactly that case; it makes the backward two passes. */
+     * mask / dropout / a sink scaled it, so in bfloat16/float16 dO . out is
+     * not the exact sum (a row that sees one key would get dS != 0). Set by
+     * the shim for every bfloat16/float16 backward; it makes the backward
+     * two passes. */
     int exact_delta;
     /* single pass with kv_chunks > 1: dq and dhm partial sums of each key
      * chunk, (kv_chunks, B, H, Lq, D) and (kv_chunks, B, H, Lq), acc type,

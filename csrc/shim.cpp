@@ -449,7 +449,8 @@ Dropout check_dropout(const Sizes& s, double dropout_p, const std::optional<Tens
   const Tensor& t = *dropout_seed;
   MA_CHECK(t.is_cpu() && t.scalar_type() == ScalarType::Long && t.dim() == 1 && t.size(0) == 2,
            "masked_attn: dropout_seed must be an int64 CPU tensor of shape (2,) (seed, offset), got shape ",
-           shape_str(t));
+           shape_str(t), t.scalar_type() == ScalarType::Long ? ", int64" : ", not int64",
+           t.is_cpu() ? ", on the CPU" : ", not on the CPU");
   MA_CHECK(s.Lq <= (int64_t{1} << 32) && s.Lk <= (int64_t{1} << 35),
            "masked_attn: dropout needs Lq <= 2^32 and Lk <= 2^35 (the Philox counter's words)");
   const int64_t* x = static_cast<const int64_t*>(t.const_data_ptr());
@@ -608,10 +609,18 @@ void check_shape(const Tensor& t, const char* name, std::vector<int64_t> dims, c
                   " with the dtype of q, got shape ", shape_str(t));
 }
 
-// masked_attn.h's exact_delta: bfloat16/float16 with a head mask. Such a
-// backward runs two passes, like one with grad_weights.
-bool exact_delta(ScalarType dt, bool has_head_mask) {
-  return has_head_mask && (dt == ScalarType::BFloat16 || dt == ScalarType::Half);
+// masked_attn.h's exact_delta: a bfloat16/float16 backward whose out was
+// rounded after something scaled it: a head mask, dropout's 1 / (1 - p), a
+// sink's share of the denominator (issue 17: the fuzzer found dq/dk beyond
+// 2x PyTorch's own bfloat16 error there, e.g. dq != 0 for a row that sees one
+// key, where the exact value is 0). Such a backward runs two passes, like one
+// with grad_weights. Plain bfloat16/float16 keeps dO . out and the single
+// pass: two passes cost 1.4 - 1.7x its backward (docs/design.md, section 10,
+// which also says what remains and the planned float32 copy of out).
+// float32 / float64 keep dO . out (their rounding is below the accumulation's).
+bool exact_delta(ScalarType dt, bool has_head_mask, double dropout_p, bool has_sinks) {
+  const bool low = dt == ScalarType::BFloat16 || dt == ScalarType::Half;
+  return low && (has_head_mask || dropout_p > 0 || has_sinks);
 }
 
 // The backward, writing dq, dk, dv into the given (B, H, L, D) tensors (any
@@ -668,7 +677,7 @@ std::tuple<Tensor, Tensor> attn_backward_impl(
   p.a = attn_args(s, m, q, k, v, out, w, sc,
                   worth_streaming(dq) || worth_streaming(dk) || worth_streaming(dv), dr);
   p.delta = delta.mutable_data_ptr();
-  p.exact_delta = exact_delta(q.scalar_type(), head_mask.has_value());
+  p.exact_delta = exact_delta(q.scalar_type(), head_mask.has_value(), dropout_p, sinks.has_value());
   p.kv_chunks = 1;
 
   const size_t bytes = ma_attn_bwd_scratch_bytes(&p);
@@ -731,7 +740,8 @@ std::tuple<Tensor, Tensor> attn_backward_into(
   // with each other or with what is read, except that the single pass (no
   // grad_weights, no exact_delta) may write grad_q, grad_k, grad_v over q, k,
   // v themselves, element for element.
-  const bool two_passes = grad_weights.has_value() || exact_delta(q.scalar_type(), head_mask.has_value());
+  const bool two_passes =
+      grad_weights.has_value() || exact_delta(q.scalar_type(), head_mask.has_value(), dropout_p, sinks.has_value());
   const char* names[3] = {"grad_q", "grad_k", "grad_v"};
   const Tensor* outs[3] = {&grad_q, &grad_k, &grad_v};
   const Tensor* ins[3] = {&q, &k, &v};
@@ -1027,6 +1037,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward(Tensor grad_out, Tensor q, Te
   p.a = varlen_args(r, q, k, v, out, cu_seq_q, cu_seq_k, std::nullopt, sc, window_left, window_right, cap, sk,
                     worth_streaming(dq) || worth_streaming(dk) || worth_streaming(dv));
   p.delta = delta.mutable_data_ptr();
+  p.exact_delta = exact_delta(q.scalar_type(), false, 0.0, sinks.has_value());  // two passes here anyway
   p.kv_chunks = 1;
   const size_t bytes = ma_attn_bwd_scratch_bytes(&p);
   run_tasks(ma_attn_bwd_dq_task, &p, ma_attn_bwd_dq_work_items(&p), bytes, q, 1);

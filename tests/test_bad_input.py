@@ -67,6 +67,38 @@ def _ma_bad_cases():
         "head_mask_shape": (dict(q=q, k=k, v=v, head_mask=torch.ones(H + 1)), "head_mask"),
         "head_mask_shape_2d": (dict(q=q, k=k, v=v, head_mask=torch.ones(H, B)), "head_mask"),
         "head_mask_rank3": (dict(q=q, k=k, v=v, head_mask=torch.ones(B, H, 1)), "head_mask"),
+        # dropout (issue 14)
+        "dropout_p_negative": (dict(q=q, k=k, v=v, dropout_p=-0.1), "dropout_p"),
+        "dropout_p_above_1": (dict(q=q, k=k, v=v, dropout_p=1.5), "dropout_p"),
+        "dropout_p_nan": (dict(q=q, k=k, v=v, dropout_p=float("nan")), "dropout_p"),
+        "dropout_seed_shape": (dict(q=q, k=k, v=v, dropout_p=0.1, dropout_seed=torch.zeros(3, dtype=torch.int64)),
+                               "dropout_seed"),
+        "dropout_seed_2d": (dict(q=q, k=k, v=v, dropout_p=0.1, dropout_seed=torch.zeros(1, 2, dtype=torch.int64)),
+                            "dropout_seed"),
+        "dropout_seed_float": (dict(q=q, k=k, v=v, dropout_p=0.1, dropout_seed=torch.zeros(2)), "dropout_seed"),
+        "dropout_seed_int32": (dict(q=q, k=k, v=v, dropout_p=0.1, dropout_seed=torch.zeros(2, dtype=torch.int32)),
+                               "dropout_seed"),
+        "dropout_seed_meta": (dict(q=q, k=k, v=v, dropout_p=0.1,
+                                   dropout_seed=torch.zeros(2, dtype=torch.int64, device="meta")), "dropout_seed"),
+        "dropout_seed_list": (dict(q=q, k=k, v=v, dropout_p=0.1, dropout_seed=[1, 2]), "dropout_seed"),
+        # window, softcap, sinks (issue 15)
+        "window_left_below_minus_1": (dict(q=q, k=k, v=v, window=(-2, 0)), "window"),
+        "window_right_below_minus_1": (dict(q=q, k=k, v=v, window=(0, -3)), "window"),
+        "window_triple": (dict(q=q, k=k, v=v, window=(1, 2, 3)), "window"),
+        "window_int": (dict(q=q, k=k, v=v, window=3), "window"),
+        "window_float_side": (dict(q=q, k=k, v=v, window=(1.5, 0)), "window"),
+        "softcap_zero": (dict(q=q, k=k, v=v, softcap=0.0), "softcap"),
+        "softcap_negative": (dict(q=q, k=k, v=v, softcap=-1.0), "softcap"),
+        "softcap_nan": (dict(q=q, k=k, v=v, softcap=float("nan")), "softcap"),
+        "softcap_inf": (dict(q=q, k=k, v=v, softcap=float("inf")), "softcap"),
+        "softcap_str": (dict(q=q, k=k, v=v, softcap="1"), "softcap"),
+        "sinks_shape": (dict(q=q, k=k, v=v, sinks=torch.zeros(H + 1)), "sinks"),
+        "sinks_2d": (dict(q=q, k=k, v=v, sinks=torch.zeros(1, H)), "sinks"),
+        "sinks_0d": (dict(q=q, k=k, v=v, sinks=torch.zeros(())), "sinks"),
+        "sinks_int": (dict(q=q, k=k, v=v, sinks=torch.zeros(H, dtype=torch.int64)), "sinks"),
+        "sinks_bool": (dict(q=q, k=k, v=v, sinks=torch.zeros(H, dtype=torch.bool)), "sinks"),
+        "sinks_meta": (dict(q=q, k=k, v=v, sinks=torch.zeros(H, device="meta")), "sinks"),
+        "sinks_list": (dict(q=q, k=k, v=v, sinks=[0.0] * H), "sinks"),
     }
     return cases
 
@@ -180,6 +212,22 @@ _OP_SCRIPT = textwrap.dedent(r'''
     out, lse, _ = fwd(q, k, v, None, None, None, False, None, False)
     dout = torch.randn_like(out)
     b = torch.zeros
+    seed = torch.tensor([1, 2])
+    def f(**kw):
+        return fwd(q, k, v, None, None, None, False, None, False, **kw)
+    def g(**kw):
+        return bwd(dout, None, q, k, v, out, lse, None, None, None, False, None, False, False, **kw)
+    # varlen_forward / varlen_backward (packed sequences): two sequences of 5 and 7 tokens
+    vf, vb = torch.ops.masked_attn.varlen_forward, torch.ops.masked_attn.varlen_backward
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    pq, pk, pv = r(12, H, D), r(12, 2, D), r(12, 2, D)
+    cu = i32(0, 5, 12)
+    def vfw(q=pq, k=pk, v=pv, cq=cu, ck=cu, mq=7, mk=7, wl=-1, wr=-1, **kw):
+        return vf(q, k, v, cq, ck, mq, mk, None, wl, wr, **kw)
+    pout, plse = vfw()
+    pgo = torch.randn_like(pout)
+    def vbw(go=pgo, out=pout, lse=plse, cq=cu, ck=cu, mq=7, mk=7, **kw):
+        return vb(go, pq, pk, pv, out, lse, cq, ck, mq, mk, None, -1, -1, **kw)
     cases = {
       "q_rank3": lambda: fwd(q[0], k, v, None, None, None, False, None, False),
       "k_rank5": lambda: fwd(q, k[None], v, None, None, None, False, None, False),
@@ -208,6 +256,55 @@ _OP_SCRIPT = textwrap.dedent(r'''
       "bwd_dweights_shape": lambda: bwd(dout, r(B, H, LQ, LK + 2), q, k, v, out, lse, None, None, None, False, None, False),
       "bwd_head_mask_grad_without_head_mask": lambda: bwd(dout, None, q, k, v, out, lse, None, None, None, False, None, True),
       "bwd_dtype": lambda: bwd(dout.double(), None, q, k, v, out, lse, None, None, None, False, None, False),
+      # dropout, window, softcap, sinks (by their schema names)
+      "fwd_dropout_p_negative": lambda: f(dropout_p=-0.5, dropout_seed=seed),
+      "fwd_dropout_p_above_1": lambda: f(dropout_p=1.5, dropout_seed=seed),
+      "fwd_dropout_p_nan": lambda: f(dropout_p=float("nan"), dropout_seed=seed),
+      "fwd_dropout_seed_missing": lambda: f(dropout_p=0.1),
+      "fwd_dropout_seed_shape": lambda: f(dropout_p=0.1, dropout_seed=torch.zeros(3, dtype=torch.int64)),
+      "fwd_dropout_seed_float": lambda: f(dropout_p=0.1, dropout_seed=torch.zeros(2)),
+      "fwd_dropout_seed_int32": lambda: f(dropout_p=0.1, dropout_seed=torch.zeros(2, dtype=torch.int32)),
+      "fwd_dropout_seed_meta": lambda: f(dropout_p=0.1, dropout_seed=torch.zeros(2, dtype=torch.int64, device="meta")),
+      "fwd_dropout_seed_empty": lambda: f(dropout_p=0.1, dropout_seed=torch.zeros(0, dtype=torch.int64)),
+      "fwd_window_left": lambda: f(window_left=-2),
+      "fwd_window_right": lambda: f(window_right=-7),
+      "fwd_softcap_zero": lambda: f(softcap=0.0),
+      "fwd_softcap_negative": lambda: f(softcap=-2.0),
+      "fwd_softcap_nan": lambda: f(softcap=float("nan")),
+      "fwd_softcap_inf": lambda: f(softcap=float("inf")),
+      "fwd_sinks_shape": lambda: f(sinks=torch.zeros(H + 1)),
+      "fwd_sinks_2d": lambda: f(sinks=torch.zeros(1, H)),
+      "fwd_sinks_0d": lambda: f(sinks=torch.zeros(())),
+      "fwd_sinks_int": lambda: f(sinks=torch.zeros(H, dtype=torch.int64)),
+      "fwd_sinks_meta": lambda: f(sinks=torch.zeros(H, device="meta")),
+      "bwd_dropout_p_above_1": lambda: g(dropout_p=2.0, dropout_seed=seed),
+      "bwd_dropout_seed_missing": lambda: g(dropout_p=0.1),
+      "bwd_dropout_seed_shape": lambda: g(dropout_p=0.1, dropout_seed=torch.zeros(5, dtype=torch.int64)),
+      "bwd_window_left": lambda: g(window_left=-3),
+      "bwd_softcap_nan": lambda: g(softcap=float("nan")),
+      "bwd_sinks_shape": lambda: g(sinks=torch.zeros(H - 1)),
+      "bwd_sinks_int": lambda: g(sinks=torch.zeros(H, dtype=torch.int32)),
+      "varlen_cu_decreasing": lambda: vfw(cq=i32(0, 13, 12)),
+      "varlen_cu_past_end": lambda: vfw(ck=i32(0, 5, 1000)),
+      "varlen_cu_negative": lambda: vfw(cq=i32(-5, 5, 12)),
+      "varlen_cu_int64": lambda: vfw(cq=cu.long()),
+      "varlen_cu_2d": lambda: vfw(cq=cu[None]),
+      "varlen_cu_lengths_differ": lambda: vfw(ck=i32(0, 12)),
+      "varlen_max_q_short": lambda: vfw(mq=6),
+      "varlen_max_k_short": lambda: vfw(mk=2),
+      "varlen_window_left": lambda: vfw(wl=-2),
+      "varlen_query_rank2": lambda: vfw(q=pq[:, 0]),
+      "varlen_kv_heads": lambda: vfw(q=r(12, 3, D)),
+      "varlen_dtype": lambda: vfw(k=pk.double()),
+      "varlen_softcap_nan": lambda: vfw(softcap=float("nan")),
+      "varlen_sinks_shape": lambda: vfw(sinks=torch.zeros(H + 2)),
+      "varlen_seqused_k_big": lambda: vfw(seqused_k=i32(5, 90)),
+      "varlen_block_table_out_of_range": lambda: vf(pq, r(4, 64, 2, D), r(4, 64, 2, D), cu, None, 7, 64, None,
+                                                    -1, -1, i32(5, 7), i32(99, 0, 1, 2).view(2, 2)),
+      "varlen_bwd_lse_shape": lambda: vbw(lse=plse[:, :-1]),
+      "varlen_bwd_grad_out_shape": lambda: vbw(go=pgo[:-1]),
+      "varlen_bwd_out_dtype": lambda: vbw(out=pout.double()),
+      "varlen_bwd_cu_past_end": lambda: vbw(ck=i32(0, 5, 1000)),
     }
     names = sys.argv[1:] or list(cases)
     for name in names:
@@ -225,6 +322,26 @@ _OP_CASES = ["q_rank3", "k_rank5", "v_rank1", "batch_mismatch", "D_mismatch", "L
              "kpm_int", "head_mask_shape", "head_mask_rank3", "head_mask_int",
              "bwd_dout_shape", "bwd_lse_shape", "bwd_lse_dtype", "bwd_out_shape",
              "bwd_dweights_shape", "bwd_head_mask_grad_without_head_mask", "bwd_dtype"]
+# the new arguments' cases, each with the argument its message must name
+_OP_NEW_ARGS = {
+    "fwd_dropout_p_negative": "dropout_p", "fwd_dropout_p_above_1": "dropout_p", "fwd_dropout_p_nan": "dropout_p",
+    "fwd_dropout_seed_missing": "dropout_seed", "fwd_dropout_seed_shape": "dropout_seed",
+    "fwd_dropout_seed_float": "dropout_seed", "fwd_dropout_seed_int32": "dropout_seed",
+    "fwd_dropout_seed_meta": "dropout_seed", "fwd_dropout_seed_empty": "dropout_seed",
+    "fwd_window_left": "window_left", "fwd_window_right": "window_right",
+    "fwd_softcap_zero": "softcap", "fwd_softcap_negative": "softcap", "fwd_softcap_nan": "softcap",
+    "fwd_softcap_inf": "softcap", "fwd_sinks_shape": "sinks", "fwd_sinks_2d": "sinks", "fwd_sinks_0d": "sinks",
+    "fwd_sinks_int": "sinks", "fwd_sinks_meta": "sinks",
+    "bwd_dropout_p_above_1": "dropout_p", "bwd_dropout_seed_missing": "dropout_seed",
+    "bwd_dropout_seed_shape": "dropout_seed", "bwd_window_left": "window_left", "bwd_softcap_nan": "softcap",
+    "bwd_sinks_shape": "sinks", "bwd_sinks_int": "sinks",
+}
+_OP_CASES += list(_OP_NEW_ARGS)
+_OP_CASES += ["varlen_cu_decreasing", "varlen_cu_past_end", "varlen_cu_negative", "varlen_cu_int64", "varlen_cu_2d",
+              "varlen_cu_lengths_differ", "varlen_max_q_short", "varlen_max_k_short", "varlen_window_left",
+              "varlen_query_rank2", "varlen_kv_heads", "varlen_dtype", "varlen_softcap_nan", "varlen_sinks_shape",
+              "varlen_seqused_k_big", "varlen_block_table_out_of_range", "varlen_bwd_lse_shape",
+              "varlen_bwd_grad_out_shape", "varlen_bwd_out_dtype", "varlen_bwd_cu_past_end"]
 
 
 @pytest.fixture(scope="module")
@@ -254,6 +371,8 @@ def test_raw_op_bad_input_raises(case, raw_op_results):
     res = results[case]
     assert res["exc"] == "RuntimeError", f"{case}: expected RuntimeError, got {res['exc']}: {res['msg']}"
     assert res["msg"].strip(), f"{case}: empty error message"
+    if case in _OP_NEW_ARGS:
+        assert _OP_NEW_ARGS[case] in res["msg"], f"{case}: the message does not name {_OP_NEW_ARGS[case]}: {res['msg']}"
 
 
 def test_raw_op_child_exits_cleanly(raw_op_results):
@@ -418,3 +537,50 @@ def test_huge_logits_stay_finite(mag, dtype):
         assert torch.isfinite(x.grad).all() == torch.isfinite(y.grad).all()
     _, _, lse = tmaF.masked_attention(q, k, v, is_causal=True, need_weights=True, return_lse=True)
     assert torch.isfinite(lse).all()
+
+
+# ---------------------------------------------------------------------------
+# the Hugging Face backend's refusals (torch_masked_attn.hf; needs transformers)
+# ---------------------------------------------------------------------------
+
+class _Layer(nn.Module):
+    is_causal = True
+
+
+def _hf_bad_cases(hf):
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    q, k, v = _qkv(hkv=2)
+    layer = _Layer()
+    fwd = hf.attention_forward
+
+    def structured(lq, lk):
+        return hf.StructuredMask(B, lq, lk, 0, 0, causal=True, sliding_window=None, padding=None)
+
+    return {
+        "attention_mask_list": (lambda: fwd(layer, q, k, v, [[1, 0]]), TypeError, "attention_mask"),
+        "attention_mask_shape": (lambda: fwd(layer, q, k, v, torch.ones(B, 1, LQ, LK + 1, dtype=torch.bool)),
+                                 ERRORS, "attn_mask"),
+        "structured_mask_lengths": (lambda: fwd(layer, q, k, v, structured(LQ + 1, LK)), ValueError,
+                                    "attention mask was made for"),
+        "paged_cache": (lambda: fwd(layer, q, k, v, None, cache=PagedAttentionCache.__new__(PagedAttentionCache)),
+                        NotImplementedError, "PagedAttentionCache"),
+        "query_rank3": (lambda: fwd(layer, q[0], k, v, None), ERRORS, r"\bq\b"),
+        "softcap_zero": (lambda: fwd(layer, q, k, v, None, softcap=0.0), ValueError, "softcap"),
+        "softcap_nan": (lambda: fwd(layer, q, k, v, None, softcap=float("nan")), ValueError, "softcap"),
+        "s_aux_shape": (lambda: fwd(layer, q, k, v, None, s_aux=torch.zeros(H + 1)), ValueError, "sinks"),
+        "s_aux_int": (lambda: fwd(layer, q, k, v, None, s_aux=torch.zeros(H, dtype=torch.int64)), TypeError, "sinks"),
+        "apply_not_a_causal_lm": (lambda: hf.apply(nn.Linear(4, 4)), TypeError, "not a causal LM"),
+    }
+
+
+_HF_BAD = ["attention_mask_list", "attention_mask_shape", "structured_mask_lengths", "paged_cache", "query_rank3",
+           "softcap_zero", "softcap_nan", "s_aux_shape", "s_aux_int", "apply_not_a_causal_lm"]
+
+
+@pytest.mark.parametrize("case", _HF_BAD)
+def test_hf_backend_bad_input(case):
+    pytest.importorskip("transformers")
+    from torch_masked_attn import hf
+    call, exc, pattern = _hf_bad_cases(hf)[case]
+    with pytest.raises(exc, match=pattern):
+        call()

@@ -7,7 +7,7 @@
 
 Each ISA (kernel variant forced with torch_masked_attn.ops.use_isa) runs the
 same seeded sequence of random cases for N seconds. A case is fully determined
-by its seed (even: attention, odd: cross-entropy), so every finding prints the
+by its seed (its kind: KINDS[seed % 3]), so every finding prints the
 seed it can be replayed with.
 
 Attention: torch_masked_attn.functional.masked_attention (random B, H, GQA,
@@ -15,7 +15,15 @@ Lq, Lk, D, Dv with the 64-wide tile edges often, every dtype, transposed /
 sliced / expanded views, bool and float attn_mask of every broadcast shape,
 key padding with fully padded rows, head mask, causal, scale, need_weights,
 return_lse, gradients of q, k, v and of the float masks / head mask that
-require grad), and now and then the F.scaled_dot_product_attention drop-in.
+require grad), sliding windows (either side None / -1 / 0 / around L),
+softcap, attention sinks (+ their gradient), dropout (an explicit
+dropout_seed; the reference applies the keep mask re-implemented from its
+definition, Philox-4x32-10, so values and gradients are compared exactly as
+without dropout), now and then the F.scaled_dot_product_attention drop-in,
+and now and then the Hugging Face backend (torch_masked_attn.hf.
+attention_forward, with no mask, a 4-D mask, or a StructuredMask: causal /
+sliding window on an offset diagonal, padding; softcap and s_aux sinks),
+where transformers is installed.
 Cross-entropy: torch_masked_attn.functional.cross_entropy ((C,), (N, C),
 (N, C, d1[, d2]); class targets with ignore_index anywhere, probability
 targets, weight, label smoothing, every reduction, z_loss and softcap), loss
@@ -48,6 +56,7 @@ Exit status 1 if there is any finding.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import random
 import sys
@@ -62,8 +71,13 @@ import torch_masked_attn  # noqa: F401  (registers the ops)
 from torch_masked_attn import functional as tmf
 from torch_masked_attn import ops
 
+try:  # the Hugging Face backend, where transformers is installed
+    from torch_masked_attn import hf as _HF
+except ImportError:
+    _HF = None
+
 ISAS = ("scalar", "avx2", "avx512", "amx")
-KINDS = ("attention", "ce")
+KINDS = ("attention", "ce", "varlen")  # a case's kind: KINDS[seed % 3]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 LOW = (torch.bfloat16, torch.float16)
 
@@ -301,11 +315,68 @@ def draw_attention(seed: int, force: dict | None = None) -> dict:
     go_shape = (B, H, Lq, Dv)
     c["go"] = rounded(torch.randn(go_shape, generator=g, dtype=torch.float64), dtype)
     c["gw"] = rounded(torch.randn((B, H, Lq, Lk), generator=g, dtype=torch.float64), dtype)
+    _draw_new_options(c, r, g, force)
     return c
 
 
+def _window_side(r, L):
+    x = r.random()
+    if x < 0.2:
+        return r.choice((None, -1))
+    if x < 0.4:
+        return r.choice((0, 1, 2))
+    if x < 0.55:
+        return r.choice((max(0, L - 2), L - 1, L, L + 3))  # around the point where the side stops mattering
+    return r.randint(0, max(1, L))
+
+
+def _draw_new_options(c: dict, r: random.Random, g: torch.Generator, force: dict):
+    """The options that landed after the fuzzer (issues 14, 15, the HF backend):
+    window, softcap, sinks, dropout, and now and then the call through
+    torch_masked_attn.hf.attention_forward. Drawn after everything else, so
+    that the rest of a seed's draw is what it was before they existed."""
+    dtype, B, H, Lq, Lk = c["dtype"], c["B"], c["H"], c["Lq"], c["Lk"]
+    sdpa = c["sdpa"]
+    c["window"] = c["softcap"] = c["sinks"] = c["dropout"] = c["hf"] = None
+    c["hf"] = None
+    hf = not sdpa and _HF is not None and force.get("hf", r.random() < 0.1)
+    if not sdpa and not hf and force.get("window", r.random() < 0.3):
+        c["window"] = (_window_side(r, Lq), _window_side(r, Lk))
+    if not sdpa and force.get("softcap", r.random() < 0.2):
+        c["softcap"] = force.get("softcap_value", r.choice((round(r.uniform(0.3, 5.0), 2), 20.0)))
+    if not sdpa and force.get("sinks", r.random() < 0.2):
+        sdt = r.choice((dtype, torch.float32))
+        vals = torch.randn(H, generator=g, dtype=torch.float64) * r.choice((0.5, 2.0))
+        if r.random() < 0.2:
+            vals = vals + 8.0  # a sink that takes most of the mass
+        c["sinks"] = {"vals": rounded(vals, sdt), "dtype": sdt, "rg": r.random() < 0.7}
+    if not sdpa and not hf and force.get("dropout", r.random() < 0.15):
+        p = force.get("dropout_p", r.choice((0.1, 0.3, 0.5, 0.9, round(r.uniform(0.01, 0.99), 3),
+                                             1.0 if r.random() < 0.1 else 0.2)))
+        seed = torch.tensor([r.getrandbits(63) - (1 << 62), r.getrandbits(63) - (1 << 62)], dtype=torch.int64)
+        c["dropout"] = {"p": p, "seed": seed}
+    if hf:
+        # transformers' calling convention: no key padding / head mask / lse; the
+        # mask is None (the layer's is_causal, not for one query), a 4-D tensor
+        # (bool True = attend) or a StructuredMask (causal / sliding with an
+        # offset diagonal, padding)
+        c["kpm"] = c["hm"] = None
+        c["need_weights"] = c["return_lse"] = False
+        h = {"module_causal": c["causal"], "mask": "tensor" if c["am"] is not None else "none"}
+        if c["am"] is None and r.random() < 0.6:
+            lens = [r.choice((Lk, r.randint(0, Lk))) for _ in range(B)]
+            pad = torch.arange(Lk)[None, :] >= torch.tensor(lens)[:, None]
+            h.update(mask="structured", causal=r.random() < 0.8, q_offset=r.choice((0, max(0, Lk - Lq), r.randint(0, Lk + 3))),
+                     kv_offset=r.choice((0, 0, r.randint(0, 5))),
+                     padding=pad if r.random() < 0.5 and bool(pad.any()) else None, lens=lens)
+            h["window"] = r.choice((None, 1, 2, r.randint(1, Lk + 2))) if h["causal"] else None
+        c["hf"] = h
+        c["causal"] = h["mask"] == "none" and h["module_causal"] and Lq > 1
+
+
 def describe_attention(c: dict) -> str:
-    s = [f"attention{' sdpa' if c['sdpa'] else ''}{' 3-D' if c['nobatch'] else ''} {DT_NAME[c['dtype']]}",
+    s = [f"attention{' sdpa' if c['sdpa'] else ''}{' hf' if c['hf'] else ''}{' 3-D' if c['nobatch'] else ''} "
+         f"{DT_NAME[c['dtype']]}",
          f"B={c['B']} H={c['H']} Hkv={c['Hkv']} Lq={c['Lq']} Lk={c['Lk']} D={c['D']} Dv={c['Dv']}",
          "layout=" + ",".join(f"{n}:{t[0]}" for n, t in c["tensors"].items())]
     if c["am"]:
@@ -327,17 +398,105 @@ def describe_attention(c: dict) -> str:
         s.append("need_weights")
     if c["return_lse"]:
         s.append("return_lse")
+    if c["window"] is not None:
+        s.append(f"window={c['window']}")
+    if c["softcap"] is not None:
+        s.append(f"softcap={c['softcap']}")
+    if c["sinks"] is not None:
+        sk = c["sinks"]
+        s.append(f"sinks/{DT_NAME[sk['dtype']]}={[round(x, 3) for x in sk['vals'].tolist()]}"
+                 f"{'+grad' if sk['rg'] else ''}")
+    if c["dropout"] is not None:
+        s.append(f"dropout_p={c['dropout']['p']} seed={c['dropout']['seed'].tolist()}")
+    if c["hf"]:
+        h = c["hf"]
+        if h["mask"] == "structured":
+            s.append(f"hf_mask=structured(causal={h['causal']}, window={h['window']}, q_offset={h['q_offset']}, "
+                     f"kv_offset={h['kv_offset']}, padding={'lens=' + str(h['lens']) if h['padding'] is not None else None})")
+        else:
+            s.append(f"hf_mask={h['mask']} module.is_causal={h['module_causal']}")
     return " ".join(s)
 
 
-def _scores(q, k, am, kpm, causal, scale, dtype, reorder=False):
-    """q k^T * scale + the masks (-inf where blocked), in dtype; with reorder,
-    q is scaled before the product (flash-attention's second torch reference)."""
+# ---- dropout's keep mask, re-implemented from its definition (masked_attn.h) ----
+
+_M32 = 0xFFFFFFFF
+
+
+def _philox(c0, c1, c2, c3, k0, k1):
+    """Philox-4x32-10 on int64 tensors holding uint32 values (as tests/test_dropout.py,
+    which checks it against Random123's known answers)."""
+    c = list(torch.broadcast_tensors(*(torch.as_tensor(x, dtype=torch.int64) for x in (c0, c1, c2, c3))))
+    k0, k1 = k0 & _M32, k1 & _M32
+    for _ in range(10):
+        p0, p1 = c[0] * 0xD2511F53, c[2] * 0xCD9E8D57
+        hi0, lo0, hi1, lo1 = (p0 >> 32) & _M32, p0 & _M32, (p1 >> 32) & _M32, p1 & _M32
+        c = [hi1 ^ c[1] ^ k0, lo1, hi0 ^ c[3] ^ k1, lo0]
+        k0, k1 = (k0 + 0x9E3779B9) & _M32, (k1 + 0xBB67AE85) & _M32
+    return c
+
+
+def keep_mask(seed_tensor: torch.Tensor, B: int, H: int, Lq: int, Lk: int, p: float) -> torch.Tensor:
+    """Z[b, h, i, j] (True = kept) of dropout with this (seed, offset): element
+    (b, h, i, j) keeps iff 16 bits of Philox(counter (j >> 3, i, b H + h, offset),
+    key (seed_lo, seed_hi ^ offset_hi)) are >= round(p 2^16)."""
+    seed, offset = (int(x) & ((1 << 64) - 1) for x in seed_tensor.tolist())
+    k0, k1 = seed & _M32, (seed >> 32) ^ (offset >> 32)
+    b, h, i, j = torch.meshgrid(*(torch.arange(n) for n in (B, H, Lq, Lk)), indexing="ij")
+    w = torch.stack(_philox(j >> 3, i, (b * H + h) & _M32, offset & _M32, k0, k1), -1)
+    sel = torch.gather(w, -1, ((j & 7) >> 1).unsqueeze(-1)).squeeze(-1)
+    return ((sel >> (16 * (j & 1))) & 0xFFFF) >= round(p * 65536)
+
+
+def _dropout_scale(c: dict, breaks: frozenset):
+    """Z / (1 - p) as float64 (B, H, Lq, Lk) (0 where dropped; all 0 for p = 1),
+    or None without dropout (or when the reference drops it on purpose)."""
+    d = c["dropout"]
+    if d is None or "dropout" in breaks:
+        return None
+    z = keep_mask(d["seed"], c["B"], c["H"], c["Lq"], c["Lk"], d["p"])
+    return z.to(torch.float64) / (1.0 - d["p"]) if d["p"] < 1.0 else torch.zeros(z.shape, dtype=torch.float64)
+
+
+def _structural(c: dict, breaks: frozenset):
+    """The blocked pattern of the window and of the HF backend's structured mask,
+    bool (B or 1, 1, Lq, Lk), True = blocked; None if there is none."""
+    Lq, Lk = c["Lq"], c["Lk"]
+    i = torch.arange(Lq)[:, None]
+    j = torch.arange(Lk)[None, :]
+    blocked = None
+    if c["window"] is not None and "window" not in breaks:
+        left, right = c["window"]
+        blocked = torch.zeros(Lq, Lk, dtype=torch.bool)
+        if left is not None and left != -1:
+            blocked |= j < i - left
+        if right is not None and right != -1:
+            blocked |= j > i + right
+    h = c["hf"]
+    if h and h["mask"] == "structured":
+        ia, ja = i + h["q_offset"], j + h["kv_offset"]
+        blocked = torch.zeros(Lq, Lk, dtype=torch.bool)
+        if h["causal"]:
+            blocked |= ja > ia
+            if h["window"] is not None:
+                blocked |= ja <= ia - h["window"]
+        blocked = blocked[None, None]
+        if h["padding"] is not None:
+            blocked = blocked | h["padding"][:, None, None, :]
+    return blocked
+
+
+def _scores(q, k, am, kpm, causal, scale, dtype, reorder=False, softcap=None, blocked=None):
+    """q k^T * scale (soft-capped), + the masks (-inf where blocked), in dtype;
+    with reorder, q is scaled before the product (flash-attention's second
+    torch reference)."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     s = torch.matmul(q * scale, k.transpose(-1, -2)) if reorder else torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     Lq, Lk = s.shape[-2], s.shape[-1]
-    for m in (am, None if kpm is None else kpm[:, None, None, :]):
+    for m in (am, None if kpm is None else kpm[:, None, None, :], blocked):
         if m is None:
             continue
         s = s.masked_fill(m, -math.inf) if m.dtype == torch.bool else s + m.to(dtype)
@@ -359,24 +518,40 @@ def _head_scale(hm, dtype):
     return h[:, None, None] if h.dim() == 1 else h[:, :, None, None]
 
 
-def _ref_attention(q, k, v, am, kpm, hm, causal, scale, dtype, reorder=False):
-    """softmax(q k^T * scale + masks) * head_mask @ v with plain torch ops in
-    `dtype` (masks in the op's conventions: bool True = blocked, float added);
-    rows with every key masked give 0. Returns out, weights, lse."""
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    k, v = _gqa(q, k, v)
-    s = _scores(q, k, am, kpm, causal, scale, dtype, reorder)
+def _softmax(s, sinks, dtype):
+    """softmax over the keys, with the sink logit (H,) as one more column that
+    has no value; a row with every key blocked gives 0. Returns the keys'
+    probabilities, the sink's (None without sinks) and lse (float64)."""
     empty = torch.isneginf(s).all(dim=-1, keepdim=True)
     zero = torch.zeros((), dtype=dtype)
+    Lk = s.shape[-1]
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(dtype)[:, None, None].expand(s.shape[:-1] + (1,))], dim=-1)
     p = torch.where(empty, zero, torch.softmax(torch.where(empty, zero, s), dim=-1))
     lse = torch.logsumexp(s.detach().double(), dim=-1)
+    return p[..., :Lk], (p[..., Lk:] if sinks is not None else None), lse
+
+
+def _ref_attention(q, k, v, am, kpm, hm, causal, scale, dtype, reorder=False, softcap=None, blocked=None,
+                   sinks=None, drop=None):
+    """softmax(softcap(q k^T * scale) + masks [, sink]) * head_mask * Z / (1 - p) @ v
+    with plain torch ops in `dtype` (masks in the op's conventions: bool True =
+    blocked, float added; drop: dropout's Z / (1 - p)); rows with every key
+    masked give 0. Returns out, weights, lse."""
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    k, v = _gqa(q, k, v)
+    s = _scores(q, k, am, kpm, causal, scale, dtype, reorder, softcap, blocked)
+    p, _, lse = _softmax(s, sinks, dtype)
     if hm is not None:
         p = p * _head_scale(hm, dtype)
+    if drop is not None:
+        p = p * drop.to(dtype)
     return torch.matmul(p, v), p, lse
 
 
 @torch.no_grad()
-def _attention_magnitudes(c, t, causal, scale, hm_used, sensitivity=False) -> dict:
+def _attention_magnitudes(c, t, causal, scale, hm_used, sensitivity=False, softcap=None, blocked=None,
+                          sinks_used=True, drop=None) -> dict:
     """The natural magnitude of each compared tensor: the max over it of the
     sum of |terms| it is computed from (in float64, from the float64 views t).
     Rounding error scales with these, not with the result, which may cancel
@@ -391,17 +566,20 @@ def _attention_magnitudes(c, t, causal, scale, hm_used, sensitivity=False) -> di
         am = am[None]
     kr, vr = _gqa(q, k, v)
     sc = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    s = _scores(q, kr, am, t["kpm"], causal, sc, torch.float64)
-    empty = torch.isneginf(s).all(dim=-1, keepdim=True)
-    p = torch.where(empty, 0.0, torch.softmax(torch.where(empty, 0.0, s), dim=-1))
+    s = _scores(q, kr, am, t["kpm"], causal, sc, torch.float64, softcap=softcap, blocked=blocked)
+    sinks = t.get("sinks") if sinks_used else None
+    p, psink, _ = _softmax(s, None if sinks is None else sinks.double(), torch.float64)
     a = p * torch.where(p > 0, s.abs(), 0.0) if sensitivity else p
     hs = _head_scale(t["hm"].double().abs(), torch.float64) if hm_used and t["hm"] is not None else 1.0
+    if drop is not None:
+        hs = hs * drop
     go = c["go"].abs().reshape(a.shape[:-1] + (-1,))
     dp = torch.matmul(go, vr.abs().transpose(-1, -2))  # |dO| |v|^T
     if c["need_weights"]:
         dp = dp + c["gw"].abs()
     dp_raw, dp = dp, dp * hs
-    ds = a * (dp + (a * dp).sum(-1, keepdim=True))  # p (dP - delta)
+    delta = (a * dp).sum(-1, keepdim=True)
+    ds = a * (dp + delta)  # p (dP - delta)
     B, H, Hkv = q.shape[0], q.shape[1], k.shape[1]
 
     def kv_sum(x):  # over the query heads that share a kv head
@@ -410,10 +588,11 @@ def _attention_magnitudes(c, t, causal, scale, hm_used, sensitivity=False) -> di
     def expand(n, m):  # an expanded (zero batch stride) base sums over the batch
         return m * B if c["tensors"][n][0] == "expand" else m
 
+    lse_extra = 0.0 if sinks is None else sinks.double().abs().max().item()
     mags = {
         "out": torch.matmul(a * hs, vr.abs()).max().item(),
-        "weights": a.max().item(),
-        "lse": (s.abs().masked_fill(torch.isinf(s), 0).amax() + math.log(s.shape[-1])).item(),
+        "weights": max(a.max().item(), (a * hs).max().item()) if a.numel() else 0.0,
+        "lse": (s.abs().masked_fill(torch.isinf(s), 0).amax() + math.log(s.shape[-1] + 1)).item() + lse_extra,
         "dq": expand("q", (sc * torch.matmul(ds, kr.abs())).max().item()),
         "dk": expand("k", kv_sum(sc * torch.matmul(ds.transpose(-1, -2), q.abs())).max().item()),
         "dv": expand("v", kv_sum(torch.matmul((a * hs).transpose(-1, -2), go)).max().item()),
@@ -423,19 +602,22 @@ def _attention_magnitudes(c, t, causal, scale, hm_used, sensitivity=False) -> di
     if c["kpm"] is not None and c["kpm"]["rg"]:
         mags["dkpm"] = ds.sum((1, 2)).max().item()
     if c["hm"] is not None and c["hm"]["rg"]:
-        dh = (a * dp_raw).sum((-1, -2))
+        dh = (a * dp_raw * (drop if drop is not None else 1.0)).sum((-1, -2))
         mags["dhm"] = (dh.sum(0) if c["hm"]["vals"].dim() == 1 else dh).max().item()
+    if c["sinks"] is not None and c["sinks"]["rg"] and psink is not None:
+        ps = psink * torch.where(psink > 0, sinks.double().abs()[:, None, None], 0.0) if sensitivity else psink
+        mags["dsinks"] = (ps * delta + psink * delta).sum((0, 2, 3)).max().item()
     return mags
 
 
 def _leaves(c: dict, qkv_dtype, mask64: bool):
-    """Leaf tensors of one computation: q, k, v bases in qkv_dtype; masks in
-    their own dtype (float64 when mask64)."""
+    """Leaf tensors of one computation: q, k, v bases in qkv_dtype; masks and
+    sinks in their own dtype (float64 when mask64)."""
     leaves, views = {}, {}
     for n, (_, vals, view) in c["tensors"].items():
         leaves[n] = vals.to(qkv_dtype).requires_grad_()
         views[n] = view(leaves[n])
-    for n in ("am", "kpm", "hm"):
+    for n in ("am", "kpm", "hm", "sinks"):
         m = c[n]
         if m is None:
             views[n] = None
@@ -454,7 +636,7 @@ def _leaves(c: dict, qkv_dtype, mask64: bool):
     return leaves, views
 
 
-GRAD_ORDER = ("q", "k", "v", "am", "kpm", "hm")
+GRAD_ORDER = ("q", "k", "v", "am", "kpm", "hm", "sinks")
 
 
 def _grads(outs: list, gouts: list, leaves: dict) -> dict:
@@ -479,10 +661,42 @@ def _sdpa_mask(am, causal, Lq, Lk, dtype):
     return m
 
 
+class _HFLayer(torch.nn.Module):
+    """What transformers' attention interface reads from the layer: is_causal."""
+
+    def __init__(self, is_causal: bool):
+        super().__init__()
+        self.is_causal = is_causal
+
+
+def _hf_call(c: dict, t: dict):
+    """The case through torch_masked_attn.hf.attention_forward, as a transformers
+    model calls it; returns out (B, H, Lq, Dv)."""
+    h = c["hf"]
+    if h["mask"] == "structured":
+        mask = _HF.StructuredMask(c["B"], c["Lq"], c["Lk"], h["q_offset"], h["kv_offset"], causal=h["causal"],
+                                  sliding_window=h["window"], padding=h["padding"])
+    elif h["mask"] == "tensor":
+        am = t["am"]
+        mask = ~am if am.dtype == torch.bool else am  # transformers' convention: True = attend
+    else:
+        mask = None
+    kw = {}
+    if c["softcap"] is not None:
+        kw["softcap"] = c["softcap"]
+    if t["sinks"] is not None:
+        kw["s_aux"] = t["sinks"]
+    out, w = _HF.attention_forward(_HFLayer(h["module_causal"]), t["q"], t["k"], t["v"], mask, dropout=0.0,
+                                   scaling=c["scale"], **kw)
+    assert w is None
+    return out.transpose(1, 2)
+
+
 def run_attention(c: dict, breaks: frozenset = frozenset()) -> Result:
     """Run one attention case through ours and the references. `breaks` makes the
     reference wrong on purpose ("causal": flips is_causal; "head_mask": drops it;
-    "scale": doubles it), for the self-test."""
+    "scale": doubles it; "window", "softcap", "sinks", "dropout": drops them),
+    for the self-test."""
     dtype = c["dtype"]
     res = Result(describe_attention(c))
     go, gw = c["go"], c["gw"]
@@ -498,10 +712,22 @@ def run_attention(c: dict, breaks: frozenset = frozenset()) -> Result:
         out = tmf.scaled_dot_product_attention(t["q"], t["k"], t["v"], attn_mask=am, is_causal=c["causal"],
                                                scale=c["scale"], enable_gqa=c["H"] != c["Hkv"])
         outs, w, lse = [out], None, None
+    elif c["hf"]:
+        out = _hf_call(c, t)
+        outs, w, lse = [out], None, None
     else:
+        extra = {}
+        if c["window"] is not None:
+            extra["window"] = c["window"]
+        if c["softcap"] is not None:
+            extra["softcap"] = c["softcap"]
+        if t["sinks"] is not None:
+            extra["sinks"] = t["sinks"]
+        if c["dropout"] is not None:
+            extra["dropout_p"], extra["dropout_seed"] = c["dropout"]["p"], c["dropout"]["seed"]
         r = tmf.masked_attention(t["q"], t["k"], t["v"], attn_mask=t["am"], key_padding_mask=t["kpm"],
                                  head_mask=t["hm"], is_causal=c["causal"], scale=c["scale"],
-                                 need_weights=c["need_weights"], return_lse=c["return_lse"])
+                                 need_weights=c["need_weights"], return_lse=c["return_lse"], **extra)
         r = list(r) if isinstance(r, tuple) else [r]
         out = r.pop(0)
         w = r.pop(0) if c["need_weights"] else None
@@ -515,12 +741,16 @@ def run_attention(c: dict, breaks: frozenset = frozenset()) -> Result:
     scale = c["scale"]
     if "scale" in breaks:
         scale = 2.0 * (scale if scale is not None else 1.0 / math.sqrt(c["D"]))
+    softcap = None if "softcap" in breaks else c["softcap"]
+    blocked = _structural(c, breaks)
+    drop = _dropout_scale(c, breaks)
 
     def reference(qkv_dtype, mask64, reorder=False):
         lv, tt = _leaves(c, qkv_dtype, mask64)
         hm = None if "head_mask" in breaks else tt["hm"]
+        sinks = None if "sinks" in breaks else tt["sinks"]
         o, p, ls = _ref_attention(tt["q"], tt["k"], tt["v"], tt["am"], tt["kpm"], hm, causal, scale, qkv_dtype,
-                                  reorder)
+                                  reorder, softcap, blocked, sinks, drop)
         got = {"out": o, "weights": p if c["need_weights"] else None, "lse": ls if c["return_lse"] else None}
         got.update(("d" + n, g) for n, g in
                    _grads([o, got["weights"]], [go.to(qkv_dtype), gw.to(qkv_dtype)], lv).items())
@@ -528,8 +758,9 @@ def run_attention(c: dict, breaks: frozenset = frozenset()) -> Result:
 
     ref, t64 = reference(torch.float64, True)
     theirs = [reference(dtype, False)[0], reference(dtype, False, reorder=True)[0]]
-    natural = _attention_magnitudes(c, t64, causal, scale, "head_mask" not in breaks)
-    natural_acc = _attention_magnitudes(c, t64, causal, scale, "head_mask" not in breaks, sensitivity=True)
+    mkw = dict(softcap=softcap, blocked=blocked, sinks_used="sinks" not in breaks, drop=drop)
+    natural = _attention_magnitudes(c, t64, causal, scale, "head_mask" not in breaks, **mkw)
+    natural_acc = _attention_magnitudes(c, t64, causal, scale, "head_mask" not in breaks, sensitivity=True, **mkw)
     if c["sdpa"]:  # torch's F.sdpa in the input dtype
         lv, tt = _leaves(c, dtype, mask64=False)
         m = _sdpa_mask(tt["am"], causal, c["Lq"], c["Lk"], dtype)
@@ -539,13 +770,13 @@ def run_attention(c: dict, breaks: frozenset = frozenset()) -> Result:
         got.update(("d" + n, g) for n, g in _grads([o], [go.to(dtype)], lv).items())
         theirs.append(got)
 
-    for name in ("out", "weights", "lse", "dq", "dk", "dv", "dam", "dkpm", "dhm"):
+    for name in ("out", "weights", "lse", "dq", "dk", "dv", "dam", "dkpm", "dhm", "dsinks"):
         if name in ("weights", "lse") and ref.get(name) is None:
             continue
         if name not in ref and name not in ours:
             continue
         cmp_dtype = dtype
-        if name in ("dam", "dkpm", "dhm"):  # gradients come in the mask's own dtype
+        if name in ("dam", "dkpm", "dhm", "dsinks"):  # gradients come in the mask's own dtype
             cmp_dtype = c[name[1:]]["dtype"]
             cmp_dtype = cmp_dtype if cmp_dtype in LOW or dtype not in LOW else dtype
         if name == "lse" and dtype in LOW:
@@ -794,14 +1025,226 @@ def run_ce(c: dict, breaks: frozenset = frozenset()) -> Result:
     return res
 
 
+# ---- varlen_attn (packed sequences) ---------------------------------------------
+
+VARLEN = getattr(tmf, "varlen_attn", None)
+
+
+def _seq_length(r):
+    x = r.random()
+    if x < 0.15:
+        return r.choice((0, 1))
+    if x < 0.35:
+        return r.choice((63, 64, 65))
+    if x < 0.55:
+        return r.randint(1, 8)
+    return r.randint(0, 140)
+
+
+def _varlen_window(r):
+    x = r.random()
+    if x < 0.3:
+        return (-1, -1)
+    if x < 0.5:
+        return (-1, 0)
+    if x < 0.7:
+        return (r.choice((0, 1, 5, 63, 64, r.randint(0, 150))), 0)
+    return (r.choice((-1, 0, 1, r.randint(0, 150))), r.choice((-1, 0, 1, r.randint(0, 150))))
+
+
+def draw_varlen(seed: int, force: dict | None = None) -> dict:
+    """A packed batch for functional.varlen_attn: N sequences of query / key
+    lengths 0, 1, tile edges and random (the same lengths or independent), GQA,
+    every window (bottom-right aligned), scale, views of wider storage,
+    return_aux(lse)."""
+    r = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    force = force or {}
+    c: dict = {"seed": seed}
+    c["dtype"] = dtype = force.get("dtype", r.choice(DTYPES))
+    N = r.randint(1, 6)
+    lq = [_seq_length(r) for _ in range(N)]
+    lk = list(lq) if r.random() < 0.5 else [_seq_length(r) for _ in range(N)]
+    H = r.randint(1, 4)
+    Hkv = r.choice([d for d in range(1, H + 1) if H % d == 0])
+    D = _dim(r)
+    Dv = D if r.random() < 0.4 else _dim(r)
+    while sum(a * b for a, b in zip(lq, lk)) * H * (D + Dv) > 8_000_000:
+        D, Dv = max(1, D // 2), max(1, Dv // 2)
+        if D == 1 and Dv == 1:
+            break
+    c.update(N=N, lq=lq, lk=lk, H=H, Hkv=Hkv, D=D, Dv=Dv)
+    c["window"] = force.get("window", _varlen_window(r))
+    c["scale"] = None if r.random() < 0.5 else round(r.uniform(0.02, 2.0), 3)
+    c["gqa_flag"] = H != Hkv or r.random() < 0.3
+    c["lse"] = r.random() < 0.3
+    # slack in max_q / max_k: "at least the longest"
+    c["max_q"] = max(lq) + (r.randint(0, 5) if r.random() < 0.3 else 0)
+    c["max_k"] = max(lk) + (r.randint(0, 5) if r.random() < 0.3 else 0)
+    amp = r.choice((0.5, 1.0, 2.0))
+    Tq, Tk = sum(lq), sum(lk)
+    tensors = {}
+    for name, (T, h, d) in (("q", (Tq, H, D)), ("k", (Tk, Hkv, D)), ("v", (Tk, Hkv, Dv))):
+        lay = r.choice(("contig", "contig", "htd", "pad"))
+        if lay == "htd":  # (H, T, D) storage: one projection per head
+            base, view = (h, T, d), _permuted((1, 0, 2))
+        elif lay == "pad":
+            off = r.randint(0, 3)
+            base, view = (T, h, d + off + r.randint(0, 4)), _class_slice(2, off, d)
+        else:
+            base, view = (T, h, d), _identity
+        vals = rounded(torch.randn(base, generator=g, dtype=torch.float64) * (amp if name != "v" else 1.0), dtype)
+        tensors[name] = (lay, vals, view)
+    c["tensors"] = tensors
+    c["go"] = rounded(torch.randn((Tq, H, Dv), generator=g, dtype=torch.float64), dtype)
+    return c
+
+
+def describe_varlen(c: dict) -> str:
+    s = [f"varlen {DT_NAME[c['dtype']]} lq={c['lq']} lk={c['lk']} H={c['H']} Hkv={c['Hkv']} D={c['D']} "
+         f"Dv={c['Dv']} window={c['window']} max_q={c['max_q']} max_k={c['max_k']}",
+         "layout=" + ",".join(f"{n}:{t[0]}" for n, t in c["tensors"].items())]
+    if c["scale"] is not None:
+        s.append(f"scale={c['scale']}")
+    if c["gqa_flag"]:
+        s.append("enable_gqa")
+    if c["lse"]:
+        s.append("lse")
+    return " ".join(s)
+
+
+def _cu(lengths):
+    return torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
+
+
+def _varlen_visible(Lq, Lk, window):
+    """Bool (Lq, Lk): query i sees key j (the window aligned to the bottom right, flash-attn's)."""
+    left, right = window
+    i = torch.arange(Lq)[:, None]
+    j = torch.arange(Lk)[None, :]
+    ok = torch.ones(Lq, Lk, dtype=torch.bool)
+    if right >= 0:
+        ok &= j <= i + Lk - Lq + right
+    if left >= 0:
+        ok &= j >= i + Lk - Lq - left
+    return ok
+
+
+def _ref_varlen(q, k, v, c, window, scale, dtype):
+    """Per sequence, plain torch ops in dtype: out (T_q, H, Dv), lse (H, T_q) float64."""
+    G = c["H"] // c["Hkv"]
+    cq, ck = _cu(c["lq"]).tolist(), _cu(c["lk"]).tolist()
+    outs, lses = [], []
+    for b in range(c["N"]):
+        qs = q[cq[b]:cq[b + 1]].to(dtype).transpose(0, 1)
+        ks = k[ck[b]:ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(G, 0)
+        vs = v[ck[b]:ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(G, 0)
+        s = torch.matmul(qs, ks.transpose(-1, -2)) * scale
+        s = s.masked_fill(~_varlen_visible(qs.shape[1], ks.shape[1], window), -math.inf)
+        p, _, lse = _softmax(s, None, dtype)
+        outs.append(torch.matmul(p, vs).transpose(0, 1))
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses, -1)
+
+
+@torch.no_grad()
+def _varlen_magnitudes(c, q, k, v, window, scale, sensitivity=False) -> dict:
+    """_attention_magnitudes for a packed batch: per sequence, the max over all."""
+    G = c["H"] // c["Hkv"]
+    cq, ck = _cu(c["lq"]).tolist(), _cu(c["lk"]).tolist()
+    go = c["go"].abs()
+    m = dict.fromkeys(("out", "lse", "dq", "dk", "dv"), 0.0)
+    for b in range(c["N"]):
+        qs = q[cq[b]:cq[b + 1]].double().transpose(0, 1)
+        ks = k[ck[b]:ck[b + 1]].double().transpose(0, 1)
+        vs = v[ck[b]:ck[b + 1]].double().transpose(0, 1)
+        if qs.shape[1] == 0 or ks.shape[1] == 0:
+            continue
+        kr, vr = ks.repeat_interleave(G, 0), vs.repeat_interleave(G, 0)
+        s = torch.matmul(qs, kr.transpose(-1, -2)) * scale
+        s = s.masked_fill(~_varlen_visible(qs.shape[1], ks.shape[1], window), -math.inf)
+        p, _, _ = _softmax(s, None, torch.float64)
+        a = p * torch.where(p > 0, s.abs(), 0.0) if sensitivity else p
+        gos = go[cq[b]:cq[b + 1]].transpose(0, 1)
+        dp = torch.matmul(gos, vr.abs().transpose(-1, -2))
+        ds = a * (dp + (a * dp).sum(-1, keepdim=True))
+
+        def kv_sum(x):
+            return x.reshape(c["Hkv"], G, *x.shape[1:]).sum(1)
+
+        m["out"] = max(m["out"], torch.matmul(a, vr.abs()).max().item())
+        m["lse"] = max(m["lse"], (s.abs().masked_fill(torch.isinf(s), 0).amax() + math.log(s.shape[-1])).item())
+        m["dq"] = max(m["dq"], (scale * torch.matmul(ds, kr.abs())).max().item())
+        m["dk"] = max(m["dk"], kv_sum(scale * torch.matmul(ds.transpose(-1, -2), qs.abs())).max().item())
+        m["dv"] = max(m["dv"], kv_sum(torch.matmul(a.transpose(-1, -2), gos)).max().item())
+    return m
+
+
+def run_varlen(c: dict, breaks: frozenset = frozenset()) -> Result:
+    """One packed batch through varlen_attn and the per-sequence references.
+    `breaks`: "window" (the reference has no window), "seqs" (the reference
+    treats the batch as one sequence), for the self-test."""
+    dtype = c["dtype"]
+    res = Result(describe_varlen(c))
+
+    def leaves(dt):
+        lv = {n: vals.to(dt).requires_grad_() for n, (_, vals, _) in c["tensors"].items()}
+        return lv, {n: c["tensors"][n][2](t) for n, t in lv.items()}
+
+    cq, ck = _cu(c["lq"]), _cu(c["lk"])
+    lv, t = leaves(dtype)
+    r = VARLEN(t["q"], t["k"], t["v"], cq, ck, c["max_q"], c["max_k"], scale=c["scale"], window_size=c["window"],
+               enable_gqa=c["gqa_flag"], return_aux=tmf.AuxRequest(lse=True) if c["lse"] else None)
+    out, lse = r if c["lse"] else (r, None)
+    go = c["go"]
+    ours = {"out": out, "lse": lse}
+    grads = torch.autograd.grad(out, [lv["q"], lv["k"], lv["v"]], go.to(dtype), allow_unused=True)
+    ours.update((n, gr if gr is not None else torch.zeros_like(lv[n[1]])) for n, gr in zip(("dq", "dk", "dv"), grads))
+
+    window = (-1, -1) if "window" in breaks else c["window"]
+    scale = c["scale"] if c["scale"] is not None else 1.0 / math.sqrt(c["D"])
+    rc = dict(c, N=1, lq=[sum(c["lq"])], lk=[sum(c["lk"])]) if "seqs" in breaks else c
+
+    def reference(dt, reorder=False):
+        lv, tt = leaves(dt)
+        q = tt["q"] * scale if reorder else tt["q"]
+        o, ls = _ref_varlen(q, tt["k"], tt["v"], rc, window, 1.0 if reorder else scale, dt)
+        got = {"out": o, "lse": ls if c["lse"] else None}
+        got.update(zip(("dq", "dk", "dv"), torch.autograd.grad(o, [lv["q"], lv["k"], lv["v"]], go.to(dt),
+                                                               allow_unused=True)))
+        for n in ("dq", "dk", "dv"):
+            if got[n] is None:
+                got[n] = torch.zeros_like(lv[n[1]])
+        return got, tt
+
+    ref, t64 = reference(torch.float64)
+    theirs = [reference(dtype)[0], reference(dtype, reorder=True)[0]]
+    natural = _varlen_magnitudes(rc, t64["q"], t64["k"], t64["v"], window, scale)
+    natural_acc = _varlen_magnitudes(rc, t64["q"], t64["k"], t64["v"], window, scale, sensitivity=True)
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        if name == "lse" and not c["lse"]:
+            continue
+        cmp_dtype = torch.float32 if name == "lse" and dtype in LOW else dtype
+        compare(res, name, ours[name], [th[name] for th in theirs], ref[name], cmp_dtype, is_grad=name != "out"
+                and name != "lse", natural=natural[name], natural_acc=natural_acc[name])
+    return res
+
+
 # ---- driving -----------------------------------------------------------------
 
 def kind_of(seed: int) -> str:
-    return KINDS[seed % 2]
+    return KINDS[seed % len(KINDS)]
+
+
+# the kinds this build runs (varlen_attn: where functional has it)
+DEFAULT_KINDS = tuple(k for k in KINDS if k != "varlen" or VARLEN is not None)
+DRAW = {"attention": draw_attention, "ce": draw_ce, "varlen": draw_varlen}
+DESCRIBE = {"attention": describe_attention, "ce": describe_ce, "varlen": describe_varlen}
+RUN = {"attention": run_attention, "ce": run_ce, "varlen": run_varlen}
 
 
 def draw(seed: int, force: dict | None = None) -> dict:
-    return draw_attention(seed, force) if kind_of(seed) == "attention" else draw_ce(seed, force)
+    return DRAW[kind_of(seed)](seed, force)
 
 
 def run_case(seed: int, isa: str | None = None, breaks: frozenset = frozenset(),
@@ -814,10 +1257,12 @@ def run_case(seed: int, isa: str | None = None, breaks: frozenset = frozenset(),
     except Exception:  # a fuzzer bug: report it like a finding
         return Result("?"), Finding(seed, kind, isa or "default", "draw failed",
                                     [traceback.format_exc(limit=3)])
-    desc = describe_attention(c) if kind == "attention" else describe_ce(c)
+    desc = DESCRIBE[kind](c)
     try:
+        if kind == "varlen" and VARLEN is None:
+            raise RuntimeError("this build has no functional.varlen_attn")
         with ops.use_isa(isa):
-            res = run_attention(c, breaks) if kind == "attention" else run_ce(c, breaks)
+            res = RUN[kind](c, breaks)
     except Exception as e:
         tb = traceback.format_exc(limit=-3).strip().splitlines()
         return Result(desc), Finding(seed, kind, isa or "default", desc,
@@ -827,14 +1272,14 @@ def run_case(seed: int, isa: str | None = None, breaks: frozenset = frozenset(),
     return res, Finding(seed, kind, isa or "default", desc, [m for _, m, _ in res.problems])
 
 
-def case_seeds(master: int, kinds=KINDS):
+def case_seeds(master: int, kinds=DEFAULT_KINDS):
     """The endless, deterministic sequence of case seeds of a run: kinds in
-    turn, each seed even for attention and odd for cross-entropy."""
+    turn, each seed = its kind's index in KINDS modulo 3."""
     rng = random.Random(master)
     i = 0
     while True:
         kind = kinds[i % len(kinds)]
-        yield 2 * rng.getrandbits(40) + KINDS.index(kind)
+        yield len(KINDS) * rng.getrandbits(40) + KINDS.index(kind)
         i += 1
 
 
@@ -849,7 +1294,7 @@ class Stats:
     seconds: dict = field(default_factory=dict)
 
 
-def fuzz(isas, seconds: float | None = None, cases: int | None = None, master: int = 0, kinds=KINDS,
+def fuzz(isas, seconds: float | None = None, cases: int | None = None, master: int = 0, kinds=DEFAULT_KINDS,
          breaks: frozenset = frozenset(), force: dict | None = None, log=print, progress_every: float = 15.0) -> Stats:
     """Run each ISA for `seconds` (or `cases` cases) of the seeded sequence."""
     st = Stats()
@@ -892,7 +1337,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=60.0, help="per ISA")
     ap.add_argument("--isa", default="all", choices=ISAS + ("all",))
     ap.add_argument("--seed", type=int, default=None, help="master seed (default: from the clock)")
-    ap.add_argument("--kind", default="all", choices=KINDS + ("all",))
+    ap.add_argument("--kind", default="all", choices=DEFAULT_KINDS + ("all",))
     ap.add_argument("--replay", type=int, default=None, metavar="SEED", help="run one case, verbosely")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch.set_num_threads (default 1: the cases are small, and one thread runs "
@@ -922,7 +1367,7 @@ def main(argv=None) -> int:
         return 1 if bad else 0
 
     master = a.seed if a.seed is not None else int(time.time())
-    kinds = KINDS if a.kind == "all" else (a.kind,)
+    kinds = DEFAULT_KINDS if a.kind == "all" else (a.kind,)
     print(f"fuzz: seed {master}, {a.seconds:g} s per ISA on {', '.join(isas)}, kinds {', '.join(kinds)}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}", flush=True)
     st = fuzz(isas, seconds=a.seconds, master=master, kinds=kinds,

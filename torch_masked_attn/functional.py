@@ -123,6 +123,15 @@ def _check_dropout_p(fn, dropout_p):
         raise ValueError(f"{fn}: dropout_p must be in [0, 1], got {dropout_p}")
 
 
+def _check_dropout_seed(fn, seed):
+    if not isinstance(seed, torch.Tensor):
+        raise TypeError(f"{fn}: dropout_seed must be None or an int64 tensor (seed, offset) of shape (2,), "
+                        f"got {type(seed).__name__}")
+    if seed.dtype != torch.int64 or tuple(seed.shape) != (2,) or seed.device.type != "cpu":
+        raise ValueError(f"{fn}: dropout_seed must be an int64 CPU tensor (seed, offset) of shape (2,), got "
+                         f"{seed.dtype} {tuple(seed.shape)} on {seed.device}")
+
+
 def _as_4d_attn_mask(attn_mask, B, H):
     """nn.MultiheadAttention's (B*H, Lq, Lk) form as the (B, H, Lq, Lk) it means;
     every other shape is left to broadcast by strides."""
@@ -245,6 +254,8 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | Non
         return (out,) + ((weights,) if need_weights else ()) + ((lse,) if return_lse else ())
     drop = ()
     if dropout_p > 0.0:
+        if dropout_seed is not None:
+            _check_dropout_seed("masked_attention", dropout_seed)
         drop = (dropout_p, ops.new_dropout_seed() if dropout_seed is None else dropout_seed)
     out, lse, weights = torch.ops.masked_attn.forward(
         q, k, v, attn_mask, key_padding_mask, head_mask, bool(is_causal),

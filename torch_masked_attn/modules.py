@@ -218,16 +218,16 @@ class MultiheadAttention(nn.MultiheadAttention):
         out = torch.nested.as_nested_tensor([out[i, :m] for i, m in enumerate(lengths)], layout=query.layout)
         return out, weights
 
-    def _recomputes(self, L, need_weights, dtype, head_mask):
+    def _recomputes(self, L, need_weights, dtype, head_mask, dropout_p=0.0):
         """Does this call recompute the fused projection in the backward?
         Never under autocast: the backward would run outside the forward's
         autocast state (its products in other dtypes than the saved ones).
-        Never with a head mask in bfloat16/float16: that backward runs two
-        passes (masked_attn.h, exact_delta), which cannot write the gradients
-        over q, k, v."""
+        Never with a head mask or dropout in bfloat16/float16: that backward
+        runs two passes (masked_attn.h, exact_delta), which cannot write the
+        gradients over q, k, v."""
         if need_weights or not torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
             return False
-        if head_mask is not None and dtype in (torch.bfloat16, torch.float16):
+        if (head_mask is not None or dropout_p > 0) and dtype in (torch.bfloat16, torch.float16):
             return False
         if getattr(self, "recompute_projection", None) is not None:
             return bool(self.recompute_projection)
@@ -314,7 +314,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         if causal:
             attn_mask = None  # trust the hint: the mask is causal
         packed = self._qkv_same_embed_dim and self_attention
-        if packed and extra_keys == 0 and kernels and self._recomputes(L, need_weights, query.dtype, head_mask):
+        if packed and extra_keys == 0 and kernels and self._recomputes(L, need_weights, query.dtype, head_mask, dropout_p):
             # the whole block as one node; the projection recomputed in the backward (long sequences)
             attn = _RecomputedSelfAttention.apply(query, self.in_proj_weight, self.in_proj_bias,
                                                   self.out_proj.weight, self.out_proj.bias, attn_mask,
