@@ -110,7 +110,9 @@ def test_broken_reference_is_caught(kind, breaks, force):
 
 
 @pytest.mark.parametrize("isa,seed", KNOWN_OPEN, ids=[f"{i}-{s}" for i, s in KNOWN_OPEN])
-@pytest.mark.xfail(strict=True, reason="known open fuzz finding (issue 17)")
+# strict on the torch that found them: the bound scales PyTorch's own error, which another
+# torch computes differently (under 2.10 the f32 dropout case is inside its bound)
+@pytest.mark.xfail(strict=torch.__version__.startswith("2.13."), reason="known open fuzz finding (issue 17)")
 def test_known_open_findings(isa, seed):
     if not ops.isa_available(isa):
         pytest.skip(f"this CPU does not run the {isa} kernels")

@@ -314,7 +314,8 @@ class MultiheadAttention(nn.MultiheadAttention):
         if causal:
             attn_mask = None  # trust the hint: the mask is causal
         packed = self._qkv_same_embed_dim and self_attention
-        if packed and extra_keys == 0 and kernels and self._recomputes(L, need_weights, query.dtype, head_mask, dropout_p):
+        recompute = self._recomputes(L, need_weights, query.dtype, head_mask, dropout_p)
+        if packed and extra_keys == 0 and kernels and recompute:
             # the whole block as one node; the projection recomputed in the backward (long sequences)
             attn = _RecomputedSelfAttention.apply(query, self.in_proj_weight, self.in_proj_bias,
                                                   self.out_proj.weight, self.out_proj.bias, attn_mask,
