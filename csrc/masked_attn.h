@@ -90,7 +90,8 @@ typedef void (*ma_task_fn)(int64_t begin, int64_t end, void *ctx);
  *   P[b,h,i,j] = exp(S_ij - lse_i),  lse_i = log(exp(sinks[h]) + sum_j exp(S_ij))
  * so lse includes the sink, a row with no allowed key has out 0 and lse =
  * sinks[h], and d sinks[h] = -sum_{b,i} exp(sinks[h] - lse_i) delta_i with
- * delta_i = sum_j P_ij dP_ij (computed outside the kernels, torch_masked_attn/ops.py).
+ * delta_i = sum_j P_ij dP_ij = dO_i . (out_i + out_lo_i) (computed outside the kernels,
+ * torch_masked_attn/ops.py).
  * The backward needs nothing else from the sink: P from the saved lse already
  * carries it.
  * ---------------------------------------------------------------------- */
@@ -110,6 +111,7 @@ typedef struct {
     ma_dtype dtype;         /* of q, k, v and of every output but lse */
     int64_t q_stride[4], k_stride[4], v_stride[4];
     int64_t out_stride[4];  /* of out: written by the forward, read by the backward */
+    int64_t out_lo_stride[4];  /* of out_lo (below), when there is one */
     ma_mask attn_mask, key_padding_mask, head_mask;
     int is_causal;
     double scale;
@@ -179,6 +181,14 @@ typedef struct {
     void *out;              /* (B, H, Lq, Dv)  dtype, strides a.out_stride        */
     void *lse;              /* (B, H, Lq)      contiguous, float32 (float64 for MA_F64) */
     void *weights;          /* (B, H, Lq, Lk)  contiguous, dtype; NULL unless need_weights */
+    /* (B, H, Lq, Dv) dtype, strides a.out_lo_stride: out's rounding error,
+     * round(o - out) for the float32 o that out = round(o) was rounded from,
+     * so that out + out_lo holds o to 16 (bfloat16) / 22 (float16)
+     * significant bits (0 where out is not finite). The backward's delta
+     * dO . o is then exact to float32 noise, whatever scaled o before it was
+     * rounded (a head mask, dropout, a sink; docs/design.md, section 4).
+     * bfloat16 / float16 only; NULL: not written. */
+    void *out_lo;
     /* inputs */
     ma_attn_args a;
 } ma_attn_fwd_params;
@@ -200,15 +210,10 @@ typedef struct {
     const void *out;        /* (B, H, Lq, Dv) strides a.out_stride */
     const void *lse;        /* (B, H, Lq) contiguous, acc type */
     ma_attn_args a;
+    const void *out_lo;     /* the forward's out_lo (strides a.out_lo_stride) or NULL: delta = dO . out */
     /* scratch shared between the two passes */
-    void *delta;            /* (B, H, Lq) acc type: D_i = sum_j P_ij dP_ij, written by the dq pass */
-    /* delta summed from P and dP over the row's key tiles in the dq pass,
-     * instead of dO . out: out was rounded to the input dtype after the head
-     * mask / dropout / a sink scaled it, so in bfloat16/float16 dO . out is
-     * not the exact sum (a row that sees one key would get dS != 0). Set by
-     * the shim for every bfloat16/float16 backward; it makes the backward
-     * two passes. */
-    int exact_delta;
+    void *delta;            /* (B, H, Lq) acc type: D_i = sum_j P_ij dP_ij = dO_i . (out_i + out_lo_i)
+                               (+ sum_j P_ij dW_ij), written by the dq pass */
     /* single pass with kv_chunks > 1: dq and dhm partial sums of each key
      * chunk, (kv_chunks, B, H, Lq, D) and (kv_chunks, B, H, Lq), acc type,
      * summed in chunk order by the reduce task */
@@ -243,7 +248,7 @@ int64_t ma_attn_bwd_dq_work_items(const ma_attn_bwd_params *p);
 int64_t ma_attn_bwd_dkdv_work_items(const ma_attn_bwd_params *p);
 size_t ma_attn_bwd_scratch_bytes(const ma_attn_bwd_params *p);
 
-/* Or, when ma_attn_bwd_single_pass (no dweights, no exact_delta): one pass over the key
+/* Or, when ma_attn_bwd_single_pass (no dweights, not varlen): one pass over the key
  * blocks, work item = (b, hkv, key chunk c), chunk c holding key blocks c,
  * c + C, c + 2C, ... (C = ma_attn_bwd_kv_chunks, a rule on the shape alone,
  * so results never depend on the thread count: enough items for 8 threads).

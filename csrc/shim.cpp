@@ -554,7 +554,10 @@ ma_attn_args attn_args(const Sizes& s, const Masks& m, const Tensor& q, const Te
 
 // ---- ops --------------------------------------------------------------------
 
-std::tuple<Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tensor v,
+// bfloat16 / float16: the forward also writes out_lo, out's rounding error (masked_attn.h)
+bool low_precision(ScalarType dt) { return dt == ScalarType::BFloat16 || dt == ScalarType::Half; }
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tensor v,
                                                 std::optional<Tensor> attn_mask,
                                                 std::optional<Tensor> key_padding_mask,
                                                 std::optional<Tensor> head_mask, bool is_causal,
@@ -575,12 +578,16 @@ std::tuple<Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tensor v,
   Tensor lse = torch::stable::new_empty(q, {s.B, s.H, s.Lq}, acc_type(q.scalar_type()));
   Tensor weights = need_weights ? torch::stable::new_empty(q, {s.B, s.H, s.Lq, s.Lk})
                                 : torch::stable::new_empty(q, {0});
+  const bool low = low_precision(q.scalar_type());
+  Tensor out_lo = low ? blhd(q, s.B, s.H, s.Lq, s.Dv) : torch::stable::new_empty(q, {0});
 
   ma_attn_fwd_params p{};
   p.out = out.mutable_data_ptr();
   p.lse = lse.mutable_data_ptr();
   p.weights = need_weights ? weights.mutable_data_ptr() : nullptr;
+  p.out_lo = low ? out_lo.mutable_data_ptr() : nullptr;
   p.a = attn_args(s, m, q, k, v, out, w, sc, worth_streaming(out), dr);
+  if (low) fill_strides4(p.a.out_lo_stride, out_lo);
 
   if (s.Lk == 0) {  // no key at all: every row is fully masked
     torch::stable::zero_(out);
@@ -594,10 +601,11 @@ std::tuple<Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tensor v,
         for (int64_t i = 0; i < s.Lq; i++) std::memcpy(dst + (bh * s.Lq + i) * esz, src + (bh % s.H) * esz, esz);
     }
     if (need_weights) torch::stable::zero_(weights);
-    return {out, lse, weights};
+    if (low) torch::stable::zero_(out_lo);
+    return {out, lse, weights, out_lo};
   }
   run_tasks(ma_attn_fwd_task, &p, ma_attn_fwd_work_items(&p), ma_attn_fwd_scratch_bytes(&p), q, fwd_grain(p));
-  return {out, lse, weights};
+  return {out, lse, weights, out_lo};
 }
 
 // t must be a CPU tensor of `dims` and `dtype`.
@@ -609,18 +617,10 @@ void check_shape(const Tensor& t, const char* name, std::vector<int64_t> dims, c
                   " with the dtype of q, got shape ", shape_str(t));
 }
 
-// masked_attn.h's exact_delta: a bfloat16/float16 backward whose out was
-// rounded after something scaled it: a head mask, dropout's 1 / (1 - p), a
-// sink's share of the denominator (issue 17: the fuzzer found dq/dk beyond
-// 2x PyTorch's own bfloat16 error there, e.g. dq != 0 for a row that sees one
-// key, where the exact value is 0). Such a backward runs two passes, like one
-// with grad_weights. Plain bfloat16/float16 keeps dO . out and the single
-// pass: two passes cost 1.4 - 1.7x its backward (docs/design.md, section 10,
-// which also says what remains and the planned float32 copy of out).
-// float32 / float64 keep dO . out (their rounding is below the accumulation's).
-bool exact_delta(ScalarType dt, bool has_head_mask, double dropout_p, bool has_sinks) {
-  const bool low = dt == ScalarType::BFloat16 || dt == ScalarType::Half;
-  return low && (has_head_mask || dropout_p > 0 || has_sinks);
+// out_lo (optional): the forward's fourth output, in q's dtype, shaped like out.
+void check_out_lo(const std::optional<Tensor>& out_lo, std::vector<int64_t> dims, const char* dims_str,
+                  ScalarType dtype) {
+  if (out_lo.has_value()) check_shape(*out_lo, "out_lo", std::move(dims), dims_str, dtype);
 }
 
 // The backward, writing dq, dk, dv into the given (B, H, L, D) tensors (any
@@ -631,13 +631,14 @@ std::tuple<Tensor, Tensor> attn_backward_impl(
     std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
     bool head_mask_grad, bool mask_grad, double dropout_p, std::optional<Tensor> dropout_seed, Tensor dq,
     Tensor dk, Tensor dv, int64_t window_left, int64_t window_right, std::optional<double> softcap,
-    std::optional<Tensor> sinks) {
+    std::optional<Tensor> sinks, std::optional<Tensor> out_lo) {
   const Sizes s = check_qkv(q, k, v);
   const Masks m = check_masks(s, attn_mask, key_padding_mask, head_mask);
   const Dropout dr = check_dropout(s, dropout_p, dropout_seed);
   const WindowCapSinks w = check_window_cap_sinks(s, is_causal, window_left, window_right, softcap, sinks);
   const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(s.D));
   check_shape(out, "out", {s.B, s.H, s.Lq, s.Dv}, "(B, H, Lq, Dv)", q.scalar_type());
+  check_out_lo(out_lo, {s.B, s.H, s.Lq, s.Dv}, "(B, H, Lq, Dv)", q.scalar_type());
   check_shape(grad_out, "grad_out", {s.B, s.H, s.Lq, s.Dv}, "(B, H, Lq, Dv)", q.scalar_type());
   MA_CHECK(lse.dim() == 3 && lse.size(0) == s.B && lse.size(1) == s.H && lse.size(2) == s.Lq &&
                       lse.scalar_type() == acc_type(q.scalar_type()) && lse.is_contiguous(),
@@ -668,6 +669,7 @@ std::tuple<Tensor, Tensor> attn_backward_impl(
   p.dout = grad_out.const_data_ptr();
   p.dweights = grad_weights.has_value() ? grad_weights->const_data_ptr() : nullptr;
   p.out = out.const_data_ptr();
+  p.out_lo = out_lo.has_value() ? out_lo->const_data_ptr() : nullptr;
   p.lse = lse.const_data_ptr();
   fill_strides4(p.dq_stride, dq);
   fill_strides4(p.dk_stride, dk);
@@ -676,8 +678,8 @@ std::tuple<Tensor, Tensor> attn_backward_impl(
   if (grad_weights.has_value()) fill_strides4(p.dweights_stride, *grad_weights);
   p.a = attn_args(s, m, q, k, v, out, w, sc,
                   worth_streaming(dq) || worth_streaming(dk) || worth_streaming(dv), dr);
+  if (out_lo.has_value()) fill_strides4(p.a.out_lo_stride, *out_lo);
   p.delta = delta.mutable_data_ptr();
-  p.exact_delta = exact_delta(q.scalar_type(), head_mask.has_value(), dropout_p, sinks.has_value());
   p.kv_chunks = 1;
 
   const size_t bytes = ma_attn_bwd_scratch_bytes(&p);
@@ -713,7 +715,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
     Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
     std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
     bool head_mask_grad, bool mask_grad, double dropout_p, std::optional<Tensor> dropout_seed,
-    int64_t window_left, int64_t window_right, std::optional<double> softcap, std::optional<Tensor> sinks) {
+    int64_t window_left, int64_t window_right, std::optional<double> softcap, std::optional<Tensor> sinks,
+    std::optional<Tensor> out_lo) {
   const Sizes s = check_qkv(q, k, v);
   Tensor dq = blhd(q, s.B, s.H, s.Lq, s.D);
   Tensor dk = blhd(q, s.B, s.Hkv, s.Lk, s.D);
@@ -722,7 +725,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
   auto [dhm, dscores] = attn_backward_impl(grad_out, grad_weights, q, k, v, out, lse, attn_mask,
                                            key_padding_mask, head_mask, is_causal, scale,
                                            head_mask_grad, mask_grad, dropout_p, dropout_seed, dq, dk, dv,
-                                           window_left, window_right, softcap, sinks);
+                                           window_left, window_right, softcap, sinks, out_lo);
   return {dq, dk, dv, dhm, dscores};
 }
 
@@ -735,13 +738,12 @@ std::tuple<Tensor, Tensor> attn_backward_into(
     std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
     bool head_mask_grad, bool mask_grad, Tensor grad_q, Tensor grad_k, Tensor grad_v, double dropout_p,
     std::optional<Tensor> dropout_seed, int64_t window_left, int64_t window_right, std::optional<double> softcap,
-    std::optional<Tensor> sinks) {
+    std::optional<Tensor> sinks, std::optional<Tensor> out_lo) {
   // What the kernels allow (masked_attn.h): outputs that never share memory
   // with each other or with what is read, except that the single pass (no
-  // grad_weights, no exact_delta) may write grad_q, grad_k, grad_v over q, k,
-  // v themselves, element for element.
-  const bool two_passes =
-      grad_weights.has_value() || exact_delta(q.scalar_type(), head_mask.has_value(), dropout_p, sinks.has_value());
+  // grad_weights) may write grad_q, grad_k, grad_v over q, k, v themselves,
+  // element for element.
+  const bool two_passes = grad_weights.has_value();
   const char* names[3] = {"grad_q", "grad_k", "grad_v"};
   const Tensor* outs[3] = {&grad_q, &grad_k, &grad_v};
   const Tensor* ins[3] = {&q, &k, &v};
@@ -756,13 +758,12 @@ std::tuple<Tensor, Tensor> attn_backward_into(
       const bool exact_alias_ok = i == j && !two_passes && same_view(*outs[i], *ins[j]);
       MA_CHECK(exact_alias_ok || !may_overlap(*outs[i], *ins[j]), "masked_attn.backward_into: ", names[i],
                " shares memory with ", "qkv"[j],
-               two_passes ? " (with grad_weights, or a head mask in bfloat16/float16, the gradients must not "
-                            "share memory with q, k, v)"
+               two_passes ? " (with grad_weights the gradients must not share memory with q, k, v)"
                           : " (only grad_q = q, grad_k = k, grad_v = v, element for element, is allowed)");
     }
-    const Tensor* read[3] = {&grad_out, &out, &lse};
-    const char* read_names[3] = {"grad_out", "out", "lse"};
-    for (int j = 0; j < 3; j++)
+    const Tensor* read[4] = {&grad_out, &out, &lse, out_lo.has_value() ? &*out_lo : &lse};
+    const char* read_names[4] = {"grad_out", "out", "lse", "out_lo"};
+    for (int j = 0; j < 4; j++)
       MA_CHECK(!may_overlap(*outs[i], *read[j]), "masked_attn.backward_into: ", names[i], " shares memory with ",
                read_names[j]);
     if (grad_weights.has_value())
@@ -771,7 +772,7 @@ std::tuple<Tensor, Tensor> attn_backward_into(
   }
   return attn_backward_impl(grad_out, grad_weights, q, k, v, out, lse, attn_mask, key_padding_mask,
                             head_mask, is_causal, scale, head_mask_grad, mask_grad, dropout_p, dropout_seed,
-                            grad_q, grad_k, grad_v, window_left, window_right, softcap, sinks);
+                            grad_q, grad_k, grad_v, window_left, window_right, softcap, sinks, out_lo);
 }
 
 
@@ -980,11 +981,12 @@ ma_attn_args varlen_args(const Varlen& r, const Tensor& q, const Tensor& k, cons
   return a;
 }
 
-std::tuple<Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seq_q,
-                                          std::optional<Tensor> cu_seq_k, int64_t max_q, int64_t max_k,
-                                          std::optional<double> scale, int64_t window_left, int64_t window_right,
-                                          std::optional<Tensor> seqused_k, std::optional<Tensor> block_table,
-                                          std::optional<double> softcap, std::optional<Tensor> sinks) {
+std::tuple<Tensor, Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seq_q,
+                                                  std::optional<Tensor> cu_seq_k, int64_t max_q, int64_t max_k,
+                                                  std::optional<double> scale, int64_t window_left,
+                                                  int64_t window_right, std::optional<Tensor> seqused_k,
+                                                  std::optional<Tensor> block_table, std::optional<double> softcap,
+                                                  std::optional<Tensor> sinks) {
   const Varlen r = check_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, window_left, window_right, seqused_k,
                                 block_table);
   double cap = 0;
@@ -994,26 +996,32 @@ std::tuple<Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, Tensor c
   Tensor out = torch::stable::new_empty(q, {r.Tq, r.H, r.Dv});
   advise_huge_pages(out);
   Tensor lse = torch::stable::new_empty(q, {r.H, r.Tq}, acc_type(q.scalar_type()));
+  const bool low = low_precision(q.scalar_type());
+  Tensor out_lo = torch::stable::new_empty(q, {low ? r.Tq : 0, r.H, r.Dv});
   ma_attn_fwd_params p{};
   p.out = out.mutable_data_ptr();
   p.lse = lse.mutable_data_ptr();
+  p.out_lo = low ? out_lo.mutable_data_ptr() : nullptr;
   p.a = varlen_args(r, q, k, v, out, cu_seq_q, cu_seq_k, seqused_k, sc, window_left, window_right, cap, sk,
                     worth_streaming(out), block_table);
+  if (low) fill_strides_thd(p.a.out_lo_stride, out_lo);
   run_tasks(ma_attn_fwd_task, &p, ma_attn_fwd_work_items(&p), ma_attn_fwd_scratch_bytes(&p), q, 1);
-  return {out, lse};
+  return {out, lse, out_lo};
 }
 
 std::tuple<Tensor, Tensor, Tensor> varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out,
                                                    Tensor lse, Tensor cu_seq_q, Tensor cu_seq_k, int64_t max_q,
                                                    int64_t max_k, std::optional<double> scale,
                                                    int64_t window_left, int64_t window_right,
-                                                   std::optional<double> softcap, std::optional<Tensor> sinks) {
+                                                   std::optional<double> softcap, std::optional<Tensor> sinks,
+                                                   std::optional<Tensor> out_lo) {
   const Varlen r = check_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, window_left, window_right, std::nullopt);
   double cap = 0;
   ma_mask sk{};
   check_cap_sinks(r.H, softcap, sinks, &cap, &sk);
   const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(r.D));
   check_shape(out, "out", {r.Tq, r.H, r.Dv}, "(T_q, H, Dv)", q.scalar_type());
+  check_out_lo(out_lo, {r.Tq, r.H, r.Dv}, "(T_q, H, Dv)", q.scalar_type());
   check_shape(grad_out, "grad_out", {r.Tq, r.H, r.Dv}, "(T_q, H, Dv)", q.scalar_type());
   MA_CHECK(lse.dim() == 2 && lse.size(0) == r.H && lse.size(1) == r.Tq &&
                lse.scalar_type() == acc_type(q.scalar_type()) && lse.is_contiguous(),
@@ -1029,6 +1037,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward(Tensor grad_out, Tensor q, Te
   p.dv = dv.mutable_data_ptr();
   p.dout = grad_out.const_data_ptr();
   p.out = out.const_data_ptr();
+  p.out_lo = out_lo.has_value() ? out_lo->const_data_ptr() : nullptr;
   p.lse = lse.const_data_ptr();
   fill_strides_thd(p.dq_stride, dq);
   fill_strides_thd(p.dk_stride, dk);
@@ -1036,8 +1045,8 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward(Tensor grad_out, Tensor q, Te
   fill_strides_thd(p.dout_stride, grad_out);
   p.a = varlen_args(r, q, k, v, out, cu_seq_q, cu_seq_k, std::nullopt, sc, window_left, window_right, cap, sk,
                     worth_streaming(dq) || worth_streaming(dk) || worth_streaming(dv));
+  if (out_lo.has_value()) fill_strides_thd(p.a.out_lo_stride, *out_lo);
   p.delta = delta.mutable_data_ptr();
-  p.exact_delta = exact_delta(q.scalar_type(), false, 0.0, sinks.has_value());  // two passes here anyway
   p.kv_chunks = 1;
   const size_t bytes = ma_attn_bwd_scratch_bytes(&p);
   run_tasks(ma_attn_bwd_dq_task, &p, ma_attn_bwd_dq_work_items(&p), bytes, q, 1);
@@ -1339,29 +1348,29 @@ STABLE_TORCH_LIBRARY(masked_attn, m) {
       "Tensor? head_mask=None, bool is_causal=False, float? scale=None, bool need_weights=False, "
       "float dropout_p=0., Tensor? dropout_seed=None, "
       "int window_left=-1, int window_right=-1, float? softcap=None, Tensor? sinks=None) "
-      "-> (Tensor out, Tensor lse, Tensor weights)");
+      "-> (Tensor out, Tensor lse, Tensor weights, Tensor out_lo)");
   m.def(
       "backward(Tensor grad_out, Tensor? grad_weights, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, Tensor? attn_mask=None, Tensor? key_padding_mask=None, Tensor? head_mask=None, "
       "bool is_causal=False, float? scale=None, bool head_mask_grad=False, bool mask_grad=False, "
       "float dropout_p=0., Tensor? dropout_seed=None, "
-      "int window_left=-1, int window_right=-1, float? softcap=None, Tensor? sinks=None) "
+      "int window_left=-1, int window_right=-1, float? softcap=None, Tensor? sinks=None, Tensor? out_lo=None) "
       "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_head_mask, Tensor grad_scores)");
   m.def(
       "backward_into(Tensor grad_out, Tensor? grad_weights, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, Tensor? attn_mask, Tensor? key_padding_mask, Tensor? head_mask, bool is_causal, "
       "float? scale, bool head_mask_grad, bool mask_grad, Tensor(a!) grad_q, Tensor(b!) grad_k, "
       "Tensor(c!) grad_v, float dropout_p=0., Tensor? dropout_seed=None, "
-      "int window_left=-1, int window_right=-1, float? softcap=None, Tensor? sinks=None) "
+      "int window_left=-1, int window_right=-1, float? softcap=None, Tensor? sinks=None, Tensor? out_lo=None) "
       "-> (Tensor grad_head_mask, Tensor grad_scores)");
   m.def(
       "varlen_forward(Tensor query, Tensor key, Tensor value, Tensor cu_seq_q, Tensor? cu_seq_k, int max_q, "
       "int max_k, float? scale=None, int window_left=-1, int window_right=-1, Tensor? seqused_k=None, "
-      "Tensor? block_table=None, float? softcap=None, Tensor? sinks=None) -> (Tensor out, Tensor lse)");
+      "Tensor? block_table=None, float? softcap=None, Tensor? sinks=None) -> (Tensor out, Tensor lse, Tensor out_lo)");
   m.def(
       "varlen_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
       "Tensor cu_seq_q, Tensor cu_seq_k, int max_q, int max_k, float? scale=None, int window_left=-1, "
-      "int window_right=-1, float? softcap=None, Tensor? sinks=None) "
+      "int window_right=-1, float? softcap=None, Tensor? sinks=None, Tensor? out_lo=None) "
       "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
   m.def(
       "cross_entropy(Tensor input, Tensor target, Tensor? weight=None, str reduction='mean', "

@@ -34,7 +34,7 @@ print(key_padding_mask.int())
 # ---- the op itself: q, k, v in (B, H, L, D) ---------------------------------
 proj = torch.nn.Linear(E, 3 * E)
 q, k, v = proj(x).view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)          # views, no copies
-out, lse, weights = torch.ops.masked_attn.forward(
+out, lse, weights, _ = torch.ops.masked_attn.forward(
     q, k, v, None, key_padding_mask, None, is_causal=True, need_weights=True)
 print(f"\ntorch.ops.masked_attn.forward: out {tuple(out.shape)}, lse {tuple(lse.shape)}, "
       f"weights {tuple(weights.shape)}")

@@ -209,7 +209,7 @@ _OP_SCRIPT = textwrap.dedent(r'''
     B, H, LQ, LK, D = 2, 4, 5, 6, 8
     r = torch.randn
     q, k, v = r(B, H, LQ, D), r(B, H, LK, D), r(B, H, LK, D)
-    out, lse, _ = fwd(q, k, v, None, None, None, False, None, False)
+    out, lse, _, _ = fwd(q, k, v, None, None, None, False, None, False)
     dout = torch.randn_like(out)
     b = torch.zeros
     seed = torch.tensor([1, 2])
@@ -224,7 +224,7 @@ _OP_SCRIPT = textwrap.dedent(r'''
     cu = i32(0, 5, 12)
     def vfw(q=pq, k=pk, v=pv, cq=cu, ck=cu, mq=7, mk=7, wl=-1, wr=-1, **kw):
         return vf(q, k, v, cq, ck, mq, mk, None, wl, wr, **kw)
-    pout, plse = vfw()
+    pout, plse, _ = vfw()
     pgo = torch.randn_like(pout)
     def vbw(go=pgo, out=pout, lse=plse, cq=cu, ck=cu, mq=7, mk=7, **kw):
         return vb(go, pq, pk, pv, out, lse, cq, ck, mq, mk, None, -1, -1, **kw)

@@ -230,7 +230,7 @@ def test_gradcheck_fixed_seed(need_weights):
     seed = ops.new_dropout_seed()
 
     def f(q, k, v, hm):
-        out, lse, w = torch.ops.masked_attn.forward(q, k, v, None, None, hm, False, None, need_weights, 0.3, seed)
+        out, lse, w, _ = torch.ops.masked_attn.forward(q, k, v, None, None, hm, False, None, need_weights, 0.3, seed)
         return (out, w) if need_weights else out
 
     assert torch.autograd.gradcheck(f, (q, k, v, hm))
@@ -361,7 +361,7 @@ def test_opcheck_dropout(need_weights):
     torch.library.opcheck(torch.ops.masked_attn.forward.default,
                           (q, k, v, None, None, None, False, None, need_weights, 0.2, seed),
                           test_utils=OPCHECK_UTILS)
-    out, lse, _ = torch.ops.masked_attn.forward(q.detach(), k.detach(), v.detach(), None, None, None, False,
+    out, lse, _, _ = torch.ops.masked_attn.forward(q.detach(), k.detach(), v.detach(), None, None, None, False,
                                                 None, False, 0.2, seed)
     args = (torch.randn_like(out), None, q.detach(), k.detach(), v.detach(), out, lse, None, None, None, False,
             None, False, False, 0.2, seed)

@@ -204,7 +204,7 @@ def test_opcheck_forward_no_grad():
 def test_opcheck_backward(case, need_weights):
     q, k, v, am, kpm, hm, is_causal, scale, nw = _fwd_args(case, need_weights=need_weights,
                                                            requires_grad=False)
-    out, lse, w = torch.ops.masked_attn.forward(q, k, v, am, kpm, hm, is_causal, scale, nw)
+    out, lse, w, _ = torch.ops.masked_attn.forward(q, k, v, am, kpm, hm, is_causal, scale, nw)
     dout = torch.randn_like(out)
     dw = torch.randn_like(w) if need_weights else None
     args = (dout, dw, q, k, v, out, lse, am, kpm, hm, is_causal, scale, hm is not None)
@@ -216,7 +216,7 @@ def test_backward_op_matches_autograd():
     """The backward op alone gives what autograd gives through the forward."""
     q, k, v, am, kpm, hm, is_causal, scale, nw = _fwd_args("causal+kpm_bool+am_float",
                                                            need_weights=True)
-    out, lse, w = torch.ops.masked_attn.forward(q, k, v, am, kpm, hm, is_causal, scale, nw)
+    out, lse, w, _ = torch.ops.masked_attn.forward(q, k, v, am, kpm, hm, is_causal, scale, nw)
     dout, dw = torch.randn_like(out), torch.randn_like(w)
     gq, gk, gv = torch.autograd.grad((out * dout).sum() + (w * dw).sum(), (q, k, v))
     bq, bk, bv, _, _ = torch.ops.masked_attn.backward(
@@ -244,7 +244,7 @@ def test_opcheck_backward_into():
     q, k, v = (qkv.select(2, i).transpose(1, 2) for i in range(3))
     kpm = torch.zeros(B, L, dtype=torch.bool)
     kpm[1, 6:] = True
-    out, lse, _ = torch.ops.masked_attn.forward(q, k, v, None, kpm, None, True, None, False)
+    out, lse, _, _ = torch.ops.masked_attn.forward(q, k, v, None, kpm, None, True, None, False)
     g = torch.randn_like(out)
     ref = torch.ops.masked_attn.backward(g, None, q, k, v, out, lse, None, kpm, None, True, None, False, False)
     buf = torch.empty_like(qkv)

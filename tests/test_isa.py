@@ -291,7 +291,7 @@ def test_streamed_gradients_into_misaligned_views(isa, off):
     torch.manual_seed(0)
     B, H, L, D = 1, 8, 2048, 64
     q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
-    out, lse, _ = _op_fwd(q, k, v)
+    out, lse, _, _ = _op_fwd(q, k, v)
     g = torch.randn_like(out)
     ref = run_isa(isa, lambda: _op_bwd(g, q, k, v, out, lse))
     n = B * L * H * (D + 8)
@@ -313,7 +313,7 @@ def test_streamed_gradients_over_their_inputs_with_key_chunks(isa):
     N, L, H, hd = 1, 4096, 4, 64
     qkv = torch.randn(N, L, 3, H, hd)
     q, k, v = (qkv.select(2, i).permute(0, 2, 1, 3) for i in range(3))
-    out, lse, _ = _op_fwd(q, k, v)
+    out, lse, _, _ = _op_fwd(q, k, v)
     g = torch.randn_like(out)
     ref = run_isa(isa, lambda: [t.clone() for t in _op_bwd(g, q, k, v, out, lse)])
     run_isa(isa, lambda: _op_bwd(g, q, k, v, out, lse, into=(q, k, v)))

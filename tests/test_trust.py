@@ -35,7 +35,7 @@ def _backward_into(go, gw, q, k, v, out, lse, dq, dk, dv):
 def test_backward_into_over_qkv_single_pass_is_exact():
     """Without grad_weights, grad_q = q, grad_k = k, grad_v = v is allowed and gives the same gradients."""
     q, k, v, go = _qkv()
-    out, lse, _ = _forward(q, k, v)
+    out, lse, _, _ = _forward(q, k, v)
     dq, dk, dv, _, _ = torch.ops.masked_attn.backward(go, None, q, k, v, out, lse, None, None, None, True, None,
                                                       False, False)
     q2, k2, v2 = q.clone(), k.clone(), v.clone()
@@ -45,7 +45,7 @@ def test_backward_into_over_qkv_single_pass_is_exact():
 
 def test_backward_into_over_qkv_two_pass_is_refused():
     q, k, v, go = _qkv()
-    out, lse, w = torch.ops.masked_attn.forward(q, k, v, None, None, None, True, None, True)
+    out, lse, w, _ = torch.ops.masked_attn.forward(q, k, v, None, None, None, True, None, True)
     gw = torch.randn_like(w)
     with pytest.raises(RuntimeError, match="grad_q shares memory with q.*grad_weights"):
         _backward_into(go, gw, q, k, v, out, lse, q, k, v)
@@ -55,7 +55,7 @@ def test_backward_into_over_qkv_two_pass_is_refused():
                                   "q_over_out", "k_over_grad_out", "v_partly_over_k"])
 def test_backward_into_overlapping_outputs_are_refused(case):
     q, k, v, go = _qkv()
-    out, lse, _ = _forward(q, k, v)
+    out, lse, _, _ = _forward(q, k, v)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if case == "k_and_v_one_buffer":
         dv, match = dk, "grad_v and grad_k share memory"
@@ -79,7 +79,7 @@ def test_backward_into_overlapping_outputs_are_refused(case):
 def test_interleaved_views_of_one_buffer_are_allowed():
     """q, k, v gradients as the thirds of one packed (B, L, 3, H, D) buffer share no element: allowed."""
     q, k, v, go = _qkv()
-    out, lse, _ = _forward(q, k, v)
+    out, lse, _, _ = _forward(q, k, v)
     B, H, L, D = q.shape
     packed = torch.empty(B, L, 3, H, D)
     dq, dk, dv = (packed[:, :, i].transpose(1, 2) for i in range(3))
@@ -124,7 +124,7 @@ def test_cross_entropy_meta_weight_is_refused():
 
 def test_all_meta_still_gives_shapes():
     q = torch.empty(2, 3, 5, 8, device="meta")
-    out, lse, w = torch.ops.masked_attn.forward(q, q, q, None, None, None, False, None, False)
+    out, lse, w, _ = torch.ops.masked_attn.forward(q, q, q, None, None, None, False, None, False)
     assert out.device.type == "meta" and out.shape == (2, 3, 5, 8) and lse.shape == (2, 3, 5)
 
 
@@ -245,29 +245,30 @@ def test_cross_entropy_with_more_than_2_31_classes_through_zero_strides():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("what", ["dropout", "sinks", "plain"])
+@pytest.mark.parametrize("what", ["dropout", "sinks", "head_mask", "plain"])
 def test_low_precision_delta_is_exact(dtype, what):
     """Every query sees one key (window (0, 0)): P = 1 for that key, so dS = 0
     and dq = dk = 0 exactly, as PyTorch's own bf16 computation gives. With
-    delta = dO . out from the rounded out (scaled by dropout's 1 / (1 - p) or
-    by a sink's share), the fuzzer found |dq| ~ 0.02 here (issue 17); such a
-    backward now sums delta from P and dP in float32 (exact_delta). Plain
-    bf16 / fp16 keeps delta = dO . out (out = v exactly here): dq, dk are
-    float32 rounding noise of dP - delta, far below the dtype's resolution."""
+    delta = dO . out from the rounded out (scaled by dropout's 1 / (1 - p), a
+    head mask or a sink's share), the fuzzer found |dq| ~ 0.02 and |dk| ~ 0.24
+    here (issue 17). The forward's out_lo (out's rounding error) makes delta =
+    dO . (out + out_lo) exact to float32 noise: with |dO| |out| ~ 1..10 (100
+    with dropout's 1 / (1 - 0.9)) that is ~1e-6 (1e-5), where one bf16 ulp of
+    1 is 8e-3."""
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(2, 3, 70, 24, generator=g).to(dtype).requires_grad_() for _ in range(3))
     kw = {"window": (0, 0)}
     if what == "dropout":
         kw.update(dropout_p=0.9, dropout_seed=torch.tensor([3, 4]))
+    if what == "head_mask":
+        kw["head_mask"] = torch.tensor([0.7, 1.3, 1.1], dtype=dtype)
     if what == "sinks":
         kw["sinks"] = torch.full((3,), -1.0)  # P(key) = 1 / (1 + e^(sink - s)) < 1: dS != 0, but tiny
     out = tma.functional.masked_attention(q, k, v, **kw)
     dq, dk, _ = torch.autograd.grad(out, (q, k, v), torch.randn(out.shape, generator=g).to(dtype))
-    if what == "dropout":
-        assert dq.abs().max().item() == 0 and dk.abs().max().item() == 0
-        return
-    if what == "plain":  # |dO| |v| ~ 1..10: float32 noise is ~1e-6, one bf16 ulp of 1 is 8e-3
-        assert dq.abs().max().item() <= 1e-5 and dk.abs().max().item() <= 1e-5
+    if what != "sinks":
+        bound = 1e-4 if what == "dropout" else 1e-5
+        assert dq.abs().max().item() <= bound and dk.abs().max().item() <= bound
         return
     # with a sink: against float64
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))

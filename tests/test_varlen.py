@@ -202,7 +202,7 @@ def test_opcheck(window, cap_sinks):
     extra = (2.5, torch.randn(2, requires_grad=True)) if cap_sinks else ()
     args = (q, k, v, cq, ck, 70, 70, None, window[0], window[1], None, None) + extra
     torch.library.opcheck(torch.ops.masked_attn.varlen_forward.default, args, test_utils=OPCHECK_UTILS)
-    out, lse = torch.ops.masked_attn.varlen_forward(*args)
+    out, lse, _ = torch.ops.masked_attn.varlen_forward(*args)
     bargs = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, cq, ck, 70, 70, 0.5,
              window[0], window[1]) + tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in extra)
     torch.library.opcheck(torch.ops.masked_attn.varlen_backward.default, bargs,

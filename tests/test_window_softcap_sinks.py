@@ -282,7 +282,7 @@ def test_opcheck():
     fwd = torch.ops.masked_attn.forward.default
     torch.library.opcheck(fwd, (q, k, v, am, None, None, True, None, False, 0.0, None, 30, -1, 2.0, sinks))
     torch.library.opcheck(fwd, (q, k, v, None, None, None, False, 0.3, True, 0.0, None, 5, 7, None, sinks))
-    out, lse, _ = fwd(q, k, v, am, None, None, False, None, False, 0.0, None, 5, 7, 2.0, sinks)
+    out, lse, _, _ = fwd(q, k, v, am, None, None, False, None, False, 0.0, None, 5, 7, 2.0, sinks)
     g = _rand(*out.shape)
     bwd = torch.ops.masked_attn.backward.default
     torch.library.opcheck(bwd, (g, None, q.detach(), k.detach(), v.detach(), out.detach(), lse, am, None, None,

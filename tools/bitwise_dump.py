@@ -44,7 +44,7 @@ def dump_attention(res):
         for vname, kw in variants.items():
             am, kp, hmask, causal = kw.get("attn_mask"), kw.get("key_padding_mask"), kw.get("head_mask"), kw.get("is_causal", False)
             for need_w in (False, True):
-                out, lse, w = fwd(q, k, v, am, kp, hmask, causal, None, need_w)
+                out, lse, w = fwd(q, k, v, am, kp, hmask, causal, None, need_w)[:3]
                 gw = torch.ones_like(w) * 0.1 if need_w else None
                 mask_grad = am is not None and am.dtype != torch.bool
                 grads = bwd(go, gw, q, k, v, out, lse, am, kp, hmask, causal, None, hmask is not None, mask_grad)
@@ -54,12 +54,12 @@ def dump_attention(res):
         for vname, causal, wl, wr, cap in [("win", False, 20, 5, None), ("causal-win", True, 30, -1, None),
                                            ("cap-win", False, 40, 70, 5.0)]:
             win = (0.0, None, wl, wr, cap, None)
-            out, lse, _ = fwd(q, k, v, None, kpm, None, causal, None, False, *win)
+            out, lse = fwd(q, k, v, None, kpm, None, causal, None, False, *win)[:2]
             grads = bwd(go, None, q, k, v, out, lse, None, kpm, None, causal, None, False, False, *win)
             res[f"{name}-{vname}"] = [out, lse, *grads]
         # strided (non-contiguous) q, k, v
         qs = q.transpose(2, 3).contiguous().transpose(2, 3)
-        out, lse, w = fwd(qs, k, v, None, kpm, None, True, 0.3, False)
+        out, lse, w = fwd(qs, k, v, None, kpm, None, True, 0.3, False)[:3]
         res[f"{name}-strided"] = [out, lse, *bwd(go, None, qs, k, v, out, lse, None, kpm, None, True, 0.3, False, False)]
 
 

@@ -257,7 +257,7 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | Non
         if dropout_seed is not None:
             _check_dropout_seed("masked_attention", dropout_seed)
         drop = (dropout_p, ops.new_dropout_seed() if dropout_seed is None else dropout_seed)
-    out, lse, weights = torch.ops.masked_attn.forward(
+    out, lse, weights, _ = torch.ops.masked_attn.forward(
         q, k, v, attn_mask, key_padding_mask, head_mask, bool(is_causal),
         None if scale is None else float(scale), bool(need_weights), *(drop or (0.0, None)), *extra)
     if not (need_weights or return_lse):
@@ -458,7 +458,7 @@ def varlen_attn(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_
             block_table = None
     elif cu_seq_k is None:
         raise ValueError("varlen_attn: cu_seq_k is required without block_table")
-    out, lse = torch.ops.masked_attn.varlen_forward(
+    out, lse, _ = torch.ops.masked_attn.varlen_forward(
         query, key, value, cu_seq_q, cu_seq_k, int(max_q), int(max_k),
         None if scale is None else float(scale), left, right, seqused_k, block_table,
         None if softcap is None else float(softcap), sinks)

@@ -44,9 +44,10 @@ class _PackedSelfAttention(torch.autograd.Function):
     def forward(ctx, qkv, attn_mask, key_padding_mask, head_mask, is_causal, need_weights, batch_first,
                 dropout_p, dropout_seed):
         q, k, v = _split_qkv(qkv, batch_first)
-        out, lse, weights = torch.ops.masked_attn.forward(
+        out, lse, weights, out_lo = torch.ops.masked_attn.forward(
             q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, None, need_weights, dropout_p, dropout_seed)
-        ctx.save_for_backward(qkv, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed)
+        ctx.save_for_backward(qkv, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed,
+                              out_lo if out_lo.numel() else None)
         ctx.is_causal, ctx.need_weights, ctx.batch_first = is_causal, need_weights, batch_first
         ctx.dropout_p = dropout_p
         ctx.set_materialize_grads(False)
@@ -55,13 +56,13 @@ class _PackedSelfAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_weights):
         saved = ctx.saved_tensors  # once: activation checkpointing unpacks each saved tensor only once
-        qkv, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed = saved
+        qkv, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed, out_lo = saved
         grad_qkv = torch.empty_like(qkv)
         _, _, _, d_am, d_kpm, dhm = attention_backward(
             (*_split_qkv(qkv, ctx.batch_first), out, lse, attn_mask, key_padding_mask, head_mask),
             _needs(ctx, 1, 2, 3), ctx.is_causal, None, grad_out,
             grad_weights if ctx.need_weights else None, into=_split_qkv(grad_qkv, ctx.batch_first),
-            dropout_p=ctx.dropout_p, dropout_seed=dropout_seed)
+            dropout_p=ctx.dropout_p, dropout_seed=dropout_seed, out_lo=out_lo)
         return first_order_only("MultiheadAttention", saved[:6], grad_qkv, d_am, d_kpm,
                                 dhm) + (None,) * 5
 
@@ -91,11 +92,11 @@ class _RecomputedSelfAttention(torch.autograd.Function):
                 batch_first, H, dropout_p, dropout_seed):
         qkv = F.linear(x, w_in, b_in).unflatten(-1, (3, H, -1))
         q, k, v = _split_qkv(qkv, batch_first)
-        out, lse, _ = torch.ops.masked_attn.forward(
+        out, lse, _, out_lo = torch.ops.masked_attn.forward(
             q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, None, False, dropout_p, dropout_seed)
         del qkv, q, k, v
         ctx.save_for_backward(x, w_in, b_in, w_out, out, lse, attn_mask, key_padding_mask, head_mask,
-                              dropout_seed)
+                              dropout_seed, out_lo if out_lo.numel() else None)
         ctx.dropout_p = dropout_p
         ctx.is_causal, ctx.batch_first, ctx.H, ctx.has_b_out = is_causal, batch_first, H, b_out is not None
         return F.linear(_merge_heads(out, batch_first), w_out, b_out)
@@ -103,7 +104,7 @@ class _RecomputedSelfAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         saved = ctx.saved_tensors  # once (see _PackedSelfAttention.backward)
-        x, w_in, b_in, w_out, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed = saved
+        x, w_in, b_in, w_out, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed, out_lo = saved
         need_x, need_w_in, need_b_in, need_w_out, need_b_out = _needs(ctx, 0, 1, 2, 3, 4)
         bf, H = ctx.batch_first, ctx.H
         with torch.no_grad():
@@ -118,7 +119,7 @@ class _RecomputedSelfAttention(torch.autograd.Function):
             _, _, _, d_am, d_kpm, dhm = attention_backward(
                 (*views, out, lse, attn_mask, key_padding_mask, head_mask), _needs(ctx, 5, 6, 7),
                 ctx.is_causal, None, grad_attn, None, into=views, dropout_p=ctx.dropout_p,
-                dropout_seed=dropout_seed)
+                dropout_seed=dropout_seed, out_lo=out_lo)
             del grad_attn, views
             dqkv = qkv.flatten(-3)
             d2 = dqkv.reshape(-1, dqkv.size(-1))
@@ -218,16 +219,11 @@ class MultiheadAttention(nn.MultiheadAttention):
         out = torch.nested.as_nested_tensor([out[i, :m] for i, m in enumerate(lengths)], layout=query.layout)
         return out, weights
 
-    def _recomputes(self, L, need_weights, dtype, head_mask, dropout_p=0.0):
+    def _recomputes(self, L, need_weights):
         """Does this call recompute the fused projection in the backward?
         Never under autocast: the backward would run outside the forward's
-        autocast state (its products in other dtypes than the saved ones).
-        Never with a head mask or dropout in bfloat16/float16: that backward
-        runs two passes (masked_attn.h, exact_delta), which cannot write the
-        gradients over q, k, v."""
+        autocast state (its products in other dtypes than the saved ones)."""
         if need_weights or not torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
-            return False
-        if (head_mask is not None or dropout_p > 0) and dtype in (torch.bfloat16, torch.float16):
             return False
         if getattr(self, "recompute_projection", None) is not None:
             return bool(self.recompute_projection)
@@ -314,7 +310,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         if causal:
             attn_mask = None  # trust the hint: the mask is causal
         packed = self._qkv_same_embed_dim and self_attention
-        recompute = self._recomputes(L, need_weights, query.dtype, head_mask, dropout_p)
+        recompute = self._recomputes(L, need_weights)
         if packed and extra_keys == 0 and kernels and recompute:
             # the whole block as one node; the projection recomputed in the backward (long sequences)
             attn = _RecomputedSelfAttention.apply(query, self.in_proj_weight, self.in_proj_bias,

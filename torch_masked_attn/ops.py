@@ -6,12 +6,18 @@ The ops themselves are defined in csrc/shim.cpp:
     masked_attn::forward(q, k, v, attn_mask?, key_padding_mask?, head_mask?,
                          is_causal, scale?, need_weights, dropout_p=0., dropout_seed?,
                          window_left=-1, window_right=-1, softcap?, sinks?)
-        -> (out, lse, weights)
+        -> (out, lse, weights, out_lo)
     masked_attn::backward(grad_out, grad_weights?, q, k, v, out, lse, attn_mask?,
                           key_padding_mask?, head_mask?, is_causal, scale?,
                           head_mask_grad, mask_grad, dropout_p=0., dropout_seed?,
-                          window_left=-1, window_right=-1, softcap?, sinks?)
+                          window_left=-1, window_right=-1, softcap?, sinks?, out_lo?)
         -> (grad_q, grad_k, grad_v, grad_head_mask, grad_scores)
+
+out_lo (bfloat16 / float16 only; empty otherwise) is out's rounding error in
+the same dtype and layout: out + out_lo is the float32 output to 16 (bf16) or
+22 (fp16) bits. The backward takes delta_i = grad_out_i . (out_i + out_lo_i)
+(exact whatever scaled the output before it was rounded: a head mask,
+dropout, a sink); without out_lo, grad_out . out (every FlashAttention's).
 
 dropout_seed is an int64 tensor (seed, offset) of shape (2,), required when
 dropout_p > 0: the keep mask is a function of it and of the element's
@@ -24,7 +30,7 @@ window_left / window_right: query i sees keys j in [i - left, i + right]
 s -> softcap * tanh(s / softcap) before the masks are added. sinks (H,): one
 logit per head in every row's softmax denominator (no value); lse includes
 it. The sinks' gradient is not an output of the backward op: it is
--sum_{b,i} exp(sink_h - lse) * rowsum(grad_out * out), computed here
+-sum_{b,i} exp(sink_h - lse) * rowsum(grad_out * (out + out_lo)), computed here
 (sinks_backward) from what the forward saved.
 
 grad_scores (B, H, Lq, Lk) is dL/dS, the gradient of the additive masks, and
@@ -144,6 +150,11 @@ def new_dropout_seed() -> Tensor:
     return torch.randint(-(2 ** 63), 2 ** 63 - 1, (2,), dtype=torch.int64)
 
 
+def _has_out_lo(dtype):
+    """Whether the forward ops return out's rounding error out_lo (see above)."""
+    return dtype in (torch.bfloat16, torch.float16)
+
+
 def _lse_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -179,7 +190,8 @@ def _forward_fake(q, k, v, attn_mask=None, key_padding_mask=None, head_mask=None
     out = q.new_empty(B, Lq, H, Dv).transpose(1, 2)      # stored (B, Lq, H, Dv), see shim.cpp
     lse = q.new_empty(B, H, Lq, dtype=_lse_dtype(q.dtype))
     weights = q.new_empty(B, H, Lq, Lk) if need_weights else q.new_empty(0)
-    return out, lse, weights
+    out_lo = q.new_empty(B, Lq, H, Dv).transpose(1, 2) if _has_out_lo(q.dtype) else q.new_empty(0)
+    return out, lse, weights, out_lo
 
 
 @torch.library.register_fake("masked_attn::backward_into")
@@ -187,10 +199,10 @@ def _backward_into_fake(grad_out, grad_weights, q, k, v, out, lse, attn_mask=Non
                         key_padding_mask=None, head_mask=None, is_causal=False, scale=None,
                         head_mask_grad=False, mask_grad=False, grad_q=None, grad_k=None, grad_v=None,
                         dropout_p=0.0, dropout_seed=None, window_left=-1, window_right=-1, softcap=None,
-                        sinks=None):
+                        sinks=None, out_lo=None):
     _same_device("backward_into", grad_out=grad_out, grad_weights=grad_weights, q=q, k=k, v=v, out=out, lse=lse,
                  attn_mask=attn_mask, key_padding_mask=key_padding_mask, head_mask=head_mask, grad_q=grad_q,
-                 grad_k=grad_k, grad_v=grad_v, dropout_seed=dropout_seed, sinks=sinks)
+                 grad_k=grad_k, grad_v=grad_v, dropout_seed=dropout_seed, sinks=sinks, out_lo=out_lo)
     B, H, Lq = q.shape[:3]
     acc = _lse_dtype(q.dtype)
     grad_hm = q.new_empty(B, H) if head_mask_grad else q.new_empty(0)
@@ -203,10 +215,10 @@ def _backward_into_fake(grad_out, grad_weights, q, k, v, out, lse, attn_mask=Non
 def _backward_fake(grad_out, grad_weights, q, k, v, out, lse, attn_mask=None,
                    key_padding_mask=None, head_mask=None, is_causal=False, scale=None,
                    head_mask_grad=False, mask_grad=False, dropout_p=0.0, dropout_seed=None, window_left=-1,
-                   window_right=-1, softcap=None, sinks=None):
+                   window_right=-1, softcap=None, sinks=None, out_lo=None):
     _same_device("backward", grad_out=grad_out, grad_weights=grad_weights, q=q, k=k, v=v, out=out, lse=lse,
                  attn_mask=attn_mask, key_padding_mask=key_padding_mask, head_mask=head_mask,
-                 dropout_seed=dropout_seed, sinks=sinks)
+                 dropout_seed=dropout_seed, sinks=sinks, out_lo=out_lo)
     B, H = q.shape[:2]
     grad_hm = q.new_empty(B, H) if head_mask_grad else q.new_empty(0)
 
@@ -225,13 +237,14 @@ def _forward_setup_context(ctx, inputs, output):
     defaults = (0.0, None, -1, -1, None, None)  # dropout_p, dropout_seed, window_left, window_right, softcap, sinks
     (q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, scale, need_weights, dropout_p, dropout_seed,
      window_left, window_right, softcap, sinks) = tuple(inputs) + defaults[len(inputs) - 9:]
-    out, lse, weights = output
+    out, lse, weights, out_lo = output
     # the weights are kept (not copied) only for the sinks' gradient through them
     ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed, sinks,
-                          weights if need_weights and sinks is not None else None)
+                          weights if need_weights and sinks is not None else None,
+                          out_lo if _has_out_lo(q.dtype) else None)
     ctx.is_causal, ctx.scale, ctx.need_weights, ctx.dropout_p = is_causal, scale, need_weights, dropout_p
     ctx.window, ctx.softcap = (window_left, window_right), softcap
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(lse, out_lo)
     ctx.set_materialize_grads(False)
 
 
@@ -239,10 +252,12 @@ def attention_backward(saved: Sequence[Tensor | None], needs: Sequence[bool], is
                        scale: float | None, grad_out: Tensor | None, grad_weights: Tensor | None,
                        into: Sequence[Tensor] | None = None, dropout_p: float = 0.0,
                        dropout_seed: Tensor | None = None, *, window: tuple[int, int] = (-1, -1),
-                       softcap: float | None = None, sinks: Tensor | None = None) -> tuple[Tensor | None, ...]:
+                       softcap: float | None = None, sinks: Tensor | None = None,
+                       out_lo: Tensor | None = None) -> tuple[Tensor | None, ...]:
     """The backward of masked_attn::forward from what it saved.
 
     saved = (q, k, v, out, lse, attn_mask, key_padding_mask, head_mask);
+    out_lo = the forward's fourth output (None for float32 / float64);
     dropout_p, dropout_seed = the forward's (the same mask is regenerated);
     needs = whether (attn_mask, key_padding_mask, head_mask) need a gradient;
     into = optional (grad_q, grad_k, grad_v) views to write the q/k/v
@@ -259,7 +274,7 @@ def attention_backward(saved: Sequence[Tensor | None], needs: Sequence[bool], is
     args = (grad_out, grad_weights, q, k, v, out, lse, attn_mask, key_padding_mask, head_mask,
             is_causal, scale, hm_grad, am_grad or kpm_grad)
     extra = (float(dropout_p), dropout_seed if dropout_p > 0 else None, int(window[0]), int(window[1]), softcap,
-             sinks)
+             sinks, out_lo)
     if into is None:
         dq, dk, dv, dhm, dscores = torch.ops.masked_attn.backward(*args, *extra)
     else:
@@ -320,16 +335,18 @@ def first_order_only(what: str, anchors: Iterable[object], *grads: Tensor | None
 
 
 def sinks_backward(sinks: Tensor, lse: Tensor, out: Tensor, grad_out: Tensor | None,
-                   weights: Tensor | None = None, grad_weights: Tensor | None = None) -> Tensor:
+                   weights: Tensor | None = None, grad_weights: Tensor | None = None,
+                   out_lo: Tensor | None = None) -> Tensor:
     """d loss / d sinks (H,) of masked_attn::forward: the sink's probability of
     row i is P_sink,i = exp(sink_h - lse_i) (lse includes the sink), and
     d sink_h = -sum_{b,i} P_sink,i delta_i, delta_i = sum_j P_ij dP_ij =
-    grad_out_i . out_i (+ sum_j weights_ij grad_weights_ij when the weights
-    were used). In the accumulation type, summed by torch in a fixed order."""
+    grad_out_i . (out_i + out_lo_i) (+ sum_j weights_ij grad_weights_ij when the
+    weights were used). In the accumulation type, summed by torch in a fixed order."""
     acc = lse.dtype
     delta = torch.zeros_like(lse)
     if grad_out is not None:
-        delta = delta + (grad_out.to(acc) * out.to(acc)).sum(-1)
+        o = out.to(acc) if out_lo is None else out.to(acc) + out_lo.to(acc)
+        delta = delta + (grad_out.to(acc) * o).sum(-1)
     if grad_weights is not None and weights is not None:
         delta = delta + (weights.to(acc) * grad_weights.to(acc)).sum(-1)
     p_sink = torch.exp(sinks.to(acc)[:, None] - lse)
@@ -337,16 +354,17 @@ def sinks_backward(sinks: Tensor, lse: Tensor, out: Tensor, grad_out: Tensor | N
     return -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
 
 
-def _forward_backward(ctx, grad_out, grad_lse, grad_weights):
+def _forward_backward(ctx, grad_out, grad_lse, grad_weights, grad_out_lo):
     saved = ctx.saved_tensors
-    sinks, weights = saved[9], saved[10]
+    sinks, weights, out_lo = saved[9], saved[10], saved[11]
     grad_weights = grad_weights if ctx.need_weights else None
     grads = attention_backward(
         saved[:8], _needs(ctx, 3, 4, 5), ctx.is_causal, ctx.scale, grad_out, grad_weights,
-        dropout_p=ctx.dropout_p, dropout_seed=saved[8], window=ctx.window, softcap=ctx.softcap, sinks=sinks)
+        dropout_p=ctx.dropout_p, dropout_seed=saved[8], window=ctx.window, softcap=ctx.softcap, sinks=sinks,
+        out_lo=out_lo)
     d_sinks = None
     if sinks is not None and _needs(ctx, 14)[0] and (grad_out is not None or grad_weights is not None):
-        d_sinks = sinks_backward(sinks, saved[4], saved[3], grad_out, weights, grad_weights)
+        d_sinks = sinks_backward(sinks, saved[4], saved[3], grad_out, weights, grad_weights, out_lo)
     grads = first_order_only("masked attention", saved, *grads, d_sinks)
     return grads[:6] + (None,) * 8 + grads[6:]
 
@@ -359,10 +377,10 @@ torch.library.register_autograd(
 #
 #   masked_attn::varlen_forward(query, key, value, cu_seq_q, cu_seq_k?, max_q, max_k,
 #                               scale?, window_left, window_right, seqused_k?, block_table?,
-#                               softcap?, sinks?) -> (out, lse)
+#                               softcap?, sinks?) -> (out, lse, out_lo)
 #   masked_attn::varlen_backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k,
 #                                max_q, max_k, scale?, window_left, window_right, softcap?,
-#                                sinks?) -> (grad_query, grad_key, grad_value)
+#                                sinks?, out_lo?) -> (grad_query, grad_key, grad_value)
 #
 # query (T_q, H, D), key (T_k, H_kv, D), value (T_k, H_kv, Dv); int32 offsets
 # (N + 1,); out (T_q, H, Dv); lse (H, T_q) (float32, float64 for float64).
@@ -383,14 +401,16 @@ def _varlen_forward_fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, sc
     torch._check(query.dim() == 3 and key.dim() == kv_dim and value.dim() == kv_dim,
                  lambda: "masked_attn.varlen: query must be 3-D (T, H, D), key and value 3-D (or 4-D paged)")
     T, H, _ = query.shape
-    return query.new_empty(T, H, value.shape[-1]), query.new_empty(H, T, dtype=_lse_dtype(query.dtype))
+    Dv = value.shape[-1]
+    out_lo = query.new_empty(T, H, Dv) if _has_out_lo(query.dtype) else query.new_empty(0, H, Dv)
+    return query.new_empty(T, H, Dv), query.new_empty(H, T, dtype=_lse_dtype(query.dtype)), out_lo
 
 
 @torch.library.register_fake("masked_attn::varlen_backward")
 def _varlen_backward_fake(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, scale=None,
-                          window_left=-1, window_right=-1, softcap=None, sinks=None):
+                          window_left=-1, window_right=-1, softcap=None, sinks=None, out_lo=None):
     _same_device("varlen_backward", grad_out=grad_out, query=query, key=key, value=value, out=out, lse=lse,
-                 cu_seq_q=cu_seq_q, cu_seq_k=cu_seq_k, sinks=sinks)
+                 cu_seq_q=cu_seq_q, cu_seq_k=cu_seq_k, sinks=sinks, out_lo=out_lo)
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
@@ -398,31 +418,33 @@ def _varlen_setup_context(ctx, inputs, output):
     defaults = (None, None)  # softcap, sinks
     (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, wl, wr, seqused_k, block_table, softcap,
      sinks) = tuple(inputs) + defaults[len(inputs) - 12:]
-    out, lse = output
+    out, lse, out_lo = output
     for name, t in (("block_table", block_table), ("seqused_k", seqused_k)):
         if t is not None:
             raise RuntimeError(f"varlen_attn: {name} is an inference-only parameter (no backward); "
                                "call it under torch.no_grad() or on tensors that do not require grad")
-    ctx.save_for_backward(query, key, value, cu_seq_q, cu_seq_k, out, lse, sinks)
+    ctx.save_for_backward(query, key, value, cu_seq_q, cu_seq_k, out, lse, sinks,
+                          out_lo if _has_out_lo(query.dtype) else None)
     ctx.args = (max_q, max_k, scale, wl, wr, softcap)
     ctx.n_inputs = len(inputs)
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(lse, out_lo)
     ctx.set_materialize_grads(False)
 
 
-def _varlen_backward(ctx, grad_out, grad_lse):
-    query, key, value, cu_seq_q, cu_seq_k, out, lse, sinks = ctx.saved_tensors
+def _varlen_backward(ctx, grad_out, grad_lse, grad_out_lo):
+    query, key, value, cu_seq_q, cu_seq_k, out, lse, sinks, out_lo = ctx.saved_tensors
     if grad_out is None:
         return (None,) * ctx.n_inputs
     grad_out = grad_out.contiguous()
     dq, dk, dv = torch.ops.masked_attn.varlen_backward(
-        grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, *ctx.args, sinks)
+        grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, *ctx.args, sinks, out_lo)
     n = ctx.needs_input_grad
     grads = first_order_only("varlen attention", (query, key, value), dq if n[0] else None,
                              dk if n[1] else None, dv if n[2] else None)
     d_sinks = None
     if sinks is not None and ctx.n_inputs > 13 and n[13]:  # (H, T) statistics as one (1, H, T) batch
-        d_sinks = sinks_backward(sinks, lse[None], out.transpose(0, 1)[None], grad_out.transpose(0, 1)[None])
+        d_sinks = sinks_backward(sinks, lse[None], out.transpose(0, 1)[None], grad_out.transpose(0, 1)[None],
+                                 out_lo=None if out_lo is None else out_lo.transpose(0, 1)[None])
     return (grads + (None,) * 10 + (d_sinks,))[:ctx.n_inputs]
 
 

@@ -211,6 +211,21 @@ static void FN(store_tile)(void *dst, ma_dtype dt, const int64_t st[4], int64_t 
     }
 }
 
+/* lo[b, h, r0 : r0 + nr, 0 : ncol] = round(src - round(src)) in dt (bfloat16
+ * or float16): the forward's out_lo (masked_attn.h), 0 where the rounded
+ * value is not finite. */
+static void FN(store_tile_lo)(void *lo, ma_dtype dt, const int64_t st[4], int64_t b, int64_t h, int64_t r0,
+                              int64_t nr, int64_t ncol, const ACC *src) {
+    for (int64_t r = 0; r < nr; r++) {
+        uint16_t *y = (uint16_t *)lo + b * st[0] + h * st[1] + (r0 + r) * st[2];
+        for (int64_t c = 0; c < ncol; c++) {
+            const float x = (float)src[r * ncol + c];
+            const float e = dt == MA_BF16 ? x - ma_bf16_to_f32(ma_f32_to_bf16(x)) : x - ma_f16_to_f32(ma_f32_to_f16(x));
+            y[c * st[3]] = !isfinite(e) ? 0 : dt == MA_BF16 ? ma_f32_to_bf16(e) : ma_f32_to_f16(e);
+        }
+    }
+}
+
 /* Orders the non-temporal stores of a task before its end (MA_BLK_STREAM). */
 static inline void FN(fence_streams)(void) {
 #ifdef MA_BLK_STREAM
@@ -485,6 +500,7 @@ static const ma_attn_fwd_params *FN(fwd_seq)(const ma_attn_fwd_params *p, int64_
     int64_t k0;
     const int64_t q0 = FN(seq_args)(&loc->a, b, &k0);
     loc->out = (void *)FN(elem_at)(p->out, p->a.dtype, q0 * p->a.out_stride[2]);
+    loc->out_lo = (void *)FN(elem_at)(p->out_lo, p->a.dtype, q0 * p->a.out_lo_stride[2]);
     loc->lse = (ACC *)p->lse + q0;
     return loc;
 }
@@ -500,6 +516,7 @@ static const ma_attn_bwd_params *FN(bwd_seq)(const ma_attn_bwd_params *p, int64_
     loc->dv = (void *)FN(elem_at)(p->dv, dt, k0 * p->dv_stride[2]);
     loc->dout = FN(elem_at)(p->dout, dt, q0 * p->dout_stride[2]);
     loc->out = FN(elem_at)(p->out, dt, q0 * p->a.out_stride[2]);
+    loc->out_lo = FN(elem_at)(p->out_lo, dt, q0 * p->a.out_lo_stride[2]);
     loc->lse = (const ACC *)p->lse + q0;
     loc->delta = (ACC *)p->delta + q0;
     return loc;
@@ -904,6 +921,7 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
             t.m_new[r] = FN(finite_or_zero)(t.lse[r]);
         }
         FN(store_tile)(p->out, p->a.dtype, p->a.out_stride, b, h, i0, nr, Dv, o, 1, p->a.stream_stores);
+        if (p->out_lo) FN(store_tile_lo)(p->out_lo, p->a.dtype, p->a.out_lo_stride, b, h, i0, nr, Dv, o);
 
         /* weights = hm * exp(S - lse) over every key, on request only (never hooked) */
         if (p->weights) {
@@ -1048,6 +1066,16 @@ static void FN(add_dweights)(ACC *dp, int64_t rs, int64_t cs, const ma_attn_bwd_
     }
 }
 
+/* Row i of head (b, h) of the forward's output as it was before rounding,
+ * out + out_lo (out alone without out_lo), into o (Dv) in ACC. */
+static void FN(out_row)(const ma_attn_bwd_params *p, int64_t b, int64_t h, int64_t i, ACC *o, ACC *tmp) {
+    const int64_t *st = p->a.out_stride, *ls = p->a.out_lo_stride, Dv = p->a.Dv;
+    FN(convert_row)(o, 1, p->out, p->a.dtype, b * st[0] + h * st[1] + i * st[2], st[3], Dv, 1);
+    if (!p->out_lo) return;
+    FN(convert_row)(tmp, 1, p->out_lo, p->a.dtype, b * ls[0] + h * ls[1] + i * ls[2], ls[3], Dv, 1);
+    for (int64_t d = 0; d < Dv; d++) o[d] += tmp[d];
+}
+
 /* dS = P (hm dP - delta) in place of dP, element (r, c) at [r * rs + c * cs];
  * dhm[r] += sum_c P dP when dhm is not NULL. */
 static void FN(dscores)(ACC *dp, const ACC *pr, int64_t rs, int64_t cs, const ACC *delta, ACC *dhm,
@@ -1114,20 +1142,14 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
         for (int64_t r = 0; r < nr; r++) {
             t.lse[r] = FN(finite_or_zero)(lse_bh[i0 + r]);
             t.dhm[r] = 0;
-            if (p->exact_delta) { /* delta_i = hm sum_j P_ij (g_i . v_j + dW_ij), summed below */
-                t.delta[r] = 0;
-                continue;
-            }
-            /* delta_i = g_i . out_i  (+ hm * sum_j P_ij dW_ij below) */
+            /* delta_i = g_i . (out_i + out_lo_i)  (+ hm * sum_j P_ij dW_ij below) */
             ACC *o_r = t.gbuf;
-            FN(convert_row)(o_r, 1, p->out, p->a.dtype,
-                            b * p->a.out_stride[0] + h * p->a.out_stride[1] + (i0 + r) * p->a.out_stride[2],
-                            p->a.out_stride[3], Dv, 1);
+            FN(out_row)(p, b, h, i0 + r, o_r, t.gbuf + Dv);
             ACC dot = 0;
             for (int64_t d = 0; d < Dv; d++) dot += t.gT[d * nr + r] * o_r[d];
             t.delta[r] = dot;
         }
-        if (p->dweights || p->exact_delta) {
+        if (p->dweights) {
             for (int64_t j0 = kv_begin; j0 < kv_end; j0 += BK) {
                 const int64_t nc = FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
                 if (nc == 0) continue;
@@ -1139,15 +1161,9 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
                 FN(softcap)(t.sT, nc * nr, p->a.softcap, NULL);
                 FN(add_bias)(t.sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
                 EXP_SUB_COL(t.sT, nc, nr, t.lse, t.tmp);
-                if (p->exact_delta) { /* dP^T = V dO^T */
-                    int64_t ldv;
-                    const ACC *v_j = FN(rows_in)(p->a.v, p->a.dtype, p->a.v_stride, b, hk, j0, v_bh, Dv, &ldv);
-                    GEMM(nc, nr, Dv, v_j, ldv, 1, t.gT, nr, t.dpT, nr, 0);
-                } else {
-                    for (int64_t x = 0; x < nc * nr; x++) t.dpT[x] = 0;
-                }
-                if (p->dweights) FN(add_dweights)(t.dpT, 1, nr, p, b, h, i0, nr, j0, nc);
-                if (dr) DROPOUT(t.dpT, NULL, 1, nr, nr, nc, dr, i0, j0); /* P' (dP + dW) = P (Z (dP + dW) / (1 - p)) */
+                for (int64_t x = 0; x < nc * nr; x++) t.dpT[x] = 0;
+                FN(add_dweights)(t.dpT, 1, nr, p, b, h, i0, nr, j0, nc);
+                if (dr) DROPOUT(t.dpT, NULL, 1, nr, nr, nc, dr, i0, j0); /* P' dW = P (Z dW / (1 - p)) */
                 for (int64_t r = 0; r < nr; r++) {
                     ACC dot = 0;
                     for (int64_t c = 0; c < nc; c++) dot += t.sT[c * nr + r] * t.dpT[c * nr + r];
@@ -1348,14 +1364,14 @@ static void FN(delta_rows)(const ma_attn_bwd_params *p, int64_t b, int64_t h, AC
                           ACC *dhm) {
     const int64_t Lq = p->a.Lq, Dv = p->a.Dv;
     const ACC *lse_bh = (const ACC *)p->lse + (b * p->a.H + h) * Lq;
-    const int direct = FN(is_native)(p->a.dtype) && p->dout_stride[3] == 1 && p->a.out_stride[3] == 1;
+    const int direct = FN(is_native)(p->a.dtype) && p->dout_stride[3] == 1 && p->a.out_stride[3] == 1 && !p->out_lo;
     for (int64_t i = 0; i < Lq; i++) {
         const int64_t g_off = b * p->dout_stride[0] + h * p->dout_stride[1] + i * p->dout_stride[2];
         const int64_t o_off = b * p->a.out_stride[0] + h * p->a.out_stride[1] + i * p->a.out_stride[2];
         const ACC *g_r = (const ACC *)p->dout + g_off, *o_r = (const ACC *)p->out + o_off;
         if (!direct) {
+            FN(out_row)(p, b, h, i, gbuf + Dv, gbuf); /* gbuf: out_lo's row, then dout's */
             FN(convert_row)(gbuf, 1, p->dout, p->a.dtype, g_off, p->dout_stride[3], Dv, 1);
-            FN(convert_row)(gbuf + Dv, 1, p->out, p->a.dtype, o_off, p->a.out_stride[3], Dv, 1);
             g_r = gbuf, o_r = gbuf + Dv;
         }
         ACC part[8] = {0, 0, 0, 0, 0, 0, 0, 0}, dot = 0;
