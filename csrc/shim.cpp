@@ -702,11 +702,11 @@ std::tuple<Tensor, Tensor> attn_backward_impl(
   if (s.Lk > 0 && !ma_attn_bwd_single_pass(&p))
     run_tasks(ma_attn_bwd_dkdv_task, &p, ma_attn_bwd_dkdv_work_items(&p), bytes, q, 1);
 
-  // d head_mask[b, h] = sum over the rows of (b, h), in a fixed order.
-  Tensor dhm = head_mask_grad
-                   ? torch::stable::to(torch::stable::sum(dhm_rows, std::vector<int64_t>{2}),
-                                       q.scalar_type())
-                   : torch::stable::new_empty(q, {0});
+  // d head_mask[b, h] = sum over the rows of (b, h), in a fixed order, in the
+  // accumulation type: the caller rounds once, after summing over what the
+  // head mask broadcasts over (ops.attention_backward).
+  Tensor dhm = head_mask_grad ? torch::stable::sum(dhm_rows, std::vector<int64_t>{2})
+                              : torch::stable::new_empty(q, {0}, acc);
   return {dhm, dscores};
 }
 

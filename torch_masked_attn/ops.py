@@ -35,6 +35,8 @@ it. The sinks' gradient is not an output of the backward op: it is
 
 grad_scores (B, H, Lq, Lk) is dL/dS, the gradient of the additive masks, and
 is materialised only when mask_grad (a floating mask requires grad).
+grad_head_mask (B, H) and grad_scores are in the accumulation type (float32,
+float64 for float64), rounded to the mask's dtype after the caller's sums.
 
 Conventions are nn.MultiheadAttention's: a bool mask is True where attention
 is blocked; a floating mask is added to the scaled scores.
@@ -205,7 +207,7 @@ def _backward_into_fake(grad_out, grad_weights, q, k, v, out, lse, attn_mask=Non
                  grad_k=grad_k, grad_v=grad_v, dropout_seed=dropout_seed, sinks=sinks, out_lo=out_lo)
     B, H, Lq = q.shape[:3]
     acc = _lse_dtype(q.dtype)
-    grad_hm = q.new_empty(B, H) if head_mask_grad else q.new_empty(0)
+    grad_hm = q.new_empty(B, H, dtype=acc) if head_mask_grad else q.new_empty(0, dtype=acc)
     grad_scores = (q.new_empty(B, H, Lq, k.shape[2], dtype=acc) if mask_grad
                    else q.new_empty(0, dtype=acc))
     return grad_hm, grad_scores
@@ -220,12 +222,12 @@ def _backward_fake(grad_out, grad_weights, q, k, v, out, lse, attn_mask=None,
                  attn_mask=attn_mask, key_padding_mask=key_padding_mask, head_mask=head_mask,
                  dropout_seed=dropout_seed, sinks=sinks, out_lo=out_lo)
     B, H = q.shape[:2]
-    grad_hm = q.new_empty(B, H) if head_mask_grad else q.new_empty(0)
+    acc = _lse_dtype(q.dtype)
+    grad_hm = q.new_empty(B, H, dtype=acc) if head_mask_grad else q.new_empty(0, dtype=acc)
 
     def blhd(shape):  # (B, H, L, D) stored as (B, L, H, D), see shim.cpp
         return q.new_empty(shape[0], shape[2], shape[1], shape[3]).transpose(1, 2)
 
-    acc = _lse_dtype(q.dtype)
     grad_scores = (q.new_empty(B, H, q.shape[2], k.shape[2], dtype=acc) if mask_grad
                    else q.new_empty(0, dtype=acc))
     return blhd(q.shape), blhd(k.shape), blhd(v.shape), grad_hm, grad_scores
