@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import torch_masked_attn as tma
+from torch_masked_attn import ops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -279,3 +280,37 @@ def test_low_precision_delta_is_exact(dtype, what):
     tol = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
     for ours, ref in zip((dq, dk), r):
         assert (ours.double() - ref).abs().max().item() <= tol * ref.abs().max().item() + 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512", "amx"])
+def test_out_lo_is_outs_rounding_error(dtype, isa):
+    """The forward's fourth output: out + out_lo is the float32 output before
+    rounding, to 16 (bf16) / 22 (fp16) bits, where out alone has 8 / 11: against
+    the float64 reference of the same (rounded) inputs, through the real and the
+    varlen forward, with a head mask scaling the output."""
+    if not ops.isa_available(isa):
+        pytest.skip(f"this CPU does not run the {isa} kernels")
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, 130, 40, generator=g).to(dtype) for _ in range(3))
+    hm = torch.tensor([0.7, 1.3, 1.1], dtype=dtype)
+    with ops.use_isa(isa):
+        out, _, _, lo = torch.ops.masked_attn.forward(q, k, v, None, None, hm, True, None, False)
+        vout, _, vlo = torch.ops.masked_attn.varlen_forward(
+            q[0].transpose(0, 1).contiguous(), k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous(),
+            torch.tensor([0, 130], dtype=torch.int32), torch.tensor([0, 130], dtype=torch.int32), 130, 130,
+            None, -1, 0)
+    ref = tma.functional.masked_attention(q.double(), k.double(), v.double(), head_mask=hm.double(), is_causal=True)
+    assert lo.dtype == dtype and lo.shape == out.shape
+    bits = 8 if dtype == torch.bfloat16 else 11   # significand bits of the dtype
+    top = ref.abs().max().item()
+    err_hi = (out.double() - ref).abs().max().item()
+    err = (out.double() + lo.double() - ref).abs().max().item()
+    assert err_hi > 2.0 ** -(bits + 3) * top                  # out alone: the dtype's rounding
+    assert err <= 2.0 ** -(2 * bits) * top + 2e-6, (err, err_hi)  # out + out_lo: twice the bits
+    vref = ref[0] / hm.double()[:, None, None]
+    verr = (vout.double() + vlo.double() - vref.transpose(0, 1)).abs().max().item()
+    assert verr <= 2.0 ** -(2 * bits) * top + 2e-6, verr
+    # float32: no out_lo
+    assert torch.ops.masked_attn.forward(q.float(), k.float(), v.float(), None, None, None, False, None,
+                                         False)[3].numel() == 0

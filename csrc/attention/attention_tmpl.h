@@ -211,18 +211,34 @@ static void FN(store_tile)(void *dst, ma_dtype dt, const int64_t st[4], int64_t 
     }
 }
 
-/* lo[b, h, r0 : r0 + nr, 0 : ncol] = round(src - round(src)) in dt (bfloat16
- * or float16): the forward's out_lo (masked_attn.h), 0 where the rounded
- * value is not finite. */
+/* round(x - round(x)) in bfloat16 / float16, 0 where x - round(x) is not
+ * finite: out_lo's element (masked_attn.h). Branch-free, so that the
+ * contiguous loops below vectorise. */
+static inline uint16_t FN(bf16_lo)(float x) {
+    const float e = x - ma_bf16_to_f32(ma_f32_to_bf16(x));
+    return fabsf(e) <= 3.402823466e38f ? ma_f32_to_bf16(e) : 0;
+}
+static inline uint16_t FN(f16_lo)(float x) {
+    const float e = x - ma_f16_to_f32(ma_f32_to_f16(x));
+    return fabsf(e) <= 3.402823466e38f ? ma_f32_to_f16(e) : 0;
+}
+
+/* lo[b, h, r0 : r0 + nr, 0 : ncol] = the out_lo of src (nr, ncol) in dt
+ * (bfloat16 or float16). */
 static void FN(store_tile_lo)(void *lo, ma_dtype dt, const int64_t st[4], int64_t b, int64_t h, int64_t r0,
                               int64_t nr, int64_t ncol, const ACC *src) {
+    const int64_t cs = st[3];
     for (int64_t r = 0; r < nr; r++) {
         uint16_t *y = (uint16_t *)lo + b * st[0] + h * st[1] + (r0 + r) * st[2];
-        for (int64_t c = 0; c < ncol; c++) {
-            const float x = (float)src[r * ncol + c];
-            const float e = dt == MA_BF16 ? x - ma_bf16_to_f32(ma_f32_to_bf16(x)) : x - ma_f16_to_f32(ma_f32_to_f16(x));
-            y[c * st[3]] = !isfinite(e) ? 0 : dt == MA_BF16 ? ma_f32_to_bf16(e) : ma_f32_to_f16(e);
-        }
+        const ACC *x = src + r * ncol;
+        if (dt == MA_BF16 && cs == 1)
+            for (int64_t c = 0; c < ncol; c++) y[c] = FN(bf16_lo)((float)x[c]);
+        else if (dt == MA_BF16)
+            for (int64_t c = 0; c < ncol; c++) y[c * cs] = FN(bf16_lo)((float)x[c]);
+        else if (cs == 1)
+            for (int64_t c = 0; c < ncol; c++) y[c] = FN(f16_lo)((float)x[c]);
+        else
+            for (int64_t c = 0; c < ncol; c++) y[c * cs] = FN(f16_lo)((float)x[c]);
     }
 }
 
