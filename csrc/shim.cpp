@@ -689,11 +689,17 @@ std::tuple<Tensor, Tensor> attn_backward_impl(
   } else if (ma_attn_bwd_single_pass(&p)) {
     // key chunks > 1: per-chunk partial sums of dq (and dhm), added up in chunk order
     p.kv_chunks = ma_attn_bwd_kv_chunks(&p);
-    Tensor dq_part = torch::stable::new_empty(q, {p.kv_chunks > 1 ? p.kv_chunks * s.B * s.H * s.Lq * s.D : 0}, acc);
-    Tensor dhm_part = torch::stable::new_empty(
-        q, {p.kv_chunks > 1 && head_mask_grad ? p.kv_chunks * s.B * s.H * s.Lq : 0}, acc);
-    p.dq_part = p.kv_chunks > 1 ? dq_part.mutable_data_ptr() : nullptr;
-    p.dhm_part = p.kv_chunks > 1 && head_mask_grad ? dhm_part.mutable_data_ptr() : nullptr;
+    // the chunks' partial sums come from the scratch pool like the per-thread
+    // scratch, so a call with them faults in no fresh pages once the pool
+    // holds a large enough block (one head at L = 8192, D = 128: 32 MB)
+    const size_t esz = q.scalar_type() == ScalarType::Double ? sizeof(double) : sizeof(float);
+    const size_t dq_elems = p.kv_chunks > 1 ? static_cast<size_t>(p.kv_chunks * s.B * s.H * s.Lq * s.D) : 0;
+    const size_t dhm_elems =
+        p.kv_chunks > 1 && head_mask_grad ? static_cast<size_t>(p.kv_chunks * s.B * s.H * s.Lq) : 0;
+    std::optional<ScratchLease> parts;
+    if (dq_elems) parts.emplace((dq_elems + dhm_elems) * esz);
+    p.dq_part = dq_elems ? parts->block.ptr : nullptr;
+    p.dhm_part = dhm_elems ? static_cast<char*>(parts->block.ptr) + dq_elems * esz : nullptr;
     run_tasks(ma_attn_bwd_fused_task, &p, ma_attn_bwd_fused_work_items(&p), bytes, q, 1);
     if (p.kv_chunks > 1) run_tasks(ma_attn_bwd_reduce_task, &p, ma_attn_bwd_reduce_work_items(&p), bytes, q, 1);
   } else {

@@ -29,8 +29,10 @@ def _run(case, causal=True):
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
+# (1, 1, 600, ...): one head, so the single-pass backward splits the keys in chunks whose dq
+# partial sums also come from the pool (attn_backward_impl)
 CASES = [(2, 4, 300, 64, torch.float32), (1, 2, 70, 24, torch.bfloat16), (3, 1, 129, 80, torch.float16),
-         (1, 8, 520, 32, torch.float32), (2, 2, 33, 128, torch.float64)]
+         (1, 8, 520, 32, torch.float32), (2, 2, 33, 128, torch.float64), (1, 1, 600, 64, torch.float32)]
 
 
 def test_reused_blocks_never_change_results():
@@ -65,6 +67,27 @@ def test_python_threads_share_the_pool():
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+def test_key_chunk_partial_sums_are_pooled():
+    """The key-chunked backward's dq / d head_mask partial sums (8 chunks x Lq x D here) are
+    scratch from the pool: kept after the call, and stale partial sums from an earlier call never
+    reach the next one's gradients (head mask gradient included)."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v, go = (torch.randn(1, 1, 600, 64, generator=g) for _ in range(4))
+    hm = torch.tensor([1.3])
+
+    def grads():
+        x = [t.clone().requires_grad_(True) for t in (q, k, v, hm)]
+        out = tma.functional.masked_attention(*x[:3], head_mask=x[3], is_causal=True)
+        return torch.autograd.grad(out, x, go)
+
+    tma.release_memory()
+    first = grads()
+    assert tma.ops.scratch_stats()["idle_bytes"] >= 8 * 600 * 64 * 4
+    other = torch.randn(1, 1, 600, 64, generator=g, requires_grad=True)   # fills the blocks with other sums
+    tma.functional.masked_attention(other, other, other, head_mask=hm.clone().requires_grad_(True)).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(grads(), first))
 
 
 def test_release_memory_returns_the_pages():
