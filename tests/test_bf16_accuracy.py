@@ -66,7 +66,7 @@ def test_head_mask_gradients_no_less_accurate_than_native(isa, dtype, case):
     error of PyTorch's own computation in that dtype (plain ops: softmax,
     times the head mask, @ v). A row that sees one key has dS = 0 exactly;
     delta taken from the output rounded after the head mask scaled it would
-    not give that (docs/design.md, exact_delta)."""
+    not give that: it is taken from out + out_lo (docs/design.md, section 4)."""
     if not isa_available(isa):
         pytest.skip(f"this CPU has no {isa}")
     from conftest import assert_close_ref, ref_attention
