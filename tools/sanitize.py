@@ -54,9 +54,13 @@ HARNESSES = (("test_blocks.c", COMMON + ATTENTION), ("test_ce_blocks.c", COMMON 
 # and all but one case of each large streamed-output test; plus dropout, window /
 # softcap / sinks (without dropout's statistical training run and torch.compile)
 # and the fuzzer's seeded slice (300 random cases per ISA, every option,
-# the HF backend included where transformers is installed).
+# the HF backend included where transformers is installed); the trust tests
+# (aliasing and overlap, meta tensors, Python threads, thread counts, the
+# overflow probes, out_lo) and the scratch pool's (reuse across shapes and
+# threads, release_memory, the key chunks' partial sums).
 DEFAULT_TESTS = ("tests/test_bad_input.py tests/test_isa.py tests/test_cross_entropy.py tests/test_sdpa.py "
-                 "tests/test_dropout.py tests/test_window_softcap_sinks.py tests/test_fuzz.py")
+                 "tests/test_dropout.py tests/test_window_softcap_sinks.py tests/test_fuzz.py "
+                 "tests/test_trust.py tests/test_scratch.py")
 DEFAULT_SELECT = [
     "-k", "not opcheck and not _long and not torch_compile and not (parity_functional and (float64 or torch.float16))"
           " and not training_equivalence and not compile_with_dropout and not broken_reference",
