@@ -722,7 +722,7 @@ def test_errors_match_pytorch(case):
     if _TORCH < (2, 13) and got != want:
         # the messages and the order of the checks are torch 2.13's; older torch words some of
         # them differently or checks in another order: the same exception type, still raised
-        # (README, "Supported torch versions")
+        # (docs/usage.md, "Build and requirements")
         assert got[0] is want[0], (got, want)
         return
     assert got == want
