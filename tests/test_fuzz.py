@@ -120,14 +120,19 @@ def test_broken_reference_is_caught(kind, breaks, force):
         assert f is None, str(f)
 
 
-@pytest.mark.parametrize("isa,seed", FIXED, ids=[f"{i}-{s}" for i, s in FIXED])
-def test_fixed_findings(isa, seed):
+def _replay_clean(isa, seed):
+    """Replays fuzz case `seed` on `isa`; asserts it has no finding."""
     if not ops.isa_available(isa):
         pytest.skip(f"this CPU does not run the {isa} kernels")
     if fuzz.kind_of(seed) not in fuzz.DEFAULT_KINDS:
         pytest.skip("this build lacks the kind")
     _, f = fuzz.run_case(seed, isa)
     assert f is None, str(f)
+
+
+@pytest.mark.parametrize("isa,seed", FIXED, ids=[f"{i}-{s}" for i, s in FIXED])
+def test_fixed_findings(isa, seed):
+    _replay_clean(isa, seed)
 
 
 @pytest.mark.parametrize("isa,seed", KNOWN_OPEN, ids=[f"{i}-{s}" for i, s in KNOWN_OPEN])
@@ -135,9 +140,4 @@ def test_fixed_findings(isa, seed):
 # torch computes differently (under 2.10 the f32 dropout case is inside its bound)
 @pytest.mark.xfail(strict=torch.__version__.startswith("2.13."), reason="known open fuzz finding (issue 17)")
 def test_known_open_findings(isa, seed):
-    if not ops.isa_available(isa):
-        pytest.skip(f"this CPU does not run the {isa} kernels")
-    if fuzz.kind_of(seed) not in fuzz.DEFAULT_KINDS:
-        pytest.skip("this build lacks the kind")
-    _, f = fuzz.run_case(seed, isa)
-    assert f is None, str(f)
+    _replay_clean(isa, seed)
