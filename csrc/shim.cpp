@@ -767,14 +767,16 @@ std::tuple<Tensor, Tensor> attn_backward_into(
                two_passes ? " (with grad_weights the gradients must not share memory with q, k, v)"
                           : " (only grad_q = q, grad_k = k, grad_v = v, element for element, is allowed)");
     }
-    const Tensor* read[4] = {&grad_out, &out, &lse, out_lo.has_value() ? &*out_lo : &lse};
-    const char* read_names[4] = {"grad_out", "out", "lse", "out_lo"};
-    for (int j = 0; j < 4; j++)
+    const Tensor* read[3] = {&grad_out, &out, &lse};
+    const char* read_names[3] = {"grad_out", "out", "lse"};
+    for (int j = 0; j < 3; j++)
       MA_CHECK(!may_overlap(*outs[i], *read[j]), "masked_attn.backward_into: ", names[i], " shares memory with ",
                read_names[j]);
     if (grad_weights.has_value())
       MA_CHECK(!may_overlap(*outs[i], *grad_weights), "masked_attn.backward_into: ", names[i],
                " shares memory with grad_weights");
+    if (out_lo.has_value())
+      MA_CHECK(!may_overlap(*outs[i], *out_lo), "masked_attn.backward_into: ", names[i], " shares memory with out_lo");
   }
   return attn_backward_impl(grad_out, grad_weights, q, k, v, out, lse, attn_mask, key_padding_mask,
                             head_mask, is_causal, scale, head_mask_grad, mask_grad, dropout_p, dropout_seed,

@@ -314,3 +314,12 @@ def test_out_lo_is_outs_rounding_error(dtype, isa):
     # float32: no out_lo
     assert torch.ops.masked_attn.forward(q.float(), k.float(), v.float(), None, None, None, False, None,
                                          False)[3].numel() == 0
+
+
+def test_backward_into_over_out_lo_is_refused():
+    """out_lo is read by the backward (delta): a gradient written over it is refused."""
+    q, k, v, go = (t.bfloat16() for t in _qkv())
+    out, lse, _, lo = _forward(q, k, v)
+    with pytest.raises(RuntimeError, match="grad_q shares memory with out_lo"):
+        torch.ops.masked_attn.backward_into(go, None, q, k, v, out, lse, None, None, None, True, None, False, False,
+                                            lo, torch.empty_like(k), torch.empty_like(v), out_lo=lo)
