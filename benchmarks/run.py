@@ -10,8 +10,11 @@ repetition by repetition (the order alternating), after one warm-up call of
 each; the reported times are medians and ratio = native ms / ours ms (above
 1: ours is faster). Peak memory is measured separately for each
 (case, implementation) in a fresh process (see --probe). Results go to
-benchmarks/results.json (rewritten after every case) and the sweep's plot to
-benchmarks/out/ratio_vs_length.png. See benchmarks/README.md.
+benchmarks/results.json (rewritten after every case; `make bench` then adds
+the thread sweep, benchmarks/threads.py) and the sweep's plot to
+benchmarks/out/ratio_vs_length.png. A run of chosen --cases writes
+benchmarks/out/results-cases.json instead, so that it never replaces the
+whole run's record. See benchmarks/README.md.
 """
 import argparse
 import gc
@@ -386,7 +389,8 @@ def main():
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--out", default=RESULTS, help="results JSON path (default benchmarks/results.json)")
+    p.add_argument("--out", default=None, help="results JSON path (default benchmarks/results.json, or "
+                   "benchmarks/out/results-cases.json with --cases)")
     p.add_argument("--plot", default=os.path.join(OUT, "ratio_vs_length.png"))
     p.add_argument("--plot-ce", default=os.path.join(OUT, "ce_vocab_sweep.png"))
     p.add_argument("--probe", nargs=2, metavar=("CASE", "IMPL"), help=argparse.SUPPRESS)
@@ -400,6 +404,9 @@ def main():
 
     mode = "full" if args.full else "quick"
     names = select(args, mode)
+    if args.out is None:  # a run of chosen cases never replaces the whole run's record
+        args.out = os.path.join(OUT, "results-cases.json") if args.cases else RESULTS
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     if args.list:
         for g, ns in cases.GROUPS.items():
             print(f"{g}: {', '.join(ns)}")

@@ -88,9 +88,10 @@ static inline __m256 exp256(__m256 x_in) {
     __m256 y = _mm256_set1_ps(ma_exp_poly[0]);
     for (int i = 1; i < MA_EXP_TERMS; i++) y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(ma_exp_poly[i]));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    /* below -87.33 the scale 2^n is zeroed: y is finite and positive there, so y * 0 is +0 (an
+     * and-not rather than a blend of the product: one operation off the critical path) */
     const __m256 underflow = _mm256_cmp_ps(x_in, _mm256_set1_ps(-87.33f), _CMP_LT_OQ);
-    return _mm256_blendv_ps(y, _mm256_setzero_ps(), underflow);
+    return _mm256_mul_ps(y, _mm256_andnot_ps(underflow, _mm256_castsi256_ps(e)));
 }
 /* r[0..7] = the 8 x 8 block whose rows they are, transposed in registers. */
 static inline void transpose8x8(__m256 r[8]) {
