@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .functional import native_attention, uses_kernels
-from .ops import _needs, attention_backward, first_order_only, new_dropout_seed
+from .ops import _needs, attention_backward, first_order_only, new_dropout_seed, saved_out_lo
 
 __all__ = ["MultiheadAttention", "replace_attention"]
 
@@ -47,7 +47,7 @@ class _PackedSelfAttention(torch.autograd.Function):
         out, lse, weights, out_lo = torch.ops.masked_attn.forward(
             q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, None, need_weights, dropout_p, dropout_seed)
         ctx.save_for_backward(qkv, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed,
-                              out_lo if out_lo.numel() else None)
+                              saved_out_lo(out_lo))
         ctx.is_causal, ctx.need_weights, ctx.batch_first = is_causal, need_weights, batch_first
         ctx.dropout_p = dropout_p
         ctx.set_materialize_grads(False)
@@ -96,7 +96,7 @@ class _RecomputedSelfAttention(torch.autograd.Function):
             q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, None, False, dropout_p, dropout_seed)
         del qkv, q, k, v
         ctx.save_for_backward(x, w_in, b_in, w_out, out, lse, attn_mask, key_padding_mask, head_mask,
-                              dropout_seed, out_lo if out_lo.numel() else None)
+                              dropout_seed, saved_out_lo(out_lo))
         ctx.dropout_p = dropout_p
         ctx.is_causal, ctx.batch_first, ctx.H, ctx.has_b_out = is_causal, batch_first, H, b_out is not None
         return F.linear(_merge_heads(out, batch_first), w_out, b_out)

@@ -157,6 +157,12 @@ def _has_out_lo(dtype):
     return dtype in (torch.bfloat16, torch.float16)
 
 
+def saved_out_lo(out_lo: Tensor) -> Tensor | None:
+    """What a backward keeps of the forward's out_lo (in q's dtype): the tensor
+    in bfloat16 / float16, None for float32 / float64 (an empty placeholder)."""
+    return out_lo if _has_out_lo(out_lo.dtype) else None
+
+
 def _lse_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -243,7 +249,7 @@ def _forward_setup_context(ctx, inputs, output):
     # the weights are kept (not copied) only for the sinks' gradient through them
     ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed, sinks,
                           weights if need_weights and sinks is not None else None,
-                          out_lo if _has_out_lo(q.dtype) else None)
+                          saved_out_lo(out_lo))
     ctx.is_causal, ctx.scale, ctx.need_weights, ctx.dropout_p = is_causal, scale, need_weights, dropout_p
     ctx.window, ctx.softcap = (window_left, window_right), softcap
     ctx.mark_non_differentiable(lse, out_lo)
@@ -426,7 +432,7 @@ def _varlen_setup_context(ctx, inputs, output):
             raise RuntimeError(f"varlen_attn: {name} is an inference-only parameter (no backward); "
                                "call it under torch.no_grad() or on tensors that do not require grad")
     ctx.save_for_backward(query, key, value, cu_seq_q, cu_seq_k, out, lse, sinks,
-                          out_lo if _has_out_lo(query.dtype) else None)
+                          saved_out_lo(out_lo))
     ctx.args = (max_q, max_k, scale, wl, wr, softcap)
     ctx.n_inputs = len(inputs)
     ctx.mark_non_differentiable(lse, out_lo)
