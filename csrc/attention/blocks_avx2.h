@@ -106,12 +106,32 @@ static inline __attribute__((always_inline)) void gemm_panel(const int NV, const
 #undef MA_BLOCK
 }
 
+/* Rows of B that lie a multiple of 512 bytes apart (D = 128 floats, or rows
+ * H * D apart) map to 8 of L1's 64 sets: a k = 64 panel's 64 lines then fill
+ * them and evict each other between the row blocks that reuse the panel.
+ * Such panels (full 16 columns, k <= MA_PACK_K) are therefore copied to a
+ * contiguous (k, 16) buffer on the stack first when more than one row block
+ * reads them; the FMAs and their order are unchanged. At 256-byte strides
+ * (D = 64) a panel's 64 lines fit the 16 sets they map to, and the copy
+ * cost more than it saved (C harness, 6% of a backward tile). */
+#define MA_PACK_K 256
+
 /* C (m, n) = [diag(rs) C +] A (m, k) @ B (k, n); A[i, p] = A[i*ars + p*acs]; rs only with accumulate. */
 static inline __attribute__((always_inline)) void gemm_avx2_rs(int64_t m, int64_t n, int64_t k, const float *A,
                                                                 int64_t ars, int64_t acs, const float *B, int64_t ldb,
                                                                 float *C, int64_t ldc, int accumulate,
                                                                 const float *rs) {
     int64_t j = 0;
+    if (m > 6 && k <= MA_PACK_K && ldb % 128 == 0) { /* see MA_PACK_K */
+        _Alignas(32) float pk[MA_PACK_K * 16];
+        for (; j + 16 <= n; j += 16) {
+            for (int64_t p = 0; p < k; p++) {
+                _mm256_store_ps(pk + p * 16, _mm256_loadu_ps(B + p * ldb + j));
+                _mm256_store_ps(pk + p * 16 + 8, _mm256_loadu_ps(B + p * ldb + j + 8));
+            }
+            gemm_panel(2, 0, m, 16, k, A, ars, acs, pk, 16, C + j, ldc, accumulate, rs);
+        }
+    }
     for (; j + 16 <= n; j += 16) gemm_panel(2, 0, m, 16, k, A, ars, acs, B + j, ldb, C + j, ldc, accumulate, rs);
     const int64_t nr = n - j; /* the last n % 16 columns */
     if (nr > 8)

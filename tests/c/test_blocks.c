@@ -23,6 +23,16 @@ static int close_enough(float a, float b, float rtol, float atol) {
     return fabsf(a - b) <= atol + rtol * fabsf(b);
 }
 
+/* B (k, n) copied to rows WIDE_LDB floats (512 bytes) apart, the stride of
+ * D = 128 rows, which the AVX2 GEMM reads through a packed copy */
+#define WIDE_LDB 128
+static float *wide_rows(const float *B, int64_t k, int64_t n, int64_t ldb) {
+    float *w = malloc(sizeof(float) * k * WIDE_LDB);
+    for (int64_t x = 0; x < k * WIDE_LDB; x++) w[x] = NAN; /* never read: NaN would show */
+    for (int64_t p = 0; p < k; p++) memcpy(w + p * WIDE_LDB, B + p * ldb, sizeof(float) * n);
+    return w;
+}
+
 /* rtol: 1e-5 for float32 FMAs and the 6-product AMX split, 1e-4 for the 3-product one */
 static void test_gemm(const ma_blocks *v, float rtol) {
     static const int64_t sizes[] = {1, 3, 4, 5, 8, 15, 16, 17, 31, 32, 33, 64, 65};
@@ -37,10 +47,19 @@ static void test_gemm(const ma_blocks *v, float rtol) {
                         float *C0 = malloc(sizeof(float) * m * ldc), *C1 = malloc(sizeof(float) * m * ldc);
                         for (int64_t x = 0; x < m * k; x++) A[x] = frand();
                         for (int64_t x = 0; x < k * ldb; x++) B[x] = frand();
-                        for (int64_t x = 0; x < m * ldc; x++) C0[x] = C1[x] = frand();
+                        float *Cin = malloc(sizeof(float) * m * ldc);
+                        for (int64_t x = 0; x < m * ldc; x++) Cin[x] = C0[x] = C1[x] = frand();
                         const int64_t ars = trans ? 1 : k, acs = trans ? m : 1;
                         ma_blocks_scalar.gemm(m, n, k, A, ars, acs, B, ldb, C0, ldc, accumulate);
                         v->gemm(m, n, k, A, ars, acs, B, ldb, C1, ldc, accumulate);
+                        /* B rows 512 bytes apart (AVX2 copies such panels first): the same bits */
+                        float *Bw = wide_rows(B, k, n, ldb), *C2 = malloc(sizeof(float) * m * ldc);
+                        memcpy(C2, Cin, sizeof(float) * m * ldc);
+                        v->gemm(m, n, k, A, ars, acs, Bw, WIDE_LDB, C2, ldc, accumulate);
+                        CHECK(memcmp(C1, C2, sizeof(float) * m * ldc) == 0,
+                              "%s gemm m=%ld n=%ld k=%ld trans=%d acc=%d: ldb %d differs from ldb %ld", v->name,
+                              (long)m, (long)n, (long)k, trans, accumulate, WIDE_LDB, (long)ldb);
+                        free(Bw), free(C2);
                         for (int64_t i = 0; i < m; i++)
                             for (int64_t j = 0; j < ldc; j++) {
                                 const float a = C1[i * ldc + j], b = C0[i * ldc + j];
@@ -52,7 +71,7 @@ static void test_gemm(const ma_blocks *v, float rtol) {
                                 else /* padding columns of C are never touched */
                                     CHECK(a == b, "%s gemm wrote past n: m=%ld n=%ld", v->name, (long)m, (long)n);
                             }
-                        free(A), free(B), free(C0), free(C1);
+                        free(A), free(B), free(C0), free(C1), free(Cin);
                     }
 }
 
@@ -74,7 +93,8 @@ static void test_gemm_rowscale(const ma_blocks *v) {
                     float *C2 = malloc(sizeof(float) * m * ldc), *rs = malloc(sizeof(float) * m);
                     for (int64_t x = 0; x < m * k; x++) A[x] = frand();
                     for (int64_t x = 0; x < k * ldb; x++) B[x] = frand();
-                    for (int64_t x = 0; x < m * ldc; x++) C0[x] = C1[x] = C2[x] = frand();
+                    float *Cin = malloc(sizeof(float) * m * ldc);
+                    for (int64_t x = 0; x < m * ldc; x++) Cin[x] = C0[x] = C1[x] = C2[x] = frand();
                     for (int64_t i = 0; i < m; i++) rs[i] = i % 3 == 0 ? 1.0f : i % 7 == 1 ? 0.0f : 0.5f + 0.4f * frand();
                     const float *r = with_rs ? rs : NULL;
                     ma_blocks_scalar.gemm_rowscale(m, n, k, A, ars, acs, B, ldb, C0, ldc, r);
@@ -82,6 +102,15 @@ static void test_gemm_rowscale(const ma_blocks *v) {
                     for (int64_t i = 0; i < m; i++) /* the separate pass */
                         for (int64_t j = 0; j < n; j++) C2[i * ldc + j] *= r ? r[i] : 1.0f;
                     v->gemm(m, n, k, A, ars, acs, B, ldb, C2, ldc, 1);
+                    if (n <= WIDE_LDB) { /* B rows 512 bytes apart: the same bits */
+                        float *Bw = wide_rows(B, k, n, ldb), *C3 = malloc(sizeof(float) * m * ldc);
+                        memcpy(C3, Cin, sizeof(float) * m * ldc);
+                        v->gemm_rowscale(m, n, k, A, ars, acs, Bw, WIDE_LDB, C3, ldc, r);
+                        CHECK(memcmp(C1, C3, sizeof(float) * m * ldc) == 0,
+                              "%s gemm_rowscale m=%ld n=%ld k=%ld rs=%d: ldb %d differs from ldb %ld", v->name,
+                              (long)m, (long)n, (long)k, with_rs, WIDE_LDB, (long)ldb);
+                        free(Bw), free(C3);
+                    }
                     for (int64_t i = 0; i < m; i++)
                         for (int64_t j = 0; j < ldc; j++) {
                             const float a = C1[i * ldc + j];
@@ -93,7 +122,7 @@ static void test_gemm_rowscale(const ma_blocks *v) {
                                       "%s gemm_rowscale m=%ld n=%ld k=%ld C[%ld,%ld] %g vs scalar %g", v->name,
                                       (long)m, (long)n, (long)k, (long)i, (long)j, a, C0[i * ldc + j]);
                         }
-                    free(A), free(B), free(C0), free(C1), free(C2), free(rs);
+                    free(A), free(B), free(C0), free(C1), free(C2), free(rs), free(Cin);
                 }
 }
 
