@@ -219,6 +219,9 @@ typedef struct {
      * summed in chunk order by the reduce task */
     void *dq_part, *dhm_part;
     int64_t kv_chunks;
+    /* single pass: key blocks an item holds at once (ma_attn_bwd_key_group;
+     * 0 or 1: one); the results are the same bits for every value */
+    int64_t key_group;
 } ma_attn_bwd_params;
 
 /* stream_stores: the outputs are large (the shim sets it from their size), so
@@ -265,6 +268,13 @@ size_t ma_attn_bwd_scratch_bytes(const ma_attn_bwd_params *p);
  * passes do not allow it.) */
 int ma_attn_bwd_single_pass(const ma_attn_bwd_params *p);
 int64_t ma_attn_bwd_kv_chunks(const ma_attn_bwd_params *p);
+/* An item of the single pass takes its chunk's key blocks this many at a
+ * time, visiting each query block once per group rather than once per key
+ * block: more than one where the Q, dO and dq rows of an item's heads would
+ * not stay in a core's L2 between key blocks (a rule on the shape; the
+ * kernels may still take 1, attention_tmpl.h FN(bwd_key_group)). Set
+ * before ma_attn_bwd_scratch_bytes, which depends on it. */
+int64_t ma_attn_bwd_key_group(const ma_attn_bwd_params *p);
 void ma_attn_bwd_fused_task(int64_t begin, int64_t end, void *ctx);
 int64_t ma_attn_bwd_fused_work_items(const ma_attn_bwd_params *p);
 void ma_attn_bwd_reduce_task(int64_t begin, int64_t end, void *ctx);

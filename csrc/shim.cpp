@@ -623,6 +623,18 @@ void check_out_lo(const std::optional<Tensor>& out_lo, std::vector<int64_t> dims
   if (out_lo.has_value()) check_shape(*out_lo, "out_lo", std::move(dims), dims_str, dtype);
 }
 
+// MASKED_ATTN_BWD_KEY_GROUP=n, read once per process: the single-pass
+// backward takes its key blocks n at a time instead of by the shape rule
+// (ma_attn_bwd_key_group). The results are the same bits for every n; the
+// tests check it (tests/test_isa.py), benchmarks compare the speeds.
+int64_t bwd_key_group_override() {
+  static const int64_t n = [] {
+    const char* env = std::getenv("MASKED_ATTN_BWD_KEY_GROUP");
+    return env ? static_cast<int64_t>(std::atoll(env)) : int64_t{0};
+  }();
+  return n;
+}
+
 // The backward, writing dq, dk, dv into the given (B, H, L, D) tensors (any
 // strides); returns (grad_head_mask, grad_scores).
 std::tuple<Tensor, Tensor> attn_backward_impl(
@@ -681,6 +693,7 @@ std::tuple<Tensor, Tensor> attn_backward_impl(
   if (out_lo.has_value()) fill_strides4(p.a.out_lo_stride, *out_lo);
   p.delta = delta.mutable_data_ptr();
   p.kv_chunks = 1;
+  p.key_group = bwd_key_group_override() > 0 ? bwd_key_group_override() : ma_attn_bwd_key_group(&p);
 
   const size_t bytes = ma_attn_bwd_scratch_bytes(&p);
   if (s.Lk == 0) {

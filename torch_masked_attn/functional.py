@@ -277,7 +277,6 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     allowed key give 0, as PyTorch does from 2.5 on. dropout_p > 0 drops
     attention probabilities inside the kernels (whenever given, as F.sdpa),
     the mask drawn from PyTorch's default generator.
-    allowed key give 0, as PyTorch does from 2.5 on.
 
     Keyword-only extensions (not in PyTorch), as in masked_attention:
     window=(left, right), softcap, sinks (Hq,).

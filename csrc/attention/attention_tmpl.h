@@ -1033,16 +1033,43 @@ static inline size_t FN(bwd_scratch_elems)(int64_t BQ, int64_t BK, int64_t D, in
 /* Elements after the tiles that each backward pass carves from t.extra:
  *   dq pass    K, V head caches (Lk, D), (Lk, Dv)            if they need converting
  *   dkdv pass  Q, dO caches of the G heads (G, Lq, D), (G, Lq, Dv)   if they need converting
- *   single pass  dq (G, Lq, D), delta, lse, dhm (G, Lq), then the Q, dO caches */
+ *   single pass  dq (G, Lq, D), delta, lse, dhm (G, Lq), then the Q, dO caches,
+ *              then the regions of key blocks 2 .. of a group (FN(bwd_key_slot_elems)) */
 static inline int64_t FN(bwd_qg_cache_elems)(const ma_attn_bwd_params *p) {
     const int64_t G = p->a.H / p->a.Hkv;
     return (FN(needs_copy)(p->a.dtype, p->a.q_stride) ? G * p->a.Lq * p->a.D : 0) +
            (FN(needs_copy)(p->a.dtype, p->dout_stride) ? G * p->a.Lq * p->a.Dv : 0);
 }
 
+/* Key blocks the single pass holds at once (FN(attn_bwd_fused)):
+ * p->key_group (ma_attn_bwd_key_group) up to MA_BWD_KEY_GROUP, where every
+ * key block's query blocks start on one grid so that a query block's tiles
+ * are visited together (a causal band with block_k a multiple of block_q, or
+ * any other band); else 1, as with tile hooks (they keep one key block's
+ * operands). */
+#ifndef MA_BWD_KEY_GROUP
+#define MA_BWD_KEY_GROUP 4
+#endif
+static inline int64_t FN(bwd_key_group)(const ma_attn_bwd_params *p) {
+#ifdef MA_TILE_HOOKS
+    (void)p;
+    return 1;
+#else
+    const int grid = p->a.band_hi != 0 || p->a.block_k % p->a.block_q == 0;
+    return grid ? ma_max(1, ma_min(p->key_group, MA_BWD_KEY_GROUP)) : 1;
+#endif
+}
+
+/* A key block's own regions in the single pass, for each block of the group after the first (whose are the tiles') */
+static inline int64_t FN(bwd_key_slot_elems)(const ma_attn_bwd_params *p) {
+    return p->a.block_k * (3 * p->a.D + 2 * p->a.Dv); /* kT, kbuf, dk (BK, D); vT, dv (BK, Dv) */
+}
+
 static inline size_t FN(bwd_extra_elems)(const ma_attn_bwd_params *p, int single_pass) {
     const int64_t G = p->a.H / p->a.Hkv;
-    if (single_pass) return (size_t)(G * p->a.Lq * (p->a.D + 3) + FN(bwd_qg_cache_elems)(p));
+    if (single_pass)
+        return (size_t)(G * p->a.Lq * (p->a.D + 3) + FN(bwd_qg_cache_elems)(p) +
+                        (FN(bwd_key_group)(p) - 1) * FN(bwd_key_slot_elems)(p));
     const int64_t kv = (FN(needs_copy)(p->a.dtype, p->a.k_stride) ? p->a.Lk * p->a.D : 0) +
                        (FN(needs_copy)(p->a.dtype, p->a.v_stride) ? p->a.Lk * p->a.Dv : 0);
     const int64_t qg = FN(bwd_qg_cache_elems)(p);
@@ -1476,80 +1503,115 @@ static void FN(tiles_bwd_scores)(FN(tiles) *T, int64_t gi, int64_t h, int64_t i0
 static void FN(tiles_bwd_dp)(FN(tiles) *T, int64_t gi, int64_t h, int64_t i0, int64_t nr);
 static void FN(tiles_bwd_accum)(FN(tiles) *T, ACC *dq_i, int64_t gi, int64_t h, int64_t i0, int64_t nr);
 static void FN(tiles_bwd_keys_end)(FN(tiles) *T, int64_t nc);
-#define BWD_STEP(step, ...) (hooked ? FN(tiles_bwd_##step)(tiles, __VA_ARGS__) : FN(gen_bwd_##step)(&gen, __VA_ARGS__))
+/* the hooks hold one key block (FN(bwd_key_group) is 1): slot x is always 0 for them */
+#define BWD_STEP(step, x, ...) \
+    (hooked ? FN(tiles_bwd_##step)(tiles, __VA_ARGS__) : FN(gen_bwd_##step)(&gen[x], __VA_ARGS__))
 #else
-#define BWD_STEP(step, ...) FN(gen_bwd_##step)(&gen, __VA_ARGS__)
+#define BWD_STEP(step, x, ...) FN(gen_bwd_##step)(&gen[x], __VA_ARGS__)
 #endif
 
-/* Single pass, work item (b, hkv): for every key block (outer loop) and every
- * query block of the G heads of the group (inner loop), dk and dv of the key
- * block accumulate in tiles while dq of every query of the group accumulates
- * in scratch, (G, Lq, D), always in key-block order. 5 matrix products and
- * one exp per tile instead of the two passes' 7 and two; chosen by shape
- * alone (ma_attn_bwd_single_pass) so results never depend on the thread
- * count. No dweights here (the two passes handle them). */
+/* Single pass, work item (b, hkv, key chunk c): the chunk's key blocks are
+ * c, c + C, c + 2C, ... (C = kv_chunks), taken KG = FN(bwd_key_group) at a
+ * time. For every query block of the G heads of the group (outer loop) and
+ * every key block of the KG (inner loop), dk and dv of the key block
+ * accumulate in its tiles while dq of every query of the group accumulates
+ * in scratch, (G, Lq, D), or in chunk c's partial sums. So a query block's
+ * Q, dO and dq rows serve KG key blocks while they are in cache. Each dq row
+ * still sums its key blocks in key order and each dk, dv row its query
+ * blocks in (head, query) order: the results are those of KG = 1, bit for
+ * bit. 5 matrix products and one exp per tile instead of the two passes' 7
+ * and two; chosen by shape alone (ma_attn_bwd_single_pass) so results never
+ * depend on the thread count. No dweights here (the two passes handle them). */
 static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
     const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
     const ma_attn_bwd_params *p = (const ma_attn_bwd_params *)ctx->params;
     const int64_t H = p->a.H, Hkv = p->a.Hkv, G = p->a.H / p->a.Hkv, Lq = p->a.Lq, Lk = p->a.Lk, D = p->a.D, Dv = p->a.Dv;
-    const int64_t BQ = p->a.block_q, BK = p->a.block_k;
+    const int64_t BQ = p->a.block_q, BK = p->a.block_k, C = p->kv_chunks, KG = FN(bwd_key_group)(p);
     FN(bwd_scratch) t = FN(bwd_carve)(ctx->scratch, BQ, BK, D, Dv);
     ACC *dq_all = t.extra;                                                   /* (G, Lq, D) */
     ACC *delta_all = dq_all + G * Lq * D;                                    /* (G, Lq) */
     ACC *lse_all = delta_all + G * Lq;                                       /* (G, Lq), -inf -> 0 */
     ACC *dhm_all = lse_all + G * Lq;                                         /* (G, Lq) */
     ACC *qc = dhm_all + G * Lq, *gc = qc + (FN(needs_copy)(p->a.dtype, p->a.q_stride) ? G * Lq * D : 0);
-    FN(gen_bwd) gen = {&t, (ma_scratch_header *)ctx->scratch, p, qc, gc, 0, 0, 0, 0, 0, 0, 0,
-                       NULL, NULL, NULL, NULL, NULL};
+    ACC *slot = gc + (FN(needs_copy)(p->a.dtype, p->dout_stride) ? G * Lq * Dv : 0);
+    /* key block x of a group: its own kT, vT, kbuf, dk, dv; the tiles' regions otherwise */
+    FN(bwd_scratch) tk[MA_BWD_KEY_GROUP];
+    FN(gen_bwd) gen[MA_BWD_KEY_GROUP];
+    for (int64_t x = 0; x < KG; x++) {
+        tk[x] = t;
+        if (x > 0) {
+            tk[x].kT = slot;   slot += D * BK;
+            tk[x].kbuf = slot; slot += BK * D;
+            tk[x].dk = slot;   slot += BK * D;
+            tk[x].vT = slot;   slot += Dv * BK;
+            tk[x].dv = slot;   slot += BK * Dv;
+        }
+        gen[x] = (FN(gen_bwd)){&tk[x], (ma_scratch_header *)ctx->scratch, p, qc, gc, 0, 0, 0, 0, 0, 0, 0,
+                               NULL, NULL, NULL, NULL, NULL};
+    }
 #ifdef MA_TILE_HOOKS
     const int hooked = 1; /* the single pass never reads dweights */
     FN(tiles) *tiles = NULL;
     FN(tiles_bwd_begin)(&tiles, p, &t, (char *)ctx->scratch + FN(generic_bwd_scratch_bytes)(p));
 #endif
 
-    const int64_t C = p->kv_chunks;
     for (int64_t w = begin; w < end; w++) {
         const int64_t c = w % C, b = w / C / Hkv, hk = (w / C) % Hkv;
         /* dq of the group's heads accumulates in this thread's scratch, or in chunk c's partial sums */
         ACC *dq_acc = p->dq_part ? (ACC *)p->dq_part + ((c * p->a.B + b) * H + hk * G) * Lq * D : dq_all;
-        BWD_STEP(group, b, hk);
+        for (int64_t x = 0; x < KG; x++) BWD_STEP(group, x, b, hk); /* converts Q, dO once: the caches are shared */
         for (int64_t g = 0; g < G; g++) {
             const int64_t h = hk * G + g;
             FN(delta_rows)(p, b, h, t.gbuf, delta_all + g * Lq, lse_all + g * Lq, dhm_all + g * Lq);
         }
         for (int64_t x = 0; x < G * Lq * D; x++) dq_acc[x] = 0;
 
-        for (int64_t j0 = c * BK; j0 < Lk; j0 += C * BK) {
-            const int64_t nc_out = ma_min(BK, Lk - j0);           /* rows of dk, dv written */
-            const int64_t nc = FN(bwd_keys_read)(p, b, j0, nc_out); /* keys read; the rest get 0 */
-            for (int64_t x = 0; x < nc_out * D; x++) t.dk[x] = 0;
-            for (int64_t x = 0; x < nc_out * Dv; x++) t.dv[x] = 0;
-            if (nc > 0) {
-                BWD_STEP(keys, j0, nc);
-                int64_t i_begin, i_end;
-                FN(q_range)(&p->a, j0, nc, &i_begin, &i_end);
-                for (int64_t g = 0; g < G; g++) {
-                    const int64_t h = hk * G + g;
-                    const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
-                    ma_dropout dr_buf;
-                    const ma_dropout *dr = FN(head_dropout)(&p->a, b, h, &dr_buf);
-                    for (int64_t i0 = i_begin; i0 < i_end; i0 += BQ) {
-                        const int64_t nr = ma_min(BQ, Lq - i0);
-                        const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
+        for (int64_t jg = c * BK; jg < Lk; jg += KG * C * BK) {
+            /* the group: key blocks j0[x] = jg + x C BK, their keys read nc[x] and query blocks [ib[x], ie[x]) */
+            int64_t j0[MA_BWD_KEY_GROUP], nc[MA_BWD_KEY_GROUP], ib[MA_BWD_KEY_GROUP], ie[MA_BWD_KEY_GROUP];
+            int64_t nk = 0, i_lo = Lq, i_hi = 0;
+            for (; nk < KG && jg + nk * C * BK < Lk; nk++) {
+                const int64_t x = nk;
+                j0[x] = jg + x * C * BK;
+                const int64_t nc_out = ma_min(BK, Lk - j0[x]);        /* rows of dk, dv written */
+                nc[x] = FN(bwd_keys_read)(p, b, j0[x], nc_out);       /* keys read; the rest get 0 */
+                for (int64_t e = 0; e < nc_out * D; e++) tk[x].dk[e] = 0;
+                for (int64_t e = 0; e < nc_out * Dv; e++) tk[x].dv[e] = 0;
+                ib[x] = ie[x] = 0;
+                if (nc[x] > 0) {
+                    BWD_STEP(keys, x, j0[x], nc[x]);
+                    FN(q_range)(&p->a, j0[x], nc[x], &ib[x], &ie[x]);
+                    if (ib[x] < ie[x]) i_lo = ma_min(i_lo, ib[x]), i_hi = ma_max(i_hi, ie[x]);
+                }
+            }
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t h = hk * G + g;
+                const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
+                ma_dropout dr_buf;
+                const ma_dropout *dr = FN(head_dropout)(&p->a, b, h, &dr_buf);
+                for (int64_t i0 = i_lo; i0 < i_hi; i0 += BQ) { /* every ib[x] is on this grid (bwd_key_group) */
+                    const int64_t nr = ma_min(BQ, Lq - i0);
+                    for (int64_t x = 0; x < nk; x++) {
+                        if (nc[x] <= 0 || i0 < ib[x] || i0 >= ie[x]) continue;
+                        const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0[x], nc[x]);
                         if (ms == MA_TILE_BLOCKED) continue; /* dS = 0, hm P = 0: nothing to add; dscores stays 0 */
-                        BWD_STEP(scores, g, h, i0, nr);
-                        BWD_STEP(dp, g, h, i0, nr);
-                        FN(bwd_tile_softmax)(t.s, t.dp, t.th, p, b, h, hm, i0, nr, j0, nc, ms, lse_all + g * Lq + i0,
-                                             delta_all + g * Lq + i0, p->dhm_rows ? dhm_all + g * Lq + i0 : NULL, dr,
-                                             t.z, 1);
-                        BWD_STEP(accum, dq_acc + (g * Lq + i0) * D, g, h, i0, nr);
+                        BWD_STEP(scores, x, g, h, i0, nr);
+                        BWD_STEP(dp, x, g, h, i0, nr);
+                        FN(bwd_tile_softmax)(tk[x].s, tk[x].dp, tk[x].th, p, b, h, hm, i0, nr, j0[x], nc[x], ms,
+                                             lse_all + g * Lq + i0, delta_all + g * Lq + i0,
+                                             p->dhm_rows ? dhm_all + g * Lq + i0 : NULL, dr, tk[x].z, 1);
+                        BWD_STEP(accum, x, dq_acc + (g * Lq + i0) * D, g, h, i0, nr);
                     }
                 }
-                BWD_STEP(keys_end, nc);
             }
-            FN(store_tile)(p->dk, p->a.dtype, p->dk_stride, b, hk, j0, nc_out, D, t.dk, (ACC)p->a.scale,
-                           p->a.stream_stores);
-            FN(store_tile)(p->dv, p->a.dtype, p->dv_stride, b, hk, j0, nc_out, Dv, t.dv, 1, p->a.stream_stores);
+            for (int64_t x = 0; x < nk; x++) {
+                const int64_t nc_out = ma_min(BK, Lk - j0[x]);
+                if (nc[x] > 0) BWD_STEP(keys_end, x, nc[x]);
+                FN(store_tile)(p->dk, p->a.dtype, p->dk_stride, b, hk, j0[x], nc_out, D, tk[x].dk, (ACC)p->a.scale,
+                               p->a.stream_stores);
+                FN(store_tile)(p->dv, p->a.dtype, p->dv_stride, b, hk, j0[x], nc_out, Dv, tk[x].dv, 1,
+                               p->a.stream_stores);
+            }
         }
         for (int64_t g = 0; g < G; g++) {
             const int64_t h = hk * G + g;

@@ -75,6 +75,7 @@ static inline void ma_store_f64(void *base, ma_dtype dt, int64_t off, double x) 
 
 static inline int64_t ma_cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 static inline int64_t ma_min(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t ma_max(int64_t a, int64_t b) { return a > b ? a : b; }
 static inline size_t ma_round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
 #endif /* MA_DTYPE_H */
