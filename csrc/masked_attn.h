@@ -220,9 +220,11 @@ typedef struct {
     void *dq_part, *dhm_part;
     int64_t kv_chunks;
     /* single pass: key blocks an item holds at once (ma_attn_bwd_key_group;
-     * 0 or 1: one); the results are the same bits for every value */
+     * 0 or 1: one; at most MA_BWD_KEY_GROUP_MAX); the same bits for every value */
     int64_t key_group;
 } ma_attn_bwd_params;
+
+#define MA_BWD_KEY_GROUP_MAX 4
 
 /* stream_stores: the outputs are large (the shim sets it from their size), so
  * no cache could keep them until they are read: the SIMD variants write their

@@ -693,7 +693,8 @@ std::tuple<Tensor, Tensor> attn_backward_impl(
   if (out_lo.has_value()) fill_strides4(p.a.out_lo_stride, *out_lo);
   p.delta = delta.mutable_data_ptr();
   p.kv_chunks = 1;
-  p.key_group = bwd_key_group_override() > 0 ? bwd_key_group_override() : ma_attn_bwd_key_group(&p);
+  const int64_t forced_key_group = bwd_key_group_override();
+  p.key_group = forced_key_group > 0 ? forced_key_group : ma_attn_bwd_key_group(&p);
 
   const size_t bytes = ma_attn_bwd_scratch_bytes(&p);
   if (s.Lk == 0) {

@@ -1042,21 +1042,18 @@ static inline int64_t FN(bwd_qg_cache_elems)(const ma_attn_bwd_params *p) {
 }
 
 /* Key blocks the single pass holds at once (FN(attn_bwd_fused)):
- * p->key_group (ma_attn_bwd_key_group) up to MA_BWD_KEY_GROUP, where every
+ * p->key_group (ma_attn_bwd_key_group) up to MA_BWD_KEY_GROUP_MAX, where every
  * key block's query blocks start on one grid so that a query block's tiles
  * are visited together (a causal band with block_k a multiple of block_q, or
  * any other band); else 1, as with tile hooks (they keep one key block's
  * operands). */
-#ifndef MA_BWD_KEY_GROUP
-#define MA_BWD_KEY_GROUP 4
-#endif
 static inline int64_t FN(bwd_key_group)(const ma_attn_bwd_params *p) {
 #ifdef MA_TILE_HOOKS
     (void)p;
     return 1;
 #else
     const int grid = p->a.band_hi != 0 || p->a.block_k % p->a.block_q == 0;
-    return grid ? ma_max(1, ma_min(p->key_group, MA_BWD_KEY_GROUP)) : 1;
+    return grid ? ma_max(1, ma_min(p->key_group, MA_BWD_KEY_GROUP_MAX)) : 1;
 #endif
 }
 
@@ -1535,8 +1532,8 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
     ACC *qc = dhm_all + G * Lq, *gc = qc + (FN(needs_copy)(p->a.dtype, p->a.q_stride) ? G * Lq * D : 0);
     ACC *slot = gc + (FN(needs_copy)(p->a.dtype, p->dout_stride) ? G * Lq * Dv : 0);
     /* key block x of a group: its own kT, vT, kbuf, dk, dv; the tiles' regions otherwise */
-    FN(bwd_scratch) tk[MA_BWD_KEY_GROUP];
-    FN(gen_bwd) gen[MA_BWD_KEY_GROUP];
+    FN(bwd_scratch) tk[MA_BWD_KEY_GROUP_MAX];
+    FN(gen_bwd) gen[MA_BWD_KEY_GROUP_MAX];
     for (int64_t x = 0; x < KG; x++) {
         tk[x] = t;
         if (x > 0) {
@@ -1568,7 +1565,7 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
 
         for (int64_t jg = c * BK; jg < Lk; jg += KG * C * BK) {
             /* the group: key blocks j0[x] = jg + x C BK, their keys read nc[x] and query blocks [ib[x], ie[x]) */
-            int64_t j0[MA_BWD_KEY_GROUP], nc[MA_BWD_KEY_GROUP], ib[MA_BWD_KEY_GROUP], ie[MA_BWD_KEY_GROUP];
+            int64_t j0[MA_BWD_KEY_GROUP_MAX], nc[MA_BWD_KEY_GROUP_MAX], ib[MA_BWD_KEY_GROUP_MAX], ie[MA_BWD_KEY_GROUP_MAX];
             int64_t nk = 0, i_lo = Lq, i_hi = 0;
             for (; nk < KG && jg + nk * C * BK < Lk; nk++) {
                 const int64_t x = nk;

@@ -57,7 +57,7 @@ int64_t ma_attn_bwd_kv_chunks(const ma_attn_bwd_params *p) {
     return c < nk ? c : nk;
 }
 
-/* More than 1 MB of Q, dO, dq rows per item: 4. Measured on Zen 3 (512 KB
+/* More than 1 MB of Q, dO, dq rows per item: MA_BWD_KEY_GROUP_MAX (4). Measured on Zen 3 (512 KB
  * L2), in one process: one-head-long (D = 128, L = 8192, 12 MB) 6% faster
  * forward + backward on 2 threads, 10% on one; long-causal (3 MB) and
  * gpt-train (384 KB) the same within 0.5%. */
@@ -65,7 +65,7 @@ int64_t ma_attn_bwd_key_group(const ma_attn_bwd_params *p) {
     const int64_t G = p->a.H / p->a.Hkv;
     const double acc = p->a.dtype == MA_F64 ? 8.0 : 4.0;
     const double query_side = (double)G * (double)p->a.Lq * (double)(2 * p->a.D + p->a.Dv) * acc;
-    return query_side > (double)(1 << 20) ? 4 : 1;
+    return query_side > (double)(1 << 20) ? MA_BWD_KEY_GROUP_MAX : 1;
 }
 
 int64_t ma_attn_bwd_fused_work_items(const ma_attn_bwd_params *p) { return p->a.B * p->a.Hkv * p->kv_chunks; }
