@@ -191,7 +191,16 @@ typedef struct {
     void *out_lo;
     /* inputs */
     ma_attn_args a;
+    /* short query blocks of consecutive heads a task takes together, key block
+     * by key block (ma_attn_fwd_head_group; 0 or 1: one head at a time; at
+     * most MA_FWD_HEAD_GROUP_MAX); the same bits for every value */
+    int64_t head_group;
 } ma_attn_fwd_params;
+
+/* Query blocks of at most MA_FWD_ROWS rows (decoding) read the key and value
+ * rows in place (attention_tmpl.h, FN(fwd_by_rows)). */
+#define MA_FWD_ROWS 8
+#define MA_FWD_HEAD_GROUP_MAX 16
 
 typedef struct {
     /* outputs (overwritten, never accumulated) */
@@ -239,6 +248,15 @@ typedef struct {
 void ma_attn_fwd_task(int64_t begin, int64_t end, void *ctx);
 int64_t ma_attn_fwd_work_items(const ma_attn_fwd_params *p);
 size_t ma_attn_fwd_scratch_bytes(const ma_attn_fwd_params *p);
+/* Heads of one query block a task may take together: where every query block
+ * is short (decoding) and the heads lie side by side in each key row (a
+ * (T, H, D) packed or paged cache, a (B, L, H, D) projection), a task given
+ * consecutive items of one entry and query block reads each key block for
+ * up to MA_FWD_HEAD_GROUP_MAX heads at once, so that the rows it reads are
+ * whole runs of heads rather than D elements every H * D. 1 elsewhere. The
+ * shim sets head_group from it before ma_attn_fwd_scratch_bytes, which
+ * depends on it, and hands out that many items at a time. */
+int64_t ma_attn_fwd_head_group(const ma_attn_fwd_params *p);
 
 /* Backward, two passes, run in this order:
  *  1. dq pass, work item = (b, h, q-block): computes delta for its rows, then dq

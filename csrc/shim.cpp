@@ -280,15 +280,21 @@ constexpr int64_t kStreamBytes = int64_t{4} << 20;
 
 bool worth_streaming(const Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()) >= kStreamBytes; }
 
-// Forward work items a thread takes at a time: consecutive query blocks of
-// one head (the kernel orders a head's blocks cheap, expensive, cheap, ...),
-// up to the whole head, so that a thread reads that head's K and V into its
-// own L2 once instead of both threads pulling every head; at least 8 takes
-// per thread are left for balance. Results do not depend on it: every query
-// block is computed the same way by whichever thread takes it.
+// Forward work items a thread takes at a time. Where runs of heads are taken
+// (head_group > 1: decoding from a cache whose heads lie side by side in each
+// row), up to a run's heads, while every thread still gets 2 takes. Else
+// consecutive query blocks of one head (the kernel orders a head's blocks
+// cheap, expensive, cheap, ...), up to the whole head, so that a thread reads
+// that head's K and V into its own L2 once instead of both threads pulling
+// every head; at least 8 takes per thread are left for balance; varlen one
+// item at a time (its items come most expensive first). Results do not
+// depend on it: every query block is computed the same way by whichever
+// thread takes it, alone or in a run.
 int64_t fwd_grain(const ma_attn_fwd_params& p) {
   const int64_t n = ma_attn_fwd_work_items(&p), nq = (p.a.Lq + p.a.block_q - 1) / p.a.block_q;
   const int64_t threads = std::max<int64_t>(1, torch::stable::get_num_threads());
+  if (p.head_group > 1) return std::max<int64_t>(1, std::min<int64_t>(p.head_group, n / (2 * threads)));
+  if (p.a.cu_q) return 1;
   return std::max<int64_t>(1, std::min<int64_t>(nq, n / (8 * threads)));
 }
 
@@ -604,6 +610,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tens
     if (low) torch::stable::zero_(out_lo);
     return {out, lse, weights, out_lo};
   }
+  p.head_group = ma_attn_fwd_head_group(&p);
   run_tasks(ma_attn_fwd_task, &p, ma_attn_fwd_work_items(&p), ma_attn_fwd_scratch_bytes(&p), q, fwd_grain(p));
   return {out, lse, weights, out_lo};
 }
@@ -1027,7 +1034,8 @@ std::tuple<Tensor, Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, 
   p.a = varlen_args(r, q, k, v, out, cu_seq_q, cu_seq_k, seqused_k, sc, window_left, window_right, cap, sk,
                     worth_streaming(out), block_table);
   if (low) fill_strides_thd(p.a.out_lo_stride, out_lo);
-  run_tasks(ma_attn_fwd_task, &p, ma_attn_fwd_work_items(&p), ma_attn_fwd_scratch_bytes(&p), q, 1);
+  p.head_group = ma_attn_fwd_head_group(&p);
+  run_tasks(ma_attn_fwd_task, &p, ma_attn_fwd_work_items(&p), ma_attn_fwd_scratch_bytes(&p), q, fwd_grain(p));
   return {out, lse, out_lo};
 }
 

@@ -519,3 +519,108 @@ def test_key_groups_same_bits(tmp_path):
         for case, grads in results[""].items():
             for i, (a, b) in enumerate(zip(grads, results[n][case])):
                 assert torch.equal(a, b), f"{case}: gradient {i} differs with MASKED_ATTN_BWD_KEY_GROUP={n}"
+
+
+# (B, H, Hkv, Lk, D, Dv, options) for runs of heads: H = 12 so that the takes
+# (up to 16 items) end inside a batch entry and at its edge
+RUN_CASES = {
+    "mha": (3, 12, 12, 150, 64, 64, {}),
+    "gqa Dv!=D": (2, 12, 4, 200, 64, 48, {}),
+    "causal+kpm": (3, 12, 6, 150, 64, 64, dict(is_causal=True, kpm=True)),
+    "head masks blocked": (2, 12, 12, 200, 32, 32, dict(bool_mask=True, head_mask=True)),
+    "window+softcap+sinks": (2, 12, 4, 180, 64, 64, dict(window=(70, 0), softcap=15.0, sinks=True)),
+    "dropout": (2, 12, 12, 130, 64, 64, dict(dropout_p=0.3)),
+}
+
+
+@pytest.mark.parametrize("isa,dtype", [(isa, torch.float32) for isa in VARIANTS]
+                         + [(isa, torch.bfloat16) for isa in ("scalar", "avx2", "avx512")]
+                         + [("avx2", torch.float16), ("scalar", torch.float64)], ids=str)
+@pytest.mark.parametrize("case", list(RUN_CASES))
+@pytest.mark.parametrize("Lq", [1, 3, 8])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_runs_of_heads_same_bits(isa, dtype, case, Lq, threads):
+    """Decoding from a cache whose heads lie side by side in each row ((B, L,
+    H, D) here, as (T, H, D) packed or paged) takes consecutive heads of a
+    query block together, key block by key block; from a head-major (B, H, L,
+    D) cache one head at a time. The same values either way, bit for bit,
+    with every mask, GQA, dropout, and takes that end inside an entry."""
+    if not isa_available(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    B, H, Hkv, Lk, D, Dv, o = RUN_CASES[case]
+    torch.manual_seed(5)
+    q = torch.randn(B, H, Lq, D, dtype=torch.float64).to(dtype)
+    k_rows = torch.randn(B, Lk, Hkv, D, dtype=torch.float64).to(dtype)   # heads side by side in a row
+    v_rows = torch.randn(B, Lk, Hkv, Dv, dtype=torch.float64).to(dtype)
+    k_side, v_side = k_rows.transpose(1, 2), v_rows.transpose(1, 2)
+    k_major, v_major = k_side.contiguous(), v_side.contiguous()
+    kw = {}
+    if o.get("kpm"):
+        kpm = torch.zeros(B, Lk, dtype=torch.bool)
+        kpm[0, Lk - 40:] = True
+        kpm[-1, 3:70] = True                    # a whole key block of entry B - 1 unread
+        kw["key_padding_mask"] = kpm
+    if o.get("is_causal"):
+        kw["is_causal"] = True
+    if o.get("bool_mask"):                      # some heads' key blocks all blocked, others not
+        am = torch.rand(B, H, Lq, Lk) > 0.3
+        am[:, 0::2, :, :64] = False             # takes start at even heads
+        am[0, 5, :, 64:128] = False
+        am[:, :, :, -1] = True                  # no row fully masked
+        kw["attn_mask"] = am
+    if o.get("head_mask"):
+        kw["head_mask"] = torch.rand(H, dtype=torch.float64).to(dtype)
+    if "window" in o:
+        kw.update(window=o["window"], softcap=o["softcap"])
+    if o.get("sinks"):
+        kw["sinks"] = torch.randn(H, dtype=torch.float64).to(dtype)
+    if "dropout_p" in o:
+        kw.update(dropout_p=o["dropout_p"], dropout_seed=torch.tensor([1234, 7], dtype=torch.int64))
+
+    def call(k, v):
+        with torch.no_grad():
+            return tma.functional.masked_attention(q, k, v, return_lse=True, **kw)
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out_side, lse_side = run_isa(isa, lambda: call(k_side, v_side))
+        out_major, lse_major = run_isa(isa, lambda: call(k_major, v_major))
+    finally:
+        torch.set_num_threads(old)
+    assert torch.isfinite(out_side).all()
+    assert torch.equal(out_side, out_major), f"{(out_side - out_major).abs().max()}"
+    assert torch.equal(lse_side, lse_major)
+
+
+@pytest.mark.parametrize("isa,dtype", [(isa, torch.float32) for isa in VARIANTS]
+                         + [(isa, torch.bfloat16) for isa in ("scalar", "avx2", "avx512")], ids=str)
+@pytest.mark.parametrize("Hkv", [8, 2])
+def test_paged_decoding_runs_same_bits(isa, dtype, Hkv):
+    """varlen_attn from a paged pool (pages, page_size, H_kv, D), the layout
+    paged caches use (heads side by side in a row: runs of heads), against the
+    same pages stored head-major within each page (one head at a time): the
+    same bits, for one query per sequence and for 4 (speculative decoding)."""
+    if not isa_available(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    torch.manual_seed(6)
+    N, H, D, page = 5, 8, 64, 64
+    used = torch.tensor([200, 64, 1, 130, 256], dtype=torch.int32)
+    n_pages = 4 * N
+    table = torch.randperm(n_pages).view(N, 4).to(torch.int32)
+    kp = torch.randn(n_pages, page, Hkv, D, dtype=torch.float64).to(dtype)
+    vp = torch.randn(n_pages, page, Hkv, D, dtype=torch.float64).to(dtype)
+    kp_major, vp_major = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (kp, vp))
+    for lq in (1, 4):
+        q = torch.randn(N * lq, H, D, dtype=torch.float64).to(dtype)
+        cu = torch.arange(0, N * lq + 1, lq, dtype=torch.int32)
+
+        def call(k, v):
+            with torch.no_grad():
+                return tma.functional.varlen_attn(q, k, v, cu, None, lq, 256, seqused_k=used, block_table=table,
+                                                  enable_gqa=Hkv != H)
+
+        side = run_isa(isa, lambda: call(kp, vp))
+        major = run_isa(isa, lambda: call(kp_major, vp_major))
+        assert torch.isfinite(side).all()
+        assert torch.equal(side, major), f"lq={lq}: {(side - major).abs().max()}"

@@ -630,10 +630,37 @@ static void FN(scale_rows)(ACC *C, int64_t ldc, int64_t m, int64_t n, const ACC 
 
 typedef struct {
     ACC *qT, *sT, *o, *m, *m_new, *l, *lsum, *lse;
+    ACC *grp;     /* the states of a run's heads (FN(fwd_head)) when runs are taken */
+    int64_t grp_rows; /* rows each of those states holds */
     ACC *kc, *vc; /* head caches (Lk, D), (Lk, Dv) when K, V need converting */
 } FN(fwd_scratch);
 
-static FN(fwd_scratch) FN(fwd_carve)(void *scratch, int64_t BQ, int64_t BK, int64_t D, int64_t Dv) {
+/* Heads a task takes together (a run, attn_fwd): p->head_group, clamped to
+ * 1 .. MA_FWD_HEAD_GROUP_MAX (ma_attn_fwd_head_group sets it). */
+static inline int64_t FN(fwd_head_group)(const ma_attn_fwd_params *p) {
+    return p->head_group <= 1 ? 1 : ma_min(p->head_group, MA_FWD_HEAD_GROUP_MAX);
+}
+
+/* One head of a run: scale * Q rows (nr, D), O (nr, Dv), running max m and
+ * sum l, its dropout. Rows: at most MA_FWD_ROWS (runs are by rows), and no
+ * more than the longest query sequence. */
+typedef struct {
+    ACC *q, *o, *m, *l;
+    const ma_dropout *dr;
+    ma_dropout dr_buf;
+} FN(fwd_head);
+
+static inline int64_t FN(fwd_head_rows)(const ma_attn_fwd_params *p) { return ma_min(MA_FWD_ROWS, p->a.Lq); }
+static inline int64_t FN(fwd_head_elems)(int64_t rows, int64_t D, int64_t Dv) {
+    return ma_round_up(rows * (D + Dv + 2), MA_CACHE_LINE / sizeof(ACC));
+}
+static size_t FN(fwd_group_elems)(const ma_attn_fwd_params *p) {
+    const int64_t n = FN(fwd_head_group)(p);
+    return n > 1 ? (size_t)(n * FN(fwd_head_elems)(FN(fwd_head_rows)(p), p->a.D, p->a.Dv)) : 0;
+}
+
+static FN(fwd_scratch) FN(fwd_carve)(void *scratch, const ma_attn_fwd_params *p) {
+    const int64_t BQ = p->a.block_q, BK = p->a.block_k, D = p->a.D, Dv = p->a.Dv;
     FN(fwd_scratch) t;
     t.qT = (ACC *)((char *)scratch + MA_CACHE_LINE); /* after the header: (D, BQ) = scale * Q^T */
     t.sT = t.qT + D * BQ;            /* (BK, BQ) scores, then probabilities */
@@ -643,16 +670,27 @@ static FN(fwd_scratch) FN(fwd_carve)(void *scratch, int64_t BQ, int64_t BK, int6
     t.l = t.m_new + BQ;              /* (BQ) running sum */
     t.lsum = t.l + BQ;               /* (BQ) */
     t.lse = t.lsum + BQ;             /* (BQ) */
-    t.kc = t.lse + BQ;
+    t.grp = t.lse + BQ;              /* FN(fwd_group_elems) */
+    t.grp_rows = FN(fwd_head_rows)(p);
+    t.kc = t.grp + FN(fwd_group_elems)(p);
     t.vc = NULL;
     return t;
+}
+
+/* Head x of a run: its state in t->grp. */
+static void FN(fwd_head_carve)(const FN(fwd_scratch) *t, int64_t x, int64_t D, int64_t Dv, FN(fwd_head) *e) {
+    const int64_t R = t->grp_rows;
+    e->q = t->grp + x * FN(fwd_head_elems)(R, D, Dv);
+    e->o = e->q + R * D;
+    e->m = e->o + R * Dv;
+    e->l = e->m + R;
 }
 
 /* Elements of ACC after the header; caches included when K, V need converting. */
 static inline size_t FN(fwd_scratch_elems)(const ma_attn_fwd_params *p) {
     const int64_t BQ = p->a.block_q, BK = p->a.block_k, D = p->a.D, Dv = p->a.Dv;
-    return (size_t)(D * BQ + BK * BQ + BQ * Dv + 5 * BQ +
-                    (FN(needs_copy)(p->a.dtype, p->a.k_stride) ? p->a.Lk * D : 0) +
+    return (size_t)(D * BQ + BK * BQ + BQ * Dv + 5 * BQ) + FN(fwd_group_elems)(p) +
+           (size_t)((FN(needs_copy)(p->a.dtype, p->a.k_stride) ? p->a.Lk * D : 0) +
                     (FN(needs_copy)(p->a.dtype, p->a.v_stride) ? p->a.Lk * Dv : 0));
 }
 
@@ -664,7 +702,6 @@ static inline size_t FN(fwd_scratch_elems)(const ma_attn_fwd_params *p) {
  * handful of queries (its broadcast GEMM is 16-32x wasteful at one column),
  * convert a bfloat16 head to float32 first, and run the column-wise softmax
  * on columns one lane wide; at Lq = 1 the work is reading K and V. */
-#define MA_FWD_ROWS 8
 static inline int FN(fwd_by_rows)(const ma_attn_fwd_params *p, int64_t nr) {
     return nr <= MA_FWD_ROWS && !p->weights && p->a.k_stride[3] == 1 && p->a.v_stride[3] == 1;
 }
@@ -707,10 +744,10 @@ static void FN(sum_rows_in_order)(const ACC *s, int64_t nc, int64_t nr, ACC *lsu
  * the tile's FN(mask_tile_state) (the loop skips MA_TILE_BLOCKED). */
 static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s, ACC *o, ACC *m, ACC *l, ACC *m_new,
                               ACC *lsum, ACC *alpha, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t nr,
-                              int64_t j0, int64_t nc, int am_state, const ma_dropout *dr) {
+                              int64_t j0, int64_t nc, int am_state, const ma_dropout *dr, int alone) {
     const int64_t D = p->a.D, Dv = p->a.Dv, *ks = p->a.k_stride, *vs = p->a.v_stride;
     DOT_KEYS(s, nc, q, nr, D, p->a.k, p->a.dtype, b * ks[0] + hk * ks[1] + FN(key_off)(&p->a, ks, p->a.k_page_stride, b, j0),
-             ks[2], nc);
+             ks[2], nc, alone ? 64 * ks[2] : 0);
     FN(softcap)(s, nr * nc, p->a.softcap, NULL);
     FN(add_bias)(s, nc, 1, &p->a, am_state, b, h, i0, nr, j0, nc);
     for (int64_t r = 0; r < nr; r++) {
@@ -721,7 +758,7 @@ static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s,
     if (FN(online_step)(m, m_new, l, lsum, alpha, nr)) FN(scale_rows)(o, Dv, nr, Dv, alpha);
     if (dr) DROPOUT(s, NULL, nc, 1, nr, nc, dr, i0, j0); /* l summed the whole P; O takes P' */
     AXPY_KEYS(o, s, nc, nr, Dv, p->a.v, p->a.dtype, b * vs[0] + hk * vs[1] + FN(key_off)(&p->a, vs, p->a.v_page_stride, b, j0),
-              vs[2], nc);
+              vs[2], nc, alone ? 64 * vs[2] : 0);
 }
 
 /* ---- tile hooks -------------------------------------------------------------
@@ -843,7 +880,7 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
     const ma_attn_fwd_params *p0 = (const ma_attn_fwd_params *)ctx->params;
     const int64_t H = p0->a.H, G = p0->a.H / p0->a.Hkv, D = p0->a.D, Dv = p0->a.Dv;
     const int64_t BQ = p0->a.block_q, BK = p0->a.block_k;
-    FN(fwd_scratch) t = FN(fwd_carve)(ctx->scratch, BQ, BK, D, Dv);
+    FN(fwd_scratch) t = FN(fwd_carve)(ctx->scratch, p0);
     ma_scratch_header *hdr = (ma_scratch_header *)ctx->scratch;
     t.vc = t.kc + (FN(needs_copy)(p0->a.dtype, p0->a.k_stride) ? p0->a.Lk * D : 0); /* Lk: the longest */
     FN(gen_fwd) gen = {&t, hdr, p0, 0, 0, 0, NULL, NULL};
@@ -853,7 +890,8 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
     if (hooked) FN(tiles_fwd_begin)(&tiles, p0, &t, hdr, (char *)ctx->scratch + FN(generic_fwd_scratch_bytes)(p0));
 #endif
 
-    for (int64_t w = begin; w < end; w++) {
+    const int64_t HGmax = FN(fwd_head_group)(p0);
+    for (int64_t w = begin, run = 1; w < end; w += run) {
         int64_t b, h, qb;
         FN(q_item)(&p0->a, w, &b, &h, &qb);
         ma_attn_fwd_params loc;
@@ -864,32 +902,51 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
         int64_t kv_begin, kv_end;
         FN(kv_range)(&p->a, i0, nr, &kv_begin, &kv_end);
         const int by_rows = FN(fwd_by_rows)(p, nr);
-        ma_dropout dr_buf;
-        const ma_dropout *dr = FN(head_dropout)(&p->a, b, h, &dr_buf);
-
-        if (by_rows) /* scale * Q rows, (nr, D), in qT's place */
-            for (int64_t r = 0; r < nr; r++)
-                FN(convert_row)(t.qT + r * D, 1, p->a.q, p->a.dtype,
-                                b * p->a.q_stride[0] + h * p->a.q_stride[1] + (i0 + r) * p->a.q_stride[2], p->a.q_stride[3],
-                                D, (ACC)p->a.scale);
-        else
-            FWD_STEP(query, b, h, hk, i0, nr);
-        for (int64_t r = 0; r < nr; r++) {
-            t.m[r] = -(ACC)INFINITY;
-            t.l[r] = 0;
+        /* a run: this item and the next ones of the same entry and query block,
+         * heads h + 1, h + 2, ... (by rows only); each head's state of its own */
+        run = 1;
+        if (by_rows)
+            for (int64_t b2, h2, qb2; run < HGmax && w + run < end; run++) {
+                FN(q_item)(&p0->a, w + run, &b2, &h2, &qb2);
+                if (b2 != b || qb2 != qb || h2 != h + run) break;
+            }
+        FN(fwd_head) hd[MA_FWD_HEAD_GROUP_MAX];
+        for (int64_t x = 0; x < run; x++) {
+            FN(fwd_head) *e = &hd[x];
+            if (run == 1)
+                e->q = t.qT, e->o = t.o, e->m = t.m, e->l = t.l;
+            else
+                FN(fwd_head_carve)(&t, x, D, Dv, e);
+            e->dr = FN(head_dropout)(&p->a, b, h + x, &e->dr_buf);
+            if (by_rows) /* scale * Q rows, (nr, D), in qT's place */
+                for (int64_t r = 0; r < nr; r++)
+                    FN(convert_row)(e->q + r * D, 1, p->a.q, p->a.dtype,
+                                    b * p->a.q_stride[0] + (h + x) * p->a.q_stride[1] + (i0 + r) * p->a.q_stride[2],
+                                    p->a.q_stride[3], D, (ACC)p->a.scale);
+            else
+                FWD_STEP(query, b, h, hk, i0, nr);
+            for (int64_t r = 0; r < nr; r++) {
+                e->m[r] = -(ACC)INFINITY;
+                e->l[r] = 0;
+            }
+            for (int64_t y = 0; y < nr * Dv; y++) e->o[y] = 0;
         }
-        for (int64_t x = 0; x < nr * Dv; x++) t.o[x] = 0;
+        const ma_dropout *dr = hd[0].dr;
 
         for (int64_t j0 = kv_begin; j0 < kv_end; j0 += BK) {
             const int64_t nc = FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
             if (nc == 0) continue;
-            const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
-            if (ms == MA_TILE_BLOCKED) continue; /* contributes exactly 0 */
             if (by_rows) {
-                FN(fwd_rows_step)(p, t.qT, t.sT, t.o, t.m, t.l, t.m_new, t.lsum, t.lse, b, h, hk, i0, nr, j0, nc, ms,
-                                  dr);
+                for (int64_t x = 0; x < run; x++) {
+                    const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h + x, i0, nr, j0, nc);
+                    if (ms == MA_TILE_BLOCKED) continue; /* contributes exactly 0 */
+                    FN(fwd_rows_step)(p, hd[x].q, t.sT, hd[x].o, hd[x].m, hd[x].l, t.m_new, t.lsum, t.lse, b, h + x,
+                                      (h + x) / G, i0, nr, j0, nc, ms, hd[x].dr, run == 1);
+                }
                 continue;
             }
+            const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
+            if (ms == MA_TILE_BLOCKED) continue; /* contributes exactly 0 */
             /* sT = K (scale Q)^T + bias^T */
             FWD_STEP(scores, t.sT, i0, j0, nc);
             FN(softcap)(t.sT, nc * nr, p->a.softcap, NULL);
@@ -909,38 +966,43 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
             FWD_STEP(pv, t.o, alpha, t.sT, i0, j0, nc);
         }
 
-        /* out = hm * O / l;  lse = m + log l.  A fully masked row (l = 0) gives 0 and -inf.
-         * With a sink (-inf: none): l' = l exp(m - M) + exp(sink - M), M = max(m, sink);
-         * out = hm * exp(m - M) O / l', lse = M + log l'; a fully masked row gives 0 and sink. */
-        const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
-        const ACC sink = p->a.sinks.ptr ? LOAD(p->a.sinks.ptr, p->a.sinks.dtype, h * p->a.sinks.stride[0])
-                                        : -(ACC)INFINITY;
-        ACC *lse_bh = (ACC *)p->lse + FN(stat_row0)(&p->a, b, h);
-        ACC *o = by_rows ? t.o : FWD_STEP(o_rows, t.o);
-        for (int64_t r = 0; r < nr; r++) {
-            ACC *o_r = o + r * Dv;
-            if (t.l[r] == 0) {
-                for (int64_t d = 0; d < Dv; d++) o_r[d] = 0;
-                t.lse[r] = sink;
-            } else if (sink != -(ACC)INFINITY) {
-                const ACC M = t.m[r] >= sink ? t.m[r] : sink; /* NaN sink: NaN */
-                const ACC a_m = EXPF(t.m[r] - M), l = t.l[r] * a_m + EXPF(sink - M);
-                const ACC inv = hm * a_m / l;
-                for (int64_t d = 0; d < Dv; d++) o_r[d] *= inv;
-                t.lse[r] = M + LOG(l);
-            } else {
-                const ACC inv = hm / t.l[r];
-                for (int64_t d = 0; d < Dv; d++) o_r[d] *= inv;
-                t.lse[r] = t.m[r] + LOG(t.l[r]);
+        for (int64_t x = 0; x < run; x++) {
+            const int64_t hx = h + x;
+            const FN(fwd_head) *e = &hd[x];
+            /* out = hm * O / l;  lse = m + log l.  A fully masked row (l = 0) gives 0 and -inf.
+             * With a sink (-inf: none): l' = l exp(m - M) + exp(sink - M), M = max(m, sink);
+             * out = hm * exp(m - M) O / l', lse = M + log l'; a fully masked row gives 0 and sink. */
+            const ACC hm = FN(head_scale)(&p->a.head_mask, b, hx);
+            const ACC sink = p->a.sinks.ptr ? LOAD(p->a.sinks.ptr, p->a.sinks.dtype, hx * p->a.sinks.stride[0])
+                                            : -(ACC)INFINITY;
+            ACC *lse_bh = (ACC *)p->lse + FN(stat_row0)(&p->a, b, hx);
+            ACC *o = by_rows ? e->o : FWD_STEP(o_rows, t.o);
+            for (int64_t r = 0; r < nr; r++) {
+                ACC *o_r = o + r * Dv;
+                if (e->l[r] == 0) {
+                    for (int64_t d = 0; d < Dv; d++) o_r[d] = 0;
+                    t.lse[r] = sink;
+                } else if (sink != -(ACC)INFINITY) {
+                    const ACC M = e->m[r] >= sink ? e->m[r] : sink; /* NaN sink: NaN */
+                    const ACC a_m = EXPF(e->m[r] - M), l = e->l[r] * a_m + EXPF(sink - M);
+                    const ACC inv = hm * a_m / l;
+                    for (int64_t d = 0; d < Dv; d++) o_r[d] *= inv;
+                    t.lse[r] = M + LOG(l);
+                } else {
+                    const ACC inv = hm / e->l[r];
+                    for (int64_t d = 0; d < Dv; d++) o_r[d] *= inv;
+                    t.lse[r] = e->m[r] + LOG(e->l[r]);
+                }
+                lse_bh[i0 + r] = t.lse[r];
+                t.m_new[r] = FN(finite_or_zero)(t.lse[r]);
             }
-            lse_bh[i0 + r] = t.lse[r];
-            t.m_new[r] = FN(finite_or_zero)(t.lse[r]);
+            FN(store_tile)(p->out, p->a.dtype, p->a.out_stride, b, hx, i0, nr, Dv, o, 1, p->a.stream_stores);
+            if (p->out_lo) FN(store_tile_lo)(p->out_lo, p->a.dtype, p->a.out_lo_stride, b, hx, i0, nr, Dv, o);
         }
-        FN(store_tile)(p->out, p->a.dtype, p->a.out_stride, b, h, i0, nr, Dv, o, 1, p->a.stream_stores);
-        if (p->out_lo) FN(store_tile_lo)(p->out_lo, p->a.dtype, p->a.out_lo_stride, b, h, i0, nr, Dv, o);
 
         /* weights = hm * exp(S - lse) over every key, on request only (never hooked) */
-        if (p->weights) {
+        if (p->weights) { /* never in a run: by rows takes no weights */
+            const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
             const int64_t w_st[4] = {H * Lq * Lk, Lq * Lk, Lk, 1};
             for (int64_t j0 = 0; j0 < Lk; j0 += BK) {
                 const int64_t nw = ma_min(BK, Lk - j0); /* weights written */

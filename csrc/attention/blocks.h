@@ -18,12 +18,14 @@
  *   transpose_X(dst, src, lds, nr, ncol, mul)
  *       dst (ncol, nr) = mul * src (nr, ncol)^T, src rows lds apart
  *   row_max_X(x, n, m)             max(m, x[c] for c < n); NaN sticks
- *   dot_keys_X(s, lds, q, nr, D, k, dt, off, ld, nc)
+ *   dot_keys_X(s, lds, q, nr, D, k, dt, off, ld, nc, pf)
  *       s[r*lds + c] = q[r*D : r*D + D] . k[off + c*ld : ... + D], k in its own
  *       dtype, summed in gemm_X's order (bit for bit the tile's score)
- *   axpy_keys_X(o, p, ldp, nr, Dv, v, dt, off, ld, nc)
+ *   axpy_keys_X(o, p, ldp, nr, Dv, v, dt, off, ld, nc, pf)
  *       o[r*Dv + d] += sum_c p[r*ldp + c] v[off + c*ld + d], v in its own dtype,
  *       in gemm_X's order
+ *       pf: as they read a line of a key or value row, these two may prefetch
+ *       the line pf elements further (0: none); a hint, values never change
  *   dropout_X(x, z, rs, cs, nr, nc, d, i0, j0)
  *       dropout of the elements (i0 + r, j0 + c) of one head, element (r, c)
  *       at [r * rs + c * cs], m = kept ? scale : 0: z NULL: x = x * m in
@@ -70,9 +72,9 @@ typedef struct {
     void (*transpose)(float *dst, const float *src, int64_t lds, int64_t nr, int64_t ncol, float mul);
     float (*row_max)(const float *x, int64_t n, float m);
     void (*dot_keys)(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
-                     int64_t off, int64_t ld, int64_t nc);
+                     int64_t off, int64_t ld, int64_t nc, int64_t pf);
     void (*axpy_keys)(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v, ma_dtype dt,
-                      int64_t off, int64_t ld, int64_t nc);
+                      int64_t off, int64_t ld, int64_t nc, int64_t pf);
     void (*gemm_rowscale)(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs,
                           const float *B, int64_t ldb, float *C, int64_t ldc, const float *rs);
     void (*dropout)(float *x, float *z, int64_t rs, int64_t cs, int64_t nr, int64_t nc, const ma_dropout *d,

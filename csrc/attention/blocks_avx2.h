@@ -309,12 +309,13 @@ static float row_max_avx2(const float *x, int64_t n, float m) {
  * in registers, so every query row reuses each block. nr <= 8. Instantiated
  * per dtype (dt a constant after inlining), as in AVX-512.
  * Decoding (nr = 1) streams K and V from memory once, so dot_keys and
- * axpy_keys prefetch the rows 64 keys ahead, the next key block, a line at a
- * time as they read the current one. Past the last key the prefetches touch
- * memory that is not the tensor's: a prefetch is a hint that never faults. */
+ * axpy_keys prefetch the line pf elements past each line they read (the
+ * template: the rows 64 keys ahead, the next key block, for one head alone;
+ * nothing for a run of heads). Past the last key the prefetches touch memory
+ * that is not the tensor's: a prefetch is a hint that never faults. */
 static inline __attribute__((always_inline)) void dot_keys_dt(float *s, int64_t lds, const float *q, int64_t nr,
                                                               int64_t D, const void *k, const ma_dtype dt,
-                                                              int64_t off, int64_t ld, int64_t nc) {
+                                                              int64_t off, int64_t ld, int64_t nc, int64_t pf) {
     const int64_t es = dt == MA_F32 ? 4 : 2;
     int64_t c0 = 0;
     if (nr == 1) /* decoding: 2 groups of 8 keys side by side, 2 independent FMA chains */
@@ -322,14 +323,14 @@ static inline __attribute__((always_inline)) void dot_keys_dt(float *s, int64_t 
             __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
             for (int64_t d0 = 0; d0 < D; d0 += 8) {
                 const int64_t dn = ma_min(8, D - d0);
-                const int pf = (d0 * es) % MA_CACHE_LINE == 0; /* the first 8 elements of a line */
+                const int line = pf && (d0 * es) % MA_CACHE_LINE == 0; /* the first 8 elements of a line */
 #pragma GCC unroll 2
                 for (int g = 0; g < 2; g++) {
                     __m256 x[8];
 #pragma GCC unroll 8
                     for (int i = 0; i < 8; i++) {
                         x[i] = load8(k, dt, off + (c0 + 8 * g + i) * ld + d0, dn);
-                        if (pf) _mm_prefetch((const char *)k + (off + (c0 + 64 + 8 * g + i) * ld + d0) * es, _MM_HINT_T0);
+                        if (line) _mm_prefetch((const char *)k + (off + (c0 + 8 * g + i) * ld + d0 + pf) * es, _MM_HINT_T0);
                     }
                     transpose8x8(x);
 #pragma GCC unroll 8 /* x[dd] at constant indices: the block stays in registers */
@@ -365,10 +366,10 @@ static inline __attribute__((always_inline)) void dot_keys_dt(float *s, int64_t 
 }
 
 static void dot_keys_avx2(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
-                          int64_t off, int64_t ld, int64_t nc) {
-    if (dt == MA_F32) dot_keys_dt(s, lds, q, nr, D, k, MA_F32, off, ld, nc);
-    else if (dt == MA_BF16) dot_keys_dt(s, lds, q, nr, D, k, MA_BF16, off, ld, nc);
-    else dot_keys_dt(s, lds, q, nr, D, k, MA_F16, off, ld, nc);
+                          int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+    if (dt == MA_F32) dot_keys_dt(s, lds, q, nr, D, k, MA_F32, off, ld, nc, pf);
+    else if (dt == MA_BF16) dot_keys_dt(s, lds, q, nr, D, k, MA_BF16, off, ld, nc, pf);
+    else dot_keys_dt(s, lds, q, nr, D, k, MA_F16, off, ld, nc, pf);
 }
 
 /* o[r * Dv + d] += sum_c p[r * ldp + c] v_c[d] (one FMA per key, in order):
@@ -377,7 +378,7 @@ static void dot_keys_avx2(float *s, int64_t lds, const float *q, int64_t nr, int
 static inline __attribute__((always_inline)) void axpy_keys_strip(const int R, const int NV, float *o,
                                                                   const float *p, int64_t ldp, int64_t Dv,
                                                                   const void *v, const ma_dtype dt, int64_t off,
-                                                                  int64_t ld, int64_t nc, int64_t d0, int prefetch) {
+                                                                  int64_t ld, int64_t nc, int64_t d0, int64_t pf) {
     const int64_t es = dt == MA_F32 ? 4 : 2;
     int64_t n[8];
     __m256 acc[2][8];
@@ -392,8 +393,8 @@ static inline __attribute__((always_inline)) void axpy_keys_strip(const int R, c
             if (n[u] == 0) break;
             const __m256 vv = load8(v, dt, off + c * ld + d0 + 8 * u, n[u]);
             for (int r = 0; r < R; r++) acc[r][u] = _mm256_fmadd_ps(pv[r], vv, acc[r][u]);
-            if (prefetch && ((d0 + 8 * u) * es) % MA_CACHE_LINE == 0) /* the row 64 keys ahead (see dot_keys) */
-                _mm_prefetch((const char *)v + (off + (c + 64) * ld + d0 + 8 * u) * es, _MM_HINT_T0);
+            if (pf && ((d0 + 8 * u) * es) % MA_CACHE_LINE == 0) /* see dot_keys */
+                _mm_prefetch((const char *)v + (off + c * ld + d0 + 8 * u + pf) * es, _MM_HINT_T0);
         }
     }
     for (int u = 0; u < NV; u++)
@@ -407,21 +408,21 @@ static inline __attribute__((always_inline)) void axpy_keys_strip(const int R, c
 
 static inline __attribute__((always_inline)) void axpy_keys_dt(float *o, const float *p, int64_t ldp, int64_t nr,
                                                                int64_t Dv, const void *v, const ma_dtype dt,
-                                                               int64_t off, int64_t ld, int64_t nc) {
+                                                               int64_t off, int64_t ld, int64_t nc, int64_t pf) {
     int64_t r = 0;
     for (; r + 2 <= nr; r += 2) /* 2 rows x 32 columns */
         for (int64_t d0 = 0; d0 < Dv; d0 += 32)
-            axpy_keys_strip(2, 4, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, d0, r == 0);
+            axpy_keys_strip(2, 4, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, d0, r == 0 ? pf : 0);
     if (r < nr) /* the last row alone: 64 columns */
         for (int64_t d0 = 0; d0 < Dv; d0 += 64)
-            axpy_keys_strip(1, 8, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, d0, r == 0);
+            axpy_keys_strip(1, 8, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, d0, r == 0 ? pf : 0);
 }
 
 static void axpy_keys_avx2(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v, ma_dtype dt,
-                           int64_t off, int64_t ld, int64_t nc) {
-    if (dt == MA_F32) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_F32, off, ld, nc);
-    else if (dt == MA_BF16) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_BF16, off, ld, nc);
-    else axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_F16, off, ld, nc);
+                           int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+    if (dt == MA_F32) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_F32, off, ld, nc, pf);
+    else if (dt == MA_BF16) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_BF16, off, ld, nc, pf);
+    else axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_F16, off, ld, nc, pf);
 }
 
 /* non-temporal stores of whole float32 rows (store_tile, stream_stores) */

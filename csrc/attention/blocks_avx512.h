@@ -224,13 +224,14 @@ static float row_max_avx512(const float *x, int64_t n, float m) {
  * transposed in registers, so every query row reuses each block. nr <= 8.
  * Instantiated per dtype (dt a constant after inlining).
  * Decoding (nr = 1) streams K and V from memory once, so dot_keys and
- * axpy_keys prefetch the rows 64 keys ahead, the next key block, line for
- * line as they read the current one: about 1.1-1.3x on a decoding step whose
- * cache is in DRAM. Past the last key the prefetches touch memory that is
+ * axpy_keys prefetch the line pf elements past each line they read (the
+ * template: the rows 64 keys ahead, the next key block, for one head alone:
+ * about 1.1-1.3x on a decoding step whose cache is in DRAM; nothing for a
+ * run of heads). Past the last key the prefetches touch memory that is
  * not the tensor's: a prefetch is a hint that never faults. */
 static inline __attribute__((always_inline)) void dot_keys_dt(float *s, int64_t lds, const float *q, int64_t nr,
                                                               int64_t D, const void *k, const ma_dtype dt,
-                                                              int64_t off, int64_t ld, int64_t nc) {
+                                                              int64_t off, int64_t ld, int64_t nc, int64_t pf) {
     int64_t c0 = 0;
     if (nr == 1) /* decoding: 2 groups of 16 keys side by side, 2 independent FMA chains */
         for (; c0 + 32 <= nc; c0 += 32) {
@@ -244,7 +245,9 @@ static inline __attribute__((always_inline)) void dot_keys_dt(float *s, int64_t 
 #pragma GCC unroll 16
                     for (int i = 0; i < 16; i++) {
                         x[i] = load16(k, dt, off + (c0 + 16 * g + i) * ld + d0, dm);
-                        _mm_prefetch((const char *)k + (off + (c0 + 64 + 16 * g + i) * ld + d0) * (dt == MA_F32 ? 4 : 2), _MM_HINT_T0);
+                        if (pf)
+                            _mm_prefetch((const char *)k + (off + (c0 + 16 * g + i) * ld + d0 + pf) * (dt == MA_F32 ? 4 : 2),
+                                         _MM_HINT_T0);
                     }
                     transpose16x16(x);
 #pragma GCC unroll 16 /* x[dd] at constant indices: the block stays in registers */
@@ -276,10 +279,10 @@ static inline __attribute__((always_inline)) void dot_keys_dt(float *s, int64_t 
 }
 
 static void dot_keys_avx512(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
-                            int64_t off, int64_t ld, int64_t nc) {
-    if (dt == MA_F32) dot_keys_dt(s, lds, q, nr, D, k, MA_F32, off, ld, nc);
-    else if (dt == MA_BF16) dot_keys_dt(s, lds, q, nr, D, k, MA_BF16, off, ld, nc);
-    else dot_keys_dt(s, lds, q, nr, D, k, MA_F16, off, ld, nc);
+                            int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+    if (dt == MA_F32) dot_keys_dt(s, lds, q, nr, D, k, MA_F32, off, ld, nc, pf);
+    else if (dt == MA_BF16) dot_keys_dt(s, lds, q, nr, D, k, MA_BF16, off, ld, nc, pf);
+    else dot_keys_dt(s, lds, q, nr, D, k, MA_F16, off, ld, nc, pf);
 }
 
 /* o[r * Dv + d] += sum_c p[r * ldp + c] v_c[d]: 128 columns of one row in
@@ -287,7 +290,7 @@ static void dot_keys_avx512(float *s, int64_t lds, const float *q, int64_t nr, i
  * once, front to back (per dtype, as dot_keys). */
 static inline __attribute__((always_inline)) void axpy_keys_dt(float *o, const float *p, int64_t ldp, int64_t nr,
                                                                int64_t Dv, const void *v, const ma_dtype dt,
-                                                               int64_t off, int64_t ld, int64_t nc) {
+                                                               int64_t off, int64_t ld, int64_t nc, int64_t pf) {
     const int es = dt == MA_F32 ? 4 : 2;
     for (int64_t r = 0; r < nr; r += 2) { /* two rows share each value row read: 2 x 8 accumulators */
         const int two = r + 1 < nr;
@@ -306,8 +309,8 @@ static inline __attribute__((always_inline)) void axpy_keys_dt(float *o, const f
                     const __m512 vv = load16(v, dt, off + c * ld + d0 + 16 * u, mk[u]);
                     acc[0][u] = _mm512_fmadd_ps(p0, vv, acc[0][u]);
                     if (two) acc[1][u] = _mm512_fmadd_ps(p1, vv, acc[1][u]);
-                    if (r == 0 && (16 * u * es) % MA_CACHE_LINE == 0) /* the row 64 keys ahead (see dot_keys) */
-                        _mm_prefetch((const char *)v + (off + (c + 64) * ld + d0 + 16 * u) * es, _MM_HINT_T0);
+                    if (pf && r == 0 && (16 * u * es) % MA_CACHE_LINE == 0) /* see dot_keys */
+                        _mm_prefetch((const char *)v + (off + c * ld + d0 + 16 * u + pf) * es, _MM_HINT_T0);
                 }
             }
             for (int u = 0; u < 8; u++) {
@@ -319,10 +322,10 @@ static inline __attribute__((always_inline)) void axpy_keys_dt(float *o, const f
 }
 
 static void axpy_keys_avx512(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v,
-                             ma_dtype dt, int64_t off, int64_t ld, int64_t nc) {
-    if (dt == MA_F32) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_F32, off, ld, nc);
-    else if (dt == MA_BF16) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_BF16, off, ld, nc);
-    else axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_F16, off, ld, nc);
+                             ma_dtype dt, int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+    if (dt == MA_F32) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_F32, off, ld, nc, pf);
+    else if (dt == MA_BF16) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_BF16, off, ld, nc, pf);
+    else axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_F16, off, ld, nc, pf);
 }
 
 /* Philox-4x32-10 (philox.h) on 16 counters side by side, lane l = query row

@@ -26,6 +26,18 @@ int64_t ma_attn_fwd_work_items(const ma_attn_fwd_params *p) {
     return p->a.cu_q ? p->a.n_q_items : p->a.B * p->a.H * ma_cdiv(p->a.Lq, p->a.block_q);
 }
 size_t ma_attn_fwd_scratch_bytes(const ma_attn_fwd_params *p) { return KERNELS(p)->fwd_scratch_bytes(p); }
+
+/* Every query block short (varlen: a.Lq is the longest sequence), no weights,
+ * and K's and V's heads side by side within a row (head stride below the row
+ * stride). */
+int64_t ma_attn_fwd_head_group(const ma_attn_fwd_params *p) {
+    const ma_attn_args *a = &p->a;
+    const int interleaved = a->k_stride[1] < a->k_stride[2] && a->v_stride[1] < a->v_stride[2];
+    return a->Lq <= MA_FWD_ROWS && a->H > 1 && !p->weights && a->k_stride[3] == 1 && a->v_stride[3] == 1 &&
+                   interleaved
+               ? MA_FWD_HEAD_GROUP_MAX
+               : 1;
+}
 void ma_attn_fwd_task(int64_t begin, int64_t end, void *ctx) {
     KERNELS(PARAMS(ma_attn_fwd_params, ctx))->fwd(begin, end, ctx);
 }

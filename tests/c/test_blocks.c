@@ -241,16 +241,16 @@ static void test_rows(const ma_blocks *v) {
                     for (int64_t d = 0; d < D; d++) qT[d * nr + r] = q[r * D + d] = frand();
                 v->gemm(nc, nr, D, k, ld, 1, qT, nr, sT, nr, 0); /* the tiles' scores, transposed */
                 for (int64_t x = 0; x < nr * lds; x++) s[x] = s2[x] = 7.0f;
-                v->dot_keys(s, lds, q, nr, D, k, MA_F32, 0, ld, nc);
+                v->dot_keys(s, lds, q, nr, D, k, MA_F32, 0, ld, nc, 64 * ld);
                 for (int64_t r = 0; r < nr; r++)
                     for (int64_t c = 0; c < lds; c++)
                         CHECK(c < nc ? s[r * lds + c] == sT[c * nr + r] : s[r * lds + c] == 7.0f,
                               "%s dot_keys nr=%ld nc=%ld D=%ld s[%ld,%ld] %g vs gemm %g", v->name, (long)nr,
                               (long)nc, (long)D, (long)r, (long)c, s[r * lds + c], c < nc ? sT[c * nr + r] : 7.0f);
-                v->dot_keys(s2, lds, q, nr, D, kb, MA_BF16, 0, ld, nc);
+                v->dot_keys(s2, lds, q, nr, D, kb, MA_BF16, 0, ld, nc, 0);
                 CHECK(memcmp(s, s2, sizeof(float) * nr * lds) == 0, "%s dot_keys bfloat16 nr=%ld nc=%ld D=%ld",
                       v->name, (long)nr, (long)nc, (long)D);
-                v->dot_keys(s2, lds, q, nr, D, kh, MA_F16, 0, ld, nc);
+                v->dot_keys(s2, lds, q, nr, D, kh, MA_F16, 0, ld, nc, D);
                 CHECK(memcmp(s, s2, sizeof(float) * nr * lds) == 0, "%s dot_keys float16 nr=%ld nc=%ld D=%ld",
                       v->name, (long)nr, (long)nc, (long)D);
                 /* o += P V with the keys as rows of V (Dv = D): against the GEMM with P transposed */
@@ -258,10 +258,10 @@ static void test_rows(const ma_blocks *v) {
                 float *o3 = malloc(sizeof(float) * nr * D);
                 for (int64_t x = 0; x < nr * D; x++) o[x] = o2[x] = o3[x] = frand();
                 v->gemm(nr, D, nc, sT, 1, nr, k, ld, o, D, 1);
-                v->axpy_keys(o2, s, lds, nr, D, k, MA_F32, 0, ld, nc);
+                v->axpy_keys(o2, s, lds, nr, D, k, MA_F32, 0, ld, nc, 64 * ld);
                 CHECK(memcmp(o, o2, sizeof(float) * nr * D) == 0, "%s axpy_keys nr=%ld nc=%ld Dv=%ld", v->name,
                       (long)nr, (long)nc, (long)D);
-                v->axpy_keys(o3, s, lds, nr, D, kb, MA_BF16, 0, ld, nc);
+                v->axpy_keys(o3, s, lds, nr, D, kb, MA_BF16, 0, ld, nc, 0);
                 CHECK(memcmp(o, o3, sizeof(float) * nr * D) == 0, "%s axpy_keys bfloat16 nr=%ld nc=%ld Dv=%ld",
                       v->name, (long)nr, (long)nc, (long)D);
                 free(k), free(q), free(qT), free(sT), free(s), free(s2), free(kb), free(kh), free(o), free(o2), free(o3);
