@@ -70,6 +70,7 @@ def _ddp_worker(rank, world, path, out):
         model(idx[rank * n:(rank + 1) * n], target[rank * n:(rank + 1) * n]).backward()
         if rank == 0:
             torch.save({k: p.grad for k, p in model.module.named_parameters()}, out)
+        dist.barrier()  # no rank tears gloo down while another still talks to it
     finally:
         dist.destroy_process_group()
 
@@ -99,6 +100,7 @@ def _fsdp_worker(rank, world, path, out):
         state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
         if rank == 0:
             torch.save({"losses": losses, "state": state}, out)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
