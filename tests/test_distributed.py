@@ -67,8 +67,8 @@ def _quiesce():
     and the collectives' work objects it held are freed while the interpreter
     is whole (the steps ran in a function of their own, gc.collect() takes
     its cycles), and no rank tears gloo down while another still talks to it.
-    A worker aborted once in a full run with 'terminate called without an
-    active exception' without this."""
+    Without this a worker aborted in two full runs ('terminate called
+    without an active exception')."""
     gc.collect()
     dist.barrier()
 
