@@ -450,24 +450,27 @@ static inline int64_t FN(stat_row0)(const ma_attn_args *a, int64_t b, int64_t h)
     return b * a->stat_stride[0] + h * a->stat_stride[1];
 }
 
-/* The split of a causal diagonal tile (queries and keys i0 .. i0 + nr, nc,
- * block_q == block_k): with hs = block_q / 2, the queries before hs see
- * none of the keys from hs on, so that quarter of the tile is never
- * computed: each product runs as its two live parts. The skipped entries are
- * exactly 0 in P and dS, so for finite inputs every other value is the same,
- * bit for bit (a mask gradient's skipped zeros may differ in sign). NaN or
- * inf in those hidden keys' v (or in those queries' dout) reaches only the
- * rows (keys) from hs on, never the whole tile through 0 * NaN, as every
- * other masked key reaches only its own tiles. The
- * skipped quarter of the score tile holds stale scratch until add_bias's
- * causal fill overwrites it with -inf (its bias adds before that act on
- * garbage and are discarded); every later read comes after the fill, and
- * the backward zeroes that quarter of dP. Returns hs, or 0 when the tile is
- * not split. */
+/* The strips of a causal diagonal tile (queries and keys i0 .. i0 + nr, nc,
+ * block_q == block_k): with w = MA_DIAG_STRIP, the queries of the strip
+ * [r0, r0 + w) see none of the keys from r0 + w on, and the keys of the
+ * strip [c0, c0 + w) are seen by no query before c0, so the tile's part
+ * above the staircase is never computed: each product runs strip by strip
+ * (four strips of 16 in a 64 x 64 tile compute 5/8 of it). The skipped
+ * entries are exactly 0 in P and dS, so for finite inputs every other value
+ * is the same, bit for bit (a sum only loses terms 0 * x at its ends; a mask
+ * gradient's skipped zeros may differ in sign). NaN or inf in those hidden
+ * keys' v (or in those queries' dout) reaches only the rows (keys) that see
+ * them, never the whole tile through 0 * NaN, as every other masked key
+ * reaches only its own tiles. The skipped part of the score tile holds stale
+ * scratch until add_bias's causal fill overwrites it with -inf (its bias adds
+ * before that act on garbage and are discarded); every later read comes
+ * after the fill, and the backward zeroes that part of dP. Returns w, or 0
+ * when the tile is not split. */
+#define MA_DIAG_STRIP 16
 static inline int64_t FN(diag_split)(int64_t band_hi, int64_t BQ, int64_t BK, int64_t i0, int64_t nr, int64_t j0,
                                      int64_t nc) {
-    const int64_t hs = BQ / 2;
-    return band_hi == 0 && BQ == BK && i0 == j0 && nr > hs && nc > hs ? hs : 0;
+    const int64_t w = MA_DIAG_STRIP;
+    return band_hi == 0 && BQ == BK && i0 == j0 && nr > w && nc > w ? w : 0;
 }
 
 /* Block index of the idx-th work item among n: 0, n-1, 1, n-2, ... so that
@@ -810,16 +813,16 @@ static void FN(gen_fwd_query)(FN(gen_fwd) *g, int64_t b, int64_t h, int64_t hk, 
     FN(load_tile_t)(t->qT, p->a.q, p->a.dtype, p->a.q_stride, b, h, i0, nr, p->a.D, (ACC)p->a.scale);
 }
 
-/* sT = K (scale Q)^T; a split diagonal tile: keys hs.. x queries ..hs are left to the causal fill */
+/* sT = K (scale Q)^T; a split diagonal tile: keys c0.. x queries ..c0 are left to the causal fill */
 static void FN(gen_fwd_scores)(FN(gen_fwd) *g, ACC *sT, int64_t i0, int64_t j0, int64_t nc) {
     const ma_attn_fwd_params *p = g->p;
     const int64_t nr = g->nr, D = p->a.D;
     int64_t ldk;
     const ACC *k_j = FN(kv_rows_in)(&p->a, p->a.k, p->a.k_stride, p->a.k_page_stride, g->b, g->hk, j0, g->k_bh, D, &ldk);
-    const int64_t hs = FN(diag_split)(p->a.band_hi, p->a.block_q, p->a.block_k, i0, nr, j0, nc);
-    if (hs) {
-        GEMM(hs, nr, D, k_j, ldk, 1, g->t->qT, nr, sT, nr, 0);
-        GEMM(nc - hs, nr - hs, D, k_j + hs * ldk, ldk, 1, g->t->qT + hs, nr, sT + hs * nr + hs, nr, 0);
+    const int64_t w = FN(diag_split)(p->a.band_hi, p->a.block_q, p->a.block_k, i0, nr, j0, nc);
+    if (w) { /* keys c0 .. c0 + w against queries c0 .. nr */
+        for (int64_t c0 = 0; c0 < ma_min(nc, nr); c0 += w)
+            GEMM(ma_min(w, nc - c0), nr - c0, D, k_j + c0 * ldk, ldk, 1, g->t->qT + c0, nr, sT + c0 * nr + c0, nr, 0);
     } else {
         GEMM(nc, nr, D, k_j, ldk, 1, g->t->qT, nr, sT, nr, 0);
     }
@@ -831,10 +834,11 @@ static void FN(gen_fwd_pv)(FN(gen_fwd) *g, ACC *o, const ACC *alpha, const ACC *
     const int64_t nr = g->nr, Dv = p->a.Dv;
     int64_t ldv;
     const ACC *v_j = FN(kv_rows_in)(&p->a, p->a.v, p->a.v_stride, p->a.v_page_stride, g->b, g->hk, j0, g->v_bh, Dv, &ldv);
-    const int64_t hs = FN(diag_split)(p->a.band_hi, p->a.block_q, p->a.block_k, i0, nr, j0, nc);
-    if (hs) {
-        GEMM_ROWSCALE(hs, Dv, hs, sT, 1, nr, v_j, ldv, o, Dv, alpha);
-        GEMM_ROWSCALE(nr - hs, Dv, nc, sT + hs, 1, nr, v_j, ldv, o + hs * Dv, Dv, alpha ? alpha + hs : NULL);
+    const int64_t w = FN(diag_split)(p->a.band_hi, p->a.block_q, p->a.block_k, i0, nr, j0, nc);
+    if (w) { /* queries r0 .. r0 + w against keys ..r0 + w */
+        for (int64_t r0 = 0; r0 < nr; r0 += w)
+            GEMM_ROWSCALE(ma_min(w, nr - r0), Dv, ma_min(nc, r0 + w), sT + r0, 1, nr, v_j, ldv, o + r0 * Dv, Dv,
+                          alpha ? alpha + r0 : NULL);
     } else {
         GEMM_ROWSCALE(nr, Dv, nc, sT, 1, nr, v_j, ldv, o, Dv, alpha);
     }
@@ -1320,41 +1324,44 @@ static inline int64_t FN(bwd_split)(const ma_attn_bwd_params *p, int64_t i0, int
     return p->dweights ? 0 : FN(diag_split)(p->a.band_hi, p->a.block_q, p->a.block_k, i0, nr, j0, nc);
 }
 
-/* s (nr, nc) = Q kT: rows ..hs x keys hs.. are left to the causal fill (P = 0) */
+/* s (nr, nc) = Q kT: a split tile's rows r0 .. r0 + w x keys r0 + w.. are left to the causal fill (P = 0) */
 static void FN(gen_bwd_scores_at)(const FN(bwd_scratch) *t, const ma_attn_bwd_params *p, int64_t i0, int64_t nr,
                                   int64_t j0, int64_t nc, const ACC *q_i, int64_t ldq) {
-    const int64_t D = p->a.D, hs = FN(bwd_split)(p, i0, nr, j0, nc);
-    if (hs) {
-        GEMM(hs, hs, D, q_i, ldq, 1, t->kT, nc, t->s, nc, 0);
-        GEMM(nr - hs, nc, D, q_i + hs * ldq, ldq, 1, t->kT, nc, t->s + hs * nc, nc, 0);
+    const int64_t D = p->a.D, w = FN(bwd_split)(p, i0, nr, j0, nc);
+    if (w) {
+        for (int64_t r0 = 0; r0 < nr; r0 += w)
+            GEMM(ma_min(w, nr - r0), ma_min(nc, r0 + w), D, q_i + r0 * ldq, ldq, 1, t->kT, nc, t->s + r0 * nc, nc, 0);
     } else {
         GEMM(nr, nc, D, q_i, ldq, 1, t->kT, nc, t->s, nc, 0);
     }
 }
 
-/* dp (nr, nc) = dO vT, the split quarter zeroed */
+/* dp (nr, nc) = dO vT, the part a split tile skips zeroed */
 static void FN(gen_bwd_dp_at)(const FN(bwd_scratch) *t, const ma_attn_bwd_params *p, int64_t i0, int64_t nr,
                               int64_t j0, int64_t nc, const ACC *g_i, int64_t ldg) {
-    const int64_t Dv = p->a.Dv, hs = FN(bwd_split)(p, i0, nr, j0, nc);
-    if (hs) {
-        GEMM(hs, hs, Dv, g_i, ldg, 1, t->vT, nc, t->dp, nc, 0);
-        for (int64_t r = 0; r < hs; r++)
-            for (int64_t c = hs; c < nc; c++) t->dp[r * nc + c] = 0;
-        GEMM(nr - hs, nc, Dv, g_i + hs * ldg, ldg, 1, t->vT, nc, t->dp + hs * nc, nc, 0);
+    const int64_t Dv = p->a.Dv, w = FN(bwd_split)(p, i0, nr, j0, nc);
+    if (w) {
+        for (int64_t r0 = 0; r0 < nr; r0 += w) {
+            const int64_t rw = ma_min(w, nr - r0), kc = ma_min(nc, r0 + w);
+            GEMM(rw, kc, Dv, g_i + r0 * ldg, ldg, 1, t->vT, nc, t->dp + r0 * nc, nc, 0);
+            for (int64_t r = r0; r < r0 + rw; r++)
+                for (int64_t c = kc; c < nc; c++) t->dp[r * nc + c] = 0;
+        }
     } else {
         GEMM(nr, nc, Dv, g_i, ldg, 1, t->vT, nc, t->dp, nc, 0);
     }
 }
 
-/* dK += dS^T Q, dV += (hm P)^T dO: keys hs.. take rows hs.. only */
+/* dK += dS^T Q, dV += (hm P)^T dO: in a split tile, keys c0 .. c0 + w take rows c0.. only */
 static void FN(gen_bwd_dkdv_at)(const FN(bwd_scratch) *t, const ma_attn_bwd_params *p, int64_t i0, int64_t nr,
                                 int64_t j0, int64_t nc, const ACC *q_i, int64_t ldq, const ACC *g_i, int64_t ldg) {
-    const int64_t D = p->a.D, Dv = p->a.Dv, hs = FN(bwd_split)(p, i0, nr, j0, nc);
-    if (hs) {
-        GEMM(hs, D, nr, t->dp, 1, nc, q_i, ldq, t->dk, D, 1);
-        GEMM(nc - hs, D, nr - hs, t->dp + hs * nc + hs, 1, nc, q_i + hs * ldq, ldq, t->dk + hs * D, D, 1);
-        GEMM(hs, Dv, nr, t->s, 1, nc, g_i, ldg, t->dv, Dv, 1);
-        GEMM(nc - hs, Dv, nr - hs, t->s + hs * nc + hs, 1, nc, g_i + hs * ldg, ldg, t->dv + hs * Dv, Dv, 1);
+    const int64_t D = p->a.D, Dv = p->a.Dv, w = FN(bwd_split)(p, i0, nr, j0, nc);
+    if (w) {
+        for (int64_t c0 = 0; c0 < ma_min(nc, nr); c0 += w) {
+            const int64_t cw = ma_min(w, nc - c0);
+            GEMM(cw, D, nr - c0, t->dp + c0 * nc + c0, 1, nc, q_i + c0 * ldq, ldq, t->dk + c0 * D, D, 1);
+            GEMM(cw, Dv, nr - c0, t->s + c0 * nc + c0, 1, nc, g_i + c0 * ldg, ldg, t->dv + c0 * Dv, Dv, 1);
+        }
     } else {
         GEMM(nc, D, nr, t->dp, 1, nc, q_i, ldq, t->dk, D, 1);
         GEMM(nc, Dv, nr, t->s, 1, nc, g_i, ldg, t->dv, Dv, 1);
@@ -1537,16 +1544,16 @@ static void FN(gen_bwd_dp)(FN(gen_bwd) *g, int64_t gi, int64_t h, int64_t i0, in
     FN(gen_bwd_dp_at)(g->t, g->p, i0, nr, g->j0, g->nc, g->g_i, g->ldg);
 }
 
-/* dK, dV as the dkdv pass; dQ += dS K (times scale at the store): rows ..hs of a split diagonal tile see keys ..hs */
+/* dK, dV as the dkdv pass; dQ += dS K (times scale at the store): rows r0 .. r0 + w of a split diagonal tile see keys ..r0 + w */
 static void FN(gen_bwd_accum)(FN(gen_bwd) *g, ACC *dq_i, int64_t gi, int64_t h, int64_t i0, int64_t nr) {
     (void)gi, (void)h;
     const ma_attn_bwd_params *p = g->p;
     const FN(bwd_scratch) *t = g->t;
-    const int64_t nc = g->nc, D = p->a.D, hs = FN(bwd_split)(p, i0, nr, g->j0, nc);
+    const int64_t nc = g->nc, D = p->a.D, w = FN(bwd_split)(p, i0, nr, g->j0, nc);
     FN(gen_bwd_dkdv_at)(t, p, i0, nr, g->j0, nc, g->q_i, g->ldq, g->g_i, g->ldg);
-    if (hs) {
-        GEMM(hs, D, hs, t->dp, nc, 1, g->k_j, g->ldk, dq_i, D, 1);
-        GEMM(nr - hs, D, nc, t->dp + hs * nc, nc, 1, g->k_j, g->ldk, dq_i + hs * D, D, 1);
+    if (w) {
+        for (int64_t r0 = 0; r0 < nr; r0 += w)
+            GEMM(ma_min(w, nr - r0), D, ma_min(nc, r0 + w), t->dp + r0 * nc, nc, 1, g->k_j, g->ldk, dq_i + r0 * D, D, 1);
     } else {
         GEMM(nr, D, nc, t->dp, nc, 1, g->k_j, g->ldk, dq_i, D, 1);
     }
