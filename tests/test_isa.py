@@ -347,6 +347,7 @@ SPLIT_CASES = {  # (B, H, Hkv, Lq, Lk, D, Dv)
     "lq<lk": (1, 2, 1, 100, 190, 48, 16),
     "lq>lk": (1, 2, 2, 190, 100, 48, 16),
     "one-chunk": (4, 2, 2, 128, 128, 16, 16),     # B * Hkv = 8: kv_chunks 1
+    "short-strip": (1, 2, 1, 84, 190, 48, 16),    # last diagonal tile: 20 queries (strips of 16 and 4), 64 keys
 }
 
 
@@ -355,8 +356,9 @@ SPLIT_CASES = {  # (B, H, Hkv, Lq, Lk, D, Dv)
 @pytest.mark.parametrize("case", list(SPLIT_CASES))
 @pytest.mark.parametrize("extra", ["plain", "head", "floatmask", "weights"])
 def test_causal_diagonal_split_is_exact(isa, dtype, case, extra):
-    """Under is_causal a diagonal tile skips the quarter that the causal mask
-    hides (queries before the tile's middle, keys after it). The same mask
+    """Under is_causal a diagonal tile is computed in strips of 16 and skips
+    what the causal mask hides above them (a strip's queries see no key after
+    the strip, its keys are seen by no query before it). The same mask
     given as a bool attn_mask (or folded into a float one) is computed whole,
     tile by tile: for finite inputs every output and gradient must be
     identical, bit for bit. need_weights also takes the AMX instance through
