@@ -1,47 +1,160 @@
-/* kernel_bwd.c -- the single-pass attention backward, called straight from
- * C (no torch, one thread), timed per tile: the tool to find where the
- * in-place tile costs more than the same products in isolation (see the
- * README's attention performance notes). Float32, causal, D = 64, q/k/v/dout
- * contiguous (B, H, L, D), out and gradients (B, L, H, D) as the shim makes
- * them. Not part of the library or of `make bench`.
+/* kernel_bwd.c -- the attention forward and single-pass backward called
+ * straight from C (no torch, one thread), timed per tile: the tool to find
+ * where a tile costs more in place than the same products in isolation (see
+ * docs/performance.md). Float32, causal, q/k/v/dout contiguous (B, H, L, D),
+ * out and gradients (B, L, H, D) as the shim makes them, 64 x 64 tiles, the
+ * variant MASKED_ATTN_ISA would pick by default unless ISA is given; then the
+ * same call on the scalar reference, and exit 1 if any output or gradient
+ * differs by more than 1e-3 (tests/test_c_harness.py runs it so, on a small
+ * shape, for every variant the CPU has). Not part of the library or of
+ * `make bench`. After a build of the package (its C
+ * objects are in build/):
  *
- *   F="-O3 -std=c11 -fno-math-errno -Icsrc"
- *   gcc $F -c csrc/attention.c -o /tmp/a.o
- *   gcc $F -mavx512f -mavx512bw -mavx512dq -mavx512vl -mfma -mf16c -c csrc/attention_avx512.c -o /tmp/a512.o
- *   gcc $F -mavx2 -mfma -mf16c -c csrc/attention_avx2.c -o /tmp/a2.o
- *   gcc $F -mavx512f -mavx512bw -mavx512dq -mavx512vl -mavx512bf16 -mamx-tile -mamx-bf16 -mfma -mf16c \
- *       -c csrc/attention_amx.c -o /tmp/amx.o
- *   gcc $F -D_POSIX_C_SOURCE=200809L benchmarks/kernel_bwd.c /tmp/a.o /tmp/a512.o /tmp/a2.o /tmp/amx.o -o /tmp/kernel_bwd -lm
- *   /tmp/kernel_bwd B H L REPS            e.g. 4 8 512 5
+ *   O=$(ls -d build/temp.*)/c11
+ *   gcc -O2 -std=c11 -Icsrc -D_POSIX_C_SOURCE=200809L benchmarks/kernel_bwd.c \
+ *       $O/attention_*.o $O/common_isa.o -o /tmp/kernel_bwd -lm
+ *   /tmp/kernel_bwd B H L D REPS [ISA]      e.g. 8 8 512 64 5 avx2 (ISA: scalar, avx2, avx512, amx)
  */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <math.h>
 #include <time.h>
+
 #include "masked_attn.h"
-static double now(void){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t.tv_sec+1e-9*t.tv_nsec;}
-static float frand(void){ /* ~N(0,1) */ float s=0; for(int i=0;i<4;i++) s+=(float)rand()/RAND_MAX-0.5f; return s*1.7f; }
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+static float frand(void) { /* about N(0, 1) */
+    float s = 0;
+    for (int i = 0; i < 4; i++) s += (float)rand() / RAND_MAX - 0.5f;
+    return s * 1.7f;
+}
+
+static void *alloc_or_die(size_t bytes) {
+    void *p = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!p) {
+        fprintf(stderr, "out of memory (%zu bytes)\n", bytes);
+        exit(1);
+    }
+    return p;
+}
+
+/* the task function over all its items with one scratch slice, as the shim's run_tasks on one thread */
+static double run(ma_task_fn fn, const void *params, int64_t n, size_t scratch_bytes) {
+    void *scratch = alloc_or_die(scratch_bytes + MA_CACHE_LINE);
+    memset(scratch, 0, MA_CACHE_LINE); /* the slice's header starts zeroed */
+    ma_task_ctx ctx = {params, scratch};
+    const double t0 = now();
+    fn(0, n, &ctx);
+    const double t = now() - t0;
+    free(scratch);
+    return t;
+}
+
 int main(int argc, char **argv) {
-  if (argc < 5) { fprintf(stderr, "usage: %s B H L REPS\n", argv[0]); return 2; }
-  int64_t B=atoi(argv[1]),H=atoi(argv[2]),L=atoi(argv[3]),D=64; int reps=atoi(argv[4]);
-  size_t n=B*H*L*D;
-  float *q=aligned_alloc(64,n*4),*k=aligned_alloc(64,n*4),*v=aligned_alloc(64,n*4),*g=aligned_alloc(64,n*4);
-  float *out=aligned_alloc(64,n*4),*lse=aligned_alloc(64,B*H*L*4),*dq=aligned_alloc(64,n*4),*dk=aligned_alloc(64,n*4),*dv=aligned_alloc(64,n*4),*delta=aligned_alloc(64,B*H*L*4);
-  for(size_t i=0;i<n;i++){q[i]=frand();k[i]=frand();v[i]=frand();g[i]=frand();}
-  int64_t st[4]={H*L*D,L*D,D,1}, ost[4]={L*H*D,D,H*D,1}; /* out, grads in (B,L,H,D) */
-  ma_attn_fwd_params f; memset(&f,0,sizeof f);
-  f.out=out; f.lse=lse; f.q=q; f.k=k; f.v=v; f.dtype=MA_F32; memcpy(f.out_stride,ost,32); memcpy(f.q_stride,st,32); memcpy(f.k_stride,st,32); memcpy(f.v_stride,st,32);
-  f.is_causal=1; f.scale=0.125; f.B=B; f.H=H; f.Hkv=H; f.Lq=L; f.Lk=L; f.D=D; f.Dv=D; f.block_q=64; f.block_k=64; f.isa=MA_ISA_AVX512;
-  void *fs=aligned_alloc(64, ma_attn_fwd_scratch_bytes(&f)+64); memset(fs,0,64);
-  ma_task_ctx fc={&f,fs}; ma_attn_fwd_task(0, ma_attn_fwd_work_items(&f), &fc);
-  ma_attn_bwd_params p; memset(&p,0,sizeof p);
-  p.dq=dq; p.dk=dk; p.dv=dv; p.dout=g; p.q=q; p.k=k; p.v=v; p.out=out; p.lse=lse; p.dtype=MA_F32;
-  memcpy(p.dq_stride,ost,32); memcpy(p.dk_stride,ost,32); memcpy(p.dv_stride,ost,32); memcpy(p.dout_stride,st,32);
-  memcpy(p.q_stride,st,32); memcpy(p.k_stride,st,32); memcpy(p.v_stride,st,32); memcpy(p.out_stride,ost,32);
-  p.is_causal=1; p.scale=0.125; p.delta=delta; p.kv_chunks=1; p.B=B; p.H=H; p.Hkv=H; p.Lq=L; p.Lk=L; p.D=D; p.Dv=D; p.block_q=64; p.block_k=64; p.isa=MA_ISA_AVX512;
-  size_t sb=ma_attn_bwd_scratch_bytes(&p); void *bs=aligned_alloc(64, sb+64);
-  int64_t nk=L/64, tiles=B*H*nk*(nk+1)/2; double best=1e9;
-  for(int r=0;r<reps;r++){ memset(bs,0,64); ma_task_ctx bc={&p,bs}; double t0=now(); ma_attn_bwd_fused_task(0,B*H,&bc); double t=now()-t0; if(t<best)best=t; }
-  printf("B=%ld H=%ld L=%ld: bwd %.2f ms single thread, %.2f us per tile (%ld tiles)\n",(long)B,(long)H,(long)L,best*1e3,best*1e6/tiles,(long)tiles);
+    if (argc < 6) {
+        fprintf(stderr, "usage: %s B H L D REPS [scalar|avx2|avx512|amx]\n", argv[0]);
+        return 2;
+    }
+    const int64_t B = atoll(argv[1]), H = atoll(argv[2]), L = atoll(argv[3]), D = atoll(argv[4]);
+    const int reps = atoi(argv[5]);
+    ma_isa isa = ma_isa_best(MA_F32);
+    if (argc > 6) {
+        const char *names[] = {"scalar", "avx2", "avx512", "amx"};
+        int found = 0;
+        for (int i = 0; i < 4; i++)
+            if (!strcmp(argv[6], names[i])) isa = (ma_isa)i, found = 1;
+        if (!found || !ma_isa_available(isa)) {
+            fprintf(stderr, "ISA %s: unknown or not on this CPU\n", argv[6]);
+            return 2;
+        }
+    }
+    if (B < 1 || H < 1 || L < 1 || D < 1 || reps < 1) {
+        fprintf(stderr, "B, H, L, D, REPS must be positive\n");
+        return 2;
+    }
+    const size_t n = (size_t)(B * H * L * D);
+    float *q = alloc_or_die(4 * n), *k = alloc_or_die(4 * n), *v = alloc_or_die(4 * n), *g = alloc_or_die(4 * n);
+    float *out = alloc_or_die(4 * n), *dq = alloc_or_die(4 * n), *dk = alloc_or_die(4 * n), *dv = alloc_or_die(4 * n);
+    float *lse = alloc_or_die(4 * (size_t)(B * H * L)), *delta = alloc_or_die(4 * (size_t)(B * H * L));
+    for (size_t i = 0; i < n; i++) q[i] = frand(), k[i] = frand(), v[i] = frand(), g[i] = frand();
+    const int64_t st[4] = {H * L * D, L * D, D, 1};  /* (B, H, L, D) */
+    const int64_t ost[4] = {L * H * D, D, H * D, 1}; /* (B, L, H, D) seen as (B, H, L, D) */
+
+    ma_attn_args a;
+    memset(&a, 0, sizeof a);
+    a.q = q, a.k = k, a.v = v, a.dtype = MA_F32;
+    memcpy(a.q_stride, st, sizeof st), memcpy(a.k_stride, st, sizeof st), memcpy(a.v_stride, st, sizeof st);
+    memcpy(a.out_stride, ost, sizeof ost);
+    a.is_causal = 1, a.scale = 1.0 / sqrt((double)D);
+    a.window_left = a.window_right = -1;
+    a.B = B, a.H = H, a.Hkv = H, a.Lq = L, a.Lk = L, a.D = D, a.Dv = D;
+    a.block_q = a.block_k = 64;
+    a.band_lo = -MA_BAND_INF, a.band_hi = 0;
+    a.stat_stride[0] = H * L, a.stat_stride[1] = L;
+    a.isa = isa;
+
+    ma_attn_fwd_params f;
+    memset(&f, 0, sizeof f);
+    f.out = out, f.lse = lse, f.a = a;
+    f.head_group = ma_attn_fwd_head_group(&f);
+    const int64_t nq = (L + 63) / 64, tiles = B * H * nq * (nq + 1) / 2;
+    double fbest = 1e30;
+    for (int r = 0; r < reps; r++) {
+        const double t = run(ma_attn_fwd_task, &f, ma_attn_fwd_work_items(&f), ma_attn_fwd_scratch_bytes(&f));
+        if (t < fbest) fbest = t;
+    }
+
+    ma_attn_bwd_params p;
+    memset(&p, 0, sizeof p);
+    p.dq = dq, p.dk = dk, p.dv = dv, p.dout = g, p.out = out, p.lse = lse, p.delta = delta, p.a = a;
+    memcpy(p.dq_stride, ost, sizeof ost), memcpy(p.dk_stride, ost, sizeof ost), memcpy(p.dv_stride, ost, sizeof ost);
+    memcpy(p.dout_stride, st, sizeof st);
+    p.kv_chunks = 1;
+    p.key_group = ma_attn_bwd_key_group(&p);
+    if (!ma_attn_bwd_single_pass(&p) || ma_attn_bwd_kv_chunks(&p) != 1) {
+        fprintf(stderr, "this shape takes key chunks (B * H < 8): use B * H >= 8\n");
+        return 2;
+    }
+    double bbest = 1e30;
+    for (int r = 0; r < reps; r++) {
+        const double t = run(ma_attn_bwd_fused_task, &p, ma_attn_bwd_fused_work_items(&p), ma_attn_bwd_scratch_bytes(&p));
+        if (t < bbest) bbest = t;
+    }
+    /* the same call on the scalar reference: the timed variant's results must agree (exit 1 if not) */
+    float maxdiff = 0;
+    if (isa != MA_ISA_SCALAR) {
+        float *out_s = alloc_or_die(4 * n), *dq_s = alloc_or_die(4 * n), *dk_s = alloc_or_die(4 * n),
+              *dv_s = alloc_or_die(4 * n), *lse_s = alloc_or_die(4 * (size_t)(B * H * L));
+        ma_attn_fwd_params fs = f;
+        fs.a.isa = MA_ISA_SCALAR, fs.out = out_s, fs.lse = lse_s;
+        run(ma_attn_fwd_task, &fs, ma_attn_fwd_work_items(&fs), ma_attn_fwd_scratch_bytes(&fs));
+        ma_attn_bwd_params ps = p;
+        ps.a.isa = MA_ISA_SCALAR, ps.dq = dq_s, ps.dk = dk_s, ps.dv = dv_s, ps.out = out_s, ps.lse = lse_s;
+        run(ma_attn_bwd_fused_task, &ps, ma_attn_bwd_fused_work_items(&ps), ma_attn_bwd_scratch_bytes(&ps));
+        const float *got[4] = {out, dq, dk, dv}, *want[4] = {out_s, dq_s, dk_s, dv_s};
+        for (int t = 0; t < 4; t++)
+            for (size_t i = 0; i < n; i++) {
+                const float d = fabsf(got[t][i] - want[t][i]);
+                if (!(d <= maxdiff)) maxdiff = d; /* NaN sticks */
+            }
+        free(out_s), free(dq_s), free(dk_s), free(dv_s), free(lse_s);
+    }
+    const double tile_flops = 2.0 * 64 * 64 * (double)D; /* one 64 x 64 x D product */
+    printf("B=%lld H=%lld L=%lld D=%lld, isa %d, one thread, best of %d: forward %.2f ms (%.2f us a tile, "
+           "%.1f GFLOP/s counting whole tiles), backward %.2f ms (%.2f us a tile, %.1f GFLOP/s counting whole tiles), %lld causal tiles\n",
+           (long long)B, (long long)H, (long long)L, (long long)D, (int)isa, reps, fbest * 1e3, fbest * 1e6 / tiles,
+           2 * tile_flops * tiles / fbest * 1e-9, bbest * 1e3, bbest * 1e6 / tiles, 5 * tile_flops * tiles / bbest * 1e-9,
+           (long long)tiles);
+    free(q), free(k), free(v), free(g), free(out), free(dq), free(dk), free(dv), free(lse), free(delta);
+    if (isa != MA_ISA_SCALAR) {
+        printf("max |difference| from the scalar reference (out, dq, dk, dv): %.3g\n", maxdiff);
+        if (!(maxdiff <= 1e-3f)) return 1;
+    }
+    return 0;
 }
