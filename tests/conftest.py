@@ -3,7 +3,7 @@
 Helpers are imported by the test modules with ``from conftest import ...``
 (pytest puts this directory on sys.path because tests/ has no __init__.py).
 
-Yardsticks (DESIGN.md section 6):
+Yardsticks (docs/design.md, "Testing"):
   * ``ref_attention`` / ``ref_mha``: attention in float64 with plain PyTorch ops,
     the ground truth;
   * ``assert_close_ref``: flash-attention's rule, our error against the float64

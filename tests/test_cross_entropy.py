@@ -1,6 +1,6 @@
 """Cross-entropy: torch_masked_attn.functional.cross_entropy, CrossEntropyLoss,
 perplexity and the raw ops torch.ops.masked_attn.cross_entropy / _backward
-(DESIGN.md sections 5 and 6).
+(docs/design.md, "Cross-entropy" and "Testing").
 
 Layers: parity with F.cross_entropy / nn.CrossEntropyLoss (values and
 gradients; float64 tight, other dtypes by flash-attention's 2x rule against a

@@ -1,6 +1,6 @@
 """torch.autograd.gradcheck (float64) on functional.masked_attention for every
 mask kind, and torch.library.opcheck on torch.ops.masked_attn.forward/backward
-(DESIGN.md section 6)."""
+(docs/design.md, "Testing")."""
 
 import pytest
 import torch

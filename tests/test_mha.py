@@ -1,6 +1,7 @@
 """Parity of torch_masked_attn.MultiheadAttention with torch.nn.MultiheadAttention
-(DESIGN.md sections 3, 4, 6): same constructor, same state_dict keys, same
-outputs, attention weights and gradients (inputs and every parameter)."""
+(docs/design.md, "Attention semantics" and "Testing"): same constructor, same
+state_dict keys, same outputs, attention weights and gradients (inputs and every
+parameter)."""
 
 import copy
 import warnings

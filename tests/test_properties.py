@@ -1,4 +1,4 @@
-"""Properties (DESIGN.md section 6): causal no-look-ahead and padding
+"""Properties (docs/design.md, "Testing"): causal no-look-ahead and padding
 invariance, through functional.masked_attention and MultiheadAttention."""
 
 import pytest

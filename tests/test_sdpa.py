@@ -1,6 +1,7 @@
 """Parity of torch_masked_attn.functional.scaled_dot_product_attention with
 F.scaled_dot_product_attention, and of functional.masked_attention with a
-float64 plain-PyTorch reference (DESIGN.md sections 3, 4, 6)."""
+float64 plain-PyTorch reference (docs/design.md, "Attention semantics" and
+"Testing")."""
 
 import pytest
 import torch
