@@ -18,7 +18,7 @@ $(STAMP):
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install --upgrade pip >/dev/null
 	$(VPY) -m pip install torch==2.13.0 pytest matplotlib numpy
-	$(VPY) -m pip install transformers==5.23.0 tokenizers==0.23.3
+	$(VPY) -m pip install transformers==5.23.0 tokenizers==0.23.3 accelerate==1.15.0
 	touch $@
 
 # --no-build-isolation: build against the torch installed above; an isolated

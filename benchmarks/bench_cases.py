@@ -205,6 +205,41 @@ def long_causal_forward():
                  info=dict(B=B, H=H, L=L, D=D, dtype=str(torch.float32)))
 
 
+def softcap_case(cost, dtype=torch.float32, forward_only=False):
+    """Causal attention with Gemma 2's logit soft-capping (softcap 50), B=2 H=8
+    L=2048 D=64. cost=False: against native, which has no softcap in F.sdpa and
+    composes it (softcap * tanh(s / softcap), the causal mask, softmax, P V in
+    plain ops, as transformers' eager attention does); cost=True: against our
+    own call without softcap (ratio = ours without / ours with: softcap's cost)."""
+    B, H, L, D, cap = 2, 8, 2048, 64, 50.0
+    q, k, v, g = qkv(B, H, L, D, dtype)
+    blocked = causal_blocked(L)
+
+    def composed():
+        s = torch.matmul(q, k.transpose(-1, -2)) * D ** -0.5
+        s = (cap * torch.tanh(s / cap)).masked_fill(blocked, float("-inf"))
+        return torch.matmul(torch.softmax(s, -1, dtype=torch.float32).to(dtype), v)
+
+    def ours_fn(c):
+        return lambda: tma.functional.masked_attention(q, k, v, is_causal=True, softcap=c)
+
+    def timed(fn):
+        if not forward_only:
+            return fwd_bwd(fn, (q, k, v), g)
+
+        def run():
+            with torch.no_grad():
+                return fn()
+        return run
+    natives = {"ours-nocap": timed(ours_fn(None))} if cost else {"eager-composed": timed(composed)}
+    fl = attention_flops(B, H, L, L, D, causal=True, backward=not forward_only)
+    what = "forward" if forward_only else "fwd+bwd"
+    return Bench(work=f"B={B} H={H} L={L} D={D} causal + softcap {cap:g}, {what}, {gflop(fl)}"
+                      + (", ratio = ours without softcap / ours with" if cost else ""),
+                 natives=natives, ours=timed(ours_fn(cap)), flops=fl, attn_flops=fl,
+                 info=dict(B=B, H=H, L=L, D=D, softcap=cap, dtype=str(dtype)))
+
+
 def one_head_long():
     return functional_attention(1, 1, 8192, 128, torch.float32, None, ("causal",))
 
@@ -574,6 +609,11 @@ NAMED = {
     "gpt-train-dropout-cost": lambda: gpt_train(torch.float32, 0.1, ("ours-p0",)),
     "gpt-train-dropout-cost-bf16": lambda: gpt_train(torch.bfloat16, 0.1, ("ours-p0",)),
     "sliding-window": sliding_window,
+    "softcap": lambda: softcap_case(False),
+    "softcap-fwd": lambda: softcap_case(False, forward_only=True),
+    "softcap-cost": lambda: softcap_case(True),
+    "softcap-cost-fwd": lambda: softcap_case(True, forward_only=True),
+    "softcap-cost-bf16": lambda: softcap_case(True, torch.bfloat16),
     "varlen": varlen,
     "decode-paged": decode_paged,
     "mha-mem-8192": lambda: mha_train(1, 8192, timed=False),
@@ -593,6 +633,7 @@ GROUPS = {
                   "varlen", "decode-paged"],
     "dropout": ["gpt-train-dropout", "gpt-train-dropout-cost", "gpt-train-dropout-bf16",
                 "gpt-train-dropout-cost-bf16"],
+    "softcap": ["softcap", "softcap-fwd", "softcap-cost", "softcap-cost-fwd", "softcap-cost-bf16"],
     "memory": ["mha-mem-8192"],
     "ce": ["ce", "ce-bf16", "linear-ce"],
     "hf-e2e": ["hf-train-1024", "hf-prefill-1024", "hf-generate-1024",

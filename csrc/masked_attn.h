@@ -295,6 +295,11 @@ int64_t ma_attn_bwd_kv_chunks(const ma_attn_bwd_params *p);
  * kernels may still take 1, attention_tmpl.h FN(bwd_key_group)). Set
  * before ma_attn_bwd_scratch_bytes, which depends on it. */
 int64_t ma_attn_bwd_key_group(const ma_attn_bwd_params *p);
+/* Forces the key group to n (n <= 0: the shape rule again) for every later
+ * call, process-wide; returns the previous setting. The results are the same
+ * bits for every n: the tests check it (torch_masked_attn.ops.bwd_key_group),
+ * benchmarks compare speeds. */
+int64_t ma_attn_bwd_key_group_force(int64_t n);
 void ma_attn_bwd_fused_task(int64_t begin, int64_t end, void *ctx);
 int64_t ma_attn_bwd_fused_work_items(const ma_attn_bwd_params *p);
 void ma_attn_bwd_reduce_task(int64_t begin, int64_t end, void *ctx);

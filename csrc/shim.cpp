@@ -213,11 +213,17 @@ struct ScratchLease {
 // grabs per thread), so threads stay busy when items cost different amounts
 // (causal blocks, padded sequences). Every item is computed the same way
 // whichever thread takes it: results do not depend on the schedule.
+// `work` (multiply-adds, 0: unknown) below kSerialWork runs on the calling
+// thread alone: waking the pool costs more than such a call's arithmetic
+// (a decoding step against a short cache, a small model's layer).
+constexpr int64_t kSerialWork = int64_t{1} << 17;
+
 void run_tasks(ma_task_fn fn, const void* params, int64_t n, size_t scratch_bytes,
-               const Tensor& like, int64_t grain = 0) {
+               const Tensor& like, int64_t grain = 0, int64_t work = 0) {
   (void)like;
   if (n <= 0) return;
-  const int64_t nthreads = std::max<int64_t>(1, torch::stable::get_num_threads());
+  const int64_t nthreads =
+      work > 0 && work < kSerialWork ? 1 : std::max<int64_t>(1, torch::stable::get_num_threads());
   if (grain <= 0) grain = std::max<int64_t>(1, n / (16 * nthreads));
   const int64_t nchunks = std::min(nthreads, (n + grain - 1) / grain);
   const size_t total = scratch_bytes * static_cast<size_t>(nchunks);
@@ -516,8 +522,7 @@ WindowCapSinks check_window_cap_sinks(const Sizes& s, bool is_causal, int64_t wi
 // torch_masked_attn.ops.use_isa); a MASKED_ATTN_ISA it cannot honour is an error.
 ma_isa select_isa(ma_dtype dt) {
   if (const char* err = ma_isa_env_error()) {
-    const char* env = std::getenv("MASKED_ATTN_ISA");
-    MA_CHECK(false, err, " (MASKED_ATTN_ISA='", env ? env : "", "')");
+    MA_CHECK(false, err);
   }
   return ma_isa_for(dt);
 }
@@ -616,7 +621,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tens
     return {out, lse, weights, out_lo};
   }
   p.head_group = ma_attn_fwd_head_group(&p);
-  run_tasks(ma_attn_fwd_task, &p, ma_attn_fwd_work_items(&p), ma_attn_fwd_scratch_bytes(&p), q, fwd_grain(p));
+  run_tasks(ma_attn_fwd_task, &p, ma_attn_fwd_work_items(&p), ma_attn_fwd_scratch_bytes(&p), q, fwd_grain(p),
+            s.B * s.H * s.Lq * s.Lk * (s.D + s.Dv));
   return {out, lse, weights, out_lo};
 }
 
@@ -633,18 +639,6 @@ void check_shape(const Tensor& t, const char* name, std::vector<int64_t> dims, c
 void check_out_lo(const std::optional<Tensor>& out_lo, std::vector<int64_t> dims, const char* dims_str,
                   ScalarType dtype) {
   if (out_lo.has_value()) check_shape(*out_lo, "out_lo", std::move(dims), dims_str, dtype);
-}
-
-// MASKED_ATTN_BWD_KEY_GROUP=n, read once per process: the single-pass
-// backward takes its key blocks n at a time instead of by the shape rule
-// (ma_attn_bwd_key_group). The results are the same bits for every n; the
-// tests check it (tests/test_isa.py), benchmarks compare the speeds.
-int64_t bwd_key_group_override() {
-  static const int64_t n = [] {
-    const char* env = std::getenv("MASKED_ATTN_BWD_KEY_GROUP");
-    return env ? static_cast<int64_t>(std::atoll(env)) : int64_t{0};
-  }();
-  return n;
 }
 
 // The backward, writing dq, dk, dv into the given (B, H, L, D) tensors (any
@@ -705,10 +699,10 @@ std::tuple<Tensor, Tensor> attn_backward_impl(
   if (out_lo.has_value()) fill_strides4(p.a.out_lo_stride, *out_lo);
   p.delta = delta.mutable_data_ptr();
   p.kv_chunks = 1;
-  const int64_t forced_key_group = bwd_key_group_override();
-  p.key_group = forced_key_group > 0 ? forced_key_group : ma_attn_bwd_key_group(&p);
+  p.key_group = ma_attn_bwd_key_group(&p);
 
   const size_t bytes = ma_attn_bwd_scratch_bytes(&p);
+  const int64_t work = s.B * s.H * s.Lq * s.Lk * (3 * s.D + 2 * s.Dv);  // the five products
   if (s.Lk == 0) {
     torch::stable::zero_(dq);
     if (head_mask_grad) torch::stable::zero_(dhm_rows);
@@ -726,13 +720,14 @@ std::tuple<Tensor, Tensor> attn_backward_impl(
     if (dq_elems) parts.emplace((dq_elems + dhm_elems) * esz);
     p.dq_part = dq_elems ? parts->block.ptr : nullptr;
     p.dhm_part = dhm_elems ? static_cast<char*>(parts->block.ptr) + dq_elems * esz : nullptr;
-    run_tasks(ma_attn_bwd_fused_task, &p, ma_attn_bwd_fused_work_items(&p), bytes, q, 1);
-    if (p.kv_chunks > 1) run_tasks(ma_attn_bwd_reduce_task, &p, ma_attn_bwd_reduce_work_items(&p), bytes, q, 1);
+    run_tasks(ma_attn_bwd_fused_task, &p, ma_attn_bwd_fused_work_items(&p), bytes, q, 1, work);
+    if (p.kv_chunks > 1)
+      run_tasks(ma_attn_bwd_reduce_task, &p, ma_attn_bwd_reduce_work_items(&p), bytes, q, 1, work);
   } else {
-    run_tasks(ma_attn_bwd_dq_task, &p, ma_attn_bwd_dq_work_items(&p), bytes, q, 1);
+    run_tasks(ma_attn_bwd_dq_task, &p, ma_attn_bwd_dq_work_items(&p), bytes, q, 1, work);
   }
   if (s.Lk > 0 && !ma_attn_bwd_single_pass(&p))
-    run_tasks(ma_attn_bwd_dkdv_task, &p, ma_attn_bwd_dkdv_work_items(&p), bytes, q, 1);
+    run_tasks(ma_attn_bwd_dkdv_task, &p, ma_attn_bwd_dkdv_work_items(&p), bytes, q, 1, work);
 
   // d head_mask[b, h] = sum over the rows of (b, h), in a fixed order, in the
   // accumulation type: the caller rounds once, after summing over what the

@@ -9,6 +9,7 @@ import torch.nn as nn
 
 import torch_masked_attn as tma
 from conftest import OpCounter
+from torch_masked_attn import devices
 from torch_masked_attn import functional as tF
 from torch_masked_attn import losses as tL
 
@@ -16,7 +17,7 @@ from torch_masked_attn import losses as tL
 @pytest.fixture
 def native_on_cpu(monkeypatch):
     """CPU tensors take the path every non-CPU device takes."""
-    monkeypatch.setattr(tF, "KERNEL_DEVICE_TYPES", frozenset({"meta"}))
+    monkeypatch.setattr(devices, "KERNEL_DEVICE_TYPES", frozenset({"meta"}))
 
 
 def test_dispatch_decision():
@@ -180,7 +181,7 @@ def test_forced_fallback_whole_model(monkeypatch):
     with OpCounter() as c:
         ref_loss, ref_grads = _run_tiny(model, "cpu")
     assert "forward" in c.ops and "cross_entropy" in c.ops and any(op.startswith("backward") for op in c.ops)
-    monkeypatch.setattr(tF, "KERNEL_DEVICE_TYPES", frozenset({"meta"}))
+    monkeypatch.setattr(devices, "KERNEL_DEVICE_TYPES", frozenset({"meta"}))
     with OpCounter() as c:
         loss, grads = _run_tiny(model, "cpu")
     assert c.ops == []

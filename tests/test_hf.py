@@ -281,17 +281,13 @@ def test_mask_function_hands_structure():
     cache.update(torch.zeros(B, 2, L, 8), torch.zeros(B, 2, L, 8), 1)
     m = create_causal_mask(cfg, _emb(B, 1), torch.ones(B, L + 1, dtype=torch.long), cache)
     assert m.kernel_args(1, L + 1) == {"key_padding_mask": None, "is_causal": False}
-    # sliding window: a (1, 1, Lq, Lk) mask shared by the batch, until masked_attention has `window`
+    # sliding window: masked_attention's own window on top of the causal path
     scfg = copy.deepcopy(MODELS["mistral"][1])
     scfg._attn_implementation = "masked_attn"
     m = create_sliding_window_causal_mask(scfg, _emb(B, L), mask, None)
     assert isinstance(m, hf.StructuredMask) and m.sliding_window == 4
     args = m.kernel_args(L, L)
-    if hf._HAS_WINDOW:
-        assert args["window"] == (3, -1) and args["is_causal"]
-    else:
-        i, j = torch.arange(L)[:, None], torch.arange(L)[None]
-        torch.testing.assert_close(args["attn_mask"][0, 0], (j > i) | (j <= i - 4))
+    assert args["window"] == (3, -1) and args["is_causal"]
     # a mask the structure does not cover goes through as transformers' own tensor
     m = create_causal_mask(cfg, _emb(B, L), mask, None, or_mask_function=lambda b, h, q, k: k == 0)
     assert isinstance(m, torch.Tensor) and m.shape == (B, 1, L, L)
@@ -299,8 +295,8 @@ def test_mask_function_hands_structure():
 
 def _reference_masked_attention(q, k, v, *, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None,
                                  need_weights=False, window=None, softcap=None, sinks=None, **_):
-    """masked_attention with the `window`, `softcap`, `sinks` arguments of branch `window`, in plain float64
-    torch: stands in for the kernel so that the integration's use of them is tested before they exist."""
+    """masked_attention's contract (window, softcap, sinks included) in plain float64 torch: the
+    stand-in for varlen_attn's reference below."""
     B, H, Lq, D = q.shape
     k = k.repeat_interleave(H // k.shape[1], 1)
     v = v.repeat_interleave(H // v.shape[1], 1)
@@ -338,18 +334,17 @@ def _reference_masked_attention(q, k, v, *, attn_mask=None, key_padding_mask=Non
 
 @pytest.mark.parametrize("name", ["mistral", "gemma2"] + (["gpt_oss"] if "gpt_oss" in MODELS else []))
 def test_window_softcap_sinks_paths(name, monkeypatch):
-    """The paths that switch on when masked_attention gains window / softcap / sinks
-    (branch `window`), run against a plain-torch stand-in of that masked_attention."""
-    monkeypatch.setattr(hf, "_HAS_WINDOW", True)
-    monkeypatch.setattr(hf, "_HAS_SOFTCAP", True)
-    monkeypatch.setattr(hf, "_HAS_SINKS", True)
+    """Sliding windows (also relative to a shifted diagonal, with a cache), soft-capping and
+    sinks reach masked_attention as its own arguments, and the logits equal the reference
+    implementation's."""
     calls = []
+    real = tma_F.masked_attention
 
-    def stand_in(*args, **kwargs):
+    def spy(*args, **kwargs):
         calls.append(sorted(k for k in ("window", "softcap", "sinks") if kwargs.get(k) is not None))
-        return _reference_masked_attention(*args, **kwargs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(tma_F, "masked_attention", stand_in)
+    monkeypatch.setattr(tma_F, "masked_attention", spy)
     ref, ours = _pair(name)
     ids, mask = _batch("left", L=13, lengths=(13, 6, 10))
     a = ref(input_ids=ids, attention_mask=mask).logits
@@ -374,8 +369,8 @@ def test_window_softcap_sinks_paths(name, monkeypatch):
 
 
 def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
-    """torch.nn.attention.varlen.varlen_attn's contract (the future functional.varlen_attn), sequence by
-    sequence through the float64 stand-in above."""
+    """torch.nn.attention.varlen.varlen_attn's contract, sequence by sequence through the float64
+    stand-in above."""
     assert cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k) and max_q == max_k
     assert enable_gqa == (k.shape[1] != q.shape[1])
     outs = []
@@ -392,8 +387,8 @@ def test_packed_sequences_through_varlen(name, monkeypatch):
     over the sequence ids and no mask is built; run here against a float64 stand-in with
     torch's varlen_attn contract (the exact window each model asks for)."""
     calls = []
-    monkeypatch.setattr(hf, "_HAS_VARLEN", True)
-    monkeypatch.setattr(hf, "_VARLEN", lambda *a, **k: calls.append(k["window_size"]) or _reference_varlen(*a, **k))
+    monkeypatch.setattr(tma_F, "varlen_attn",
+                        lambda *a, **k: calls.append(k["window_size"]) or _reference_varlen(*a, **k))
     ref, ours = _pair(name)
     ids = torch.randint(3, V, (2, 12))
     pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2]])
@@ -413,8 +408,8 @@ def test_packed_sequences_real_varlen(name, monkeypatch):
     these models; GPT-OSS's masks never carry it, so its sinks reach varlen_attn only
     through tests/test_varlen.py.)"""
     calls = []
-    real = hf._VARLEN
-    monkeypatch.setattr(hf, "_VARLEN", lambda *a, **k: calls.append(k) or real(*a, **k))
+    real = tma_F.varlen_attn
+    monkeypatch.setattr(tma_F, "varlen_attn", lambda *a, **k: calls.append(k) or real(*a, **k))
     ref, ours = _pair(name)
     ids = torch.randint(3, V, (2, 12))
     pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2]])
@@ -430,17 +425,6 @@ def test_packed_sequences_real_varlen(name, monkeypatch):
     assert calls
     if name == "gemma2":
         assert all(c.get("softcap") for c in calls)
-
-
-def test_packed_sequences_without_varlen(monkeypatch):
-    """Without varlen_attn: transformers' own packed mask goes through as a mask."""
-    monkeypatch.setattr(hf, "_HAS_VARLEN", False)
-    ref, ours = _pair("llama")
-    ids = torch.randint(3, V, (2, 12))
-    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2]])
-    a = ref(input_ids=ids, position_ids=pos, use_cache=False).logits
-    b = ours(input_ids=ids, position_ids=pos, use_cache=False).logits
-    torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-10)
 
 
 def test_packed_sequences_with_weights_or_dropout():
@@ -465,17 +449,6 @@ def test_packed_sequences_with_weights_or_dropout():
         out.append(model.train()(input_ids=ids, position_ids=p, use_cache=False).logits)
     torch.testing.assert_close(out[1], out[0], rtol=1e-9, atol=1e-10)
     assert not torch.allclose(out[2], out[1])
-
-
-def test_softcap_falls_back_to_eager_without_the_kernels_softcap(monkeypatch):
-    monkeypatch.setattr(hf, "_HAS_SOFTCAP", False)  # the path for a masked_attention without softcap
-    seen = []
-    real = hf._model_eager
-    monkeypatch.setattr(hf, "_model_eager", lambda module: seen.append(type(module).__name__) or real(module))
-    _, ours = _pair("gemma2")
-    ids, mask = _batch("right")
-    ours(input_ids=ids, attention_mask=mask)
-    assert seen and set(seen) == {"Gemma2Attention"}
 
 
 def _ref_dropout_mask(*args, **kwargs):

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import torch_masked_attn as tma
 from conftest import isa_available, run_isa
+from torch_masked_attn.ops import bwd_key_group, use_isa
 
 VARIANTS = ["scalar", "avx2", "avx512", "amx"]
 
@@ -449,15 +450,9 @@ def test_short_query_blocks_match_the_tiles(isa, dtype, case, masks):
     torch.testing.assert_close(out1.double(), ref[:, :, :1], rtol=tol, atol=tol)
 
 
-_KEY_GROUP_SCRIPT = r"""
-import sys, torch
-import torch_masked_attn as tma
-from torch_masked_attn.ops import use_isa
-torch.manual_seed(0)
-out = {}
 # (name, B, H, Hkv, L, D, dtype, options): more than 1 MB of Q, dO, dq rows per
 # (b, kv head), so the shape rule takes 4 key blocks at a time; L off the blocks
-CASES = [
+KEY_GROUP_CASES = [
     ("causal+kpm D=128", 1, 1, 1, 1100, 128, torch.float32, dict(is_causal=True, kpm=True)),
     ("gqa causal+kpm", 1, 4, 2, 1500, 64, torch.float32, dict(is_causal=True, kpm=True)),
     ("8 items, no key chunks", 4, 4, 2, 1500, 64, torch.float32, dict(is_causal=True)),
@@ -467,60 +462,52 @@ CASES = [
     ("dropout", 1, 2, 1, 1100, 128, torch.float32, dict(is_causal=True, dropout_p=0.2)),
     ("bfloat16", 1, 2, 2, 1100, 128, torch.bfloat16, dict(is_causal=True)),
 ]
-for isa in sys.argv[1:]:
-    for name, B, H, Hkv, L, D, dt, o in CASES:
-        o = dict(o)
-        q = torch.randn(B, H, L, D).to(dt).requires_grad_()
-        k, v = (torch.randn(B, Hkv, L, D).to(dt).requires_grad_() for _ in range(2))
-        g = torch.randn(B, H, L, D).to(dt)
-        kw = dict(is_causal=o.get("is_causal", False), window=o.get("window"), softcap=o.get("softcap"),
-                  dropout_p=o.get("dropout_p", 0.0))
-        if o.get("kpm"):
-            kpm = torch.zeros(B, L, dtype=torch.bool)
-            kpm[:, L - 130:] = True
-            kw["key_padding_mask"] = kpm
-        hm = None
-        if o.get("head_mask"):
-            hm = torch.rand(H).requires_grad_()
-            kw["head_mask"] = hm
-        if kw["dropout_p"]:
-            kw["dropout_seed"] = torch.tensor([7, 11], dtype=torch.int64)
-        with use_isa(isa):
-            y = tma.functional.masked_attention(q, k, v, **kw)
-            inputs = (q, k, v) + ((hm,) if hm is not None else ())
-            out[isa + " " + name] = torch.autograd.grad(y, inputs, g)
-torch.save(out, "{path}")
-"""
 
 
-def test_key_groups_same_bits(tmp_path):
+def _key_group_grads(isas):
+    torch.manual_seed(0)
+    out = {}
+    for isa in isas:
+        for name, B, H, Hkv, L, D, dt, o in KEY_GROUP_CASES:
+            q = torch.randn(B, H, L, D).to(dt).requires_grad_()
+            k, v = (torch.randn(B, Hkv, L, D).to(dt).requires_grad_() for _ in range(2))
+            g = torch.randn(B, H, L, D).to(dt)
+            kw = dict(is_causal=o.get("is_causal", False), window=o.get("window"), softcap=o.get("softcap"),
+                      dropout_p=o.get("dropout_p", 0.0))
+            if o.get("kpm"):
+                kpm = torch.zeros(B, L, dtype=torch.bool)
+                kpm[:, L - 130:] = True
+                kw["key_padding_mask"] = kpm
+            hm = None
+            if o.get("head_mask"):
+                hm = torch.rand(H).requires_grad_()
+                kw["head_mask"] = hm
+            if kw["dropout_p"]:
+                kw["dropout_seed"] = torch.tensor([7, 11], dtype=torch.int64)
+            with use_isa(isa):
+                y = tma.functional.masked_attention(q, k, v, **kw)
+                inputs = (q, k, v) + ((hm,) if hm is not None else ())
+                out[isa + " " + name] = torch.autograd.grad(y, inputs, g)
+    return out
+
+
+def test_key_groups_same_bits():
     """The single-pass backward takes a chunk's key blocks several at a time
     where the query rows of an item outgrow L2 (ma_attn_bwd_key_group); each
     dq row still sums its key blocks in key order and each dk, dv row its
     query blocks in order, so the gradients must be bitwise those of one key
-    block at a time (MASKED_ATTN_BWD_KEY_GROUP=1) and of groups of 3 (a group
-    left over at the end), in every variant this CPU has."""
-    import os
-    import subprocess
-    import sys
+    block at a time (ops.bwd_key_group(1)) and of groups of 3 (a group left
+    over at the end), in every variant this CPU has."""
     isas = [isa for isa in VARIANTS if isa_available(isa)]
     results = {}
-    for n in ("", "1", "3"):
-        path = tmp_path / f"grads{n or 'default'}.pt"
-        script = tmp_path / "run.py"
-        script.write_text(_KEY_GROUP_SCRIPT.replace("{path}", str(path)))
-        env = dict(os.environ)
-        env.pop("MASKED_ATTN_BWD_KEY_GROUP", None)
-        if n:
-            env["MASKED_ATTN_BWD_KEY_GROUP"] = n
-        proc = subprocess.run([sys.executable, str(script), *isas], env=env, capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr
-        results[n] = torch.load(path)
-    assert len(results[""]) == 8 * len(isas)
-    for n in ("1", "3"):
-        for case, grads in results[""].items():
+    for n in (None, 1, 3):
+        with bwd_key_group(n):
+            results[n] = _key_group_grads(isas)
+    assert len(results[None]) == len(KEY_GROUP_CASES) * len(isas)
+    for n in (1, 3):
+        for case, grads in results[None].items():
             for i, (a, b) in enumerate(zip(grads, results[n][case])):
-                assert torch.equal(a, b), f"{case}: gradient {i} differs with MASKED_ATTN_BWD_KEY_GROUP={n}"
+                assert torch.equal(a, b), f"{case}: gradient {i} differs with bwd_key_group({n})"
 
 
 # (B, H, Hkv, Lk, D, Dv, options) for runs of heads: H = 12 so that the takes

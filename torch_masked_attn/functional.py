@@ -17,32 +17,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import ops  # noqa: F401  (registers torch.ops.masked_attn)
+from . import ops
+from .autocast import autocast_cast, autocast_dtype
+from .devices import KERNEL_DEVICE_TYPES, uses_kernels  # noqa: F401  (part of this module's API)
+from .losses import cross_entropy, linear_cross_entropy  # noqa: F401  (re-exported)
 
 __all__ = ["masked_attention", "scaled_dot_product_attention", "varlen_attn", "AuxRequest", "cross_entropy",
            "linear_cross_entropy"]
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
-# ---- devices ------------------------------------------------------------------
-#
-# The C kernels run on CPU tensors; meta tensors (and fake tensors of CPU
-# tensors, under torch.compile / torch.export) go to the ops too, whose fake
-# kernels give the shapes. On any other device (cuda, xpu, mps, ...) every
-# drop-in computes the same thing with PyTorch's native ops, so a model built
-# with our modules keeps working after .to(device). The decision is made here,
-# in Python, per call, from the first tensor argument's device (the ops
-# themselves stay CPU-only: a direct torch.ops.masked_attn.* call on a CUDA
-# tensor raises the dispatcher's NotImplementedError). docs/design.md, "Devices".
-
-KERNEL_DEVICE_TYPES = frozenset({"cpu", "meta"})
-
-
-def uses_kernels(device: torch.device | str) -> bool:
-    """Whether tensors on ``device`` are computed by our C kernels (CPU, and
-    meta for shapes) or, on every other device, by PyTorch's native ops."""
-    return torch.device(device).type in KERNEL_DEVICE_TYPES
-
+# ---- native attention (every device but the CPU) ----------------------------
 
 def native_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
                      key_padding_mask: Tensor | None = None, head_mask: Tensor | None = None,
@@ -241,7 +226,15 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | Non
         if t.dtype not in _FLOATS:
             raise TypeError(f"masked_attention: {name} must be float32, float64, bfloat16 or float16, "
                             f"got {t.dtype}")
-    extra = _window_cap_sinks("masked_attention", q, window, softcap, sinks)
+    return _attention(q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, scale, dropout_p, need_weights,
+                      return_lse, dropout_seed, window, softcap, sinks)
+
+
+def _attention(q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, scale, dropout_p, need_weights,
+               return_lse, dropout_seed, window, softcap, sinks, fn="masked_attention"):
+    """masked_attention after its checks of q, k, v (4-D floating tensors), with
+    dropout_p a float in [0, 1]: the rest of the checks, and the call."""
+    extra = _window_cap_sinks(fn, q, window, softcap, sinks)
     attn_mask = _as_4d_attn_mask(attn_mask, q.size(0), q.size(1))
     if not uses_kernels(q.device):
         if window is not None or softcap is not None or sinks is not None:
@@ -255,10 +248,10 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | Non
     drop = ()
     if dropout_p > 0.0:
         if dropout_seed is not None:
-            _check_dropout_seed("masked_attention", dropout_seed)
+            _check_dropout_seed(fn, dropout_seed)
         drop = (dropout_p, ops.new_dropout_seed() if dropout_seed is None else dropout_seed)
-    out, lse, weights, _ = torch.ops.masked_attn.forward(
-        q, k, v, attn_mask, key_padding_mask, head_mask, bool(is_causal),
+    out, lse, weights, _ = ops.call_op(
+        torch.ops.masked_attn.forward.default, q, k, v, attn_mask, key_padding_mask, head_mask, bool(is_causal),
         None if scale is None else float(scale), bool(need_weights), *(drop or (0.0, None)), *extra)
     if not (need_weights or return_lse):
         return out
@@ -290,6 +283,12 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
                              f"(L, E), got shape {tuple(t.shape)}")
         if t.dtype not in _FLOATS:
             raise TypeError(f"scaled_dot_product_attention: {name} must be floating point, got {t.dtype}")
+    # under autocast, as F.sdpa: the inputs (and a floating mask) in the autocast dtype before any check
+    cast = autocast_dtype(query.device.type, "lower")
+    if cast is not None:
+        dev = query.device.type
+        query, key, value = (autocast_cast(t, cast, dev) for t in (query, key, value))
+        attn_mask = autocast_cast(attn_mask, cast, dev)
     if not (query.dtype == key.dtype == value.dtype):
         raise ValueError("scaled_dot_product_attention: query, key and value must have the same dtype, "
                          f"got {query.dtype}, {key.dtype}, {value.dtype}")
@@ -332,8 +331,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
             mask = ~mask  # F.sdpa: True = take part; ours: True = blocked
         if len(batch) > 1 and mask.dim() > 3:  # flatten the batch dims like q's
             mask = mask.expand(*batch, *mask.shape[-3:]).reshape(-1, *mask.shape[-3:])
-    out = masked_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
-                           window=window, softcap=softcap, sinks=sinks)
+    out = _attention(q, k, v, mask, None, None, is_causal, scale, float(dropout_p), False, False, None, window,
+                     softcap, sinks, fn="scaled_dot_product_attention")
     if query.dim() == 4:
         return out
     out_shape = (*batch, hq, query.size(-2), value.size(-1)) if query.dim() >= 3 else \
@@ -457,13 +456,11 @@ def varlen_attn(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_
             block_table = None
     elif cu_seq_k is None:
         raise ValueError("varlen_attn: cu_seq_k is required without block_table")
-    out, lse, _ = torch.ops.masked_attn.varlen_forward(
-        query, key, value, cu_seq_q, cu_seq_k, int(max_q), int(max_k),
+    out, lse, _ = ops.call_op(
+        torch.ops.masked_attn.varlen_forward.default, query, key, value, cu_seq_q, cu_seq_k, int(max_q), int(max_k),
         None if scale is None else float(scale), left, right, seqused_k, block_table,
         None if softcap is None else float(softcap), sinks)
     if return_aux is not None and return_aux.lse:
         return out, lse
     return out
 
-
-from .losses import cross_entropy, linear_cross_entropy  # noqa: E402

@@ -19,20 +19,15 @@ Two parts, both registered in transformers' own interfaces:
   built by transformers' own ``sdpa_mask`` and goes through as a mask.
 * an attention function (``AttentionInterface``) that calls
   :func:`torch_masked_attn.functional.masked_attention` on (B, H, L, D) with
-  grouped-query heads as they are, and falls back to transformers' own code
-  where the kernel lacks a feature (see ``_fallback_reason``).
-
-Kernel features that other branches add (``window``, ``softcap``, ``sinks`` on
-masked_attention; ``functional.varlen_attn``) are detected from the installed
-package once at import (``_HAS_*`` below); until they exist, the fallbacks keep
-the results right.
+  grouped-query heads as they are (sliding windows, soft-capping and sinks
+  through its own arguments), packed sequences through
+  :func:`torch_masked_attn.functional.varlen_attn`, and T5-style position
+  biases through transformers' own sdpa attention.
 """
 from __future__ import annotations
 
 import contextvars
 import functools
-import inspect
-import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -62,19 +57,6 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
 __all__ = ["ATTN_IMPLEMENTATION", "StructuredMask", "apply", "attention_forward", "mask_function"]
 
 ATTN_IMPLEMENTATION = "masked_attn"
-
-# ---------------------------------------------------------------------------------------------
-# Feature detection, once at import: masked_attention's window / softcap / sinks and
-# functional.varlen_attn (packed sequences) are used where they exist; without them a sliding
-# window becomes a small (Lq, Lk) bool mask shared by the batch, softcap / sinks run the model's
-# own eager attention and packed sequences get transformers' 4-D mask (the tests switch them off
-# to keep those paths honest).
-_MA_PARAMS = frozenset(inspect.signature(_F.masked_attention).parameters)
-_HAS_WINDOW = "window" in _MA_PARAMS
-_HAS_SOFTCAP = "softcap" in _MA_PARAMS
-_HAS_SINKS = "sinks" in _MA_PARAMS
-_VARLEN = getattr(_F, "varlen_attn", None)
-_HAS_VARLEN = _VARLEN is not None
 
 try:  # the hooks transformers uses to collect attention weights (output_attentions=True)
     from transformers.utils.output_capturing import _active_collector
@@ -196,7 +178,7 @@ class StructuredMask:
                 args["is_causal"] = True
             elif no_lower and no_upper:
                 pass
-            elif _HAS_WINDOW and d >= 0 and (no_lower or left >= 0):
+            elif d >= 0 and (no_lower or left >= 0):
                 if d == 0:  # the kernel's own causal path, the window's left side on top
                     args["is_causal"], args["window"] = True, (left, -1)
                 else:
@@ -231,7 +213,7 @@ def mask_function(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv
                    local_size=local_size, use_vmap=use_vmap, device=device)
     kind, window = _recognise(mask_function)
     packed = None
-    if kind is None and _HAS_VARLEN and attention_mask is None and not use_vmap and q_length == kv_length \
+    if kind is None and attention_mask is None and not use_vmap and q_length == kv_length \
             and not torch.compiler.is_compiling():
         # packed sequences (found by transformers from position_ids): varlen_attn, no mask at all
         kind, window, packed = _recognise_packed(mask_function)
@@ -267,17 +249,6 @@ def _wants_weights(kwargs) -> bool:
     return False
 
 
-def _model_eager(module: nn.Module):
-    """The model's own eager attention (the one its attention layer falls back to)."""
-    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    if fn is None:
-        raise NotImplementedError(
-            f"masked_attn: {type(module).__name__} needs the model's eager attention (softcap or sinks "
-            "on a build without them), and its module has no eager_attention_forward; use "
-            "attn_implementation='eager' for this model")
-    return fn
-
-
 def _bool_mask(attention_mask, module, query: Tensor, key: Tensor, is_causal) -> Tensor | None:
     """The mask as sdpa takes it (bool True = attend, or float added)."""
     if isinstance(attention_mask, StructuredMask):
@@ -288,26 +259,6 @@ def _bool_mask(attention_mask, module, query: Tensor, key: Tensor, is_causal) ->
         if causal and lq > 1:  # sdpa's is_causal: top-left
             return torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril()[None, None]
     return attention_mask
-
-
-def _eager_mask(attention_mask, module, query: Tensor, key: Tensor, is_causal) -> Tensor | None:
-    """The mask as eager attention takes it (float, added: 0 or the dtype's min)."""
-    mask = _bool_mask(attention_mask, module, query, key, is_causal)
-    if mask is not None and mask.dtype == torch.bool:
-        mask = torch.where(mask, torch.zeros((), dtype=query.dtype, device=query.device),
-                           torch.finfo(query.dtype).min)
-    return mask
-
-
-def _fallback_reason(dropout: float, softcap, sinks, position_bias, need_weights: bool) -> str | None:
-    """Which of transformers' own paths a call needs, if any: 'eager' or 'sdpa'.
-    Attention dropout (the model's attention_dropout in training) is not a reason: it runs
-    inside our kernels (masked_attention's dropout_p, seeded from torch's default generator)."""
-    if (softcap is not None and not _HAS_SOFTCAP) or (sinks is not None and not _HAS_SINKS):
-        return "eager"      # a masked_attention without softcap / sinks (an older build)
-    if position_bias is not None:
-        return "sdpa"       # T5-style bias: sdpa folds it into a float mask
-    return None
 
 
 def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
@@ -322,11 +273,7 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     softcap = kwargs.get("softcap")
     sinks = kwargs.get("s_aux")
     need_weights = _wants_weights(kwargs)
-    reason = _fallback_reason(float(dropout or 0.0), softcap, sinks, kwargs.get("position_bias"), need_weights)
-    if reason == "eager":
-        mask = _eager_mask(attention_mask, module, query, key, is_causal)
-        return _model_eager(module)(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
-    if reason == "sdpa":
+    if kwargs.get("position_bias") is not None:  # T5-style bias: transformers' sdpa folds it into a float mask
         mask = _bool_mask(attention_mask, module, query, key, is_causal)
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
@@ -380,7 +327,7 @@ def _packed_attention(mask: StructuredMask, query: Tensor, key: Tensor, value: T
         extra["softcap"] = float(softcap)
     if sinks is not None:
         extra["sinks"] = sinks
-    out = _VARLEN(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(left, 0),
+    out = _F.varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(left, 0),
                   enable_gqa=key.shape[1] != H, **extra)
     return out.reshape(B, L, H, value.shape[3])
 

@@ -34,7 +34,8 @@ from torch.nn import _reduction as _Reduction
 from torch.overrides import handle_torch_function, has_torch_function_variadic
 
 from . import ops  # noqa: F401  (registers torch.ops.masked_attn)
-from .functional import uses_kernels
+from .autocast import autocast_cast, autocast_dtype
+from .devices import uses_kernels
 
 __all__ = ["cross_entropy", "CrossEntropyLoss", "perplexity", "linear_cross_entropy", "LinearCrossEntropyLoss",
            "native_cross_entropy"]
@@ -276,6 +277,10 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
         return native_cross_entropy(input, target, weight, reduction=reduction, ignore_index=ignore_index,
                                     label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
     reduction = _REDUCTIONS[_Reduction.get_enum(reduction)]  # ValueError for a bad one
+    cast = autocast_dtype(input.device.type, "float32") if isinstance(input, torch.Tensor) else None
+    if cast is not None:  # under autocast, as F.cross_entropy: float32 before any check
+        dev = input.device.type
+        input, target, weight = (autocast_cast(t, cast, dev) for t in (input, target, weight))
     ignore_index, ls = _check_arg_types(input, target, weight, ignore_index, label_smoothing)
 
     if input.shape == target.shape:

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .functional import native_attention, uses_kernels
+from .devices import uses_kernels
+from .functional import native_attention
 from .ops import _needs, attention_backward, first_order_only, new_dropout_seed, saved_out_lo
 
 __all__ = ["MultiheadAttention", "replace_attention"]

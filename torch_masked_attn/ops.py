@@ -104,6 +104,23 @@ _clib.ma_isa_force.restype = ctypes.c_int
 _clib.ma_isa_forced.restype = ctypes.c_int
 
 
+_clib.ma_attn_bwd_key_group_force.argtypes = [ctypes.c_int64]
+_clib.ma_attn_bwd_key_group_force.restype = ctypes.c_int64
+
+
+@contextlib.contextmanager
+def bwd_key_group(n: int | None) -> Iterator[None]:
+    """Inside the block, the single-pass backward takes its key blocks ``n`` at
+    a time (None: the shape rule, ma_attn_bwd_key_group), process-wide; the
+    previous setting is restored after. The gradients are the same bits for
+    every n (tests/test_isa.py checks it); a knob for tests and benchmarks."""
+    old = _clib.ma_attn_bwd_key_group_force(0 if n is None else int(n))
+    try:
+        yield
+    finally:
+        _clib.ma_attn_bwd_key_group_force(old)
+
+
 _clib.ma_release_memory.restype = ctypes.c_size_t
 _clib.ma_scratch_idle_bytes.restype = ctypes.c_size_t
 _clib.ma_scratch_last_bytes.restype = ctypes.c_size_t
@@ -150,6 +167,18 @@ def new_dropout_seed() -> Tensor:
     default CPU generator: torch.manual_seed reproduces it, successive calls
     differ, get_rng_state / set_rng_state replay it."""
     return torch.randint(-(2 ** 63), 2 ** 63 - 1, (2,), dtype=torch.int64)
+
+
+def call_op(op, *args):
+    """``op(*args)``; when no argument needs a gradient, past the autograd
+    layer: the op's registered autograd (a Python function) would only
+    redispatch, and costs a few microseconds that a decoding step or a small
+    model pays on every call. Under torch.compile the plain call, which
+    dynamo traces."""
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)):
+        return op(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
 
 
 def _has_out_lo(dtype):
@@ -557,3 +586,4 @@ def _cross_entropy_backward(ctx, grad_loss, grad_lse):
 torch.library.register_autograd(
     "masked_attn::cross_entropy", _cross_entropy_backward,
     setup_context=_cross_entropy_setup_context)
+

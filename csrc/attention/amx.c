@@ -360,8 +360,8 @@ static void gemm_amx3(int64_t m, int64_t n, int64_t k, const float *A, int64_t a
 }
 
 /* The harness tests the two precisions' GEMMs; the other blocks are AVX-512's. */
-const ma_blocks ma_blocks_amx2 = {"amx2", gemm_amx2, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
-const ma_blocks ma_blocks_amx3 = {"amx3", gemm_amx3, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+const ma_blocks ma_blocks_amx2 = {"amx2", gemm_amx2, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+const ma_blocks ma_blocks_amx3 = {"amx3", gemm_amx3, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
 
 /* ---- the instance: the template's loops, AVX-512 blocks, tile hooks -------------
  *

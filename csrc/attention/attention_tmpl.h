@@ -55,14 +55,12 @@
 #define STORE ma_store_f64
 #define LOG log
 #define EXPF exp
-#define TANH tanh
 #else
 #define ACC float
 #define LOAD ma_load_f32
 #define STORE ma_store_f32
 #define LOG logf
 #define EXPF expf
-#define TANH tanhf
 #endif
 #define GEMM BLK(gemm)
 #define GEMM_ROWSCALE BLK(gemm_rowscale)
@@ -371,16 +369,8 @@ static void FN(add_bias)(ACC *s, int64_t rs, int64_t cs, const ma_attn_args *a, 
 /* Soft-capping of n scores before their bias: s = c tanh(s / c), c > 0 (a
  * c of 0 leaves s alone). th, when not NULL, keeps tanh(s / c) for the
  * backward's factor 1 - tanh^2 (FN(softcap_grad)). */
-static void FN(softcap)(ACC *s, int64_t n, double cap, ACC *th) {
-    if (cap <= 0) return;
-    const ACC c = (ACC)cap, inv = (ACC)(1.0 / cap);
-    if (th)
-        for (int64_t x = 0; x < n; x++) {
-            th[x] = TANH(s[x] * inv);
-            s[x] = c * th[x];
-        }
-    else
-        for (int64_t x = 0; x < n; x++) s[x] = c * TANH(s[x] * inv);
+static void FN(apply_softcap)(ACC *s, int64_t n, double cap, ACC *th) {
+    if (cap > 0) BLK(softcap)(s, n, (ACC)cap, (ACC)(1.0 / cap), th);
 }
 
 /* dS -> dS (1 - th^2): the gradient of the capped product from the gradient
@@ -751,7 +741,7 @@ static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s,
     const int64_t D = p->a.D, Dv = p->a.Dv, *ks = p->a.k_stride, *vs = p->a.v_stride;
     DOT_KEYS(s, nc, q, nr, D, p->a.k, p->a.dtype, b * ks[0] + hk * ks[1] + FN(key_off)(&p->a, ks, p->a.k_page_stride, b, j0),
              ks[2], nc, alone ? 64 * ks[2] : 0);
-    FN(softcap)(s, nr * nc, p->a.softcap, NULL);
+    FN(apply_softcap)(s, nr * nc, p->a.softcap, NULL);
     FN(add_bias)(s, nc, 1, &p->a, am_state, b, h, i0, nr, j0, nc);
     for (int64_t r = 0; r < nr; r++) {
         m_new[r] = ROW_MAX(s + r * nc, nc, m[r]);
@@ -953,7 +943,7 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
             if (ms == MA_TILE_BLOCKED) continue; /* contributes exactly 0 */
             /* sT = K (scale Q)^T + bias^T */
             FWD_STEP(scores, t.sT, i0, j0, nc);
-            FN(softcap)(t.sT, nc * nr, p->a.softcap, NULL);
+            FN(apply_softcap)(t.sT, nc * nr, p->a.softcap, NULL);
             FN(add_bias)(t.sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
             /* online softmax: m_new = max(m, colmax sT); P = exp(sT - m_new); l, O rescaled */
             for (int64_t r = 0; r < nr; r++) {
@@ -1019,7 +1009,7 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
                     int64_t ldk;
                     const ACC *k_j = FN(rows_in)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, gen.k_bh, D, &ldk);
                     GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
-                    FN(softcap)(t.sT, nc * nr, p->a.softcap, NULL);
+                    FN(apply_softcap)(t.sT, nc * nr, p->a.softcap, NULL);
                     FN(add_bias)(t.sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
                     EXP_SUB_COL(t.sT, nc, nr, t.m_new, t.lsum);
                     if (dr) DROPOUT(t.sT, NULL, 1, nr, nr, nc, dr, i0, j0); /* the weights after dropout */
@@ -1264,7 +1254,7 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
                 int64_t ldk;
                 const ACC *k_j = FN(rows_in)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, k_bh, D, &ldk);
                 GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
-                FN(softcap)(t.sT, nc * nr, p->a.softcap, NULL);
+                FN(apply_softcap)(t.sT, nc * nr, p->a.softcap, NULL);
                 FN(add_bias)(t.sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
                 EXP_SUB_COL(t.sT, nc, nr, t.lse, t.tmp);
                 for (int64_t x = 0; x < nc * nr; x++) t.dpT[x] = 0;
@@ -1290,7 +1280,7 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
             const ACC *v_j = FN(rows_in)(p->a.v, p->a.dtype, p->a.v_stride, b, hk, j0, v_bh, Dv, &ldv);
             /* P^T = exp(K (scale Q)^T + bias^T - lse) */
             GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
-            FN(softcap)(t.sT, nc * nr, p->a.softcap, t.th);
+            FN(apply_softcap)(t.sT, nc * nr, p->a.softcap, t.th);
             FN(add_bias)(t.sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
             EXP_SUB_COL(t.sT, nc, nr, t.lse, t.tmp);
             /* dP^T = V dO^T (+ dW^T);  dS^T = P^T (hm dP^T - delta) */
@@ -1376,7 +1366,7 @@ static void FN(gen_bwd_dkdv_at)(const FN(bwd_scratch) *t, const ma_attn_bwd_para
 static void FN(bwd_tile_softmax)(ACC *s, ACC *dp, ACC *th, const ma_attn_bwd_params *p, int64_t b, int64_t h, ACC hm,
                                  int64_t i0, int64_t nr, int64_t j0, int64_t nc, int am_state, const ACC *lse_r,
                                  const ACC *delta_r, ACC *dhm_r, const ma_dropout *dr, ACC *z, int store_ds) {
-    FN(softcap)(s, nr * nc, p->a.softcap, th);
+    FN(apply_softcap)(s, nr * nc, p->a.softcap, th);
     FN(add_bias)(s, nc, 1, &p->a, am_state, b, h, i0, nr, j0, nc);
     for (int64_t r = 0; r < nr; r++) (void)EXP_SUB_SUM(s + r * nc, nc, lse_r[r]);
     if (p->dweights) FN(add_dweights)(dp, nc, 1, p, b, h, i0, nr, j0, nc);

@@ -18,6 +18,10 @@
  *   transpose_X(dst, src, lds, nr, ncol, mul)
  *       dst (ncol, nr) = mul * src (nr, ncol)^T, src rows lds apart
  *   row_max_X(x, n, m)             max(m, x[c] for c < n); NaN sticks
+ *   softcap_X(s, n, cap, inv, th)  s[x] = cap tanh(s[x] inv) in place; th (or NULL)
+ *                                  keeps the tanh for the backward. The scalar
+ *                                  block is libm's tanh; the SIMD ones simd.h's
+ *                                  tanh256 / tanh512 (a few float32 ulps off it)
  *   dot_keys_X(s, lds, q, nr, D, k, dt, off, ld, nc, pf)
  *       s[r*lds + c] = q[r*D : r*D + D] . k[off + c*ld : ... + D], k in its own
  *       dtype, summed in gemm_X's order (bit for bit the tile's score)
@@ -79,11 +83,12 @@ typedef struct {
                           const float *B, int64_t ldb, float *C, int64_t ldc, const float *rs);
     void (*dropout)(float *x, float *z, int64_t rs, int64_t cs, int64_t nr, int64_t nc, const ma_dropout *d,
                     int64_t i0, int64_t j0);
+    void (*softcap)(float *s, int64_t n, float cap, float inv, float *th);
 } ma_blocks;
 
 #define MA_ATTN_BLOCKS(X)                                                                                     \
     {#X, gemm_##X, exp_sub_sum_##X, col_max_##X, exp_sub_col_##X, transpose_##X, row_max_##X, dot_keys_##X, \
-     axpy_keys_##X, gemm_rowscale_##X, dropout_##X}
+     axpy_keys_##X, gemm_rowscale_##X, dropout_##X, softcap_##X}
 
 extern const ma_blocks ma_blocks_scalar, ma_blocks_avx2, ma_blocks_avx512;
 extern const ma_blocks ma_blocks_amx2, ma_blocks_amx3; /* GEMM only: 3 and 6 bf16 products */

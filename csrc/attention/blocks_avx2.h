@@ -191,6 +191,18 @@ static float exp_sub_sum_avx2(float *x, int64_t n, float m) {
     return _mm_cvtss_f32(s);
 }
 
+/* s[x] = cap tanh(s[x] inv) in place (tanh256); th, when not NULL, keeps the tanh. */
+static void softcap_avx2(float *s, int64_t n, float cap, float inv, float *th) {
+    const __m256 cv = _mm256_set1_ps(cap), iv = _mm256_set1_ps(inv);
+    for (int64_t x = 0; x < n; x += 8) {
+        const int full = x + 8 <= n;
+        const __m256i k = full ? _mm256_set1_epi32(-1) : tail_mask(n - x);
+        const __m256 t = tanh256(_mm256_mul_ps(load_ps(full, s + x, k), iv));
+        if (th) store_ps(full, th + x, k, t);
+        store_ps(full, s + x, k, _mm256_mul_ps(cv, t));
+    }
+}
+
 /* One strip of 8 columns r.. of col_max_avx2 (full: all 8 inside n). */
 static inline __attribute__((always_inline)) void col_max_strip(const int full, const float *x, int64_t rows,
                                                                 int64_t n, float *m, __m256i k) {

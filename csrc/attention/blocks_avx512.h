@@ -132,6 +132,17 @@ static float exp_sub_sum_avx512(float *x, int64_t n, float m) {
     return _mm512_reduce_add_ps(acc);
 }
 
+/* s[x] = cap tanh(s[x] inv) in place (tanh512); th, when not NULL, keeps the tanh. */
+static void softcap_avx512(float *s, int64_t n, float cap, float inv, float *th) {
+    const __m512 cv = _mm512_set1_ps(cap), iv = _mm512_set1_ps(inv);
+    for (int64_t x = 0; x < n; x += 16) {
+        const __mmask16 k = tail_mask(n - x);
+        const __m512 t = tanh512(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + x), iv));
+        if (th) _mm512_mask_storeu_ps(th + x, k, t);
+        _mm512_mask_storeu_ps(s + x, k, _mm512_mul_ps(cv, t));
+    }
+}
+
 /* m[r] = max(m[r], max_c x[c*n + r]); NaN sticks (vmaxps alone would drop it).
  * Four running maxima per strip of 16 columns (rows c, c+1, c+2, c+3), so the
  * 4-cycle vmaxps chain does not serialise the column. */

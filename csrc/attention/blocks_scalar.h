@@ -41,6 +41,15 @@ static T B_(exp_sub_sum)(T *x, int64_t n, T m) {
     return sum;
 }
 
+/* s[x] = cap tanh(s[x] inv) in place; th, when not NULL, keeps the tanh */
+static void B_(softcap)(T *s, int64_t n, T cap, T inv, T *th) {
+    for (int64_t x = 0; x < n; x++) {
+        const T t = TANHT(s[x] * inv);
+        if (th) th[x] = t;
+        s[x] = cap * t;
+    }
+}
+
 static void B_(col_max)(const T *x, int64_t rows, int64_t n, T *m) {
     for (int64_t c = 0; c < rows; c++)
         for (int64_t r = 0; r < n; r++)

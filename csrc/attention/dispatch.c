@@ -73,7 +73,16 @@ int64_t ma_attn_bwd_kv_chunks(const ma_attn_bwd_params *p) {
  * L2), in one process: one-head-long (D = 128, L = 8192, 12 MB) 6% faster
  * forward + backward on 2 threads, 10% on one; long-causal (3 MB) and
  * gpt-train (384 KB) the same within 0.5%. */
+static _Atomic int64_t forced_key_group = 0;
+
+int64_t ma_attn_bwd_key_group_force(int64_t n) {
+    const int64_t old = forced_key_group;
+    forced_key_group = n > 0 ? n : 0;
+    return old;
+}
+
 int64_t ma_attn_bwd_key_group(const ma_attn_bwd_params *p) {
+    if (forced_key_group > 0) return forced_key_group;
     const int64_t G = p->a.H / p->a.Hkv;
     const double acc = p->a.dtype == MA_F64 ? 8.0 : 4.0;
     const double query_side = (double)G * (double)p->a.Lq * (double)(2 * p->a.D + p->a.Dv) * acc;

@@ -11,21 +11,25 @@
 #define T float
 #define X scalar
 #define EXP expf
+#define TANHT tanhf
 #define LOADT ma_load_f32
 #include "blocks_scalar.h"
 #undef T
 #undef X
 #undef EXP
+#undef TANHT
 #undef LOADT
 
 #define T double
 #define X f64
 #define EXP exp
+#define TANHT tanh
 #define LOADT ma_load_f64
 #include "blocks_scalar.h"
 #undef T
 #undef X
 #undef EXP
+#undef TANHT
 #undef LOADT
 
 #define FN(name) name##_scalar

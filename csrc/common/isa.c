@@ -3,6 +3,7 @@
 #include "common/isa.h"
 
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -54,6 +55,7 @@ ma_isa ma_isa_best(ma_dtype dt) {
  * else the forced ma_isa. env_error is set once, with the first decision. */
 static atomic_int forced = -2;
 static const char *env_error = NULL;
+static char env_error_buf[160];
 
 static void read_env(void) {
     const char *env = getenv("MASKED_ATTN_ISA");
@@ -70,7 +72,11 @@ static void read_env(void) {
         }
     }
     int expected = -2;
-    if (atomic_compare_exchange_strong(&forced, &expected, isa)) env_error = err;
+    if (atomic_compare_exchange_strong(&forced, &expected, isa) && err) {
+        /* the message names the value, so that no other place reads the variable */
+        snprintf(env_error_buf, sizeof env_error_buf, "%s (MASKED_ATTN_ISA='%.40s')", err, env);
+        env_error = env_error_buf;
+    }
 }
 
 int ma_isa_forced(void) {

@@ -26,25 +26,6 @@ static inline __m256 lane_mask(int64_t n) {
     return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nn), idx));
 }
 
-/* tanh(x) for 8 floats (Cephes tanhf), as tanh512 in cross_entropy_avx512.c. */
-static inline __m256 tanh256(__m256 x) {
-    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-    const __m256 z = _mm256_andnot_ps(sign, x);
-    /* tanh(10) rounds to 1: clamping keeps exp's argument small (NaN passes) */
-    const __m256 z10 = _mm256_min_ps(z, _mm256_set1_ps(10.0f));
-    const __m256 e = exp256(_mm256_add_ps(z10, z10));
-    __m256 big = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
-    big = _mm256_or_ps(big, _mm256_and_ps(x, sign));
-    const __m256 s = _mm256_mul_ps(x, x);
-    __m256 p = _mm256_set1_ps(-5.70498872745e-3f);
-    p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(2.06390887954e-2f));
-    p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(-5.37397155531e-2f));
-    p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(1.33314422036e-1f));
-    p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(-3.33332819422e-1f));
-    const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, s), x, x);
-    return _mm256_blendv_ps(small, big, _mm256_cmp_ps(z, _mm256_set1_ps(0.625f), _CMP_GE_OQ));
-}
-
 /* 8 elements of dtype dt at p. */
 static inline __attribute__((always_inline)) __m256 load8(const void *p, ma_dtype dt) {
     if (dt == MA_BF16)

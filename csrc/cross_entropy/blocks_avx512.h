@@ -27,25 +27,6 @@ static inline __mmask16 tail_mask(int64_t n) {
     return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
 }
 
-/* tanh(x) for 16 floats (Cephes tanhf): |x| >= 0.625: 1 - 2 / (e^2|x| + 1)
- * with x's sign; else x + x^3 P(x^2). +-inf give +-1, NaN stays NaN. */
-static inline __m512 tanh512(__m512 x) {
-    const __m512 one = _mm512_set1_ps(1.0f), z = _mm512_abs_ps(x);
-    /* tanh(10) rounds to 1: clamping keeps exp's argument small (NaN passes) */
-    const __m512 z10 = _mm512_min_ps(z, _mm512_set1_ps(10.0f));
-    const __m512 e = exp512(_mm512_add_ps(z10, z10));
-    __m512 big = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, one)));
-    big = _mm512_or_ps(big, _mm512_and_ps(x, _mm512_set1_ps(-0.0f)));
-    const __m512 s = _mm512_mul_ps(x, x);
-    __m512 p = _mm512_set1_ps(-5.70498872745e-3f);
-    p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(2.06390887954e-2f));
-    p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(-5.37397155531e-2f));
-    p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(1.33314422036e-1f));
-    p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(-3.33332819422e-1f));
-    const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, s), x, x);
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(z, _mm512_set1_ps(0.625f), _CMP_GE_OQ), small, big);
-}
-
 /* 16 elements of a row of dtype dt at p, lanes outside k read as 0. */
 static inline __attribute__((always_inline)) __m512 load16(const void *p, ma_dtype dt, __mmask16 k) {
     if (dt == MA_BF16)

@@ -157,6 +157,39 @@ static void test_exp(const ma_blocks *v) {
     }
 }
 
+static void test_softcap(const ma_blocks *v) {
+    /* cap tanh(s / cap) against tanh in double, over scores from 0 through the polynomial's
+     * edge (|s / cap| = 0.625) to saturation, both signs; every length for the tails */
+    enum { N = 8001 };
+    static float s[N], th[N];
+    const float cap = 30.0f, inv = 1.0f / 30.0f;
+    for (int i = 0; i < N; i++) s[i] = -3000.0f + 6000.0f * (float)i / (N - 1) * ((i % 7) ? 0.01f : 1.0f);
+    float in[N];
+    memcpy(in, s, sizeof s);
+    v->softcap(s, N, cap, inv, th);
+    for (int i = 0; i < N; i++) {
+        const double ref = tanh((double)(in[i] * inv));
+        CHECK(fabs(th[i] - ref) <= 2.4e-7 * fabs(ref) + 1e-37, "%s tanh(%g) = %.9g, libm %.9g", v->name,
+              (double)(in[i] * inv), th[i], ref);
+        CHECK(s[i] == cap * th[i], "%s softcap %g != cap * tanh %g", v->name, s[i], cap * th[i]);
+    }
+    for (int64_t n = 1; n <= 40; n++) {
+        float a[40], b[40], t[41];
+        for (int64_t i = 0; i < n; i++) a[i] = b[i] = (i % 5 == 0) ? -INFINITY : (i % 5 == 1) ? INFINITY
+                                                                                 : frand() * 80.0f;
+        t[n] = 12345.0f;
+        ma_blocks_scalar.softcap(a, n, cap, inv, NULL);
+        v->softcap(b, n, cap, inv, t);
+        for (int64_t i = 0; i < n; i++)
+            CHECK(close_enough(b[i], a[i], 2.4e-7f, 1e-30f), "%s softcap n=%ld i=%ld %g vs %g", v->name, (long)n,
+                  (long)i, b[i], a[i]);
+        CHECK(t[n] == 12345.0f, "%s softcap wrote past n=%ld", v->name, (long)n);
+        b[n / 2] = NAN;
+        v->softcap(b, n, cap, inv, NULL);
+        CHECK(isnan(b[n / 2]), "%s softcap lost a NaN", v->name);
+    }
+}
+
 static void test_columns(const ma_blocks *v) {
     for (int64_t rows = 1; rows <= 9; rows += 4)
         for (int64_t n = 1; n <= 40; n++) {
@@ -318,6 +351,7 @@ int main(void) {
         if (variants[i].isa != MA_ISA_AMX) { /* AMX has the GEMM only; the rest is AVX-512's */
             test_gemm_rowscale(v);
             test_exp(v);
+            test_softcap(v);
             test_columns(v);
             test_transpose(v);
             test_rows(v);
