@@ -240,6 +240,35 @@ def softcap_case(cost, dtype=torch.float32, forward_only=False):
                  info=dict(B=B, H=H, L=L, D=D, softcap=cap, dtype=str(dtype)))
 
 
+TINY_CALLS = 200  # calls per timed unit of a tiny case: one call is too short to time alone
+
+
+def tiny_case(B, H, Lq, Lk, D, train=False):
+    """Per-call overhead: F.sdpa on a tiny problem, TINY_CALLS calls per timed unit
+    (a decoding step against a short cache, a small model's layer): inference
+    under no_grad, or a causal training step (forward + backward)."""
+    q, k, v = (torch.randn(B, H, L, D, requires_grad=train) for L in (Lq, Lk, Lk))
+    g = torch.randn(B, H, Lq, D)
+
+    def loop(fn):
+        def run():
+            if train:
+                for _ in range(TINY_CALLS):
+                    out = fn(q, k, v, is_causal=True)
+                    torch.autograd.grad(out, (q, k, v), g)
+                return out.detach()
+            with torch.no_grad():
+                for _ in range(TINY_CALLS):
+                    out = fn(q, k, v)
+            return out
+        return run
+    what = "causal fwd+bwd" if train else "inference (no_grad)"
+    return Bench(work=f"B={B} H={H} Lq={Lq} Lk={Lk} D={D}, {what}, {TINY_CALLS} calls through F.sdpa",
+                 natives={"sdpa": loop(F.scaled_dot_product_attention)},
+                 ours=loop(tma.functional.scaled_dot_product_attention), memory=False,
+                 info=dict(B=B, H=H, Lq=Lq, Lk=Lk, D=D, calls=TINY_CALLS, train=train))
+
+
 def one_head_long():
     return functional_attention(1, 1, 8192, 128, torch.float32, None, ("causal",))
 
@@ -616,6 +645,10 @@ NAMED = {
     "softcap-cost-bf16": lambda: softcap_case(True, torch.bfloat16),
     "varlen": varlen,
     "decode-paged": decode_paged,
+    "tiny-decode-16": lambda: tiny_case(1, 8, 1, 16, 64),
+    "tiny-decode-256": lambda: tiny_case(1, 8, 1, 256, 64),
+    "tiny-prefill-8": lambda: tiny_case(1, 16, 8, 8, 64),
+    "tiny-train": lambda: tiny_case(2, 4, 32, 32, 32, train=True),
     "mha-mem-8192": lambda: mha_train(1, 8192, timed=False),
     "ce": lambda: cross_entropy_case(8192, 32000, torch.float32),
     "ce-bf16": lambda: cross_entropy_case(4096, 128256, torch.bfloat16),
@@ -634,6 +667,7 @@ GROUPS = {
     "dropout": ["gpt-train-dropout", "gpt-train-dropout-cost", "gpt-train-dropout-bf16",
                 "gpt-train-dropout-cost-bf16"],
     "softcap": ["softcap", "softcap-fwd", "softcap-cost", "softcap-cost-fwd", "softcap-cost-bf16"],
+    "tiny": ["tiny-decode-16", "tiny-decode-256", "tiny-prefill-8", "tiny-train"],
     "memory": ["mha-mem-8192"],
     "ce": ["ce", "ce-bf16", "linear-ce"],
     "hf-e2e": ["hf-train-1024", "hf-prefill-1024", "hf-generate-1024",

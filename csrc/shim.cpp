@@ -250,8 +250,18 @@ void run_tasks(ma_task_fn fn, const void* params, int64_t n, size_t scratch_byte
 // A new (B, H, L, D) tensor stored as (B, L, H, D), the layout of q, k, v
 // projected by one linear layer and viewed per head; gradients and outputs in
 // that layout reshape to (B, L, H * D) for free.
+// Made in one call of the C shim (aoti_torch_empty_strided) rather than new_empty + transpose:
+// torch::stable::transpose finds aten::transpose by name in the dispatcher on every call, a few
+// microseconds that a decoding step pays for every output.
 Tensor blhd(const Tensor& like, int64_t B, int64_t H, int64_t L, int64_t D) {
-  return torch::stable::transpose(torch::stable::new_empty(like, {B, L, H, D}), 1, 2);
+  const int64_t sizes[4] = {B, H, L, D}, strides[4] = {L * H * D, D, H * D, 1};
+  int32_t dtype, device_type, device_index;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(like.get(), &dtype));
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(like.get(), &device_type));
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(like.get(), &device_index));
+  AtenTensorHandle t;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(4, sizes, strides, dtype, device_type, device_index, &t));
+  return Tensor(t);
 }
 
 void fill_strides4(int64_t out[4], const Tensor& t) {
