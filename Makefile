@@ -3,11 +3,11 @@ PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.deps-installed
-SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.c csrc/*/*.h) setup.py pyproject.toml
+SOURCES := $(wildcard csrc/*.h csrc/*/*.c csrc/*/*.h csrc/*/*.cpp csrc/*/*.hpp) setup.py pyproject.toml
 BUILT   := $(VENV)/.built
 RUFF    := $(VENV)/bin/ruff
 CLANG_FORMAT ?= clang-format
-# the C kernels (not shim.cpp: see .clang-format)
+# the C kernels (not the C++ shim, csrc/shim/*.cpp and *.hpp: see .clang-format)
 C_FILES := $(shell find csrc -name '*.c' -o -name '*.h' | sort)
 
 .PHONY: setup demo demo-attention test test-compat bench fuzz sanitize lint clean

@@ -1,5 +1,5 @@
-"""Build torch_masked_attn: C11 kernels compiled by the C compiler, one C++ shim
-against the libtorch stable ABI, linked into torch_masked_attn._C.
+"""Build torch_masked_attn: C11 kernels compiled by the C compiler, a C++ shim
+(csrc/shim/*.cpp) against the libtorch stable ABI, linked into torch_masked_attn._C.
 
 torch.utils.cpp_extension would compile .c files as C++17, so the kernels get
 their own step here (build_ext below) and are handed to the extension as
@@ -15,6 +15,9 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 ROOT = os.path.dirname(os.path.abspath(__file__))
 C_SOURCES = sorted(glob.glob(os.path.join("csrc", "**", "*.c"), recursive=True))
 C_HEADERS = sorted(glob.glob(os.path.join("csrc", "**", "*.h"), recursive=True))
+# the C++ shim: its .cpp files (one extension) and the header they share (.hpp: not a C header)
+SHIM_SOURCES = sorted(glob.glob(os.path.join("csrc", "shim", "*.cpp")))
+SHIM_HEADERS = sorted(glob.glob(os.path.join("csrc", "shim", "*.hpp")))
 C_FLAGS = ["-std=c11", "-O3", "-fPIC", "-Wall", "-Wextra", "-fno-math-errno", "-I" + os.path.join(ROOT, "csrc")]
 # Instruction-set variants: an op's instance for instruction set X is the
 # file csrc/<op>/X.c, compiled with X's flags (never -march=native); which
@@ -58,7 +61,7 @@ class BuildC11ThenExtension(BuildExtension):
             objects.append(obj)
         for ext in self.extensions:
             ext.extra_objects = objects
-            ext.depends = C_SOURCES + C_HEADERS
+            ext.depends = C_SOURCES + C_HEADERS + SHIM_HEADERS
         super().build_extensions()
 
 
@@ -68,7 +71,7 @@ if __name__ == "__main__":  # tests import this file for the C flags
         ext_modules=[
             CppExtension(
                 "torch_masked_attn._C",
-                ["csrc/shim.cpp"],
+                SHIM_SOURCES,
                 include_dirs=[os.path.join(ROOT, "csrc")],
                 extra_compile_args={
                     "cxx": ["-O2", "-std=c++17", "-DTORCH_TARGET_VERSION=0x020a000000000000", *EXTRA_FLAGS],

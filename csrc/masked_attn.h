@@ -1,7 +1,7 @@
 /*
  * masked_attn.h -- the C interface of the torch_masked_attn kernels.
  *
- * Plain C11. No torch, no C++, no allocation. The shim (shim.cpp) validates
+ * Plain C11. No torch, no C++, no allocation. The shim (csrc/shim/) validates
  * every input, allocates outputs and per-thread scratch, fills one params
  * struct and runs a task function over a range of independent work items on
  * PyTorch's intra-op thread pool.
@@ -103,7 +103,7 @@ typedef struct {
 } ma_mask;
 
 /* What the forward and the backward of one call both read. Filled once by
- * the shim (attn_args in shim.cpp). */
+ * the shim (attn_args in shim/attention.cpp). */
 typedef struct {
     const void *q;          /* (B, H, Lq, D)   */
     const void *k;          /* (B, Hkv, Lk, D) */

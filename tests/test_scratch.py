@@ -1,4 +1,4 @@
-"""The kernels' scratch pool (csrc/shim.cpp, ScratchPool): blocks kept between
+"""The kernels' scratch pool (csrc/shim/common.hpp and pool.cpp, ScratchPool): blocks kept between
 calls must never carry one call's data into another's results, must serve
 Python threads at once, and release_memory() must return their pages."""
 import threading

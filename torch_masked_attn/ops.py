@@ -1,7 +1,7 @@
 """torch.ops.masked_attn: load the compiled library, register fake (meta)
 kernels and autograd for every op.
 
-The ops themselves are defined in csrc/shim.cpp:
+The ops themselves are defined in csrc/shim/ (schemas: registration.cpp):
 
     masked_attn::forward(q, k, v, attn_mask?, key_padding_mask?, head_mask?,
                          is_causal, scale?, need_weights, dropout_p=0., dropout_seed?,
@@ -224,7 +224,7 @@ def _forward_fake(q, k, v, attn_mask=None, key_padding_mask=None, head_mask=None
                  lambda: "masked_attn: q, k, v must be 4-D")
     B, H, Lq, _ = q.shape
     Lk, Dv = k.shape[2], v.shape[3]
-    out = q.new_empty(B, Lq, H, Dv).transpose(1, 2)      # stored (B, Lq, H, Dv), see shim.cpp
+    out = q.new_empty(B, Lq, H, Dv).transpose(1, 2)      # stored (B, Lq, H, Dv), see shim/attention.cpp
     lse = q.new_empty(B, H, Lq, dtype=_lse_dtype(q.dtype))
     weights = q.new_empty(B, H, Lq, Lk) if need_weights else q.new_empty(0)
     out_lo = q.new_empty(B, Lq, H, Dv).transpose(1, 2) if _has_out_lo(q.dtype) else q.new_empty(0)
@@ -260,7 +260,7 @@ def _backward_fake(grad_out, grad_weights, q, k, v, out, lse, attn_mask=None,
     acc = _lse_dtype(q.dtype)
     grad_hm = q.new_empty(B, H, dtype=acc) if head_mask_grad else q.new_empty(0, dtype=acc)
 
-    def blhd(shape):  # (B, H, L, D) stored as (B, L, H, D), see shim.cpp
+    def blhd(shape):  # (B, H, L, D) stored as (B, L, H, D), see shim/attention.cpp
         return q.new_empty(shape[0], shape[2], shape[1], shape[3]).transpose(1, 2)
 
     grad_scores = (q.new_empty(B, H, q.shape[2], k.shape[2], dtype=acc) if mask_grad

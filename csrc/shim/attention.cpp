@@ -1,0 +1,291 @@
+// attention.cpp -- the attention ops: forward, backward and backward_into
+// (dense (B, H, L, D) inputs; the packed variable-length ones: varlen.cpp).
+
+#include "shim/common.hpp"
+
+namespace masked_attn_shim {
+
+namespace {
+
+// A new (B, H, L, D) tensor stored as (B, L, H, D), the layout of q, k, v
+// projected by one linear layer and viewed per head; gradients and outputs in
+// that layout reshape to (B, L, H * D) for free.
+// Made in one call of the C shim (aoti_torch_empty_strided) rather than new_empty + transpose:
+// torch::stable::transpose finds aten::transpose by name in the dispatcher on every call, a few
+// microseconds that a decoding step pays for every output.
+Tensor blhd(const Tensor& like, int64_t B, int64_t H, int64_t L, int64_t D) {
+  const int64_t sizes[4] = {B, H, L, D}, strides[4] = {L * H * D, D, H * D, 1};
+  int32_t dtype, device_type, device_index;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(like.get(), &dtype));
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(like.get(), &device_type));
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(like.get(), &device_index));
+  AtenTensorHandle t;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(4, sizes, strides, dtype, device_type, device_index, &t));
+  return Tensor(t);
+}
+
+void fill_strides4(int64_t out[4], const Tensor& t) {
+  for (int i = 0; i < 4; i++) out[i] = t.stride(i);
+}
+
+// What the forward and the backward of one call both read (ma_attn_args),
+// filled in one place: q, k, v and out with their strides, the canonical
+// masks, the flags, sizes and tiles, and the variant.
+ma_attn_args attn_args(const Sizes& s, const Masks& m, const Tensor& q, const Tensor& k, const Tensor& v,
+                       const Tensor& out, const WindowCapSinks& w, double scale, bool stream_stores, const Dropout& dr) {
+  ma_attn_args a{};
+  a.q = q.const_data_ptr();
+  a.k = k.const_data_ptr();
+  a.v = v.const_data_ptr();
+  to_ma_dtype(q.scalar_type(), &a.dtype);
+  fill_strides4(a.q_stride, q);
+  fill_strides4(a.k_stride, k);
+  fill_strides4(a.v_stride, v);
+  fill_strides4(a.out_stride, out);
+  a.attn_mask = m.attn_mask;
+  a.key_padding_mask = m.key_padding_mask;
+  a.head_mask = m.head_mask;
+  a.is_causal = w.is_causal;
+  // the band the loops read (ma_attn_args): top-left aligned
+  a.band_lo = w.left >= 0 ? -w.left : -MA_BAND_INF;
+  a.band_hi = w.is_causal ? 0 : w.right >= 0 ? w.right : MA_BAND_INF;
+  a.stat_stride[0] = s.H * s.Lq, a.stat_stride[1] = s.Lq;
+  a.scale = scale;
+  // window, soft-capping, sinks
+  a.window_left = w.left;
+  a.window_right = w.right;
+  a.softcap = w.softcap;
+  a.sinks = w.sinks;
+  a.B = s.B, a.H = s.H, a.Hkv = s.Hkv, a.Lq = s.Lq, a.Lk = s.Lk, a.D = s.D, a.Dv = s.Dv;
+  a.block_q = kBlockQ, a.block_k = kBlockK;
+  a.stream_stores = stream_stores;
+  a.isa = select_isa(a.dtype);
+  a.dropout_p = dr.p, a.dropout_seed = dr.seed, a.dropout_offset = dr.offset;
+  return a;
+}
+
+}  // namespace
+
+// ---- ops --------------------------------------------------------------------
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tensor v,
+                                                std::optional<Tensor> attn_mask,
+                                                std::optional<Tensor> key_padding_mask,
+                                                std::optional<Tensor> head_mask, bool is_causal,
+                                                std::optional<double> scale, bool need_weights,
+                                                double dropout_p, std::optional<Tensor> dropout_seed,
+                                                int64_t window_left, int64_t window_right,
+                                                std::optional<double> softcap, std::optional<Tensor> sinks) {
+  const Sizes s = check_qkv(q, k, v);
+  const Masks m = check_masks(s, attn_mask, key_padding_mask, head_mask);
+  const Dropout dr = check_dropout(s, dropout_p, dropout_seed);
+  const WindowCapSinks w = check_window_cap_sinks(s, is_causal, window_left, window_right, softcap, sinks);
+  const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(s.D));
+
+  // out (B, H, Lq, Dv) is stored as (B, Lq, H, Dv): the layout the output
+  // projection reads, so (B, Lq, H * Dv) is a free view.
+  Tensor out = blhd(q, s.B, s.H, s.Lq, s.Dv);
+  advise_huge_pages(out);
+  Tensor lse = torch::stable::new_empty(q, {s.B, s.H, s.Lq}, acc_type(q.scalar_type()));
+  Tensor weights = need_weights ? torch::stable::new_empty(q, {s.B, s.H, s.Lq, s.Lk})
+                                : torch::stable::new_empty(q, {0});
+  const bool low = low_precision(q.scalar_type());
+  Tensor out_lo = low ? blhd(q, s.B, s.H, s.Lq, s.Dv) : torch::stable::new_empty(q, {0});
+
+  ma_attn_fwd_params p{};
+  p.out = out.mutable_data_ptr();
+  p.lse = lse.mutable_data_ptr();
+  p.weights = need_weights ? weights.mutable_data_ptr() : nullptr;
+  p.out_lo = low ? out_lo.mutable_data_ptr() : nullptr;
+  p.a = attn_args(s, m, q, k, v, out, w, sc, worth_streaming(out), dr);
+  if (low) fill_strides4(p.a.out_lo_stride, out_lo);
+
+  if (s.Lk == 0) {  // no key at all: every row is fully masked
+    torch::stable::zero_(out);
+    torch::stable::fill_(lse, -INFINITY);
+    if (w.sinks.ptr) {  // lse = the sink's logit (masked_attn.h)
+      Tensor sk = torch::stable::contiguous(torch::stable::to(*sinks, acc_type(q.scalar_type())));
+      const size_t esz = q.scalar_type() == ScalarType::Double ? sizeof(double) : sizeof(float);
+      char* dst = static_cast<char*>(lse.mutable_data_ptr());
+      const char* src = static_cast<const char*>(sk.const_data_ptr());
+      for (int64_t bh = 0; bh < s.B * s.H; bh++)
+        for (int64_t i = 0; i < s.Lq; i++) std::memcpy(dst + (bh * s.Lq + i) * esz, src + (bh % s.H) * esz, esz);
+    }
+    if (need_weights) torch::stable::zero_(weights);
+    if (low) torch::stable::zero_(out_lo);
+    return {out, lse, weights, out_lo};
+  }
+  p.head_group = ma_attn_fwd_head_group(&p);
+  run_tasks(ma_attn_fwd_task, &p, ma_attn_fwd_work_items(&p), ma_attn_fwd_scratch_bytes(&p), q, fwd_grain(p),
+            s.B * s.H * s.Lq * s.Lk * (s.D + s.Dv));
+  return {out, lse, weights, out_lo};
+}
+
+namespace {
+
+// The backward, writing dq, dk, dv into the given (B, H, L, D) tensors (any
+// strides); returns (grad_head_mask, grad_scores).
+std::tuple<Tensor, Tensor> attn_backward_impl(
+    Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
+    Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
+    std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
+    bool head_mask_grad, bool mask_grad, double dropout_p, std::optional<Tensor> dropout_seed, Tensor dq,
+    Tensor dk, Tensor dv, int64_t window_left, int64_t window_right, std::optional<double> softcap,
+    std::optional<Tensor> sinks, std::optional<Tensor> out_lo) {
+  const Sizes s = check_qkv(q, k, v);
+  const Masks m = check_masks(s, attn_mask, key_padding_mask, head_mask);
+  const Dropout dr = check_dropout(s, dropout_p, dropout_seed);
+  const WindowCapSinks w = check_window_cap_sinks(s, is_causal, window_left, window_right, softcap, sinks);
+  const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(s.D));
+  check_shape(out, "out", {s.B, s.H, s.Lq, s.Dv}, "(B, H, Lq, Dv)", q.scalar_type());
+  check_out_lo(out_lo, {s.B, s.H, s.Lq, s.Dv}, "(B, H, Lq, Dv)", q.scalar_type());
+  check_shape(grad_out, "grad_out", {s.B, s.H, s.Lq, s.Dv}, "(B, H, Lq, Dv)", q.scalar_type());
+  MA_CHECK(lse.dim() == 3 && lse.size(0) == s.B && lse.size(1) == s.H && lse.size(2) == s.Lq &&
+                      lse.scalar_type() == acc_type(q.scalar_type()) && lse.is_contiguous(),
+                  "masked_attn: lse must be the forward's contiguous (B, H, Lq) log-sum-exp");
+  if (grad_weights.has_value())
+    check_shape(*grad_weights, "grad_weights", {s.B, s.H, s.Lq, s.Lk}, "(B, H, Lq, Lk)",
+                q.scalar_type());
+  MA_CHECK(!head_mask_grad || head_mask.has_value(),
+                  "masked_attn: head_mask_grad=True needs a head_mask");
+
+  check_shape(dq, "grad_q", {s.B, s.H, s.Lq, s.D}, "(B, H, Lq, D)", q.scalar_type());
+  check_shape(dk, "grad_k", {s.B, s.Hkv, s.Lk, s.D}, "(B, Hkv, Lk, D)", q.scalar_type());
+  check_shape(dv, "grad_v", {s.B, s.Hkv, s.Lk, s.Dv}, "(B, Hkv, Lk, Dv)", q.scalar_type());
+  const ScalarType acc = acc_type(q.scalar_type());
+  Tensor delta = torch::stable::new_empty(q, {s.B, s.H, s.Lq}, acc);
+  Tensor dhm_rows = torch::stable::new_zeros(q, {head_mask_grad ? s.B : 0, s.H, s.Lq}, acc);
+  // dL/dS, the gradient of an additive mask: materialised only when a mask
+  // requires grad; zero where no tile is computed (masked, skipped blocks)
+  Tensor dscores = mask_grad ? torch::stable::new_zeros(q, {s.B, s.H, s.Lq, s.Lk}, acc)
+                             : torch::stable::new_empty(q, {0}, acc);
+
+  ma_attn_bwd_params p{};
+  p.dq = dq.mutable_data_ptr();
+  p.dk = dk.mutable_data_ptr();
+  p.dv = dv.mutable_data_ptr();
+  p.dhm_rows = head_mask_grad ? dhm_rows.mutable_data_ptr() : nullptr;
+  p.dscores = mask_grad ? dscores.mutable_data_ptr() : nullptr;
+  p.dout = grad_out.const_data_ptr();
+  p.dweights = grad_weights.has_value() ? grad_weights->const_data_ptr() : nullptr;
+  p.out = out.const_data_ptr();
+  p.out_lo = out_lo.has_value() ? out_lo->const_data_ptr() : nullptr;
+  p.lse = lse.const_data_ptr();
+  fill_strides4(p.dq_stride, dq);
+  fill_strides4(p.dk_stride, dk);
+  fill_strides4(p.dv_stride, dv);
+  fill_strides4(p.dout_stride, grad_out);
+  if (grad_weights.has_value()) fill_strides4(p.dweights_stride, *grad_weights);
+  p.a = attn_args(s, m, q, k, v, out, w, sc,
+                  worth_streaming(dq) || worth_streaming(dk) || worth_streaming(dv), dr);
+  if (out_lo.has_value()) fill_strides4(p.a.out_lo_stride, *out_lo);
+  p.delta = delta.mutable_data_ptr();
+  p.kv_chunks = 1;
+  p.key_group = ma_attn_bwd_key_group(&p);
+
+  const size_t bytes = ma_attn_bwd_scratch_bytes(&p);
+  const int64_t work = s.B * s.H * s.Lq * s.Lk * (3 * s.D + 2 * s.Dv);  // the five products
+  if (s.Lk == 0) {
+    torch::stable::zero_(dq);
+    if (head_mask_grad) torch::stable::zero_(dhm_rows);
+  } else if (ma_attn_bwd_single_pass(&p)) {
+    // key chunks > 1: per-chunk partial sums of dq (and dhm), added up in chunk order
+    p.kv_chunks = ma_attn_bwd_kv_chunks(&p);
+    // the chunks' partial sums come from the scratch pool like the per-thread
+    // scratch, so a call with them faults in no fresh pages once the pool
+    // holds a large enough block (one head at L = 8192, D = 128: 32 MB)
+    const size_t esz = q.scalar_type() == ScalarType::Double ? sizeof(double) : sizeof(float);
+    const size_t dq_elems = p.kv_chunks > 1 ? static_cast<size_t>(p.kv_chunks * s.B * s.H * s.Lq * s.D) : 0;
+    const size_t dhm_elems =
+        p.kv_chunks > 1 && head_mask_grad ? static_cast<size_t>(p.kv_chunks * s.B * s.H * s.Lq) : 0;
+    std::optional<ScratchLease> parts;
+    if (dq_elems) parts.emplace((dq_elems + dhm_elems) * esz);
+    p.dq_part = dq_elems ? parts->block.ptr : nullptr;
+    p.dhm_part = dhm_elems ? static_cast<char*>(parts->block.ptr) + dq_elems * esz : nullptr;
+    run_tasks(ma_attn_bwd_fused_task, &p, ma_attn_bwd_fused_work_items(&p), bytes, q, 1, work);
+    if (p.kv_chunks > 1)
+      run_tasks(ma_attn_bwd_reduce_task, &p, ma_attn_bwd_reduce_work_items(&p), bytes, q, 1, work);
+  } else {
+    run_tasks(ma_attn_bwd_dq_task, &p, ma_attn_bwd_dq_work_items(&p), bytes, q, 1, work);
+  }
+  if (s.Lk > 0 && !ma_attn_bwd_single_pass(&p))
+    run_tasks(ma_attn_bwd_dkdv_task, &p, ma_attn_bwd_dkdv_work_items(&p), bytes, q, 1, work);
+
+  // d head_mask[b, h] = sum over the rows of (b, h), in a fixed order, in the
+  // accumulation type: the caller rounds once, after summing over what the
+  // head mask broadcasts over (ops.attention_backward).
+  Tensor dhm = head_mask_grad ? torch::stable::sum(dhm_rows, std::vector<int64_t>{2})
+                              : torch::stable::new_empty(q, {0}, acc);
+  return {dhm, dscores};
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
+    Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
+    Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
+    std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
+    bool head_mask_grad, bool mask_grad, double dropout_p, std::optional<Tensor> dropout_seed,
+    int64_t window_left, int64_t window_right, std::optional<double> softcap, std::optional<Tensor> sinks,
+    std::optional<Tensor> out_lo) {
+  const Sizes s = check_qkv(q, k, v);
+  Tensor dq = blhd(q, s.B, s.H, s.Lq, s.D);
+  Tensor dk = blhd(q, s.B, s.Hkv, s.Lk, s.D);
+  Tensor dv = blhd(q, s.B, s.Hkv, s.Lk, s.Dv);
+  for (Tensor* t : {&dq, &dk, &dv}) advise_huge_pages(*t);
+  auto [dhm, dscores] = attn_backward_impl(grad_out, grad_weights, q, k, v, out, lse, attn_mask,
+                                           key_padding_mask, head_mask, is_causal, scale,
+                                           head_mask_grad, mask_grad, dropout_p, dropout_seed, dq, dk, dv,
+                                           window_left, window_right, softcap, sinks, out_lo);
+  return {dq, dk, dv, dhm, dscores};
+}
+
+// The backward writing dq, dk, dv into caller-provided views, e.g. three
+// slices of one packed (B, L, 3, H, D) buffer: the gradient of a fused qkv
+// projection, with no stack or copy after it. The views must not overlap.
+std::tuple<Tensor, Tensor> attn_backward_into(
+    Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
+    Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
+    std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
+    bool head_mask_grad, bool mask_grad, Tensor grad_q, Tensor grad_k, Tensor grad_v, double dropout_p,
+    std::optional<Tensor> dropout_seed, int64_t window_left, int64_t window_right, std::optional<double> softcap,
+    std::optional<Tensor> sinks, std::optional<Tensor> out_lo) {
+  // What the kernels allow (masked_attn.h): outputs that never share memory
+  // with each other or with what is read, except that the single pass (no
+  // grad_weights) may write grad_q, grad_k, grad_v over q, k, v themselves,
+  // element for element.
+  const bool two_passes = grad_weights.has_value();
+  const char* names[3] = {"grad_q", "grad_k", "grad_v"};
+  const Tensor* outs[3] = {&grad_q, &grad_k, &grad_v};
+  const Tensor* ins[3] = {&q, &k, &v};
+  for (int i = 0; i < 3; i++) {
+    MA_CHECK(no_internal_overlap(*outs[i]), "masked_attn.backward_into: ", names[i],
+             " has elements that share memory (an expanded or overlapping view); it must be writable element "
+             "by element");
+    for (int j = 0; j < i; j++)
+      MA_CHECK(!may_overlap(*outs[i], *outs[j]), "masked_attn.backward_into: ", names[i], " and ", names[j],
+               " share memory; each gradient needs memory of its own");
+    for (int j = 0; j < 3; j++) {
+      const bool exact_alias_ok = i == j && !two_passes && same_view(*outs[i], *ins[j]);
+      MA_CHECK(exact_alias_ok || !may_overlap(*outs[i], *ins[j]), "masked_attn.backward_into: ", names[i],
+               " shares memory with ", "qkv"[j],
+               two_passes ? " (with grad_weights the gradients must not share memory with q, k, v)"
+                          : " (only grad_q = q, grad_k = k, grad_v = v, element for element, is allowed)");
+    }
+    const Tensor* read[3] = {&grad_out, &out, &lse};
+    const char* read_names[3] = {"grad_out", "out", "lse"};
+    for (int j = 0; j < 3; j++)
+      MA_CHECK(!may_overlap(*outs[i], *read[j]), "masked_attn.backward_into: ", names[i], " shares memory with ",
+               read_names[j]);
+    if (grad_weights.has_value())
+      MA_CHECK(!may_overlap(*outs[i], *grad_weights), "masked_attn.backward_into: ", names[i],
+               " shares memory with grad_weights");
+    if (out_lo.has_value())
+      MA_CHECK(!may_overlap(*outs[i], *out_lo), "masked_attn.backward_into: ", names[i], " shares memory with out_lo");
+  }
+  return attn_backward_impl(grad_out, grad_weights, q, k, v, out, lse, attn_mask, key_padding_mask,
+                            head_mask, is_causal, scale, head_mask_grad, mask_grad, dropout_p, dropout_seed,
+                            grad_q, grad_k, grad_v, window_left, window_right, softcap, sinks, out_lo);
+}
+
+}  // namespace masked_attn_shim

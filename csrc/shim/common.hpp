@@ -1,0 +1,308 @@
+// common.hpp -- what the shim's files share (csrc/shim/*.cpp, the only C++):
+// the includes, MA_CHECK, the scratch pool's block and lease, and the
+// declarations of the helpers, checks and ops defined in checks.cpp, pool.cpp,
+// attention.cpp, varlen.cpp and cross_entropy.cpp (registration.cpp registers
+// the ops).
+//
+// Built against the libtorch stable ABI (TORCH_TARGET_VERSION = 2.10), so one
+// binary serves every torch from 2.10 on. The kernels (masked_attn.h) are C11
+// and see only pointers, element strides and sizes filled in here.
+//
+// Everything shared lives in namespace masked_attn_shim, with hidden
+// visibility: the extension exports only the ops' registration and the plain
+// C entry points (pool.cpp), as when the shim was one file with an anonymous
+// namespace.
+
+#pragma once
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/Exception.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <cstdint>
+#include <mutex>
+#include <cstdio>
+#include <stdexcept>
+#include <type_traits>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common/isa.h"
+#include "masked_attn.h"
+
+using torch::stable::Tensor;
+using torch::headeronly::ScalarType;
+
+// ---- errors -------------------------------------------------------------------
+
+// MA_CHECK(cond, parts...) throws std::runtime_error("parts...") when cond is
+// false; torch turns it into a Python RuntimeError. The message is built with
+// std::string and std::to_string only. STD_TORCH_CHECK formats through an
+// std::ostringstream (its __LINE__ at least), and a toolchain that links
+// libstdc++ statically into the extension (seen with torch 2.11 and a
+// source build) crashes there instead of raising: iostreams' locale is never
+// initialised in the extension's private copy.
+namespace ma_err {
+inline void append(std::string& s, const std::string& x) { s += x; }
+inline void append(std::string& s, const char* x) { s += x; }
+inline void append(std::string& s, char x) { s += x; }
+inline void append(std::string& s, double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", x);
+  s += buf;
+}
+template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+inline void append(std::string& s, T x) { s += std::to_string(x); }
+template <typename... Args>
+[[noreturn]] void fail(const Args&... args) {
+  std::string s;
+  (append(s, args), ...);
+  throw std::runtime_error(s);
+}
+}  // namespace ma_err
+#define MA_CHECK(cond, ...)                      \
+  do {                                           \
+    if (!(cond)) ::ma_err::fail(__VA_ARGS__);    \
+  } while (0)
+
+namespace masked_attn_shim __attribute__((visibility("hidden"))) {
+
+// ---- dtypes (checks.cpp) -------------------------------------------------------
+
+bool to_ma_dtype(ScalarType t, ma_dtype* out);
+bool is_floating(ScalarType t);
+std::string shape_str(const Tensor& t);
+// The accumulation type of the saved log-sum-exp and of the backward's scratch.
+ScalarType acc_type(ScalarType t);
+// bfloat16 / float16: the forward also writes out_lo, out's rounding error (masked_attn.h)
+bool low_precision(ScalarType dt);
+
+// ---- scratch memory ----------------------------------------------------------
+//
+// The kernels' per-thread scratch comes from blocks kept between calls: a
+// block's pages stay mapped, so a call faults in no fresh page once the pool
+// holds a large enough block (fresh pages touched by many threads at once
+// serialise in the OS). Each call takes a block for the duration of its
+// parallel region and gives it back, so Python threads calling at once get
+// blocks of their own. At most kPoolBlocks idle blocks and kPoolBytes idle
+// bytes are kept; torch_masked_attn.release_memory() frees the idle ones, and
+// so does process exit.
+class ScratchPool {
+ public:
+  struct Block {
+    void* ptr = nullptr;
+    size_t bytes = 0;
+  };
+
+  Block take(size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      // the smallest idle block that fits
+      size_t best = idle_.size();
+      for (size_t i = 0; i < idle_.size(); i++)
+        if (idle_[i].bytes >= bytes && (best == idle_.size() || idle_[i].bytes < idle_[best].bytes)) best = i;
+      if (best < idle_.size()) {
+        Block b = idle_[best];
+        idle_.erase(idle_.begin() + static_cast<std::ptrdiff_t>(best));
+        idle_bytes_ -= b.bytes;
+        return b;
+      }
+    }
+    Block b;
+    b.bytes = (bytes + kAlign - 1) / kAlign * kAlign;
+    b.ptr = std::aligned_alloc(kAlign, b.bytes);
+    MA_CHECK(b.ptr != nullptr, "masked_attn: could not allocate ", b.bytes, " bytes of scratch memory");
+    return b;
+  }
+
+  void give(Block b) {
+    std::vector<Block> drop;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      idle_.push_back(b);
+      idle_bytes_ += b.bytes;
+      // over the bounds: free the smallest idle blocks first (the largest serves every call)
+      std::sort(idle_.begin(), idle_.end(), [](const Block& x, const Block& y) { return x.bytes > y.bytes; });
+      while (idle_.size() > kPoolBlocks || (idle_bytes_ > kPoolBytes && idle_.size() > 1)) {
+        drop.push_back(idle_.back());
+        idle_bytes_ -= idle_.back().bytes;
+        idle_.pop_back();
+      }
+    }
+    for (const Block& d : drop) std::free(d.ptr);
+  }
+
+  // Frees every idle block; returns the bytes freed.
+  size_t release() {
+    std::vector<Block> drop;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      drop.swap(idle_);
+      idle_bytes_ = 0;
+    }
+    size_t n = 0;
+    for (const Block& d : drop) {
+      n += d.bytes;
+      std::free(d.ptr);
+    }
+    return n;
+  }
+
+  size_t idle_bytes() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return idle_bytes_;
+  }
+
+  ~ScratchPool() { release(); }
+
+ private:
+  static constexpr size_t kAlign = 4096;
+  static constexpr size_t kPoolBlocks = 4;
+  static constexpr size_t kPoolBytes = size_t{1} << 30;
+  std::mutex mu_;
+  std::vector<Block> idle_;
+  size_t idle_bytes_ = 0;
+};
+
+ScratchPool& scratch_pool();
+
+// Gives a block back to the pool when the parallel region ends, even on an error.
+struct ScratchLease {
+  ScratchPool::Block block;
+  explicit ScratchLease(size_t bytes) : block(scratch_pool().take(bytes)) {}
+  ~ScratchLease() { scratch_pool().give(block); }
+  ScratchLease(const ScratchLease&) = delete;
+  ScratchLease& operator=(const ScratchLease&) = delete;
+};
+
+// ---- threading, memory advice (pool.cpp) -----------------------------------------
+
+// Runs fn over work items [0, n) on PyTorch's intra-op pool (pool.cpp).
+void run_tasks(ma_task_fn fn, const void* params, int64_t n, size_t scratch_bytes,
+               const Tensor& like, int64_t grain = 0, int64_t work = 0);
+void advise_huge_pages(Tensor& t);
+bool worth_streaming(const Tensor& t);
+int64_t fwd_grain(const ma_attn_fwd_params& p);
+
+// ---- memory overlap (checks.cpp) ---------------------------------------------------
+
+bool no_internal_overlap(const Tensor& t);
+bool may_overlap(const Tensor& a, const Tensor& b);
+bool same_view(const Tensor& a, const Tensor& b);
+
+// ---- input checks (checks.cpp) -----------------------------------------------------
+
+struct Sizes {
+  int64_t B, H, Hkv, Lq, Lk, D, Dv;
+};
+
+Sizes check_qkv(const Tensor& q, const Tensor& k, const Tensor& v);
+ma_mask canonical_mask(const std::optional<Tensor>& m, const char* name, std::vector<int64_t> dims,
+                       const char* dims_str, bool allow_bool);
+
+struct Masks {
+  ma_mask attn_mask, key_padding_mask, head_mask;
+};
+
+Masks check_masks(const Sizes& s, const std::optional<Tensor>& attn_mask,
+                  const std::optional<Tensor>& key_padding_mask, const std::optional<Tensor>& head_mask);
+
+// ---- dropout (issue 14) ----
+// dropout_p in [0, 1]; with dropout_p > 0, dropout_seed is an int64 CPU tensor
+// of shape (2,): (seed, offset), the Philox key and counter words
+// (csrc/attention/philox.h). The op draws nothing: the caller does (Python,
+// from PyTorch's default generator), so a given seed reproduces the mask.
+struct Dropout {
+  double p = 0;
+  uint64_t seed = 0, offset = 0;
+};
+
+Dropout check_dropout(const Sizes& s, double dropout_p, const std::optional<Tensor>& dropout_seed);
+
+// The sliding window, soft-capping and sinks of one call (issue 15), checked
+// and normalised: a window side that reaches every key (left >= Lq - 1,
+// right >= Lk - 1) is unbounded (-1), is_causal caps the right side at 0, and
+// a right side of 0 is is_causal itself (which has the causal block skipping
+// and diagonal split): the kernels see window_right -1 or > 0.
+struct WindowCapSinks {
+  int64_t left = -1, right = -1;
+  bool is_causal = false;
+  double softcap = 0;
+  ma_mask sinks{};
+};
+
+void check_cap_sinks(int64_t H, std::optional<double> softcap, const std::optional<Tensor>& sinks, double* cap,
+                     ma_mask* sk);
+WindowCapSinks check_window_cap_sinks(const Sizes& s, bool is_causal, int64_t window_left, int64_t window_right,
+                                      std::optional<double> softcap, const std::optional<Tensor>& sinks);
+ma_isa select_isa(ma_dtype dt);
+void check_shape(const Tensor& t, const char* name, std::vector<int64_t> dims, const char* dims_str,
+                 ScalarType dtype);
+void check_out_lo(const std::optional<Tensor>& out_lo, std::vector<int64_t> dims, const char* dims_str,
+                  ScalarType dtype);
+
+// Tile sizes: a q-block of 64 rows by a k-block of 64 keys.
+constexpr int64_t kBlockQ = 64, kBlockK = 64;
+// The AMX kernels' packed views start at multiples of 32 rows and keys.
+static_assert(kBlockQ % 32 == 0 && kBlockK % 32 == 0, "block sizes must be multiples of 32");
+
+// ---- ops (attention.cpp, varlen.cpp, cross_entropy.cpp; registered in registration.cpp) ----
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tensor v,
+                                                std::optional<Tensor> attn_mask,
+                                                std::optional<Tensor> key_padding_mask,
+                                                std::optional<Tensor> head_mask, bool is_causal,
+                                                std::optional<double> scale, bool need_weights,
+                                                double dropout_p, std::optional<Tensor> dropout_seed,
+                                                int64_t window_left, int64_t window_right,
+                                                std::optional<double> softcap, std::optional<Tensor> sinks);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
+    Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
+    Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
+    std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
+    bool head_mask_grad, bool mask_grad, double dropout_p, std::optional<Tensor> dropout_seed,
+    int64_t window_left, int64_t window_right, std::optional<double> softcap, std::optional<Tensor> sinks,
+    std::optional<Tensor> out_lo);
+std::tuple<Tensor, Tensor> attn_backward_into(
+    Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
+    Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
+    std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
+    bool head_mask_grad, bool mask_grad, Tensor grad_q, Tensor grad_k, Tensor grad_v, double dropout_p,
+    std::optional<Tensor> dropout_seed, int64_t window_left, int64_t window_right, std::optional<double> softcap,
+    std::optional<Tensor> sinks, std::optional<Tensor> out_lo);
+std::tuple<Tensor, Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seq_q,
+                                                  std::optional<Tensor> cu_seq_k, int64_t max_q, int64_t max_k,
+                                                  std::optional<double> scale, int64_t window_left,
+                                                  int64_t window_right, std::optional<Tensor> seqused_k,
+                                                  std::optional<Tensor> block_table, std::optional<double> softcap,
+                                                  std::optional<Tensor> sinks);
+std::tuple<Tensor, Tensor, Tensor> varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out,
+                                                   Tensor lse, Tensor cu_seq_q, Tensor cu_seq_k, int64_t max_q,
+                                                   int64_t max_k, std::optional<double> scale,
+                                                   int64_t window_left, int64_t window_right,
+                                                   std::optional<double> softcap, std::optional<Tensor> sinks,
+                                                   std::optional<Tensor> out_lo);
+std::tuple<Tensor, Tensor> ce_forward(Tensor input, Tensor target, std::optional<Tensor> weight,
+                                      std::string reduction, int64_t ignore_index, double label_smoothing,
+                                      double z_loss, std::optional<double> softcap, bool inplace_backward);
+std::tuple<Tensor, Tensor> ce_backward(Tensor grad_loss, Tensor input, Tensor target,
+                                       std::optional<Tensor> weight, Tensor lse, std::string reduction,
+                                       int64_t ignore_index, double label_smoothing, bool target_grad,
+                                       double z_loss, std::optional<double> softcap);
+void ce_backward_inplace(Tensor grad_loss, Tensor input, Tensor target, std::optional<Tensor> weight, Tensor lse,
+                         std::string reduction, int64_t ignore_index, double label_smoothing, double z_loss,
+                         std::optional<double> softcap);
+std::tuple<Tensor, Tensor> ce_chunk_inplace(Tensor input, Tensor target, std::optional<Tensor> weight,
+                                            std::optional<double> grad_scale, int64_t ignore_index,
+                                            double label_smoothing, double z_loss, std::optional<double> softcap);
+
+}  // namespace masked_attn_shim

@@ -1,0 +1,131 @@
+// pool.cpp -- the scratch pool, running task functions on PyTorch's intra-op
+// thread pool, huge-page advice and streaming stores for large outputs, and
+// the plain C entry points of the pool (ops.py, through ctypes).
+
+#include "shim/common.hpp"
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+namespace masked_attn_shim {
+
+ScratchPool& scratch_pool() {
+  static ScratchPool pool;
+  return pool;
+}
+
+namespace {
+
+// Bytes of scratch the last parallel region used (the benchmarks report it).
+std::atomic<size_t> last_scratch_bytes{0};
+
+}  // namespace
+
+// ---- running a task function on the thread pool ---------------------------
+
+// Runs fn over work items [0, n) on PyTorch's intra-op pool, in at most one
+// chunk per thread. Each chunk gets its own slice of scratch, so scratch is
+// sized by the work (slices = chunks, never more than the threads) and taken
+// from the pool before the parallel region; the kernels never allocate.
+// Items are handed out dynamically, `grain` at a time (default: about 16
+// grabs per thread), so threads stay busy when items cost different amounts
+// (causal blocks, padded sequences). Every item is computed the same way
+// whichever thread takes it: results do not depend on the schedule.
+// `work` (multiply-adds, 0: unknown) below kSerialWork runs on the calling
+// thread alone: waking the pool costs more than such a call's arithmetic
+// (a decoding step against a short cache, a small model's layer).
+constexpr int64_t kSerialWork = int64_t{1} << 17;
+
+void run_tasks(ma_task_fn fn, const void* params, int64_t n, size_t scratch_bytes,
+               const Tensor& like, int64_t grain, int64_t work) {
+  (void)like;
+  if (n <= 0) return;
+  const int64_t nthreads =
+      work > 0 && work < kSerialWork ? 1 : std::max<int64_t>(1, torch::stable::get_num_threads());
+  if (grain <= 0) grain = std::max<int64_t>(1, n / (16 * nthreads));
+  const int64_t nchunks = std::min(nthreads, (n + grain - 1) / grain);
+  const size_t total = scratch_bytes * static_cast<size_t>(nchunks);
+  last_scratch_bytes.store(total);
+  ScratchLease lease(std::max<size_t>(total, 1));
+  const uintptr_t base = reinterpret_cast<uintptr_t>(lease.block.ptr);
+  if (scratch_bytes >= MA_CACHE_LINE)  // each slice's header (masked_attn.h) starts zeroed
+    for (int64_t c = 0; c < nchunks; c++) std::memset(reinterpret_cast<void*>(base + c * scratch_bytes), 0, MA_CACHE_LINE);
+  std::atomic<int64_t> next{0};
+  // chunk_begin identifies this invocation: parallel_for hands out disjoint
+  // ranges of [0, nchunks), so no two running at once share a slice.
+  auto worker = [&](int64_t chunk_begin, int64_t) {
+    ma_task_ctx ctx{params, reinterpret_cast<void*>(base + chunk_begin * scratch_bytes)};
+    for (int64_t begin; (begin = next.fetch_add(grain)) < n;)
+      fn(begin, std::min(begin + grain, n), &ctx);
+  };
+  if (nchunks == 1) {
+    worker(0, 1);
+  } else {
+    torch::stable::parallel_for(0, nchunks, 1, worker);
+  }
+}
+
+// A large output (4 MB or more) the kernels are about to write for the first
+// time (an (N, C) gradient, attention outputs and gradients): ask Linux for
+// transparent huge pages on the 2 MB-aligned part of it. Where the allocator
+// hands out fresh memory (glibc gave it back to the OS after the last step),
+// its first touch then costs one fault per 2 MB instead of one per 4 KB page
+// per writing thread: threads writing interleaved heads of a (B, L, H, D)
+// output share pages, and each takes its own fault on each. On gpt-train's
+// 8 MB gradients (2-core Zen 3) that is 2,000 - 3,700 faults, about 4 - 7 ms,
+// down to 0 - 900. With THP in "madvise" mode, the default on many
+// distributions, only an madvise gives them; it is advice: where THP is off,
+// or the pages are already there, nothing changes. The memory still belongs
+// to PyTorch's allocator.
+void advise_huge_pages(Tensor& t) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const uintptr_t bytes = static_cast<uintptr_t>(t.numel()) * t.element_size();
+  if (bytes < 2 * kHuge) return;
+  const uintptr_t base = reinterpret_cast<uintptr_t>(t.mutable_data_ptr());
+  const uintptr_t lo = (base + kHuge - 1) & ~(kHuge - 1), hi = (base + bytes) & ~(kHuge - 1);
+  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+#else
+  (void)t;
+#endif
+}
+
+// Outputs of at least this many bytes are written with non-temporal stores
+// (stream_stores, masked_attn.h): twice a core's L2 here, so the caches could
+// not have kept them for their reader anyway. Smaller ones (decoding, short
+// batches) stay in cache for the next op (figures: docs/performance.md).
+constexpr int64_t kStreamBytes = int64_t{4} << 20;
+
+bool worth_streaming(const Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()) >= kStreamBytes; }
+
+// Forward work items a thread takes at a time. Where runs of heads are taken
+// (head_group > 1: decoding from a cache whose heads lie side by side in each
+// row), up to a run's heads, while every thread still gets 2 takes. Else
+// consecutive query blocks of one head (the kernel orders a head's blocks
+// cheap, expensive, cheap, ...), up to the whole head, so that a thread reads
+// that head's K and V into its own L2 once instead of both threads pulling
+// every head; at least 8 takes per thread are left for balance; varlen one
+// item at a time (its items come most expensive first). Results do not
+// depend on it: every query block is computed the same way by whichever
+// thread takes it, alone or in a run.
+int64_t fwd_grain(const ma_attn_fwd_params& p) {
+  const int64_t n = ma_attn_fwd_work_items(&p), nq = (p.a.Lq + p.a.block_q - 1) / p.a.block_q;
+  const int64_t threads = std::max<int64_t>(1, torch::stable::get_num_threads());
+  if (p.head_group > 1) return std::max<int64_t>(1, std::min<int64_t>(p.head_group, n / (2 * threads)));
+  if (p.a.cu_q) return 1;
+  return std::max<int64_t>(1, std::min<int64_t>(nq, n / (8 * threads)));
+}
+
+}  // namespace masked_attn_shim
+
+using namespace masked_attn_shim;
+
+// Plain C entry points for torch_masked_attn (ops.py, through ctypes).
+extern "C" {
+// Frees the scratch blocks the pool keeps between calls; returns the bytes freed.
+size_t ma_release_memory(void) { return scratch_pool().release(); }
+// Bytes the pool keeps now (idle), and the scratch the last parallel region used.
+size_t ma_scratch_idle_bytes(void) { return scratch_pool().idle_bytes(); }
+size_t ma_scratch_last_bytes(void) { return last_scratch_bytes.load(); }
+}

@@ -1,0 +1,65 @@
+// registration.cpp -- the op schemas (STABLE_TORCH_LIBRARY) and their CPU
+// kernels, the functions of attention.cpp, varlen.cpp and cross_entropy.cpp.
+
+#include "shim/common.hpp"
+
+using namespace masked_attn_shim;
+
+STABLE_TORCH_LIBRARY(masked_attn, m) {
+  m.def(
+      "forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, Tensor? key_padding_mask=None, "
+      "Tensor? head_mask=None, bool is_causal=False, float? scale=None, bool need_weights=False, "
+      "float dropout_p=0., Tensor? dropout_seed=None, "
+      "int window_left=-1, int window_right=-1, float? softcap=None, Tensor? sinks=None) "
+      "-> (Tensor out, Tensor lse, Tensor weights, Tensor out_lo)");
+  m.def(
+      "backward(Tensor grad_out, Tensor? grad_weights, Tensor q, Tensor k, Tensor v, Tensor out, "
+      "Tensor lse, Tensor? attn_mask=None, Tensor? key_padding_mask=None, Tensor? head_mask=None, "
+      "bool is_causal=False, float? scale=None, bool head_mask_grad=False, bool mask_grad=False, "
+      "float dropout_p=0., Tensor? dropout_seed=None, "
+      "int window_left=-1, int window_right=-1, float? softcap=None, Tensor? sinks=None, Tensor? out_lo=None) "
+      "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_head_mask, Tensor grad_scores)");
+  m.def(
+      "backward_into(Tensor grad_out, Tensor? grad_weights, Tensor q, Tensor k, Tensor v, Tensor out, "
+      "Tensor lse, Tensor? attn_mask, Tensor? key_padding_mask, Tensor? head_mask, bool is_causal, "
+      "float? scale, bool head_mask_grad, bool mask_grad, Tensor(a!) grad_q, Tensor(b!) grad_k, "
+      "Tensor(c!) grad_v, float dropout_p=0., Tensor? dropout_seed=None, "
+      "int window_left=-1, int window_right=-1, float? softcap=None, Tensor? sinks=None, Tensor? out_lo=None) "
+      "-> (Tensor grad_head_mask, Tensor grad_scores)");
+  m.def(
+      "varlen_forward(Tensor query, Tensor key, Tensor value, Tensor cu_seq_q, Tensor? cu_seq_k, int max_q, "
+      "int max_k, float? scale=None, int window_left=-1, int window_right=-1, Tensor? seqused_k=None, "
+      "Tensor? block_table=None, float? softcap=None, Tensor? sinks=None) -> (Tensor out, Tensor lse, Tensor out_lo)");
+  m.def(
+      "varlen_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
+      "Tensor cu_seq_q, Tensor cu_seq_k, int max_q, int max_k, float? scale=None, int window_left=-1, "
+      "int window_right=-1, float? softcap=None, Tensor? sinks=None, Tensor? out_lo=None) "
+      "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
+  m.def(
+      "cross_entropy(Tensor input, Tensor target, Tensor? weight=None, str reduction='mean', "
+      "int ignore_index=-100, float label_smoothing=0.0, float z_loss=0.0, float? softcap=None, "
+      "bool inplace_backward=False) -> (Tensor loss, Tensor lse)");
+  m.def(
+      "cross_entropy_backward(Tensor grad_loss, Tensor input, Tensor target, Tensor? weight, Tensor lse, "
+      "str reduction, int ignore_index, float label_smoothing, bool target_grad=False, float z_loss=0.0, "
+      "float? softcap=None) -> (Tensor grad_input, Tensor grad_target)");
+  m.def(
+      "cross_entropy_backward_(Tensor grad_loss, Tensor(a!) input, Tensor target, Tensor? weight, Tensor lse, "
+      "str reduction, int ignore_index, float label_smoothing, float z_loss=0.0, float? softcap=None) -> ()");
+  m.def(
+      "cross_entropy_chunk_(Tensor(a!) input, Tensor target, Tensor? weight=None, float? grad_scale=None, "
+      "int ignore_index=-100, float label_smoothing=0.0, float z_loss=0.0, float? softcap=None) "
+      "-> (Tensor loss, Tensor lse)");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(masked_attn, CPU, m) {
+  m.impl("forward", TORCH_BOX(&attn_forward));
+  m.impl("backward", TORCH_BOX(&attn_backward));
+  m.impl("backward_into", TORCH_BOX(&attn_backward_into));
+  m.impl("varlen_forward", TORCH_BOX(&varlen_forward));
+  m.impl("varlen_backward", TORCH_BOX(&varlen_backward));
+  m.impl("cross_entropy", TORCH_BOX(&ce_forward));
+  m.impl("cross_entropy_backward", TORCH_BOX(&ce_backward));
+  m.impl("cross_entropy_backward_", TORCH_BOX(&ce_backward_inplace));
+  m.impl("cross_entropy_chunk_", TORCH_BOX(&ce_chunk_inplace));
+}
