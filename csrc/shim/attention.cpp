@@ -7,21 +7,44 @@ namespace masked_attn_shim {
 
 namespace {
 
-// A new (B, H, L, D) tensor stored as (B, L, H, D), the layout of q, k, v
-// projected by one linear layer and viewed per head; gradients and outputs in
-// that layout reshape to (B, L, H * D) for free.
-// Made in one call of the C shim (aoti_torch_empty_strided) rather than new_empty + transpose:
-// torch::stable::transpose finds aten::transpose by name in the dispatcher on every call, a few
-// microseconds that a decoding step pays for every output.
-Tensor blhd(const Tensor& like, int64_t B, int64_t H, int64_t L, int64_t D) {
-  const int64_t sizes[4] = {B, H, L, D}, strides[4] = {L * H * D, D, H * D, 1};
-  int32_t dtype, device_type, device_index;
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(like.get(), &dtype));
+// A new tensor on like's device, of like's dtype (or dtype), with these sizes and strides
+// (none: contiguous), made by one call of the C shim (aoti_torch_empty_strided). Not
+// torch::stable::new_empty / transpose: built for torch 2.10, they find aten::new_empty and
+// aten::transpose by name in the dispatcher on every call, about 6,000 instructions each,
+// which a decoding step pays for every output (docs/performance.md, "Per-call overhead").
+Tensor new_strided(const Tensor& like, std::initializer_list<int64_t> sizes, std::initializer_list<int64_t> strides,
+                   std::optional<ScalarType> dtype = std::nullopt) {
+  const int64_t ndim = static_cast<int64_t>(sizes.size());
+  int64_t st[8];
+  MA_CHECK(ndim <= 8 && (strides.size() == 0 || strides.size() == sizes.size()),
+           "masked_attn: new_strided: bad strides");
+  if (strides.size() == 0) {
+    int64_t n = 1;
+    for (int64_t i = ndim - 1; i >= 0; i--) {
+      st[i] = n;
+      n *= std::max<int64_t>(sizes.begin()[i], 1);
+    }
+  } else {
+    std::copy(strides.begin(), strides.end(), st);
+  }
+  int32_t dt, device_type, device_index;
+  if (dtype.has_value())
+    dt = torch::stable::detail::to<int32_t>(torch::stable::detail::from(*dtype));
+  else
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(like.get(), &dt));
   STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(like.get(), &device_type));
   STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(like.get(), &device_index));
   AtenTensorHandle t;
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(4, sizes, strides, dtype, device_type, device_index, &t));
+  STABLE_TORCH_ERROR_CODE_CHECK(
+      aoti_torch_empty_strided(ndim, sizes.begin(), st, dt, device_type, device_index, &t));
   return Tensor(t);
+}
+
+// A new (B, H, L, D) tensor stored as (B, L, H, D), the layout of q, k, v
+// projected by one linear layer and viewed per head; gradients and outputs in
+// that layout reshape to (B, L, H * D) for free.
+Tensor blhd(const Tensor& like, int64_t B, int64_t H, int64_t L, int64_t D) {
+  return new_strided(like, {B, H, L, D}, {L * H * D, D, H * D, 1});
 }
 
 void fill_strides4(int64_t out[4], const Tensor& t) {
@@ -86,11 +109,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tens
   // projection reads, so (B, Lq, H * Dv) is a free view.
   Tensor out = blhd(q, s.B, s.H, s.Lq, s.Dv);
   advise_huge_pages(out);
-  Tensor lse = torch::stable::new_empty(q, {s.B, s.H, s.Lq}, acc_type(q.scalar_type()));
-  Tensor weights = need_weights ? torch::stable::new_empty(q, {s.B, s.H, s.Lq, s.Lk})
-                                : torch::stable::new_empty(q, {0});
+  Tensor lse = new_strided(q, {s.B, s.H, s.Lq}, {}, acc_type(q.scalar_type()));
+  Tensor weights = need_weights ? new_strided(q, {s.B, s.H, s.Lq, s.Lk}, {}) : new_strided(q, {0}, {});
   const bool low = low_precision(q.scalar_type());
-  Tensor out_lo = low ? blhd(q, s.B, s.H, s.Lq, s.Dv) : torch::stable::new_empty(q, {0});
+  Tensor out_lo = low ? blhd(q, s.B, s.H, s.Lq, s.Dv) : new_strided(q, {0}, {});
 
   ma_attn_fwd_params p{};
   p.out = out.mutable_data_ptr();
@@ -153,7 +175,7 @@ std::tuple<Tensor, Tensor> attn_backward_impl(
   check_shape(dk, "grad_k", {s.B, s.Hkv, s.Lk, s.D}, "(B, Hkv, Lk, D)", q.scalar_type());
   check_shape(dv, "grad_v", {s.B, s.Hkv, s.Lk, s.Dv}, "(B, Hkv, Lk, Dv)", q.scalar_type());
   const ScalarType acc = acc_type(q.scalar_type());
-  Tensor delta = torch::stable::new_empty(q, {s.B, s.H, s.Lq}, acc);
+  Tensor delta = new_strided(q, {s.B, s.H, s.Lq}, {}, acc);
   Tensor dhm_rows = torch::stable::new_zeros(q, {head_mask_grad ? s.B : 0, s.H, s.Lq}, acc);
   // dL/dS, the gradient of an additive mask: materialised only when a mask
   // requires grad; zero where no tile is computed (masked, skipped blocks)

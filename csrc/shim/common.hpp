@@ -34,6 +34,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <initializer_list>
 #include <vector>
 
 #include "common/isa.h"
