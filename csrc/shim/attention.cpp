@@ -7,39 +7,6 @@ namespace masked_attn_shim {
 
 namespace {
 
-// A new tensor on like's device, of like's dtype (or dtype), with these sizes and strides
-// (none: contiguous), made by one call of the C shim (aoti_torch_empty_strided). Not
-// torch::stable::new_empty / transpose: built for torch 2.10, they find aten::new_empty and
-// aten::transpose by name in the dispatcher on every call, about 6,000 instructions each,
-// which a decoding step pays for every output (docs/performance.md, "Per-call overhead").
-Tensor new_strided(const Tensor& like, std::initializer_list<int64_t> sizes, std::initializer_list<int64_t> strides,
-                   std::optional<ScalarType> dtype = std::nullopt) {
-  const int64_t ndim = static_cast<int64_t>(sizes.size());
-  int64_t st[8];
-  MA_CHECK(ndim <= 8 && (strides.size() == 0 || strides.size() == sizes.size()),
-           "masked_attn: new_strided: bad strides");
-  if (strides.size() == 0) {
-    int64_t n = 1;
-    for (int64_t i = ndim - 1; i >= 0; i--) {
-      st[i] = n;
-      n *= std::max<int64_t>(sizes.begin()[i], 1);
-    }
-  } else {
-    std::copy(strides.begin(), strides.end(), st);
-  }
-  int32_t dt, device_type, device_index;
-  if (dtype.has_value())
-    dt = torch::stable::detail::to<int32_t>(torch::stable::detail::from(*dtype));
-  else
-    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(like.get(), &dt));
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(like.get(), &device_type));
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(like.get(), &device_index));
-  AtenTensorHandle t;
-  STABLE_TORCH_ERROR_CODE_CHECK(
-      aoti_torch_empty_strided(ndim, sizes.begin(), st, dt, device_type, device_index, &t));
-  return Tensor(t);
-}
-
 // A new (B, H, L, D) tensor stored as (B, L, H, D), the layout of q, k, v
 // projected by one linear layer and viewed per head; gradients and outputs in
 // that layout reshape to (B, L, H * D) for free.
@@ -180,7 +147,7 @@ std::tuple<Tensor, Tensor> attn_backward_impl(
   // dL/dS, the gradient of an additive mask: materialised only when a mask
   // requires grad; zero where no tile is computed (masked, skipped blocks)
   Tensor dscores = mask_grad ? torch::stable::new_zeros(q, {s.B, s.H, s.Lq, s.Lk}, acc)
-                             : torch::stable::new_empty(q, {0}, acc);
+                             : new_strided(q, {0}, {}, acc);
 
   ma_attn_bwd_params p{};
   p.dq = dq.mutable_data_ptr();
@@ -237,7 +204,7 @@ std::tuple<Tensor, Tensor> attn_backward_impl(
   // accumulation type: the caller rounds once, after summing over what the
   // head mask broadcasts over (ops.attention_backward).
   Tensor dhm = head_mask_grad ? torch::stable::sum(dhm_rows, std::vector<int64_t>{2})
-                              : torch::stable::new_empty(q, {0}, acc);
+                              : new_strided(q, {0}, {}, acc);
   return {dhm, dscores};
 }
 

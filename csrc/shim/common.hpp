@@ -256,6 +256,11 @@ constexpr int64_t kBlockQ = 64, kBlockK = 64;
 // The AMX kernels' packed views start at multiples of 32 rows and keys.
 static_assert(kBlockQ % 32 == 0 && kBlockK % 32 == 0, "block sizes must be multiples of 32");
 
+// A new tensor on like's device, of like's dtype (or dtype), with these sizes and strides
+// (none: contiguous), in one call of the C shim (pool.cpp; why not torch::stable::new_empty there).
+Tensor new_strided(const Tensor& like, std::initializer_list<int64_t> sizes, std::initializer_list<int64_t> strides,
+                   std::optional<ScalarType> dtype = std::nullopt);
+
 // ---- ops (attention.cpp, varlen.cpp, cross_entropy.cpp; registered in registration.cpp) ----
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tensor v,

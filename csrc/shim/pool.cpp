@@ -10,6 +10,39 @@
 
 namespace masked_attn_shim {
 
+// A new tensor on like's device, of like's dtype (or dtype), with these sizes and strides
+// (none: contiguous), made by one call of the C shim (aoti_torch_empty_strided). Not
+// torch::stable::new_empty / transpose: built for torch 2.10, they find aten::new_empty and
+// aten::transpose by name in the dispatcher on every call, about 6,000 instructions each,
+// which a decoding step pays for every output (docs/performance.md, "Per-call overhead").
+Tensor new_strided(const Tensor& like, std::initializer_list<int64_t> sizes, std::initializer_list<int64_t> strides,
+                   std::optional<ScalarType> dtype) {
+  const int64_t ndim = static_cast<int64_t>(sizes.size());
+  int64_t st[8];
+  MA_CHECK(ndim <= 8 && (strides.size() == 0 || strides.size() == sizes.size()),
+           "masked_attn: new_strided: bad strides");
+  if (strides.size() == 0) {
+    int64_t n = 1;
+    for (int64_t i = ndim - 1; i >= 0; i--) {
+      st[i] = n;
+      n *= std::max<int64_t>(sizes.begin()[i], 1);
+    }
+  } else {
+    std::copy(strides.begin(), strides.end(), st);
+  }
+  int32_t dt, device_type, device_index;
+  if (dtype.has_value())
+    dt = torch::stable::detail::to<int32_t>(torch::stable::detail::from(*dtype));
+  else
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(like.get(), &dt));
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(like.get(), &device_type));
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(like.get(), &device_index));
+  AtenTensorHandle t;
+  STABLE_TORCH_ERROR_CODE_CHECK(
+      aoti_torch_empty_strided(ndim, sizes.begin(), st, dt, device_type, device_index, &t));
+  return Tensor(t);
+}
+
 ScratchPool& scratch_pool() {
   static ScratchPool pool;
   return pool;

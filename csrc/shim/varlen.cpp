@@ -225,11 +225,11 @@ std::tuple<Tensor, Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, 
   ma_mask sk{};
   check_cap_sinks(r.H, softcap, sinks, &cap, &sk);
   const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(r.D));
-  Tensor out = torch::stable::new_empty(q, {r.Tq, r.H, r.Dv});
+  Tensor out = new_strided(q, {r.Tq, r.H, r.Dv}, {});
   advise_huge_pages(out);
-  Tensor lse = torch::stable::new_empty(q, {r.H, r.Tq}, acc_type(q.scalar_type()));
+  Tensor lse = new_strided(q, {r.H, r.Tq}, {}, acc_type(q.scalar_type()));
   const bool low = low_precision(q.scalar_type());
-  Tensor out_lo = torch::stable::new_empty(q, {low ? r.Tq : 0, r.H, r.Dv});
+  Tensor out_lo = new_strided(q, {low ? r.Tq : 0, r.H, r.Dv}, {});
   ma_attn_fwd_params p{};
   p.out = out.mutable_data_ptr();
   p.lse = lse.mutable_data_ptr();
@@ -259,11 +259,11 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward(Tensor grad_out, Tensor q, Te
   MA_CHECK(lse.dim() == 2 && lse.size(0) == r.H && lse.size(1) == r.Tq &&
                lse.scalar_type() == acc_type(q.scalar_type()) && lse.is_contiguous(),
            "masked_attn.varlen: lse must be the forward's contiguous (H, T_q) log-sum-exp");
-  Tensor dq = torch::stable::new_empty(q, {r.Tq, r.H, r.D});
-  Tensor dk = torch::stable::new_empty(q, {r.Tk, r.Hkv, r.D});
-  Tensor dv = torch::stable::new_empty(q, {r.Tk, r.Hkv, r.Dv});
+  Tensor dq = new_strided(q, {r.Tq, r.H, r.D}, {});
+  Tensor dk = new_strided(q, {r.Tk, r.Hkv, r.D}, {});
+  Tensor dv = new_strided(q, {r.Tk, r.Hkv, r.Dv}, {});
   for (Tensor* t : {&dq, &dk, &dv}) advise_huge_pages(*t);
-  Tensor delta = torch::stable::new_empty(q, {r.H, r.Tq}, acc_type(q.scalar_type()));
+  Tensor delta = new_strided(q, {r.H, r.Tq}, {}, acc_type(q.scalar_type()));
   ma_attn_bwd_params p{};
   p.dq = dq.mutable_data_ptr();
   p.dk = dk.mutable_data_ptr();
