@@ -503,6 +503,121 @@ def decode_paged(B=8, H=32, Lk=2048, D=128, page=256):
                  info=dict(B=B, H=H, Lq=1, Lk=Lk, D=D, page=page, dtype=str(torch.float32)))
 
 
+
+def decode_interleaved(dtype, B=8, H=32, Lk=2048, D=128):
+    """The decode case's step read from a dense (B, Lk, H, D) cache, heads side
+    by side in each row (what a (B, L, H, D) projection or HF's static cache
+    gives), passed to F.sdpa as its (B, H, Lk, D) transposed view; native takes
+    the same views. Against decode (the (B, H, Lk, D) cache): the same traffic."""
+    q = torch.randn(B, H, 1, D, dtype=dtype)
+    k, v = (torch.randn(B, Lk, H, D, dtype=dtype).transpose(1, 2) for _ in range(2))
+
+    def native():
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(q, k, v)
+
+    def ours():
+        with torch.no_grad():
+            return tma.functional.scaled_dot_product_attention(q, k, v)
+    fl = attention_flops(B, H, 1, Lk, D, causal=False, backward=False)
+    traffic = 2.0 * B * H * Lk * D * k.element_size()
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+    return Bench(work=f"B={B} H={H} Lq=1 Lk={Lk} D={D} {name}, forward (no grad), (B, Lk, H, D) cache, "
+                      f"K+V {traffic / 1e6:.0f} MB",
+                 natives={"sdpa": native}, ours=ours, flops=fl, attn_flops=fl, traffic_bytes=traffic,
+                 info=dict(B=B, H=H, Lq=1, Lk=Lk, D=D, layout="BLHD", dtype=str(dtype)))
+
+
+# ---------------------------------------------------------------- FlexAttention (compiled), forward
+
+def flex_case(kind, dtype):
+    """The same forward (no grad) through torch.compile(flex_attention) with a
+    BlockMask (and a score_mod for softcap), PyTorch's own answer to masks that
+    F.sdpa lacks, against ours. FlexAttention on the CPU is forward-only. The
+    compile happens here, outside the timed calls.
+
+    kind: "kpm" (B=8 H=12 L=512, key padding, lengths uniform in [L/2, L]),
+    "causal" (B=1 H=8 L=4096), "window" (causal window 1024, L=8192, 8 query
+    heads on 2 KV heads), "document" (the varlen case's packed batch, causal
+    within each document: ours through varlen_attn), "softcap" (causal +
+    softcap 50, B=2 H=8 L=2048). D=64 throughout."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError as e:
+        raise Skip(f"no FlexAttention in this torch: {e}") from e
+    flex = torch.compile(flex_attention, dynamic=False)
+    D, Hkv, score_mod, gqa = 64, None, None, False
+    if kind == "kpm":
+        B, H, L = 8, 12, 512
+        lengths = torch.randint(L // 2, L + 1, (B,))
+        kpm = torch.arange(L)[None, :] >= lengths[:, None]
+
+        def mask_mod(b, h, qi, ki):
+            return ki < lengths[b]
+        ours_kw = dict(key_padding_mask=kpm)
+        fl = attention_flops(B, H, L, L, D, causal=False, backward=False) * lengths.float().mean().item() / L
+        what = f"key padding ({kpm.float().mean().item():.0%})"
+    elif kind in ("causal", "softcap", "window"):
+        B, H, L = {"causal": (1, 8, 4096), "softcap": (2, 8, 2048), "window": (1, 8, 8192)}[kind]
+
+        def mask_mod(b, h, qi, ki):
+            return qi >= ki
+        ours_kw = dict(is_causal=True)
+        fl = attention_flops(B, H, L, L, D, causal=True, backward=False)
+        what = "causal"
+        if kind == "softcap":
+            cap = 50.0
+
+            def score_mod(score, b, h, qi, ki):
+                return cap * torch.tanh(score / cap)
+            ours_kw["softcap"] = cap
+            what = f"causal + softcap {cap:g}"
+        if kind == "window":
+            W, Hkv, gqa = 1024, 2, True
+
+            def mask_mod(b, h, qi, ki):
+                return (qi >= ki) & (qi - ki <= W)
+            ours_kw = dict(window=(W, 0))
+            fl = 4.0 * B * H * L * (W + 1) * D
+            what = f"causal window {W}, {H} query heads on {Hkv} KV heads"
+    elif kind == "document":
+        B, H = 1, 8
+        lengths = torch.randint(64, 2049, (8,)).tolist()
+        L = T = sum(lengths)
+        doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(lengths).cumsum(0)
+
+        def mask_mod(b, h, qi, ki):
+            return (doc[qi] == doc[ki]) & (qi >= ki)
+        fl = sum(attention_flops(1, H, n, n, D, causal=True, backward=False) for n in lengths)
+        what = f"8 packed documents, lengths uniform in [64, 2048] (T={T}), causal within each"
+    else:
+        raise KeyError(kind)
+    q = torch.randn(B, H, L, D, dtype=dtype)
+    k, v = (torch.randn(B, Hkv or H, L, D, dtype=dtype) for _ in range(2))
+    block_mask = create_block_mask(mask_mod, B if kind == "kpm" else None, None, L, L, device="cpu")
+
+    def native():
+        with torch.no_grad():
+            out = flex(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)
+        return out[0].transpose(0, 1) if kind == "document" else out
+
+    def ours():
+        with torch.no_grad():
+            if kind == "document":
+                qv, kv, vv = (t[0].transpose(0, 1) for t in (q, k, v))   # (T, H, D) views
+                return tma.functional.varlen_attn(qv, kv, vv, cu, cu, max(lengths), max(lengths),
+                                                  window_size=(-1, 0))
+            return tma.functional.masked_attention(q, k, v, **ours_kw)
+    native()                                     # compile outside the timed calls
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+    shape = f"H={H} D={D}" if kind == "document" else f"B={B} H={H} L={L} D={D}"
+    return Bench(work=f"{shape} {name}, {what}, forward (no grad), compiled flex_attention + BlockMask "
+                      f"vs ours, {gflop(fl)}",
+                 natives={"flex-compiled": native}, ours=ours, flops=fl, attn_flops=fl, memory=False,
+                 info=dict(kind=kind, B=B, H=H, L=L, D=D, dtype=str(dtype)))
+
 # ---------------------------------------------------------------- Hugging Face end to end
 
 HF_VOCAB = 32000
@@ -645,6 +760,8 @@ NAMED = {
     "softcap-cost-bf16": lambda: softcap_case(True, torch.bfloat16),
     "varlen": varlen,
     "decode-paged": decode_paged,
+    "decode-interleaved": lambda: decode_interleaved(torch.float32),
+    "decode-interleaved-bf16": lambda: decode_interleaved(torch.bfloat16),
     "tiny-decode-16": lambda: tiny_case(1, 8, 1, 16, 64),
     "tiny-decode-256": lambda: tiny_case(1, 8, 1, 256, 64),
     "tiny-prefill-8": lambda: tiny_case(1, 16, 8, 8, 64),
@@ -653,6 +770,16 @@ NAMED = {
     "ce": lambda: cross_entropy_case(8192, 32000, torch.float32),
     "ce-bf16": lambda: cross_entropy_case(4096, 128256, torch.bfloat16),
     "linear-ce": lambda: linear_cross_entropy_case(2048, 512, 65536, torch.float32),
+    "flex-kpm": lambda: flex_case("kpm", torch.float32),
+    "flex-kpm-bf16": lambda: flex_case("kpm", torch.bfloat16),
+    "flex-causal": lambda: flex_case("causal", torch.float32),
+    "flex-causal-bf16": lambda: flex_case("causal", torch.bfloat16),
+    "flex-window": lambda: flex_case("window", torch.float32),
+    "flex-window-bf16": lambda: flex_case("window", torch.bfloat16),
+    "flex-document": lambda: flex_case("document", torch.float32),
+    "flex-document-bf16": lambda: flex_case("document", torch.bfloat16),
+    "flex-softcap": lambda: flex_case("softcap", torch.float32),
+    "flex-softcap-bf16": lambda: flex_case("softcap", torch.bfloat16),
     "hf-train-1024": lambda: hf_e2e("train", 1024),
     "hf-prefill-1024": lambda: hf_e2e("prefill", 1024),
     "hf-generate-1024": lambda: hf_e2e("generate", 1024),
@@ -663,10 +790,12 @@ NAMED = {
 GROUPS = {
     "attention": ["gpt-train", "long-causal", "long-causal-fwd", "one-head-long", "bert-infer", "mha-train",
                   "gpt-train-bf16", "long-causal-bf16", "decode", "decode-bf16", "hf-mask", "sliding-window",
-                  "varlen", "decode-paged"],
+                  "varlen", "decode-paged", "decode-interleaved", "decode-interleaved-bf16"],
     "dropout": ["gpt-train-dropout", "gpt-train-dropout-cost", "gpt-train-dropout-bf16",
                 "gpt-train-dropout-cost-bf16"],
     "softcap": ["softcap", "softcap-fwd", "softcap-cost", "softcap-cost-fwd", "softcap-cost-bf16"],
+    "flex": [f"flex-{kind}{suffix}" for kind in ("kpm", "causal", "window", "document", "softcap")
+             for suffix in ("", "-bf16")],
     "tiny": ["tiny-decode-16", "tiny-decode-256", "tiny-prefill-8", "tiny-train"],
     "memory": ["mha-mem-8192"],
     "ce": ["ce", "ce-bf16", "linear-ce"],

@@ -359,7 +359,7 @@ def plot_ce_sweep(records, path):
 def select(args, mode):
     grid = MODES[mode][0]
     ce_grid = CE_GRIDS[mode]
-    everything = [n for g in ("attention", "dropout", "softcap", "tiny", "memory") for n in cases.GROUPS[g]] + \
+    everything = [n for g in ("attention", "dropout", "softcap", "flex", "tiny", "memory") for n in cases.GROUPS[g]] + \
         cases.sweep_names(grid) + cases.GROUPS["ce"] + cases.ce_sweep_names(ce_grid) + cases.GROUPS["hf-e2e"]
     if not args.cases:
         return everything

@@ -737,10 +737,14 @@ static void FN(sum_rows_in_order)(const ACC *s, int64_t nc, int64_t nr, ACC *lsu
  * the tile's FN(mask_tile_state) (the loop skips MA_TILE_BLOCKED). */
 static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s, ACC *o, ACC *m, ACC *l, ACC *m_new,
                               ACC *lsum, ACC *alpha, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t nr,
-                              int64_t j0, int64_t nc, int am_state, const ma_dropout *dr, int alone) {
+                              int64_t j0, int64_t nc, int am_state, const ma_dropout *dr, int64_t x, int64_t run) {
     const int64_t D = p->a.D, Dv = p->a.Dv, *ks = p->a.k_stride, *vs = p->a.v_stride;
+    /* prefetch distance (elements): head x + 1 of the run in the same rows, the
+     * first head's rows a key block on after the last (alone: its own rows) */
+    const int64_t pf_k = x + 1 < run ? ks[1] : p->a.block_k * ks[2] - x * ks[1];
+    const int64_t pf_v = x + 1 < run ? vs[1] : p->a.block_k * vs[2] - x * vs[1];
     DOT_KEYS(s, nc, q, nr, D, p->a.k, p->a.dtype, b * ks[0] + hk * ks[1] + FN(key_off)(&p->a, ks, p->a.k_page_stride, b, j0),
-             ks[2], nc, alone ? 64 * ks[2] : 0);
+             ks[2], nc, pf_k);
     FN(apply_softcap)(s, nr * nc, p->a.softcap, NULL);
     FN(add_bias)(s, nc, 1, &p->a, am_state, b, h, i0, nr, j0, nc);
     for (int64_t r = 0; r < nr; r++) {
@@ -751,7 +755,7 @@ static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s,
     if (FN(online_step)(m, m_new, l, lsum, alpha, nr)) FN(scale_rows)(o, Dv, nr, Dv, alpha);
     if (dr) DROPOUT(s, NULL, nc, 1, nr, nc, dr, i0, j0); /* l summed the whole P; O takes P' */
     AXPY_KEYS(o, s, nc, nr, Dv, p->a.v, p->a.dtype, b * vs[0] + hk * vs[1] + FN(key_off)(&p->a, vs, p->a.v_page_stride, b, j0),
-              vs[2], nc, alone ? 64 * vs[2] : 0);
+              vs[2], nc, pf_v);
 }
 
 /* ---- tile hooks -------------------------------------------------------------
@@ -935,7 +939,7 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
                     const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h + x, i0, nr, j0, nc);
                     if (ms == MA_TILE_BLOCKED) continue; /* contributes exactly 0 */
                     FN(fwd_rows_step)(p, hd[x].q, t.sT, hd[x].o, hd[x].m, hd[x].l, t.m_new, t.lsum, t.lse, b, h + x,
-                                      (h + x) / G, i0, nr, j0, nc, ms, hd[x].dr, run == 1);
+                                      (h + x) / G, i0, nr, j0, nc, ms, hd[x].dr, x, run);
                 }
                 continue;
             }

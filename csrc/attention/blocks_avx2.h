@@ -322,34 +322,40 @@ static float row_max_avx2(const float *x, int64_t n, float m) {
  * per dtype (dt a constant after inlining), as in AVX-512.
  * Decoding (nr = 1) streams K and V from memory once, so dot_keys and
  * axpy_keys prefetch the line pf elements past each line they read (the
- * template: the rows 64 keys ahead, the next key block, for one head alone;
- * nothing for a run of heads). Past the last key the prefetches touch memory
+ * template: for one head alone the rows a key block ahead; in a run of heads
+ * the next head's part of the same rows, and after the last head the first
+ * head's rows a key block ahead). Past the last key the prefetches touch memory
  * that is not the tensor's: a prefetch is a hint that never faults. */
 static inline __attribute__((always_inline)) void dot_keys_dt(float *s, int64_t lds, const float *q, int64_t nr,
                                                               int64_t D, const void *k, const ma_dtype dt,
                                                               int64_t off, int64_t ld, int64_t nc, int64_t pf) {
     const int64_t es = dt == MA_F32 ? 4 : 2;
     int64_t c0 = 0;
-    if (nr == 1) /* decoding: 2 groups of 8 keys side by side, 2 independent FMA chains */
+    if (nr == 1) /* decoding: 2 groups of 8 keys side by side, 2 independent FMA chains; each
+                  * group takes a whole cache line of its 8 rows before the other group's, so
+                  * that 8 rows, not 16, share an L1 set where rows are a multiple of 4 KB apart
+                  * (a (B, L, H, D) cache: the heads' rows) */
         for (; c0 + 16 <= nc; c0 += 16) {
             __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-            for (int64_t d0 = 0; d0 < D; d0 += 8) {
-                const int64_t dn = ma_min(8, D - d0);
-                const int line = pf && (d0 * es) % MA_CACHE_LINE == 0; /* the first 8 elements of a line */
+            const int64_t le = MA_CACHE_LINE / es; /* elements per line */
+            for (int64_t dl = 0; dl < D; dl += le)
 #pragma GCC unroll 2
-                for (int g = 0; g < 2; g++) {
-                    __m256 x[8];
+                for (int g = 0; g < 2; g++)
+                    for (int64_t d0 = dl; d0 < ma_min(dl + le, D); d0 += 8) {
+                        const int64_t dn = ma_min(8, D - d0);
+                        const int line = pf && d0 == dl; /* the first 8 elements of a line */
+                        __m256 x[8];
 #pragma GCC unroll 8
-                    for (int i = 0; i < 8; i++) {
-                        x[i] = load8(k, dt, off + (c0 + 8 * g + i) * ld + d0, dn);
-                        if (line) _mm_prefetch((const char *)k + (off + (c0 + 8 * g + i) * ld + d0 + pf) * es, _MM_HINT_T0);
-                    }
-                    transpose8x8(x);
+                        for (int i = 0; i < 8; i++) {
+                            x[i] = load8(k, dt, off + (c0 + 8 * g + i) * ld + d0, dn);
+                            if (line)
+                                _mm_prefetch((const char *)k + (off + (c0 + 8 * g + i) * ld + d0 + pf) * es, _MM_HINT_T0);
+                        }
+                        transpose8x8(x);
 #pragma GCC unroll 8 /* x[dd] at constant indices: the block stays in registers */
-                    for (int dd = 0; dd < 8; dd++)
-                        if (dd < dn) acc[g] = _mm256_fmadd_ps(x[dd], _mm256_set1_ps(q[d0 + dd]), acc[g]);
-                }
-            }
+                        for (int dd = 0; dd < 8; dd++)
+                            if (dd < dn) acc[g] = _mm256_fmadd_ps(x[dd], _mm256_set1_ps(q[d0 + dd]), acc[g]);
+                    }
             for (int g = 0; g < 2; g++) _mm256_storeu_ps(s + c0 + 8 * g, acc[g]);
         }
     for (; c0 < nc; c0 += 8) {

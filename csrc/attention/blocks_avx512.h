@@ -236,9 +236,9 @@ static float row_max_avx512(const float *x, int64_t n, float m) {
  * Instantiated per dtype (dt a constant after inlining).
  * Decoding (nr = 1) streams K and V from memory once, so dot_keys and
  * axpy_keys prefetch the line pf elements past each line they read (the
- * template: the rows 64 keys ahead, the next key block, for one head alone:
- * about 1.1-1.3x on a decoding step whose cache is in DRAM; nothing for a
- * run of heads). Past the last key the prefetches touch memory that is
+ * template: for one head alone the rows a key block ahead, about 1.1-1.3x
+ * on a decoding step whose cache is in DRAM; in a run of heads the next
+ * head's part of the same rows). Past the last key the prefetches touch memory that is
  * not the tensor's: a prefetch is a hint that never faults. */
 static inline __attribute__((always_inline)) void dot_keys_dt(float *s, int64_t lds, const float *q, int64_t nr,
                                                               int64_t D, const void *k, const ma_dtype dt,
