@@ -385,7 +385,7 @@ def main():
     m.add_argument("--quick", action="store_true", help="subset of the sweep, fewer repetitions (default)")
     m.add_argument("--full", action="store_true", help="the whole sweep, more repetitions (an hour or more)")
     p.add_argument("--cases", help="comma-separated case names or groups "
-                                   "(attention, memory, sweep, ce, ce-sweep, hf-e2e); default: all")
+                                   "(attention, dropout, softcap, flex, tiny, memory, sweep, ce, ce-sweep, hf-e2e); default: all")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
