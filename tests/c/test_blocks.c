@@ -173,6 +173,22 @@ static void test_softcap(const ma_blocks *v) {
               (double)(in[i] * inv), th[i], ref);
         CHECK(s[i] == cap * th[i], "%s softcap %g != cap * tanh %g", v->name, s[i], cap * th[i]);
     }
+    /* vectors whose lanes are all below the edge (the polynomial alone), then the same with
+     * one lane past it (or NaN) at each position of a 16-lane vector: that lane takes the exp
+     * branch, the others keep the polynomial's value */
+    for (int big = -1; big < 16; big++) {
+        float a[64], b[64], t[64];
+        for (int i = 0; i < 64; i++) a[i] = b[i] = frand() * 0.62f * cap; /* |s / cap| < 0.62 */
+        if (big >= 0)
+            for (int i = big; i < 64; i += 16) a[i] = b[i] = (i & 32) ? NAN : (i & 1 ? -1.0f : 1.0f) * 0.9f * cap;
+        v->softcap(b, 64, cap, inv, t);
+        for (int i = 0; i < 64; i++) {
+            const double ref = tanh((double)(a[i] * inv));
+            CHECK(isnan(a[i]) ? isnan(t[i]) : fabs(t[i] - ref) <= 2.4e-7 * fabs(ref) + 1e-37,
+                  "%s tanh(%g) = %.9g, libm %.9g (lane %d past the edge)", v->name, (double)(a[i] * inv), t[i], ref,
+                  big);
+        }
+    }
     for (int64_t n = 1; n <= 40; n++) {
         float a[40], b[40], t[41];
         for (int64_t i = 0; i < n; i++) a[i] = b[i] = (i % 5 == 0) ? -INFINITY : (i % 5 == 1) ? INFINITY
