@@ -855,10 +855,25 @@ static void FN(tiles_fwd_pv)(FN(tiles) *T, ACC *o, const ACC *alpha, const ACC *
                              int64_t nc);
 static ACC *FN(tiles_fwd_o_rows)(FN(tiles) *T, ACC *o);
 static void FN(tiles_end)(void);
-/* step(args): the hooks' step when they apply to this call, else the generic one */
-#define FWD_STEP(step, ...) (hooked ? FN(tiles_fwd_##step)(tiles, __VA_ARGS__) : FN(gen_fwd_##step)(&gen, __VA_ARGS__))
+#endif
+
+/* A forward task's state: its scratch, the generic steps' state and, with
+ * MA_TILE_HOOKS, whether the hooks take this call and their state. */
+typedef struct {
+    FN(fwd_scratch) t;
+    FN(gen_fwd) gen; /* gen.t = &t */
+#ifdef MA_TILE_HOOKS
+    int hooked;
+    FN(tiles) *tiles;
+#endif
+} FN(fwd_task);
+
+/* step(args): the hooks' step when they apply to this call, else the generic one (c: the task) */
+#ifdef MA_TILE_HOOKS
+#define FWD_STEP(step, ...) \
+    (c->hooked ? FN(tiles_fwd_##step)(c->tiles, __VA_ARGS__) : FN(gen_fwd_##step)(&c->gen, __VA_ARGS__))
 #else
-#define FWD_STEP(step, ...) FN(gen_fwd_##step)(&gen, __VA_ARGS__)
+#define FWD_STEP(step, ...) FN(gen_fwd_##step)(&c->gen, __VA_ARGS__)
 #endif
 
 static size_t FN(generic_fwd_scratch_bytes)(const ma_attn_fwd_params *p) {
@@ -873,160 +888,186 @@ static size_t FN(fwd_scratch_bytes)(const ma_attn_fwd_params *p) {
     return n;
 }
 
+/* Item w's run: the items from w on that are heads h, h + 1, ... of the same
+ * entry and query block, taken together where the query block goes by rows
+ * (at most FN(fwd_head_group); 1 elsewhere); and each head's state in hd:
+ * scale * Q, m = -inf, l = 0, O = 0. Returns the run's length. */
+static int64_t FN(fwd_run_begin)(FN(fwd_task) *c, const ma_attn_fwd_params *p0, const ma_attn_fwd_params *p,
+                                 int64_t w, int64_t end, int64_t b, int64_t h, int64_t qb, int64_t i0, int64_t nr,
+                                 int by_rows, FN(fwd_head) *hd) {
+    const int64_t D = p->a.D, Dv = p->a.Dv, hk = h / (p->a.H / p->a.Hkv), HGmax = FN(fwd_head_group)(p0);
+    int64_t run = 1;
+    if (by_rows)
+        for (int64_t b2, h2, qb2; run < HGmax && w + run < end; run++) {
+            FN(q_item)(&p0->a, w + run, &b2, &h2, &qb2);
+            if (b2 != b || qb2 != qb || h2 != h + run) break;
+        }
+    for (int64_t x = 0; x < run; x++) {
+        FN(fwd_head) *e = &hd[x];
+        if (run == 1)
+            e->q = c->t.qT, e->o = c->t.o, e->m = c->t.m, e->l = c->t.l;
+        else
+            FN(fwd_head_carve)(&c->t, x, D, Dv, e);
+        e->dr = FN(head_dropout)(&p->a, b, h + x, &e->dr_buf);
+        if (by_rows) /* scale * Q rows, (nr, D), in qT's place */
+            for (int64_t r = 0; r < nr; r++)
+                FN(convert_row)(e->q + r * D, 1, p->a.q, p->a.dtype,
+                                b * p->a.q_stride[0] + (h + x) * p->a.q_stride[1] + (i0 + r) * p->a.q_stride[2],
+                                p->a.q_stride[3], D, (ACC)p->a.scale);
+        else
+            FWD_STEP(query, b, h, hk, i0, nr);
+        for (int64_t r = 0; r < nr; r++) {
+            e->m[r] = -(ACC)INFINITY;
+            e->l[r] = 0;
+        }
+        for (int64_t y = 0; y < nr * Dv; y++) e->o[y] = 0;
+    }
+    return run;
+}
+
+/* One key block j0 .. j0 + nc of the tile path (head h, query block i0 .. i0 + nr,
+ * its state in c->t; ms its FN(mask_tile_state), not MA_TILE_BLOCKED). */
+static void FN(fwd_tile_block)(FN(fwd_task) *c, const ma_attn_fwd_params *p, const ma_dropout *dr, int64_t b,
+                               int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t nc, int ms) {
+    FN(fwd_scratch) *t = &c->t;
+    /* sT = K (scale Q)^T + bias^T */
+    FWD_STEP(scores, t->sT, i0, j0, nc);
+    FN(apply_softcap)(t->sT, nc * nr, p->a.softcap, NULL);
+    FN(add_bias)(t->sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
+    /* online softmax: m_new = max(m, colmax sT); P = exp(sT - m_new); l, O rescaled */
+    for (int64_t r = 0; r < nr; r++) {
+        t->m_new[r] = t->m[r];
+        t->lsum[r] = 0;
+    }
+    COL_MAX(t->sT, nc, nr, t->m_new);
+    EXP_SUB_COL(t->sT, nc, nr, t->m_new, t->lsum);
+    /* alpha (in t->lse for now), or NULL where no row's max moved */
+    const ACC *alpha = FN(online_step)(t->m, t->m_new, t->l, t->lsum, t->lse, nr) ? t->lse : NULL;
+    /* dropout: l summed the whole P; O takes P' = P Z / (1 - p) */
+    if (dr) DROPOUT(t->sT, NULL, 1, nr, nr, nc, dr, i0, j0);
+    /* O = alpha O + P V */
+    FWD_STEP(pv, t->o, alpha, t->sT, i0, j0, nc);
+}
+
+/* The end of head hx's query block (state e): out = hm * O / l; lse = m + log l.
+ * A fully masked row (l = 0) gives 0 and -inf. With a sink (-inf: none):
+ * l' = l exp(m - M) + exp(sink - M), M = max(m, sink); out = hm * exp(m - M) O / l',
+ * lse = M + log l'; a fully masked row gives 0 and sink. Leaves lse, with -inf
+ * as 0, in c->t.m_new for FN(fwd_weights). */
+static void FN(fwd_head_end)(FN(fwd_task) *c, const ma_attn_fwd_params *p, const FN(fwd_head) *e, int64_t b,
+                             int64_t hx, int64_t i0, int64_t nr, int by_rows) {
+    FN(fwd_scratch) *t = &c->t;
+    const int64_t Dv = p->a.Dv;
+    const ACC hm = FN(head_scale)(&p->a.head_mask, b, hx);
+    const ACC sink = p->a.sinks.ptr ? LOAD(p->a.sinks.ptr, p->a.sinks.dtype, hx * p->a.sinks.stride[0])
+                                    : -(ACC)INFINITY;
+    ACC *lse_bh = (ACC *)p->lse + FN(stat_row0)(&p->a, b, hx);
+    ACC *o = by_rows ? e->o : FWD_STEP(o_rows, t->o);
+    for (int64_t r = 0; r < nr; r++) {
+        ACC *o_r = o + r * Dv;
+        if (e->l[r] == 0) {
+            for (int64_t d = 0; d < Dv; d++) o_r[d] = 0;
+            t->lse[r] = sink;
+        } else if (sink != -(ACC)INFINITY) {
+            const ACC M = e->m[r] >= sink ? e->m[r] : sink; /* NaN sink: NaN */
+            const ACC a_m = EXPF(e->m[r] - M), l = e->l[r] * a_m + EXPF(sink - M);
+            const ACC inv = hm * a_m / l;
+            for (int64_t d = 0; d < Dv; d++) o_r[d] *= inv;
+            t->lse[r] = M + LOG(l);
+        } else {
+            const ACC inv = hm / e->l[r];
+            for (int64_t d = 0; d < Dv; d++) o_r[d] *= inv;
+            t->lse[r] = e->m[r] + LOG(e->l[r]);
+        }
+        lse_bh[i0 + r] = t->lse[r];
+        t->m_new[r] = FN(finite_or_zero)(t->lse[r]);
+    }
+    FN(store_tile)(p->out, p->a.dtype, p->a.out_stride, b, hx, i0, nr, Dv, o, 1, p->a.stream_stores);
+    if (p->out_lo) FN(store_tile_lo)(p->out_lo, p->a.dtype, p->a.out_lo_stride, b, hx, i0, nr, Dv, o);
+}
+
+/* weights = hm * exp(S - lse) over every key of head h's query block, on
+ * request only: never hooked, never in a run (by rows takes no weights).
+ * The scores again, from c->t.qT; keys not read get weight 0. */
+static void FN(fwd_weights)(FN(fwd_task) *c, const ma_attn_fwd_params *p, const ma_dropout *dr, int64_t b,
+                            int64_t h, int64_t i0, int64_t nr, int64_t kv_begin, int64_t kv_end) {
+    FN(fwd_scratch) *t = &c->t;
+    const int64_t Lq = p->a.Lq, Lk = p->a.Lk, D = p->a.D, BK = p->a.block_k, hk = h / (p->a.H / p->a.Hkv);
+    const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
+    const int64_t w_st[4] = {p->a.H * Lq * Lk, Lq * Lk, Lk, 1};
+    for (int64_t j0 = 0; j0 < Lk; j0 += BK) {
+        const int64_t nw = ma_min(BK, Lk - j0); /* weights written */
+        int64_t nc = j0 >= kv_begin && j0 < kv_end
+                         ? FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(nw, kv_end - j0))
+                         : 0;
+        const int ms = nc > 0 ? FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc) : MA_TILE_BLOCKED;
+        if (ms == MA_TILE_BLOCKED) nc = 0;
+        if (nc > 0) {
+            int64_t ldk;
+            const ACC *k_j = FN(rows_in)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, c->gen.k_bh, D, &ldk);
+            GEMM(nc, nr, D, k_j, ldk, 1, t->qT, nr, t->sT, nr, 0);
+            FN(apply_softcap)(t->sT, nc * nr, p->a.softcap, NULL);
+            FN(add_bias)(t->sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
+            EXP_SUB_COL(t->sT, nc, nr, t->m_new, t->lsum);
+            if (dr) DROPOUT(t->sT, NULL, 1, nr, nr, nc, dr, i0, j0); /* the weights after dropout */
+        }
+        for (int64_t r = 0; r < nr; r++)
+            for (int64_t col = 0; col < nw; col++)
+                STORE(p->weights, p->a.dtype, b * w_st[0] + h * w_st[1] + (i0 + r) * w_st[2] + j0 + col,
+                      col < nc ? hm * t->sT[col * nr + r] : 0);
+    }
+}
+
+/* The forward task: work items begin .. end (b, h, query block), a run of
+ * heads at a time; per key block of the item's range, the rows step
+ * (FN(fwd_rows_step)) or the tile step (FN(fwd_tile_block)); then each
+ * head's end (out, lse) and, on request, its weights. */
 static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
     const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
     const ma_attn_fwd_params *p0 = (const ma_attn_fwd_params *)ctx->params;
-    const int64_t H = p0->a.H, G = p0->a.H / p0->a.Hkv, D = p0->a.D, Dv = p0->a.Dv;
-    const int64_t BQ = p0->a.block_q, BK = p0->a.block_k;
-    FN(fwd_scratch) t = FN(fwd_carve)(ctx->scratch, p0);
     ma_scratch_header *hdr = (ma_scratch_header *)ctx->scratch;
-    t.vc = t.kc + (FN(needs_copy)(p0->a.dtype, p0->a.k_stride) ? p0->a.Lk * D : 0); /* Lk: the longest */
-    FN(gen_fwd) gen = {&t, hdr, p0, 0, 0, 0, NULL, NULL};
+    FN(fwd_task) task, *c = &task;
+    c->t = FN(fwd_carve)(ctx->scratch, p0);
+    c->t.vc = c->t.kc + (FN(needs_copy)(p0->a.dtype, p0->a.k_stride) ? p0->a.Lk * p0->a.D : 0); /* the longest */
+    c->gen = (FN(gen_fwd)){&c->t, hdr, p0, 0, 0, 0, NULL, NULL};
 #ifdef MA_TILE_HOOKS
-    const int hooked = FN(tiles_apply)(p0) && !p0->a.cu_q; /* varlen: the generic products */
-    FN(tiles) *tiles = NULL;
-    if (hooked) FN(tiles_fwd_begin)(&tiles, p0, &t, hdr, (char *)ctx->scratch + FN(generic_fwd_scratch_bytes)(p0));
+    c->hooked = FN(tiles_apply)(p0) && !p0->a.cu_q; /* varlen: the generic products */
+    c->tiles = NULL;
+    if (c->hooked)
+        FN(tiles_fwd_begin)(&c->tiles, p0, &c->t, hdr, (char *)ctx->scratch + FN(generic_fwd_scratch_bytes)(p0));
 #endif
-
-    const int64_t HGmax = FN(fwd_head_group)(p0);
-    for (int64_t w = begin, run = 1; w < end; w += run) {
+    const int64_t G = p0->a.H / p0->a.Hkv, BQ = p0->a.block_q, BK = p0->a.block_k;
+    for (int64_t w = begin, run; w < end; w += run) {
         int64_t b, h, qb;
         FN(q_item)(&p0->a, w, &b, &h, &qb);
         ma_attn_fwd_params loc;
         const ma_attn_fwd_params *p = FN(fwd_seq)(p0, b, &loc); /* entry b's extent */
-        gen.p = p;
-        const int64_t Lq = p->a.Lq, Lk = p->a.Lk, hk = h / G;
-        const int64_t i0 = qb * BQ, nr = ma_min(BQ, Lq - i0);
+        c->gen.p = p;
+        const int64_t i0 = qb * BQ, nr = ma_min(BQ, p->a.Lq - i0);
         int64_t kv_begin, kv_end;
         FN(kv_range)(&p->a, i0, nr, &kv_begin, &kv_end);
         const int by_rows = FN(fwd_by_rows)(p, nr);
-        /* a run: this item and the next ones of the same entry and query block,
-         * heads h + 1, h + 2, ... (by rows only); each head's state of its own */
-        run = 1;
-        if (by_rows)
-            for (int64_t b2, h2, qb2; run < HGmax && w + run < end; run++) {
-                FN(q_item)(&p0->a, w + run, &b2, &h2, &qb2);
-                if (b2 != b || qb2 != qb || h2 != h + run) break;
-            }
         FN(fwd_head) hd[MA_FWD_HEAD_GROUP_MAX];
-        for (int64_t x = 0; x < run; x++) {
-            FN(fwd_head) *e = &hd[x];
-            if (run == 1)
-                e->q = t.qT, e->o = t.o, e->m = t.m, e->l = t.l;
-            else
-                FN(fwd_head_carve)(&t, x, D, Dv, e);
-            e->dr = FN(head_dropout)(&p->a, b, h + x, &e->dr_buf);
-            if (by_rows) /* scale * Q rows, (nr, D), in qT's place */
-                for (int64_t r = 0; r < nr; r++)
-                    FN(convert_row)(e->q + r * D, 1, p->a.q, p->a.dtype,
-                                    b * p->a.q_stride[0] + (h + x) * p->a.q_stride[1] + (i0 + r) * p->a.q_stride[2],
-                                    p->a.q_stride[3], D, (ACC)p->a.scale);
-            else
-                FWD_STEP(query, b, h, hk, i0, nr);
-            for (int64_t r = 0; r < nr; r++) {
-                e->m[r] = -(ACC)INFINITY;
-                e->l[r] = 0;
-            }
-            for (int64_t y = 0; y < nr * Dv; y++) e->o[y] = 0;
-        }
-        const ma_dropout *dr = hd[0].dr;
+        run = FN(fwd_run_begin)(c, p0, p, w, end, b, h, qb, i0, nr, by_rows, hd);
 
         for (int64_t j0 = kv_begin; j0 < kv_end; j0 += BK) {
             const int64_t nc = FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
             if (nc == 0) continue;
-            if (by_rows) {
-                for (int64_t x = 0; x < run; x++) {
-                    const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h + x, i0, nr, j0, nc);
-                    if (ms == MA_TILE_BLOCKED) continue; /* contributes exactly 0 */
-                    FN(fwd_rows_step)(p, hd[x].q, t.sT, hd[x].o, hd[x].m, hd[x].l, t.m_new, t.lsum, t.lse, b, h + x,
-                                      (h + x) / G, i0, nr, j0, nc, ms, hd[x].dr, x, run);
-                }
-                continue;
-            }
-            const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
-            if (ms == MA_TILE_BLOCKED) continue; /* contributes exactly 0 */
-            /* sT = K (scale Q)^T + bias^T */
-            FWD_STEP(scores, t.sT, i0, j0, nc);
-            FN(apply_softcap)(t.sT, nc * nr, p->a.softcap, NULL);
-            FN(add_bias)(t.sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
-            /* online softmax: m_new = max(m, colmax sT); P = exp(sT - m_new); l, O rescaled */
-            for (int64_t r = 0; r < nr; r++) {
-                t.m_new[r] = t.m[r];
-                t.lsum[r] = 0;
-            }
-            COL_MAX(t.sT, nc, nr, t.m_new);
-            EXP_SUB_COL(t.sT, nc, nr, t.m_new, t.lsum);
-            /* alpha (in t.lse for now), or NULL where no row's max moved */
-            const ACC *alpha = FN(online_step)(t.m, t.m_new, t.l, t.lsum, t.lse, nr) ? t.lse : NULL;
-            /* dropout: l summed the whole P; O takes P' = P Z / (1 - p) */
-            if (dr) DROPOUT(t.sT, NULL, 1, nr, nr, nc, dr, i0, j0);
-            /* O = alpha O + P V */
-            FWD_STEP(pv, t.o, alpha, t.sT, i0, j0, nc);
-        }
-
-        for (int64_t x = 0; x < run; x++) {
-            const int64_t hx = h + x;
-            const FN(fwd_head) *e = &hd[x];
-            /* out = hm * O / l;  lse = m + log l.  A fully masked row (l = 0) gives 0 and -inf.
-             * With a sink (-inf: none): l' = l exp(m - M) + exp(sink - M), M = max(m, sink);
-             * out = hm * exp(m - M) O / l', lse = M + log l'; a fully masked row gives 0 and sink. */
-            const ACC hm = FN(head_scale)(&p->a.head_mask, b, hx);
-            const ACC sink = p->a.sinks.ptr ? LOAD(p->a.sinks.ptr, p->a.sinks.dtype, hx * p->a.sinks.stride[0])
-                                            : -(ACC)INFINITY;
-            ACC *lse_bh = (ACC *)p->lse + FN(stat_row0)(&p->a, b, hx);
-            ACC *o = by_rows ? e->o : FWD_STEP(o_rows, t.o);
-            for (int64_t r = 0; r < nr; r++) {
-                ACC *o_r = o + r * Dv;
-                if (e->l[r] == 0) {
-                    for (int64_t d = 0; d < Dv; d++) o_r[d] = 0;
-                    t.lse[r] = sink;
-                } else if (sink != -(ACC)INFINITY) {
-                    const ACC M = e->m[r] >= sink ? e->m[r] : sink; /* NaN sink: NaN */
-                    const ACC a_m = EXPF(e->m[r] - M), l = e->l[r] * a_m + EXPF(sink - M);
-                    const ACC inv = hm * a_m / l;
-                    for (int64_t d = 0; d < Dv; d++) o_r[d] *= inv;
-                    t.lse[r] = M + LOG(l);
-                } else {
-                    const ACC inv = hm / e->l[r];
-                    for (int64_t d = 0; d < Dv; d++) o_r[d] *= inv;
-                    t.lse[r] = e->m[r] + LOG(e->l[r]);
-                }
-                lse_bh[i0 + r] = t.lse[r];
-                t.m_new[r] = FN(finite_or_zero)(t.lse[r]);
-            }
-            FN(store_tile)(p->out, p->a.dtype, p->a.out_stride, b, hx, i0, nr, Dv, o, 1, p->a.stream_stores);
-            if (p->out_lo) FN(store_tile_lo)(p->out_lo, p->a.dtype, p->a.out_lo_stride, b, hx, i0, nr, Dv, o);
-        }
-
-        /* weights = hm * exp(S - lse) over every key, on request only (never hooked) */
-        if (p->weights) { /* never in a run: by rows takes no weights */
-            const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
-            const int64_t w_st[4] = {H * Lq * Lk, Lq * Lk, Lk, 1};
-            for (int64_t j0 = 0; j0 < Lk; j0 += BK) {
-                const int64_t nw = ma_min(BK, Lk - j0); /* weights written */
-                int64_t nc = j0 >= kv_begin && j0 < kv_end
-                                 ? FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(nw, kv_end - j0))
-                                 : 0;
-                const int ms = nc > 0 ? FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc) : MA_TILE_BLOCKED;
-                if (ms == MA_TILE_BLOCKED) nc = 0;
-                if (nc > 0) {
-                    int64_t ldk;
-                    const ACC *k_j = FN(rows_in)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, gen.k_bh, D, &ldk);
-                    GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
-                    FN(apply_softcap)(t.sT, nc * nr, p->a.softcap, NULL);
-                    FN(add_bias)(t.sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
-                    EXP_SUB_COL(t.sT, nc, nr, t.m_new, t.lsum);
-                    if (dr) DROPOUT(t.sT, NULL, 1, nr, nr, nc, dr, i0, j0); /* the weights after dropout */
-                }
-                for (int64_t r = 0; r < nr; r++) /* keys not read: weight 0 */
-                    for (int64_t c = 0; c < nw; c++)
-                        STORE(p->weights, p->a.dtype, b * w_st[0] + h * w_st[1] + (i0 + r) * w_st[2] + j0 + c,
-                              c < nc ? hm * t.sT[c * nr + r] : 0);
+            for (int64_t x = 0; x < run; x++) { /* the tile path: run = 1 */
+                const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h + x, i0, nr, j0, nc);
+                if (ms == MA_TILE_BLOCKED) continue; /* contributes exactly 0 */
+                if (by_rows)
+                    FN(fwd_rows_step)(p, hd[x].q, c->t.sT, hd[x].o, hd[x].m, hd[x].l, c->t.m_new, c->t.lsum, c->t.lse,
+                                      b, h + x, (h + x) / G, i0, nr, j0, nc, ms, hd[x].dr, x, run);
+                else
+                    FN(fwd_tile_block)(c, p, hd[x].dr, b, h, i0, nr, j0, nc, ms);
             }
         }
+        for (int64_t x = 0; x < run; x++) FN(fwd_head_end)(c, p, &hd[x], b, h + x, i0, nr, by_rows);
+        if (p->weights) FN(fwd_weights)(c, p, hd[0].dr, b, h, i0, nr, kv_begin, kv_end);
     }
 #ifdef MA_TILE_HOOKS
-    if (hooked) FN(tiles_end)();
+    if (c->hooked) FN(tiles_end)();
 #endif
     FN(fence_streams)();
 }
