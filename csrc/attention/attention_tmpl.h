@@ -1247,7 +1247,77 @@ static void FN(store_dscores)(const ma_attn_bwd_params *p, const ACC *ds, int64_
         for (int64_t c = 0; c < nc; c++) out[r * p->a.Lk + c] = ds[r * rs + c * cs];
 }
 
-/* Pass 1, work item (b, h, q-block): delta and dq for its rows. */
+/* delta of rows i0 .. i0 + nr of head (b, h) (qT and gT loaded) into t->delta
+ * and p->delta: g_i . (out_i + out_lo_i), plus hm * sum_j P_ij dW_ij where the
+ * weights have a gradient (P from the scores again). t->lse gets the rows' lse,
+ * -inf as 0. */
+static void FN(dq_delta)(FN(bwd_scratch) *t, const ma_attn_bwd_params *p, const ACC *k_bh, ACC hm,
+                         const ma_dropout *dr, int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t kv_begin,
+                         int64_t kv_end) {
+    const int64_t D = p->a.D, Dv = p->a.Dv, BK = p->a.block_k, hk = h / (p->a.H / p->a.Hkv);
+    const ACC *lse_bh = (const ACC *)p->lse + FN(stat_row0)(&p->a, b, h);
+    ACC *delta_bh = (ACC *)p->delta + FN(stat_row0)(&p->a, b, h);
+    for (int64_t r = 0; r < nr; r++) {
+        t->lse[r] = FN(finite_or_zero)(lse_bh[i0 + r]);
+        t->dhm[r] = 0;
+        ACC *o_r = t->gbuf;
+        FN(out_row)(p, b, h, i0 + r, o_r, t->gbuf + Dv);
+        ACC dot = 0;
+        for (int64_t d = 0; d < Dv; d++) dot += t->gT[d * nr + r] * o_r[d];
+        t->delta[r] = dot;
+    }
+    if (p->dweights)
+        for (int64_t j0 = kv_begin; j0 < kv_end; j0 += BK) {
+            const int64_t nc = FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
+            if (nc == 0) continue;
+            const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
+            if (ms == MA_TILE_BLOCKED) continue;
+            int64_t ldk;
+            const ACC *k_j = FN(rows_in)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, k_bh, D, &ldk);
+            GEMM(nc, nr, D, k_j, ldk, 1, t->qT, nr, t->sT, nr, 0);
+            FN(apply_softcap)(t->sT, nc * nr, p->a.softcap, NULL);
+            FN(add_bias)(t->sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
+            EXP_SUB_COL(t->sT, nc, nr, t->lse, t->tmp);
+            for (int64_t x = 0; x < nc * nr; x++) t->dpT[x] = 0;
+            FN(add_dweights)(t->dpT, 1, nr, p, b, h, i0, nr, j0, nc);
+            if (dr) DROPOUT(t->dpT, NULL, 1, nr, nr, nc, dr, i0, j0); /* P' dW = P (Z dW / (1 - p)) */
+            for (int64_t r = 0; r < nr; r++) {
+                ACC dot = 0;
+                for (int64_t c = 0; c < nc; c++) dot += t->sT[c * nr + r] * t->dpT[c * nr + r];
+                t->delta[r] += hm * dot;
+            }
+        }
+    for (int64_t r = 0; r < nr; r++) delta_bh[i0 + r] = t->delta[r];
+}
+
+/* One key block j0 .. j0 + nc of the dq pass (ms: its mask state, not blocked):
+ * P^T again, dS^T = P^T (hm dP^T - delta), dscores and dhm_rows where asked,
+ * then t->dq += dS K. */
+static void FN(dq_block)(FN(bwd_scratch) *t, const ma_attn_bwd_params *p, const ACC *k_bh, const ACC *v_bh, ACC hm,
+                         const ma_dropout *dr, int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t nc,
+                         int ms) {
+    const int64_t D = p->a.D, Dv = p->a.Dv, hk = h / (p->a.H / p->a.Hkv);
+    int64_t ldk, ldv;
+    const ACC *k_j = FN(rows_in)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, k_bh, D, &ldk);
+    const ACC *v_j = FN(rows_in)(p->a.v, p->a.dtype, p->a.v_stride, b, hk, j0, v_bh, Dv, &ldv);
+    /* P^T = exp(K (scale Q)^T + bias^T - lse) */
+    GEMM(nc, nr, D, k_j, ldk, 1, t->qT, nr, t->sT, nr, 0);
+    FN(apply_softcap)(t->sT, nc * nr, p->a.softcap, t->th);
+    FN(add_bias)(t->sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
+    EXP_SUB_COL(t->sT, nc, nr, t->lse, t->tmp);
+    /* dP^T = V dO^T (+ dW^T);  dS^T = P^T (hm dP^T - delta) */
+    GEMM(nc, nr, Dv, v_j, ldv, 1, t->gT, nr, t->dpT, nr, 0);
+    if (p->dweights) FN(add_dweights)(t->dpT, 1, nr, p, b, h, i0, nr, j0, nc);
+    if (dr) DROPOUT(t->dpT, NULL, 1, nr, nr, nc, dr, i0, j0); /* dP = (dO V^T + dW) Z / (1 - p) */
+    FN(dscores)(t->dpT, t->sT, 1, nr, t->delta, p->dhm_rows ? t->dhm : NULL, hm, nr, nc);
+    if (p->dscores) FN(store_dscores)(p, t->dpT, 1, nr, b, h, i0, nr, j0, nc);
+    FN(softcap_grad)(t->dpT, t->th, nc * nr, p->a.softcap); /* through the cap: dS (1 - tanh^2) */
+    /* dQ += dS K */
+    GEMM(nr, D, nc, t->dpT, 1, nr, k_j, ldk, t->dq, D, 1);
+}
+
+/* Pass 1, work item (b, h, q-block): delta (FN(dq_delta)), then dq over the
+ * block's key range (FN(dq_block)), stored with dhm_rows. */
 static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
     const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
     const ma_attn_bwd_params *p0 = (const ma_attn_bwd_params *)ctx->params;
@@ -1262,8 +1332,7 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
         FN(q_item)(&p0->a, w, &b, &h, &qb);
         ma_attn_bwd_params loc;
         const ma_attn_bwd_params *p = FN(bwd_seq)(p0, b, &loc); /* entry b's extent */
-        const int64_t Lq = p->a.Lq, Lk = p->a.Lk, hk = h / G;
-        const int64_t i0 = qb * BQ, nr = ma_min(BQ, Lq - i0);
+        const int64_t Lk = p->a.Lk, hk = h / G, i0 = qb * BQ, nr = ma_min(BQ, p->a.Lq - i0);
         int64_t kv_begin, kv_end;
         FN(kv_range)(&p->a, i0, nr, &kv_begin, &kv_end);
         const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
@@ -1275,44 +1344,9 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
         const ACC *v_bh = FN(needs_copy)(p->a.dtype, p->a.v_stride)
                               ? FN(head_cache)(&hdr->tag[1], vc, p->a.v, p->a.dtype, p->a.v_stride, b, hk, 1, Lk, Dv)
                               : NULL;
-        const ACC *lse_bh = (const ACC *)p->lse + FN(stat_row0)(&p->a, b, h);
-        ACC *delta_bh = (ACC *)p->delta + FN(stat_row0)(&p->a, b, h);
-
         FN(load_tile_t)(t.qT, p->a.q, p->a.dtype, p->a.q_stride, b, h, i0, nr, D, (ACC)p->a.scale);
         FN(load_tile_t)(t.gT, p->dout, p->a.dtype, p->dout_stride, b, h, i0, nr, Dv, 1);
-        for (int64_t r = 0; r < nr; r++) {
-            t.lse[r] = FN(finite_or_zero)(lse_bh[i0 + r]);
-            t.dhm[r] = 0;
-            /* delta_i = g_i . (out_i + out_lo_i)  (+ hm * sum_j P_ij dW_ij below) */
-            ACC *o_r = t.gbuf;
-            FN(out_row)(p, b, h, i0 + r, o_r, t.gbuf + Dv);
-            ACC dot = 0;
-            for (int64_t d = 0; d < Dv; d++) dot += t.gT[d * nr + r] * o_r[d];
-            t.delta[r] = dot;
-        }
-        if (p->dweights) {
-            for (int64_t j0 = kv_begin; j0 < kv_end; j0 += BK) {
-                const int64_t nc = FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
-                if (nc == 0) continue;
-                const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
-                if (ms == MA_TILE_BLOCKED) continue;
-                int64_t ldk;
-                const ACC *k_j = FN(rows_in)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, k_bh, D, &ldk);
-                GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
-                FN(apply_softcap)(t.sT, nc * nr, p->a.softcap, NULL);
-                FN(add_bias)(t.sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
-                EXP_SUB_COL(t.sT, nc, nr, t.lse, t.tmp);
-                for (int64_t x = 0; x < nc * nr; x++) t.dpT[x] = 0;
-                FN(add_dweights)(t.dpT, 1, nr, p, b, h, i0, nr, j0, nc);
-                if (dr) DROPOUT(t.dpT, NULL, 1, nr, nr, nc, dr, i0, j0); /* P' dW = P (Z dW / (1 - p)) */
-                for (int64_t r = 0; r < nr; r++) {
-                    ACC dot = 0;
-                    for (int64_t c = 0; c < nc; c++) dot += t.sT[c * nr + r] * t.dpT[c * nr + r];
-                    t.delta[r] += hm * dot;
-                }
-            }
-        }
-        for (int64_t r = 0; r < nr; r++) delta_bh[i0 + r] = t.delta[r];
+        FN(dq_delta)(&t, p, k_bh, hm, dr, b, h, i0, nr, kv_begin, kv_end);
 
         for (int64_t x = 0; x < nr * D; x++) t.dq[x] = 0;
         for (int64_t j0 = kv_begin; j0 < kv_end; j0 += BK) {
@@ -1320,23 +1354,7 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
             if (nc == 0) continue;
             const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
             if (ms == MA_TILE_BLOCKED) continue; /* P = 0, dS = 0: dq, dhm unchanged, dscores stays 0 */
-            int64_t ldk, ldv;
-            const ACC *k_j = FN(rows_in)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, k_bh, D, &ldk);
-            const ACC *v_j = FN(rows_in)(p->a.v, p->a.dtype, p->a.v_stride, b, hk, j0, v_bh, Dv, &ldv);
-            /* P^T = exp(K (scale Q)^T + bias^T - lse) */
-            GEMM(nc, nr, D, k_j, ldk, 1, t.qT, nr, t.sT, nr, 0);
-            FN(apply_softcap)(t.sT, nc * nr, p->a.softcap, t.th);
-            FN(add_bias)(t.sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
-            EXP_SUB_COL(t.sT, nc, nr, t.lse, t.tmp);
-            /* dP^T = V dO^T (+ dW^T);  dS^T = P^T (hm dP^T - delta) */
-            GEMM(nc, nr, Dv, v_j, ldv, 1, t.gT, nr, t.dpT, nr, 0);
-            if (p->dweights) FN(add_dweights)(t.dpT, 1, nr, p, b, h, i0, nr, j0, nc);
-            if (dr) DROPOUT(t.dpT, NULL, 1, nr, nr, nc, dr, i0, j0); /* dP = (dO V^T + dW) Z / (1 - p) */
-            FN(dscores)(t.dpT, t.sT, 1, nr, t.delta, p->dhm_rows ? t.dhm : NULL, hm, nr, nc);
-            if (p->dscores) FN(store_dscores)(p, t.dpT, 1, nr, b, h, i0, nr, j0, nc);
-            FN(softcap_grad)(t.dpT, t.th, nc * nr, p->a.softcap); /* through the cap: dS (1 - tanh^2) */
-            /* dQ += dS K */
-            GEMM(nr, D, nc, t.dpT, 1, nr, k_j, ldk, t.dq, D, 1);
+            FN(dq_block)(&t, p, k_bh, v_bh, hm, dr, b, h, i0, nr, j0, nc, ms);
         }
         FN(store_tile)(p->dq, p->a.dtype, p->dq_stride, b, h, i0, nr, D, t.dq, (ACC)p->a.scale, p->a.stream_stores);
         if (p->dhm_rows) {
@@ -1604,11 +1622,34 @@ static void FN(tiles_bwd_scores)(FN(tiles) *T, int64_t gi, int64_t h, int64_t i0
 static void FN(tiles_bwd_dp)(FN(tiles) *T, int64_t gi, int64_t h, int64_t i0, int64_t nr);
 static void FN(tiles_bwd_accum)(FN(tiles) *T, ACC *dq_i, int64_t gi, int64_t h, int64_t i0, int64_t nr);
 static void FN(tiles_bwd_keys_end)(FN(tiles) *T, int64_t nc);
-/* the hooks hold one key block (FN(bwd_key_group) is 1): slot x is always 0 for them */
-#define BWD_STEP(step, x, ...) \
-    (hooked ? FN(tiles_bwd_##step)(tiles, __VA_ARGS__) : FN(gen_bwd_##step)(&gen[x], __VA_ARGS__))
+#endif
+
+/* A single-pass task's state: the scratch of key block x of a group (tk[x]: tk[0]
+ * the tiles' regions, the others their own kT, vT, kbuf, dk, dv), the generic
+ * steps' state per key block, the group's per-row sums, and the hooks' state. */
+typedef struct {
+    FN(bwd_scratch) tk[MA_BWD_KEY_GROUP_MAX];
+    FN(gen_bwd) gen[MA_BWD_KEY_GROUP_MAX]; /* gen[x].t = &tk[x] */
+    ACC *dq_all;                           /* (G, Lq, D) */
+    ACC *delta_all, *lse_all, *dhm_all;    /* (G, Lq) each; lse with -inf as 0 */
+#ifdef MA_TILE_HOOKS
+    FN(tiles) *tiles;
+#endif
+} FN(fused_task);
+
+/* A group of key blocks j0[x] = jg + x C BK of one (b, hkv), x < n: keys read
+ * nc[x], query blocks [ib[x], ie[x]), and their union [i_lo, i_hi). */
+typedef struct {
+    int64_t n, j0[MA_BWD_KEY_GROUP_MAX], nc[MA_BWD_KEY_GROUP_MAX], ib[MA_BWD_KEY_GROUP_MAX], ie[MA_BWD_KEY_GROUP_MAX];
+    int64_t i_lo, i_hi;
+} FN(key_group);
+
+/* step(args) of key block x (c: the task). The hooks take every single pass (it
+ * never reads dweights) and hold one key block (FN(bwd_key_group) is 1): x is 0. */
+#ifdef MA_TILE_HOOKS
+#define BWD_STEP(step, x, ...) FN(tiles_bwd_##step)(c->tiles, __VA_ARGS__)
 #else
-#define BWD_STEP(step, x, ...) FN(gen_bwd_##step)(&gen[x], __VA_ARGS__)
+#define BWD_STEP(step, x, ...) FN(gen_bwd_##step)(&c->gen[x], __VA_ARGS__)
 #endif
 
 /* Single pass, work item (b, hkv, key chunk c): the chunk's key blocks are
@@ -1623,96 +1664,118 @@ static void FN(tiles_bwd_keys_end)(FN(tiles) *T, int64_t nc);
  * bit. 5 matrix products and one exp per tile instead of the two passes' 7
  * and two; chosen by shape alone (ma_attn_bwd_single_pass) so results never
  * depend on the thread count. No dweights here (the two passes handle them). */
+static void FN(fused_carve)(FN(fused_task) *c, void *scratch, const ma_attn_bwd_params *p, int64_t KG) {
+    const int64_t G = p->a.H / p->a.Hkv, Lq = p->a.Lq, D = p->a.D, Dv = p->a.Dv, BK = p->a.block_k;
+    const FN(bwd_scratch) t = FN(bwd_carve)(scratch, p->a.block_q, BK, D, Dv);
+    c->dq_all = t.extra;
+    c->delta_all = c->dq_all + G * Lq * D;
+    c->lse_all = c->delta_all + G * Lq;
+    c->dhm_all = c->lse_all + G * Lq;
+    ACC *qc = c->dhm_all + G * Lq, *gc = qc + (FN(needs_copy)(p->a.dtype, p->a.q_stride) ? G * Lq * D : 0);
+    ACC *slot = gc + (FN(needs_copy)(p->a.dtype, p->dout_stride) ? G * Lq * Dv : 0);
+    for (int64_t x = 0; x < KG; x++) {
+        c->tk[x] = t;
+        if (x > 0) {
+            c->tk[x].kT = slot;   slot += D * BK;
+            c->tk[x].kbuf = slot; slot += BK * D;
+            c->tk[x].dk = slot;   slot += BK * D;
+            c->tk[x].vT = slot;   slot += Dv * BK;
+            c->tk[x].dv = slot;   slot += BK * Dv;
+        }
+        c->gen[x] = (FN(gen_bwd)){&c->tk[x], (ma_scratch_header *)scratch, p, qc, gc, 0, 0, 0, 0, 0, 0, 0,
+                                  NULL, NULL, NULL, NULL, NULL};
+    }
+}
+
+/* The group from key block jg of (b, hk) on: each block's dK, dV sums zeroed and its keys prepared. */
+static void FN(fused_keys_begin)(FN(fused_task) *c, const ma_attn_bwd_params *p, int64_t b, int64_t jg,
+                                 int64_t KG, FN(key_group) *k) {
+    const int64_t Lk = p->a.Lk, D = p->a.D, Dv = p->a.Dv, BK = p->a.block_k, C = p->kv_chunks;
+    k->i_lo = p->a.Lq, k->i_hi = 0;
+    for (k->n = 0; k->n < KG && jg + k->n * C * BK < Lk; k->n++) {
+        const int64_t x = k->n;
+        k->j0[x] = jg + x * C * BK;
+        const int64_t nc_out = ma_min(BK, Lk - k->j0[x]);       /* rows of dk, dv written */
+        k->nc[x] = FN(bwd_keys_read)(p, b, k->j0[x], nc_out);   /* keys read; the rest get 0 */
+        for (int64_t e = 0; e < nc_out * D; e++) c->tk[x].dk[e] = 0;
+        for (int64_t e = 0; e < nc_out * Dv; e++) c->tk[x].dv[e] = 0;
+        k->ib[x] = k->ie[x] = 0;
+        if (k->nc[x] > 0) {
+            BWD_STEP(keys, x, k->j0[x], k->nc[x]);
+            FN(q_range)(&p->a, k->j0[x], k->nc[x], &k->ib[x], &k->ie[x]);
+            if (k->ib[x] < k->ie[x]) k->i_lo = ma_min(k->i_lo, k->ib[x]), k->i_hi = ma_max(k->i_hi, k->ie[x]);
+        }
+    }
+}
+
+/* Every query block of the G heads against the group's key blocks: per tile the
+ * scores, dP, the softmax's gradient, then dK, dV and dq (dq_acc, (G, Lq, D)). */
+static void FN(fused_queries)(FN(fused_task) *c, const ma_attn_bwd_params *p, int64_t b, int64_t hk,
+                              const FN(key_group) *k, ACC *dq_acc) {
+    const int64_t G = p->a.H / p->a.Hkv, Lq = p->a.Lq, D = p->a.D, BQ = p->a.block_q;
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t h = hk * G + g;
+        const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
+        ma_dropout dr_buf;
+        const ma_dropout *dr = FN(head_dropout)(&p->a, b, h, &dr_buf);
+        for (int64_t i0 = k->i_lo; i0 < k->i_hi; i0 += BQ) { /* every ib[x] is on this grid (bwd_key_group) */
+            const int64_t nr = ma_min(BQ, Lq - i0);
+            for (int64_t x = 0; x < k->n; x++) {
+                if (k->nc[x] <= 0 || i0 < k->ib[x] || i0 >= k->ie[x]) continue;
+                const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, k->j0[x], k->nc[x]);
+                if (ms == MA_TILE_BLOCKED) continue; /* dS = 0, hm P = 0: nothing to add; dscores stays 0 */
+                FN(bwd_scratch) *t = &c->tk[x];
+                BWD_STEP(scores, x, g, h, i0, nr);
+                BWD_STEP(dp, x, g, h, i0, nr);
+                FN(bwd_tile_softmax)(t->s, t->dp, t->th, p, b, h, hm, i0, nr, k->j0[x], k->nc[x], ms,
+                                     c->lse_all + g * Lq + i0, c->delta_all + g * Lq + i0,
+                                     p->dhm_rows ? c->dhm_all + g * Lq + i0 : NULL, dr, t->z, 1);
+                BWD_STEP(accum, x, dq_acc + (g * Lq + i0) * D, g, h, i0, nr);
+            }
+        }
+    }
+}
+
+/* The group's dK, dV sums out (scaled), rows of keys not read as 0. */
+static void FN(fused_keys_end)(FN(fused_task) *c, const ma_attn_bwd_params *p, int64_t b, int64_t hk,
+                               const FN(key_group) *k) {
+    for (int64_t x = 0; x < k->n; x++) {
+        const int64_t nc_out = ma_min(p->a.block_k, p->a.Lk - k->j0[x]);
+        if (k->nc[x] > 0) BWD_STEP(keys_end, x, k->nc[x]);
+        FN(store_tile)(p->dk, p->a.dtype, p->dk_stride, b, hk, k->j0[x], nc_out, p->a.D, c->tk[x].dk,
+                       (ACC)p->a.scale, p->a.stream_stores);
+        FN(store_tile)(p->dv, p->a.dtype, p->dv_stride, b, hk, k->j0[x], nc_out, p->a.Dv, c->tk[x].dv, 1,
+                       p->a.stream_stores);
+    }
+}
+
 static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
     const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
     const ma_attn_bwd_params *p = (const ma_attn_bwd_params *)ctx->params;
-    const int64_t H = p->a.H, Hkv = p->a.Hkv, G = p->a.H / p->a.Hkv, Lq = p->a.Lq, Lk = p->a.Lk, D = p->a.D, Dv = p->a.Dv;
-    const int64_t BQ = p->a.block_q, BK = p->a.block_k, C = p->kv_chunks, KG = FN(bwd_key_group)(p);
-    FN(bwd_scratch) t = FN(bwd_carve)(ctx->scratch, BQ, BK, D, Dv);
-    ACC *dq_all = t.extra;                                                   /* (G, Lq, D) */
-    ACC *delta_all = dq_all + G * Lq * D;                                    /* (G, Lq) */
-    ACC *lse_all = delta_all + G * Lq;                                       /* (G, Lq), -inf -> 0 */
-    ACC *dhm_all = lse_all + G * Lq;                                         /* (G, Lq) */
-    ACC *qc = dhm_all + G * Lq, *gc = qc + (FN(needs_copy)(p->a.dtype, p->a.q_stride) ? G * Lq * D : 0);
-    ACC *slot = gc + (FN(needs_copy)(p->a.dtype, p->dout_stride) ? G * Lq * Dv : 0);
-    /* key block x of a group: its own kT, vT, kbuf, dk, dv; the tiles' regions otherwise */
-    FN(bwd_scratch) tk[MA_BWD_KEY_GROUP_MAX];
-    FN(gen_bwd) gen[MA_BWD_KEY_GROUP_MAX];
-    for (int64_t x = 0; x < KG; x++) {
-        tk[x] = t;
-        if (x > 0) {
-            tk[x].kT = slot;   slot += D * BK;
-            tk[x].kbuf = slot; slot += BK * D;
-            tk[x].dk = slot;   slot += BK * D;
-            tk[x].vT = slot;   slot += Dv * BK;
-            tk[x].dv = slot;   slot += BK * Dv;
-        }
-        gen[x] = (FN(gen_bwd)){&tk[x], (ma_scratch_header *)ctx->scratch, p, qc, gc, 0, 0, 0, 0, 0, 0, 0,
-                               NULL, NULL, NULL, NULL, NULL};
-    }
+    const int64_t H = p->a.H, Hkv = p->a.Hkv, G = p->a.H / p->a.Hkv, Lq = p->a.Lq, Lk = p->a.Lk, D = p->a.D;
+    const int64_t BK = p->a.block_k, C = p->kv_chunks, KG = FN(bwd_key_group)(p);
+    FN(fused_task) task, *c = &task;
+    FN(fused_carve)(c, ctx->scratch, p, KG);
 #ifdef MA_TILE_HOOKS
-    const int hooked = 1; /* the single pass never reads dweights */
-    FN(tiles) *tiles = NULL;
-    FN(tiles_bwd_begin)(&tiles, p, &t, (char *)ctx->scratch + FN(generic_bwd_scratch_bytes)(p));
+    c->tiles = NULL;
+    FN(tiles_bwd_begin)(&c->tiles, p, &c->tk[0], (char *)ctx->scratch + FN(generic_bwd_scratch_bytes)(p));
 #endif
 
     for (int64_t w = begin; w < end; w++) {
-        const int64_t c = w % C, b = w / C / Hkv, hk = (w / C) % Hkv;
-        /* dq of the group's heads accumulates in this thread's scratch, or in chunk c's partial sums */
-        ACC *dq_acc = p->dq_part ? (ACC *)p->dq_part + ((c * p->a.B + b) * H + hk * G) * Lq * D : dq_all;
+        const int64_t ch = w % C, b = w / C / Hkv, hk = (w / C) % Hkv;
+        /* dq of the group's heads accumulates in this thread's scratch, or in chunk ch's partial sums */
+        ACC *dq_acc = p->dq_part ? (ACC *)p->dq_part + ((ch * p->a.B + b) * H + hk * G) * Lq * D : c->dq_all;
         for (int64_t x = 0; x < KG; x++) BWD_STEP(group, x, b, hk); /* converts Q, dO once: the caches are shared */
-        for (int64_t g = 0; g < G; g++) {
-            const int64_t h = hk * G + g;
-            FN(delta_rows)(p, b, h, t.gbuf, delta_all + g * Lq, lse_all + g * Lq, dhm_all + g * Lq);
-        }
+        for (int64_t g = 0; g < G; g++)
+            FN(delta_rows)(p, b, hk * G + g, c->tk[0].gbuf, c->delta_all + g * Lq, c->lse_all + g * Lq,
+                           c->dhm_all + g * Lq);
         for (int64_t x = 0; x < G * Lq * D; x++) dq_acc[x] = 0;
 
-        for (int64_t jg = c * BK; jg < Lk; jg += KG * C * BK) {
-            /* the group: key blocks j0[x] = jg + x C BK, their keys read nc[x] and query blocks [ib[x], ie[x]) */
-            int64_t j0[MA_BWD_KEY_GROUP_MAX], nc[MA_BWD_KEY_GROUP_MAX], ib[MA_BWD_KEY_GROUP_MAX], ie[MA_BWD_KEY_GROUP_MAX];
-            int64_t nk = 0, i_lo = Lq, i_hi = 0;
-            for (; nk < KG && jg + nk * C * BK < Lk; nk++) {
-                const int64_t x = nk;
-                j0[x] = jg + x * C * BK;
-                const int64_t nc_out = ma_min(BK, Lk - j0[x]);        /* rows of dk, dv written */
-                nc[x] = FN(bwd_keys_read)(p, b, j0[x], nc_out);       /* keys read; the rest get 0 */
-                for (int64_t e = 0; e < nc_out * D; e++) tk[x].dk[e] = 0;
-                for (int64_t e = 0; e < nc_out * Dv; e++) tk[x].dv[e] = 0;
-                ib[x] = ie[x] = 0;
-                if (nc[x] > 0) {
-                    BWD_STEP(keys, x, j0[x], nc[x]);
-                    FN(q_range)(&p->a, j0[x], nc[x], &ib[x], &ie[x]);
-                    if (ib[x] < ie[x]) i_lo = ma_min(i_lo, ib[x]), i_hi = ma_max(i_hi, ie[x]);
-                }
-            }
-            for (int64_t g = 0; g < G; g++) {
-                const int64_t h = hk * G + g;
-                const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
-                ma_dropout dr_buf;
-                const ma_dropout *dr = FN(head_dropout)(&p->a, b, h, &dr_buf);
-                for (int64_t i0 = i_lo; i0 < i_hi; i0 += BQ) { /* every ib[x] is on this grid (bwd_key_group) */
-                    const int64_t nr = ma_min(BQ, Lq - i0);
-                    for (int64_t x = 0; x < nk; x++) {
-                        if (nc[x] <= 0 || i0 < ib[x] || i0 >= ie[x]) continue;
-                        const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0[x], nc[x]);
-                        if (ms == MA_TILE_BLOCKED) continue; /* dS = 0, hm P = 0: nothing to add; dscores stays 0 */
-                        BWD_STEP(scores, x, g, h, i0, nr);
-                        BWD_STEP(dp, x, g, h, i0, nr);
-                        FN(bwd_tile_softmax)(tk[x].s, tk[x].dp, tk[x].th, p, b, h, hm, i0, nr, j0[x], nc[x], ms,
-                                             lse_all + g * Lq + i0, delta_all + g * Lq + i0,
-                                             p->dhm_rows ? dhm_all + g * Lq + i0 : NULL, dr, tk[x].z, 1);
-                        BWD_STEP(accum, x, dq_acc + (g * Lq + i0) * D, g, h, i0, nr);
-                    }
-                }
-            }
-            for (int64_t x = 0; x < nk; x++) {
-                const int64_t nc_out = ma_min(BK, Lk - j0[x]);
-                if (nc[x] > 0) BWD_STEP(keys_end, x, nc[x]);
-                FN(store_tile)(p->dk, p->a.dtype, p->dk_stride, b, hk, j0[x], nc_out, D, tk[x].dk, (ACC)p->a.scale,
-                               p->a.stream_stores);
-                FN(store_tile)(p->dv, p->a.dtype, p->dv_stride, b, hk, j0[x], nc_out, Dv, tk[x].dv, 1,
-                               p->a.stream_stores);
-            }
+        for (int64_t jg = ch * BK; jg < Lk; jg += KG * C * BK) {
+            FN(key_group) k;
+            FN(fused_keys_begin)(c, p, b, jg, KG, &k);
+            FN(fused_queries)(c, p, b, hk, &k, dq_acc);
+            FN(fused_keys_end)(c, p, b, hk, &k);
         }
         for (int64_t g = 0; g < G; g++) {
             const int64_t h = hk * G + g;
@@ -1720,9 +1783,9 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
                 FN(store_tile)(p->dq, p->a.dtype, p->dq_stride, b, h, 0, Lq, D, dq_acc + g * Lq * D, (ACC)p->a.scale,
                                p->a.stream_stores);
             if (p->dhm_rows) {
-                ACC *dhm_out = p->dhm_part ? (ACC *)p->dhm_part + ((c * p->a.B + b) * H + h) * Lq
+                ACC *dhm_out = p->dhm_part ? (ACC *)p->dhm_part + ((ch * p->a.B + b) * H + h) * Lq
                                            : (ACC *)p->dhm_rows + (b * H + h) * Lq;
-                for (int64_t i = 0; i < Lq; i++) dhm_out[i] = dhm_all[g * Lq + i];
+                for (int64_t i = 0; i < Lq; i++) dhm_out[i] = c->dhm_all[g * Lq + i];
             }
         }
     }
