@@ -545,6 +545,9 @@ def flex_case(kind, dtype):
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError as e:
         raise Skip(f"no FlexAttention in this torch: {e}") from e
+    # every case compiles flex_attention anew: past dynamo's recompile limit (8 per code object)
+    # a later case would silently run FlexAttention eagerly, tens of times slower
+    torch._dynamo.reset()
     flex = torch.compile(flex_attention, dynamic=False)
     D, Hkv, score_mod, gqa = 64, None, None, False
     if kind == "kpm":
