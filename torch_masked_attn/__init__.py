@@ -4,7 +4,8 @@ nn.MultiheadAttention, F.scaled_dot_product_attention, F.cross_entropy and
 nn.CrossEntropyLoss.
 """
 from . import functional, ops  # noqa: F401  (ops loads the library and registers the ops)
-from .losses import CrossEntropyLoss, LinearCrossEntropyLoss, perplexity
+from .linear_ce import LinearCrossEntropyLoss
+from .losses import CrossEntropyLoss, perplexity
 from .modules import MultiheadAttention, replace_attention
 from .ops import release_memory
 

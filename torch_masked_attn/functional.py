@@ -20,7 +20,8 @@ from torch import Tensor
 from . import ops
 from .autocast import autocast_cast, autocast_dtype
 from .devices import KERNEL_DEVICE_TYPES, uses_kernels  # noqa: F401  (part of this module's API)
-from .losses import cross_entropy, linear_cross_entropy  # noqa: F401  (re-exported)
+from .linear_ce import linear_cross_entropy  # noqa: F401  (re-exported)
+from .losses import cross_entropy  # noqa: F401  (re-exported)
 
 __all__ = ["masked_attention", "scaled_dot_product_attention", "varlen_attn", "AuxRequest", "cross_entropy",
            "linear_cross_entropy"]

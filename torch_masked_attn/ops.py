@@ -65,7 +65,7 @@ registration cannot express (a one-line comment at each points back here):
   out-projection as one node, so that the forward need not save qkv (3
   activations per token) and the backward recomputes it. An op-level
   backward only sees the attention, not the projections around it.
-* losses.py, _LinearCrossEntropy: linear layer + cross-entropy without the
+* linear_ce.py, _LinearCrossEntropy: linear layer + cross-entropy without the
   (N, V) logits. Its chunking depends on the data (the rows kept by
   ignore_index) and, for 'mean' / 'sum', it computes the gradients in the
   forward and the backward only scales them: Python-level control flow over
