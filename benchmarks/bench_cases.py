@@ -410,12 +410,18 @@ def linear_cross_entropy_case(N, d, V, dtype, ignored_fraction=0.25, chunk_size=
                  info=dict(N=N, d=d, V=V, dtype=str(dtype), ignored=ignored_fraction))
 
 
-def decode(dtype, B=8, H=32, Lk=2048, D=128):
+def decode(dtype, B=8, H=32, Lk=2048, D=128, interleaved=False):
     """One decoding step: one new query per sequence against a cache of Lk
     keys and values, no grad. Memory-bound: the work is reading K and V once
-    (traffic_bytes), which both implementations must do."""
+    (traffic_bytes), which both implementations must do. interleaved: the cache
+    is (B, Lk, H, D), heads side by side in each row (what a (B, L, H, D)
+    projection or HF's static cache gives), passed to F.sdpa as its
+    (B, H, Lk, D) transposed view, to both sides."""
     q = torch.randn(B, H, 1, D, dtype=dtype)
-    k, v = (torch.randn(B, H, Lk, D, dtype=dtype) for _ in range(2))
+    if interleaved:
+        k, v = (torch.randn(B, Lk, H, D, dtype=dtype).transpose(1, 2) for _ in range(2))
+    else:
+        k, v = (torch.randn(B, H, Lk, D, dtype=dtype) for _ in range(2))
 
     def native():
         with torch.no_grad():
@@ -427,10 +433,11 @@ def decode(dtype, B=8, H=32, Lk=2048, D=128):
     fl = attention_flops(B, H, 1, Lk, D, causal=False, backward=False)
     traffic = 2.0 * B * H * Lk * D * k.element_size()
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
-    return Bench(work=f"B={B} H={H} Lq=1 Lk={Lk} D={D} {name}, forward (no grad), "
+    layout = ", (B, Lk, H, D) cache" if interleaved else ""
+    return Bench(work=f"B={B} H={H} Lq=1 Lk={Lk} D={D} {name}, forward (no grad){layout}, "
                       f"K+V {traffic / 1e6:.0f} MB",
                  natives={"sdpa": native}, ours=ours, flops=fl, attn_flops=fl, traffic_bytes=traffic,
-                 info=dict(B=B, H=H, Lq=1, Lk=Lk, D=D, dtype=str(dtype)))
+                 info=dict(B=B, H=H, Lq=1, Lk=Lk, D=D, dtype=str(dtype), layout="BLHD" if interleaved else "BHLD"))
 
 
 def varlen(B=8, H=8, D=64, lo=64, hi=2048):
@@ -502,30 +509,6 @@ def decode_paged(B=8, H=32, Lk=2048, D=128, page=256):
                  natives={"sdpa-dense": native}, ours=ours, flops=fl, attn_flops=fl, traffic_bytes=traffic,
                  info=dict(B=B, H=H, Lq=1, Lk=Lk, D=D, page=page, dtype=str(torch.float32)))
 
-
-
-def decode_interleaved(dtype, B=8, H=32, Lk=2048, D=128):
-    """The decode case's step read from a dense (B, Lk, H, D) cache, heads side
-    by side in each row (what a (B, L, H, D) projection or HF's static cache
-    gives), passed to F.sdpa as its (B, H, Lk, D) transposed view; native takes
-    the same views. Against decode (the (B, H, Lk, D) cache): the same traffic."""
-    q = torch.randn(B, H, 1, D, dtype=dtype)
-    k, v = (torch.randn(B, Lk, H, D, dtype=dtype).transpose(1, 2) for _ in range(2))
-
-    def native():
-        with torch.no_grad():
-            return F.scaled_dot_product_attention(q, k, v)
-
-    def ours():
-        with torch.no_grad():
-            return tma.functional.scaled_dot_product_attention(q, k, v)
-    fl = attention_flops(B, H, 1, Lk, D, causal=False, backward=False)
-    traffic = 2.0 * B * H * Lk * D * k.element_size()
-    name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
-    return Bench(work=f"B={B} H={H} Lq=1 Lk={Lk} D={D} {name}, forward (no grad), (B, Lk, H, D) cache, "
-                      f"K+V {traffic / 1e6:.0f} MB",
-                 natives={"sdpa": native}, ours=ours, flops=fl, attn_flops=fl, traffic_bytes=traffic,
-                 info=dict(B=B, H=H, Lq=1, Lk=Lk, D=D, layout="BLHD", dtype=str(dtype)))
 
 
 # ---------------------------------------------------------------- FlexAttention (compiled), forward
@@ -763,8 +746,8 @@ NAMED = {
     "softcap-cost-bf16": lambda: softcap_case(True, torch.bfloat16),
     "varlen": varlen,
     "decode-paged": decode_paged,
-    "decode-interleaved": lambda: decode_interleaved(torch.float32),
-    "decode-interleaved-bf16": lambda: decode_interleaved(torch.bfloat16),
+    "decode-interleaved": lambda: decode(torch.float32, interleaved=True),
+    "decode-interleaved-bf16": lambda: decode(torch.bfloat16, interleaved=True),
     "tiny-decode-16": lambda: tiny_case(1, 8, 1, 16, 64),
     "tiny-decode-256": lambda: tiny_case(1, 8, 1, 256, 64),
     "tiny-prefill-8": lambda: tiny_case(1, 16, 8, 8, 64),
