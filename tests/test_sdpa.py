@@ -666,3 +666,57 @@ def test_bf16_head_mask_single_key(hm_value):
     assert qs.grad.float().abs().max() <= noise * q.float().abs().max()
     assert ks.grad.float().abs().max() <= noise * q.float().abs().max() * lq ** 0.5
     assert torch.all(ks.grad[:, :, 1:] == 0)
+
+
+# ---- the plain call's short path (functional._plain_forward) ----------------
+
+@pytest.mark.parametrize("fn", ["sdpa", "masked_attention"])
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_call_short_path(fn, grad, causal, dtype, monkeypatch):
+    """A call with no mask goes straight to the op (the short path is taken:
+    counted) and gives the same bits, values and gradients, as the checked
+    path, which window=(None, None) (no window) takes; with GQA, and with a
+    key whose heads are interleaved (a strided view)."""
+    taken = []
+    plain = tmaF._plain_forward
+    monkeypatch.setattr(tmaF, "_plain_forward", lambda *a: taken.append(1) or plain(*a))
+    call = tmaF.scaled_dot_product_attention if fn == "sdpa" else tmaF.masked_attention
+    extra = {"enable_gqa": True} if fn == "sdpa" else {}
+    q = _rand(B, 4, 3, D, dtype=dtype)
+    k = _rand(B, 5, 2, D, dtype=dtype).transpose(1, 2)  # (B, 2, 5, D), heads interleaved
+    v = _rand(B, 2, 5, D, dtype=dtype)
+    g = _rand(B, 4, 3, D, dtype=dtype)
+    results = []
+    for window in (None, (None, None)):
+        leaves = [t.detach().requires_grad_(grad) for t in (q, k, v)]
+        out = call(*leaves, is_causal=causal, scale=0.3, window=window, **extra)
+        grads = torch.autograd.grad(out, leaves, g) if grad else ()
+        results.append((out, *grads))
+    assert len(taken) == 1
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    ref = ref_attention(q.double(), k.double(), v.double(), None, scale=0.3, is_causal=causal)
+    torch.testing.assert_close(results[0][0].double(), ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+                               rtol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("case, error, message", [
+    ("mixed_dtype", ValueError, "query, key and value must have the same dtype"),
+    ("D_mismatch", ValueError, "query and key must have the same embedding dim"),
+    ("Lk_mismatch", ValueError, "key and value must have the same length"),
+    ("int_query", TypeError, "query must be floating point"),
+    ("gqa_not_divisible", ValueError, "must be a multiple of the number of key/value heads"),
+])
+def test_plain_call_refused_raises_the_drop_ins_error(case, error, message):
+    """Where the op refuses a plain call, the drop-in's own exception comes out,
+    not the shim's."""
+    q, k, v = _rand(B, 4, LQ, D), _rand(B, 4, LK, D), _rand(B, 4, LK, D)
+    kw = {"mixed_dtype": dict(key=k.double()), "D_mismatch": dict(key=_rand(B, 4, LK, D + 2)),
+          "Lk_mismatch": dict(value=_rand(B, 4, LK + 2, D)),
+          "int_query": dict(query=q.long(), key=k.long(), value=v.long()),
+          "gqa_not_divisible": dict(key=_rand(B, 3, LK, D), value=_rand(B, 3, LK, D), enable_gqa=True)}[case]
+    args = dict(query=q, key=k, value=v) | kw
+    with pytest.raises(error, match="^scaled_dot_product_attention: .*" + message):
+        tmaF.scaled_dot_product_attention(**args)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import devices as _devices
 from . import ops
 from .autocast import autocast_cast, autocast_dtype
 from .devices import KERNEL_DEVICE_TYPES, uses_kernels  # noqa: F401  (part of this module's API)
@@ -102,6 +103,40 @@ def native_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None =
         p = p * (hm.view(1, H, 1, 1) if hm.dim() == 1 else hm.view(B, H, 1, 1))
     out = torch.matmul(p, v.to(acc)).to(q.dtype)
     return out, lse, (p.to(q.dtype) if need_weights else None)
+
+
+# ---- the plain call's short path ---------------------------------------------
+#
+# A decoding step or a small model's layer is a few microseconds of arithmetic;
+# the checks below cost as much again (docs/design.md, "The plain call"). The
+# plain call (no mask, dropout, window, softcap or sinks; CPU tensors; outside
+# autocast and torch.compile) goes to the op at once: the shim checks every
+# tensor property the kernels rely on. If it refuses, the call is made again
+# through the checked path, which raises the drop-in's own exception (or, for
+# inputs the drop-in reshapes first, computes the result).
+
+_FORWARD = torch.ops.masked_attn.forward.default
+
+
+def _plain_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None) -> Tensor | None:
+    """masked_attn::forward's out for q, k, v alone (no mask), or None where
+    the op refused them; past the autograd layer when nothing needs a
+    gradient (ops.call_op)."""
+    try:
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(q, k, v):
+            return _FORWARD(q, k, v, None, None, None, is_causal, scale, False)[0]
+        with torch._C._AutoDispatchBelowAutograd():
+            return _FORWARD(q, k, v, None, None, None, is_causal, scale, False)[0]
+    except (RuntimeError, TypeError):
+        return None
+
+
+def _plain_call(q: object, k: object, v: object) -> bool:
+    """Whether a call of q, k, v with no other tensor may take the short path:
+    three CPU tensors outside autocast and torch.compile (the shim checks the rest)."""
+    return (isinstance(q, Tensor) and q.is_cpu and "cpu" in _devices.KERNEL_DEVICE_TYPES
+            and isinstance(k, Tensor) and isinstance(v, Tensor)
+            and not torch.compiler.is_compiling() and not torch._C._is_any_autocast_enabled())
 
 
 def _check_dropout_p(fn, dropout_p):
@@ -217,6 +252,11 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | Non
     On a device other than the CPU this is computed by PyTorch's native ops
     (:func:`native_attention`), with the same semantics.
     """
+    if (attn_mask is None and key_padding_mask is None and head_mask is None and not dropout_p and not need_weights
+            and not return_lse and window is None and softcap is None and sinks is None and _plain_call(q, k, v)):
+        out = _plain_forward(q, k, v, bool(is_causal), None if scale is None else float(scale))
+        if out is not None:
+            return out
     dropout_p = float(dropout_p)
     _check_dropout_p("masked_attention", dropout_p)
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -275,6 +315,12 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     Keyword-only extensions (not in PyTorch), as in masked_attention:
     window=(left, right), softcap, sinks (Hq,).
     """
+    if (attn_mask is None and not dropout_p and window is None and softcap is None and sinks is None
+            and _plain_call(query, key, value) and query.dim() == 4
+            and (enable_gqa or key.dim() != 4 or query.size(1) == key.size(1))):
+        out = _plain_forward(query, key, value, bool(is_causal), None if scale is None else float(scale))
+        if out is not None:
+            return out
     _check_dropout_p("scaled_dot_product_attention", float(dropout_p))
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
