@@ -613,3 +613,30 @@ def test_paged_decoding_runs_same_bits(isa, dtype, Hkv):
         major = run_isa(isa, lambda: call(kp_major, vp_major))
         assert torch.isfinite(side).all()
         assert torch.equal(side, major), f"lq={lq}: {(side - major).abs().max()}"
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("D, Lk", [(64, 300), (40, 77), (128, 33)])
+def test_decoding_rows_same_bits_as_prefill(isa, dtype, D, Lk):
+    """A query attended alone (Lq = 1: the decoding path, one row against
+    groups of keys) gives the same bits as the same query among 8 (the tiled
+    path): every score is one FMA per d, in order, on both. With GQA and key
+    padding; D = 40 ends a cache line mid-block."""
+    if not isa_available(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    torch.manual_seed(11)
+    q = torch.randn(2, 4, 8, D, dtype=torch.float64).to(dtype)
+    k, v = (torch.randn(2, 2, Lk, D, dtype=torch.float64).to(dtype) for _ in range(2))
+    kpm = torch.zeros(2, Lk, dtype=torch.bool)
+    kpm[1, Lk // 3:] = True
+
+    def attend(qs):
+        with torch.no_grad():
+            return tma.functional.masked_attention(qs, k, v, key_padding_mask=kpm, return_lse=True)
+
+    out, lse = run_isa(isa, lambda: attend(q))
+    for i in range(q.size(2)):
+        out_i, lse_i = run_isa(isa, lambda: attend(q[:, :, i:i + 1]))
+        assert torch.equal(out_i, out[:, :, i:i + 1]), f"row {i}: {(out_i - out[:, :, i:i + 1]).abs().max()}"
+        assert torch.equal(lse_i, lse[:, :, i:i + 1])
