@@ -404,8 +404,9 @@ static void dot_keys_avx2(float *s, int64_t lds, const float *q, int64_t nr, int
 
 /* o[r * Dv + d] += sum_c p[r * ldp + c] v_c[d] (one FMA per key, in order):
  * R rows x 8 NV columns in registers (8 accumulators) while the keys stream
- * past; two rows share each value row read. Per dtype, as dot_keys. */
-static inline __attribute__((always_inline)) void axpy_keys_strip(const int R, const int NV, float *o,
+ * past; two rows share each value row read. full: the strip's 8 NV columns
+ * all exist (no tests in the key loop). Per dtype, as dot_keys. */
+static inline __attribute__((always_inline)) void axpy_keys_strip(const int R, const int NV, const int full, float *o,
                                                                   const float *p, int64_t ldp, int64_t Dv,
                                                                   const void *v, const ma_dtype dt, int64_t off,
                                                                   int64_t ld, int64_t nc, int64_t d0, int64_t pf) {
@@ -413,7 +414,7 @@ static inline __attribute__((always_inline)) void axpy_keys_strip(const int R, c
     int64_t n[8];
     __m256 acc[2][8];
     for (int u = 0; u < NV; u++) {
-        n[u] = Dv - d0 - 8 * u < 0 ? 0 : ma_min(8, Dv - d0 - 8 * u);
+        n[u] = full ? 8 : Dv - d0 - 8 * u < 0 ? 0 : ma_min(8, Dv - d0 - 8 * u);
         for (int r = 0; r < R; r++) acc[r][u] = load8(o, MA_F32, r * Dv + d0 + 8 * u, n[u]);
     }
     for (int64_t c = 0; c < nc; c++) {
@@ -423,7 +424,7 @@ static inline __attribute__((always_inline)) void axpy_keys_strip(const int R, c
             if (n[u] == 0) break;
             const __m256 vv = load8(v, dt, off + c * ld + d0 + 8 * u, n[u]);
             for (int r = 0; r < R; r++) acc[r][u] = _mm256_fmadd_ps(pv[r], vv, acc[r][u]);
-            if (pf && ((d0 + 8 * u) * es) % MA_CACHE_LINE == 0) /* see dot_keys */
+            if (pf && (8 * u * es) % MA_CACHE_LINE == 0) /* see dot_keys; d0 * es is a multiple of a line */
                 _mm_prefetch((const char *)v + (off + c * ld + d0 + 8 * u + pf) * es, _MM_HINT_T0);
         }
     }
@@ -442,10 +443,16 @@ static inline __attribute__((always_inline)) void axpy_keys_dt(float *o, const f
     int64_t r = 0;
     for (; r + 2 <= nr; r += 2) /* 2 rows x 32 columns */
         for (int64_t d0 = 0; d0 < Dv; d0 += 32)
-            axpy_keys_strip(2, 4, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, d0, r == 0 ? pf : 0);
+            if (d0 + 32 <= Dv)
+                axpy_keys_strip(2, 4, 1, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, d0, r == 0 ? pf : 0);
+            else
+                axpy_keys_strip(2, 4, 0, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, d0, r == 0 ? pf : 0);
     if (r < nr) /* the last row alone: 64 columns */
         for (int64_t d0 = 0; d0 < Dv; d0 += 64)
-            axpy_keys_strip(1, 8, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, d0, r == 0 ? pf : 0);
+            if (d0 + 64 <= Dv)
+                axpy_keys_strip(1, 8, 1, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, d0, r == 0 ? pf : 0);
+            else
+                axpy_keys_strip(1, 8, 0, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, d0, r == 0 ? pf : 0);
 }
 
 static void axpy_keys_avx2(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v, ma_dtype dt,
