@@ -34,11 +34,11 @@ Tensor new_strided(const Tensor& like, std::initializer_list<int64_t> sizes, std
   if (dtype.has_value())
     dt = torch::stable::detail::to<int32_t>(torch::stable::detail::from(*dtype));
   else
-    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(like.get(), &dt));
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(like.get(), &device_type));
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(like.get(), &device_index));
+    TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(like.get(), &dt));
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(like.get(), &device_type));
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(like.get(), &device_index));
   AtenTensorHandle t;
-  STABLE_TORCH_ERROR_CODE_CHECK(
+  TORCH_ERROR_CODE_CHECK(
       aoti_torch_empty_strided(ndim, sizes.begin(), st, dt, device_type, device_index, &t));
   return Tensor(t);
 }
