@@ -136,7 +136,7 @@ def _plain_call(q: object, k: object, v: object) -> bool:
     three CPU tensors outside autocast and torch.compile (the shim checks the rest)."""
     return (isinstance(q, Tensor) and q.is_cpu and "cpu" in _devices.KERNEL_DEVICE_TYPES
             and isinstance(k, Tensor) and isinstance(v, Tensor)
-            and not torch.compiler.is_compiling() and not torch._C._is_any_autocast_enabled())
+            and not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cpu"))
 
 
 def _check_dropout_p(fn, dropout_p):
