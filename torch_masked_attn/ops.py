@@ -51,7 +51,7 @@ that redispatches below autograd and calls setup_context with every argument,
 defaults filled in), with one difference: torch's fills the defaults in by
 reading schema.arguments, which builds a new list of Argument objects, once
 per argument, on every call: for masked_attn::forward's 15 arguments about
-67 us a call (torch 2.13, Zen 3), several times the op itself on a small
+67 us a call (torch 2.13, Zen 3), more than the op itself takes on a small
 model's layer. Here the defaults are read once, at registration. The other ops
 (backward, backward_into, cross_entropy_backward(_), cross_entropy_chunk_)
 are building blocks of backwards and have no gradient of their own.
