@@ -120,13 +120,9 @@ _FORWARD = torch.ops.masked_attn.forward.default
 
 def _plain_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None) -> Tensor | None:
     """masked_attn::forward's out for q, k, v alone (no mask), or None where
-    the op refused them; past the autograd layer when nothing needs a
-    gradient (ops.call_op)."""
+    the op refused them."""
     try:
-        if torch.is_grad_enabled() and torch._C._any_requires_grad(q, k, v):
-            return _FORWARD(q, k, v, None, None, None, is_causal, scale, False)[0]
-        with torch._C._AutoDispatchBelowAutograd():
-            return _FORWARD(q, k, v, None, None, None, is_causal, scale, False)[0]
+        return ops.call_op(_FORWARD, q, k, v, None, None, None, is_causal, scale, False)[0]
     except (RuntimeError, TypeError):
         return None
 

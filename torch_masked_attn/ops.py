@@ -321,9 +321,8 @@ def _backward_fake(grad_out, grad_weights, q, k, v, out, lse, attn_mask=None,
 # ---- autograd ------------------------------------------------------------
 
 def _forward_setup_context(ctx, inputs, output):
-    defaults = (0.0, None, -1, -1, None, None)  # dropout_p, dropout_seed, window_left, window_right, softcap, sinks
     (q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, scale, need_weights, dropout_p, dropout_seed,
-     window_left, window_right, softcap, sinks) = tuple(inputs) + defaults[len(inputs) - 9:]
+     window_left, window_right, softcap, sinks) = inputs  # every argument (register_autograd)
     out, lse, weights, out_lo = output
     # the weights are kept (not copied) only for the sinks' gradient through them
     ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed, sinks,
@@ -501,9 +500,8 @@ def _varlen_backward_fake(grad_out, query, key, value, out, lse, cu_seq_q, cu_se
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    defaults = (None, None)  # softcap, sinks
     (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, wl, wr, seqused_k, block_table, softcap,
-     sinks) = tuple(inputs) + defaults[len(inputs) - 12:]
+     sinks) = inputs  # every argument (register_autograd)
     out, lse, out_lo = output
     for name, t in (("block_table", block_table), ("seqused_k", seqused_k)):
         if t is not None:
@@ -512,7 +510,6 @@ def _varlen_setup_context(ctx, inputs, output):
     ctx.save_for_backward(query, key, value, cu_seq_q, cu_seq_k, out, lse, sinks,
                           saved_out_lo(out_lo))
     ctx.args = (max_q, max_k, scale, wl, wr, softcap)
-    ctx.n_inputs = len(inputs)
     ctx.mark_non_differentiable(lse, out_lo)
     ctx.set_materialize_grads(False)
 
@@ -520,18 +517,18 @@ def _varlen_setup_context(ctx, inputs, output):
 def _varlen_backward(ctx, grad_out, grad_lse, grad_out_lo):
     query, key, value, cu_seq_q, cu_seq_k, out, lse, sinks, out_lo = ctx.saved_tensors
     if grad_out is None:
-        return (None,) * ctx.n_inputs
+        return (None,) * 14
     grad_out = grad_out.contiguous()
     dq, dk, dv = torch.ops.masked_attn.varlen_backward(
         grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, *ctx.args, sinks, out_lo)
-    n = ctx.needs_input_grad
+    n = _needs(ctx, 0, 1, 2, 13)
     grads = first_order_only("varlen attention", (query, key, value), dq if n[0] else None,
                              dk if n[1] else None, dv if n[2] else None)
     d_sinks = None
-    if sinks is not None and ctx.n_inputs > 13 and n[13]:  # (H, T) statistics as one (1, H, T) batch
+    if sinks is not None and n[3]:  # (H, T) statistics as one (1, H, T) batch
         d_sinks = sinks_backward(sinks, lse[None], out.transpose(0, 1)[None], grad_out.transpose(0, 1)[None],
                                  out_lo=None if out_lo is None else out_lo.transpose(0, 1)[None])
-    return (grads + (None,) * 10 + (d_sinks,))[:ctx.n_inputs]
+    return grads + (None,) * 10 + (d_sinks,)
 
 
 register_autograd("varlen_forward", _varlen_backward, _varlen_setup_context)
