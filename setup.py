@@ -27,6 +27,7 @@ ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-mf16c"],
     "amx": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mamx-tile",
             "-mamx-bf16", "-mfma", "-mf16c"],
+    "avx512bf16": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c"],
 }
 # MASKED_ATTN_CFLAGS: extra words appended to every compile (C11 and C++) and to
 # the link, e.g. the sanitizers (make sanitize); unset: the flags above only.

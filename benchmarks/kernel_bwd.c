@@ -58,16 +58,16 @@ static double run(ma_task_fn fn, const void *params, int64_t n, size_t scratch_b
 
 int main(int argc, char **argv) {
     if (argc < 6) {
-        fprintf(stderr, "usage: %s B H L D REPS [scalar|avx2|avx512|amx]\n", argv[0]);
+        fprintf(stderr, "usage: %s B H L D REPS [scalar|avx2|avx512|amx|avx512bf16]\n", argv[0]);
         return 2;
     }
     const int64_t B = atoll(argv[1]), H = atoll(argv[2]), L = atoll(argv[3]), D = atoll(argv[4]);
     const int reps = atoi(argv[5]);
     ma_isa isa = ma_isa_best(MA_F32);
     if (argc > 6) {
-        const char *names[] = {"scalar", "avx2", "avx512", "amx"};
+        const char *names[] = {"scalar", "avx2", "avx512", "amx", "avx512bf16"};
         int found = 0;
-        for (int i = 0; i < 4; i++)
+        for (int i = 0; i < 5; i++)
             if (!strcmp(argv[6], names[i])) isa = (ma_isa)i, found = 1;
         if (!found || !ma_isa_available(isa)) {
             fprintf(stderr, "ISA %s: unknown or not on this CPU\n", argv[6]);

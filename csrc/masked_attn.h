@@ -44,6 +44,7 @@ typedef enum {
     MA_ISA_AVX2 = 1,   /* AVX2 + FMA */
     MA_ISA_AVX512 = 2, /* AVX-512 F, BW, DQ, VL */
     MA_ISA_AMX = 3,    /* AVX-512 + AVX512-BF16 + AMX-BF16 tiles for the matrix products */
+    MA_ISA_AVX512BF16 = 4, /* AVX-512 + AVX512-BF16: bfloat16 products on VDPBF16PS */
 } ma_isa;
 
 int ma_isa_available(ma_isa isa); /* compiled in and supported by this CPU */

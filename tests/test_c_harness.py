@@ -21,7 +21,7 @@ from setup import C_FLAGS, isa_flags  # noqa: E402  (the build's own flags)
 
 COMMON = ("common/isa.c",)  # ma_isa_available
 ATTENTION = ("attention/scalar.c", "attention/avx2.c", "attention/avx512.c", "attention/amx.c",
-             "attention/dispatch.c")
+             "attention/avx512bf16.c", "attention/dispatch.c")
 CROSS_ENTROPY = ("cross_entropy/scalar.c", "cross_entropy/avx2.c", "cross_entropy/avx512.c",
                  "cross_entropy/dispatch.c")
 
@@ -56,7 +56,7 @@ def test_every_variant_against_scalar(tmp_path, harness, attention_objects):
     assert "scalar  ok" in run.stdout
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512", "amx"])
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "amx", "avx512bf16"])
 def test_kernel_tool_agrees_with_scalar(tmp_path, attention_objects, isa):
     """benchmarks/kernel_bwd.c (the forward and single-pass backward called
     from C, no torch) builds against the kernels, and on a small causal shape

@@ -30,7 +30,7 @@ from conftest import isa_available, run_isa
 from torch_masked_attn import ops
 from torch_masked_attn.functional import masked_attention
 
-ISAS = [i for i in ("scalar", "avx2", "avx512", "amx") if isa_available(i)]
+ISAS = [i for i in ("scalar", "avx2", "avx512", "amx", "avx512bf16") if isa_available(i)]
 OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 M32 = 0xFFFFFFFF
 

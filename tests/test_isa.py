@@ -10,7 +10,7 @@ import torch_masked_attn as tma
 from conftest import isa_available, run_isa
 from torch_masked_attn.ops import bwd_key_group, use_isa
 
-VARIANTS = ["scalar", "avx2", "avx512", "amx"]
+VARIANTS = ["scalar", "avx2", "avx512", "amx", "avx512bf16"]
 
 
 def fwd_bwd(q, k, v, g, **kw):
@@ -49,7 +49,7 @@ def torch_reference(q, k, v, masks, kw):
     return p @ vr
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512", "amx"])
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "amx", "avx512bf16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("masks", ["none", "causal+kpm", "float+head"])
 def test_variant_matches_scalar_and_torch(isa, shape, masks):
@@ -248,7 +248,7 @@ def _op_bwd(g, q, k, v, out, lse, kpm=None, causal=True, into=None):
     return into
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512", "amx"])
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "amx", "avx512bf16"])
 @pytest.mark.parametrize("D", [64, 48, 80])
 @pytest.mark.parametrize("masks", ["causal+kpm", "none"])
 def test_large_outputs_streamed_same_values(isa, D, masks):
@@ -280,7 +280,7 @@ def test_large_outputs_streamed_same_values(isa, D, masks):
             assert torch.equal(a[:, s], b), f"{isa} D={D}: {name}"
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512", "amx"])
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "amx", "avx512bf16"])
 @pytest.mark.parametrize("off", [0, 4, 8])
 def test_streamed_gradients_into_misaligned_views(isa, off):
     """backward_into views whose rows start 0, 16 or 32 bytes off a cache
@@ -303,7 +303,7 @@ def test_streamed_gradients_into_misaligned_views(isa, off):
         assert torch.equal(a, b), f"{isa} off={off}: {name}"
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512", "amx"])
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "amx", "avx512bf16"])
 def test_streamed_gradients_over_their_inputs_with_key_chunks(isa):
     """dq, dk, dv written over q, k, v themselves (MultiheadAttention's
     recompute path) with 4 MB gradients, streamed, and B * Hkv = 4 (key
@@ -399,7 +399,8 @@ ROWS_CASES = {
 
 @pytest.mark.parametrize("isa,dtype", [(isa, torch.float32) for isa in VARIANTS]
                          + [(isa, dt) for isa in ("scalar", "avx2", "avx512") for dt in (torch.bfloat16, torch.float16)]
-                         + [("amx", torch.bfloat16), ("scalar", torch.float64)], ids=str)
+                         + [("amx", torch.bfloat16), ("avx512bf16", torch.bfloat16), ("scalar", torch.float64)],
+                         ids=str)
 @pytest.mark.parametrize("case", list(ROWS_CASES))
 @pytest.mark.parametrize("masks", ["none", "causal+kpm", "float+head"])
 def test_short_query_blocks_match_the_tiles(isa, dtype, case, masks):
@@ -435,7 +436,7 @@ def test_short_query_blocks_match_the_tiles(isa, dtype, case, masks):
     full_out, full_lse = run_isa(isa, lambda: call(Lq))
     for n in (1, 3, 8):
         out, lse = run_isa(isa, lambda: call(n))
-        if isa == "amx":  # the tiles' split-bfloat16 products round differently
+        if isa in ("amx", "avx512bf16"):  # the tiles' bfloat16 products round differently
             tol = 2e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(out, full_out[:, :, :n], rtol=tol, atol=tol)
         else:

@@ -23,7 +23,7 @@ from conftest import allowed_to_additive, assert_close_ref, isa_available, ref_a
 
 tmaF = tma.functional
 
-VARIANTS = ["scalar", "avx2", "avx512", "amx"]
+VARIANTS = ["scalar", "avx2", "avx512", "amx", "avx512bf16"]
 BITWISE = ["scalar", "avx2", "avx512"]  # AMX tiles round differently: rounding-level agreement only
 
 

@@ -209,7 +209,7 @@ def test_opcheck(window, cap_sinks):
                           test_utils=("test_schema", "test_faketensor"))
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512", "amx"])
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "amx", "avx512bf16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_isa_against_scalar(isa, dtype):
     if not isa_available(isa):

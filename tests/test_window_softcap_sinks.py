@@ -296,7 +296,7 @@ def test_opcheck():
 
 # ---- every ISA against scalar ------------------------------------------------------
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512", "amx"])
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "amx", "avx512bf16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("need_weights", [False, True], ids=["single_pass", "two_pass"])
 def test_isa_against_scalar(isa, dtype, need_weights):
@@ -356,7 +356,7 @@ def test_sdpa_keywords():
 
 # ---- block skipping really skips ----------------------------------------------------------
 
-@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512", "amx"])
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512", "amx", "avx512bf16"])
 def test_skipped_blocks_are_not_read(isa):
     """Causal window of 64 at L = 256: the query blocks from 128 on see key
     blocks 1.. only, so NaN in block 0's k and v must not reach them (if that

@@ -48,7 +48,8 @@
  *    then defines const ma_attn_kernels ma_attn_kernels_<suffix>.
  *    MA_ATTN_BLOCKS(X) builds the float blocks' table the C harness tests.
  *
- * 3. Tile hooks (optional, AMX). With #define MA_TILE_HOOKS the instance
+ * 3. Tile hooks (optional: AMX, AVX512-BF16; tiles_hooks.h writes them once
+ *    for both). With #define MA_TILE_HOOKS the instance
  *    supplies the tile products and their operand packing of the forward's
  *    tile path and of the single-pass backward (attention_tmpl.h, "tile
  *    hooks", lists them); the loops, masks and softmax stay the template's.
@@ -92,6 +93,7 @@ typedef struct {
 
 extern const ma_blocks ma_blocks_scalar, ma_blocks_avx2, ma_blocks_avx512;
 extern const ma_blocks ma_blocks_amx2, ma_blocks_amx3; /* GEMM only: 3 and 6 bf16 products */
+extern const ma_blocks ma_blocks_avx512bf16_2, ma_blocks_avx512bf16_3; /* the same on VDPBF16PS */
 
 /* The kernels of one instance (attention_tmpl.h); dispatch.c picks one. */
 typedef struct {
@@ -101,6 +103,6 @@ typedef struct {
 } ma_attn_kernels;
 
 extern const ma_attn_kernels ma_attn_kernels_scalar, ma_attn_kernels_f64, ma_attn_kernels_avx2,
-    ma_attn_kernels_avx512, ma_attn_kernels_amx;
+    ma_attn_kernels_avx512, ma_attn_kernels_amx, ma_attn_kernels_avx512bf16;
 
 #endif /* MA_ATTENTION_BLOCKS_H */

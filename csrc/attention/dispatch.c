@@ -6,11 +6,13 @@
 #include "masked_attn.h"
 
 /* float64 runs the double-accumulating instance whatever the ISA (the shim
- * asked common/isa.c for p->isa); float32, bfloat16, float16 the ISA's. */
+ * asked common/isa.c for p->isa); float32, bfloat16, float16 the ISA's, but
+ * AVX512-BF16's products are for bfloat16 only (avx512bf16.c). */
 static const ma_attn_kernels *kernels(ma_dtype dt, ma_isa isa) {
     if (dt == MA_F64) return &ma_attn_kernels_f64;
     switch (isa) {
     case MA_ISA_AMX: return &ma_attn_kernels_amx;
+    case MA_ISA_AVX512BF16: return dt == MA_BF16 ? &ma_attn_kernels_avx512bf16 : &ma_attn_kernels_avx512;
     case MA_ISA_AVX512: return &ma_attn_kernels_avx512;
     case MA_ISA_AVX2: return &ma_attn_kernels_avx2;
     case MA_ISA_SCALAR:

@@ -36,6 +36,7 @@ int ma_isa_available(ma_isa isa) {
     case MA_ISA_AMX:
         return ma_isa_available(MA_ISA_AVX512) && __builtin_cpu_supports("avx512bf16") &&
                __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && amx_permitted();
+    case MA_ISA_AVX512BF16: return ma_isa_available(MA_ISA_AVX512) && __builtin_cpu_supports("avx512bf16");
 #endif
     default: return 0;
     }
@@ -43,9 +44,11 @@ int ma_isa_available(ma_isa isa) {
 
 /* AMX for bfloat16 and float16 only: float32 on tiles needs 6 bf16 products
  * per float product to keep float32's accuracy, and is no faster than the
- * AVX-512 FMAs (docs/performance.md). */
+ * AVX-512 FMAs (docs/performance.md). Without AMX, VDPBF16PS for bfloat16
+ * only: float16 would need two bf16 parts per input (attention/avx512bf16.c). */
 ma_isa ma_isa_best(ma_dtype dt) {
     if ((dt == MA_BF16 || dt == MA_F16) && ma_isa_available(MA_ISA_AMX)) return MA_ISA_AMX;
+    if (dt == MA_BF16 && ma_isa_available(MA_ISA_AVX512BF16)) return MA_ISA_AVX512BF16;
     if (ma_isa_available(MA_ISA_AVX512)) return MA_ISA_AVX512;
     if (ma_isa_available(MA_ISA_AVX2)) return MA_ISA_AVX2;
     return MA_ISA_SCALAR;
@@ -59,13 +62,15 @@ static char env_error_buf[160];
 
 static void read_env(void) {
     const char *env = getenv("MASKED_ATTN_ISA");
-    static const char *const names[] = {"scalar", "avx2", "avx512", "amx"};
+    static const char *const names[] = {"scalar", "avx2", "avx512", "amx", "avx512bf16"}; /* ma_isa's order */
     int isa = -1;
     const char *err = NULL;
     if (env && *env) {
-        for (int i = 0; i < 4; i++)
+        for (int i = 0; i < (int)(sizeof names / sizeof names[0]); i++)
             if (strcmp(env, names[i]) == 0) isa = i;
-        if (isa < 0) err = "masked_attn: MASKED_ATTN_ISA is not a kernel variant; expected scalar, avx2, avx512 or amx";
+        if (isa < 0)
+            err = "masked_attn: MASKED_ATTN_ISA is not a kernel variant; expected scalar, avx2, avx512, amx or "
+                  "avx512bf16";
         else if (!ma_isa_available((ma_isa)isa)) {
             err = "masked_attn: MASKED_ATTN_ISA names a variant this CPU does not support";
             isa = -1;

@@ -5,12 +5,13 @@
 #include "common/dtype.h"
 #include "masked_attn.h"
 
-/* float64 runs the double instance; there are no AMX kernels for
- * cross-entropy (no matrix products), so AMX runs AVX-512's. */
+/* float64 runs the double instance; there are no AMX or AVX512-BF16 kernels
+ * for cross-entropy (no matrix products), so those run AVX-512's. */
 static const ma_ce_kernels *kernels(const ma_ce_args *a) {
     if (a->dtype == MA_F64) return &ma_ce_kernels_f64;
     switch (a->isa) {
     case MA_ISA_AMX:
+    case MA_ISA_AVX512BF16:
     case MA_ISA_AVX512: return &ma_ce_kernels_avx512;
     case MA_ISA_AVX2: return &ma_ce_kernels_avx2;
     case MA_ISA_SCALAR:

@@ -355,7 +355,8 @@ int main(void) {
         const ma_blocks *blocks;
     } variants[] = {{MA_ISA_SCALAR, &ma_blocks_scalar}, {MA_ISA_AVX2, &ma_blocks_avx2},
                     {MA_ISA_AVX512, &ma_blocks_avx512}, {MA_ISA_AMX, &ma_blocks_amx2},
-                    {MA_ISA_AMX, &ma_blocks_amx3}};
+                    {MA_ISA_AMX, &ma_blocks_amx3},      {MA_ISA_AVX512BF16, &ma_blocks_avx512bf16_2},
+                    {MA_ISA_AVX512BF16, &ma_blocks_avx512bf16_3}};
     for (size_t i = 0; i < sizeof variants / sizeof variants[0]; i++) {
         if (!ma_isa_available(variants[i].isa)) {
             printf("%-7s not supported by this CPU, skipped\n", variants[i].blocks->name);
@@ -363,8 +364,9 @@ int main(void) {
         }
         const int before = failures;
         const ma_blocks *v = variants[i].blocks;
-        test_gemm(v, v == &ma_blocks_amx2 ? 1e-4f : 1e-5f);
-        if (variants[i].isa != MA_ISA_AMX) { /* AMX has the GEMM only; the rest is AVX-512's */
+        test_gemm(v, v == &ma_blocks_amx2 || v == &ma_blocks_avx512bf16_2 ? 1e-4f : 1e-5f);
+        if (variants[i].isa != MA_ISA_AMX && variants[i].isa != MA_ISA_AVX512BF16) {
+            /* AMX and AVX512-BF16 have the GEMM only; the rest is AVX-512's */
             test_gemm_rowscale(v);
             test_exp(v);
             test_softcap(v);

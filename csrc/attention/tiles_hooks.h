@@ -1,0 +1,348 @@
+/*
+ * tiles_hooks.h -- the template's tile hooks (attention_tmpl.h, "tile
+ * hooks") on operands packed by tiles_pack.h, written once for the two
+ * instances that multiply bf16 pairs: amx.c and avx512bf16.c. The instance
+ * defines TILE_ISA (its suffix: FN(name) is name_TILE_ISA, the building
+ * blocks are AVX-512's) and, before including this file:
+ *
+ *   tile_gemm(m, n, k, a, b, C, ldc, accumulate, terms)
+ *       C (m, n) = [C +] A (m, k) @ B (k, n) from packed views, the products
+ *       of the parts i + j < terms
+ *   tile_begin(), tile_end()   a thread's products start and end (AMX: tile
+ *       configuration and release)
+ *   tile_precision(dt)         parts and terms per dtype (tiles_pack.h)
+ *   tile_apply(p)              whether a forward call takes the hooks
+ *
+ * The loops, masks and softmax are attention_tmpl.h's; every other building
+ * block is AVX-512's (blocks_avx512.h).
+ */
+#define MA_TILE_CAT_(a, b) a##_##b
+#define MA_TILE_CAT(a, b) MA_TILE_CAT_(a, b)
+#define MA_TILE_HOOKS
+#define FN(name) MA_TILE_CAT(name, TILE_ISA)
+#define BLK(name) name##_avx512
+#include "attention_tmpl.h" /* which ends with #undef FN, BLK */
+#define FN(name) MA_TILE_CAT(name, TILE_ISA)
+#define BLK(name) name##_avx512
+
+/* The same where A is a view into a longer packed matrix (V^T of a whole
+ * head) whose columns past k are other keys: A's last k tile is copied into
+ * buf with those columns zeroed, so B's zero padding never meets them
+ * (0 * inf would be NaN). */
+static void tile_gemm_kclip(int64_t m, int64_t n, int64_t k, amx_view a, amx_view b, float *C, int64_t ldc,
+                           int accumulate, int terms, uint16_t *buf) {
+    const int64_t kfull = k / 32 * 32;
+    if (kfull > 0) {
+        tile_gemm(m, n, kfull, a, b, C, ldc, accumulate, terms);
+        accumulate = 1;
+    }
+    if (kfull == k) return;
+    const int64_t nmt = ma_cdiv(m, 16), rem = k - kfull;
+    const __mmask32 keep = (__mmask32)((1ull << rem) - 1);
+    const amx_view ak = amx_krows(a, kfull);
+    for (int i = 0; i < a.parts; i++)
+        for (int64_t mt = 0; mt < nmt; mt++) {
+            const uint16_t *src = ak.p + i * a.part_stride + mt * a.os;
+            uint16_t *dst = buf + (i * nmt + mt) * AMX_TILE;
+            for (int r = 0; r < 16; r++)
+                _mm512_storeu_si512(dst + r * 32, _mm512_maskz_mov_epi16(keep, _mm512_loadu_si512(src + r * 32)));
+        }
+    const amx_view at = amx_layout(buf, nmt, 1, a.parts, 0);
+    tile_gemm(m, n, rem, at, amx_krows(b, kfull), C, ldc, accumulate, terms);
+}
+
+/* The product with float32 operands, as the other variants' GEMM block (the
+ * C harness checks it with TERMS = 2 and 3): packs chunks of A and B on the stack. */
+#define TILE_MC 64
+#define TILE_KC 128
+#define TILE_NC 64
+static void tile_gemm_terms(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs,
+                           const float *B, int64_t ldb, float *C, int64_t ldc, int accumulate, int terms) {
+    uint16_t ap[AMX_PARTS * (TILE_MC / 16) * (TILE_KC / 32) * AMX_TILE] __attribute__((aligned(64)));
+    uint16_t bp[AMX_PARTS * (TILE_NC / 16) * (TILE_KC / 32) * AMX_TILE] __attribute__((aligned(64)));
+    if (k <= 0) {
+        if (!accumulate)
+            for (int64_t i = 0; i < m; i++) memset(C + i * ldc, 0, (size_t)n * sizeof(float));
+        return;
+    }
+    tile_begin();
+    for (int64_t i0 = 0; i0 < m; i0 += TILE_MC) {
+        const int64_t mc = ma_min(TILE_MC, m - i0);
+        for (int64_t p0 = 0; p0 < k; p0 += TILE_KC) {
+            const int64_t kc = ma_min(TILE_KC, k - p0);
+            const amx_view av = amx_a_layout(ap, mc, kc, terms, 0);
+            amx_pack_a(av, A + i0 * ars + p0 * acs, ars, acs, mc, kc);
+            for (int64_t j0 = 0; j0 < n; j0 += TILE_NC) {
+                const int64_t nc = ma_min(TILE_NC, n - j0);
+                const amx_view bv = amx_b_layout(bp, kc, nc, terms, 0);
+                amx_pack_b(bv, B + p0 * ldb + j0, ldb, kc, nc);
+                tile_gemm(mc, nc, kc, av, bv, C + i0 * ldc + j0, ldc, accumulate || p0 > 0, terms);
+            }
+        }
+    }
+    tile_end();
+}
+
+/* Carves n elements of T from *x, rounded up to a cache line. */
+#define CARVE(T, x, n) ((T *)ma_carve((void **)(x), (size_t)(n) * sizeof(T)))
+static inline void *ma_carve(void **x, size_t bytes) {
+    void *p = *x;
+    *x = (char *)*x + ma_round_up(bytes, MA_CACHE_LINE);
+    return p;
+}
+
+static inline void scale_inplace(float *x, int64_t n, float s) {
+    for (int64_t i = 0; i < n; i++) x[i] *= s;
+}
+
+/* ---- forward hooks ----------------------------------------------------------
+ * Per (b, hkv), once per thread: K as A (Lk, D) and V^T as A (Dv, Lk).
+ * Per item (b, h, q-block): Q^T as B (D, nr). Per key block:
+ *   sT (nc, nr) = K Q^T, times scale        (fwd_scores)
+ *   oT (Dv, nr) = alpha oT + V^T P^T        (fwd_pv; P^T = sT packed as B)
+ * O is kept transposed, oT, and turned into rows by fwd_o_rows. */
+typedef struct {
+    uint16_t *ka, *vta, *qb, *pb, *clip;
+    float *rows;
+} fwd_tile_scratch;
+
+/* ---- backward hooks -----------------------------------------------------------
+ * dk, dv accumulate transposed, so that P and dS are packed from rows only:
+ *   per (b, hkv), for each of the G heads: Q as A (Lq, D), Q^T as A (D, Lq),
+ *     dO as A (Lq, Dv), dO^T as A (Dv, Lq)                       (bwd_group)
+ *   per key block: K^T as B (D, nc), V^T as B (Dv, nc), K as B (nc, D)   (bwd_keys)
+ *   per tile:  s = scale Q K^T;  dP = dO V^T                    (bwd_scores, bwd_dp)
+ *              dK^T += Q^T dS,  dQ += dS K,  dV^T += dO^T (hm P)  (bwd_accum) */
+typedef struct {
+    uint16_t *qa, *qta, *ga, *gta, *ktb, *vtb, *kb, *pb, *dsb, *dsa;
+    float *rows;
+} bwd_tile_scratch;
+
+/* One thread's hook state, carved at the start of its hooks' scratch. */
+struct FN(tiles) {
+    tile_prec pr;
+    int64_t b, hk, nr, j0, nc;
+    /* forward */
+    const ma_attn_fwd_params *fp;
+    FN(fwd_scratch) *ft;
+    ma_scratch_header *hdr;
+    fwd_tile_scratch fa;
+    amx_view ka, vta, qb, pb;
+    /* backward */
+    const ma_attn_bwd_params *bp;
+    FN(bwd_scratch) *bt;
+    bwd_tile_scratch ba;
+    amx_view ktb, vtb, kb, pbb, dsb, dsa;
+    float *dkT, *dvT; /* (D, nc), (Dv, nc): in t->kT, t->vT, after packing K^T and V^T from them */
+};
+
+static size_t fwd_tile_bytes(const ma_attn_fwd_params *p, fwd_tile_scratch *t, void *base) {
+    const tile_prec pr = tile_precision(p->a.dtype);
+    const int64_t BQ = p->a.block_q, BK = p->a.block_k, D = p->a.D, Dv = p->a.Dv;
+    void *x = base;
+    fwd_tile_scratch s;
+    s.ka = CARVE(uint16_t, &x, pr.in * amx_a_elems(p->a.Lk, D));
+    s.vta = CARVE(uint16_t, &x, pr.in * amx_a_elems(Dv, p->a.Lk));
+    s.qb = CARVE(uint16_t, &x, pr.in * amx_b_elems(D, BQ));
+    s.pb = CARVE(uint16_t, &x, pr.pd * amx_b_elems(BK, BQ));
+    s.clip = CARVE(uint16_t, &x, pr.in * ma_cdiv(Dv, 16) * AMX_TILE);
+    s.rows = CARVE(float, &x, (BQ > BK ? BQ : BK) * (D > Dv ? D : Dv)); /* K, V rows; out rows */
+    if (t) *t = s;
+    return (size_t)((char *)x - (char *)base);
+}
+
+static int FN(tiles_apply)(const ma_attn_fwd_params *p) { return tile_apply(p); }
+
+static size_t FN(tiles_fwd_scratch_bytes)(const ma_attn_fwd_params *p) {
+    return ma_round_up(sizeof(struct FN(tiles)), MA_CACHE_LINE) + fwd_tile_bytes(p, NULL, NULL);
+}
+
+static void FN(tiles_fwd_begin)(FN(tiles) **T, const ma_attn_fwd_params *p, FN(fwd_scratch) *t,
+                                ma_scratch_header *hdr, void *extra) {
+    FN(tiles) *s = (FN(tiles) *)extra;
+    const int64_t BQ = p->a.block_q, BK = p->a.block_k;
+    s->pr = tile_precision(p->a.dtype);
+    s->fp = p, s->ft = t, s->hdr = hdr;
+    fwd_tile_bytes(p, &s->fa, (char *)extra + ma_round_up(sizeof(struct FN(tiles)), MA_CACHE_LINE));
+    s->ka = amx_a_layout(s->fa.ka, p->a.Lk, p->a.D, s->pr.in, 0);
+    s->vta = amx_a_layout(s->fa.vta, p->a.Dv, p->a.Lk, s->pr.in, 1);
+    s->qb = amx_b_layout(s->fa.qb, p->a.D, BQ, s->pr.in, 0);
+    s->pb = amx_b_layout(s->fa.pb, BK, BQ, s->pr.pd, 0);
+    tile_begin();
+    *T = s;
+}
+
+/* Packs K rows as A and V^T as A of head (b, hk), unless this thread's cache holds them. */
+static void fwd_pack_head(FN(tiles) *s, int64_t b, int64_t hk) {
+    const ma_attn_fwd_params *p = s->fp;
+    const int64_t key = b * 65536 + hk + 1, Lk = p->a.Lk, D = p->a.D, Dv = p->a.Dv, BK = p->a.block_k;
+    if (s->hdr->tag[0] == key) return;
+    for (int64_t r0 = 0; r0 < Lk; r0 += BK) {
+        const int64_t nr = ma_min(BK, Lk - r0);
+        int64_t ld;
+        const float *k_r = FN(rows)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, r0, nr, D, s->fa.rows, &ld);
+        amx_pack_a(amx_rows(s->ka, r0), k_r, ld, 1, nr, D);
+        const float *v_r = FN(rows)(p->a.v, p->a.dtype, p->a.v_stride, b, hk, r0, nr, Dv, s->fa.rows, &ld);
+        amx_pack_a(amx_krows(s->vta, r0), v_r, 1, ld, Dv, nr);
+    }
+    s->hdr->tag[0] = key;
+}
+
+static void FN(tiles_fwd_query)(FN(tiles) *s, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t nr) {
+    const ma_attn_fwd_params *p = s->fp;
+    s->b = b, s->hk = hk, s->nr = nr;
+    fwd_pack_head(s, b, hk);
+    FN(load_tile_t)(s->ft->qT, p->a.q, p->a.dtype, p->a.q_stride, b, h, i0, nr, p->a.D, 1);
+    amx_pack_b(s->qb, s->ft->qT, nr, p->a.D, nr);
+}
+
+static void FN(tiles_fwd_scores)(FN(tiles) *s, float *sT, int64_t i0, int64_t j0, int64_t nc) {
+    (void)i0;
+    tile_gemm(nc, s->nr, s->fp->a.D, amx_rows(s->ka, j0), s->qb, sT, s->nr, 0, s->pr.terms);
+    scale_inplace(sT, nc * s->nr, (float)s->fp->a.scale);
+}
+
+static void FN(tiles_fwd_pv)(FN(tiles) *s, float *oT, const float *alpha, const float *sT, int64_t i0, int64_t j0,
+                             int64_t nc) {
+    (void)i0;
+    const int64_t nr = s->nr, Dv = s->fp->a.Dv;
+    if (alpha)
+        for (int64_t d = 0; d < Dv; d++)
+            for (int64_t r = 0; r < nr; r++) oT[d * nr + r] *= alpha[r];
+    amx_pack_b(s->pb, sT, nr, nc, nr);
+    tile_gemm_kclip(Dv, nr, nc, amx_krows(s->vta, j0), s->pb, oT, nr, 1, s->pr.terms, s->fa.clip);
+}
+
+static float *FN(tiles_fwd_o_rows)(FN(tiles) *s, float *oT) {
+    BLK(transpose)(s->fa.rows, oT, s->nr, s->fp->a.Dv, s->nr, 1);
+    return s->fa.rows;
+}
+
+static void FN(tiles_end)(void) { tile_end(); }
+
+static size_t bwd_tile_bytes(const ma_attn_bwd_params *p, bwd_tile_scratch *t, void *base) {
+    const tile_prec pr = tile_precision(p->a.dtype);
+    const int64_t BQ = p->a.block_q, BK = p->a.block_k, D = p->a.D, Dv = p->a.Dv, G = p->a.H / p->a.Hkv;
+    const int64_t Lq = p->a.Lq;
+    void *x = base;
+    bwd_tile_scratch s;
+    s.qa = CARVE(uint16_t, &x, G * pr.in * amx_a_elems(Lq, D));
+    s.qta = CARVE(uint16_t, &x, G * pr.in * amx_a_elems(D, Lq));
+    s.ga = CARVE(uint16_t, &x, G * pr.in * amx_a_elems(Lq, Dv));
+    s.gta = CARVE(uint16_t, &x, G * pr.in * amx_a_elems(Dv, Lq));
+    s.ktb = CARVE(uint16_t, &x, pr.in * amx_b_elems(D, BK));
+    s.vtb = CARVE(uint16_t, &x, pr.in * amx_b_elems(Dv, BK));
+    s.kb = CARVE(uint16_t, &x, pr.in * amx_b_elems(BK, D));
+    s.pb = CARVE(uint16_t, &x, pr.pd * amx_b_elems(BQ, BK));
+    s.dsb = CARVE(uint16_t, &x, pr.pd * amx_b_elems(BQ, BK));
+    s.dsa = CARVE(uint16_t, &x, pr.pd * amx_a_elems(BQ, BK));
+    s.rows = CARVE(float, &x, (BQ > BK ? BQ : BK) * (D > Dv ? D : Dv));
+    if (t) *t = s;
+    return (size_t)((char *)x - (char *)base);
+}
+
+static size_t FN(tiles_bwd_scratch_bytes)(const ma_attn_bwd_params *p) {
+    return ma_round_up(sizeof(struct FN(tiles)), MA_CACHE_LINE) + bwd_tile_bytes(p, NULL, NULL);
+}
+
+static void FN(tiles_bwd_begin)(FN(tiles) **T, const ma_attn_bwd_params *p, FN(bwd_scratch) *t, void *extra) {
+    FN(tiles) *s = (FN(tiles) *)extra;
+    const int64_t BQ = p->a.block_q, BK = p->a.block_k, D = p->a.D, Dv = p->a.Dv;
+    s->pr = tile_precision(p->a.dtype);
+    s->bp = p, s->bt = t;
+    bwd_tile_bytes(p, &s->ba, (char *)extra + ma_round_up(sizeof(struct FN(tiles)), MA_CACHE_LINE));
+    s->ktb = amx_b_layout(s->ba.ktb, D, BK, s->pr.in, 0);
+    s->vtb = amx_b_layout(s->ba.vtb, Dv, BK, s->pr.in, 0);
+    s->kb = amx_b_layout(s->ba.kb, BK, D, s->pr.in, 0);
+    s->pbb = amx_b_layout(s->ba.pb, BQ, BK, s->pr.pd, 0);
+    s->dsb = amx_b_layout(s->ba.dsb, BQ, BK, s->pr.pd, 0);
+    s->dsa = amx_a_layout(s->ba.dsa, BQ, BK, s->pr.pd, 0);
+    s->dkT = t->kT, s->dvT = t->vT;
+    tile_begin();
+    *T = s;
+}
+
+/* The packed operands of head g of the group: Q (Lq, D), Q^T (D, Lq), dO (Lq, Dv), dO^T (Dv, Lq). */
+static amx_view bwd_view(const FN(tiles) *s, int which, int64_t g) {
+    const ma_attn_bwd_params *p = s->bp;
+    const int64_t Lq = p->a.Lq, D = p->a.D, Dv = p->a.Dv, in = s->pr.in;
+    switch (which) {
+    case 0: return amx_a_layout(s->ba.qa + g * in * amx_a_elems(Lq, D), Lq, D, in, 0);
+    case 1: return amx_a_layout(s->ba.qta + g * in * amx_a_elems(D, Lq), D, Lq, in, 1);
+    case 2: return amx_a_layout(s->ba.ga + g * in * amx_a_elems(Lq, Dv), Lq, Dv, in, 0);
+    default: return amx_a_layout(s->ba.gta + g * in * amx_a_elems(Dv, Lq), Dv, Lq, in, 1);
+    }
+}
+
+/* src[b, h] rows as A (L, ncol) into rows_a (row-major) and transposed as
+ * A (ncol, L) into cols_a (k-major). */
+static void bwd_pack_rows(const FN(tiles) *s, const void *src, const int64_t st[4], int64_t b, int64_t h,
+                          int64_t ncol, amx_view rows_a, amx_view cols_a) {
+    const ma_attn_bwd_params *p = s->bp;
+    const int64_t BQ = p->a.block_q, L = p->a.Lq;
+    for (int64_t r0 = 0; r0 < L; r0 += BQ) {
+        const int64_t nr = ma_min(BQ, L - r0);
+        int64_t ld;
+        const float *x = FN(rows)(src, p->a.dtype, st, b, h, r0, nr, ncol, s->ba.rows, &ld);
+        amx_pack_a(amx_rows(rows_a, r0), x, ld, 1, nr, ncol);
+        amx_pack_a(amx_krows(cols_a, r0), x, 1, ld, ncol, nr);
+    }
+}
+
+static void FN(tiles_bwd_group)(FN(tiles) *s, int64_t b, int64_t hk) {
+    const ma_attn_bwd_params *p = s->bp;
+    const int64_t G = p->a.H / p->a.Hkv;
+    s->b = b, s->hk = hk;
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t h = hk * G + g;
+        bwd_pack_rows(s, p->a.q, p->a.q_stride, b, h, p->a.D, bwd_view(s, 0, g), bwd_view(s, 1, g));
+        bwd_pack_rows(s, p->dout, p->dout_stride, b, h, p->a.Dv, bwd_view(s, 2, g), bwd_view(s, 3, g));
+    }
+}
+
+static void FN(tiles_bwd_keys)(FN(tiles) *s, int64_t j0, int64_t nc) {
+    const ma_attn_bwd_params *p = s->bp;
+    const int64_t D = p->a.D, Dv = p->a.Dv, b = s->b, hk = s->hk;
+    s->j0 = j0, s->nc = nc;
+    int64_t ldk;
+    const float *k_j = FN(rows)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, nc, D, s->ba.rows, &ldk);
+    amx_pack_b(s->kb, k_j, ldk, nc, D);
+    FN(load_tile_t)(s->dkT, p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, nc, D, 1);
+    amx_pack_b(s->ktb, s->dkT, nc, D, nc);
+    FN(load_tile_t)(s->dvT, p->a.v, p->a.dtype, p->a.v_stride, b, hk, j0, nc, Dv, 1);
+    amx_pack_b(s->vtb, s->dvT, nc, Dv, nc);
+    for (int64_t x = 0; x < D * nc; x++) s->dkT[x] = 0;
+    for (int64_t x = 0; x < Dv * nc; x++) s->dvT[x] = 0;
+}
+
+static void FN(tiles_bwd_scores)(FN(tiles) *s, int64_t g, int64_t h, int64_t i0, int64_t nr) {
+    (void)h;
+    const ma_attn_bwd_params *p = s->bp;
+    tile_gemm(nr, s->nc, p->a.D, amx_rows(bwd_view(s, 0, g), i0), s->ktb, s->bt->s, s->nc, 0, s->pr.terms);
+    scale_inplace(s->bt->s, nr * s->nc, (float)p->a.scale);
+}
+
+static void FN(tiles_bwd_dp)(FN(tiles) *s, int64_t g, int64_t h, int64_t i0, int64_t nr) {
+    (void)h;
+    tile_gemm(nr, s->nc, s->bp->a.Dv, amx_rows(bwd_view(s, 2, g), i0), s->vtb, s->bt->dp, s->nc, 0, s->pr.terms);
+}
+
+static void FN(tiles_bwd_accum)(FN(tiles) *s, float *dq_i, int64_t g, int64_t h, int64_t i0, int64_t nr) {
+    (void)h;
+    const int64_t nc = s->nc, D = s->bp->a.D, Dv = s->bp->a.Dv, terms = s->pr.terms;
+    const FN(bwd_scratch) *t = s->bt;
+    amx_pack_b(s->dsb, t->dp, nc, nr, nc);
+    tile_gemm(D, nc, nr, amx_krows(bwd_view(s, 1, g), i0), s->dsb, s->dkT, nc, 1, terms);
+    amx_pack_a(s->dsa, t->dp, nc, 1, nr, nc);
+    tile_gemm(nr, D, nc, s->dsa, s->kb, dq_i, D, 1, terms);
+    amx_pack_b(s->pbb, t->s, nc, nr, nc);
+    tile_gemm(Dv, nc, nr, amx_krows(bwd_view(s, 3, g), i0), s->pbb, s->dvT, nc, 1, terms);
+}
+
+static void FN(tiles_bwd_keys_end)(FN(tiles) *s, int64_t nc) {
+    BLK(transpose)(s->bt->dk, s->dkT, nc, s->bp->a.D, nc, 1);
+    BLK(transpose)(s->bt->dv, s->dvT, nc, s->bp->a.Dv, nc, 1);
+}
+
+#undef FN
+#undef BLK

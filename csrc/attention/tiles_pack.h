@@ -1,0 +1,209 @@
+/*
+ * tiles_pack.h -- operands packed for bfloat16 pair products, shared by the
+ * two instances whose matrix products multiply pairs of bf16 with float32
+ * accumulation: amx.c (AMX tiles, TDPBF16PS) and avx512bf16.c (VDPBF16PS on
+ * zmm registers). Both read the same layout: AMX's tiles, which is also what
+ * VDPBF16PS wants (an A row holds k pairs side by side, a B row the pair
+ * (B[2p][n], B[2p+1][n]) of each column n). Included by an instance compiled
+ * with AVX-512 and AVX512-BF16 flags, after blocks_avx512.h.
+ *
+ * GEMM takes the same float32 operands as every other variant. Each operand
+ * is split while it is packed: x = x0 + x1 + x2 with x0 = bf16(x),
+ * x1 = bf16(x - x0), x2 = bf16(x - x0 - x1), and the products with
+ * i + j < TERMS of the parts x_i y_j are summed in float32:
+ *   TERMS = 1:  x0 y0                        (1 product, bf16 operands)
+ *   TERMS = 2:  x0 y0 + x0 y1 + x1 y0        (3 products, error ~2^-16 |x y|)
+ *   TERMS = 3:  ... + x0 y2 + x1 y1 + x2 y0  (6 products, error ~2^-24 |x y|, float32's own)
+ * An operand whose later parts are all zero (a bfloat16 input, exactly
+ * converted) skips the products with them, so a bfloat16 Q K^T is one
+ * product. How many parts and terms each instance takes per dtype is its
+ * tile_precision (tiles_hooks.h).
+ *
+ * Tiles: 16 rows x 64 bytes. An A tile is 16 rows x 32 bf16; a B tile is 16
+ * rows x 16 pairs of bf16 (row p holds B[2p][n], B[2p+1][n] for each n).
+ * Operands are packed with zeros beyond m, n, k, so every tile is full.
+ */
+#ifndef MA_TILES_PACK_H
+#define MA_TILES_PACK_H
+
+#include <immintrin.h>
+#include <string.h>
+
+#include "common/dtype.h"
+#include "masked_attn.h"
+
+#define AMX_PARTS 3 /* at most x0, x1, x2 */
+#define AMX_TILE 512 /* bf16 elements of one tile: 16 rows x 64 bytes */
+
+/* Parts per operand and product terms, by dtype: inputs (q, k, v, dout) and
+ * computed operands (P, dS). */
+typedef struct {
+    int in, pd, terms;
+} tile_prec;
+
+/* The 16 float32 values of the bf16 in the low or high half of v. */
+static inline __m512 bf16_lo_to_ps(__m512i v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+}
+static inline __m512 bf16_hi_to_ps(__m512i v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+}
+
+/* part[i] = 32 bf16: the i-th parts of a (low 16) and b (high 16), i < nparts. */
+static inline void split32(__m512 a, __m512 b, int nparts, __m512i part[AMX_PARTS]) {
+    for (int i = 0; i < nparts; i++) {
+        part[i] = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+        if (i + 1 < nparts) {
+            a = _mm512_sub_ps(a, bf16_lo_to_ps(part[i]));
+            b = _mm512_sub_ps(b, bf16_hi_to_ps(part[i]));
+        }
+    }
+}
+
+/* 16 x 16 transpose of 32-bit elements (pairs of bf16), in registers. */
+static inline void transpose16x16_epi32(__m512i r[16]) {
+    __m512 f[16];
+    for (int i = 0; i < 16; i++) f[i] = _mm512_castsi512_ps(r[i]);
+    transpose16x16(f);
+    for (int i = 0; i < 16; i++) r[i] = _mm512_castps_si512(f[i]);
+}
+
+/* Index that interleaves the two halves of 32 bf16: out[2n + s] = in[16 s + n]. */
+static inline __m512i interleave_idx(void) {
+    static const uint16_t idx[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    return _mm512_loadu_si512(idx);
+}
+
+
+/* ---- packed operands --------------------------------------------------------
+ *
+ * A packed operand holds the tiles of a matrix, part after part:
+ *   A operand (m, k): tile (mt, kt) = rows 16 mt.., k 32 kt.. (16 x 32 bf16)
+ *   B operand (k, n): tile (nt, kt) = k pairs 16 kt.., columns 16 nt.. (VNNI)
+ * at p + i * part_stride + outer * os + kt * ks, outer = mt or nt: row-major
+ * (os = nkt tiles, ks = 1 tile) for views that move along the outer index,
+ * k-major (os = 1 tile, ks = nouter tiles) for views that move along k, so
+ * that the tiles one product reads are contiguous either way. Elements beyond
+ * m, n, k within the last tiles are zero. A view starts at a later tile (rows
+ * r0 of A, r0 a multiple of 16; k0 of B or A, a multiple of 32) and keeps the
+ * strides. */
+typedef struct {
+    uint16_t *p;
+    int64_t part_stride, os, ks;
+    int parts;
+} amx_view;
+
+static inline int64_t amx_a_elems(int64_t m, int64_t k) { return ma_cdiv(m, 16) * ma_cdiv(k, 32) * AMX_TILE; }
+static inline int64_t amx_b_elems(int64_t k, int64_t n) { return ma_cdiv(k, 32) * ma_cdiv(n, 16) * AMX_TILE; }
+
+static inline amx_view amx_rows(amx_view v, int64_t r0) { v.p += (r0 / 16) * v.os; return v; }
+static inline amx_view amx_krows(amx_view v, int64_t k0) { v.p += (k0 / 32) * v.ks; return v; }
+
+/* The layout of a packed matrix with nouter x nkt tiles per part. */
+static inline amx_view amx_layout(uint16_t *p, int64_t nouter, int64_t nkt, int parts, int kmajor) {
+    const amx_view v = {p, nouter * nkt * AMX_TILE, kmajor ? AMX_TILE : nkt * AMX_TILE,
+                        kmajor ? nouter * AMX_TILE : AMX_TILE, parts};
+    return v;
+}
+static inline amx_view amx_a_layout(uint16_t *p, int64_t m, int64_t k, int parts, int kmajor) {
+    return amx_layout(p, ma_cdiv(m, 16), ma_cdiv(k, 32), parts, kmajor);
+}
+static inline amx_view amx_b_layout(uint16_t *p, int64_t k, int64_t n, int parts, int kmajor) {
+    return amx_layout(p, ma_cdiv(n, 16), ma_cdiv(k, 32), parts, kmajor);
+}
+
+/* Pack A (m, k), A[i, p] = A[i*ars + p*acs] with acs == 1 (rows) or ars == 1
+ * (transposed), as tiles (mt, kt), mt < ceil(m/16), kt < ceil(k/32), in
+ * dst.parts parts into the view dst; overwrites. */
+static void amx_pack_a(amx_view dst, const float *A, int64_t ars, int64_t acs, int64_t m, int64_t k) {
+    const int parts = dst.parts;
+    const int64_t part_stride = dst.part_stride;
+    const __m512i ileave = interleave_idx();
+    for (int64_t mt = 0; mt < ma_cdiv(m, 16); mt++)
+        for (int64_t kt = 0; kt < ma_cdiv(k, 32); kt++) {
+            const int64_t i0 = mt * 16, p0 = kt * 32;
+            uint16_t *tile = dst.p + mt * dst.os + kt * dst.ks;
+            __m512i part[AMX_PARTS];
+            if (acs == 1) { /* a tile row is 32 consecutive floats of a row */
+                const __mmask16 k0 = tail_mask(k - p0), k1 = tail_mask(k - p0 - 16);
+                for (int r = 0; r < 16; r++) {
+                    __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+                    if (i0 + r < m) {
+                        lo = _mm512_maskz_loadu_ps(k0, A + (i0 + r) * ars + p0);
+                        hi = _mm512_maskz_loadu_ps(k1, A + (i0 + r) * ars + p0 + 16);
+                    }
+                    split32(lo, hi, parts, part);
+                    for (int i = 0; i < parts; i++) _mm512_storeu_si512(tile + i * part_stride + r * 32, part[i]);
+                }
+            } else { /* pairs of k rows interleaved, then a 32-bit transpose */
+                const __mmask16 km = tail_mask(m - i0);
+                __m512i t[AMX_PARTS][16];
+                for (int q = 0; q < 16; q++) {
+                    __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();
+                    if (p0 + 2 * q < k) x0 = _mm512_maskz_loadu_ps(km, A + i0 + (p0 + 2 * q) * acs);
+                    if (p0 + 2 * q + 1 < k) x1 = _mm512_maskz_loadu_ps(km, A + i0 + (p0 + 2 * q + 1) * acs);
+                    split32(x0, x1, parts, part);
+                    for (int i = 0; i < parts; i++) t[i][q] = _mm512_permutexvar_epi16(ileave, part[i]);
+                }
+                for (int i = 0; i < parts; i++) {
+                    transpose16x16_epi32(t[i]);
+                    for (int r = 0; r < 16; r++) _mm512_storeu_si512(tile + i * part_stride + r * 32, t[i][r]);
+                }
+            }
+        }
+}
+
+/* Pack B (k, n), rows ldb apart, as tiles (nt, kt) into the view dst; overwrites. */
+static void amx_pack_b(amx_view dst, const float *B, int64_t ldb, int64_t k, int64_t n) {
+    const int parts = dst.parts;
+    const int64_t part_stride = dst.part_stride;
+    const __m512i ileave = interleave_idx();
+    for (int64_t nt = 0; nt < ma_cdiv(n, 16); nt++) {
+        const __mmask16 nm = tail_mask(n - nt * 16);
+        for (int64_t kt = 0; kt < ma_cdiv(k, 32); kt++) {
+            uint16_t *tile = dst.p + nt * dst.os + kt * dst.ks;
+            for (int q = 0; q < 16; q++) {
+                const int64_t p = kt * 32 + 2 * q;
+                __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();
+                if (p < k) x0 = _mm512_maskz_loadu_ps(nm, B + p * ldb + nt * 16);
+                if (p + 1 < k) x1 = _mm512_maskz_loadu_ps(nm, B + (p + 1) * ldb + nt * 16);
+                __m512i part[AMX_PARTS];
+                split32(x0, x1, parts, part);
+                for (int i = 0; i < parts; i++)
+                    _mm512_storeu_si512(tile + i * part_stride + q * 32, _mm512_permutexvar_epi16(ileave, part[i]));
+            }
+        }
+    }
+}
+
+/* ---- C tiles ------------------------------------------------------------- */
+
+/* C tile (16 x 16 float32) at rows i0, columns j0 of C (m, n): a tile inside
+ * C is loaded and stored in place, one at an edge through buf. */
+typedef struct {
+    float *ptr;
+    int64_t stride_bytes;
+    int edge;
+} ctile;
+
+static inline ctile ctile_begin(float *C, int64_t ldc, int64_t m, int64_t n, int64_t i0, int64_t j0, int load,
+                                float *buf) {
+    ctile t = {C + i0 * ldc + j0, ldc * (int64_t)sizeof(float), 0};
+    if (i0 + 16 <= m && j0 + 16 <= n) return t;
+    const __mmask16 nm = tail_mask(n - j0);
+    for (int r = 0; r < 16; r++)
+        _mm512_storeu_ps(buf + r * 16, load && i0 + r < m ? _mm512_maskz_loadu_ps(nm, C + (i0 + r) * ldc + j0)
+                                                          : _mm512_setzero_ps());
+    t.ptr = buf, t.stride_bytes = 64, t.edge = 1;
+    return t;
+}
+
+static inline void ctile_end(const ctile *t, float *C, int64_t ldc, int64_t m, int64_t n, int64_t i0, int64_t j0) {
+    if (!t->edge) return;
+    const __mmask16 nm = tail_mask(n - j0);
+    for (int r = 0; r < 16 && i0 + r < m; r++)
+        _mm512_mask_storeu_ps(C + (i0 + r) * ldc + j0, nm, _mm512_loadu_ps(t->ptr + r * 16));
+}
+
+#endif /* MA_TILES_PACK_H */

@@ -1,0 +1,155 @@
+/*
+ * harness.c -- one attention forward and backward called from C with no C
+ * library at all, for tools/emulate/run.py, which runs it on an emulated CPU
+ * (Bochs, through bochscpu) to test instruction-set variants this machine
+ * lacks (AVX-512, AVX512-BF16). run.py writes a struct emu_io and the
+ * inputs into the emulated memory and calls emu_main(io); emu_main fills the
+ * params as the shim does (csrc/shim/attention.cpp), runs the forward task
+ * over every work item on one thread, then the single-pass backward (and its
+ * reduce when the keys are split in chunks), and returns to emu_halt.
+ * Layouts: q, dout, out, out_lo, dq (B, H, Lq, D|Dv); k, v, dk, dv (B, Hkv,
+ * Lk, D|Dv), contiguous, in dtype; lse, delta (B, H, Lq) float32.
+ */
+#include <stddef.h>
+#include <stdint.h>
+
+#include "masked_attn.h"
+
+struct emu_io {
+    int64_t B, H, Hkv, Lq, Lk, D, Dv;
+    int64_t dtype, isa, is_causal, window_left, window_right;
+    double scale, softcap;
+    /* inputs */
+    uint64_t q, k, v, dout;
+    uint64_t kpm;       /* (B, Lk) uint8, 1 = padding; 0: none */
+    uint64_t attn_mask; /* (Lq, Lk) float32, added to every head; 0: none */
+    uint64_t head_mask; /* (H,) float32; 0: none */
+    /* outputs */
+    uint64_t out, out_lo, lse, dq, dk, dv, delta;
+    /* scratch arena */
+    uint64_t arena, arena_bytes;
+    int64_t status; /* 0 ok, 1 arena too small, 2 not the single pass */
+};
+
+static void contig4(int64_t st[4], int64_t d1, int64_t d2, int64_t d3) {
+    st[0] = d1 * d2 * d3, st[1] = d2 * d3, st[2] = d3, st[3] = 1;
+}
+
+static void zero(void *p, size_t n) {
+    volatile char *c = p; /* volatile: not turned into a call to memset */
+    for (size_t i = 0; i < n; i++) c[i] = 0;
+}
+
+/* the task function over all its items with one scratch slice (header zeroed), as the shim on one thread */
+static int run(struct emu_io *io, ma_task_fn fn, const void *params, int64_t n, size_t bytes, char *arena) {
+    if (bytes + MA_CACHE_LINE > io->arena_bytes - (size_t)(arena - (char *)io->arena)) return 1;
+    zero(arena, MA_CACHE_LINE);
+    ma_task_ctx ctx = {params, arena};
+    fn(0, n, &ctx);
+    return 0;
+}
+
+void emu_main(struct emu_io *io) {
+    const int64_t B = io->B, H = io->H, Hkv = io->Hkv, Lq = io->Lq, Lk = io->Lk, D = io->D, Dv = io->Dv;
+    ma_attn_args a;
+    zero(&a, sizeof a);
+    a.q = (const void *)io->q, a.k = (const void *)io->k, a.v = (const void *)io->v;
+    a.dtype = (ma_dtype)io->dtype;
+    contig4(a.q_stride, H, Lq, D), contig4(a.k_stride, Hkv, Lk, D), contig4(a.v_stride, Hkv, Lk, Dv);
+    contig4(a.out_stride, H, Lq, Dv), contig4(a.out_lo_stride, H, Lq, Dv);
+    if (io->kpm) {
+        a.key_padding_mask.ptr = (const void *)io->kpm, a.key_padding_mask.dtype = MA_BOOL;
+        a.key_padding_mask.stride[0] = Lk, a.key_padding_mask.stride[1] = 1;
+    }
+    if (io->attn_mask) {
+        a.attn_mask.ptr = (const void *)io->attn_mask, a.attn_mask.dtype = MA_F32;
+        a.attn_mask.stride[2] = Lk, a.attn_mask.stride[3] = 1;
+    }
+    if (io->head_mask) {
+        a.head_mask.ptr = (const void *)io->head_mask, a.head_mask.dtype = MA_F32;
+        a.head_mask.stride[1] = 1;
+    }
+    a.is_causal = (int)io->is_causal;
+    a.window_left = io->window_left, a.window_right = io->window_right;
+    a.band_lo = io->window_left >= 0 ? -io->window_left : -MA_BAND_INF;
+    a.band_hi = io->is_causal ? 0 : io->window_right >= 0 ? io->window_right : MA_BAND_INF;
+    a.softcap = io->softcap, a.scale = io->scale;
+    a.B = B, a.H = H, a.Hkv = Hkv, a.Lq = Lq, a.Lk = Lk, a.D = D, a.Dv = Dv;
+    a.block_q = a.block_k = 64;
+    a.stat_stride[0] = H * Lq, a.stat_stride[1] = Lq;
+    a.isa = (ma_isa)io->isa;
+
+    ma_attn_fwd_params f;
+    zero(&f, sizeof f);
+    f.out = (void *)io->out, f.lse = (void *)io->lse, f.out_lo = (void *)io->out_lo, f.a = a;
+    f.head_group = ma_attn_fwd_head_group(&f);
+    char *arena = (char *)io->arena;
+    if (run(io, ma_attn_fwd_task, &f, ma_attn_fwd_work_items(&f), ma_attn_fwd_scratch_bytes(&f), arena)) {
+        io->status = 1;
+        return;
+    }
+
+    ma_attn_bwd_params p;
+    zero(&p, sizeof p);
+    p.dq = (void *)io->dq, p.dk = (void *)io->dk, p.dv = (void *)io->dv;
+    p.dout = (const void *)io->dout, p.out = (const void *)io->out, p.out_lo = (const void *)io->out_lo;
+    p.lse = (const void *)io->lse, p.delta = (void *)io->delta, p.a = a;
+    contig4(p.dq_stride, H, Lq, D), contig4(p.dk_stride, Hkv, Lk, D), contig4(p.dv_stride, Hkv, Lk, Dv);
+    contig4(p.dout_stride, H, Lq, Dv);
+    p.kv_chunks = 1;
+    p.key_group = ma_attn_bwd_key_group(&p);
+    if (!ma_attn_bwd_single_pass(&p)) {
+        io->status = 2;
+        return;
+    }
+    p.kv_chunks = ma_attn_bwd_kv_chunks(&p);
+    const size_t bytes = ma_attn_bwd_scratch_bytes(&p);
+    if (p.kv_chunks > 1) { /* the chunks' dq partial sums, float32, at the start of the arena */
+        p.dq_part = arena;
+        arena += (size_t)(p.kv_chunks * B * H * Lq * D) * sizeof(float) + MA_CACHE_LINE;
+        arena -= (uintptr_t)arena % MA_CACHE_LINE;
+    }
+    if (run(io, ma_attn_bwd_fused_task, &p, ma_attn_bwd_fused_work_items(&p), bytes, arena)) {
+        io->status = 1;
+        return;
+    }
+    if (p.kv_chunks > 1 && run(io, ma_attn_bwd_reduce_task, &p, ma_attn_bwd_reduce_work_items(&p), bytes, arena)) {
+        io->status = 1;
+        return;
+    }
+    io->status = 0;
+}
+
+/* emu_main returns here: run.py pushes this address before calling it. */
+__asm__(".globl emu_halt\nemu_halt:\n\thlt\n\tjmp emu_halt\n");
+
+/* ---- what the compiler and the kernels call: no C library in the emulator ---- */
+int ma_isa_available(ma_isa isa) {
+    (void)isa;
+    return 1; /* run.py picks the variant; the emulated CPU has it */
+}
+ma_isa ma_isa_best(ma_dtype dt) {
+    (void)dt;
+    return MA_ISA_SCALAR;
+}
+
+void *memset(void *d, int c, size_t n) {
+    volatile unsigned char *p = d;
+    for (size_t i = 0; i < n; i++) p[i] = (unsigned char)c;
+    return d;
+}
+void *memcpy(void *restrict d, const void *restrict s, size_t n) {
+    volatile unsigned char *p = d;
+    const unsigned char *q = s;
+    for (size_t i = 0; i < n; i++) p[i] = q[i];
+    return d;
+}
+void *memmove(void *d, const void *s, size_t n) {
+    volatile unsigned char *p = d;
+    const unsigned char *q = s;
+    if (p < q)
+        for (size_t i = 0; i < n; i++) p[i] = q[i];
+    else
+        for (size_t i = n; i-- > 0;) p[i] = q[i];
+    return d;
+}
