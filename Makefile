@@ -40,7 +40,15 @@ demo-attention: setup
 test: setup
 	$(VPY) -m pytest tests -q
 
-bench: setup
+# the peers make bench compares against install here, never as the package's
+# dependencies: zentorch (AMD's plugin, its release for torch 2.13; --no-deps
+# so it keeps our torch). Its cases say so where it does not install or run.
+PEERS := $(VENV)/.peers-installed
+$(PEERS): $(STAMP)
+	-$(VPY) -m pip install --no-deps "zentorch==2.13.*" && $(VPY) -m pip install deprecated
+	touch $@
+
+bench: setup $(PEERS)
 	$(VPY) benchmarks/run.py
 	$(VPY) benchmarks/threads.py
 

@@ -604,6 +604,53 @@ def flex_case(kind, dtype):
                  natives={"flex-compiled": native}, ours=ours, flops=fl, attn_flops=fl, memory=False,
                  info=dict(kind=kind, B=B, H=H, L=L, D=D, dtype=str(dtype)))
 
+def zentorch_case(kind, dtype):
+    """The same forward (no grad) through AMD's zentorch plugin
+    (torch.ops.zentorch.zentorch_sdpa, from PyPI; make bench installs it
+    beside the package, never as a dependency) against ours. kind: "kpm" (an
+    encoder, B=8 H=12 L=512 D=64, key padding with lengths uniform in [L/2,
+    L], given to zentorch as a float mask), "causal" (B=1 H=8 L=4096 D=64)."""
+    try:
+        import zentorch  # noqa: F401  (registers torch.ops.zentorch)
+        zsdpa = torch.ops.zentorch.zentorch_sdpa
+    except (ImportError, AttributeError, RuntimeError) as e:
+        raise Skip(f"zentorch is not installed or does not load here: {e}") from e
+    D = 64
+    if kind == "kpm":
+        B, H, L = 8, 12, 512
+        lengths = torch.randint(L // 2, L + 1, (B,))
+        kpm = torch.arange(L)[None, :] >= lengths[:, None]
+        bias = torch.zeros(B, 1, L, L, dtype=dtype).masked_fill(kpm[:, None, None, :], float("-inf"))
+        native_kw, ours_kw = dict(attn_mask=bias), dict(key_padding_mask=kpm)
+        fl = attention_flops(B, H, L, L, D, causal=False, backward=False) * lengths.float().mean().item() / L
+        what = f"key padding ({kpm.float().mean().item():.0%})"
+    elif kind == "causal":
+        B, H, L = 1, 8, 4096
+        native_kw, ours_kw = dict(is_causal=True), dict(is_causal=True)
+        fl = attention_flops(B, H, L, L, D, causal=True, backward=False)
+        what = "causal"
+    else:
+        raise KeyError(kind)
+    q, k, v = (torch.randn(B, H, L, D, dtype=dtype) for _ in range(3))
+
+    def native():
+        with torch.no_grad():
+            return zsdpa(q, k, v, 0.0, native_kw.get("is_causal", False), attn_mask=native_kw.get("attn_mask"))[0]
+
+    def ours():
+        with torch.no_grad():
+            return tma.functional.masked_attention(q, k, v, **ours_kw)
+    try:
+        native()
+    except RuntimeError as e:
+        raise Skip(f"zentorch_sdpa does not run here: {e}") from e
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+    return Bench(work=f"B={B} H={H} L={L} D={D} {name}, {what}, forward (no grad), zentorch_sdpa "
+                      f"(zentorch {getattr(zentorch, '__version__', '?')}) vs ours, {gflop(fl)}",
+                 natives={"zentorch": native}, ours=ours, flops=fl, attn_flops=fl, memory=False,
+                 info=dict(kind=kind, B=B, H=H, L=L, D=D, dtype=str(dtype)))
+
+
 # ---------------------------------------------------------------- Hugging Face end to end
 
 HF_VOCAB = 32000
@@ -767,6 +814,10 @@ NAMED = {
     "flex-softcap": lambda: flex_case("softcap", torch.float32),
     "flex-softcap-bf16": lambda: flex_case("softcap", torch.bfloat16),
     "hf-train-1024": lambda: hf_e2e("train", 1024),
+    "zentorch-kpm": lambda: zentorch_case("kpm", torch.float32),
+    "zentorch-kpm-bf16": lambda: zentorch_case("kpm", torch.bfloat16),
+    "zentorch-causal": lambda: zentorch_case("causal", torch.float32),
+    "zentorch-causal-bf16": lambda: zentorch_case("causal", torch.bfloat16),
     "hf-prefill-1024": lambda: hf_e2e("prefill", 1024),
     "hf-generate-1024": lambda: hf_e2e("generate", 1024),
     "hf-train-4096": lambda: hf_e2e("train", 4096),
@@ -782,6 +833,7 @@ GROUPS = {
     "softcap": ["softcap", "softcap-fwd", "softcap-cost", "softcap-cost-fwd", "softcap-cost-bf16"],
     "flex": [f"flex-{kind}{suffix}" for kind in ("kpm", "causal", "window", "document", "softcap")
              for suffix in ("", "-bf16")],
+    "zentorch": [f"zentorch-{kind}{suffix}" for kind in ("kpm", "causal") for suffix in ("", "-bf16")],
     "tiny": ["tiny-decode-16", "tiny-decode-256", "tiny-prefill-8", "tiny-train"],
     "memory": ["mha-mem-8192"],
     "ce": ["ce", "ce-bf16", "linear-ce"],

@@ -72,6 +72,15 @@ def fma_peak(threads):
         res[key], res["isa"] = out["gflops"], out["isa"]
     res["threads"] = threads
     res["exe"] = exe
+    if info["avx512_bf16"]:  # the VDPBF16PS peak, the yardstick of bfloat16 cases
+        bexe = os.path.join(OUT, "bf16_peak")
+        cmd = [cc, "-O2", "-mavx512f", "-mavx512bf16", "-DBF16_DP", os.path.join(HERE, "fma_peak.c"), "-o", bexe,
+               "-lpthread"]
+        if subprocess.run(cmd, capture_output=True, text=True).returncode == 0:
+            for key, t in (("bf16_gflops_1thread", 1), ("bf16_gflops_all_threads", threads)):
+                r = subprocess.run([bexe, str(t), "0.2"], capture_output=True, text=True)
+                if r.returncode == 0:
+                    res[key] = json.loads(r.stdout)["gflops"]
     return res
 
 

@@ -1,7 +1,11 @@
 /* Float32 FMA peak of this machine: NACC independent chains of vector FMAs
  * per thread (enough to cover FMA latency x FMA ports), no memory traffic.
+ * Built with -DBF16_DP -mavx512bf16, the bfloat16 peak instead: the same
+ * chains of VDPBF16PS, 32 bf16 products with float32 accumulation per
+ * instruction (64 flops), the yardstick of the avx512bf16 variant.
  *
  *   cc -O2 -mavx512f -mfma fma_peak.c -o fma_peak -lpthread   (or -mavx2 -mfma)
+ *   cc -O2 -mavx512f -mavx512bf16 -DBF16_DP fma_peak.c -o bf16_peak -lpthread
  *   ./fma_peak THREADS SECONDS  ->  {"isa": ..., "threads": T, "gflops": G}
  *
  * Built and run by benchmarks/run.py; not part of the library.
@@ -13,8 +17,20 @@
 #include <stdlib.h>
 #include <time.h>
 
-#if defined(__AVX512F__)
+#if defined(BF16_DP)
 typedef __m512 vec;
+typedef __m512bh opnd;
+#define ISA "avx512bf16"
+#define WIDTH 32                  /* multiply-adds per instruction: 16 lanes x a pair */
+#define NACC 24
+#define SET1 _mm512_set1_ps
+#define SET1OP(x) ((opnd)_mm512_set1_epi16((short)0x3f80)) /* bf16 1.0 */
+#define FMA(c, a, b) _mm512_dpbf16_ps(c, a, b)
+#define ADD _mm512_add_ps
+#define STORE _mm512_storeu_ps
+#elif defined(__AVX512F__)
+typedef __m512 vec;
+typedef __m512 opnd;
 #define ISA "avx512f"
 #define WIDTH 16
 #define NACC 24                   /* 32 zmm registers: 24 accumulators + 2 constants */
@@ -24,6 +40,7 @@ typedef __m512 vec;
 #define STORE _mm512_storeu_ps
 #else
 typedef __m256 vec;
+typedef __m256 opnd;
 #define ISA "avx2"
 #define WIDTH 8
 #define NACC 12                   /* 16 ymm registers: 12 accumulators + 2 constants */
@@ -31,6 +48,9 @@ typedef __m256 vec;
 #define FMA _mm256_fmadd_ps
 #define ADD _mm256_add_ps
 #define STORE _mm256_storeu_ps
+#endif
+#ifndef SET1OP
+#define SET1OP SET1
 #endif
 
 static volatile float g_a = 0.999999f, g_b = 1e-6f; /* not compile-time constants */
@@ -54,7 +74,7 @@ static double now(void) {
 
 static void *run(void *arg) {
     long tid = (long)arg;
-    vec a = SET1(g_a), b = SET1(g_b);
+    opnd a = SET1OP(g_a), b = SET1OP(g_b);
     DECL4(c, 0.1f); DECL4(d, 0.2f); DECL4(e, 0.3f);
 #if NACC == 24
     DECL4(f, 0.4f); DECL4(g, 0.5f); DECL4(h, 0.6f);

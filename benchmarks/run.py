@@ -235,7 +235,8 @@ def table(records):
         work = r.get("work", "") + (f" ERROR: {r['error']}" if "error" in r else "")
         lines.append(
             f"| {r['name']} | {work} | {native} | {fmt(r.get('ours_ms'), '.1f')} | {fmt(r.get('ratio'), '.3f')} "
-            f"| {fmt(r.get('gflops'), '.1f')} | {fmt(r.get('pct_peak'), '.1f')} "
+            f"| {fmt(r.get('gflops'), '.1f')} | {fmt(r.get('pct_peak'), '.1f')}"
+            f"{' (bf16)' if r.get('peak_kind') == 'bf16' else ''} "
             f"| {fmt(r.get('pct_peak_alongside'), '.1f')} "
             f"| {fmt(r.get('peak_mb_native'), '.0f')} | {fmt(r.get('peak_mb_ours'), '.0f')} |")
     return "\n".join(lines)
@@ -359,7 +360,8 @@ def plot_ce_sweep(records, path):
 def select(args, mode):
     grid = MODES[mode][0]
     ce_grid = CE_GRIDS[mode]
-    everything = [n for g in ("attention", "dropout", "softcap", "flex", "tiny", "memory") for n in cases.GROUPS[g]] + \
+    everything = [n for g in ("attention", "dropout", "softcap", "flex", "zentorch", "tiny", "memory")
+                  for n in cases.GROUPS[g]] + \
         cases.sweep_names(grid) + cases.GROUPS["ce"] + cases.ce_sweep_names(ce_grid) + cases.GROUPS["hf-e2e"]
     if not args.cases:
         return everything
@@ -455,8 +457,11 @@ def main():
     if y.get("fma_all_threads"):
         log(f"% peak: of the float32 FMA peak, {y['fma_all_threads']:.0f} GFLOP/s on {args.threads} threads "
             f"({y['fma_1thread']:.0f} on 1 thread, {info.get('fma_isa')}; {y['fma_source']}), also for "
-            "bfloat16 cases. GFLOP are nominal (causal halved, padding not subtracted; MHA rows include "
-            "the projections). % peak alongside: of the FMA peak measured after every repetition of "
+            "bfloat16 cases unless marked (bf16): those of the VDPBF16PS peak"
+            + (f", {y['bf16_all_threads']:.0f} GFLOP/s ({y['bf16_1thread']:.0f} on 1 thread)"
+               if y.get("bf16_all_threads") else "")
+            + ". GFLOP are nominal (causal halved, padding not subtracted; MHA rows include the projections)."
+            " % peak alongside: of the FMA peak measured after every repetition of "
             "the case (median), so that load from other work lowers the yardstick as it lowers the case.")
     log("Peak MB: peak RSS growth during one call in a fresh process, inputs already allocated.")
     if bl:
@@ -493,6 +498,9 @@ def machine_yardsticks(info, threads, measurements):
     run_best = {
         "fma_1thread": max((f["gflops_1thread"] for f in fmas), default=None),
         "fma_all_threads": max((f["gflops_all_threads"] for f in fmas), default=None),
+        "bf16_1thread": max((f["bf16_gflops_1thread"] for f in fmas if "bf16_gflops_1thread" in f), default=None),
+        "bf16_all_threads": max((f["bf16_gflops_all_threads"] for f in fmas if "bf16_gflops_all_threads" in f),
+                                default=None),
         "bandwidth_gbs": max(m["bandwidth"]["best_gbs"] for m in measurements),
     }
     best, when = machine.remember_best(info, threads, run_best) if fmas else (run_best, {})
@@ -506,10 +514,14 @@ def machine_yardsticks(info, threads, measurements):
 
 def finalize(results, y):
     """% peak and the cross-entropy bandwidth fields from the yardsticks."""
-    peak = y.get("fma_all_threads")
+    peak, bf16_peak = y.get("fma_all_threads"), y.get("bf16_all_threads")
     for r in results["cases"]:
-        if peak and r.get("gflops"):
-            r["pct_peak"] = round(100 * r["gflops"] / peak, 2)
+        # bfloat16 cases against the VDPBF16PS peak where the CPU has one, else the float32 FMA peak
+        yard = bf16_peak if bf16_peak and "bf16" in r["name"] else peak
+        if yard and r.get("gflops"):
+            r["pct_peak"] = round(100 * r["gflops"] / yard, 2)
+            if yard is bf16_peak:
+                r["peak_kind"] = "bf16"
     return bandwidth_lines(results["cases"], y.get("bandwidth_gbs"))
 
 
