@@ -10,7 +10,7 @@ CLANG_FORMAT ?= clang-format
 # the C kernels (not the C++ shim, csrc/shim/*.cpp and *.hpp: see .clang-format)
 C_FILES := $(shell find csrc -name '*.c' -o -name '*.h' | sort)
 
-.PHONY: setup demo demo-attention test test-compat bench fuzz sanitize lint clean
+.PHONY: setup demo demo-attention test test-compat bench fuzz emulate sanitize lint clean
 
 setup: $(BUILT)
 
@@ -58,6 +58,16 @@ bench: setup $(PEERS)
 FUZZ_SECONDS ?= 600
 fuzz: setup
 	$(VPY) tools/fuzz.py --seconds $(FUZZ_SECONDS) --isa all
+
+# the AVX-512 and AVX512-BF16 attention kernels on an emulated CPU (Bochs, through
+# bochscpu-python: a developer's tool, not a dependency), against the scalar
+# reference and float64: for machines that lack those instruction sets
+EMULATE_FUZZ ?= 20
+emulate: setup
+	$(VPY) -m pip install -q bochscpu-python==0.4.0
+	$(VPY) tools/emulate/run.py --isa avx512
+	$(VPY) tools/emulate/run.py --isa avx512bf16
+	$(VPY) tools/emulate/run.py --isa avx512bf16 --fuzz $(EMULATE_FUZZ)
 
 # The suite under the oldest torch that pyproject.toml admits, built from
 # source against it in a copy of the tracked files (torch from PyPI is a CUDA

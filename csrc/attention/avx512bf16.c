@@ -13,14 +13,15 @@
  * element pair broadcast, C row r of a 16-column tile takes one instruction
  * per k pair, exactly what TDPBF16PS computes for the whole tile.
  *
- * Precision: bfloat16 only. Q, K, V and dO are one part (exact), and so are P
- * and dS: they are rounded to bfloat16 where they enter a product, as native
- * bfloat16 attention rounds P (TERMS = 1, every product at the bf16 rate).
- * The error stays within 2x native's own against float64
- * (tests/test_bf16_accuracy.py). float16 would need two parts per input
- * (three products for Q K^T), no faster than the float32 FMAs, so dispatch.c
- * sends float16 and float32 calls of this variant to the AVX-512 instance:
- * this one only ever sees bfloat16.
+ * Precision: bfloat16 only, AMX's: Q, K, V and dO are one part (exact), P and
+ * dS two (about 16 bits; TERMS = 2), so Q K^T and dO V^T are one product and
+ * P V, dS K, dS^T Q, P^T dO two. One part for P and dS (8 bits, as native's
+ * flash kernel rounds them) would make every product one instruction, but
+ * its error is up to 3.8x that of native's math kernel, which keeps them in
+ * float32 (docs/design.md, section 6): past the 2x rule. float16 would need
+ * two parts per input (three products for Q K^T), no faster than the float32
+ * FMAs, so dispatch.c sends float16 and float32 calls of this variant to the
+ * AVX-512 instance: this one only ever sees bfloat16.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -100,10 +101,10 @@ static void tile_gemm(int64_t m, int64_t n, int64_t k, amx_view a, amx_view b, f
 static inline void tile_begin(void) {}
 static inline void tile_end(void) {}
 
-/* bfloat16 only (dispatch.c): every operand one part, one product. */
+/* bfloat16 only (dispatch.c): inputs one part, P and dS two (see the top). */
 static tile_prec tile_precision(ma_dtype dt) {
     (void)dt;
-    return (tile_prec){1, 1, 1};
+    return (tile_prec){1, 2, 2};
 }
 
 static inline int tile_apply(const ma_attn_fwd_params *p) {

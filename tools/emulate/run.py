@@ -3,7 +3,7 @@
 reference and float64: forward (out, lse) and single-pass backward (dq, dk,
 dv), bfloat16 (or float32) inputs, every mask kind the C interface takes.
 
-    python tools/emulate/run.py [--isa avx512bf16|avx512] [--dtype bf16|f32] [--quick]
+    python tools/emulate/run.py [--isa avx512bf16|avx512] [--dtype bf16|f32] [--quick | --fuzz N [--seed S]]
 
 The emulator is Bochs's CPU, through bochscpu-python (PyPI): it has AVX-512
 F/BW/DQ/VL but not AVX512-BF16, so the avx512bf16 build replaces the two
@@ -207,6 +207,35 @@ CASES = [
 QUICK = ("plain", "causal+kpm gqa", "float mask + head mask", "softcap causal")
 
 
+def random_cases(n, seed):
+    """n random cases (the fuzz slice): shapes off every block and vector width, any mix of masks."""
+    import random
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        Hkv = rng.choice([1, 2, 4])
+        H = Hkv * rng.choice([1, 2, 4])
+        B = rng.randint(1, 3)
+        Lq, Lk = rng.randint(1, 200), rng.randint(1, 200)
+        D, Dv = rng.choice([1, 8, 13, 16, 32, 48, 64, 80, 128]), rng.choice([1, 5, 16, 24, 64, 128])
+        o = {}
+        if rng.random() < 0.5:
+            o["causal"] = True
+        if rng.random() < 0.4:
+            o["kpm"] = True
+        if rng.random() < 0.3:
+            o["attn_mask"] = True
+        if rng.random() < 0.3:
+            o["head_mask"] = True
+        if rng.random() < 0.25 and not o.get("causal"):
+            o["window"] = (rng.choice([None, rng.randint(0, 100)]), rng.choice([None, rng.randint(0, 100)]))
+        if rng.random() < 0.25:
+            o["softcap"] = rng.choice([5.0, 30.0])
+        out.append((f"fuzz {seed}:{i} B={B} H={H}/{Hkv} L={Lq}x{Lk} D={D}/{Dv} {sorted(o)}", B, H, Hkv, Lq, Lk, D,
+                    Dv, o))
+    return out
+
+
 def run_case(m, elf_syms, isa, dtype, case, torch, tma):
     name, B, H, Hkv, Lq, Lk, D, Dv, o = case
     tdt = {"bf16": torch.bfloat16, "f32": torch.float32}[dtype]
@@ -357,6 +386,8 @@ def main():
     ap.add_argument("--isa", default="avx512bf16", choices=["avx512bf16", "avx512", "scalar", "avx2"])
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
     ap.add_argument("--quick", action="store_true", help="four cases only")
+    ap.add_argument("--fuzz", type=int, default=0, metavar="N", help="N random cases instead")
+    ap.add_argument("--seed", type=int, default=0, help="of the random cases")
     args = ap.parse_args()
     bochscpu = import_bochscpu()
     import torch
@@ -366,7 +397,7 @@ def main():
         elf = build(d)
         m = Machine(bochscpu, elf, 48 << 20)
         failed = 0
-        for case in CASES:
+        for case in random_cases(args.fuzz, args.seed) if args.fuzz else CASES:
             if args.quick and case[0] not in QUICK:
                 continue
             ok, rows = run_case(m, m.syms, args.isa, args.dtype, case, torch, tma)
