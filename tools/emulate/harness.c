@@ -25,7 +25,7 @@ struct emu_io {
     uint64_t attn_mask; /* (Lq, Lk) float32, added to every head; 0: none */
     uint64_t head_mask; /* (H,) float32; 0: none */
     /* outputs */
-    uint64_t out, out_lo, lse, dq, dk, dv, delta;
+    uint64_t out, out_lo, lse, dq, dk, dv, delta; /* out_lo: 0 for float32 (the shim passes none) */
     /* scratch arena */
     uint64_t arena, arena_bytes;
     int64_t status; /* 0 ok, 1 arena too small, 2 not the single pass */

@@ -264,10 +264,11 @@ def run_case(m, elf_syms, isa, dtype, case, torch, tma):
     layout, cursor = {}, DATA
 
     def put(key, nbytes, blob=None):
+        """An input (blob), or an output filled with NaN bytes, so that a value the kernel does not
+        write shows."""
         nonlocal cursor
         layout[key] = cursor
-        if blob is not None:
-            m.write(cursor, blob)
+        m.write(cursor, blob if blob is not None else b"\xff" * nbytes)
         cursor += (nbytes + 63) // 64 * 64
     raw = (lambda t: t.contiguous().view(torch.int16).numpy().tobytes()) if esz == 2 else \
         (lambda t: t.contiguous().numpy().tobytes())
@@ -294,7 +295,8 @@ def run_case(m, elf_syms, isa, dtype, case, torch, tma):
               wr if wr is not None else -1, scale, softcap or 0.0]
     fields += [layout[x] for x in ("q", "k", "v", "dout")]
     fields += [layout.get(x, 0) for x in ("kpm", "attn_mask", "head_mask")]
-    fields += [layout[x] for x in ("out", "out_lo", "lse", "dq", "dk", "dv", "delta")]
+    fields += [layout["out"], layout["out_lo"] if esz == 2 else 0]  # out_lo: bf16 / f16 only, as the shim
+    fields += [layout[x] for x in ("lse", "dq", "dk", "dv", "delta")]
     fields += [arena, arena_bytes, -1]
     m.write(layout["io"], IO.pack(*fields))
     m.call(elf_syms["emu_main"], layout["io"])
