@@ -19,6 +19,7 @@ $(STAMP):
 	$(VPY) -m pip install --upgrade pip >/dev/null
 	$(VPY) -m pip install torch==2.13.0 pytest matplotlib numpy
 	$(VPY) -m pip install transformers==5.23.0 tokenizers==0.23.3 accelerate==1.15.0
+	$(VPY) -m pip install bochscpu-python==0.4.0
 	touch $@
 
 # --no-build-isolation: build against the torch installed above; an isolated
@@ -60,14 +61,12 @@ fuzz: setup
 	$(VPY) tools/fuzz.py --seconds $(FUZZ_SECONDS) --isa all
 
 # the AVX-512 and AVX512-BF16 attention kernels on an emulated CPU (Bochs, through
-# bochscpu-python: a developer's tool, not a dependency), against the scalar
-# reference and float64: for machines that lack those instruction sets
+# bochscpu-python, a test dependency), against the scalar reference, float64
+# and native: for machines that lack those instruction sets (make test runs a slice)
 EMULATE_FUZZ ?= 20
 emulate: setup
-	$(VPY) -m pip install -q bochscpu-python==0.4.0
-	$(VPY) tools/emulate/run.py --isa avx512
-	$(VPY) tools/emulate/run.py --isa avx512bf16
-	$(VPY) tools/emulate/run.py --isa avx512bf16 --fuzz $(EMULATE_FUZZ)
+	$(VPY) tools/emulate/run.py --isa avx512bf16,avx512 --fuzz $(EMULATE_FUZZ)
+	$(VPY) tools/emulate/run.py --isa avx512bf16,avx512 --dtype f32
 
 # The suite under the oldest torch that pyproject.toml admits, built from
 # source against it in a copy of the tracked files (torch from PyPI is a CUDA

@@ -3,7 +3,7 @@
 reference and float64: forward (out, lse) and single-pass backward (dq, dk,
 dv), bfloat16 (or float32) inputs, every mask kind the C interface takes.
 
-    python tools/emulate/run.py [--isa avx512bf16|avx512] [--dtype bf16|f32] [--quick | --fuzz N [--seed S]]
+    python tools/emulate/run.py [--isa avx512bf16,avx512] [--dtype bf16|f32] [--quick] [--fuzz N [--seed S]]
 
 The emulator is Bochs's CPU, through bochscpu-python (PyPI): it has AVX-512
 F/BW/DQ/VL but not AVX512-BF16, so the avx512bf16 build replaces the two
@@ -12,10 +12,11 @@ semantics (tools/emulate/emu_bf16.h); everything else (packing, blocking,
 edges, the template's loops) runs as compiled. tools/emulate/harness.c is
 the C side: no C library, one thread, params filled as the shim fills them.
 
-A developer's tool, not part of `make test`: bochscpu is not a dependency
-of the package, and its wheel needs glibc 2.38's C23 symbols (this script
-supplies them with a small preloaded library where the system lacks them).
-Exit status 1 when any case exceeds its tolerance.
+`make test` runs a slice (tests/test_emulated_isa.py); `make emulate` more.
+bochscpu is a test dependency (make setup installs it), not the package's,
+and its wheel needs glibc 2.38's C23 symbols (this script supplies them
+with a small preloaded library where the system lacks them). Exit status 1
+when any case exceeds its tolerance.
 """
 import argparse
 import os
@@ -385,12 +386,17 @@ def run_case(m, elf_syms, isa, dtype, case, torch, tma):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--isa", default="avx512bf16", choices=["avx512bf16", "avx512", "scalar", "avx2"])
+    ap.add_argument("--isa", default="avx512bf16",
+                    help="avx512bf16, avx512 (or scalar, avx2), or several separated by commas")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
-    ap.add_argument("--quick", action="store_true", help="four cases only")
-    ap.add_argument("--fuzz", type=int, default=0, metavar="N", help="N random cases instead")
+    ap.add_argument("--quick", action="store_true", help="four of the fixed cases only")
+    ap.add_argument("--fuzz", type=int, default=0, metavar="N", help="N random cases after the fixed ones")
     ap.add_argument("--seed", type=int, default=0, help="of the random cases")
     args = ap.parse_args()
+    isas = args.isa.split(",")
+    for isa in isas:
+        if isa not in ISA or isa == "amx":
+            ap.error(f"--isa: {isa!r} is not one of avx512bf16, avx512, avx2, scalar")
     bochscpu = import_bochscpu()
     import torch
     import torch_masked_attn as tma
@@ -399,12 +405,11 @@ def main():
         elf = build(d)
         m = Machine(bochscpu, elf, 48 << 20)
         failed = 0
-        for case in random_cases(args.fuzz, args.seed) if args.fuzz else CASES:
-            if args.quick and case[0] not in QUICK:
-                continue
-            ok, rows = run_case(m, m.syms, args.isa, args.dtype, case, torch, tma)
+        cases = [c for c in CASES if not args.quick or c[0] in QUICK] + random_cases(args.fuzz, args.seed)
+        for isa, case in ((isa, case) for isa in isas for case in cases):
+            ok, rows = run_case(m, m.syms, isa, args.dtype, case, torch, tma)
             failed += not ok
-            print(f"{'ok  ' if ok else 'FAIL'} {args.isa} {args.dtype} {case[0]:24s} " +
+            print(f"{'ok  ' if ok else 'FAIL'} {isa} {args.dtype} {case[0]:24s} " +
                   "  ".join(f"{k}: |got-scalar| {a:.1e} |got-f64| {b:.1e} |scalar-f64| {c:.1e} |native-f64| {e:.1e}"
                             for k, a, b, c, e in rows), flush=True)
     print(f"{failed} of the cases failed" if failed else "every case passed")
