@@ -28,6 +28,7 @@ struct emu_io {
     uint64_t out, out_lo, lse, dq, dk, dv, delta; /* out_lo: 0 for float32 (the shim passes none) */
     /* scratch arena */
     uint64_t arena, arena_bytes;
+    int64_t forward_only;
     int64_t status; /* 0 ok, 1 arena too small, 2 not the single pass */
 };
 
@@ -89,6 +90,10 @@ void emu_main(struct emu_io *io) {
         return;
     }
 
+    if (io->forward_only) {
+        io->status = 0;
+        return;
+    }
     ma_attn_bwd_params p;
     zero(&p, sizeof p);
     p.dq = (void *)io->dq, p.dk = (void *)io->dk, p.dv = (void *)io->dv;
@@ -124,6 +129,13 @@ void emu_main(struct emu_io *io) {
 __asm__(".globl emu_halt\nemu_halt:\n\thlt\n\tjmp emu_halt\n");
 
 /* ---- what the compiler and the kernels call: no C library in the emulator ---- */
+#ifdef EMU_STUBS
+/* The instances run.py does not build (it never asks for them): empty tables for dispatch.c. */
+typedef struct {
+    void *fn[7];
+} emu_kernels_stub;
+const emu_kernels_stub ma_attn_kernels_avx2, ma_attn_kernels_amx;
+#endif
 int ma_isa_available(ma_isa isa) {
     (void)isa;
     return 1; /* run.py picks the variant; the emulated CPU has it */
@@ -133,19 +145,26 @@ ma_isa ma_isa_best(ma_dtype dt) {
     return MA_ISA_SCALAR;
 }
 
+/* Word at a time, as a C library's would be, so that instruction counts (run.py --count) stay
+ * near a real build's; -fno-tree-loop-distribute-patterns keeps them from calling themselves. */
+typedef uint64_t __attribute__((may_alias, aligned(1))) word;
+
 void *memset(void *d, int c, size_t n) {
-    volatile unsigned char *p = d;
+    unsigned char *p = d;
+    const uint64_t w = 0x0101010101010101ull * (unsigned char)c;
+    for (; n >= 8; n -= 8, p += 8) *(word *)p = w;
     for (size_t i = 0; i < n; i++) p[i] = (unsigned char)c;
     return d;
 }
 void *memcpy(void *restrict d, const void *restrict s, size_t n) {
-    volatile unsigned char *p = d;
+    unsigned char *p = d;
     const unsigned char *q = s;
+    for (; n >= 8; n -= 8, p += 8, q += 8) *(word *)p = *(const word *)q;
     for (size_t i = 0; i < n; i++) p[i] = q[i];
     return d;
 }
 void *memmove(void *d, const void *s, size_t n) {
-    volatile unsigned char *p = d;
+    unsigned char *p = d;
     const unsigned char *q = s;
     if (p < q)
         for (size_t i = 0; i < n; i++) p[i] = q[i];

@@ -60,27 +60,35 @@ def import_bochscpu():
 
 # ---- the build ------------------------------------------------------------------
 
-def build(out_dir):
+def build(out_dir, count=False):
     """harness.elf: the harness, every attention instance and dispatch.c,
-    linked statically with no C library; returns its path."""
+    linked statically with no C library; returns its path. count: the two
+    AVX512-BF16 intrinsics as one stand-in instruction each (emu_bf16.h),
+    for instruction counts, not results."""
     from setup import isa_flags
     cc = os.environ.get("CC", "cc")
-    flags = ["-std=c11", "-O2", "-fno-math-errno", "-ffreestanding", "-fno-pic", "-fno-pie",
-             "-fno-stack-protector", "-fno-asynchronous-unwind-tables", "-I", os.path.join(ROOT, "csrc")]
-    objs = []
-    for rel in ("attention/scalar.c", "attention/avx2.c", "attention/avx512.c", "attention/amx.c",
-                "attention/avx512bf16.c", "attention/dispatch.c"):
+    # the kernels as the build compiles them (builtins on: small memcpy inlined); the harness and
+    # its libm freestanding, so that their loops never become calls of themselves
+    flags = ["-std=c11", "-O3" if count else "-O2", "-fno-math-errno", "-fno-pic", "-fno-pie", "-fno-stack-protector",
+             "-fno-asynchronous-unwind-tables", "-fno-tree-loop-distribute-patterns", "-I", os.path.join(ROOT, "csrc")]
+    free = ["-ffreestanding"]
+    jobs = []
+    # the instances run here; avx2 and amx stand in as empty tables (harness.c, EMU_STUBS)
+    for rel in ("attention/scalar.c", "attention/avx512.c", "attention/avx512bf16.c", "attention/dispatch.c"):
         path = os.path.join(ROOT, "csrc", rel)
         extra = isa_flags(path)
         if rel == "attention/avx512bf16.c":  # AVX512-BF16 emulated with AVX-512 (emu_bf16.h)
             extra = [f for f in extra if f != "-mavx512bf16"] + ["-include", os.path.join(HERE, "emu_bf16.h")]
-        obj = os.path.join(out_dir, rel.replace("/", "_") + ".o")
-        subprocess.run([cc, *flags, *extra, "-c", path, "-o", obj], check=True, stderr=subprocess.DEVNULL)
-        objs.append(obj)
+            extra += ["-DMA_EMU_COUNT"] if count else []
+        jobs.append(([*flags, *extra], path, os.path.join(out_dir, rel.replace("/", "_") + ".o")))
     for name in ("harness.c", "libm.c"):
-        obj = os.path.join(out_dir, name + ".o")
-        subprocess.run([cc, *flags, "-c", os.path.join(HERE, name), "-o", obj], check=True)
-        objs.append(obj)
+        jobs.append(([*flags, *free, "-DEMU_STUBS"], os.path.join(HERE, name), os.path.join(out_dir, name + ".o")))
+    procs = [subprocess.Popen([cc, *f, "-c", src, "-o", obj], stderr=subprocess.PIPE) for f, src, obj in jobs]
+    for p, (_, src, _) in zip(procs, jobs):  # all at once: the compiles take most of a short run
+        err = p.communicate()[1]
+        if p.returncode:
+            raise SystemExit(f"compiling {src} failed:\n{err.decode(errors='replace')}")
+    objs = [obj for _, _, obj in jobs]
     elf = os.path.join(out_dir, "harness.elf")
     subprocess.run([cc, "-static", "-nostdlib", "-no-pie", "-Wl,-e,emu_main", "-o", elf, *objs, "-lgcc"],
                    check=True)
@@ -145,8 +153,9 @@ class Machine:
     def read(self, addr, n):
         return bytes(self.b.memory.virt_read(self.cr3, addr, n))
 
-    def call(self, fn, arg):
-        """fn(arg) on the emulated CPU until it returns (to emu_halt)."""
+    def call(self, fn, arg, count=False):
+        """fn(arg) on the emulated CPU until it returns (to emu_halt); with count, the number
+        of instructions it executed (slow: a Python call per instruction), else None."""
         b = self.b
         sess = b.Session()
 
@@ -176,9 +185,14 @@ class Machine:
             s.stop()
 
         hook.exception = exception
+        executed = [0]
+        if count:
+            def after(s, cpu_id, insn):
+                executed[0] += 1
+            hook.after_execution = after
         sess.run([hook])
         if fault and fault[0][0] == 13 and fault[0][2] - self.syms["emu_halt"] in (0, 1):
-            return  # returned: HLT at user privilege faults (#GP), which ends the run as well
+            return executed[0] if count else None  # returned: HLT at user privilege faults (#GP), ending the run
         if fault:
             vector, code, rip = fault[0]
             name = {v: k for k, v in self.syms.items()}
@@ -189,7 +203,7 @@ class Machine:
 
 # ---- the cases ---------------------------------------------------------------------
 
-IO = struct.Struct("<12q2d16Qq")
+IO = struct.Struct("<12q2d16Q2q")
 ISA = {"scalar": 0, "avx2": 1, "avx512": 2, "amx": 3, "avx512bf16": 4}
 DTYPE = {"f32": 1, "bf16": 3}
 
@@ -237,7 +251,17 @@ def random_cases(n, seed):
     return out
 
 
-def run_case(m, elf_syms, isa, dtype, case, torch, tma):
+def count_case(m, isa, dtype, case, torch):
+    """Instructions the emulated CPU executes for the case's forward, and for forward + backward."""
+    counts = []
+    for fwd_only in (True, False):
+        name, B, H, Hkv, Lq, Lk, D, Dv, o = case
+        counts.append(run_case(m, m.syms, isa, dtype, (name, B, H, Hkv, Lq, Lk, D, Dv, dict(o, forward_only=fwd_only)),
+                               torch, None, count=True))
+    return counts
+
+
+def run_case(m, elf_syms, isa, dtype, case, torch, tma, count=False):
     name, B, H, Hkv, Lq, Lk, D, Dv, o = case
     tdt = {"bf16": torch.bfloat16, "f32": torch.float32}[dtype]
     g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
@@ -298,12 +322,14 @@ def run_case(m, elf_syms, isa, dtype, case, torch, tma):
     fields += [layout.get(x, 0) for x in ("kpm", "attn_mask", "head_mask")]
     fields += [layout["out"], layout["out_lo"] if esz == 2 else 0]  # out_lo: bf16 / f16 only, as the shim
     fields += [layout[x] for x in ("lse", "dq", "dk", "dv", "delta")]
-    fields += [arena, arena_bytes, -1]
+    fields += [arena, arena_bytes, int(bool(o.get("forward_only"))), -1]
     m.write(layout["io"], IO.pack(*fields))
-    m.call(elf_syms["emu_main"], layout["io"])
+    executed = m.call(elf_syms["emu_main"], layout["io"], count=count)
     status = IO.unpack(m.read(layout["io"], IO.size))[-1]
     if status != 0:
         raise RuntimeError(f"{name}: harness status {status}")
+    if count:
+        return executed
 
     def get(key, shp, dt=tdt):
         n = 1
@@ -387,23 +413,32 @@ def run_case(m, elf_syms, isa, dtype, case, torch, tma):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--isa", default="avx512bf16",
-                    help="avx512bf16, avx512 (or scalar, avx2), or several separated by commas")
+                    help="avx512bf16, avx512 (or scalar), or several separated by commas")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
     ap.add_argument("--quick", action="store_true", help="four of the fixed cases only")
     ap.add_argument("--fuzz", type=int, default=0, metavar="N", help="N random cases after the fixed ones")
     ap.add_argument("--seed", type=int, default=0, help="of the random cases")
+    ap.add_argument("--count", metavar="B,H,L,D", help="instead: count the instructions of one causal "
+                    "forward and forward + backward of this shape, per ISA (a Python call per instruction: slow)")
     args = ap.parse_args()
     isas = args.isa.split(",")
     for isa in isas:
-        if isa not in ISA or isa == "amx":
-            ap.error(f"--isa: {isa!r} is not one of avx512bf16, avx512, avx2, scalar")
+        if isa not in ("avx512bf16", "avx512", "scalar"):
+            ap.error(f"--isa: {isa!r} is not one of avx512bf16, avx512, scalar")
     bochscpu = import_bochscpu()
     import torch
     import torch_masked_attn as tma
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="ma_emu_build_") as d:
-        elf = build(d)
+        elf = build(d, count=bool(args.count))
         m = Machine(bochscpu, elf, 48 << 20)
+        if args.count:
+            B, H, L, D = (int(x) for x in args.count.split(","))
+            for isa in isas:
+                fwd, both = count_case(m, isa, args.dtype, ("count", B, H, H, L, L, D, D, dict(causal=True)), torch)
+                print(f"{isa} {args.dtype} B={B} H={H} L={L} D={D} causal: forward {fwd:,} instructions, "
+                      f"backward {both - fwd:,}", flush=True)
+            return
         failed = 0
         cases = [c for c in CASES if not args.quick or c[0] in QUICK] + random_cases(args.fuzz, args.seed)
         for isa, case in ((isa, case) for isa in isas for case in cases):
