@@ -276,7 +276,7 @@ def run_case(m, elf_syms, isa, dtype, case, torch, tma, count=False):
         kpm[-1, 5:9] = True
     if o.get("attn_mask"):
         attn_mask = torch.randn(Lq, Lk, generator=g).to(tdt)
-        attn_mask[3, :] = float("-inf")  # a fully masked row
+        attn_mask[min(3, Lq - 1), :] = float("-inf")  # a fully masked row
     if o.get("head_mask"):
         head_mask = torch.rand(H, generator=g).to(tdt)
     window = o.get("window")
