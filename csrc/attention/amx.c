@@ -44,6 +44,33 @@ static inline void amx_configure(void) {
 
 /* ---- the matrix product on tiles ------------------------------------------ */
 
+/* C tile (16 x 16 float32) at rows i0, columns j0 of C (m, n): a tile inside
+ * C is loaded and stored in place, one at an edge through buf. */
+typedef struct {
+    float *ptr;
+    int64_t stride_bytes;
+    int edge;
+} ctile;
+
+static inline ctile ctile_begin(float *C, int64_t ldc, int64_t m, int64_t n, int64_t i0, int64_t j0, int load,
+                                float *buf) {
+    ctile t = {C + i0 * ldc + j0, ldc * (int64_t)sizeof(float), 0};
+    if (i0 + 16 <= m && j0 + 16 <= n) return t;
+    const __mmask16 nm = tail_mask(n - j0);
+    for (int r = 0; r < 16; r++)
+        _mm512_storeu_ps(buf + r * 16, load && i0 + r < m ? _mm512_maskz_loadu_ps(nm, C + (i0 + r) * ldc + j0)
+                                                          : _mm512_setzero_ps());
+    t.ptr = buf, t.stride_bytes = 64, t.edge = 1;
+    return t;
+}
+
+static inline void ctile_end(const ctile *t, float *C, int64_t ldc, int64_t m, int64_t n, int64_t i0, int64_t j0) {
+    if (!t->edge) return;
+    const __mmask16 nm = tail_mask(n - j0);
+    for (int r = 0; r < 16 && i0 + r < m; r++)
+        _mm512_mask_storeu_ps(C + (i0 + r) * ldc + j0, nm, _mm512_loadu_ps(t->ptr + r * 16));
+}
+
 /* MT x NT (1 or 2) C tiles += sum over k tiles and parts (i, j), i + j < terms,
  * of A_i B_j. Tile numbers are immediates, hence the constant MT, NT. The
  * parts' products run in an order that keeps the loaded tiles: A_i stays
@@ -83,7 +110,7 @@ static inline __attribute__((always_inline)) void amx_block(const int MT, const 
 /* C (m, n) = [C +] A (m, k) @ B (k, n) from packed views (tiles_hooks.h); the
  * tiles must be configured (tile_begin). */
 static void tile_gemm(int64_t m, int64_t n, int64_t k, amx_view a, amx_view b, float *C, int64_t ldc,
-                     int accumulate, int terms) {
+                      int accumulate, int terms) {
     float cbuf[4][256] __attribute__((aligned(64)));
     const int64_t nmt = ma_cdiv(m, 16), nnt = ma_cdiv(n, 16), nkt = ma_cdiv(k, 32);
     for (int64_t mt = 0; mt < nmt; mt += 2)

@@ -25,12 +25,12 @@
 #define FN(name) MA_TILE_CAT(name, TILE_ISA)
 #define BLK(name) name##_avx512
 
-/* The same where A is a view into a longer packed matrix (V^T of a whole
+/* tile_gemm where A is a view into a longer packed matrix (V^T of a whole
  * head) whose columns past k are other keys: A's last k tile is copied into
  * buf with those columns zeroed, so B's zero padding never meets them
  * (0 * inf would be NaN). */
 static void tile_gemm_kclip(int64_t m, int64_t n, int64_t k, amx_view a, amx_view b, float *C, int64_t ldc,
-                           int accumulate, int terms, uint16_t *buf) {
+                            int accumulate, int terms, uint16_t *buf) {
     const int64_t kfull = k / 32 * 32;
     if (kfull > 0) {
         tile_gemm(m, n, kfull, a, b, C, ldc, accumulate, terms);
@@ -57,7 +57,7 @@ static void tile_gemm_kclip(int64_t m, int64_t n, int64_t k, amx_view a, amx_vie
 #define TILE_KC 128
 #define TILE_NC 64
 static void tile_gemm_terms(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs,
-                           const float *B, int64_t ldb, float *C, int64_t ldc, int accumulate, int terms) {
+                            const float *B, int64_t ldb, float *C, int64_t ldc, int accumulate, int terms) {
     uint16_t ap[AMX_PARTS * (TILE_MC / 16) * (TILE_KC / 32) * AMX_TILE] __attribute__((aligned(64)));
     uint16_t bp[AMX_PARTS * (TILE_NC / 16) * (TILE_KC / 32) * AMX_TILE] __attribute__((aligned(64)));
     if (k <= 0) {

@@ -177,33 +177,4 @@ static void amx_pack_b(amx_view dst, const float *B, int64_t ldb, int64_t k, int
     }
 }
 
-/* ---- C tiles ------------------------------------------------------------- */
-
-/* C tile (16 x 16 float32) at rows i0, columns j0 of C (m, n): a tile inside
- * C is loaded and stored in place, one at an edge through buf. */
-typedef struct {
-    float *ptr;
-    int64_t stride_bytes;
-    int edge;
-} ctile;
-
-static inline ctile ctile_begin(float *C, int64_t ldc, int64_t m, int64_t n, int64_t i0, int64_t j0, int load,
-                                float *buf) {
-    ctile t = {C + i0 * ldc + j0, ldc * (int64_t)sizeof(float), 0};
-    if (i0 + 16 <= m && j0 + 16 <= n) return t;
-    const __mmask16 nm = tail_mask(n - j0);
-    for (int r = 0; r < 16; r++)
-        _mm512_storeu_ps(buf + r * 16, load && i0 + r < m ? _mm512_maskz_loadu_ps(nm, C + (i0 + r) * ldc + j0)
-                                                          : _mm512_setzero_ps());
-    t.ptr = buf, t.stride_bytes = 64, t.edge = 1;
-    return t;
-}
-
-static inline void ctile_end(const ctile *t, float *C, int64_t ldc, int64_t m, int64_t n, int64_t i0, int64_t j0) {
-    if (!t->edge) return;
-    const __mmask16 nm = tail_mask(n - j0);
-    for (int r = 0; r < 16 && i0 + r < m; r++)
-        _mm512_mask_storeu_ps(C + (i0 + r) * ldc + j0, nm, _mm512_loadu_ps(t->ptr + r * 16));
-}
-
 #endif /* MA_TILES_PACK_H */
