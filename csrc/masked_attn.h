@@ -188,7 +188,10 @@ typedef struct {
      * significant bits (0 where out is not finite). The backward's delta
      * dO . o is then exact to float32 noise, whatever scaled o before it was
      * rounded (a head mask, dropout, a sink; docs/design.md, section 4).
-     * bfloat16 / float16 only; NULL: not written. */
+     * bfloat16 / float16 only; NULL: not written. The shim passes it only
+     * where a backward will follow (the op's for_backward); without it the
+     * bfloat16 tile products (amx, avx512bf16) round P to bfloat16 where it
+     * enters P V, as native's flash kernel does (docs/design.md, section 6). */
     void *out_lo;
     /* inputs */
     ma_attn_args a;

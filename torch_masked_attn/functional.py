@@ -122,7 +122,8 @@ def _plain_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: floa
     """masked_attn::forward's out for q, k, v alone (no mask), or None where
     the op refused them."""
     try:
-        return ops.call_op(_FORWARD, q, k, v, None, None, None, is_causal, scale, False)[0]
+        return ops.call_op(_FORWARD, q, k, v, None, None, None, is_causal, scale, False, 0.0, None, -1, -1, None, None,
+                           ops.grad_wanted(q, k, v))[0]
     except (RuntimeError, TypeError):
         return None
 
@@ -289,7 +290,8 @@ def _attention(q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, scale
         drop = (dropout_p, ops.new_dropout_seed() if dropout_seed is None else dropout_seed)
     out, lse, weights, _ = ops.call_op(
         torch.ops.masked_attn.forward.default, q, k, v, attn_mask, key_padding_mask, head_mask, bool(is_causal),
-        None if scale is None else float(scale), bool(need_weights), *(drop or (0.0, None)), *extra)
+        None if scale is None else float(scale), bool(need_weights), *(drop or (0.0, None)), *extra,
+        ops.grad_wanted(q, k, v, attn_mask, key_padding_mask, head_mask, extra[3]))
     if not (need_weights or return_lse):
         return out
     return (out,) + ((weights,) if need_weights else ()) + ((lse,) if return_lse else ())
@@ -502,7 +504,7 @@ def varlen_attn(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_
     out, lse, _ = ops.call_op(
         torch.ops.masked_attn.varlen_forward.default, query, key, value, cu_seq_q, cu_seq_k, int(max_q), int(max_k),
         None if scale is None else float(scale), left, right, seqused_k, block_table,
-        None if softcap is None else float(softcap), sinks)
+        None if softcap is None else float(softcap), sinks, ops.grad_wanted(query, key, value, sinks))
     if return_aux is not None and return_aux.lse:
         return out, lse
     return out

@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 from .devices import uses_kernels
 from .functional import native_attention
-from .ops import _needs, attention_backward, first_order_only, new_dropout_seed, saved_out_lo
+from .ops import _needs, attention_backward, first_order_only, grad_wanted, new_dropout_seed, saved_out_lo
 
 __all__ = ["MultiheadAttention", "replace_attention"]
 
@@ -46,7 +46,8 @@ class _PackedSelfAttention(torch.autograd.Function):
                 dropout_p, dropout_seed):
         q, k, v = _split_qkv(qkv, batch_first)
         out, lse, weights, out_lo = torch.ops.masked_attn.forward(
-            q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, None, need_weights, dropout_p, dropout_seed)
+            q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, None, need_weights, dropout_p, dropout_seed,
+            for_backward=any(ctx.needs_input_grad))
         ctx.save_for_backward(qkv, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed,
                               saved_out_lo(out_lo))
         ctx.is_causal, ctx.need_weights, ctx.batch_first = is_causal, need_weights, batch_first
@@ -94,7 +95,8 @@ class _RecomputedSelfAttention(torch.autograd.Function):
         qkv = F.linear(x, w_in, b_in).unflatten(-1, (3, H, -1))
         q, k, v = _split_qkv(qkv, batch_first)
         out, lse, _, out_lo = torch.ops.masked_attn.forward(
-            q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, None, False, dropout_p, dropout_seed)
+            q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, None, False, dropout_p, dropout_seed,
+            for_backward=any(ctx.needs_input_grad))
         del qkv, q, k, v
         ctx.save_for_backward(x, w_in, b_in, w_out, out, lse, attn_mask, key_padding_mask, head_mask,
                               dropout_seed, saved_out_lo(out_lo))
@@ -351,7 +353,7 @@ class MultiheadAttention(nn.MultiheadAttention):
             if kernels:
                 out = torch.ops.masked_attn.forward(
                     q, k, v, attn_mask, key_padding_mask, head_mask, causal, None, bool(need_weights), dropout_p,
-                    dropout_seed)
+                    dropout_seed, for_backward=grad_wanted(q, k, v, attn_mask, key_padding_mask, head_mask))
                 out = (out[0], out[2])
             else:  # another device: PyTorch's native attention, our semantics (functional.native_attention)
                 out = native_attention(q, k, v, attn_mask, key_padding_mask, head_mask, causal, None,

@@ -5,7 +5,7 @@ The ops themselves are defined in csrc/shim/ (schemas: registration.cpp):
 
     masked_attn::forward(q, k, v, attn_mask?, key_padding_mask?, head_mask?,
                          is_causal, scale?, need_weights, dropout_p=0., dropout_seed?,
-                         window_left=-1, window_right=-1, softcap?, sinks?)
+                         window_left=-1, window_right=-1, softcap?, sinks?, for_backward=True)
         -> (out, lse, weights, out_lo)
     masked_attn::backward(grad_out, grad_weights?, q, k, v, out, lse, attn_mask?,
                           key_padding_mask?, head_mask?, is_causal, scale?,
@@ -18,6 +18,11 @@ the same dtype and layout: out + out_lo is the float32 output to 16 (bf16) or
 22 (fp16) bits. The backward takes delta_i = grad_out_i . (out_i + out_lo_i)
 (exact whatever scaled the output before it was rounded: a head mask,
 dropout, a sink); without out_lo, grad_out . out (every FlashAttention's).
+for_backward=False says that no backward will follow (the wrappers pass
+grad_wanted()): out_lo is then empty, and bfloat16's tile products (AMX,
+AVX512-BF16) round P to bfloat16 in P V, as native's flash kernel does
+(docs/design.md, section 6); a backward from such a forward takes
+grad_out . out.
 
 dropout_seed is an int64 tensor (seed, offset) of shape (2,), required when
 dropout_p > 0: the keep mask is a function of it and of the element's
@@ -238,8 +243,15 @@ def _has_out_lo(dtype):
 
 def saved_out_lo(out_lo: Tensor) -> Tensor | None:
     """What a backward keeps of the forward's out_lo (in q's dtype): the tensor
-    in bfloat16 / float16, None for float32 / float64 (an empty placeholder)."""
-    return out_lo if _has_out_lo(out_lo.dtype) else None
+    in bfloat16 / float16, None for float32 / float64 or a forward called with
+    for_backward=False (an empty placeholder)."""
+    return out_lo if _has_out_lo(out_lo.dtype) and out_lo.numel() > 0 else None
+
+
+def grad_wanted(*tensors: Tensor | None) -> bool:
+    """The forward ops' for_backward: whether a backward may follow this call
+    (grad mode on and a tensor argument requiring grad)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _lse_dtype(dtype):
@@ -267,7 +279,7 @@ def _same_device(op: str, **tensors: Tensor | None) -> None:
 @torch.library.register_fake("masked_attn::forward")
 def _forward_fake(q, k, v, attn_mask=None, key_padding_mask=None, head_mask=None,
                   is_causal=False, scale=None, need_weights=False, dropout_p=0.0, dropout_seed=None,
-                  window_left=-1, window_right=-1, softcap=None, sinks=None):
+                  window_left=-1, window_right=-1, softcap=None, sinks=None, for_backward=True):
     _same_device("forward", q=q, k=k, v=v, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
                  head_mask=head_mask, dropout_seed=dropout_seed, sinks=sinks)
     torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
@@ -277,7 +289,7 @@ def _forward_fake(q, k, v, attn_mask=None, key_padding_mask=None, head_mask=None
     out = q.new_empty(B, Lq, H, Dv).transpose(1, 2)      # stored (B, Lq, H, Dv), see shim/attention.cpp
     lse = q.new_empty(B, H, Lq, dtype=_lse_dtype(q.dtype))
     weights = q.new_empty(B, H, Lq, Lk) if need_weights else q.new_empty(0)
-    out_lo = q.new_empty(B, Lq, H, Dv).transpose(1, 2) if _has_out_lo(q.dtype) else q.new_empty(0)
+    out_lo = q.new_empty(B, Lq, H, Dv).transpose(1, 2) if _has_out_lo(q.dtype) and for_backward else q.new_empty(0)
     return out, lse, weights, out_lo
 
 
@@ -322,7 +334,7 @@ def _backward_fake(grad_out, grad_weights, q, k, v, out, lse, attn_mask=None,
 
 def _forward_setup_context(ctx, inputs, output):
     (q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, scale, need_weights, dropout_p, dropout_seed,
-     window_left, window_right, softcap, sinks) = inputs  # every argument (register_autograd)
+     window_left, window_right, softcap, sinks, _for_backward) = inputs  # every argument (register_autograd)
     out, lse, weights, out_lo = output
     # the weights are kept (not copied) only for the sinks' gradient through them
     ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed, sinks,
@@ -452,7 +464,7 @@ def _forward_backward(ctx, grad_out, grad_lse, grad_weights, grad_out_lo):
     if sinks is not None and _needs(ctx, 14)[0] and (grad_out is not None or grad_weights is not None):
         d_sinks = sinks_backward(sinks, saved[4], saved[3], grad_out, weights, grad_weights, out_lo)
     grads = first_order_only("masked attention", saved, *grads, d_sinks)
-    return grads[:6] + (None,) * 8 + grads[6:]
+    return grads[:6] + (None,) * 8 + grads[6:] + (None,)
 
 
 register_autograd("forward", _forward_backward, _forward_setup_context)
@@ -462,7 +474,7 @@ register_autograd("forward", _forward_backward, _forward_setup_context)
 #
 #   masked_attn::varlen_forward(query, key, value, cu_seq_q, cu_seq_k?, max_q, max_k,
 #                               scale?, window_left, window_right, seqused_k?, block_table?,
-#                               softcap?, sinks?) -> (out, lse, out_lo)
+#                               softcap?, sinks?, for_backward=True) -> (out, lse, out_lo)
 #   masked_attn::varlen_backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k,
 #                                max_q, max_k, scale?, window_left, window_right, softcap?,
 #                                sinks?, out_lo?) -> (grad_query, grad_key, grad_value)
@@ -479,7 +491,7 @@ register_autograd("forward", _forward_backward, _forward_setup_context)
 @torch.library.register_fake("masked_attn::varlen_forward")
 def _varlen_forward_fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=None,
                          window_left=-1, window_right=-1, seqused_k=None, block_table=None, softcap=None,
-                         sinks=None):
+                         sinks=None, for_backward=True):
     _same_device("varlen_forward", query=query, key=key, value=value, cu_seq_q=cu_seq_q, cu_seq_k=cu_seq_k,
                  seqused_k=seqused_k, block_table=block_table, sinks=sinks)
     kv_dim = 3 if block_table is None else 4
@@ -487,7 +499,7 @@ def _varlen_forward_fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, sc
                  lambda: "masked_attn.varlen: query must be 3-D (T, H, D), key and value 3-D (or 4-D paged)")
     T, H, _ = query.shape
     Dv = value.shape[-1]
-    out_lo = query.new_empty(T, H, Dv) if _has_out_lo(query.dtype) else query.new_empty(0, H, Dv)
+    out_lo = query.new_empty(T, H, Dv) if _has_out_lo(query.dtype) and for_backward else query.new_empty(0, H, Dv)
     return query.new_empty(T, H, Dv), query.new_empty(H, T, dtype=_lse_dtype(query.dtype)), out_lo
 
 
@@ -501,7 +513,7 @@ def _varlen_backward_fake(grad_out, query, key, value, out, lse, cu_seq_q, cu_se
 
 def _varlen_setup_context(ctx, inputs, output):
     (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, wl, wr, seqused_k, block_table, softcap,
-     sinks) = inputs  # every argument (register_autograd)
+     sinks, _for_backward) = inputs  # every argument (register_autograd)
     out, lse, out_lo = output
     for name, t in (("block_table", block_table), ("seqused_k", seqused_k)):
         if t is not None:
@@ -517,7 +529,7 @@ def _varlen_setup_context(ctx, inputs, output):
 def _varlen_backward(ctx, grad_out, grad_lse, grad_out_lo):
     query, key, value, cu_seq_q, cu_seq_k, out, lse, sinks, out_lo = ctx.saved_tensors
     if grad_out is None:
-        return (None,) * 14
+        return (None,) * 15
     grad_out = grad_out.contiguous()
     dq, dk, dv = torch.ops.masked_attn.varlen_backward(
         grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, *ctx.args, sinks, out_lo)
@@ -528,7 +540,7 @@ def _varlen_backward(ctx, grad_out, grad_lse, grad_out_lo):
     if sinks is not None and n[3]:  # (H, T) statistics as one (1, H, T) batch
         d_sinks = sinks_backward(sinks, lse[None], out.transpose(0, 1)[None], grad_out.transpose(0, 1)[None],
                                  out_lo=None if out_lo is None else out_lo.transpose(0, 1)[None])
-    return grads + (None,) * 10 + (d_sinks,)
+    return grads + (None,) * 10 + (d_sinks, None)
 
 
 register_autograd("varlen_forward", _varlen_backward, _varlen_setup_context)

@@ -136,8 +136,19 @@ struct FN(tiles) {
     float *dkT, *dvT; /* (D, nc), (Dv, nc): in t->kT, t->vT, after packing K^T and V^T from them */
 };
 
+/* The forward's precision: the instance's, except that a bfloat16 call with
+ * no backward to follow (no out_lo, masked_attn.h) takes P in one part, as
+ * native's flash kernel rounds it: P V is then one product. Its error stays
+ * within the 2x rule on the output (docs/design.md, section 6); a backward
+ * needs the second part, since its delta comes from the forward's o. */
+static tile_prec fwd_precision(const ma_attn_fwd_params *p) {
+    tile_prec pr = tile_precision(p->a.dtype);
+    if (p->a.dtype == MA_BF16 && !p->out_lo) pr.pd = 1;
+    return pr;
+}
+
 static size_t fwd_tile_bytes(const ma_attn_fwd_params *p, fwd_tile_scratch *t, void *base) {
-    const tile_prec pr = tile_precision(p->a.dtype);
+    const tile_prec pr = fwd_precision(p);
     const int64_t BQ = p->a.block_q, BK = p->a.block_k, D = p->a.D, Dv = p->a.Dv;
     void *x = base;
     fwd_tile_scratch s;
@@ -161,7 +172,7 @@ static void FN(tiles_fwd_begin)(FN(tiles) **T, const ma_attn_fwd_params *p, FN(f
                                 ma_scratch_header *hdr, void *extra) {
     FN(tiles) *s = (FN(tiles) *)extra;
     const int64_t BQ = p->a.block_q, BK = p->a.block_k;
-    s->pr = tile_precision(p->a.dtype);
+    s->pr = fwd_precision(p);
     s->fp = p, s->ft = t, s->hdr = hdr;
     fwd_tile_bytes(p, &s->fa, (char *)extra + ma_round_up(sizeof(struct FN(tiles)), MA_CACHE_LINE));
     s->ka = amx_a_layout(s->fa.ka, p->a.Lk, p->a.D, s->pr.in, 0);

@@ -65,7 +65,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tens
                                                 std::optional<double> scale, bool need_weights,
                                                 double dropout_p, std::optional<Tensor> dropout_seed,
                                                 int64_t window_left, int64_t window_right,
-                                                std::optional<double> softcap, std::optional<Tensor> sinks) {
+                                                std::optional<double> softcap, std::optional<Tensor> sinks,
+                                                bool for_backward) {
   const Sizes s = check_qkv(q, k, v);
   const Masks m = check_masks(s, attn_mask, key_padding_mask, head_mask);
   const Dropout dr = check_dropout(s, dropout_p, dropout_seed);
@@ -78,7 +79,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tens
   advise_huge_pages(out);
   Tensor lse = new_strided(q, {s.B, s.H, s.Lq}, {}, acc_type(q.scalar_type()));
   Tensor weights = need_weights ? new_strided(q, {s.B, s.H, s.Lq, s.Lk}, {}) : new_strided(q, {0}, {});
-  const bool low = low_precision(q.scalar_type());
+  // out_lo only where a backward will take it: without it, bfloat16's tile
+  // products may round P to bfloat16 (masked_attn.h, out_lo)
+  const bool low = low_precision(q.scalar_type()) && for_backward;
   Tensor out_lo = low ? blhd(q, s.B, s.H, s.Lq, s.Dv) : new_strided(q, {0}, {});
 
   ma_attn_fwd_params p{};

@@ -271,7 +271,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tens
                                                 std::optional<double> scale, bool need_weights,
                                                 double dropout_p, std::optional<Tensor> dropout_seed,
                                                 int64_t window_left, int64_t window_right,
-                                                std::optional<double> softcap, std::optional<Tensor> sinks);
+                                                std::optional<double> softcap, std::optional<Tensor> sinks,
+                                                bool for_backward);
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
     Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
     Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
@@ -291,7 +292,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, 
                                                   std::optional<double> scale, int64_t window_left,
                                                   int64_t window_right, std::optional<Tensor> seqused_k,
                                                   std::optional<Tensor> block_table, std::optional<double> softcap,
-                                                  std::optional<Tensor> sinks);
+                                                  std::optional<Tensor> sinks, bool for_backward);
 std::tuple<Tensor, Tensor, Tensor> varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out,
                                                    Tensor lse, Tensor cu_seq_q, Tensor cu_seq_k, int64_t max_q,
                                                    int64_t max_k, std::optional<double> scale,

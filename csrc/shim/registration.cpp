@@ -10,7 +10,7 @@ STABLE_TORCH_LIBRARY(masked_attn, m) {
       "forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, Tensor? key_padding_mask=None, "
       "Tensor? head_mask=None, bool is_causal=False, float? scale=None, bool need_weights=False, "
       "float dropout_p=0., Tensor? dropout_seed=None, "
-      "int window_left=-1, int window_right=-1, float? softcap=None, Tensor? sinks=None) "
+      "int window_left=-1, int window_right=-1, float? softcap=None, Tensor? sinks=None, bool for_backward=True) "
       "-> (Tensor out, Tensor lse, Tensor weights, Tensor out_lo)");
   m.def(
       "backward(Tensor grad_out, Tensor? grad_weights, Tensor q, Tensor k, Tensor v, Tensor out, "
@@ -29,7 +29,8 @@ STABLE_TORCH_LIBRARY(masked_attn, m) {
   m.def(
       "varlen_forward(Tensor query, Tensor key, Tensor value, Tensor cu_seq_q, Tensor? cu_seq_k, int max_q, "
       "int max_k, float? scale=None, int window_left=-1, int window_right=-1, Tensor? seqused_k=None, "
-      "Tensor? block_table=None, float? softcap=None, Tensor? sinks=None) -> (Tensor out, Tensor lse, Tensor out_lo)");
+      "Tensor? block_table=None, float? softcap=None, Tensor? sinks=None, bool for_backward=True) "
+      "-> (Tensor out, Tensor lse, Tensor out_lo)");
   m.def(
       "varlen_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
       "Tensor cu_seq_q, Tensor cu_seq_k, int max_q, int max_k, float? scale=None, int window_left=-1, "

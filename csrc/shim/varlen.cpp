@@ -218,7 +218,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, 
                                                   std::optional<double> scale, int64_t window_left,
                                                   int64_t window_right, std::optional<Tensor> seqused_k,
                                                   std::optional<Tensor> block_table, std::optional<double> softcap,
-                                                  std::optional<Tensor> sinks) {
+                                                  std::optional<Tensor> sinks, bool for_backward) {
   const Varlen r = check_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, window_left, window_right, seqused_k,
                                 block_table);
   double cap = 0;
@@ -228,7 +228,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, 
   Tensor out = new_strided(q, {r.Tq, r.H, r.Dv}, {});
   advise_huge_pages(out);
   Tensor lse = new_strided(q, {r.H, r.Tq}, {}, acc_type(q.scalar_type()));
-  const bool low = low_precision(q.scalar_type());
+  const bool low = low_precision(q.scalar_type()) && for_backward;  // as attn_forward
   Tensor out_lo = new_strided(q, {low ? r.Tq : 0, r.H, r.Dv}, {});
   ma_attn_fwd_params p{};
   p.out = out.mutable_data_ptr();

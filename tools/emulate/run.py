@@ -218,8 +218,12 @@ CASES = [
     ("softcap causal", 2, 4, 4, 140, 140, 128, 128, dict(causal=True, softcap=20.0)),
     ("tails", 8, 1, 1, 33, 17, 3, 5, {}),
     ("key chunks", 1, 2, 1, 150, 300, 64, 64, dict(causal=False)),  # B * Hkv < 8: partial dq sums
+    # a forward with no backward to follow (no out_lo, as the shim calls it under no_grad): the
+    # bfloat16 tile products take P in one part
+    ("inference causal", 1, 8, 8, 200, 200, 64, 64, dict(causal=True, inference=True)),
+    ("inference masks gqa", 2, 8, 2, 97, 150, 48, 40, dict(kpm=True, attn_mask=True, inference=True)),
 ]
-QUICK = ("plain", "causal+kpm gqa", "float mask + head mask", "softcap causal")
+QUICK = ("plain", "causal+kpm gqa", "float mask + head mask", "softcap causal", "inference masks gqa")
 
 
 def random_cases(n, seed):
@@ -246,19 +250,20 @@ def random_cases(n, seed):
             o["window"] = (rng.choice([None, rng.randint(0, 100)]), rng.choice([None, rng.randint(0, 100)]))
         if rng.random() < 0.25:
             o["softcap"] = rng.choice([5.0, 30.0])
+        if rng.random() < 0.3:
+            o["inference"] = True
         out.append((f"fuzz {seed}:{i} B={B} H={H}/{Hkv} L={Lq}x{Lk} D={D}/{Dv} {sorted(o)}", B, H, Hkv, Lq, Lk, D,
                     Dv, o))
     return out
 
 
 def count_case(m, isa, dtype, case, torch):
-    """Instructions the emulated CPU executes for the case's forward, and for forward + backward."""
-    counts = []
-    for fwd_only in (True, False):
-        name, B, H, Hkv, Lq, Lk, D, Dv, o = case
-        counts.append(run_case(m, m.syms, isa, dtype, (name, B, H, Hkv, Lq, Lk, D, Dv, dict(o, forward_only=fwd_only)),
-                               torch, None, count=True))
-    return counts
+    """Instructions the emulated CPU executes for the case's forward with no backward to follow
+    (inference), its forward before a backward (training), and forward + backward."""
+    name, B, H, Hkv, Lq, Lk, D, Dv, o = case
+    return [run_case(m, m.syms, isa, dtype, (name, B, H, Hkv, Lq, Lk, D, Dv, dict(o, **extra)), torch, None,
+                     count=True)
+            for extra in (dict(inference=True), dict(forward_only=True), {})]
 
 
 def run_case(m, elf_syms, isa, dtype, case, torch, tma, count=False):
@@ -320,9 +325,10 @@ def run_case(m, elf_syms, isa, dtype, case, torch, tma, count=False):
               wr if wr is not None else -1, scale, softcap or 0.0]
     fields += [layout[x] for x in ("q", "k", "v", "dout")]
     fields += [layout.get(x, 0) for x in ("kpm", "attn_mask", "head_mask")]
-    fields += [layout["out"], layout["out_lo"] if esz == 2 else 0]  # out_lo: bf16 / f16 only, as the shim
+    infer = bool(o.get("inference"))  # out_lo: bf16 / f16 only, and not for inference, as the shim
+    fields += [layout["out"], layout["out_lo"] if esz == 2 and not infer else 0]
     fields += [layout[x] for x in ("lse", "dq", "dk", "dv", "delta")]
-    fields += [arena, arena_bytes, int(bool(o.get("forward_only"))), -1]
+    fields += [arena, arena_bytes, int(bool(o.get("forward_only")) or infer), -1]
     m.write(layout["io"], IO.pack(*fields))
     executed = m.call(elf_syms["emu_main"], layout["io"], count=count)
     status = IO.unpack(m.read(layout["io"], IO.size))[-1]
@@ -381,12 +387,12 @@ def run_case(m, elf_syms, isa, dtype, case, torch, tma, count=False):
         native = {"out": out, "dq": grads[0], "dk": grads[1], "dv": grads[2]}
     rows = []
     ok = True
-    for key in ("out", "lse", "dq", "dk", "dv"):
+    for key in ("out", "lse") if infer else ("out", "lse", "dq", "dk", "dv"):
         a, r, x = got[key].double(), ref[key].double(), exact[key].double()
         finite = torch.isfinite(x)
         if not torch.equal(torch.isfinite(a), finite):
             ok = False
-            rows.append((key, float("nan"), float("nan"), float("nan")))
+            rows.append((key, float("nan"), float("nan"), float("nan"), float("nan")))
             continue
         scale_x = x[finite].abs().max().item() if finite.any() else 1.0
         d_ref = (a - r)[finite].abs().max().item() if finite.any() else 0.0
@@ -415,7 +421,7 @@ def main():
     ap.add_argument("--isa", default="avx512bf16",
                     help="avx512bf16, avx512 (or scalar), or several separated by commas")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
-    ap.add_argument("--quick", action="store_true", help="four of the fixed cases only")
+    ap.add_argument("--quick", action="store_true", help="five of the fixed cases only")
     ap.add_argument("--fuzz", type=int, default=0, metavar="N", help="N random cases after the fixed ones")
     ap.add_argument("--seed", type=int, default=0, help="of the random cases")
     ap.add_argument("--count", metavar="B,H,L,D", help="instead: count the instructions of one causal "
@@ -435,9 +441,10 @@ def main():
         if args.count:
             B, H, L, D = (int(x) for x in args.count.split(","))
             for isa in isas:
-                fwd, both = count_case(m, isa, args.dtype, ("count", B, H, H, L, L, D, D, dict(causal=True)), torch)
-                print(f"{isa} {args.dtype} B={B} H={H} L={L} D={D} causal: forward {fwd:,} instructions, "
-                      f"backward {both - fwd:,}", flush=True)
+                infer, fwd, both = count_case(m, isa, args.dtype, ("count", B, H, H, L, L, D, D, dict(causal=True)),
+                                              torch)
+                print(f"{isa} {args.dtype} B={B} H={H} L={L} D={D} causal: forward {infer:,} instructions "
+                      f"(inference), {fwd:,} (training), backward {both - fwd:,}", flush=True)
             return
         failed = 0
         cases = [c for c in CASES if not args.quick or c[0] in QUICK] + random_cases(args.fuzz, args.seed)
