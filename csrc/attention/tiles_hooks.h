@@ -14,7 +14,9 @@
  *   tile_apply(p)              whether a forward call takes the hooks
  *
  * The loops, masks and softmax are attention_tmpl.h's; every other building
- * block is AVX-512's (blocks_avx512.h).
+ * block is AVX-512's (blocks_avx512.h). bfloat16 inputs (one part, unit
+ * column stride) are packed straight from their rows (amx_pack_a_bf16,
+ * _b_bf16); others are converted to float32 rows and split (amx_pack_a, _b).
  */
 #define MA_TILE_CAT_(a, b) a##_##b
 #define MA_TILE_CAT(a, b) MA_TILE_CAT_(a, b)
@@ -89,6 +91,16 @@ static inline void *ma_carve(void **x, size_t bytes) {
     void *p = *x;
     *x = (char *)*x + ma_round_up(bytes, MA_CACHE_LINE);
     return p;
+}
+
+/* src[b, h] from row r0 on as bfloat16 rows *ld elements apart, for the
+ * packers that read it in place (amx_pack_a_bf16, _b_bf16): a bfloat16 input
+ * in one part with unit column stride. NULL otherwise: the float32 path. */
+static const uint16_t *bf16_at(const void *src, ma_dtype dt, const int64_t st[4], int64_t b, int64_t h, int64_t r0,
+                               int parts, int64_t *ld) {
+    if (dt != MA_BF16 || parts != 1 || st[3] != 1) return NULL;
+    *ld = st[2];
+    return (const uint16_t *)src + b * st[0] + h * st[1] + r0 * st[2];
 }
 
 static inline void scale_inplace(float *x, int64_t n, float s) {
@@ -188,6 +200,15 @@ static void fwd_pack_head(FN(tiles) *s, int64_t b, int64_t hk) {
     const ma_attn_fwd_params *p = s->fp;
     const int64_t key = b * 65536 + hk + 1, Lk = p->a.Lk, D = p->a.D, Dv = p->a.Dv, BK = p->a.block_k;
     if (s->hdr->tag[0] == key) return;
+    int64_t ldk = 0, ldv = 0;
+    const uint16_t *kx = bf16_at(p->a.k, p->a.dtype, p->a.k_stride, b, hk, 0, s->pr.in, &ldk);
+    const uint16_t *vx = bf16_at(p->a.v, p->a.dtype, p->a.v_stride, b, hk, 0, s->pr.in, &ldv);
+    if (kx && vx) {
+        amx_pack_a_bf16(s->ka, kx, ldk, Lk, D, 0);
+        amx_pack_a_bf16(s->vta, vx, ldv, Dv, Lk, 1);
+        s->hdr->tag[0] = key;
+        return;
+    }
     for (int64_t r0 = 0; r0 < Lk; r0 += BK) {
         const int64_t nr = ma_min(BK, Lk - r0);
         int64_t ld;
@@ -203,6 +224,12 @@ static void FN(tiles_fwd_query)(FN(tiles) *s, int64_t b, int64_t h, int64_t hk, 
     const ma_attn_fwd_params *p = s->fp;
     s->b = b, s->hk = hk, s->nr = nr;
     fwd_pack_head(s, b, hk);
+    int64_t ldq = 0;
+    const uint16_t *qx = bf16_at(p->a.q, p->a.dtype, p->a.q_stride, b, h, i0, s->pr.in, &ldq);
+    if (qx) {
+        amx_pack_b_bf16(s->qb, qx, ldq, p->a.D, nr, 1);
+        return;
+    }
     FN(load_tile_t)(s->ft->qT, p->a.q, p->a.dtype, p->a.q_stride, b, h, i0, nr, p->a.D, 1);
     amx_pack_b(s->qb, s->ft->qT, nr, p->a.D, nr);
 }
@@ -291,6 +318,13 @@ static void bwd_pack_rows(const FN(tiles) *s, const void *src, const int64_t st[
                           int64_t ncol, amx_view rows_a, amx_view cols_a) {
     const ma_attn_bwd_params *p = s->bp;
     const int64_t BQ = p->a.block_q, L = p->a.Lq;
+    int64_t ldx = 0;
+    const uint16_t *bx = bf16_at(src, p->a.dtype, st, b, h, 0, s->pr.in, &ldx);
+    if (bx) {
+        amx_pack_a_bf16(rows_a, bx, ldx, L, ncol, 0);
+        amx_pack_a_bf16(cols_a, bx, ldx, ncol, L, 1);
+        return;
+    }
     for (int64_t r0 = 0; r0 < L; r0 += BQ) {
         const int64_t nr = ma_min(BQ, L - r0);
         int64_t ld;
@@ -315,13 +349,21 @@ static void FN(tiles_bwd_keys)(FN(tiles) *s, int64_t j0, int64_t nc) {
     const ma_attn_bwd_params *p = s->bp;
     const int64_t D = p->a.D, Dv = p->a.Dv, b = s->b, hk = s->hk;
     s->j0 = j0, s->nc = nc;
-    int64_t ldk;
-    const float *k_j = FN(rows)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, nc, D, s->ba.rows, &ldk);
-    amx_pack_b(s->kb, k_j, ldk, nc, D);
-    FN(load_tile_t)(s->dkT, p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, nc, D, 1);
-    amx_pack_b(s->ktb, s->dkT, nc, D, nc);
-    FN(load_tile_t)(s->dvT, p->a.v, p->a.dtype, p->a.v_stride, b, hk, j0, nc, Dv, 1);
-    amx_pack_b(s->vtb, s->dvT, nc, Dv, nc);
+    int64_t ldk = 0, ldv = 0;
+    const uint16_t *kx = bf16_at(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, s->pr.in, &ldk);
+    const uint16_t *vx = bf16_at(p->a.v, p->a.dtype, p->a.v_stride, b, hk, j0, s->pr.in, &ldv);
+    if (kx && vx) {
+        amx_pack_b_bf16(s->kb, kx, ldk, nc, D, 0);
+        amx_pack_b_bf16(s->ktb, kx, ldk, D, nc, 1);
+        amx_pack_b_bf16(s->vtb, vx, ldv, Dv, nc, 1);
+    } else {
+        const float *k_j = FN(rows)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, nc, D, s->ba.rows, &ldk);
+        amx_pack_b(s->kb, k_j, ldk, nc, D);
+        FN(load_tile_t)(s->dkT, p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, nc, D, 1);
+        amx_pack_b(s->ktb, s->dkT, nc, D, nc);
+        FN(load_tile_t)(s->dvT, p->a.v, p->a.dtype, p->a.v_stride, b, hk, j0, nc, Dv, 1);
+        amx_pack_b(s->vtb, s->dvT, nc, Dv, nc);
+    }
     for (int64_t x = 0; x < D * nc; x++) s->dkT[x] = 0;
     for (int64_t x = 0; x < Dv * nc; x++) s->dvT[x] = 0;
 }

@@ -177,4 +177,67 @@ static void amx_pack_b(amx_view dst, const float *B, int64_t ldb, int64_t k, int
     }
 }
 
+/* ---- bfloat16 inputs, packed from memory ----------------------------------
+ *
+ * A bfloat16 input is one part (exact), and its rows already hold bf16 pairs:
+ * the packers below read X (rows ld elements apart, unit column stride) as it
+ * is, with no float32 round trip, into the same layout as amx_pack_a / _b
+ * with one part. trans = 0: the operand is X itself; trans = 1: X^T. */
+
+/* The mask of the first n of 32 elements (tail_mask for 16-bit lanes). */
+static inline __mmask32 tail_mask32(int64_t n) {
+    return n >= 32 ? (__mmask32)0xffffffffu : n <= 0 ? (__mmask32)0 : (__mmask32)((1u << n) - 1u);
+}
+
+/* One tile's 16 registers from X (rows ld elements apart), tile (outer o0,
+ * k p0) of an operand with nouter x k elements:
+ *   pairs = 0: t[r] = the 32 elements p0.. of row o0 + r;
+ *   pairs = 1: t[q] = rows p0 + 2q and p0 + 2q + 1 at the 16 columns o0..,
+ *              interleaved (dword n = the pair of column o0 + n);
+ * zero past k and nouter; then transposed as 16 x 16 dwords when tr. */
+static inline void bf16_tile(__m512i t[16], const uint16_t *X, int64_t ld, int64_t o0, int64_t nouter,
+                             int64_t p0, int64_t k, int pairs, int tr, __m512i ileave) {
+    if (!pairs) {
+        const __mmask32 km = tail_mask32(k - p0);
+        for (int r = 0; r < 16; r++)
+            t[r] = o0 + r < nouter ? _mm512_maskz_loadu_epi16(km, X + (o0 + r) * ld + p0) : _mm512_setzero_si512();
+    } else {
+        const __mmask16 cm = tail_mask(nouter - o0);
+        for (int q = 0; q < 16; q++) {
+            const int64_t p = p0 + 2 * q;
+            const __m256i lo = p < k ? _mm256_maskz_loadu_epi16(cm, X + p * ld + o0) : _mm256_setzero_si256();
+            const __m256i hi = p + 1 < k ? _mm256_maskz_loadu_epi16(cm, X + (p + 1) * ld + o0) : _mm256_setzero_si256();
+            t[q] = _mm512_permutexvar_epi16(ileave, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+        }
+    }
+    if (tr) transpose16x16_epi32(t);
+}
+
+/* Every tile (outer, kt) of an operand with nouter x k elements into the
+ * one-part view dst, by bf16_tile; overwrites. */
+static void pack_bf16(amx_view dst, const uint16_t *X, int64_t ld, int64_t nouter, int64_t k, int pairs, int tr) {
+    const __m512i ileave = interleave_idx();
+    for (int64_t ot = 0; ot < ma_cdiv(nouter, 16); ot++)
+        for (int64_t kt = 0; kt < ma_cdiv(k, 32); kt++) {
+            uint16_t *tile = dst.p + ot * dst.os + kt * dst.ks;
+            __m512i t[16];
+            bf16_tile(t, X, ld, ot * 16, nouter, kt * 32, k, pairs, tr, ileave);
+            for (int r = 0; r < 16; r++) _mm512_storeu_si512(tile + r * 32, t[r]);
+        }
+}
+
+/* A (m, k): A[i, p] = X[i ld + p] (trans 0: a tile row is 32 elements of a
+ * row) or X[p ld + i] (trans 1: pairs of rows interleaved, then a 32-bit
+ * transpose). */
+static void amx_pack_a_bf16(amx_view dst, const uint16_t *X, int64_t ld, int64_t m, int64_t k, int trans) {
+    pack_bf16(dst, X, ld, m, k, trans, trans);
+}
+
+/* B (k, n): B[p, j] = X[p ld + j] (trans 0: pairs of rows interleaved) or
+ * X[j ld + p] (trans 1: a row's pairs are a tile column: 16 rows, then a
+ * 32-bit transpose). */
+static void amx_pack_b_bf16(amx_view dst, const uint16_t *X, int64_t ld, int64_t k, int64_t n, int trans) {
+    pack_bf16(dst, X, ld, n, k, !trans, trans);
+}
+
 #endif /* MA_TILES_PACK_H */
