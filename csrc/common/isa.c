@@ -44,11 +44,12 @@ int ma_isa_available(ma_isa isa) {
 
 /* AMX for bfloat16 and float16 only: float32 on tiles needs 6 bf16 products
  * per float product to keep float32's accuracy, and is no faster than the
- * AVX-512 FMAs (docs/performance.md). AVX512-BF16 without AMX is never the
- * default: with P and dS in two bf16 parts (the accuracy rule) its products
- * do 0.78x the multiply work of the FMAs and its packing more than takes
- * that back in an instruction count (docs/design.md, section 6); until a
- * timing on such a CPU shows it faster, MASKED_ATTN_ISA=avx512bf16 asks for it. */
+ * AVX-512 FMAs (docs/performance.md). AVX512-BF16 without AMX is not the
+ * default yet: checked on an emulated CPU only, where its multiply-adds are
+ * about half of the FMAs' in an inference forward and 0.8x to 0.9x in
+ * training (P and dS in two bf16 parts: the accuracy rule; docs/design.md,
+ * section 6), but no CPU with AVX512-BF16 has timed it. Until one does,
+ * MASKED_ATTN_ISA=avx512bf16 asks for it. */
 ma_isa ma_isa_best(ma_dtype dt) {
     if ((dt == MA_BF16 || dt == MA_F16) && ma_isa_available(MA_ISA_AMX)) return MA_ISA_AMX;
     if (ma_isa_available(MA_ISA_AVX512)) return MA_ISA_AVX512;

@@ -47,7 +47,7 @@ static inline __m512 emu_dpbf16_ps(__m512 acc, __m512bh a, __m512bh b) {
 /* run.py --count: one instruction each, as on the real CPU, with the same
  * operands and no meaning (the instruction count is what is measured). */
 #define _mm512_cvtne2ps_pbh(a, b) ((__m512bh)_mm512_packus_epi32(_mm512_castps_si512(b), _mm512_castps_si512(a)))
-#define _mm512_dpbf16_ps(acc, a, b) _mm512_fmadd_ps((__m512)(a), (__m512)(b), acc)
+#define _mm512_dpbf16_ps(acc, a, b) _mm512_fmaddsub_ps((__m512)(a), (__m512)(b), acc) /* its own mnemonic */
 #else
 #define _mm512_cvtne2ps_pbh emu_cvtne2ps_pbh
 #define _mm512_dpbf16_ps emu_dpbf16_ps

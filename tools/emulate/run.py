@@ -4,6 +4,7 @@ reference and float64: forward (out, lse) and single-pass backward (dq, dk,
 dv), bfloat16 (or float32) inputs, every mask kind the C interface takes.
 
     python tools/emulate/run.py [--isa avx512bf16,avx512] [--dtype bf16|f32] [--quick] [--fuzz N [--seed S]]
+    python tools/emulate/run.py --count B,H,L,D [--isa ...]     (instructions executed, by class)
 
 The emulator is Bochs's CPU, through bochscpu-python (PyPI): it has AVX-512
 F/BW/DQ/VL but not AVX512-BF16, so the avx512bf16 build replaces the two
@@ -19,7 +20,9 @@ with a small preloaded library where the system lacks them). Exit status 1
 when any case exceeds its tolerance.
 """
 import argparse
+import collections
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -154,8 +157,9 @@ class Machine:
         return bytes(self.b.memory.virt_read(self.cr3, addr, n))
 
     def call(self, fn, arg, count=False):
-        """fn(arg) on the emulated CPU until it returns (to emu_halt); with count, the number
-        of instructions it executed (slow: a Python call per instruction), else None."""
+        """fn(arg) on the emulated CPU until it returns (to emu_halt); with count, how many
+        times it executed the instruction at each address, {rip: n} (slow: a Python call per
+        instruction), else None."""
         b = self.b
         sess = b.Session()
 
@@ -185,14 +189,17 @@ class Machine:
             s.stop()
 
         hook.exception = exception
-        executed = [0]
+        executed = collections.Counter()
         if count:
-            def after(s, cpu_id, insn):
-                executed[0] += 1
-            hook.after_execution = after
+            def before(s, cpu_id, insn):
+                executed[s.cpu.rip] += 1
+            hook.before_execution = before
         sess.run([hook])
         if fault and fault[0][0] == 13 and fault[0][2] - self.syms["emu_halt"] in (0, 1):
-            return executed[0] if count else None  # returned: HLT at user privilege faults (#GP), ending the run
+            if count:  # returned: HLT at user privilege faults (#GP), ending the run
+                executed[fault[0][2]] -= 1  # (the HLT itself)
+                return executed
+            return None
         if fault:
             vector, code, rip = fault[0]
             name = {v: k for k, v in self.syms.items()}
@@ -255,6 +262,28 @@ def random_cases(n, seed):
         out.append((f"fuzz {seed}:{i} B={B} H={H}/{Hkv} L={Lq}x{Lk} D={D}/{Dv} {sorted(o)}", B, H, Hkv, Lq, Lk, D,
                     Dv, o))
     return out
+
+
+# run.py --count's classes of instructions, by mnemonic (objdump). In the count build the
+# VDPBF16PS stand-in is VFMADDSUB231PS (emu_bf16.h), which nothing else uses.
+MIX = (("VDPBF16PS", ("vfmaddsub",)), ("FMA", ("vfmadd", "vfmsub", "vfnmadd", "vfnmsub")),
+       ("other vector", ("v",)), ("scalar", ("",)))
+
+
+def instruction_mix(elf, counts):
+    """{class: instructions executed} of a count ({rip: n}), by MIX."""
+    ops = {}
+    dump = subprocess.run(["objdump", "-d", "--no-show-raw-insn", elf], capture_output=True, text=True,
+                          check=True).stdout
+    for line in dump.splitlines():
+        m = re.match(r"\s*([0-9a-f]+):\s+(\S+)", line)
+        if m:
+            ops[int(m.group(1), 16)] = m.group(2)
+    mix = collections.Counter()
+    for rip, n in counts.items():
+        op = ops.get(rip, "")
+        mix[next(name for name, prefixes in MIX if op.startswith(prefixes))] += n
+    return mix
 
 
 def count_case(m, isa, dtype, case, torch):
@@ -424,8 +453,9 @@ def main():
     ap.add_argument("--quick", action="store_true", help="five of the fixed cases only")
     ap.add_argument("--fuzz", type=int, default=0, metavar="N", help="N random cases after the fixed ones")
     ap.add_argument("--seed", type=int, default=0, help="of the random cases")
-    ap.add_argument("--count", metavar="B,H,L,D", help="instead: count the instructions of one causal "
-                    "forward and forward + backward of this shape, per ISA (a Python call per instruction: slow)")
+    ap.add_argument("--count", metavar="B,H,L,D", help="instead: count the instructions a causal forward "
+                    "(inference, and before a backward) and backward of this shape execute, per ISA, by class "
+                    "(VDPBF16PS, FMA, other vector, scalar; a Python call per instruction: slow)")
     args = ap.parse_args()
     isas = args.isa.split(",")
     for isa in isas:
@@ -443,8 +473,11 @@ def main():
             for isa in isas:
                 infer, fwd, both = count_case(m, isa, args.dtype, ("count", B, H, H, L, L, D, D, dict(causal=True)),
                                               torch)
-                print(f"{isa} {args.dtype} B={B} H={H} L={L} D={D} causal: forward {infer:,} instructions "
-                      f"(inference), {fwd:,} (training), backward {both - fwd:,}", flush=True)
+                print(f"{isa} {args.dtype} B={B} H={H} L={L} D={D} causal:")
+                for what, c in (("forward (inference)", infer), ("forward (training)", fwd), ("backward", both - fwd)):
+                    mix = instruction_mix(elf, c)
+                    print(f"  {what:20s} {sum(mix.values()):>12,} instructions: " +
+                          ", ".join(f"{name} {mix[name]:,}" for name, _ in MIX), flush=True)
             return
         failed = 0
         cases = [c for c in CASES if not args.quick or c[0] in QUICK] + random_cases(args.fuzz, args.seed)
