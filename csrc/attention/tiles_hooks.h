@@ -234,21 +234,52 @@ static void FN(tiles_fwd_query)(FN(tiles) *s, int64_t b, int64_t h, int64_t hk, 
     amx_pack_b(s->qb, s->ft->qT, nr, p->a.D, nr);
 }
 
+/* A tile (i0, nr) x (j0, nc) that the band's upper bound (causal) cuts: its
+ * products go by blocks of FWD_QB queries, each over the keys one of them can
+ * see (band_keys). The band then overwrites every score left out with -inf
+ * (attention_tmpl.h, add_bias), and P is 0 there. */
+#define FWD_QB 32
+static inline int band_cuts(const ma_attn_args *a, int64_t i0, int64_t j0, int64_t nc) {
+    return a->band_hi < MA_BAND_INF && j0 + nc - 1 - i0 > a->band_hi;
+}
+
+/* The first keys of (j0, nc) that queries i0 + c0 .. i0 + c0 + w - 1 can see
+ * (j - i <= band_hi); every later key is hidden from all of them. */
+static inline int64_t band_keys(const ma_attn_args *a, int64_t i0, int64_t c0, int64_t w, int64_t j0, int64_t nc) {
+    return ma_max(0, ma_min(nc, i0 + c0 + w + a->band_hi - j0));
+}
+
 static void FN(tiles_fwd_scores)(FN(tiles) *s, float *sT, int64_t i0, int64_t j0, int64_t nc) {
-    (void)i0;
-    tile_gemm(nc, s->nr, s->fp->a.D, amx_rows(s->ka, j0), s->qb, sT, s->nr, 0, s->pr.terms);
-    scale_inplace(sT, nc * s->nr, (float)s->fp->a.scale);
+    const ma_attn_args *a = &s->fp->a;
+    const int64_t nr = s->nr;
+    if (!band_cuts(a, i0, j0, nc))
+        tile_gemm(nc, nr, a->D, amx_rows(s->ka, j0), s->qb, sT, nr, 0, s->pr.terms);
+    else
+        for (int64_t c0 = 0; c0 < nr; c0 += FWD_QB) {
+            const int64_t w = ma_min(FWD_QB, nr - c0), m = band_keys(a, i0, c0, w, j0, nc);
+            if (m > 0) tile_gemm(m, w, a->D, amx_rows(s->ka, j0), amx_rows(s->qb, c0), sT + c0, nr, 0, s->pr.terms);
+        }
+    scale_inplace(sT, nc * nr, (float)a->scale);
 }
 
 static void FN(tiles_fwd_pv)(FN(tiles) *s, float *oT, const float *alpha, const float *sT, int64_t i0, int64_t j0,
                              int64_t nc) {
-    (void)i0;
-    const int64_t nr = s->nr, Dv = s->fp->a.Dv;
+    const ma_attn_args *a = &s->fp->a;
+    const int64_t nr = s->nr, Dv = a->Dv;
     if (alpha)
         for (int64_t d = 0; d < Dv; d++)
             for (int64_t r = 0; r < nr; r++) oT[d * nr + r] *= alpha[r];
     amx_pack_b(s->pb, sT, nr, nc, nr);
-    tile_gemm_kclip(Dv, nr, nc, amx_krows(s->vta, j0), s->pb, oT, nr, 1, s->pr.terms, s->fa.clip);
+    const amx_view vt = amx_krows(s->vta, j0);
+    if (!band_cuts(a, i0, j0, nc)) {
+        tile_gemm_kclip(Dv, nr, nc, vt, s->pb, oT, nr, 1, s->pr.terms, s->fa.clip);
+        return;
+    }
+    for (int64_t c0 = 0; c0 < nr; c0 += FWD_QB) { /* keys past band_keys have P = 0: whole k tiles left out */
+        const int64_t w = ma_min(FWD_QB, nr - c0), k = ma_min(nc, ma_round_up(band_keys(a, i0, c0, w, j0, nc), 32));
+        if (k == nc) tile_gemm_kclip(Dv, w, nc, vt, amx_rows(s->pb, c0), oT + c0, nr, 1, s->pr.terms, s->fa.clip);
+        else if (k > 0) tile_gemm(Dv, w, k, vt, amx_rows(s->pb, c0), oT + c0, nr, 1, s->pr.terms);
+    }
 }
 
 static float *FN(tiles_fwd_o_rows)(FN(tiles) *s, float *oT) {
