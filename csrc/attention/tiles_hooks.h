@@ -399,28 +399,70 @@ static void FN(tiles_bwd_keys)(FN(tiles) *s, int64_t j0, int64_t nc) {
     for (int64_t x = 0; x < Dv * nc; x++) s->dvT[x] = 0;
 }
 
+/* C (nr, nc) = A (rows i0.., k) @ B (k, nc) for s = Q K^T and dP = dO V^T. A
+ * tile the band cuts goes by blocks of 16 queries, each over the keys one of
+ * them can see (band_keys); the rest of C is zeroed: the band writes -inf over
+ * those scores, and dS = P (dP - delta) needs a finite dP where P is 0. */
+static void bwd_query_rows(const FN(tiles) *s, float *C, amx_view a, amx_view b, int64_t k, int64_t i0, int64_t nr) {
+    const ma_attn_args *ar = &s->bp->a;
+    const int64_t nc = s->nc, j0 = s->j0;
+    if (!band_cuts(ar, i0, j0, nc)) {
+        tile_gemm(nr, nc, k, amx_rows(a, i0), b, C, nc, 0, s->pr.terms);
+        return;
+    }
+    for (int64_t r0 = 0; r0 < nr; r0 += 16) {
+        const int64_t m = ma_min(16, nr - r0), n = band_keys(ar, i0, r0, m, j0, nc);
+        if (n > 0) tile_gemm(m, n, k, amx_rows(a, i0 + r0), b, C + r0 * nc, nc, 0, s->pr.terms);
+        for (int64_t r = r0; r < r0 + m; r++) memset(C + r * nc + n, 0, (size_t)(nc - n) * sizeof(float));
+    }
+}
+
+/* C (m, nc) += A (m, queries i0..) @ B (queries, nc) for dK^T = Q^T dS and
+ * dV^T = dO^T P: on a tile the band cuts, each block of 32 keys from the k
+ * tile of the first query that can see one of them (dS and P are 0 before). */
+static void bwd_key_cols(const FN(tiles) *s, float *C, amx_view a, amx_view b, int64_t m, int64_t i0, int64_t nr) {
+    const ma_attn_args *ar = &s->bp->a;
+    const int64_t nc = s->nc, j0 = s->j0;
+    if (!band_cuts(ar, i0, j0, nc)) {
+        tile_gemm(m, nc, nr, a, b, C, nc, 1, s->pr.terms);
+        return;
+    }
+    for (int64_t c0 = 0; c0 < nc; c0 += FWD_QB) {
+        const int64_t w = ma_min(FWD_QB, nc - c0), k0 = ma_max(0, j0 + c0 - ar->band_hi - i0) / 32 * 32;
+        if (k0 < nr) tile_gemm(m, w, nr - k0, amx_krows(a, k0), amx_krows(amx_rows(b, c0), k0), C + c0, nc, 1, s->pr.terms);
+    }
+}
+
 static void FN(tiles_bwd_scores)(FN(tiles) *s, int64_t g, int64_t h, int64_t i0, int64_t nr) {
     (void)h;
     const ma_attn_bwd_params *p = s->bp;
-    tile_gemm(nr, s->nc, p->a.D, amx_rows(bwd_view(s, 0, g), i0), s->ktb, s->bt->s, s->nc, 0, s->pr.terms);
+    bwd_query_rows(s, s->bt->s, bwd_view(s, 0, g), s->ktb, p->a.D, i0, nr);
     scale_inplace(s->bt->s, nr * s->nc, (float)p->a.scale);
 }
 
 static void FN(tiles_bwd_dp)(FN(tiles) *s, int64_t g, int64_t h, int64_t i0, int64_t nr) {
     (void)h;
-    tile_gemm(nr, s->nc, s->bp->a.Dv, amx_rows(bwd_view(s, 2, g), i0), s->vtb, s->bt->dp, s->nc, 0, s->pr.terms);
+    bwd_query_rows(s, s->bt->dp, bwd_view(s, 2, g), s->vtb, s->bp->a.Dv, i0, nr);
 }
 
 static void FN(tiles_bwd_accum)(FN(tiles) *s, float *dq_i, int64_t g, int64_t h, int64_t i0, int64_t nr) {
     (void)h;
-    const int64_t nc = s->nc, D = s->bp->a.D, Dv = s->bp->a.Dv, terms = s->pr.terms;
+    const ma_attn_args *a = &s->bp->a;
+    const int64_t nc = s->nc, D = a->D, Dv = a->Dv, terms = s->pr.terms;
     const FN(bwd_scratch) *t = s->bt;
     amx_pack_b(s->dsb, t->dp, nc, nr, nc);
-    tile_gemm(D, nc, nr, amx_krows(bwd_view(s, 1, g), i0), s->dsb, s->dkT, nc, 1, terms);
+    bwd_key_cols(s, s->dkT, amx_krows(bwd_view(s, 1, g), i0), s->dsb, D, i0, nr);
     amx_pack_a(s->dsa, t->dp, nc, 1, nr, nc);
-    tile_gemm(nr, D, nc, s->dsa, s->kb, dq_i, D, 1, terms);
+    if (!band_cuts(a, i0, s->j0, nc))
+        tile_gemm(nr, D, nc, s->dsa, s->kb, dq_i, D, 1, terms);
+    else /* by blocks of 16 queries, over the k tiles of the keys they can see */
+        for (int64_t r0 = 0; r0 < nr; r0 += 16) {
+            const int64_t m = ma_min(16, nr - r0);
+            const int64_t k = ma_min(nc, (int64_t)ma_round_up((size_t)band_keys(a, i0, r0, m, s->j0, nc), 32));
+            if (k > 0) tile_gemm(m, D, k, amx_rows(s->dsa, r0), s->kb, dq_i + r0 * D, D, 1, terms);
+        }
     amx_pack_b(s->pbb, t->s, nc, nr, nc);
-    tile_gemm(Dv, nc, nr, amx_krows(bwd_view(s, 3, g), i0), s->pbb, s->dvT, nc, 1, terms);
+    bwd_key_cols(s, s->dvT, amx_krows(bwd_view(s, 3, g), i0), s->pbb, Dv, i0, nr);
 }
 
 static void FN(tiles_bwd_keys_end)(FN(tiles) *s, int64_t nc) {

@@ -46,7 +46,7 @@ int ma_isa_available(ma_isa isa) {
  * per float product to keep float32's accuracy, and is no faster than the
  * AVX-512 FMAs (docs/performance.md). AVX512-BF16 without AMX is not the
  * default yet: checked on an emulated CPU only, where its multiply-adds are
- * about half of the FMAs' in an inference forward and 0.8x to 0.9x in
+ * about half of the FMAs' in an inference forward and about 0.8x in
  * training (P and dS in two bf16 parts: the accuracy rule; docs/design.md,
  * section 6), but no CPU with AVX512-BF16 has timed it. Until one does,
  * MASKED_ATTN_ISA=avx512bf16 asks for it. */

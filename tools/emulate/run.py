@@ -230,7 +230,8 @@ CASES = [
     ("inference causal", 1, 8, 8, 200, 200, 64, 64, dict(causal=True, inference=True)),
     ("inference masks gqa", 2, 8, 2, 97, 150, 48, 40, dict(kpm=True, attn_mask=True, inference=True)),
 ]
-QUICK = ("plain", "causal+kpm gqa", "float mask + head mask", "softcap causal", "inference masks gqa")
+QUICK = ("plain", "causal+kpm gqa", "float mask + head mask", "window both sides", "softcap causal",
+         "inference masks gqa")
 
 
 def random_cases(n, seed):
@@ -450,7 +451,7 @@ def main():
     ap.add_argument("--isa", default="avx512bf16",
                     help="avx512bf16, avx512 (or scalar), or several separated by commas")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
-    ap.add_argument("--quick", action="store_true", help="five of the fixed cases only")
+    ap.add_argument("--quick", action="store_true", help="six of the fixed cases only")
     ap.add_argument("--fuzz", type=int, default=0, metavar="N", help="N random cases after the fixed ones")
     ap.add_argument("--seed", type=int, default=0, help="of the random cases")
     ap.add_argument("--count", metavar="B,H,L,D", help="instead: count the instructions a causal forward "
