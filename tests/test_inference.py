@@ -84,9 +84,25 @@ def test_mha_passes_for_backward():
     mha.eval()
     with torch.no_grad():
         assert _flags(lambda: mha(x, x, x)) == [False]
-    mha.requires_grad_(False)
+    hm = torch.rand(4, dtype=torch.bfloat16, requires_grad=True)
+    with torch.no_grad():  # an input that requires grad, grad mode off: no backward can follow
+        assert _flags(lambda: mha(x, x, x, head_mask=hm)) == [False]
     mha.train()
+    mha.recompute_projection = True  # the whole block as one node
+    assert _flags(lambda: mha(x, x, x)) == [True]
+    mha.recompute_projection = None
+    mha.requires_grad_(False)
     assert _flags(lambda: mha(x, x, x)) == [False]
+
+
+@pytest.mark.parametrize("kw", [dict(head_mask=[1.0] * 4), dict(key_padding_mask=[[False] * 33] * 2)],
+                         ids=["head_mask", "key_padding_mask"])
+def test_non_tensor_mask_gets_the_op_error(kw):
+    """grad_wanted looks only at tensors: a list where a mask belongs still gets
+    the op's own error, which names the argument."""
+    q, k, v = _qkv()
+    with pytest.raises(RuntimeError, match=next(iter(kw))):
+        tmaF.masked_attention(q, k, v, **kw)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)

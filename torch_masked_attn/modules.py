@@ -43,11 +43,12 @@ class _PackedSelfAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, attn_mask, key_padding_mask, head_mask, is_causal, need_weights, batch_first,
-                dropout_p, dropout_seed):
+                dropout_p, dropout_seed, grad_on):
+        # grad_on: the caller's grad mode (forward runs without it, and needs_input_grad ignores it)
         q, k, v = _split_qkv(qkv, batch_first)
         out, lse, weights, out_lo = torch.ops.masked_attn.forward(
             q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, None, need_weights, dropout_p, dropout_seed,
-            for_backward=any(ctx.needs_input_grad))
+            for_backward=grad_on and any(ctx.needs_input_grad))
         ctx.save_for_backward(qkv, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed,
                               saved_out_lo(out_lo))
         ctx.is_causal, ctx.need_weights, ctx.batch_first = is_causal, need_weights, batch_first
@@ -66,7 +67,7 @@ class _PackedSelfAttention(torch.autograd.Function):
             grad_weights if ctx.need_weights else None, into=_split_qkv(grad_qkv, ctx.batch_first),
             dropout_p=ctx.dropout_p, dropout_seed=dropout_seed, out_lo=out_lo)
         return first_order_only("MultiheadAttention", saved[:6], grad_qkv, d_am, d_kpm,
-                                dhm) + (None,) * 5
+                                dhm) + (None,) * 6
 
 
 def _merge_heads(t, batch_first):
@@ -91,12 +92,12 @@ class _RecomputedSelfAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_in, b_in, w_out, b_out, attn_mask, key_padding_mask, head_mask, is_causal,
-                batch_first, H, dropout_p, dropout_seed):
+                batch_first, H, dropout_p, dropout_seed, grad_on):
         qkv = F.linear(x, w_in, b_in).unflatten(-1, (3, H, -1))
         q, k, v = _split_qkv(qkv, batch_first)
         out, lse, _, out_lo = torch.ops.masked_attn.forward(
             q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, None, False, dropout_p, dropout_seed,
-            for_backward=any(ctx.needs_input_grad))
+            for_backward=grad_on and any(ctx.needs_input_grad))
         del qkv, q, k, v
         ctx.save_for_backward(x, w_in, b_in, w_out, out, lse, attn_mask, key_padding_mask, head_mask,
                               dropout_seed, saved_out_lo(out_lo))
@@ -130,7 +131,7 @@ class _RecomputedSelfAttention(torch.autograd.Function):
             db_in = d2.sum(0) if need_b_in and b_in is not None else None
             dx = dqkv @ w_in if need_x else None
         return first_order_only("MultiheadAttention", saved[:9], dx, dw_in, db_in, dw_out, db_out,
-                                d_am, d_kpm, dhm) + (None,) * 5
+                                d_am, d_kpm, dhm) + (None,) * 6
 
 
 def _calls_self_attn(module, args):
@@ -319,13 +320,14 @@ class MultiheadAttention(nn.MultiheadAttention):
             attn = _RecomputedSelfAttention.apply(query, self.in_proj_weight, self.in_proj_bias,
                                                   self.out_proj.weight, self.out_proj.bias, attn_mask,
                                                   key_padding_mask, head_mask, causal, bf, H, dropout_p,
-                                                  dropout_seed)
+                                                  dropout_seed, torch.is_grad_enabled())
             return (attn if is_batched else attn.squeeze(1)), None
         if packed and extra_keys == 0 and kernels:
             # one fused projection, and its gradient written in place by the kernel
             qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias).unflatten(-1, (3, H, hd))
             out = _PackedSelfAttention.apply(qkv, attn_mask, key_padding_mask, head_mask, causal,
-                                             bool(need_weights), bf, dropout_p, dropout_seed)
+                                             bool(need_weights), bf, dropout_p, dropout_seed,
+                                             torch.is_grad_enabled())
         else:
             if packed:
                 qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)

@@ -197,7 +197,8 @@ class Machine:
         sess.run([hook])
         if fault and fault[0][0] == 13 and fault[0][2] - self.syms["emu_halt"] in (0, 1):
             if count:  # returned: HLT at user privilege faults (#GP), ending the run
-                executed[fault[0][2]] -= 1  # (the HLT itself)
+                if executed[fault[0][2]] > 0:
+                    executed[fault[0][2]] -= 1  # (the HLT itself)
                 return executed
             return None
         if fault:
@@ -475,8 +476,9 @@ def main():
                 infer, fwd, both = count_case(m, isa, args.dtype, ("count", B, H, H, L, L, D, D, dict(causal=True)),
                                               torch)
                 print(f"{isa} {args.dtype} B={B} H={H} L={L} D={D} causal:")
-                for what, c in (("forward (inference)", infer), ("forward (training)", fwd), ("backward", both - fwd)):
-                    mix = instruction_mix(elf, c)
+                mixes = [instruction_mix(elf, c) for c in (infer, fwd, both)]
+                mixes[2] = {name: mixes[2][name] - mixes[1][name] for name, _ in MIX}  # the backward alone
+                for what, mix in zip(("forward (inference)", "forward (training)", "backward"), mixes):
                     print(f"  {what:20s} {sum(mix.values()):>12,} instructions: " +
                           ", ".join(f"{name} {mix[name]:,}" for name, _ in MIX), flush=True)
             return
