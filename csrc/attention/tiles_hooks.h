@@ -206,17 +206,15 @@ static void fwd_pack_head(FN(tiles) *s, int64_t b, int64_t hk) {
     if (kx && vx) {
         amx_pack_a_bf16(s->ka, kx, ldk, Lk, D, 0);
         amx_pack_a_bf16(s->vta, vx, ldv, Dv, Lk, 1);
-        s->hdr->tag[0] = key;
-        return;
-    }
-    for (int64_t r0 = 0; r0 < Lk; r0 += BK) {
-        const int64_t nr = ma_min(BK, Lk - r0);
-        int64_t ld;
-        const float *k_r = FN(rows)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, r0, nr, D, s->fa.rows, &ld);
-        amx_pack_a(amx_rows(s->ka, r0), k_r, ld, 1, nr, D);
-        const float *v_r = FN(rows)(p->a.v, p->a.dtype, p->a.v_stride, b, hk, r0, nr, Dv, s->fa.rows, &ld);
-        amx_pack_a(amx_krows(s->vta, r0), v_r, 1, ld, Dv, nr);
-    }
+    } else
+        for (int64_t r0 = 0; r0 < Lk; r0 += BK) {
+            const int64_t nr = ma_min(BK, Lk - r0);
+            int64_t ld;
+            const float *k_r = FN(rows)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, r0, nr, D, s->fa.rows, &ld);
+            amx_pack_a(amx_rows(s->ka, r0), k_r, ld, 1, nr, D);
+            const float *v_r = FN(rows)(p->a.v, p->a.dtype, p->a.v_stride, b, hk, r0, nr, Dv, s->fa.rows, &ld);
+            amx_pack_a(amx_krows(s->vta, r0), v_r, 1, ld, Dv, nr);
+        }
     s->hdr->tag[0] = key;
 }
 
@@ -235,10 +233,10 @@ static void FN(tiles_fwd_query)(FN(tiles) *s, int64_t b, int64_t h, int64_t hk, 
 }
 
 /* A tile (i0, nr) x (j0, nc) that the band's upper bound (causal) cuts: its
- * products go by blocks of FWD_QB queries, each over the keys one of them can
- * see (band_keys). The band then overwrites every score left out with -inf
- * (attention_tmpl.h, add_bias), and P is 0 there. */
-#define FWD_QB 32
+ * products go by blocks of BAND_BLOCK queries (or keys), each over the keys
+ * one of them can see (band_keys). The band then overwrites every score left
+ * out with -inf (attention_tmpl.h, add_bias), and P is 0 there. */
+#define BAND_BLOCK 32
 static inline int band_cuts(const ma_attn_args *a, int64_t i0, int64_t j0, int64_t nc) {
     return a->band_hi < MA_BAND_INF && j0 + nc - 1 - i0 > a->band_hi;
 }
@@ -249,14 +247,19 @@ static inline int64_t band_keys(const ma_attn_args *a, int64_t i0, int64_t c0, i
     return ma_max(0, ma_min(nc, i0 + c0 + w + a->band_hi - j0));
 }
 
+/* band_keys rounded up to whole k tiles of 32 keys (at most nc), for products over the keys. */
+static inline int64_t band_ktiles(const ma_attn_args *a, int64_t i0, int64_t c0, int64_t w, int64_t j0, int64_t nc) {
+    return ma_min(nc, ma_cdiv(band_keys(a, i0, c0, w, j0, nc), 32) * 32);
+}
+
 static void FN(tiles_fwd_scores)(FN(tiles) *s, float *sT, int64_t i0, int64_t j0, int64_t nc) {
     const ma_attn_args *a = &s->fp->a;
     const int64_t nr = s->nr;
     if (!band_cuts(a, i0, j0, nc))
         tile_gemm(nc, nr, a->D, amx_rows(s->ka, j0), s->qb, sT, nr, 0, s->pr.terms);
     else
-        for (int64_t c0 = 0; c0 < nr; c0 += FWD_QB) {
-            const int64_t w = ma_min(FWD_QB, nr - c0), m = band_keys(a, i0, c0, w, j0, nc);
+        for (int64_t c0 = 0; c0 < nr; c0 += BAND_BLOCK) {
+            const int64_t w = ma_min(BAND_BLOCK, nr - c0), m = band_keys(a, i0, c0, w, j0, nc);
             if (m > 0) tile_gemm(m, w, a->D, amx_rows(s->ka, j0), amx_rows(s->qb, c0), sT + c0, nr, 0, s->pr.terms);
         }
     scale_inplace(sT, nc * nr, (float)a->scale);
@@ -275,8 +278,8 @@ static void FN(tiles_fwd_pv)(FN(tiles) *s, float *oT, const float *alpha, const 
         tile_gemm_kclip(Dv, nr, nc, vt, s->pb, oT, nr, 1, s->pr.terms, s->fa.clip);
         return;
     }
-    for (int64_t c0 = 0; c0 < nr; c0 += FWD_QB) { /* keys past band_keys have P = 0: whole k tiles left out */
-        const int64_t w = ma_min(FWD_QB, nr - c0), k = ma_min(nc, ma_round_up(band_keys(a, i0, c0, w, j0, nc), 32));
+    for (int64_t c0 = 0; c0 < nr; c0 += BAND_BLOCK) { /* keys past band_keys have P = 0: whole k tiles left out */
+        const int64_t w = ma_min(BAND_BLOCK, nr - c0), k = band_ktiles(a, i0, c0, w, j0, nc);
         if (k == nc) tile_gemm_kclip(Dv, w, nc, vt, amx_rows(s->pb, c0), oT + c0, nr, 1, s->pr.terms, s->fa.clip);
         else if (k > 0) tile_gemm(Dv, w, k, vt, amx_rows(s->pb, c0), oT + c0, nr, 1, s->pr.terms);
     }
@@ -427,9 +430,10 @@ static void bwd_key_cols(const FN(tiles) *s, float *C, amx_view a, amx_view b, i
         tile_gemm(m, nc, nr, a, b, C, nc, 1, s->pr.terms);
         return;
     }
-    for (int64_t c0 = 0; c0 < nc; c0 += FWD_QB) {
-        const int64_t w = ma_min(FWD_QB, nc - c0), k0 = ma_max(0, j0 + c0 - ar->band_hi - i0) / 32 * 32;
-        if (k0 < nr) tile_gemm(m, w, nr - k0, amx_krows(a, k0), amx_krows(amx_rows(b, c0), k0), C + c0, nc, 1, s->pr.terms);
+    for (int64_t c0 = 0; c0 < nc; c0 += BAND_BLOCK) {
+        const int64_t w = ma_min(BAND_BLOCK, nc - c0), k0 = ma_max(0, j0 + c0 - ar->band_hi - i0) / 32 * 32;
+        if (k0 < nr)
+            tile_gemm(m, w, nr - k0, amx_krows(a, k0), amx_krows(amx_rows(b, c0), k0), C + c0, nc, 1, s->pr.terms);
     }
 }
 
@@ -457,8 +461,7 @@ static void FN(tiles_bwd_accum)(FN(tiles) *s, float *dq_i, int64_t g, int64_t h,
         tile_gemm(nr, D, nc, s->dsa, s->kb, dq_i, D, 1, terms);
     else /* by blocks of 16 queries, over the k tiles of the keys they can see */
         for (int64_t r0 = 0; r0 < nr; r0 += 16) {
-            const int64_t m = ma_min(16, nr - r0);
-            const int64_t k = ma_min(nc, (int64_t)ma_round_up((size_t)band_keys(a, i0, r0, m, s->j0, nc), 32));
+            const int64_t m = ma_min(16, nr - r0), k = band_ktiles(a, i0, r0, m, s->j0, nc);
             if (k > 0) tile_gemm(m, D, k, amx_rows(s->dsa, r0), s->kb, dq_i + r0 * D, D, 1, terms);
         }
     amx_pack_b(s->pbb, t->s, nc, nr, nc);
