@@ -186,11 +186,11 @@ def long_causal(dtype):
     return functional_attention(1, 8, 4096, 64, dtype, None, ("causal",))
 
 
-def long_causal_forward():
+def long_causal_forward(dtype=torch.float32):
     """The forward of long-causal alone (inference-style, no autograd graph):
-    the issue's "% of the FMA peak" figure."""
+    the "% of the FMA peak" figure, and in bfloat16 that of the VDPBF16PS peak."""
     B, H, L, D = 1, 8, 4096, 64
-    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+    q, k, v = (torch.randn(B, H, L, D, dtype=dtype) for _ in range(3))
 
     def native():
         with torch.no_grad():
@@ -202,7 +202,7 @@ def long_causal_forward():
     fl = attention_flops(B, H, L, L, D, causal=True, backward=False)
     return Bench(work=f"B={B} H={H} L={L} D={D} causal, forward only, {gflop(fl)}",
                  natives={"sdpa-causal": native}, ours=ours, flops=fl, attn_flops=fl,
-                 info=dict(B=B, H=H, L=L, D=D, dtype=str(torch.float32)))
+                 info=dict(B=B, H=H, L=L, D=D, dtype=str(dtype)))
 
 
 def softcap_case(cost, dtype=torch.float32, forward_only=False):
@@ -771,6 +771,7 @@ NAMED = {
     "gpt-train": lambda: gpt_train(torch.float32),
     "long-causal": lambda: long_causal(torch.float32),
     "long-causal-fwd": long_causal_forward,
+    "long-causal-fwd-bf16": lambda: long_causal_forward(torch.bfloat16),
     "one-head-long": one_head_long,
     "bert-infer": bert_infer,
     "mha-train": lambda: mha_train(8, 512),
@@ -826,8 +827,8 @@ NAMED = {
 }
 GROUPS = {
     "attention": ["gpt-train", "long-causal", "long-causal-fwd", "one-head-long", "bert-infer", "mha-train",
-                  "gpt-train-bf16", "long-causal-bf16", "decode", "decode-bf16", "hf-mask", "sliding-window",
-                  "varlen", "decode-paged", "decode-interleaved", "decode-interleaved-bf16"],
+                  "gpt-train-bf16", "long-causal-bf16", "long-causal-fwd-bf16", "decode", "decode-bf16", "hf-mask",
+                  "sliding-window", "varlen", "decode-paged", "decode-interleaved", "decode-interleaved-bf16"],
     "dropout": ["gpt-train-dropout", "gpt-train-dropout-cost", "gpt-train-dropout-bf16",
                 "gpt-train-dropout-cost-bf16"],
     "softcap": ["softcap", "softcap-fwd", "softcap-cost", "softcap-cost-fwd", "softcap-cost-bf16"],

@@ -30,6 +30,7 @@ import torch
 
 import bench_cases as cases
 import bench_machine as machine
+from torch_masked_attn import ops as tma_ops
 
 HERE = machine.HERE
 OUT = machine.OUT
@@ -419,8 +420,10 @@ def main():
     t_start = time.perf_counter()
     info = machine.cpu_info()
     info["loadavg_start"] = os.getloadavg()
+    info["variants"] = {str(dt)[6:]: tma_ops.isa_for(dt) for dt in (torch.float32, torch.bfloat16)}
     log(f"torch_masked_attn benchmarks ({mode}): {info['cpu_model']}, torch {info['torch']}, "
-        f"{args.threads} threads, flags {', '.join(k for k, v in info['flags'].items() if v)}")
+        f"{args.threads} threads, flags {', '.join(k for k, v in info['flags'].items() if v)}; kernels "
+        + ", ".join(f"{v} for {dt}" for dt, v in info["variants"].items()))
     measurements = [measure_machine(args.threads, "start")]
     args.fma_exe = measurements[0]["fma"].get("exe")
 
@@ -430,7 +433,7 @@ def main():
     for i, name in enumerate(names, 1):
         log(f"[{i}/{len(names)}] {name}  (elapsed {time.perf_counter() - t_start:.0f} s)")
         results["cases"].append(run_case(name, mode, args))
-        finalize(results, yardsticks)
+        finalize(results, yardsticks, info)
         results["wall_s"] = round(time.perf_counter() - t_start, 1)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
@@ -438,7 +441,7 @@ def main():
     info["loadavg_end"] = os.getloadavg()
     measurements.append(measure_machine(args.threads, "end"))
     yardsticks = machine_yardsticks(info, args.threads, measurements)
-    bl = finalize(results, yardsticks)
+    bl = finalize(results, yardsticks, info)
     png = plot(results["cases"], args.plot)
     results["plot"] = png and os.path.relpath(png, os.path.dirname(HERE))
     png_ce = plot_ce_sweep(results["cases"], args.plot_ce)
@@ -454,10 +457,12 @@ def main():
     log("")
     log(table(results["cases"]))
     log("")
+    log("Kernels: " + ", ".join(f"{v} for {dt}" for dt, v in info["variants"].items()) + ".")
     if y.get("fma_all_threads"):
         log(f"% peak: of the float32 FMA peak, {y['fma_all_threads']:.0f} GFLOP/s on {args.threads} threads "
             f"({y['fma_1thread']:.0f} on 1 thread, {info.get('fma_isa')}; {y['fma_source']}), also for "
-            "bfloat16 cases unless marked (bf16): those of the VDPBF16PS peak"
+            "bfloat16 cases unless marked (bf16): those of the VDPBF16PS peak, where the avx512bf16 kernels run "
+            "them"
             + (f", {y['bf16_all_threads']:.0f} GFLOP/s ({y['bf16_1thread']:.0f} on 1 thread)"
                if y.get("bf16_all_threads") else "")
             + ". GFLOP are nominal (causal halved, padding not subtracted; MHA rows include the projections)."
@@ -512,11 +517,13 @@ def machine_yardsticks(info, threads, measurements):
     return y
 
 
-def finalize(results, y):
+def finalize(results, y, info):
     """% peak and the cross-entropy bandwidth fields from the yardsticks."""
     peak, bf16_peak = y.get("fma_all_threads"), y.get("bf16_all_threads")
+    if info["variants"]["bfloat16"] != "avx512bf16":
+        bf16_peak = None  # AMX or the float32 FMAs run bfloat16 here: VDPBF16PS's peak is no yardstick
     for r in results["cases"]:
-        # bfloat16 cases against the VDPBF16PS peak where the CPU has one, else the float32 FMA peak
+        # bfloat16 cases against the VDPBF16PS peak where its kernels run them, else the float32 FMA peak
         yard = bf16_peak if bf16_peak and "bf16" in r["name"] else peak
         if yard and r.get("gflops"):
             r["pct_peak"] = round(100 * r["gflops"] / yard, 2)

@@ -176,6 +176,22 @@ def test_use_isa_rejects_unknown_and_restores():
     assert tma.ops._clib.ma_isa_forced() == before
 
 
+def test_isa_for_names_the_variant_a_call_gets():
+    """isa_for: the forced variant, else the CPU's best (AMX only for bfloat16
+    and float16, never for float32); a child process, so that no other test's
+    forcing is in effect, and MASKED_ATTN_ISA set to each variant the CPU has."""
+    code = ("import torch, torch_masked_attn as t\n"
+            "print(*(t.ops.isa_for(d) for d in (torch.float32, torch.bfloat16, torch.float16)))")
+    have = [i for i in ("scalar", "avx2", "avx512", "amx", "avx512bf16") if tma.ops.isa_available(i)]
+    fp32, bf16, fp16 = _child(code, {"MASKED_ATTN_ISA": ""}).stdout.split()
+    assert fp32 == [i for i in ("avx512", "avx2", "scalar") if i in have][0]
+    assert bf16 == fp16 == ("amx" if "amx" in have else fp32)
+    for isa in have:
+        assert _child(code, {"MASKED_ATTN_ISA": isa}).stdout.split() == [isa] * 3
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        tma.ops.isa_for(torch.int32)
+
+
 # ---- threads ---------------------------------------------------------------------
 
 def _step(q, k, v, go, kpm):

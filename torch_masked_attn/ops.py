@@ -159,6 +159,20 @@ def isa_available(name: str) -> bool:
     return bool(_clib.ma_isa_available(_ISAS.index(name)))
 
 
+_clib.ma_isa_for.argtypes = [ctypes.c_int]
+_clib.ma_isa_for.restype = ctypes.c_int
+_MA_DTYPE = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3, torch.float16: 4}  # ma_dtype (masked_attn.h)
+
+
+def isa_for(dtype: torch.dtype) -> str:
+    """The kernel variant an attention call in ``dtype`` gets now: the forced
+    one (MASKED_ATTN_ISA, use_isa), else the CPU's best for the dtype. float64
+    names it too, though its kernels are always the scalar double ones."""
+    if dtype not in _MA_DTYPE:
+        raise ValueError(f"dtype must be one of {', '.join(map(str, _MA_DTYPE))}, got {dtype}")
+    return _ISAS[_clib.ma_isa_for(_MA_DTYPE[dtype])]
+
+
 @contextlib.contextmanager
 def use_isa(name: str | None) -> Iterator[None]:
     """Run the kernels with variant ``name`` inside the block (None: the CPU's

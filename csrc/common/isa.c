@@ -45,11 +45,13 @@ int ma_isa_available(ma_isa isa) {
 /* AMX for bfloat16 and float16 only: float32 on tiles needs 6 bf16 products
  * per float product to keep float32's accuracy, and is no faster than the
  * AVX-512 FMAs (docs/performance.md). AVX512-BF16 without AMX is not the
- * default yet: checked on an emulated CPU only, where its multiply-adds are
- * about half of the FMAs' in an inference forward and about 0.8x in
- * training (P and dS in two bf16 parts: the accuracy rule; docs/design.md,
- * section 6), but no CPU with AVX512-BF16 has timed it. Until one does,
- * MASKED_ATTN_ISA=avx512bf16 asks for it. */
+ * default yet: its multiply-add instructions are about half of the FMAs' in
+ * an inference forward and about 0.8x in training (P and dS in two bf16
+ * parts: the accuracy rule; docs/design.md, section 6). Timed only on an
+ * Intel Xeon with AMX, where VDPBF16PS runs at half the FMA's flops and the
+ * variant is 1.8 - 2.9x slower than AVX-512; no CPU with AVX512-BF16 and no
+ * AMX (Zen 4 and 5, where VDPBF16PS issues at the FMA's rate) has timed it.
+ * Until one does, MASKED_ATTN_ISA=avx512bf16 asks for it. */
 ma_isa ma_isa_best(ma_dtype dt) {
     if ((dt == MA_BF16 || dt == MA_F16) && ma_isa_available(MA_ISA_AMX)) return MA_ISA_AMX;
     if (ma_isa_available(MA_ISA_AVX512)) return MA_ISA_AVX512;
