@@ -277,8 +277,9 @@ size_t ma_attn_bwd_scratch_bytes(const ma_attn_bwd_params *p);
 
 /* Or, when ma_attn_bwd_single_pass (no dweights, not varlen): one pass over the key
  * blocks, work item = (b, hkv, key chunk c), chunk c holding key blocks c,
- * c + C, c + 2C, ... (C = ma_attn_bwd_kv_chunks, a rule on the shape alone,
- * so results never depend on the thread count: enough items for 8 threads).
+ * c + C, c + 2C, ... (C = ma_attn_bwd_kv_chunks, a rule on the shape and the
+ * CPUs the process may run on, so results never depend on the thread count:
+ * two items per CPU, at least 8, at most 16 chunks).
  * dk, dv of a key block are written by the one item holding it; dq (and
  * dhm) are accumulated per item: straight into dq when C = 1, else into the
  * chunk's partial sums, which ma_attn_bwd_reduce_task (work item (b, h,
@@ -292,6 +293,10 @@ size_t ma_attn_bwd_scratch_bytes(const ma_attn_bwd_params *p);
  * passes do not allow it.) */
 int ma_attn_bwd_single_pass(const ma_attn_bwd_params *p);
 int64_t ma_attn_bwd_kv_chunks(const ma_attn_bwd_params *p);
+/* Takes the CPU count of ma_attn_bwd_kv_chunks's rule as n (n <= 0: the
+ * machine's again) for every later call, process-wide; returns the previous
+ * setting. For tests (torch_masked_attn.ops.bwd_cpus) and benchmarks. */
+int64_t ma_attn_bwd_cpus_force(int64_t n);
 /* An item of the single pass takes its chunk's key blocks this many at a
  * time, visiting each query block once per group rather than once per key
  * block: more than one where the Q, dO and dq rows of an item's heads would

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import torch_masked_attn as tma
-from conftest import isa_available, run_isa
-from torch_masked_attn.ops import bwd_key_group, use_isa
+from conftest import assert_close_ref, isa_available, run_isa
+from torch_masked_attn.ops import bwd_cpus, bwd_key_group, use_isa
 
 VARIANTS = ["scalar", "avx2", "avx512", "amx", "avx512bf16"]
 
@@ -255,9 +255,17 @@ def test_large_outputs_streamed_same_values(isa, D, masks):
     """16 heads at once (outputs of 4 MB or more: streamed) must give bitwise
     the values of two calls on 8 heads each (under 4 MB: plain stores),
     forward and backward, with rows in the (B, L, H, D) layout the op writes;
-    D = 48 and 80 make rows of 3 and 5 cache lines."""
+    D = 48 and 80 make rows of 3 and 5 cache lines. The backward's key chunks
+    are pinned to one for both (bwd_cpus(1): 8 items or more), as on a
+    machine of up to 4 CPUs: on more, 8 and 16 heads get different chunk
+    counts, which sum dq in another order."""
     if not isa_available(isa):
         pytest.skip(f"this CPU has no {isa}")
+    with bwd_cpus(1):
+        _large_outputs_streamed(isa, D, masks)
+
+
+def _large_outputs_streamed(isa, D, masks):
     torch.manual_seed(0)
     B, H = 1, 16
     L = (4 << 20) // (H * D * 4) + 8
@@ -347,7 +355,7 @@ SPLIT_CASES = {  # (B, H, Hkv, Lq, Lk, D, Dv)
     "gqa": (2, 4, 2, 130, 130, 32, 48),           # B * Hkv = 4: key chunks
     "lq<lk": (1, 2, 1, 100, 190, 48, 16),
     "lq>lk": (1, 2, 2, 190, 100, 48, 16),
-    "one-chunk": (4, 2, 2, 128, 128, 16, 16),     # B * Hkv = 8: kv_chunks 1
+    "one-chunk": (4, 2, 2, 128, 128, 16, 16),     # B * Hkv = 8: kv_chunks 1 (up to 4 CPUs)
     "short-strip": (1, 2, 1, 84, 190, 48, 16),    # last diagonal tile: 20 queries (strips of 16 and 4), 64 keys
 }
 
@@ -509,6 +517,51 @@ def test_key_groups_same_bits():
         for case, grads in results[None].items():
             for i, (a, b) in enumerate(zip(grads, results[n][case])):
                 assert torch.equal(a, b), f"{case}: gradient {i} differs with bwd_key_group({n})"
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
+def test_key_chunks_follow_the_cpu_count(isa):
+    """The single-pass backward splits a head's keys into chunks so that there
+    are two work items per CPU the process may run on, at least 8
+    (ma_attn_bwd_kv_chunks), a count that never changes with the thread count.
+    B * Hkv = 8 here and 5 key blocks: one chunk for 1 and 4 CPUs, 4 chunks
+    for 16, 5 (one per key block) for 64 (ops.bwd_cpus forces the count).
+    Whatever the count: any thread count gives the same bits; out, dk and dv
+    are the same bits (one item writes each key block), dq the same bits
+    where the chunk count is, and within the 2x rule of PyTorch's float32
+    error against float64 where it is not."""
+    if not isa_available(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    torch.manual_seed(3)
+    B, H, Hkv, L, D = 2, 8, 4, 300, 32
+    q, k, v = torch.randn(B, H, L, D), torch.randn(B, Hkv, L, D), torch.randn(B, Hkv, L, D)
+    g = torch.randn(B, H, L, D)
+    threads = torch.get_num_threads()
+    res = {}
+    try:
+        for cpus in (1, 4, 16, 64):
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                with bwd_cpus(cpus):
+                    res[cpus, n] = run_isa(isa, lambda: fwd_bwd(q, k, v, g, is_causal=True))
+    finally:
+        torch.set_num_threads(threads)
+    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+    kr, vr = (t.repeat_interleave(H // Hkv, dim=1) for t in (kd, vd))
+    dq_ref = torch.autograd.grad(F.scaled_dot_product_attention(qd, kr, vr, is_causal=True), qd, g.double())[0]
+    qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+    kfr, vfr = (t.repeat_interleave(H // Hkv, dim=1) for t in (kf, vf))
+    dq_torch = torch.autograd.grad(F.scaled_dot_product_attention(qf, kfr, vfr, is_causal=True), qf, g)[0]
+    for cpus in (1, 4, 16, 64):
+        for a, b in zip(res[cpus, 1], res[cpus, 2]):
+            assert torch.equal(a, b), f"{cpus} CPUs: the thread count changed the bits"
+        out, lse, dq, dk, dv = res[cpus, 1]
+        for i in (0, 1, 3, 4):
+            assert torch.equal(res[cpus, 1][i], res[1, 1][i]), f"{cpus} CPUs: output {i} changed"
+        assert_close_ref(dq, dq_torch, dq_ref, name=f"dq, {cpus} CPUs", dtype=torch.float32)
+    assert torch.equal(res[4, 1][2], res[1, 1][2])
+    # the knob reaches the rule: another chunk count sums dq's key blocks in another order
+    assert not torch.equal(res[16, 1][2], res[1, 1][2]) and not torch.equal(res[64, 1][2], res[16, 1][2])
 
 
 # (B, H, Hkv, Lk, D, Dv, options) for runs of heads: H = 12 so that the takes

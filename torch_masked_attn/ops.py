@@ -133,6 +133,24 @@ def bwd_key_group(n: int | None) -> Iterator[None]:
         _clib.ma_attn_bwd_key_group_force(old)
 
 
+_clib.ma_attn_bwd_cpus_force.argtypes = [ctypes.c_int64]
+_clib.ma_attn_bwd_cpus_force.restype = ctypes.c_int64
+
+
+@contextlib.contextmanager
+def bwd_cpus(n: int | None) -> Iterator[None]:
+    """Inside the block, the single-pass backward sizes its key chunks as if
+    the process could run on ``n`` CPUs (None: the machine's count,
+    ma_attn_bwd_kv_chunks), process-wide; the previous setting is restored
+    after. dk and dv are the same bits for every n, dq only for the same
+    chunk count; a knob for tests and benchmarks."""
+    old = _clib.ma_attn_bwd_cpus_force(0 if n is None else int(n))
+    try:
+        yield
+    finally:
+        _clib.ma_attn_bwd_cpus_force(old)
+
+
 _clib.ma_release_memory.restype = ctypes.c_size_t
 _clib.ma_scratch_idle_bytes.restype = ctypes.c_size_t
 _clib.ma_scratch_last_bytes.restype = ctypes.c_size_t

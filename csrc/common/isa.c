@@ -7,6 +7,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__linux__)
+#include <sched.h>
+#endif
 #if defined(__linux__) && defined(__x86_64__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -110,4 +113,22 @@ int ma_isa_force(int isa) {
 ma_isa ma_isa_for(ma_dtype dt) {
     const int f = ma_isa_forced();
     return f >= 0 ? (ma_isa)f : ma_isa_best(dt);
+}
+
+/* The CPUs this process may run on: its affinity mask (taskset, cpusets), read
+ * once; 1 where it cannot be read. Unlike the thread count, it does not change
+ * while the process runs, so a rule on it keeps results the same bits for any
+ * thread count (ma_attn_bwd_kv_chunks). */
+int64_t ma_cpu_count(void) {
+    static atomic_llong count = 0;
+    long long n = atomic_load(&count);
+    if (n == 0) {
+        n = 1;
+#if defined(__linux__)
+        cpu_set_t set;
+        if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) n = CPU_COUNT(&set);
+#endif
+        atomic_store(&count, n);
+    }
+    return (int64_t)n;
 }

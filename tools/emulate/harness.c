@@ -144,6 +144,8 @@ ma_isa ma_isa_best(ma_dtype dt) {
     (void)dt;
     return MA_ISA_SCALAR;
 }
+int64_t ma_cpu_count(void);
+int64_t ma_cpu_count(void) { return 1; } /* one emulated CPU: the backward's key chunks of a small machine */
 
 /* Word at a time, as a C library's would be, so that instruction counts (run.py --count) stay
  * near a real build's; -fno-tree-loop-distribute-patterns keeps them from calling themselves. */
