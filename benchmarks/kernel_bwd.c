@@ -117,7 +117,7 @@ int main(int argc, char **argv) {
     memcpy(p.dout_stride, st, sizeof st);
     p.kv_chunks = 1;
     p.key_group = ma_attn_bwd_key_group(&p);
-    ma_attn_bwd_cpus_force(1); /* one thread: key chunks as on a machine of up to 4 CPUs (8 items) */
+    ma_attn_bwd_cpus_force(1); /* one thread: key chunks as on a machine of up to 8 CPUs (8 items) */
     if (!ma_attn_bwd_single_pass(&p) || ma_attn_bwd_kv_chunks(&p) != 1) {
         fprintf(stderr, "this shape takes key chunks (B * H < 8): use B * H >= 8\n");
         return 2;

@@ -1,13 +1,13 @@
-"""The single-pass backward's key chunks: the rule before 2026-11-26 (enough
-chunks for 8 work items, which ops.bwd_cpus(4) reproduces) against today's
-(two items per CPU the process may run on), in one process, interleaved,
-backward alone, medians of 7 (docs/performance.md, "Intel Xeon, 16 cores").
-Identical rules on machines of up to 4 CPUs.
+"""The single-pass backward's key chunks under several CPU counts of the rule
+(ma_attn_bwd_kv_chunks: enough chunks for a work item per CPU, at least 8
+items), in one process, interleaved, backward alone, medians of 7
+(docs/performance.md, "Intel Xeon, 16 cores"). A count of 8 or less gives the
+rule before 2026-11-26 (8 items); "machine" is the CPU count the process has.
 
-    .venv/bin/python benchmarks/key_chunks.py THREADS
+    .venv/bin/python benchmarks/key_chunks.py [THREADS] [--cpus 4,8,machine]
 """
+import argparse
 import statistics
-import sys
 import time
 
 import torch
@@ -32,22 +32,27 @@ def backward_seconds(q, k, v, g):
 
 
 def main():
-    threads = int(sys.argv[1]) if len(sys.argv) > 1 else torch.get_num_threads()
-    torch.set_num_threads(threads)
-    print("cpus", ops._clib.ma_cpu_count(), "threads", threads)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("threads", nargs="?", type=int, default=torch.get_num_threads())
+    ap.add_argument("--cpus", default="8,machine",
+                    help="CPU counts for the rule, comma-separated (machine: none forced)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    labels = args.cpus.split(",")
+    print(f"cpus {ops._clib.ma_cpu_count()}, threads {args.threads}; "
+          "backward ms, median of 7, per CPU count of the rule")
     for name, (B, H, Hkv, L, D, dt) in CASES.items():
         q = torch.randn(B, H, L, D, dtype=dt, requires_grad=True)
         k, v = (torch.randn(B, Hkv, L, D, dtype=dt, requires_grad=True) for _ in range(2))
         g = torch.randn(B, H, L, D, dtype=dt)
-        times = {"old": [], "new": []}
+        times = {x: [] for x in labels}
         for rep in range(8):  # the first repetition warms up; the order alternates
-            for label in (("old", "new") if rep % 2 == 0 else ("new", "old")):
-                with ops.bwd_cpus(4 if label == "old" else None):
+            for label in (labels if rep % 2 == 0 else labels[::-1]):
+                with ops.bwd_cpus(None if label == "machine" else int(label)):
                     t = backward_seconds(q, k, v, g)
                 if rep > 0:
                     times[label].append(t)
-        old, new = (statistics.median(times[x]) * 1e3 for x in ("old", "new"))
-        print(f"{name:28s} backward  old {old:8.1f} ms  new {new:8.1f} ms  old/new {old / new:5.2f}")
+        print(f"{name:28s} " + "  ".join(f"{x}: {statistics.median(times[x]) * 1e3:7.1f}" for x in labels))
 
 
 if __name__ == "__main__":

@@ -257,7 +257,7 @@ def test_large_outputs_streamed_same_values(isa, D, masks):
     forward and backward, with rows in the (B, L, H, D) layout the op writes;
     D = 48 and 80 make rows of 3 and 5 cache lines. The backward's key chunks
     are pinned to one for both (bwd_cpus(1): 8 items or more), as on a
-    machine of up to 4 CPUs: on more, 8 and 16 heads get different chunk
+    machine of up to 8 CPUs: on more, 8 and 16 heads get different chunk
     counts, which sum dq in another order."""
     if not isa_available(isa):
         pytest.skip(f"this CPU has no {isa}")
@@ -355,7 +355,7 @@ SPLIT_CASES = {  # (B, H, Hkv, Lq, Lk, D, Dv)
     "gqa": (2, 4, 2, 130, 130, 32, 48),           # B * Hkv = 4: key chunks
     "lq<lk": (1, 2, 1, 100, 190, 48, 16),
     "lq>lk": (1, 2, 2, 190, 100, 48, 16),
-    "one-chunk": (4, 2, 2, 128, 128, 16, 16),     # B * Hkv = 8: kv_chunks 1 (up to 4 CPUs)
+    "one-chunk": (4, 2, 2, 128, 128, 16, 16),     # B * Hkv = 8: kv_chunks 1 (up to 8 CPUs)
     "short-strip": (1, 2, 1, 84, 190, 48, 16),    # last diagonal tile: 20 queries (strips of 16 and 4), 64 keys
 }
 
@@ -522,9 +522,9 @@ def test_key_groups_same_bits():
 @pytest.mark.parametrize("isa", VARIANTS)
 def test_key_chunks_follow_the_cpu_count(isa):
     """The single-pass backward splits a head's keys into chunks so that there
-    are two work items per CPU the process may run on, at least 8
+    is a work item per CPU the process may run on, at least 8
     (ma_attn_bwd_kv_chunks), a count that never changes with the thread count.
-    B * Hkv = 8 here and 5 key blocks: one chunk for 1 and 4 CPUs, 4 chunks
+    B * Hkv = 8 here and 5 key blocks: one chunk for 1 and 4 CPUs, 2 chunks
     for 16, 5 (one per key block) for 64 (ops.bwd_cpus forces the count).
     Whatever the count: any thread count gives the same bits; out, dk and dv
     are the same bits (one item writes each key block), dq the same bits

@@ -192,6 +192,38 @@ def test_isa_for_names_the_variant_a_call_gets():
         tma.ops.isa_for(torch.int32)
 
 
+def _quota_cpus():
+    """A container's CPU quota as Python reads it: cgroup v2 cpu.max, else v1's cfs quota."""
+    def numbers(path):
+        try:
+            with open(path) as f:
+                return [-1 if w == "max" else int(w) for w in f.read().split()[:2]]
+        except (OSError, ValueError):
+            return []
+    v = numbers("/sys/fs/cgroup/cpu.max")
+    if len(v) == 2:
+        return -(-v[0] // v[1]) if v[0] > 0 and v[1] > 0 else 0
+    q, p = numbers("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), numbers("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+    return -(-q[0] // p[0]) if len(q) == 1 and len(p) == 1 and q[0] > 0 and p[0] > 0 else 0
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no affinity mask on this OS")
+def test_cpu_count_is_the_affinity_mask_within_the_quota():
+    """ma_cpu_count (the backward's key-chunk rule reads it): the CPUs of the
+    process's affinity mask, lowered to a container's CPU quota; a child
+    pinned to one CPU sees 1."""
+    want = len(os.sched_getaffinity(0))
+    q = _quota_cpus()
+    if 0 < q < want:
+        want = q
+    assert tma.ops._clib.ma_cpu_count() == want
+    code = ("import os, torch_masked_attn as t\nos.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+            "print(t.ops._clib.ma_cpu_count())")
+    r = _child(code, {})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["1"]
+
+
 # ---- threads ---------------------------------------------------------------------
 
 def _step(q, k, v, go, kpm):

@@ -64,13 +64,14 @@ int ma_attn_bwd_single_pass(const ma_attn_bwd_params *p) {
     return p->dweights == NULL && !p->a.cu_q;
 }
 
-/* Enough (b, hkv, chunk) items for two per CPU the process may run on, and at
+/* Enough (b, hkv, chunk) items for one per CPU the process may run on, and at
  * least 8; never more chunks than key blocks, nor than MA_BWD_KV_CHUNKS_MAX
  * (the partial sums of dq take C times dq's memory). The CPU count is the
  * machine's (ma_cpu_count), not the thread count, so results stay the same
  * bits for any thread count. Before 2026-11-26 the target was 8 items on
  * every machine: on 16 cores, 8 heads of one sequence kept half of them idle
- * in the backward (docs/performance.md, "Intel Xeon, 16 cores"). */
+ * in the backward. Two items per CPU measured no faster there than one, and
+ * cost as much on 2 threads (docs/performance.md, "Intel Xeon, 16 cores"). */
 #define MA_BWD_KV_CHUNKS_MAX 16
 static _Atomic int64_t forced_cpus = 0;
 
@@ -83,7 +84,7 @@ int64_t ma_attn_bwd_cpus_force(int64_t n) {
 int64_t ma_attn_bwd_kv_chunks(const ma_attn_bwd_params *p) {
     const int64_t items = p->a.B * p->a.Hkv, nk = ma_cdiv(p->a.Lk, p->a.block_k);
     const int64_t cpus = forced_cpus > 0 ? forced_cpus : ma_cpu_count();
-    const int64_t want = 2 * cpus > 8 ? 2 * cpus : 8;
+    const int64_t want = cpus > 8 ? cpus : 8;
     if (items <= 0 || nk <= 1 || items >= want) return 1;
     const int64_t c = ma_min(ma_cdiv(want, items), MA_BWD_KV_CHUNKS_MAX);
     return c < nk ? c : nk;

@@ -8,7 +8,9 @@
 #include <string.h>
 
 #if defined(__linux__)
+#include <fcntl.h>
 #include <sched.h>
+#include <unistd.h>
 #endif
 #if defined(__linux__) && defined(__x86_64__)
 #include <sys/syscall.h>
@@ -115,10 +117,49 @@ ma_isa ma_isa_for(ma_dtype dt) {
     return f >= 0 ? (ma_isa)f : ma_isa_best(dt);
 }
 
-/* The CPUs this process may run on: its affinity mask (taskset, cpusets), read
- * once; 1 where it cannot be read. Unlike the thread count, it does not change
- * while the process runs, so a rule on it keeps results the same bits for any
- * thread count (ma_attn_bwd_kv_chunks). */
+#if defined(__linux__)
+/* Up to two numbers from a small file such as cgroup v2's cpu.max ("max 100000" or
+ * "200000 100000"), "max" read as -1; returns how many it read. open/read: no allocation. */
+static int read_numbers(const char *path, long long v[2]) {
+    char buf[64];
+    const int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    const ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    int got = 0;
+    for (const char *s = buf; got < 2;) {
+        while (*s == ' ' || *s == '\n') s++;
+        if (strncmp(s, "max", 3) == 0) {
+            v[got++] = -1, s += 3;
+            continue;
+        }
+        char *end;
+        const long long x = strtoll(s, &end, 10);
+        if (end == s) break;
+        v[got++] = x, s = end;
+    }
+    return got;
+}
+
+/* The CPUs a cgroup CPU quota allows this process's container (cgroup v2's cpu.max, else v1's
+ * cfs quota, as a container sees them under /sys/fs/cgroup), rounded up; 0 where there is none. */
+static long long quota_cpus(void) {
+    long long v[2], w[2];
+    if (read_numbers("/sys/fs/cgroup/cpu.max", v) == 2) return v[0] > 0 && v[1] > 0 ? (v[0] + v[1] - 1) / v[1] : 0;
+    if (read_numbers("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", v) == 1 &&
+        read_numbers("/sys/fs/cgroup/cpu/cpu.cfs_period_us", w) == 1)
+        return v[0] > 0 && w[0] > 0 ? (v[0] + w[0] - 1) / w[0] : 0;
+    return 0;
+}
+#endif
+
+/* The CPUs this process may run on: its affinity mask (taskset, cpusets),
+ * lowered to a container's CPU quota where one is set, read once; 1 where
+ * neither can be read. Unlike the thread count, it does not change while the
+ * process runs, so a rule on it keeps results the same bits for any thread
+ * count (ma_attn_bwd_kv_chunks). */
 int64_t ma_cpu_count(void) {
     static atomic_llong count = 0;
     long long n = atomic_load(&count);
@@ -127,6 +168,8 @@ int64_t ma_cpu_count(void) {
 #if defined(__linux__)
         cpu_set_t set;
         if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) n = CPU_COUNT(&set);
+        const long long q = quota_cpus();
+        if (q > 0 && q < n) n = q;
 #endif
         atomic_store(&count, n);
     }

@@ -30,7 +30,8 @@ int ma_isa_force(int isa);
 /* The forced variant, or -1. */
 int ma_isa_forced(void);
 
-/* The CPUs this process may run on (its affinity mask, read once; >= 1). */
+/* The CPUs this process may run on (its affinity mask, lowered to a
+ * container's CPU quota, read once; >= 1). */
 int64_t ma_cpu_count(void);
 
 #ifdef __cplusplus
