@@ -351,11 +351,20 @@ def _fwd_bwd_all(q, k, v, g, hm=None, am=None, need_weights=False, **kw):
     return (res[0], res[-1]) + tuple(grads) + ((res[1],) if need_weights else ())
 
 
+@pytest.fixture
+def eight_cpus():
+    """The backward's key chunks as on a machine of 8 CPUs (ops.bwd_cpus), so
+    that a test's cases meant for one chunk (8 items) and for several keep
+    them on a machine with more."""
+    with bwd_cpus(8):
+        yield
+
+
 SPLIT_CASES = {  # (B, H, Hkv, Lq, Lk, D, Dv)
     "gqa": (2, 4, 2, 130, 130, 32, 48),           # B * Hkv = 4: key chunks
     "lq<lk": (1, 2, 1, 100, 190, 48, 16),
     "lq>lk": (1, 2, 2, 190, 100, 48, 16),
-    "one-chunk": (4, 2, 2, 128, 128, 16, 16),     # B * Hkv = 8: kv_chunks 1 (up to 8 CPUs)
+    "one-chunk": (4, 2, 2, 128, 128, 16, 16),     # B * Hkv = 8: kv_chunks 1 (eight_cpus)
     "short-strip": (1, 2, 1, 84, 190, 48, 16),    # last diagonal tile: 20 queries (strips of 16 and 4), 64 keys
 }
 
@@ -364,7 +373,7 @@ SPLIT_CASES = {  # (B, H, Hkv, Lq, Lk, D, Dv)
                          ids=[f"{isa}-float32" for isa in VARIANTS] + ["float64"])  # float64 runs the scalar instance
 @pytest.mark.parametrize("case", list(SPLIT_CASES))
 @pytest.mark.parametrize("extra", ["plain", "head", "floatmask", "weights"])
-def test_causal_diagonal_split_is_exact(isa, dtype, case, extra):
+def test_causal_diagonal_split_is_exact(isa, dtype, case, extra, eight_cpus):
     """Under is_causal a diagonal tile is computed in strips of 16 and skips
     what the causal mask hides above them (a strip's queries see no key after
     the strip, its keys are seen by no query before it). The same mask
@@ -500,7 +509,7 @@ def _key_group_grads(isas):
     return out
 
 
-def test_key_groups_same_bits():
+def test_key_groups_same_bits(eight_cpus):
     """The single-pass backward takes a chunk's key blocks several at a time
     where the query rows of an item outgrow L2 (ma_attn_bwd_key_group); each
     dq row still sums its key blocks in key order and each dk, dv row its

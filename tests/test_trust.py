@@ -207,21 +207,39 @@ def _quota_cpus():
     return -(-q[0] // p[0]) if len(q) == 1 and len(p) == 1 and q[0] > 0 and p[0] > 0 else 0
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no affinity mask on this OS")
-def test_cpu_count_is_the_affinity_mask_within_the_quota():
-    """ma_cpu_count (the backward's key-chunk rule reads it): the CPUs of the
-    process's affinity mask, lowered to a container's CPU quota; a child
-    pinned to one CPU sees 1."""
-    want = len(os.sched_getaffinity(0))
-    q = _quota_cpus()
-    if 0 < q < want:
-        want = q
+def _cpuset_cpus():
+    """The CPUs of the container's cgroup cpuset list ("0-3,8-11"), 0 where there is none."""
+    for path in ("/sys/fs/cgroup/cpuset.cpus.effective", "/sys/fs/cgroup/cpuset/cpuset.effective_cpus"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        n = 0
+        for part in filter(None, text.split(",")):
+            lo, _, hi = part.partition("-")
+            n += int(hi or lo) - int(lo) + 1
+        return n
+    return 0
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no affinity mask on this OS")
+def test_cpu_count_is_the_machines_within_the_container():
+    """ma_cpu_count (the backward's key-chunk rule reads it): the online CPUs,
+    lowered to the container's cgroup cpuset and CPU quota, never the calling
+    thread's affinity: a child whose main thread pins itself to one CPU
+    before its first call (as OMP_PROC_BIND does) still sees the same count,
+    so which thread asks first cannot change the results' bits."""
+    want = os.cpu_count()
+    for limit in (_cpuset_cpus(), _quota_cpus()):
+        if 0 < limit < want:
+            want = limit
     assert tma.ops._clib.ma_cpu_count() == want
     code = ("import os, torch_masked_attn as t\nos.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
             "print(t.ops._clib.ma_cpu_count())")
     r = _child(code, {})
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["1"]
+    assert r.stdout.split() == [str(want)]
 
 
 # ---- threads ---------------------------------------------------------------------

@@ -1,6 +1,8 @@
 /* dispatch.c -- the public attention task functions (masked_attn.h): the one
  * switch from (dtype, instruction set) to an instance of attention_tmpl.h,
  * and the work split the shim plans with. */
+#include <stdatomic.h>
+
 #include "blocks.h"
 #include "common/dtype.h"
 #include "common/isa.h"
@@ -75,15 +77,11 @@ int ma_attn_bwd_single_pass(const ma_attn_bwd_params *p) {
 #define MA_BWD_KV_CHUNKS_MAX 16
 static _Atomic int64_t forced_cpus = 0;
 
-int64_t ma_attn_bwd_cpus_force(int64_t n) {
-    const int64_t old = forced_cpus;
-    forced_cpus = n > 0 ? n : 0;
-    return old;
-}
+int64_t ma_attn_bwd_cpus_force(int64_t n) { return atomic_exchange(&forced_cpus, n > 0 ? n : 0); }
 
 int64_t ma_attn_bwd_kv_chunks(const ma_attn_bwd_params *p) {
     const int64_t items = p->a.B * p->a.Hkv, nk = ma_cdiv(p->a.Lk, p->a.block_k);
-    const int64_t cpus = forced_cpus > 0 ? forced_cpus : ma_cpu_count();
+    const int64_t forced = atomic_load(&forced_cpus), cpus = forced > 0 ? forced : ma_cpu_count();
     const int64_t want = cpus > 8 ? cpus : 8;
     if (items <= 0 || nk <= 1 || items >= want) return 1;
     const int64_t c = ma_min(ma_cdiv(want, items), MA_BWD_KV_CHUNKS_MAX);

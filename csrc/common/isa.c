@@ -9,7 +9,6 @@
 
 #if defined(__linux__)
 #include <fcntl.h>
-#include <sched.h>
 #include <unistd.h>
 #endif
 #if defined(__linux__) && defined(__x86_64__)
@@ -118,16 +117,22 @@ ma_isa ma_isa_for(ma_dtype dt) {
 }
 
 #if defined(__linux__)
-/* Up to two numbers from a small file such as cgroup v2's cpu.max ("max 100000" or
- * "200000 100000"), "max" read as -1; returns how many it read. open/read: no allocation. */
-static int read_numbers(const char *path, long long v[2]) {
-    char buf[64];
+/* A small file (a cgroup setting) into buf, NUL-terminated; open/read: no allocation. */
+static int read_small(const char *path, char *buf, size_t size) {
     const int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return 0;
-    const ssize_t n = read(fd, buf, sizeof buf - 1);
+    const ssize_t n = read(fd, buf, size - 1);
     close(fd);
     if (n <= 0) return 0;
     buf[n] = 0;
+    return 1;
+}
+
+/* Up to two numbers from a file such as cgroup v2's cpu.max ("max 100000" or "200000 100000"),
+ * "max" read as -1; returns how many it read. */
+static int read_numbers(const char *path, long long v[2]) {
+    char buf[64];
+    if (!read_small(path, buf, sizeof buf)) return 0;
     int got = 0;
     for (const char *s = buf; got < 2;) {
         while (*s == ' ' || *s == '\n') s++;
@@ -153,22 +158,50 @@ static long long quota_cpus(void) {
         return v[0] > 0 && w[0] > 0 ? (v[0] + w[0] - 1) / w[0] : 0;
     return 0;
 }
+
+/* The CPUs of a cgroup cpuset list ("0-15,32-47"): v2's cpuset.cpus.effective, else v1's
+ * cpuset.effective_cpus; 0 where neither can be read. */
+static long long cpuset_cpus(void) {
+    char buf[4096];
+    if (!read_small("/sys/fs/cgroup/cpuset.cpus.effective", buf, sizeof buf) &&
+        !read_small("/sys/fs/cgroup/cpuset/cpuset.effective_cpus", buf, sizeof buf))
+        return 0;
+    long long n = 0;
+    for (const char *s = buf;;) {
+        char *end;
+        const long long lo = strtoll(s, &end, 10);
+        if (end == s) break;
+        long long hi = lo;
+        if (*end == '-') {
+            s = end + 1;
+            hi = strtoll(s, &end, 10);
+            if (end == s) return 0;
+        }
+        if (hi >= lo) n += hi - lo + 1;
+        if (*end != ',') break;
+        s = end + 1;
+    }
+    return n;
+}
 #endif
 
-/* The CPUs this process may run on: its affinity mask (taskset, cpusets),
- * lowered to a container's CPU quota where one is set, read once; 1 where
- * neither can be read. Unlike the thread count, it does not change while the
- * process runs, so a rule on it keeps results the same bits for any thread
- * count (ma_attn_bwd_kv_chunks). */
+/* The CPUs this process can use: the online CPUs, lowered to its container's cgroup cpuset and
+ * CPU quota where they are set, read once; 1 where none can be read. Not the calling thread's
+ * affinity mask: a thread pinned to one CPU (OMP_PROC_BIND, KMP_AFFINITY) would set the count
+ * for the whole process, and which thread asks first would decide the results' bits. Unlike
+ * the thread count it does not change while the process runs, so a rule on it keeps results
+ * the same bits for any thread count (ma_attn_bwd_kv_chunks). A process restricted with
+ * taskset keeps the machine's count. */
 int64_t ma_cpu_count(void) {
     static atomic_llong count = 0;
     long long n = atomic_load(&count);
     if (n == 0) {
         n = 1;
 #if defined(__linux__)
-        cpu_set_t set;
-        if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) n = CPU_COUNT(&set);
-        const long long q = quota_cpus();
+        const long online = sysconf(_SC_NPROCESSORS_ONLN);
+        if (online > 0) n = online;
+        const long long c = cpuset_cpus(), q = quota_cpus();
+        if (c > 0 && c < n) n = c;
         if (q > 0 && q < n) n = q;
 #endif
         atomic_store(&count, n);

@@ -30,8 +30,9 @@ int ma_isa_force(int isa);
 /* The forced variant, or -1. */
 int ma_isa_forced(void);
 
-/* The CPUs this process may run on (its affinity mask, lowered to a
- * container's CPU quota, read once; >= 1). */
+/* The CPUs this process can use: the online CPUs, lowered to its
+ * container's cgroup cpuset and CPU quota, read once; >= 1. Never the
+ * calling thread's affinity mask. */
 int64_t ma_cpu_count(void);
 
 #ifdef __cplusplus
