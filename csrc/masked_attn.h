@@ -278,7 +278,7 @@ size_t ma_attn_bwd_scratch_bytes(const ma_attn_bwd_params *p);
 /* Or, when ma_attn_bwd_single_pass (no dweights, not varlen): one pass over the key
  * blocks, work item = (b, hkv, key chunk c), chunk c holding key blocks c,
  * c + C, c + 2C, ... (C = ma_attn_bwd_kv_chunks, a rule on the shape and the
- * CPUs the process may run on, so results never depend on the thread count:
+ * CPUs the process can use (ma_cpu_count), never on the thread count:
  * one item per CPU, at least 8, at most 16 chunks).
  * dk, dv of a key block are written by the one item holding it; dq (and
  * dhm) are accumulated per item: straight into dq when C = 1, else into the

@@ -555,12 +555,12 @@ def test_key_chunks_follow_the_cpu_count(isa):
                     res[cpus, n] = run_isa(isa, lambda: fwd_bwd(q, k, v, g, is_causal=True))
     finally:
         torch.set_num_threads(threads)
-    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
-    kr, vr = (t.repeat_interleave(H // Hkv, dim=1) for t in (kd, vd))
-    dq_ref = torch.autograd.grad(F.scaled_dot_product_attention(qd, kr, vr, is_causal=True), qd, g.double())[0]
-    qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
-    kfr, vfr = (t.repeat_interleave(H // Hkv, dim=1) for t in (kf, vf))
-    dq_torch = torch.autograd.grad(F.scaled_dot_product_attention(qf, kfr, vfr, is_causal=True), qf, g)[0]
+
+    def torch_dq(dtype):
+        qt, kt, vt = (t.to(dtype).requires_grad_() for t in (q, k, v))
+        kt, vt = (t.repeat_interleave(H // Hkv, dim=1) for t in (kt, vt))
+        return torch.autograd.grad(F.scaled_dot_product_attention(qt, kt, vt, is_causal=True), qt, g.to(dtype))[0]
+    dq_ref, dq_torch = torch_dq(torch.float64), torch_dq(torch.float32)
     for cpus in (1, 4, 16, 64):
         for a, b in zip(res[cpus, 1], res[cpus, 2]):
             assert torch.equal(a, b), f"{cpus} CPUs: the thread count changed the bits"

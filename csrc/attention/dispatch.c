@@ -66,7 +66,7 @@ int ma_attn_bwd_single_pass(const ma_attn_bwd_params *p) {
     return p->dweights == NULL && !p->a.cu_q;
 }
 
-/* Enough (b, hkv, chunk) items for one per CPU the process may run on, and at
+/* Enough (b, hkv, chunk) items for one per CPU the process can use, and at
  * least 8; never more chunks than key blocks, nor than MA_BWD_KV_CHUNKS_MAX
  * (the partial sums of dq take C times dq's memory). The CPU count is the
  * machine's (ma_cpu_count), not the thread count, so results stay the same

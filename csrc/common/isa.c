@@ -13,7 +13,6 @@
 #endif
 #if defined(__linux__) && defined(__x86_64__)
 #include <sys/syscall.h>
-#include <unistd.h>
 /* Linux hands out the AMX tile data state (8 KB per thread) only on request:
  * ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, once per process. */
 static int amx_permitted(void) {
@@ -67,7 +66,7 @@ ma_isa ma_isa_best(ma_dtype dt) {
  * else the forced ma_isa. env_error is set once, with the first decision. */
 static atomic_int forced = -2;
 static const char *env_error = NULL;
-static char env_error_buf[160];
+static char env_error_buf[192];
 
 static void read_env(void) {
     const char *env = getenv("MASKED_ATTN_ISA");
