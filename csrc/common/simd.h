@@ -13,23 +13,23 @@
 
 #include <immintrin.h>
 
-/* exp(x): x = n ln2 + r, |r| <= ln2/2 (Cody-Waite), e^r by a degree-6
- * polynomial fitted for relative error (7e-8 in float32, as good as Cephes'
- * expf in two fewer operations). Results below FLT_MIN (x < -87.33, and
- * -inf) are exactly 0, and x is clamped to -87.33 first, so no operation
- * ever makes a denormal: each vector with a denormal result costs a microcode
- * assist, and masked scores (-inf) are common. NaN
- * stays NaN (it passes the clamps as their second operand). */
+/* exp(x): x = n ln2 + r, |r| <= ln2/2 (Cody-Waite), e^r by a degree-5
+ * polynomial fitted for relative error (9e-8; 1.6e-7 with float32's
+ * roundings, within 2 ulp: tests/c hold it to 4e-7 of libm). Tiny results are
+ * exactly 0 (-inf among them) and no operation ever makes a denormal: each
+ * vector with a denormal result costs a microcode assist, and masked scores
+ * (-inf) are common. exp512 zeroes results below FLT_MIN (x < -87.33, clamped
+ * there first); exp256 those below 2^-125 (x < -86.99, see there). NaN stays
+ * NaN (it passes the clamps as their second operand). */
 /* The constants both widths share: x = n ln2 + r with ln2 split in two
  * (Cody-Waite, the high part exact in 9 bits), and e^r's polynomial,
  * highest degree first, evaluated by Horner's rule. */
 #define MA_EXP_LOG2E 1.44269504088896341f
 #define MA_EXP_LN2_HI 0.693359375f
 #define MA_EXP_LN2_LO -2.12194440e-4f
-#define MA_EXP_TERMS 7
-static const float ma_exp_poly[MA_EXP_TERMS] = {1.3846145011484623e-3f, 8.374120108783245e-3f,
-                                                4.1667960584163666e-2f, 1.6666431725025177e-1f,
-                                                4.999999403953552e-1f, 1.0f, 1.0f};
+#define MA_EXP_TERMS 6
+static const float ma_exp_poly[MA_EXP_TERMS] = {8.290285244584084e-3f, 4.1897889226675034e-2f, 1.666763573884964e-1f,
+                                                4.999915063381195e-1f, 9.999997019767761e-1f, 1.0f};
 
 /* tanh(x) = sign(x) t(|x|): below 0.625, t(a) = a + a^3 P(a^2) with P of degree 4,
  * fitted here for relative error (8e-8 in float32 over (0, 0.625)); from 0.625
@@ -111,22 +111,25 @@ static inline void stream_row512(float *y, const float *x, int64_t n, float mul)
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* The same exp for 8 floats; 2^n built from the exponent bits (n clamped to
- * [-126, 127]: x above 88.37 gives about 2.4e38 rather than inf). */
+/* The same exp for 8 floats, with n rounded by the 1.5 2^23 trick (one FMA:
+ * n + 126 lands in t's low mantissa bits) and 2^(n-1) made by shifting those
+ * bits into the exponent; the polynomial's coefficients are doubled (exactly)
+ * to make up the 1/2. The bias 126 rather than 127 is what keeps results
+ * normal: n = -126 (x from -87.5, the clamp, to -86.99) gives the scale's bits
+ * 0, so 0, and every other n a scale of at least FLT_MIN times a polynomial
+ * above 1.4. Results below 2^-125 are thus 0, x above 88.37 gives about
+ * 2.4e38 rather than inf, and no compare or blend is needed. */
 static inline __m256 exp256(__m256 x_in) {
-    __m256 x = _mm256_max_ps(_mm256_set1_ps(-87.33f), x_in);
+    __m256 x = _mm256_max_ps(_mm256_set1_ps(-87.5f), x_in);
     x = _mm256_min_ps(_mm256_set1_ps(88.37f), x);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(MA_EXP_LOG2E)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 magic = _mm256_set1_ps(12582912.0f + 126.0f); /* 1.5 2^23: its ulp is 1 */
+    const __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(MA_EXP_LOG2E), magic);
+    const __m256 n = _mm256_sub_ps(t, magic);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(MA_EXP_LN2_HI), x);
     r = _mm256_fnmadd_ps(n, _mm256_set1_ps(MA_EXP_LN2_LO), r);
-    __m256 y = _mm256_set1_ps(ma_exp_poly[0]);
-    for (int i = 1; i < MA_EXP_TERMS; i++) y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(ma_exp_poly[i]));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    /* below -87.33 the scale 2^n is zeroed: y is finite and positive there, so y * 0 is +0 (an
-     * and-not rather than a blend of the product: one operation off the critical path) */
-    const __m256 underflow = _mm256_cmp_ps(x_in, _mm256_set1_ps(-87.33f), _CMP_LT_OQ);
-    return _mm256_mul_ps(y, _mm256_andnot_ps(underflow, _mm256_castsi256_ps(e)));
+    __m256 y = _mm256_set1_ps(2.0f * ma_exp_poly[0]);
+    for (int i = 1; i < MA_EXP_TERMS; i++) y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(2.0f * ma_exp_poly[i]));
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(t), 23)));
 }
 static inline __m256 tanh256(__m256 x) {
     const __m256 sign = _mm256_set1_ps(-0.0f);

@@ -155,10 +155,10 @@ static void test_functions(const ma_ce_blocks *v) {
     ma_ce_blocks_scalar.row_grad(a, x, NULL, MA_F32, N, 0.0f, 0.0f, 1.0f, 0.0f);
     v->row_grad(b, x, NULL, MA_F32, N, 0.0f, 0.0f, 1.0f, 0.0f);
     for (int i = 0; i < N; i++) {
-        if (a[i] >= 1.1754944e-38f)
+        if (a[i] >= 2.3509887e-38f) /* below 2^-125 a variant may flush to 0 */
             CHECK(close_d(b[i], a[i], 4e-7, 0), "%s exp(%g) = %g, libm %g", v->name, x[i], b[i], a[i]);
         else
-            CHECK(b[i] >= 0.0f && b[i] <= 1.2e-38f, "%s exp underflow at %g: %g", v->name, x[i], b[i]);
+            CHECK(b[i] >= 0.0f && b[i] <= 2.36e-38f, "%s exp underflow at %g: %g", v->name, x[i], b[i]);
     }
     /* tanh through the cap: cap = 1, lse = cap * tanh(x) - 0 makes the exp 1,
      * leaving 1 - tanh(x)^2; compare tanh via the row stats' max instead */
