@@ -14,12 +14,12 @@
 #include <immintrin.h>
 
 /* exp(x): x = n ln2 + r, |r| <= ln2/2 (Cody-Waite), e^r by a degree-5
- * polynomial fitted for relative error (9e-8; 1.6e-7 with float32's
- * roundings, within 2 ulp: tests/c hold it to 4e-7 of libm). Tiny results are
+ * polynomial fitted for relative error (9e-8; 1.65e-7 with float32's
+ * roundings, about 2 ulp: tests/c hold it to 4e-7 of libm). Tiny results are
  * exactly 0 (-inf among them) and no operation ever makes a denormal: each
  * vector with a denormal result costs a microcode assist, and masked scores
  * (-inf) are common. exp512 zeroes results below FLT_MIN (x < -87.33, clamped
- * there first); exp256 those below 2^-125 (x < -86.99, see there). NaN stays
+ * there first); exp256 those of x < -86.99 (below 2^-125.5, see there). NaN stays
  * NaN (it passes the clamps as their second operand). */
 /* The constants both widths share: x = n ln2 + r with ln2 split in two
  * (Cody-Waite, the high part exact in 9 bits), and e^r's polynomial,
@@ -117,8 +117,9 @@ static inline void stream_row512(float *y, const float *x, int64_t n, float mul)
  * to make up the 1/2. The bias 126 rather than 127 is what keeps results
  * normal: n = -126 (x from -87.5, the clamp, to -86.99) gives the scale's bits
  * 0, so 0, and every other n a scale of at least FLT_MIN times a polynomial
- * above 1.4. Results below 2^-125 are thus 0, x above 88.37 gives about
- * 2.4e38 rather than inf, and no compare or blend is needed. */
+ * above 1.4. So x below -86.99 (n = -126: results under 2^-125.5) gives 0,
+ * x above 88.37 about 2.4e38 rather than inf, and no compare or blend is
+ * needed. */
 static inline __m256 exp256(__m256 x_in) {
     __m256 x = _mm256_max_ps(_mm256_set1_ps(-87.5f), x_in);
     x = _mm256_min_ps(_mm256_set1_ps(88.37f), x);
