@@ -25,7 +25,7 @@ from .linear_ce import linear_cross_entropy  # noqa: F401  (re-exported)
 from .losses import cross_entropy  # noqa: F401  (re-exported)
 
 __all__ = ["masked_attention", "scaled_dot_product_attention", "varlen_attn", "AuxRequest", "cross_entropy",
-           "linear_cross_entropy"]
+           "linear_cross_entropy", "write_kv_cache"]
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -509,3 +509,24 @@ def varlen_attn(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_
         return out, lse
     return out
 
+
+
+def write_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slots: Tensor) -> None:
+    """Writes new key / value rows into a KV cache, in place (vLLM's reshape_and_cache).
+
+    Args:
+        key, value: (T, H_kv, D) / (T, H_kv, Dv), the new rows, any strides.
+        key_cache, value_cache: paged (pages, page_size, H_kv, D) or flat
+            (rows, H_kv, D) caches of the same dtype; written in place.
+        slots: int64 or int32 (T,): row t goes to slot slots[t] =
+            page * page_size + row (a flat cache: the row); a negative slot
+            skips the row (padding).
+    """
+    flat_k = key_cache if key_cache.dim() == 3 else key_cache.flatten(0, 1)
+    flat_v = value_cache if value_cache.dim() == 3 else value_cache.flatten(0, 1)
+    keep = slots >= 0
+    idx = slots.to(torch.int64)
+    if not bool(keep.all()):
+        idx, key, value = idx[keep], key[keep], value[keep]
+    flat_k.index_copy_(0, idx, key.to(flat_k.dtype))
+    flat_v.index_copy_(0, idx, value.to(flat_v.dtype))
