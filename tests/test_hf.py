@@ -520,16 +520,6 @@ def test_dropout_in_our_kernel(side, monkeypatch):
                                    sdpa.eval()(input_ids=ids, attention_mask=mask).logits, rtol=1e-9, atol=1e-10)
 
 
-def test_refuses_paged_cache():
-    from transformers.generation.continuous_batching.cache import PagedAttentionCache
-    _, ours = _pair("llama")
-    q = torch.zeros(1, 4, 3, 8, dtype=torch.float64)
-    k = torch.zeros(1, 2, 3, 8, dtype=torch.float64)
-    fake = PagedAttentionCache.__new__(PagedAttentionCache)
-    with pytest.raises(NotImplementedError, match="PagedAttentionCache"):
-        hf.attention_forward(ours.model.layers[0].self_attn, q, k, k, None, cache=fake)
-
-
 # ---------------------------------------------------------------------------------------------
 # apply(model): the fused linear-cross-entropy loss
 # ---------------------------------------------------------------------------------------------

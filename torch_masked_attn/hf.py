@@ -267,11 +267,10 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     """transformers' attention interface for "masked_attn" (sdpa_attention_forward's
     signature): query (B, H, Lq, D), key / value (B, Hkv, Lk, D); returns
     (B, Lq, H, Dv) and the attention weights when output_attentions asks for them."""
-    if isinstance(kwargs.get("cache"), PagedAttentionCache):
-        raise NotImplementedError("masked_attn: continuous batching (PagedAttentionCache) is not supported; "
-                                  "use attn_implementation='sdpa' or 'paged|eager' for it")
     softcap = kwargs.get("softcap")
     sinks = kwargs.get("s_aux")
+    if isinstance(kwargs.get("cache"), PagedAttentionCache):
+        return _paged_attention(module, query, key, value, kwargs, scaling, softcap, sinks), None
     need_weights = _wants_weights(kwargs)
     if kwargs.get("position_bias") is not None:  # T5-style bias: transformers' sdpa folds it into a float mask
         mask = _bool_mask(attention_mask, module, query, key, is_causal)
@@ -330,6 +329,142 @@ def _packed_attention(mask: StructuredMask, query: Tensor, key: Tensor, value: T
     out = _F.varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(left, 0),
                   enable_gqa=key.shape[1] != H, **extra)
     return out.reshape(B, L, H, value.shape[3])
+
+
+# ---------------------------------------------------------------------------------------------
+# Continuous batching: transformers' PagedAttentionCache, written and read by our ops
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class _StepPages:
+    """The page tables of one forward step of continuous batching, for one group of layers
+    (transformers' cache allocator): derived once from the step's read indices, shared by
+    every layer of the group."""
+    read_index: Tensor
+    table: Tensor        # (N, max_pages) int32: page p of sequence b is the pool's page table[b, p]
+    seqused: Tensor      # (N,) int32: keys of sequence b
+
+
+def _step_pages(cache, allocator, read_index: Tensor, cu_k: Tensor) -> _StepPages:
+    """Sequence b's keys are the pool rows read_index[cu_k[b] : cu_k[b + 1]] (whole pages but the
+    last, in page order: transformers' full-attention allocator); its page table is every
+    page_size-th of them over page_size. Cached on the cache object for the step."""
+    memo = getattr(cache, "_tma_pages", None)
+    if memo is None:
+        memo = cache._tma_pages = {}
+    hit = memo.get(allocator.index)
+    if hit is not None and hit.read_index is read_index:
+        return hit
+    page = allocator.tokens_per_page
+    cu = cu_k.to(torch.int64)
+    lens = cu[1:] - cu[:-1]
+    n_pages = (lens + page - 1) // page
+    cols = torch.arange(max(int(n_pages.max()), 1) if n_pages.numel() else 1)
+    used = cols.unsqueeze(0) < n_pages.unsqueeze(1)
+    first = torch.where(used, cu[:-1].unsqueeze(1) + cols.unsqueeze(0) * page, 0)
+    table = torch.where(used, read_index[first] // page, 0).to(torch.int32)
+    hit = memo[allocator.index] = _StepPages(read_index, table, lens.to(torch.int32))
+    return hit
+
+
+def _paged_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, kwargs: dict, scaling,
+                     softcap, sinks) -> Tensor:
+    """One layer of a continuous-batching step: query (1, H, T, D) and the step's new key / value
+    states (1, H_kv, T, D) of every sequence packed end to end (kwargs: cu_seq_lens_q,
+    cu_seq_lens_k, read_index, write_index from transformers' batch). The new rows are written
+    into the paged cache by our cache op; full-attention layers then read every sequence's pages
+    in place (varlen_attn with a block table rebuilt from the read indices); sliding-window
+    layers (transformers' ring buffer) read their at most window - 1 cached rows through the read
+    indices, as transformers does, before the write. Returns (1, T, H, Dv)."""
+    cache = kwargs["cache"]
+    allocator = cache.layer_to_allocator[module.layer_idx]
+    k_rows, v_rows = allocator._kv_token_views[module.layer_idx]   # (rows, H_kv, D) views of the pool
+    k_pages, v_pages = allocator._kv_page_views[module.layer_idx]  # (pages, page_size, H_kv, D)
+    read_index = kwargs["read_index"][allocator.index]
+    write_index = kwargs["write_index"][allocator.index]
+    cu_q = kwargs["cu_seq_lens_q"]
+    cu_k = kwargs["cu_seq_lens_k"]
+    cu_k = cu_k[allocator.layer_type] if isinstance(cu_k, dict) else cu_k
+    cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
+    max_q = kwargs.get("max_length_q") or int((cu_q[1:] - cu_q[:-1]).max())
+    q = query[0].transpose(0, 1)      # (T, H, D), a view
+    k_new = key[0].transpose(0, 1)    # (T, H_kv, D)
+    v_new = value[0].transpose(0, 1)
+    window = getattr(allocator, "sliding_window", None)
+    left = -1 if window is None else window - 1
+    args = {"scale": scaling, "window_size": (left, 0), "enable_gqa": k_new.size(1) != q.size(1)}
+    if softcap is not None:
+        args["softcap"] = float(softcap)
+    if sinks is not None:
+        args["sinks"] = sinks
+    if read_index.numel() == 0:  # only new sequences in the step: their keys are the new rows
+        _F.write_kv_cache(k_new, v_new, k_rows, v_rows, write_index)
+        max_k = int((cu_k[1:] - cu_k[:-1]).max())
+        out = _F.varlen_attn(q, k_new, v_new, cu_q, cu_k, max_q, max_k, **args)
+    elif window is None:
+        _F.write_kv_cache(k_new, v_new, k_rows, v_rows, write_index)
+        pages = _step_pages(cache, allocator, read_index, cu_k)
+        out = _F.varlen_attn(q, k_pages, v_pages, cu_q, None, max_q, int(pages.seqused.max()),
+                             seqused_k=pages.seqused, block_table=pages.table, **args)
+    else:
+        # the ring buffer: a new row may overwrite a row an earlier query of its chunk still sees, so the
+        # cached rows are read first (transformers' sentinel marks where the new rows go)
+        new = (read_index == allocator.sentinel_index).view(-1, 1, 1)
+        k_all = k_rows.index_select(0, read_index).masked_scatter_(new, k_new)
+        v_all = v_rows.index_select(0, read_index).masked_scatter_(new, v_new)
+        _F.write_kv_cache(k_new, v_new, k_rows, v_rows, write_index)
+        max_k = int((cu_k[1:] - cu_k[:-1]).max())
+        out = _F.varlen_attn(q, k_all, v_all, cu_q, cu_k, max_q, max_k, **args)
+    return out.unsqueeze(0)
+
+
+try:
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+except ImportError:  # pragma: no cover
+    ContinuousBatchingManager = None
+
+
+if ContinuousBatchingManager is not None:
+    class MaskedAttnBatchingManager(ContinuousBatchingManager):
+        """transformers' ContinuousBatchingManager for a model on "masked_attn": the one
+        difference is that it keeps the model on "masked_attn" (transformers' own manager admits
+        only "sdpa", "paged|eager" and flash implementations, and switches "eager"). No mask is
+        built for it (transformers builds one for "sdpa" and "paged|eager" only)."""
+
+        def switch_to_cb_friendly_attn(self, model, auto_switch_to_flash: bool = True) -> None:
+            if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+                super().switch_to_cb_friendly_attn(model, auto_switch_to_flash)
+
+
+def _init_continuous_batching(model: nn.Module):
+    """model.init_continuous_batching for apply(): transformers' own (generate_batch and
+    continuous_batching_context_manager call it), with our manager when the model runs on
+    "masked_attn"."""
+    original = model.init_continuous_batching
+
+    @functools.wraps(original)
+    def init_continuous_batching(generation_config=None, continuous_batching_config=None, workload_hints=None):
+        cached = getattr(model, "_cached_continuous_batching_manager", None)
+        if model.config._attn_implementation != ATTN_IMPLEMENTATION or cached is not None:
+            return original(generation_config=generation_config,
+                            continuous_batching_config=continuous_batching_config, workload_hints=workload_hints)
+        # transformers' init_continuous_batching (5.23) up to the manager's construction
+        gen_config = generation_config if generation_config is not None else model.generation_config
+        if gen_config is None:
+            raise ValueError("A GenerationConfig must be provided or set in the model.")
+        if gen_config.eos_token_id is None:
+            gen_config.eos_token_id = -1
+        if continuous_batching_config is None:
+            continuous_batching_config = getattr(gen_config, "continuous_batching_config", None)
+            if not isinstance(continuous_batching_config, ContinuousBatchingConfig):
+                continuous_batching_config = ContinuousBatchingConfig()
+        return MaskedAttnBatchingManager(model=model, generation_config=gen_config,
+                                         continuous_batching_config=continuous_batching_config,
+                                         workload_hints=workload_hints)
+
+    init_continuous_batching._tma_original = original
+    return init_continuous_batching
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
@@ -444,5 +579,7 @@ def apply(model: nn.Module) -> nn.Module:
         return out
 
     model.forward = fused_forward
+    if ContinuousBatchingManager is not None and hasattr(model, "init_continuous_batching"):
+        model.init_continuous_batching = _init_continuous_batching(model)
     model._tma_hf_applied = True
     return model

@@ -1,0 +1,137 @@
+"""Continuous batching (transformers' generate_batch / ContinuousBatchingManager) on
+"masked_attn": the same greedy tokens as transformers' own generate() with its reference
+attention, for every batch shape CB builds (prefill, decode, chunked prefill mixed with decodes),
+full-attention and sliding-window layers (CB's ring buffer), soft-capping, sinks and grouped-query
+heads, with page sizes our kernels read in place (multiples of 64) and others; our ops counted
+as called and no dense mask built."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_hf import MODELS  # noqa: E402
+from transformers import GenerationConfig  # noqa: E402
+from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
+
+import torch_masked_attn.functional as tma_F  # noqa: E402
+import torch_masked_attn.hf as hf  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts the calls of our attention and cache ops from the CB path."""
+    calls = {"varlen_attn": 0, "write_kv_cache": 0, "sdpa": 0}
+    for name in ("varlen_attn", "write_kv_cache"):
+        fn = getattr(tma_F, name)
+
+        def spy(*a, _fn=fn, _name=name, **k):
+            calls[_name] += 1
+            return _fn(*a, **k)
+        monkeypatch.setattr(tma_F, name, spy)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def no_sdpa(*a, **k):
+        calls["sdpa"] += 1
+        return sdpa(*a, **k)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", no_sdpa)
+    return calls
+
+
+def _pair(name, dtype=torch.float64, **overrides):
+    cls, cfg, ref_impl = MODELS[name]
+    cfg = copy.deepcopy(cfg)
+    cfg.max_position_embeddings = 512
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(4321)
+    ref = cls(cfg).to(dtype).eval()
+    ref.set_attn_implementation(ref_impl)
+    ours = copy.deepcopy(ref)
+    ours.set_attn_implementation("masked_attn")
+    hf.apply(ours)
+    return ref, ours
+
+
+def _prompts(lengths, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _reference_tokens(ref, prompts, new):
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                           pad_token_id=0, eos_token_id=None)
+        out.append(gen[0, len(p):].tolist())
+    return out
+
+
+def _cb_tokens(model, prompts, new, **cb):
+    gc = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    res = model.generate_batch(prompts, generation_config=gc, continuous_batching_config=ContinuousBatchingConfig(**cb),
+                               progress_bar=False)
+    return [res[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+
+
+CASES = [  # (model, prompt lengths, CB config)
+    ("llama", (5, 17, 40, 3, 64, 90), dict(page_size=64)),
+    ("llama", (130, 7, 200), dict(page_size=256)),
+    ("llama", (33, 70, 9), dict(page_size=16)),                        # pages the kernels do not read in place
+    ("llama", (100, 6, 150, 41), dict(page_size=64, max_batch_tokens=48)),  # chunked prefill mixed with decodes
+    ("mistral", (3, 12, 30, 70), dict(page_size=64)),                   # sliding window 4: CB's ring buffer
+    ("mistral", (50, 9, 80), dict(page_size=64, max_batch_tokens=24)),
+    ("qwen2", (20, 45, 7), dict(page_size=64)),                          # full and sliding layers
+    ("gemma2", (11, 60, 25), dict(page_size=64, max_batch_tokens=32)),   # softcap, sliding, scaling
+]
+if "gpt_oss" in MODELS:
+    CASES.append(("gpt_oss", (14, 52, 6, 33), dict(page_size=64, max_batch_tokens=40)))   # sinks
+
+
+@pytest.mark.parametrize("name,lengths,cb", CASES, ids=lambda x: str(x) if not isinstance(x, tuple) else "-".join(map(str, x)))
+def test_generate_batch_matches_generate(name, lengths, cb, counted):
+    ref, ours = _pair(name, dtype=torch.float32 if name == "gpt_oss" else torch.float64)  # MoE: no float64
+    prompts = _prompts(lengths, ref.config.vocab_size)
+    new = 12
+    want = _reference_tokens(ref, prompts, new)
+    counted["sdpa"] = 0
+    got = _cb_tokens(ours, prompts, new, **cb)
+    assert got == want
+    assert counted["varlen_attn"] > 0 and counted["write_kv_cache"] == counted["varlen_attn"]
+    assert counted["sdpa"] == 0
+    assert ours.config._attn_implementation == "masked_attn"
+
+
+def test_manager_context_and_no_mask(counted):
+    """init_continuous_batching / continuous_batching_context_manager run on our kernels too, and
+    transformers builds no attention mask for them."""
+    ref, ours = _pair("llama", dtype=torch.float32)
+    prompts = _prompts((20, 35), ref.config.vocab_size, seed=3)
+    want = _reference_tokens(ref, prompts, 6)
+    gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    with ours.continuous_batching_context_manager(generation_config=gc, warmup=False) as manager:
+        assert isinstance(manager, hf.MaskedAttnBatchingManager)
+        ids = [manager.add_request(p) for p in prompts]
+        got = [manager.get_result(request_id=i, timeout=60).generated_tokens for i in ids]
+        ios = manager.batch_processor.inputs_and_outputs
+        assert ios.attention_mask is None  # sdpa's would be (1, 1, max_batch_tokens, cache rows + max_batch_tokens)
+    assert got == want
+    assert counted["varlen_attn"] > 0
+
+
+def test_other_implementations_keep_transformers_manager():
+    """apply() changes nothing for a model on another attention implementation."""
+    ref, ours = _pair("llama", dtype=torch.float32)
+    ours.set_attn_implementation("sdpa")
+    manager = ours.init_continuous_batching(generation_config=GenerationConfig(max_new_tokens=2, eos_token_id=-1))
+    assert not isinstance(manager, hf.MaskedAttnBatchingManager)
