@@ -420,6 +420,35 @@ void ma_ce_bwd_task(int64_t begin, int64_t end, void *ctx);
 double ma_ce_total_weight(const ma_ce_args *a);
 double ma_ce_sum(const void *x, ma_dtype dt, int64_t n);
 
+/* ------------------------------------------------------------------------
+ * KV cache write (vLLM's reshape_and_cache, flash-attn's k / v append)
+ *
+ * Row t of the new keys (T, Hkv, D) and values (T, Hkv, Dv) goes to slot
+ * s = slots[t] of its cache: row s % page_size of page s / page_size (a flat
+ * (rows, Hkv, D) cache is one page of all its rows); a negative slot skips
+ * the row. Elements are copied as they are (the shim requires equal dtypes).
+ * Work item = one new row (its keys, then its values). Where two rows share
+ * a slot, the later one is what the cache holds: the shim then runs the
+ * items in order on one thread. No scratch.
+ * ---------------------------------------------------------------------- */
+typedef struct {
+    const void *src;          /* (T, Hkv, dim) new rows */
+    void *cache;              /* pages of (page_size, Hkv, dim) */
+    int64_t dim;
+    int64_t src_stride[3];    /* t, head, element */
+    int64_t cache_stride[4];  /* page, row in page, head, element */
+} ma_cache_side;
+
+typedef struct {
+    ma_cache_side k, v;
+    const int64_t *slots64;   /* (T) one of the two, in [-inf, pages * page_size) (checked by the shim) */
+    const int32_t *slots32;
+    int64_t T, Hkv, page_size;
+    size_t elem_bytes;
+} ma_cache_write_params;
+
+void ma_cache_write_task(int64_t begin, int64_t end, void *ctx);
+
 #ifdef __cplusplus
 }
 #endif

@@ -512,21 +512,36 @@ def varlen_attn(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_
 
 
 def write_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slots: Tensor) -> None:
-    """Writes new key / value rows into a KV cache, in place (vLLM's reshape_and_cache).
+    """Writes new key / value rows into a KV cache in place (vLLM's reshape_and_cache).
 
     Args:
-        key, value: (T, H_kv, D) / (T, H_kv, Dv), the new rows, any strides.
-        key_cache, value_cache: paged (pages, page_size, H_kv, D) or flat
-            (rows, H_kv, D) caches of the same dtype; written in place.
-        slots: int64 or int32 (T,): row t goes to slot slots[t] =
-            page * page_size + row (a flat cache: the row); a negative slot
-            skips the row (padding).
+        key, value: (T, H_kv, D) / (T, H_kv, Dv), the new rows, any strides, of their cache's dtype.
+        key_cache, value_cache: paged (pages, page_size, H_kv, D) or flat (rows, H_kv, D), the
+            same pages and page size (or rows) for both; any strides without self-overlap.
+            They may be views of one buffer (transformers' paged cache interleaves them).
+        slots: int64 or int32 (T,): row t goes to slot slots[t] = page * page_size + row (in a
+            flat cache, the row); a negative slot skips the row (padding). Where two rows share
+            a slot, the later row is what the cache holds.
+
+    On the CPU one C op (masked_attn::cache_write) does the copy, no Python indexing; on other
+    devices, index_copy_. No gradient flows into the cache.
     """
-    flat_k = key_cache if key_cache.dim() == 3 else key_cache.flatten(0, 1)
-    flat_v = value_cache if value_cache.dim() == 3 else value_cache.flatten(0, 1)
-    keep = slots >= 0
-    idx = slots.to(torch.int64)
-    if not bool(keep.all()):
-        idx, key, value = idx[keep], key[keep], value[keep]
-    flat_k.index_copy_(0, idx, key.to(flat_k.dtype))
-    flat_v.index_copy_(0, idx, value.to(flat_v.dtype))
+    if isinstance(key_cache, torch.Tensor) and uses_kernels(key_cache.device):  # the op checks every argument
+        with torch.no_grad():
+            torch.ops.masked_attn.cache_write(key, value, key_cache, value_cache, slots)
+        return
+    for name, t in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache),
+                    ("slots", slots)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"write_kv_cache: {name} must be a Tensor, got {type(t).__name__}")
+    if slots.dtype not in (torch.int64, torch.int32) or slots.dim() != 1:
+        raise ValueError(f"write_kv_cache: slots must be a 1-D int64 or int32 tensor, got {slots.dtype} of shape "
+                         f"{tuple(slots.shape)}")
+    with torch.no_grad():  # other devices: native ops
+        keep = slots >= 0
+        idx = slots.to(torch.int64)
+        if not bool(keep.all()):
+            idx, key, value = idx[keep], key[keep], value[keep]
+        for t, cache in ((key, key_cache), (value, value_cache)):
+            flat = cache if cache.dim() == 3 else cache.view(-1, *cache.shape[2:])
+            flat.index_copy_(0, idx, t)

@@ -635,6 +635,14 @@ def _cross_entropy_backward_inplace_fake(grad_loss, input, target, weight, lse, 
     return None
 
 
+# masked_attn::cache_write(key, value, key_cache!, value_cache!, slots) -> (): new rows written in
+# place (functional.write_kv_cache); nothing to return.
+@torch.library.register_fake("masked_attn::cache_write")
+def _cache_write_fake(key, value, key_cache, value_cache, slots):
+    _same_device("cache_write", key=key, value=value, key_cache=key_cache, value_cache=value_cache, slots=slots)
+    return None
+
+
 @torch.library.register_fake("masked_attn::cross_entropy_chunk_")
 def _cross_entropy_chunk_fake(input, target, weight=None, grad_scale=None, ignore_index=-100,
                               label_smoothing=0.0, z_loss=0.0, softcap=None):

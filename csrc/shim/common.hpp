@@ -312,5 +312,6 @@ void ce_backward_inplace(Tensor grad_loss, Tensor input, Tensor target, std::opt
 std::tuple<Tensor, Tensor> ce_chunk_inplace(Tensor input, Tensor target, std::optional<Tensor> weight,
                                             std::optional<double> grad_scale, int64_t ignore_index,
                                             double label_smoothing, double z_loss, std::optional<double> softcap);
+void cache_write(Tensor key, Tensor value, Tensor key_cache, Tensor value_cache, Tensor slots);
 
 }  // namespace masked_attn_shim

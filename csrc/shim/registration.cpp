@@ -1,5 +1,5 @@
 // registration.cpp -- the op schemas (STABLE_TORCH_LIBRARY) and their CPU
-// kernels, the functions of attention.cpp, varlen.cpp and cross_entropy.cpp.
+// kernels, the functions of attention.cpp, varlen.cpp, cross_entropy.cpp and kv_cache.cpp.
 
 #include "shim/common.hpp"
 
@@ -51,6 +51,8 @@ STABLE_TORCH_LIBRARY(masked_attn, m) {
       "cross_entropy_chunk_(Tensor(a!) input, Tensor target, Tensor? weight=None, float? grad_scale=None, "
       "int ignore_index=-100, float label_smoothing=0.0, float z_loss=0.0, float? softcap=None) "
       "-> (Tensor loss, Tensor lse)");
+  m.def(
+      "cache_write(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slots) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(masked_attn, CPU, m) {
@@ -63,4 +65,5 @@ STABLE_TORCH_LIBRARY_IMPL(masked_attn, CPU, m) {
   m.impl("cross_entropy_backward", TORCH_BOX(&ce_backward));
   m.impl("cross_entropy_backward_", TORCH_BOX(&ce_backward_inplace));
   m.impl("cross_entropy_chunk_", TORCH_BOX(&ce_chunk_inplace));
+  m.impl("cache_write", TORCH_BOX(&cache_write));
 }

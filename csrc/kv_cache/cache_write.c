@@ -1,0 +1,40 @@
+/* cache_write.c -- new key / value rows copied into a paged KV cache
+ * (masked_attn.h, "KV cache write"). A copy: no arithmetic, so one scalar
+ * instance serves every instruction set; runs that are contiguous on both
+ * sides (a whole row of heads, or one head) go through memcpy, which the C
+ * library vectorises. */
+#include <string.h>
+
+#include "masked_attn.h"
+
+static void copy_row(const ma_cache_side *side, int64_t Hkv, size_t bytes, char *dst, const char *src) {
+    const int64_t *ss = side->src_stride, *cs = side->cache_stride;
+    const int64_t dim = side->dim;
+    if (ss[2] == 1 && cs[3] == 1 && (Hkv == 1 || (ss[1] == dim && cs[2] == dim))) {
+        memcpy(dst, src, (size_t)(Hkv * dim) * bytes);
+        return;
+    }
+    for (int64_t h = 0; h < Hkv; h++) {
+        char *d = dst + (size_t)(h * cs[2]) * bytes;
+        const char *s = src + (size_t)(h * ss[1]) * bytes;
+        if (ss[2] == 1 && cs[3] == 1)
+            memcpy(d, s, (size_t)dim * bytes);
+        else
+            for (int64_t i = 0; i < dim; i++) memcpy(d + (size_t)(i * cs[3]) * bytes, s + (size_t)(i * ss[2]) * bytes, bytes);
+    }
+}
+
+void ma_cache_write_task(int64_t begin, int64_t end, void *ctx) {
+    const ma_cache_write_params *p = (const ma_cache_write_params *)((const ma_task_ctx *)ctx)->params;
+    for (int64_t t = begin; t < end; t++) {
+        const int64_t s = p->slots64 ? p->slots64[t] : (int64_t)p->slots32[t];
+        if (s < 0) continue;
+        const int64_t page = s / p->page_size, row = s % p->page_size;
+        for (int side_i = 0; side_i < 2; side_i++) {
+            const ma_cache_side *side = side_i ? &p->v : &p->k;
+            char *dst = (char *)side->cache + (size_t)(page * side->cache_stride[0] + row * side->cache_stride[1]) * p->elem_bytes;
+            const char *src = (const char *)side->src + (size_t)(t * side->src_stride[0]) * p->elem_bytes;
+            copy_row(side, p->Hkv, p->elem_bytes, dst, src);
+        }
+    }
+}
