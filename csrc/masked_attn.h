@@ -425,8 +425,8 @@ double ma_ce_sum(const void *x, ma_dtype dt, int64_t n);
  *
  * Row t of the new keys (T, Hkv, D) and values (T, Hkv, Dv) goes to slot
  * s = slots[t] of its cache: row s % page_size of page s / page_size (a flat
- * (rows, Hkv, D) cache is one page of all its rows); a negative slot skips
- * the row. Elements are copied as they are (the shim requires equal dtypes).
+ * (rows, Hkv, D) cache is one page of all its rows; the two caches may
+ * differ in their number of pages or rows); a negative slot skips the row. Elements are copied as they are (the shim requires equal dtypes).
  * Work item = one new row (its keys, then its values). Where two rows share
  * a slot, the later one is what the cache holds: the shim then runs the
  * items in order on one thread. No scratch.

@@ -80,7 +80,9 @@ def _args(**over):
     (dict(key=torch.randn(4, 2, 4)), "key"),
     (dict(value=torch.randn(4, 2, 8, dtype=torch.float64)), "value"),
     (dict(key_cache=torch.zeros(3, 4, 2, 8, dtype=torch.bfloat16)), "key"),
-    (dict(value_cache=torch.zeros(2, 4, 2, 8)), "key_cache and value_cache"),
+    (dict(value_cache=torch.zeros(3, 2, 2, 8)), "key_cache and value_cache"),
+    (dict(value_cache=torch.zeros(12, 2, 8)), "key_cache and value_cache"),
+    (dict(value_cache=torch.zeros(1, 4, 2, 8), slots=torch.tensor([0, 1, 2, 5])), "slots"),  # 5: key_cache only
     (dict(key_cache=torch.zeros(3, 4, 1, 8).expand(3, 4, 2, 8)), "key_cache"),
     (dict(key_cache=torch.zeros(2, 3, 4, 2, 8)), "key_cache"),
 ])

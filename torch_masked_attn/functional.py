@@ -516,8 +516,8 @@ def write_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: T
 
     Args:
         key, value: (T, H_kv, D) / (T, H_kv, Dv), the new rows, any strides, of their cache's dtype.
-        key_cache, value_cache: paged (pages, page_size, H_kv, D) or flat (rows, H_kv, D), the
-            same pages and page size (or rows) for both; any strides without self-overlap.
+        key_cache, value_cache: both paged (pages, page_size, H_kv, D) with one page size, or
+            both flat (rows, H_kv, D); any strides without self-overlap. A slot must lie in both.
             They may be views of one buffer (transformers' paged cache interleaves them).
         slots: int64 or int32 (T,): row t goes to slot slots[t] = page * page_size + row (in a
             flat cache, the row); a negative slot skips the row (padding). Where two rows share

@@ -39,9 +39,8 @@ void cache_write(Tensor key, Tensor value, Tensor key_cache, Tensor value_cache,
   MA_CHECK(slots.dim() == 1 && (slots.scalar_type() == ScalarType::Long || slots.scalar_type() == ScalarType::Int),
            "masked_attn.cache_write: slots must be a 1-D int64 or int32 tensor, got ", shape_str(slots));
   MA_CHECK(slots.is_cpu() && slots.is_contiguous(), "masked_attn.cache_write: slots must be a contiguous CPU tensor");
-  MA_CHECK(key_cache.dim() == value_cache.dim() && key_cache.size(0) == value_cache.size(0) &&
-               (key_cache.dim() == 3 || key_cache.size(1) == value_cache.size(1)),
-           "masked_attn.cache_write: key_cache and value_cache must have the same pages and page size (or rows), "
+  MA_CHECK(key_cache.dim() == value_cache.dim() && (key_cache.dim() == 3 || key_cache.size(1) == value_cache.size(1)),
+           "masked_attn.cache_write: key_cache and value_cache must both be paged with one page size, or both flat, "
            "got ", shape_str(key_cache), " and ", shape_str(value_cache));
   ma_cache_write_params p{};
   p.T = slots.size(0);
@@ -49,7 +48,9 @@ void cache_write(Tensor key, Tensor value, Tensor key_cache, Tensor value_cache,
   cache_side(&p.k, key, key_cache, "key", "key_cache", p.T, p.Hkv);
   cache_side(&p.v, value, value_cache, "value", "value_cache", p.T, p.Hkv);
   p.page_size = key_cache.dim() == 4 ? key_cache.size(1) : std::max<int64_t>(key_cache.size(0), 1);
-  const int64_t n_slots = key_cache.dim() == 4 ? key_cache.size(0) * key_cache.size(1) : key_cache.size(0);
+  // a slot must lie in both caches (transformers' views of one buffer differ by a page)
+  const int64_t pages = std::min(key_cache.size(0), value_cache.size(0));
+  const int64_t n_slots = key_cache.dim() == 4 ? pages * key_cache.size(1) : pages;
   p.elem_bytes = key.element_size();
   if (slots.scalar_type() == ScalarType::Long)
     p.slots64 = static_cast<const int64_t*>(slots.const_data_ptr());
@@ -59,7 +60,7 @@ void cache_write(Tensor key, Tensor value, Tensor key_cache, Tensor value_cache,
   used.reserve(static_cast<size_t>(p.T));
   for (int64_t t = 0; t < p.T; t++) {
     const int64_t s = p.slots64 ? p.slots64[t] : p.slots32[t];
-    MA_CHECK(s < n_slots, "masked_attn.cache_write: slots[", t, "] = ", s, " is outside the cache's ", n_slots,
+    MA_CHECK(s < n_slots, "masked_attn.cache_write: slots[", t, "] = ", s, " is outside the caches' ", n_slots,
              " slots (pages * page_size)");
     if (s >= 0) used.push_back(s);
   }
