@@ -1,0 +1,804 @@
+"""FlashAttention-2's Python API on the CPU.
+
+Code written for flash-attn 2.x (``flash_attn.flash_attn_interface``, 2.8) runs on the CPU by
+changing one import::
+
+    from torch_masked_attn.flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+
+Same functions, signatures, argument names and defaults, layouts (``(B, L, H, D)``, packed
+``(T, H, D)``, paged caches ``(num_blocks, page_size, H_kv, D)``), return values and semantics:
+bottom-right aligned ``causal`` and ``window_size`` (query i of a sequence of Lq queries and Lk keys
+sees key j iff ``i + Lk - Lq - left <= j <= i + Lk - Lq + right``), ``softcap``, GQA / MQA (K and V
+never copied), ``softmax_scale``, ``alibi_slopes``, in-place KV-cache appends with rotary embedding,
+``cache_batch_idx``, ``cache_leftpad``, paged caches. A query row that sees no key gives output 0
+and ``softmax_lse`` +inf, as flash-attn's kernels give.
+
+The computation is this package's C kernels: ``functional.masked_attention`` (the dense functions,
+and every call with dropout or ALiBi) and ``functional.varlen_attn`` (packed sequences, KV caches,
+paged caches read in place); gradients through their autograd ops.
+
+Differences from flash-attn (every one a superset or a documented choice):
+
+* dtypes: float32 and float64 as well as float16 / bfloat16; ``softmax_lse`` is float32 (float64 for
+  float64 inputs). Any head dim (flash-attn: <= 256), any page size (flash-attn: a multiple of 256;
+  ours reads pages of a multiple of 64 rows in place and gathers the used pages of other sizes), any
+  even rotary dim (flash-attn: a multiple of 16), softcap with dropout (flash-attn refuses it),
+  integer index tensors of any integer dtype (flash-attn: int32).
+* dropout: our kernels' own Philox stream (``torch.manual_seed`` reproduces a run, any thread count
+  gives the same bits): other random bits than flash-attn's CUDA generator. ``deterministic`` is
+  accepted; every path here is deterministic.
+* ``return_attn_probs=True``: ``S_dmask`` is, as in flash-attn, an empty tensor unless
+  ``dropout_p > 0``; with dropout it is ``(B, H, round128(Lq), round128(Lk))`` (varlen:
+  ``(batch, H, round128(max_seqlen_q), round128(max_seqlen_k))``), the softmax probabilities,
+  negated where dropped, zero beyond the sequence (computed by a second, probability-returning pass;
+  for testing, as flash-attn says).
+* fallbacks: ``alibi_slopes`` (no ALiBi in the kernels yet) is a float additive mask
+  ``-slope * |i + Lk - Lq - j|`` of ``(B or 1, H, Lq, Lk)`` through ``masked_attention``; varlen calls
+  with dropout or ALiBi are padded to ``(batch, max_len, H, D)`` (copies) and run there;
+  ``flash_attn_with_kvcache`` with ALiBi gathers the keys into a dense copy. The dense functions with
+  Lq != Lk and a window bound the top-left windows cannot express add a boolean mask (exact, slower).
+  flash-attn's kernels add ``slope * j`` instead of the documented bias when ``causal=True``: same
+  output, its ``softmax_lse`` larger by ``slope * (i + Lk - Lq)``; ours is the documented one.
+* ``flash_attn_with_kvcache`` has no backward (as flash-attn): it runs under ``torch.no_grad()``.
+  ``num_splits`` is accepted and ignored (results never depend on splits or threads).
+* CPU tensors only: other devices raise (use flash-attn itself there).
+
+Window normalisation follows flash-attn's kernels, not only its docstring (it matters only when
+Lq > Lk): ``causal`` sets ``right = 0``; a bound ``>= seqlen_k`` becomes unbounded, and where one
+bound is set the other unbounded one becomes ``seqlen_k``, where seqlen_k is Lk
+(``flash_attn_func``), ``max_seqlen_k`` (varlen) or the cache's length (``with_kvcache``).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import functional as _fn
+
+__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+           "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INTS = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
+
+
+# ---- argument checks -----------------------------------------------------------------------------
+
+def _check_tensor(fn: str, name: str, t, dims: int, layout: str) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{fn}: {name} must be a Tensor {layout}, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{fn}: {name} must be {dims}-D {layout}, got shape {tuple(t.shape)}")
+    if t.dtype not in _FLOATS:
+        raise TypeError(f"{fn}: {name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{fn}: {name} is on {t.device}; torch_masked_attn.flash_attn computes on the CPU "
+                         "(on a GPU, use flash-attn itself)")
+
+
+def _check_same_dtype(fn: str, q: Tensor, **others: Tensor) -> None:
+    for name, t in others.items():
+        if t.dtype != q.dtype:
+            raise TypeError(f"{fn}: {name} must have q's dtype ({q.dtype}), got {t.dtype}")
+
+
+def _check_heads(fn: str, H: int, Hk: int, kname: str) -> None:
+    if Hk == 0 or H % Hk != 0:
+        raise ValueError(f"{fn}: the number of heads of q ({H}) must be a multiple of the number of heads of "
+                         f"{kname} ({Hk})")
+
+
+def _index(fn: str, name: str, t, dims: int, layout: str) -> Tensor:
+    """t, checked: an integer CPU tensor of `dims` dims."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{fn}: {name} must be an int32 Tensor {layout}, got {type(t).__name__}")
+    if t.dtype not in _INTS:
+        raise TypeError(f"{fn}: {name} must be an integer (int32) tensor {layout}, got {t.dtype}")
+    if t.dim() != dims:
+        raise ValueError(f"{fn}: {name} must be {dims}-D {layout}, got shape {tuple(t.shape)}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{fn}: {name} is on {t.device}; torch_masked_attn.flash_attn computes on the CPU")
+    return t
+
+
+def _number(fn: str, name: str, x, what: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        if isinstance(x, Tensor) and x.numel() == 1 and not x.dtype == torch.bool:
+            x = x.item()
+        else:
+            raise TypeError(f"{fn}: {name} must be {what}, got {type(x).__name__}")
+    x = float(x)
+    if math.isnan(x):
+        raise ValueError(f"{fn}: {name} must be {what}, got nan")
+    return x
+
+
+def _dropout(fn: str, dropout_p) -> float:
+    p = _number(fn, "dropout_p", dropout_p, "a float in [0, 1)")
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"{fn}: dropout_p must be in [0, 1), got {p}")
+    return p
+
+
+def _scale(fn: str, softmax_scale) -> float | None:
+    if softmax_scale is None:
+        return None
+    s = _number(fn, "softmax_scale", softmax_scale, "None or a finite float")
+    if not math.isfinite(s):
+        raise ValueError(f"{fn}: softmax_scale must be None or a finite float, got {s}")
+    return s
+
+
+def _softcap(fn: str, softcap) -> float | None:
+    """flash-attn's softcap: > 0 on, <= 0 off (None here)."""
+    if softcap is None:
+        return None
+    c = _number(fn, "softcap", softcap, "a float (0 = off)")
+    if not math.isfinite(c):
+        raise ValueError(f"{fn}: softcap must be finite (0 = off), got {c}")
+    return c if c > 0 else None
+
+
+def _window(fn: str, window_size, causal: bool, seqlen_k: int) -> tuple[int, int]:
+    """flash-attn's (left, right) after its kernels' normalisation: -1 unbounded, else a bound
+    (bottom-right aligned). causal sets right = 0; a bound >= seqlen_k is unbounded; with one bound
+    set, an unbounded right one is seqlen_k (an unbounded left one stays unbounded: seqlen_k there
+    excludes nothing)."""
+    if window_size is None:
+        window_size = (-1, -1)
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"{fn}: window_size must be a pair (left, right) of ints, -1 = unbounded, "
+                        f"got {window_size!r}")
+    sides = []
+    for side, w in zip(("left", "right"), window_size):
+        if isinstance(w, Tensor) and w.numel() == 1 and not w.is_floating_point():
+            w = int(w.item())
+        if isinstance(w, bool) or not isinstance(w, int):
+            raise TypeError(f"{fn}: window_size's {side} entry must be an int (-1 = unbounded), "
+                            f"got {type(w).__name__}")
+        sides.append(-1 if w < 0 or w >= seqlen_k else int(w))
+    left, right = sides
+    if causal:
+        right = 0
+    if left >= 0 and right < 0:
+        right = seqlen_k
+    return left, right
+
+
+def _alibi(fn: str, alibi_slopes, B: int, H: int) -> Tensor | None:
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, Tensor):
+        raise TypeError(f"{fn}: alibi_slopes must be None or a float32 Tensor (H,) or (B, H), "
+                        f"got {type(alibi_slopes).__name__}")
+    if not alibi_slopes.is_floating_point():
+        raise TypeError(f"{fn}: alibi_slopes must be float32 (H,) or (B, H), got {alibi_slopes.dtype}")
+    if tuple(alibi_slopes.shape) not in ((H,), (B, H)):
+        raise ValueError(f"{fn}: alibi_slopes must have shape (H,) = ({H},) or (B, H) = ({B}, {H}), "
+                         f"got {tuple(alibi_slopes.shape)}")
+    if alibi_slopes.device.type != "cpu":
+        raise ValueError(f"{fn}: alibi_slopes is on {alibi_slopes.device}; torch_masked_attn.flash_attn "
+                         "computes on the CPU")
+    return alibi_slopes.detach().reshape(-1, H)
+
+
+def _fa_lse(lse: Tensor) -> Tensor:
+    """flash-attn's softmax_lse: +inf (not -inf) for a row that sees no key."""
+    return lse.masked_fill(lse == float("-inf"), float("inf"))
+
+
+@functools.lru_cache(maxsize=64)
+def _steps(n: int, step: int) -> Tensor:
+    """int32 (0, step, 2 step, ..., n step): the offsets of n sequences of `step` rows (cached: a
+    decoding step asks for the same ones every layer; never written to)."""
+    return torch.arange(0, n + 1, dtype=torch.int32) * step
+
+
+def _round128(n: int) -> int:
+    return (n + 127) // 128 * 128
+
+
+def _empty_probs(q: Tensor) -> Tensor:
+    """S_dmask when it is not computed (dropout_p == 0): flash-attn's empty tensor."""
+    return torch.empty(0, dtype=q.dtype, device=q.device)
+
+
+# ---- the dense path: masked_attention --------------------------------------------------------------
+
+def _dense_attention(q4: Tensor, k4: Tensor, v4: Tensor, *, scale, left: int, right: int, softcap,
+                     alibi: Tensor | None, dropout_p: float, want_lse: bool, want_probs: bool,
+                     lq: Tensor | None = None, lk: Tensor | None = None,
+                     kstart: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Attention of q4 (B, Lq, H, D) over k4, v4 (B, Lk, H_kv, D / Dv), any strides, through
+    masked_attention on (B, H, L, D) views (no copies), flash-attn's bottom-right aligned window
+    (left, right) (-1 unbounded).
+
+    lq, lk, kstart (int64 (B,), or None for Lq, Lk, 0): per-batch lengths: the query rows
+    i < lq[b] and the keys kstart[b] <= j < kstart[b] + lk[b] of entry b take part, aligned to
+    their own bottom right (the rest is blocked; their rows give 0).
+
+    Returns out (B, Lq, H, Dv) (contiguous), lse (B, H, Lq) or None (-inf where a row sees no key),
+    and with want_probs and dropout the probabilities (B, H, Lq, Lk), negated where dropped."""
+    B, Lq, H, _ = q4.shape
+    Lk = k4.size(1)
+    dev = q4.device
+    window, is_causal, blocked, dist = None, False, None, None
+    if lq is None and lk is None and kstart is None:
+        off = Lk - Lq  # the diagonal of query i is key i + off
+        # the same window, top-left aligned (masked_attention's): i - wl <= j <= i + wr; a bound it
+        # cannot express (wl or wr < 0) becomes 0 there (a superset) and a boolean mask makes it exact
+        wl = None if left < 0 else left - off
+        wr = None if right < 0 else right + off
+        exact = (wl is None or wl >= 0) and (wr is None or wr >= 0)
+        if not exact or alibi is not None:
+            d = torch.arange(Lq, device=dev)[:, None] + off - torch.arange(Lk, device=dev)[None]
+            blocked = torch.zeros(Lq, Lk, dtype=torch.bool, device=dev)
+            if left >= 0:
+                blocked |= d > left
+            if right >= 0:
+                blocked |= d < -right
+            dist = d.abs()
+        wl = None if wl is None else max(wl, 0)
+        wr = None if wr is None else max(wr, 0)
+        if wl is None and wr == 0:
+            is_causal = True
+        elif wl is not None or wr is not None:
+            window = (wl, wr)
+    else:
+        i = torch.arange(Lq, device=dev).view(1, Lq, 1)
+        j = torch.arange(Lk, device=dev).view(1, 1, Lk)
+        n_q = Lq if lq is None else lq.view(B, 1, 1)
+        n_k = Lk if lk is None else lk.view(B, 1, 1)
+        jr = j if kstart is None else j - kstart.view(B, 1, 1)  # the key's index in its sequence
+        d = i + (n_k - n_q) - jr
+        blocked = (i >= n_q) | (jr < 0) | (jr >= n_k)
+        if left >= 0:
+            blocked = blocked | (d > left)
+        if right >= 0:
+            blocked = blocked | (d < -right)
+        blocked, dist = blocked.unsqueeze(1), d.abs().unsqueeze(1)  # (B, 1, Lq, Lk)
+    mask = blocked
+    if alibi is not None:
+        bias_dtype = torch.float64 if q4.dtype == torch.float64 else torch.float32
+        slopes = alibi.to(bias_dtype).view(-1, H, 1, 1)
+        mask = (-slopes * dist.to(bias_dtype)).masked_fill(blocked, float("-inf"))
+    qt, kt, vt = q4.transpose(1, 2), k4.transpose(1, 2), v4.transpose(1, 2)
+    kw = dict(attn_mask=mask, is_causal=is_causal, window=window, scale=scale, softcap=softcap)
+    need_weights = want_probs and dropout_p > 0
+    res = _fn.masked_attention(qt, kt, vt, dropout_p=dropout_p, need_weights=need_weights, return_lse=want_lse,
+                               **kw)
+    if not isinstance(res, tuple):
+        res = (res,)
+    out = res[0].transpose(1, 2)
+    weights = res[1] if need_weights else None
+    lse = res[-1] if want_lse else None
+    probs = None
+    if need_weights:
+        with torch.no_grad():
+            p = _fn.masked_attention(qt.detach(), kt.detach(), vt.detach(), need_weights=True, **kw)[1]
+            probs = torch.where(weights != 0, p, -p)
+    return out, lse, probs
+
+
+def _pad_rows(x: Tensor, starts: Tensor, m: int) -> Tensor:
+    """Packed rows x (T, ...) as (N, m, ...): entry b's row i is x[starts[b] + i] (clamped into x;
+    rows past a sequence's end are padding its caller masks). A copy, differentiable."""
+    N = starts.numel()
+    if x.size(0) == 0:
+        return x.new_zeros((N, m) + tuple(x.shape[1:]))
+    idx = (starts.view(N, 1) + torch.arange(m, device=x.device).view(1, m)).clamp_(0, x.size(0) - 1)
+    return x.index_select(0, idx.flatten()).view((N, m) + tuple(x.shape[1:]))
+
+
+def _gather_paged(cache: Tensor, block_table: Tensor, lengths: Tensor) -> Tensor:
+    """A paged cache (pages, page_size, H_kv, D) read through block_table (B, max_pages) as a dense
+    (B, n_pages * page_size, H_kv, D) copy: the pages holding each entry's first lengths[b] keys
+    (columns past them read page 0; their keys are masked by the caller)."""
+    page = cache.size(1)
+    n_pages = max(1, (int(lengths.max()) + page - 1) // page) if lengths.numel() else 1
+    n_pages = min(n_pages, block_table.size(1))
+    used = torch.arange(n_pages).view(1, -1) < ((lengths + page - 1) // page).view(-1, 1)
+    pages = torch.where(used, block_table[:, :n_pages].to(torch.int64), 0)
+    return cache.index_select(0, pages.flatten()).view(block_table.size(0), n_pages * page, *cache.shape[2:])
+
+
+# ---- flash_attn_func and its packed forms ----------------------------------------------------------
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn.flash_attn_func on the CPU.
+
+    Args:
+        q: (batch_size, seqlen_q, nheads, headdim); k: (batch_size, seqlen_k, nheads_k, headdim);
+            v: (batch_size, seqlen_k, nheads_k, headdim_v); nheads a multiple of nheads_k (MQA / GQA:
+            query head h uses key head h // (nheads / nheads_k)). float16, bfloat16, float32, float64.
+        dropout_p: dropout probability (in our kernels, our random bits); 0.0 in evaluation.
+        softmax_scale: default 1 / sqrt(headdim).
+        causal: causal mask aligned to the bottom right (query i sees key j iff
+            j <= i + seqlen_k - seqlen_q); a row that sees no key gives 0.
+        window_size: (left, right), -1 unbounded: query i sees keys
+            [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right].
+        softcap: > 0: scores s become softcap * tanh(s / softcap).
+        alibi_slopes: (nheads,) or (batch_size, nheads) float32: the bias
+            -slope * |i + seqlen_k - seqlen_q - j| (an additive mask here).
+        deterministic: accepted (always deterministic).
+        return_attn_probs: also return softmax_lse (batch_size, nheads, seqlen_q) (+inf for a row
+            that sees no key) and S_dmask (empty unless dropout_p > 0; then
+            (batch_size, nheads, round128(seqlen_q), round128(seqlen_k)), the probabilities,
+            negative where dropped).
+
+    Returns:
+        out (batch_size, seqlen_q, nheads, headdim_v), or (out, softmax_lse, S_dmask).
+    Differentiable in q, k, v.
+    """
+    fn = "flash_attn_func"
+    _check_tensor(fn, "q", q, 4, "(batch_size, seqlen_q, nheads, headdim)")
+    _check_tensor(fn, "k", k, 4, "(batch_size, seqlen_k, nheads_k, headdim)")
+    _check_tensor(fn, "v", v, 4, "(batch_size, seqlen_k, nheads_k, headdim_v)")
+    _check_same_dtype(fn, q, k=k, v=v)
+    B, Lq, H, D = q.shape
+    if k.size(0) != B or k.size(3) != D:
+        raise ValueError(f"{fn}: k must have q's batch size and head dim (batch_size, seqlen_k, nheads_k, {D}) "
+                         f"with batch_size = {B}, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        raise ValueError(f"{fn}: v must have k's batch size, length and heads, got k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    _check_heads(fn, H, k.size(2), "k and v")
+    dropout_p = _dropout(fn, dropout_p)
+    left, right = _window(fn, window_size, bool(causal), k.size(1))
+    out, lse, probs = _dense_attention(
+        q, k, v, scale=_scale(fn, softmax_scale), left=left, right=right, softcap=_softcap(fn, softcap),
+        alibi=_alibi(fn, alibi_slopes, B, H), dropout_p=dropout_p, want_lse=bool(return_attn_probs),
+        want_probs=bool(return_attn_probs))
+    if not return_attn_probs:
+        return out
+    if probs is None:
+        probs = _empty_probs(q)
+    else:
+        probs = F.pad(probs, (0, _round128(k.size(1)) - k.size(1), 0, _round128(Lq) - Lq))
+    return out, _fa_lse(lse), probs
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn.flash_attn_qkvpacked_func: qkv (batch_size, seqlen, 3, nheads, headdim); as
+    flash_attn_func on its three views (no copies; the gradient is qkv's)."""
+    if not isinstance(qkv, Tensor) or qkv.dim() != 5 or qkv.size(2) != 3:
+        raise ValueError("flash_attn_qkvpacked_func: qkv must be a 5-D Tensor (batch_size, seqlen, 3, nheads, "
+                         f"headdim), got {tuple(qkv.shape) if isinstance(qkv, Tensor) else type(qkv).__name__}")
+    return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
+                           softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn.flash_attn_kvpacked_func: kv (batch_size, seqlen_k, 2, nheads_k, headdim); as
+    flash_attn_func on its two views."""
+    if not isinstance(kv, Tensor) or kv.dim() != 5 or kv.size(2) != 2:
+        raise ValueError("flash_attn_kvpacked_func: kv must be a 5-D Tensor (batch_size, seqlen_k, 2, nheads_k, "
+                         f"headdim), got {tuple(kv.shape) if isinstance(kv, Tensor) else type(kv).__name__}")
+    return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)
+
+
+# ---- flash_attn_varlen_func and its packed forms -----------------------------------------------------
+
+def _offsets(fn: str, name: str, cu, rows: int | None) -> Tensor:
+    """cu_seqlens as int64 (N + 1,), checked: nondecreasing, within [0, rows] (rows None: >= 0)."""
+    cu = _index(fn, name, cu, 1, "(batch_size + 1,)").to(torch.int64)
+    if cu.numel() < 1:
+        raise ValueError(f"{fn}: {name} must have batch_size + 1 >= 1 entries, got none")
+    if bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"{fn}: {name} must be nondecreasing (cumulative sequence lengths), got {cu.tolist()}")
+    if int(cu[0]) < 0 or (rows is not None and int(cu[-1]) > rows):
+        raise ValueError(f"{fn}: {name} must lie in [0, {rows}] (the packed tensor's rows), got {cu.tolist()}")
+    return cu
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """flash_attn.flash_attn_varlen_func on the CPU: packed variable-length sequences.
+
+    Args:
+        q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim / headdim_v), or with
+            block_table paged caches (num_blocks, page_block_size, nheads_k, headdim) (any page size).
+        cu_seqlens_q, cu_seqlens_k: int32 (batch_size + 1,): sequence b is rows
+            cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k, v
+            (paged: its key count is cu_seqlens_k[b + 1] - cu_seqlens_k[b], read from its pages
+            through block_table[b]); empty sequences allowed. Rows outside [cu[0], cu[-1]) are not
+            read; their output is 0.
+        max_seqlen_q, max_seqlen_k: at least the longest sequences (checked).
+        block_table: int32 (batch_size, max_num_blocks_per_seq): paged KV; no backward.
+        The rest as flash_attn_func, each sequence aligned to its own bottom right; window bounds
+        are normalised against max_seqlen_k as flash-attn's kernels do.
+
+    Returns:
+        out (total_q, nheads, headdim_v), or (out, softmax_lse (nheads, total_q), S_dmask) with
+        return_attn_probs; S_dmask empty unless dropout_p > 0, then
+        (batch_size, nheads, round128(max_seqlen_q), round128(max_seqlen_k)).
+    Differentiable in q, k, v (not with block_table). Dropout or ALiBi pad the batch to
+    (batch_size, max_len, ...) copies and run the dense kernels (the packed kernels have neither).
+    """
+    fn = "flash_attn_varlen_func"
+    paged = block_table is not None
+    _check_tensor(fn, "q", q, 3, "(total_q, nheads, headdim)")
+    kv_dims, kv_layout = (4, "(num_blocks, page_block_size, nheads_k, headdim)") if paged else \
+        (3, "(total_k, nheads_k, headdim)")
+    _check_tensor(fn, "k", k, kv_dims, kv_layout + (" with block_table" if paged else ""))
+    _check_tensor(fn, "v", v, kv_dims, kv_layout + (" with block_table" if paged else ""))
+    _check_same_dtype(fn, q, k=k, v=v)
+    H, D = q.size(1), q.size(2)
+    Hk = k.size(-2)
+    if k.size(-1) != D:
+        raise ValueError(f"{fn}: k must have q's head dim ({D}), got k {tuple(k.shape)}")
+    if tuple(v.shape[:-1]) != tuple(k.shape[:-1]):
+        raise ValueError(f"{fn}: v must have k's rows and heads, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    _check_heads(fn, H, Hk, "k and v")
+    cu_q = _offsets(fn, "cu_seqlens_q", cu_seqlens_q, q.size(0))
+    cu_k = _offsets(fn, "cu_seqlens_k", cu_seqlens_k, None if paged else k.size(0))
+    if cu_k.numel() != cu_q.numel():
+        raise ValueError(f"{fn}: cu_seqlens_k must have as many entries as cu_seqlens_q ({cu_q.numel()}), "
+                         f"got {cu_k.numel()}")
+    lens_q, lens_k = cu_q.diff(), cu_k.diff()
+    N = lens_q.numel()
+    max_seqlen_q = int(_number(fn, "max_seqlen_q", max_seqlen_q, "an int"))
+    max_seqlen_k = int(_number(fn, "max_seqlen_k", max_seqlen_k, "an int"))
+    mq = int(lens_q.max()) if N else 0
+    mk = int(lens_k.max()) if N else 0
+    if max_seqlen_q < mq:
+        raise ValueError(f"{fn}: max_seqlen_q ({max_seqlen_q}) is less than the longest query sequence ({mq})")
+    if max_seqlen_k < mk:
+        raise ValueError(f"{fn}: max_seqlen_k ({max_seqlen_k}) is less than the longest key sequence ({mk})")
+    if paged:
+        bt = _index(fn, "block_table", block_table, 2, "(batch_size, max_num_blocks_per_seq)")
+        if bt.size(0) != N:
+            raise ValueError(f"{fn}: block_table must have batch_size = {N} rows, got {tuple(bt.shape)}")
+        if mk > bt.size(1) * k.size(1):
+            raise ValueError(f"{fn}: block_table addresses {bt.size(1)} pages of {k.size(1)} keys, fewer than the "
+                             f"longest key sequence ({mk})")
+        used = torch.arange(bt.size(1)).view(1, -1) < ((lens_k + k.size(1) - 1) // k.size(1)).view(-1, 1)
+        if bool((((bt < 0) | (bt >= k.size(0))) & used).any()):
+            raise ValueError(f"{fn}: block_table holds a page outside k's {k.size(0)} pages")
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise RuntimeError(f"{fn}: block_table (a paged KV cache) is inference-only: no backward; call it "
+                               "under torch.no_grad()")
+    dropout_p = _dropout(fn, dropout_p)
+    scale, cap = _scale(fn, softmax_scale), _softcap(fn, softcap)
+    left, right = _window(fn, window_size, bool(causal), max_seqlen_k)
+    alibi = _alibi(fn, alibi_slopes, N, H)
+    want = bool(return_attn_probs)
+    q0, q1 = int(cu_q[0]), int(cu_q[-1])
+    qs = q if (q0, q1) == (0, q.size(0)) else q[q0:q1]
+    probs = None
+    if dropout_p == 0.0 and alibi is None:
+        if paged:
+            res = _fn.varlen_attn(qs, k, v, (cu_q - q0).to(torch.int32), None, max(mq, 1), max(mk, 1),
+                                  return_aux=_fn.AuxRequest(lse=want), scale=scale, window_size=(left, right),
+                                  enable_gqa=True, seqused_k=lens_k.to(torch.int32),
+                                  block_table=bt.to(torch.int32).contiguous(), softcap=cap)
+        else:
+            k0, k1 = int(cu_k[0]), int(cu_k[-1])
+            ks, vs = (k, v) if (k0, k1) == (0, k.size(0)) else (k[k0:k1], v[k0:k1])
+            res = _fn.varlen_attn(qs, ks, vs, (cu_q - q0).to(torch.int32), (cu_k - k0).to(torch.int32), max(mq, 1),
+                                  max(mk, 1), return_aux=_fn.AuxRequest(lse=want), scale=scale,
+                                  window_size=(left, right), enable_gqa=True, softcap=cap)
+        out, lse = res if want else (res, None)
+    else:
+        # the packed kernels have neither dropout nor ALiBi: pad the batch and run the dense ones
+        q4 = _pad_rows(qs, cu_q[:-1] - q0, max(mq, 1))
+        if paged:
+            k4, v4 = _gather_paged(k, bt, lens_k), _gather_paged(v, bt, lens_k)
+        else:
+            k4, v4 = _pad_rows(k, cu_k[:-1], max(mk, 1)), _pad_rows(v, cu_k[:-1], max(mk, 1))
+        out4, lse4, probs4 = _dense_attention(q4, k4, v4, scale=scale, left=left, right=right, softcap=cap,
+                                              alibi=alibi, dropout_p=dropout_p, want_lse=want, want_probs=want,
+                                              lq=lens_q, lk=lens_k)
+        rows = (torch.arange(q4.size(1)).view(1, -1) < lens_q.view(-1, 1)).flatten().nonzero().flatten()
+        out = out4.reshape(-1, H, out4.size(-1)).index_select(0, rows)
+        lse = lse4.transpose(0, 1).reshape(H, -1).index_select(1, rows) if want else None
+        if probs4 is not None:
+            probs = F.pad(probs4[:, :, :mq, :mk],
+                          (0, _round128(max_seqlen_k) - mk, 0, _round128(max_seqlen_q) - mq))
+    if (q0, q1) != (0, q.size(0)):  # rows outside the sequences: output 0, softmax_lse +inf
+        out = F.pad(out, (0, 0, 0, 0, q0, q.size(0) - q1))
+        if lse is not None:
+            lse = F.pad(lse, (q0, q.size(0) - q1), value=float("-inf"))
+    if not want:
+        return out
+    return out, _fa_lse(lse), (_empty_probs(q) if probs is None else probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """flash_attn.flash_attn_varlen_qkvpacked_func: qkv (total, 3, nheads, headdim); as
+    flash_attn_varlen_func on its views, with cu_seqlens and max_seqlen for queries and keys."""
+    if not isinstance(qkv, Tensor) or qkv.dim() != 4 or qkv.size(1) != 3:
+        raise ValueError("flash_attn_varlen_qkvpacked_func: qkv must be a 4-D Tensor (total, 3, nheads, headdim), "
+                         f"got {tuple(qkv.shape) if isinstance(qkv, Tensor) else type(qkv).__name__}")
+    return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                  deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn.flash_attn_varlen_kvpacked_func: kv (total_k, 2, nheads_k, headdim); as
+    flash_attn_varlen_func on its views."""
+    if not isinstance(kv, Tensor) or kv.dim() != 4 or kv.size(1) != 2:
+        raise ValueError("flash_attn_varlen_kvpacked_func: kv must be a 4-D Tensor (total_k, 2, nheads_k, "
+                         f"headdim), got {tuple(kv.shape) if isinstance(kv, Tensor) else type(kv).__name__}")
+    return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                  deterministic, return_attn_probs)
+
+
+# ---- flash_attn_with_kvcache -------------------------------------------------------------------------
+
+def _rotary(x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, interleaved: bool) -> Tensor:
+    """flash-attn's rotary embedding of x (B, L, H, D) at positions pos (B, L): the first
+    rotary_dim = 2 * cos.size(1) dims rotated (interleaved: pairs (0, 1), (2, 3), ...; else
+    GPT-NeoX's halves), the rest as is. Computed in float32 (float64 for float64)."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    B, L = pos.shape
+    rd = 2 * cos.size(1)
+    c = cos.index_select(0, pos.flatten()).to(acc).view(B, L, 1, rd // 2)
+    s = sin.index_select(0, pos.flatten()).to(acc).view(B, L, 1, rd // 2)
+    xr = x[..., :rd].to(acc)
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., :rd // 2], xr[..., rd // 2:]
+        rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """flash_attn.flash_attn_with_kvcache on the CPU (inference: no backward).
+
+    Args:
+        q: (batch_size, seqlen_q, nheads, headdim).
+        k_cache, v_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim), or with block_table
+            (num_blocks, page_block_size, nheads_k, headdim) (any page size; pages of a multiple of 64
+            rows are read in place, others gathered). Any strides.
+        k, v: optional (batch_size, seqlen_new, nheads_k, headdim): written into the caches in
+            place at rows cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 (functional.write_kv_cache),
+            then attended to. Needs cache_seqlens.
+        rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2): k is rotated at positions
+            cache_seqlens[b] + t before it is written; q at cache_seqlens[b] + i when causal or local,
+            else every query at cache_seqlens[b]. Needs k. rotary_interleaved: pairs (0, 1), (2, 3), ...
+            (True) or GPT-NeoX's halves (False).
+        cache_seqlens: int or (batch_size,) int32: the cache's lengths before the append (None: the
+            whole cache).
+        cache_batch_idx: (batch_size,) int32: the cache rows of the batch (dense caches only).
+        cache_leftpad: (batch_size,) int32: the first cache row of each entry (dense caches only):
+            keys cache_leftpad[b] .. cache_seqlens[b] + seqlen_new - 1. Rotary positions stay the
+            cache rows, as in flash-attn.
+        block_table: (batch_size, max_num_blocks_per_seq) int32: paged caches.
+        num_splits: accepted, ignored.
+        return_softmax_lse: also return softmax_lse (batch_size, nheads, seqlen_q) (+inf for a row
+            that sees no key).
+        The rest as flash_attn_func, aligned to each entry's bottom right (its seqlen_k:
+        cache_seqlens[b] - cache_leftpad[b] + seqlen_new).
+
+    Returns:
+        out (batch_size, seqlen_q, nheads, headdim_v), or (out, softmax_lse).
+    """
+    fn = "flash_attn_with_kvcache"
+    paged = block_table is not None
+    _check_tensor(fn, "q", q, 4, "(batch_size, seqlen_q, nheads, headdim)")
+    cache_layout = "(num_blocks, page_block_size, nheads_k, headdim) with block_table" if paged else \
+        "(batch_size_cache, seqlen_cache, nheads_k, headdim)"
+    _check_tensor(fn, "k_cache", k_cache, 4, cache_layout)
+    _check_tensor(fn, "v_cache", v_cache, 4, cache_layout)
+    _check_same_dtype(fn, q, k_cache=k_cache, v_cache=v_cache)
+    B, Lq, H, D = q.shape
+    if B == 0:
+        raise ValueError(f"{fn}: q must have batch_size > 0, got shape {tuple(q.shape)}")
+    Hk, Dv = k_cache.size(2), v_cache.size(3)
+    if k_cache.size(3) != D:
+        raise ValueError(f"{fn}: k_cache must have q's head dim ({D}), got k_cache {tuple(k_cache.shape)}")
+    if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
+        raise ValueError(f"{fn}: v_cache must have k_cache's first three dims, got k_cache "
+                         f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+    _check_heads(fn, H, Hk, "k_cache and v_cache")
+    if (k is None) != (v is None):
+        name = "v" if v is None else "k"
+        raise ValueError(f"{fn}: k and v go together: {name} is None while the other is given")
+    Lnew = 0
+    if k is not None:
+        _check_tensor(fn, "k", k, 4, "(batch_size, seqlen_new, nheads_k, headdim)")
+        _check_tensor(fn, "v", v, 4, "(batch_size, seqlen_new, nheads_k, headdim_v)")
+        _check_same_dtype(fn, q, k=k, v=v)
+        Lnew = k.size(1)
+        if tuple(k.shape) != (B, Lnew, Hk, D):
+            raise ValueError(f"{fn}: k must have shape (batch_size, seqlen_new, nheads_k, headdim) = "
+                             f"({B}, seqlen_new, {Hk}, {D}), got {tuple(k.shape)}")
+        if tuple(v.shape) != (B, Lnew, Hk, Dv):
+            raise ValueError(f"{fn}: v must have shape (batch_size, seqlen_new, nheads_k, headdim_v) = "
+                             f"({B}, {Lnew}, {Hk}, {Dv}), got {tuple(v.shape)}")
+    if paged:
+        if cache_batch_idx is not None:
+            raise ValueError(f"{fn}: cache_batch_idx is not supported with block_table (paged KV cache), "
+                             "as in flash-attn")
+        if cache_leftpad is not None:
+            raise ValueError(f"{fn}: cache_leftpad is not supported with block_table (paged KV cache), "
+                             "as in flash-attn")
+        bt = _index(fn, "block_table", block_table, 2, "(batch_size, max_num_blocks_per_seq)")
+        if bt.size(0) != B:
+            raise ValueError(f"{fn}: block_table must have batch_size = {B} rows, got {tuple(bt.shape)}")
+        page = k_cache.size(1)
+        seqlen_k = bt.size(1) * page
+    else:
+        seqlen_k = k_cache.size(1)
+    B_c = k_cache.size(0)
+
+    # the bookkeeping in Python ints: a decoding step's batch is small, and a tensor op costs more
+    # than a list's loop there
+    if cache_seqlens is None:
+        if k is not None:
+            raise ValueError(f"{fn}: cache_seqlens is required when k and v are given (where to append them)")
+        ends = [seqlen_k] * B
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        ends = [int(cache_seqlens)] * B
+    else:
+        ends = _index(fn, "cache_seqlens", cache_seqlens, 1, "(batch_size,) or an int").tolist()
+        if len(ends) != B:
+            raise ValueError(f"{fn}: cache_seqlens must have batch_size = {B} entries, got {len(ends)}")
+    if any(e < 0 or e + Lnew > seqlen_k for e in ends):
+        raise ValueError(f"{fn}: cache_seqlens{' + seqlen_new' if Lnew else ''} must lie in [0, {seqlen_k}] "
+                         f"(the cache's {'addressable ' if paged else ''}length), got cache_seqlens = "
+                         f"{ends}{f', seqlen_new = {Lnew}' if Lnew else ''}")
+    idx = None
+    if cache_batch_idx is not None:
+        idx = _index(fn, "cache_batch_idx", cache_batch_idx, 1, "(batch_size,)").tolist()
+        if len(idx) != B:
+            raise ValueError(f"{fn}: cache_batch_idx must have batch_size = {B} entries, got {len(idx)}")
+        if any(i < 0 or i >= B_c for i in idx):
+            raise ValueError(f"{fn}: cache_batch_idx must index k_cache's {B_c} rows, got {idx}")
+    elif not paged and B_c < B:
+        raise ValueError(f"{fn}: k_cache has {B_c} rows (batch_size_cache) for a batch of {B}; pass "
+                         "cache_batch_idx or a larger cache")
+    leftpad = None
+    if cache_leftpad is not None:
+        leftpad = _index(fn, "cache_leftpad", cache_leftpad, 1, "(batch_size,)").tolist()
+        if len(leftpad) != B:
+            raise ValueError(f"{fn}: cache_leftpad must have batch_size = {B} entries, got {len(leftpad)}")
+        if any(lp < 0 or lp > e for lp, e in zip(leftpad, ends)):
+            raise ValueError(f"{fn}: cache_leftpad must lie in [0, cache_seqlens[b]], got {leftpad} "
+                             f"for cache_seqlens {ends}")
+    # each entry's keys: cache rows leftpad[b] .. ends[b] + Lnew - 1 (the seqlen_k it is aligned to)
+    lengths = [e + Lnew - lp for e, lp in zip(ends, leftpad or [0] * B)]
+    if paged:
+        need = torch.tensor([(e + Lnew + page - 1) // page for e in ends])
+        used = torch.arange(bt.size(1)).view(1, -1) < need.view(-1, 1)
+        if bool((((bt < 0) | (bt >= B_c)) & used).any()):
+            raise ValueError(f"{fn}: block_table holds a page outside k_cache's {B_c} pages")
+
+    rotary = rotary_cos is not None or rotary_sin is not None
+    if rotary:
+        if rotary_cos is None or rotary_sin is None:
+            missing = "rotary_cos" if rotary_cos is None else "rotary_sin"
+            raise ValueError(f"{fn}: rotary_cos and rotary_sin go together; {missing} is None")
+        if k is None:
+            raise ValueError(f"{fn}: rotary_cos / rotary_sin need the new k and v (the rotary embedding is "
+                             "applied to the keys being appended and to q)")
+        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            _check_tensor(fn, name, t, 2, "(seqlen_ro, rotary_dim / 2)")
+        if rotary_sin.shape != rotary_cos.shape:
+            raise ValueError(f"{fn}: rotary_sin must have rotary_cos's shape {tuple(rotary_cos.shape)}, "
+                             f"got {tuple(rotary_sin.shape)}")
+        if 2 * rotary_cos.size(1) > D:
+            raise ValueError(f"{fn}: rotary_cos's rotary_dim = 2 * {rotary_cos.size(1)} must be <= headdim ({D})")
+
+    scale, cap = _scale(fn, softmax_scale), _softcap(fn, softcap)
+    causal = bool(causal)
+    left, right = _window(fn, window_size, causal, seqlen_k)
+    alibi = _alibi(fn, alibi_slopes, B, H)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"{fn}: num_splits must be an int >= 0, got {num_splits!r}")
+    if rotary:
+        # flash-attn: keys at ends[b] + t; queries at ends[b] + i when causal or local, else all at ends[b]
+        local = causal or left >= 0 or right >= 0
+        top = max(ends) + max(Lnew, Lq if local else 1)
+        if rotary_cos.size(0) < top:
+            raise ValueError(f"{fn}: rotary_cos has {rotary_cos.size(0)} positions, fewer than the {top} "
+                             "the appended keys and the queries need")
+    want_lse = bool(return_softmax_lse)
+
+    with torch.no_grad():
+        if rotary:
+            first = torch.tensor(ends).view(-1, 1)
+            k = _rotary(k, rotary_cos, rotary_sin, first + torch.arange(Lnew), bool(rotary_interleaved))
+            q_pos = first + torch.arange(Lq) if local else first.expand(B, Lq)
+            q = _rotary(q, rotary_cos, rotary_sin, q_pos, bool(rotary_interleaved))
+        if Lnew > 0:
+            if paged:
+                pos = torch.tensor(ends).view(-1, 1) + torch.arange(Lnew)
+                slots = bt.to(torch.int64).gather(1, pos // page) * page + pos % page
+            else:  # a dense cache is pages of seqlen_cache rows, one per cache row
+                first = torch.tensor([(b if idx is None else idx[b]) * seqlen_k + ends[b] for b in range(B)])
+                slots = first if Lnew == 1 else first.view(-1, 1) + torch.arange(Lnew)
+            _fn.write_kv_cache(k.reshape(B * Lnew, Hk, D), v.reshape(B * Lnew, Hk, Dv), k_cache, v_cache,
+                               slots.flatten())
+
+        if alibi is not None:
+            # no ALiBi in the packed kernels: the keys as a dense (B, Lk, H_kv, D) tensor (a copy for
+            # paged caches and cache_batch_idx; a view otherwise) and an additive mask
+            lk = torch.tensor(lengths)
+            if paged:
+                kd, vd = _gather_paged(k_cache, bt, lk), _gather_paged(v_cache, bt, lk)
+            elif idx is None:
+                kd, vd = k_cache[:B], v_cache[:B]
+            else:
+                kd, vd = k_cache.index_select(0, torch.tensor(idx)), v_cache.index_select(0, torch.tensor(idx))
+            out, lse, _ = _dense_attention(q, kd, vd, scale=scale, left=left, right=right, softcap=cap, alibi=alibi,
+                                           dropout_p=0.0, want_lse=want_lse, want_probs=False, lk=lk,
+                                           kstart=None if leftpad is None else torch.tensor(leftpad))
+        else:
+            qf = q.reshape(B * Lq, H, D)
+            cu_q = _steps(B, Lq)
+            common = dict(return_aux=_fn.AuxRequest(lse=want_lse), scale=scale, window_size=(left, right),
+                          enable_gqa=True, seqused_k=torch.tensor(lengths, dtype=torch.int32), softcap=cap)
+            if paged:
+                res = _fn.varlen_attn(qf, k_cache, v_cache, cu_q, None, max(Lq, 1), max(seqlen_k, 1),
+                                      block_table=bt.to(torch.int32).contiguous(), **common)
+            else:
+                res = _kvcache_dense(qf, k_cache, v_cache, cu_q, Lq, idx, leftpad, common)
+            out, lse = res if want_lse else (res, None)
+            out = out.view(B, Lq, H, Dv)
+            if lse is not None:
+                lse = lse.view(H, B, Lq).transpose(0, 1).contiguous()
+    if not want_lse:
+        return out
+    return out, _fa_lse(lse)
+
+
+def _views_flat(cache: Tensor) -> bool:
+    """Whether a 4-D cache's first two dims view as one (rows, H_kv, D) without a copy."""
+    try:
+        cache.view(-1, *cache.shape[2:])
+    except RuntimeError:
+        return False
+    return True
+
+
+def _kvcache_dense(qf: Tensor, k_cache: Tensor, v_cache: Tensor, cu_q: Tensor, Lq: int, idx: list | None,
+                   leftpad: list | None, common: dict):
+    """varlen_attn over a dense cache (B_c, L, H_kv, D), read in place where possible:
+    - as packed rows (the cache viewed (B_c * L, H_kv, D)), entry b's keys starting at row
+      idx[b] * L + leftpad[b], when the rows view flat and idx is None or increasing;
+    - else, without leftpad, as a paged cache of one page of L rows per entry, block_table = idx
+      (varlen_attn reads pages of a multiple of 64 rows in place and gathers other page sizes);
+    - else (leftpad with repeated or decreasing cache_batch_idx, or a cache whose rows do not view
+      flat) a copy of the entries' cache rows is unavoidable: index_select, then packed rows."""
+    B = cu_q.numel() - 1
+    L = k_cache.size(1)
+    flat = _views_flat(k_cache) and _views_flat(v_cache)
+    rows = list(range(B)) if idx is None else idx
+    increasing = all(rows[b] < rows[b + 1] for b in range(B - 1))
+    if not (flat and increasing) and leftpad is None:
+        table = torch.tensor(rows, dtype=torch.int32).view(B, 1)
+        return _fn.varlen_attn(qf, k_cache, v_cache, cu_q, None, max(Lq, 1), max(L, 1), block_table=table, **common)
+    if not (flat and increasing):  # a copy (see above)
+        sel = torch.tensor(rows)
+        k_cache, v_cache, rows = k_cache.index_select(0, sel), v_cache.index_select(0, sel), list(range(B))
+    kf, vf = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
+    if leftpad is None and idx is None:  # entry b: rows b * L .. of the flat cache
+        kf, vf, cu_k = kf[:B * L], vf[:B * L], _steps(B, L)
+    else:
+        start = [r * L + (0 if leftpad is None else leftpad[b]) for b, r in enumerate(rows)]  # first key rows
+        s0, stop = start[0], (rows[-1] + 1) * L
+        kf, vf = kf[s0:stop], vf[s0:stop]
+        cu_k = torch.tensor([x - s0 for x in start] + [stop - s0], dtype=torch.int32)
+    return _fn.varlen_attn(qf, kf, vf, cu_q, cu_k, max(Lq, 1), max(L, 1), **common)
