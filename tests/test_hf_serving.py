@@ -30,7 +30,15 @@ def _one_thread():
 @pytest.fixture
 def counted(monkeypatch):
     """Counts the calls of our attention and cache ops from the CB path."""
-    calls = {"varlen_attn": 0, "write_kv_cache": 0, "sdpa": 0}
+    calls = {"varlen_attn": 0, "write_kv_cache": 0, "sdpa": 0, "ring_in_place": 0, "ring_gathered": 0}
+    ring_step = hf._ring_step
+
+    def ring_spy(*a, **k):
+        step = ring_step(*a, **k)
+        calls["ring_in_place"] += int((step.seqused > 0).sum())
+        calls["ring_gathered"] += 0 if step.gathered is None else int(step.gathered.sum())
+        return step
+    monkeypatch.setattr(hf, "_ring_step", ring_spy)
     for name in ("varlen_attn", "write_kv_cache"):
         fn = getattr(tma_F, name)
 
@@ -84,7 +92,7 @@ def _cb_tokens(model, prompts, new, **cb):
     return [res[f"req_{i}"].generated_tokens for i in range(len(prompts))]
 
 
-CASES = [  # (model, prompt lengths, CB config)
+CASES = [  # (model, prompt lengths, CB config[, config overrides])
     ("llama", (5, 17, 40, 3, 64, 90), dict(page_size=64)),
     ("llama", (130, 7, 200), dict(page_size=256)),
     ("llama", (33, 70, 9), dict(page_size=16)),                        # pages the kernels do not read in place
@@ -94,22 +102,39 @@ CASES = [  # (model, prompt lengths, CB config)
     ("qwen2", (20, 45, 7), dict(page_size=64)),                          # full and sliding layers
     ("gemma2", (11, 60, 25), dict(page_size=64, max_batch_tokens=32)),   # softcap, sliding, scaling
 ]
+CASES += [  # a ring of several pages: read in place when they are whole (128 = 2 x 64), decodes past
+    # the window gathered when the ring's last page is partial (100 = 64 + 36)
+    ("mistral", (150, 20, 230), dict(page_size=64), dict(sliding_window=128)),
+    ("mistral", (150, 20, 230), dict(page_size=64, max_batch_tokens=64), dict(sliding_window=128)),
+    ("mistral", (150, 20, 230), dict(page_size=64), dict(sliding_window=100)),
+]
 if "gpt_oss" in MODELS:
     CASES.append(("gpt_oss", (14, 52, 6, 33), dict(page_size=64, max_batch_tokens=40)))   # sinks
 
 
-@pytest.mark.parametrize("name,lengths,cb", CASES, ids=lambda x: str(x) if not isinstance(x, tuple) else "-".join(map(str, x)))
-def test_generate_batch_matches_generate(name, lengths, cb, counted):
-    ref, ours = _pair(name, dtype=torch.float32 if name == "gpt_oss" else torch.float64)  # MoE: no float64
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_generate_batch_matches_generate(case, counted):
+    name, lengths, cb, overrides = (*case, {})[:4]
+    ref, ours = _pair(name, dtype=torch.float32 if name == "gpt_oss" else torch.float64,  # MoE: no float64
+                      **overrides)
     prompts = _prompts(lengths, ref.config.vocab_size)
     new = 12
     want = _reference_tokens(ref, prompts, new)
     counted["sdpa"] = 0
     got = _cb_tokens(ours, prompts, new, **cb)
     assert got == want
-    assert counted["varlen_attn"] > 0 and counted["write_kv_cache"] == counted["varlen_attn"]
+    assert counted["write_kv_cache"] > 0 and counted["varlen_attn"] >= counted["write_kv_cache"]
     assert counted["sdpa"] == 0
     assert ours.config._attn_implementation == "masked_attn"
+    window = getattr(ours.config, "sliding_window", None)
+    if window is not None and name != "qwen2" and (window % cb["page_size"] == 0 or window <= cb["page_size"]):
+        assert counted["ring_in_place"] > 0    # the decodes read the ring in place
+        if "max_batch_tokens" not in cb:
+            assert counted["ring_gathered"] == 0
+    if overrides.get("sliding_window") == 128 and "max_batch_tokens" in cb:
+        assert counted["ring_gathered"] > 0    # chunks past the window beside in-place decodes
+    if overrides.get("sliding_window") == 100:
+        assert counted["ring_gathered"] > 0    # a decode past a window of partial pages
 
 
 def test_manager_context_and_no_mask(counted):

@@ -407,15 +407,95 @@ def _paged_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
         out = _F.varlen_attn(q, k_pages, v_pages, cu_q, None, max_q, int(pages.seqused.max()),
                              seqused_k=pages.seqused, block_table=pages.table, **args)
     else:
-        # the ring buffer: a new row may overwrite a row an earlier query of its chunk still sees, so the
-        # cached rows are read first (transformers' sentinel marks where the new rows go)
-        new = (read_index == allocator.sentinel_index).view(-1, 1, 1)
-        k_all = k_rows.index_select(0, read_index).masked_scatter_(new, k_new)
-        v_all = v_rows.index_select(0, read_index).masked_scatter_(new, v_new)
-        _F.write_kv_cache(k_new, v_new, k_rows, v_rows, write_index)
-        max_k = int((cu_k[1:] - cu_k[:-1]).max())
-        out = _F.varlen_attn(q, k_all, v_all, cu_q, cu_k, max_q, max_k, **args)
+        out = _ring_attention(cache, allocator, q, k_new, v_new, k_rows, v_rows, k_pages, v_pages, read_index,
+                              write_index, cu_q, cu_k, max_q, args)
     return out.unsqueeze(0)
+
+
+@dataclass(eq=False)
+class _RingStep:
+    """A step's plan for one sliding-window group (transformers' ring buffer, slot = position %
+    window): which sequences read the ring in place after the write, their page tables, and the
+    rows the others read before it."""
+    read_index: Tensor
+    table: Tensor          # (N, max_pages) int32, the ring's pages in slot order from the first key
+    seqused: Tensor        # (N,) int32: keys read in place (0 for the gathered sequences)
+    gathered: Tensor | None  # (N,) bool: sequences whose keys are gathered, or None if there are none
+    cu_g: Tensor | None      # (N + 1,) int32 offsets of the gathered keys
+    src: Tensor | None       # (rows,) int64 row of each gathered key: < 0: new row -src - 1, else a ring row
+
+
+def _ring_step(cache, allocator, read_index: Tensor, write_index: Tensor, cu_q: Tensor, cu_k: Tensor) -> _RingStep:
+    """Sequence b has q_b new rows and c_b = k_b - q_b cached ones (at most window - 1). Its keys
+    lie in the ring after this step's write, in slot order, whenever the write overwrites no row
+    one of its queries still sees: one new row (a decode sees the whole window), or a past of
+    c_b < window - 1 rows with c_b + q_b <= window (nothing wraps). Its rows in slot order are then its c_b read indices followed by its
+    q_b write indices (a decode past the window: the ring rotated, which the softmax does not see;
+    pages are whole there when window % page_size == 0 or the ring is one page). The others (a
+    chunk that wraps) read their cached rows before the write, as transformers does."""
+    memo = getattr(cache, "_tma_pages", None)
+    if memo is None:
+        memo = cache._tma_pages = {}
+    hit = memo.get(allocator.index)
+    if hit is not None and hit.read_index is read_index:
+        return hit
+    page, window = allocator.tokens_per_page, allocator.sliding_window
+    cq, ck = cu_q.to(torch.int64), cu_k.to(torch.int64)
+    nq, nk = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
+    cached = nk - nq
+    whole_pages = window % page == 0 or window <= page
+    known = cached < window - 1  # then the sequence's past is c_b; at window - 1 it may be any longer
+    in_place = ((nq == 1) & (whole_pages | known)) | (known & (cached + nq <= window))
+    n_pages = torch.where(in_place, (nk + page - 1) // page, 0)
+    cols = torch.arange(max(int(n_pages.max()), 1) if n_pages.numel() else 1)
+    used = cols.unsqueeze(0) < n_pages.unsqueeze(1)
+    e = cols.unsqueeze(0) * page                       # the key at the start of each page
+    from_read = e < cached.unsqueeze(1)
+    r = torch.where(used & from_read, ck[:-1].unsqueeze(1) + e, 0)
+    w = torch.where(used & ~from_read, cq[:-1].unsqueeze(1) + e - cached.unsqueeze(1), 0)
+    rows = torch.where(from_read, read_index[r] if read_index.numel() else 0, write_index[w])
+    table = torch.where(used, rows // page, 0).to(torch.int32)
+    seqused = torch.where(in_place, nk, 0).to(torch.int32)
+    gathered = cu_g = src = None
+    if not bool(in_place.all()):
+        gathered = ~in_place
+        counts = torch.where(gathered, nk, 0)
+        cu_g = torch.zeros(nk.numel() + 1, dtype=torch.int64)
+        cu_g[1:] = counts.cumsum(0)
+        # key i of gathered sequence b: a ring row (read index) for i < c_b, else new row cq[b] + i - c_b
+        seq = torch.repeat_interleave(torch.arange(nk.numel()), counts)
+        i = torch.arange(int(cu_g[-1])) - cu_g[:-1][seq]
+        is_new = i >= cached[seq]
+        ring_row = read_index[ck[:-1][seq] + torch.where(is_new, 0, i)] if read_index.numel() else 0
+        src = torch.where(is_new, -(cq[:-1][seq] + i - cached[seq]) - 1, ring_row)
+        cu_g = cu_g.to(torch.int32)
+    hit = memo[allocator.index] = _RingStep(read_index, table, seqused, gathered, cu_g, src)
+    return hit
+
+
+def _ring_attention(cache, allocator, q, k_new, v_new, k_rows, v_rows, k_pages, v_pages, read_index, write_index,
+                    cu_q, cu_k, max_q, args) -> Tensor:
+    """A sliding-window layer's step (see _ring_step): the gathered sequences' keys are read first
+    (at most window - 1 cached rows each), then the new rows written, then the in-place sequences
+    attend to the ring's pages and the gathered ones to their rows, each call giving 0 to the other
+    call's rows (no key), so the two outputs add up exactly."""
+    step = _ring_step(cache, allocator, read_index, write_index, cu_q, cu_k)
+    gathered = None
+    if step.gathered is not None:
+        new = step.src < 0
+        ring = torch.where(new, 0, step.src)
+        fresh = torch.where(new, -step.src - 1, 0)
+        nw = new.view(-1, 1, 1)
+        gathered = [torch.where(nw, kv_new.index_select(0, fresh), kv_rows.index_select(0, ring))
+                    for kv_new, kv_rows in ((k_new, k_rows), (v_new, v_rows))]
+    _F.write_kv_cache(k_new, v_new, k_rows, v_rows, write_index)
+    out = _F.varlen_attn(q, k_pages, v_pages, cu_q, None, max_q, max(int(step.seqused.max()), 1),
+                         seqused_k=step.seqused, block_table=step.table, **args)
+    if gathered is not None:
+        lens = step.cu_g[1:] - step.cu_g[:-1]
+        out = out + _F.varlen_attn(q, gathered[0], gathered[1], cu_q, step.cu_g, max_q, max(int(lens.max()), 1),
+                                   **args)
+    return out
 
 
 try:
