@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional
 
+import serving  # the vllm group (benchmarks/serving.py)
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -824,6 +825,7 @@ NAMED = {
     "hf-train-4096": lambda: hf_e2e("train", 4096),
     "hf-prefill-4096": lambda: hf_e2e("prefill", 4096),
     "hf-generate-4096": lambda: hf_e2e("generate", 4096),
+    **serving.NAMED,   # vllm-* and kvwrite-*: vLLM's CPU paged attention and the KV-cache write
 }
 GROUPS = {
     "attention": ["gpt-train", "long-causal", "long-causal-fwd", "one-head-long", "bert-infer", "mha-train",
@@ -835,6 +837,7 @@ GROUPS = {
     "flex": [f"flex-{kind}{suffix}" for kind in ("kpm", "causal", "window", "document", "softcap")
              for suffix in ("", "-bf16")],
     "zentorch": [f"zentorch-{kind}{suffix}" for kind in ("kpm", "causal") for suffix in ("", "-bf16")],
+    "vllm": serving.GROUP,
     "tiny": ["tiny-decode-16", "tiny-decode-256", "tiny-prefill-8", "tiny-train"],
     "memory": ["mha-mem-8192"],
     "ce": ["ce", "ce-bf16", "linear-ce"],

@@ -361,7 +361,7 @@ def plot_ce_sweep(records, path):
 def select(args, mode):
     grid = MODES[mode][0]
     ce_grid = CE_GRIDS[mode]
-    everything = [n for g in ("attention", "dropout", "softcap", "flex", "zentorch", "tiny", "memory")
+    everything = [n for g in ("attention", "dropout", "softcap", "flex", "zentorch", "vllm", "tiny", "memory")
                   for n in cases.GROUPS[g]] + \
         cases.sweep_names(grid) + cases.GROUPS["ce"] + cases.ce_sweep_names(ce_grid) + cases.GROUPS["hf-e2e"]
     if not args.cases:
@@ -388,7 +388,8 @@ def main():
     m.add_argument("--quick", action="store_true", help="subset of the sweep, fewer repetitions (default)")
     m.add_argument("--full", action="store_true", help="the whole sweep, more repetitions (an hour or more)")
     p.add_argument("--cases", help="comma-separated case names or groups "
-                                   "(attention, dropout, softcap, flex, tiny, memory, sweep, ce, ce-sweep, hf-e2e); default: all")
+                                   "(attention, dropout, softcap, flex, zentorch, vllm, tiny, memory, sweep, ce, ce-sweep, hf-e2e); "
+                                   "default: all")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
