@@ -102,3 +102,40 @@ def test_opcheck():
     a = _args()
     torch.library.opcheck(torch.ops.masked_attn.cache_write.default,
                           (a["key"], a["value"], a["key_cache"], a["value_cache"], a["slots"]))
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512", "amx", "avx512bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_transposed_key_pages_same_bits(isa, dtype):
+    """K^T pages (per head a (D, page_size) block, what the continuous-batching path writes) give
+    varlen_attn the same bits as row pages: decodes (the rows path, no transposes), short and
+    long chunks (the tiles), and the pages of the two layouts hold the same written values."""
+    from conftest import isa_available, run_isa
+    if not isa_available(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    g = torch.Generator().manual_seed(3)
+    H, Hkv, D, page, pages = 8, 2, 64, 64, 24
+    rows_k = torch.zeros(pages, page, Hkv, D, dtype=dtype)
+    rows_v = torch.zeros_like(rows_k)
+    t_k = torch.zeros(pages, Hkv, D, page, dtype=dtype).permute(0, 3, 1, 2)   # K^T pages, as (pages, page, H_kv, D)
+    t_v = torch.zeros_like(rows_v)
+    lens_q, lens_k = [1, 1, 5, 70, 1, 9], [130, 64, 77, 190, 1, 9]
+    table = torch.randperm(pages, generator=g)[:24].view(6, 4).to(torch.int32)
+    for b, n in enumerate(lens_k):   # each sequence's keys written through the cache op, into both layouts
+        k, v = torch.randn(n, Hkv, D, generator=g).to(dtype), torch.randn(n, Hkv, D, generator=g).to(dtype)
+        slots = table[b, torch.arange(n) // page].long() * page + torch.arange(n) % page
+        tma_F.write_kv_cache(k, v, rows_k, rows_v, slots)
+        tma_F.write_kv_cache(k, v, t_k, t_v, slots)
+    assert torch.equal(rows_k, t_k) and t_k.stride(1) == 1
+    cu_q = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)
+    q = torch.randn(int(cu_q[-1]), H, D, generator=g).to(dtype)
+    args = dict(seqused_k=torch.tensor(lens_k, dtype=torch.int32), block_table=table, window_size=(-1, 0),
+                enable_gqa=True)
+    a = run_isa(isa, lambda: tma_F.varlen_attn(q, rows_k, rows_v, cu_q, None, max(lens_q), max(lens_k), **args))
+    b = run_isa(isa, lambda: tma_F.varlen_attn(q, t_k, t_v, cu_q, None, max(lens_q), max(lens_k), **args))
+    assert torch.equal(a, b)
+    # a decode row alone gives the bits it gets in the batch (batch invariance) from K^T pages too
+    one = run_isa(isa, lambda: tma_F.varlen_attn(q[:1], t_k, t_v, cu_q[:2], None, 1, lens_k[0],
+                                                 seqused_k=args["seqused_k"][:1], block_table=table[:1],
+                                                 window_size=(-1, 0), enable_gqa=True))
+    assert torch.equal(one, a[:1])

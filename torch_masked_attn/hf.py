@@ -335,6 +335,17 @@ def _packed_attention(mask: StructuredMask, query: Tensor, key: Tensor, value: T
 # Continuous batching: transformers' PagedAttentionCache, written and read by our ops
 # ---------------------------------------------------------------------------------------------
 
+def _cache_pages(allocator, layer_idx: int) -> tuple[Tensor, Tensor]:
+    """The layer's key and value pages in transformers' pool, (pages, page_size, H_kv, D) views.
+    Only our ops write and read the pool of a model on "masked_attn" (transformers copies and
+    shares whole blocks, bytes as they are), so each key page holds K transposed: per head a
+    (D, page_size) block, keys side by side (the view's strides say so; the kernels read it with
+    no transposes, the same bits as rows). Values stay rows."""
+    k_pages, v_pages = allocator._kv_page_views[layer_idx]  # contiguous (pages, page_size, H_kv, D)
+    n, page, hkv, d = k_pages.shape
+    return k_pages.view(n, hkv, d, page).permute(0, 3, 1, 2), v_pages
+
+
 @dataclass(eq=False)
 class _StepPages:
     """The page tables of one forward step of continuous batching, for one group of layers
@@ -378,8 +389,7 @@ def _paged_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     indices, as transformers does, before the write. Returns (1, T, H, Dv)."""
     cache = kwargs["cache"]
     allocator = cache.layer_to_allocator[module.layer_idx]
-    k_rows, v_rows = allocator._kv_token_views[module.layer_idx]   # (rows, H_kv, D) views of the pool
-    k_pages, v_pages = allocator._kv_page_views[module.layer_idx]  # (pages, page_size, H_kv, D)
+    k_pages, v_pages = _cache_pages(allocator, module.layer_idx)
     read_index = kwargs["read_index"][allocator.index]
     write_index = kwargs["write_index"][allocator.index]
     cu_q = kwargs["cu_seq_lens_q"]
@@ -398,17 +408,17 @@ def _paged_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     if sinks is not None:
         args["sinks"] = sinks
     if read_index.numel() == 0:  # only new sequences in the step: their keys are the new rows
-        _F.write_kv_cache(k_new, v_new, k_rows, v_rows, write_index)
+        _F.write_kv_cache(k_new, v_new, k_pages, v_pages, write_index)
         max_k = int((cu_k[1:] - cu_k[:-1]).max())
         out = _F.varlen_attn(q, k_new, v_new, cu_q, cu_k, max_q, max_k, **args)
     elif window is None:
-        _F.write_kv_cache(k_new, v_new, k_rows, v_rows, write_index)
+        _F.write_kv_cache(k_new, v_new, k_pages, v_pages, write_index)
         pages = _step_pages(cache, allocator, read_index, cu_k)
         out = _F.varlen_attn(q, k_pages, v_pages, cu_q, None, max_q, int(pages.seqused.max()),
                              seqused_k=pages.seqused, block_table=pages.table, **args)
     else:
-        out = _ring_attention(cache, allocator, q, k_new, v_new, k_rows, v_rows, k_pages, v_pages, read_index,
-                              write_index, cu_q, cu_k, max_q, args)
+        out = _ring_attention(cache, allocator, q, k_new, v_new, k_pages, v_pages, read_index, write_index, cu_q,
+                              cu_k, max_q, args)
     return out.unsqueeze(0)
 
 
@@ -473,8 +483,8 @@ def _ring_step(cache, allocator, read_index: Tensor, write_index: Tensor, cu_q: 
     return hit
 
 
-def _ring_attention(cache, allocator, q, k_new, v_new, k_rows, v_rows, k_pages, v_pages, read_index, write_index,
-                    cu_q, cu_k, max_q, args) -> Tensor:
+def _ring_attention(cache, allocator, q, k_new, v_new, k_pages, v_pages, read_index, write_index, cu_q, cu_k, max_q,
+                    args) -> Tensor:
     """A sliding-window layer's step (see _ring_step): the gathered sequences' keys are read first
     (at most window - 1 cached rows each), then the new rows written, then the in-place sequences
     attend to the ring's pages and the gathered ones to their rows, each call giving 0 to the other
@@ -486,9 +496,10 @@ def _ring_attention(cache, allocator, q, k_new, v_new, k_rows, v_rows, k_pages, 
         ring = torch.where(new, 0, step.src)
         fresh = torch.where(new, -step.src - 1, 0)
         nw = new.view(-1, 1, 1)
-        gathered = [torch.where(nw, kv_new.index_select(0, fresh), kv_rows.index_select(0, ring))
-                    for kv_new, kv_rows in ((k_new, k_rows), (v_new, v_rows))]
-    _F.write_kv_cache(k_new, v_new, k_rows, v_rows, write_index)
+        page = allocator.tokens_per_page
+        gathered = [torch.where(nw, kv_new.index_select(0, fresh), kv_pages[ring // page, ring % page])
+                    for kv_new, kv_pages in ((k_new, k_pages), (v_new, v_pages))]
+    _F.write_kv_cache(k_new, v_new, k_pages, v_pages, write_index)
     out = _F.varlen_attn(q, k_pages, v_pages, cu_q, None, max_q, max(int(step.seqused.max()), 1),
                          seqused_k=step.seqused, block_table=step.table, **args)
     if gathered is not None:

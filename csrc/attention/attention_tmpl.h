@@ -73,6 +73,7 @@
 #define TRANSPOSE BLK(transpose)
 #define ROW_MAX BLK(row_max)
 #define DOT_KEYS BLK(dot_keys)
+#define DOT_KEYS_T BLK(dot_keys_t)
 #define AXPY_KEYS BLK(axpy_keys)
 #define DROPOUT BLK(dropout)
 
@@ -725,7 +726,8 @@ static inline size_t FN(fwd_scratch_elems)(const ma_attn_fwd_params *p) {
  * convert a bfloat16 head to float32 first, and run the column-wise softmax
  * on columns one lane wide; at Lq = 1 the work is reading K and V. */
 static inline int FN(fwd_by_rows)(const ma_attn_fwd_params *p, int64_t nr) {
-    return nr <= MA_FWD_ROWS && !p->weights && p->a.k_stride[3] == 1 && p->a.v_stride[3] == 1;
+    return nr <= MA_FWD_ROWS && !p->weights && (p->a.k_stride[3] == 1 || p->a.k_stride[2] == 1) &&
+           p->a.v_stride[3] == 1;
 }
 
 /* lsum[r] = sum of s[r * nc + c] over c = 0 .. nc in key order (as
@@ -772,8 +774,11 @@ static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s,
      * first head's rows a key block on after the last (alone: its own rows) */
     const int64_t pf_k = x + 1 < run ? ks[1] : p->a.block_k * ks[2] - x * ks[1];
     const int64_t pf_v = x + 1 < run ? vs[1] : p->a.block_k * vs[2] - x * vs[1];
-    DOT_KEYS(s, nc, q, nr, D, p->a.k, p->a.dtype, b * ks[0] + hk * ks[1] + FN(key_off)(&p->a, ks, p->a.k_page_stride, b, j0),
-             ks[2], nc, pf_k);
+    const int64_t k_off = b * ks[0] + hk * ks[1] + FN(key_off)(&p->a, ks, p->a.k_page_stride, b, j0);
+    if (ks[3] == 1)
+        DOT_KEYS(s, nc, q, nr, D, p->a.k, p->a.dtype, k_off, ks[2], nc, pf_k);
+    else /* keys side by side, each element a row apart: a K^T page (the serving cache's layout) */
+        DOT_KEYS_T(s, nc, q, nr, D, p->a.k, p->a.dtype, k_off, ks[3], nc, pf_k);
     FN(apply_softcap)(s, nr * nc, p->a.softcap, NULL);
     FN(add_bias)(s, nc, 1, &p->a, am_state, b, h, i0, nr, j0, nc);
     for (int64_t r = 0; r < nr; r++) {
@@ -1873,6 +1878,7 @@ const ma_attn_kernels FN(ma_attn_kernels) = {FN(attn_fwd),          FN(attn_bwd_
 #undef TRANSPOSE
 #undef ROW_MAX
 #undef DOT_KEYS
+#undef DOT_KEYS_T
 #undef AXPY_KEYS
 #undef DROPOUT
 #undef FN

@@ -25,6 +25,10 @@
  *   dot_keys_X(s, lds, q, nr, D, k, dt, off, ld, nc, pf)
  *       s[r*lds + c] = q[r*D : r*D + D] . k[off + c*ld : ... + D], k in its own
  *       dtype, summed in gemm_X's order (bit for bit the tile's score)
+ *   dot_keys_t_X(s, lds, q, nr, D, k, dt, off, ldd, nc, pf)
+ *       the same scores from keys stored transposed: element d of key c at
+ *       k[off + c + d*ldd] (a K^T page), the same sum in the same order, no
+ *       transposes
  *   axpy_keys_X(o, p, ldp, nr, Dv, v, dt, off, ld, nc, pf)
  *       o[r*Dv + d] += sum_c p[r*ldp + c] v[off + c*ld + d], v in its own dtype,
  *       in gemm_X's order
@@ -85,11 +89,13 @@ typedef struct {
     void (*dropout)(float *x, float *z, int64_t rs, int64_t cs, int64_t nr, int64_t nc, const ma_dropout *d,
                     int64_t i0, int64_t j0);
     void (*softcap)(float *s, int64_t n, float cap, float inv, float *th);
+    void (*dot_keys_t)(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
+                       int64_t off, int64_t ldd, int64_t nc, int64_t pf);
 } ma_blocks;
 
 #define MA_ATTN_BLOCKS(X)                                                                                     \
     {#X, gemm_##X, exp_sub_sum_##X, col_max_##X, exp_sub_col_##X, transpose_##X, row_max_##X, dot_keys_##X, \
-     axpy_keys_##X, gemm_rowscale_##X, dropout_##X, softcap_##X}
+     axpy_keys_##X, gemm_rowscale_##X, dropout_##X, softcap_##X, dot_keys_t_##X}
 
 extern const ma_blocks ma_blocks_scalar, ma_blocks_avx2, ma_blocks_avx512;
 extern const ma_blocks ma_blocks_amx2, ma_blocks_amx3; /* GEMM only: 3 and 6 bf16 products */

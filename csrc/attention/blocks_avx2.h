@@ -399,6 +399,52 @@ static void dot_keys_avx2(float *s, int64_t lds, const float *q, int64_t nr, int
     else dot_keys_dt(s, lds, q, nr, D, k, MA_F16, off, ld, nc, pf);
 }
 
+/* dot_keys from a K^T page (element d of key c at off + c + d * ldd): 8 keys
+ * in the lanes as they lie, one FMA per d in order from 0 (the same bits as
+ * dot_keys and the GEMM, no transposes). Decoding: 2 groups of 8 keys, 2
+ * chains; each line read prefetches the line pf elements on. */
+static inline __attribute__((always_inline)) void dot_keys_t_dt(float *s, int64_t lds, const float *q, int64_t nr,
+                                                                int64_t D, const void *k, const ma_dtype dt,
+                                                                int64_t off, int64_t ldd, int64_t nc, int64_t pf) {
+    const int64_t es = dt == MA_F32 ? 4 : 2;
+    int64_t c0 = 0;
+    if (nr == 1)
+        for (; c0 + 16 <= nc; c0 += 16) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d++) {
+                const int64_t o = off + d * ldd + c0;
+                const __m256 qd = _mm256_set1_ps(q[d]);
+                if (pf) _mm_prefetch((const char *)k + (o + pf) * es, _MM_HINT_T0);
+                a0 = _mm256_fmadd_ps(load8(k, dt, o, 8), qd, a0);
+                a1 = _mm256_fmadd_ps(load8(k, dt, o + 8, 8), qd, a1);
+            }
+            _mm256_storeu_ps(s + c0, a0);
+            _mm256_storeu_ps(s + c0 + 8, a1);
+        }
+    for (; c0 < nc; c0 += 8) {
+        const int64_t nk = ma_min(8, nc - c0);
+        __m256 acc[8];
+        for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d++) {
+            const __m256 x = load8(k, dt, off + d * ldd + c0, nk);
+            for (int r = 0; r < 8; r++)
+                if (r < nr) acc[r] = _mm256_fmadd_ps(x, _mm256_set1_ps(q[r * D + d]), acc[r]);
+        }
+        for (int r = 0; r < 8; r++)
+            if (r < nr) {
+                if (nk == 8) _mm256_storeu_ps(s + r * lds + c0, acc[r]);
+                else _mm256_maskstore_ps(s + r * lds + c0, tail_mask(nk), acc[r]);
+            }
+    }
+}
+
+static void dot_keys_t_avx2(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k,
+                            ma_dtype dt, int64_t off, int64_t ldd, int64_t nc, int64_t pf) {
+    if (dt == MA_F32) dot_keys_t_dt(s, lds, q, nr, D, k, MA_F32, off, ldd, nc, pf);
+    else if (dt == MA_BF16) dot_keys_t_dt(s, lds, q, nr, D, k, MA_BF16, off, ldd, nc, pf);
+    else dot_keys_t_dt(s, lds, q, nr, D, k, MA_F16, off, ldd, nc, pf);
+}
+
 /* o[r * Dv + d] += sum_c p[r * ldp + c] v_c[d] (one FMA per key, in order):
  * R rows x 8 NV columns in registers (8 accumulators) while the keys stream
  * past; two rows share each value row read. full: the strip's 8 NV columns

@@ -296,6 +296,52 @@ static void dot_keys_avx512(float *s, int64_t lds, const float *q, int64_t nr, i
     else dot_keys_dt(s, lds, q, nr, D, k, MA_F16, off, ld, nc, pf);
 }
 
+/* dot_keys from a K^T page (element d of key c at off + c + d * ldd): 16
+ * keys in the lanes as they lie, one FMA per d in order from 0, so the same
+ * bits as dot_keys and the GEMM without the transposes. Decoding: 2 groups of
+ * 16 keys, 2 chains; each line read prefetches the line pf elements on. */
+static inline __attribute__((always_inline)) void dot_keys_t_dt(float *s, int64_t lds, const float *q, int64_t nr,
+                                                                int64_t D, const void *k, const ma_dtype dt,
+                                                                int64_t off, int64_t ldd, int64_t nc, int64_t pf) {
+    const int64_t es = dt == MA_F32 ? 4 : 2;
+    int64_t c0 = 0;
+    if (nr == 1)
+        for (; c0 + 32 <= nc; c0 += 32) {
+            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d++) {
+                const int64_t o = off + d * ldd + c0;
+                const __m512 qd = _mm512_set1_ps(q[d]);
+                if (pf) {
+                    _mm_prefetch((const char *)k + (o + pf) * es, _MM_HINT_T0);
+                    if (es == 4) _mm_prefetch((const char *)k + (o + 16 + pf) * es, _MM_HINT_T0);
+                }
+                a0 = _mm512_fmadd_ps(load16(k, dt, o, 0xffff), qd, a0);
+                a1 = _mm512_fmadd_ps(load16(k, dt, o + 16, 0xffff), qd, a1);
+            }
+            _mm512_storeu_ps(s + c0, a0);
+            _mm512_storeu_ps(s + c0 + 16, a1);
+        }
+    for (; c0 < nc; c0 += 16) {
+        const __mmask16 km = tail_mask(ma_min(16, nc - c0));
+        __m512 acc[8];
+        for (int r = 0; r < 8; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d++) {
+            const __m512 x = load16(k, dt, off + d * ldd + c0, km);
+            for (int r = 0; r < 8; r++)
+                if (r < nr) acc[r] = _mm512_fmadd_ps(x, _mm512_set1_ps(q[r * D + d]), acc[r]);
+        }
+        for (int r = 0; r < 8; r++)
+            if (r < nr) _mm512_mask_storeu_ps(s + r * lds + c0, km, acc[r]);
+    }
+}
+
+static void dot_keys_t_avx512(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k,
+                              ma_dtype dt, int64_t off, int64_t ldd, int64_t nc, int64_t pf) {
+    if (dt == MA_F32) dot_keys_t_dt(s, lds, q, nr, D, k, MA_F32, off, ldd, nc, pf);
+    else if (dt == MA_BF16) dot_keys_t_dt(s, lds, q, nr, D, k, MA_BF16, off, ldd, nc, pf);
+    else dot_keys_t_dt(s, lds, q, nr, D, k, MA_F16, off, ldd, nc, pf);
+}
+
 /* o[r * Dv + d] += sum_c p[r * ldp + c] v_c[d]: 128 columns of one row in
  * registers while the keys stream past, so a value row of D <= 128 is read
  * once, front to back (per dtype, as dot_keys). */

@@ -87,6 +87,17 @@ static void B_(dot_keys)(T *s, int64_t lds, const T *q, int64_t nr, int64_t D, c
         }
 }
 
+static void B_(dot_keys_t)(T *s, int64_t lds, const T *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
+                           int64_t off, int64_t ldd, int64_t nc, int64_t pf) {
+    (void)pf;
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t c = 0; c < nc; c++) {
+            T acc = 0;
+            for (int64_t d = 0; d < D; d++) acc += q[r * D + d] * LOADT(k, dt, off + c + d * ldd);
+            s[r * lds + c] = acc;
+        }
+}
+
 static void B_(axpy_keys)(T *o, const T *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v, ma_dtype dt,
                           int64_t off, int64_t ld, int64_t nc, int64_t pf) {
     (void)pf;

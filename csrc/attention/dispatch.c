@@ -37,11 +37,13 @@ size_t ma_attn_fwd_scratch_bytes(const ma_attn_fwd_params *p) { return KERNELS(p
  * stride). */
 int64_t ma_attn_fwd_head_group(const ma_attn_fwd_params *p) {
     const ma_attn_args *a = &p->a;
-    const int interleaved = a->k_stride[1] < a->k_stride[2] && a->v_stride[1] < a->v_stride[2];
-    return a->Lq <= MA_FWD_ROWS && a->H > 1 && !p->weights && a->k_stride[3] == 1 && a->v_stride[3] == 1 &&
-                   interleaved
-               ? MA_FWD_HEAD_GROUP_MAX
-               : 1;
+    /* K rows with the heads side by side, or a K^T page (keys side by side, each head's block
+     * of them once per key block of every head in the run: a grouped-query head's G heads
+     * take it from L1) */
+    const int k_rows = a->k_stride[3] == 1 && a->k_stride[1] < a->k_stride[2];
+    const int k_t = a->k_stride[2] == 1 && a->k_stride[3] != 1;
+    const int v_rows = a->v_stride[3] == 1 && a->v_stride[1] < a->v_stride[2];
+    return a->Lq <= MA_FWD_ROWS && a->H > 1 && !p->weights && (k_rows || k_t) && v_rows ? MA_FWD_HEAD_GROUP_MAX : 1;
 }
 void ma_attn_fwd_task(int64_t begin, int64_t end, void *ctx) {
     KERNELS(PARAMS(ma_attn_fwd_params, ctx))->fwd(begin, end, ctx);

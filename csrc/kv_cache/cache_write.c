@@ -3,6 +3,7 @@
  * instance serves every instruction set; runs that are contiguous on both
  * sides (a whole row of heads, or one head) go through memcpy, which the C
  * library vectorises. */
+#include <stdint.h>
 #include <string.h>
 
 #include "masked_attn.h"
@@ -19,6 +20,10 @@ static void copy_row(const ma_cache_side *side, int64_t Hkv, size_t bytes, char 
         const char *s = src + (size_t)(h * ss[1]) * bytes;
         if (ss[2] == 1 && cs[3] == 1)
             memcpy(d, s, (size_t)dim * bytes);
+        else if (bytes == 4) /* a K^T page: each element a page row apart */
+            for (int64_t i = 0; i < dim; i++) ((uint32_t *)d)[i * cs[3]] = ((const uint32_t *)s)[i * ss[2]];
+        else if (bytes == 2)
+            for (int64_t i = 0; i < dim; i++) ((uint16_t *)d)[i * cs[3]] = ((const uint16_t *)s)[i * ss[2]];
         else
             for (int64_t i = 0; i < dim; i++) memcpy(d + (size_t)(i * cs[3]) * bytes, s + (size_t)(i * ss[2]) * bytes, bytes);
     }

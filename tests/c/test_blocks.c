@@ -302,6 +302,24 @@ static void test_rows(const ma_blocks *v) {
                 v->dot_keys(s2, lds, q, nr, D, kh, MA_F16, 0, ld, nc, D);
                 CHECK(memcmp(s, s2, sizeof(float) * nr * lds) == 0, "%s dot_keys float16 nr=%ld nc=%ld D=%ld",
                       v->name, (long)nr, (long)nc, (long)D);
+                { /* the same keys stored transposed (a K^T page, keys ldt = nc + 5 apart per element) */
+                    const int64_t ldt = nc + 5;
+                    float *kt = malloc(sizeof(float) * D * ldt);
+                    uint16_t *ktb = malloc(sizeof(uint16_t) * D * ldt), *kth = malloc(sizeof(uint16_t) * D * ldt);
+                    for (int64_t c = 0; c < nc; c++)
+                        for (int64_t d = 0; d < D; d++)
+                            kt[d * ldt + c] = k[c * ld + d], ktb[d * ldt + c] = kb[c * ld + d], kth[d * ldt + c] = kh[c * ld + d];
+                    const ma_dtype dts[3] = {MA_F32, MA_BF16, MA_F16};
+                    const void *kts[3] = {kt, ktb, kth};
+                    for (int t = 0; t < 3; t++) {
+                        for (int64_t x = 0; x < nr * lds; x++) s2[x] = 7.0f;
+                        v->dot_keys_t(s2, lds, q, nr, D, kts[t], dts[t], 0, ldt, nc, t == 0 ? 64 : 0);
+                        CHECK(memcmp(s, s2, sizeof(float) * nr * lds) == 0,
+                              "%s dot_keys_t dtype %d nr=%ld nc=%ld D=%ld", v->name, (int)dts[t], (long)nr, (long)nc,
+                              (long)D);
+                    }
+                    free(kt), free(ktb), free(kth);
+                }
                 /* o += P V with the keys as rows of V (Dv = D): against the GEMM with P transposed */
                 float *o = malloc(sizeof(float) * nr * D), *o2 = malloc(sizeof(float) * nr * D);
                 float *o3 = malloc(sizeof(float) * nr * D);
