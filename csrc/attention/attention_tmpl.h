@@ -655,6 +655,7 @@ typedef struct {
     ACC *qT, *sT, *o, *m, *m_new, *l, *lsum, *lse;
     ACC *grp;     /* the states of a run's heads (FN(fwd_head)) when runs are taken */
     int64_t grp_rows; /* rows each of those states holds */
+    int64_t grp_heads; /* heads a run may take */
     ACC *kc, *vc; /* head caches (Lk, D), (Lk, Dv) when K, V need converting */
 } FN(fwd_scratch);
 
@@ -695,18 +696,23 @@ static FN(fwd_scratch) FN(fwd_carve)(void *scratch, const ma_attn_fwd_params *p)
     t.lse = t.lsum + BQ;             /* (BQ) */
     t.grp = t.lse + BQ;              /* FN(fwd_group_elems) */
     t.grp_rows = FN(fwd_head_rows)(p);
+    t.grp_heads = FN(fwd_head_group)(p);
     t.kc = t.grp + FN(fwd_group_elems)(p);
     t.vc = NULL;
     return t;
 }
 
-/* Head x of a run: its state in t->grp. */
-static void FN(fwd_head_carve)(const FN(fwd_scratch) *t, int64_t x, int64_t D, int64_t Dv, FN(fwd_head) *e) {
-    const int64_t R = t->grp_rows;
-    e->q = t->grp + x * FN(fwd_head_elems)(R, D, Dv);
-    e->o = e->q + R * D;
-    e->m = e->o + R * Dv;
-    e->l = e->m + R;
+/* Head x of a run of nr-row heads: its state in t->grp, every head's Q rows
+ * side by side, then every head's O rows, m and l, so that consecutive heads'
+ * rows form one block (FN(fwd_rows_step) takes the query heads of a key head
+ * together). Fits FN(fwd_group_elems): nr <= grp_rows. */
+static void FN(fwd_head_carve)(const FN(fwd_scratch) *t, int64_t x, int64_t nr, int64_t D, int64_t Dv,
+                               FN(fwd_head) *e) {
+    const int64_t n = t->grp_heads * t->grp_rows;
+    e->q = t->grp + x * nr * D;
+    e->o = t->grp + n * D + x * nr * Dv;
+    e->m = t->grp + n * (D + Dv) + x * nr;
+    e->l = t->grp + n * (D + Dv + 1) + x * nr;
 }
 
 /* Elements of ACC after the header; caches included when K, V need converting. */
@@ -768,27 +774,30 @@ static void FN(sum_rows_in_order)(const ACC *s, int64_t nc, int64_t nr, ACC *lsu
  * the tile's FN(mask_tile_state) (the loop skips MA_TILE_BLOCKED). */
 static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s, ACC *o, ACC *m, ACC *l, ACC *m_new,
                               ACC *lsum, ACC *alpha, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t nr,
-                              int64_t j0, int64_t nc, int am_state, const ma_dropout *dr, int64_t x, int64_t run) {
-    const int64_t D = p->a.D, Dv = p->a.Dv, *ks = p->a.k_stride, *vs = p->a.v_stride;
-    /* prefetch distance (elements): head x + 1 of the run in the same rows, the
-     * first head's rows a key block on after the last (alone: its own rows) */
-    const int64_t pf_k = x + 1 < run ? ks[1] : p->a.block_k * ks[2] - x * ks[1];
-    const int64_t pf_v = x + 1 < run ? vs[1] : p->a.block_k * vs[2] - x * vs[1];
+                              int64_t j0, int64_t nc, int am_state, const ma_dropout *dr, int64_t x, int64_t run,
+                              int64_t nh) {
+    const int64_t D = p->a.D, Dv = p->a.Dv, *ks = p->a.k_stride, *vs = p->a.v_stride, R = nr * nh;
+    /* prefetch distance (elements): the run's next key head in the same rows (ks[1] on:
+     * heads x + nh .. share key head hk + 1), the first head's rows a key block on after
+     * the last (alone: its own rows) */
+    const int64_t hk_first = (h - x) / (p->a.H / p->a.Hkv);  /* the key head of the run's first head */
+    const int64_t pf_k = x + nh < run ? ks[1] : p->a.block_k * ks[2] - (hk - hk_first) * ks[1];
+    const int64_t pf_v = x + nh < run ? vs[1] : p->a.block_k * vs[2] - (hk - hk_first) * vs[1];
     const int64_t k_off = b * ks[0] + hk * ks[1] + FN(key_off)(&p->a, ks, p->a.k_page_stride, b, j0);
     if (ks[3] == 1)
-        DOT_KEYS(s, nc, q, nr, D, p->a.k, p->a.dtype, k_off, ks[2], nc, pf_k);
+        DOT_KEYS(s, nc, q, R, D, p->a.k, p->a.dtype, k_off, ks[2], nc, pf_k);
     else /* keys side by side, each element a row apart: a K^T page (the serving cache's layout) */
-        DOT_KEYS_T(s, nc, q, nr, D, p->a.k, p->a.dtype, k_off, ks[3], nc, pf_k);
-    FN(apply_softcap)(s, nr * nc, p->a.softcap, NULL);
-    FN(add_bias)(s, nc, 1, &p->a, am_state, b, h, i0, nr, j0, nc);
-    for (int64_t r = 0; r < nr; r++) {
+        DOT_KEYS_T(s, nc, q, R, D, p->a.k, p->a.dtype, k_off, ks[3], nc, pf_k);
+    FN(apply_softcap)(s, R * nc, p->a.softcap, NULL);
+    for (int64_t y = 0; y < nh; y++) FN(add_bias)(s + y * nr * nc, nc, 1, &p->a, am_state, b, h + y, i0, nr, j0, nc);
+    for (int64_t r = 0; r < R; r++) {
         m_new[r] = ROW_MAX(s + r * nc, nc, m[r]);
         (void)EXP_SUB_SUM(s + r * nc, nc, m_new[r] == -(ACC)INFINITY ? 0 : m_new[r]);
     }
-    FN(sum_rows_in_order)(s, nc, nr, lsum);
-    if (FN(online_step)(m, m_new, l, lsum, alpha, nr)) FN(scale_rows)(o, Dv, nr, Dv, alpha);
-    if (dr) DROPOUT(s, NULL, nc, 1, nr, nc, dr, i0, j0); /* l summed the whole P; O takes P' */
-    AXPY_KEYS(o, s, nc, nr, Dv, p->a.v, p->a.dtype, b * vs[0] + hk * vs[1] + FN(key_off)(&p->a, vs, p->a.v_page_stride, b, j0),
+    FN(sum_rows_in_order)(s, nc, R, lsum);
+    if (FN(online_step)(m, m_new, l, lsum, alpha, R)) FN(scale_rows)(o, Dv, R, Dv, alpha);
+    if (dr) DROPOUT(s, NULL, nc, 1, nr, nc, dr, i0, j0); /* nh = 1; l summed the whole P; O takes P' */
+    AXPY_KEYS(o, s, nc, R, Dv, p->a.v, p->a.dtype, b * vs[0] + hk * vs[1] + FN(key_off)(&p->a, vs, p->a.v_page_stride, b, j0),
               vs[2], nc, pf_v);
 }
 
@@ -941,7 +950,7 @@ static int64_t FN(fwd_run_begin)(FN(fwd_task) *c, const ma_attn_fwd_params *p0, 
         if (run == 1)
             e->q = c->t.qT, e->o = c->t.o, e->m = c->t.m, e->l = c->t.l;
         else
-            FN(fwd_head_carve)(&c->t, x, D, Dv, e);
+            FN(fwd_head_carve)(&c->t, x, nr, D, Dv, e);
         e->dr = FN(head_dropout)(&p->a, b, h + x, &e->dr_buf);
         if (by_rows) /* scale * Q rows, (nr, D), in qT's place */
             for (int64_t r = 0; r < nr; r++)
@@ -1087,12 +1096,20 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
         for (int64_t j0 = kv_begin; j0 < kv_end; j0 += BK) {
             const int64_t nc = FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
             if (nc == 0) continue;
-            for (int64_t x = 0; x < run; x++) { /* the tile path: run = 1 */
+            for (int64_t x = 0, nh; x < run; x += nh) { /* the tile path: run = 1 */
                 const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h + x, i0, nr, j0, nc);
+                /* the rows path takes the query heads of one key head together, as one block of
+                 * rows: K and V read once for them (each row's sums are its own, the same bits) */
+                nh = 1;
+                if (by_rows && run > 1 && !hd[x].dr)
+                    while (x + nh < run && (h + x + nh) / G == (h + x) / G && (nh + 1) * nr <= MA_FWD_ROWS &&
+                           !hd[x + nh].dr &&
+                           FN(mask_tile_state)(&p->a.attn_mask, b, h + x + nh, i0, nr, j0, nc) == ms)
+                        nh++;
                 if (ms == MA_TILE_BLOCKED) continue; /* contributes exactly 0 */
                 if (by_rows)
                     FN(fwd_rows_step)(p, hd[x].q, c->t.sT, hd[x].o, hd[x].m, hd[x].l, c->t.m_new, c->t.lsum, c->t.lse,
-                                      b, h + x, (h + x) / G, i0, nr, j0, nc, ms, hd[x].dr, x, run);
+                                      b, h + x, (h + x) / G, i0, nr, j0, nc, ms, hd[x].dr, x, run, nh);
                 else
                     FN(fwd_tile_block)(c, p, hd[x].dr, b, h, i0, nr, j0, nc, ms);
             }

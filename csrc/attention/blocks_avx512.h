@@ -296,31 +296,60 @@ static void dot_keys_avx512(float *s, int64_t lds, const float *q, int64_t nr, i
     else dot_keys_dt(s, lds, q, nr, D, k, MA_F16, off, ld, nc, pf);
 }
 
-/* dot_keys from a K^T page (element d of key c at off + c + d * ldd): 16
- * keys in the lanes as they lie, one FMA per d in order from 0, so the same
- * bits as dot_keys and the GEMM without the transposes. Decoding: 2 groups of
- * 16 keys, 2 chains; each line read prefetches the line pf elements on. */
+/* dot_keys from a K^T page (element d of key c at off + c + d * ldd): keys in
+ * the lanes as they lie, one FMA per d in order from 0, so the same bits as
+ * dot_keys and the GEMM without the transposes. A strip takes NV vectors of
+ * 16 keys (whole lines of the page row) for NR query rows (the query heads of
+ * one key head, attention_tmpl.h), NR * NV chains; each line read prefetches
+ * the line pf elements on (the next key block, or the next head's). */
+static inline __attribute__((always_inline)) void dot_keys_t_strip(const int NV, const int NR, float *s, int64_t lds,
+                                                                   const float *q, int64_t D, const void *k,
+                                                                   const ma_dtype dt, int64_t off, int64_t ldd,
+                                                                   int64_t c0, int64_t pf) {
+    const int64_t es = dt == MA_F32 ? 4 : 2;
+    __m512 acc[8][4];
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const int64_t o = off + d * ldd + c0;
+        __m512 x[4];
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) {
+            x[v] = load16(k, dt, o + 16 * v, 0xffff);
+            if (pf && (es == 4 || v % 2 == 0)) _mm_prefetch((const char *)k + (o + 16 * v + pf) * es, _MM_HINT_T0);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; r++) {
+            const __m512 qd = _mm512_set1_ps(q[r * D + d]);
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; v++) acc[r][v] = _mm512_fmadd_ps(x[v], qd, acc[r][v]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) _mm512_storeu_ps(s + r * lds + c0 + 16 * v, acc[r][v]);
+}
+
 static inline __attribute__((always_inline)) void dot_keys_t_dt(float *s, int64_t lds, const float *q, int64_t nr,
                                                                 int64_t D, const void *k, const ma_dtype dt,
                                                                 int64_t off, int64_t ldd, int64_t nc, int64_t pf) {
-    const int64_t es = dt == MA_F32 ? 4 : 2;
     int64_t c0 = 0;
-    if (nr == 1)
-        for (; c0 + 32 <= nc; c0 += 32) {
-            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-            for (int64_t d = 0; d < D; d++) {
-                const int64_t o = off + d * ldd + c0;
-                const __m512 qd = _mm512_set1_ps(q[d]);
-                if (pf) {
-                    _mm_prefetch((const char *)k + (o + pf) * es, _MM_HINT_T0);
-                    if (es == 4) _mm_prefetch((const char *)k + (o + 16 + pf) * es, _MM_HINT_T0);
-                }
-                a0 = _mm512_fmadd_ps(load16(k, dt, o, 0xffff), qd, a0);
-                a1 = _mm512_fmadd_ps(load16(k, dt, o + 16, 0xffff), qd, a1);
-            }
-            _mm512_storeu_ps(s + c0, a0);
-            _mm512_storeu_ps(s + c0 + 16, a1);
-        }
+#define MA_KT_STRIPS(NV, NR)                                                                                    \
+    for (; c0 + 16 * (NV) <= nc; c0 += 16 * (NV)) dot_keys_t_strip(NV, NR, s, lds, q, D, k, dt, off, ldd, c0, pf)
+    switch (nr) {
+    case 1: MA_KT_STRIPS(4, 1); break;
+    case 2: MA_KT_STRIPS(4, 2); break;
+    case 3: MA_KT_STRIPS(4, 3); break;
+    case 4: MA_KT_STRIPS(4, 4); break;
+    case 5: MA_KT_STRIPS(2, 5); break;
+    case 6: MA_KT_STRIPS(2, 6); break;
+    case 7: MA_KT_STRIPS(2, 7); break;
+    default: MA_KT_STRIPS(2, 8); break;
+    }
+#undef MA_KT_STRIPS
     for (; c0 < nc; c0 += 16) {
         const __mmask16 km = tail_mask(ma_min(16, nc - c0));
         __m512 acc[8];
