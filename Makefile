@@ -57,6 +57,7 @@ $(PEERS): $(STAMP)
 bench: setup $(PEERS)
 	$(VPY) benchmarks/run.py
 	$(VPY) benchmarks/threads.py
+	$(VPY) benchmarks/cb_throughput.py
 
 # differential fuzzer (tools/fuzz.py): random attention and cross-entropy cases
 # against a float64 reference, FUZZ_SECONDS per instruction set the CPU runs;

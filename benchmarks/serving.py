@@ -35,9 +35,12 @@ in results.json, info.vllm_metadata_ms).
 
 Ours: torch_masked_attn.functional.varlen_attn over a flash-attn-layout pool
 (pages, page_size, H_kv, D), page size 128, block_table + seqused_k,
-window_size=(-1, 0), enable_gqa=True. Both caches are filled from the same K
-and V in shuffled physical pages; both outputs are checked against each
-other before timing.
+window_size=(-1, 0), enable_gqa=True; the `-kT` cases hold K transposed
+within each page (per head a (D, page_size) block, keys side by side), the
+layout the continuous-batching path writes: same values, same bits, no
+transposes in the decode. Both caches are filled from the same K and V in
+shuffled physical pages; both outputs are checked against each other before
+timing.
 """
 import functools
 import importlib.metadata
@@ -141,7 +144,7 @@ class PagedStep:
     """One serving step: sequence b has qlens[b] new queries (the last ones of
     its klens[b] keys) and klens[b] keys in the cache, K and V in both caches."""
 
-    def __init__(self, qlens, klens, dtype, seed=0):
+    def __init__(self, qlens, klens, dtype, seed=0, layout="rows"):
         gen = torch.Generator().manual_seed(seed)
         self.qlens, self.klens, self.dtype = list(qlens), list(klens), dtype
         n = len(qlens)
@@ -163,6 +166,9 @@ class PagedStep:
             slots = _slots(self.table, b, torch.arange(klens[b]), OUR_PAGE)
             fk.index_copy_(0, slots, k)
             fv.index_copy_(0, slots, v)
+        if layout == "kT":  # the continuous-batching path's layout: per head a (D, page) block of K
+            self.k_pool = self.k_pool.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+        self.layout = layout
         self._gen = gen
 
     def fill_vllm(self, ops):
@@ -203,7 +209,7 @@ class PagedStep:
         return sum(q * (k - q) + q * (q + 1) // 2 for q, k in zip(self.qlens, self.klens))
 
 
-def attention_case(kind, dtype):
+def attention_case(kind, dtype, layout="rows"):
     """kind: "decode-8x2048" (8 sequences x 2048 keys, one query each),
     "decode-64x512", "mixed" (12 decodes + 4 prefill chunks of 256 queries,
     every sequence 1024 keys in the cache, the chunks' own keys among them)."""
@@ -219,7 +225,8 @@ def attention_case(kind, dtype):
         shape = "12 decodes + 4 chunks of 256 queries, 1024 keys each (bottom-right causal)"
     else:
         raise KeyError(kind)
-    step = PagedStep(qlens, klens, dtype)
+    step = PagedStep(qlens, klens, dtype, layout=layout)
+    shape += ", ours K^T pages" if layout == "kT" else ""
     try:
         step.fill_vllm(ops)
         native = step.vllm_call(ops)
@@ -336,6 +343,7 @@ def _names():
     for kind in ("decode-8x2048", "decode-64x512", "mixed"):
         for suffix, dtype in (("", torch.float32), ("-bf16", torch.bfloat16)):
             named[f"vllm-{kind}{suffix}"] = functools.partial(attention_case, kind, dtype)
+            named[f"vllm-{kind}-kT{suffix}"] = functools.partial(attention_case, kind, dtype, "kT")
     for peer, prefix in (("index_copy", "kvwrite"), ("vllm", "vllm-kvwrite")):
         for T in (16, 4096):
             for suffix, dtype in (("", torch.float32), ("-bf16", torch.bfloat16)):
