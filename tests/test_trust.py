@@ -369,14 +369,18 @@ def test_out_lo_is_outs_rounding_error(dtype, isa):
     ref = tma.functional.masked_attention(q.double(), k.double(), v.double(), head_mask=hm.double(), is_causal=True)
     assert lo.dtype == dtype and lo.shape == out.shape
     bits = 8 if dtype == torch.bfloat16 else 11   # significand bits of the dtype
+    # the float32 output o that out + out_lo holds is itself exact to float32 noise, except where the
+    # tile products keep P in two bfloat16 parts (amx, avx512bf16: about 16 bits, docs/design.md,
+    # section 6), which bounds float16's o below its 22 bits
+    o_bits = min(2 * bits, 15) if isa in ("amx", "avx512bf16") else 2 * bits
     top = ref.abs().max().item()
     err_hi = (out.double() - ref).abs().max().item()
     err = (out.double() + lo.double() - ref).abs().max().item()
     assert err_hi > 2.0 ** -(bits + 3) * top                  # out alone: the dtype's rounding
-    assert err <= 2.0 ** -(2 * bits) * top + 2e-6, (err, err_hi)  # out + out_lo: twice the bits
+    assert err <= 2.0 ** -o_bits * top + 2e-6, (err, err_hi)  # out + out_lo: about twice the bits
     vref = ref[0] / hm.double()[:, None, None]
     verr = (vout.double() + vlo.double() - vref.transpose(0, 1)).abs().max().item()
-    assert verr <= 2.0 ** -(2 * bits) * top + 2e-6, verr
+    assert verr <= 2.0 ** -o_bits * top + 2e-6, verr
     # float32: no out_lo
     assert torch.ops.masked_attn.forward(q.float(), k.float(), v.float(), None, None, None, False, None,
                                          False)[3].numel() == 0

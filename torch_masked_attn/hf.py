@@ -388,6 +388,11 @@ def _paged_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     layers (transformers' ring buffer) read their at most window - 1 cached rows through the read
     indices, as transformers does, before the write. Returns (1, T, H, Dv)."""
     cache = kwargs["cache"]
+    missing = [k for k in ("cu_seq_lens_q", "cu_seq_lens_k", "read_index", "write_index") if kwargs.get(k) is None]
+    if missing or query.shape[0] != 1:
+        raise ValueError(f"masked_attn: a PagedAttentionCache comes from transformers' continuous batching, with "
+                         f"one packed sequence of tokens and {', '.join(missing) or 'its arguments'}; got query "
+                         f"{tuple(query.shape)}" + (f" without {', '.join(missing)}" if missing else ""))
     allocator = cache.layer_to_allocator[module.layer_idx]
     k_pages, v_pages = _cache_pages(allocator, module.layer_idx)
     read_index = kwargs["read_index"][allocator.index]

@@ -11,10 +11,13 @@
  * block of 16 x 16 float32), A tiles 4-5, B tiles 6-7 (tiles_pack.h's
  * layout). C tiles at an edge go through a 16 x 16 buffer.
  *
- * Precision: the bfloat16 and float16 instances use TERMS = 2: their inputs
- * have at most 11 significant bits, which two parts hold exactly, and P and
- * dS two parts (about 16 bits where native bfloat16 attention keeps 8). The
- * float32 instance (MASKED_ATTN_ISA=amx only) uses TERMS = 3.
+ * Precision: bfloat16 inputs are one part (exact), float16 inputs two parts
+ * (their 11 significant bits exactly), P and dS two parts (about 16 bits
+ * where native bfloat16 attention keeps 8). bfloat16 takes TERMS = 2; float16
+ * TERMS = 3, every product of its two-part inputs, so that dO V^T is exact to
+ * float32 noise as the backward's delta = dO . (out + out_lo) is (with 2
+ * terms a query that sees one key got |dq| ~ 4e-5 where it should get 0).
+ * The float32 instance (MASKED_ATTN_ISA=amx only) uses TERMS = 3.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -150,7 +153,7 @@ static inline void tile_end(void) { _tile_release(); }
 
 static tile_prec tile_precision(ma_dtype dt) {
     if (dt == MA_BF16) return (tile_prec){1, 2, 2};
-    if (dt == MA_F16) return (tile_prec){2, 2, 2};
+    if (dt == MA_F16) return (tile_prec){2, 2, 3};
     return (tile_prec){3, 3, 3};
 }
 
