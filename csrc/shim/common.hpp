@@ -22,6 +22,8 @@
 #include <torch/headeronly/util/Exception.h>
 #include <torch/headeronly/util/shim_utils.h>
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -121,7 +123,7 @@ class ScratchPool {
     }
     Block b;
     b.bytes = (bytes + kAlign - 1) / kAlign * kAlign;
-    b.ptr = std::aligned_alloc(kAlign, b.bytes);
+    b.ptr = map_pages(b.bytes);
     MA_CHECK(b.ptr != nullptr, "masked_attn: could not allocate ", b.bytes, " bytes of scratch memory");
     return b;
   }
@@ -140,7 +142,7 @@ class ScratchPool {
         idle_.pop_back();
       }
     }
-    for (const Block& d : drop) std::free(d.ptr);
+    for (const Block& d : drop) unmap_pages(d);
   }
 
   // Frees every idle block; returns the bytes freed.
@@ -154,7 +156,7 @@ class ScratchPool {
     size_t n = 0;
     for (const Block& d : drop) {
       n += d.bytes;
-      std::free(d.ptr);
+      unmap_pages(d);
     }
     return n;
   }
@@ -167,6 +169,15 @@ class ScratchPool {
   ~ScratchPool() { release(); }
 
  private:
+  // Blocks are whole pages straight from the OS (mmap), never from malloc's heap: a freed block's
+  // pages leave the process at once (release_memory's promise), whatever threshold glibc's
+  // allocator has grown to for its own mmaps.
+  static void* map_pages(size_t bytes) {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? nullptr : p;
+  }
+  static void unmap_pages(const Block& b) { munmap(b.ptr, b.bytes); }
+
   static constexpr size_t kAlign = 4096;
   static constexpr size_t kPoolBlocks = 4;
   static constexpr size_t kPoolBytes = size_t{1} << 30;
