@@ -198,15 +198,19 @@ static void FN(tiles_fwd_begin)(FN(tiles) **T, const ma_attn_fwd_params *p, FN(f
 }
 
 /* Rows r0 .. r0 + n of a head's K as A and V^T as A, from k_r, v_r: row r0 of
- * each, the rest k_stride[2], v_stride[2] apart (r0 a multiple of 32). */
+ * each, the rest k_stride[2], v_stride[2] apart (r0 a multiple of 32). bfloat16
+ * K stored transposed (k_stride[2] = 1: keys side by side, each element
+ * k_stride[3] apart, the serving cache's K^T pages) is packed as it lies too. */
 static void fwd_pack_rows(FN(tiles) *s, const void *k_r, const void *v_r, int64_t r0, int64_t n) {
     const ma_attn_args *a = &s->fp->a;
     const int64_t D = a->D, Dv = a->Dv, BK = a->block_k;
     int64_t ldk = 0, ldv = 0;
     const uint16_t *kx = bf16_at(k_r, a->dtype, a->k_stride, 0, 0, 0, s->pr.in, &ldk);
     const uint16_t *vx = bf16_at(v_r, a->dtype, a->v_stride, 0, 0, 0, s->pr.in, &ldv);
+    const int k_t = !kx && a->dtype == MA_BF16 && s->pr.in == 1 && a->k_stride[2] == 1;
+    if (k_t) kx = (const uint16_t *)k_r, ldk = a->k_stride[3];
     if (kx && vx) {
-        amx_pack_a_bf16(amx_rows(s->ka, r0), kx, ldk, n, D, 0);
+        amx_pack_a_bf16(amx_rows(s->ka, r0), kx, ldk, n, D, k_t);
         amx_pack_a_bf16(amx_krows(s->vta, r0), vx, ldv, Dv, n, 1);
     } else
         for (int64_t r1 = 0; r1 < n; r1 += BK) {
