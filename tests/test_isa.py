@@ -646,13 +646,16 @@ def test_runs_of_heads_same_bits(isa, dtype, case, Lq, threads):
 
 
 @pytest.mark.parametrize("isa,dtype", [(isa, torch.float32) for isa in VARIANTS]
-                         + [(isa, torch.bfloat16) for isa in ("scalar", "avx2", "avx512")], ids=str)
+                         + [(isa, torch.bfloat16) for isa in ("scalar", "avx2", "avx512", "amx", "avx512bf16")]
+                         + [("amx", torch.float16)], ids=str)
 @pytest.mark.parametrize("Hkv", [8, 2])
 def test_paged_decoding_runs_same_bits(isa, dtype, Hkv):
     """varlen_attn from a paged pool (pages, page_size, H_kv, D), the layout
     paged caches use (heads side by side in a row: runs of heads), against the
     same pages stored head-major within each page (one head at a time): the
-    same bits, for one query per sequence and for 4 (speculative decoding)."""
+    same bits, for one query per sequence, for 4 (speculative decoding) and
+    for a prefill chunk of 70 (query blocks of 64 on the tile path: amx and
+    avx512bf16 pack each page's rows for their products, then 6 rows)."""
     if not isa_available(isa):
         pytest.skip(f"this CPU has no {isa}")
     torch.manual_seed(6)
@@ -663,7 +666,7 @@ def test_paged_decoding_runs_same_bits(isa, dtype, Hkv):
     kp = torch.randn(n_pages, page, Hkv, D, dtype=torch.float64).to(dtype)
     vp = torch.randn(n_pages, page, Hkv, D, dtype=torch.float64).to(dtype)
     kp_major, vp_major = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (kp, vp))
-    for lq in (1, 4):
+    for lq in (1, 4, 70):
         q = torch.randn(N * lq, H, D, dtype=torch.float64).to(dtype)
         cu = torch.arange(0, N * lq + 1, lq, dtype=torch.int32)
 

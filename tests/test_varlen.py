@@ -237,23 +237,99 @@ def test_isa_against_scalar(isa, dtype):
             assert_close_ref(a, s, r, name=f"{isa} {window} {name}")
 
 
-def test_thread_count_and_batch_invariance():
+def to_pages(k, v, ck, page, seed=0):
+    """The packed (T, H_kv, D) k, v of sequences ck as a shuffled page pool (pages, page, H_kv, D) with a
+    spare page of NaN (never read), and its block table."""
+    n_pages = [math.ceil((ck[b + 1] - ck[b]) / page) for b in range(len(ck) - 1)]
+    total = sum(n_pages) + 1
+    perm = torch.randperm(total, generator=torch.Generator().manual_seed(seed))
+    kp = torch.full((total, page) + tuple(k.shape[1:]), float("nan"), dtype=k.dtype)
+    vp = torch.full((total, page) + tuple(v.shape[1:]), float("nan"), dtype=v.dtype)
+    table = torch.zeros(len(n_pages), max(max(n_pages), 1), dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(n_pages):
+        for i in range(n):
+            pg = int(perm[at])
+            rows = slice(ck[b] + i * page, min(ck[b] + (i + 1) * page, ck[b + 1]))
+            m = rows.stop - rows.start
+            kp[pg, :m], vp[pg, :m] = k[rows], v[rows]
+            table[b, i] = pg
+            at += 1
+    used = torch.tensor([ck[b + 1] - ck[b] for b in range(len(ck) - 1)], dtype=torch.int32)
+    return kp, vp, table, used
+
+
+# (query lengths, key lengths): empty queries, a decoding row, chunks with Lq < Lk (one past a page of
+# 128), a whole prefill, empty keys, more queries than keys, a tail of short blocks (70 = 64 + 6)
+TILE_LQ, TILE_LK = [0, 1, 70, 130, 9, 64, 40, 100], [5, 200, 200, 130, 0, 300, 10, 257]
+
+
+@pytest.mark.parametrize("isa", ["amx", "avx512bf16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (50, 0), (20, 10)], ids=str)
+@pytest.mark.parametrize("cap_sinks", [False, True], ids=["plain", "softcap-sinks"])
+def test_tile_products_forward(isa, dtype, window, cap_sinks):
+    """The forward on the bfloat16 pair products (the tile hooks: amx, and avx512bf16 for bfloat16),
+    packed and from page pools of 64 and 128 rows, GQA, inference (P in one part for bfloat16) and
+    before a backward, against the per-sequence float64 reference with PyTorch's own error in the
+    test dtype as the yardstick (the dense rule); paged gives the packed call's bits."""
+    if not isa_available(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    H, Hkv, D, Dv = 8, 2, 64, 48
+    q, k, v, cq, ck = make(TILE_LQ, TILE_LK, H, Hkv, D, Dv, dtype, requires_grad=False)
+    cap, sinks = (5.0, torch.randn(H, dtype=dtype)) if cap_sinks else (None, None)
+    kw = dict(window_size=window, enable_gqa=True, softcap=cap, sinks=sinks)
+    cql, ckl = cq.tolist(), ck.tolist()
+    ref_out, ref_lse = ref_varlen(q.double(), k.double(), v.double(), cql, ckl, window, softcap=cap,
+                                  sinks=None if sinks is None else sinks.double())
+    pt_out, _ = ref_varlen(q, k, v, cql, ckl, window, dtype=dtype, softcap=cap, sinks=sinks)
+    mq, mk = max(TILE_LQ), max(TILE_LK)
+    for for_backward in (False, True):
+        def call(kk, vv, ckk, **extra):
+            return torch.ops.masked_attn.varlen_forward(q, kk, vv, cq, ckk, mq, mk, None, window[0], window[1],
+                                                        extra.get("used"), extra.get("table"), cap, sinks,
+                                                        for_backward)[:2]
+        out, lse = run_isa(isa, lambda: call(k, v, ck))
+        assert_close_ref(out, pt_out, ref_out, name=f"{isa} out for_backward={for_backward}")
+        assert torch.equal(lse.isneginf(), ref_lse.isneginf())
+        fin = ~ref_lse.isneginf()
+        assert (lse.double()[fin] - ref_lse[fin]).abs().max().item() <= (2e-1 if dtype != torch.float32 else 1e-4)
+        for page in (64, 128):
+            kp, vp, table, used = to_pages(k, v, ckl, page)
+            out_p, lse_p = run_isa(isa, lambda: call(kp, vp, None, used=used, table=table))
+            assert torch.equal(out_p, out), f"page {page}: {(out_p - out).abs().max()}"
+            assert torch.equal(lse_p, lse)
+        if not for_backward:  # the public function: the same call
+            with torch.no_grad():
+                assert torch.equal(run_isa(isa, lambda: varlen_attn(q, k, v, cq, ck, mq, mk, **kw)), out)
+
+
+@pytest.mark.parametrize("isa,dtype", [(None, torch.float32), (None, torch.bfloat16), ("amx", torch.bfloat16),
+                                       ("amx", torch.float16), ("amx", torch.float32),
+                                       ("avx512bf16", torch.bfloat16)], ids=str)
+def test_thread_count_and_batch_invariance(isa, dtype):
     """Bitwise the same for any thread count, and a sequence's results do not
-    depend on the other sequences of the batch (num_splits=1's promise)."""
+    depend on the other sequences of the batch (num_splits=1's promise), under
+    each variant (amx and avx512bf16: the tile products, in the forward before
+    a backward and in inference, whose bfloat16 P is in one part)."""
+    if isa is not None and not isa_available(isa):
+        pytest.skip(f"this CPU has no {isa}")
     lq = [300, 5, 64, 1, 190]
-    q, k, v, cq, ck = make(lq, lq, 4, 2, 32, 32, torch.float32)
-    go = torch.randn(q.shape[0], 4, 32)
+    q, k, v, cq, ck = make(lq, lq, 4, 2, 32, 32, dtype)
+    go = torch.randn(q.shape[0], 4, 32, dtype=dtype)
 
     def run():
         out = varlen_attn(q, k, v, cq, ck, 300, 300, window_size=(-1, 0), enable_gqa=True)
-        return (out,) + torch.autograd.grad(out, (q, k, v), go)
+        with torch.no_grad():
+            out_inf = varlen_attn(q, k, v, cq, ck, 300, 300, window_size=(-1, 0), enable_gqa=True)
+        return (out, out_inf) + torch.autograd.grad(out, (q, k, v), go)
 
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = run()
+        one = run_isa(isa, run)
         torch.set_num_threads(max(2, threads))
-        many = run()
+        many = run_isa(isa, run)
     finally:
         torch.set_num_threads(threads)
     for a, b in zip(one, many):
@@ -262,10 +338,15 @@ def test_thread_count_and_batch_invariance():
     s = slice(int(cq[4]), int(cq[5]))
     q4, k4, v4 = (t.detach()[s].clone().requires_grad_() for t in (q, k, v))
     c4 = cu([190])
-    out4 = varlen_attn(q4, k4, v4, c4, c4, 190, 190, window_size=(-1, 0), enable_gqa=True)
-    g4 = torch.autograd.grad(out4, (q4, k4, v4), go[s])
-    assert torch.equal(out4, one[0][s])
-    for a, b in zip(g4, one[1:]):
+
+    def alone():
+        out4 = varlen_attn(q4, k4, v4, c4, c4, 190, 190, window_size=(-1, 0), enable_gqa=True)
+        with torch.no_grad():
+            out4_inf = varlen_attn(q4, k4, v4, c4, c4, 190, 190, window_size=(-1, 0), enable_gqa=True)
+        return (out4, out4_inf) + torch.autograd.grad(out4, (q4, k4, v4), go[s])
+
+    four = run_isa(isa, alone)
+    for a, b in zip(four, one):
         assert torch.equal(a, b[s])
 
 
@@ -278,6 +359,45 @@ def test_matches_dense_forward_bitwise():
         dense = masked_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                  is_causal=causal)
         assert torch.equal(out, dense[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("isa", [None, "amx", "avx512bf16"], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "for-backward"])
+def test_entries_match_dense_forward_bitwise(isa, dtype, grad):
+    """Every entry of a packed or paged call gives the bits of the dense kernel on that sequence alone,
+    under the same variant: varlen takes the products dense takes (on AMX and AVX512-BF16 the tile
+    hooks, whose bits differ from the FMAs'), whatever the other sequences. A chunk of Lq < Lk queries
+    causal at the bottom right is dense's window (-1, Lk - Lq); softcap and sinks as dense's."""
+    if isa is not None and not isa_available(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    H, Hkv, D = 8, 2, 64
+    lq, lk = [70, 1, 130, 9, 200], [200, 300, 130, 40, 257]
+    q, k, v, cq, ck = make(lq, lk, H, Hkv, D, D, dtype, requires_grad=False)
+    sinks = torch.randn(H, dtype=dtype)
+    kp, vp, table, used = to_pages(k, v, ck.tolist(), 128)
+    for causal, cap in [(False, None), (True, None), (True, 4.0)]:
+        kw = dict(window_size=(-1, 0) if causal else (-1, -1), enable_gqa=True, softcap=cap,
+                  sinks=sinks if cap else None)
+
+        def calls():
+            with torch.set_grad_enabled(grad):
+                qg = q.clone().requires_grad_(grad)
+                packed = varlen_attn(qg, k, v, cq, ck, max(lq), max(lk), **kw)
+                with torch.no_grad():  # paged is inference-only: the raw op, out_lo as packed's
+                    paged = torch.ops.masked_attn.varlen_forward(
+                        q, kp, vp, cq, None, max(lq), max(lk), None, -1, 0 if causal else -1, used, table, cap,
+                        kw["sinks"], grad)[0]
+                dense = []
+                for b in range(len(lq)):
+                    qs, ks, vs = (t[c[b]:c[b + 1]].transpose(0, 1)[None] for t, c in ((qg, cq), (k, ck), (v, ck)))
+                    dense.append(masked_attention(qs, ks, vs, window=(-1, lk[b] - lq[b]) if causal else None,
+                                                  softcap=cap, sinks=kw["sinks"])[0].transpose(0, 1))
+                return packed.detach(), paged, torch.cat(dense).detach()
+
+        packed, paged, dense = calls() if isa is None else run_isa(isa, calls)
+        assert torch.equal(packed, dense), f"causal={causal} cap={cap}: {(packed - dense).abs().max()}"
+        assert torch.equal(paged, dense)
 
 
 def test_no_work_for_other_sequences():
@@ -344,7 +464,10 @@ def test_seqused_k_and_block_table(page, dtype, lq):
                         window_size=(-1, 0))
     assert torch.equal(out_p, ref_p)
     if page % 64 == 0:  # the raw op reads the pool in place; a page outside the pool is refused
-        raw = torch.ops.masked_attn.varlen_forward(q, kp, vp, cq, None, mq, 256, None, -1, 0, seqused, table)[0]
+        # for_backward=False as varlen_attn's no-grad call: a bfloat16 call on the tile products (amx,
+        # avx512bf16) otherwise keeps P in two parts for a backward (docs/design.md, section 6)
+        raw = torch.ops.masked_attn.varlen_forward(q, kp, vp, cq, None, mq, 256, None, -1, 0, seqused, table,
+                                                   None, None, False)[0]
         assert torch.equal(raw, ref_p)
         bad = table.clone()
         bad[0, 0] = pool_pages

@@ -1074,7 +1074,7 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
     c->t.vc = c->t.kc + (FN(needs_copy)(p0->a.dtype, p0->a.k_stride) ? p0->a.Lk * p0->a.D : 0); /* the longest */
     c->gen = (FN(gen_fwd)){&c->t, hdr, p0, 0, 0, 0, NULL, NULL};
 #ifdef MA_TILE_HOOKS
-    c->hooked = FN(tiles_apply)(p0) && !p0->a.cu_q; /* varlen: the generic products */
+    c->hooked = FN(tiles_apply)(p0); /* varlen too: the hooks move to each item's entry (FN(fwd_seq)) */
     c->tiles = NULL;
     if (c->hooked)
         FN(tiles_fwd_begin)(&c->tiles, p0, &c->t, hdr, (char *)ctx->scratch + FN(generic_fwd_scratch_bytes)(p0));

@@ -134,8 +134,10 @@ typedef struct {
 struct FN(tiles) {
     tile_prec pr;
     int64_t b, hk, nr, j0, nc;
-    /* forward */
-    const ma_attn_fwd_params *fp;
+    /* forward: fp the params of the item's entry (varlen: FN(fwd_seq)'s copy in
+     * loc, moved to entry b; dense: the call's, fp0) */
+    const ma_attn_fwd_params *fp, *fp0;
+    ma_attn_fwd_params loc;
     FN(fwd_scratch) *ft;
     ma_scratch_header *hdr;
     fwd_tile_scratch fa;
@@ -185,7 +187,7 @@ static void FN(tiles_fwd_begin)(FN(tiles) **T, const ma_attn_fwd_params *p, FN(f
     FN(tiles) *s = (FN(tiles) *)extra;
     const int64_t BQ = p->a.block_q, BK = p->a.block_k;
     s->pr = fwd_precision(p);
-    s->fp = p, s->ft = t, s->hdr = hdr;
+    s->fp = s->fp0 = p, s->ft = t, s->hdr = hdr;
     fwd_tile_bytes(p, &s->fa, (char *)extra + ma_round_up(sizeof(struct FN(tiles)), MA_CACHE_LINE));
     s->ka = amx_a_layout(s->fa.ka, p->a.Lk, p->a.D, s->pr.in, 0);
     s->vta = amx_a_layout(s->fa.vta, p->a.Dv, p->a.Lk, s->pr.in, 1);
@@ -195,31 +197,56 @@ static void FN(tiles_fwd_begin)(FN(tiles) **T, const ma_attn_fwd_params *p, FN(f
     *T = s;
 }
 
-/* Packs K rows as A and V^T as A of head (b, hk), unless this thread's cache holds them. */
-static void fwd_pack_head(FN(tiles) *s, int64_t b, int64_t hk) {
-    const ma_attn_fwd_params *p = s->fp;
-    const int64_t key = b * 65536 + hk + 1, Lk = p->a.Lk, D = p->a.D, Dv = p->a.Dv, BK = p->a.block_k;
-    if (s->hdr->tag[0] == key) return;
+/* Rows r0 .. r0 + n of a head's K as A and V^T as A, from k_r, v_r: row r0 of
+ * each, the rest k_stride[2], v_stride[2] apart (r0 a multiple of 32). bfloat16
+ * K stored transposed (k_stride[2] = 1: keys side by side, each element
+ * k_stride[3] apart, the serving cache's K^T pages) is packed as it lies too. */
+static void fwd_pack_rows(FN(tiles) *s, const void *k_r, const void *v_r, int64_t r0, int64_t n) {
+    const ma_attn_args *a = &s->fp->a;
+    const int64_t D = a->D, Dv = a->Dv, BK = a->block_k;
     int64_t ldk = 0, ldv = 0;
-    const uint16_t *kx = bf16_at(p->a.k, p->a.dtype, p->a.k_stride, b, hk, 0, s->pr.in, &ldk);
-    const uint16_t *vx = bf16_at(p->a.v, p->a.dtype, p->a.v_stride, b, hk, 0, s->pr.in, &ldv);
+    const uint16_t *kx = bf16_at(k_r, a->dtype, a->k_stride, 0, 0, 0, s->pr.in, &ldk);
+    const uint16_t *vx = bf16_at(v_r, a->dtype, a->v_stride, 0, 0, 0, s->pr.in, &ldv);
+    const int k_t = !kx && a->dtype == MA_BF16 && s->pr.in == 1 && a->k_stride[2] == 1;
+    if (k_t) kx = (const uint16_t *)k_r, ldk = a->k_stride[3];
     if (kx && vx) {
-        amx_pack_a_bf16(s->ka, kx, ldk, Lk, D, 0);
-        amx_pack_a_bf16(s->vta, vx, ldv, Dv, Lk, 1);
+        amx_pack_a_bf16(amx_rows(s->ka, r0), kx, ldk, n, D, k_t);
+        amx_pack_a_bf16(amx_krows(s->vta, r0), vx, ldv, Dv, n, 1);
     } else
-        for (int64_t r0 = 0; r0 < Lk; r0 += BK) {
-            const int64_t nr = ma_min(BK, Lk - r0);
+        for (int64_t r1 = 0; r1 < n; r1 += BK) {
+            const int64_t nr = ma_min(BK, n - r1);
             int64_t ld;
-            const float *k_r = FN(rows)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, r0, nr, D, s->fa.rows, &ld);
-            amx_pack_a(amx_rows(s->ka, r0), k_r, ld, 1, nr, D);
-            const float *v_r = FN(rows)(p->a.v, p->a.dtype, p->a.v_stride, b, hk, r0, nr, Dv, s->fa.rows, &ld);
-            amx_pack_a(amx_krows(s->vta, r0), v_r, 1, ld, Dv, nr);
+            const float *k1 = FN(rows)(k_r, a->dtype, a->k_stride, 0, 0, r1, nr, D, s->fa.rows, &ld);
+            amx_pack_a(amx_rows(s->ka, r0 + r1), k1, ld, 1, nr, D);
+            const float *v1 = FN(rows)(v_r, a->dtype, a->v_stride, 0, 0, r1, nr, Dv, s->fa.rows, &ld);
+            amx_pack_a(amx_krows(s->vta, r0 + r1), v1, 1, ld, Dv, nr);
         }
+}
+
+/* Packs K rows as A and V^T as A of head (b, hk) of the item's entry (s->fp:
+ * varlen, entry b's rows and its Lk; the views are laid out for the longest,
+ * p0's Lk, the scratch's size), unless this thread's cache holds them:
+ * tag[0] = b * Hkv + hk + 1, one value per (entry, kv head), in the header the
+ * shim zeroes before every call. Rows go by runs that are uniformly strided:
+ * the whole head, or (paged) page by page through FN(key_off), a page holding
+ * a multiple of 64 rows (so every run starts on a whole tile). */
+static void fwd_pack_head(FN(tiles) *s, int64_t b, int64_t hk) {
+    const ma_attn_args *a = &s->fp->a;
+    const int64_t key = b * a->Hkv + hk + 1, Lk = a->Lk;
+    if (s->hdr->tag[0] == key) return;
+    const int64_t run = a->block_table ? a->page_size : Lk;
+    for (int64_t r0 = 0; r0 < Lk; r0 += run) {
+        const void *k_r = FN(elem_at)(a->k, a->dtype, b * a->k_stride[0] + hk * a->k_stride[1] +
+                                                          FN(key_off)(a, a->k_stride, a->k_page_stride, b, r0));
+        const void *v_r = FN(elem_at)(a->v, a->dtype, b * a->v_stride[0] + hk * a->v_stride[1] +
+                                                          FN(key_off)(a, a->v_stride, a->v_page_stride, b, r0));
+        fwd_pack_rows(s, k_r, v_r, r0, ma_min(run, Lk - r0));
+    }
     s->hdr->tag[0] = key;
 }
 
 static void FN(tiles_fwd_query)(FN(tiles) *s, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t nr) {
-    const ma_attn_fwd_params *p = s->fp;
+    const ma_attn_fwd_params *p = s->fp = FN(fwd_seq)(s->fp0, b, &s->loc); /* entry b's extent */
     s->b = b, s->hk = hk, s->nr = nr;
     fwd_pack_head(s, b, hk);
     int64_t ldq = 0;
