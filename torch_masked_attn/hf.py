@@ -444,10 +444,11 @@ def _ring_step(cache, allocator, read_index: Tensor, write_index: Tensor, cu_q: 
     """Sequence b has q_b new rows and c_b = k_b - q_b cached ones (at most window - 1). Its keys
     lie in the ring after this step's write, in slot order, whenever the write overwrites no row
     one of its queries still sees: one new row (a decode sees the whole window), or a past of
-    c_b < window - 1 rows with c_b + q_b <= window (nothing wraps). Its rows in slot order are then its c_b read indices followed by its
-    q_b write indices (a decode past the window: the ring rotated, which the softmax does not see;
-    pages are whole there when window % page_size == 0 or the ring is one page). The others (a
-    chunk that wraps) read their cached rows before the write, as transformers does."""
+    c_b < window - 1 rows with c_b + q_b <= window (nothing wraps). Its rows in slot order are
+    then its c_b read indices followed by its q_b write indices (a decode past the window: the
+    ring rotated, which the softmax does not see; pages are whole there when window % page_size
+    == 0 or the ring is one page). The others (a chunk that wraps) read their cached rows before
+    the write, as transformers does."""
     memo = getattr(cache, "_tma_pages", None)
     if memo is None:
         memo = cache._tma_pages = {}
