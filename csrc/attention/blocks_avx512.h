@@ -371,6 +371,42 @@ static void dot_keys_t_avx512(float *s, int64_t lds, const float *q, int64_t nr,
     else dot_keys_t_dt(s, lds, q, nr, D, k, MA_F16, off, ldd, nc, pf);
 }
 
+/* axpy_keys for R = 3 or 4 rows: 4 vectors (64 columns) of every row in
+ * registers while the keys stream past, then the next 64 columns; each
+ * (row, column) sums its keys in order, as in the two-row form. */
+static inline __attribute__((always_inline)) void axpy_keys_rows(const int R, float *o, const float *p, int64_t ldp,
+                                                                 int64_t Dv, const void *v, const ma_dtype dt,
+                                                                 int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+    const int es = dt == MA_F32 ? 4 : 2;
+    for (int64_t d0 = 0; d0 < Dv; d0 += 64) {
+        __mmask16 mk[4];
+        __m512 acc[4][4];
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; u++) {
+            mk[u] = tail_mask(Dv - d0 - 16 * u);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) acc[r][u] = _mm512_maskz_loadu_ps(mk[u], o + r * Dv + d0 + 16 * u);
+        }
+        for (int64_t c = 0; c < nc; c++) {
+            __m512 pr[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) pr[r] = _mm512_set1_ps(p[r * ldp + c]);
+#pragma GCC unroll 4
+            for (int u = 0; u < 4; u++) {
+                const __m512 vv = load16(v, dt, off + c * ld + d0 + 16 * u, mk[u]);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) acc[r][u] = _mm512_fmadd_ps(pr[r], vv, acc[r][u]);
+                if (pf && (16 * u * es) % MA_CACHE_LINE == 0)
+                    _mm_prefetch((const char *)v + (off + c * ld + d0 + 16 * u + pf) * es, _MM_HINT_T0);
+            }
+        }
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; u++)
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(o + r * Dv + d0 + 16 * u, mk[u], acc[r][u]);
+    }
+}
+
 /* o[r * Dv + d] += sum_c p[r * ldp + c] v_c[d]: 128 columns of one row in
  * registers while the keys stream past, so a value row of D <= 128 is read
  * once, front to back (per dtype, as dot_keys). */
@@ -378,7 +414,12 @@ static inline __attribute__((always_inline)) void axpy_keys_dt(float *o, const f
                                                                int64_t Dv, const void *v, const ma_dtype dt,
                                                                int64_t off, int64_t ld, int64_t nc, int64_t pf) {
     const int es = dt == MA_F32 ? 4 : 2;
-    for (int64_t r = 0; r < nr; r += 2) { /* two rows share each value row read: 2 x 8 accumulators */
+    int64_t r = 0;
+    if (nr >= 3) { /* the query heads of a key head: 4 (or 3) rows share each read, 64 columns at a time */
+        for (; r + 4 <= nr; r += 4) axpy_keys_rows(4, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, r == 0 ? pf : 0);
+        if (nr - r == 3) axpy_keys_rows(3, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, r == 0 ? pf : 0), r += 3;
+    }
+    for (; r < nr; r += 2) { /* two rows share each value row read: 2 x 8 accumulators */
         const int two = r + 1 < nr;
         for (int64_t d0 = 0; d0 < Dv; d0 += 128) {
             __mmask16 mk[8];
