@@ -176,7 +176,10 @@ static const ACC *FN(rows)(const void *src, ma_dtype dt, const int64_t st[4], in
 
 /* Does src need converting before the kernels can read it in place? */
 static inline int FN(needs_copy)(ma_dtype dt, const int64_t st[4]) {
-    return !(FN(is_native)(dt) && st[3] == 1);
+    /* rows a multiple of 4 KB apart (heads side by side with H * D a multiple of 1024 floats:
+     * a (B, L, H, D) projection, a paged or packed cache) all fall in one L1 set, where the tile
+     * products thrash: copied into the head cache like strided rows (the same values) */
+    return !(FN(is_native)(dt) && st[3] == 1) || (st[2] * (int64_t)sizeof(ACC)) % 4096 == 0;
 }
 
 /* src[b, h0 : h0 + nh, 0 : L, 0 : ncol] as ACC rows (row stride ncol, head
