@@ -43,7 +43,10 @@ int64_t ma_attn_fwd_head_group(const ma_attn_fwd_params *p) {
     const int k_rows = a->k_stride[3] == 1 && a->k_stride[1] < a->k_stride[2];
     const int k_t = a->k_stride[2] == 1 && a->k_stride[3] != 1;
     const int v_rows = a->v_stride[3] == 1 && a->v_stride[1] < a->v_stride[2];
-    return a->Lq <= MA_FWD_ROWS && a->H > 1 && !p->weights && (k_rows || k_t) && v_rows ? MA_FWD_HEAD_GROUP_MAX : 1;
+    /* varlen: an entry's own length decides (a mixed batch's decodes take runs, its chunks one
+     * head at a time), so a long entry elsewhere does not stop them */
+    const int short_rows = a->Lq <= MA_FWD_ROWS || a->cu_q;
+    return short_rows && a->H > 1 && !p->weights && (k_rows || k_t) && v_rows ? MA_FWD_HEAD_GROUP_MAX : 1;
 }
 void ma_attn_fwd_task(int64_t begin, int64_t end, void *ctx) {
     KERNELS(PARAMS(ma_attn_fwd_params, ctx))->fwd(begin, end, ctx);

@@ -134,12 +134,14 @@ bool worth_streaming(const Tensor& t) { return t.numel() * static_cast<int64_t>(
 
 // Forward work items a thread takes at a time. Where runs of heads are taken
 // (head_group > 1: decoding from a cache whose heads lie side by side in each
-// row), up to a run's heads, while every thread still gets 2 takes. Else
+// row, or K^T pages; varlen calls with such a cache, whose items of equal cost,
+// consecutive heads of one entry and query block, follow each other), up to a
+// run's heads, while every thread still gets 2 takes. Else
 // consecutive query blocks of one head (the kernel orders a head's blocks
 // cheap, expensive, cheap, ...), up to the whole head, so that a thread reads
 // that head's K and V into its own L2 once instead of both threads pulling
-// every head; at least 8 takes per thread are left for balance; varlen one
-// item at a time (its items come most expensive first). Results do not
+// every head; at least 8 takes per thread are left for balance; other varlen
+// calls one item at a time (its items come most expensive first). Results do not
 // depend on it: every query block is computed the same way by whichever
 // thread takes it, alone or in a run.
 int64_t fwd_grain(const ma_attn_fwd_params& p) {
