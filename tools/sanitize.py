@@ -39,11 +39,16 @@ from setup import C_FLAGS, object_name  # noqa: E402  (the build's own flags and
 SAN_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined",
              "-g", "-O1"]
 # the harnesses and their sources: those of tests/test_c_harness.py
-COMMON = ("common/isa.c",)
-ATTENTION = ("attention/scalar.c", "attention/avx2.c", "attention/avx512.c", "attention/amx.c",
-             "attention/dispatch.c")
-CROSS_ENTROPY = ("cross_entropy/scalar.c", "cross_entropy/avx2.c", "cross_entropy/avx512.c",
-                 "cross_entropy/dispatch.c")
+def _sources(op: str) -> tuple[str, ...]:
+    """Every C file of csrc/<op>/ (each instruction-set variant and the dispatch), so that a new
+    variant cannot be left out of the link (avx512bf16.c was, until 2026-11-27)."""
+    d = os.path.join(ROOT, "csrc", op)
+    return tuple(f"{op}/{f}" for f in sorted(os.listdir(d)) if f.endswith(".c"))
+
+
+COMMON = _sources("common")
+ATTENTION = _sources("attention")
+CROSS_ENTROPY = _sources("cross_entropy")
 HARNESSES = (("test_blocks.c", COMMON + ATTENTION), ("test_ce_blocks.c", COMMON + CROSS_ENTROPY))
 
 # the Python slice: bad input (error paths through the shim, child interpreters),
@@ -60,7 +65,7 @@ HARNESSES = (("test_blocks.c", COMMON + ATTENTION), ("test_ce_blocks.c", COMMON 
 # threads, release_memory, the key chunks' partial sums).
 DEFAULT_TESTS = ("tests/test_bad_input.py tests/test_isa.py tests/test_cross_entropy.py tests/test_sdpa.py "
                  "tests/test_dropout.py tests/test_window_softcap_sinks.py tests/test_fuzz.py "
-                 "tests/test_trust.py tests/test_scratch.py")
+                 "tests/test_trust.py tests/test_scratch.py tests/test_kv_cache.py")
 DEFAULT_SELECT = [
     "-k", "not opcheck and not _long and not torch_compile and not (parity_functional and (float64 or torch.float16))"
           " and not training_equivalence and not compile_with_dropout and not broken_reference",
