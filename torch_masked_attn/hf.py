@@ -356,15 +356,20 @@ class _StepPages:
     seqused: Tensor      # (N,) int32: keys of sequence b
 
 
+def _step_memo(cache, allocator, read_index: Tensor):
+    """The plans built this step, per allocator, kept on the cache object: (memo, the allocator's
+    plan if it was built for this step's read-index tensor, else None)."""
+    memo = cache.__dict__.setdefault("_tma_pages", {})
+    hit = memo.get(allocator.index)
+    return memo, hit if hit is not None and hit.read_index is read_index else None
+
+
 def _step_pages(cache, allocator, read_index: Tensor, cu_k: Tensor) -> _StepPages:
     """Sequence b's keys are the pool rows read_index[cu_k[b] : cu_k[b + 1]] (whole pages but the
     last, in page order: transformers' full-attention allocator); its page table is every
     page_size-th of them over page_size. Cached on the cache object for the step."""
-    memo = getattr(cache, "_tma_pages", None)
-    if memo is None:
-        memo = cache._tma_pages = {}
-    hit = memo.get(allocator.index)
-    if hit is not None and hit.read_index is read_index:
+    memo, hit = _step_memo(cache, allocator, read_index)
+    if hit is not None:
         return hit
     page = allocator.tokens_per_page
     cu = cu_k.to(torch.int64)
@@ -449,11 +454,8 @@ def _ring_step(cache, allocator, read_index: Tensor, write_index: Tensor, cu_q: 
     ring rotated, which the softmax does not see; pages are whole there when window % page_size
     == 0 or the ring is one page). The others (a chunk that wraps) read their cached rows before
     the write, as transformers does."""
-    memo = getattr(cache, "_tma_pages", None)
-    if memo is None:
-        memo = cache._tma_pages = {}
-    hit = memo.get(allocator.index)
-    if hit is not None and hit.read_index is read_index:
+    memo, hit = _step_memo(cache, allocator, read_index)
+    if hit is not None:
         return hit
     page, window = allocator.tokens_per_page, allocator.sliding_window
     cq, ck = cu_q.to(torch.int64), cu_k.to(torch.int64)
