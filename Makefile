@@ -6,7 +6,6 @@ STAMP   := $(VENV)/.deps-installed
 SOURCES := $(wildcard csrc/*.h csrc/*/*.c csrc/*/*.h csrc/*/*.cpp csrc/*/*.hpp) setup.py pyproject.toml
 BUILT   := $(VENV)/.built
 RUFF    := $(VENV)/bin/ruff
-CLANG_FORMAT ?= clang-format
 # the C kernels (not the C++ shim, csrc/shim/*.cpp and *.hpp: see .clang-format)
 C_FILES := $(shell find csrc -name '*.c' -o -name '*.h' | sort)
 
@@ -127,20 +126,16 @@ test-wheel: wheel
 sanitize: $(STAMP)
 	$(VPY) tools/sanitize.py
 
-# pinned: a newer ruff may bring new rules into the selected sets
+# pinned: a newer ruff or clang-format may bring new rules or another layout
 $(RUFF): | $(STAMP)
-	$(VPY) -m pip install ruff==0.17.6
+	$(VPY) -m pip install ruff==0.17.6 clang-format==22.1.8
 
-# ruff over the Python (its rules: pyproject.toml); clang-format over the C
-# kernels (.clang-format) where it is installed -- it is not a requirement.
+# ruff (rules: pyproject.toml) and ruff's formatter over every Python file,
+# tools/ included; clang-format (.clang-format) over the C kernels.
 lint: $(RUFF)
 	$(RUFF) check .
-	@if command -v $(CLANG_FORMAT) >/dev/null 2>&1; then \
-		echo "$(CLANG_FORMAT) --dry-run -Werror <the C files under csrc/>"; \
-		$(CLANG_FORMAT) --dry-run -Werror $(C_FILES); \
-	else \
-		echo "lint: $(CLANG_FORMAT) not installed, C formatting not checked"; \
-	fi
+	$(RUFF) format --check .
+	$(VENV)/bin/clang-format --dry-run -Werror $(C_FILES)
 
 clean:
 	rm -rf build *.egg-info torch_masked_attn/_C*.so .ruff_cache

@@ -5,6 +5,7 @@ torch.utils.cpp_extension would compile .c files as C++17, so the kernels get
 their own step here (build_ext below) and are handed to the extension as
 objects. Install with `pip install --no-build-isolation -e .` (see README).
 """
+
 import glob
 import os
 import subprocess
@@ -25,8 +26,17 @@ C_FLAGS = ["-std=c11", "-O3", "-fPIC", "-Wall", "-Wextra", "-fno-math-errno", "-
 ISA_FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-mf16c"],
-    "amx": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mamx-tile",
-            "-mamx-bf16", "-mfma", "-mf16c"],
+    "amx": [
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512dq",
+        "-mavx512vl",
+        "-mavx512bf16",
+        "-mamx-tile",
+        "-mamx-bf16",
+        "-mfma",
+        "-mf16c",
+    ],
     "avx512bf16": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c"],
 }
 # MASKED_ATTN_CFLAGS: extra words appended to every compile (C11 and C++) and to
@@ -53,8 +63,7 @@ class BuildC11ThenExtension(BuildExtension):
         objects = []
         for src in C_SOURCES:
             obj = os.path.join(obj_dir, object_name(src))
-            stale = not os.path.exists(obj) or os.path.getmtime(obj) < max(
-                os.path.getmtime(src), newest_header)
+            stale = not os.path.exists(obj) or os.path.getmtime(obj) < max(os.path.getmtime(src), newest_header)
             if stale:
                 cmd = [cc, *C_FLAGS, *isa_flags(src), *EXTRA_FLAGS, "-c", src, "-o", obj]
                 print(" ".join(cmd))

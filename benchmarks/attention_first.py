@@ -6,6 +6,7 @@ native / ours (above 1: we are faster).
 
 Run: .venv/bin/python benchmarks/attention_first.py
 """
+
 import statistics
 import time
 
@@ -18,9 +19,9 @@ import torch_masked_attn as tma
 def main(B=8, H=8, L=512, D=64, reps=7):
     torch.manual_seed(0)
     lengths = torch.randint(L // 2, L + 1, (B,))
-    kpm = torch.arange(L)[None, :] >= lengths[:, None]                     # (B, L) True = padding
+    kpm = torch.arange(L)[None, :] >= lengths[:, None]  # (B, L) True = padding
     causal = torch.ones(L, L, dtype=torch.bool).triu(1)
-    allowed = ~(causal[None, None] | kpm[:, None, None, :])                # (B, 1, L, L) True = take part
+    allowed = ~(causal[None, None] | kpm[:, None, None, :])  # (B, 1, L, L) True = take part
     q, k, v = (torch.randn(B, H, L, D, requires_grad=True) for _ in range(3))
     g = torch.randn(B, H, L, D)
 

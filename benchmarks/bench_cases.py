@@ -9,6 +9,7 @@ Every callable does the whole timed unit (forward, or forward + backward) and
 returns a forward result for the cross-check. When there are several native
 variants, the ratio is taken against the fastest.
 """
+
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional
@@ -29,22 +30,23 @@ class Skip(Exception):
 
 @dataclass
 class Bench:
-    work: str                                   # one-line description for the table
+    work: str  # one-line description for the table
     natives: Dict[str, Callable[[], torch.Tensor]]
     ours: Callable[[], torch.Tensor]
-    flops: Optional[float] = None               # nominal flops of one call (None: not compute-bound)
-    attn_flops: Optional[float] = None          # the attention part of `flops`
-    traffic_bytes: Optional[float] = None       # minimal memory traffic of one call (cross-entropy)
-    timed: bool = True                          # False: peak memory only
-    memory: bool = True                         # False: no peak-memory probes
-    reps: Optional[tuple] = None                # (min reps, max reps, seconds): overrides the mode's
-    info: dict = field(default_factory=dict)    # shapes etc. for results.json
+    flops: Optional[float] = None  # nominal flops of one call (None: not compute-bound)
+    attn_flops: Optional[float] = None  # the attention part of `flops`
+    traffic_bytes: Optional[float] = None  # minimal memory traffic of one call (cross-entropy)
+    timed: bool = True  # False: peak memory only
+    memory: bool = True  # False: no peak-memory probes
+    reps: Optional[tuple] = None  # (min reps, max reps, seconds): overrides the mode's
+    info: dict = field(default_factory=dict)  # shapes etc. for results.json
 
     def impls(self):
         return {**{f"native:{k}": f for k, f in self.natives.items()}, "ours": self.ours}
 
 
 # ---------------------------------------------------------------- work counts
+
 
 def attention_flops(B, H, Lq, Lk, D, causal, backward):
     """Nominal attention flops: forward 4*B*H*Lq*Lk*D (QK^T and PV), halved
@@ -67,6 +69,7 @@ def gflop(x):
 
 # ---------------------------------------------------------------- inputs
 
+
 def key_padding(B, L, lengths=None, pad_fraction=None):
     """(B, L) bool, True = padding. Either random lengths uniform in [L/2, L]
     (key 0 is never padding, so no query row is fully masked) or every
@@ -79,7 +82,7 @@ def key_padding(B, L, lengths=None, pad_fraction=None):
 
 
 def causal_blocked(L):
-    return torch.ones(L, L, dtype=torch.bool).triu(1)              # True = blocked
+    return torch.ones(L, L, dtype=torch.bool).triu(1)  # True = blocked
 
 
 def qkv(B, H, L, D, dtype):
@@ -92,10 +95,12 @@ def fwd_bwd(forward, inputs, grad_out):
         out = forward()
         torch.autograd.grad(out, inputs, grad_out)
         return out.detach()
+
     return run
 
 
 # ---------------------------------------------------------------- attention (functional)
+
 
 def functional_attention(B, H, L, D, dtype, kpm, native_masks, dropout_p=0.0):
     """Causal attention, forward + backward, with optional key padding.
@@ -115,32 +120,40 @@ def functional_attention(B, H, L, D, dtype, kpm, native_masks, dropout_p=0.0):
     natives = {}
     if "causal" in native_masks:
         assert kpm is None
-        natives["sdpa-causal"] = fwd_bwd(
-            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), g)
+        natives["sdpa-causal"] = fwd_bwd(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), g)
     blocked = None
     if kpm is not None:
-        blocked = causal_blocked(L)[None, None] | kpm[:, None, None, :]       # (B, 1, L, L)
+        blocked = causal_blocked(L)[None, None] | kpm[:, None, None, :]  # (B, 1, L, L)
     if "bool" in native_masks:
         allowed = ~blocked
         natives["sdpa-bool"] = fwd_bwd(
-            lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=p), (q, k, v), g)
+            lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=p), (q, k, v), g
+        )
     if "float" in native_masks:
         additive = torch.zeros(B, H, L, L, dtype=dtype).masked_fill_(blocked, float("-inf"))
         natives["sdpa-float"] = fwd_bwd(
-            lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=p), (q, k, v), g)
+            lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=p), (q, k, v), g
+        )
     if "ours-p0" in native_masks:
         natives["ours-p0"] = fwd_bwd(
-            lambda: tma.functional.masked_attention(q, k, v, key_padding_mask=kpm, is_causal=True),
-            (q, k, v), g)
+            lambda: tma.functional.masked_attention(q, k, v, key_padding_mask=kpm, is_causal=True), (q, k, v), g
+        )
     ours = fwd_bwd(
         lambda: tma.functional.masked_attention(q, k, v, key_padding_mask=kpm, is_causal=True, dropout_p=p),
-        (q, k, v), g)
+        (q, k, v),
+        g,
+    )
     fl = attention_flops(B, H, L, L, D, causal=True, backward=True)
     pad = "" if kpm is None else f", key padding {kpm.float().mean().item():.0%}"
     drop = f", dropout {p}" if p else ""
-    return Bench(work=f"B={B} H={H} L={L} D={D} causal{pad}{drop}, fwd+bwd, {gflop(fl)}",
-                 natives=natives, ours=ours, flops=fl, attn_flops=fl,
-                 info=dict(B=B, H=H, L=L, D=D, dtype=str(dtype), dropout_p=p))
+    return Bench(
+        work=f"B={B} H={H} L={L} D={D} causal{pad}{drop}, fwd+bwd, {gflop(fl)}",
+        natives=natives,
+        ours=ours,
+        flops=fl,
+        attn_flops=fl,
+        info=dict(B=B, H=H, L=L, D=D, dtype=str(dtype), dropout_p=p),
+    )
 
 
 def gpt_train(dtype, dropout_p=0.0, natives=("bool", "float")):
@@ -155,14 +168,19 @@ def hf_mask():
     B, H, L, D = 4, 8, 1024, 64
     q, k, v, g = qkv(B, H, L, D, torch.float32)
     kpm = key_padding(B, L)
-    allowed = ~(causal_blocked(L)[None, None] | kpm[:, None, None, :])       # (B, 1, L, L)
+    allowed = ~(causal_blocked(L)[None, None] | kpm[:, None, None, :])  # (B, 1, L, L)
     native = fwd_bwd(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed), (q, k, v), g)
     ours = fwd_bwd(lambda: tma.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed), (q, k, v), g)
     fl = attention_flops(B, H, L, L, D, causal=True, backward=True)
-    return Bench(work=f"B={B} H={H} L={L} D={D} causal + key padding {kpm.float().mean().item():.0%} as a "
-                      f"4-D bool mask (B, 1, L, L), both through F.sdpa, fwd+bwd, {gflop(fl)}",
-                 natives={"sdpa-bool": native}, ours=ours, flops=fl, attn_flops=fl,
-                 info=dict(B=B, H=H, L=L, D=D, dtype=str(torch.float32)))
+    return Bench(
+        work=f"B={B} H={H} L={L} D={D} causal + key padding {kpm.float().mean().item():.0%} as a "
+        f"4-D bool mask (B, 1, L, L), both through F.sdpa, fwd+bwd, {gflop(fl)}",
+        natives={"sdpa-bool": native},
+        ours=ours,
+        flops=fl,
+        attn_flops=fl,
+        info=dict(B=B, H=H, L=L, D=D, dtype=str(torch.float32)),
+    )
 
 
 def sliding_window():
@@ -177,10 +195,15 @@ def sliding_window():
     native = fwd_bwd(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed), (q, k, v), g)
     ours = fwd_bwd(lambda: tma.functional.masked_attention(q, k, v, window=(W, 0)), (q, k, v), g)
     fl = 4.0 * B * H * L * (W + 1) * D * 3.5  # the keys in the window: ~ (W + 1) per query
-    return Bench(work=f"B={B} H={H} L={L} D={D} causal window {W}, fwd+bwd, native with the window as a bool "
-                      f"mask, {gflop(fl)} in the window",
-                 natives={"sdpa-bool": native}, ours=ours, flops=fl, attn_flops=fl,
-                 info=dict(B=B, H=H, L=L, D=D, window=W, dtype=str(torch.float32)))
+    return Bench(
+        work=f"B={B} H={H} L={L} D={D} causal window {W}, fwd+bwd, native with the window as a bool "
+        f"mask, {gflop(fl)} in the window",
+        natives={"sdpa-bool": native},
+        ours=ours,
+        flops=fl,
+        attn_flops=fl,
+        info=dict(B=B, H=H, L=L, D=D, window=W, dtype=str(torch.float32)),
+    )
 
 
 def long_causal(dtype):
@@ -200,10 +223,16 @@ def long_causal_forward(dtype=torch.float32):
     def ours():
         with torch.no_grad():
             return tma.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
     fl = attention_flops(B, H, L, L, D, causal=True, backward=False)
-    return Bench(work=f"B={B} H={H} L={L} D={D} causal, forward only, {gflop(fl)}",
-                 natives={"sdpa-causal": native}, ours=ours, flops=fl, attn_flops=fl,
-                 info=dict(B=B, H=H, L=L, D=D, dtype=str(dtype)))
+    return Bench(
+        work=f"B={B} H={H} L={L} D={D} causal, forward only, {gflop(fl)}",
+        natives={"sdpa-causal": native},
+        ours=ours,
+        flops=fl,
+        attn_flops=fl,
+        info=dict(B=B, H=H, L=L, D=D, dtype=str(dtype)),
+    )
 
 
 def softcap_case(cost, dtype=torch.float32, forward_only=False):
@@ -217,7 +246,7 @@ def softcap_case(cost, dtype=torch.float32, forward_only=False):
     blocked = causal_blocked(L)
 
     def composed():
-        s = torch.matmul(q, k.transpose(-1, -2)) * D ** -0.5
+        s = torch.matmul(q, k.transpose(-1, -2)) * D**-0.5
         s = (cap * torch.tanh(s / cap)).masked_fill(blocked, float("-inf"))
         return torch.matmul(torch.softmax(s, -1, dtype=torch.float32).to(dtype), v)
 
@@ -231,14 +260,21 @@ def softcap_case(cost, dtype=torch.float32, forward_only=False):
         def run():
             with torch.no_grad():
                 return fn()
+
         return run
+
     natives = {"ours-nocap": timed(ours_fn(None))} if cost else {"eager-composed": timed(composed)}
     fl = attention_flops(B, H, L, L, D, causal=True, backward=not forward_only)
     what = "forward" if forward_only else "fwd+bwd"
-    return Bench(work=f"B={B} H={H} L={L} D={D} causal + softcap {cap:g}, {what}, {gflop(fl)}"
-                      + (", ratio = ours without softcap / ours with" if cost else ""),
-                 natives=natives, ours=timed(ours_fn(cap)), flops=fl, attn_flops=fl,
-                 info=dict(B=B, H=H, L=L, D=D, softcap=cap, dtype=str(dtype)))
+    return Bench(
+        work=f"B={B} H={H} L={L} D={D} causal + softcap {cap:g}, {what}, {gflop(fl)}"
+        + (", ratio = ours without softcap / ours with" if cost else ""),
+        natives=natives,
+        ours=timed(ours_fn(cap)),
+        flops=fl,
+        attn_flops=fl,
+        info=dict(B=B, H=H, L=L, D=D, softcap=cap, dtype=str(dtype)),
+    )
 
 
 TINY_CALLS = 200  # calls per timed unit of a tiny case: one call is too short to time alone
@@ -262,12 +298,17 @@ def tiny_case(B, H, Lq, Lk, D, train=False):
                 for _ in range(TINY_CALLS):
                     out = fn(q, k, v)
             return out
+
         return run
+
     what = "causal fwd+bwd" if train else "inference (no_grad)"
-    return Bench(work=f"B={B} H={H} Lq={Lq} Lk={Lk} D={D}, {what}, {TINY_CALLS} calls through F.sdpa",
-                 natives={"sdpa": loop(F.scaled_dot_product_attention)},
-                 ours=loop(tma.functional.scaled_dot_product_attention), memory=False,
-                 info=dict(B=B, H=H, Lq=Lq, Lk=Lk, D=D, calls=TINY_CALLS, train=train))
+    return Bench(
+        work=f"B={B} H={H} Lq={Lq} Lk={Lk} D={D}, {what}, {TINY_CALLS} calls through F.sdpa",
+        natives={"sdpa": loop(F.scaled_dot_product_attention)},
+        ours=loop(tma.functional.scaled_dot_product_attention),
+        memory=False,
+        info=dict(B=B, H=H, Lq=Lq, Lk=Lk, D=D, calls=TINY_CALLS, train=train),
+    )
 
 
 def one_head_long():
@@ -285,6 +326,7 @@ def sweep_point(L, D, pad, dtype, tokens=4096, H=8):
 
 
 # ---------------------------------------------------------------- MultiheadAttention
+
 
 def mha_pair(E, H):
     native = nn.MultiheadAttention(E, H, batch_first=True)
@@ -305,14 +347,19 @@ def bert_infer():
         def run():
             with torch.no_grad():
                 return mod(x, x, x, key_padding_mask=kpm, need_weights=False)[0]
+
         return run
 
     fa = attention_flops(B, H, L, L, E // H, causal=False, backward=False)
     fl = fa + projection_flops(B, L, E, backward=False)
-    return Bench(work=f"MHA E={E} H={H} B={B} L={L} key padding, eval no_grad, {gflop(fl)} "
-                      f"({gflop(fa)} attn)",
-                 natives={"nn.MHA": call(native)}, ours=call(ours), flops=fl, attn_flops=fa,
-                 info=dict(B=B, L=L, E=E, H=H))
+    return Bench(
+        work=f"MHA E={E} H={H} B={B} L={L} key padding, eval no_grad, {gflop(fl)} ({gflop(fa)} attn)",
+        natives={"nn.MHA": call(native)},
+        ours=call(ours),
+        flops=fl,
+        attn_flops=fa,
+        info=dict(B=B, L=L, E=E, H=H),
+    )
 
 
 def mha_train(B, L, E=512, H=8, timed=True):
@@ -328,21 +375,28 @@ def mha_train(B, L, E=512, H=8, timed=True):
         def run():
             mod.zero_grad(set_to_none=True)
             x.grad = None
-            out = mod(x, x, x, key_padding_mask=kpm, attn_mask=causal, is_causal=True,
-                      need_weights=False)[0]
+            out = mod(x, x, x, key_padding_mask=kpm, attn_mask=causal, is_causal=True, need_weights=False)[0]
             out.backward(g)
             return out.detach()
+
         return run
 
     fa = attention_flops(B, H, L, L, E // H, causal=True, backward=True)
     fl = fa + projection_flops(B, L, E, backward=True)
-    return Bench(work=f"MHA E={E} H={H} B={B} L={L} causal+key padding, train fwd+bwd, {gflop(fl)} "
-                      f"({gflop(fa)} attn)" + ("" if timed else ", peak memory only"),
-                 natives={"nn.MHA": call(native)}, ours=call(ours), flops=fl, attn_flops=fa,
-                 timed=timed, info=dict(B=B, L=L, E=E, H=H))
+    return Bench(
+        work=f"MHA E={E} H={H} B={B} L={L} causal+key padding, train fwd+bwd, {gflop(fl)} "
+        f"({gflop(fa)} attn)" + ("" if timed else ", peak memory only"),
+        natives={"nn.MHA": call(native)},
+        ours=call(ours),
+        flops=fl,
+        attn_flops=fa,
+        timed=timed,
+        info=dict(B=B, L=L, E=E, H=H),
+    )
 
 
 # ---------------------------------------------------------------- cross-entropy
+
 
 def cross_entropy_case(N, C, dtype, ignored_fraction=0.25, sweep=None):
     if not hasattr(tma.functional, "cross_entropy"):
@@ -359,6 +413,7 @@ def cross_entropy_case(N, C, dtype, ignored_fraction=0.25, sweep=None):
             loss = loss_fn(x, t)
             torch.autograd.grad(loss, x)
             return loss.detach().float()
+
         return run
 
     natives = {"F.cross_entropy": call(F.cross_entropy)}
@@ -372,9 +427,13 @@ def cross_entropy_case(N, C, dtype, ignored_fraction=0.25, sweep=None):
     info = dict(N=N, C=C, dtype=str(dtype), kept=kept)
     if sweep:
         info["ce_sweep"] = sweep
-    return Bench(work=f"{N}x{C} {name}, {ignored_fraction:.0%} ignore_index, fwd+bwd, "
-                      f"min traffic {traffic / 1e9:.2f} GB",
-                 natives=natives, ours=call(ours_ce), traffic_bytes=traffic, info=info)
+    return Bench(
+        work=f"{N}x{C} {name}, {ignored_fraction:.0%} ignore_index, fwd+bwd, min traffic {traffic / 1e9:.2f} GB",
+        natives=natives,
+        ours=call(ours_ce),
+        traffic_bytes=traffic,
+        info=info,
+    )
 
 
 def ce_sweep_point(V, pct, elements=1 << 28):
@@ -390,7 +449,7 @@ def linear_cross_entropy_case(N, d, V, dtype, ignored_fraction=0.25, chunk_size=
     if not hasattr(tma.functional, "linear_cross_entropy"):
         raise Skip("torch_masked_attn.functional.linear_cross_entropy does not exist yet")
     h = torch.randn(N, d, dtype=dtype, requires_grad=True)
-    w = (torch.randn(V, d, dtype=dtype) / d ** 0.5).requires_grad_()
+    w = (torch.randn(V, d, dtype=dtype) / d**0.5).requires_grad_()
     t = torch.randint(0, V, (N,))
     t[torch.randperm(N)[: int(round(N * ignored_fraction))]] = -100
 
@@ -399,16 +458,21 @@ def linear_cross_entropy_case(N, d, V, dtype, ignored_fraction=0.25, chunk_size=
             loss = loss_fn()
             torch.autograd.grad(loss, (h, w))
             return loss.detach().float()
+
         return run
 
     natives = {"F.cross_entropy(h @ W.T)": call(lambda: F.cross_entropy(h @ w.T, t))}
     ours = call(lambda: tma.functional.linear_cross_entropy(h, w, t, chunk_size=chunk_size))
-    fl = 6.0 * N * V * d        # logits, grad of hidden, grad of weight: three N x V x d products
+    fl = 6.0 * N * V * d  # logits, grad of hidden, grad of weight: three N x V x d products
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
-    return Bench(work=f"hidden {N}x{d}, weight {V}x{d} {name}, {ignored_fraction:.0%} ignore_index, fwd+bwd, "
-                      f"{gflop(fl)} (native; ours skips ignored rows)",
-                 natives=natives, ours=ours, flops=fl,
-                 info=dict(N=N, d=d, V=V, dtype=str(dtype), ignored=ignored_fraction))
+    return Bench(
+        work=f"hidden {N}x{d}, weight {V}x{d} {name}, {ignored_fraction:.0%} ignore_index, fwd+bwd, "
+        f"{gflop(fl)} (native; ours skips ignored rows)",
+        natives=natives,
+        ours=ours,
+        flops=fl,
+        info=dict(N=N, d=d, V=V, dtype=str(dtype), ignored=ignored_fraction),
+    )
 
 
 def decode(dtype, B=8, H=32, Lk=2048, D=128, interleaved=False):
@@ -431,14 +495,20 @@ def decode(dtype, B=8, H=32, Lk=2048, D=128, interleaved=False):
     def ours():
         with torch.no_grad():
             return tma.functional.scaled_dot_product_attention(q, k, v)
+
     fl = attention_flops(B, H, 1, Lk, D, causal=False, backward=False)
     traffic = 2.0 * B * H * Lk * D * k.element_size()
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
     layout = ", (B, Lk, H, D) cache" if interleaved else ""
-    return Bench(work=f"B={B} H={H} Lq=1 Lk={Lk} D={D} {name}, forward (no grad){layout}, "
-                      f"K+V {traffic / 1e6:.0f} MB",
-                 natives={"sdpa": native}, ours=ours, flops=fl, attn_flops=fl, traffic_bytes=traffic,
-                 info=dict(B=B, H=H, Lq=1, Lk=Lk, D=D, dtype=str(dtype), layout="BLHD" if interleaved else "BHLD"))
+    return Bench(
+        work=f"B={B} H={H} Lq=1 Lk={Lk} D={D} {name}, forward (no grad){layout}, K+V {traffic / 1e6:.0f} MB",
+        natives={"sdpa": native},
+        ours=ours,
+        flops=fl,
+        attn_flops=fl,
+        traffic_bytes=traffic,
+        info=dict(B=B, H=H, Lq=1, Lk=Lk, D=D, dtype=str(dtype), layout="BLHD" if interleaved else "BHLD"),
+    )
 
 
 def varlen(B=8, H=8, D=64, lo=64, hi=2048):
@@ -454,25 +524,32 @@ def varlen(B=8, H=8, D=64, lo=64, hi=2048):
     g = torch.randn(T, H, D)
     # the padded batch: the same values at (b, :, :len_b), zeros after
     pos = torch.arange(L)
-    valid = pos[None] < torch.tensor(lengths)[:, None]                    # (B, L)
+    valid = pos[None] < torch.tensor(lengths)[:, None]  # (B, L)
 
     def pad(t):
         out = t.new_zeros(B, L, H, D)
         out[valid] = t.detach()
         return out.transpose(1, 2).contiguous()
+
     qp, kp, vp = (pad(t).requires_grad_() for t in (q, k, v))
     gp = pad(g)
-    allowed = (pos[None, :] <= pos[:, None])[None, None] & valid[:, None, None, :]   # (B, 1, L, L)
+    allowed = (pos[None, :] <= pos[:, None])[None, None] & valid[:, None, None, :]  # (B, 1, L, L)
     padded = fwd_bwd(lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=allowed), (qp, kp, vp), gp)
 
     def native():  # the cross-check compares the real tokens, packed (untimed work is negligible)
         return padded().transpose(1, 2)[valid]
+
     ours = fwd_bwd(lambda: tma.functional.varlen_attn(q, k, v, cu, cu, L, L, window_size=(-1, 0)), (q, k, v), g)
     fl = sum(attention_flops(1, H, n, n, D, causal=True, backward=True) for n in lengths)
-    return Bench(work=f"B={B} packed causal, lengths uniform in [{lo}, {hi}] (T={T}, longest {L}) H={H} D={D}, "
-                      f"fwd+bwd, varlen_attn vs F.sdpa padded + bool mask, {gflop(fl)} of real work",
-                 natives={"sdpa-padded-bool": native}, ours=ours, flops=fl, attn_flops=fl,
-                 info=dict(B=B, H=H, D=D, lengths=lengths, dtype=str(torch.float32)))
+    return Bench(
+        work=f"B={B} packed causal, lengths uniform in [{lo}, {hi}] (T={T}, longest {L}) H={H} D={D}, "
+        f"fwd+bwd, varlen_attn vs F.sdpa padded + bool mask, {gflop(fl)} of real work",
+        natives={"sdpa-padded-bool": native},
+        ours=ours,
+        flops=fl,
+        attn_flops=fl,
+        info=dict(B=B, H=H, D=D, lengths=lengths, dtype=str(torch.float32)),
+    )
 
 
 def decode_paged(B=8, H=32, Lk=2048, D=128, page=256):
@@ -491,8 +568,9 @@ def decode_paged(B=8, H=32, Lk=2048, D=128, page=256):
         out = torch.empty_like(pages)
         out[perm] = pages
         return out
+
     kp, vp = pool(k), pool(v)
-    qv = q[:, :, 0].contiguous()                                           # (B, H, D) = (T_q, H, D)
+    qv = q[:, :, 0].contiguous()  # (B, H, D) = (T_q, H, D)
     cu = torch.arange(B + 1, dtype=torch.int32)
     used = torch.full((B,), Lk, dtype=torch.int32)
 
@@ -503,16 +581,23 @@ def decode_paged(B=8, H=32, Lk=2048, D=128, page=256):
     def ours():
         with torch.no_grad():
             return tma.functional.varlen_attn(qv, kp, vp, cu, None, 1, Lk, seqused_k=used, block_table=table)
+
     fl = attention_flops(B, H, 1, Lk, D, causal=False, backward=False)
     traffic = 2.0 * B * H * Lk * D * k.element_size()
-    return Bench(work=f"B={B} H={H} Lq=1 Lk={Lk} D={D} float32, forward (no grad), paged KV (pages of {page}) "
-                      f"vs native on the dense cache, K+V {traffic / 1e6:.0f} MB",
-                 natives={"sdpa-dense": native}, ours=ours, flops=fl, attn_flops=fl, traffic_bytes=traffic,
-                 info=dict(B=B, H=H, Lq=1, Lk=Lk, D=D, page=page, dtype=str(torch.float32)))
-
+    return Bench(
+        work=f"B={B} H={H} Lq=1 Lk={Lk} D={D} float32, forward (no grad), paged KV (pages of {page}) "
+        f"vs native on the dense cache, K+V {traffic / 1e6:.0f} MB",
+        natives={"sdpa-dense": native},
+        ours=ours,
+        flops=fl,
+        attn_flops=fl,
+        traffic_bytes=traffic,
+        info=dict(B=B, H=H, Lq=1, Lk=Lk, D=D, page=page, dtype=str(torch.float32)),
+    )
 
 
 # ---------------------------------------------------------------- FlexAttention (compiled), forward
+
 
 def flex_case(kind, dtype):
     """The same forward (no grad) through torch.compile(flex_attention) with a
@@ -541,6 +626,7 @@ def flex_case(kind, dtype):
 
         def mask_mod(b, h, qi, ki):
             return ki < lengths[b]
+
         ours_kw = dict(key_padding_mask=kpm)
         fl = attention_flops(B, H, L, L, D, causal=False, backward=False) * lengths.float().mean().item() / L
         what = f"key padding ({kpm.float().mean().item():.0%})"
@@ -549,6 +635,7 @@ def flex_case(kind, dtype):
 
         def mask_mod(b, h, qi, ki):
             return qi >= ki
+
         ours_kw = dict(is_causal=True)
         fl = attention_flops(B, H, L, L, D, causal=True, backward=False)
         what = "causal"
@@ -557,6 +644,7 @@ def flex_case(kind, dtype):
 
             def score_mod(score, b, h, qi, ki):
                 return cap * torch.tanh(score / cap)
+
             ours_kw["softcap"] = cap
             what = f"causal + softcap {cap:g}"
         if kind == "window":
@@ -564,6 +652,7 @@ def flex_case(kind, dtype):
 
             def mask_mod(b, h, qi, ki):
                 return (qi >= ki) & (qi - ki <= W)
+
             ours_kw = dict(window=(W, 0))
             fl = 4.0 * B * H * L * (W + 1) * D
             what = f"causal window {W}, {H} query heads on {Hkv} KV heads"
@@ -577,6 +666,7 @@ def flex_case(kind, dtype):
 
         def mask_mod(b, h, qi, ki):
             return (doc[qi] == doc[ki]) & (qi >= ki)
+
         fl = sum(attention_flops(1, H, n, n, D, causal=True, backward=False) for n in lengths)
         what = f"8 packed documents, lengths uniform in [64, 2048] (T={T}), causal within each"
     else:
@@ -593,17 +683,23 @@ def flex_case(kind, dtype):
     def ours():
         with torch.no_grad():
             if kind == "document":
-                qv, kv, vv = (t[0].transpose(0, 1) for t in (q, k, v))   # (T, H, D) views
-                return tma.functional.varlen_attn(qv, kv, vv, cu, cu, max(lengths), max(lengths),
-                                                  window_size=(-1, 0))
+                qv, kv, vv = (t[0].transpose(0, 1) for t in (q, k, v))  # (T, H, D) views
+                return tma.functional.varlen_attn(qv, kv, vv, cu, cu, max(lengths), max(lengths), window_size=(-1, 0))
             return tma.functional.masked_attention(q, k, v, **ours_kw)
-    native()                                     # compile outside the timed calls
+
+    native()  # compile outside the timed calls
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
     shape = f"H={H} D={D}" if kind == "document" else f"B={B} H={H} L={L} D={D}"
-    return Bench(work=f"{shape} {name}, {what}, forward (no grad), compiled flex_attention + BlockMask "
-                      f"vs ours, {gflop(fl)}",
-                 natives={"flex-compiled": native}, ours=ours, flops=fl, attn_flops=fl, memory=False,
-                 info=dict(kind=kind, B=B, H=H, L=L, D=D, dtype=str(dtype)))
+    return Bench(
+        work=f"{shape} {name}, {what}, forward (no grad), compiled flex_attention + BlockMask vs ours, {gflop(fl)}",
+        natives={"flex-compiled": native},
+        ours=ours,
+        flops=fl,
+        attn_flops=fl,
+        memory=False,
+        info=dict(kind=kind, B=B, H=H, L=L, D=D, dtype=str(dtype)),
+    )
+
 
 def zentorch_case(kind, dtype):
     """The same forward (no grad) through AMD's zentorch plugin
@@ -613,6 +709,7 @@ def zentorch_case(kind, dtype):
     L], given to zentorch as a float mask), "causal" (B=1 H=8 L=4096 D=64)."""
     try:
         import zentorch  # noqa: F401  (registers torch.ops.zentorch)
+
         zsdpa = torch.ops.zentorch.zentorch_sdpa
     except (ImportError, AttributeError, RuntimeError) as e:
         raise Skip(f"zentorch is not installed or does not load here: {e}") from e
@@ -641,15 +738,22 @@ def zentorch_case(kind, dtype):
     def ours():
         with torch.no_grad():
             return tma.functional.masked_attention(q, k, v, **ours_kw)
+
     try:
         native()
     except RuntimeError as e:
         raise Skip(f"zentorch_sdpa does not run here: {e}") from e
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
-    return Bench(work=f"B={B} H={H} L={L} D={D} {name}, {what}, forward (no grad), zentorch_sdpa "
-                      f"(zentorch {getattr(zentorch, '__version__', '?')}) vs ours, {gflop(fl)}",
-                 natives={"zentorch": native}, ours=ours, flops=fl, attn_flops=fl, memory=False,
-                 info=dict(kind=kind, B=B, H=H, L=L, D=D, dtype=str(dtype)))
+    return Bench(
+        work=f"B={B} H={H} L={L} D={D} {name}, {what}, forward (no grad), zentorch_sdpa "
+        f"(zentorch {getattr(zentorch, '__version__', '?')}) vs ours, {gflop(fl)}",
+        natives={"zentorch": native},
+        ours=ours,
+        flops=fl,
+        attn_flops=fl,
+        memory=False,
+        info=dict(kind=kind, B=B, H=H, L=L, D=D, dtype=str(dtype)),
+    )
 
 
 # ---------------------------------------------------------------- Hugging Face end to end
@@ -671,9 +775,18 @@ def _hf_models(L):
         from torch_masked_attn import hf
     except ImportError as e:
         raise Skip(f"Hugging Face transformers is not installed ({e})") from e
-    cfg = LlamaConfig(vocab_size=HF_VOCAB, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=max(L + 64, 2048),
-                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=HF_VOCAB,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=max(L + 64, 2048),
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     native = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="sdpa")
     ours = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="masked_attn")
     ours.load_state_dict(native.state_dict())
@@ -694,7 +807,7 @@ def _hf_batch(B, L, side):
     return ids, keep.long(), 1.0 - keep.float().mean().item()
 
 
-HF_REPS = {1024: (3, 5, 10.0), 4096: (2, 2, 0.0)}   # L=4096: one warm-up and two timed calls of each
+HF_REPS = {1024: (3, 5, 10.0), 4096: (2, 2, 0.0)}  # L=4096: one warm-up and two timed calls of each
 
 
 def hf_e2e(kind, L, B=4, new_tokens=32):
@@ -712,6 +825,7 @@ def hf_e2e(kind, L, B=4, new_tokens=32):
     labels = ids.masked_fill(mask == 0, -100)
 
     if kind == "train":
+
         def call(model):
             model.train()
 
@@ -720,34 +834,52 @@ def hf_e2e(kind, L, B=4, new_tokens=32):
                 out = model(input_ids=ids, attention_mask=mask, labels=labels)
                 out.loss.backward()
                 return out.loss.detach()
+
             return run
+
         what = "training step (fwd+bwd, loss from labels, padding labels -100), right padding"
     elif kind == "prefill":
+
         def call(model):
             model.eval()
 
             def run():
                 with torch.no_grad():
                     return model(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits
+
             return run
+
         what = "prefill (forward, no grad, logits_to_keep=1), left padding"
     elif kind == "generate":
+
         def call(model):
             model.eval()
 
             def run():
                 with torch.no_grad():
-                    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                         min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+                    out = model.generate(
+                        input_ids=ids,
+                        attention_mask=mask,
+                        max_new_tokens=new_tokens,
+                        min_new_tokens=new_tokens,
+                        do_sample=False,
+                        pad_token_id=0,
+                    )
                 return out[:, L:]
+
             return run
+
         what = f"greedy generate {new_tokens} new tokens (dynamic KV cache), left padding; ratio = tokens/s ratio"
     else:
         raise KeyError(kind)
-    return Bench(work=f"HF Llama d=512 4 layers 8/2 heads V={HF_VOCAB} B={B} L={L} ({pad:.0%} padding), {what}",
-                 natives={"hf-sdpa": call(native)}, ours=call(ours), memory=kind == "train",
-                 reps=HF_REPS.get(L), info=dict(B=B, L=L, kind=kind, padding=round(pad, 3),
-                                                 new_tokens=new_tokens if kind == "generate" else None))
+    return Bench(
+        work=f"HF Llama d=512 4 layers 8/2 heads V={HF_VOCAB} B={B} L={L} ({pad:.0%} padding), {what}",
+        natives={"hf-sdpa": call(native)},
+        ours=call(ours),
+        memory=kind == "train",
+        reps=HF_REPS.get(L),
+        info=dict(B=B, L=L, kind=kind, padding=round(pad, 3), new_tokens=new_tokens if kind == "generate" else None),
+    )
 
 
 def warm_up_hf():
@@ -825,28 +957,51 @@ NAMED = {
     "hf-train-4096": lambda: hf_e2e("train", 4096),
     "hf-prefill-4096": lambda: hf_e2e("prefill", 4096),
     "hf-generate-4096": lambda: hf_e2e("generate", 4096),
-    **serving.NAMED,   # vllm-* and kvwrite-*: vLLM's CPU paged attention and the KV-cache write
+    **serving.NAMED,  # vllm-* and kvwrite-*: vLLM's CPU paged attention and the KV-cache write
 }
 GROUPS = {
-    "attention": ["gpt-train", "long-causal", "long-causal-fwd", "one-head-long", "bert-infer", "mha-train",
-                  "gpt-train-bf16", "long-causal-bf16", "long-causal-fwd-bf16", "decode", "decode-bf16", "hf-mask",
-                  "sliding-window", "varlen", "decode-paged", "decode-interleaved", "decode-interleaved-bf16"],
-    "dropout": ["gpt-train-dropout", "gpt-train-dropout-cost", "gpt-train-dropout-bf16",
-                "gpt-train-dropout-cost-bf16"],
+    "attention": [
+        "gpt-train",
+        "long-causal",
+        "long-causal-fwd",
+        "one-head-long",
+        "bert-infer",
+        "mha-train",
+        "gpt-train-bf16",
+        "long-causal-bf16",
+        "long-causal-fwd-bf16",
+        "decode",
+        "decode-bf16",
+        "hf-mask",
+        "sliding-window",
+        "varlen",
+        "decode-paged",
+        "decode-interleaved",
+        "decode-interleaved-bf16",
+    ],
+    "dropout": ["gpt-train-dropout", "gpt-train-dropout-cost", "gpt-train-dropout-bf16", "gpt-train-dropout-cost-bf16"],
     "softcap": ["softcap", "softcap-fwd", "softcap-cost", "softcap-cost-fwd", "softcap-cost-bf16"],
-    "flex": [f"flex-{kind}{suffix}" for kind in ("kpm", "causal", "window", "document", "softcap")
-             for suffix in ("", "-bf16")],
+    "flex": [
+        f"flex-{kind}{suffix}"
+        for kind in ("kpm", "causal", "window", "document", "softcap")
+        for suffix in ("", "-bf16")
+    ],
     "zentorch": [f"zentorch-{kind}{suffix}" for kind in ("kpm", "causal") for suffix in ("", "-bf16")],
     "vllm": serving.GROUP,
     "tiny": ["tiny-decode-16", "tiny-decode-256", "tiny-prefill-8", "tiny-train"],
     "memory": ["mha-mem-8192"],
     "ce": ["ce", "ce-bf16", "linear-ce"],
-    "hf-e2e": ["hf-train-1024", "hf-prefill-1024", "hf-generate-1024",
-               "hf-train-4096", "hf-prefill-4096", "hf-generate-4096"],
+    "hf-e2e": [
+        "hf-train-1024",
+        "hf-prefill-1024",
+        "hf-generate-1024",
+        "hf-train-4096",
+        "hf-prefill-4096",
+        "hf-generate-4096",
+    ],
 }
 
-SWEEP_FULL = dict(L=[128, 256, 512, 1024, 2048, 4096, 8192], D=[64, 128], pad=[0.0, 0.25, 0.5],
-                  dtype=["fp32", "bf16"])
+SWEEP_FULL = dict(L=[128, 256, 512, 1024, 2048, 4096, 8192], D=[64, 128], pad=[0.0, 0.25, 0.5], dtype=["fp32", "bf16"])
 # make bench's sweep: the whole range of every axis, every other length
 SWEEP_QUICK = dict(L=[128, 512, 2048, 8192], D=[64, 128], pad=[0.0, 0.25, 0.5], dtype=["fp32", "bf16"])
 _SWEEP_RE = re.compile(r"sweep-L(\d+)-D(\d+)-p(\d+)-(fp32|bf16)$")
@@ -870,8 +1025,7 @@ def sweep_name(L, D, pad, dtype):
 
 
 def sweep_names(grid):
-    return [sweep_name(L, D, p, dt) for dt in grid["dtype"] for D in grid["D"] for p in grid["pad"]
-            for L in grid["L"]]
+    return [sweep_name(L, D, p, dt) for dt in grid["dtype"] for D in grid["D"] for p in grid["pad"] for L in grid["L"]]
 
 
 def build(name):

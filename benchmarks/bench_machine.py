@@ -1,6 +1,7 @@
 """Machine facts for the benchmarks: CPU model and flags, float32 FMA peak
 (measured with benchmarks/fma_peak.c), streaming bandwidth, and peak-RSS
 reading for the memory probes."""
+
 import json
 import os
 import platform
@@ -74,8 +75,17 @@ def fma_peak(threads):
     res["exe"] = exe
     if info["avx512_bf16"]:  # the VDPBF16PS peak, the yardstick of bfloat16 cases
         bexe = os.path.join(OUT, "bf16_peak")
-        cmd = [cc, "-O2", "-mavx512f", "-mavx512bf16", "-DBF16_DP", os.path.join(HERE, "fma_peak.c"), "-o", bexe,
-               "-lpthread"]
+        cmd = [
+            cc,
+            "-O2",
+            "-mavx512f",
+            "-mavx512bf16",
+            "-DBF16_DP",
+            os.path.join(HERE, "fma_peak.c"),
+            "-o",
+            bexe,
+            "-lpthread",
+        ]
         if subprocess.run(cmd, capture_output=True, text=True).returncode == 0:
             for key, t in (("bf16_gflops_1thread", 1), ("bf16_gflops_all_threads", threads)):
                 r = subprocess.run([bexe, str(t), "0.2"], capture_output=True, text=True)
@@ -108,8 +118,7 @@ def stream_bandwidth(mbytes=256, reps=7):
     n = mbytes * 2**20 // 4
     a, b, c = torch.rand(n), torch.rand(n), torch.empty(n)
     res = {"array_mb": mbytes}
-    for key, fn, arrays in (("add_gbs", lambda: torch.add(a, b, out=c), 3),
-                            ("copy_gbs", lambda: c.copy_(a), 2)):
+    for key, fn, arrays in (("add_gbs", lambda: torch.add(a, b, out=c), 3), ("copy_gbs", lambda: c.copy_(a), 2)):
         fn()
         ts = []
         for _ in range(reps):
@@ -122,6 +131,7 @@ def stream_bandwidth(mbytes=256, reps=7):
 
 
 # ---------------------------------------------------------------- peak RSS
+
 
 def _status_kb(key):
     with open("/proc/self/status") as f:

@@ -9,6 +9,7 @@ masked_attn's.
 
     .venv/bin/python benchmarks/cb_throughput.py [--ranges 20-100,400-800,1200-2000] [--out FILE]
 """
+
 import argparse
 import json
 import os
@@ -29,13 +30,23 @@ def child(impl, lo, hi):
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     import torch_masked_attn.hf as hf
+
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    cfg = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
     model = LlamaForCausalLM(cfg).eval()
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 1000, (int(n),), generator=g).tolist()
-               for n in torch.randint(lo, hi + 1, (N_REQ,), generator=g)]
+    prompts = [
+        torch.randint(3, 1000, (int(n),), generator=g).tolist()
+        for n in torch.randint(lo, hi + 1, (N_REQ,), generator=g)
+    ]
     gc = GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=-1, pad_token_id=0)
     if impl == "generate":
         model.set_attn_implementation("sdpa")
@@ -51,17 +62,23 @@ def child(impl, lo, hi):
             ids = torch.zeros(N_REQ, width, dtype=torch.long)
             mask = torch.zeros(N_REQ, width, dtype=torch.long)
             for i, p in enumerate(prompts):
-                ids[i, width - len(p):] = torch.tensor(p)
-                mask[i, width - len(p):] = 1
+                ids[i, width - len(p) :] = torch.tensor(p)
+                mask[i, width - len(p) :] = 1
             with torch.no_grad():
                 out = model.generate(ids, attention_mask=mask, generation_config=gc)
             return [out[i, width:].tolist() for i in range(N_REQ)]
         # persistent_manager: the manager and its cache live across calls, as in a server (a fresh
         # manager costs every implementation the same ~0.6 s of cache allocation and gc per call)
-        res = model.generate_batch(prompts, generation_config=gc, progress_bar=False, persistent_manager=True,
-                                   continuous_batching_config=ContinuousBatchingConfig(page_size=256))
+        res = model.generate_batch(
+            prompts,
+            generation_config=gc,
+            progress_bar=False,
+            persistent_manager=True,
+            continuous_batching_config=ContinuousBatchingConfig(page_size=256),
+        )
         done = sorted(res.values(), key=lambda o: int(o.request_id.rsplit("_", 1)[-1]))  # ids go on across calls
         return [o.generated_tokens for o in done]
+
     tokens = run()
     times = []
     for _ in range(3):
@@ -69,8 +86,16 @@ def child(impl, lo, hi):
         run()
         times.append(time.perf_counter() - t)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"tok_s": N_REQ * NEW / statistics.median(times), "times": times,
-                      "peak_mb": (peak - base) / 1024, "tokens": tokens}))
+    print(
+        json.dumps(
+            {
+                "tok_s": N_REQ * NEW / statistics.median(times),
+                "times": times,
+                "peak_mb": (peak - base) / 1024,
+                "tokens": tokens,
+            }
+        )
+    )
 
 
 def main():
@@ -84,12 +109,20 @@ def main():
         child(a.child[0], int(a.child[1]), int(a.child[2]))
         return
     import torch
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.processor())
-    print(f"# continuous batching, tiny Llama, {N_REQ} requests x {NEW} new tokens; {cpu}, "
-          f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}")
-    print("| prompts | " + " | ".join(f"{i} tok/s" for i in a.impls.split(",")) +
-          " | masked_attn / CB sdpa | peak MB masked_attn / CB sdpa | same tokens |")
+
+    cpu = next(
+        (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+        platform.processor(),
+    )
+    print(
+        f"# continuous batching, tiny Llama, {N_REQ} requests x {NEW} new tokens; {cpu}, "
+        f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}"
+    )
+    print(
+        "| prompts | "
+        + " | ".join(f"{i} tok/s" for i in a.impls.split(","))
+        + " | masked_attn / CB sdpa | peak MB masked_attn / CB sdpa | same tokens |"
+    )
     print("|---|" + "---:|" * (len(a.impls.split(",")) + 3))
     results = {"cpu": cpu, "threads": torch.get_num_threads(), "cases": {}}
     for rng in a.ranges.split(","):

@@ -6,6 +6,7 @@ rule before 2026-11-26 (8 items); "machine" is the CPU count the process has.
 
     .venv/bin/python benchmarks/key_chunks.py [THREADS] [--cpus 4,8,machine]
 """
+
 import argparse
 import statistics
 import time
@@ -34,20 +35,22 @@ def backward_seconds(q, k, v, g):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("threads", nargs="?", type=int, default=torch.get_num_threads())
-    ap.add_argument("--cpus", default="8,machine",
-                    help="CPU counts for the rule, comma-separated (machine: none forced)")
+    ap.add_argument(
+        "--cpus", default="8,machine", help="CPU counts for the rule, comma-separated (machine: none forced)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     labels = args.cpus.split(",")
-    print(f"cpus {ops._clib.ma_cpu_count()}, threads {args.threads}; "
-          "backward ms, median of 7, per CPU count of the rule")
+    print(
+        f"cpus {ops._clib.ma_cpu_count()}, threads {args.threads}; backward ms, median of 7, per CPU count of the rule"
+    )
     for name, (B, H, Hkv, L, D, dt) in CASES.items():
         q = torch.randn(B, H, L, D, dtype=dt, requires_grad=True)
         k, v = (torch.randn(B, Hkv, L, D, dtype=dt, requires_grad=True) for _ in range(2))
         g = torch.randn(B, H, L, D, dtype=dt)
         times = {x: [] for x in labels}
         for rep in range(8):  # the first repetition warms up; the order alternates
-            for label in (labels if rep % 2 == 0 else labels[::-1]):
+            for label in labels if rep % 2 == 0 else labels[::-1]:
                 with ops.bwd_cpus(None if label == "machine" else int(label)):
                     t = backward_seconds(q, k, v, g)
                 if rep > 0:

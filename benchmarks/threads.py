@@ -11,6 +11,7 @@ predicted time at N threads from the 1-thread time, and the busy fraction.
 On a machine with fewer cores than N, times at N are oversubscribed (the
 model and the faults and bytes per call still hold); say so when quoting.
 """
+
 import argparse
 import heapq
 import json
@@ -67,7 +68,7 @@ def item_costs(lengths):
     nb = L // BLK
     fwd, bwd = [], []
     for b in range(B):
-        read = -(-int(lengths[b]) // BLK)                    # key blocks not wholly padding
+        read = -(-int(lengths[b]) // BLK)  # key blocks not wholly padding
         order = [i // 2 if i % 2 == 0 else nb - 1 - i // 2 for i in range(nb)]
         for _ in range(H):
             fwd += [min(qb + 1, read) for qb in order]
@@ -80,13 +81,13 @@ def makespan(costs, threads, grain):
     free = [0.0] * threads
     for i in range(0, len(costs), grain):
         t = heapq.heappop(free)
-        heapq.heappush(free, t + sum(costs[i:i + grain]))
+        heapq.heappush(free, t + sum(costs[i : i + grain]))
     return max(free)
 
 
 def model(lengths, n):
     fwd, bwd = item_costs(lengths)
-    fwd_grain = max(1, min(L // BLK, len(fwd) // (8 * n)))   # the shim's forward grain
+    fwd_grain = max(1, min(L // BLK, len(fwd) // (8 * n)))  # the shim's forward grain
     out = {}
     for name, costs, grain in (("forward", fwd, fwd_grain), ("backward", bwd, 1)):
         total = sum(costs)
@@ -105,11 +106,15 @@ def main():
     q, k, v, go, kpm, lengths = inputs()
     allowed = ~(torch.ones(L, L, dtype=torch.bool).triu(1)[None, None] | kpm[:, None, None, :])
     isa = next(n for n in ("amx", "avx512", "avx2", "scalar") if tma.ops.isa_available(n))
-    print(f"kernels: ours {isa} (float32 runs {'avx512' if isa == 'amx' else isa}); "
-          f"native: torch {torch.__version__}, ATen CPU capability {torch.backends.cpu.get_cpu_capability()}; "
-          f"{os.cpu_count()} CPUs here")
-    print("| threads | native ms | ours ms | ratio | faults/call native | faults/call ours | scratch MB/call "
-          "| model fwd speedup (busy) | model bwd speedup (busy) | predicted ours ms |")
+    print(
+        f"kernels: ours {isa} (float32 runs {'avx512' if isa == 'amx' else isa}); "
+        f"native: torch {torch.__version__}, ATen CPU capability {torch.backends.cpu.get_cpu_capability()}; "
+        f"{os.cpu_count()} CPUs here"
+    )
+    print(
+        "| threads | native ms | ours ms | ratio | faults/call native | faults/call ours | scratch MB/call "
+        "| model fwd speedup (busy) | model bwd speedup (busy) | predicted ours ms |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     old = torch.get_num_threads()
     rows, t1 = [], None
@@ -122,13 +127,26 @@ def main():
             m = model(lengths, n)
             t1 = our_ms if t1 is None and n == 1 else t1
             pred = None if t1 is None else t1 / ((m["forward"]["speedup"] + m["backward"]["speedup"]) / 2)
-            rows.append(dict(threads=n, native_ms=nat_ms, ours_ms=our_ms, native_faults=nat_f, ours_faults=our_f,
-                             scratch_bytes_last_region=scratch, model=m, predicted_ours_ms=pred,
-                             oversubscribed=n > (os.cpu_count() or 1)))
-            print(f"| {n} | {nat_ms:.1f} | {our_ms:.1f} | {nat_ms / our_ms:.2f} | {nat_f:.0f} | {our_f:.0f} "
-                  f"| {scratch / 2**20:.2f} | {m['forward']['speedup']:.1f} ({m['forward']['busy']:.0%}) "
-                  f"| {m['backward']['speedup']:.1f} ({m['backward']['busy']:.0%}) "
-                  f"| {'' if pred is None else f'{pred:.1f}'} |", flush=True)
+            rows.append(
+                dict(
+                    threads=n,
+                    native_ms=nat_ms,
+                    ours_ms=our_ms,
+                    native_faults=nat_f,
+                    ours_faults=our_f,
+                    scratch_bytes_last_region=scratch,
+                    model=m,
+                    predicted_ours_ms=pred,
+                    oversubscribed=n > (os.cpu_count() or 1),
+                )
+            )
+            print(
+                f"| {n} | {nat_ms:.1f} | {our_ms:.1f} | {nat_ms / our_ms:.2f} | {nat_f:.0f} | {our_f:.0f} "
+                f"| {scratch / 2**20:.2f} | {m['forward']['speedup']:.1f} ({m['forward']['busy']:.0%}) "
+                f"| {m['backward']['speedup']:.1f} ({m['backward']['busy']:.0%}) "
+                f"| {'' if pred is None else f'{pred:.1f}'} |",
+                flush=True,
+            )
     finally:
         torch.set_num_threads(old)
     results = {}

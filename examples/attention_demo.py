@@ -10,6 +10,7 @@ the attention weights per head.
 
 Run:  make demo-attention     (or .venv/bin/python examples/attention_demo.py)
 """
+
 import os
 
 import torch
@@ -26,18 +27,20 @@ lengths = torch.tensor([len(s.split()) for s in sentences])
 B, L, H, D = len(sentences), int(lengths.max()), 4, 8
 E = H * D
 x = torch.randn(B, L, E)
-key_padding_mask = torch.arange(L)[None, :] >= lengths[:, None]      # (B, L), True = padding
+key_padding_mask = torch.arange(L)[None, :] >= lengths[:, None]  # (B, L), True = padding
 print(f"batch of {B} sentences, lengths {lengths.tolist()}, padded to L={L}")
 print("key_padding_mask (True = padding):")
 print(key_padding_mask.int())
 
 # ---- the op itself: q, k, v in (B, H, L, D) ---------------------------------
 proj = torch.nn.Linear(E, 3 * E)
-q, k, v = proj(x).view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)          # views, no copies
+q, k, v = proj(x).view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)  # views, no copies
 out, lse, weights, _ = torch.ops.masked_attn.forward(
-    q, k, v, None, key_padding_mask, None, is_causal=True, need_weights=True)
-print(f"\ntorch.ops.masked_attn.forward: out {tuple(out.shape)}, lse {tuple(lse.shape)}, "
-      f"weights {tuple(weights.shape)}")
+    q, k, v, None, key_padding_mask, None, is_causal=True, need_weights=True
+)
+print(
+    f"\ntorch.ops.masked_attn.forward: out {tuple(out.shape)}, lse {tuple(lse.shape)}, weights {tuple(weights.shape)}"
+)
 b = 1
 n = int(lengths[b])
 print(f"\nattention weights of sentence {b} ({sentences[b]!r}, {n} real tokens), per head;")
@@ -49,7 +52,7 @@ for h in range(H):
 # ---- property 1: no look-ahead ---------------------------------------------
 t = 3
 x2 = x.clone()
-x2[:, t + 1:] = torch.randn_like(x2[:, t + 1:])                        # change every token after t
+x2[:, t + 1 :] = torch.randn_like(x2[:, t + 1 :])  # change every token after t
 q2, k2, v2 = proj(x2).view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)
 out2 = tma.functional.masked_attention(q2, k2, v2, key_padding_mask=key_padding_mask, is_causal=True)
 same = torch.equal(out[:, :, : t + 1], out2[:, :, : t + 1])
@@ -58,11 +61,11 @@ assert same
 
 # ---- property 2: padding invariance ----------------------------------------
 extra = 5
-x3 = torch.cat([x, torch.randn(B, extra, E)], dim=1)                   # more padding, random content
+x3 = torch.cat([x, torch.randn(B, extra, E)], dim=1)  # more padding, random content
 kpm3 = torch.arange(L + extra)[None, :] >= lengths[:, None]
 q3, k3, v3 = proj(x3).view(B, L + extra, 3, H, D).permute(2, 0, 3, 1, 4)
 out3 = tma.functional.masked_attention(q3, k3, v3, key_padding_mask=kpm3, is_causal=True)
-real = ~key_padding_mask                                               # (B, L) real tokens
+real = ~key_padding_mask  # (B, L) real tokens
 diff = (out3[:, :, :L] - out).abs().permute(0, 2, 1, 3)[real].max().item()
 print(f"padding invariance: {extra} more padded positions, real tokens' outputs change by {diff:.1e}")
 assert diff < 1e-6
@@ -71,11 +74,13 @@ assert diff < 1e-6
 native = torch.nn.MultiheadAttention(E, H, batch_first=True)
 ours = tma.MultiheadAttention(E, H, batch_first=True)
 ours.load_state_dict(native.state_dict())
-causal = torch.ones(L, L, dtype=torch.bool).triu(1)                     # True = blocked
+causal = torch.ones(L, L, dtype=torch.bool).triu(1)  # True = blocked
 y_native, w_native = native(x, x, x, key_padding_mask=key_padding_mask, attn_mask=causal, is_causal=True)
 y_ours, w_ours = ours(x, x, x, key_padding_mask=key_padding_mask, attn_mask=causal, is_causal=True)
-print(f"\nvs nn.MultiheadAttention (same weights): max |output diff| {(y_native - y_ours).abs().max():.1e}, "
-      f"max |weights diff| {(w_native - w_ours).abs().max():.1e}")
+print(
+    f"\nvs nn.MultiheadAttention (same weights): max |output diff| {(y_native - y_ours).abs().max():.1e}, "
+    f"max |weights diff| {(w_native - w_ours).abs().max():.1e}"
+)
 assert torch.allclose(y_native, y_ours, atol=1e-5) and torch.allclose(w_native, w_ours, atol=1e-6)
 
 # ---- heatmap -----------------------------------------------------------------

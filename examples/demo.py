@@ -27,6 +27,7 @@ resident high-water mark cannot be reset (not Linux), memory is not shown.
 
 Run:  make demo     (or .venv/bin/python examples/demo.py [--steps N])
 """
+
 import argparse
 import ctypes
 import functools
@@ -44,8 +45,8 @@ import torch_masked_attn as tma
 
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 IGNORE = -100
-BOS = 0                     # token id starting every paragraph (also the input at padding)
-HELD_OUT_EVERY = 20         # every 20th paragraph is held out
+BOS = 0  # token id starting every paragraph (also the input at padding)
+HELD_OUT_EVERY = 20  # every 20th paragraph is held out
 NAMES = ("native", "ours")
 LABELS = {"native": "torch.nn + F.cross_entropy", "ours": "torch_masked_attn (+ linear_cross_entropy)"}
 
@@ -55,6 +56,7 @@ def load_paragraphs():
     """pydoc_data.topics split at blank lines, each paragraph once (there are
     ~500 repeats such as "See also:"): (train, held_out) lists of str."""
     from pydoc_data.topics import topics
+
     paras = {}
     for key in sorted(topics):
         for p in re.split(r"\n[ \t]*\n", topics[key]):
@@ -70,6 +72,7 @@ def load_paragraphs():
 # ---- tokenizers --------------------------------------------------------------------
 class ByteTokenizer:
     """UTF-8 bytes, shifted by one: id 0 is BOS."""
+
     name = "bytes"
     vocab_size = 257
 
@@ -83,15 +86,21 @@ class ByteTokenizer:
 class BPETokenizer:
     """A byte-level BPE trained on the training paragraphs (HF `tokenizers`);
     id 0 is BOS. Deterministic for a given corpus and vocabulary size."""
+
     name = "bpe"
 
     def __init__(self, texts, vocab_size=4096):
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|p|>"], show_progress=False,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=["<|p|>"],
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
         tok.train_from_iterator(texts, trainer)
         assert tok.token_to_id("<|p|>") == BOS
         self.tok, self.vocab_size = tok, tok.get_vocab_size()
@@ -117,7 +126,7 @@ def windows(paras, tokenizer, max_len):
     for p in paras:
         ids = [BOS] + tokenizer.encode(p)
         for s in range(0, len(ids) - 1, max_len):
-            out.append(torch.tensor(ids[s:s + max_len + 1], dtype=torch.long))
+            out.append(torch.tensor(ids[s : s + max_len + 1], dtype=torch.long))
     return out
 
 
@@ -137,7 +146,7 @@ def batches(seqs, batch_size, gen):
     while True:
         order = torch.randperm(len(seqs), generator=gen).tolist()
         for i in range(0, len(order) - batch_size + 1, batch_size):
-            yield pad_batch([seqs[j] for j in order[i:i + batch_size]])
+            yield pad_batch([seqs[j] for j in order[i : i + batch_size]])
 
 
 # ---- the model ------------------------------------------------------------------------
@@ -150,8 +159,7 @@ class Block(nn.Module):
 
     def forward(self, x, causal, padding):
         h = self.ln1(x)
-        a, _ = self.attn(h, h, h, key_padding_mask=padding, attn_mask=causal, is_causal=True,
-                         need_weights=False)
+        a, _ = self.attn(h, h, h, key_padding_mask=padding, attn_mask=causal, is_causal=True, need_weights=False)
         x = x + a
         return x + self.mlp(self.ln2(x))
 
@@ -173,7 +181,7 @@ class LM(nn.Module):
     def hidden(self, tokens, padding=None):
         """(B, L) token ids -> (B, L, d) final hidden states."""
         L = tokens.size(1)
-        causal = torch.ones(L, L, dtype=torch.bool).triu(1)          # True = blocked
+        causal = torch.ones(L, L, dtype=torch.bool).triu(1)  # True = blocked
         x = self.tok(tokens) + self.pos(torch.arange(L))
         for blk in self.blocks:
             x = blk(x, causal, padding)
@@ -189,8 +197,9 @@ def loss_fn(name, model, tokens, targets, padding, reduction="mean"):
     if name == "native":
         logits = model.logits(tokens, padding)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction=reduction)
-    return tma.functional.linear_cross_entropy(model.hidden(tokens, padding), model.tok.weight, targets,
-                                               ignore_index=IGNORE, reduction=reduction)
+    return tma.functional.linear_cross_entropy(
+        model.hidden(tokens, padding), model.tok.weight, targets, ignore_index=IGNORE, reduction=reduction
+    )
 
 
 def build_models(vocab, seed, names=NAMES, **cfg):
@@ -200,7 +209,7 @@ def build_models(vocab, seed, names=NAMES, **cfg):
     models = {}
     for name in names:
         m = LM(vocab, nn.MultiheadAttention if name == "native" else tma.MultiheadAttention, **cfg)
-        m.load_state_dict(ref.state_dict())                      # identical initial weights
+        m.load_state_dict(ref.state_dict())  # identical initial weights
         models[name] = m
     return models
 
@@ -258,7 +267,7 @@ def evaluate(name, model, seqs, batch_size=64):
     model.eval()
     total, count = 0.0, 0
     for i in range(0, len(seqs), batch_size):
-        tokens, targets, padding = pad_batch(seqs[i:i + batch_size])
+        tokens, targets, padding = pad_batch(seqs[i : i + batch_size])
         total += loss_fn(name, model, tokens, targets, padding, reduction="sum").item()
         count += int((targets != IGNORE).sum())
     model.train()
@@ -269,7 +278,7 @@ def _train_step(name, model, opt, batch, out):
     loss = loss_fn(name, model, *batch)
     loss.backward()
     opt.step()
-    opt.zero_grad(set_to_none=True)       # no gradients held between steps
+    opt.zero_grad(set_to_none=True)  # no gradients held between steps
     out["loss"] = loss.item()
 
 
@@ -281,8 +290,23 @@ def lr_at(step, steps, lr, warmup):
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def train(steps=600, batch_size=16, lr=3e-3, seed=0, tokenizer="bpe", vocab_size=4096, max_len=128,
-          d=128, heads=4, layers=2, log_every=25, eval_every=50, names=NAMES, verbose=True, data=None):
+def train(
+    steps=600,
+    batch_size=16,
+    lr=3e-3,
+    seed=0,
+    tokenizer="bpe",
+    vocab_size=4096,
+    max_len=128,
+    d=128,
+    heads=4,
+    layers=2,
+    log_every=25,
+    eval_every=50,
+    names=NAMES,
+    verbose=True,
+    data=None,
+):
     """Trains the models in `names` on the same batches, interleaved step by
     step (the order alternates). Returns (hist, models, data): hist[name] has
     per-step 'loss', 'time' (None on memory-measured steps), 'mem' (step ->
@@ -292,9 +316,14 @@ def train(steps=600, batch_size=16, lr=3e-3, seed=0, tokenizer="bpe", vocab_size
         t0 = time.perf_counter()
         tok = make_tokenizer(tokenizer, train_paras, vocab_size)
         tok_s = time.perf_counter() - t0
-        data = {"tok": tok, "train": windows(train_paras, tok, max_len), "held": windows(held_paras, tok, max_len),
-                "tok_seconds": tok_s, "n_paras": (len(train_paras), len(held_paras)),
-                "bytes": (sum(len(p.encode()) for p in train_paras), sum(len(p.encode()) for p in held_paras))}
+        data = {
+            "tok": tok,
+            "train": windows(train_paras, tok, max_len),
+            "held": windows(held_paras, tok, max_len),
+            "tok_seconds": tok_s,
+            "n_paras": (len(train_paras), len(held_paras)),
+            "bytes": (sum(len(p.encode()) for p in train_paras), sum(len(p.encode()) for p in held_paras)),
+        }
     tok = data["tok"]
     models = build_models(tok.vocab_size, seed, names, d=d, heads=heads, layers=layers, max_len=max_len)
     opts = {k: torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.1) for k, m in models.items()}
@@ -306,16 +335,28 @@ def train(steps=600, batch_size=16, lr=3e-3, seed=0, tokenizer="bpe", vocab_size
     pad_slots = real = 0
     if verbose:
         n_train = sum(len(s) - 1 for s in data["train"])
-        print(f"corpus: pydoc_data.topics, {data['n_paras'][0]} training paragraphs ({data['bytes'][0] / 1e3:.0f} KB, "
-              f"{n_train} tokens), {data['n_paras'][1]} held out ({data['bytes'][1] / 1e3:.0f} KB)")
-        print(f"tokenizer: {tok.name}, vocab {tok.vocab_size}"
-              + (f", trained in {data['tok_seconds']:.2f} s" if tok.name == "bpe" else ""))
+        print(
+            f"corpus: pydoc_data.topics, {data['n_paras'][0]} training paragraphs ({data['bytes'][0] / 1e3:.0f} KB, "
+            f"{n_train} tokens), {data['n_paras'][1]} held out ({data['bytes'][1] / 1e3:.0f} KB)"
+        )
+        print(
+            f"tokenizer: {tok.name}, vocab {tok.vocab_size}"
+            + (f", trained in {data['tok_seconds']:.2f} s" if tok.name == "bpe" else "")
+        )
         n_params = sum(p.numel() for p in next(iter(models.values())).parameters())
-        print(f"model: {layers} layers, d={d}, {heads} heads, max_len {max_len}, {n_params / 1e6:.2f} M parameters "
-              f"(head tied to the embedding); AdamW lr {lr}, batches of {batch_size} paragraphs, {steps} steps, "
-              f"{torch.get_num_threads()} threads")
-        print("memory: " + (f"peak RSS growth of one step, measured every {log_every} steps" if mem.available
-                            else "not measurable here (no /proc/self/clear_refs)"))
+        print(
+            f"model: {layers} layers, d={d}, {heads} heads, max_len {max_len}, {n_params / 1e6:.2f} M parameters "
+            f"(head tied to the embedding); AdamW lr {lr}, batches of {batch_size} paragraphs, {steps} steps, "
+            f"{torch.get_num_threads()} threads"
+        )
+        print(
+            "memory: "
+            + (
+                f"peak RSS growth of one step, measured every {log_every} steps"
+                if mem.available
+                else "not measurable here (no /proc/self/clear_refs)"
+            )
+        )
         cols = " | ".join(f"{k + ' loss':>11} {'ppl':>7} {'ms/step':>7} {'peak MB':>7}" for k in models)
         print(f"\n{'step':>5} | {cols}")
     for step in range(1, steps + 1):
@@ -323,7 +364,7 @@ def train(steps=600, batch_size=16, lr=3e-3, seed=0, tokenizer="bpe", vocab_size
         real += int((~padding).sum())
         pad_slots += padding.numel()
         measured = step % log_every == 0 or step == 1
-        for name in (names if step % 2 else names[::-1]):
+        for name in names if step % 2 else names[::-1]:
             model, opt = models[name], opts[name]
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, steps, lr, warmup)
@@ -347,8 +388,10 @@ def train(steps=600, batch_size=16, lr=3e-3, seed=0, tokenizer="bpe", vocab_size
                 recent = [t for t in h["time"][-log_every:] if t is not None]
                 ms = f"{1e3 * statistics.median(recent):7.0f}" if recent else f"{'-':>7}"
                 m = h["mem"].get(step)
-                cells.append(f"{h['loss'][-1]:>11.4f} {math.exp(h['loss'][-1]):>7.1f} {ms} "
-                             + (f"{m:>7.0f}" if m is not None else f"{'-':>7}"))
+                cells.append(
+                    f"{h['loss'][-1]:>11.4f} {math.exp(h['loss'][-1]):>7.1f} {ms} "
+                    + (f"{m:>7.0f}" if m is not None else f"{'-':>7}")
+                )
             extra = ""
             if hist[names[0]]["eval"] and hist[names[0]]["eval"][-1][0] == step:
                 extra = "   held-out ppl " + " / ".join(f"{math.exp(hist[k]['eval'][-1][1]):.1f}" for k in models)
@@ -376,6 +419,7 @@ def sample(model, tok, prompt, n_tokens=60, top_k=20, temperature=0.8, seed=0, m
 # ---- the main job ----------------------------------------------------------------------
 def plot(hist, steps, log_every):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -457,16 +501,17 @@ def main():
         ap.error(f"--models: a comma-separated subset of {','.join(NAMES)}, got {args.models!r}")
     log_every = 25
     t_start, cpu_start = time.perf_counter(), time.process_time()
-    hist, models, data = train(args.steps, seed=args.seed, tokenizer=args.tokenizer, names=names,
-                               log_every=log_every)
+    hist, models, data = train(args.steps, seed=args.seed, tokenizer=args.tokenizer, names=names, log_every=log_every)
     tok = data["tok"]
     held_bytes = data["bytes"][1]
     n_held = sum(len(s) - 1 for s in data["held"])
 
     print("\nsummary")
-    print(f"  {args.steps} steps, {100 * data['padding_fraction']:.0f}% of the batch slots were padding; "
-          f"total time {time.perf_counter() - t_start:.0f} s "
-          f"(CPU {time.process_time() - cpu_start:.0f} s, {torch.get_num_threads()} threads)")
+    print(
+        f"  {args.steps} steps, {100 * data['padding_fraction']:.0f}% of the batch slots were padding; "
+        f"total time {time.perf_counter() - t_start:.0f} s "
+        f"(CPU {time.process_time() - cpu_start:.0f} s, {torch.get_num_threads()} threads)"
+    )
     final = {}
     for k in names:
         h = hist[k]
@@ -474,16 +519,20 @@ def main():
         final[k] = nll
         times = [t for t in h["time"] if t is not None]
         mems = [m for m in h["mem"].values() if m is not None]
-        print(f"  {k:>6}: held-out perplexity {math.exp(nll):.2f} ({n_held} tokens; "
-              f"{nll * n_held / held_bytes / math.log(2):.3f} bits per byte), "
-              f"median step {1e3 * statistics.median(times):.0f} ms"
-              + (f", peak step memory {max(mems):.0f} MB" if mems else ""))
+        print(
+            f"  {k:>6}: held-out perplexity {math.exp(nll):.2f} ({n_held} tokens; "
+            f"{nll * n_held / held_bytes / math.log(2):.3f} bits per byte), "
+            f"median step {1e3 * statistics.median(times):.0f} ms"
+            + (f", peak step memory {max(mems):.0f} MB" if mems else "")
+        )
     if len(names) == 2:
         n, o = hist["native"], hist["ours"]
         ppl_n, ppl_o = math.exp(final["native"]), math.exp(final["ours"])
         print(f"  held-out perplexity, ours vs native: {100 * (ppl_o / ppl_n - 1):+.2f}%")
-        print(f"  training loss at step 1: native {n['loss'][0]:.6f}, ours {o['loss'][0]:.6f} "
-              f"(difference {abs(n['loss'][0] - o['loss'][0]):.1e})")
+        print(
+            f"  training loss at step 1: native {n['loss'][0]:.6f}, ours {o['loss'][0]:.6f} "
+            f"(difference {abs(n['loss'][0] - o['loss'][0]):.1e})"
+        )
         med = {k: statistics.median([t for t in hist[k]["time"] if t is not None]) for k in names}
         print(f"  speed ratio (native / ours, median step): {med['native'] / med['ours']:.2f}")
         mem_n = [m for m in n["mem"].values() if m is not None]
@@ -495,8 +544,8 @@ def main():
     for prompt in ("The ", "A list", "Exceptions"):
         for k in names:
             text = sample(models[k], tok, prompt)
-            shown = text[len(prompt):].replace("\n", "\n" + " " * 13)
-            print(f"  {k:>6}: \"{prompt}\"{shown}\n")
+            shown = text[len(prompt) :].replace("\n", "\n" + " " * 13)
+            print(f'  {k:>6}: "{prompt}"{shown}\n')
     if not args.no_plots:
         for path in plot(hist, args.steps, log_every):
             print(f"wrote {path}")

@@ -57,6 +57,7 @@ def rel_slack(dtype):
 # masks
 # --------------------------------------------------------------------------
 
+
 def blocked_to_additive(mask, dtype=torch.float64):
     """nn.MultiheadAttention convention: bool True = blocked -> -inf; float as is."""
     if mask is None:
@@ -99,9 +100,20 @@ def random_additive(shape, p=0.3, keep_col0=True, dtype=torch.float32):
 # float64 attention reference
 # --------------------------------------------------------------------------
 
-def ref_attention(q, k, v, attn_mask_additive=None, *, scale=None, is_causal=False,
-                  head_mask=None, dtype=torch.float64, return_weights=False,
-                  return_lse=False):
+
+def ref_attention(
+    q,
+    k,
+    v,
+    attn_mask_additive=None,
+    *,
+    scale=None,
+    is_causal=False,
+    head_mask=None,
+    dtype=torch.float64,
+    return_weights=False,
+    return_lse=False,
+):
     """softmax(q k^T * scale + mask) v with plain PyTorch ops, in ``dtype``.
 
     q (..., H, Lq, D), k (..., Hkv, Lk, D), v (..., Hkv, Lk, Dv); Hkv may
@@ -148,9 +160,19 @@ def ref_attention(q, k, v, attn_mask_additive=None, *, scale=None, is_causal=Fal
 # nn.MultiheadAttention reference (plain ops; adds head_mask support)
 # --------------------------------------------------------------------------
 
-def ref_mha(mod, query, key, value, key_padding_mask=None, need_weights=True,
-            attn_mask=None, average_attn_weights=True, is_causal=False,
-            head_mask=None):
+
+def ref_mha(
+    mod,
+    query,
+    key,
+    value,
+    key_padding_mask=None,
+    need_weights=True,
+    attn_mask=None,
+    average_attn_weights=True,
+    is_causal=False,
+    head_mask=None,
+):
     """Re-implementation of nn.MultiheadAttention.forward (dropout 0) that
     reads ``mod``'s parameters, computes in the parameters' dtype, gives 0 for
     fully masked rows, and supports a head_mask (H,) or (N, H) applied to the
@@ -176,7 +198,7 @@ def ref_mha(mod, query, key, value, key_padding_mask=None, need_weights=True,
     if mod.in_proj_bias is not None:
         bq, bk, bv = mod.in_proj_bias.chunk(3)
     q = F.linear(query, wq, bq)  # (L, N, E)
-    k = F.linear(key, wk, bk)    # (S, N, E)
+    k = F.linear(key, wk, bk)  # (S, N, E)
     v = F.linear(value, wv, bv)
 
     am = blocked_to_additive(attn_mask, dt)
@@ -190,8 +212,8 @@ def ref_mha(mod, query, key, value, key_padding_mask=None, need_weights=True,
             am = F.pad(am, (0, 1))
         if kpm is not None:
             kpm = F.pad(kpm, (0, 1))
-    q = q.reshape(L, N * H, hd).transpose(0, 1)            # (N*H, L, hd)
-    k = k.reshape(k.shape[0], N * H, hd).transpose(0, 1)   # (N*H, S, hd)
+    q = q.reshape(L, N * H, hd).transpose(0, 1)  # (N*H, L, hd)
+    k = k.reshape(k.shape[0], N * H, hd).transpose(0, 1)  # (N*H, S, hd)
     v = v.reshape(v.shape[0], N * H, hd).transpose(0, 1)
     if mod.add_zero_attn:
         k = torch.cat([k, k.new_zeros(N * H, 1, hd)], dim=1)
@@ -208,8 +230,15 @@ def ref_mha(mod, query, key, value, key_padding_mask=None, need_weights=True,
         bias = bias + kpm.view(N, 1, 1, S)
     if is_causal and attn_mask is None:
         bias = bias.masked_fill(causal_blocked(L, S), float("-inf"))
-    out, w = ref_attention(q.view(N, H, L, hd), k.view(N, H, S, hd), v.view(N, H, S, hd),
-                           bias, head_mask=head_mask, dtype=dt, return_weights=True)
+    out, w = ref_attention(
+        q.view(N, H, L, hd),
+        k.view(N, H, S, hd),
+        v.view(N, H, S, hd),
+        bias,
+        head_mask=head_mask,
+        dtype=dt,
+        return_weights=True,
+    )
     out = out.permute(2, 0, 1, 3).reshape(L, N, E)
     out = F.linear(out, mod.out_proj.weight, mod.out_proj.bias)
     if average_attn_weights:
@@ -226,13 +255,14 @@ def ref_mha(mod, query, key, value, key_padding_mask=None, need_weights=True,
 # tolerance: flash-attention's rule
 # --------------------------------------------------------------------------
 
+
 def max_err(a, b):
     a = a.detach().double()
     b = b.detach().double()
     d = (a - b).abs()
     fin = torch.isfinite(a) & torch.isfinite(b)
     # equal infinities count as no error
-    same = (a == b)
+    same = a == b
     d = torch.where(same, torch.zeros((), dtype=d.dtype), d)
     d = torch.where(fin | same, d, torch.full((), float("inf"), dtype=d.dtype))
     return d.max().item() if d.numel() else 0.0
@@ -257,37 +287,39 @@ def assert_close_ref(ours, theirs, ref, *, name="", factor=2.0, slack=None, dtyp
     theirs_nan = theirs[0].detach().isnan() if theirs else ref.detach().isnan()
     ours_nan = ours.detach().isnan()
     assert torch.equal(ours_nan, theirs_nan), (
-        f"{name}: NaN pattern differs: ours has {int(ours_nan.sum())} NaN, "
-        f"PyTorch {int(theirs_nan.sum())}")
+        f"{name}: NaN pattern differs: ours has {int(ours_nan.sum())} NaN, PyTorch {int(theirs_nan.sum())}"
+    )
     keep = ~ours_nan
     o, r = ours.detach()[keep], ref.detach()[keep]
     if dtype is None:
         dtype = ours.dtype
     if slack is None:
         slack = rel_slack(dtype)
-    scale = max(1.0, r.double().abs().masked_fill(~torch.isfinite(r.double()), 0).max().item()
-                if r.numel() else 1.0)
+    scale = max(1.0, r.double().abs().masked_fill(~torch.isfinite(r.double()), 0).max().item() if r.numel() else 1.0)
     err_ours = max_err(o, r)
     err_pt = max([max_err(t.detach()[keep], r) for t in theirs], default=0.0)
     bound = factor * err_pt + slack * scale
     assert err_ours <= bound, (
         f"{name}: max err vs float64 ref {err_ours:.3e} > {factor} * PyTorch err "
-        f"{err_pt:.3e} + {slack:.1e} * {scale:.3g} (bound {bound:.3e})")
+        f"{err_pt:.3e} + {slack:.1e} * {scale:.3g} (bound {bound:.3e})"
+    )
 
 
 def assert_close64(ours, theirs, *, name="", atol=1e-10, rtol=1e-9):
     """float64: tight agreement with PyTorch (same NaN pattern)."""
     assert ours is not None, f"{name}: got None"
-    torch.testing.assert_close(ours.detach(), theirs.detach(), atol=atol, rtol=rtol,
-                               equal_nan=True, msg=lambda m: f"{name}: {m}")
-
+    torch.testing.assert_close(
+        ours.detach(), theirs.detach(), atol=atol, rtol=rtol, equal_nan=True, msg=lambda m: f"{name}: {m}"
+    )
 
 
 # ---- instruction-set variants ------------------------------------------------
 
+
 def run_isa(isa, fn):
     """fn() with the kernels' variant forced to isa (ops.use_isa)."""
     from torch_masked_attn.ops import use_isa
+
     with use_isa(isa):
         return fn()
 
@@ -295,6 +327,7 @@ def run_isa(isa, fn):
 def isa_available(isa):
     """Does this CPU run the isa variant?"""
     from torch_masked_attn.ops import isa_available as available
+
     return available(isa)
 
 

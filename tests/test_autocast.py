@@ -4,6 +4,7 @@ dtype, values within the bf16 yardstick of the float64 reference, gradients in
 each input's own dtype; attention computes in bfloat16 (mixed float32 /
 bfloat16 inputs accepted, as native F.sdpa accepts them there), cross-entropy
 in float32. Outside autocast, mixed dtypes stay an error."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -115,8 +116,9 @@ def test_masked_attention_autocast_sinks_keep_dtype_and_grad():
         assert t.grad is not None and t.grad.dtype == t.dtype and torch.isfinite(t.grad).all()
     # the same call on bf16 inputs outside autocast gives the same bits (inputs that require grad,
     # as above: a forward with no backward to follow may round P differently on the tile variants)
-    plain = tmf.masked_attention(*(t.detach().to(BF16).requires_grad_() for t in (q, k, v)), is_causal=True,
-                                 sinks=sinks.detach())
+    plain = tmf.masked_attention(
+        *(t.detach().to(BF16).requires_grad_() for t in (q, k, v)), is_causal=True, sinks=sinks.detach()
+    )
     assert torch.equal(out.detach(), plain.detach())
 
 
@@ -145,8 +147,11 @@ def test_varlen_autocast(dtypes):
 
 
 @pytest.mark.parametrize("logits_dtype", [F32, BF16])
-@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "reduction": "sum"}, {"reduction": "none"},
-                                     {"weight": True}], ids=["mean", "ls-sum", "none", "weight"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"label_smoothing": 0.1, "reduction": "sum"}, {"reduction": "none"}, {"weight": True}],
+    ids=["mean", "ls-sum", "none", "weight"],
+)
 def test_cross_entropy_autocast_is_float32(logits_dtype, options):
     """F.cross_entropy under autocast runs in float32 (it upcasts the logits);
     ours returns float32 too, and the same values and gradients."""

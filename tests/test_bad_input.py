@@ -36,6 +36,7 @@ def _qkv(h=H, hkv=None, dtype=torch.float32):
 # masked_attention
 # ---------------------------------------------------------------------------
 
+
 def _ma_bad_cases():
     q, k, v = _qkv()
     cases = {
@@ -50,9 +51,14 @@ def _ma_bad_cases():
         "Hkv_mismatch_kv": (dict(q=q, k=_t(B, 2, LK, D), v=_t(B, 1, LK, D)), r"(?i)\bk\b|\bv\b|head"),
         "H_not_divisible": (dict(q=q, k=_t(B, 3, LK, D), v=_t(B, 3, LK, D)), r"(?i)head|Hkv|\bH\b|divisible|multiple"),
         "int_q": (dict(q=torch.ones(B, H, LQ, D, dtype=torch.int32), k=k, v=v), r"(?i)\bq\b|query|dtype|float"),
-        "int_all": (dict(q=torch.ones(B, H, LQ, D, dtype=torch.int64),
-                         k=torch.ones(B, H, LK, D, dtype=torch.int64),
-                         v=torch.ones(B, H, LK, D, dtype=torch.int64)), r"(?i)\bq\b|query|dtype|float"),
+        "int_all": (
+            dict(
+                q=torch.ones(B, H, LQ, D, dtype=torch.int64),
+                k=torch.ones(B, H, LK, D, dtype=torch.int64),
+                v=torch.ones(B, H, LK, D, dtype=torch.int64),
+            ),
+            r"(?i)\bq\b|query|dtype|float",
+        ),
         "mixed_dtype": (dict(q=q, k=k.double(), v=v), r"(?i)dtype|\bk\b|\bq\b"),
         "mixed_dtype_v": (dict(q=q, k=k, v=v.half()), r"(?i)dtype|\bv\b|\bq\b"),
         "attn_mask_shape": (dict(q=q, k=k, v=v, attn_mask=torch.zeros(LQ, LK + 1, dtype=torch.bool)), "attn_mask"),
@@ -60,9 +66,15 @@ def _ma_bad_cases():
         "attn_mask_rank5": (dict(q=q, k=k, v=v, attn_mask=torch.zeros(1, B, H, LQ, LK, dtype=torch.bool)), "attn_mask"),
         "attn_mask_int": (dict(q=q, k=k, v=v, attn_mask=torch.zeros(LQ, LK, dtype=torch.int64)), "attn_mask"),
         "attn_mask_uint8": (dict(q=q, k=k, v=v, attn_mask=torch.zeros(LQ, LK, dtype=torch.uint8)), "attn_mask"),
-        "kpm_shape": (dict(q=q, k=k, v=v, key_padding_mask=torch.zeros(B, LK + 1, dtype=torch.bool)), "key_padding_mask"),
+        "kpm_shape": (
+            dict(q=q, k=k, v=v, key_padding_mask=torch.zeros(B, LK + 1, dtype=torch.bool)),
+            "key_padding_mask",
+        ),
         "kpm_shape_T": (dict(q=q, k=k, v=v, key_padding_mask=torch.zeros(LK, B, dtype=torch.bool)), "key_padding_mask"),
-        "kpm_rank3": (dict(q=q, k=k, v=v, key_padding_mask=torch.zeros(B, 1, LK, dtype=torch.bool)), "key_padding_mask"),
+        "kpm_rank3": (
+            dict(q=q, k=k, v=v, key_padding_mask=torch.zeros(B, 1, LK, dtype=torch.bool)),
+            "key_padding_mask",
+        ),
         "kpm_int": (dict(q=q, k=k, v=v, key_padding_mask=torch.zeros(B, LK, dtype=torch.int32)), "key_padding_mask"),
         "head_mask_shape": (dict(q=q, k=k, v=v, head_mask=torch.ones(H + 1)), "head_mask"),
         "head_mask_shape_2d": (dict(q=q, k=k, v=v, head_mask=torch.ones(H, B)), "head_mask"),
@@ -71,15 +83,23 @@ def _ma_bad_cases():
         "dropout_p_negative": (dict(q=q, k=k, v=v, dropout_p=-0.1), "dropout_p"),
         "dropout_p_above_1": (dict(q=q, k=k, v=v, dropout_p=1.5), "dropout_p"),
         "dropout_p_nan": (dict(q=q, k=k, v=v, dropout_p=float("nan")), "dropout_p"),
-        "dropout_seed_shape": (dict(q=q, k=k, v=v, dropout_p=0.1, dropout_seed=torch.zeros(3, dtype=torch.int64)),
-                               "dropout_seed"),
-        "dropout_seed_2d": (dict(q=q, k=k, v=v, dropout_p=0.1, dropout_seed=torch.zeros(1, 2, dtype=torch.int64)),
-                            "dropout_seed"),
+        "dropout_seed_shape": (
+            dict(q=q, k=k, v=v, dropout_p=0.1, dropout_seed=torch.zeros(3, dtype=torch.int64)),
+            "dropout_seed",
+        ),
+        "dropout_seed_2d": (
+            dict(q=q, k=k, v=v, dropout_p=0.1, dropout_seed=torch.zeros(1, 2, dtype=torch.int64)),
+            "dropout_seed",
+        ),
         "dropout_seed_float": (dict(q=q, k=k, v=v, dropout_p=0.1, dropout_seed=torch.zeros(2)), "dropout_seed"),
-        "dropout_seed_int32": (dict(q=q, k=k, v=v, dropout_p=0.1, dropout_seed=torch.zeros(2, dtype=torch.int32)),
-                               "dropout_seed"),
-        "dropout_seed_meta": (dict(q=q, k=k, v=v, dropout_p=0.1,
-                                   dropout_seed=torch.zeros(2, dtype=torch.int64, device="meta")), "dropout_seed"),
+        "dropout_seed_int32": (
+            dict(q=q, k=k, v=v, dropout_p=0.1, dropout_seed=torch.zeros(2, dtype=torch.int32)),
+            "dropout_seed",
+        ),
+        "dropout_seed_meta": (
+            dict(q=q, k=k, v=v, dropout_p=0.1, dropout_seed=torch.zeros(2, dtype=torch.int64, device="meta")),
+            "dropout_seed",
+        ),
         "dropout_seed_list": (dict(q=q, k=k, v=v, dropout_p=0.1, dropout_seed=[1, 2]), "dropout_seed"),
         # window, softcap, sinks (issue 15)
         "window_left_below_minus_1": (dict(q=q, k=k, v=v, window=(-2, 0)), "window"),
@@ -117,18 +137,28 @@ def test_masked_attention_bad_input(case):
 # scaled_dot_product_attention
 # ---------------------------------------------------------------------------
 
+
 def _sdpa_bad_cases():
     q, k, v = _qkv()
     return {
         "q_rank1": (dict(query=_t(D), key=k, value=v), r"(?i)query|\bq\b"),
         "D_mismatch": (dict(query=q, key=_t(B, H, LK, D + 2), value=v), r"(?i)query|key|dim"),
         "Lk_mismatch": (dict(query=q, key=k, value=_t(B, H, LK + 2, D)), r"(?i)key|value|length"),
-        "batch_mismatch": (dict(query=q, key=_t(B + 1, H, LK, D), value=_t(B + 1, H, LK, D)), r"(?i)batch|shape|key|broadcast|size"),
+        "batch_mismatch": (
+            dict(query=q, key=_t(B + 1, H, LK, D), value=_t(B + 1, H, LK, D)),
+            r"(?i)batch|shape|key|broadcast|size",
+        ),
         "gqa_without_flag": (dict(query=q, key=_t(B, 2, LK, D), value=_t(B, 2, LK, D)), r"(?i)gqa|head"),
-        "gqa_not_divisible": (dict(query=q, key=_t(B, 3, LK, D), value=_t(B, 3, LK, D), enable_gqa=True), r"(?i)head|multiple|divisible"),
+        "gqa_not_divisible": (
+            dict(query=q, key=_t(B, 3, LK, D), value=_t(B, 3, LK, D), enable_gqa=True),
+            r"(?i)head|multiple|divisible",
+        ),
         "int_query": (dict(query=q.long(), key=k.long(), value=v.long()), r"(?i)query|dtype|float"),
         "mixed_dtype": (dict(query=q, key=k.double(), value=v), r"(?i)dtype"),
-        "attn_mask_shape": (dict(query=q, key=k, value=v, attn_mask=torch.ones(LQ + 1, LK, dtype=torch.bool)), "attn_mask"),
+        "attn_mask_shape": (
+            dict(query=q, key=k, value=v, attn_mask=torch.ones(LQ + 1, LK, dtype=torch.bool)),
+            "attn_mask",
+        ),
         "attn_mask_int": (dict(query=q, key=k, value=v, attn_mask=torch.ones(LQ, LK, dtype=torch.int32)), "attn_mask"),
     }
 
@@ -166,13 +196,34 @@ def _mha_bad_cases():
         "key_value_len": (dict(query=x, key=mem, value=_t(S + 1, N, E)), r"(?i)key|value"),
         "key_batch": (dict(query=x, key=_t(S, N + 1, E), value=_t(S, N + 1, E)), r"(?i)key|batch"),
         "int_query": (dict(query=x.long(), key=mem.long(), value=mem.long()), r"(?i)query|dtype|float"),
-        "attn_mask_2d_shape": (dict(query=x, key=mem, value=mem, attn_mask=torch.zeros(L, S + 1, dtype=torch.bool)), "attn_mask"),
-        "attn_mask_3d_shape": (dict(query=x, key=mem, value=mem, attn_mask=torch.zeros(N, L, S, dtype=torch.bool)), "attn_mask"),
-        "attn_mask_rank4": (dict(query=x, key=mem, value=mem, attn_mask=torch.zeros(N, NH, L, S, dtype=torch.bool)), "attn_mask"),
-        "attn_mask_int": (dict(query=x, key=mem, value=mem, attn_mask=torch.zeros(L, S, dtype=torch.int64)), "attn_mask"),
-        "kpm_shape": (dict(query=x, key=mem, value=mem, key_padding_mask=torch.zeros(N, S + 1, dtype=torch.bool)), "key_padding_mask"),
-        "kpm_transposed": (dict(query=x, key=mem, value=mem, key_padding_mask=torch.zeros(S, N, dtype=torch.bool)), "key_padding_mask"),
-        "kpm_int": (dict(query=x, key=mem, value=mem, key_padding_mask=torch.zeros(N, S, dtype=torch.int64)), "key_padding_mask"),
+        "attn_mask_2d_shape": (
+            dict(query=x, key=mem, value=mem, attn_mask=torch.zeros(L, S + 1, dtype=torch.bool)),
+            "attn_mask",
+        ),
+        "attn_mask_3d_shape": (
+            dict(query=x, key=mem, value=mem, attn_mask=torch.zeros(N, L, S, dtype=torch.bool)),
+            "attn_mask",
+        ),
+        "attn_mask_rank4": (
+            dict(query=x, key=mem, value=mem, attn_mask=torch.zeros(N, NH, L, S, dtype=torch.bool)),
+            "attn_mask",
+        ),
+        "attn_mask_int": (
+            dict(query=x, key=mem, value=mem, attn_mask=torch.zeros(L, S, dtype=torch.int64)),
+            "attn_mask",
+        ),
+        "kpm_shape": (
+            dict(query=x, key=mem, value=mem, key_padding_mask=torch.zeros(N, S + 1, dtype=torch.bool)),
+            "key_padding_mask",
+        ),
+        "kpm_transposed": (
+            dict(query=x, key=mem, value=mem, key_padding_mask=torch.zeros(S, N, dtype=torch.bool)),
+            "key_padding_mask",
+        ),
+        "kpm_int": (
+            dict(query=x, key=mem, value=mem, key_padding_mask=torch.zeros(N, S, dtype=torch.int64)),
+            "key_padding_mask",
+        ),
         "head_mask_shape": (dict(query=x, key=mem, value=mem, head_mask=torch.ones(NH + 1)), "head_mask"),
         "head_mask_shape_2d": (dict(query=x, key=mem, value=mem, head_mask=torch.ones(N + 1, NH)), "head_mask"),
         "head_mask_rank3": (dict(query=x, key=mem, value=mem, head_mask=torch.ones(N, NH, 1)), "head_mask"),
@@ -201,7 +252,7 @@ def test_mha_is_causal_without_mask():
 # the raw ops, in a subprocess: must raise RuntimeError, never crash
 # ---------------------------------------------------------------------------
 
-_OP_SCRIPT = textwrap.dedent(r'''
+_OP_SCRIPT = textwrap.dedent(r"""
     import json, sys, torch
     import torch_masked_attn  # registers torch.ops.masked_attn
     fwd = torch.ops.masked_attn.forward
@@ -314,34 +365,90 @@ _OP_SCRIPT = textwrap.dedent(r'''
         except Exception as e:
             res = {"case": name, "exc": type(e).__name__, "msg": str(e)[:300]}
         print(json.dumps(res), flush=True)
-''')
+""")
 
-_OP_CASES = ["q_rank3", "k_rank5", "v_rank1", "batch_mismatch", "D_mismatch", "Lk_mismatch",
-             "H_not_divisible", "Hkv_zero", "int_q", "mixed_dtype", "attn_mask_shape",
-             "attn_mask_rank5", "attn_mask_int", "attn_mask_big", "kpm_shape", "kpm_rank1",
-             "kpm_int", "head_mask_shape", "head_mask_rank3", "head_mask_int",
-             "bwd_dout_shape", "bwd_lse_shape", "bwd_lse_dtype", "bwd_out_shape",
-             "bwd_dweights_shape", "bwd_head_mask_grad_without_head_mask", "bwd_dtype"]
+_OP_CASES = [
+    "q_rank3",
+    "k_rank5",
+    "v_rank1",
+    "batch_mismatch",
+    "D_mismatch",
+    "Lk_mismatch",
+    "H_not_divisible",
+    "Hkv_zero",
+    "int_q",
+    "mixed_dtype",
+    "attn_mask_shape",
+    "attn_mask_rank5",
+    "attn_mask_int",
+    "attn_mask_big",
+    "kpm_shape",
+    "kpm_rank1",
+    "kpm_int",
+    "head_mask_shape",
+    "head_mask_rank3",
+    "head_mask_int",
+    "bwd_dout_shape",
+    "bwd_lse_shape",
+    "bwd_lse_dtype",
+    "bwd_out_shape",
+    "bwd_dweights_shape",
+    "bwd_head_mask_grad_without_head_mask",
+    "bwd_dtype",
+]
 # the new arguments' cases, each with the argument its message must name
 _OP_NEW_ARGS = {
-    "fwd_dropout_p_negative": "dropout_p", "fwd_dropout_p_above_1": "dropout_p", "fwd_dropout_p_nan": "dropout_p",
-    "fwd_dropout_seed_missing": "dropout_seed", "fwd_dropout_seed_shape": "dropout_seed",
-    "fwd_dropout_seed_float": "dropout_seed", "fwd_dropout_seed_int32": "dropout_seed",
-    "fwd_dropout_seed_meta": "dropout_seed", "fwd_dropout_seed_empty": "dropout_seed",
-    "fwd_window_left": "window_left", "fwd_window_right": "window_right",
-    "fwd_softcap_zero": "softcap", "fwd_softcap_negative": "softcap", "fwd_softcap_nan": "softcap",
-    "fwd_softcap_inf": "softcap", "fwd_sinks_shape": "sinks", "fwd_sinks_2d": "sinks", "fwd_sinks_0d": "sinks",
-    "fwd_sinks_int": "sinks", "fwd_sinks_meta": "sinks",
-    "bwd_dropout_p_above_1": "dropout_p", "bwd_dropout_seed_missing": "dropout_seed",
-    "bwd_dropout_seed_shape": "dropout_seed", "bwd_window_left": "window_left", "bwd_softcap_nan": "softcap",
-    "bwd_sinks_shape": "sinks", "bwd_sinks_int": "sinks",
+    "fwd_dropout_p_negative": "dropout_p",
+    "fwd_dropout_p_above_1": "dropout_p",
+    "fwd_dropout_p_nan": "dropout_p",
+    "fwd_dropout_seed_missing": "dropout_seed",
+    "fwd_dropout_seed_shape": "dropout_seed",
+    "fwd_dropout_seed_float": "dropout_seed",
+    "fwd_dropout_seed_int32": "dropout_seed",
+    "fwd_dropout_seed_meta": "dropout_seed",
+    "fwd_dropout_seed_empty": "dropout_seed",
+    "fwd_window_left": "window_left",
+    "fwd_window_right": "window_right",
+    "fwd_softcap_zero": "softcap",
+    "fwd_softcap_negative": "softcap",
+    "fwd_softcap_nan": "softcap",
+    "fwd_softcap_inf": "softcap",
+    "fwd_sinks_shape": "sinks",
+    "fwd_sinks_2d": "sinks",
+    "fwd_sinks_0d": "sinks",
+    "fwd_sinks_int": "sinks",
+    "fwd_sinks_meta": "sinks",
+    "bwd_dropout_p_above_1": "dropout_p",
+    "bwd_dropout_seed_missing": "dropout_seed",
+    "bwd_dropout_seed_shape": "dropout_seed",
+    "bwd_window_left": "window_left",
+    "bwd_softcap_nan": "softcap",
+    "bwd_sinks_shape": "sinks",
+    "bwd_sinks_int": "sinks",
 }
 _OP_CASES += list(_OP_NEW_ARGS)
-_OP_CASES += ["varlen_cu_decreasing", "varlen_cu_past_end", "varlen_cu_negative", "varlen_cu_int64", "varlen_cu_2d",
-              "varlen_cu_lengths_differ", "varlen_max_q_short", "varlen_max_k_short", "varlen_window_left",
-              "varlen_query_rank2", "varlen_kv_heads", "varlen_dtype", "varlen_softcap_nan", "varlen_sinks_shape",
-              "varlen_seqused_k_big", "varlen_block_table_out_of_range", "varlen_bwd_lse_shape",
-              "varlen_bwd_grad_out_shape", "varlen_bwd_out_dtype", "varlen_bwd_cu_past_end"]
+_OP_CASES += [
+    "varlen_cu_decreasing",
+    "varlen_cu_past_end",
+    "varlen_cu_negative",
+    "varlen_cu_int64",
+    "varlen_cu_2d",
+    "varlen_cu_lengths_differ",
+    "varlen_max_q_short",
+    "varlen_max_k_short",
+    "varlen_window_left",
+    "varlen_query_rank2",
+    "varlen_kv_heads",
+    "varlen_dtype",
+    "varlen_softcap_nan",
+    "varlen_sinks_shape",
+    "varlen_seqused_k_big",
+    "varlen_block_table_out_of_range",
+    "varlen_bwd_lse_shape",
+    "varlen_bwd_grad_out_shape",
+    "varlen_bwd_out_dtype",
+    "varlen_bwd_cu_past_end",
+]
 
 
 @pytest.fixture(scope="module")
@@ -352,8 +459,9 @@ def raw_op_results(tmp_path_factory):
     script.write_text(_OP_SCRIPT)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    proc = subprocess.run([sys.executable, str(script), *_OP_CASES], capture_output=True,
-                          text=True, timeout=120, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(script), *_OP_CASES], capture_output=True, text=True, timeout=120, env=env
+    )
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
@@ -367,7 +475,8 @@ def test_raw_op_bad_input_raises(case, raw_op_results):
     results, proc = raw_op_results
     assert case in results, (
         f"child interpreter died before/at case {case!r} (returncode {proc.returncode}); "
-        f"stderr tail:\n{proc.stderr[-2000:]}")
+        f"stderr tail:\n{proc.stderr[-2000:]}"
+    )
     res = results[case]
     assert res["exc"] == "RuntimeError", f"{case}: expected RuntimeError, got {res['exc']}: {res['msg']}"
     assert res["msg"].strip(), f"{case}: empty error message"
@@ -383,6 +492,7 @@ def test_raw_op_child_exits_cleanly(raw_op_results):
 # ---------------------------------------------------------------------------
 # legal edge cases: like native PyTorch
 # ---------------------------------------------------------------------------
+
 
 def _both_sdpa(q, k, v, grad=True, **kw):
     qs = [t.detach().clone().requires_grad_(grad) for t in (q, k, v)]
@@ -400,28 +510,42 @@ def _both_sdpa(q, k, v, grad=True, **kw):
     return a, qs
 
 
-@pytest.mark.parametrize("shape", [
-    dict(b=0, lq=LQ, lk=LK), dict(b=B, lq=0, lk=LK), dict(b=B, lq=LQ, lk=0), dict(b=0, lq=0, lk=0),
-], ids=["B0", "Lq0", "Lk0", "all0"])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(b=0, lq=LQ, lk=LK),
+        dict(b=B, lq=0, lk=LK),
+        dict(b=B, lq=LQ, lk=0),
+        dict(b=0, lq=0, lk=0),
+    ],
+    ids=["B0", "Lq0", "Lk0", "all0"],
+)
 def test_empty_sizes_sdpa(shape):
     q = _t(shape["b"], H, shape["lq"], D)
     k, v = _t(shape["b"], H, shape["lk"], D), _t(shape["b"], H, shape["lk"], D)
     out, leaves = _both_sdpa(q, k, v, grad=False)
     if shape["lk"] == 0:
-        assert torch.all(out == 0)   # PyTorch gives 0 for no keys
+        assert torch.all(out == 0)  # PyTorch gives 0 for no keys
     _both_sdpa(q, k, v, is_causal=True, grad=False)
 
 
-@pytest.mark.parametrize("shape", [
-    dict(b=0, lq=LQ, lk=LK), dict(b=B, lq=0, lk=LK), dict(b=B, lq=LQ, lk=0),
-], ids=["B0", "Lq0", "Lk0"])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(b=0, lq=LQ, lk=LK),
+        dict(b=B, lq=0, lk=LK),
+        dict(b=B, lq=LQ, lk=0),
+    ],
+    ids=["B0", "Lq0", "Lk0"],
+)
 def test_empty_sizes_masked_attention(shape):
     b, lq, lk = shape["b"], shape["lq"], shape["lk"]
     q = _t(b, H, lq, D).requires_grad_()
     k, v = _t(b, H, lk, D).requires_grad_(), _t(b, H, lk, D + 1).requires_grad_()
     kpm = torch.zeros(b, lk, dtype=torch.bool)
-    out, w, lse = tmaF.masked_attention(q, k, v, key_padding_mask=kpm, is_causal=True,
-                                        need_weights=True, return_lse=True)
+    out, w, lse = tmaF.masked_attention(
+        q, k, v, key_padding_mask=kpm, is_causal=True, need_weights=True, return_lse=True
+    )
     assert out.shape == (b, H, lq, D + 1) and w.shape == (b, H, lq, lk) and lse.shape == (b, H, lq)
     assert torch.all(out == 0) or lk > 0
     if lk == 0:
@@ -494,7 +618,8 @@ def test_nan_propagates(where, dtype):
     ours = tmaF.scaled_dot_product_attention(q, k, v)
     assert expected.isnan().any()
     assert torch.equal(ours.isnan(), expected.isnan()), (
-        f"NaN pattern: ours {int(ours.isnan().sum())}, PyTorch math {int(expected.isnan().sum())}")
+        f"NaN pattern: ours {int(ours.isnan().sum())}, PyTorch math {int(expected.isnan().sum())}"
+    )
     fin = ~expected.isnan()
     torch.testing.assert_close(ours[fin], expected[fin], atol=1e-5, rtol=1e-5)
     ma = tmaF.masked_attention(q, k, v)
@@ -543,12 +668,14 @@ def test_huge_logits_stay_finite(mag, dtype):
 # the Hugging Face backend's refusals (torch_masked_attn.hf; needs transformers)
 # ---------------------------------------------------------------------------
 
+
 class _Layer(nn.Module):
     is_causal = True
 
 
 def _hf_bad_cases(hf):
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
     q, k, v = _qkv(hkv=2)
     layer = _Layer()
     fwd = hf.attention_forward
@@ -558,12 +685,21 @@ def _hf_bad_cases(hf):
 
     return {
         "attention_mask_list": (lambda: fwd(layer, q, k, v, [[1, 0]]), TypeError, "attention_mask"),
-        "attention_mask_shape": (lambda: fwd(layer, q, k, v, torch.ones(B, 1, LQ, LK + 1, dtype=torch.bool)),
-                                 ERRORS, "attn_mask"),
-        "structured_mask_lengths": (lambda: fwd(layer, q, k, v, structured(LQ + 1, LK)), ValueError,
-                                    "attention mask was made for"),
-        "paged_cache": (lambda: fwd(layer, q, k, v, None, cache=PagedAttentionCache.__new__(PagedAttentionCache)),
-                        ValueError, "PagedAttentionCache comes from transformers' continuous batching"),
+        "attention_mask_shape": (
+            lambda: fwd(layer, q, k, v, torch.ones(B, 1, LQ, LK + 1, dtype=torch.bool)),
+            ERRORS,
+            "attn_mask",
+        ),
+        "structured_mask_lengths": (
+            lambda: fwd(layer, q, k, v, structured(LQ + 1, LK)),
+            ValueError,
+            "attention mask was made for",
+        ),
+        "paged_cache": (
+            lambda: fwd(layer, q, k, v, None, cache=PagedAttentionCache.__new__(PagedAttentionCache)),
+            ValueError,
+            "PagedAttentionCache comes from transformers' continuous batching",
+        ),
         "query_rank3": (lambda: fwd(layer, q[0], k, v, None), ERRORS, r"\bq\b"),
         "softcap_zero": (lambda: fwd(layer, q, k, v, None, softcap=0.0), ValueError, "softcap"),
         "softcap_nan": (lambda: fwd(layer, q, k, v, None, softcap=float("nan")), ValueError, "softcap"),
@@ -573,14 +709,25 @@ def _hf_bad_cases(hf):
     }
 
 
-_HF_BAD = ["attention_mask_list", "attention_mask_shape", "structured_mask_lengths", "paged_cache", "query_rank3",
-           "softcap_zero", "softcap_nan", "s_aux_shape", "s_aux_int", "apply_not_a_causal_lm"]
+_HF_BAD = [
+    "attention_mask_list",
+    "attention_mask_shape",
+    "structured_mask_lengths",
+    "paged_cache",
+    "query_rank3",
+    "softcap_zero",
+    "softcap_nan",
+    "s_aux_shape",
+    "s_aux_int",
+    "apply_not_a_causal_lm",
+]
 
 
 @pytest.mark.parametrize("case", _HF_BAD)
 def test_hf_backend_bad_input(case):
     pytest.importorskip("transformers")
     from torch_masked_attn import hf
+
     call, exc, pattern = _hf_bad_cases(hf)[case]
     with pytest.raises(exc, match=pattern):
         call()

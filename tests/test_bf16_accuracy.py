@@ -15,8 +15,9 @@ def _case(seed, B, H, L, D):
     g = torch.Generator().manual_seed(seed)
     q, k, v, dout = (torch.randn(B, H, L, D, generator=g).to(torch.bfloat16) for _ in range(4))
     lengths = torch.randint(L // 2, L + 1, (B,), generator=g)
-    allowed = (torch.arange(L)[None, :] < lengths[:, None])[:, None, None, :] & \
-        torch.ones(L, L, dtype=torch.bool).tril()
+    allowed = (torch.arange(L)[None, :] < lengths[:, None])[:, None, None, :] & torch.ones(
+        L, L, dtype=torch.bool
+    ).tril()
     return q, k, v, dout, allowed
 
 
@@ -46,8 +47,9 @@ def test_bf16_no_less_accurate_than_native(isa, shape):
             err_ours = (o - r).abs().max().item()
             # ours rounds its result to bfloat16 once, like native: allow a
             # hair above native's error for ties in that last rounding
-            assert err_ours <= 1.05 * err_native + 1e-6, \
+            assert err_ours <= 1.05 * err_native + 1e-6, (
                 f"{name}: ours {err_ours:.3e} vs native {err_native:.3e} (seed {seed}, isa {isa})"
+            )
 
 
 HEAD_MASK_CASES = [  # (B, H, Lq, Lk, D, scale, causal): short rows see one or two keys
@@ -70,6 +72,7 @@ def test_head_mask_gradients_no_less_accurate_than_native(isa, dtype, case):
     if not isa_available(isa):
         pytest.skip(f"this CPU has no {isa}")
     from conftest import assert_close_ref, ref_attention
+
     B, H, Lq, Lk, D, scale, causal = case
     g = torch.Generator().manual_seed(7)
     q = torch.randn(B, H, Lq, D, generator=g).to(dtype)
@@ -78,7 +81,7 @@ def test_head_mask_gradients_no_less_accurate_than_native(isa, dtype, case):
     dout = torch.randn(B, H, Lq, D, generator=g).to(dtype)
     hm = (torch.rand(B, H, generator=g) * 1.2 + 0.3).to(dtype)
     kpm = torch.zeros(B, Lk, dtype=torch.bool)
-    kpm[:, Lk - Lk // 4:] = True
+    kpm[:, Lk - Lk // 4 :] = True
 
     def grads(fn, dt):
         leaves = [t.to(dt).detach().requires_grad_() for t in (q, k, v)]
@@ -87,12 +90,20 @@ def test_head_mask_gradients_no_less_accurate_than_native(isa, dtype, case):
 
     def reference(dt):
         bias = torch.zeros(B, 1, 1, Lk, dtype=dt).masked_fill(kpm[:, None, None, :], float("-inf"))
-        return grads(lambda q_, k_, v_, h_: ref_attention(q_, k_, v_, bias, scale=scale, is_causal=causal,
-                                                         head_mask=h_, dtype=dt), dt)
+        return grads(
+            lambda q_, k_, v_, h_: ref_attention(
+                q_, k_, v_, bias, scale=scale, is_causal=causal, head_mask=h_, dtype=dt
+            ),
+            dt,
+        )
 
     def ours():
-        return grads(lambda q_, k_, v_, h_: tma.functional.masked_attention(
-            q_, k_, v_, key_padding_mask=kpm, head_mask=h_, is_causal=causal, scale=scale), dtype)
+        return grads(
+            lambda q_, k_, v_, h_: tma.functional.masked_attention(
+                q_, k_, v_, key_padding_mask=kpm, head_mask=h_, is_causal=causal, scale=scale
+            ),
+            dtype,
+        )
 
     ref, native, got = reference(torch.float64), reference(dtype), run_isa(isa, ours)
     for name, r, n, o in zip(("out", "dq", "dk", "dv"), ref, native, got):

@@ -7,6 +7,7 @@ building blocks against the scalar reference, in C.
   benchmarks/kernel_bwd.c   the attention forward and backward called from C, each
                             variant against the scalar one on a small causal shape
 """
+
 import os
 import subprocess
 import sys
@@ -20,10 +21,15 @@ sys.path.insert(0, ROOT)
 from setup import C_FLAGS, isa_flags  # noqa: E402  (the build's own flags)
 
 COMMON = ("common/isa.c",)  # ma_isa_available
-ATTENTION = ("attention/scalar.c", "attention/avx2.c", "attention/avx512.c", "attention/amx.c",
-             "attention/avx512bf16.c", "attention/dispatch.c")
-CROSS_ENTROPY = ("cross_entropy/scalar.c", "cross_entropy/avx2.c", "cross_entropy/avx512.c",
-                 "cross_entropy/dispatch.c")
+ATTENTION = (
+    "attention/scalar.c",
+    "attention/avx2.c",
+    "attention/avx512.c",
+    "attention/amx.c",
+    "attention/avx512bf16.c",
+    "attention/dispatch.c",
+)
+CROSS_ENTROPY = ("cross_entropy/scalar.c", "cross_entropy/avx2.c", "cross_entropy/avx512.c", "cross_entropy/dispatch.c")
 
 
 def compile_objects(out_dir, sources):
@@ -48,8 +54,20 @@ def test_every_variant_against_scalar(tmp_path, harness, attention_objects):
     cc = os.environ.get("CC", "cc")
     objs = attention_objects if harness == "test_blocks.c" else compile_objects(tmp_path, COMMON + CROSS_ENTROPY)
     exe = tmp_path / harness[:-2]
-    subprocess.run([cc, *C_FLAGS, "-I", os.path.join(ROOT, "csrc"), os.path.join(ROOT, "tests", "c", harness),
-                    *objs, "-lm", "-o", str(exe)], check=True)
+    subprocess.run(
+        [
+            cc,
+            *C_FLAGS,
+            "-I",
+            os.path.join(ROOT, "csrc"),
+            os.path.join(ROOT, "tests", "c", harness),
+            *objs,
+            "-lm",
+            "-o",
+            str(exe),
+        ],
+        check=True,
+    )
     run = subprocess.run([str(exe)], capture_output=True, text=True)
     print(run.stdout)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -66,8 +84,19 @@ def test_kernel_tool_agrees_with_scalar(tmp_path, attention_objects, isa):
         pytest.skip(f"this CPU has no {isa}")
     cc = os.environ.get("CC", "cc")
     exe = tmp_path / "kernel_bwd"
-    subprocess.run([cc, *C_FLAGS, "-D_POSIX_C_SOURCE=200809L", os.path.join(ROOT, "benchmarks", "kernel_bwd.c"),
-                    *attention_objects, "-lm", "-o", str(exe)], check=True)
+    subprocess.run(
+        [
+            cc,
+            *C_FLAGS,
+            "-D_POSIX_C_SOURCE=200809L",
+            os.path.join(ROOT, "benchmarks", "kernel_bwd.c"),
+            *attention_objects,
+            "-lm",
+            "-o",
+            str(exe),
+        ],
+        check=True,
+    )
     run = subprocess.run([str(exe), "4", "2", "130", "64", "1", isa], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "from the scalar reference" in run.stdout

@@ -1,5 +1,6 @@
 """Activation checkpointing (torch.utils.checkpoint, use_reentrant=False, as Hugging Face
 transformers uses it): each saved tensor may be unpacked only once in a backward."""
+
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint

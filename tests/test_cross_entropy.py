@@ -39,12 +39,12 @@ SHAPES = {  # input shape; the class dim is dim 1 (dim 0 for "1d")
 }
 # How targets are given and where ignore_index sits.
 KINDS = {
-    "index": -100,                    # class indices, nothing ignored
-    "ignore_default": -100,           # some rows -100
-    "ignore_in_range": 1,             # ignore_index is a valid class
-    "ignore_out_of_range": C + 3,     # ignore_index above C
+    "index": -100,  # class indices, nothing ignored
+    "ignore_default": -100,  # some rows -100
+    "ignore_in_range": 1,  # ignore_index is a valid class
+    "ignore_out_of_range": C + 3,  # ignore_index above C
     "ignore_negative": -1,
-    "prob": -100,                     # class probabilities
+    "prob": -100,  # class probabilities
 }
 REDUCTIONS = ("none", "mean", "sum")
 SMOOTHING = (0.0, 0.1, 1.0)
@@ -106,6 +106,7 @@ def _compare(x, t, weight, reduction, ls, ii, name):
 # every weight x label_smoothing x reduction
 # ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -127,7 +128,7 @@ def test_parity_strided_inputs(layout, dtype):
         x = torch.randn(N, L, C, dtype=dtype).transpose(1, 2)
         t = torch.randint(0, C, (N, L))
     elif layout == "sliced":
-        x = torch.randn(N * 2, C + 3, L + 1, dtype=dtype)[::2, 1:C + 1, :-1]
+        x = torch.randn(N * 2, C + 3, L + 1, dtype=dtype)[::2, 1 : C + 1, :-1]
         t = torch.randint(0, C, (N, L))
     elif layout == "target_strided":
         x = torch.randn(N, C, L, dtype=dtype)
@@ -177,8 +178,10 @@ def test_parity_uint8_targets_and_legacy_args():
             ours = tmaF.cross_entropy(x, t.long(), size_average=sa, reduce=rd, reduction="sum")
             theirs = F.cross_entropy(x, t.long(), size_average=sa, reduce=rd, reduction="sum")
             assert_close64(ours, theirs, name=f"size_average={sa} reduce={rd}")
-        assert_close64(tmaF.cross_entropy(x, t.long(), reduction="elementwise_mean"),
-                       F.cross_entropy(x, t.long(), reduction="elementwise_mean"))
+        assert_close64(
+            tmaF.cross_entropy(x, t.long(), reduction="elementwise_mean"),
+            F.cross_entropy(x, t.long(), reduction="elementwise_mean"),
+        )
 
 
 def test_parity_argument_kinds():
@@ -191,17 +194,25 @@ def test_parity_argument_kinds():
     for ii in (torch.tensor(2), np.int64(2)):
         assert_close64(tmaF.cross_entropy(x, t, ignore_index=ii), F.cross_entropy(x, t, ignore_index=ii))
     for ls in (1, True, np.float32(0.25), torch.tensor(0.25), -0.5, float("nan")):
-        assert_close64(tmaF.cross_entropy(x, t, label_smoothing=ls), F.cross_entropy(x, t, label_smoothing=ls),
-                       name=repr(ls))
+        assert_close64(
+            tmaF.cross_entropy(x, t, label_smoothing=ls), F.cross_entropy(x, t, label_smoothing=ls), name=repr(ls)
+        )
         p = torch.rand(6, C, dtype=torch.float64)
-        assert_close64(tmaF.cross_entropy(x, p, label_smoothing=ls), F.cross_entropy(x, p, label_smoothing=ls),
-                       name=repr(ls))
+        assert_close64(
+            tmaF.cross_entropy(x, p, label_smoothing=ls), F.cross_entropy(x, p, label_smoothing=ls), name=repr(ls)
+        )
 
 
-@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float64, None),
-                                    (torch.float64, torch.float32, torch.float32),
-                                    (torch.bfloat16, torch.float32, None),
-                                    (torch.float32, torch.float32, torch.float64)], ids=str)
+@pytest.mark.parametrize(
+    "dtypes",
+    [
+        (torch.float32, torch.float64, None),
+        (torch.float64, torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32, None),
+        (torch.float32, torch.float32, torch.float64),
+    ],
+    ids=str,
+)
 def test_parity_probabilities_mixed_dtypes(dtypes):
     """Probability targets promote input, target and weight as PyTorch's
     -(log_softmax(input) * target * weight) does."""
@@ -212,8 +223,8 @@ def test_parity_probabilities_mixed_dtypes(dtypes):
     ours = tmaF.cross_entropy(x, p, weight=w)
     theirs = F.cross_entropy(x, p, weight=w)
     assert ours.dtype == theirs.dtype
-    g_ours, = torch.autograd.grad(ours, x)
-    g_theirs, = torch.autograd.grad(theirs, x)
+    (g_ours,) = torch.autograd.grad(ours, x)
+    (g_theirs,) = torch.autograd.grad(theirs, x)
     assert g_ours.dtype == xd
     tol = dict(atol=2e-2, rtol=2e-2) if xd == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours, theirs, **tol)
@@ -222,11 +233,14 @@ def test_parity_probabilities_mixed_dtypes(dtypes):
 
 def test_parity_large_logits_and_many_classes():
     """Online max/sum: large offsets and a large vocabulary stay accurate."""
-    for offset, Cn, dtypes in ((1e4, 50, (torch.float64,)), (-3e3, 7, (torch.float64,)),
-                               (100.0, 50, (torch.float64, torch.float32)),
-                               (-60.0, 11, (torch.float64, torch.float32, torch.bfloat16)),
-                               (0.0, 3000, (torch.float64, torch.float32, torch.bfloat16))):
-        x = (torch.randn(16, Cn, dtype=torch.float64) * 5 + offset)
+    for offset, Cn, dtypes in (
+        (1e4, 50, (torch.float64,)),
+        (-3e3, 7, (torch.float64,)),
+        (100.0, 50, (torch.float64, torch.float32)),
+        (-60.0, 11, (torch.float64, torch.float32, torch.bfloat16)),
+        (0.0, 3000, (torch.float64, torch.float32, torch.bfloat16)),
+    ):
+        x = torch.randn(16, Cn, dtype=torch.float64) * 5 + offset
         t = torch.randint(0, Cn, (16,))
         for ls, reduction, dtype in itertools.product((0.0, 0.3), REDUCTIONS, dtypes):
             _compare(x.to(dtype), t, None, reduction, ls, -100, f"offset={offset} C={Cn} {dtype}")
@@ -247,12 +261,13 @@ def test_float32_huge_logits_precision_bound():
     assert_close_ref(ours[0], theirs[0], ref[0], name="loss")
     lse = torch.logsumexp(x64, 1).abs().max().item()
     err = (ours[1].double() - ref[1]).abs().max().item()
-    assert err <= 2 ** -23 * lse, (err, lse)
+    assert err <= 2**-23 * lse, (err, lse)
 
 
 # ---------------------------------------------------------------------------
 # nn.CrossEntropyLoss drop-in
 # ---------------------------------------------------------------------------
+
 
 def _assert_drop_in_signature(ours, theirs):
     """PyTorch's parameters first, unchanged (names, kinds, defaults), then
@@ -260,8 +275,8 @@ def _assert_drop_in_signature(ours, theirs):
     in-place backward: tests/test_cross_entropy_options.py)."""
     po = list(inspect.signature(ours).parameters.values())
     pt = list(inspect.signature(theirs).parameters.values())
-    assert [(p.name, p.kind, p.default) for p in po[:len(pt)]] == [(p.name, p.kind, p.default) for p in pt]
-    extras = po[len(pt):]
+    assert [(p.name, p.kind, p.default) for p in po[: len(pt)]] == [(p.name, p.kind, p.default) for p in pt]
+    extras = po[len(pt) :]
     assert [(p.name, p.default) for p in extras] == [("z_loss", 0.0), ("softcap", None), ("inplace_backward", False)]
     assert all(p.kind == inspect.Parameter.KEYWORD_ONLY for p in extras)
 
@@ -274,15 +289,19 @@ def test_signatures_match_pytorch():
     assert {"CrossEntropyLoss", "perplexity"} <= set(tma.__all__)
 
 
-@pytest.mark.parametrize("kwargs", [
-    {},
-    {"reduction": "sum"},
-    {"reduction": "none", "ignore_index": 2},
-    {"weight": "w", "label_smoothing": 0.15},
-    {"weight": "w", "reduction": "none", "label_smoothing": 0.3, "ignore_index": 0},
-    {"size_average": False},
-    {"reduce": False},
-], ids=str)
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"reduction": "sum"},
+        {"reduction": "none", "ignore_index": 2},
+        {"weight": "w", "label_smoothing": 0.15},
+        {"weight": "w", "reduction": "none", "label_smoothing": 0.3, "ignore_index": 0},
+        {"size_average": False},
+        {"reduce": False},
+    ],
+    ids=str,
+)
 def test_module_parity(kwargs):
     w = torch.rand(C, dtype=torch.float64) + 0.1
     kwargs = {k: (w if v == "w" else v) for k, v in kwargs.items()}
@@ -332,6 +351,7 @@ def test_module_weight_buffer_follows_dtype_and_state():
 # edge cases
 # ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", ["1d", "2d", "4d"])
 def test_all_ignored(shape, dtype):
@@ -371,14 +391,17 @@ def test_zero_weight_mean_is_nan_like_pytorch():
             assert_close64(xo.grad, xt.grad, name=f"{reduction} ls={ls} grad")
 
 
-@pytest.mark.parametrize("shape,target_shape", [
-    ((0, C), (0,)),
-    ((3, C, 0), (3, 0)),
-    ((0, C, 4), (0, 4)),
-    ((2, C, 0, 3), (2, 0, 3)),
-    ((3, 0), (3,)),          # no class: every row must be ignored
-    ((0, 0), (0,)),
-])
+@pytest.mark.parametrize(
+    "shape,target_shape",
+    [
+        ((0, C), (0,)),
+        ((3, C, 0), (3, 0)),
+        ((0, C, 4), (0, 4)),
+        ((2, C, 0, 3), (2, 0, 3)),
+        ((3, 0), (3,)),  # no class: every row must be ignored
+        ((0, 0), (0,)),
+    ],
+)
 @pytest.mark.parametrize("kind", ["index", "prob"])
 def test_empty_inputs(shape, target_shape, kind):
     x = torch.randn(shape, dtype=torch.float64)
@@ -401,11 +424,16 @@ def test_empty_inputs(shape, target_shape, kind):
 def test_infinite_logits_like_pytorch():
     """-inf logits (a masked vocabulary) and NaN/+inf propagate as in PyTorch."""
     ninf, inf, nan = float("-inf"), float("inf"), float("nan")
-    x = torch.tensor([[0.0, ninf, 1.0, 2.0, ninf],
-                      [ninf, ninf, ninf, ninf, ninf],
-                      [0.5, nan, 1.0, 0.0, 0.0],
-                      [0.5, inf, 1.0, 0.0, 0.0],
-                      [ninf, 3.0, 1.0, ninf, 0.0]], dtype=torch.float64)
+    x = torch.tensor(
+        [
+            [0.0, ninf, 1.0, 2.0, ninf],
+            [ninf, ninf, ninf, ninf, ninf],
+            [0.5, nan, 1.0, 0.0, 0.0],
+            [0.5, inf, 1.0, 0.0, 0.0],
+            [ninf, 3.0, 1.0, ninf, 0.0],
+        ],
+        dtype=torch.float64,
+    )
     for t in (torch.tensor([0, 1, 2, 3, 1]), torch.tensor([1, 1, 2, 3, 0])):
         w = torch.rand(C, dtype=torch.float64) + 0.1
         for weight, ls, reduction in itertools.product((None, w), (0.0, 0.1), REDUCTIONS):
@@ -460,7 +488,7 @@ def test_torch_compile_fullgraph():
     w = torch.rand(C)
     fn = torch.compile(lambda x, t: tmaF.cross_entropy(x, t, weight=w, label_smoothing=0.1), fullgraph=True)
     loss = fn(x, t)
-    g, = torch.autograd.grad(loss, x)
+    (g,) = torch.autograd.grad(loss, x)
     xr = x.detach().requires_grad_()
     want = F.cross_entropy(xr, t, weight=w, label_smoothing=0.1)
     want.backward()
@@ -494,6 +522,7 @@ def test_deterministic_across_thread_counts():
 # perplexity
 # ---------------------------------------------------------------------------
 
+
 def test_perplexity():
     x = torch.randn(4, 9, C, dtype=torch.float64)  # (B, L, V) logits
     t = torch.randint(0, C, (4, 9))
@@ -504,8 +533,10 @@ def test_perplexity():
     t2 = t.clone()
     t2[t2 == -100] = 0
     t2[0, :4] = 3
-    assert_close64(tma.perplexity(x.transpose(1, 2), t2, ignore_index=3),
-                   torch.exp(F.cross_entropy(x.transpose(1, 2), t2, ignore_index=3)))
+    assert_close64(
+        tma.perplexity(x.transpose(1, 2), t2, ignore_index=3),
+        torch.exp(F.cross_entropy(x.transpose(1, 2), t2, ignore_index=3)),
+    )
     assert tma.perplexity(x.transpose(1, 2), torch.full_like(t, -100)).isnan()
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         p = tma.perplexity(x.to(dtype).transpose(1, 2), t)
@@ -520,6 +551,7 @@ def test_perplexity():
 # gradcheck (float64)
 # ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("shape", ["1d", "2d", "3d", "4d"])
 @pytest.mark.parametrize("kind", ["ignore_default", "ignore_in_range", "prob"])
@@ -529,12 +561,28 @@ def test_gradcheck(kind, shape, reduction):
     for weight, ls in ((None, 0.0), (w, 0.0), (w, 0.2), (None, 1.0)):
         if kind == "prob":
             inputs = (x.clone().requires_grad_(), t.clone().requires_grad_())
-            fn = lambda x, p: tmaF.cross_entropy(x, p, weight=weight, reduction=reduction,  # noqa: E731
-                                                 label_smoothing=ls)
+
+            def fn(x, p):
+                return tmaF.cross_entropy(
+                    x,
+                    p,
+                    weight=weight,
+                    reduction=reduction,
+                    label_smoothing=ls,
+                )
         else:
             inputs = (x.clone().requires_grad_(),)
-            fn = lambda x: tmaF.cross_entropy(x, t, weight=weight, ignore_index=ii,  # noqa: E731
-                                              reduction=reduction, label_smoothing=ls)
+
+            def fn(x):
+                return tmaF.cross_entropy(
+                    x,
+                    t,
+                    weight=weight,
+                    ignore_index=ii,
+                    reduction=reduction,
+                    label_smoothing=ls,
+                )
+
         assert gradcheck(fn, inputs), f"w={weight is not None} ls={ls}"
 
 
@@ -542,15 +590,16 @@ def test_gradcheck(kind, shape, reduction):
 # opcheck on the raw ops
 # ---------------------------------------------------------------------------
 
-OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
-                 "test_aot_dispatch_dynamic")
+OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
 def _op_cases():
     for shape, kind, reduction, (weighted, ls) in itertools.product(
-            ("1d", "2d", "4d"), ("ignore_default", "prob"), REDUCTIONS, ((False, 0.0), (True, 0.2))):
-        yield pytest.param(shape, kind, reduction, weighted, ls,
-                           id=f"{shape}-{kind}-{reduction}-w{int(weighted)}-ls{ls}")
+        ("1d", "2d", "4d"), ("ignore_default", "prob"), REDUCTIONS, ((False, 0.0), (True, 0.2))
+    ):
+        yield pytest.param(
+            shape, kind, reduction, weighted, ls, id=f"{shape}-{kind}-{reduction}-w{int(weighted)}-ls{ls}"
+        )
 
 
 @pytest.mark.parametrize("shape,kind,reduction,weighted,ls", list(_op_cases()))
@@ -573,8 +622,7 @@ def test_opcheck_bfloat16_and_all_ignored():
     x = torch.randn(4, C, 3, dtype=torch.bfloat16, requires_grad=True)
     t = torch.full((4, 3), -100)
     for reduction in ("none", "sum"):  # 'mean' is NaN, which opcheck's comparisons refuse
-        torch.library.opcheck(ops.cross_entropy.default, (x, t, None, reduction, -100, 0.1),
-                              test_utils=OPCHECK_UTILS)
+        torch.library.opcheck(ops.cross_entropy.default, (x, t, None, reduction, -100, 0.1), test_utils=OPCHECK_UTILS)
 
 
 def test_backward_op_alone():
@@ -587,8 +635,9 @@ def test_backward_op_alone():
         g = torch.rand_like(loss)
         gx, gp = ops.cross_entropy_backward(g, x, p, w, lse, reduction, -100, 0.3, True)
         xr, pr = x.clone().requires_grad_(), p.clone().requires_grad_()
-        want = torch.autograd.grad((F.cross_entropy(xr, pr, w, reduction=reduction, label_smoothing=0.3) * g).sum(),
-                                   (xr, pr))
+        want = torch.autograd.grad(
+            (F.cross_entropy(xr, pr, w, reduction=reduction, label_smoothing=0.3) * g).sum(), (xr, pr)
+        )
         assert_close64(gx, want[0])
         assert_close64(gp, want[1])
         gx2, gp2 = ops.cross_entropy_backward(g, x, p, w, lse, reduction, -100, 0.3, False)
@@ -598,6 +647,7 @@ def test_backward_op_alone():
 # ---------------------------------------------------------------------------
 # errors: PyTorch's exception types and messages
 # ---------------------------------------------------------------------------
+
 
 def _outcome(fn, *args, **kwargs):
     try:
@@ -610,8 +660,15 @@ def _outcome(fn, *args, **kwargs):
 
 
 L = torch.long
-_x2 = lambda: torch.randn(3, C)  # noqa: E731
-_t2 = lambda: torch.tensor([1, 2, 3])  # noqa: E731
+
+
+def _x2():
+    return torch.randn(3, C)
+
+
+def _t2():
+    return torch.tensor([1, 2, 3])
+
 
 ERROR_CASES = {
     # out-of-range targets: IndexError
@@ -652,13 +709,14 @@ ERROR_CASES = {
     "weight_0d": lambda: ((torch.randn(2, 1), torch.zeros(2, dtype=L)), {"weight": torch.tensor(1.0)}),
     "weight_length_ls": lambda: ((_x2(), _t2() % C), {"weight": torch.ones(4), "label_smoothing": 0.1}),
     "weight_length_3d": lambda: ((torch.randn(2, C, 3), torch.zeros(2, 3, dtype=L)), {"weight": torch.ones(4)}),
-    "weight_length_4d": lambda: ((torch.randn(2, C, 3, 3), torch.zeros(2, 3, 3, dtype=L)),
-                                 {"weight": torch.ones(4)}),
+    "weight_length_4d": lambda: ((torch.randn(2, C, 3, 3), torch.zeros(2, 3, 3, dtype=L)), {"weight": torch.ones(4)}),
     "weight_length_prob": lambda: ((_x2(), torch.rand(3, C)), {"weight": torch.ones(4)}),
     "weight_2d_prob": lambda: ((_x2(), torch.rand(3, C)), {"weight": torch.ones(1, C)}),
     "weight_dtype": lambda: ((_x2(), _t2() % C), {"weight": torch.ones(C, dtype=torch.float64)}),
-    "weight_dtype_4d": lambda: ((torch.randn(2, C, 3, 3), torch.zeros(2, 3, 3, dtype=L)),
-                                {"weight": torch.ones(C, dtype=torch.float64)}),
+    "weight_dtype_4d": lambda: (
+        (torch.randn(2, C, 3, 3), torch.zeros(2, 3, 3, dtype=L)),
+        {"weight": torch.ones(C, dtype=torch.float64)},
+    ),
     "weight_dtype_bf16": lambda: ((_x2().bfloat16(), _t2() % C), {"weight": torch.ones(C)}),
     "weight_int": lambda: ((_x2(), _t2() % C), {"weight": torch.ones(C, dtype=L)}),
     "weight_dtype_and_oob": lambda: ((_x2(), torch.tensor([1, 9, 1])), {"weight": torch.ones(C, dtype=torch.float64)}),
@@ -734,8 +792,19 @@ def test_out_of_bounds_message_exactly():
     assert str(e.value) == "Target 10 is out of bounds."
 
 
-@pytest.mark.parametrize("case", ["oob", "bad_reduction", "ls_above_1", "batch_mismatch", "weight_length",
-                                  "target_spatial_4d", "target_int32", "prob_ignore_index_0"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "oob",
+        "bad_reduction",
+        "ls_above_1",
+        "batch_mismatch",
+        "weight_length",
+        "target_spatial_4d",
+        "target_int32",
+        "prob_ignore_index_0",
+    ],
+)
 def test_module_errors_match_pytorch(case):
     args, kwargs = ERROR_CASES[case]()
     kwargs = {k: v for k, v in kwargs.items()}
@@ -755,31 +824,80 @@ def test_prob_weight_requires_grad_not_implemented():
 
 
 OP_ERRORS = [
-    ("input 0-d", lambda: ops.cross_entropy(torch.tensor(1.0), torch.tensor(0), None, "mean", -100, 0.0),
-     "input must be"),
-    ("bad reduction", lambda: ops.cross_entropy(torch.randn(3, C), torch.zeros(3, dtype=L), None, "avg", -100, 0.0),
-     "reduction must be"),
-    ("label_smoothing", lambda: ops.cross_entropy(torch.randn(3, C), torch.zeros(3, dtype=L), None, "mean", -100,
-                                                  -0.1), "label_smoothing"),
-    ("target shape", lambda: ops.cross_entropy(torch.randn(3, C), torch.zeros(4, dtype=L), None, "mean", -100, 0.0),
-     "class-index target must have shape"),
-    ("target dtype", lambda: ops.cross_entropy(torch.randn(3, C), torch.zeros(3, dtype=torch.int32), None, "mean",
-                                               -100, 0.0), "target must be int64"),
-    ("prob dtype", lambda: ops.cross_entropy(torch.randn(3, C), torch.rand(3, C, dtype=torch.float64), None,
-                                             "mean", -100, 0.0), "probability target"),
-    ("weight", lambda: ops.cross_entropy(torch.randn(3, C), torch.zeros(3, dtype=L), torch.ones(4), "mean", -100,
-                                         0.0), "weight must be"),
-    ("input int", lambda: ops.cross_entropy(torch.ones(3, C, dtype=L), torch.zeros(3, dtype=L), None, "mean", -100,
-                                            0.0), "input must be float32"),
-    ("oob", lambda: ops.cross_entropy(torch.randn(3, C), torch.tensor([0, 5, 1]), None, "mean", -100, 0.0),
-     "Target 5 is out of bounds."),
-    ("bwd lse", lambda: ops.cross_entropy_backward(torch.tensor(1.0), torch.randn(3, C), torch.zeros(3, dtype=L),
-                                                   None, torch.zeros(4), "mean", -100, 0.0, False), "lse"),
-    ("bwd grad", lambda: ops.cross_entropy_backward(torch.ones(2), torch.randn(3, C), torch.zeros(3, dtype=L),
-                                                    None, torch.zeros(3), "none", -100, 0.0, False), "grad_loss"),
-    ("bwd target_grad", lambda: ops.cross_entropy_backward(torch.tensor(1.0), torch.randn(3, C),
-                                                           torch.zeros(3, dtype=L), None, torch.zeros(3), "mean",
-                                                           -100, 0.0, True), "target_grad"),
+    (
+        "input 0-d",
+        lambda: ops.cross_entropy(torch.tensor(1.0), torch.tensor(0), None, "mean", -100, 0.0),
+        "input must be",
+    ),
+    (
+        "bad reduction",
+        lambda: ops.cross_entropy(torch.randn(3, C), torch.zeros(3, dtype=L), None, "avg", -100, 0.0),
+        "reduction must be",
+    ),
+    (
+        "label_smoothing",
+        lambda: ops.cross_entropy(torch.randn(3, C), torch.zeros(3, dtype=L), None, "mean", -100, -0.1),
+        "label_smoothing",
+    ),
+    (
+        "target shape",
+        lambda: ops.cross_entropy(torch.randn(3, C), torch.zeros(4, dtype=L), None, "mean", -100, 0.0),
+        "class-index target must have shape",
+    ),
+    (
+        "target dtype",
+        lambda: ops.cross_entropy(torch.randn(3, C), torch.zeros(3, dtype=torch.int32), None, "mean", -100, 0.0),
+        "target must be int64",
+    ),
+    (
+        "prob dtype",
+        lambda: ops.cross_entropy(torch.randn(3, C), torch.rand(3, C, dtype=torch.float64), None, "mean", -100, 0.0),
+        "probability target",
+    ),
+    (
+        "weight",
+        lambda: ops.cross_entropy(torch.randn(3, C), torch.zeros(3, dtype=L), torch.ones(4), "mean", -100, 0.0),
+        "weight must be",
+    ),
+    (
+        "input int",
+        lambda: ops.cross_entropy(torch.ones(3, C, dtype=L), torch.zeros(3, dtype=L), None, "mean", -100, 0.0),
+        "input must be float32",
+    ),
+    (
+        "oob",
+        lambda: ops.cross_entropy(torch.randn(3, C), torch.tensor([0, 5, 1]), None, "mean", -100, 0.0),
+        "Target 5 is out of bounds.",
+    ),
+    (
+        "bwd lse",
+        lambda: ops.cross_entropy_backward(
+            torch.tensor(1.0),
+            torch.randn(3, C),
+            torch.zeros(3, dtype=L),
+            None,
+            torch.zeros(4),
+            "mean",
+            -100,
+            0.0,
+            False,
+        ),
+        "lse",
+    ),
+    (
+        "bwd grad",
+        lambda: ops.cross_entropy_backward(
+            torch.ones(2), torch.randn(3, C), torch.zeros(3, dtype=L), None, torch.zeros(3), "none", -100, 0.0, False
+        ),
+        "grad_loss",
+    ),
+    (
+        "bwd target_grad",
+        lambda: ops.cross_entropy_backward(
+            torch.tensor(1.0), torch.randn(3, C), torch.zeros(3, dtype=L), None, torch.zeros(3), "mean", -100, 0.0, True
+        ),
+        "target_grad",
+    ),
 ]
 
 

@@ -9,6 +9,7 @@ The reference is the composition of native ops:
 reduced as F.cross_entropy reduces ('mean': over the summed weight of the
 kept rows, or the number of rows with probability targets).
 """
+
 import itertools
 
 import pytest
@@ -25,13 +26,15 @@ REDUCTIONS = ("none", "mean", "sum")
 VARIANTS = ("scalar", "avx2", "avx512")
 
 
-def ref_cross_entropy(x, t, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                      z_loss=0.0, softcap=None):
+def ref_cross_entropy(
+    x, t, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None
+):
     """The composition of native ops that our options mean."""
     cdim = 0 if x.dim() == 1 else 1
     y = softcap * torch.tanh(x / softcap) if softcap else x
-    ce = F.cross_entropy(y, t, weight=weight, ignore_index=ignore_index, reduction="none",
-                         label_smoothing=label_smoothing)
+    ce = F.cross_entropy(
+        y, t, weight=weight, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing
+    )
     prob = t.is_floating_point()
     kept = torch.ones_like(ce, dtype=torch.bool) if prob else t != ignore_index
     if z_loss:
@@ -47,7 +50,6 @@ def ref_cross_entropy(x, t, weight=None, ignore_index=-100, reduction="mean", la
     else:
         divisor = torch.where(kept, weight[t.clamp(0, x.shape[cdim] - 1)], 0).sum()
     return ce.sum() / divisor
-
 
 
 def _grads(fn, x, t, upstream, dtype, **kw):
@@ -93,6 +95,7 @@ def _inputs(shape, kind, dtype, C):
 # z-loss and soft-capping: parity with the composition of native ops
 # ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", (torch.float64, torch.float32, torch.bfloat16, torch.float16), ids=str)
 @pytest.mark.parametrize("shape", [(9, 37), (3, 11, 4), (4, 200)], ids=str)
 @pytest.mark.parametrize("kind", ["index", "prob"])
@@ -100,12 +103,19 @@ def test_z_loss_and_softcap_parity(kind, shape, dtype):
     C = shape[1]
     x, t = _inputs(shape, kind, dtype, C)
     w = torch.rand(C, dtype=torch.float64) + 0.25
-    for z, cap, ls, weight, reduction in itertools.product((0.0, 1e-2), (None, 4.0), (0.0, 0.2), (None, w),
-                                                            REDUCTIONS):
+    for z, cap, ls, weight, reduction in itertools.product((0.0, 1e-2), (None, 4.0), (0.0, 0.2), (None, w), REDUCTIONS):
         if z == 0.0 and cap is None:
             continue  # plain F.cross_entropy: test_cross_entropy.py
-        _compare(x, t, f"z={z} cap={cap} ls={ls} w={weight is not None} {reduction}", weight=weight, z_loss=z,
-                 softcap=cap, label_smoothing=ls, reduction=reduction)
+        _compare(
+            x,
+            t,
+            f"z={z} cap={cap} ls={ls} w={weight is not None} {reduction}",
+            weight=weight,
+            z_loss=z,
+            softcap=cap,
+            label_smoothing=ls,
+            reduction=reduction,
+        )
 
 
 def test_softcap_extremes():
@@ -131,12 +141,32 @@ def test_gradcheck_options(kind, reduction):
     w = torch.rand(7, dtype=torch.float64) + 0.5
     for z, cap, ls, weight in ((1e-1, None, 0.0, None), (0.0, 2.0, 0.1, w), (5e-2, 3.0, 0.3, None)):
         if kind == "prob":
-            fn = lambda x, p: tmaF.cross_entropy(x, p, weight=weight, reduction=reduction,  # noqa: E731
-                                                 label_smoothing=ls, z_loss=z, softcap=cap)
+
+            def fn(x, p):
+                return tmaF.cross_entropy(
+                    x,
+                    p,
+                    weight=weight,
+                    reduction=reduction,
+                    label_smoothing=ls,
+                    z_loss=z,
+                    softcap=cap,
+                )
+
             inputs = (x.clone().requires_grad_(), t.clone().requires_grad_())
         else:
-            fn = lambda x: tmaF.cross_entropy(x, t, weight=weight, reduction=reduction,  # noqa: E731
-                                              label_smoothing=ls, z_loss=z, softcap=cap)
+
+            def fn(x):
+                return tmaF.cross_entropy(
+                    x,
+                    t,
+                    weight=weight,
+                    reduction=reduction,
+                    label_smoothing=ls,
+                    z_loss=z,
+                    softcap=cap,
+                )
+
             inputs = (x.clone().requires_grad_(),)
         assert gradcheck(fn, inputs), f"z={z} cap={cap} ls={ls}"
 
@@ -168,6 +198,7 @@ def test_module_options():
 # ---------------------------------------------------------------------------
 # inplace_backward: the gradient overwrites the logits
 # ---------------------------------------------------------------------------
+
 
 def _lm_head(dtype=torch.float32, N=12, d=8, V=300):
     h = torch.randn(N, d, dtype=dtype, requires_grad=True)
@@ -216,15 +247,16 @@ def test_inplace_backward_guards():
         loss.backward()
     # expanded logits cannot be written in place
     with pytest.raises(RuntimeError, match="in place"):
-        ops.cross_entropy(torch.randn(1, 300).expand(4, 300), t[:4].clamp(min=0), None, "mean", -100, 0.0, 0.0,
-                          None, True)
+        ops.cross_entropy(
+            torch.randn(1, 300).expand(4, 300), t[:4].clamp(min=0), None, "mean", -100, 0.0, 0.0, None, True
+        )
 
 
 def test_inplace_backward_module_and_probabilities():
     h, W, t = _lm_head(torch.float64)
     m = tma.CrossEntropyLoss(inplace_backward=True, label_smoothing=0.2)
-    gh, = torch.autograd.grad(m(h @ W.T, t), h)
-    want, = torch.autograd.grad(F.cross_entropy(h @ W.T, t, label_smoothing=0.2), h)
+    (gh,) = torch.autograd.grad(m(h @ W.T, t), h)
+    (want,) = torch.autograd.grad(F.cross_entropy(h @ W.T, t, label_smoothing=0.2), h)
     assert_close64(gh, want)
     p = torch.rand(12, 300, dtype=torch.float64, requires_grad=True)  # target grad wanted: out of place
     logits = h @ W.T
@@ -252,16 +284,22 @@ def test_opcheck_options(dtype):
         torch.library.opcheck(ops.cross_entropy.default, args, test_utils=OPCHECK_UTILS)
         loss, lse = ops.cross_entropy(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
         g = torch.rand_like(loss)
-        torch.library.opcheck(ops.cross_entropy_backward.default,
-                              (g, x.detach(), t, w, lse, reduction, -100, 0.1, False, z, cap),
-                              test_utils=OPCHECK_UTILS)
-        torch.library.opcheck(ops.cross_entropy_backward_.default,
-                              (g, x.detach().clone(), t, w, lse, reduction, -100, 0.1, z, cap),
-                              test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(
+            ops.cross_entropy_backward.default,
+            (g, x.detach(), t, w, lse, reduction, -100, 0.1, False, z, cap),
+            test_utils=OPCHECK_UTILS,
+        )
+        torch.library.opcheck(
+            ops.cross_entropy_backward_.default,
+            (g, x.detach().clone(), t, w, lse, reduction, -100, 0.1, z, cap),
+            test_utils=("test_schema", "test_faketensor"),
+        )
     for scale in (None, 0.25):
-        torch.library.opcheck(ops.cross_entropy_chunk_.default,
-                              (x.detach().clone(), t, w, scale, -100, 0.1, 1e-3, 5.0),
-                              test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(
+            ops.cross_entropy_chunk_.default,
+            (x.detach().clone(), t, w, scale, -100, 0.1, 1e-3, 5.0),
+            test_utils=("test_schema", "test_faketensor"),
+        )
 
 
 @pytest.mark.parametrize("isa", VARIANTS)
@@ -273,6 +311,7 @@ def test_backward_inplace_and_chunk_match_the_ops(dtype, isa):
     x, t = _inputs((40, C), "index", dtype, C)
     w = (torch.rand(C) + 0.5).to(dtype)
     for weight, ls, z, cap in ((None, 0.0, 0.0, None), (w, 0.1, 1e-3, 15.0), (None, 0.3, 0.0, 2.0)):
+
         def go():
             loss, lse = ops.cross_entropy(x, t, weight, "none", -100, ls, z, cap)
             g = torch.rand_like(loss)
@@ -282,15 +321,18 @@ def test_backward_inplace_and_chunk_match_the_ops(dtype, isa):
             chunk = x.clone()
             l2, lse2 = ops.cross_entropy_chunk_(chunk, t, weight, 0.5, -100, ls, z, cap)
             l3, lse3 = ops.cross_entropy_chunk_(x, t, weight, None, -100, ls, z, cap)  # forward only: x untouched
-            gs, _ = ops.cross_entropy_backward(torch.full_like(loss, 0.5), x, t, weight, lse, "none", -100, ls,
-                                               False, z, cap)
+            gs, _ = ops.cross_entropy_backward(
+                torch.full_like(loss, 0.5), x, t, weight, lse, "none", -100, ls, False, z, cap
+            )
             return loss, lse, gx, y, l2, lse2, chunk, l3, lse3, gs
+
         loss, lse, gx, y, l2, lse2, chunk, l3, lse3, gs = run_isa(isa, go)
-        assert torch.equal(y, gx)                      # in place: the same bits as a new buffer
+        assert torch.equal(y, gx)  # in place: the same bits as a new buffer
         assert torch.equal(lse2, lse) and torch.equal(lse3, lse)
-        torch.testing.assert_close(l2, loss.to(l2.dtype), rtol=0, atol=0) if dtype != torch.bfloat16 else \
-            torch.testing.assert_close(l2.to(dtype), loss)
-        assert torch.equal(chunk, gs)                  # the fused gradient = the backward's, same bits
+        torch.testing.assert_close(
+            l2, loss.to(l2.dtype), rtol=0, atol=0
+        ) if dtype != torch.bfloat16 else torch.testing.assert_close(l2.to(dtype), loss)
+        assert torch.equal(chunk, gs)  # the fused gradient = the backward's, same bits
         assert torch.equal(l3, l2)
 
 
@@ -299,7 +341,15 @@ def test_backward_inplace_and_chunk_match_the_ops(dtype, isa):
 # ---------------------------------------------------------------------------
 
 SIMD_CASES = [  # (N, C): C around the vector widths (8, 16) and the blocks (32, 64, 128)
-    (5, 1), (7, 15), (3, 16), (9, 17), (4, 127), (6, 128), (5, 129), (3, 1000), (2, 32000),
+    (5, 1),
+    (7, 15),
+    (3, 16),
+    (9, 17),
+    (4, 127),
+    (6, 128),
+    (5, 129),
+    (3, 1000),
+    (2, 32000),
 ]
 
 
@@ -315,8 +365,12 @@ def test_variant_matches_scalar_and_torch(NC, dtype, isa):
     t[1::3] = -100
     w = torch.rand(C, dtype=torch.float64) + 0.5
     tol = {torch.float32: 3e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
-    for weight, ls, z, cap, reduction in ((None, 0.0, 0.0, None, "mean"), (w, 0.2, 0.0, None, "none"),
-                                          (None, 0.1, 1e-2, 6.0, "sum"), (w, 0.0, 1e-3, 30.0, "none")):
+    for weight, ls, z, cap, reduction in (
+        (None, 0.0, 0.0, None, "mean"),
+        (w, 0.2, 0.0, None, "none"),
+        (None, 0.1, 1e-2, 6.0, "sum"),
+        (w, 0.0, 1e-3, 30.0, "none"),
+    ):
         kw = dict(weight=weight, label_smoothing=ls, z_loss=z, softcap=cap, reduction=reduction)
         upstream = torch.rand(N if reduction == "none" else (), dtype=torch.float64) + 0.5
         ref = run_isa("scalar", lambda: _grads(tmaF.cross_entropy, x, t, upstream, dtype, **dict(kw)))
@@ -339,15 +393,31 @@ def test_variant_special_values(isa):
     x[1] = float("-inf")
     x[2, 33] = float("nan")
     x[3, 40] = float("inf")
-    x[4] = float("nan")            # ignored: must not leak
+    x[4] = float("nan")  # ignored: must not leak
     t = torch.tensor([1, 2, 3, 4, -100, 6])
     for dtype in (torch.float64, torch.float32, torch.bfloat16):
         for ls, reduction in itertools.product((0.0, 0.1), ("none", "sum")):
-            got = run_isa(isa, lambda: _grads(tmaF.cross_entropy, x, t, torch.ones(6 if reduction == "none" else ()),
-                                              dtype, reduction=reduction, label_smoothing=ls))
-            want = _grads(F.cross_entropy, x.to(dtype).double()[[0, 1, 2, 3, 5]], t[[0, 1, 2, 3, 5]],
-                          torch.ones(5 if reduction == "none" else ()), torch.float64, reduction=reduction,
-                          label_smoothing=ls)
+            got = run_isa(
+                isa,
+                lambda: _grads(
+                    tmaF.cross_entropy,
+                    x,
+                    t,
+                    torch.ones(6 if reduction == "none" else ()),
+                    dtype,
+                    reduction=reduction,
+                    label_smoothing=ls,
+                ),
+            )
+            want = _grads(
+                F.cross_entropy,
+                x.to(dtype).double()[[0, 1, 2, 3, 5]],
+                t[[0, 1, 2, 3, 5]],
+                torch.ones(5 if reduction == "none" else ()),
+                torch.float64,
+                reduction=reduction,
+                label_smoothing=ls,
+            )
             if reduction == "none":
                 keep = [0, 1, 2, 3, 5]
                 assert torch.equal(got[0][keep].double().isnan(), want[0].isnan())
@@ -355,8 +425,12 @@ def test_variant_special_values(isa):
             assert torch.equal(got[1][4], torch.zeros(C, dtype=dtype))
             assert torch.equal(got[1][[0, 1, 2, 3, 5]].double().isnan(), want[1].isnan())
             fin = torch.isfinite(want[1])
-            torch.testing.assert_close(got[1][[0, 1, 2, 3, 5]].double()[fin], want[1][fin],
-                                       rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                got[1][[0, 1, 2, 3, 5]].double()[fin],
+                want[1][fin],
+                rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+                atol=1e-5,
+            )
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
@@ -382,8 +456,21 @@ def test_variant_deterministic_across_thread_counts(isa):
     try:
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            results.append(run_isa(isa, lambda: _grads(tmaF.cross_entropy, x, t, torch.ones(()), torch.float32,
-                                                       label_smoothing=0.1, z_loss=1e-3, softcap=9.0)))
+            results.append(
+                run_isa(
+                    isa,
+                    lambda: _grads(
+                        tmaF.cross_entropy,
+                        x,
+                        t,
+                        torch.ones(()),
+                        torch.float32,
+                        label_smoothing=0.1,
+                        z_loss=1e-3,
+                        softcap=9.0,
+                    ),
+                )
+            )
     finally:
         torch.set_num_threads(before)
     for r in results[1:]:

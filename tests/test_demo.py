@@ -3,6 +3,7 @@ built on torch_masked_attn (+ fused linear cross-entropy) and the one built on
 torch.nn (+ F.cross_entropy), from identical weights on identical batches of
 pydoc_data.topics paragraphs, agree at the first step within float32 noise,
 both learn, and agree on held-out perplexity."""
+
 import importlib.util
 import math
 import os
@@ -27,7 +28,7 @@ def test_corpus_and_byte_tokenizer():
     tok = demo.ByteTokenizer()
     text = held[3] + " \u2014 caf\u00e9"
     assert tok.decode([demo.BOS] + tok.encode(text)) == text
-    seqs = demo.windows(held[:5], tok, 64)         # long paragraphs: several windows
+    seqs = demo.windows(held[:5], tok, 64)  # long paragraphs: several windows
     assert len(seqs) > 5 and all(2 <= len(s) <= 65 for s in seqs)
     tokens, targets, padding = demo.pad_batch(seqs)
     assert ((targets == demo.IGNORE) == padding).all() and tokens.size(1) == 64
@@ -38,18 +39,19 @@ def test_demo_runs_agree_and_learn():
     pytest.importorskip("tokenizers")
     demo = load_demo()
     steps = 8
-    hist, models, data = demo.train(steps=steps, batch_size=8, max_len=64, d=64, layers=2, log_every=4,
-                                    eval_every=steps, verbose=False)
+    hist, models, data = demo.train(
+        steps=steps, batch_size=8, max_len=64, d=64, layers=2, log_every=4, eval_every=steps, verbose=False
+    )
     native, ours = hist["native"]["loss"], hist["ours"]["loss"]
     assert len(native) == len(ours) == steps
     assert all(math.isfinite(v) for v in native + ours)
     # identical weights, identical batch: only float32 rounding differs at the first step
     assert abs(native[0] - ours[0]) <= 1e-5 * abs(native[0]), (native[0], ours[0])
-    assert abs(native[0] - math.log(data["tok"].vocab_size)) < 0.5     # starts near uniform
-    (s_n, nll_n), = hist["native"]["eval"]
-    (s_o, nll_o), = hist["ours"]["eval"]
+    assert abs(native[0] - math.log(data["tok"].vocab_size)) < 0.5  # starts near uniform
+    ((s_n, nll_n),) = hist["native"]["eval"]
+    ((s_o, nll_o),) = hist["ours"]["eval"]
     assert s_n == s_o == steps
-    for losses, nll in ((native, nll_n), (ours, nll_o)):              # both learn
+    for losses, nll in ((native, nll_n), (ours, nll_o)):  # both learn
         assert losses[-1] < losses[0] - 0.3 and nll < native[0] - 0.3, (losses, nll)
     assert abs(math.exp(nll_o) / math.exp(nll_n) - 1) < 1e-3, (nll_n, nll_o)
     text = demo.sample(models["ours"], data["tok"], "The ", n_tokens=5, max_len=64)

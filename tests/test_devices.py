@@ -3,6 +3,7 @@ PyTorch's native ops (functional.native_attention, losses.native_cross_entropy)
 with our semantics. Here, on a CPU-only machine: the dispatch decision, and
 the fallback forced onto CPU tensors compared value for value (and gradient
 for gradient) with the kernels; the CUDA test runs where CUDA is."""
+
 import pytest
 import torch
 import torch.nn as nn
@@ -29,23 +30,29 @@ def test_dispatch_decision():
     out = tF.masked_attention(q, q, q, is_causal=True)
     assert out.device.type == "meta" and out.shape == (2, 4, 5, 8) and out.transpose(1, 2).is_contiguous()
     mha = tma.MultiheadAttention(32, 4, batch_first=True, device="meta")
-    y, w = mha(torch.empty(2, 5, 32, device="meta"), torch.empty(2, 5, 32, device="meta"),
-               torch.empty(2, 5, 32, device="meta"))
+    y, w = mha(
+        torch.empty(2, 5, 32, device="meta"), torch.empty(2, 5, 32, device="meta"), torch.empty(2, 5, 32, device="meta")
+    )
     assert y.shape == (2, 5, 32) and w.shape == (2, 5, 5)
-    loss = tma.functional.cross_entropy(torch.empty(6, 10, device="meta"),
-                                        torch.empty(6, dtype=torch.long, device="meta"), z_loss=1e-4)
+    loss = tma.functional.cross_entropy(
+        torch.empty(6, 10, device="meta"), torch.empty(6, dtype=torch.long, device="meta"), z_loss=1e-4
+    )
     assert loss.shape == () and loss.device.type == "meta"
 
 
 def _grads(outs, inputs):
     g = torch.Generator().manual_seed(1)
-    loss = sum((o.nan_to_num(neginf=0.0) * torch.randn(o.shape, dtype=o.dtype, generator=g)).sum()
-               for o in outs if o.requires_grad)
+    loss = sum(
+        (o.nan_to_num(neginf=0.0) * torch.randn(o.shape, dtype=o.dtype, generator=g)).sum()
+        for o in outs
+        if o.requires_grad
+    )
     return torch.autograd.grad(loss, inputs, allow_unused=True)
 
 
-@pytest.mark.parametrize("case", ["bool", "bool+kpm+causal", "float+head+weights+lse", "causal", "kpm+weights",
-                                  "gqa+dead"])
+@pytest.mark.parametrize(
+    "case", ["bool", "bool+kpm+causal", "float+head+weights+lse", "causal", "kpm+weights", "gqa+dead"]
+)
 def test_native_attention_matches_kernels(case):
     """The fallback, called on CPU tensors, against the kernels: values,
     weights, lse (-inf on fully masked rows) and every gradient, float64."""
@@ -56,24 +63,37 @@ def test_native_attention_matches_kernels(case):
     k = torch.randn(B, Hkv, S, D, **f64, requires_grad=True)
     v = torch.randn(B, Hkv, S, D + 3, **f64, requires_grad=True)
     am = torch.rand(L, S) < 0.3
-    am[2] = True                                   # a fully masked row
+    am[2] = True  # a fully masked row
     kpm = torch.zeros(B, S, dtype=torch.bool)
     kpm[1, 5:] = True
     hm = torch.rand(H, **f64, requires_grad=True)
     fm = torch.randn(B, 1, L, S, **f64)
-    fm[0, 0, 3] = float("-inf")                    # a fully masked row, float form
+    fm[0, 0, 3] = float("-inf")  # a fully masked row, float form
     fm.requires_grad_(True)
-    kw = {"bool": dict(attn_mask=am), "bool+kpm+causal": dict(attn_mask=am, key_padding_mask=kpm, is_causal=True),
-          "float+head+weights+lse": dict(attn_mask=fm, head_mask=hm, need_weights=True, return_lse=True),
-          "causal": dict(is_causal=True), "kpm+weights": dict(key_padding_mask=kpm, need_weights=True),
-          "gqa+dead": dict(attn_mask=am, key_padding_mask=kpm, return_lse=True)}[case]
+    kw = {
+        "bool": dict(attn_mask=am),
+        "bool+kpm+causal": dict(attn_mask=am, key_padding_mask=kpm, is_causal=True),
+        "float+head+weights+lse": dict(attn_mask=fm, head_mask=hm, need_weights=True, return_lse=True),
+        "causal": dict(is_causal=True),
+        "kpm+weights": dict(key_padding_mask=kpm, need_weights=True),
+        "gqa+dead": dict(attn_mask=am, key_padding_mask=kpm, return_lse=True),
+    }[case]
     leaves = (q, k, v, hm, fm)
     ours = tF.masked_attention(q, k, v, **kw)
     ours = ours if isinstance(ours, tuple) else (ours,)
     g_ours = _grads(ours, leaves)
     nat_out, nat_lse, nat_w = tF.native_attention(
-        q, k, v, kw.get("attn_mask"), kw.get("key_padding_mask"), kw.get("head_mask"), kw.get("is_causal", False),
-        None, kw.get("need_weights", False), kw.get("return_lse", False))
+        q,
+        k,
+        v,
+        kw.get("attn_mask"),
+        kw.get("key_padding_mask"),
+        kw.get("head_mask"),
+        kw.get("is_causal", False),
+        None,
+        kw.get("need_weights", False),
+        kw.get("return_lse", False),
+    )
     nat = (nat_out,) + ((nat_w,) if kw.get("need_weights") else ()) + ((nat_lse,) if kw.get("return_lse") else ())
     g_nat = _grads(nat, leaves)
     assert len(ours) == len(nat)
@@ -98,8 +118,9 @@ def test_native_attention_low_precision(dtype):
     torch.testing.assert_close(nat, ours, **tol)
 
 
-@pytest.mark.parametrize("case", ["plain", "weight+ls+ignore", "zloss+softcap", "zloss+weight+ignore",
-                                  "probs+zloss", "spatial+zloss"])
+@pytest.mark.parametrize(
+    "case", ["plain", "weight+ls+ignore", "zloss+softcap", "zloss+weight+ignore", "probs+zloss", "spatial+zloss"]
+)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_native_cross_entropy_matches_kernels(case, reduction):
     f64 = dict(dtype=torch.float64)
@@ -197,9 +218,14 @@ def test_fallback_dropout_runs(native_on_cpu):
     a = mha(x, x, x, need_weights=False)[0]
     b = mha(x, x, x, need_weights=False)[0]
     assert not torch.equal(a, b)
-    out, w = tF.masked_attention(x.view(2, 5, 2, 8).transpose(1, 2), x.view(2, 5, 2, 8).transpose(1, 2),
-                                 x.view(2, 5, 2, 8).transpose(1, 2), dropout_p=0.5, need_weights=True)
-    assert ((w == 0).float().mean() > 0.2)
+    out, w = tF.masked_attention(
+        x.view(2, 5, 2, 8).transpose(1, 2),
+        x.view(2, 5, 2, 8).transpose(1, 2),
+        x.view(2, 5, 2, 8).transpose(1, 2),
+        dropout_p=0.5,
+        need_weights=True,
+    )
+    assert (w == 0).float().mean() > 0.2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -216,7 +242,7 @@ def test_cuda_model_matches_cpu():
         torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-3, atol=1e-5, msg=n)
     q = torch.randn(2, 4, 9, 8, device="cuda")
     kpm = torch.zeros(2, 9, dtype=torch.bool, device="cuda")
-    kpm[1] = True                                  # every key of batch 1 masked: 0, not NaN
+    kpm[1] = True  # every key of batch 1 masked: 0, not NaN
     out = tF.masked_attention(q, q, q, key_padding_mask=kpm)
     assert out.device.type == "cuda" and not out.isnan().any() and (out[1] == 0).all()
 

@@ -7,6 +7,7 @@ backward, against eager.
 Attention dropout is 0 in the distributed tests; the last compile test sets
 the attention's to 0.1 (compiled and eager draw the same masks from the same
 seed)."""
+
 import gc
 import os
 import tempfile
@@ -31,8 +32,10 @@ class SmallLM(nn.Module):
         super().__init__()
         self.emb = nn.Embedding(V, E)
         self.pos = nn.Parameter(torch.randn(L, E) * 0.02)
-        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(E, H, 2 * E, dropout=DROPOUT, batch_first=True,
-                                                               norm_first=True) for _ in range(2))
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(E, H, 2 * E, dropout=DROPOUT, batch_first=True, norm_first=True)
+            for _ in range(2)
+        )
         self.head = nn.Linear(E, V)
         self.loss = tma.CrossEntropyLoss(ignore_index=-100)
         tma.replace_attention(self)
@@ -77,7 +80,7 @@ def _ddp_steps(rank, world, out):
     model = nn.parallel.DistributedDataParallel(_model())
     idx, target = _data()
     n = B // world
-    model(idx[rank * n:(rank + 1) * n], target[rank * n:(rank + 1) * n]).backward()
+    model(idx[rank * n : (rank + 1) * n], target[rank * n : (rank + 1) * n]).backward()
     if rank == 0:
         torch.save({k: p.grad for k, p in model.module.named_parameters()}, out)
 
@@ -85,6 +88,7 @@ def _ddp_steps(rank, world, out):
 def _fsdp_steps(rank, world, out):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
     model = _model()
     mesh = init_device_mesh("cpu", (world,))
     for layer in model.layers:
@@ -95,7 +99,7 @@ def _fsdp_steps(rank, world, out):
     losses = []
     for _ in range(5):
         idx, target = _data()
-        loss = model(idx[rank * n:(rank + 1) * n], target[rank * n:(rank + 1) * n])
+        loss = model(idx[rank * n : (rank + 1) * n], target[rank * n : (rank + 1) * n])
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -155,7 +159,7 @@ def test_fsdp2_trains_like_single_process():
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    assert losses[-1] < losses[0]                 # it trains
+    assert losses[-1] < losses[0]  # it trains
     torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(losses), rtol=1e-4, atol=1e-5)
     for k, v in model.state_dict().items():
         torch.testing.assert_close(res["state"][k], v, rtol=1e-4, atol=1e-5, msg=k)

@@ -16,6 +16,7 @@ csrc/attention/philox.h), and the backward regenerates it. Checked here:
 * opcheck and bad input;
 * training equivalence with nn.TransformerEncoderLayer (statistical, 5 seeds).
 """
+
 from __future__ import annotations
 
 import math
@@ -37,8 +38,9 @@ M32 = 0xFFFFFFFF
 
 # ---- the generator, re-implemented in plain torch -----------------------------
 
+
 def _mulhilo(a, m):
-    prod = a * m                       # < 2^64: int64 wraps, the low 64 bits are exact
+    prod = a * m  # < 2^64: int64 wraps, the low 64 bits are exact
     return (prod >> 32) & M32, prod & M32
 
 
@@ -61,7 +63,7 @@ def keep_mask(seed_tensor, B, H, Lq, Lk, p):
     k0, k1 = seed & M32, (seed >> 32) ^ (offset >> 32)
     b, h, i, j = torch.meshgrid(*(torch.arange(n) for n in (B, H, Lq, Lk)), indexing="ij")
     words = philox(j >> 3, i, (b * H + h) & M32, offset & M32, k0, k1)
-    w = torch.stack(words, -1)                                      # (..., 4)
+    w = torch.stack(words, -1)  # (..., 4)
     sel = torch.gather(w, -1, ((j & 7) >> 1).unsqueeze(-1)).squeeze(-1)
     u = (sel >> (16 * (j & 1))) & 0xFFFF
     return u >= round(p * 65536)
@@ -72,8 +74,11 @@ def test_philox_known_answers():
     cases = [
         ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
         ((M32,) * 4, (M32, M32), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-        ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-         (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+        (
+            (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+            (0xA4093822, 0x299F31D0),
+            (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+        ),
     ]
     for ctr, key, want in cases:
         got = tuple(int(x) for x in philox(*ctr, *key))
@@ -82,8 +87,11 @@ def test_philox_known_answers():
 
 def _qkv(B=2, H=3, Hkv=None, Lq=37, Lk=45, D=16, Dv=12, dtype=torch.float32):
     Hkv = Hkv or H
-    return (torch.randn(B, H, Lq, D, dtype=dtype), torch.randn(B, Hkv, Lk, D, dtype=dtype),
-            torch.randn(B, Hkv, Lk, Dv, dtype=dtype))
+    return (
+        torch.randn(B, H, Lq, D, dtype=dtype),
+        torch.randn(B, Hkv, Lk, D, dtype=dtype),
+        torch.randn(B, Hkv, Lk, Dv, dtype=dtype),
+    )
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -118,6 +126,7 @@ def test_short_rows_path(isa, Lq):
 
 # ---- statistics ---------------------------------------------------------------
 
+
 def _binomial_ok(kept, n, keep_prob, sigmas=5.0):
     sd = math.sqrt(n * keep_prob * (1 - keep_prob))
     return abs(kept - n * keep_prob) <= sigmas * sd + 1
@@ -138,19 +147,19 @@ def test_statistics(p, dtype):
     ref = w.double() @ v.double()
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * 10 * ref.abs().max().item())
     # lse is the undropped softmax's
-    assert torch.equal(masked_attention(q, k, v, dropout_p=p, return_lse=True)[1],
-                       masked_attention(q, k, v, return_lse=True)[1])
+    assert torch.equal(
+        masked_attention(q, k, v, dropout_p=p, return_lse=True)[1], masked_attention(q, k, v, return_lse=True)[1]
+    )
 
 
 def test_masks_with_dropout():
     """Masked entries stay 0, fully masked rows stay 0, the head mask scales after dropout."""
     q, k, v = _qkv(2, 3, None, 20, 30, dtype=torch.float64)
     am = torch.rand(2, 3, 20, 30) < 0.3
-    am[:, :, 4] = True                                    # fully masked row
+    am[:, :, 4] = True  # fully masked row
     hm = torch.rand(3, dtype=torch.float64) + 0.5
     seed = ops.new_dropout_seed()
-    out, w = masked_attention(q, k, v, attn_mask=am, head_mask=hm, dropout_p=0.4, dropout_seed=seed,
-                              need_weights=True)
+    out, w = masked_attention(q, k, v, attn_mask=am, head_mask=hm, dropout_p=0.4, dropout_seed=seed, need_weights=True)
     _, w0 = masked_attention(q, k, v, attn_mask=am, need_weights=True)
     z = keep_mask(seed, 2, 3, 20, 30, 0.4)
     torch.testing.assert_close(w, w0 * z / 0.6 * hm.view(1, 3, 1, 1), rtol=1e-12, atol=1e-14)
@@ -167,6 +176,7 @@ def test_p_one_and_tiny():
 
 
 # ---- gradients --------------------------------------------------------------
+
 
 def _ref_from_mask(q, k, v, z, p, scale, bias=None, hm=None, is_causal=False):
     """float64 reference: P = softmax(scale q k^T + bias), P' = hm P Z / (1 - p)."""
@@ -195,7 +205,7 @@ def test_gradients_vs_reference(isa, loss_on_weights, case):
     if case == "causal-gqa":
         Hkv, Lq, Lk, kw["is_causal"] = 2, 70, 70, True
     if case == "chunks":
-        B, H, Hkv, Lq, Lk = 1, 2, 1, 40, 200   # key chunks > 1 in the single pass
+        B, H, Hkv, Lq, Lk = 1, 2, 1, 40, 200  # key chunks > 1 in the single pass
     q, k, v = (t.requires_grad_() for t in _qkv(B, H, Hkv, Lq, Lk, D=16, Dv=8, dtype=dtype))
     bias = hm = None
     if case == "masks":
@@ -204,8 +214,7 @@ def test_gradients_vs_reference(isa, loss_on_weights, case):
         hm = (torch.rand(H, dtype=dtype) + 0.5).requires_grad_()
         kw.update(attn_mask=bias, head_mask=hm)
     p, seed = 0.25, ops.new_dropout_seed()
-    out, w = run_isa(isa, lambda: masked_attention(q, k, v, dropout_p=p, dropout_seed=seed, need_weights=True,
-                                                   **kw))
+    out, w = run_isa(isa, lambda: masked_attention(q, k, v, dropout_p=p, dropout_seed=seed, need_weights=True, **kw))
     go, gw = torch.randn_like(out), torch.randn_like(w)
     loss = (out * go).sum() + ((w * gw).sum() if loss_on_weights else 0)
     grads = run_isa(isa, lambda: torch.autograd.grad(loss, [q, k, v] + ([hm] if hm is not None else [])))
@@ -214,13 +223,15 @@ def test_gradients_vs_reference(isa, loss_on_weights, case):
     assert torch.equal(w != 0, keep_mask(seed, B, H, Lq, Lk, p) & (w != 0))
     d = [t.detach().double().requires_grad_() for t in (q, k, v)]
     hm64 = hm.detach().double().requires_grad_() if hm is not None else None
-    r_out, r_w = _ref_from_mask(*d, z, p, 1 / math.sqrt(16), None if bias is None else bias.double(), hm64,
-                                kw.get("is_causal", False))
+    r_out, r_w = _ref_from_mask(
+        *d, z, p, 1 / math.sqrt(16), None if bias is None else bias.double(), hm64, kw.get("is_causal", False)
+    )
     r_loss = (r_out * go.double()).sum() + ((r_w * gw.double()).sum() if loss_on_weights else 0)
     r_grads = torch.autograd.grad(r_loss, d + ([hm64] if hm64 is not None else []))
     for name, g, r in zip("q k v hm".split(), grads, r_grads):
-        torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-4 * r.abs().max().item() + 1e-6,
-                                   msg=lambda m, name=name: f"d{name}: {m}")
+        torch.testing.assert_close(
+            g.double(), r, rtol=1e-4, atol=1e-4 * r.abs().max().item() + 1e-6, msg=lambda m, name=name: f"d{name}: {m}"
+        )
 
 
 @pytest.mark.parametrize("need_weights", [False, True])
@@ -238,6 +249,7 @@ def test_gradcheck_fixed_seed(need_weights):
 
 # ---- reproducibility ---------------------------------------------------------
 
+
 def test_manual_seed_reproduces_and_rng_state():
     q, k, v = _qkv(2, 2, None, 40, 50)
     torch.manual_seed(123)
@@ -245,7 +257,7 @@ def test_manual_seed_reproduces_and_rng_state():
     b_ = masked_attention(q, k, v, dropout_p=0.2)
     torch.manual_seed(123)
     assert torch.equal(masked_attention(q, k, v, dropout_p=0.2), a)
-    assert not torch.equal(a, b_)                       # successive calls draw new masks
+    assert not torch.equal(a, b_)  # successive calls draw new masks
     torch.manual_seed(124)
     assert not torch.equal(masked_attention(q, k, v, dropout_p=0.2), a)
     state = torch.get_rng_state()
@@ -261,8 +273,8 @@ def test_threads_bitwise(dtype):
 
     def run():
         out, w = masked_attention(q, k, v, dropout_p=0.3, dropout_seed=seed, need_weights=True)
-        g1 = torch.autograd.grad(out.sum(), (q, k, v), retain_graph=True)           # single pass
-        g2 = torch.autograd.grad(out.sum() + (w * w).sum(), (q, k, v))             # two passes
+        g1 = torch.autograd.grad(out.sum(), (q, k, v), retain_graph=True)  # single pass
+        g2 = torch.autograd.grad(out.sum() + (w * w).sum(), (q, k, v))  # two passes
         return (out, w) + g1 + g2
 
     n = torch.get_num_threads()
@@ -290,12 +302,13 @@ def test_every_isa_against_scalar(dtype):
     tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
     for isa in ISAS[1:]:
         got = run_isa(isa, run)
-        assert torch.equal(got[1] != 0, ref[1] != 0), isa       # the same mask
+        assert torch.equal(got[1] != 0, ref[1] != 0), isa  # the same mask
         for a, b in zip(got, ref):
             torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol * (1 + b.abs().max().item()))
 
 
 # ---- the drop-ins ------------------------------------------------------------
+
 
 def test_sdpa_dropout_statistics():
     """F.sdpa drop-in: with v the identity, out is the weights themselves."""
@@ -327,7 +340,7 @@ def test_mha_train_dropout():
     ours.eval()
     y0, w0 = ours(x, x, x, average_attn_weights=False)
     y0b, _ = ours(x, x, x, average_attn_weights=False)
-    assert torch.equal(y0, y0b)                             # eval: no dropout
+    assert torch.equal(y0, y0b)  # eval: no dropout
     ours.train()
     y, w = ours(x, x, x, average_attn_weights=False)
     kept = w != 0
@@ -354,17 +367,37 @@ def test_dropout_zero_and_eval_unchanged():
 
 # ---- ops: opcheck, bad input -------------------------------------------------
 
+
 @pytest.mark.parametrize("need_weights", [False, True])
 def test_opcheck_dropout(need_weights):
     q, k, v = (t.requires_grad_() for t in _qkv(1, 2, None, 9, 11, D=8, Dv=4))
     seed = ops.new_dropout_seed()
-    torch.library.opcheck(torch.ops.masked_attn.forward.default,
-                          (q, k, v, None, None, None, False, None, need_weights, 0.2, seed),
-                          test_utils=OPCHECK_UTILS)
-    out, lse, _, _ = torch.ops.masked_attn.forward(q.detach(), k.detach(), v.detach(), None, None, None, False,
-                                                None, False, 0.2, seed)
-    args = (torch.randn_like(out), None, q.detach(), k.detach(), v.detach(), out, lse, None, None, None, False,
-            None, False, False, 0.2, seed)
+    torch.library.opcheck(
+        torch.ops.masked_attn.forward.default,
+        (q, k, v, None, None, None, False, None, need_weights, 0.2, seed),
+        test_utils=OPCHECK_UTILS,
+    )
+    out, lse, _, _ = torch.ops.masked_attn.forward(
+        q.detach(), k.detach(), v.detach(), None, None, None, False, None, False, 0.2, seed
+    )
+    args = (
+        torch.randn_like(out),
+        None,
+        q.detach(),
+        k.detach(),
+        v.detach(),
+        out,
+        lse,
+        None,
+        None,
+        None,
+        False,
+        None,
+        False,
+        False,
+        0.2,
+        seed,
+    )
     torch.library.opcheck(torch.ops.masked_attn.backward.default, args, test_utils=OPCHECK_UTILS)
 
 
@@ -398,6 +431,7 @@ def test_compile_with_dropout():
 
 
 # ---- training equivalence ----------------------------------------------------
+
 
 class _TinyLM(nn.Module):
     def __init__(self, vocab=16, d=32, heads=4):
@@ -453,10 +487,10 @@ def test_training_equivalence_transformer_layer():
     steps, seeds = 300, range(5)
     native = torch.stack([_train(make(False), steps, 7, 100 + s) for s in seeds])
     mine = torch.stack([_train(make(True), steps, 7, 200 + s) for s in seeds])
-    win = lambda t: t.view(t.size(0), -1, 30).mean(-1)       # noqa: E731
+    win = lambda t: t.view(t.size(0), -1, 30).mean(-1)  # noqa: E731
     n_w, o_w = win(native), win(mine)
     spread = n_w.std(0)
     diff = (o_w.mean(0) - n_w.mean(0)).abs()
     # two means of 5: sd of the difference = spread * sqrt(2 / 5); 4 sd
     assert (diff <= 4 * spread * math.sqrt(2 / 5) + 2e-3).all(), (diff, spread)
-    assert mine[:, -30:].mean() < mine[:, :30].mean() * 0.7      # it learns
+    assert mine[:, -30:].mean() < mine[:, :30].mean() * 0.7  # it learns

@@ -10,6 +10,7 @@ follow, whose bfloat16 products take P in one part; one a two-sided window,
 whose band cuts tiles off the 32-key grid of the tile products' trimming) and
 two random ones per variant, in bfloat16; `make emulate` runs every case, more
 random ones and float32."""
+
 import importlib.util
 import os
 import subprocess
@@ -23,9 +24,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_avx512_and_avx512bf16_on_an_emulated_cpu():
     if importlib.util.find_spec("bochscpu") is None:  # (importing it may need run.py's glibc shim)
         pytest.skip("bochscpu-python is not installed (make setup installs it)")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "emulate", "run.py"),
-                        "--isa", "avx512bf16,avx512", "--quick", "--fuzz", "2", "--seed", "7"],
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "tools", "emulate", "run.py"),
+            "--isa",
+            "avx512bf16,avx512",
+            "--quick",
+            "--fuzz",
+            "2",
+            "--seed",
+            "7",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     print(r.stdout[-4000:])
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "every case passed" in r.stdout

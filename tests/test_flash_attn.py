@@ -26,6 +26,7 @@ SLACK = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 1e-3, torch.b
 
 # ---- the reference -------------------------------------------------------------------------------
 
+
 def fa_allowed(Lq, Lk, causal=False, window=(-1, -1), seqlen_k=None):
     """flash-attn 2's mask for one sequence, (Lq, Lk) bool, True = query i sees key j.
 
@@ -59,8 +60,7 @@ def fa_allowed(Lq, Lk, causal=False, window=(-1, -1), seqlen_k=None):
     return torch.tensor(rows, dtype=torch.bool).view(Lq, Lk)
 
 
-def ref_seq(q, k, v, allowed, *, scale=None, softcap=0.0, slopes=None, keep=None, p_drop=0.0,
-            dtype=torch.float64):
+def ref_seq(q, k, v, allowed, *, scale=None, softcap=0.0, slopes=None, keep=None, p_drop=0.0, dtype=torch.float64):
     """One sequence in `dtype`: q (Lq, H, D), k (Lk, Hk, D), v (Lk, Hk, Dv), allowed (Lq, Lk).
     Scores q.k * scale, softcap * tanh(s / softcap) if softcap > 0, ALiBi's -slope * |i + Lk - Lq - j|
     (slopes (H,)), the mask, softmax; keep (H, Lq, Lk) bool: dropout's kept entries, scaled by
@@ -104,14 +104,22 @@ def ref_dense(q, k, v, causal=False, window=(-1, -1), *, dtype=torch.float64, se
     return torch.stack(outs), torch.stack(lses)
 
 
-def ref_varlen(q, k, v, lens_q, lens_k, causal=False, window=(-1, -1), *, max_seqlen_k, slopes=None,
-               dtype=torch.float64, **kw):
+def ref_varlen(
+    q, k, v, lens_q, lens_k, causal=False, window=(-1, -1), *, max_seqlen_k, slopes=None, dtype=torch.float64, **kw
+):
     """flash_attn_varlen_func's reference: packed (T, H, D); out (T_q, H, Dv), lse (H, T_q)."""
     outs, lses, cq, ck = [], [], 0, 0
     for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
         sl = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[b])
-        o, lse, _ = ref_seq(q[cq:cq + lq], k[ck:ck + lk], v[ck:ck + lk],
-                            fa_allowed(lq, lk, causal, window, max_seqlen_k), slopes=sl, dtype=dtype, **kw)
+        o, lse, _ = ref_seq(
+            q[cq : cq + lq],
+            k[ck : ck + lk],
+            v[ck : ck + lk],
+            fa_allowed(lq, lk, causal, window, max_seqlen_k),
+            slopes=sl,
+            dtype=dtype,
+            **kw,
+        )
         outs.append(o)
         lses.append(lse)
         cq, ck = cq + lq, ck + lk
@@ -149,16 +157,16 @@ def rnd(*shape, dtype=torch.float32, grad=False):
 DENSE_CASES = [
     (40, 40, 4, 4, False, (-1, -1), 0.0, None),
     (40, 40, 4, 4, True, (-1, -1), 0.0, None),
-    (17, 70, 4, 2, True, (-1, -1), 0.0, None),        # Lq < Lk: bottom-right causal
-    (70, 17, 4, 2, True, (-1, -1), 0.0, None),        # Lq > Lk: the first 53 rows see nothing
-    (20, 50, 4, 4, False, (8, -1), 0.0, None),        # left only
-    (33, 33, 4, 1, False, (-1, 5), 0.0, None),        # right only, MQA
-    (30, 20, 6, 2, False, (6, 3), 0.0, None),         # both, Lq > Lk (a mask in our path)
-    (10, 40, 4, 4, True, (3, -1), 0.0, None),         # causal + left, window shifted past the diagonal
-    (45, 45, 4, 2, True, (-1, -1), 5.0, None),        # softcap
-    (25, 31, 4, 2, False, (-1, -1), 0.0, 0.3),        # softmax_scale
-    (1, 50, 8, 2, True, (-1, -1), 0.0, None),         # decode step, GQA
-    (24, 24, 4, 4, False, (-1, 0), 2.0, 0.2),         # window (-1, 0) = causal, softcap, scale
+    (17, 70, 4, 2, True, (-1, -1), 0.0, None),  # Lq < Lk: bottom-right causal
+    (70, 17, 4, 2, True, (-1, -1), 0.0, None),  # Lq > Lk: the first 53 rows see nothing
+    (20, 50, 4, 4, False, (8, -1), 0.0, None),  # left only
+    (33, 33, 4, 1, False, (-1, 5), 0.0, None),  # right only, MQA
+    (30, 20, 6, 2, False, (6, 3), 0.0, None),  # both, Lq > Lk (a mask in our path)
+    (10, 40, 4, 4, True, (3, -1), 0.0, None),  # causal + left, window shifted past the diagonal
+    (45, 45, 4, 2, True, (-1, -1), 5.0, None),  # softcap
+    (25, 31, 4, 2, False, (-1, -1), 0.0, 0.3),  # softmax_scale
+    (1, 50, 8, 2, True, (-1, -1), 0.0, None),  # decode step, GQA
+    (24, 24, 4, 4, False, (-1, 0), 2.0, 0.2),  # window (-1, 0) = causal, softcap, scale
 ]
 
 
@@ -176,7 +184,7 @@ def test_func_matches_reference(Lq, Lk, H, Hk, causal, window, softcap, scale):
     check("lse", lse, ref_lse, slack=1e-5)
     assert S.shape == (0,) and S.dtype == q.dtype  # flash-attn: empty unless dropout_p > 0
     if causal and Lq > Lk:
-        assert torch.all(out[:, :Lq - Lk] == 0) and torch.all(lse[:, :, :Lq - Lk] == INF)
+        assert torch.all(out[:, : Lq - Lk] == 0) and torch.all(lse[:, :, : Lq - Lk] == INF)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
@@ -184,8 +192,7 @@ def test_func_dtypes(dtype):
     B, Lq, Lk, H, Hk, D = 2, 37, 61, 6, 2, 64
     q, k, v = rnd(B, Lq, H, D, dtype=dtype), rnd(B, Lk, Hk, D, dtype=dtype), rnd(B, Lk, Hk, D, dtype=dtype)
     for causal, window, cap in ((True, (-1, -1), 0.0), (False, (9, 4), 0.0), (True, (-1, -1), 3.0)):
-        out, lse, _ = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=cap,
-                                      return_attn_probs=True)
+        out, lse, _ = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=cap, return_attn_probs=True)
         assert out.dtype == dtype
         ref, ref_lse = ref_dense(q, k, v, causal, window, softcap=cap)
         ref_lo, _ = ref_dense(q, k, v, causal, window, softcap=cap, dtype=dtype)
@@ -213,11 +220,16 @@ def test_func_window_normalisation_as_flash_attn_kernels():
 def test_func_alibi(shape):
     B, H, Hk, D = 2, 4, 2, 32
     slopes = torch.rand(H) * 0.5 if shape == "H" else torch.rand(B, H) * 0.5
-    for Lq, Lk, causal, window in ((20, 44, True, (-1, -1)), (30, 30, False, (-1, -1)), (40, 25, False, (7, 2)),
-                                   (16, 48, True, (10, -1))):
+    for Lq, Lk, causal, window in (
+        (20, 44, True, (-1, -1)),
+        (30, 30, False, (-1, -1)),
+        (40, 25, False, (7, 2)),
+        (16, 48, True, (10, -1)),
+    ):
         q, k, v = rnd(B, Lq, H, D), rnd(B, Lk, Hk, D), rnd(B, Lk, Hk, D)
-        out, lse, _ = flash_attn_func(q, k, v, causal=causal, window_size=window, alibi_slopes=slopes,
-                                      return_attn_probs=True)
+        out, lse, _ = flash_attn_func(
+            q, k, v, causal=causal, window_size=window, alibi_slopes=slopes, return_attn_probs=True
+        )
         ref, ref_lse = ref_dense(q, k, v, causal, window, slopes=slopes)
         check(f"alibi out {Lq, Lk, causal, window}", out, ref)
         check(f"alibi lse {Lq, Lk, causal, window}", lse, ref_lse, slack=1e-5)
@@ -255,12 +267,15 @@ def test_func_dropout():
         check(f"d{name} with dropout", t.grad, g)
 
 
-@pytest.mark.parametrize("Lq,Lk,causal,window,cap,alibi", [
-    (33, 47, True, (-1, -1), 0.0, False),
-    (40, 20, True, (-1, -1), 0.0, False),   # rows that see no key: zero gradients
-    (30, 30, False, (5, 3), 4.0, False),
-    (24, 36, True, (-1, -1), 0.0, True),
-])
+@pytest.mark.parametrize(
+    "Lq,Lk,causal,window,cap,alibi",
+    [
+        (33, 47, True, (-1, -1), 0.0, False),
+        (40, 20, True, (-1, -1), 0.0, False),  # rows that see no key: zero gradients
+        (30, 30, False, (5, 3), 4.0, False),
+        (24, 36, True, (-1, -1), 0.0, True),
+    ],
+)
 def test_func_gradients(Lq, Lk, causal, window, cap, alibi):
     B, H, Hk, D = 2, 4, 2, 16
     q, k, v = rnd(B, Lq, H, D, grad=True), rnd(B, Lk, Hk, D, grad=True), rnd(B, Lk, Hk, D, grad=True)
@@ -274,7 +289,7 @@ def test_func_gradients(Lq, Lk, causal, window, cap, alibi):
     for name, ours, r in (("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
         check(name, ours, r, slack=5e-5)
     if causal and Lq > Lk:
-        assert torch.all(dq[:, :Lq - Lk] == 0)
+        assert torch.all(dq[:, : Lq - Lk] == 0)
 
 
 def test_packed_variants():
@@ -289,17 +304,23 @@ def test_packed_variants():
     assert torch.equal(qkv.grad, torch.stack([q.grad, k.grad, v.grad], 2))
     q = rnd(B, L, H, D)
     kv = rnd(B, L + 5, 2, Hk, D)
-    assert torch.equal(flash_attn_kvpacked_func(q, kv, window_size=(4, 4)),
-                       flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], window_size=(4, 4)))
+    assert torch.equal(
+        flash_attn_kvpacked_func(q, kv, window_size=(4, 4)),
+        flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], window_size=(4, 4)),
+    )
     lens = [5, 0, 12]
     cus = cu(lens)
     qkv_p = rnd(sum(lens), 3, H, D)
-    assert torch.equal(flash_attn_varlen_qkvpacked_func(qkv_p, cus, 12, causal=True),
-                       flash_attn_varlen_func(qkv_p[:, 0], qkv_p[:, 1], qkv_p[:, 2], cus, cus, 12, 12, causal=True))
+    assert torch.equal(
+        flash_attn_varlen_qkvpacked_func(qkv_p, cus, 12, causal=True),
+        flash_attn_varlen_func(qkv_p[:, 0], qkv_p[:, 1], qkv_p[:, 2], cus, cus, 12, 12, causal=True),
+    )
     kv_p = rnd(20, 2, Hk, D)
     cuk = cu([8, 4, 8])
-    assert torch.equal(flash_attn_varlen_kvpacked_func(qkv_p[:, 0], kv_p, cus, cuk, 12, 8, softcap=2.0),
-                       flash_attn_varlen_func(qkv_p[:, 0], kv_p[:, 0], kv_p[:, 1], cus, cuk, 12, 8, softcap=2.0))
+    assert torch.equal(
+        flash_attn_varlen_kvpacked_func(qkv_p[:, 0], kv_p, cus, cuk, 12, 8, softcap=2.0),
+        flash_attn_varlen_func(qkv_p[:, 0], kv_p[:, 0], kv_p[:, 1], cus, cuk, 12, 8, softcap=2.0),
+    )
 
 
 # ---- flash_attn_varlen_func --------------------------------------------------------------------------
@@ -308,21 +329,38 @@ LENS_Q = [7, 0, 20, 33, 5, 1]
 LENS_K = [7, 9, 0, 18, 40, 64]  # an empty query sequence, an empty key one, Lq > Lk, Lq < Lk
 
 
-@pytest.mark.parametrize("causal,window,cap,scale,Hk", [
-    (False, (-1, -1), 0.0, None, 4),
-    (True, (-1, -1), 0.0, None, 2),
-    (False, (6, -1), 0.0, None, 1),
-    (False, (-1, 3), 0.0, 0.25, 2),
-    (True, (10, -1), 3.0, None, 4),
-    (False, (4, 2), 0.0, None, 2),
-])
+@pytest.mark.parametrize(
+    "causal,window,cap,scale,Hk",
+    [
+        (False, (-1, -1), 0.0, None, 4),
+        (True, (-1, -1), 0.0, None, 2),
+        (False, (6, -1), 0.0, None, 1),
+        (False, (-1, 3), 0.0, 0.25, 2),
+        (True, (10, -1), 3.0, None, 4),
+        (False, (4, 2), 0.0, None, 2),
+    ],
+)
 def test_varlen_matches_reference(causal, window, cap, scale, Hk):
     H, D = 4, 32
     q, k, v = rnd(sum(LENS_Q), H, D), rnd(sum(LENS_K), Hk, D), rnd(sum(LENS_K), Hk, D)
-    out, lse, S = flash_attn_varlen_func(q, k, v, cu(LENS_Q), cu(LENS_K), max(LENS_Q), max(LENS_K), 0.0, scale,
-                                         causal, window, cap, return_attn_probs=True)
-    ref, ref_lse = ref_varlen(q, k, v, LENS_Q, LENS_K, causal, window, max_seqlen_k=max(LENS_K), scale=scale,
-                              softcap=cap)
+    out, lse, S = flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu(LENS_Q),
+        cu(LENS_K),
+        max(LENS_Q),
+        max(LENS_K),
+        0.0,
+        scale,
+        causal,
+        window,
+        cap,
+        return_attn_probs=True,
+    )
+    ref, ref_lse = ref_varlen(
+        q, k, v, LENS_Q, LENS_K, causal, window, max_seqlen_k=max(LENS_K), scale=scale, softcap=cap
+    )
     check("out", out, ref)
     assert lse.shape == (H, sum(LENS_Q))
     check("lse", lse, ref_lse, slack=1e-5)
@@ -347,8 +385,9 @@ def test_varlen_window_normalised_by_max_seqlen_k():
     lq, lk, H, D = [9, 3], [3, 4], 2, 16
     q, k, v = rnd(12, H, D), rnd(7, H, D), rnd(7, H, D)
     for window, max_k in (((2, -1), 4), ((2, -1), 20), ((-1, 4), 9), ((-1, 4), 4)):
-        out, lse, _ = flash_attn_varlen_func(q, k, v, cu(lq), cu(lk), 9, max_k, window_size=window,
-                                             return_attn_probs=True)
+        out, lse, _ = flash_attn_varlen_func(
+            q, k, v, cu(lq), cu(lk), 9, max_k, window_size=window, return_attn_probs=True
+        )
         ref, ref_lse = ref_varlen(q, k, v, lq, lk, False, window, max_seqlen_k=max_k)
         check(f"out {window} {max_k}", out, ref)
         check(f"lse {window} {max_k}", lse, ref_lse, slack=1e-5)
@@ -363,8 +402,9 @@ def test_varlen_padded_paths(mode):
     slopes = {"alibi": torch.rand(H) * 0.4, "alibi_bh": torch.rand(N, H) * 0.4, "dropout": None}[mode]
     p = 0.25 if mode == "dropout" else 0.0
     for causal, window in ((True, (-1, -1)), (False, (5, 2))):
-        out, lse, S = flash_attn_varlen_func(q, k, v, cu(LENS_Q), cu(LENS_K), 40, 70, p, None, causal, window, 0.0,
-                                             slopes, False, True)
+        out, lse, S = flash_attn_varlen_func(
+            q, k, v, cu(LENS_Q), cu(LENS_K), 40, 70, p, None, causal, window, 0.0, slopes, False, True
+        )
         assert out.shape == (sum(LENS_Q), H, D) and lse.shape == (H, sum(LENS_Q))
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -376,8 +416,9 @@ def test_varlen_padded_paths(mode):
                 allowed = fa_allowed(lq, lk, causal, window, 70)
                 Sb = S[b, :, :lq, :lk]
                 assert torch.all(S[b, :, lq:] == 0) and torch.all(S[b, :, :, lk:] == 0)
-                o, lse_b, probs = ref_seq(q64[cq:cq + lq], k64[ck:ck + lk], v64[ck:ck + lk], allowed, keep=Sb >= 0,
-                                          p_drop=p)
+                o, lse_b, probs = ref_seq(
+                    q64[cq : cq + lq], k64[ck : ck + lk], v64[ck : ck + lk], allowed, keep=Sb >= 0, p_drop=p
+                )
                 check("|S_dmask|", Sb.abs(), probs)
                 outs.append(o)
                 lses.append(lse_b)
@@ -396,8 +437,9 @@ def test_varlen_gradients():
     H, Hk, D = 4, 2, 16
     q, k, v = rnd(sum(LENS_Q), H, D, grad=True), rnd(sum(LENS_K), Hk, D, grad=True), rnd(sum(LENS_K), Hk, D, grad=True)
     for causal, window, cap in ((True, (-1, -1), 0.0), (False, (3, 6), 2.5)):
-        out = flash_attn_varlen_func(q, k, v, cu(LENS_Q), cu(LENS_K), 33, 64, causal=causal, window_size=window,
-                                     softcap=cap)
+        out = flash_attn_varlen_func(
+            q, k, v, cu(LENS_Q), cu(LENS_K), 33, 64, causal=causal, window_size=window, softcap=cap
+        )
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
         q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -413,17 +455,29 @@ def test_varlen_block_table(page):
     n_cols = max((n + page - 1) // page for n in lens_k)
     pool = 40
     k_pages, v_pages = rnd(pool, page, Hk, D), rnd(pool, page, Hk, D)
-    perm = torch.randperm(pool)[:len(lens_k) * n_cols].view(len(lens_k), n_cols).to(torch.int32)
+    perm = torch.randperm(pool)[: len(lens_k) * n_cols].view(len(lens_k), n_cols).to(torch.int32)
     q = rnd(sum(lens_q), H, D)
     # the same keys, packed: sequence b's key j is row j % page of page perm[b, j // page]
     k_packed = torch.cat([k_pages[perm[b].long()].flatten(0, 1)[:n] for b, n in enumerate(lens_k)])
     v_packed = torch.cat([v_pages[perm[b].long()].flatten(0, 1)[:n] for b, n in enumerate(lens_k)])
     for causal, window, slopes in ((True, (-1, -1), None), (False, (20, 4), None), (True, (-1, -1), torch.rand(H))):
-        out, lse, _ = flash_attn_varlen_func(q, k_pages, v_pages, cu(lens_q), cu(lens_k), 9, 130, causal=causal,
-                                             window_size=window, alibi_slopes=slopes, return_attn_probs=True,
-                                             block_table=perm)
-        ref, ref_lse = ref_varlen(q, k_packed, v_packed, lens_q, lens_k, causal, window, max_seqlen_k=130,
-                                  slopes=slopes)
+        out, lse, _ = flash_attn_varlen_func(
+            q,
+            k_pages,
+            v_pages,
+            cu(lens_q),
+            cu(lens_k),
+            9,
+            130,
+            causal=causal,
+            window_size=window,
+            alibi_slopes=slopes,
+            return_attn_probs=True,
+            block_table=perm,
+        )
+        ref, ref_lse = ref_varlen(
+            q, k_packed, v_packed, lens_q, lens_k, causal, window, max_seqlen_k=130, slopes=slopes
+        )
         check(f"paged out {page}", out, ref)
         check(f"paged lse {page}", lse, ref_lse, slack=1e-5)
 
@@ -444,6 +498,7 @@ def test_varlen_rows_outside_cu_seqlens():
 
 # ---- flash_attn_with_kvcache -------------------------------------------------------------------------
 
+
 def rotary_ref(x, cos, sin, pos, interleaved):
     """flash_attn.layers.rotary.apply_rotary_emb_torch at positions pos (B, L): x * cos + rotate_half(x) * sin
     on the first rotary_dim dims."""
@@ -458,7 +513,7 @@ def rotary_ref(x, cos, sin, pos, interleaved):
     if interleaved:
         rot = torch.stack((-xr[..., 1::2], xr[..., 0::2]), -1).flatten(-2)
     else:
-        rot = torch.cat((-xr[..., rd // 2:], xr[..., :rd // 2]), -1)
+        rot = torch.cat((-xr[..., rd // 2 :], xr[..., : rd // 2]), -1)
     return torch.cat(((xr * c + rot * s).to(x.dtype), x[..., rd:]), -1)
 
 
@@ -484,8 +539,9 @@ KV_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,Lq,Lnew,causal,window,page,batch_idx,leftpad,rotary,alibi", KV_CASES,
-                         ids=[c[0] for c in KV_CASES])
+@pytest.mark.parametrize(
+    "name,Lq,Lnew,causal,window,page,batch_idx,leftpad,rotary,alibi", KV_CASES, ids=[c[0] for c in KV_CASES]
+)
 def test_kvcache(name, Lq, Lnew, causal, window, page, batch_idx, leftpad, rotary, alibi):
     B, H, Hk, D, L = 3, 4, 2, 32, 80
     B_c = 5 if batch_idx else B
@@ -505,7 +561,7 @@ def test_kvcache(name, Lq, Lnew, causal, window, page, batch_idx, leftpad, rotar
         cols = (L + page - 1) // page
         pool = B * cols + 3
         k_cache, v_cache = rnd(pool, page, Hk, D), rnd(pool, page, Hk, D)
-        table = torch.randperm(pool)[:B * cols].view(B, cols).to(torch.int32)
+        table = torch.randperm(pool)[: B * cols].view(B, cols).to(torch.int32)
         seqlen_k = cols * page
         rows_k = lambda kc: kc[table.long()].flatten(1, 2)  # noqa: E731
     cos = sin = None
@@ -515,9 +571,24 @@ def test_kvcache(name, Lq, Lnew, causal, window, page, batch_idx, leftpad, rotar
     slopes = torch.rand(B, H) * 0.3 if alibi else None
     k_before, v_before = k_cache.clone(), v_cache.clone()
 
-    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin, seqlens, idx, pad, table,
-                                       causal=causal, window_size=window, rotary_interleaved=bool(rotary and rotary[1]),
-                                       alibi_slopes=slopes, return_softmax_lse=True)
+    out, lse = flash_attn_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        k_new,
+        v_new,
+        cos,
+        sin,
+        seqlens,
+        idx,
+        pad,
+        table,
+        causal=causal,
+        window_size=window,
+        rotary_interleaved=bool(rotary and rotary[1]),
+        alibi_slopes=slopes,
+        return_softmax_lse=True,
+    )
     assert out.shape == (B, Lq, H, D) and lse.shape == (B, H, Lq) and not out.requires_grad
 
     # the expected cache: new rows (rotated) at cache_seqlens[b] + t, written here by indexing
@@ -546,8 +617,9 @@ def test_kvcache(name, Lq, Lnew, causal, window, page, batch_idx, leftpad, rotar
         start = 0 if pad is None else int(pad[b])
         stop = int(seqlens[b]) + Lnew
         allowed = fa_allowed(Lq, stop - start, causal, window, seqlen_k)
-        ref, ref_lse, _ = ref_seq(q_rot[b], ks[b, start:stop], vs[b, start:stop], allowed,
-                                  slopes=None if slopes is None else slopes[b])
+        ref, ref_lse, _ = ref_seq(
+            q_rot[b], ks[b, start:stop], vs[b, start:stop], allowed, slopes=None if slopes is None else slopes[b]
+        )
         check(f"{name} out[{b}]", out[b], ref)
         check(f"{name} lse[{b}]", lse[b], ref_lse, slack=1e-5)
 
@@ -590,7 +662,7 @@ def test_kvcache_low_precision(dtype):
     out = flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens, causal=True)
     for b in range(B):
         n = int(seqlens[b]) + Lq
-        assert torch.equal(kc[b, n - Lq:n], kn[b])
+        assert torch.equal(kc[b, n - Lq : n], kn[b])
         allowed = fa_allowed(Lq, n, True)
         ref, _, _ = ref_seq(q[b], kc[b, :n], vc[b, :n], allowed)
         ref_lo, _, _ = ref_seq(q[b], kc[b, :n], vc[b, :n], allowed, dtype=dtype)
@@ -598,6 +670,7 @@ def test_kvcache_low_precision(dtype):
 
 
 # ---- refusals ----------------------------------------------------------------------------------------
+
 
 def _refusals():
     q, k, v = rnd(2, 8, 4, 16), rnd(2, 8, 2, 16), rnd(2, 8, 2, 16)
@@ -631,10 +704,16 @@ def _refusals():
         # flash_attn_varlen_func
         (lambda: fv(q, kp, kp, c, c, 5, 5), ValueError, "q must be 3-D"),
         (lambda: fv(qp, kp, kp, c.float(), c, 5, 5), TypeError, "cu_seqlens_q must be an integer"),
-        (lambda: fv(qp, kp, kp, torch.tensor([0, 5, 3], dtype=torch.int32), c, 5, 5), ValueError,
-         "cu_seqlens_q must be nondecreasing"),
-        (lambda: fv(qp, kp, kp, c, torch.tensor([0, 3, 9], dtype=torch.int32), 5, 5), ValueError,
-         "cu_seqlens_k must lie in"),
+        (
+            lambda: fv(qp, kp, kp, torch.tensor([0, 5, 3], dtype=torch.int32), c, 5, 5),
+            ValueError,
+            "cu_seqlens_q must be nondecreasing",
+        ),
+        (
+            lambda: fv(qp, kp, kp, c, torch.tensor([0, 3, 9], dtype=torch.int32), 5, 5),
+            ValueError,
+            "cu_seqlens_k must lie in",
+        ),
         (lambda: fv(qp, kp, kp, c, cu([8]), 5, 8), ValueError, "cu_seqlens_k must have as many entries"),
         (lambda: fv(qp, kp, kp, c, c, 4, 5), ValueError, "max_seqlen_q .4. is less"),
         (lambda: fv(qp, kp, kp, c, c, 5, 4), ValueError, "max_seqlen_k .4. is less"),
@@ -644,8 +723,11 @@ def _refusals():
         (lambda: fv(qp, pages, pages, c, c, 5, 5, block_table=bt[:1]), ValueError, "block_table must have"),
         (lambda: fv(qp, pages, pages, c, cu([3, 40]), 5, 40, block_table=bt), ValueError, "block_table addresses"),
         (lambda: fv(qp, pages, pages, c, c, 5, 5, block_table=bt + 3), ValueError, "block_table holds a page"),
-        (lambda: fv(qp.requires_grad_(), pages, pages, c, c, 5, 5, block_table=bt), RuntimeError,
-         "block_table .* inference-only"),
+        (
+            lambda: fv(qp.requires_grad_(), pages, pages, c, c, 5, 5, block_table=bt),
+            RuntimeError,
+            "block_table .* inference-only",
+        ),
         (lambda: flash_attn_varlen_qkvpacked_func(qp, c, 5), ValueError, "qkv must be a 4-D"),
         (lambda: flash_attn_varlen_kvpacked_func(qp, kp, c, c, 5, 5), ValueError, "kv must be a 4-D"),
         # flash_attn_with_kvcache
@@ -656,25 +738,39 @@ def _refusals():
         (lambda: fk(q, kc, vc, k[:, :1], None, cache_seqlens=s), ValueError, "v is None"),
         (lambda: fk(q, kc, vc, k[:, :1], v[:, :1]), ValueError, "cache_seqlens is required"),
         (lambda: fk(q, kc, vc, k[:, :1, :1], v[:, :1], cache_seqlens=s), ValueError, "k must have shape"),
-        (lambda: fk(q, kc, vc, k[:, :1], v[:, :1], cache_seqlens=torch.tensor([31, 32])), ValueError,
-         "cache_seqlens .* must lie in"),
+        (
+            lambda: fk(q, kc, vc, k[:, :1], v[:, :1], cache_seqlens=torch.tensor([31, 32])),
+            ValueError,
+            "cache_seqlens .* must lie in",
+        ),
         (lambda: fk(q, kc, vc, cache_seqlens=s[:1]), ValueError, "cache_seqlens must have batch_size"),
         (lambda: fk(q, kc, vc, cache_seqlens=s.float()), TypeError, "cache_seqlens must be an integer"),
         (lambda: fk(q, kc[:1], vc[:1], cache_seqlens=s), ValueError, "pass cache_batch_idx"),
-        (lambda: fk(q, kc, vc, cache_seqlens=s, cache_batch_idx=torch.tensor([0, 2])), ValueError,
-         "cache_batch_idx must index"),
-        (lambda: fk(q, kc, vc, cache_seqlens=s, cache_leftpad=torch.tensor([0, 5])), ValueError,
-         "cache_leftpad must lie in"),
-        (lambda: fk(q, pages, pages, cache_seqlens=s, block_table=bt, cache_batch_idx=torch.tensor([0, 1])),
-         ValueError, "cache_batch_idx is not supported with block_table"),
-        (lambda: fk(q, pages, pages, cache_seqlens=s, block_table=bt, cache_leftpad=torch.tensor([0, 1])),
-         ValueError, "cache_leftpad is not supported with block_table"),
+        (
+            lambda: fk(q, kc, vc, cache_seqlens=s, cache_batch_idx=torch.tensor([0, 2])),
+            ValueError,
+            "cache_batch_idx must index",
+        ),
+        (
+            lambda: fk(q, kc, vc, cache_seqlens=s, cache_leftpad=torch.tensor([0, 5])),
+            ValueError,
+            "cache_leftpad must lie in",
+        ),
+        (
+            lambda: fk(q, pages, pages, cache_seqlens=s, block_table=bt, cache_batch_idx=torch.tensor([0, 1])),
+            ValueError,
+            "cache_batch_idx is not supported with block_table",
+        ),
+        (
+            lambda: fk(q, pages, pages, cache_seqlens=s, block_table=bt, cache_leftpad=torch.tensor([0, 1])),
+            ValueError,
+            "cache_leftpad is not supported with block_table",
+        ),
         (lambda: fk(q, pages, pages, cache_seqlens=s, block_table=bt[:1]), ValueError, "block_table must have"),
         (lambda: fk(q, pages, pages, cache_seqlens=s, block_table=bt + 2), ValueError, "block_table holds a page"),
         (lambda: fk(q, kc, vc, k[:, :1], v[:, :1], cos, None, s), ValueError, "rotary_sin is None"),
         (lambda: fk(q, kc, vc, None, None, cos, cos, s), ValueError, "rotary_cos / rotary_sin need the new k"),
-        (lambda: fk(q, kc, vc, k[:, :1], v[:, :1], torch.ones(32, 9), torch.ones(32, 9), s), ValueError,
-         "rotary_dim"),
+        (lambda: fk(q, kc, vc, k[:, :1], v[:, :1], torch.ones(32, 9), torch.ones(32, 9), s), ValueError, "rotary_dim"),
         (lambda: fk(q, kc, vc, k[:, :1], v[:, :1], cos[:4], cos[:4], s), ValueError, "rotary_cos has 4 positions"),
         (lambda: fk(q, kc, vc, k[:, :1], v[:, :1], cos, cos[:, :2], s), ValueError, "rotary_sin must have"),
         (lambda: fk(q, kc, vc, cache_seqlens=s, num_splits=-1), ValueError, "num_splits"),
@@ -694,6 +790,14 @@ def test_refusals_leave_the_cache_alone():
     kc, vc = rnd(2, 32, 2, 16), rnd(2, 32, 2, 16)
     before = kc.clone()
     with pytest.raises(ValueError, match="rotary_cos has"):
-        flash_attn_with_kvcache(rnd(2, 1, 4, 16), kc, vc, rnd(2, 1, 2, 16), rnd(2, 1, 2, 16), torch.ones(4, 4),
-                                torch.ones(4, 4), torch.tensor([10, 3], dtype=torch.int32))
+        flash_attn_with_kvcache(
+            rnd(2, 1, 4, 16),
+            kc,
+            vc,
+            rnd(2, 1, 2, 16),
+            rnd(2, 1, 2, 16),
+            torch.ones(4, 4),
+            torch.ones(4, 4),
+            torch.tensor([10, 3], dtype=torch.int32),
+        )
     assert torch.equal(kc, before)

@@ -31,21 +31,21 @@ MASTER_SEED = 18  # 17 draws KNOWN_OPEN's first case on AVX2
 # them; strict xfail, so a fix shows up as an XPASS to move them out. Within
 # 1.1-1.2x of the bound, where the bound's PyTorch term is small:
 KNOWN_OPEN = [
-    ("avx2", 3107736406743),    # f32 dropout 0.62, Lq=1: dv 7.1e-5 vs bound 6.2e-5 (P's exp error, scaled)
+    ("avx2", 3107736406743),  # f32 dropout 0.62, Lq=1: dv 7.1e-5 vs bound 6.2e-5 (P's exp error, scaled)
 ]
 # bfloat16/float16 gradient findings of `make fuzz` before out_lo (delta from the
 # rounded out; docs/design.md, section 4), each beyond its bound then (1.05-5x),
 # kept as regression cases:
 FIXED = [
-    ("avx2", 423093423758),     # varlen bf16 GQA, window (1, 0), D=1: dq 0.037 vs bound 0.0075
-    ("avx2", 1288928299952),    # varlen f16, window (61, 0), lse: dq 4.1e-3 vs 2.8e-3
-    ("avx2", 1889813388011),    # varlen bf16, Lq=1: dq 7.5e-3 vs 7.1e-3
-    ("scalar", 582500290004),   # varlen f16 GQA, D=1: dk 2.0e-3 vs 1.5e-3
+    ("avx2", 423093423758),  # varlen bf16 GQA, window (1, 0), D=1: dq 0.037 vs bound 0.0075
+    ("avx2", 1288928299952),  # varlen f16, window (61, 0), lse: dq 4.1e-3 vs 2.8e-3
+    ("avx2", 1889813388011),  # varlen bf16, Lq=1: dq 7.5e-3 vs 7.1e-3
+    ("scalar", 582500290004),  # varlen f16 GQA, D=1: dk 2.0e-3 vs 1.5e-3
     ("scalar", 1118489222058),  # bf16 float mask + causal window: dk 6.7e-3 vs 6.1e-3
     ("scalar", 3198878986431),  # f16 softcap + sinks: dk 1.7e-3 vs 1.5e-3
-    ("scalar", 663280712130),   # bf16 sinks + need_weights, Lq=1: dq 4.3e-3 vs 2.0e-3
+    ("scalar", 663280712130),  # bf16 sinks + need_weights, Lq=1: dq 4.3e-3 vs 2.0e-3
     # d head_mask rounded to bf16 per batch entry, then summed over B in bf16 (now: rounded once)
-    ("avx2", 2241842038638),    # bf16, head_mask (H,) + grad, need_weights: dhm 7.7e-3 vs 3.4e-3
+    ("avx2", 2241842038638),  # bf16, head_mask (H,) + grad, need_weights: dhm 7.7e-3 vs 3.4e-3
 ]
 
 

@@ -57,8 +57,17 @@ def _case(case, h=H, hkv=None):
     return q, k, v, kw
 
 
-CASES = ["none", "causal", "am_bool", "am_bool_2d", "am_float", "kpm_bool", "kpm_float",
-         "causal+kpm_bool+am_float", "scale"]
+CASES = [
+    "none",
+    "causal",
+    "am_bool",
+    "am_bool_2d",
+    "am_float",
+    "kpm_bool",
+    "kpm_float",
+    "causal+kpm_bool+am_float",
+    "scale",
+]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -77,6 +86,7 @@ def test_gradcheck_head_mask(case, hm_shape):
 
     def f(q, k, v, hm):
         return tmaF.masked_attention(q, k, v, head_mask=hm, **kw)
+
     assert gradcheck(f, inputs)
 
 
@@ -100,6 +110,7 @@ def test_gradcheck_need_weights(case, with_hm):
     def f(q, k, v, hm=None):
         out, w = tmaF.masked_attention(q, k, v, head_mask=hm, need_weights=True, **kw)
         return out, w
+
     assert gradcheck(f, inputs)
 
 
@@ -111,18 +122,19 @@ def test_gradcheck_fully_masked_rows():
     kpm = torch.zeros(B, LK, dtype=torch.bool)
     kpm[1] = True
     inputs = tuple(t.requires_grad_() for t in (q, k, v))
-    assert gradcheck(lambda q, k, v: tmaF.masked_attention(
-        q, k, v, attn_mask=am, key_padding_mask=kpm, need_weights=True), inputs)
+    assert gradcheck(
+        lambda q, k, v: tmaF.masked_attention(q, k, v, attn_mask=am, key_padding_mask=kpm, need_weights=True), inputs
+    )
 
 
 def test_gradcheck_sdpa():
     q, k, v = _t(B, H, LQ, D), _t(B, H, LK, D), _t(B, H, LK, D)
     m = ~random_blocked((LQ, LK))
     inputs = tuple(t.requires_grad_() for t in (q, k, v))
-    assert gradcheck(lambda q, k, v: tma.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=m), inputs)
-    assert gradcheck(lambda q, k, v: tma.functional.scaled_dot_product_attention(
-        q, k, v, is_causal=True, scale=0.3), inputs)
+    assert gradcheck(lambda q, k, v: tma.functional.scaled_dot_product_attention(q, k, v, attn_mask=m), inputs)
+    assert gradcheck(
+        lambda q, k, v: tma.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3), inputs
+    )
 
 
 def test_gradcheck_mha():
@@ -136,6 +148,7 @@ def test_gradcheck_mha():
 
     def f(q, k, v):
         return mod(q, k, v, key_padding_mask=kpm, average_attn_weights=False)
+
     assert gradcheck(f, inputs)
 
 
@@ -143,8 +156,7 @@ def test_gradcheck_mha():
 # opcheck on the raw ops
 # ---------------------------------------------------------------------------
 
-OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
-                 "test_aot_dispatch_dynamic")
+OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
 def _fwd_args(case, dtype=torch.float64, need_weights=False, requires_grad=True, h=H, hkv=None):
@@ -152,19 +164,27 @@ def _fwd_args(case, dtype=torch.float64, need_weights=False, requires_grad=True,
     q, k, v = (t.to(dtype).requires_grad_(requires_grad) for t in (q, k, v))
     am = kw.get("attn_mask")
     if am is not None and am.dim() == 2:
-        am = am.view(1, 1, LQ, LK)   # the raw op takes masks broadcastable to 4-D
+        am = am.view(1, 1, LQ, LK)  # the raw op takes masks broadcastable to 4-D
     if am is not None and am.is_floating_point():
         am = am.to(dtype)
     kpm = kw.get("key_padding_mask")
     if kpm is not None and kpm.is_floating_point():
         kpm = kpm.to(dtype)
-    hm = (torch.rand(B, h, dtype=torch.float64).to(dtype).requires_grad_(requires_grad)
-          if case == "head_mask" else None)
+    hm = torch.rand(B, h, dtype=torch.float64).to(dtype).requires_grad_(requires_grad) if case == "head_mask" else None
     return (q, k, v, am, kpm, hm, kw.get("is_causal", False), kw.get("scale"), need_weights)
 
 
-OP_CASES = ["none", "causal", "am_bool", "am_float", "kpm_bool", "kpm_float",
-            "causal+kpm_bool+am_float", "scale", "head_mask"]
+OP_CASES = [
+    "none",
+    "causal",
+    "am_bool",
+    "am_float",
+    "kpm_bool",
+    "kpm_float",
+    "causal+kpm_bool+am_float",
+    "scale",
+    "head_mask",
+]
 
 
 def test_op_schemas():
@@ -202,30 +222,32 @@ def test_opcheck_forward_no_grad():
 @pytest.mark.parametrize("need_weights", [False, True])
 @pytest.mark.parametrize("case", ["none", "causal+kpm_bool+am_float", "head_mask", "am_bool"])
 def test_opcheck_backward(case, need_weights):
-    q, k, v, am, kpm, hm, is_causal, scale, nw = _fwd_args(case, need_weights=need_weights,
-                                                           requires_grad=False)
+    q, k, v, am, kpm, hm, is_causal, scale, nw = _fwd_args(case, need_weights=need_weights, requires_grad=False)
     out, lse, w, _ = torch.ops.masked_attn.forward(q, k, v, am, kpm, hm, is_causal, scale, nw)
     dout = torch.randn_like(out)
     dw = torch.randn_like(w) if need_weights else None
     args = (dout, dw, q, k, v, out, lse, am, kpm, hm, is_causal, scale, hm is not None)
-    torch.library.opcheck(torch.ops.masked_attn.backward.default, args,
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(
+        torch.ops.masked_attn.backward.default,
+        args,
+        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )
 
 
 def test_backward_op_matches_autograd():
     """The backward op alone gives what autograd gives through the forward."""
-    q, k, v, am, kpm, hm, is_causal, scale, nw = _fwd_args("causal+kpm_bool+am_float",
-                                                           need_weights=True)
+    q, k, v, am, kpm, hm, is_causal, scale, nw = _fwd_args("causal+kpm_bool+am_float", need_weights=True)
     out, lse, w, _ = torch.ops.masked_attn.forward(q, k, v, am, kpm, hm, is_causal, scale, nw)
     dout, dw = torch.randn_like(out), torch.randn_like(w)
     gq, gk, gv = torch.autograd.grad((out * dout).sum() + (w * dw).sum(), (q, k, v))
     bq, bk, bv, _, _ = torch.ops.masked_attn.backward(
-        dout, dw, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), am, kpm, hm,
-        is_causal, scale, False)
+        dout, dw, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), am, kpm, hm, is_causal, scale, False
+    )
     for a, b in ((gq, bq), (gk, bk), (gv, bv)):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     # and matches the float64 reference
     from conftest import blocked_to_additive, ref_attention
+
     add = blocked_to_additive(am) + blocked_to_additive(kpm).view(B, 1, 1, LK)
     add = add.masked_fill(causal_blocked(LQ, LK), float("-inf"))
     r = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -249,14 +271,13 @@ def test_opcheck_backward_into():
     ref = torch.ops.masked_attn.backward(g, None, q, k, v, out, lse, None, kpm, None, True, None, False, False)
     buf = torch.empty_like(qkv)
     into = tuple(buf.select(2, i).transpose(1, 2) for i in range(3))
-    torch.ops.masked_attn.backward_into(g, None, q, k, v, out, lse, None, kpm, None, True, None, False, False,
-                                        *into)
+    torch.ops.masked_attn.backward_into(g, None, q, k, v, out, lse, None, kpm, None, True, None, False, False, *into)
     for a, b in zip(into, ref[:3]):
         assert torch.equal(a, b)
-    args = (g, None, q, k, v, out, lse, None, kpm, None, True, None, False, False,
-            *(t.clone() for t in into))
-    torch.library.opcheck(torch.ops.masked_attn.backward_into.default, args,
-                          test_utils=("test_schema", "test_faketensor"))
+    args = (g, None, q, k, v, out, lse, None, kpm, None, True, None, False, False, *(t.clone() for t in into))
+    torch.library.opcheck(
+        torch.ops.masked_attn.backward_into.default, args, test_utils=("test_schema", "test_faketensor")
+    )
 
 
 @pytest.mark.parametrize("which", ["masked_attention", "mha", "mha_recompute", "cross_entropy"])
@@ -284,6 +305,7 @@ def test_double_backward_raises_not_silently_zero(which):
 
         def f(t):
             return tma.functional.cross_entropy(t, target)
+
     (g,) = torch.autograd.grad(f(x), x, create_graph=True)
     (g_plain,) = torch.autograd.grad(f(x), x)
     torch.testing.assert_close(g, g_plain, rtol=0, atol=0)

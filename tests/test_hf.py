@@ -6,6 +6,7 @@ with transformers' own "sdpa" (or "eager" where sdpa cannot run the model):
 logits, gradients of every parameter, greedy generate tokens, left and right
 padding, caches; apply(model)'s fused loss against the model's own.
 """
+
 import copy
 
 import pytest
@@ -55,8 +56,18 @@ def _one_thread():
 
 
 V = 64  # vocabulary
-_SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_SMALL = dict(
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 def _gpt_oss():
@@ -64,8 +75,14 @@ def _gpt_oss():
         from transformers import GptOssConfig, GptOssForCausalLM
     except ImportError:
         return None
-    cfg = GptOssConfig(**{**_SMALL, "intermediate_size": 32}, head_dim=8, sliding_window=4, num_local_experts=4,
-                       num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"])
+    cfg = GptOssConfig(
+        **{**_SMALL, "intermediate_size": 32},
+        head_dim=8,
+        sliding_window=4,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"],
+    )
     return GptOssForCausalLM, cfg
 
 
@@ -74,18 +91,61 @@ def _models():
     models = {
         "llama": (LlamaForCausalLM, LlamaConfig(**_SMALL), "sdpa"),
         "mistral": (MistralForCausalLM, MistralConfig(**_SMALL, sliding_window=4), "sdpa"),
-        "qwen2": (Qwen2ForCausalLM, Qwen2Config(**_SMALL, use_sliding_window=True, sliding_window=5,
-                                                max_window_layers=1, layer_types=["full_attention",
-                                                                                  "sliding_attention"]), "sdpa"),
-        "gemma2": (Gemma2ForCausalLM, Gemma2Config(**_SMALL, head_dim=8, sliding_window=4, attn_logit_softcapping=5.0,
-                                                   final_logit_softcapping=3.0, query_pre_attn_scalar=8), "eager"),
-        "gpt2": (GPT2LMHeadModel, GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                             pad_token_id=0, bos_token_id=1, eos_token_id=2), "sdpa"),
-        "gpt_neox": (GPTNeoXForCausalLM, GPTNeoXConfig(vocab_size=V, hidden_size=32, intermediate_size=48,
-                                                       num_hidden_layers=2, num_attention_heads=4,
-                                                       max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
-                                                       eos_token_id=2), "sdpa"),
+        "qwen2": (
+            Qwen2ForCausalLM,
+            Qwen2Config(
+                **_SMALL,
+                use_sliding_window=True,
+                sliding_window=5,
+                max_window_layers=1,
+                layer_types=["full_attention", "sliding_attention"],
+            ),
+            "sdpa",
+        ),
+        "gemma2": (
+            Gemma2ForCausalLM,
+            Gemma2Config(
+                **_SMALL,
+                head_dim=8,
+                sliding_window=4,
+                attn_logit_softcapping=5.0,
+                final_logit_softcapping=3.0,
+                query_pre_attn_scalar=8,
+            ),
+            "eager",
+        ),
+        "gpt2": (
+            GPT2LMHeadModel,
+            GPT2Config(
+                vocab_size=V,
+                n_embd=32,
+                n_layer=2,
+                n_head=4,
+                n_positions=64,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                pad_token_id=0,
+                bos_token_id=1,
+                eos_token_id=2,
+            ),
+            "sdpa",
+        ),
+        "gpt_neox": (
+            GPTNeoXForCausalLM,
+            GPTNeoXConfig(
+                vocab_size=V,
+                hidden_size=32,
+                intermediate_size=48,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                max_position_embeddings=64,
+                pad_token_id=0,
+                bos_token_id=1,
+                eos_token_id=2,
+            ),
+            "sdpa",
+        ),
     }
     oss = _gpt_oss()
     if oss is not None:
@@ -124,7 +184,7 @@ def _batch(side, B=3, L=12, lengths=(12, 7, 9)):
     mask = torch.zeros(B, L, dtype=torch.long)
     for b, n in enumerate(lengths):
         if side == "left":
-            mask[b, L - n:] = 1
+            mask[b, L - n :] = 1
         else:
             mask[b, :n] = 1
     ids = ids.masked_fill(mask == 0, 0)
@@ -168,8 +228,16 @@ def test_logits_and_grads(name, side):
 
 def test_bert_bidirectional_padding():
     torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                     max_position_embeddings=64, attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0)
+    cfg = BertConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        attention_probs_dropout_prob=0.0,
+        hidden_dropout_prob=0.0,
+    )
     ref = BertModel(cfg, add_pooling_layer=False).to(torch.float64)
     ref.set_attn_implementation("sdpa")
     ours = copy.deepcopy(ref)
@@ -293,14 +361,27 @@ def test_mask_function_hands_structure():
     assert isinstance(m, torch.Tensor) and m.shape == (B, 1, L, L)
 
 
-def _reference_masked_attention(q, k, v, *, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None,
-                                 need_weights=False, window=None, softcap=None, sinks=None, **_):
+def _reference_masked_attention(
+    q,
+    k,
+    v,
+    *,
+    attn_mask=None,
+    key_padding_mask=None,
+    is_causal=False,
+    scale=None,
+    need_weights=False,
+    window=None,
+    softcap=None,
+    sinks=None,
+    **_,
+):
     """masked_attention's contract (window, softcap, sinks included) in plain float64 torch: the
     stand-in for varlen_attn's reference below."""
     B, H, Lq, D = q.shape
     k = k.repeat_interleave(H // k.shape[1], 1)
     v = v.repeat_interleave(H // v.shape[1], 1)
-    s = (q @ k.transpose(-1, -2)) * (scale if scale is not None else D ** -0.5)
+    s = (q @ k.transpose(-1, -2)) * (scale if scale is not None else D**-0.5)
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
     Lk = k.shape[2]
@@ -387,8 +468,9 @@ def test_packed_sequences_through_varlen(name, monkeypatch):
     over the sequence ids and no mask is built; run here against a float64 stand-in with
     torch's varlen_attn contract (the exact window each model asks for)."""
     calls = []
-    monkeypatch.setattr(tma_F, "varlen_attn",
-                        lambda *a, **k: calls.append(k["window_size"]) or _reference_varlen(*a, **k))
+    monkeypatch.setattr(
+        tma_F, "varlen_attn", lambda *a, **k: calls.append(k["window_size"]) or _reference_varlen(*a, **k)
+    )
     ref, ours = _pair(name)
     ids = torch.randint(3, V, (2, 12))
     pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2]])
@@ -466,7 +548,7 @@ def _ref_dropout_attention(module, query, key, value, attention_mask, dropout=0.
     k, v = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
     s = (query @ k.transpose(-1, -2)) * scaling
     s = s.masked_fill(~attention_mask, float("-inf"))
-    p = torch.softmax(s, -1).nan_to_num(0.0)   # a fully masked row gives 0, as ours does
+    p = torch.softmax(s, -1).nan_to_num(0.0)  # a fully masked row gives 0, as ours does
     if dropout > 0.0:
         p = p * keep_mask(tma_ops.new_dropout_seed(), B, H, Lq, k.shape[2], dropout) / (1 - dropout)
     return (p @ v).transpose(1, 2).contiguous(), None
@@ -482,8 +564,10 @@ def test_dropout_in_our_kernel(side, monkeypatch):
     kernels' dropout: the loss and every parameter's gradient equal a plain-torch reference
     that drops with the same keep mask (same seeds from torch's default generator); the same
     seed gives the same loss, another seed another; eval mode has no dropout and equals sdpa."""
+
     def no_fallback(*a, **k):
         raise AssertionError("dropout fell back to transformers' sdpa")
+
     monkeypatch.setattr(hf, "sdpa_attention_forward", no_fallback)
     cls, cfg, _ = MODELS["llama"]
     cfg = copy.deepcopy(cfg)
@@ -506,23 +590,28 @@ def test_dropout_in_our_kernel(side, monkeypatch):
     a, b = loss(ref, 7), loss(ours, 7)
     torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-10)
     _assert_grads(ref, ours)
-    assert torch.equal(loss(ours, 7), b)                  # same seed, same result
-    assert not torch.allclose(loss(ours, 8), b)           # another seed, other masks
+    assert torch.equal(loss(ours, 7), b)  # same seed, same result
+    assert not torch.allclose(loss(ours, 8), b)  # another seed, other masks
     no_drop = copy.deepcopy(ours)
     no_drop.config.attention_dropout = 0.0
     for layer in no_drop.model.layers:
         layer.self_attn.attention_dropout = 0.0
-    assert not torch.allclose(loss(no_drop, 7), b)        # the dropout is applied at all
+    assert not torch.allclose(loss(no_drop, 7), b)  # the dropout is applied at all
     sdpa = copy.deepcopy(ours)
     sdpa.set_attn_implementation("sdpa")
     with torch.no_grad():
-        torch.testing.assert_close(ours.eval()(input_ids=ids, attention_mask=mask).logits,
-                                   sdpa.eval()(input_ids=ids, attention_mask=mask).logits, rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(
+            ours.eval()(input_ids=ids, attention_mask=mask).logits,
+            sdpa.eval()(input_ids=ids, attention_mask=mask).logits,
+            rtol=1e-9,
+            atol=1e-10,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
 # apply(model): the fused linear-cross-entropy loss
 # ---------------------------------------------------------------------------------------------
+
 
 def _labels(ids, mask):
     return ids.masked_fill(mask == 0, -100)
@@ -565,6 +654,7 @@ def test_apply_skips_ignored_rows():
     """No (tokens x vocab) product: the matrix-product FLOPs of the LM head
     scale with the labelled tokens, not with all of them."""
     from torch.utils.flop_counter import FlopCounterMode
+
     _, ours = _pair("llama", "masked_attn")
     hf.apply(ours).train()
     ids, mask = _batch("right", B=4, L=16, lengths=(16, 16, 16, 16))
@@ -581,13 +671,24 @@ def test_apply_skips_ignored_rows():
 
 
 def test_apply_refuses_non_causal_lm():
-    bert = BertModel(BertConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                num_attention_heads=4))
+    bert = BertModel(
+        BertConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4)
+    )
     with pytest.raises(TypeError, match="not a causal LM"):
         hf.apply(bert)
     from transformers import CohereConfig, CohereForCausalLM
-    cohere = CohereForCausalLM(CohereConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                            num_attention_heads=4, num_key_value_heads=4, eos_token_id=2))
+
+    cohere = CohereForCausalLM(
+        CohereConfig(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            eos_token_id=2,
+        )
+    )
     with pytest.raises(NotImplementedError, match="scales its logits"):
         hf.apply(cohere)
 

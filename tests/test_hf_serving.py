@@ -4,6 +4,7 @@ attention, for every batch shape CB builds (prefill, decode, chunked prefill mix
 full-attention and sliding-window layers (CB's ring buffer), soft-capping, sinks and grouped-query
 heads, with page sizes our kernels read in place (multiples of 64) and others; our ops counted
 as called and no dense mask built."""
+
 import copy
 
 import pytest
@@ -38,6 +39,7 @@ def counted(monkeypatch):
         calls["ring_in_place"] += int((step.seqused > 0).sum())
         calls["ring_gathered"] += 0 if step.gathered is None else int(step.gathered.sum())
         return step
+
     monkeypatch.setattr(hf, "_ring_step", ring_spy)
     for name in ("varlen_attn", "write_kv_cache"):
         fn = getattr(tma_F, name)
@@ -45,12 +47,14 @@ def counted(monkeypatch):
         def spy(*a, _fn=fn, _name=name, **k):
             calls[_name] += 1
             return _fn(*a, **k)
+
         monkeypatch.setattr(tma_F, name, spy)
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def no_sdpa(*a, **k):
         calls["sdpa"] += 1
         return sdpa(*a, **k)
+
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", no_sdpa)
     return calls
 
@@ -79,28 +83,35 @@ def _reference_tokens(ref, prompts, new):
     out = []
     for p in prompts:
         ids = torch.tensor([p])
-        gen = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                           pad_token_id=0, eos_token_id=None)
-        out.append(gen[0, len(p):].tolist())
+        gen = ref.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+        out.append(gen[0, len(p) :].tolist())
     return out
 
 
 def _cb_tokens(model, prompts, new, **cb):
     gc = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    res = model.generate_batch(prompts, generation_config=gc, continuous_batching_config=ContinuousBatchingConfig(**cb),
-                               progress_bar=False)
+    res = model.generate_batch(
+        prompts, generation_config=gc, continuous_batching_config=ContinuousBatchingConfig(**cb), progress_bar=False
+    )
     return [res[f"req_{i}"].generated_tokens for i in range(len(prompts))]
 
 
 CASES = [  # (model, prompt lengths, CB config[, config overrides])
     ("llama", (5, 17, 40, 3, 64, 90), dict(page_size=64)),
     ("llama", (130, 7, 200), dict(page_size=256)),
-    ("llama", (33, 70, 9), dict(page_size=16)),                        # pages the kernels do not read in place
+    ("llama", (33, 70, 9), dict(page_size=16)),  # pages the kernels do not read in place
     ("llama", (100, 6, 150, 41), dict(page_size=64, max_batch_tokens=48)),  # chunked prefill mixed with decodes
-    ("mistral", (3, 12, 30, 70), dict(page_size=64)),                   # sliding window 4: CB's ring buffer
+    ("mistral", (3, 12, 30, 70), dict(page_size=64)),  # sliding window 4: CB's ring buffer
     ("mistral", (50, 9, 80), dict(page_size=64, max_batch_tokens=24)),
-    ("qwen2", (20, 45, 7), dict(page_size=64)),                          # full and sliding layers
-    ("gemma2", (11, 60, 25), dict(page_size=64, max_batch_tokens=32)),   # softcap, sliding, scaling
+    ("qwen2", (20, 45, 7), dict(page_size=64)),  # full and sliding layers
+    ("gemma2", (11, 60, 25), dict(page_size=64, max_batch_tokens=32)),  # softcap, sliding, scaling
 ]
 CASES += [  # a ring of several pages: read in place when they are whole (128 = 2 x 64), decodes past
     # the window gathered when the ring's last page is partial (100 = 64 + 36)
@@ -109,14 +120,17 @@ CASES += [  # a ring of several pages: read in place when they are whole (128 = 
     ("mistral", (150, 20, 230), dict(page_size=64), dict(sliding_window=100)),
 ]
 if "gpt_oss" in MODELS:
-    CASES.append(("gpt_oss", (14, 52, 6, 33), dict(page_size=64, max_batch_tokens=40)))   # sinks
+    CASES.append(("gpt_oss", (14, 52, 6, 33), dict(page_size=64, max_batch_tokens=40)))  # sinks
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c))
 def test_generate_batch_matches_generate(case, counted):
     name, lengths, cb, overrides = (*case, {})[:4]
-    ref, ours = _pair(name, dtype=torch.float32 if name == "gpt_oss" else torch.float64,  # MoE: no float64
-                      **overrides)
+    ref, ours = _pair(
+        name,
+        dtype=torch.float32 if name == "gpt_oss" else torch.float64,  # MoE: no float64
+        **overrides,
+    )
     prompts = _prompts(lengths, ref.config.vocab_size)
     new = 12
     want = _reference_tokens(ref, prompts, new)
@@ -128,13 +142,13 @@ def test_generate_batch_matches_generate(case, counted):
     assert ours.config._attn_implementation == "masked_attn"
     window = getattr(ours.config, "sliding_window", None)
     if window is not None and name != "qwen2" and (window % cb["page_size"] == 0 or window <= cb["page_size"]):
-        assert counted["ring_in_place"] > 0    # the decodes read the ring in place
+        assert counted["ring_in_place"] > 0  # the decodes read the ring in place
         if "max_batch_tokens" not in cb:
             assert counted["ring_gathered"] == 0
     if overrides.get("sliding_window") == 128 and "max_batch_tokens" in cb:
-        assert counted["ring_gathered"] > 0    # chunks past the window beside in-place decodes
+        assert counted["ring_gathered"] > 0  # chunks past the window beside in-place decodes
     if overrides.get("sliding_window") == 100:
-        assert counted["ring_gathered"] > 0    # a decode past a window of partial pages
+        assert counted["ring_gathered"] > 0  # a decode past a window of partial pages
 
 
 def test_manager_context_and_no_mask(counted):

@@ -7,6 +7,7 @@ bf16=True on the CPU is torch.autocast("cpu", dtype=torch.bfloat16) around the
 forward: the rotary embedding leaves q and k in float32 while v is bfloat16,
 which the attention op must take as F.sdpa does under autocast
 (docs/design.md, "Autocast")."""
+
 import copy
 
 import pytest
@@ -60,9 +61,21 @@ def _pad_collate(features):
 
 
 def _train(model, collate, tmp_path):
-    args = TrainingArguments(output_dir=str(tmp_path), bf16=True, use_cpu=True, per_device_train_batch_size=4,
-                             max_steps=STEPS, learning_rate=3e-3, logging_steps=1, report_to=[], save_strategy="no",
-                             dataloader_num_workers=0, seed=0, data_seed=0, disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        bf16=True,
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        max_steps=STEPS,
+        learning_rate=3e-3,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        dataloader_num_workers=0,
+        seed=0,
+        data_seed=0,
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=_Docs(), data_collator=collate)
     trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -70,9 +83,18 @@ def _train(model, collate, tmp_path):
 
 @pytest.mark.parametrize("batches", ["padded", "packed"])
 def test_trainer_bf16_tracks_sdpa(batches, tmp_path):
-    cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD, bos_token_id=1,
-                      eos_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=PAD,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     ref = LlamaForCausalLM(cfg)
     ours = copy.deepcopy(ref)

@@ -1,6 +1,7 @@
 """The house rules a reader relies on (docs/design.md, "Source layout"): the
 package's modules import each other without a circle, and the environment is
 read in one place of the C code (MASKED_ATTN_ISA, common/isa.c)."""
+
 import ast
 import os
 import re
@@ -35,7 +36,7 @@ def _cycles(graph):
         state[node] = "open"
         for dep in sorted(graph.get(node, ())):
             if state.get(dep) == "open":
-                found.append(path[path.index(dep):] + [dep])
+                found.append(path[path.index(dep) :] + [dep])
             elif dep not in state:
                 visit(dep, path + [dep])
         state[node] = "done"

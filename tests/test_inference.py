@@ -56,13 +56,13 @@ def test_wrappers_pass_for_backward(call):
         return tmaF.varlen_attn(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, 23, 23)
 
     q, k, v = _qkv()
-    assert _flags(lambda: run(q, k, v)) == [False]                     # no input requires grad
+    assert _flags(lambda: run(q, k, v)) == [False]  # no input requires grad
     q, k, v = _qkv(requires_grad=True)
     with torch.no_grad():
-        assert _flags(lambda: run(q, k, v)) == [False]                 # grad mode off
+        assert _flags(lambda: run(q, k, v)) == [False]  # grad mode off
     assert _flags(lambda: run(q, k, v)) == [True]
     q, k, v = _qkv()
-    assert _flags(lambda: run(q, k, v.requires_grad_())) == [True]   # any one input
+    assert _flags(lambda: run(q, k, v.requires_grad_())) == [True]  # any one input
 
 
 def test_mask_requiring_grad_is_for_backward():
@@ -78,7 +78,7 @@ def test_mask_requiring_grad_is_for_backward():
 def test_mha_passes_for_backward():
     mha = tma.MultiheadAttention(64, 4, batch_first=True).bfloat16()
     x = torch.randn(2, 10, 64, dtype=torch.bfloat16)
-    assert _flags(lambda: mha(x, x, x)) == [True]                      # its parameters require grad
+    assert _flags(lambda: mha(x, x, x)) == [True]  # its parameters require grad
     with torch.no_grad():
         assert _flags(lambda: mha(x, x, x)) == [False]
     mha.eval()
@@ -95,8 +95,9 @@ def test_mha_passes_for_backward():
     assert _flags(lambda: mha(x, x, x)) == [False]
 
 
-@pytest.mark.parametrize("kw", [dict(head_mask=[1.0] * 4), dict(key_padding_mask=[[False] * 33] * 2)],
-                         ids=["head_mask", "key_padding_mask"])
+@pytest.mark.parametrize(
+    "kw", [dict(head_mask=[1.0] * 4), dict(key_padding_mask=[[False] * 33] * 2)], ids=["head_mask", "key_padding_mask"]
+)
 def test_non_tensor_mask_gets_the_op_error(kw):
     """grad_wanted looks only at tensors: a list where a mask belongs still gets
     the op's own error, which names the argument."""
@@ -129,8 +130,11 @@ def test_raw_op_out_lo(dtype):
             assert_close_ref(out_f, native, ref_attention(q64, k64, v64, is_causal=True), name=f"{isa} out")
         else:
             torch.testing.assert_close(out_f, out_t, rtol=0, atol=0, msg=lambda m: f"{isa}: {m}")
-    torch.library.opcheck(fwd, args + (False,), test_utils=("test_schema", "test_autograd_registration",
-                                                          "test_faketensor", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(
+        fwd,
+        args + (False,),
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )
     out_f = fwd(*args, False)[0]
     g = torch.randn_like(out_f)
     got = torch.autograd.grad(out_f, (q, k, v), g)

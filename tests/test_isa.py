@@ -27,7 +27,7 @@ SHAPES = [
     (1, 2, 2, 65, 65, 17, 33),
     (2, 4, 2, 130, 97, 64, 64),
     (1, 1, 1, 200, 200, 31, 1),
-    (4, 8, 4, 70, 97, 16, 24),   # B * Hkv >= 8: the single-pass backward
+    (4, 8, 4, 70, 97, 16, 24),  # B * Hkv >= 8: the single-pass backward
 ]
 
 
@@ -43,7 +43,7 @@ def torch_reference(q, k, v, masks, kw):
     elif masks == "float+head":
         am = am + kw["attn_mask"].double()
     kr, vr = (t.double().repeat_interleave(H // k.size(1), dim=1) for t in (k, v))
-    p = torch.softmax(q.double() @ kr.transpose(-1, -2) / D ** 0.5 + am, dim=-1).nan_to_num(0.0)
+    p = torch.softmax(q.double() @ kr.transpose(-1, -2) / D**0.5 + am, dim=-1).nan_to_num(0.0)
     if masks == "float+head":
         p = p * kw["head_mask"].double()[None, :, None, None]
     return p @ vr
@@ -62,7 +62,7 @@ def test_variant_matches_scalar_and_torch(isa, shape, masks):
     kw = {}
     if masks == "causal+kpm":
         kpm = torch.zeros(B, Lk, dtype=torch.bool)
-        kpm[:, Lk - Lk // 3:] = True
+        kpm[:, Lk - Lk // 3 :] = True
         kw = dict(is_causal=True, key_padding_mask=kpm)
     elif masks == "float+head":
         kw = dict(attn_mask=torch.randn(Lq, Lk), head_mask=torch.rand(H))
@@ -79,7 +79,7 @@ def test_exp_edges(isa):
     """-inf scores give exactly 0 probability, NaN propagates, huge logits stay finite."""
     if not isa_available(isa):
         pytest.skip(f"this CPU has no {isa}")
-    q = torch.randn(1, 1, 40, 8) * 100.0                       # logits ~ 1e4
+    q = torch.randn(1, 1, 40, 8) * 100.0  # logits ~ 1e4
     k, v = torch.randn(1, 1, 40, 8) * 100.0, torch.randn(1, 1, 40, 8)
     mask = torch.zeros(40, 40)
     mask[:, 20:] = float("-inf")
@@ -99,8 +99,9 @@ def test_exp_edges(isa):
 
 
 @pytest.mark.parametrize("isa", VARIANTS)
-@pytest.mark.parametrize("shape", [(1, 1, 1, 300, 300, 64, 64), (3, 4, 2, 130, 70, 32, 16),
-                                   (4, 8, 4, 100, 130, 32, 16)], ids=str)
+@pytest.mark.parametrize(
+    "shape", [(1, 1, 1, 300, 300, 64, 64), (3, 4, 2, 130, 70, 32, 16), (4, 8, 4, 100, 130, 32, 16)], ids=str
+)
 def test_deterministic_across_thread_counts(isa, shape):
     if not isa_available(isa):
         pytest.skip(f"this CPU has no {isa}")
@@ -109,7 +110,7 @@ def test_deterministic_across_thread_counts(isa, shape):
     q, k, v = torch.randn(B, H, Lq, D), torch.randn(B, Hkv, Lk, D), torch.randn(B, Hkv, Lk, Dv)
     g = torch.randn(B, H, Lq, Dv)
     kpm = torch.zeros(B, Lk, dtype=torch.bool)
-    kpm[0, Lk // 2:] = True
+    kpm[0, Lk // 2 :] = True
     threads = torch.get_num_threads()
     results = []
     try:
@@ -138,7 +139,8 @@ def test_single_pass_backward_gradcheck(masks):
         kpm[1, 3:] = True
         kw = dict(is_causal=True, key_padding_mask=kpm)
     assert torch.autograd.gradcheck(
-        lambda q, k, v, hm: tma.functional.masked_attention(q, k, v, head_mask=hm, **kw), (q, k, v, hm))
+        lambda q, k, v, hm: tma.functional.masked_attention(q, k, v, head_mask=hm, **kw), (q, k, v, hm)
+    )
 
 
 @pytest.mark.parametrize("isa", VARIANTS)
@@ -158,10 +160,16 @@ def test_converted_inputs(isa, dtype, shape):
         assert q.stride(-1) == 2
     g = torch.randn(B, H, Lq, D).to(dtype)
     kpm = torch.zeros(B, Lk, dtype=torch.bool)
-    kpm[0, Lk // 3:] = True
+    kpm[0, Lk // 3 :] = True
     got = run_isa(isa, lambda: fwd_bwd(q, k, v, g, is_causal=True, key_padding_mask=kpm))
-    ref = fwd_bwd(q.float().contiguous(), k.float().contiguous(), v.float().contiguous(), g.float(),
-                  is_causal=True, key_padding_mask=kpm)
+    ref = fwd_bwd(
+        q.float().contiguous(),
+        k.float().contiguous(),
+        v.float().contiguous(),
+        g.float(),
+        is_causal=True,
+        key_padding_mask=kpm,
+    )
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
         torch.testing.assert_close(a.float(), b, rtol=tol, atol=tol, msg=name)
@@ -178,9 +186,12 @@ def test_key_chunked_backward_gradcheck():
     kpm = torch.zeros(1, 140, dtype=torch.bool)
     kpm[0, 100:] = True
     assert torch.autograd.gradcheck(
-        lambda q, k, v, hm: tma.functional.masked_attention(q, k, v, head_mask=hm, key_padding_mask=kpm,
-                                                            attn_mask=torch.zeros(70, 140, dtype=torch.float64)),
-        (q, k, v, hm), atol=1e-6)
+        lambda q, k, v, hm: tma.functional.masked_attention(
+            q, k, v, head_mask=hm, key_padding_mask=kpm, attn_mask=torch.zeros(70, 140, dtype=torch.float64)
+        ),
+        (q, k, v, hm),
+        atol=1e-6,
+    )
 
 
 @pytest.mark.parametrize("isa", VARIANTS)
@@ -212,29 +223,30 @@ def test_trailing_padding_and_unseen_keys_are_never_read(isa, dtype):
     q, k, v = torch.randn(B, H, Lq, D), torch.randn(B, H, Lk, D), torch.randn(B, H, Lk, D)
     g = torch.randn(B, H, Lq, D)
     kpm = torch.zeros(B, Lk, dtype=torch.bool)
-    kpm[0, 37:] = True                 # batch 0: keys 37.. are padding (block 0 partly, block 1 whole)
+    kpm[0, 37:] = True  # batch 0: keys 37.. are padding (block 0 partly, block 1 whole)
     k[0, :, 37:], v[0, :, 37:] = float("nan"), float("nan")
-    k[1, :, 37:], v[1, :, 37:] = float("nan"), float("nan")   # batch 1: after the last query (causal)
+    k[1, :, 37:], v[1, :, 37:] = float("nan"), float("nan")  # batch 1: after the last query (causal)
     q, k, v, g = (t.to(dtype) for t in (q, k, v, g))
 
     def run():
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-        out, w = tma.functional.masked_attention(qq, kk, vv, key_padding_mask=kpm, is_causal=True,
-                                                 need_weights=True)
+        out, w = tma.functional.masked_attention(qq, kk, vv, key_padding_mask=kpm, is_causal=True, need_weights=True)
         grads = torch.autograd.grad(out, (qq, kk, vv), g)
         out2 = tma.functional.masked_attention(qq, kk, vv, key_padding_mask=kpm, is_causal=True)
-        grads2 = torch.autograd.grad(out2, (qq, kk, vv), g)   # the single-pass backward
+        grads2 = torch.autograd.grad(out2, (qq, kk, vv), g)  # the single-pass backward
         return (out, w, out2) + grads + grads2
+
     got = run_isa(isa, run)
     names = ("out", "weights", "out (no weights)", "dq", "dk", "dv", "dq 1-pass", "dk 1-pass", "dv 1-pass")
     for name, t in zip(names, got):
-        t = t[..., :37, :] if name.startswith(("dk", "dv")) else t   # dk, dv of NaN keys are theirs
+        t = t[..., :37, :] if name.startswith(("dk", "dv")) else t  # dk, dv of NaN keys are theirs
         assert not torch.isnan(t).any(), name
 
 
 # ---------------------------------------------------------------------------
 # large outputs, written with non-temporal stores (masked_attn.h, stream_stores)
 # ---------------------------------------------------------------------------
+
 
 def _op_fwd(q, k, v, kpm=None, causal=True):
     return torch.ops.masked_attn.forward(q, k, v, None, kpm, None, causal, None, False)
@@ -273,7 +285,7 @@ def _large_outputs_streamed(isa, D, masks):
     kpm, causal = None, False
     if masks == "causal+kpm":
         kpm = torch.zeros(B, L, dtype=torch.bool)
-        kpm[:, L - 100:] = True
+        kpm[:, L - 100 :] = True
         causal = True
     whole = run_isa(isa, lambda: _op_fwd(q, k, v, kpm, causal))
     assert whole[0].numel() * 4 >= 4 << 20
@@ -305,7 +317,7 @@ def test_streamed_gradients_into_misaligned_views(isa, off):
     ref = run_isa(isa, lambda: _op_bwd(g, q, k, v, out, lse))
     n = B * L * H * (D + 8)
     buf = torch.zeros(3 * n + off + 64)
-    views = [buf[off + i * n: off + (i + 1) * n].view(B, L, H, D + 8)[..., :D].transpose(1, 2) for i in range(3)]
+    views = [buf[off + i * n : off + (i + 1) * n].view(B, L, H, D + 8)[..., :D].transpose(1, 2) for i in range(3)]
     run_isa(isa, lambda: _op_bwd(g, q, k, v, out, lse, into=views))
     for name, a, b in zip(("dq", "dk", "dv"), ref, views):
         assert torch.equal(a, b), f"{isa} off={off}: {name}"
@@ -334,6 +346,7 @@ def test_streamed_gradients_over_their_inputs_with_key_chunks(isa):
 # the causal diagonal split
 # ---------------------------------------------------------------------------
 
+
 def _fwd_bwd_all(q, k, v, g, hm=None, am=None, need_weights=False, **kw):
     """out, lse, and the gradients of q, k, v, head mask and float mask (and
     the weights) of one call."""
@@ -345,8 +358,9 @@ def _fwd_bwd_all(q, k, v, g, hm=None, am=None, need_weights=False, **kw):
     if am is not None and am.dtype.is_floating_point:
         am = am.detach().requires_grad_()
         leaves.append(am)
-    res = tma.functional.masked_attention(q, k, v, head_mask=hm, attn_mask=am, need_weights=need_weights,
-                                          return_lse=True, **kw)
+    res = tma.functional.masked_attention(
+        q, k, v, head_mask=hm, attn_mask=am, need_weights=need_weights, return_lse=True, **kw
+    )
     grads = torch.autograd.grad(res[0], leaves, g)
     return (res[0], res[-1]) + tuple(grads) + ((res[1],) if need_weights else ())
 
@@ -361,16 +375,19 @@ def eight_cpus():
 
 
 SPLIT_CASES = {  # (B, H, Hkv, Lq, Lk, D, Dv)
-    "gqa": (2, 4, 2, 130, 130, 32, 48),           # B * Hkv = 4: key chunks
+    "gqa": (2, 4, 2, 130, 130, 32, 48),  # B * Hkv = 4: key chunks
     "lq<lk": (1, 2, 1, 100, 190, 48, 16),
     "lq>lk": (1, 2, 2, 190, 100, 48, 16),
-    "one-chunk": (4, 2, 2, 128, 128, 16, 16),     # B * Hkv = 8: kv_chunks 1 (eight_cpus)
-    "short-strip": (1, 2, 1, 84, 190, 48, 16),    # last diagonal tile: 20 queries (strips of 16 and 4), 64 keys
+    "one-chunk": (4, 2, 2, 128, 128, 16, 16),  # B * Hkv = 8: kv_chunks 1 (eight_cpus)
+    "short-strip": (1, 2, 1, 84, 190, 48, 16),  # last diagonal tile: 20 queries (strips of 16 and 4), 64 keys
 }
 
 
-@pytest.mark.parametrize("isa,dtype", [(isa, torch.float32) for isa in VARIANTS] + [("scalar", torch.float64)],
-                         ids=[f"{isa}-float32" for isa in VARIANTS] + ["float64"])  # float64 runs the scalar instance
+@pytest.mark.parametrize(
+    "isa,dtype",
+    [(isa, torch.float32) for isa in VARIANTS] + [("scalar", torch.float64)],
+    ids=[f"{isa}-float32" for isa in VARIANTS] + ["float64"],
+)  # float64 runs the scalar instance
 @pytest.mark.parametrize("case", list(SPLIT_CASES))
 @pytest.mark.parametrize("extra", ["plain", "head", "floatmask", "weights"])
 def test_causal_diagonal_split_is_exact(isa, dtype, case, extra, eight_cpus):
@@ -389,14 +406,15 @@ def test_causal_diagonal_split_is_exact(isa, dtype, case, extra, eight_cpus):
     v, g = torch.randn(B, Hkv, Lk, Dv, dtype=dtype), torch.randn(B, H, Lq, Dv, dtype=dtype)
     causal = torch.ones(Lq, Lk, dtype=torch.bool).triu(1)
     kpm = torch.zeros(B, Lk, dtype=torch.bool)
-    kpm[-1, Lk - 9:] = True
+    kpm[-1, Lk - 9 :] = True
     hm = torch.rand(H, dtype=dtype) + 0.5 if extra == "head" else None
     nw = extra == "weights"
     if extra == "floatmask":
         fm = torch.randn(Lq, Lk, dtype=dtype)
         split = run_isa(isa, lambda: _fwd_bwd_all(q, k, v, g, hm, fm, nw, is_causal=True, key_padding_mask=kpm))
-        whole = run_isa(isa, lambda: _fwd_bwd_all(q, k, v, g, hm, fm.masked_fill(causal, float("-inf")), nw,
-                                                  key_padding_mask=kpm))
+        whole = run_isa(
+            isa, lambda: _fwd_bwd_all(q, k, v, g, hm, fm.masked_fill(causal, float("-inf")), nw, key_padding_mask=kpm)
+        )
     else:
         split = run_isa(isa, lambda: _fwd_bwd_all(q, k, v, g, hm, None, nw, is_causal=True, key_padding_mask=kpm))
         whole = run_isa(isa, lambda: _fwd_bwd_all(q, k, v, g, hm, causal, nw, key_padding_mask=kpm))
@@ -414,10 +432,13 @@ ROWS_CASES = {
 }
 
 
-@pytest.mark.parametrize("isa,dtype", [(isa, torch.float32) for isa in VARIANTS]
-                         + [(isa, dt) for isa in ("scalar", "avx2", "avx512") for dt in (torch.bfloat16, torch.float16)]
-                         + [("amx", torch.bfloat16), ("avx512bf16", torch.bfloat16), ("scalar", torch.float64)],
-                         ids=str)
+@pytest.mark.parametrize(
+    "isa,dtype",
+    [(isa, torch.float32) for isa in VARIANTS]
+    + [(isa, dt) for isa in ("scalar", "avx2", "avx512") for dt in (torch.bfloat16, torch.float16)]
+    + [("amx", torch.bfloat16), ("avx512bf16", torch.bfloat16), ("scalar", torch.float64)],
+    ids=str,
+)
 @pytest.mark.parametrize("case", list(ROWS_CASES))
 @pytest.mark.parametrize("masks", ["none", "causal+kpm", "float+head"])
 def test_short_query_blocks_match_the_tiles(isa, dtype, case, masks):
@@ -438,7 +459,7 @@ def test_short_query_blocks_match_the_tiles(isa, dtype, case, masks):
     if masks == "causal+kpm":
         kpm = torch.zeros(B, Lk, dtype=torch.bool)
         kpm[-1, 5:9] = True
-        kpm[0, Lk - 20:] = True
+        kpm[0, Lk - 20 :] = True
         kw = dict(is_causal=True, key_padding_mask=kpm)
     elif masks == "float+head":
         kw = dict(attn_mask=torch.randn(Lq, Lk, dtype=torch.float64).to(dtype), head_mask=torch.rand(H).to(dtype))
@@ -457,8 +478,9 @@ def test_short_query_blocks_match_the_tiles(isa, dtype, case, masks):
             tol = 2e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(out, full_out[:, :, :n], rtol=tol, atol=tol)
         else:
-            assert torch.equal(out, full_out[:, :, :n]), \
+            assert torch.equal(out, full_out[:, :, :n]), (
                 f"{isa} {dtype} n={n}: {(out - full_out[:, :, :n]).abs().max()}"
+            )
             assert torch.equal(lse, full_lse[:, :, :n])
     # the short path against PyTorch in float64 (its last rows 64..71 are a short block as well)
     ref = torch_reference(q, k, v, masks, kw)
@@ -490,11 +512,15 @@ def _key_group_grads(isas):
             q = torch.randn(B, H, L, D).to(dt).requires_grad_()
             k, v = (torch.randn(B, Hkv, L, D).to(dt).requires_grad_() for _ in range(2))
             g = torch.randn(B, H, L, D).to(dt)
-            kw = dict(is_causal=o.get("is_causal", False), window=o.get("window"), softcap=o.get("softcap"),
-                      dropout_p=o.get("dropout_p", 0.0))
+            kw = dict(
+                is_causal=o.get("is_causal", False),
+                window=o.get("window"),
+                softcap=o.get("softcap"),
+                dropout_p=o.get("dropout_p", 0.0),
+            )
             if o.get("kpm"):
                 kpm = torch.zeros(B, L, dtype=torch.bool)
-                kpm[:, L - 130:] = True
+                kpm[:, L - 130 :] = True
                 kw["key_padding_mask"] = kpm
             hm = None
             if o.get("head_mask"):
@@ -560,6 +586,7 @@ def test_key_chunks_follow_the_cpu_count(isa):
         qt, kt, vt = (t.to(dtype).requires_grad_() for t in (q, k, v))
         kt, vt = (t.repeat_interleave(H // Hkv, dim=1) for t in (kt, vt))
         return torch.autograd.grad(F.scaled_dot_product_attention(qt, kt, vt, is_causal=True), qt, g.to(dtype))[0]
+
     dq_ref, dq_torch = torch_dq(torch.float64), torch_dq(torch.float32)
     for cpus in (1, 4, 16, 64):
         for a, b in zip(res[cpus, 1], res[cpus, 2]):
@@ -585,9 +612,13 @@ RUN_CASES = {
 }
 
 
-@pytest.mark.parametrize("isa,dtype", [(isa, torch.float32) for isa in VARIANTS]
-                         + [(isa, torch.bfloat16) for isa in ("scalar", "avx2", "avx512")]
-                         + [("avx2", torch.float16), ("scalar", torch.float64)], ids=str)
+@pytest.mark.parametrize(
+    "isa,dtype",
+    [(isa, torch.float32) for isa in VARIANTS]
+    + [(isa, torch.bfloat16) for isa in ("scalar", "avx2", "avx512")]
+    + [("avx2", torch.float16), ("scalar", torch.float64)],
+    ids=str,
+)
 @pytest.mark.parametrize("case", list(RUN_CASES))
 @pytest.mark.parametrize("Lq", [1, 3, 8])
 @pytest.mark.parametrize("threads", [1, 2])
@@ -602,23 +633,23 @@ def test_runs_of_heads_same_bits(isa, dtype, case, Lq, threads):
     B, H, Hkv, Lk, D, Dv, o = RUN_CASES[case]
     torch.manual_seed(5)
     q = torch.randn(B, H, Lq, D, dtype=torch.float64).to(dtype)
-    k_rows = torch.randn(B, Lk, Hkv, D, dtype=torch.float64).to(dtype)   # heads side by side in a row
+    k_rows = torch.randn(B, Lk, Hkv, D, dtype=torch.float64).to(dtype)  # heads side by side in a row
     v_rows = torch.randn(B, Lk, Hkv, Dv, dtype=torch.float64).to(dtype)
     k_side, v_side = k_rows.transpose(1, 2), v_rows.transpose(1, 2)
     k_major, v_major = k_side.contiguous(), v_side.contiguous()
     kw = {}
     if o.get("kpm"):
         kpm = torch.zeros(B, Lk, dtype=torch.bool)
-        kpm[0, Lk - 40:] = True
-        kpm[-1, 3:70] = True                    # a whole key block of entry B - 1 unread
+        kpm[0, Lk - 40 :] = True
+        kpm[-1, 3:70] = True  # a whole key block of entry B - 1 unread
         kw["key_padding_mask"] = kpm
     if o.get("is_causal"):
         kw["is_causal"] = True
-    if o.get("bool_mask"):                      # some heads' key blocks all blocked, others not
+    if o.get("bool_mask"):  # some heads' key blocks all blocked, others not
         am = torch.rand(B, H, Lq, Lk) > 0.3
-        am[:, 0::2, :, :64] = False             # takes start at even heads
+        am[:, 0::2, :, :64] = False  # takes start at even heads
         am[0, 5, :, 64:128] = False
-        am[:, :, :, -1] = True                  # no row fully masked
+        am[:, :, :, -1] = True  # no row fully masked
         kw["attn_mask"] = am
     if o.get("head_mask"):
         kw["head_mask"] = torch.rand(H, dtype=torch.float64).to(dtype)
@@ -645,9 +676,13 @@ def test_runs_of_heads_same_bits(isa, dtype, case, Lq, threads):
     assert torch.equal(lse_side, lse_major)
 
 
-@pytest.mark.parametrize("isa,dtype", [(isa, torch.float32) for isa in VARIANTS]
-                         + [(isa, torch.bfloat16) for isa in ("scalar", "avx2", "avx512", "amx", "avx512bf16")]
-                         + [("amx", torch.float16)], ids=str)
+@pytest.mark.parametrize(
+    "isa,dtype",
+    [(isa, torch.float32) for isa in VARIANTS]
+    + [(isa, torch.bfloat16) for isa in ("scalar", "avx2", "avx512", "amx", "avx512bf16")]
+    + [("amx", torch.float16)],
+    ids=str,
+)
 @pytest.mark.parametrize("Hkv", [8, 2])
 def test_paged_decoding_runs_same_bits(isa, dtype, Hkv):
     """varlen_attn from a paged pool (pages, page_size, H_kv, D), the layout
@@ -672,8 +707,9 @@ def test_paged_decoding_runs_same_bits(isa, dtype, Hkv):
 
         def call(k, v):
             with torch.no_grad():
-                return tma.functional.varlen_attn(q, k, v, cu, None, lq, 256, seqused_k=used, block_table=table,
-                                                  enable_gqa=Hkv != H)
+                return tma.functional.varlen_attn(
+                    q, k, v, cu, None, lq, 256, seqused_k=used, block_table=table, enable_gqa=Hkv != H
+                )
 
         side = run_isa(isa, lambda: call(kp, vp))
         major = run_isa(isa, lambda: call(kp_major, vp_major))
@@ -695,7 +731,7 @@ def test_decoding_rows_same_bits_as_prefill(isa, dtype, D, Lk):
     q = torch.randn(2, 4, 8, D, dtype=torch.float64).to(dtype)
     k, v = (torch.randn(2, 2, Lk, D, dtype=torch.float64).to(dtype) for _ in range(2))
     kpm = torch.zeros(2, Lk, dtype=torch.bool)
-    kpm[1, Lk // 3:] = True
+    kpm[1, Lk // 3 :] = True
 
     def attend(qs):
         with torch.no_grad():
@@ -703,6 +739,6 @@ def test_decoding_rows_same_bits_as_prefill(isa, dtype, D, Lk):
 
     out, lse = run_isa(isa, lambda: attend(q))
     for i in range(q.size(2)):
-        out_i, lse_i = run_isa(isa, lambda: attend(q[:, :, i:i + 1]))
-        assert torch.equal(out_i, out[:, :, i:i + 1]), f"row {i}: {(out_i - out[:, :, i:i + 1]).abs().max()}"
-        assert torch.equal(lse_i, lse[:, :, i:i + 1])
+        out_i, lse_i = run_isa(isa, lambda: attend(q[:, :, i : i + 1]))
+        assert torch.equal(out_i, out[:, :, i : i + 1]), f"row {i}: {(out_i - out[:, :, i : i + 1]).abs().max()}"
+        assert torch.equal(lse_i, lse[:, :, i : i + 1])

@@ -1,6 +1,7 @@
 """write_kv_cache (masked_attn::cache_write): new key / value rows written into a paged or flat
 KV cache in place, against a reference written row by row in Python; padding slots, slots
 shared by several rows (the later row wins), strided inputs and caches, and every refusal."""
+
 import pytest
 import torch
 
@@ -26,17 +27,18 @@ def test_against_reference(dtype, layout, slot_dtype):
     def rand(*shape):
         x = torch.randn(*shape, generator=g) * 50
         return x.to(dtype)
+
     if layout == "paged":
         kc, vc = rand(pages, page, H, D), rand(pages, page, H, Dv)
     elif layout == "flat":
         kc, vc = rand(pages * page, H, D), rand(pages * page, H, Dv)
     else:  # heads outermost (a (H, pages, page, D) buffer seen as pages): nothing contiguous per row
         kc, vc = rand(H, pages, page, D).permute(1, 2, 0, 3), rand(H, pages, page, Dv).permute(1, 2, 0, 3)
-    key = rand(H, T, D).transpose(0, 1)      # strided new rows
+    key = rand(H, T, D).transpose(0, 1)  # strided new rows
     value = rand(T, H, Dv)
     slots = torch.randperm(pages * page, generator=g)[:T]
-    slots[3] = -1                            # padding rows are skipped
-    slots[10] = slots[20]                    # a shared slot: the later row (20) wins
+    slots[3] = -1  # padding rows are skipped
+    slots[10] = slots[20]  # a shared slot: the later row (20) wins
     slots = slots.to(slot_dtype)
     want_k, want_v = _reference(key, value, kc, vc, slots)
     tma_F.write_kv_cache(key, value, kc, vc, slots)
@@ -45,7 +47,7 @@ def test_against_reference(dtype, layout, slot_dtype):
 
 def test_one_buffer_for_keys_and_values():
     """transformers' paged cache: keys and values of a layer are views of one buffer, pages interleaved."""
-    buf = torch.zeros(8, 2, 4, 2, 8)        # (blocks, k/v, page, H, D)
+    buf = torch.zeros(8, 2, 4, 2, 8)  # (blocks, k/v, page, H, D)
     kc, vc = buf[:, 0], buf[:, 1]
     key, value = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
     slots = torch.tensor([0, 5, 31, 12, 7])
@@ -65,27 +67,35 @@ def test_many_rows_in_parallel():
 
 
 def _args(**over):
-    a = dict(key=torch.randn(4, 2, 8), value=torch.randn(4, 2, 8), key_cache=torch.zeros(3, 4, 2, 8),
-             value_cache=torch.zeros(3, 4, 2, 8), slots=torch.tensor([0, 1, 2, 3]))
+    a = dict(
+        key=torch.randn(4, 2, 8),
+        value=torch.randn(4, 2, 8),
+        key_cache=torch.zeros(3, 4, 2, 8),
+        value_cache=torch.zeros(3, 4, 2, 8),
+        slots=torch.tensor([0, 1, 2, 3]),
+    )
     a.update(over)
     return a
 
 
-@pytest.mark.parametrize("over,match", [
-    (dict(slots=torch.tensor([0, 1, 2, 12])), "slots"),
-    (dict(slots=torch.tensor([0.0, 1, 2, 3])), "slots"),
-    (dict(slots=torch.tensor([[0, 1, 2, 3]])), "slots"),
-    (dict(slots=torch.tensor([0, 1, 2])), "key"),
-    (dict(key=torch.randn(4, 3, 8)), "key"),
-    (dict(key=torch.randn(4, 2, 4)), "key"),
-    (dict(value=torch.randn(4, 2, 8, dtype=torch.float64)), "value"),
-    (dict(key_cache=torch.zeros(3, 4, 2, 8, dtype=torch.bfloat16)), "key"),
-    (dict(value_cache=torch.zeros(3, 2, 2, 8)), "key_cache and value_cache"),
-    (dict(value_cache=torch.zeros(12, 2, 8)), "key_cache and value_cache"),
-    (dict(value_cache=torch.zeros(1, 4, 2, 8), slots=torch.tensor([0, 1, 2, 5])), "slots"),  # 5: key_cache only
-    (dict(key_cache=torch.zeros(3, 4, 1, 8).expand(3, 4, 2, 8)), "key_cache"),
-    (dict(key_cache=torch.zeros(2, 3, 4, 2, 8)), "key_cache"),
-])
+@pytest.mark.parametrize(
+    "over,match",
+    [
+        (dict(slots=torch.tensor([0, 1, 2, 12])), "slots"),
+        (dict(slots=torch.tensor([0.0, 1, 2, 3])), "slots"),
+        (dict(slots=torch.tensor([[0, 1, 2, 3]])), "slots"),
+        (dict(slots=torch.tensor([0, 1, 2])), "key"),
+        (dict(key=torch.randn(4, 3, 8)), "key"),
+        (dict(key=torch.randn(4, 2, 4)), "key"),
+        (dict(value=torch.randn(4, 2, 8, dtype=torch.float64)), "value"),
+        (dict(key_cache=torch.zeros(3, 4, 2, 8, dtype=torch.bfloat16)), "key"),
+        (dict(value_cache=torch.zeros(3, 2, 2, 8)), "key_cache and value_cache"),
+        (dict(value_cache=torch.zeros(12, 2, 8)), "key_cache and value_cache"),
+        (dict(value_cache=torch.zeros(1, 4, 2, 8), slots=torch.tensor([0, 1, 2, 5])), "slots"),  # 5: key_cache only
+        (dict(key_cache=torch.zeros(3, 4, 1, 8).expand(3, 4, 2, 8)), "key_cache"),
+        (dict(key_cache=torch.zeros(2, 3, 4, 2, 8)), "key_cache"),
+    ],
+)
 def test_refusals(over, match):
     with pytest.raises((RuntimeError, ValueError, TypeError, IndexError), match=match):
         tma_F.write_kv_cache(**_args(**over))
@@ -100,8 +110,9 @@ def test_no_grad_into_cache():
 
 def test_opcheck():
     a = _args()
-    torch.library.opcheck(torch.ops.masked_attn.cache_write.default,
-                          (a["key"], a["value"], a["key_cache"], a["value_cache"], a["slots"]))
+    torch.library.opcheck(
+        torch.ops.masked_attn.cache_write.default, (a["key"], a["value"], a["key_cache"], a["value_cache"], a["slots"])
+    )
 
 
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512", "amx", "avx512bf16"])
@@ -111,17 +122,18 @@ def test_transposed_key_pages_same_bits(isa, dtype):
     varlen_attn the same bits as row pages: decodes (the rows path, no transposes), short and
     long chunks (the tiles), and the pages of the two layouts hold the same written values."""
     from conftest import isa_available, run_isa
+
     if not isa_available(isa):
         pytest.skip(f"this CPU has no {isa}")
     g = torch.Generator().manual_seed(3)
     H, Hkv, D, page, pages = 8, 2, 64, 64, 24
     rows_k = torch.zeros(pages, page, Hkv, D, dtype=dtype)
     rows_v = torch.zeros_like(rows_k)
-    t_k = torch.zeros(pages, Hkv, D, page, dtype=dtype).permute(0, 3, 1, 2)   # K^T pages, as (pages, page, H_kv, D)
+    t_k = torch.zeros(pages, Hkv, D, page, dtype=dtype).permute(0, 3, 1, 2)  # K^T pages, as (pages, page, H_kv, D)
     t_v = torch.zeros_like(rows_v)
     lens_q, lens_k = [1, 1, 5, 70, 1, 9], [130, 64, 77, 190, 1, 9]
     table = torch.randperm(pages, generator=g)[:24].view(6, 4).to(torch.int32)
-    for b, n in enumerate(lens_k):   # each sequence's keys written through the cache op, into both layouts
+    for b, n in enumerate(lens_k):  # each sequence's keys written through the cache op, into both layouts
         k, v = torch.randn(n, Hkv, D, generator=g).to(dtype), torch.randn(n, Hkv, D, generator=g).to(dtype)
         slots = table[b, torch.arange(n) // page].long() * page + torch.arange(n) % page
         tma_F.write_kv_cache(k, v, rows_k, rows_v, slots)
@@ -129,13 +141,27 @@ def test_transposed_key_pages_same_bits(isa, dtype):
     assert torch.equal(rows_k, t_k) and t_k.stride(1) == 1
     cu_q = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)
     q = torch.randn(int(cu_q[-1]), H, D, generator=g).to(dtype)
-    args = dict(seqused_k=torch.tensor(lens_k, dtype=torch.int32), block_table=table, window_size=(-1, 0),
-                enable_gqa=True)
+    args = dict(
+        seqused_k=torch.tensor(lens_k, dtype=torch.int32), block_table=table, window_size=(-1, 0), enable_gqa=True
+    )
     a = run_isa(isa, lambda: tma_F.varlen_attn(q, rows_k, rows_v, cu_q, None, max(lens_q), max(lens_k), **args))
     b = run_isa(isa, lambda: tma_F.varlen_attn(q, t_k, t_v, cu_q, None, max(lens_q), max(lens_k), **args))
     assert torch.equal(a, b)
     # a decode row alone gives the bits it gets in the batch (batch invariance) from K^T pages too
-    one = run_isa(isa, lambda: tma_F.varlen_attn(q[:1], t_k, t_v, cu_q[:2], None, 1, lens_k[0],
-                                                 seqused_k=args["seqused_k"][:1], block_table=table[:1],
-                                                 window_size=(-1, 0), enable_gqa=True))
+    one = run_isa(
+        isa,
+        lambda: tma_F.varlen_attn(
+            q[:1],
+            t_k,
+            t_v,
+            cu_q[:2],
+            None,
+            1,
+            lens_k[0],
+            seqused_k=args["seqused_k"][:1],
+            block_table=table[:1],
+            window_size=(-1, 0),
+            enable_gqa=True,
+        ),
+    )
     assert torch.equal(one, a[:1])

@@ -8,6 +8,7 @@ reduced over the kept rows. Values and the gradients of input, weight and
 bias, for every option, every reduction, several chunk sizes; float64 tight
 (and gradcheck), float32 / bfloat16 by flash-attention's 2x rule.
 """
+
 import itertools
 
 import pytest
@@ -37,7 +38,7 @@ def ref_lce(h, W, t, b=None, ignore_index=-100, reduction="mean", label_smoothin
 
 def _make(N, d, V, dtype, bias, ignore_every=4, ignore_index=-100):
     h = torch.randn(N, d, dtype=torch.float64).to(dtype)
-    W = (torch.randn(V, d, dtype=torch.float64) / d ** 0.5).to(dtype)
+    W = (torch.randn(V, d, dtype=torch.float64) / d**0.5).to(dtype)
     b = (torch.randn(V, dtype=torch.float64) * 0.1).to(dtype) if bias else None
     t = torch.randint(0, V, (N,))
     if ignore_every:
@@ -79,8 +80,18 @@ def _compare(h, W, b, t, name, chunk_size=None, **kw):
 def test_parity_every_option_float64(bias, reduction):
     h, W, b, t = _make(29, 12, 97, torch.float64, bias)
     for ls, z, cap, chunk in itertools.product((0.0, 0.15), (0.0, 1e-2), (None, 3.0), (None, 1, 7)):
-        _compare(h, W, b, t, f"ls={ls} z={z} cap={cap} chunk={chunk}", chunk_size=chunk, reduction=reduction,
-                 label_smoothing=ls, z_loss=z, softcap=cap)
+        _compare(
+            h,
+            W,
+            b,
+            t,
+            f"ls={ls} z={z} cap={cap} chunk={chunk}",
+            chunk_size=chunk,
+            reduction=reduction,
+            label_smoothing=ls,
+            z_loss=z,
+            softcap=cap,
+        )
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
@@ -88,16 +99,38 @@ def test_parity_every_option_float64(bias, reduction):
 def test_parity_low_precision(reduction, dtype):
     h, W, b, t = _make(300, 64, 1000, dtype, True)
     for ls, z, cap, chunk in ((0.0, 0.0, None, None), (0.1, 1e-3, 30.0, 64), (0.0, 0.0, None, 37)):
-        _compare(h, W, b, t, f"{dtype} ls={ls} z={z} cap={cap} chunk={chunk}", chunk_size=chunk,
-                 reduction=reduction, label_smoothing=ls, z_loss=z, softcap=cap)
+        _compare(
+            h,
+            W,
+            b,
+            t,
+            f"{dtype} ls={ls} z={z} cap={cap} chunk={chunk}",
+            chunk_size=chunk,
+            reduction=reduction,
+            label_smoothing=ls,
+            z_loss=z,
+            softcap=cap,
+        )
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_gradcheck(reduction):
     h, W, b, t = _make(7, 4, 11, torch.float64, True, ignore_every=3)
     for ls, z, cap, chunk in ((0.0, 0.0, None, None), (0.2, 5e-2, 2.0, 2), (0.0, 1e-1, None, 3)):
-        fn = lambda h, W, b: lce(h, W, t, b, reduction=reduction, label_smoothing=ls,  # noqa: E731
-                                 z_loss=z, softcap=cap, chunk_size=chunk)
+
+        def fn(h, W, b):
+            return lce(
+                h,
+                W,
+                t,
+                b,
+                reduction=reduction,
+                label_smoothing=ls,
+                z_loss=z,
+                softcap=cap,
+                chunk_size=chunk,
+            )
+
         assert gradcheck(fn, (h.clone().requires_grad_(), W.clone().requires_grad_(), b.clone().requires_grad_()))
 
 
@@ -115,10 +148,10 @@ def test_batched_input_and_other_ignore_index():
 def test_only_some_grads_and_no_grad():
     h, W, b, t = _make(20, 6, 40, torch.float64, True)
     hr = h.clone().requires_grad_()
-    gh, = torch.autograd.grad(lce(hr, W, t, b), hr)          # weight, bias constant
+    (gh,) = torch.autograd.grad(lce(hr, W, t, b), hr)  # weight, bias constant
     assert_close64(gh, torch.autograd.grad(ref_lce(hr, W, t, b), hr)[0])
     Wr = W.clone().requires_grad_()
-    gw, = torch.autograd.grad(lce(h, Wr, t), Wr)              # input constant
+    (gw,) = torch.autograd.grad(lce(h, Wr, t), Wr)  # input constant
     assert_close64(gw, torch.autograd.grad(ref_lce(h, Wr, t), Wr)[0])
     with torch.no_grad():
         loss = lce(hr, Wr, t, b)
@@ -219,14 +252,13 @@ def test_every_variant(isa):
     if not isa_available(isa):
         pytest.skip(f"this CPU has no {isa}")
     h, W, b, t = _make(100, 32, 700, torch.float32, True)
-    run_isa(isa, lambda: _compare(h, W, b, t, isa, chunk_size=33, label_smoothing=0.1, z_loss=1e-3,
-                                  softcap=20.0))
+    run_isa(isa, lambda: _compare(h, W, b, t, isa, chunk_size=33, label_smoothing=0.1, z_loss=1e-3, softcap=20.0))
 
 
 def test_memory_is_one_chunk_not_n_by_v():
     """The largest tensor a call allocates is the chunk buffer or grad_weight,
     never the (N, V) logits: measured through the profiler's memory records."""
-    N, d, V = 2048, 16, 8192                     # N x V float32 = 64 MB; a chunk of 64 rows = 2 MB
+    N, d, V = 2048, 16, 8192  # N x V float32 = 64 MB; a chunk of 64 rows = 2 MB
     h, W, _, t = _make(N, d, V, torch.float32, False)
     h.requires_grad_(), W.requires_grad_()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -1,6 +1,7 @@
 """Gradients of floating masks (learned position biases): gradcheck in float64
 on both backward paths, and parity with F.scaled_dot_product_attention and
 nn.MultiheadAttention."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,18 +18,23 @@ def test_mask_gradcheck(B, H, Hkv, mask_shape):
     q = torch.randn(B, H, Lq, 3, dtype=torch.float64, requires_grad=True)
     k = torch.randn(B, Hkv, Lk, 3, dtype=torch.float64, requires_grad=True)
     v = torch.randn(B, Hkv, Lk, 2, dtype=torch.float64, requires_grad=True)
-    shape = {"(Lq,Lk)": (Lq, Lk), "(H,Lq,Lk)": (H, Lq, Lk), "(B,1,1,Lk)": (B, 1, 1, Lk),
-             "(B,H,Lq,Lk)": (B, H, Lq, Lk)}[mask_shape]
+    shape = {"(Lq,Lk)": (Lq, Lk), "(H,Lq,Lk)": (H, Lq, Lk), "(B,1,1,Lk)": (B, 1, 1, Lk), "(B,H,Lq,Lk)": (B, H, Lq, Lk)}[
+        mask_shape
+    ]
     am = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
     kpm = torch.randn(B, Lk, dtype=torch.float64, requires_grad=True)
-    assert gradcheck(lambda q, k, v, am, kpm: tma.functional.masked_attention(
-        q, k, v, attn_mask=am, key_padding_mask=kpm, is_causal=True), (q, k, v, am, kpm))
+    assert gradcheck(
+        lambda q, k, v, am, kpm: tma.functional.masked_attention(
+            q, k, v, attn_mask=am, key_padding_mask=kpm, is_causal=True
+        ),
+        (q, k, v, am, kpm),
+    )
 
 
 def test_sdpa_mask_grad_matches_torch():
     torch.manual_seed(1)
     q, k, v = (torch.randn(2, 4, 33, 8) for _ in range(3))
-    bias = torch.randn(4, 33, 33, requires_grad=True)             # a learned per-head bias
+    bias = torch.randn(4, 33, 33, requires_grad=True)  # a learned per-head bias
     g = torch.randn(2, 4, 33, 8)
     ours = torch.autograd.grad(tma.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias), bias, g)[0]
     ref = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, attn_mask=bias), bias, g)[0]
@@ -41,7 +47,7 @@ def test_mha_float_mask_grad_matches_torch():
     ours = tma.MultiheadAttention(16, 4, batch_first=True)
     ours.load_state_dict(native.state_dict())
     x = torch.randn(3, 10, 16)
-    mask0 = torch.randn(3 * 4, 10, 10)                             # the (N*H, L, S) form
+    mask0 = torch.randn(3 * 4, 10, 10)  # the (N*H, L, S) form
     grads = []
     for m in (native, ours):
         mask = mask0.clone().requires_grad_()
@@ -55,6 +61,7 @@ def test_bool_masks_need_no_gradient_buffer():
     q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
     lse = torch.ops.masked_attn.forward(q, k, v, None, None, None, True, None, False)[1]
     out = torch.ops.masked_attn.forward(q, k, v, None, None, None, True, None, False)[0]
-    res = torch.ops.masked_attn.backward(torch.ones_like(out), None, q, k, v, out, lse,
-                                         None, None, None, True, None, False, False)
+    res = torch.ops.masked_attn.backward(
+        torch.ones_like(out), None, q, k, v, out, lse, None, None, None, True, None, False, False
+    )
     assert res[4].numel() == 0

@@ -79,16 +79,22 @@ def assert_bitwise(got, want, names):
     """Bit for bit, signed zeros and NaN payloads included."""
     for n, a, b in zip(names, got, want):
         assert a.dtype == b.dtype and a.shape == b.shape, n
-        assert torch.equal(_bits(a), _bits(b)), \
+        assert torch.equal(_bits(a), _bits(b)), (
             f"{n}: not bit for bit ({(a.double() - b.double()).abs().max().item():.3e})"
+        )
 
 
 def sdpa_parity(allowed, q, k, v, g, name):
     """Ours through the F.sdpa drop-in vs F.sdpa, both against float64."""
     ours = fwd_bwd(lambda q, k, v: tmaF.scaled_dot_product_attention(q, k, v, attn_mask=allowed), q, k, v, g)
     theirs = fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed), q, k, v, g)
-    ref = fwd_bwd(lambda q, k, v: ref_attention(q, k, v, allowed_to_additive(allowed)),
-                  q.double(), k.double(), v.double(), g.double())
+    ref = fwd_bwd(
+        lambda q, k, v: ref_attention(q, k, v, allowed_to_additive(allowed)),
+        q.double(),
+        k.double(),
+        v.double(),
+        g.double(),
+    )
     for n, a, b, r in zip(("out", "dq", "dk", "dv"), ours, theirs, ref):
         assert_close_ref(a, b, r, name=f"{name} {n}")
     return ours
@@ -110,8 +116,12 @@ def test_hf_mask_matches_sdpa_and_structural(isa, shape, left, dtype):
     q, k, v, g = (_rand(B, H, L, D, dtype=dtype) for _ in range(4))
     got = run_isa(isa, lambda: sdpa_parity(allowed, q, k, v, g, f"{isa} hf"))
     # the same mask given structurally: is_causal + key_padding_mask
-    want = run_isa(isa, lambda: fwd_bwd(
-        lambda q, k, v: tmaF.masked_attention(q, k, v, is_causal=True, key_padding_mask=pad), q, k, v, g))
+    want = run_isa(
+        isa,
+        lambda: fwd_bwd(
+            lambda q, k, v: tmaF.masked_attention(q, k, v, is_causal=True, key_padding_mask=pad), q, k, v, g
+        ),
+    )
     if isa in BITWISE:
         assert_bitwise(got, want, ("out", "dq", "dk", "dv"))
     else:
@@ -142,14 +152,22 @@ def test_packed_documents_on_tile_edges_are_each_document_alone(isa):
     L = sum(docs)
     allowed = packed_allowed(docs)
     q, k, v, g = (_rand(1, H, L, D) for _ in range(4))
-    packed = run_isa(isa, lambda: fwd_bwd(
-        lambda q, k, v: tmaF.scaled_dot_product_attention(q, k, v, attn_mask=allowed), q, k, v, g))
+    packed = run_isa(
+        isa, lambda: fwd_bwd(lambda q, k, v: tmaF.scaled_dot_product_attention(q, k, v, attn_mask=allowed), q, k, v, g)
+    )
     s = 0
     for n in docs:
         sl = slice(s, s + n)
-        alone = run_isa(isa, lambda: fwd_bwd(
-            lambda q, k, v: tmaF.scaled_dot_product_attention(q, k, v, is_causal=True),
-            q[:, :, sl], k[:, :, sl], v[:, :, sl], g[:, :, sl]))
+        alone = run_isa(
+            isa,
+            lambda: fwd_bwd(
+                lambda q, k, v: tmaF.scaled_dot_product_attention(q, k, v, is_causal=True),
+                q[:, :, sl],
+                k[:, :, sl],
+                v[:, :, sl],
+                g[:, :, sl],
+            ),
+        )
         assert_bitwise([t[:, :, sl] for t in packed], alone, (f"doc@{s} out", "dq", "dk", "dv"))
         s += n
 
@@ -176,11 +194,15 @@ def test_broadcast_and_flattened_masks_skip_alike():
         assert_bitwise(call(m), want, (f"{name} out", "dq", "dk", "dv"))
     # (L, L): the causal part alone, broadcast over batch and heads by zero strides
     causal_only = ~hf_allowed([L, L], L)[0][0, 0]
-    assert_bitwise(call(causal_only), fwd_bwd(lambda q, k, v: tmaF.masked_attention(q, k, v, is_causal=True),
-                                              q, k, v, g), ("(L, L) out", "dq", "dk", "dv"))
+    assert_bitwise(
+        call(causal_only),
+        fwd_bwd(lambda q, k, v: tmaF.masked_attention(q, k, v, is_causal=True), q, k, v, g),
+        ("(L, L) out", "dq", "dk", "dv"),
+    )
 
 
 # ---- NaN in keys whose tiles are all blocked --------------------------------
+
 
 def _nan_case(L=194, B=2, H=2, D=16, dtype=torch.float32):
     """Batch 1 has 100 real tokens: its keys 128.. (two key blocks) are blocked
@@ -231,13 +253,15 @@ def test_nan_in_other_document_reaches_nothing(isa):
     q, k, v, g = (_rand(1, H, L, D) for _ in range(4))
     k[:, :, 64:] = float("nan")
     v[:, :, 64:] = float("nan")
-    out, dq, dk, dv = run_isa(isa, lambda: fwd_bwd(
-        lambda q, k, v: tmaF.scaled_dot_product_attention(q, k, v, attn_mask=allowed), q, k, v, g))
+    out, dq, dk, dv = run_isa(
+        isa, lambda: fwd_bwd(lambda q, k, v: tmaF.scaled_dot_product_attention(q, k, v, attn_mask=allowed), q, k, v, g)
+    )
     for n, t in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert torch.isfinite(t[:, :, :64]).all(), f"{isa}: the second document's NaN reached the first's {n}"
 
 
 # ---- gradcheck --------------------------------------------------------------
+
 
 @pytest.fixture
 def _one_thread():
@@ -262,8 +286,8 @@ def test_gradcheck_with_blocked_tiles(mask, _one_thread):
         allowed, _ = hf_allowed([L, 60], L)
         am = torch.randn(2, 1, L, L, dtype=torch.float64).masked_fill(~allowed, float("-inf"))
     q, k, v = (torch.randn(2, 1, L, D, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    assert gradcheck(lambda q, k, v: tmaF.masked_attention(q, k, v, attn_mask=am), (q, k, v),
-                     fast_mode=True)
+    assert gradcheck(lambda q, k, v: tmaF.masked_attention(q, k, v, attn_mask=am), (q, k, v), fast_mode=True)
     # the two-pass backward (weights receive a gradient)
-    assert gradcheck(lambda q, k, v: tmaF.masked_attention(q, k, v, attn_mask=am, need_weights=True), (q, k, v),
-                     fast_mode=True)
+    assert gradcheck(
+        lambda q, k, v: tmaF.masked_attention(q, k, v, attn_mask=am, need_weights=True), (q, k, v), fast_mode=True
+    )

@@ -47,8 +47,7 @@ def _inputs(dt, query, key, value, self_attn, grad):
     qx = query.detach().to(dt).requires_grad_(grad)
     if self_attn:
         return qx, qx, qx
-    return (qx, key.detach().to(dt).requires_grad_(grad),
-            value.detach().to(dt).requires_grad_(grad))
+    return (qx, key.detach().to(dt).requires_grad_(grad), value.detach().to(dt).requires_grad_(grad))
 
 
 def _call(fn, mod, qkv, kw, head_mask):
@@ -60,7 +59,7 @@ def _call(fn, mod, qkv, kw, head_mask):
 
 def _torch_fn(mod, q, k, v, **kw):
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")   # mixed mask dtypes: deprecation warning
+        warnings.simplefilter("ignore")  # mixed mask dtypes: deprecation warning
         return mod(q, k, v, **kw)
 
 
@@ -81,8 +80,7 @@ def _cmp(name, ours, theirs, ref, dtype):
         assert_close_ref(ours, theirs, ref, name=name)
 
 
-def run_mha(ours, theirs, query, key, value, *, self_attn=False, grad=True,
-            head_mask=None, theirs_fn=_torch_fn, **kw):
+def run_mha(ours, theirs, query, key, value, *, self_attn=False, grad=True, head_mask=None, theirs_fn=_torch_fn, **kw):
     """Run both modules on the same inputs, compare output, weights, input
     gradients and the gradient of every named parameter.  For float32 a
     float64 copy of torch's module is the reference (flash-attention rule)."""
@@ -161,6 +159,7 @@ def run_mha(ours, theirs, query, key, value, *, self_attn=False, grad=True,
 # masks
 # ---------------------------------------------------------------------------
 
+
 def make_masks(case, n, l, s, h, dtype, batched=True):
     """Masks in nn.MultiheadAttention's conventions (bool True = blocked).
     Every query row keeps key 0 open so no row is fully masked."""
@@ -177,12 +176,14 @@ def make_masks(case, n, l, s, h, dtype, batched=True):
         elif part.startswith("am_"):
             _, kind, rank = part.split("_")
             shape = (l, s) if rank == "2d" else (n * h, l, s)
-            kw["attn_mask"] = (random_blocked(shape) if kind == "bool"
-                               else random_additive(shape, dtype=torch.float64).to(dtype))
+            kw["attn_mask"] = (
+                random_blocked(shape) if kind == "bool" else random_additive(shape, dtype=torch.float64).to(dtype)
+            )
         elif part.startswith("kpm_"):
             shape = (n, s) if batched else (s,)
-            kw["key_padding_mask"] = (random_blocked(shape) if part == "kpm_bool"
-                                      else random_additive(shape, dtype=torch.float64).to(dtype))
+            kw["key_padding_mask"] = (
+                random_blocked(shape) if part == "kpm_bool" else random_additive(shape, dtype=torch.float64).to(dtype)
+            )
         else:
             raise AssertionError(part)
     return kw
@@ -190,10 +191,19 @@ def make_masks(case, n, l, s, h, dtype, batched=True):
 
 MASKS = [
     "none",
-    "am_bool_2d", "am_bool_3d", "am_float_2d", "am_float_3d",
-    "kpm_bool", "kpm_float",
-    "causal_bool", "causal_float", "causal_bool+kpm_bool", "causal_float+kpm_float",
-    "am_bool_2d+kpm_bool", "am_float_3d+kpm_float", "am_bool_3d+kpm_float",
+    "am_bool_2d",
+    "am_bool_3d",
+    "am_float_2d",
+    "am_float_3d",
+    "kpm_bool",
+    "kpm_float",
+    "causal_bool",
+    "causal_float",
+    "causal_bool+kpm_bool",
+    "causal_float+kpm_float",
+    "am_bool_2d+kpm_bool",
+    "am_float_3d+kpm_float",
+    "am_bool_3d+kpm_float",
     "am_float_2d+kpm_bool",
 ]
 
@@ -208,6 +218,7 @@ WEIGHT_IDS = ["noweights", "weights_avg", "weights_perhead"]
 def _qkv(dtype, batch_first, n=N, l=L, s=S, e=E, kdim=None, vdim=None):
     def shp(length, dim):
         return (n, length, dim) if batch_first else (length, n, dim)
+
     q = torch.randn(shp(l, e), dtype=torch.float64).to(dtype)
     k = torch.randn(shp(s, kdim or e), dtype=torch.float64).to(dtype)
     v = torch.randn(shp(s, vdim or e), dtype=torch.float64).to(dtype)
@@ -245,22 +256,25 @@ def test_mha_train_eval_self_attention(case, batch_first, mode, need_weights):
     kw = make_masks(case, N, L, L, H, dtype)
     if mode == "eval_nograd":
         with torch.no_grad():
-            run_mha(ours, theirs, q, q, q, self_attn=True, grad=False,
-                    need_weights=need_weights, **kw)
+            run_mha(ours, theirs, q, q, q, self_attn=True, grad=False, need_weights=need_weights, **kw)
     else:
         run_mha(ours, theirs, q, q, q, self_attn=True, need_weights=need_weights, **kw)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("batch_first", [False, True], ids=["seqfirst", "batchfirst"])
-@pytest.mark.parametrize("ctor", [
-    dict(kdim=KDIM, vdim=VDIM),
-    dict(bias=False),
-    dict(add_bias_kv=True),
-    dict(add_zero_attn=True),
-    dict(add_bias_kv=True, add_zero_attn=True),
-    dict(add_bias_kv=True, add_zero_attn=True, bias=False, kdim=KDIM, vdim=VDIM),
-], ids=["kvdim", "nobias", "bias_kv", "zero_attn", "bias_kv+zero_attn", "all"])
+@pytest.mark.parametrize(
+    "ctor",
+    [
+        dict(kdim=KDIM, vdim=VDIM),
+        dict(bias=False),
+        dict(add_bias_kv=True),
+        dict(add_zero_attn=True),
+        dict(add_bias_kv=True, add_zero_attn=True),
+        dict(add_bias_kv=True, add_zero_attn=True, bias=False, kdim=KDIM, vdim=VDIM),
+    ],
+    ids=["kvdim", "nobias", "bias_kv", "zero_attn", "bias_kv+zero_attn", "all"],
+)
 @pytest.mark.parametrize("case", ["none", "am_bool_3d+kpm_bool", "am_float_2d+kpm_float"])
 @pytest.mark.parametrize("need_weights", [False, True])
 def test_mha_constructor_options(ctor, case, batch_first, dtype, need_weights):
@@ -271,8 +285,9 @@ def test_mha_constructor_options(ctor, case, batch_first, dtype, need_weights):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
-@pytest.mark.parametrize("case", ["none", "am_bool_2d", "am_float_3d", "kpm_bool",
-                                  "kpm_float+am_bool_2d", "causal_bool"])
+@pytest.mark.parametrize(
+    "case", ["none", "am_bool_2d", "am_float_3d", "kpm_bool", "kpm_float+am_bool_2d", "causal_bool"]
+)
 @pytest.mark.parametrize("weights", WEIGHTS, ids=WEIGHT_IDS)
 @pytest.mark.parametrize("batch_first", [False, True], ids=["seqfirst", "batchfirst"])
 def test_mha_unbatched(case, weights, dtype, batch_first):
@@ -301,9 +316,16 @@ def test_mha_kdim_vdim_cross_lengths(batch_first):
 # state_dict
 # ---------------------------------------------------------------------------
 
-CTORS = [dict(), dict(bias=False), dict(add_bias_kv=True), dict(add_zero_attn=True),
-         dict(kdim=KDIM, vdim=VDIM), dict(kdim=E, vdim=E), dict(batch_first=True),
-         dict(add_bias_kv=True, kdim=KDIM, vdim=VDIM, bias=False)]
+CTORS = [
+    dict(),
+    dict(bias=False),
+    dict(add_bias_kv=True),
+    dict(add_zero_attn=True),
+    dict(kdim=KDIM, vdim=VDIM),
+    dict(kdim=E, vdim=E),
+    dict(batch_first=True),
+    dict(add_bias_kv=True, kdim=KDIM, vdim=VDIM, bias=False),
+]
 
 
 @pytest.mark.parametrize("ctor", CTORS, ids=lambda c: ",".join(f"{a}={b}" for a, b in c.items()) or "default")
@@ -316,8 +338,7 @@ def test_state_dict_keys_identical(ctor):
         assert so[key].shape == st[key].shape, key
         assert so[key].dtype == st[key].dtype, key
     assert [n for n, _ in ours.named_parameters()] == [n for n, _ in theirs.named_parameters()]
-    for attr in ("embed_dim", "num_heads", "head_dim", "batch_first", "dropout",
-                 "kdim", "vdim", "_qkv_same_embed_dim"):
+    for attr in ("embed_dim", "num_heads", "head_dim", "batch_first", "dropout", "kdim", "vdim", "_qkv_same_embed_dim"):
         if hasattr(theirs, attr):
             assert getattr(ours, attr) == getattr(theirs, attr), attr
 
@@ -357,6 +378,7 @@ def test_state_dict_roundtrip_and_init():
 # dropout
 # ---------------------------------------------------------------------------
 
+
 def test_dropout_train_runs():
     # dropout in training mode runs inside the kernels (tests/test_dropout.py checks its statistics)
     ours = tma.MultiheadAttention(E, H, dropout=0.1)
@@ -373,13 +395,13 @@ def test_dropout_eval_matches(need_weights):
     ours, theirs = make_pair(torch.float64, dropout=0.3)
     ours.eval(), theirs.eval()
     q, k, v = _qkv(torch.float64, False)
-    run_mha(ours, theirs, q, k, v, need_weights=need_weights,
-            **make_masks("kpm_bool", N, L, S, H, torch.float64))
+    run_mha(ours, theirs, q, k, v, need_weights=need_weights, **make_masks("kpm_bool", N, L, S, H, torch.float64))
 
 
 # ---------------------------------------------------------------------------
 # fully masked rows: ours gives 0 attention (output = out_proj.bias), no NaN
 # ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("need_weights", [False, True])
@@ -387,13 +409,12 @@ def test_fully_masked_rows(dtype, need_weights):
     ours, theirs = make_pair(dtype)
     q, k, v = _qkv(dtype, False)
     am = random_blocked((N * H, L, S))
-    am[1, 2] = True        # batch 0, head 1, query 2: no key
+    am[1, 2] = True  # batch 0, head 1, query 2: no key
     kpm = random_blocked((N, S))
-    kpm[2] = True          # batch 2: every key is padding
+    kpm[2] = True  # batch 2: every key is padding
     for t in (q, k, v):
         t.requires_grad_()
-    out, w = ours(q, k, v, key_padding_mask=kpm, attn_mask=am, need_weights=need_weights,
-                  average_attn_weights=False)
+    out, w = ours(q, k, v, key_padding_mask=kpm, attn_mask=am, need_weights=need_weights, average_attn_weights=False)
     assert not out.isnan().any()
     # batch 2: attention output 0 -> the projection gives out_proj.bias
     torch.testing.assert_close(out[:, 2], theirs.out_proj.bias.detach().expand(L, E), atol=1e-6, rtol=1e-6)
@@ -409,8 +430,15 @@ def test_fully_masked_rows(dtype, need_weights):
         assert p.grad is None or not p.grad.isnan().any(), nm
     # against the float64 reference (0 attention on empty rows)
     ref_mod = copy.deepcopy(theirs).double()
-    ref, ref_w = ref_mha(ref_mod, q.detach().double(), k.detach().double(), v.detach().double(),
-                         key_padding_mask=kpm, attn_mask=am, average_attn_weights=False)
+    ref, ref_w = ref_mha(
+        ref_mod,
+        q.detach().double(),
+        k.detach().double(),
+        v.detach().double(),
+        key_padding_mask=kpm,
+        attn_mask=am,
+        average_attn_weights=False,
+    )
     tol = dict(atol=1e-10, rtol=1e-9) if dtype == torch.float64 else dict(atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(out.detach().double(), ref, **tol)
     if need_weights:
@@ -421,6 +449,7 @@ def test_fully_masked_rows(dtype, need_weights):
 # head_mask (keyword only): probabilities of each head multiplied after softmax
 # ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("batch_first", [False, True], ids=["seqfirst", "batchfirst"])
 @pytest.mark.parametrize("case", ["none", "am_bool_3d+kpm_bool", "causal_bool"])
 @pytest.mark.parametrize("weights", WEIGHTS, ids=WEIGHT_IDS)
@@ -429,8 +458,9 @@ def test_ref_mha_matches_torch(case, weights, batch_first):
     self_attn = case.startswith("causal")
     # (nn.MHA's is_causal hint with add_bias_kv is inconsistent between its
     # need_weights paths, so bias_kv is only used without the hint)
-    ours, theirs = make_pair(torch.float64, batch_first=batch_first, add_bias_kv=not self_attn,
-                             add_zero_attn=(case == "none"))
+    ours, theirs = make_pair(
+        torch.float64, batch_first=batch_first, add_bias_kv=not self_attn, add_zero_attn=(case == "none")
+    )
     s = L if self_attn else S
     q, k, v = _qkv(torch.float64, batch_first, s=s)
     kw = make_masks(case, N, L, s, H, torch.float64)
@@ -455,10 +485,9 @@ def test_head_mask(case, weights, hm_shape, dtype, hm_grad):
     q, k, v = _qkv(dtype, True, s=s)
     kw = make_masks(case, N, L, s, H, dtype)
     hm = torch.rand((H,) if hm_shape == "H" else (N, H), dtype=torch.float64).to(dtype)
-    hm[..., 1] = 0.0          # one head switched off entirely
+    hm[..., 1] = 0.0  # one head switched off entirely
     hm.requires_grad_(hm_grad)
-    run_mha(ours, theirs, q, k, v, self_attn=self_attn, head_mask=hm, theirs_fn=_ref_fn,
-            **kw, **weights)
+    run_mha(ours, theirs, q, k, v, self_attn=self_attn, head_mask=hm, theirs_fn=_ref_fn, **kw, **weights)
 
 
 @pytest.mark.parametrize("need_weights", [False, True])
@@ -469,8 +498,18 @@ def test_head_mask_unbatched_and_options(need_weights):
     v = torch.randn(S, VDIM, dtype=torch.float64)
     hm = torch.rand(H, dtype=torch.float64).requires_grad_()
     kw = make_masks("kpm_bool+am_bool_2d", 1, L, S, H, torch.float64, batched=False)
-    run_mha(ours, theirs, q, k, v, head_mask=hm, theirs_fn=_ref_fn, need_weights=need_weights,
-            average_attn_weights=True, **kw)
+    run_mha(
+        ours,
+        theirs,
+        q,
+        k,
+        v,
+        head_mask=hm,
+        theirs_fn=_ref_fn,
+        need_weights=need_weights,
+        average_attn_weights=True,
+        **kw,
+    )
 
 
 def test_head_mask_ones_is_identity():
@@ -490,8 +529,9 @@ def test_head_mask_is_keyword_only():
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
-@pytest.mark.parametrize("case,l,s", [("causal_bool+kpm_bool", 130, 130), ("am_float_2d+kpm_bool", 70, 150),
-                                      ("kpm_float", 150, 66)])
+@pytest.mark.parametrize(
+    "case,l,s", [("causal_bool+kpm_bool", 130, 130), ("am_float_2d+kpm_bool", 70, 150), ("kpm_float", 150, 66)]
+)
 @pytest.mark.parametrize("need_weights", [False, True])
 def test_mha_long(case, l, s, need_weights, dtype):
     """Lengths spanning several kernel tiles."""
@@ -503,19 +543,30 @@ def test_mha_long(case, l, s, need_weights, dtype):
     kw = make_masks(case, n, l, s, 4, dtype)
     if "key_padding_mask" in kw:
         kw["key_padding_mask"][1, 3:] = True if kw["key_padding_mask"].dtype == torch.bool else float("-inf")
-    run_mha(ours, theirs, q, kv, kv.clone(), self_attn=self_attn, need_weights=need_weights,
-            average_attn_weights=False, **kw)
+    run_mha(
+        ours,
+        theirs,
+        q,
+        kv,
+        kv.clone(),
+        self_attn=self_attn,
+        need_weights=need_weights,
+        average_attn_weights=False,
+        **kw,
+    )
 
 
 # ---------------------------------------------------------------------------
 # the in-projection recomputed in the backward (long sequences)
 # ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("batch_first", [False, True], ids=["seqfirst", "batchfirst"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-@pytest.mark.parametrize("case", ["none", "causal_bool+kpm_bool", "am_float_3d+kpm_float", "causal_float",
-                                  "am_bool_2d"])
+@pytest.mark.parametrize(
+    "case", ["none", "causal_bool+kpm_bool", "am_float_3d+kpm_float", "causal_float", "am_bool_2d"]
+)
 def test_mha_recompute_projection(case, bias, batch_first, dtype):
     """recompute_projection=True: the same outputs and gradients (inputs and
     every parameter) as nn.MultiheadAttention."""
@@ -535,8 +586,16 @@ def test_mha_recompute_projection_large_streamed():
     ours, theirs = make_pair(torch.float32, E=e, H=h, batch_first=True)
     ours.recompute_projection = True
     x = torch.randn(n, l, e)
-    run_mha(ours, theirs, x, x, x, self_attn=True, need_weights=False,
-            **make_masks("causal_bool+kpm_bool", n, l, l, h, torch.float32))
+    run_mha(
+        ours,
+        theirs,
+        x,
+        x,
+        x,
+        self_attn=True,
+        need_weights=False,
+        **make_masks("causal_bool+kpm_bool", n, l, l, h, torch.float32),
+    )
 
 
 @pytest.mark.parametrize("hm_shape", [(H,), (N, H)], ids=["H", "NH"])
@@ -545,11 +604,29 @@ def test_mha_recompute_projection_head_mask_and_unbatched(hm_shape):
     ours.recompute_projection = True
     q, _, _ = _qkv(torch.float64, True, s=L)
     hm = torch.rand(hm_shape, dtype=torch.float64, requires_grad=True)
-    run_mha(ours, theirs, q, q, q, self_attn=True, need_weights=False, head_mask=hm,
-            theirs_fn=_ref_fn, **make_masks("causal_bool", N, L, L, H, torch.float64))
+    run_mha(
+        ours,
+        theirs,
+        q,
+        q,
+        q,
+        self_attn=True,
+        need_weights=False,
+        head_mask=hm,
+        theirs_fn=_ref_fn,
+        **make_masks("causal_bool", N, L, L, H, torch.float64),
+    )
     qu = torch.randn(L, E, dtype=torch.float64)
-    run_mha(ours, theirs, qu, qu, qu, self_attn=True, need_weights=False,
-            **make_masks("kpm_bool", 1, L, L, H, torch.float64, batched=False))
+    run_mha(
+        ours,
+        theirs,
+        qu,
+        qu,
+        qu,
+        self_attn=True,
+        need_weights=False,
+        **make_masks("kpm_bool", 1, L, L, H, torch.float64, batched=False),
+    )
 
 
 def _saved_numels(mod, x, **kw):
@@ -558,6 +635,7 @@ def _saved_numels(mod, x, **kw):
     def pack(t):
         sizes.append(t.numel())
         return t
+
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = mod(x, x, x, need_weights=False, **kw)[0]
     return out, sizes
@@ -577,7 +655,7 @@ def test_mha_recompute_projection_automatic():
         assert_close64(out, ref, name="attn_output")
         g = torch.randn_like(out)
         (gx,) = torch.autograd.grad(out, x, g, retain_graph=True)
-        (gx2,) = torch.autograd.grad(out, x, g)          # the graph was retained: same again
+        (gx2,) = torch.autograd.grad(out, x, g)  # the graph was retained: same again
         (rx,) = torch.autograd.grad(ref, x, g)
         assert_close64(gx, rx, name="grad x")
         assert torch.equal(gx, gx2)
@@ -606,7 +684,7 @@ def test_mha_long_sequence_under_autocast():
     choice would recompute the projection) takes the saved-projection path:
     the same result and gradients as with recompute_projection=False."""
     torch.manual_seed(8)
-    e, h, l = 16, 2, 224                          # 7 L >= 96 E
+    e, h, l = 16, 2, 224  # 7 L >= 96 E
     ours, _ = make_pair(torch.float32, E=e, H=h, batch_first=True)
     x = torch.randn(1, l, e)
     results = []

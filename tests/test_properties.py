@@ -26,6 +26,7 @@ def _perturb_after(x, t, dim):
 # causal no-look-ahead
 # ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("padding", [False, True], ids=["nopad", "kpm"])
 @pytest.mark.parametrize("t", [0, 6, 15, 16, 31])
@@ -42,10 +43,10 @@ def test_causal_no_look_ahead_functional(t, padding, dtype):
         k2 = _perturb_after(k, t, 2) if "k" in which else k
         v2 = _perturb_after(v, t, 2) if "v" in which else v
         out2 = tmaF.masked_attention(q2, k2, v2, **kw)
-        assert torch.equal(out[:, :, :t + 1], out2[:, :, :t + 1]), f"perturbing {which} after {t}"
+        assert torch.equal(out[:, :, : t + 1], out2[:, :, : t + 1]), f"perturbing {which} after {t}"
         if t + 1 < L and "q" in which:
             # the perturbation is real: later rows do change
-            assert not torch.equal(out[:, :, t + 1:], out2[:, :, t + 1:])
+            assert not torch.equal(out[:, :, t + 1 :], out2[:, :, t + 1 :])
 
 
 @pytest.mark.parametrize("t", [0, 6, 16, 31])
@@ -61,7 +62,7 @@ def test_causal_no_look_ahead_gradients(t):
 
     g1 = dq(k, v)
     g2 = dq(_perturb_after(k, t, 2), _perturb_after(v, t, 2))
-    assert torch.equal(g1[:, :, :t + 1], g2[:, :, :t + 1])
+    assert torch.equal(g1[:, :, : t + 1], g2[:, :, : t + 1])
 
 
 @pytest.mark.parametrize("padding", [False, True], ids=["nopad", "kpm"])
@@ -89,13 +90,14 @@ def test_causal_no_look_ahead_mha(t, need_weights, batch_first, padding):
     sl[seq_dim] = slice(0, t + 1)
     assert torch.equal(out[tuple(sl)], out2[tuple(sl)])
     if need_weights:
-        assert torch.equal(w[:, :t + 1], w2[:, :t + 1])
+        assert torch.equal(w[:, : t + 1], w2[:, : t + 1])
         assert torch.all(w[:, torch.ones(L, L, dtype=torch.bool).triu(1)] == 0)
 
 
 # ---------------------------------------------------------------------------
 # padding invariance
 # ---------------------------------------------------------------------------
+
 
 def _padded_batch(lengths, L1, L2, dtype, h=H):
     """q/k/v of length L2 whose first L1 positions are the length-L1 batch;
@@ -116,10 +118,8 @@ def test_padding_invariance_functional(L1, L2, causal, dtype):
     kw = dict(is_causal=causal, head_mask=hm)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     short = [t.clone().requires_grad_() for t in (q1, k1, v1)]
-    out2, w2, lse2 = tmaF.masked_attention(*leaves, key_padding_mask=kpm2, need_weights=True,
-                                           return_lse=True, **kw)
-    out1, w1, lse1 = tmaF.masked_attention(*short, key_padding_mask=kpm1, need_weights=True,
-                                           return_lse=True, **kw)
+    out2, w2, lse2 = tmaF.masked_attention(*leaves, key_padding_mask=kpm2, need_weights=True, return_lse=True, **kw)
+    out1, w1, lse1 = tmaF.masked_attention(*short, key_padding_mask=kpm1, need_weights=True, return_lse=True, **kw)
     # Bitwise for the forward: the extra keys are masked and must contribute
     # exact zeros (this holds for an online-softmax kernel that skips or zeroes
     # masked keys).
@@ -158,7 +158,7 @@ def test_padding_invariance_mha(batch_first, causal, need_weights, dtype):
     with torch.no_grad():
         for p in mod.parameters():
             p.copy_(torch.randn_like(p) * 0.3)
-    x2 = torch.randn(n, L2, E, dtype=torch.float64).to(dtype)   # batch first here
+    x2 = torch.randn(n, L2, E, dtype=torch.float64).to(dtype)  # batch first here
     kpm2 = torch.arange(L2).expand(n, L2) >= torch.tensor(lengths).view(n, 1)
     x1, kpm1 = x2[:, :L1].clone(), kpm2[:, :L1].clone()
 
@@ -193,8 +193,8 @@ def test_causal_no_look_ahead_long(t, dtype):
     out = tmaF.masked_attention(q, k, v, is_causal=True, key_padding_mask=kpm)
     q2, k2, v2 = (_perturb_after(x, t, 2) for x in (q, k, v))
     out2 = tmaF.masked_attention(q2, k2, v2, is_causal=True, key_padding_mask=kpm)
-    assert torch.equal(out[:, :, :t + 1], out2[:, :, :t + 1])
-    assert not torch.equal(out[:, :, t + 1:], out2[:, :, t + 1:])
+    assert torch.equal(out[:, :, : t + 1], out2[:, :, : t + 1])
+    assert not torch.equal(out[:, :, t + 1 :], out2[:, :, t + 1 :])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)

@@ -2,6 +2,7 @@
 in place, and nn.Transformer* layers then run through our kernels in training
 and in inference (the native fast path and the encoder's nested-tensor path
 included), with the native model's results."""
+
 import copy
 
 import pytest
@@ -17,7 +18,7 @@ def test_keeps_parameters_buffers_hooks_mode_dtype():
     model = nn.Sequential(nn.Linear(8, 16), nn.TransformerDecoderLayer(16, 4, 32, dropout=0.0, batch_first=True))
     model = model.to(torch.float64).train()
     dec = model[1]
-    dec.self_attn.eval()                            # a mode of its own, kept
+    dec.self_attn.eval()  # a mode of its own, kept
     dec.multihead_attn.register_buffer("extra", torch.arange(3.0))
     calls = []
     h1 = dec.self_attn.register_forward_pre_hook(lambda m, a: calls.append("pre"))
@@ -29,7 +30,7 @@ def test_keeps_parameters_buffers_hooks_mode_dtype():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     assert tma.replace_attention(model) is model
-    assert dec.self_attn is sa and dec.multihead_attn is ca                 # the same objects, converted
+    assert dec.self_attn is sa and dec.multihead_attn is ca  # the same objects, converted
     assert isinstance(sa, tma.MultiheadAttention) and isinstance(ca, tma.MultiheadAttention)
     assert isinstance(sa, nn.MultiheadAttention)
     assert all(p is params[n] for n, p in model.named_parameters()) and len(params) == len(list(model.parameters()))
@@ -44,12 +45,12 @@ def test_keeps_parameters_buffers_hooks_mode_dtype():
         dec(h, mem).sum().backward()
     assert c.ops.count("forward") + c.ops.count("backward") >= 2 and "backward_into" in c.ops
     assert [x for x in calls if x != "sd"] == ["pre", "post"] and "sd" in calls
-    h1.remove()                                     # the user's handle still removes the hook
+    h1.remove()  # the user's handle still removes the hook
     calls.clear()
     dec(h, mem)
     assert calls == ["post"]
-    opt.step()                                      # the optimizer built before still holds the parameters
-    assert tma.replace_attention(model) is model    # idempotent
+    opt.step()  # the optimizer built before still holds the parameters
+    assert tma.replace_attention(model) is model  # idempotent
     assert len(sa._forward_pre_hooks) == 1
 
 
@@ -78,9 +79,11 @@ def test_encoder_inference_runs_our_kernel(batch_first, padding):
     """Eval + no_grad: native takes torch._transformer_encoder_layer_fwd (and,
     with a key padding mask, the nested-tensor path); ours must call our
     kernel instead, with the same results (padded positions included)."""
-    native, ours = _pair(lambda: nn.TransformerEncoder(
-        nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=batch_first), 2,
-        enable_nested_tensor=True).eval())
+    native, ours = _pair(
+        lambda: nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=batch_first), 2, enable_nested_tensor=True
+        ).eval()
+    )
     x = torch.randn(3, 6, 32) if batch_first else torch.randn(6, 3, 32)
     kpm = None
     if padding:
@@ -92,7 +95,7 @@ def test_encoder_inference_runs_our_kernel(batch_first, padding):
             ref = native(x, src_key_padding_mask=kpm)
         with OpCounter() as c:
             out = ours(x, src_key_padding_mask=kpm)
-    if batch_first:       # the native model does take a fast path here (the check can fail)
+    if batch_first:  # the native model does take a fast path here (the check can fail)
         assert "_transformer_encoder_layer_fwd" in cn.aten or "_native_multi_head_attention" in cn.aten
     assert c.ops.count("forward") == 2
     assert "_transformer_encoder_layer_fwd" not in c.aten and "_native_multi_head_attention" not in c.aten
@@ -114,7 +117,7 @@ def test_transformer_training_matches_native():
         out = ours(src, tgt, **kw)
         out.square().sum().backward()
     ref.square().sum().backward()
-    assert c.ops.count("forward") == 6                      # 2 encoder + 2 x 2 decoder attentions
+    assert c.ops.count("forward") == 6  # 2 encoder + 2 x 2 decoder attentions
     assert c.ops.count("backward") + c.ops.count("backward_into") == 6
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     for (n, p), q in zip(ours.named_parameters(), native.parameters()):

@@ -1,6 +1,7 @@
 """The kernels' scratch pool (csrc/shim/common.hpp and pool.cpp, ScratchPool): blocks kept between
 calls must never carry one call's data into another's results, must serve
 Python threads at once, and release_memory() must return their pages."""
+
 import threading
 
 import pytest
@@ -31,8 +32,14 @@ def _run(case, causal=True):
 
 # (1, 1, 600, ...): one head, so the single-pass backward splits the keys in chunks whose dq
 # partial sums also come from the pool (attn_backward_impl)
-CASES = [(2, 4, 300, 64, torch.float32), (1, 2, 70, 24, torch.bfloat16), (3, 1, 129, 80, torch.float16),
-         (1, 8, 520, 32, torch.float32), (2, 2, 33, 128, torch.float64), (1, 1, 600, 64, torch.float32)]
+CASES = [
+    (2, 4, 300, 64, torch.float32),
+    (1, 2, 70, 24, torch.bfloat16),
+    (3, 1, 129, 80, torch.float16),
+    (1, 8, 520, 32, torch.float32),
+    (2, 2, 33, 128, torch.float64),
+    (1, 1, 600, 64, torch.float32),
+]
 
 
 def test_reused_blocks_never_change_results():
@@ -85,16 +92,16 @@ def test_key_chunk_partial_sums_are_pooled():
     tma.release_memory()
     first = grads()
     assert tma.ops.scratch_stats()["idle_bytes"] >= 8 * 600 * 64 * 4
-    other = torch.randn(1, 1, 600, 64, generator=g, requires_grad=True)   # fills the blocks with other sums
+    other = torch.randn(1, 1, 600, 64, generator=g, requires_grad=True)  # fills the blocks with other sums
     tma.functional.masked_attention(other, other, other, head_mask=hm.clone().requires_grad_(True)).sum().backward()
     assert all(torch.equal(a, b) for a, b in zip(grads(), first))
 
 
 def test_release_memory_returns_the_pages():
     old = torch.get_num_threads()
-    torch.set_num_threads(16)      # 16 slices of scratch even on a small machine
+    torch.set_num_threads(16)  # 16 slices of scratch even on a small machine
     try:
-        q = torch.randn(1, 16, 16384, 64, dtype=torch.bfloat16)   # bf16 K, V converted per slice: ~8 MB each
+        q = torch.randn(1, 16, 16384, 64, dtype=torch.bfloat16)  # bf16 K, V converted per slice: ~8 MB each
         # a variant without tile products (AMX's would pack K, V instead and leave the conversion
         # caches, sized but never touched, out of the resident set)
         isa = next(i for i in ("avx512", "avx2", "scalar") if tma.ops.isa_available(i))
@@ -116,10 +123,10 @@ def test_scratch_is_sized_by_the_work(threads):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        q = torch.randn(1, 1, 64, 32)     # one query block: one work item
+        q = torch.randn(1, 1, 64, 32)  # one query block: one work item
         tma.functional.masked_attention(q, q, q)
         one = tma.ops.scratch_stats()["last_call_bytes"]
-        q = torch.randn(1, 16, 64, 32)    # 16 work items
+        q = torch.randn(1, 16, 64, 32)  # 16 work items
         tma.functional.masked_attention(q, q, q)
         many = tma.ops.scratch_stats()["last_call_bytes"]
     finally:

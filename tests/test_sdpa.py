@@ -51,8 +51,7 @@ def run_sdpa_parity(q, k, v, *, ref_mask=None, grad=True, **kw):
     q64 = q.detach().double().requires_grad_(grad)
     k64 = k.detach().double().requires_grad_(grad)
     v64 = v.detach().double().requires_grad_(grad)
-    ref = ref_attention(q64, k64, v64, ref_mask, scale=kw.get("scale"),
-                        is_causal=kw.get("is_causal", False))
+    ref = ref_attention(q64, k64, v64, ref_mask, scale=kw.get("scale"), is_causal=kw.get("is_causal", False))
     assert out.dtype == dtype
     assert out.shape == out_pt.shape
     assert not out.isnan().any()
@@ -63,8 +62,7 @@ def run_sdpa_parity(q, k, v, *, ref_mask=None, grad=True, **kw):
     out.backward(dout)
     out_pt.backward(dout)
     ref.backward(dout.double())
-    for nm, a, b, r in (("dq", qs[0], qs[1], q64), ("dk", ks[0], ks[1], k64),
-                        ("dv", vs[0], vs[1], v64)):
+    for nm, a, b, r in (("dq", qs[0], qs[1], q64), ("dk", ks[0], ks[1], k64), ("dv", vs[0], vs[1], v64)):
         assert a.grad is not None, nm
         assert a.grad.dtype == dtype and a.grad.shape == a.shape, nm
         _compare(nm, a.grad, b.grad, r.grad, dtype)
@@ -168,13 +166,13 @@ def test_sdpa_noncontiguous(layout, dtype):
         k = _rand(B, LK, H, D, dtype=dtype).transpose(1, 2)
         v = _rand(B, LK, H, D, dtype=dtype).transpose(1, 2)
     elif layout == "strided_slices":
-        q = _rand(B, H + 2, 2 * LQ, D, dtype=dtype)[:, 1:H + 1, ::2]
+        q = _rand(B, H + 2, 2 * LQ, D, dtype=dtype)[:, 1 : H + 1, ::2]
         k = _rand(2 * B, H, LK, D, dtype=dtype)[::2]
         v = _rand(B, H, LK + 3, D, dtype=dtype)[:, :, 3:]
     elif layout == "D_slice":
-        q = _rand(B, H, LQ, 2 * D, dtype=dtype)[..., ::2]     # stride 2 in D
+        q = _rand(B, H, LQ, 2 * D, dtype=dtype)[..., ::2]  # stride 2 in D
         k = _rand(B, H, LK, D + 5, dtype=dtype)[..., 5:]
-        v = _rand(B, H, LK, 3 * D, dtype=dtype)[..., D:2 * D]
+        v = _rand(B, H, LK, 3 * D, dtype=dtype)[..., D : 2 * D]
     else:
         # one packed (B, L, 3, H, D) tensor split into q, k, v (self attention)
         qkv = _rand(B, LQ, 3, H, D, dtype=dtype)
@@ -232,6 +230,7 @@ def test_sdpa_dropout_train():
 # masked_attention (the op's own conventions: bool True = blocked)
 # ---------------------------------------------------------------------------
 
+
 def _ma_case(case, dtype, h=H, hkv=None, lq=LQ, lk=LK, dv=D):
     """Inputs and masks for masked_attention plus the reference's additive mask."""
     hkv = h if hkv is None else hkv
@@ -249,8 +248,14 @@ def _ma_case(case, dtype, h=H, hkv=None, lq=LQ, lk=LK, dv=D):
             add = add.masked_fill(causal_blocked(lq, lk), float("-inf"))
         elif part.startswith("am_"):
             kind, shape_name = part[3:].split("_")
-            shape = {"LS": (lq, lk), "BHxLS": (B * h, lq, lk), "BHLS": (B, h, lq, lk),
-                     "B1LS": (B, 1, lq, lk), "1H1S": (1, h, 1, lk), "S": (lk,)}[shape_name]
+            shape = {
+                "LS": (lq, lk),
+                "BHxLS": (B * h, lq, lk),
+                "BHLS": (B, h, lq, lk),
+                "B1LS": (B, 1, lq, lk),
+                "1H1S": (1, h, 1, lk),
+                "S": (lk,),
+            }[shape_name]
             if kind == "bool":
                 m = random_blocked(shape)
             else:
@@ -278,13 +283,27 @@ def _ma_case(case, dtype, h=H, hkv=None, lq=LQ, lk=LK, dv=D):
 
 
 MA_CASES = [
-    "none", "causal",
-    "am_bool_LS", "am_bool_BHxLS", "am_bool_BHLS", "am_bool_B1LS", "am_bool_1H1S",
-    "am_float_LS", "am_float_BHxLS", "am_float_BHLS", "am_float_1H1S",
-    "kpm_bool", "kpm_float",
-    "hm_H", "hm_BH", "scale",
-    "causal+kpm_bool", "causal+am_float_BHLS", "am_bool_LS+kpm_float",
-    "am_float_B1LS+kpm_bool+hm_BH", "causal+am_bool_BHxLS+kpm_bool+hm_H+scale",
+    "none",
+    "causal",
+    "am_bool_LS",
+    "am_bool_BHxLS",
+    "am_bool_BHLS",
+    "am_bool_B1LS",
+    "am_bool_1H1S",
+    "am_float_LS",
+    "am_float_BHxLS",
+    "am_float_BHLS",
+    "am_float_1H1S",
+    "kpm_bool",
+    "kpm_float",
+    "hm_H",
+    "hm_BH",
+    "scale",
+    "causal+kpm_bool",
+    "causal+am_float_BHLS",
+    "am_bool_LS+kpm_float",
+    "am_float_B1LS+kpm_bool+hm_BH",
+    "causal+am_bool_BHxLS+kpm_bool+hm_H+scale",
 ]
 
 
@@ -312,13 +331,15 @@ def run_ma(q, k, v, kw, add, *, need_weights=False, return_lse=False, grad=True)
 
     r = [t.detach().double().requires_grad_(grad) for t in (q, k, v)]
     hm64 = None if hm is None else hm.detach().double().requires_grad_(grad)
-    ref, ref_w, ref_lse = ref_attention(*r, add, scale=kw.get("scale"), head_mask=hm64,
-                                        return_weights=True, return_lse=True)
+    ref, ref_w, ref_lse = ref_attention(
+        *r, add, scale=kw.get("scale"), head_mask=hm64, return_weights=True, return_lse=True
+    )
     # PyTorch's own error: the same plain ops evaluated in the input dtype
     pt_in = [t.detach().requires_grad_(grad) for t in (q, k, v)]
     hm_pt = None if hm is None else hm.detach().clone().requires_grad_(grad)
-    pt, pt_w = ref_attention(*pt_in, add.to(dtype), scale=kw.get("scale"), head_mask=hm_pt,
-                             dtype=dtype, return_weights=True)
+    pt, pt_w = ref_attention(
+        *pt_in, add.to(dtype), scale=kw.get("scale"), head_mask=hm_pt, dtype=dtype, return_weights=True
+    )
 
     # ... and PyTorch's SDPA kernel (flash-style; head_mask folded into v),
     # whose errors (e.g. its backward's rowsum(dO * O) on the rounded output)
@@ -407,8 +428,9 @@ def test_masked_attention_shapes(lq, lk):
     q, k, v, kw, add = _ma_case("causal+kpm_bool", torch.float64, lq=lq, lk=lk, dv=6)
     # keep key 0 open: causal already needs it
     kw["key_padding_mask"][:, 0] = False
-    add = torch.zeros_like(add).masked_fill(causal_blocked(lq, lk), float("-inf")) + \
-        blocked_to_additive(kw["key_padding_mask"]).view(B, 1, 1, lk)
+    add = torch.zeros_like(add).masked_fill(causal_blocked(lq, lk), float("-inf")) + blocked_to_additive(
+        kw["key_padding_mask"]
+    ).view(B, 1, 1, lk)
     run_ma(q, k, v, kw, add, need_weights=True, return_lse=True)
 
 
@@ -417,14 +439,13 @@ def test_masked_attention_fully_masked_rows(dtype):
     """No allowed key: output 0, weights 0, gradients 0, no NaN; lse -inf."""
     q, k, v = _rand(B, H, LQ, D, dtype=dtype), _rand(B, H, LK, D, dtype=dtype), _rand(B, H, LK, D, dtype=dtype)
     am = random_blocked((B, H, LQ, LK))
-    am[0, 1, 3] = True                 # one row of one head
-    am[1, :, 5] = True                 # one row of every head
+    am[0, 1, 3] = True  # one row of one head
+    am[1, :, 5] = True  # one row of every head
     kpm = torch.zeros(B, LK, dtype=torch.bool)
-    kpm[1] = True                      # batch 1: every key is padding
+    kpm[1] = True  # batch 1: every key is padding
     for t in (q, k, v):
         t.requires_grad_()
-    out, w, lse = tmaF.masked_attention(q, k, v, attn_mask=am, key_padding_mask=kpm,
-                                        need_weights=True, return_lse=True)
+    out, w, lse = tmaF.masked_attention(q, k, v, attn_mask=am, key_padding_mask=kpm, need_weights=True, return_lse=True)
     assert not out.isnan().any() and not w.isnan().any()
     assert torch.all(out[0, 1, 3] == 0) and torch.all(out[1] == 0)
     assert torch.all(w[0, 1, 3] == 0) and torch.all(w[1] == 0)
@@ -505,7 +526,7 @@ def test_masked_attention_long(case, lq, lk, dtype):
     if "key_padding_mask" in kw:
         # pad whole tiles: batch 1 keeps only its first 12 keys
         kpm = kw["key_padding_mask"]
-        kpm[1, min(lk, 12):] = True
+        kpm[1, min(lk, 12) :] = True
         kpm[:, :2] = False
     add = torch.zeros_like(add)
     if kw.get("is_causal"):
@@ -529,7 +550,7 @@ def test_sdpa_long(variant, lq, lk, dtype):
         kw["is_causal"] = True
     if variant == "mask":
         m = ~random_blocked((lq, lk), p=0.5)
-        m[:, 64:128] = False     # a whole key tile blocked
+        m[:, 64:128] = False  # a whole key tile blocked
         m[:, 0] = True
         kw["attn_mask"], ref_mask = m, allowed_to_additive(m)
     if variant.startswith("gqa"):
@@ -540,6 +561,7 @@ def test_sdpa_long(variant, lq, lk, dtype):
 # ---------------------------------------------------------------------------
 # more PyTorch call forms
 # ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("form", ["5d", "5d_mask", "2d", "bcast_batch_kv", "scale0", "scale_neg"])
 def test_sdpa_call_forms(form):
@@ -562,8 +584,11 @@ def test_sdpa_call_forms(form):
 
 @pytest.mark.parametrize("which", ["q", "k", "v", "qk"])
 def test_partial_requires_grad(which):
-    q, k, v = (_rand(B, H, LQ, D, dtype=torch.float64), _rand(B, H, LK, D, dtype=torch.float64),
-               _rand(B, H, LK, D, dtype=torch.float64))
+    q, k, v = (
+        _rand(B, H, LQ, D, dtype=torch.float64),
+        _rand(B, H, LK, D, dtype=torch.float64),
+        _rand(B, H, LK, D, dtype=torch.float64),
+    )
     kpm = random_blocked((B, LK))
     ours = [t.clone().requires_grad_(n in which) for n, t in zip("qkv", (q, k, v))]
     refs = [t.clone().requires_grad_(n in which) for n, t in zip("qkv", (q, k, v))]
@@ -581,19 +606,22 @@ def test_partial_requires_grad(which):
 @pytest.mark.parametrize("use", ["weights_only", "out_only"])
 def test_need_weights_partial_loss(use):
     """need_weights=True but the loss uses only one of the two outputs."""
-    q, k, v = (_rand(B, H, LQ, D, dtype=torch.float64), _rand(B, H, LK, D, dtype=torch.float64),
-               _rand(B, H, LK, D, dtype=torch.float64))
+    q, k, v = (
+        _rand(B, H, LQ, D, dtype=torch.float64),
+        _rand(B, H, LK, D, dtype=torch.float64),
+        _rand(B, H, LK, D, dtype=torch.float64),
+    )
     am = random_blocked((LQ, LK))
     ours = [t.clone().requires_grad_() for t in (q, k, v)]
     refs = [t.clone().requires_grad_() for t in (q, k, v)]
     out, w = tmaF.masked_attention(*ours, attn_mask=am, need_weights=True)
     rout, rw = ref_attention(*refs, blocked_to_additive(am), return_weights=True)
     if use == "weights_only":
-        (w ** 2).sum().backward()
-        (rw ** 2).sum().backward()
+        (w**2).sum().backward()
+        (rw**2).sum().backward()
     else:
-        (out ** 2).sum().backward()
-        (rout ** 2).sum().backward()
+        (out**2).sum().backward()
+        (rout**2).sum().backward()
     for a, b in zip(ours, refs):
         if b.grad is None or torch.all(b.grad == 0):
             assert a.grad is None or torch.all(a.grad == 0)
@@ -629,8 +657,7 @@ def test_torch_compile_aot_eager():
     kpm = random_blocked((B, LK))
 
     def f(q, k, v):
-        out, w = tmaF.masked_attention(q, k, v, key_padding_mask=kpm, is_causal=True,
-                                       need_weights=True)
+        out, w = tmaF.masked_attention(q, k, v, key_padding_mask=kpm, is_causal=True, need_weights=True)
         return out * 2, w
 
     qs = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -662,13 +689,14 @@ def test_bf16_head_mask_single_key(hm_value):
     torch.testing.assert_close(out, (hm * v[:, :, :1]).expand_as(out), atol=0, rtol=0)
     dout = _rand(1, 1, lq, d, dtype=torch.bfloat16)
     out.backward(dout)
-    noise = 2.0 ** -8 * dout.float().abs().max() * v.float().abs().max() * d ** 0.5
+    noise = 2.0**-8 * dout.float().abs().max() * v.float().abs().max() * d**0.5
     assert qs.grad.float().abs().max() <= noise * q.float().abs().max()
-    assert ks.grad.float().abs().max() <= noise * q.float().abs().max() * lq ** 0.5
+    assert ks.grad.float().abs().max() <= noise * q.float().abs().max() * lq**0.5
     assert torch.all(ks.grad[:, :, 1:] == 0)
 
 
 # ---- the plain call's short path (functional._plain_forward) ----------------
+
 
 @pytest.mark.parametrize("fn", ["sdpa", "masked_attention"])
 @pytest.mark.parametrize("grad", [False, True])
@@ -698,25 +726,35 @@ def test_plain_call_short_path(fn, grad, causal, dtype, monkeypatch):
     for a, b in zip(*results):
         assert torch.equal(a, b)
     ref = ref_attention(q.double(), k.double(), v.double(), None, scale=0.3, is_causal=causal)
-    torch.testing.assert_close(results[0][0].double(), ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-5,
-                               rtol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+    torch.testing.assert_close(
+        results[0][0].double(),
+        ref,
+        atol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+        rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+    )
 
 
-@pytest.mark.parametrize("case, error, message", [
-    ("mixed_dtype", ValueError, "query, key and value must have the same dtype"),
-    ("D_mismatch", ValueError, "query and key must have the same embedding dim"),
-    ("Lk_mismatch", ValueError, "key and value must have the same length"),
-    ("int_query", TypeError, "query must be floating point"),
-    ("gqa_not_divisible", ValueError, "must be a multiple of the number of key/value heads"),
-])
+@pytest.mark.parametrize(
+    "case, error, message",
+    [
+        ("mixed_dtype", ValueError, "query, key and value must have the same dtype"),
+        ("D_mismatch", ValueError, "query and key must have the same embedding dim"),
+        ("Lk_mismatch", ValueError, "key and value must have the same length"),
+        ("int_query", TypeError, "query must be floating point"),
+        ("gqa_not_divisible", ValueError, "must be a multiple of the number of key/value heads"),
+    ],
+)
 def test_plain_call_refused_raises_the_drop_ins_error(case, error, message):
     """Where the op refuses a plain call, the drop-in's own exception comes out,
     not the shim's."""
     q, k, v = _rand(B, 4, LQ, D), _rand(B, 4, LK, D), _rand(B, 4, LK, D)
-    kw = {"mixed_dtype": dict(key=k.double()), "D_mismatch": dict(key=_rand(B, 4, LK, D + 2)),
-          "Lk_mismatch": dict(value=_rand(B, 4, LK + 2, D)),
-          "int_query": dict(query=q.long(), key=k.long(), value=v.long()),
-          "gqa_not_divisible": dict(key=_rand(B, 3, LK, D), value=_rand(B, 3, LK, D), enable_gqa=True)}[case]
+    kw = {
+        "mixed_dtype": dict(key=k.double()),
+        "D_mismatch": dict(key=_rand(B, 4, LK, D + 2)),
+        "Lk_mismatch": dict(value=_rand(B, 4, LK + 2, D)),
+        "int_query": dict(query=q.long(), key=k.long(), value=v.long()),
+        "gqa_not_divisible": dict(key=_rand(B, 3, LK, D), value=_rand(B, 3, LK, D), enable_gqa=True),
+    }[case]
     args = dict(query=q, key=k, value=v) | kw
     with pytest.raises(error, match="^scaled_dot_product_attention: .*" + message):
         tmaF.scaled_dot_product_attention(**args)

@@ -3,6 +3,7 @@ on aliased or overlapping outputs, on mixed devices, on the instruction-set
 switch; results independent of threads (Python threads and pool sizes); and
 64-bit index arithmetic on very long rows (zero-stride inputs keep them cheap).
 """
+
 import os
 import subprocess
 import sys
@@ -27,18 +28,21 @@ def _forward(q, k, v, causal=True):
 
 
 def _backward_into(go, gw, q, k, v, out, lse, dq, dk, dv):
-    return torch.ops.masked_attn.backward_into(go, gw, q, k, v, out, lse, None, None, None, True, None,
-                                               False, False, dq, dk, dv)
+    return torch.ops.masked_attn.backward_into(
+        go, gw, q, k, v, out, lse, None, None, None, True, None, False, False, dq, dk, dv
+    )
 
 
 # ---- aliasing and overlap of backward_into's outputs --------------------------
+
 
 def test_backward_into_over_qkv_single_pass_is_exact():
     """Without grad_weights, grad_q = q, grad_k = k, grad_v = v is allowed and gives the same gradients."""
     q, k, v, go = _qkv()
     out, lse, _, _ = _forward(q, k, v)
-    dq, dk, dv, _, _ = torch.ops.masked_attn.backward(go, None, q, k, v, out, lse, None, None, None, True, None,
-                                                      False, False)
+    dq, dk, dv, _, _ = torch.ops.masked_attn.backward(
+        go, None, q, k, v, out, lse, None, None, None, True, None, False, False
+    )
     q2, k2, v2 = q.clone(), k.clone(), v.clone()
     _backward_into(go, None, q2, k2, v2, out, lse, q2, k2, v2)
     assert torch.equal(q2, dq) and torch.equal(k2, dk) and torch.equal(v2, dv)
@@ -52,8 +56,17 @@ def test_backward_into_over_qkv_two_pass_is_refused():
         _backward_into(go, gw, q, k, v, out, lse, q, k, v)
 
 
-@pytest.mark.parametrize("case", ["k_and_v_one_buffer", "q_and_k_one_buffer", "self_overlapping_q",
-                                  "q_over_out", "k_over_grad_out", "v_partly_over_k"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "k_and_v_one_buffer",
+        "q_and_k_one_buffer",
+        "self_overlapping_q",
+        "q_over_out",
+        "k_over_grad_out",
+        "v_partly_over_k",
+    ],
+)
 def test_backward_into_overlapping_outputs_are_refused(case):
     q, k, v, go = _qkv()
     out, lse, _, _ = _forward(q, k, v)
@@ -72,7 +85,7 @@ def test_backward_into_overlapping_outputs_are_refused(case):
     else:  # v a dense view starting inside k's memory
         buf = torch.empty(2 * k.numel())
         dk = buf[: k.numel()].view(k.shape)
-        dv, match = buf[k.numel() // 2: k.numel() // 2 + v.numel()].view(v.shape), "grad_v and grad_k share memory"
+        dv, match = buf[k.numel() // 2 : k.numel() // 2 + v.numel()].view(v.shape), "grad_v and grad_k share memory"
     with pytest.raises(RuntimeError, match=match):
         _backward_into(go, None, q, k, v, out, lse, dq, dk, dv)
 
@@ -93,7 +106,7 @@ def test_interleaved_views_of_one_buffer_are_allowed():
 def test_cross_entropy_inplace_backward_on_overlapping_input_is_refused():
     base = torch.randn(40)
     x = (base * 1.0).as_strided((4, 10), (3, 1)).requires_grad_(False)
-    logits = x.clone().requires_grad_(True) * 1.0   # a non-leaf, as inplace_backward requires
+    logits = x.clone().requires_grad_(True) * 1.0  # a non-leaf, as inplace_backward requires
     overlapping = logits.detach().as_strided((4, 10), (3, 1))
     t = torch.tensor([1, 2, 3, 4])
     with pytest.raises(RuntimeError, match="share memory"):
@@ -102,25 +115,27 @@ def test_cross_entropy_inplace_backward_on_overlapping_input_is_refused():
 
 # ---- devices -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("which", ["attn_mask", "key_padding_mask", "head_mask", "k"])
 def test_meta_tensor_mixed_with_cpu_is_refused(which):
     q, k, v, _ = _qkv()
-    kw = dict(attn_mask=torch.zeros(70, 70), key_padding_mask=torch.zeros(2, 70, dtype=torch.bool),
-              head_mask=torch.ones(2))
+    kw = dict(
+        attn_mask=torch.zeros(70, 70), key_padding_mask=torch.zeros(2, 70, dtype=torch.bool), head_mask=torch.ones(2)
+    )
     if which == "k":
         k = k.to("meta")
     else:
         kw[which] = kw[which].to("meta")
     with pytest.raises(RuntimeError, match="one device"):
-        torch.ops.masked_attn.forward(q, k, v, kw["attn_mask"], kw["key_padding_mask"], kw["head_mask"], False,
-                                      None, False)
+        torch.ops.masked_attn.forward(
+            q, k, v, kw["attn_mask"], kw["key_padding_mask"], kw["head_mask"], False, None, False
+        )
 
 
 def test_cross_entropy_meta_weight_is_refused():
     x, t = torch.randn(4, 10), torch.tensor([1, 2, 3, 4])
     with pytest.raises(RuntimeError, match="one device"):
-        torch.ops.masked_attn.cross_entropy(x, t, torch.ones(10, device="meta"), "mean", -100, 0.0, 0.0, None,
-                                            False)
+        torch.ops.masked_attn.cross_entropy(x, t, torch.ones(10, device="meta"), "mean", -100, 0.0, 0.0, None, False)
 
 
 def test_all_meta_still_gives_shapes():
@@ -140,27 +155,33 @@ def test_cross_entropy_zero_classes_all_ignored_matches_pytorch():
 
 # ---- the instruction-set switch -------------------------------------------------
 
+
 def _child(code, env):
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, **env})
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env={**os.environ, **env}
+    )
 
 
 def test_unknown_isa_in_environment_raises_naming_it():
-    r = _child("import torch, torch_masked_attn as t\nq = torch.randn(1, 1, 2, 4)\n"
-               "try:\n    t.functional.masked_attention(q, q, q)\nexcept RuntimeError as e:\n    print('RAISED', e)",
-               {"MASKED_ATTN_ISA": "bogus"})
+    r = _child(
+        "import torch, torch_masked_attn as t\nq = torch.randn(1, 1, 2, 4)\n"
+        "try:\n    t.functional.masked_attention(q, q, q)\nexcept RuntimeError as e:\n    print('RAISED', e)",
+        {"MASKED_ATTN_ISA": "bogus"},
+    )
     assert r.returncode == 0, r.stderr
     assert "RAISED" in r.stdout and "bogus" in r.stdout and "scalar, avx2, avx512, amx or avx512bf16" in r.stdout
 
 
 def test_environment_is_read_once_and_use_isa_forces():
-    code = ("import os, torch, torch_masked_attn as t\n"
-            "q = torch.randn(2, 2, 70, 24, generator=torch.Generator().manual_seed(1))\n"
-            "a = t.functional.masked_attention(q, q, q, is_causal=True)\n"
-            "os.environ['MASKED_ATTN_ISA'] = 'bogus'   # read once: ignored from now on\n"
-            "b = t.functional.masked_attention(q, q, q, is_causal=True)\n"
-            "with t.ops.use_isa('scalar'):\n    c = t.functional.masked_attention(q, q, q, is_causal=True)\n"
-            "print(torch.equal(a, b), torch.equal(a, c))")
+    code = (
+        "import os, torch, torch_masked_attn as t\n"
+        "q = torch.randn(2, 2, 70, 24, generator=torch.Generator().manual_seed(1))\n"
+        "a = t.functional.masked_attention(q, q, q, is_causal=True)\n"
+        "os.environ['MASKED_ATTN_ISA'] = 'bogus'   # read once: ignored from now on\n"
+        "b = t.functional.masked_attention(q, q, q, is_causal=True)\n"
+        "with t.ops.use_isa('scalar'):\n    c = t.functional.masked_attention(q, q, q, is_causal=True)\n"
+        "print(torch.equal(a, b), torch.equal(a, c))"
+    )
     r = _child(code, {"MASKED_ATTN_ISA": "scalar"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True", "True"]
@@ -180,8 +201,10 @@ def test_isa_for_names_the_variant_a_call_gets():
     """isa_for: the forced variant, else the CPU's best (AMX only for bfloat16
     and float16, never for float32); a child process, so that no other test's
     forcing is in effect, and MASKED_ATTN_ISA set to each variant the CPU has."""
-    code = ("import torch, torch_masked_attn as t\n"
-            "print(*(t.ops.isa_for(d) for d in (torch.float32, torch.bfloat16, torch.float16)))")
+    code = (
+        "import torch, torch_masked_attn as t\n"
+        "print(*(t.ops.isa_for(d) for d in (torch.float32, torch.bfloat16, torch.float16)))"
+    )
     have = [i for i in ("scalar", "avx2", "avx512", "amx", "avx512bf16") if tma.ops.isa_available(i)]
     fp32, bf16, fp16 = _child(code, {"MASKED_ATTN_ISA": ""}).stdout.split()
     assert fp32 == [i for i in ("avx512", "avx2", "scalar") if i in have][0]
@@ -194,12 +217,14 @@ def test_isa_for_names_the_variant_a_call_gets():
 
 def _quota_cpus():
     """A container's CPU quota as Python reads it: cgroup v2 cpu.max, else v1's cfs quota."""
+
     def numbers(path):
         try:
             with open(path) as f:
                 return [-1 if w == "max" else int(w) for w in f.read().split()[:2]]
         except (OSError, ValueError):
             return []
+
     v = numbers("/sys/fs/cgroup/cpu.max")
     if len(v) == 2:
         return -(-v[0] // v[1]) if v[0] > 0 and v[1] > 0 else 0
@@ -235,14 +260,17 @@ def test_cpu_count_is_the_machines_within_the_container():
         if 0 < limit < want:
             want = limit
     assert tma.ops._clib.ma_cpu_count() == want
-    code = ("import os, torch_masked_attn as t\nos.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
-            "print(t.ops._clib.ma_cpu_count())")
+    code = (
+        "import os, torch_masked_attn as t\nos.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+        "print(t.ops._clib.ma_cpu_count())"
+    )
     r = _child(code, {})
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [str(want)]
 
 
 # ---- threads ---------------------------------------------------------------------
+
 
 def _step(q, k, v, go, kpm):
     q, k, v = (x.clone().requires_grad_(True) for x in (q, k, v))
@@ -290,6 +318,7 @@ def test_thread_counts_give_bitwise_equal_results(n):
 
 # ---- 64-bit indices -------------------------------------------------------------------
 
+
 def test_attention_with_66000_rows_through_zero_strides():
     """Lq = Lk = 66,000 (row offsets past 2^32 elements of a dense (L, L) tile); all but the first 40
     keys are trailing padding, never read, so the work stays small."""
@@ -298,15 +327,15 @@ def test_attention_with_66000_rows_through_zero_strides():
     kv = torch.randn(1, 1, L, D)
     kpm = torch.arange(L)[None] >= 40
     out = tma.functional.masked_attention(q, kv, kv, key_padding_mask=kpm, need_weights=False)
-    p = torch.softmax(q[0, 0, :1] @ kv[0, 0, :40].T / D ** 0.5, -1)
+    p = torch.softmax(q[0, 0, :1] @ kv[0, 0, :40].T / D**0.5, -1)
     torch.testing.assert_close(out[0, 0, -1:], p @ kv[0, 0, :40], rtol=1e-5, atol=1e-6)
     assert torch.equal(out[0, 0, 0], out[0, 0, -1])
 
 
 @pytest.mark.skipif(os.environ.get("MASKED_ATTN_SKIP_SLOW") == "1", reason="slow probe skipped by request")
 def test_cross_entropy_with_more_than_2_31_classes_through_zero_strides():
-    C = 2 ** 31 + 64
-    x = torch.zeros(1, 1).expand(1, C)             # every logit 0: loss = log C
+    C = 2**31 + 64
+    x = torch.zeros(1, 1).expand(1, C)  # every logit 0: loss = log C
     loss = tma.functional.cross_entropy(x, torch.tensor([C - 1]))
     assert abs(loss.item() - torch.log(torch.tensor(float(C), dtype=torch.float64)).item()) < 1e-4
 
@@ -343,7 +372,7 @@ def test_low_precision_delta_is_exact(dtype, what):
     go = torch.randn(out.shape, generator=torch.Generator().manual_seed(8)).to(dtype)
     dq, dk, _ = torch.autograd.grad(tma.functional.masked_attention(q, k, v, **kw), (q, k, v), go)
     r = torch.autograd.grad(out64, (q64, k64, v64), go.double())
-    tol = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+    tol = 2**-7 if dtype == torch.bfloat16 else 2**-10
     for ours, ref in zip((dq, dk), r):
         assert (ours.double() - ref).abs().max().item() <= tol * ref.abs().max().item() + 1e-6
 
@@ -363,12 +392,20 @@ def test_out_lo_is_outs_rounding_error(dtype, isa):
     with ops.use_isa(isa):
         out, _, _, lo = torch.ops.masked_attn.forward(q, k, v, None, None, hm, True, None, False)
         vout, _, vlo = torch.ops.masked_attn.varlen_forward(
-            q[0].transpose(0, 1).contiguous(), k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous(),
-            torch.tensor([0, 130], dtype=torch.int32), torch.tensor([0, 130], dtype=torch.int32), 130, 130,
-            None, -1, 0)
+            q[0].transpose(0, 1).contiguous(),
+            k[0].transpose(0, 1).contiguous(),
+            v[0].transpose(0, 1).contiguous(),
+            torch.tensor([0, 130], dtype=torch.int32),
+            torch.tensor([0, 130], dtype=torch.int32),
+            130,
+            130,
+            None,
+            -1,
+            0,
+        )
     ref = tma.functional.masked_attention(q.double(), k.double(), v.double(), head_mask=hm.double(), is_causal=True)
     assert lo.dtype == dtype and lo.shape == out.shape
-    bits = 8 if dtype == torch.bfloat16 else 11   # significand bits of the dtype
+    bits = 8 if dtype == torch.bfloat16 else 11  # significand bits of the dtype
     # the float32 output o that out + out_lo holds is itself exact to float32 noise, except where the
     # tile products keep P in two bfloat16 parts (amx, avx512bf16: about 16 bits, docs/design.md,
     # section 6), which bounds float16's o below its 22 bits
@@ -376,14 +413,16 @@ def test_out_lo_is_outs_rounding_error(dtype, isa):
     top = ref.abs().max().item()
     err_hi = (out.double() - ref).abs().max().item()
     err = (out.double() + lo.double() - ref).abs().max().item()
-    assert err_hi > 2.0 ** -(bits + 3) * top                  # out alone: the dtype's rounding
-    assert err <= 2.0 ** -o_bits * top + 2e-6, (err, err_hi)  # out + out_lo: about twice the bits
+    assert err_hi > 2.0 ** -(bits + 3) * top  # out alone: the dtype's rounding
+    assert err <= 2.0**-o_bits * top + 2e-6, (err, err_hi)  # out + out_lo: about twice the bits
     vref = ref[0] / hm.double()[:, None, None]
     verr = (vout.double() + vlo.double() - vref.transpose(0, 1)).abs().max().item()
-    assert verr <= 2.0 ** -o_bits * top + 2e-6, verr
+    assert verr <= 2.0**-o_bits * top + 2e-6, verr
     # float32: no out_lo
-    assert torch.ops.masked_attn.forward(q.float(), k.float(), v.float(), None, None, None, False, None,
-                                         False)[3].numel() == 0
+    assert (
+        torch.ops.masked_attn.forward(q.float(), k.float(), v.float(), None, None, None, False, None, False)[3].numel()
+        == 0
+    )
 
 
 def test_backward_into_over_out_lo_is_refused():
@@ -391,5 +430,23 @@ def test_backward_into_over_out_lo_is_refused():
     q, k, v, go = (t.bfloat16() for t in _qkv())
     out, lse, _, lo = _forward(q, k, v)
     with pytest.raises(RuntimeError, match="grad_q shares memory with out_lo"):
-        torch.ops.masked_attn.backward_into(go, None, q, k, v, out, lse, None, None, None, True, None, False, False,
-                                            lo, torch.empty_like(k), torch.empty_like(v), out_lo=lo)
+        torch.ops.masked_attn.backward_into(
+            go,
+            None,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            None,
+            None,
+            None,
+            True,
+            None,
+            False,
+            False,
+            lo,
+            torch.empty_like(k),
+            torch.empty_like(v),
+            out_lo=lo,
+        )

@@ -44,9 +44,9 @@ def ref_varlen(q, k, v, cq, ck, window=(-1, -1), scale=None, dtype=torch.float64
     sc = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
     outs, lses = [], []
     for b in range(len(cq) - 1):
-        qs = q[cq[b]:cq[b + 1]].to(dtype).transpose(0, 1)
-        ks = k[ck[b]:ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(G, 0)
-        vs = v[ck[b]:ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(G, 0)
+        qs = q[cq[b] : cq[b + 1]].to(dtype).transpose(0, 1)
+        ks = k[ck[b] : ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(G, 0)
+        vs = v[ck[b] : ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(G, 0)
         Lq, Lk = qs.shape[1], ks.shape[1]
         s = (qs @ ks.transpose(-1, -2)) * sc
         s = s.masked_fill(~visible(Lq, Lk, window), float("-inf"))
@@ -64,9 +64,9 @@ def _ref_varlen_cap_sinks(q, k, v, cq, ck, window, scale, dtype, softcap, sinks)
     sc = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
     outs, lses = [], []
     for b in range(len(cq) - 1):
-        qs = q[cq[b]:cq[b + 1]].to(dtype).transpose(0, 1)
-        ks = k[ck[b]:ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(G, 0)
-        vs = v[ck[b]:ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(G, 0)
+        qs = q[cq[b] : cq[b + 1]].to(dtype).transpose(0, 1)
+        ks = k[ck[b] : ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(G, 0)
+        vs = v[ck[b] : ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(G, 0)
         Lq, Lk = qs.shape[1], ks.shape[1]
         s = (qs @ ks.transpose(-1, -2)) * sc
         if softcap is not None:
@@ -96,13 +96,13 @@ def make(lq, lk, H, Hkv, D, Dv, dtype, requires_grad=True):
 # (query lengths, key lengths or None = the same, H, Hkv, D, Dv, window)
 CASES = [
     ([1, 63, 64, 65, 0, 130], None, 2, 2, 16, 16, (-1, -1)),
-    ([1, 63, 64, 65, 0, 130], None, 4, 2, 32, 16, (-1, 0)),        # causal, GQA
-    ([3, 70, 1, 0], [10, 40, 0, 5], 2, 1, 16, 24, (-1, 0)),         # Lq != Lk both ways, empty keys
-    ([100, 7, 129], [30, 90, 129], 2, 2, 16, 16, (17, 0)),          # causal sliding window
-    ([100, 7, 129], [30, 90, 129], 3, 1, 8, 8, (5, 3)),             # two-sided window, GQA
-    ([200], [200], 2, 2, 32, 32, (64, 0)),                          # window = a block
-    ([65, 66], None, 2, 2, 16, 16, (0, 0)),                          # the diagonal only
-    ([9, 0, 0, 140], [0, 3, 0, 140], 2, 2, 16, 16, (-1, -1)),       # empty queries, empty keys
+    ([1, 63, 64, 65, 0, 130], None, 4, 2, 32, 16, (-1, 0)),  # causal, GQA
+    ([3, 70, 1, 0], [10, 40, 0, 5], 2, 1, 16, 24, (-1, 0)),  # Lq != Lk both ways, empty keys
+    ([100, 7, 129], [30, 90, 129], 2, 2, 16, 16, (17, 0)),  # causal sliding window
+    ([100, 7, 129], [30, 90, 129], 3, 1, 8, 8, (5, 3)),  # two-sided window, GQA
+    ([200], [200], 2, 2, 32, 32, (64, 0)),  # window = a block
+    ([65, 66], None, 2, 2, 16, 16, (0, 0)),  # the diagonal only
+    ([9, 0, 0, 140], [0, 3, 0, 140], 2, 2, 16, 16, (-1, -1)),  # empty queries, empty keys
 ]
 
 
@@ -112,8 +112,9 @@ def test_values_and_grads(case, dtype):
     lq, lk, H, Hkv, D, Dv, window = case
     lk = lk or lq
     q, k, v, cq, ck = make(lq, lk, H, Hkv, D, Dv, dtype)
-    out, lse = varlen_attn(q, k, v, cq, ck, max(lq), max(lk), return_aux=AuxRequest(lse=True),
-                           window_size=window, enable_gqa=True)
+    out, lse = varlen_attn(
+        q, k, v, cq, ck, max(lq), max(lk), return_aux=AuxRequest(lse=True), window_size=window, enable_gqa=True
+    )
     assert out.shape == (q.shape[0], H, Dv) and out.dtype == dtype
     assert lse.shape == (H, q.shape[0]) and lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -139,13 +140,12 @@ def test_values_and_grads(case, dtype):
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (2, 0), (1, 2)], ids=str)
 def test_gradcheck(window):
     q, k, v, cq, ck = make([3, 0, 5, 1], [4, 2, 5, 0], 4, 2, 3, 2, torch.float64)
-    assert gradcheck(lambda q, k, v: varlen_attn(q, k, v, cq, ck, 5, 5, window_size=window, enable_gqa=True),
-                     (q, k, v))
+    assert gradcheck(lambda q, k, v: varlen_attn(q, k, v, cq, ck, 5, 5, window_size=window, enable_gqa=True), (q, k, v))
 
 
 CAP_SINK_CASES = [  # (query lengths, key lengths, window, softcap, sinks)
     ([1, 63, 64, 65, 0, 130], [1, 63, 64, 65, 0, 130], (-1, 0), 3.0, True),
-    ([3, 70, 1, 0], [10, 40, 0, 5], (-1, -1), None, True),         # empty keys: lse = the sink
+    ([3, 70, 1, 0], [10, 40, 0, 5], (-1, -1), None, True),  # empty keys: lse = the sink
     ([100, 7, 129], [30, 90, 129], (17, 0), 2.0, False),
     ([100, 7, 129], [30, 90, 129], (5, 3), 1.5, True),
 ]
@@ -161,15 +161,29 @@ def test_softcap_and_sinks(case, dtype):
     H, Hkv, D, Dv = 4, 2, 16, 24
     q, k, v, cq, ck = make(lq, lk, H, Hkv, D, Dv, dtype)
     sinks = (torch.randn(H, dtype=dtype) * 2).requires_grad_() if with_sinks else None
-    out, lse = varlen_attn(q, k, v, cq, ck, max(lq), max(lk), return_aux=AuxRequest(lse=True), window_size=window,
-                           enable_gqa=True, softcap=cap, sinks=sinks)
+    out, lse = varlen_attn(
+        q,
+        k,
+        v,
+        cq,
+        ck,
+        max(lq),
+        max(lk),
+        return_aux=AuxRequest(lse=True),
+        window_size=window,
+        enable_gqa=True,
+        softcap=cap,
+        sinks=sinks,
+    )
     leaves = (q, k, v) + ((sinks,) if with_sinks else ())
     ld = tuple(t.detach().double().requires_grad_() for t in leaves)
     lt = tuple(t.detach().clone().requires_grad_() for t in leaves)
-    ref_out, ref_lse = ref_varlen(*ld[:3], cq.tolist(), ck.tolist(), window, softcap=cap,
-                                  sinks=ld[3] if with_sinks else None)
-    pt_out, _ = ref_varlen(*lt[:3], cq.tolist(), ck.tolist(), window, dtype=dtype, softcap=cap,
-                           sinks=lt[3] if with_sinks else None)
+    ref_out, ref_lse = ref_varlen(
+        *ld[:3], cq.tolist(), ck.tolist(), window, softcap=cap, sinks=ld[3] if with_sinks else None
+    )
+    pt_out, _ = ref_varlen(
+        *lt[:3], cq.tolist(), ck.tolist(), window, dtype=dtype, softcap=cap, sinks=lt[3] if with_sinks else None
+    )
     assert_close_ref(out, pt_out, ref_out, name="out")
     assert torch.equal(lse.isneginf(), ref_lse.isneginf())
     fin = ~ref_lse.isneginf()
@@ -188,8 +202,12 @@ def test_softcap_and_sinks(case, dtype):
 def test_gradcheck_softcap_sinks(window):
     q, k, v, cq, ck = make([3, 0, 5, 1], [4, 2, 5, 0], 4, 2, 3, 2, torch.float64)
     sinks = torch.randn(4, dtype=torch.float64, requires_grad=True)
-    assert gradcheck(lambda q, k, v, s: varlen_attn(q, k, v, cq, ck, 5, 5, window_size=window, enable_gqa=True,
-                                                    softcap=1.5, sinks=s), (q, k, v, sinks))
+    assert gradcheck(
+        lambda q, k, v, s: varlen_attn(
+            q, k, v, cq, ck, 5, 5, window_size=window, enable_gqa=True, softcap=1.5, sinks=s
+        ),
+        (q, k, v, sinks),
+    )
 
 
 OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -203,10 +221,24 @@ def test_opcheck(window, cap_sinks):
     args = (q, k, v, cq, ck, 70, 70, None, window[0], window[1], None, None) + extra
     torch.library.opcheck(torch.ops.masked_attn.varlen_forward.default, args, test_utils=OPCHECK_UTILS)
     out, lse, _ = torch.ops.masked_attn.varlen_forward(*args)
-    bargs = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, cq, ck, 70, 70, 0.5,
-             window[0], window[1]) + tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in extra)
-    torch.library.opcheck(torch.ops.masked_attn.varlen_backward.default, bargs,
-                          test_utils=("test_schema", "test_faketensor"))
+    bargs = (
+        torch.randn_like(out),
+        q.detach(),
+        k.detach(),
+        v.detach(),
+        out.detach(),
+        lse,
+        cq,
+        ck,
+        70,
+        70,
+        0.5,
+        window[0],
+        window[1],
+    ) + tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in extra)
+    torch.library.opcheck(
+        torch.ops.masked_attn.varlen_backward.default, bargs, test_utils=("test_schema", "test_faketensor")
+    )
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512", "amx", "avx512bf16"])
@@ -221,16 +253,16 @@ def test_isa_against_scalar(isa, dtype):
     sinks = torch.randn(4, dtype=dtype)
 
     def run(window, cap):
-        out = varlen_attn(q, k, v, cq, ck, 150, 150, window_size=window, enable_gqa=True, softcap=cap,
-                          sinks=sinks if cap else None)
+        out = varlen_attn(
+            q, k, v, cq, ck, 150, 150, window_size=window, enable_gqa=True, softcap=cap, sinks=sinks if cap else None
+        )
         return (out,) + torch.autograd.grad(out, (q, k, v), go)
 
     for window, cap in [((-1, -1), None), ((-1, 0), None), ((20, 0), None), ((-1, 0), 2.0)]:
         ours = run_isa(isa, lambda: run(window, cap))
         scalar = run_isa("scalar", lambda: run(window, cap))
         qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
-        ref_out, _ = ref_varlen(qd, kd, vd, cq.tolist(), ck.tolist(), window, softcap=cap,
-                                sinks=sinks if cap else None)
+        ref_out, _ = ref_varlen(qd, kd, vd, cq.tolist(), ck.tolist(), window, softcap=cap, sinks=sinks if cap else None)
         refs = (ref_out,) + torch.autograd.grad(ref_out, (qd, kd, vd), go.double())
         for name, a, s, r in zip(("out", "dq", "dk", "dv"), ours, scalar, refs):
             # as close to float64 as the scalar reference is (plus the dtype's slack)
@@ -280,15 +312,39 @@ def test_tile_products_forward(isa, dtype, window, cap_sinks):
     cap, sinks = (5.0, torch.randn(H, dtype=dtype)) if cap_sinks else (None, None)
     kw = dict(window_size=window, enable_gqa=True, softcap=cap, sinks=sinks)
     cql, ckl = cq.tolist(), ck.tolist()
-    ref_out, ref_lse = ref_varlen(q.double(), k.double(), v.double(), cql, ckl, window, softcap=cap,
-                                  sinks=None if sinks is None else sinks.double())
+    ref_out, ref_lse = ref_varlen(
+        q.double(),
+        k.double(),
+        v.double(),
+        cql,
+        ckl,
+        window,
+        softcap=cap,
+        sinks=None if sinks is None else sinks.double(),
+    )
     pt_out, _ = ref_varlen(q, k, v, cql, ckl, window, dtype=dtype, softcap=cap, sinks=sinks)
     mq, mk = max(TILE_LQ), max(TILE_LK)
     for for_backward in (False, True):
+
         def call(kk, vv, ckk, **extra):
-            return torch.ops.masked_attn.varlen_forward(q, kk, vv, cq, ckk, mq, mk, None, window[0], window[1],
-                                                        extra.get("used"), extra.get("table"), cap, sinks,
-                                                        for_backward)[:2]
+            return torch.ops.masked_attn.varlen_forward(
+                q,
+                kk,
+                vv,
+                cq,
+                ckk,
+                mq,
+                mk,
+                None,
+                window[0],
+                window[1],
+                extra.get("used"),
+                extra.get("table"),
+                cap,
+                sinks,
+                for_backward,
+            )[:2]
+
         out, lse = run_isa(isa, lambda: call(k, v, ck))
         assert_close_ref(out, pt_out, ref_out, name=f"{isa} out for_backward={for_backward}")
         assert torch.equal(lse.isneginf(), ref_lse.isneginf())
@@ -304,9 +360,18 @@ def test_tile_products_forward(isa, dtype, window, cap_sinks):
                 assert torch.equal(run_isa(isa, lambda: varlen_attn(q, k, v, cq, ck, mq, mk, **kw)), out)
 
 
-@pytest.mark.parametrize("isa,dtype", [(None, torch.float32), (None, torch.bfloat16), ("amx", torch.bfloat16),
-                                       ("amx", torch.float16), ("amx", torch.float32),
-                                       ("avx512bf16", torch.bfloat16)], ids=str)
+@pytest.mark.parametrize(
+    "isa,dtype",
+    [
+        (None, torch.float32),
+        (None, torch.bfloat16),
+        ("amx", torch.bfloat16),
+        ("amx", torch.float16),
+        ("amx", torch.float32),
+        ("avx512bf16", torch.bfloat16),
+    ],
+    ids=str,
+)
 def test_thread_count_and_batch_invariance(isa, dtype):
     """Bitwise the same for any thread count, and a sequence's results do not
     depend on the other sequences of the batch (num_splits=1's promise), under
@@ -356,8 +421,9 @@ def test_matches_dense_forward_bitwise():
     q, k, v, c, _ = make([L], [L], 4, 4, 32, 32, torch.float32, requires_grad=False)
     for window, causal in [((-1, -1), False), ((-1, 0), True)]:
         out = varlen_attn(q, k, v, c, c, L, L, window_size=window)
-        dense = masked_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                 is_causal=causal)
+        dense = masked_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=causal
+        )
         assert torch.equal(out, dense[0].transpose(0, 1))
 
 
@@ -377,8 +443,9 @@ def test_entries_match_dense_forward_bitwise(isa, dtype, grad):
     sinks = torch.randn(H, dtype=dtype)
     kp, vp, table, used = to_pages(k, v, ck.tolist(), 128)
     for causal, cap in [(False, None), (True, None), (True, 4.0)]:
-        kw = dict(window_size=(-1, 0) if causal else (-1, -1), enable_gqa=True, softcap=cap,
-                  sinks=sinks if cap else None)
+        kw = dict(
+            window_size=(-1, 0) if causal else (-1, -1), enable_gqa=True, softcap=cap, sinks=sinks if cap else None
+        )
 
         def calls():
             with torch.set_grad_enabled(grad):
@@ -386,13 +453,30 @@ def test_entries_match_dense_forward_bitwise(isa, dtype, grad):
                 packed = varlen_attn(qg, k, v, cq, ck, max(lq), max(lk), **kw)
                 with torch.no_grad():  # paged is inference-only: the raw op, out_lo as packed's
                     paged = torch.ops.masked_attn.varlen_forward(
-                        q, kp, vp, cq, None, max(lq), max(lk), None, -1, 0 if causal else -1, used, table, cap,
-                        kw["sinks"], grad)[0]
+                        q,
+                        kp,
+                        vp,
+                        cq,
+                        None,
+                        max(lq),
+                        max(lk),
+                        None,
+                        -1,
+                        0 if causal else -1,
+                        used,
+                        table,
+                        cap,
+                        kw["sinks"],
+                        grad,
+                    )[0]
                 dense = []
                 for b in range(len(lq)):
-                    qs, ks, vs = (t[c[b]:c[b + 1]].transpose(0, 1)[None] for t, c in ((qg, cq), (k, ck), (v, ck)))
-                    dense.append(masked_attention(qs, ks, vs, window=(-1, lk[b] - lq[b]) if causal else None,
-                                                  softcap=cap, sinks=kw["sinks"])[0].transpose(0, 1))
+                    qs, ks, vs = (t[c[b] : c[b + 1]].transpose(0, 1)[None] for t, c in ((qg, cq), (k, ck), (v, ck)))
+                    dense.append(
+                        masked_attention(
+                            qs, ks, vs, window=(-1, lk[b] - lq[b]) if causal else None, softcap=cap, sinks=kw["sinks"]
+                        )[0].transpose(0, 1)
+                    )
                 return packed.detach(), paged, torch.cat(dense).detach()
 
         packed, paged, dense = calls() if isa is None else run_isa(isa, calls)
@@ -423,14 +507,14 @@ def test_large_window_is_unbounded():
     assert torch.equal(a, b) and torch.equal(c, d)
 
 
-@pytest.mark.parametrize("page", [64, 128, 32])        # in place (multiples of 64), gathered (32)
+@pytest.mark.parametrize("page", [64, 128, 32])  # in place (multiples of 64), gathered (32)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("lq", [[1, 1, 3, 1, 1], [1, 1, 40, 1, 70]], ids=["decode", "prefill-chunks"])
 def test_seqused_k_and_block_table(page, dtype, lq):
     torch.manual_seed(1)
     H, D = 2, 16
     used = [100, 1, 64, 0, 200]
-    slot = [128, 64, 128, 64, 256]   # cache slots larger than the sequences
+    slot = [128, 64, 128, 64, 256]  # cache slots larger than the sequences
     cq = cu(lq)
     q = torch.randn(int(cq[-1]), H, D, dtype=dtype)
     ck_slot = cu(slot)
@@ -460,14 +544,14 @@ def test_seqused_k_and_block_table(page, dtype, lq):
     kk = torch.cat(kk)
     vv = torch.cat(vv)
     out_p = varlen_attn(q, kp, vp, cq, None, mq, 256, seqused_k=seqused, block_table=table, window_size=(-1, 0))
-    ref_p = varlen_attn(q, kk, vv, cq, cu([n * page for n in n_pages]), mq, 256, seqused_k=seqused,
-                        window_size=(-1, 0))
+    ref_p = varlen_attn(q, kk, vv, cq, cu([n * page for n in n_pages]), mq, 256, seqused_k=seqused, window_size=(-1, 0))
     assert torch.equal(out_p, ref_p)
     if page % 64 == 0:  # the raw op reads the pool in place; a page outside the pool is refused
         # for_backward=False as varlen_attn's no-grad call: a bfloat16 call on the tile products (amx,
         # avx512bf16) otherwise keeps P in two parts for a backward (docs/design.md, section 6)
-        raw = torch.ops.masked_attn.varlen_forward(q, kp, vp, cq, None, mq, 256, None, -1, 0, seqused, table,
-                                                   None, None, False)[0]
+        raw = torch.ops.masked_attn.varlen_forward(
+            q, kp, vp, cq, None, mq, 256, None, -1, 0, seqused, table, None, None, False
+        )[0]
         assert torch.equal(raw, ref_p)
         bad = table.clone()
         bad[0, 0] = pool_pages

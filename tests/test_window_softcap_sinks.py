@@ -52,8 +52,22 @@ def window_blocked(Lq, Lk, window, causal=False):
     return blocked
 
 
-def ref(q, k, v, *, attn_mask=None, key_padding_mask=None, head_mask=None, causal=False, window=None,
-        softcap=None, sinks=None, scale=None, dtype=torch.float64, need_weights=False):
+def ref(
+    q,
+    k,
+    v,
+    *,
+    attn_mask=None,
+    key_padding_mask=None,
+    head_mask=None,
+    causal=False,
+    window=None,
+    softcap=None,
+    sinks=None,
+    scale=None,
+    dtype=torch.float64,
+    need_weights=False,
+):
     """Plain-torch attention in ``dtype``: scores scale q.k, soft-capped, plus the
     additive masks (bool True = blocked), the window and causal masks as -inf,
     the sink as an extra column of the softmax that has no value. Returns
@@ -109,7 +123,7 @@ def _inputs(B, H, Hkv, Lq, Lk, D, *, causal, window, softcap, sinks, am, kpm, hm
         kw["attn_mask"] = torch.rand(B, H, Lq, Lk) < 0.2
     if kpm == "bool":
         m = torch.zeros(B, Lk, dtype=torch.bool)
-        m[:, Lk - Lk // 4:] = True  # trailing padding
+        m[:, Lk - Lk // 4 :] = True  # trailing padding
         m[:, 1] = Lk > 2
         kw["key_padding_mask"] = m
     elif kpm == "float":
@@ -121,9 +135,19 @@ def _inputs(B, H, Hkv, Lq, Lk, D, *, causal, window, softcap, sinks, am, kpm, hm
 
 def _ours(q, k, v, kw, need_weights=False):
     res = tmaF.masked_attention(
-        q, k, v, attn_mask=kw.get("attn_mask"), key_padding_mask=kw.get("key_padding_mask"),
-        head_mask=kw.get("head_mask"), is_causal=kw["causal"], window=kw["window"], softcap=kw["softcap"],
-        sinks=kw["sinks"], need_weights=need_weights, return_lse=True)
+        q,
+        k,
+        v,
+        attn_mask=kw.get("attn_mask"),
+        key_padding_mask=kw.get("key_padding_mask"),
+        head_mask=kw.get("head_mask"),
+        is_causal=kw["causal"],
+        window=kw["window"],
+        softcap=kw["softcap"],
+        sinks=kw["sinks"],
+        need_weights=need_weights,
+        return_lse=True,
+    )
     return res
 
 
@@ -144,15 +168,13 @@ def _grads(outs, gouts, leaves):
 def check_against_ref(B, H, Hkv, Lq, Lk, D, *, need_weights=False, dtype=torch.float32, **opts):
     q, k, v, kw = _inputs(B, H, Hkv, Lq, Lk, D, dtype=dtype, **opts)
     leaves = _leaves(q, k, v, kw)
-    rkw = {n: kw.get(n) for n in ("attn_mask", "key_padding_mask", "head_mask", "causal", "window", "softcap",
-                                  "sinks")}
+    rkw = {n: kw.get(n) for n in ("attn_mask", "key_padding_mask", "head_mask", "causal", "window", "softcap", "sinks")}
     ours = _ours(q, k, v, kw, need_weights)
     ref64 = ref(q, k, v, **rkw, need_weights=need_weights)
     pt = ref(q, k, v, **rkw, dtype=dtype, need_weights=need_weights)  # PyTorch's own error, in dtype
     out, lse = ours[0], ours[-1]
     assert_close_ref(out, pt[0].to(dtype), ref64[0], name="out")
-    assert_close_ref(lse, pt[1].float() if dtype != torch.float64 else pt[1], ref64[1], name="lse",
-                     dtype=dtype)
+    assert_close_ref(lse, pt[1].float() if dtype != torch.float64 else pt[1], ref64[1], name="lse", dtype=dtype)
     g = _rand(*out.shape, dtype=dtype)
     outs_o, outs_r, outs_p, gouts = [out], [ref64[0]], [pt[0]], [g]
     if need_weights:
@@ -173,8 +195,8 @@ SHAPES = [  # B, H, Hkv, Lq, Lk, D
     (2, 2, 2, 63, 63, 16),
     (1, 2, 1, 64, 64, 16),
     (2, 2, 2, 65, 65, 8),
-    (1, 4, 2, 70, 150, 16),   # Lq < Lk, GQA
-    (1, 2, 2, 150, 70, 16),   # Lq > Lk
+    (1, 4, 2, 70, 150, 16),  # Lq < Lk, GQA
+    (1, 2, 2, 150, 70, 16),  # Lq > Lk
     (1, 2, 1, 200, 200, 32),  # several key blocks outside the windows
 ]
 WINDOWS = [(5, None), (None, 3), (7, 2), (0, 0), (0, None), (None, 0), (64, 0), (70, 65), (1000, 1000)]
@@ -189,8 +211,16 @@ def test_window_values_and_grads(shape, window):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("what", ["softcap", "sinks", "softcap+sinks"])
 def test_softcap_sinks_values_and_grads(shape, what):
-    check_against_ref(*shape, causal=False, window=None, softcap=1.5 if "softcap" in what else None,
-                      sinks="sinks" in what, am=None, kpm=None, hm=False)
+    check_against_ref(
+        *shape,
+        causal=False,
+        window=None,
+        softcap=1.5 if "softcap" in what else None,
+        sinks="sinks" in what,
+        am=None,
+        kpm=None,
+        hm=False,
+    )
 
 
 COMBINED = [  # window, causal, softcap, sinks, attn_mask, key_padding_mask, head_mask
@@ -203,20 +233,46 @@ COMBINED = [  # window, causal, softcap, sinks, attn_mask, key_padding_mask, hea
 ]
 
 
-@pytest.mark.parametrize("shape", [(2, 2, 1, 65, 65, 16), (1, 4, 2, 130, 200, 16), (2, 2, 2, 200, 130, 8)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 2, 1, 65, 65, 16), (1, 4, 2, 130, 200, 16), (2, 2, 2, 200, 130, 8)],
+    ids=lambda s: "x".join(map(str, s)),
+)
 @pytest.mark.parametrize("combo", COMBINED, ids=str)
 @pytest.mark.parametrize("need_weights", [False, True], ids=["single_pass", "two_pass"])
 def test_combined(shape, combo, need_weights):
     window, causal, softcap, sinks, am, kpm, hm = combo
-    check_against_ref(*shape, causal=causal, window=window, softcap=softcap, sinks=sinks, am=am, kpm=kpm, hm=hm,
-                      need_weights=need_weights)
+    check_against_ref(
+        *shape,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        sinks=sinks,
+        am=am,
+        kpm=kpm,
+        hm=hm,
+        need_weights=need_weights,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_dtypes(dtype):
-    check_against_ref(2, 2, 1, 130, 130, 16, dtype=dtype, causal=True, window=(40, None), softcap=2.0, sinks=True,
-                      am=None, kpm="bool", hm=True)
+    check_against_ref(
+        2,
+        2,
+        1,
+        130,
+        130,
+        16,
+        dtype=dtype,
+        causal=True,
+        window=(40, None),
+        softcap=2.0,
+        sinks=True,
+        am=None,
+        kpm="bool",
+        hm=True,
+    )
 
 
 def test_fully_masked_row_with_sink():
@@ -224,7 +280,7 @@ def test_fully_masked_row_with_sink():
     q, k, v = (_rand(1, 2, 70, 8).requires_grad_() for _ in range(3))
     sinks = torch.tensor([0.5, -1.0], requires_grad=True)
     am = torch.zeros(70, 70, dtype=torch.bool)
-    am[3] = True   # row 3 sees nothing
+    am[3] = True  # row 3 sees nothing
     am[66] = True  # row 66 too (second query block)
     out, lse = tmaF.masked_attention(q, k, v, attn_mask=am, sinks=sinks, window=(10, 10), return_lse=True)
     for r in (3, 66):
@@ -235,19 +291,25 @@ def test_fully_masked_row_with_sink():
         assert torch.isfinite(t.grad).all()
     assert torch.equal(q.grad[:, :, 3], torch.zeros_like(q.grad[:, :, 3]))
     # no key at all (Lk = 0): lse is the sink in every row
-    out, lse = tmaF.masked_attention(q.detach(), k.detach()[:, :, :0], v.detach()[:, :, :0], sinks=sinks.detach(),
-                                     return_lse=True)
+    out, lse = tmaF.masked_attention(
+        q.detach(), k.detach()[:, :, :0], v.detach()[:, :, :0], sinks=sinks.detach(), return_lse=True
+    )
     assert torch.equal(out, torch.zeros_like(out))
     assert torch.equal(lse, sinks.detach()[None, :, None].expand_as(lse))
 
 
 # ---- gradcheck, opcheck ------------------------------------------------------------
 
-@pytest.mark.parametrize("case", [
-    dict(L=(9, 11), window=(2, 1), causal=False),
-    dict(L=(11, 9), window=(3, None), causal=True),
-    dict(L=(150, 150), window=(20, 0), causal=False),
-], ids=["small", "small_causal", "skipping"])
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(L=(9, 11), window=(2, 1), causal=False),
+        dict(L=(11, 9), window=(3, None), causal=True),
+        dict(L=(150, 150), window=(20, 0), causal=False),
+    ],
+    ids=["small", "small_causal", "skipping"],
+)
 def test_gradcheck(case):
     Lq, Lk = case["L"]
     D, H = (2, 2) if Lq > 64 else (4, 2)
@@ -260,15 +322,26 @@ def test_gradcheck(case):
     hm = torch.rand(H, dtype=d).requires_grad_()
 
     def f(q, k, v, sinks, am, hm):
-        out, lse = tmaF.masked_attention(q, k, v, attn_mask=am, head_mask=hm, is_causal=case["causal"],
-                                         window=case["window"], softcap=1.3, sinks=sinks, return_lse=True)
+        out, lse = tmaF.masked_attention(
+            q,
+            k,
+            v,
+            attn_mask=am,
+            head_mask=hm,
+            is_causal=case["causal"],
+            window=case["window"],
+            softcap=1.3,
+            sinks=sinks,
+            return_lse=True,
+        )
         return out
 
     assert gradcheck(f, (q, k, v, sinks, am, hm), fast_mode=Lq > 64)
 
     def fw(q, k, v, sinks):  # the two-pass backward (the weights are used)
-        out, w = tmaF.masked_attention(q, k, v, window=case["window"], is_causal=case["causal"], softcap=1.3,
-                                       sinks=sinks, need_weights=True)
+        out, w = tmaF.masked_attention(
+            q, k, v, window=case["window"], is_causal=case["causal"], softcap=1.3, sinks=sinks, need_weights=True
+        )
         return out, w
 
     assert gradcheck(fw, (q, k, v, sinks), fast_mode=True)
@@ -285,16 +358,65 @@ def test_opcheck():
     out, lse, _, _ = fwd(q, k, v, am, None, None, False, None, False, 0.0, None, 5, 7, 2.0, sinks)
     g = _rand(*out.shape)
     bwd = torch.ops.masked_attn.backward.default
-    torch.library.opcheck(bwd, (g, None, q.detach(), k.detach(), v.detach(), out.detach(), lse, am, None, None,
-                                False, None, False, False, 0.0, None, 5, 7, 2.0, sinks.detach()))
+    torch.library.opcheck(
+        bwd,
+        (
+            g,
+            None,
+            q.detach(),
+            k.detach(),
+            v.detach(),
+            out.detach(),
+            lse,
+            am,
+            None,
+            None,
+            False,
+            None,
+            False,
+            False,
+            0.0,
+            None,
+            5,
+            7,
+            2.0,
+            sinks.detach(),
+        ),
+    )
     into = torch.ops.masked_attn.backward_into.default
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    torch.library.opcheck(into, (g, None, q.detach(), k.detach(), v.detach(), out.detach(), lse, am, None, None,
-                                 False, None, False, False, dq, dk, dv, 0.0, None, 5, 7, 2.0,
-                                 sinks.detach()))
+    torch.library.opcheck(
+        into,
+        (
+            g,
+            None,
+            q.detach(),
+            k.detach(),
+            v.detach(),
+            out.detach(),
+            lse,
+            am,
+            None,
+            None,
+            False,
+            None,
+            False,
+            False,
+            dq,
+            dk,
+            dv,
+            0.0,
+            None,
+            5,
+            7,
+            2.0,
+            sinks.detach(),
+        ),
+    )
 
 
 # ---- every ISA against scalar ------------------------------------------------------
+
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512", "amx", "avx512bf16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -302,17 +424,33 @@ def test_opcheck():
 def test_isa_against_scalar(isa, dtype, need_weights):
     if not isa_available(isa):
         pytest.skip(f"this CPU has no {isa}")
-    q, k, v, kw = _inputs(2, 4, 2, 133, 197, 24, dtype=dtype, causal=False, window=(50, 17), softcap=2.5,
-                          sinks=True, am="float", kpm="bool", hm=True)
+    q, k, v, kw = _inputs(
+        2,
+        4,
+        2,
+        133,
+        197,
+        24,
+        dtype=dtype,
+        causal=False,
+        window=(50, 17),
+        softcap=2.5,
+        sinks=True,
+        am="float",
+        kpm="bool",
+        hm=True,
+    )
     leaves = _leaves(q, k, v, kw)
     res = {}
     for name in ("scalar", isa):
+
         def run():
             outs = _ours(q, k, v, kw, need_weights)
             gouts = [torch.ones_like(outs[0]) * 0.1 + torch.arange(outs[0].shape[-1]) * 0.01]
             if need_weights:
                 gouts.append(torch.full_like(outs[1], 0.05))
-            return [outs[0], outs[-1]] + _grads(list(outs[:len(gouts)]), gouts, leaves)
+            return [outs[0], outs[-1]] + _grads(list(outs[: len(gouts)]), gouts, leaves)
+
         res[name] = [t.detach().double() for t in run_isa(name, run)]
     tol = 2e-5 if dtype == torch.float32 else 3e-2
     for i, (a, b) in enumerate(zip(res["scalar"], res[isa])):
@@ -320,6 +458,7 @@ def test_isa_against_scalar(isa, dtype, need_weights):
 
 
 # ---- bitwise identities ---------------------------------------------------------------
+
 
 @pytest.mark.parametrize("isa", ["scalar", "avx2"])
 def test_identities_bitwise(isa):
@@ -350,11 +489,16 @@ def test_sdpa_keywords():
     assert torch.equal(a, b)
     # without the extensions it still matches PyTorch's F.sdpa with the window as a bool mask
     allowed = ~window_blocked(70, 70, (10, 3))
-    torch.testing.assert_close(tmaF.scaled_dot_product_attention(q, k, v, window=(10, 3)),
-                               F.scaled_dot_product_attention(q, k, v, attn_mask=allowed), atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(
+        tmaF.scaled_dot_product_attention(q, k, v, window=(10, 3)),
+        F.scaled_dot_product_attention(q, k, v, attn_mask=allowed),
+        atol=2e-6,
+        rtol=2e-6,
+    )
 
 
 # ---- block skipping really skips ----------------------------------------------------------
+
 
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512", "amx", "avx512bf16"])
 def test_skipped_blocks_are_not_read(isa):
@@ -405,6 +549,7 @@ def test_skipped_blocks_are_not_read(isa):
 
 
 # ---- bad input --------------------------------------------------------------------------------
+
 
 def test_bad_input():
     q, k, v = _rand(1, 2, 8, 4), _rand(1, 2, 8, 4), _rand(1, 2, 8, 4)

@@ -9,6 +9,7 @@ per case, the median over rounds of each build's median call time and the
 ratio old/new (> 1: the new build is faster). Used to show that a
 refactoring keeps the speed (docs/design.md, "Changing the kernels").
 """
+
 import argparse
 import json
 import statistics
@@ -46,8 +47,11 @@ def main():
         for c in args.cases:
             for which in ("old", "new"):
                 root = getattr(args, which)
-                out = subprocess.run([sys.executable, "-c", CHILD, root, c, str(args.threads), str(args.reps)],
-                                     capture_output=True, text=True)
+                out = subprocess.run(
+                    [sys.executable, "-c", CHILD, root, c, str(args.threads), str(args.reps)],
+                    capture_output=True,
+                    text=True,
+                )
                 if out.returncode:
                     sys.exit(out.stderr)
                 res[c][which].append(json.loads(out.stdout.strip().splitlines()[-1]))

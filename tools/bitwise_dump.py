@@ -8,6 +8,7 @@ Used to show that a refactoring leaves every result unchanged (docs/design.md,
 "Changing the kernels"). Only the raw torch.ops.masked_attn.* ops are called,
 so the Python package of either build does not matter.
 """
+
 import hashlib
 import os
 import sys
@@ -22,8 +23,12 @@ def attention_cases():
         return torch.randn(*s, generator=g, dtype=torch.float64).to(dt)
 
     for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        for (B, H, Hkv, Lq, Lk, D, Dv) in [(2, 4, 2, 130, 130, 64, 64), (1, 2, 2, 7, 200, 40, 24),
-                                           (2, 2, 1, 64, 96, 128, 128), (1, 1, 1, 300, 300, 64, 32)]:
+        for B, H, Hkv, Lq, Lk, D, Dv in [
+            (2, 4, 2, 130, 130, 64, 64),
+            (1, 2, 2, 7, 200, 40, 24),
+            (2, 2, 1, 64, 96, 128, 128),
+            (1, 1, 1, 300, 300, 64, 32),
+        ]:
             q, k, v = r(B, H, Lq, D, dt=dt), r(B, Hkv, Lk, D, dt=dt), r(B, Hkv, Lk, Dv, dt=dt)
             go = r(B, H, Lq, Dv, dt=dt)
             kpm = torch.arange(Lk)[None] >= torch.tensor([Lk, Lk * 2 // 3] * B)[:B, None]
@@ -42,7 +47,12 @@ def dump_attention(res):
             "all": dict(attn_mask=fm, key_padding_mask=kpm, head_mask=hm, is_causal=True),
         }
         for vname, kw in variants.items():
-            am, kp, hmask, causal = kw.get("attn_mask"), kw.get("key_padding_mask"), kw.get("head_mask"), kw.get("is_causal", False)
+            am, kp, hmask, causal = (
+                kw.get("attn_mask"),
+                kw.get("key_padding_mask"),
+                kw.get("head_mask"),
+                kw.get("is_causal", False),
+            )
             for need_w in (False, True):
                 out, lse, w = fwd(q, k, v, am, kp, hmask, causal, None, need_w)[:3]
                 gw = torch.ones_like(w) * 0.1 if need_w else None
@@ -51,8 +61,11 @@ def dump_attention(res):
                 key = f"{name}-{vname}-w{int(need_w)}"
                 res[key] = [out, lse, w, *grads]
         # sliding windows (top-left), with causal, and soft-capping
-        for vname, causal, wl, wr, cap in [("win", False, 20, 5, None), ("causal-win", True, 30, -1, None),
-                                           ("cap-win", False, 40, 70, 5.0)]:
+        for vname, causal, wl, wr, cap in [
+            ("win", False, 20, 5, None),
+            ("causal-win", True, 30, -1, None),
+            ("cap-win", False, 40, 70, 5.0),
+        ]:
             win = (0.0, None, wl, wr, cap, None)
             out, lse = fwd(q, k, v, None, kpm, None, causal, None, False, *win)[:2]
             grads = bwd(go, None, q, k, v, out, lse, None, kpm, None, causal, None, False, False, *win)
@@ -60,13 +73,17 @@ def dump_attention(res):
         # strided (non-contiguous) q, k, v
         qs = q.transpose(2, 3).contiguous().transpose(2, 3)
         out, lse, w = fwd(qs, k, v, None, kpm, None, True, 0.3, False)[:3]
-        res[f"{name}-strided"] = [out, lse, *bwd(go, None, qs, k, v, out, lse, None, kpm, None, True, 0.3, False, False)]
+        res[f"{name}-strided"] = [
+            out,
+            lse,
+            *bwd(go, None, qs, k, v, out, lse, None, kpm, None, True, 0.3, False, False),
+        ]
 
 
 def dump_ce(res):
     g = torch.Generator().manual_seed(1)
     for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        for (N, C) in [(37, 1000), (8, 32001), (5, 7)]:
+        for N, C in [(37, 1000), (8, 32001), (5, 7)]:
             x = torch.randn(N, C, generator=g, dtype=torch.float64).to(dt) * 3
             t = torch.randint(0, C, (N,), generator=g)
             t[::4] = -100
@@ -76,7 +93,9 @@ def dump_ce(res):
                     wt, ls, z, cap = opts
                     loss, lse = torch.ops.masked_attn.cross_entropy(x, t, wt, red, -100, ls, z, cap, False)
                     gl = torch.ones_like(loss)
-                    gi, _ = torch.ops.masked_attn.cross_entropy_backward(gl, x, t, wt, lse, red, -100, ls, False, z, cap)
+                    gi, _ = torch.ops.masked_attn.cross_entropy_backward(
+                        gl, x, t, wt, lse, red, -100, ls, False, z, cap
+                    )
                     res[f"ce-{dt}-{N}x{C}-{red}-{wt is not None}"] = [loss, lse, gi]
 
 
@@ -85,7 +104,8 @@ def main():
         a, b = torch.load(sys.argv[2]), torch.load(sys.argv[3])
         bad = 0
         if a.keys() != b.keys():
-            print("different case sets"); sys.exit(1)
+            print("different case sets")
+            sys.exit(1)
         for key in a:
             for i, (x, y) in enumerate(zip(a[key], b[key])):
                 if x != y:
@@ -100,6 +120,7 @@ def main():
     res = {}
     dump_attention(res)
     dump_ce(res)
+
     def digest(t):  # shape, dtype and a hash of the bytes: small files, exact comparison
         t = t.contiguous()
         return (tuple(t.shape), str(t.dtype), hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy()).hexdigest())

@@ -53,6 +53,7 @@ dropped, the scale doubled or a cross-entropy option dropped gives findings
 
 Exit status 1 if there is any finding.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -101,13 +102,17 @@ class Finding:
     problems: list[str]
 
     def __str__(self):
-        return (f"FINDING [{self.isa}] seed={self.seed}: {self.desc}\n    " + "\n    ".join(self.problems)
-                + f"\n    replay: python tools/fuzz.py --replay {self.seed} --isa {self.isa}")
+        return (
+            f"FINDING [{self.isa}] seed={self.seed}: {self.desc}\n    "
+            + "\n    ".join(self.problems)
+            + f"\n    replay: python tools/fuzz.py --replay {self.seed} --isa {self.isa}"
+        )
 
 
 @dataclass
 class Result:
     """What one case gave: problems (name, message, is_gradient) and the description."""
+
     desc: str
     problems: list[tuple[str, str, bool]] = field(default_factory=list)
     lines: list[str] = field(default_factory=list)  # every comparison, for --replay
@@ -115,6 +120,7 @@ class Result:
 
 
 # ---- comparison ---------------------------------------------------------------
+
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b|; equal infinities and NaN against NaN count as 0, any other
@@ -135,8 +141,17 @@ def magnitude(t: torch.Tensor) -> float:
     return t.max().item() if t.numel() else 0.0
 
 
-def compare(res: Result, name: str, ours, theirs: list, ref, dtype, is_grad: bool, natural: float = 0.0,
-            natural_acc: float = 0.0):
+def compare(
+    res: Result,
+    name: str,
+    ours,
+    theirs: list,
+    ref,
+    dtype,
+    is_grad: bool,
+    natural: float = 0.0,
+    natural_acc: float = 0.0,
+):
     """Append a problem to res unless ours is within the rule of ref (see the
     module docstring). The slack is REL_SLACK[dtype] * max|ref| (the result's
     own rounding) + REL_SLACK[acc] * (natural + natural_acc), acc the
@@ -164,8 +179,10 @@ def compare(res: Result, name: str, ours, theirs: list, ref, dtype, is_grad: boo
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     slack = REL_SLACK[dtype] * mag + REL_SLACK[acc] * (natural + natural_acc)
     bound = 2.0 * e_t + slack
-    line = (f"{name}: err {e_ours:.3g} bound {bound:.3g} (torch {e_t:.3g}, max|ref| {mag:.3g}, "
-            f"natural {natural:.3g} + {natural_acc:.3g})")
+    line = (
+        f"{name}: err {e_ours:.3g} bound {bound:.3g} (torch {e_t:.3g}, max|ref| {mag:.3g}, "
+        f"natural {natural:.3g} + {natural_acc:.3g})"
+    )
     res.lines.append(line)
     res.metrics.append((name, dtype, e_ours, e_t, slack))
     if not e_ours <= bound:
@@ -173,6 +190,7 @@ def compare(res: Result, name: str, ours, theirs: list, ref, dtype, is_grad: boo
 
 
 # ---- layouts: a tensor as a view of a differently shaped base ------------------
+
 
 def draw_layout(r: random.Random, shape: tuple, allow_expand: bool = True):
     """(name, base shape, view function) for a 4-D tensor of `shape`."""
@@ -185,7 +203,7 @@ def draw_layout(r: random.Random, shape: tuple, allow_expand: bool = True):
         return name, (B, L, H, D), lambda t: t.transpose(1, 2)
     if name == "pad":  # a slice of a wider last dim, at an offset
         off = r.randint(0, 3)
-        return f"pad{off}", (B, H, L, D + off + r.randint(0, 5)), lambda t: t[..., off:off + D]
+        return f"pad{off}", (B, H, L, D + off + r.randint(0, 5)), lambda t: t[..., off : off + D]
     if name == "step":  # every other row
         return name, (B, H, 2 * L, D), lambda t: t[:, :, ::2]
     if name == "swap":  # the last two dims transposed (D not unit-stride)
@@ -201,6 +219,7 @@ def rounded(t: torch.Tensor, dtype) -> torch.Tensor:
 
 
 # ---- attention ------------------------------------------------------------------
+
 
 def _length(r):
     x = r.random()
@@ -261,8 +280,12 @@ def draw_attention(seed: int, force: dict | None = None) -> dict:
     x = r.random()
     am_kind = force.get("attn_mask", "none" if x < 0.4 else "bool" if x < 0.7 else "float")
     if am_kind != "none":
-        shapes = {"(Lq,Lk)": (Lq, Lk), "(B,1,Lq,Lk)": (B, 1, Lq, Lk), "(1,H,Lq,Lk)": (1, H, Lq, Lk),
-                  "(B,H,Lq,Lk)": (B, H, Lq, Lk)}
+        shapes = {
+            "(Lq,Lk)": (Lq, Lk),
+            "(B,1,Lq,Lk)": (B, 1, Lq, Lk),
+            "(1,H,Lq,Lk)": (1, H, Lq, Lk),
+            "(B,H,Lq,Lk)": (B, H, Lq, Lk),
+        }
         sname = r.choice(list(shapes))
         shape = shapes[sname]
         swap = r.random() < 0.25
@@ -276,8 +299,15 @@ def draw_attention(seed: int, force: dict | None = None) -> dict:
             vals = torch.randn(base, generator=g, dtype=torch.float64) * r.choice((0.5, 2.0))
             vals = rounded(vals.masked_fill(blocked, -math.inf), mdt)
             rg = r.random() < 0.4
-        c["am"] = {"shape": sname, "kind": am_kind, "vals": vals, "dtype": mdt, "rg": rg, "swap": swap,
-                   "view": (lambda t: t.transpose(-1, -2)) if swap else (lambda t: t)}
+        c["am"] = {
+            "shape": sname,
+            "kind": am_kind,
+            "vals": vals,
+            "dtype": mdt,
+            "rg": rg,
+            "swap": swap,
+            "view": (lambda t: t.transpose(-1, -2)) if swap else (lambda t: t),
+        }
 
     # key padding (B, Lk): prefix lengths, 0 (fully padded) and Lk included; rarely float
     c["kpm"] = None
@@ -290,8 +320,7 @@ def draw_attention(seed: int, force: dict | None = None) -> dict:
         if r.random() < 0.15:
             mdt = r.choice((dtype, torch.float32))
             vals = torch.randn(B, Lk, generator=g, dtype=torch.float64).masked_fill(blocked, -math.inf)
-            c["kpm"] = {"kind": "float", "vals": rounded(vals, mdt), "dtype": mdt, "rg": r.random() < 0.5,
-                        "lens": lens}
+            c["kpm"] = {"kind": "float", "vals": rounded(vals, mdt), "dtype": mdt, "rg": r.random() < 0.5, "lens": lens}
         else:
             c["kpm"] = {"kind": "bool", "vals": blocked, "dtype": torch.bool, "rg": False, "lens": lens}
 
@@ -305,8 +334,12 @@ def draw_attention(seed: int, force: dict | None = None) -> dict:
         vals = torch.where(torch.rand(shape, generator=g) < 0.1, torch.zeros(()), vals)
         if force.get("head_mask"):  # the self-test needs it away from 1
             vals = vals * 0.5 + 0.25
-        c["hm"] = {"shape": "(H,)" if len(shape) == 1 else "(B,H)", "vals": rounded(vals, mdt), "dtype": mdt,
-                   "rg": r.random() < 0.5}
+        c["hm"] = {
+            "shape": "(H,)" if len(shape) == 1 else "(B,H)",
+            "vals": rounded(vals, mdt),
+            "dtype": mdt,
+            "rg": r.random() < 0.5,
+        }
 
     c["causal"] = force.get("is_causal", r.random() < 0.3)
     c["scale"] = None if r.random() < 0.5 else round(r.uniform(0.02, 2.0), 3)
@@ -351,8 +384,10 @@ def _draw_new_options(c: dict, r: random.Random, g: torch.Generator, force: dict
             vals = vals + 8.0  # a sink that takes most of the mass
         c["sinks"] = {"vals": rounded(vals, sdt), "dtype": sdt, "rg": r.random() < 0.7}
     if not sdpa and not hf and force.get("dropout", r.random() < 0.15):
-        p = force.get("dropout_p", r.choice((0.1, 0.3, 0.5, 0.9, round(r.uniform(0.01, 0.99), 3),
-                                             1.0 if r.random() < 0.1 else 0.2)))
+        p = force.get(
+            "dropout_p",
+            r.choice((0.1, 0.3, 0.5, 0.9, round(r.uniform(0.01, 0.99), 3), 1.0 if r.random() < 0.1 else 0.2)),
+        )
         seed = torch.tensor([r.getrandbits(63) - (1 << 62), r.getrandbits(63) - (1 << 62)], dtype=torch.int64)
         c["dropout"] = {"p": p, "seed": seed}
     if hf:
@@ -366,23 +401,32 @@ def _draw_new_options(c: dict, r: random.Random, g: torch.Generator, force: dict
         if c["am"] is None and r.random() < 0.6:
             lens = [r.choice((Lk, r.randint(0, Lk))) for _ in range(B)]
             pad = torch.arange(Lk)[None, :] >= torch.tensor(lens)[:, None]
-            h.update(mask="structured", causal=r.random() < 0.8, q_offset=r.choice((0, max(0, Lk - Lq), r.randint(0, Lk + 3))),
-                     kv_offset=r.choice((0, 0, r.randint(0, 5))),
-                     padding=pad if r.random() < 0.5 and bool(pad.any()) else None, lens=lens)
+            h.update(
+                mask="structured",
+                causal=r.random() < 0.8,
+                q_offset=r.choice((0, max(0, Lk - Lq), r.randint(0, Lk + 3))),
+                kv_offset=r.choice((0, 0, r.randint(0, 5))),
+                padding=pad if r.random() < 0.5 and bool(pad.any()) else None,
+                lens=lens,
+            )
             h["window"] = r.choice((None, 1, 2, r.randint(1, Lk + 2))) if h["causal"] else None
         c["hf"] = h
         c["causal"] = h["mask"] == "none" and h["module_causal"] and Lq > 1
 
 
 def describe_attention(c: dict) -> str:
-    s = [f"attention{' sdpa' if c['sdpa'] else ''}{' hf' if c['hf'] else ''}{' 3-D' if c['nobatch'] else ''} "
-         f"{DT_NAME[c['dtype']]}",
-         f"B={c['B']} H={c['H']} Hkv={c['Hkv']} Lq={c['Lq']} Lk={c['Lk']} D={c['D']} Dv={c['Dv']}",
-         "layout=" + ",".join(f"{n}:{t[0]}" for n, t in c["tensors"].items())]
+    s = [
+        f"attention{' sdpa' if c['sdpa'] else ''}{' hf' if c['hf'] else ''}{' 3-D' if c['nobatch'] else ''} "
+        f"{DT_NAME[c['dtype']]}",
+        f"B={c['B']} H={c['H']} Hkv={c['Hkv']} Lq={c['Lq']} Lk={c['Lk']} D={c['D']} Dv={c['Dv']}",
+        "layout=" + ",".join(f"{n}:{t[0]}" for n, t in c["tensors"].items()),
+    ]
     if c["am"]:
         a = c["am"]
-        s.append(f"attn_mask={a['kind']}{'/' + DT_NAME[a['dtype']] if a['kind'] == 'float' else ''}"
-                 f"{a['shape']}{'^T' if a['swap'] else ''}{'+grad' if a['rg'] else ''}")
+        s.append(
+            f"attn_mask={a['kind']}{'/' + DT_NAME[a['dtype']] if a['kind'] == 'float' else ''}"
+            f"{a['shape']}{'^T' if a['swap'] else ''}{'+grad' if a['rg'] else ''}"
+        )
     if c["kpm"]:
         k = c["kpm"]
         s.append(f"kpm={k['kind']} lens={k['lens']}{'+grad' if k['rg'] else ''}")
@@ -404,15 +448,18 @@ def describe_attention(c: dict) -> str:
         s.append(f"softcap={c['softcap']}")
     if c["sinks"] is not None:
         sk = c["sinks"]
-        s.append(f"sinks/{DT_NAME[sk['dtype']]}={[round(x, 3) for x in sk['vals'].tolist()]}"
-                 f"{'+grad' if sk['rg'] else ''}")
+        s.append(
+            f"sinks/{DT_NAME[sk['dtype']]}={[round(x, 3) for x in sk['vals'].tolist()]}{'+grad' if sk['rg'] else ''}"
+        )
     if c["dropout"] is not None:
         s.append(f"dropout_p={c['dropout']['p']} seed={c['dropout']['seed'].tolist()}")
     if c["hf"]:
         h = c["hf"]
         if h["mask"] == "structured":
-            s.append(f"hf_mask=structured(causal={h['causal']}, window={h['window']}, q_offset={h['q_offset']}, "
-                     f"kv_offset={h['kv_offset']}, padding={'lens=' + str(h['lens']) if h['padding'] is not None else None})")
+            s.append(
+                f"hf_mask=structured(causal={h['causal']}, window={h['window']}, q_offset={h['q_offset']}, "
+                f"kv_offset={h['kv_offset']}, padding={'lens=' + str(h['lens']) if h['padding'] is not None else None})"
+            )
         else:
             s.append(f"hf_mask={h['mask']} module.is_causal={h['module_causal']}")
     return " ".join(s)
@@ -532,8 +579,9 @@ def _softmax(s, sinks, dtype):
     return p[..., :Lk], (p[..., Lk:] if sinks is not None else None), lse
 
 
-def _ref_attention(q, k, v, am, kpm, hm, causal, scale, dtype, reorder=False, softcap=None, blocked=None,
-                   sinks=None, drop=None):
+def _ref_attention(
+    q, k, v, am, kpm, hm, causal, scale, dtype, reorder=False, softcap=None, blocked=None, sinks=None, drop=None
+):
     """softmax(softcap(q k^T * scale) + masks [, sink]) * head_mask * Z / (1 - p) @ v
     with plain torch ops in `dtype` (masks in the op's conventions: bool True =
     blocked, float added; drop: dropout's Z / (1 - p)); rows with every key
@@ -550,8 +598,9 @@ def _ref_attention(q, k, v, am, kpm, hm, causal, scale, dtype, reorder=False, so
 
 
 @torch.no_grad()
-def _attention_magnitudes(c, t, causal, scale, hm_used, sensitivity=False, softcap=None, blocked=None,
-                          sinks_used=True, drop=None) -> dict:
+def _attention_magnitudes(
+    c, t, causal, scale, hm_used, sensitivity=False, softcap=None, blocked=None, sinks_used=True, drop=None
+) -> dict:
     """The natural magnitude of each compared tensor: the max over it of the
     sum of |terms| it is computed from (in float64, from the float64 views t).
     Rounding error scales with these, not with the result, which may cancel
@@ -642,8 +691,9 @@ GRAD_ORDER = ("q", "k", "v", "am", "kpm", "hm", "sinks")
 def _grads(outs: list, gouts: list, leaves: dict) -> dict:
     names = [n for n in GRAD_ORDER if n in leaves]
     pairs = [(o, g) for o, g in zip(outs, gouts) if o is not None and o.requires_grad]
-    gr = torch.autograd.grad([o for o, _ in pairs], [leaves[n] for n in names], [g for _, g in pairs],
-                             allow_unused=True)
+    gr = torch.autograd.grad(
+        [o for o, _ in pairs], [leaves[n] for n in names], [g for _, g in pairs], allow_unused=True
+    )
     return dict(zip(names, gr))
 
 
@@ -674,8 +724,16 @@ def _hf_call(c: dict, t: dict):
     model calls it; returns out (B, H, Lq, Dv)."""
     h = c["hf"]
     if h["mask"] == "structured":
-        mask = _HF.StructuredMask(c["B"], c["Lq"], c["Lk"], h["q_offset"], h["kv_offset"], causal=h["causal"],
-                                  sliding_window=h["window"], padding=h["padding"])
+        mask = _HF.StructuredMask(
+            c["B"],
+            c["Lq"],
+            c["Lk"],
+            h["q_offset"],
+            h["kv_offset"],
+            causal=h["causal"],
+            sliding_window=h["window"],
+            padding=h["padding"],
+        )
     elif h["mask"] == "tensor":
         am = t["am"]
         mask = ~am if am.dtype == torch.bool else am  # transformers' convention: True = attend
@@ -686,8 +744,9 @@ def _hf_call(c: dict, t: dict):
         kw["softcap"] = c["softcap"]
     if t["sinks"] is not None:
         kw["s_aux"] = t["sinks"]
-    out, w = _HF.attention_forward(_HFLayer(h["module_causal"]), t["q"], t["k"], t["v"], mask, dropout=0.0,
-                                   scaling=c["scale"], **kw)
+    out, w = _HF.attention_forward(
+        _HFLayer(h["module_causal"]), t["q"], t["k"], t["v"], mask, dropout=0.0, scaling=c["scale"], **kw
+    )
     assert w is None
     return out.transpose(1, 2)
 
@@ -709,8 +768,9 @@ def run_attention(c: dict, breaks: frozenset = frozenset()) -> Result:
         am = t["am"]
         if am is not None and am.dtype == torch.bool:
             am = ~am  # F.sdpa's convention: True = take part
-        out = tmf.scaled_dot_product_attention(t["q"], t["k"], t["v"], attn_mask=am, is_causal=c["causal"],
-                                               scale=c["scale"], enable_gqa=c["H"] != c["Hkv"])
+        out = tmf.scaled_dot_product_attention(
+            t["q"], t["k"], t["v"], attn_mask=am, is_causal=c["causal"], scale=c["scale"], enable_gqa=c["H"] != c["Hkv"]
+        )
         outs, w, lse = [out], None, None
     elif c["hf"]:
         out = _hf_call(c, t)
@@ -725,9 +785,19 @@ def run_attention(c: dict, breaks: frozenset = frozenset()) -> Result:
             extra["sinks"] = t["sinks"]
         if c["dropout"] is not None:
             extra["dropout_p"], extra["dropout_seed"] = c["dropout"]["p"], c["dropout"]["seed"]
-        r = tmf.masked_attention(t["q"], t["k"], t["v"], attn_mask=t["am"], key_padding_mask=t["kpm"],
-                                 head_mask=t["hm"], is_causal=c["causal"], scale=c["scale"],
-                                 need_weights=c["need_weights"], return_lse=c["return_lse"], **extra)
+        r = tmf.masked_attention(
+            t["q"],
+            t["k"],
+            t["v"],
+            attn_mask=t["am"],
+            key_padding_mask=t["kpm"],
+            head_mask=t["hm"],
+            is_causal=c["causal"],
+            scale=c["scale"],
+            need_weights=c["need_weights"],
+            return_lse=c["return_lse"],
+            **extra,
+        )
         r = list(r) if isinstance(r, tuple) else [r]
         out = r.pop(0)
         w = r.pop(0) if c["need_weights"] else None
@@ -749,11 +819,26 @@ def run_attention(c: dict, breaks: frozenset = frozenset()) -> Result:
         lv, tt = _leaves(c, qkv_dtype, mask64)
         hm = None if "head_mask" in breaks else tt["hm"]
         sinks = None if "sinks" in breaks else tt["sinks"]
-        o, p, ls = _ref_attention(tt["q"], tt["k"], tt["v"], tt["am"], tt["kpm"], hm, causal, scale, qkv_dtype,
-                                  reorder, softcap, blocked, sinks, drop)
+        o, p, ls = _ref_attention(
+            tt["q"],
+            tt["k"],
+            tt["v"],
+            tt["am"],
+            tt["kpm"],
+            hm,
+            causal,
+            scale,
+            qkv_dtype,
+            reorder,
+            softcap,
+            blocked,
+            sinks,
+            drop,
+        )
         got = {"out": o, "weights": p if c["need_weights"] else None, "lse": ls if c["return_lse"] else None}
-        got.update(("d" + n, g) for n, g in
-                   _grads([o, got["weights"]], [go.to(qkv_dtype), gw.to(qkv_dtype)], lv).items())
+        got.update(
+            ("d" + n, g) for n, g in _grads([o, got["weights"]], [go.to(qkv_dtype), gw.to(qkv_dtype)], lv).items()
+        )
         return got, tt
 
     ref, t64 = reference(torch.float64, True)
@@ -764,8 +849,9 @@ def run_attention(c: dict, breaks: frozenset = frozenset()) -> Result:
     if c["sdpa"]:  # torch's F.sdpa in the input dtype
         lv, tt = _leaves(c, dtype, mask64=False)
         m = _sdpa_mask(tt["am"], causal, c["Lq"], c["Lk"], dtype)
-        o = F.scaled_dot_product_attention(tt["q"], tt["k"], tt["v"], attn_mask=m, scale=scale,
-                                           enable_gqa=c["H"] != c["Hkv"])
+        o = F.scaled_dot_product_attention(
+            tt["q"], tt["k"], tt["v"], attn_mask=m, scale=scale, enable_gqa=c["H"] != c["Hkv"]
+        )
         got = {"out": o}
         got.update(("d" + n, g) for n, g in _grads([o], [go.to(dtype)], lv).items())
         theirs.append(got)
@@ -781,13 +867,22 @@ def run_attention(c: dict, breaks: frozenset = frozenset()) -> Result:
             cmp_dtype = cmp_dtype if cmp_dtype in LOW or dtype not in LOW else dtype
         if name == "lse" and dtype in LOW:
             cmp_dtype = torch.float32
-        compare(res, name, ours.get(name), [th.get(name) for th in theirs], ref.get(name), cmp_dtype,
-                is_grad=name.startswith("d"), natural=natural.get(name, 0.0),
-                natural_acc=natural_acc.get(name, 0.0))
+        compare(
+            res,
+            name,
+            ours.get(name),
+            [th.get(name) for th in theirs],
+            ref.get(name),
+            cmp_dtype,
+            is_grad=name.startswith("d"),
+            natural=natural.get(name, 0.0),
+            natural_acc=natural_acc.get(name, 0.0),
+        )
     return res
 
 
 # ---- cross-entropy ------------------------------------------------------------
+
 
 def _identity(t):
     return t
@@ -796,12 +891,14 @@ def _identity(t):
 def _permuted(perm):
     def view(t):
         return t.permute(perm)
+
     return view
 
 
 def _class_slice(dim, off, C):
     def view(t):
         return t.narrow(dim, off, C)
+
     return view
 
 
@@ -845,7 +942,7 @@ def draw_ce(seed: int, force: dict | None = None) -> dict:
         view = _permuted(perm)
     elif lay == "pad":
         off = r.randint(0, 3)
-        base = shape[:class_dim] + (C + off + r.randint(0, 4),) + shape[class_dim + 1:]
+        base = shape[:class_dim] + (C + off + r.randint(0, 4),) + shape[class_dim + 1 :]
         view = _class_slice(class_dim, off, C)
     else:
         base, view = shape, _identity
@@ -869,8 +966,15 @@ def draw_ce(seed: int, force: dict | None = None) -> dict:
     else:
         tgt = torch.randint(0, C, rows_shape, generator=g)
         x = r.random()
-        ii = (-100 if x < 0.4 else r.randint(0, C - 1) if x < 0.65 else C + r.randint(0, 5) if x < 0.75
-              else -r.randint(1, 5))
+        ii = (
+            -100
+            if x < 0.4
+            else r.randint(0, C - 1)
+            if x < 0.65
+            else C + r.randint(0, 5)
+            if x < 0.75
+            else -r.randint(1, 5)
+        )
         frac = r.choice((0.0, 0.0, 0.2, 0.5, 1.0 if r.random() < 0.3 else 0.1))
         drop = torch.rand(rows_shape, generator=g) < frac
         c["target"] = torch.where(drop, torch.full((), ii), tgt)
@@ -923,7 +1027,7 @@ def _ref_ce(x, target, weight, ii, red, ls, z, cap):
     per = F.cross_entropy(y, target, reduction="none", **kw)
     lse = torch.logsumexp(y, dim=class_dim)
     kept = torch.ones_like(per) if prob else (target != ii).to(per.dtype)
-    per = per + z * lse ** 2 * kept
+    per = per + z * lse**2 * kept
     if red == "none":
         return per
     if red == "sum":
@@ -968,7 +1072,7 @@ def _ce_magnitudes(c: dict, ls: float, z: float, cap) -> tuple[dict, dict]:
     lse = lse.squeeze(-1)
     rounds = math.log2(C) + 1
     a = coef.sum(-1) + 2 * z * lse.abs() * kept  # d loss / d lse
-    rows = (coef * (lse[..., None].abs() + y.abs())).sum(-1) + z * lse ** 2 * kept
+    rows = (coef * (lse[..., None].abs() + y.abs())).sum(-1) + z * lse**2 * kept
     rows_acc = a * rounds
     red = c["reduction"]
 
@@ -1020,8 +1124,17 @@ def run_ce(c: dict, breaks: frozenset = frozenset()) -> Result:
     theirs = reference(dtype)
     natural, natural_acc = _ce_magnitudes(c, ls, z, cap)
     for name in ("loss", "dinput"):
-        compare(res, name, ours[name], [theirs[name]], ref[name], dtype, is_grad=name == "dinput",
-                natural=natural[name], natural_acc=natural_acc[name])
+        compare(
+            res,
+            name,
+            ours[name],
+            [theirs[name]],
+            ref[name],
+            dtype,
+            is_grad=name == "dinput",
+            natural=natural[name],
+            natural_acc=natural_acc[name],
+        )
     return res
 
 
@@ -1101,9 +1214,11 @@ def draw_varlen(seed: int, force: dict | None = None) -> dict:
 
 
 def describe_varlen(c: dict) -> str:
-    s = [f"varlen {DT_NAME[c['dtype']]} lq={c['lq']} lk={c['lk']} H={c['H']} Hkv={c['Hkv']} D={c['D']} "
-         f"Dv={c['Dv']} window={c['window']} max_q={c['max_q']} max_k={c['max_k']}",
-         "layout=" + ",".join(f"{n}:{t[0]}" for n, t in c["tensors"].items())]
+    s = [
+        f"varlen {DT_NAME[c['dtype']]} lq={c['lq']} lk={c['lk']} H={c['H']} Hkv={c['Hkv']} D={c['D']} "
+        f"Dv={c['Dv']} window={c['window']} max_q={c['max_q']} max_k={c['max_k']}",
+        "layout=" + ",".join(f"{n}:{t[0]}" for n, t in c["tensors"].items()),
+    ]
     if c["scale"] is not None:
         s.append(f"scale={c['scale']}")
     if c["gqa_flag"]:
@@ -1136,9 +1251,9 @@ def _ref_varlen(q, k, v, c, window, scale, dtype):
     cq, ck = _cu(c["lq"]).tolist(), _cu(c["lk"]).tolist()
     outs, lses = [], []
     for b in range(c["N"]):
-        qs = q[cq[b]:cq[b + 1]].to(dtype).transpose(0, 1)
-        ks = k[ck[b]:ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(G, 0)
-        vs = v[ck[b]:ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(G, 0)
+        qs = q[cq[b] : cq[b + 1]].to(dtype).transpose(0, 1)
+        ks = k[ck[b] : ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(G, 0)
+        vs = v[ck[b] : ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(G, 0)
         s = torch.matmul(qs, ks.transpose(-1, -2)) * scale
         s = s.masked_fill(~_varlen_visible(qs.shape[1], ks.shape[1], window), -math.inf)
         p, _, lse = _softmax(s, None, dtype)
@@ -1155,9 +1270,9 @@ def _varlen_magnitudes(c, q, k, v, window, scale, sensitivity=False) -> dict:
     go = c["go"].abs()
     m = dict.fromkeys(("out", "lse", "dq", "dk", "dv"), 0.0)
     for b in range(c["N"]):
-        qs = q[cq[b]:cq[b + 1]].double().transpose(0, 1)
-        ks = k[ck[b]:ck[b + 1]].double().transpose(0, 1)
-        vs = v[ck[b]:ck[b + 1]].double().transpose(0, 1)
+        qs = q[cq[b] : cq[b + 1]].double().transpose(0, 1)
+        ks = k[ck[b] : ck[b + 1]].double().transpose(0, 1)
+        vs = v[ck[b] : ck[b + 1]].double().transpose(0, 1)
         if qs.shape[1] == 0 or ks.shape[1] == 0:
             continue
         kr, vr = ks.repeat_interleave(G, 0), vs.repeat_interleave(G, 0)
@@ -1165,7 +1280,7 @@ def _varlen_magnitudes(c, q, k, v, window, scale, sensitivity=False) -> dict:
         s = s.masked_fill(~_varlen_visible(qs.shape[1], ks.shape[1], window), -math.inf)
         p, _, _ = _softmax(s, None, torch.float64)
         a = p * torch.where(p > 0, s.abs(), 0.0) if sensitivity else p
-        gos = go[cq[b]:cq[b + 1]].transpose(0, 1)
+        gos = go[cq[b] : cq[b + 1]].transpose(0, 1)
         dp = torch.matmul(gos, vr.abs().transpose(-1, -2))
         ds = a * (dp + (a * dp).sum(-1, keepdim=True))
 
@@ -1193,8 +1308,19 @@ def run_varlen(c: dict, breaks: frozenset = frozenset()) -> Result:
 
     cq, ck = _cu(c["lq"]), _cu(c["lk"])
     lv, t = leaves(dtype)
-    r = VARLEN(t["q"], t["k"], t["v"], cq, ck, c["max_q"], c["max_k"], scale=c["scale"], window_size=c["window"],
-               enable_gqa=c["gqa_flag"], return_aux=tmf.AuxRequest(lse=True) if c["lse"] else None)
+    r = VARLEN(
+        t["q"],
+        t["k"],
+        t["v"],
+        cq,
+        ck,
+        c["max_q"],
+        c["max_k"],
+        scale=c["scale"],
+        window_size=c["window"],
+        enable_gqa=c["gqa_flag"],
+        return_aux=tmf.AuxRequest(lse=True) if c["lse"] else None,
+    )
     out, lse = r if c["lse"] else (r, None)
     go = c["go"]
     ours = {"out": out, "lse": lse}
@@ -1210,8 +1336,9 @@ def run_varlen(c: dict, breaks: frozenset = frozenset()) -> Result:
         q = tt["q"] * scale if reorder else tt["q"]
         o, ls = _ref_varlen(q, tt["k"], tt["v"], rc, window, 1.0 if reorder else scale, dt)
         got = {"out": o, "lse": ls if c["lse"] else None}
-        got.update(zip(("dq", "dk", "dv"), torch.autograd.grad(o, [lv["q"], lv["k"], lv["v"]], go.to(dt),
-                                                               allow_unused=True)))
+        got.update(
+            zip(("dq", "dk", "dv"), torch.autograd.grad(o, [lv["q"], lv["k"], lv["v"]], go.to(dt), allow_unused=True))
+        )
         for n in ("dq", "dk", "dv"):
             if got[n] is None:
                 got[n] = torch.zeros_like(lv[n[1]])
@@ -1225,12 +1352,22 @@ def run_varlen(c: dict, breaks: frozenset = frozenset()) -> Result:
         if name == "lse" and not c["lse"]:
             continue
         cmp_dtype = torch.float32 if name == "lse" and dtype in LOW else dtype
-        compare(res, name, ours[name], [th[name] for th in theirs], ref[name], cmp_dtype, is_grad=name != "out"
-                and name != "lse", natural=natural[name], natural_acc=natural_acc[name])
+        compare(
+            res,
+            name,
+            ours[name],
+            [th[name] for th in theirs],
+            ref[name],
+            cmp_dtype,
+            is_grad=name != "out" and name != "lse",
+            natural=natural[name],
+            natural_acc=natural_acc[name],
+        )
     return res
 
 
 # ---- driving -----------------------------------------------------------------
+
 
 def kind_of(seed: int) -> str:
     return KINDS[seed % len(KINDS)]
@@ -1247,16 +1384,16 @@ def draw(seed: int, force: dict | None = None) -> dict:
     return DRAW[kind_of(seed)](seed, force)
 
 
-def run_case(seed: int, isa: str | None = None, breaks: frozenset = frozenset(),
-             force: dict | None = None) -> tuple[Result, Finding | None]:
+def run_case(
+    seed: int, isa: str | None = None, breaks: frozenset = frozenset(), force: dict | None = None
+) -> tuple[Result, Finding | None]:
     """Draw and run the case `seed` on `isa` (None: the CPU's default);
     returns its Result and a Finding (None if clean)."""
     kind = kind_of(seed)
     try:
         c = draw(seed, force)
     except Exception:  # a fuzzer bug: report it like a finding
-        return Result("?"), Finding(seed, kind, isa or "default", "draw failed",
-                                    [traceback.format_exc(limit=3)])
+        return Result("?"), Finding(seed, kind, isa or "default", "draw failed", [traceback.format_exc(limit=3)])
     desc = DESCRIBE[kind](c)
     try:
         if kind == "varlen" and VARLEN is None:
@@ -1265,8 +1402,9 @@ def run_case(seed: int, isa: str | None = None, breaks: frozenset = frozenset(),
             res = RUN[kind](c, breaks)
     except Exception as e:
         tb = traceback.format_exc(limit=-3).strip().splitlines()
-        return Result(desc), Finding(seed, kind, isa or "default", desc,
-                                     [f"exception {type(e).__name__}: {str(e)[:300]}"] + tb[-4:])
+        return Result(desc), Finding(
+            seed, kind, isa or "default", desc, [f"exception {type(e).__name__}: {str(e)[:300]}"] + tb[-4:]
+        )
     if not res.problems:
         return res, None
     return res, Finding(seed, kind, isa or "default", desc, [m for _, m, _ in res.problems])
@@ -1294,8 +1432,17 @@ class Stats:
     seconds: dict = field(default_factory=dict)
 
 
-def fuzz(isas, seconds: float | None = None, cases: int | None = None, master: int = 0, kinds=DEFAULT_KINDS,
-         breaks: frozenset = frozenset(), force: dict | None = None, log=print, progress_every: float = 15.0) -> Stats:
+def fuzz(
+    isas,
+    seconds: float | None = None,
+    cases: int | None = None,
+    master: int = 0,
+    kinds=DEFAULT_KINDS,
+    breaks: frozenset = frozenset(),
+    force: dict | None = None,
+    log=print,
+    progress_every: float = 15.0,
+) -> Stats:
     """Run each ISA for `seconds` (or `cases` cases) of the seeded sequence."""
     st = Stats()
     for isa in isas:
@@ -1314,8 +1461,7 @@ def fuzz(isas, seconds: float | None = None, cases: int | None = None, master: i
                     log(str(f))
             if log and progress_every and now - last >= progress_every:
                 last = now
-                log(f"[{isa}] {now - t0:5.0f} s: {sum(n.values())} cases ({_counts(n)}), "
-                    f"{len(st.findings)} findings")
+                log(f"[{isa}] {now - t0:5.0f} s: {sum(n.values())} cases ({_counts(n)}), {len(st.findings)} findings")
         st.seconds[isa] = time.monotonic() - t0
     return st
 
@@ -1325,9 +1471,11 @@ def _counts(n: dict) -> str:
 
 
 def summary(st: Stats) -> str:
-    per = "; ".join(f"{isa}: {sum(n.values())} cases in {st.seconds[isa]:.0f} s ({_counts(n)}, "
-                    f"{60 * sum(n.values()) / max(st.seconds[isa], 1e-9):.0f}/min)"
-                    for isa, n in st.cases.items())
+    per = "; ".join(
+        f"{isa}: {sum(n.values())} cases in {st.seconds[isa]:.0f} s ({_counts(n)}, "
+        f"{60 * sum(n.values()) / max(st.seconds[isa], 1e-9):.0f}/min)"
+        for isa, n in st.cases.items()
+    )
     seeds = " ".join(f"{f.isa}:{f.seed}" for f in st.findings)
     return f"fuzz summary: {per}; findings {len(st.findings)}{' [' + seeds + ']' if seeds else ''}"
 
@@ -1339,9 +1487,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="master seed (default: from the clock)")
     ap.add_argument("--kind", default="all", choices=DEFAULT_KINDS + ("all",))
     ap.add_argument("--replay", type=int, default=None, metavar="SEED", help="run one case, verbosely")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch.set_num_threads (default 1: the cases are small, and one thread runs "
-                         "several times more of them; more exercise the kernels' threaded split)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads (default 1: the cases are small, and one thread runs "
+        "several times more of them; more exercise the kernels' threaded split)",
+    )
     a = ap.parse_args(argv)
     torch.set_num_threads(max(1, a.threads))
     if a.isa == "all":
@@ -1368,10 +1520,12 @@ def main(argv=None) -> int:
 
     master = a.seed if a.seed is not None else int(time.time())
     kinds = DEFAULT_KINDS if a.kind == "all" else (a.kind,)
-    print(f"fuzz: seed {master}, {a.seconds:g} s per ISA on {', '.join(isas)}, kinds {', '.join(kinds)}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}", flush=True)
-    st = fuzz(isas, seconds=a.seconds, master=master, kinds=kinds,
-              log=lambda s: print(s, flush=True))
+    print(
+        f"fuzz: seed {master}, {a.seconds:g} s per ISA on {', '.join(isas)}, kinds {', '.join(kinds)}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}",
+        flush=True,
+    )
+    st = fuzz(isas, seconds=a.seconds, master=master, kinds=kinds, log=lambda s: print(s, flush=True))
     print(summary(st), flush=True)
     return 1 if st.findings else 0
 

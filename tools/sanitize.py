@@ -23,6 +23,7 @@ report aborts the process (abort_on_error, halt_on_error,
   python tools/sanitize.py -- -k causal    # extra arguments go to pytest
   SANITIZE_TESTS="tests/test_isa.py" python tools/sanitize.py   # another slice (all of it)
 """
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,9 @@ OUT = os.path.join(ROOT, "build-sanitize")
 sys.path.insert(0, ROOT)
 from setup import C_FLAGS, object_name  # noqa: E402  (the build's own flags and object names)
 
-SAN_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined",
-             "-g", "-O1"]
+SAN_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined", "-g", "-O1"]
+
+
 # the harnesses and their sources: those of tests/test_c_harness.py
 def _sources(op: str) -> tuple[str, ...]:
     """Every C file of csrc/<op>/ (each instruction-set variant and the dispatch), so that a new
@@ -63,17 +65,27 @@ HARNESSES = (("test_blocks.c", COMMON + ATTENTION), ("test_ce_blocks.c", COMMON 
 # (aliasing and overlap, meta tensors, Python threads, thread counts, the
 # overflow probes, out_lo) and the scratch pool's (reuse across shapes and
 # threads, release_memory, the key chunks' partial sums).
-DEFAULT_TESTS = ("tests/test_bad_input.py tests/test_isa.py tests/test_cross_entropy.py tests/test_sdpa.py "
-                 "tests/test_dropout.py tests/test_window_softcap_sinks.py tests/test_fuzz.py "
-                 "tests/test_trust.py tests/test_scratch.py tests/test_kv_cache.py")
+DEFAULT_TESTS = (
+    "tests/test_bad_input.py tests/test_isa.py tests/test_cross_entropy.py tests/test_sdpa.py "
+    "tests/test_dropout.py tests/test_window_softcap_sinks.py tests/test_fuzz.py "
+    "tests/test_trust.py tests/test_scratch.py tests/test_kv_cache.py"
+)
 DEFAULT_SELECT = [
-    "-k", "not opcheck and not _long and not torch_compile and not (parity_functional and (float64 or torch.float16))"
-          " and not training_equivalence and not compile_with_dropout and not broken_reference",
-    *(f"--deselect=tests/test_isa.py::{t}" for t in (
-        "test_single_pass_backward_gradcheck", "test_key_chunked_backward_gradcheck",
-        "test_large_outputs_streamed_same_values[none", "test_large_outputs_streamed_same_values[causal+kpm-48",
-        "test_large_outputs_streamed_same_values[causal+kpm-64",
-        "test_streamed_gradients_into_misaligned_views[0", "test_streamed_gradients_into_misaligned_views[8")),
+    "-k",
+    "not opcheck and not _long and not torch_compile and not (parity_functional and (float64 or torch.float16))"
+    " and not training_equivalence and not compile_with_dropout and not broken_reference",
+    *(
+        f"--deselect=tests/test_isa.py::{t}"
+        for t in (
+            "test_single_pass_backward_gradcheck",
+            "test_key_chunked_backward_gradcheck",
+            "test_large_outputs_streamed_same_values[none",
+            "test_large_outputs_streamed_same_values[causal+kpm-48",
+            "test_large_outputs_streamed_same_values[causal+kpm-64",
+            "test_streamed_gradients_into_misaligned_views[0",
+            "test_streamed_gradients_into_misaligned_views[8",
+        )
+    ),
 ]
 
 ASAN_OPTIONS_C = "abort_on_error=1:detect_leaks=1"
@@ -83,7 +95,7 @@ REPORT_MARKS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime erro
 
 # loaded into pytest with -p: refuses to run unless the package imported is
 # the sanitized copy and the ASan runtime is in the process
-GUARD = '''
+GUARD = """
 import os
 import torch_masked_attn
 from torch_masked_attn import ops
@@ -103,7 +115,7 @@ def pytest_configure(config):
 def pytest_report_header(config):
     return [f"sanitize: torch_masked_attn from {torch_masked_attn.__file__}",
             f"sanitize: library {ops._libs[0]} (ASan + UBSan)"]
-'''
+"""
 
 
 def step(msg):
@@ -128,8 +140,20 @@ def c_harnesses(cc):
         os.makedirs(d, exist_ok=True)
         objs = [os.path.join(OUT, "tmp", "c11", object_name(os.path.join(ROOT, "csrc", src))) for src in sources]
         exe = os.path.join(d, harness[:-2])
-        run([cc, *C_FLAGS, *SAN_FLAGS, "-I", os.path.join(ROOT, "csrc"), os.path.join(ROOT, "tests", "c", harness),
-             *objs, "-lm", "-o", exe])
+        run(
+            [
+                cc,
+                *C_FLAGS,
+                *SAN_FLAGS,
+                "-I",
+                os.path.join(ROOT, "csrc"),
+                os.path.join(ROOT, "tests", "c", harness),
+                *objs,
+                "-lm",
+                "-o",
+                exe,
+            ]
+        )
         env = dict(os.environ, ASAN_OPTIONS=ASAN_OPTIONS_C, UBSAN_OPTIONS=UBSAN_OPTIONS)
         t0 = time.time()
         proc = subprocess.run([exe], capture_output=True, text=True, env=env)
@@ -153,13 +177,24 @@ def build_extension():
         os.makedirs(os.path.dirname(stamp), exist_ok=True)
         with open(stamp, "w") as f:
             f.write(flags)
-    run([sys.executable, "setup.py", "-q", "build_ext", "--build-temp", os.path.join(OUT, "tmp"),
-         "--build-lib", os.path.join(OUT, "lib")], cwd=ROOT, env=env)
+    run(
+        [
+            sys.executable,
+            "setup.py",
+            "-q",
+            "build_ext",
+            "--build-temp",
+            os.path.join(OUT, "tmp"),
+            "--build-lib",
+            os.path.join(OUT, "lib"),
+        ],
+        cwd=ROOT,
+        env=env,
+    )
     pkg_root = os.path.join(OUT, "pkg")
     pkg = os.path.join(pkg_root, "torch_masked_attn")
     shutil.rmtree(pkg, ignore_errors=True)
-    shutil.copytree(os.path.join(ROOT, "torch_masked_attn"), pkg,
-                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    shutil.copytree(os.path.join(ROOT, "torch_masked_attn"), pkg, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     shutil.copy2(os.path.join(OUT, "lib", "torch_masked_attn", "_C.abi3.so"), pkg)
     shutil.copy2(os.path.join(ROOT, "pyproject.toml"), pkg_root)  # __version__ reads it
     with open(os.path.join(pkg_root, "_sanitize_guard.py"), "w") as f:
@@ -174,20 +209,38 @@ def python_slice(cc, pkg_root, extra):
     step(f"pytest under ASan + UBSan: {' '.join(os.path.relpath(t, ROOT) for t in tests)}")
 
     def lib(name):
-        return subprocess.run([cc, f"-print-file-name={name}"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            [cc, f"-print-file-name={name}"], capture_output=True, text=True, check=True
+        ).stdout.strip()
 
-    env = dict(os.environ,
-               PYTHONPATH=os.pathsep.join([pkg_root, *filter(None, [os.environ.get("PYTHONPATH")])]),
-               SANITIZE_PKG=os.path.join(pkg_root, "torch_masked_attn"),
-               LD_PRELOAD=f"{lib('libasan.so')} {lib('libstdc++.so')}",
-               ASAN_OPTIONS=ASAN_OPTIONS_PY, UBSAN_OPTIONS=UBSAN_OPTIONS,
-               PYTHONDONTWRITEBYTECODE="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([pkg_root, *filter(None, [os.environ.get("PYTHONPATH")])]),
+        SANITIZE_PKG=os.path.join(pkg_root, "torch_masked_attn"),
+        LD_PRELOAD=f"{lib('libasan.so')} {lib('libstdc++.so')}",
+        ASAN_OPTIONS=ASAN_OPTIONS_PY,
+        UBSAN_OPTIONS=UBSAN_OPTIONS,
+        PYTHONDONTWRITEBYTECODE="1",
+    )
     # cwd build-sanitize/: `python -m` puts the cwd first on sys.path, and the
     # repository root there would give the unsanitized package; pytest itself
     # adds only tests/ (conftest's directory). No .pytest_cache in the checkout.
-    cmd = [sys.executable, "-m", "pytest", "-p", "_sanitize_guard", "-p", "no:cacheprovider",
-           "-q", "-x", "-W", "ignore::DeprecationWarning", *tests, *select, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "_sanitize_guard",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "-x",
+        "-W",
+        "ignore::DeprecationWarning",
+        *tests,
+        *select,
+        *extra,
+    ]
     print(" ".join(cmd), flush=True)
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=OUT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -203,7 +256,7 @@ def python_slice(cc, pkg_root, extra):
 
 
 def main(argv):
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     cc = os.environ.get("CC", "cc")
     t0 = time.time()
     os.makedirs(OUT, exist_ok=True)

@@ -27,6 +27,7 @@ versions are PyPI's CUDA builds (several GB; pip's cache keeps the download).
   python tools/test_wheel.py dist/torch_masked_attn-*.whl --torch 2.13.0 --torch 2.10.0
   python tools/test_wheel.py WHEEL --torch 2.13.0 -- -k causal   # extra arguments go to pytest
 """
+
 from __future__ import annotations
 
 import argparse
@@ -86,13 +87,28 @@ def one_version(wheel, version, pytest_args):
     res["times"]["install"] = time.monotonic() - t0
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
-    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['platlib'])"], env=env,
-                          check=True, capture_output=True, text=True).stdout.strip()
+    site = subprocess.run(
+        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['platlib'])"],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     site = os.path.realpath(site)
     with tempfile.TemporaryDirectory(prefix="tma-test-wheel-") as work:
         copy_checkout(work)
-        probe = run([py, "-c", "import torch, torch_masked_attn as t; print(t.__file__); print(torch.__version__); "
-                     "print(t.__version__)"], cwd=work, env=env, capture_output=True, text=True)
+        probe = run(
+            [
+                py,
+                "-c",
+                "import torch, torch_masked_attn as t; print(t.__file__); print(torch.__version__); "
+                "print(t.__version__)",
+            ],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         print(probe.stdout + probe.stderr, end="")
         if probe.returncode != 0:
             res["result"] = "import failed"
@@ -104,9 +120,14 @@ def one_version(wheel, version, pytest_args):
             return res
         res["imported_from"] = path
         t1 = time.monotonic()
-        proc = subprocess.Popen([py, "-c", RUN_PYTEST, site, "tests", "-q", "-rs", "-p", "no:cacheprovider",
-                                 *pytest_args],
-                                cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            [py, "-c", RUN_PYTEST, site, "tests", "-q", "-rs", "-p", "no:cacheprovider", *pytest_args],
+            cwd=work,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         tail = []
         for line in proc.stdout:
             sys.stdout.write(line)
@@ -135,8 +156,10 @@ def main():
     ok = True
     for r in results:
         times = ", ".join(f"{k} {v:.0f} s" for k, v in r["times"].items())
-        print(f"torch {r['torch']} ({r.get('torch_installed', '?')}): {r['result']}  [{times}]; "
-              f"transformers/accelerate {r.get('hf', '?')}; package from {r.get('imported_from', '?')}")
+        print(
+            f"torch {r['torch']} ({r.get('torch_installed', '?')}): {r['result']}  [{times}]; "
+            f"transformers/accelerate {r.get('hf', '?')}; package from {r.get('imported_from', '?')}"
+        )
         ok = ok and r.get("rc") == 0
     return 0 if ok else 1
 

@@ -3,14 +3,22 @@ on CPUs, computed by C11 kernels, offered as drop-in replacements for
 nn.MultiheadAttention, F.scaled_dot_product_attention, F.cross_entropy and
 nn.CrossEntropyLoss.
 """
+
 from . import functional, ops  # noqa: F401  (ops loads the library and registers the ops)
 from .linear_ce import LinearCrossEntropyLoss
 from .losses import CrossEntropyLoss, perplexity
 from .modules import MultiheadAttention, replace_attention
 from .ops import release_memory
 
-__all__ = ["functional", "MultiheadAttention", "CrossEntropyLoss", "LinearCrossEntropyLoss", "perplexity",
-           "release_memory", "replace_attention"]
+__all__ = [
+    "functional",
+    "MultiheadAttention",
+    "CrossEntropyLoss",
+    "LinearCrossEntropyLoss",
+    "perplexity",
+    "release_memory",
+    "replace_attention",
+]
 
 
 def _version() -> str:

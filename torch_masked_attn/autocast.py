@@ -12,6 +12,7 @@ building blocks of the backwards have no autocast kernel: the dispatcher's
 fallthrough runs them as they are. The drop-ins (functional, losses) apply the
 same casts before their own checks, as the native functions do.
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,17 +42,23 @@ def autocast_dtype(device_type: str, policy: str) -> torch.dtype | None:
 def autocast_cast(t: Tensor | None, dtype: torch.dtype | None, device_type: str) -> Tensor | None:
     """``t`` cast to ``dtype`` where autocast would cast it: a floating tensor,
     not float64, on ``device_type``; anything else as it is."""
-    if dtype is None or not isinstance(t, Tensor) or not t.is_floating_point() or t.dtype == torch.float64 \
-            or t.device.type != device_type or t.dtype == dtype:
+    if (
+        dtype is None
+        or not isinstance(t, Tensor)
+        or not t.is_floating_point()
+        or t.dtype == torch.float64
+        or t.device.type != device_type
+        or t.dtype == dtype
+    ):
         return t
     return t.to(dtype)
 
 
 # op -> (policy, positions of the arguments autocast casts)
 _OPS = {
-    "forward": ("lower", (0, 1, 2, 3, 4)),          # q, k, v, attn_mask, key_padding_mask
-    "varlen_forward": ("lower", (0, 1, 2)),         # query, key, value
-    "cross_entropy": ("float32", (0, 1, 2)),        # input, target (probabilities), weight
+    "forward": ("lower", (0, 1, 2, 3, 4)),  # q, k, v, attn_mask, key_padding_mask
+    "varlen_forward": ("lower", (0, 1, 2)),  # query, key, value
+    "cross_entropy": ("float32", (0, 1, 2)),  # input, target (probabilities), weight
 }
 
 _lib = torch.library.Library("masked_attn", "IMPL")  # kept for the registrations' lifetime

@@ -9,6 +9,7 @@ Python, per call, from the first tensor argument's device (the ops themselves
 stay CPU-only: a direct torch.ops.masked_attn.* call on a CUDA tensor raises
 the dispatcher's NotImplementedError). docs/design.md, "Devices".
 """
+
 from __future__ import annotations
 
 import torch

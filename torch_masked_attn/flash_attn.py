@@ -48,6 +48,7 @@ Lq > Lk): ``causal`` sets ``right = 0``; a bound ``>= seqlen_k`` becomes unbound
 bound is set the other unbounded one becomes ``seqlen_k``, where seqlen_k is Lk
 (``flash_attn_func``), ``max_seqlen_k`` (varlen) or the cache's length (``with_kvcache``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -59,14 +60,22 @@ from torch import Tensor
 
 from . import functional as _fn
 
-__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
-           "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
+]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INTS = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
 
 
 # ---- argument checks -----------------------------------------------------------------------------
+
 
 def _check_tensor(fn: str, name: str, t, dims: int, layout: str) -> None:
     if not isinstance(t, Tensor):
@@ -76,8 +85,10 @@ def _check_tensor(fn: str, name: str, t, dims: int, layout: str) -> None:
     if t.dtype not in _FLOATS:
         raise TypeError(f"{fn}: {name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
     if t.device.type != "cpu":
-        raise ValueError(f"{fn}: {name} is on {t.device}; torch_masked_attn.flash_attn computes on the CPU "
-                         "(on a GPU, use flash-attn itself)")
+        raise ValueError(
+            f"{fn}: {name} is on {t.device}; torch_masked_attn.flash_attn computes on the CPU "
+            "(on a GPU, use flash-attn itself)"
+        )
 
 
 def _check_same_dtype(fn: str, q: Tensor, **others: Tensor) -> None:
@@ -88,8 +99,9 @@ def _check_same_dtype(fn: str, q: Tensor, **others: Tensor) -> None:
 
 def _check_heads(fn: str, H: int, Hk: int, kname: str) -> None:
     if Hk == 0 or H % Hk != 0:
-        raise ValueError(f"{fn}: the number of heads of q ({H}) must be a multiple of the number of heads of "
-                         f"{kname} ({Hk})")
+        raise ValueError(
+            f"{fn}: the number of heads of q ({H}) must be a multiple of the number of heads of {kname} ({Hk})"
+        )
 
 
 def _index(fn: str, name: str, t, dims: int, layout: str) -> Tensor:
@@ -151,15 +163,13 @@ def _window(fn: str, window_size, causal: bool, seqlen_k: int) -> tuple[int, int
     if window_size is None:
         window_size = (-1, -1)
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise TypeError(f"{fn}: window_size must be a pair (left, right) of ints, -1 = unbounded, "
-                        f"got {window_size!r}")
+        raise TypeError(f"{fn}: window_size must be a pair (left, right) of ints, -1 = unbounded, got {window_size!r}")
     sides = []
     for side, w in zip(("left", "right"), window_size):
         if isinstance(w, Tensor) and w.numel() == 1 and not w.is_floating_point():
             w = int(w.item())
         if isinstance(w, bool) or not isinstance(w, int):
-            raise TypeError(f"{fn}: window_size's {side} entry must be an int (-1 = unbounded), "
-                            f"got {type(w).__name__}")
+            raise TypeError(f"{fn}: window_size's {side} entry must be an int (-1 = unbounded), got {type(w).__name__}")
         sides.append(-1 if w < 0 or w >= seqlen_k else int(w))
     left, right = sides
     if causal:
@@ -173,16 +183,19 @@ def _alibi(fn: str, alibi_slopes, B: int, H: int) -> Tensor | None:
     if alibi_slopes is None:
         return None
     if not isinstance(alibi_slopes, Tensor):
-        raise TypeError(f"{fn}: alibi_slopes must be None or a float32 Tensor (H,) or (B, H), "
-                        f"got {type(alibi_slopes).__name__}")
+        raise TypeError(
+            f"{fn}: alibi_slopes must be None or a float32 Tensor (H,) or (B, H), got {type(alibi_slopes).__name__}"
+        )
     if not alibi_slopes.is_floating_point():
         raise TypeError(f"{fn}: alibi_slopes must be float32 (H,) or (B, H), got {alibi_slopes.dtype}")
     if tuple(alibi_slopes.shape) not in ((H,), (B, H)):
-        raise ValueError(f"{fn}: alibi_slopes must have shape (H,) = ({H},) or (B, H) = ({B}, {H}), "
-                         f"got {tuple(alibi_slopes.shape)}")
+        raise ValueError(
+            f"{fn}: alibi_slopes must have shape (H,) = ({H},) or (B, H) = ({B}, {H}), got {tuple(alibi_slopes.shape)}"
+        )
     if alibi_slopes.device.type != "cpu":
-        raise ValueError(f"{fn}: alibi_slopes is on {alibi_slopes.device}; torch_masked_attn.flash_attn "
-                         "computes on the CPU")
+        raise ValueError(
+            f"{fn}: alibi_slopes is on {alibi_slopes.device}; torch_masked_attn.flash_attn computes on the CPU"
+        )
     return alibi_slopes.detach().reshape(-1, H)
 
 
@@ -209,10 +222,24 @@ def _empty_probs(q: Tensor) -> Tensor:
 
 # ---- the dense path: masked_attention --------------------------------------------------------------
 
-def _dense_attention(q4: Tensor, k4: Tensor, v4: Tensor, *, scale, left: int, right: int, softcap,
-                     alibi: Tensor | None, dropout_p: float, want_lse: bool, want_probs: bool,
-                     lq: Tensor | None = None, lk: Tensor | None = None,
-                     kstart: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+
+def _dense_attention(
+    q4: Tensor,
+    k4: Tensor,
+    v4: Tensor,
+    *,
+    scale,
+    left: int,
+    right: int,
+    softcap,
+    alibi: Tensor | None,
+    dropout_p: float,
+    want_lse: bool,
+    want_probs: bool,
+    lq: Tensor | None = None,
+    lk: Tensor | None = None,
+    kstart: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Attention of q4 (B, Lq, H, D) over k4, v4 (B, Lk, H_kv, D / Dv), any strides, through
     masked_attention on (B, H, L, D) views (no copies), flash-attn's bottom-right aligned window
     (left, right) (-1 unbounded).
@@ -269,8 +296,7 @@ def _dense_attention(q4: Tensor, k4: Tensor, v4: Tensor, *, scale, left: int, ri
     qt, kt, vt = q4.transpose(1, 2), k4.transpose(1, 2), v4.transpose(1, 2)
     kw = dict(attn_mask=mask, is_causal=is_causal, window=window, scale=scale, softcap=softcap)
     need_weights = want_probs and dropout_p > 0
-    res = _fn.masked_attention(qt, kt, vt, dropout_p=dropout_p, need_weights=need_weights, return_lse=want_lse,
-                               **kw)
+    res = _fn.masked_attention(qt, kt, vt, dropout_p=dropout_p, need_weights=need_weights, return_lse=want_lse, **kw)
     if not isinstance(res, tuple):
         res = (res,)
     out = res[0].transpose(1, 2)
@@ -308,8 +334,20 @@ def _gather_paged(cache: Tensor, block_table: Tensor, lengths: Tensor) -> Tensor
 
 # ---- flash_attn_func and its packed forms ----------------------------------------------------------
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
     """flash_attn.flash_attn_func on the CPU.
 
     Args:
@@ -342,18 +380,30 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     _check_same_dtype(fn, q, k=k, v=v)
     B, Lq, H, D = q.shape
     if k.size(0) != B or k.size(3) != D:
-        raise ValueError(f"{fn}: k must have q's batch size and head dim (batch_size, seqlen_k, nheads_k, {D}) "
-                         f"with batch_size = {B}, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+        raise ValueError(
+            f"{fn}: k must have q's batch size and head dim (batch_size, seqlen_k, nheads_k, {D}) "
+            f"with batch_size = {B}, got q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
     if tuple(v.shape[:3]) != tuple(k.shape[:3]):
-        raise ValueError(f"{fn}: v must have k's batch size, length and heads, got k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)}")
+        raise ValueError(
+            f"{fn}: v must have k's batch size, length and heads, got k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     _check_heads(fn, H, k.size(2), "k and v")
     dropout_p = _dropout(fn, dropout_p)
     left, right = _window(fn, window_size, bool(causal), k.size(1))
     out, lse, probs = _dense_attention(
-        q, k, v, scale=_scale(fn, softmax_scale), left=left, right=right, softcap=_softcap(fn, softcap),
-        alibi=_alibi(fn, alibi_slopes, B, H), dropout_p=dropout_p, want_lse=bool(return_attn_probs),
-        want_probs=bool(return_attn_probs))
+        q,
+        k,
+        v,
+        scale=_scale(fn, softmax_scale),
+        left=left,
+        right=right,
+        softcap=_softcap(fn, softcap),
+        alibi=_alibi(fn, alibi_slopes, B, H),
+        dropout_p=dropout_p,
+        want_lse=bool(return_attn_probs),
+        want_probs=bool(return_attn_probs),
+    )
     if not return_attn_probs:
         return out
     if probs is None:
@@ -363,29 +413,75 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     return out, _fa_lse(lse), probs
 
 
-def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+def flash_attn_qkvpacked_func(
+    qkv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
     """flash_attn.flash_attn_qkvpacked_func: qkv (batch_size, seqlen, 3, nheads, headdim); as
     flash_attn_func on its three views (no copies; the gradient is qkv's)."""
     if not isinstance(qkv, Tensor) or qkv.dim() != 5 or qkv.size(2) != 3:
-        raise ValueError("flash_attn_qkvpacked_func: qkv must be a 5-D Tensor (batch_size, seqlen, 3, nheads, "
-                         f"headdim), got {tuple(qkv.shape) if isinstance(qkv, Tensor) else type(qkv).__name__}")
-    return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
-                           softcap, alibi_slopes, deterministic, return_attn_probs)
+        raise ValueError(
+            "flash_attn_qkvpacked_func: qkv must be a 5-D Tensor (batch_size, seqlen, 3, nheads, "
+            f"headdim), got {tuple(qkv.shape) if isinstance(qkv, Tensor) else type(qkv).__name__}"
+        )
+    return flash_attn_func(
+        qkv[:, :, 0],
+        qkv[:, :, 1],
+        qkv[:, :, 2],
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )
 
 
-def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+def flash_attn_kvpacked_func(
+    q,
+    kv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
     """flash_attn.flash_attn_kvpacked_func: kv (batch_size, seqlen_k, 2, nheads_k, headdim); as
     flash_attn_func on its two views."""
     if not isinstance(kv, Tensor) or kv.dim() != 5 or kv.size(2) != 2:
-        raise ValueError("flash_attn_kvpacked_func: kv must be a 5-D Tensor (batch_size, seqlen_k, 2, nheads_k, "
-                         f"headdim), got {tuple(kv.shape) if isinstance(kv, Tensor) else type(kv).__name__}")
-    return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes, deterministic, return_attn_probs)
+        raise ValueError(
+            "flash_attn_kvpacked_func: kv must be a 5-D Tensor (batch_size, seqlen_k, 2, nheads_k, "
+            f"headdim), got {tuple(kv.shape) if isinstance(kv, Tensor) else type(kv).__name__}"
+        )
+    return flash_attn_func(
+        q,
+        kv[:, :, 0],
+        kv[:, :, 1],
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )
 
 
 # ---- flash_attn_varlen_func and its packed forms -----------------------------------------------------
+
 
 def _offsets(fn: str, name: str, cu, rows: int | None) -> Tensor:
     """cu_seqlens as int64 (N + 1,), checked: nondecreasing, within [0, rows] (rows None: >= 0)."""
@@ -399,9 +495,24 @@ def _offsets(fn: str, name: str, cu, rows: int | None) -> Tensor:
     return cu
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
     """flash_attn.flash_attn_varlen_func on the CPU: packed variable-length sequences.
 
     Args:
@@ -427,8 +538,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     fn = "flash_attn_varlen_func"
     paged = block_table is not None
     _check_tensor(fn, "q", q, 3, "(total_q, nheads, headdim)")
-    kv_dims, kv_layout = (4, "(num_blocks, page_block_size, nheads_k, headdim)") if paged else \
-        (3, "(total_k, nheads_k, headdim)")
+    kv_dims, kv_layout = (
+        (4, "(num_blocks, page_block_size, nheads_k, headdim)") if paged else (3, "(total_k, nheads_k, headdim)")
+    )
     _check_tensor(fn, "k", k, kv_dims, kv_layout + (" with block_table" if paged else ""))
     _check_tensor(fn, "v", v, kv_dims, kv_layout + (" with block_table" if paged else ""))
     _check_same_dtype(fn, q, k=k, v=v)
@@ -442,8 +554,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     cu_q = _offsets(fn, "cu_seqlens_q", cu_seqlens_q, q.size(0))
     cu_k = _offsets(fn, "cu_seqlens_k", cu_seqlens_k, None if paged else k.size(0))
     if cu_k.numel() != cu_q.numel():
-        raise ValueError(f"{fn}: cu_seqlens_k must have as many entries as cu_seqlens_q ({cu_q.numel()}), "
-                         f"got {cu_k.numel()}")
+        raise ValueError(
+            f"{fn}: cu_seqlens_k must have as many entries as cu_seqlens_q ({cu_q.numel()}), got {cu_k.numel()}"
+        )
     lens_q, lens_k = cu_q.diff(), cu_k.diff()
     N = lens_q.numel()
     max_seqlen_q = int(_number(fn, "max_seqlen_q", max_seqlen_q, "an int"))
@@ -459,14 +572,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if bt.size(0) != N:
             raise ValueError(f"{fn}: block_table must have batch_size = {N} rows, got {tuple(bt.shape)}")
         if mk > bt.size(1) * k.size(1):
-            raise ValueError(f"{fn}: block_table addresses {bt.size(1)} pages of {k.size(1)} keys, fewer than the "
-                             f"longest key sequence ({mk})")
+            raise ValueError(
+                f"{fn}: block_table addresses {bt.size(1)} pages of {k.size(1)} keys, fewer than the "
+                f"longest key sequence ({mk})"
+            )
         used = torch.arange(bt.size(1)).view(1, -1) < ((lens_k + k.size(1) - 1) // k.size(1)).view(-1, 1)
         if bool((((bt < 0) | (bt >= k.size(0))) & used).any()):
             raise ValueError(f"{fn}: block_table holds a page outside k's {k.size(0)} pages")
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            raise RuntimeError(f"{fn}: block_table (a paged KV cache) is inference-only: no backward; call it "
-                               "under torch.no_grad()")
+            raise RuntimeError(
+                f"{fn}: block_table (a paged KV cache) is inference-only: no backward; call it under torch.no_grad()"
+            )
     dropout_p = _dropout(fn, dropout_p)
     scale, cap = _scale(fn, softmax_scale), _softcap(fn, softcap)
     left, right = _window(fn, window_size, bool(causal), max_seqlen_k)
@@ -477,16 +593,39 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     probs = None
     if dropout_p == 0.0 and alibi is None:
         if paged:
-            res = _fn.varlen_attn(qs, k, v, (cu_q - q0).to(torch.int32), None, max(mq, 1), max(mk, 1),
-                                  return_aux=_fn.AuxRequest(lse=want), scale=scale, window_size=(left, right),
-                                  enable_gqa=True, seqused_k=lens_k.to(torch.int32),
-                                  block_table=bt.to(torch.int32).contiguous(), softcap=cap)
+            res = _fn.varlen_attn(
+                qs,
+                k,
+                v,
+                (cu_q - q0).to(torch.int32),
+                None,
+                max(mq, 1),
+                max(mk, 1),
+                return_aux=_fn.AuxRequest(lse=want),
+                scale=scale,
+                window_size=(left, right),
+                enable_gqa=True,
+                seqused_k=lens_k.to(torch.int32),
+                block_table=bt.to(torch.int32).contiguous(),
+                softcap=cap,
+            )
         else:
             k0, k1 = int(cu_k[0]), int(cu_k[-1])
             ks, vs = (k, v) if (k0, k1) == (0, k.size(0)) else (k[k0:k1], v[k0:k1])
-            res = _fn.varlen_attn(qs, ks, vs, (cu_q - q0).to(torch.int32), (cu_k - k0).to(torch.int32), max(mq, 1),
-                                  max(mk, 1), return_aux=_fn.AuxRequest(lse=want), scale=scale,
-                                  window_size=(left, right), enable_gqa=True, softcap=cap)
+            res = _fn.varlen_attn(
+                qs,
+                ks,
+                vs,
+                (cu_q - q0).to(torch.int32),
+                (cu_k - k0).to(torch.int32),
+                max(mq, 1),
+                max(mk, 1),
+                return_aux=_fn.AuxRequest(lse=want),
+                scale=scale,
+                window_size=(left, right),
+                enable_gqa=True,
+                softcap=cap,
+            )
         out, lse = res if want else (res, None)
     else:
         # the packed kernels have neither dropout nor ALiBi: pad the batch and run the dense ones
@@ -495,15 +634,26 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             k4, v4 = _gather_paged(k, bt, lens_k), _gather_paged(v, bt, lens_k)
         else:
             k4, v4 = _pad_rows(k, cu_k[:-1], max(mk, 1)), _pad_rows(v, cu_k[:-1], max(mk, 1))
-        out4, lse4, probs4 = _dense_attention(q4, k4, v4, scale=scale, left=left, right=right, softcap=cap,
-                                              alibi=alibi, dropout_p=dropout_p, want_lse=want, want_probs=want,
-                                              lq=lens_q, lk=lens_k)
+        out4, lse4, probs4 = _dense_attention(
+            q4,
+            k4,
+            v4,
+            scale=scale,
+            left=left,
+            right=right,
+            softcap=cap,
+            alibi=alibi,
+            dropout_p=dropout_p,
+            want_lse=want,
+            want_probs=want,
+            lq=lens_q,
+            lk=lens_k,
+        )
         rows = (torch.arange(q4.size(1)).view(1, -1) < lens_q.view(-1, 1)).flatten().nonzero().flatten()
         out = out4.reshape(-1, H, out4.size(-1)).index_select(0, rows)
         lse = lse4.transpose(0, 1).reshape(H, -1).index_select(1, rows) if want else None
         if probs4 is not None:
-            probs = F.pad(probs4[:, :, :mq, :mk],
-                          (0, _round128(max_seqlen_k) - mk, 0, _round128(max_seqlen_q) - mq))
+            probs = F.pad(probs4[:, :, :mq, :mk], (0, _round128(max_seqlen_k) - mk, 0, _round128(max_seqlen_q) - mq))
     if (q0, q1) != (0, q.size(0)):  # rows outside the sequences: output 0, softmax_lse +inf
         out = F.pad(out, (0, 0, 0, 0, q0, q.size(0) - q1))
         if lse is not None:
@@ -513,33 +663,89 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return out, _fa_lse(lse), (_empty_probs(q) if probs is None else probs)
 
 
-def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
-                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False):
+def flash_attn_varlen_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
     """flash_attn.flash_attn_varlen_qkvpacked_func: qkv (total, 3, nheads, headdim); as
     flash_attn_varlen_func on its views, with cu_seqlens and max_seqlen for queries and keys."""
     if not isinstance(qkv, Tensor) or qkv.dim() != 4 or qkv.size(1) != 3:
-        raise ValueError("flash_attn_varlen_qkvpacked_func: qkv must be a 4-D Tensor (total, 3, nheads, headdim), "
-                         f"got {tuple(qkv.shape) if isinstance(qkv, Tensor) else type(qkv).__name__}")
-    return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                  deterministic, return_attn_probs)
+        raise ValueError(
+            "flash_attn_varlen_qkvpacked_func: qkv must be a 4-D Tensor (total, 3, nheads, headdim), "
+            f"got {tuple(qkv.shape) if isinstance(qkv, Tensor) else type(qkv).__name__}"
+        )
+    return flash_attn_varlen_func(
+        qkv[:, 0],
+        qkv[:, 1],
+        qkv[:, 2],
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )
 
 
-def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+def flash_attn_varlen_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
     """flash_attn.flash_attn_varlen_kvpacked_func: kv (total_k, 2, nheads_k, headdim); as
     flash_attn_varlen_func on its views."""
     if not isinstance(kv, Tensor) or kv.dim() != 4 or kv.size(1) != 2:
-        raise ValueError("flash_attn_varlen_kvpacked_func: kv must be a 4-D Tensor (total_k, 2, nheads_k, "
-                         f"headdim), got {tuple(kv.shape) if isinstance(kv, Tensor) else type(kv).__name__}")
-    return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                  deterministic, return_attn_probs)
+        raise ValueError(
+            "flash_attn_varlen_kvpacked_func: kv must be a 4-D Tensor (total_k, 2, nheads_k, "
+            f"headdim), got {tuple(kv.shape) if isinstance(kv, Tensor) else type(kv).__name__}"
+        )
+    return flash_attn_varlen_func(
+        q,
+        kv[:, 0],
+        kv[:, 1],
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )
 
 
 # ---- flash_attn_with_kvcache -------------------------------------------------------------------------
+
 
 def _rotary(x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, interleaved: bool) -> Tensor:
     """flash-attn's rotary embedding of x (B, L, H, D) at positions pos (B, L): the first
@@ -555,15 +761,32 @@ def _rotary(x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, interleaved: bool)
         x1, x2 = xr[..., 0::2], xr[..., 1::2]
         rot = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
     else:
-        x1, x2 = xr[..., :rd // 2], xr[..., rd // 2:]
+        x1, x2 = xr[..., : rd // 2], xr[..., rd // 2 :]
         rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
     return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
-                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
-                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+):
     """flash_attn.flash_attn_with_kvcache on the CPU (inference: no backward).
 
     Args:
@@ -597,8 +820,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     fn = "flash_attn_with_kvcache"
     paged = block_table is not None
     _check_tensor(fn, "q", q, 4, "(batch_size, seqlen_q, nheads, headdim)")
-    cache_layout = "(num_blocks, page_block_size, nheads_k, headdim) with block_table" if paged else \
-        "(batch_size_cache, seqlen_cache, nheads_k, headdim)"
+    cache_layout = (
+        "(num_blocks, page_block_size, nheads_k, headdim) with block_table"
+        if paged
+        else "(batch_size_cache, seqlen_cache, nheads_k, headdim)"
+    )
     _check_tensor(fn, "k_cache", k_cache, 4, cache_layout)
     _check_tensor(fn, "v_cache", v_cache, 4, cache_layout)
     _check_same_dtype(fn, q, k_cache=k_cache, v_cache=v_cache)
@@ -609,8 +835,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if k_cache.size(3) != D:
         raise ValueError(f"{fn}: k_cache must have q's head dim ({D}), got k_cache {tuple(k_cache.shape)}")
     if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
-        raise ValueError(f"{fn}: v_cache must have k_cache's first three dims, got k_cache "
-                         f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"{fn}: v_cache must have k_cache's first three dims, got k_cache "
+            f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        )
     _check_heads(fn, H, Hk, "k_cache and v_cache")
     if (k is None) != (v is None):
         name = "v" if v is None else "k"
@@ -622,18 +850,24 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _check_same_dtype(fn, q, k=k, v=v)
         Lnew = k.size(1)
         if tuple(k.shape) != (B, Lnew, Hk, D):
-            raise ValueError(f"{fn}: k must have shape (batch_size, seqlen_new, nheads_k, headdim) = "
-                             f"({B}, seqlen_new, {Hk}, {D}), got {tuple(k.shape)}")
+            raise ValueError(
+                f"{fn}: k must have shape (batch_size, seqlen_new, nheads_k, headdim) = "
+                f"({B}, seqlen_new, {Hk}, {D}), got {tuple(k.shape)}"
+            )
         if tuple(v.shape) != (B, Lnew, Hk, Dv):
-            raise ValueError(f"{fn}: v must have shape (batch_size, seqlen_new, nheads_k, headdim_v) = "
-                             f"({B}, {Lnew}, {Hk}, {Dv}), got {tuple(v.shape)}")
+            raise ValueError(
+                f"{fn}: v must have shape (batch_size, seqlen_new, nheads_k, headdim_v) = "
+                f"({B}, {Lnew}, {Hk}, {Dv}), got {tuple(v.shape)}"
+            )
     if paged:
         if cache_batch_idx is not None:
-            raise ValueError(f"{fn}: cache_batch_idx is not supported with block_table (paged KV cache), "
-                             "as in flash-attn")
+            raise ValueError(
+                f"{fn}: cache_batch_idx is not supported with block_table (paged KV cache), as in flash-attn"
+            )
         if cache_leftpad is not None:
-            raise ValueError(f"{fn}: cache_leftpad is not supported with block_table (paged KV cache), "
-                             "as in flash-attn")
+            raise ValueError(
+                f"{fn}: cache_leftpad is not supported with block_table (paged KV cache), as in flash-attn"
+            )
         bt = _index(fn, "block_table", block_table, 2, "(batch_size, max_num_blocks_per_seq)")
         if bt.size(0) != B:
             raise ValueError(f"{fn}: block_table must have batch_size = {B} rows, got {tuple(bt.shape)}")
@@ -656,9 +890,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if len(ends) != B:
             raise ValueError(f"{fn}: cache_seqlens must have batch_size = {B} entries, got {len(ends)}")
     if any(e < 0 or e + Lnew > seqlen_k for e in ends):
-        raise ValueError(f"{fn}: cache_seqlens{' + seqlen_new' if Lnew else ''} must lie in [0, {seqlen_k}] "
-                         f"(the cache's {'addressable ' if paged else ''}length), got cache_seqlens = "
-                         f"{ends}{f', seqlen_new = {Lnew}' if Lnew else ''}")
+        raise ValueError(
+            f"{fn}: cache_seqlens{' + seqlen_new' if Lnew else ''} must lie in [0, {seqlen_k}] "
+            f"(the cache's {'addressable ' if paged else ''}length), got cache_seqlens = "
+            f"{ends}{f', seqlen_new = {Lnew}' if Lnew else ''}"
+        )
     idx = None
     if cache_batch_idx is not None:
         idx = _index(fn, "cache_batch_idx", cache_batch_idx, 1, "(batch_size,)").tolist()
@@ -667,16 +903,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if any(i < 0 or i >= B_c for i in idx):
             raise ValueError(f"{fn}: cache_batch_idx must index k_cache's {B_c} rows, got {idx}")
     elif not paged and B_c < B:
-        raise ValueError(f"{fn}: k_cache has {B_c} rows (batch_size_cache) for a batch of {B}; pass "
-                         "cache_batch_idx or a larger cache")
+        raise ValueError(
+            f"{fn}: k_cache has {B_c} rows (batch_size_cache) for a batch of {B}; pass "
+            "cache_batch_idx or a larger cache"
+        )
     leftpad = None
     if cache_leftpad is not None:
         leftpad = _index(fn, "cache_leftpad", cache_leftpad, 1, "(batch_size,)").tolist()
         if len(leftpad) != B:
             raise ValueError(f"{fn}: cache_leftpad must have batch_size = {B} entries, got {len(leftpad)}")
         if any(lp < 0 or lp > e for lp, e in zip(leftpad, ends)):
-            raise ValueError(f"{fn}: cache_leftpad must lie in [0, cache_seqlens[b]], got {leftpad} "
-                             f"for cache_seqlens {ends}")
+            raise ValueError(
+                f"{fn}: cache_leftpad must lie in [0, cache_seqlens[b]], got {leftpad} for cache_seqlens {ends}"
+            )
     # each entry's keys: cache rows leftpad[b] .. ends[b] + Lnew - 1 (the seqlen_k it is aligned to)
     lengths = [e + Lnew - lp for e, lp in zip(ends, leftpad or [0] * B)]
     if paged:
@@ -691,13 +930,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             missing = "rotary_cos" if rotary_cos is None else "rotary_sin"
             raise ValueError(f"{fn}: rotary_cos and rotary_sin go together; {missing} is None")
         if k is None:
-            raise ValueError(f"{fn}: rotary_cos / rotary_sin need the new k and v (the rotary embedding is "
-                             "applied to the keys being appended and to q)")
+            raise ValueError(
+                f"{fn}: rotary_cos / rotary_sin need the new k and v (the rotary embedding is "
+                "applied to the keys being appended and to q)"
+            )
         for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
             _check_tensor(fn, name, t, 2, "(seqlen_ro, rotary_dim / 2)")
         if rotary_sin.shape != rotary_cos.shape:
-            raise ValueError(f"{fn}: rotary_sin must have rotary_cos's shape {tuple(rotary_cos.shape)}, "
-                             f"got {tuple(rotary_sin.shape)}")
+            raise ValueError(
+                f"{fn}: rotary_sin must have rotary_cos's shape {tuple(rotary_cos.shape)}, "
+                f"got {tuple(rotary_sin.shape)}"
+            )
         if 2 * rotary_cos.size(1) > D:
             raise ValueError(f"{fn}: rotary_cos's rotary_dim = 2 * {rotary_cos.size(1)} must be <= headdim ({D})")
 
@@ -712,8 +955,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         local = causal or left >= 0 or right >= 0
         top = max(ends) + max(Lnew, Lq if local else 1)
         if rotary_cos.size(0) < top:
-            raise ValueError(f"{fn}: rotary_cos has {rotary_cos.size(0)} positions, fewer than the {top} "
-                             "the appended keys and the queries need")
+            raise ValueError(
+                f"{fn}: rotary_cos has {rotary_cos.size(0)} positions, fewer than the {top} "
+                "the appended keys and the queries need"
+            )
     want_lse = bool(return_softmax_lse)
 
     with torch.no_grad():
@@ -729,8 +974,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             else:  # a dense cache is pages of seqlen_cache rows, one per cache row
                 first = torch.tensor([(b if idx is None else idx[b]) * seqlen_k + ends[b] for b in range(B)])
                 slots = first if Lnew == 1 else first.view(-1, 1) + torch.arange(Lnew)
-            _fn.write_kv_cache(k.reshape(B * Lnew, Hk, D), v.reshape(B * Lnew, Hk, Dv), k_cache, v_cache,
-                               slots.flatten())
+            _fn.write_kv_cache(
+                k.reshape(B * Lnew, Hk, D), v.reshape(B * Lnew, Hk, Dv), k_cache, v_cache, slots.flatten()
+            )
 
         if alibi is not None:
             # no ALiBi in the packed kernels: the keys as a dense (B, Lk, H_kv, D) tensor (a copy for
@@ -742,17 +988,44 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 kd, vd = k_cache[:B], v_cache[:B]
             else:
                 kd, vd = k_cache.index_select(0, torch.tensor(idx)), v_cache.index_select(0, torch.tensor(idx))
-            out, lse, _ = _dense_attention(q, kd, vd, scale=scale, left=left, right=right, softcap=cap, alibi=alibi,
-                                           dropout_p=0.0, want_lse=want_lse, want_probs=False, lk=lk,
-                                           kstart=None if leftpad is None else torch.tensor(leftpad))
+            out, lse, _ = _dense_attention(
+                q,
+                kd,
+                vd,
+                scale=scale,
+                left=left,
+                right=right,
+                softcap=cap,
+                alibi=alibi,
+                dropout_p=0.0,
+                want_lse=want_lse,
+                want_probs=False,
+                lk=lk,
+                kstart=None if leftpad is None else torch.tensor(leftpad),
+            )
         else:
             qf = q.reshape(B * Lq, H, D)
             cu_q = _steps(B, Lq)
-            common = dict(return_aux=_fn.AuxRequest(lse=want_lse), scale=scale, window_size=(left, right),
-                          enable_gqa=True, seqused_k=torch.tensor(lengths, dtype=torch.int32), softcap=cap)
+            common = dict(
+                return_aux=_fn.AuxRequest(lse=want_lse),
+                scale=scale,
+                window_size=(left, right),
+                enable_gqa=True,
+                seqused_k=torch.tensor(lengths, dtype=torch.int32),
+                softcap=cap,
+            )
             if paged:
-                res = _fn.varlen_attn(qf, k_cache, v_cache, cu_q, None, max(Lq, 1), max(seqlen_k, 1),
-                                      block_table=bt.to(torch.int32).contiguous(), **common)
+                res = _fn.varlen_attn(
+                    qf,
+                    k_cache,
+                    v_cache,
+                    cu_q,
+                    None,
+                    max(Lq, 1),
+                    max(seqlen_k, 1),
+                    block_table=bt.to(torch.int32).contiguous(),
+                    **common,
+                )
             else:
                 res = _kvcache_dense(qf, k_cache, v_cache, cu_q, Lq, idx, leftpad, common)
             out, lse = res if want_lse else (res, None)
@@ -773,8 +1046,16 @@ def _views_flat(cache: Tensor) -> bool:
     return True
 
 
-def _kvcache_dense(qf: Tensor, k_cache: Tensor, v_cache: Tensor, cu_q: Tensor, Lq: int, idx: list | None,
-                   leftpad: list | None, common: dict):
+def _kvcache_dense(
+    qf: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cu_q: Tensor,
+    Lq: int,
+    idx: list | None,
+    leftpad: list | None,
+    common: dict,
+):
     """varlen_attn over a dense cache (B_c, L, H_kv, D), read in place where possible:
     - as packed rows (the cache viewed (B_c * L, H_kv, D)), entry b's keys starting at row
       idx[b] * L + leftpad[b], when the rows view flat and idx is None or increasing;
@@ -795,7 +1076,7 @@ def _kvcache_dense(qf: Tensor, k_cache: Tensor, v_cache: Tensor, cu_q: Tensor, L
         k_cache, v_cache, rows = k_cache.index_select(0, sel), v_cache.index_select(0, sel), list(range(B))
     kf, vf = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
     if leftpad is None and idx is None:  # entry b: rows b * L .. of the flat cache
-        kf, vf, cu_k = kf[:B * L], vf[:B * L], _steps(B, L)
+        kf, vf, cu_k = kf[: B * L], vf[: B * L], _steps(B, L)
     else:
         start = [r * L + (0 if leftpad is None else leftpad[b]) for b, r in enumerate(rows)]  # first key rows
         s0, stop = start[0], (rows[-1] + 1) * L

@@ -8,6 +8,7 @@ masked_attention              the op's own conventions, nn.MultiheadAttention's
 varlen_attn                   torch.nn.attention.varlen.varlen_attn: packed
                               variable-length sequences, no padding
 """
+
 from __future__ import annotations
 
 import math
@@ -24,17 +25,34 @@ from .devices import KERNEL_DEVICE_TYPES, uses_kernels  # noqa: F401  (part of t
 from .linear_ce import linear_cross_entropy  # noqa: F401  (re-exported)
 from .losses import cross_entropy  # noqa: F401  (re-exported)
 
-__all__ = ["masked_attention", "scaled_dot_product_attention", "varlen_attn", "AuxRequest", "cross_entropy",
-           "linear_cross_entropy", "write_kv_cache"]
+__all__ = [
+    "masked_attention",
+    "scaled_dot_product_attention",
+    "varlen_attn",
+    "AuxRequest",
+    "cross_entropy",
+    "linear_cross_entropy",
+    "write_kv_cache",
+]
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 # ---- native attention (every device but the CPU) ----------------------------
 
-def native_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
-                     key_padding_mask: Tensor | None = None, head_mask: Tensor | None = None,
-                     is_causal: bool = False, scale: float | None = None, need_weights: bool = False,
-                     return_lse: bool = False, dropout_p: float = 0.0) -> tuple[Tensor, Tensor | None, Tensor | None]:
+
+def native_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    head_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    need_weights: bool = False,
+    return_lse: bool = False,
+    dropout_p: float = 0.0,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """masked_attn::forward's semantics computed with PyTorch's native ops, on
     any device: (out, lse, weights), lse and weights None unless asked for.
 
@@ -49,7 +67,7 @@ def native_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None =
     """
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
-    scale = D ** -0.5 if scale is None else float(scale)
+    scale = D**-0.5 if scale is None else float(scale)
     low = q.dtype in (torch.bfloat16, torch.float16)
     acc = torch.float32 if low else q.dtype
     need_lse = bool(return_lse)
@@ -75,8 +93,16 @@ def native_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None =
         dead = torch.isneginf(bias).all(-1, keepdim=True)
         bias = bias.masked_fill(dead, 0.0)
     if fused:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=float(dropout_p),
-                                             is_causal=causal_alone, scale=scale, enable_gqa=H != Hkv)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=bias,
+            dropout_p=float(dropout_p),
+            is_causal=causal_alone,
+            scale=scale,
+            enable_gqa=H != Hkv,
+        )
         if dead is not None:
             out = out.masked_fill(dead, 0.0)
         return out, None, None
@@ -122,8 +148,25 @@ def _plain_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: floa
     """masked_attn::forward's out for q, k, v alone (no mask), or None where
     the op refused them."""
     try:
-        return ops.call_op(_FORWARD, q, k, v, None, None, None, is_causal, scale, False, 0.0, None, -1, -1, None, None,
-                           ops.grad_wanted(q, k, v))[0]
+        return ops.call_op(
+            _FORWARD,
+            q,
+            k,
+            v,
+            None,
+            None,
+            None,
+            is_causal,
+            scale,
+            False,
+            0.0,
+            None,
+            -1,
+            -1,
+            None,
+            None,
+            ops.grad_wanted(q, k, v),
+        )[0]
     except (RuntimeError, TypeError):
         return None
 
@@ -131,9 +174,15 @@ def _plain_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: floa
 def _plain_call(q: object, k: object, v: object) -> bool:
     """Whether a call of q, k, v with no other tensor may take the short path:
     three CPU tensors outside autocast and torch.compile (the shim checks the rest)."""
-    return (isinstance(q, Tensor) and q.is_cpu and "cpu" in _devices.KERNEL_DEVICE_TYPES
-            and isinstance(k, Tensor) and isinstance(v, Tensor)
-            and not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cpu"))
+    return (
+        isinstance(q, Tensor)
+        and q.is_cpu
+        and "cpu" in _devices.KERNEL_DEVICE_TYPES
+        and isinstance(k, Tensor)
+        and isinstance(v, Tensor)
+        and not torch.compiler.is_compiling()
+        and not torch.is_autocast_enabled("cpu")
+    )
 
 
 def _check_dropout_p(fn, dropout_p):
@@ -143,11 +192,15 @@ def _check_dropout_p(fn, dropout_p):
 
 def _check_dropout_seed(fn, seed):
     if not isinstance(seed, torch.Tensor):
-        raise TypeError(f"{fn}: dropout_seed must be None or an int64 tensor (seed, offset) of shape (2,), "
-                        f"got {type(seed).__name__}")
+        raise TypeError(
+            f"{fn}: dropout_seed must be None or an int64 tensor (seed, offset) of shape (2,), "
+            f"got {type(seed).__name__}"
+        )
     if seed.dtype != torch.int64 or tuple(seed.shape) != (2,) or seed.device.type != "cpu":
-        raise ValueError(f"{fn}: dropout_seed must be an int64 CPU tensor (seed, offset) of shape (2,), got "
-                         f"{seed.dtype} {tuple(seed.shape)} on {seed.device}")
+        raise ValueError(
+            f"{fn}: dropout_seed must be an int64 CPU tensor (seed, offset) of shape (2,), got "
+            f"{seed.dtype} {tuple(seed.shape)} on {seed.device}"
+        )
 
 
 def _as_4d_attn_mask(attn_mask, B, H):
@@ -187,20 +240,33 @@ def _window_cap_sinks(fn, q, window, softcap, sinks):
         if not sinks.is_floating_point():
             raise TypeError(f"{fn}: sinks must be floating point, got {sinks.dtype}")
         if sinks.dim() != 1 or sinks.size(0) != q.size(-3):
-            raise ValueError(f"{fn}: sinks must have shape (H,) = ({q.size(-3)},), one logit per query head, "
-                             f"got {tuple(sinks.shape)}")
+            raise ValueError(
+                f"{fn}: sinks must have shape (H,) = ({q.size(-3)},), one logit per query head, "
+                f"got {tuple(sinks.shape)}"
+            )
         if sinks.device != q.device:
             raise ValueError(f"{fn}: sinks must be on q's device ({q.device}), got {sinks.device}")
     return left, right, softcap, sinks
 
 
-def masked_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = None,
-                     key_padding_mask: Tensor | None = None, head_mask: Tensor | None = None,
-                     is_causal: bool = False, scale: float | None = None, dropout_p: float = 0.0,
-                     need_weights: bool = False, return_lse: bool = False,
-                     dropout_seed: Tensor | None = None,
-                     window: tuple[int | None, int | None] | None = None, softcap: float | None = None,
-                     sinks: Tensor | None = None) -> Tensor | tuple[Tensor, ...]:
+def masked_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_mask: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    head_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    need_weights: bool = False,
+    return_lse: bool = False,
+    dropout_seed: Tensor | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor | tuple[Tensor, ...]:
     """Masked multi-head attention.
 
     Args:
@@ -249,8 +315,18 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | Non
     On a device other than the CPU this is computed by PyTorch's native ops
     (:func:`native_attention`), with the same semantics.
     """
-    if (attn_mask is None and key_padding_mask is None and head_mask is None and not dropout_p and not need_weights
-            and not return_lse and window is None and softcap is None and sinks is None and _plain_call(q, k, v)):
+    if (
+        attn_mask is None
+        and key_padding_mask is None
+        and head_mask is None
+        and not dropout_p
+        and not need_weights
+        and not return_lse
+        and window is None
+        and softcap is None
+        and sinks is None
+        and _plain_call(q, k, v)
+    ):
         out = _plain_forward(q, k, v, bool(is_causal), None if scale is None else float(scale))
         if out is not None:
             return out
@@ -262,14 +338,44 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | Non
         if t.dim() != 4:
             raise ValueError(f"masked_attention: {name} must be 4-D (B, H, L, D), got shape {tuple(t.shape)}")
         if t.dtype not in _FLOATS:
-            raise TypeError(f"masked_attention: {name} must be float32, float64, bfloat16 or float16, "
-                            f"got {t.dtype}")
-    return _attention(q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, scale, dropout_p, need_weights,
-                      return_lse, dropout_seed, window, softcap, sinks)
+            raise TypeError(f"masked_attention: {name} must be float32, float64, bfloat16 or float16, got {t.dtype}")
+    return _attention(
+        q,
+        k,
+        v,
+        attn_mask,
+        key_padding_mask,
+        head_mask,
+        is_causal,
+        scale,
+        dropout_p,
+        need_weights,
+        return_lse,
+        dropout_seed,
+        window,
+        softcap,
+        sinks,
+    )
 
 
-def _attention(q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, scale, dropout_p, need_weights,
-               return_lse, dropout_seed, window, softcap, sinks, fn="masked_attention"):
+def _attention(
+    q,
+    k,
+    v,
+    attn_mask,
+    key_padding_mask,
+    head_mask,
+    is_causal,
+    scale,
+    dropout_p,
+    need_weights,
+    return_lse,
+    dropout_seed,
+    window,
+    softcap,
+    sinks,
+    fn="masked_attention",
+):
     """masked_attention after its checks of q, k, v (4-D floating tensors), with
     dropout_p a float in [0, 1]: the rest of the checks, and the call."""
     extra = _window_cap_sinks(fn, q, window, softcap, sinks)
@@ -277,9 +383,21 @@ def _attention(q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, scale
     if not uses_kernels(q.device):
         if window is not None or softcap is not None or sinks is not None:
             raise NotImplementedError(
-                f"masked_attention: window, softcap and sinks run in the CPU kernels only; got tensors on {q.device}")
-        out, lse, weights = native_attention(q, k, v, attn_mask, key_padding_mask, head_mask, bool(is_causal),
-                                             scale, bool(need_weights), bool(return_lse), float(dropout_p))
+                f"masked_attention: window, softcap and sinks run in the CPU kernels only; got tensors on {q.device}"
+            )
+        out, lse, weights = native_attention(
+            q,
+            k,
+            v,
+            attn_mask,
+            key_padding_mask,
+            head_mask,
+            bool(is_causal),
+            scale,
+            bool(need_weights),
+            bool(return_lse),
+            float(dropout_p),
+        )
         if not (need_weights or return_lse):
             return out
         return (out,) + ((weights,) if need_weights else ()) + ((lse,) if return_lse else ())
@@ -289,18 +407,39 @@ def _attention(q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, scale
             _check_dropout_seed(fn, dropout_seed)
         drop = (dropout_p, ops.new_dropout_seed() if dropout_seed is None else dropout_seed)
     out, lse, weights, _ = ops.call_op(
-        torch.ops.masked_attn.forward.default, q, k, v, attn_mask, key_padding_mask, head_mask, bool(is_causal),
-        None if scale is None else float(scale), bool(need_weights), *(drop or (0.0, None)), *extra,
-        ops.grad_wanted(q, k, v, attn_mask, key_padding_mask, head_mask, extra[3]))
+        torch.ops.masked_attn.forward.default,
+        q,
+        k,
+        v,
+        attn_mask,
+        key_padding_mask,
+        head_mask,
+        bool(is_causal),
+        None if scale is None else float(scale),
+        bool(need_weights),
+        *(drop or (0.0, None)),
+        *extra,
+        ops.grad_wanted(q, k, v, attn_mask, key_padding_mask, head_mask, extra[3]),
+    )
     if not (need_weights or return_lse):
         return out
     return (out,) + ((weights,) if need_weights else ()) + ((lse,) if return_lse else ())
 
 
-def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
-                                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                                 enable_gqa: bool = False, *, window: tuple[int | None, int | None] | None = None,
-                                 softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor:
     """Drop-in for torch.nn.functional.scaled_dot_product_attention.
 
     query (..., Hq, L, E), key (..., H, S, E), value (..., H, S, Ev); a bool
@@ -313,9 +452,16 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     Keyword-only extensions (not in PyTorch), as in masked_attention:
     window=(left, right), softcap, sinks (Hq,).
     """
-    if (attn_mask is None and not dropout_p and window is None and softcap is None and sinks is None
-            and _plain_call(query, key, value) and query.dim() == 4
-            and (enable_gqa or key.dim() != 4 or query.size(1) == key.size(1))):
+    if (
+        attn_mask is None
+        and not dropout_p
+        and window is None
+        and softcap is None
+        and sinks is None
+        and _plain_call(query, key, value)
+        and query.dim() == 4
+        and (enable_gqa or key.dim() != 4 or query.size(1) == key.size(1))
+    ):
         out = _plain_forward(query, key, value, bool(is_causal), None if scale is None else float(scale))
         if out is not None:
             return out
@@ -324,8 +470,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"scaled_dot_product_attention: {name} must be a Tensor")
         if t.dim() < 2:
-            raise ValueError(f"scaled_dot_product_attention: {name} must have at least 2 dims "
-                             f"(L, E), got shape {tuple(t.shape)}")
+            raise ValueError(
+                f"scaled_dot_product_attention: {name} must have at least 2 dims (L, E), got shape {tuple(t.shape)}"
+            )
         if t.dtype not in _FLOATS:
             raise TypeError(f"scaled_dot_product_attention: {name} must be floating point, got {t.dtype}")
     # under autocast, as F.sdpa: the inputs (and a floating mask) in the autocast dtype before any check
@@ -335,26 +482,37 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         query, key, value = (autocast_cast(t, cast, dev) for t in (query, key, value))
         attn_mask = autocast_cast(attn_mask, cast, dev)
     if not (query.dtype == key.dtype == value.dtype):
-        raise ValueError("scaled_dot_product_attention: query, key and value must have the same dtype, "
-                         f"got {query.dtype}, {key.dtype}, {value.dtype}")
+        raise ValueError(
+            "scaled_dot_product_attention: query, key and value must have the same dtype, "
+            f"got {query.dtype}, {key.dtype}, {value.dtype}"
+        )
     if query.size(-1) != key.size(-1):
-        raise ValueError(f"scaled_dot_product_attention: query and key must have the same embedding dim, "
-                         f"got query {tuple(query.shape)}, key {tuple(key.shape)}")
+        raise ValueError(
+            f"scaled_dot_product_attention: query and key must have the same embedding dim, "
+            f"got query {tuple(query.shape)}, key {tuple(key.shape)}"
+        )
     if key.size(-2) != value.size(-2):
-        raise ValueError(f"scaled_dot_product_attention: key and value must have the same length, "
-                         f"got key {tuple(key.shape)}, value {tuple(value.shape)}")
+        raise ValueError(
+            f"scaled_dot_product_attention: key and value must have the same length, "
+            f"got key {tuple(key.shape)}, value {tuple(value.shape)}"
+        )
     if attn_mask is not None:
         if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-            raise TypeError(f"scaled_dot_product_attention: attn_mask must be bool or floating point, "
-                            f"got {attn_mask.dtype}")
+            raise TypeError(
+                f"scaled_dot_product_attention: attn_mask must be bool or floating point, got {attn_mask.dtype}"
+            )
     hq = query.size(-3) if query.dim() >= 3 else 1
     hk = key.size(-3) if key.dim() >= 3 else 1
     if hq != hk and not (enable_gqa or hk == 1):
-        raise ValueError(f"scaled_dot_product_attention: query has {hq} heads and key {hk}; "
-                         "pass enable_gqa=True for grouped-query attention")
+        raise ValueError(
+            f"scaled_dot_product_attention: query has {hq} heads and key {hk}; "
+            "pass enable_gqa=True for grouped-query attention"
+        )
     if hk == 0 or hq % hk != 0:
-        raise ValueError(f"scaled_dot_product_attention: the number of query heads ({hq}) must be a "
-                         f"multiple of the number of key/value heads ({hk})")
+        raise ValueError(
+            f"scaled_dot_product_attention: the number of query heads ({hq}) must be a "
+            f"multiple of the number of key/value heads ({hk})"
+        )
 
     if query.dim() == key.dim() == value.dim() == 4 and query.size(0) == key.size(0) == value.size(0):
         # the common (B, H, L, E) call, as is (torch.broadcast_shapes alone costs ~20 us a call,
@@ -376,12 +534,27 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
             mask = ~mask  # F.sdpa: True = take part; ours: True = blocked
         if len(batch) > 1 and mask.dim() > 3:  # flatten the batch dims like q's
             mask = mask.expand(*batch, *mask.shape[-3:]).reshape(-1, *mask.shape[-3:])
-    out = _attention(q, k, v, mask, None, None, is_causal, scale, float(dropout_p), False, False, None, window,
-                     softcap, sinks, fn="scaled_dot_product_attention")
+    out = _attention(
+        q,
+        k,
+        v,
+        mask,
+        None,
+        None,
+        is_causal,
+        scale,
+        float(dropout_p),
+        False,
+        False,
+        None,
+        window,
+        softcap,
+        sinks,
+        fn="scaled_dot_product_attention",
+    )
     if query.dim() == 4:
         return out
-    out_shape = (*batch, hq, query.size(-2), value.size(-1)) if query.dim() >= 3 else \
-        (query.size(-2), value.size(-1))
+    out_shape = (*batch, hq, query.size(-2), value.size(-1)) if query.dim() >= 3 else (query.size(-2), value.size(-1))
     return out.reshape(out_shape)
 
 
@@ -410,12 +583,25 @@ def _gather_pages(t: Tensor, block_table: Tensor, seqused_k: Tensor) -> tuple[Te
     return rows, cu
 
 
-def varlen_attn(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor | None,
-                max_q: int, max_k: int, *, return_aux: AuxRequest | None = None, scale: float | None = None,
-                window_size: tuple[int, int] = (-1, -1), enable_gqa: bool = False,
-                seqused_k: Tensor | None = None, block_table: Tensor | None = None,
-                num_splits: int | None = None, softcap: float | None = None,
-                sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+def varlen_attn(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    cu_seq_q: Tensor,
+    cu_seq_k: Tensor | None,
+    max_q: int,
+    max_k: int,
+    *,
+    return_aux: AuxRequest | None = None,
+    scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    enable_gqa: bool = False,
+    seqused_k: Tensor | None = None,
+    block_table: Tensor | None = None,
+    num_splits: int | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over packed variable-length sequences, with
     torch.nn.attention.varlen.varlen_attn's signature and conventions, on the CPU.
 
@@ -465,16 +651,21 @@ def varlen_attn(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_
     kv_dim = 4 if block_table is not None else 3
     for name, t in (("key", key), ("value", value)):
         if t.dim() != kv_dim:
-            raise ValueError(f"varlen_attn: {name} must be {kv_dim}-D "
-                             f"{'(pages, page_size, H_kv, D)' if kv_dim == 4 else '(T_k, H_kv, D)'}, "
-                             f"got shape {tuple(t.shape)}")
+            raise ValueError(
+                f"varlen_attn: {name} must be {kv_dim}-D "
+                f"{'(pages, page_size, H_kv, D)' if kv_dim == 4 else '(T_k, H_kv, D)'}, "
+                f"got shape {tuple(t.shape)}"
+            )
     hq, hk = query.size(1), key.size(-2)
     if not enable_gqa and hq != hk:
-        raise ValueError(f"varlen_attn: expected query and key/value to have the same number of heads, got "
-                         f"H={hq} and H_kv={hk}; pass enable_gqa=True for grouped-query attention")
+        raise ValueError(
+            f"varlen_attn: expected query and key/value to have the same number of heads, got "
+            f"H={hq} and H_kv={hk}; pass enable_gqa=True for grouped-query attention"
+        )
     if hk == 0 or hq % hk != 0:
-        raise ValueError(f"varlen_attn: the number of query heads ({hq}) must be a multiple of the number "
-                         f"of key/value heads ({hk})")
+        raise ValueError(
+            f"varlen_attn: the number of query heads ({hq}) must be a multiple of the number of key/value heads ({hk})"
+        )
     if window_size is None:
         window_size = (-1, -1)
     window_size = tuple(window_size)
@@ -489,8 +680,10 @@ def varlen_attn(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_
         if seqused_k is None:
             raise ValueError("varlen_attn: block_table requires seqused_k")
         if block_table.dtype != torch.int32 or block_table.dim() != 2:
-            raise ValueError(f"varlen_attn: block_table must be a 2-D int32 (N, max_pages) tensor, got "
-                             f"{block_table.dtype} of shape {tuple(block_table.shape)}")
+            raise ValueError(
+                f"varlen_attn: block_table must be a 2-D int32 (N, max_pages) tensor, got "
+                f"{block_table.dtype} of shape {tuple(block_table.shape)}"
+            )
         if seqused_k.dtype != torch.int32 or seqused_k.shape != (block_table.size(0),):
             raise ValueError("varlen_attn: seqused_k must be int32 (N,) with N = block_table.size(0)")
         if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
@@ -502,13 +695,26 @@ def varlen_attn(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_
     elif cu_seq_k is None:
         raise ValueError("varlen_attn: cu_seq_k is required without block_table")
     out, lse, _ = ops.call_op(
-        torch.ops.masked_attn.varlen_forward.default, query, key, value, cu_seq_q, cu_seq_k, int(max_q), int(max_k),
-        None if scale is None else float(scale), left, right, seqused_k, block_table,
-        None if softcap is None else float(softcap), sinks, ops.grad_wanted(query, key, value, sinks))
+        torch.ops.masked_attn.varlen_forward.default,
+        query,
+        key,
+        value,
+        cu_seq_q,
+        cu_seq_k,
+        int(max_q),
+        int(max_k),
+        None if scale is None else float(scale),
+        left,
+        right,
+        seqused_k,
+        block_table,
+        None if softcap is None else float(softcap),
+        sinks,
+        ops.grad_wanted(query, key, value, sinks),
+    )
     if return_aux is not None and return_aux.lse:
         return out, lse
     return out
-
 
 
 def write_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slots: Tensor) -> None:
@@ -530,13 +736,20 @@ def write_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: T
         with torch.no_grad():
             torch.ops.masked_attn.cache_write(key, value, key_cache, value_cache, slots)
         return
-    for name, t in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache),
-                    ("slots", slots)):
+    for name, t in (
+        ("key", key),
+        ("value", value),
+        ("key_cache", key_cache),
+        ("value_cache", value_cache),
+        ("slots", slots),
+    ):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"write_kv_cache: {name} must be a Tensor, got {type(t).__name__}")
     if slots.dtype not in (torch.int64, torch.int32) or slots.dim() != 1:
-        raise ValueError(f"write_kv_cache: slots must be a 1-D int64 or int32 tensor, got {slots.dtype} of shape "
-                         f"{tuple(slots.shape)}")
+        raise ValueError(
+            f"write_kv_cache: slots must be a 1-D int64 or int32 tensor, got {slots.dtype} of shape "
+            f"{tuple(slots.shape)}"
+        )
     with torch.no_grad():  # other devices: native ops
         keep = slots >= 0
         idx = slots.to(torch.int64)

@@ -24,6 +24,7 @@ Two parts, both registered in transformers' own interfaces:
   :func:`torch_masked_attn.functional.varlen_attn`, and T5-style position
   biases through transformers' own sdpa attention.
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -94,8 +95,12 @@ def _recognise(fn) -> tuple[str | None, int | None]:
         return "bidirectional", None
     if getattr(fn, "__code__", None) is _AND_CODE:  # sliding_window_causal_mask_function(w)
         parts = _closure(fn).get("mask_functions")
-        if isinstance(parts, tuple) and len(parts) == 2 and parts[1] is causal_mask_function \
-                and getattr(parts[0], "__code__", None) is _SLIDING_CODE:
+        if (
+            isinstance(parts, tuple)
+            and len(parts) == 2
+            and parts[1] is causal_mask_function
+            and getattr(parts[0], "__code__", None) is _SLIDING_CODE
+        ):
             window = _closure(parts[0]).get("sliding_window")
             if isinstance(window, int) and window > 0:
                 return "sliding", window
@@ -107,8 +112,12 @@ def _recognise_packed(fn) -> tuple[str | None, int | None, Tensor | None]:
     causal or sliding pattern): (kind, window, (B, L) sequence ids), else (None, None, None)."""
     if getattr(fn, "__code__", None) is _AND_CODE:
         parts = _closure(fn).get("mask_functions")
-        if isinstance(parts, tuple) and len(parts) == 2 and getattr(parts[0], "__code__", None) is _PACKED_CODE \
-                and getattr(parts[1], "__code__", None) is _REMAP_CODE:
+        if (
+            isinstance(parts, tuple)
+            and len(parts) == 2
+            and getattr(parts[0], "__code__", None) is _PACKED_CODE
+            and getattr(parts[1], "__code__", None) is _REMAP_CODE
+        ):
             kind, window = _recognise(_closure(parts[1]).get("mask_function"))
             if kind in ("causal", "sliding"):
                 return kind, window, _closure(parts[0]).get("packed_sequence_mask")
@@ -126,6 +135,7 @@ class StructuredMask:
     The model hands this object to every attention layer of its kind, so the
     per-shape pieces are cached on it.
     """
+
     batch_size: int
     q_length: int
     kv_length: int
@@ -153,8 +163,9 @@ class StructuredMask:
         """transformers' own (B, 1, Lq, Lk) bool mask, True = attend (sdpa's
         convention), for the fallbacks."""
         if "bool" not in self._cache:
-            self._cache["bool"] = sdpa_mask(**self._hf_args, allow_is_causal_skip=False,
-                                            allow_is_bidirectional_skip=False)
+            self._cache["bool"] = sdpa_mask(
+                **self._hf_args, allow_is_causal_skip=False, allow_is_bidirectional_skip=False
+            )
         return self._cache["bool"]
 
     def kernel_args(self, lq: int, lk: int) -> dict:
@@ -162,8 +173,10 @@ class StructuredMask:
         keys (.., lk, ..): key_padding_mask, is_causal, and attn_mask or window
         for a diagonal that is not the top-left one."""
         if lk != self.kv_length or lq != self.q_length:
-            raise ValueError(f"masked_attn: the attention mask was made for {self.q_length} queries and "
-                             f"{self.kv_length} keys, the layer has {lq} queries and {lk} keys")
+            raise ValueError(
+                f"masked_attn: the attention mask was made for {self.q_length} queries and "
+                f"{self.kv_length} keys, the layer has {lq} queries and {lk} keys"
+            )
         if lq in self._cache:
             return self._cache[lq]
         args = {"key_padding_mask": self.padding, "is_causal": False}
@@ -171,9 +184,9 @@ class StructuredMask:
             # allowed: i + d - w < j <= i + d, with d the offset of the diagonal
             d = int(self.q_offset) - int(self.kv_offset)
             w = self.sliding_window
-            no_lower = w is None or (lq - 1) + d - w + 1 <= 0   # every row's lower bound <= 0
-            no_upper = d >= lk - 1                              # every row sees up to the last key
-            left = -1 if no_lower else w - 1 - d   # -1: unbounded; < -1 cannot be a window
+            no_lower = w is None or (lq - 1) + d - w + 1 <= 0  # every row's lower bound <= 0
+            no_upper = d >= lk - 1  # every row sees up to the last key
+            left = -1 if no_lower else w - 1 - d  # -1: unbounded; < -1 cannot be a window
             if no_lower and d == 0:
                 args["is_causal"] = True
             elif no_lower and no_upper:
@@ -197,48 +210,87 @@ class StructuredMask:
         return args
 
 
-def mask_function(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
-                  mask_function=causal_mask_function, attention_mask: Tensor | None = None,
-                  local_size: int | None = None, allow_is_causal_skip: bool = True,
-                  allow_is_bidirectional_skip: bool = False, use_vmap: bool = False,
-                  device: torch.device | str = "cpu", **kwargs):
+def mask_function(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset=0,
+    kv_offset: int = 0,
+    mask_function=causal_mask_function,
+    attention_mask: Tensor | None = None,
+    local_size: int | None = None,
+    allow_is_causal_skip: bool = True,
+    allow_is_bidirectional_skip: bool = False,
+    use_vmap: bool = False,
+    device: torch.device | str = "cpu",
+    **kwargs,
+):
     """transformers' mask interface for "masked_attn" (sdpa_mask's signature).
 
     Returns a :class:`StructuredMask` for the patterns it knows, else what
     transformers' sdpa_mask returns (a bool tensor, True = attend, or None)."""
     if isinstance(attention_mask, StructuredMask):  # prepared before (generate with a static cache)
         return attention_mask
-    hf_args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                   kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-                   local_size=local_size, use_vmap=use_vmap, device=device)
+    hf_args = dict(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        local_size=local_size,
+        use_vmap=use_vmap,
+        device=device,
+    )
     kind, window = _recognise(mask_function)
     packed = None
-    if kind is None and attention_mask is None and not use_vmap and q_length == kv_length \
-            and not torch.compiler.is_compiling():
+    if (
+        kind is None
+        and attention_mask is None
+        and not use_vmap
+        and q_length == kv_length
+        and not torch.compiler.is_compiling()
+    ):
         # packed sequences (found by transformers from position_ids): varlen_attn, no mask at all
         kind, window, packed = _recognise_packed(mask_function)
         if packed is not None and (q_offset != 0 or kv_offset != 0 or packed.shape != (batch_size, q_length)):
             kind, window, packed = None, None, None
     # a caller that turns the skips off wants a tensor (e.g. to concatenate it with another mask)
-    wants_tensor = (kind == "bidirectional" and not allow_is_bidirectional_skip) or \
-        (kind in ("causal", "sliding") and not allow_is_causal_skip and q_length > 1 and packed is None)
+    wants_tensor = (kind == "bidirectional" and not allow_is_bidirectional_skip) or (
+        kind in ("causal", "sliding") and not allow_is_causal_skip and q_length > 1 and packed is None
+    )
     if kind is None or wants_tensor or use_vmap or torch.compiler.is_compiling():
-        return sdpa_mask(**hf_args, allow_is_causal_skip=allow_is_causal_skip,
-                         allow_is_bidirectional_skip=allow_is_bidirectional_skip, **kwargs)
+        return sdpa_mask(
+            **hf_args,
+            allow_is_causal_skip=allow_is_causal_skip,
+            allow_is_bidirectional_skip=allow_is_bidirectional_skip,
+            **kwargs,
+        )
     padding = None
     if attention_mask is not None:
         keep = prepare_padding_mask(attention_mask, kv_length, kv_offset)
-        keep = keep[:, int(kv_offset):int(kv_offset) + kv_length]
+        keep = keep[:, int(kv_offset) : int(kv_offset) + kv_length]
         if not bool(keep.all()):
             padding = (~keep.bool()).contiguous()
-    return StructuredMask(batch_size, q_length, kv_length, int(q_offset), int(kv_offset),
-                          causal=kind != "bidirectional", sliding_window=window, padding=padding,
-                          packed=packed, _hf_args=hf_args)
+    return StructuredMask(
+        batch_size,
+        q_length,
+        kv_length,
+        int(q_offset),
+        int(kv_offset),
+        causal=kind != "bidirectional",
+        sliding_window=window,
+        padding=padding,
+        packed=packed,
+        _hf_args=hf_args,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # The attention function
 # ---------------------------------------------------------------------------------------------
+
 
 def _wants_weights(kwargs) -> bool:
     if kwargs.get("output_attentions", False):
@@ -261,9 +313,17 @@ def _bool_mask(attention_mask, module, query: Tensor, key: Tensor, is_causal) ->
     return attention_mask
 
 
-def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
-                      dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
-                      **kwargs) -> tuple[Tensor, Tensor | None]:
+def attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[Tensor, Tensor | None]:
     """transformers' attention interface for "masked_attn" (sdpa_attention_forward's
     signature): query (B, H, Lq, D), key / value (B, Hkv, Lk, D); returns
     (B, Lq, H, Dv) and the attention weights when output_attentions asks for them."""
@@ -274,8 +334,9 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     need_weights = _wants_weights(kwargs)
     if kwargs.get("position_bias") is not None:  # T5-style bias: transformers' sdpa folds it into a float mask
         mask = _bool_mask(attention_mask, module, query, key, is_causal)
-        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
 
     lq, lk = query.shape[2], key.shape[2]
     dropout = float(dropout or 0.0)
@@ -291,9 +352,11 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     elif isinstance(attention_mask, Tensor):  # transformers' or the user's 4-D mask, sdpa's convention
         args = {"attn_mask": ~attention_mask if attention_mask.dtype == torch.bool else attention_mask}
     else:
-        raise TypeError(f"masked_attn: attention_mask must be a Tensor, None or a StructuredMask, got "
-                        f"{type(attention_mask).__name__} (a flex_attention BlockMask? build the model with "
-                        "attn_implementation='masked_attn' so that transformers calls our mask function)")
+        raise TypeError(
+            f"masked_attn: attention_mask must be a Tensor, None or a StructuredMask, got "
+            f"{type(attention_mask).__name__} (a flex_attention BlockMask? build the model with "
+            "attn_implementation='masked_attn' so that transformers calls our mask function)"
+        )
     if softcap is not None:
         args["softcap"] = float(softcap)
     if sinks is not None:
@@ -305,8 +368,9 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     return out.transpose(1, 2).contiguous(), weights
 
 
-def _packed_attention(mask: StructuredMask, query: Tensor, key: Tensor, value: Tensor, scaling, softcap=None,
-                      sinks=None) -> Tensor:
+def _packed_attention(
+    mask: StructuredMask, query: Tensor, key: Tensor, value: Tensor, scaling, softcap=None, sinks=None
+) -> Tensor:
     """Packed sequences through varlen_attn: the (B, L) rows of sequence ids cut
     into cu_seqlens over the B * L tokens; causal (or a sliding window) inside
     each sequence. Returns (B, L, H, Dv), transformers' layout."""
@@ -326,14 +390,16 @@ def _packed_attention(mask: StructuredMask, query: Tensor, key: Tensor, value: T
         extra["softcap"] = float(softcap)
     if sinks is not None:
         extra["sinks"] = sinks
-    out = _F.varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(left, 0),
-                  enable_gqa=key.shape[1] != H, **extra)
+    out = _F.varlen_attn(
+        q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(left, 0), enable_gqa=key.shape[1] != H, **extra
+    )
     return out.reshape(B, L, H, value.shape[3])
 
 
 # ---------------------------------------------------------------------------------------------
 # Continuous batching: transformers' PagedAttentionCache, written and read by our ops
 # ---------------------------------------------------------------------------------------------
+
 
 def _cache_pages(allocator, layer_idx: int) -> tuple[Tensor, Tensor]:
     """The layer's key and value pages in transformers' pool, (pages, page_size, H_kv, D) views.
@@ -351,9 +417,10 @@ class _StepPages:
     """The page tables of one forward step of continuous batching, for one group of layers
     (transformers' cache allocator): derived once from the step's read indices, shared by
     every layer of the group."""
+
     read_index: Tensor
-    table: Tensor        # (N, max_pages) int32: page p of sequence b is the pool's page table[b, p]
-    seqused: Tensor      # (N,) int32: keys of sequence b
+    table: Tensor  # (N, max_pages) int32: page p of sequence b is the pool's page table[b, p]
+    seqused: Tensor  # (N,) int32: keys of sequence b
 
 
 def _step_memo(cache, allocator, read_index: Tensor):
@@ -383,8 +450,9 @@ def _step_pages(cache, allocator, read_index: Tensor, cu_k: Tensor) -> _StepPage
     return hit
 
 
-def _paged_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, kwargs: dict, scaling,
-                     softcap, sinks) -> Tensor:
+def _paged_attention(
+    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, kwargs: dict, scaling, softcap, sinks
+) -> Tensor:
     """One layer of a continuous-batching step: query (1, H, T, D) and the step's new key / value
     states (1, H_kv, T, D) of every sequence packed end to end (kwargs: cu_seq_lens_q,
     cu_seq_lens_k, read_index, write_index from transformers' batch). The new rows are written
@@ -395,9 +463,11 @@ def _paged_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     cache = kwargs["cache"]
     missing = [k for k in ("cu_seq_lens_q", "cu_seq_lens_k", "read_index", "write_index") if kwargs.get(k) is None]
     if missing or query.shape[0] != 1:
-        raise ValueError(f"masked_attn: a PagedAttentionCache comes from transformers' continuous batching, with "
-                         f"one packed sequence of tokens and {', '.join(missing) or 'its arguments'}; got query "
-                         f"{tuple(query.shape)}" + (f" without {', '.join(missing)}" if missing else ""))
+        raise ValueError(
+            f"masked_attn: a PagedAttentionCache comes from transformers' continuous batching, with "
+            f"one packed sequence of tokens and {', '.join(missing) or 'its arguments'}; got query "
+            f"{tuple(query.shape)}" + (f" without {', '.join(missing)}" if missing else "")
+        )
     allocator = cache.layer_to_allocator[module.layer_idx]
     k_pages, v_pages = _cache_pages(allocator, module.layer_idx)
     read_index = kwargs["read_index"][allocator.index]
@@ -407,8 +477,8 @@ def _paged_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     cu_k = cu_k[allocator.layer_type] if isinstance(cu_k, dict) else cu_k
     cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
     max_q = kwargs.get("max_length_q") or int((cu_q[1:] - cu_q[:-1]).max())
-    q = query[0].transpose(0, 1)      # (T, H, D), a view
-    k_new = key[0].transpose(0, 1)    # (T, H_kv, D)
+    q = query[0].transpose(0, 1)  # (T, H, D), a view
+    k_new = key[0].transpose(0, 1)  # (T, H_kv, D)
     v_new = value[0].transpose(0, 1)
     window = getattr(allocator, "sliding_window", None)
     left = -1 if window is None else window - 1
@@ -424,11 +494,22 @@ def _paged_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     elif window is None:
         _F.write_kv_cache(k_new, v_new, k_pages, v_pages, write_index)
         pages = _step_pages(cache, allocator, read_index, cu_k)
-        out = _F.varlen_attn(q, k_pages, v_pages, cu_q, None, max_q, int(pages.seqused.max()),
-                             seqused_k=pages.seqused, block_table=pages.table, **args)
+        out = _F.varlen_attn(
+            q,
+            k_pages,
+            v_pages,
+            cu_q,
+            None,
+            max_q,
+            int(pages.seqused.max()),
+            seqused_k=pages.seqused,
+            block_table=pages.table,
+            **args,
+        )
     else:
-        out = _ring_attention(cache, allocator, q, k_new, v_new, k_pages, v_pages, read_index, write_index, cu_q,
-                              cu_k, max_q, args)
+        out = _ring_attention(
+            cache, allocator, q, k_new, v_new, k_pages, v_pages, read_index, write_index, cu_q, cu_k, max_q, args
+        )
     return out.unsqueeze(0)
 
 
@@ -437,12 +518,13 @@ class _RingStep:
     """A step's plan for one sliding-window group (transformers' ring buffer, slot = position %
     window): which sequences read the ring in place after the write, their page tables, and the
     rows the others read before it."""
+
     read_index: Tensor
-    table: Tensor          # (N, max_pages) int32, the ring's pages in slot order from the first key
-    seqused: Tensor        # (N,) int32: keys read in place (0 for the gathered sequences)
+    table: Tensor  # (N, max_pages) int32, the ring's pages in slot order from the first key
+    seqused: Tensor  # (N,) int32: keys read in place (0 for the gathered sequences)
     gathered: Tensor | None  # (N,) bool: sequences whose keys are gathered, or None if there are none
-    cu_g: Tensor | None      # (N + 1,) int32 offsets of the gathered keys
-    src: Tensor | None       # (rows,) int64 row of each gathered key: < 0: new row -src - 1, else a ring row
+    cu_g: Tensor | None  # (N + 1,) int32 offsets of the gathered keys
+    src: Tensor | None  # (rows,) int64 row of each gathered key: < 0: new row -src - 1, else a ring row
 
 
 def _ring_step(cache, allocator, read_index: Tensor, write_index: Tensor, cu_q: Tensor, cu_k: Tensor) -> _RingStep:
@@ -467,7 +549,7 @@ def _ring_step(cache, allocator, read_index: Tensor, write_index: Tensor, cu_q: 
     n_pages = torch.where(in_place, (nk + page - 1) // page, 0)
     cols = torch.arange(max(int(n_pages.max()), 1) if n_pages.numel() else 1)
     used = cols.unsqueeze(0) < n_pages.unsqueeze(1)
-    e = cols.unsqueeze(0) * page                       # the key at the start of each page
+    e = cols.unsqueeze(0) * page  # the key at the start of each page
     from_read = e < cached.unsqueeze(1)
     r = torch.where(used & from_read, ck[:-1].unsqueeze(1) + e, 0)
     w = torch.where(used & ~from_read, cq[:-1].unsqueeze(1) + e - cached.unsqueeze(1), 0)
@@ -491,8 +573,9 @@ def _ring_step(cache, allocator, read_index: Tensor, write_index: Tensor, cu_q: 
     return hit
 
 
-def _ring_attention(cache, allocator, q, k_new, v_new, k_pages, v_pages, read_index, write_index, cu_q, cu_k, max_q,
-                    args) -> Tensor:
+def _ring_attention(
+    cache, allocator, q, k_new, v_new, k_pages, v_pages, read_index, write_index, cu_q, cu_k, max_q, args
+) -> Tensor:
     """A sliding-window layer's step (see _ring_step): the gathered sequences' keys are read first
     (at most window - 1 cached rows each), then the new rows written, then the in-place sequences
     attend to the ring's pages and the gathered ones to their rows, each call giving 0 to the other
@@ -505,15 +588,26 @@ def _ring_attention(cache, allocator, q, k_new, v_new, k_pages, v_pages, read_in
         fresh = torch.where(new, -step.src - 1, 0)
         nw = new.view(-1, 1, 1)
         page = allocator.tokens_per_page
-        gathered = [torch.where(nw, kv_new.index_select(0, fresh), kv_pages[ring // page, ring % page])
-                    for kv_new, kv_pages in ((k_new, k_pages), (v_new, v_pages))]
+        gathered = [
+            torch.where(nw, kv_new.index_select(0, fresh), kv_pages[ring // page, ring % page])
+            for kv_new, kv_pages in ((k_new, k_pages), (v_new, v_pages))
+        ]
     _F.write_kv_cache(k_new, v_new, k_pages, v_pages, write_index)
-    out = _F.varlen_attn(q, k_pages, v_pages, cu_q, None, max_q, max(int(step.seqused.max()), 1),
-                         seqused_k=step.seqused, block_table=step.table, **args)
+    out = _F.varlen_attn(
+        q,
+        k_pages,
+        v_pages,
+        cu_q,
+        None,
+        max_q,
+        max(int(step.seqused.max()), 1),
+        seqused_k=step.seqused,
+        block_table=step.table,
+        **args,
+    )
     if gathered is not None:
         lens = step.cu_g[1:] - step.cu_g[:-1]
-        out = out + _F.varlen_attn(q, gathered[0], gathered[1], cu_q, step.cu_g, max_q, max(int(lens.max()), 1),
-                                   **args)
+        out = out + _F.varlen_attn(q, gathered[0], gathered[1], cu_q, step.cu_g, max_q, max(int(lens.max()), 1), **args)
     return out
 
 
@@ -525,6 +619,7 @@ except ImportError:  # pragma: no cover
 
 
 if ContinuousBatchingManager is not None:
+
     class MaskedAttnBatchingManager(ContinuousBatchingManager):
         """transformers' ContinuousBatchingManager for a model on "masked_attn": the one
         difference is that it keeps the model on "masked_attn" (transformers' own manager admits
@@ -546,8 +641,11 @@ def _init_continuous_batching(model: nn.Module):
     def init_continuous_batching(generation_config=None, continuous_batching_config=None, workload_hints=None):
         cached = getattr(model, "_cached_continuous_batching_manager", None)
         if model.config._attn_implementation != ATTN_IMPLEMENTATION or cached is not None:
-            return original(generation_config=generation_config,
-                            continuous_batching_config=continuous_batching_config, workload_hints=workload_hints)
+            return original(
+                generation_config=generation_config,
+                continuous_batching_config=continuous_batching_config,
+                workload_hints=workload_hints,
+            )
         # transformers' init_continuous_batching (5.23) up to the manager's construction
         gen_config = generation_config if generation_config is not None else model.generation_config
         if gen_config is None:
@@ -558,9 +656,12 @@ def _init_continuous_batching(model: nn.Module):
             continuous_batching_config = getattr(gen_config, "continuous_batching_config", None)
             if not isinstance(continuous_batching_config, ContinuousBatchingConfig):
                 continuous_batching_config = ContinuousBatchingConfig()
-        return MaskedAttnBatchingManager(model=model, generation_config=gen_config,
-                                         continuous_batching_config=continuous_batching_config,
-                                         workload_hints=workload_hints)
+        return MaskedAttnBatchingManager(
+            model=model,
+            generation_config=gen_config,
+            continuous_batching_config=continuous_batching_config,
+            workload_hints=workload_hints,
+        )
 
     init_continuous_batching._tma_original = original
     return init_continuous_batching
@@ -578,8 +679,14 @@ _CAPTURE: contextvars.ContextVar = contextvars.ContextVar("torch_masked_attn_hf_
 
 # config attributes that scale the logits in some transformers models; apply() refuses them rather
 # than give a loss that differs from the model's own (final_logit_softcapping is supported)
-_LOGIT_TRANSFORMS = ("logit_scale", "logits_scaling", "output_multiplier_scale", "logits_scale",
-                     "lm_head_multiplier", "mup_width_multiplier")
+_LOGIT_TRANSFORMS = (
+    "logit_scale",
+    "logits_scaling",
+    "output_multiplier_scale",
+    "logits_scale",
+    "lm_head_multiplier",
+    "mup_width_multiplier",
+)
 
 
 def _head_capture(head: nn.Linear):
@@ -617,22 +724,29 @@ def apply(model: nn.Module) -> nn.Module:
     # model.loss_function without reading the property (it warns for loss_type=None)
     custom = getattr(model, "_loss_function", None)
     loss_type = getattr(model, "loss_type", None)
-    causal_loss = custom is ForCausalLMLoss or (custom is None and (loss_type == "ForCausalLM"
-                                                                     or loss_type not in LOSS_MAPPING))
+    causal_loss = custom is ForCausalLMLoss or (
+        custom is None and (loss_type == "ForCausalLM" or loss_type not in LOSS_MAPPING)
+    )
     if not (causal_loss and hasattr(model, "can_generate") and model.can_generate()):
-        raise TypeError(f"torch_masked_attn.hf.apply: {type(model).__name__} is not a causal LM with "
-                        f"transformers' ForCausalLM loss (loss_type={getattr(model, 'loss_type', None)!r})")
+        raise TypeError(
+            f"torch_masked_attn.hf.apply: {type(model).__name__} is not a causal LM with "
+            f"transformers' ForCausalLM loss (loss_type={getattr(model, 'loss_type', None)!r})"
+        )
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):
-        raise TypeError(f"torch_masked_attn.hf.apply: the output embeddings of {type(model).__name__} must be "
-                        f"an nn.Linear, got {type(head).__name__}")
+        raise TypeError(
+            f"torch_masked_attn.hf.apply: the output embeddings of {type(model).__name__} must be "
+            f"an nn.Linear, got {type(head).__name__}"
+        )
     config = model.config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     for name in _LOGIT_TRANSFORMS:
         value = getattr(text_config, name, None)
         if value is not None and value != 1 and value is not False:
-            raise NotImplementedError(f"torch_masked_attn.hf.apply: {type(model).__name__} scales its logits "
-                                      f"(config.{name}={value!r}); the fused loss does not model that")
+            raise NotImplementedError(
+                f"torch_masked_attn.hf.apply: {type(model).__name__} scales its logits "
+                f"(config.{name}={value!r}); the fused loss does not model that"
+            )
     softcap = getattr(text_config, "final_logit_softcapping", None)
     softcap = float(softcap) if softcap else None
 
@@ -657,16 +771,27 @@ def apply(model: nn.Module) -> nn.Module:
             _CAPTURE.reset(token)
         hidden = slot.get("hidden")
         if hidden is None:
-            raise RuntimeError(f"torch_masked_attn.hf.apply: {type(model).__name__}'s forward did not call its "
-                               "LM head; its loss cannot be fused")
+            raise RuntimeError(
+                f"torch_masked_attn.hf.apply: {type(model).__name__}'s forward did not call its "
+                "LM head; its loss cannot be fused"
+            )
         if shift_labels is None:
             shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         shift_labels = shift_labels.to(hidden.device)
         if tuple(shift_labels.shape) != tuple(hidden.shape[:-1]):
-            raise ValueError(f"torch_masked_attn.hf.apply: labels {tuple(shift_labels.shape)} do not match the "
-                             f"tokens {tuple(hidden.shape[:-1])}")
-        loss = _F.linear_cross_entropy(hidden, head.weight, shift_labels, head.bias, ignore_index=ignore_index,
-                                       reduction="mean" if num_items is None else "sum", softcap=softcap)
+            raise ValueError(
+                f"torch_masked_attn.hf.apply: labels {tuple(shift_labels.shape)} do not match the "
+                f"tokens {tuple(hidden.shape[:-1])}"
+            )
+        loss = _F.linear_cross_entropy(
+            hidden,
+            head.weight,
+            shift_labels,
+            head.bias,
+            ignore_index=ignore_index,
+            reduction="mean" if num_items is None else "sum",
+            softcap=softcap,
+        )
         if loss.dtype in (torch.bfloat16, torch.float16):  # transformers' loss is float32 for these
             loss = loss.float()
         if num_items is not None:

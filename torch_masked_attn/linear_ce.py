@@ -5,6 +5,7 @@ through torch's matrix products and the cross-entropy kernel
 (torch.ops.masked_attn.cross_entropy_chunk_ / cross_entropy_backward_). The
 checks, reductions and the native fallback are losses.py's.
 """
+
 from __future__ import annotations
 
 import operator
@@ -36,7 +37,7 @@ __all__ = ["linear_cross_entropy", "LinearCrossEntropyLoss"]
 # backward, which therefore recomputes each chunk's logits (four products).
 # Ignored rows are dropped before the first product: they cost nothing.
 
-_DEFAULT_CHUNK_BYTES = 64 << 20     # one chunk's logits: 64 MB
+_DEFAULT_CHUNK_BYTES = 64 << 20  # one chunk's logits: 64 MB
 
 
 def _default_chunk_rows(n_rows, V, element_size):
@@ -44,11 +45,12 @@ def _default_chunk_rows(n_rows, V, element_size):
         return 1
     rows = max(1, min(n_rows, _DEFAULT_CHUNK_BYTES // max(1, V * element_size)))
     n_chunks = -(-n_rows // rows)
-    return -(-n_rows // n_chunks)   # equal chunks
+    return -(-n_rows // n_chunks)  # equal chunks
 
 
-def _lce_chunks(h, weight, bias, t, chunk, opts, grad_scale=None, dloss=None, lse=None,
-                want_grads=(False, False, False)):
+def _lce_chunks(
+    h, weight, bias, t, chunk, opts, grad_scale=None, dloss=None, lse=None, want_grads=(False, False, False)
+):
     """One sweep over the kept rows h (Nk, d), targets t (Nk,), in chunks.
 
     Forward sweep (dloss None): returns per-row loss and lse (acc type); with
@@ -62,7 +64,7 @@ def _lce_chunks(h, weight, bias, t, chunk, opts, grad_scale=None, dloss=None, ls
     want_h, want_w, want_b = want_grads
     grads = dloss is not None or grad_scale is not None
     acc = torch.float64 if h.dtype == torch.float64 else torch.float32
-    low = h.dtype not in (torch.float32, torch.float64)   # accumulate grad_weight / bias in float32
+    low = h.dtype not in (torch.float32, torch.float64)  # accumulate grad_weight / bias in float32
     loss = torch.empty(Nk, dtype=acc) if dloss is None else None
     lse_out = torch.empty(Nk, dtype=acc) if dloss is None else None
     grad_h = torch.empty(Nk, d, dtype=h.dtype) if grads and want_h else None
@@ -72,18 +74,20 @@ def _lce_chunks(h, weight, bias, t, chunk, opts, grad_scale=None, dloss=None, ls
     wt = weight.t()
     for s in range(0, Nk, chunk):
         e = min(s + chunk, Nk)
-        hc, tc, logits = h[s:e], t[s:e], buf[:e - s]
+        hc, tc, logits = h[s:e], t[s:e], buf[: e - s]
         if bias is None:
             torch.mm(hc, wt, out=logits)
         else:
             torch.addmm(bias, hc, wt, out=logits)
         if dloss is None:
             l_c, lse_c = torch.ops.masked_attn.cross_entropy_chunk_(
-                logits, tc, None, grad_scale, ignore_index, ls, z_loss, softcap)
+                logits, tc, None, grad_scale, ignore_index, ls, z_loss, softcap
+            )
             loss[s:e], lse_out[s:e] = l_c, lse_c
         else:  # logits -> d loss / d logits, scaled row by row by dloss
             torch.ops.masked_attn.cross_entropy_backward_(
-                dloss[s:e], logits, tc, None, lse[s:e], "none", ignore_index, ls, z_loss, softcap)
+                dloss[s:e], logits, tc, None, lse[s:e], "none", ignore_index, ls, z_loss, softcap
+            )
         if not grads:
             continue
         if grad_h is not None:
@@ -133,7 +137,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
         ctx.reduction, ctx.opts, ctx.chunk, ctx.N, ctx.want = reduction, opts, chunk, N, want
         ctx.eager = eager
-        if eager:       # the backward only scales these by grad_output
+        if eager:  # the backward only scales these by grad_output
             ctx.save_for_backward(_scatter_rows(grads[0], kept, N) if want[0] else None, grads[1], grads[2])
         elif any(want):  # reduction 'none': the backward recomputes the logits
             ctx.save_for_backward(hk, weight, bias, tk, lse, kept)
@@ -156,17 +160,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
             return grads + nones
         hk, weight, bias, tk, lse, kept = ctx.saved_tensors
         dloss = grad_out if kept is None else grad_out.index_select(0, kept)
-        _, _, (gh, gw, gb) = _lce_chunks(hk, weight, bias, tk, ctx.chunk, ctx.opts, dloss=dloss.contiguous(),
-                                         lse=lse, want_grads=ctx.want)
+        _, _, (gh, gw, gb) = _lce_chunks(
+            hk, weight, bias, tk, ctx.chunk, ctx.opts, dloss=dloss.contiguous(), lse=lse, want_grads=ctx.want
+        )
         if gh is not None:
             gh = _scatter_rows(gh, kept, ctx.N)
         return (gh, gw, gb) + nones
 
 
-def linear_cross_entropy(input: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None,
-                         ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                         z_loss: float = 0.0, softcap: float | None = None,
-                         chunk_size: int | None = None) -> Tensor:
+def linear_cross_entropy(
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    chunk_size: int | None = None,
+) -> Tensor:
     """``F.cross_entropy(F.linear(input, weight, bias), target, ...)`` without
     the (N, V) logits: chunked over the tokens, the matrix products by torch,
     the loss and its gradient by the C kernel in one pass per row.
@@ -190,22 +203,30 @@ def linear_cross_entropy(input: Tensor, weight: Tensor, target: Tensor, bias: Te
     if reduction not in _REDUCTIONS:
         raise ValueError(f"linear_cross_entropy: reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
     if input.dim() < 1 or weight.dim() != 2 or weight.shape[1] != input.shape[-1]:
-        raise ValueError(f"linear_cross_entropy: input (..., d) and weight (V, d) do not match: input "
-                         f"{tuple(input.shape)}, weight {tuple(weight.shape)}")
+        raise ValueError(
+            f"linear_cross_entropy: input (..., d) and weight (V, d) do not match: input "
+            f"{tuple(input.shape)}, weight {tuple(weight.shape)}"
+        )
     if tuple(target.shape) != tuple(input.shape[:-1]):
-        raise ValueError(f"linear_cross_entropy: target must have input's shape without its last dim, "
-                         f"{tuple(input.shape[:-1])}, got {tuple(target.shape)}")
+        raise ValueError(
+            f"linear_cross_entropy: target must have input's shape without its last dim, "
+            f"{tuple(input.shape[:-1])}, got {tuple(target.shape)}"
+        )
     if target.dtype != torch.int64:
         raise TypeError(f"linear_cross_entropy: target must be int64 class indices, got {target.dtype}")
-    if input.dtype not in _KERNEL_DTYPES or weight.dtype != input.dtype or \
-            (bias is not None and bias.dtype != input.dtype):
-        raise TypeError("linear_cross_entropy: input, weight and bias must have one dtype among float32, "
-                        f"float64, bfloat16, float16; got {input.dtype}, {weight.dtype}"
-                        + ("" if bias is None else f", {bias.dtype}"))
+    if (
+        input.dtype not in _KERNEL_DTYPES
+        or weight.dtype != input.dtype
+        or (bias is not None and bias.dtype != input.dtype)
+    ):
+        raise TypeError(
+            "linear_cross_entropy: input, weight and bias must have one dtype among float32, "
+            f"float64, bfloat16, float16; got {input.dtype}, {weight.dtype}"
+            + ("" if bias is None else f", {bias.dtype}")
+        )
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"linear_cross_entropy: bias must be (V,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
-                                   or chunk_size < 1):
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"linear_cross_entropy: chunk_size must be a positive int or None, got {chunk_size!r}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"linear_cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing!r}")
@@ -215,11 +236,28 @@ def linear_cross_entropy(input: Tensor, weight: Tensor, target: Tensor, bias: Te
     if not uses_kernels(input.device):
         # another device: the logits materialised, then native_cross_entropy
         logits = nn.functional.linear(input.reshape(-1, d), weight, bias)
-        loss = native_cross_entropy(logits, target.reshape(-1), reduction=reduction, ignore_index=ignore_index,
-                                    label_smoothing=float(label_smoothing), z_loss=z_loss, softcap=softcap)
+        loss = native_cross_entropy(
+            logits,
+            target.reshape(-1),
+            reduction=reduction,
+            ignore_index=ignore_index,
+            label_smoothing=float(label_smoothing),
+            z_loss=z_loss,
+            softcap=softcap,
+        )
         return loss.reshape(target.shape) if reduction == "none" else loss
-    loss = _LinearCrossEntropy.apply(input.reshape(-1, d), weight, bias, target.reshape(-1), ignore_index,
-                                     reduction, float(label_smoothing), z_loss, softcap, chunk_size)
+    loss = _LinearCrossEntropy.apply(
+        input.reshape(-1, d),
+        weight,
+        bias,
+        target.reshape(-1),
+        ignore_index,
+        reduction,
+        float(label_smoothing),
+        z_loss,
+        softcap,
+        chunk_size,
+    )
     return loss.reshape(target.shape) if reduction == "none" else loss
 
 
@@ -228,22 +266,39 @@ class LinearCrossEntropyLoss(nn.Module):
     with the options fixed at construction. The LM head's weight (and bias)
     stay with the model: pass ``lm_head.weight``. No parameters, no state."""
 
-    def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                 z_loss: float = 0.0, softcap: float | None = None, chunk_size: int | None = None) -> None:
+    def __init__(
+        self,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        softcap: float | None = None,
+        chunk_size: int | None = None,
+    ) -> None:
         super().__init__()
         if reduction not in _REDUCTIONS:
-            raise ValueError(f"LinearCrossEntropyLoss: reduction must be 'none', 'mean' or 'sum', "
-                             f"got {reduction!r}")
+            raise ValueError(f"LinearCrossEntropyLoss: reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
         self.z_loss, self.softcap = _check_options(z_loss, softcap, "LinearCrossEntropyLoss")
         self.chunk_size = chunk_size
 
     def forward(self, input: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None) -> Tensor:
-        return linear_cross_entropy(input, weight, target, bias, ignore_index=self.ignore_index,
-                                    reduction=self.reduction, label_smoothing=self.label_smoothing,
-                                    z_loss=self.z_loss, softcap=self.softcap, chunk_size=self.chunk_size)
+        return linear_cross_entropy(
+            input,
+            weight,
+            target,
+            bias,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+            label_smoothing=self.label_smoothing,
+            z_loss=self.z_loss,
+            softcap=self.softcap,
+            chunk_size=self.chunk_size,
+        )
 
     def extra_repr(self) -> str:
-        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
-                f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, softcap={self.softcap}, "
-                f"chunk_size={self.chunk_size}")
+        return (
+            f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+            f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, softcap={self.softcap}, "
+            f"chunk_size={self.chunk_size}"
+        )

@@ -22,6 +22,7 @@ Where we differ from PyTorch (on purpose):
 * a (C,) input with a (1,) target and label_smoothing > 0 gives the loss;
   PyTorch 2.13 raises a broadcasting RuntimeError there.
 """
+
 import functools
 import math
 import numbers
@@ -45,11 +46,22 @@ _OUT_OF_BOUNDS = re.compile(r"Target -?\d+ is out of bounds\.")
 
 # c10::ScalarType names, as PyTorch's messages print dtypes.
 _SCALAR_TYPE_NAMES = {
-    torch.float32: "Float", torch.float64: "Double", torch.float16: "Half",
-    torch.bfloat16: "BFloat16", torch.int64: "Long", torch.int32: "Int", torch.int16: "Short",
-    torch.int8: "Char", torch.uint8: "Byte", torch.bool: "Bool", torch.complex64: "ComplexFloat",
-    torch.complex128: "ComplexDouble", torch.complex32: "ComplexHalf",
-    torch.uint16: "UInt16", torch.uint32: "UInt32", torch.uint64: "UInt64",
+    torch.float32: "Float",
+    torch.float64: "Double",
+    torch.float16: "Half",
+    torch.bfloat16: "BFloat16",
+    torch.int64: "Long",
+    torch.int32: "Int",
+    torch.int16: "Short",
+    torch.int8: "Char",
+    torch.uint8: "Byte",
+    torch.bool: "Bool",
+    torch.complex64: "ComplexFloat",
+    torch.complex128: "ComplexDouble",
+    torch.complex32: "ComplexHalf",
+    torch.uint16: "UInt16",
+    torch.uint32: "UInt32",
+    torch.uint64: "UInt64",
 }
 
 
@@ -67,11 +79,14 @@ def _sizes(shape):
 
 # ---- argument checks, in the order PyTorch makes them -----------------------
 
+
 def _check_arg_types(input, target, weight, ignore_index, label_smoothing):
     """What torch._C._nn.cross_entropy_loss's argument parser checks."""
+
     def bad(name, pos, want, got):
-        return TypeError(f"cross_entropy_loss(): argument '{name}' (position {pos}) must be {want}, "
-                         f"not {type(got).__name__}")
+        return TypeError(
+            f"cross_entropy_loss(): argument '{name}' (position {pos}) must be {want}, not {type(got).__name__}"
+        )
 
     if not isinstance(input, torch.Tensor):
         raise bad("input", 1, "Tensor", input)
@@ -101,9 +116,8 @@ def _check_label_smoothing(ls):
 def _check_logits(input, class_dim):
     """log_softmax's refusal of non-floating inputs (what PyTorch hits first)."""
     if input.dtype not in _KERNEL_DTYPES:
-        kernel = "log_softmax_lastdim_kernel_impl" if class_dim == input.dim() - 1 else \
-            "log_softmax_kernel_impl"
-        raise NotImplementedError(f'"{kernel}" not implemented for \'{_st(input.dtype)}\'')
+        kernel = "log_softmax_lastdim_kernel_impl" if class_dim == input.dim() - 1 else "log_softmax_kernel_impl"
+        raise NotImplementedError(f"\"{kernel}\" not implemented for '{_st(input.dtype)}'")
 
 
 @functools.cache
@@ -125,29 +139,31 @@ def _check_weight_no_grad(weight):
     if weight is not None and weight.requires_grad and torch.is_grad_enabled():
         raise RuntimeError(
             "The function 'nll_loss_forward' is not differentiable with respect to argument "
-            "'weight'. This input cannot have requires_grad True.")
+            "'weight'. This input cannot have requires_grad True."
+        )
 
 
 def _prepare_probabilities(input, target, weight, ignore_index, ls):
     """Probability targets (target.shape == input.shape): cross_entropy_loss_prob_target."""
     if not target.is_floating_point():
-        raise RuntimeError("Expected floating point type for target with class probabilities, "
-                           f"got {_st(target.dtype)}")
+        raise RuntimeError(f"Expected floating point type for target with class probabilities, got {_st(target.dtype)}")
     if ignore_index >= 0:
         raise RuntimeError("ignore_index is not supported for floating point target")
     if input.dim() == 0:
         raise IndexError("Dimension specified as 1 but tensor has no dimensions")
     C = input.shape[0 if input.dim() == 1 else 1]
     if weight is not None and not (weight.dim() == 1 and weight.numel() == C):
-        raise RuntimeError(f"cross_entropy: weight tensor should be defined either for all {C} "
-                           f"classes or no classes but got weight tensor of shape: {_sizes(weight.shape)}")
+        raise RuntimeError(
+            f"cross_entropy: weight tensor should be defined either for all {C} "
+            f"classes or no classes but got weight tensor of shape: {_sizes(weight.shape)}"
+        )
     _check_logits(input, 0 if input.dim() == 1 else 1)
     if ls > 0:
         _check_label_smoothing(ls)
     if weight is not None and weight.requires_grad and torch.is_grad_enabled():
         raise NotImplementedError(
-            "torch_masked_attn.cross_entropy: no gradient for weight with probability targets; "
-            "pass weight.detach()")
+            "torch_masked_attn.cross_entropy: no gradient for weight with probability targets; pass weight.detach()"
+        )
     dtype = torch.promote_types(input.dtype, target.dtype)
     if weight is not None:
         dtype = torch.promote_types(dtype, weight.dtype)
@@ -169,8 +185,9 @@ def _prepare_class_indices(input, target, weight, ignore_index, ls):
     if input.dim() != 1:
         target_batch = target.shape[0] if target.dim() > 0 else 0
         if input.shape[0] != target_batch:
-            raise ValueError(f"Expected input batch_size ({input.shape[0]}) to match target "
-                             f"batch_size ({target_batch}).")
+            raise ValueError(
+                f"Expected input batch_size ({input.shape[0]}) to match target batch_size ({target_batch})."
+            )
     _check_weight_no_grad(weight)
     dtype_msg = _native_target_dtype_error(target.dtype)
     bad_dtype = dtype_msg is not None
@@ -181,28 +198,30 @@ def _prepare_class_indices(input, target, weight, ignore_index, ls):
         if bad_dtype:
             raise RuntimeError(dtype_msg)
         if input.dim() == 1 and target.dim() == 1 and target.shape[0] != 1:
-            raise ValueError(f"For 1D input, 1D target must have size 1, but got target size: "
-                             f"{target.shape[0]}")
+            raise ValueError(f"For 1D input, 1D target must have size 1, but got target size: {target.shape[0]}")
         if input.dim() == 2 and target.dim() == 0:  # batch size 0 "matched" a 0-d target
             raise IndexError("Dimension specified as 0 but tensor has no dimensions")
         if weight is not None and not (weight.dim() == 1 and weight.numel() == C):
-            raise RuntimeError(f"weight tensor should be defined either for all {C} classes or no "
-                               f"classes but got weight tensor of shape: {_sizes(weight.shape)}")
+            raise RuntimeError(
+                f"weight tensor should be defined either for all {C} classes or no "
+                f"classes but got weight tensor of shape: {_sizes(weight.shape)}"
+            )
     else:  # nll_loss2d; 3-D and >4-D inputs are viewed as 4-D first
         if input.dim() != 4:
             if tuple(target.shape[1:]) != tuple(input.shape[2:]):
-                raise RuntimeError(f"Expected target size {_sizes(input.shape[:1] + input.shape[2:])}, "
-                                   f"got {_sizes(target.shape)}")
+                raise RuntimeError(
+                    f"Expected target size {_sizes(input.shape[:1] + input.shape[2:])}, got {_sizes(target.shape)}"
+                )
         elif target.dim() != 3:
-            raise RuntimeError("only batches of spatial targets supported (3D tensors) but got "
-                               f"targets of dimension: {target.dim()}")
+            raise RuntimeError(
+                f"only batches of spatial targets supported (3D tensors) but got targets of dimension: {target.dim()}"
+            )
         if bad_dtype:
             raise RuntimeError(dtype_msg)
         if weight is not None and weight.numel() != C:
             raise RuntimeError("weight tensor should be defined either for all or no classes")
         if input.dim() == 4 and tuple(target.shape) != (input.shape[0],) + tuple(input.shape[2:]):
-            raise RuntimeError(f"size mismatch (got input: {_sizes(input.shape)} , target: "
-                               f"{_sizes(target.shape)}")
+            raise RuntimeError(f"size mismatch (got input: {_sizes(input.shape)} , target: {_sizes(target.shape)}")
         if weight is not None:
             weight = weight.reshape(C)
     if weight is not None and weight.dtype != input.dtype:
@@ -214,13 +233,14 @@ def _prepare_class_indices(input, target, weight, ignore_index, ls):
 
 # ---- the drop-ins -------------------------------------------------------------
 
+
 def _check_options(z_loss, softcap, where):
     """z_loss: a finite number >= 0; softcap: None or a finite number > 0."""
-    if isinstance(z_loss, bool) or not isinstance(z_loss, numbers.Real) or not math.isfinite(z_loss) \
-            or z_loss < 0:
+    if isinstance(z_loss, bool) or not isinstance(z_loss, numbers.Real) or not math.isfinite(z_loss) or z_loss < 0:
         raise ValueError(f"{where}: z_loss must be a finite number >= 0, got {z_loss!r}")
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
-                                or not math.isfinite(softcap) or softcap <= 0):
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap <= 0
+    ):
         raise ValueError(f"{where}: softcap must be None or a finite number > 0, got {softcap!r}")
     return float(z_loss), None if softcap is None else float(softcap)
 
@@ -230,14 +250,24 @@ def _check_inplace_backward(input):
         raise ValueError(
             "cross_entropy(inplace_backward=True): input is a leaf tensor that requires grad; the "
             "backward would overwrite it with its own gradient. inplace_backward is meant for logits "
-            "computed by the model (e.g. the output of the LM head), which nothing else reads afterwards.")
+            "computed by the model (e.g. the output of the LM head), which nothing else reads afterwards."
+        )
 
 
-def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
-                  size_average: bool | None = None, ignore_index: int = -100,
-                  reduce: bool | None = None, reduction: str = "mean",
-                  label_smoothing: float = 0.0, *, z_loss: float = 0.0, softcap: float | None = None,
-                  inplace_backward: bool = False) -> Tensor:
+def cross_entropy(
+    input: Tensor,
+    target: Tensor,
+    weight: Tensor | None = None,
+    size_average: bool | None = None,
+    ignore_index: int = -100,
+    reduce: bool | None = None,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    *,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    inplace_backward: bool = False,
+) -> Tensor:
     """Drop-in for torch.nn.functional.cross_entropy (same signature, values,
     gradients and exceptions), with three keyword-only options that are off
     by default.
@@ -265,16 +295,34 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
     """
     if has_torch_function_variadic(input, target, weight):
         return handle_torch_function(
-            cross_entropy, (input, target, weight), input, target, weight=weight,
-            size_average=size_average, ignore_index=ignore_index, reduce=reduce,
-            reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-            inplace_backward=inplace_backward)
+            cross_entropy,
+            (input, target, weight),
+            input,
+            target,
+            weight=weight,
+            size_average=size_average,
+            ignore_index=ignore_index,
+            reduce=reduce,
+            reduction=reduction,
+            label_smoothing=label_smoothing,
+            z_loss=z_loss,
+            softcap=softcap,
+            inplace_backward=inplace_backward,
+        )
     if size_average is not None or reduce is not None:
         reduction = _REDUCTIONS[_Reduction.get_enum(_Reduction.legacy_get_string(size_average, reduce))]
     z_loss, softcap = _check_options(z_loss, softcap, "cross_entropy")
     if isinstance(input, torch.Tensor) and not uses_kernels(input.device):
-        return native_cross_entropy(input, target, weight, reduction=reduction, ignore_index=ignore_index,
-                                    label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
+        return native_cross_entropy(
+            input,
+            target,
+            weight,
+            reduction=reduction,
+            ignore_index=ignore_index,
+            label_smoothing=label_smoothing,
+            z_loss=z_loss,
+            softcap=softcap,
+        )
     reduction = _REDUCTIONS[_Reduction.get_enum(reduction)]  # ValueError for a bad one
     cast = autocast_dtype(input.device.type, "float32") if isinstance(input, torch.Tensor) else None
     if cast is not None:  # under autocast, as F.cross_entropy: float32 before any check
@@ -291,8 +339,9 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
     if inplace_backward:
         _check_inplace_backward(input)
     try:
-        loss, _ = torch.ops.masked_attn.cross_entropy(input, target, weight, reduction, ignore_index, ls,
-                                                      z_loss, softcap, inplace_backward)
+        loss, _ = torch.ops.masked_attn.cross_entropy(
+            input, target, weight, reduction, ignore_index, ls, z_loss, softcap, inplace_backward
+        )
     except RuntimeError as e:  # the shim's target check: PyTorch raises IndexError
         m = _OUT_OF_BOUNDS.search(str(e))
         if m is None:
@@ -301,9 +350,17 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
     return loss
 
 
-def native_cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, *, reduction: str = "mean",
-                         ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
-                         softcap: float | None = None) -> Tensor:
+def native_cross_entropy(
+    input: Tensor,
+    target: Tensor,
+    weight: Tensor | None = None,
+    *,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+) -> Tensor:
     """:func:`cross_entropy` computed with PyTorch's native ops, on any device
     (what it runs on a device other than the CPU): F.cross_entropy itself
     (its checks, messages and values), with softcap as
@@ -316,10 +373,12 @@ def native_cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = 
     if softcap is not None:
         input = softcap * torch.tanh(input / softcap)
     if not z_loss:
-        return nn.functional.cross_entropy(input, target, weight, ignore_index=ignore_index, reduction=reduction,
-                                           label_smoothing=label_smoothing)
-    rows = nn.functional.cross_entropy(input, target, weight, ignore_index=ignore_index, reduction="none",
-                                       label_smoothing=label_smoothing)
+        return nn.functional.cross_entropy(
+            input, target, weight, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing
+        )
+    rows = nn.functional.cross_entropy(
+        input, target, weight, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing
+    )
     cdim = 0 if input.dim() == 1 else 1
     acc = torch.float64 if input.dtype == torch.float64 else torch.float32
     probabilities = target.shape == input.shape and target.is_floating_point()
@@ -328,7 +387,7 @@ def native_cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = 
     z = z_loss * torch.logsumexp(x.to(acc), cdim) ** 2
     if kept is not None:
         z = z.masked_fill(~kept, 0.0)
-    rows = (rows.to(acc) + z)
+    rows = rows.to(acc) + z
     if reduction == "none":
         return rows.to(input.dtype)
     total = rows.sum()
@@ -349,17 +408,35 @@ class CrossEntropyLoss(nn.CrossEntropyLoss):
     ``z_loss``, ``softcap`` and ``inplace_backward`` are that function's
     options (off by default); they are plain attributes, not state."""
 
-    def __init__(self, weight: Tensor | None = None, size_average: bool | None = None, ignore_index: int = -100,
-                 reduce: bool | None = None, reduction: str = "mean", label_smoothing: float = 0.0, *,
-                 z_loss: float = 0.0, softcap: float | None = None, inplace_backward: bool = False) -> None:
+    def __init__(
+        self,
+        weight: Tensor | None = None,
+        size_average: bool | None = None,
+        ignore_index: int = -100,
+        reduce: bool | None = None,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        *,
+        z_loss: float = 0.0,
+        softcap: float | None = None,
+        inplace_backward: bool = False,
+    ) -> None:
         super().__init__(weight, size_average, ignore_index, reduce, reduction, label_smoothing)
         self.z_loss, self.softcap = _check_options(z_loss, softcap, "CrossEntropyLoss")
         self.inplace_backward = bool(inplace_backward)
 
     def forward(self, input: Tensor, target: Tensor) -> Tensor:
-        return cross_entropy(input, target, weight=self.weight, ignore_index=self.ignore_index,
-                             reduction=self.reduction, label_smoothing=self.label_smoothing,
-                             z_loss=self.z_loss, softcap=self.softcap, inplace_backward=self.inplace_backward)
+        return cross_entropy(
+            input,
+            target,
+            weight=self.weight,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+            label_smoothing=self.label_smoothing,
+            z_loss=self.z_loss,
+            softcap=self.softcap,
+            inplace_backward=self.inplace_backward,
+        )
 
 
 def perplexity(input: Tensor, target: Tensor, ignore_index: int = -100) -> Tensor:

@@ -1,4 +1,5 @@
 """Drop-in modules."""
+
 from __future__ import annotations
 
 import torch
@@ -42,15 +43,36 @@ class _PackedSelfAttention(torch.autograd.Function):
     projection needs no zero-filled buffers, no stack and no copy."""
 
     @staticmethod
-    def forward(ctx, qkv, attn_mask, key_padding_mask, head_mask, is_causal, need_weights, batch_first,
-                dropout_p, dropout_seed, grad_on):
+    def forward(
+        ctx,
+        qkv,
+        attn_mask,
+        key_padding_mask,
+        head_mask,
+        is_causal,
+        need_weights,
+        batch_first,
+        dropout_p,
+        dropout_seed,
+        grad_on,
+    ):
         # grad_on: the caller's grad mode (forward runs without it, and needs_input_grad ignores it)
         q, k, v = _split_qkv(qkv, batch_first)
         out, lse, weights, out_lo = torch.ops.masked_attn.forward(
-            q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, None, need_weights, dropout_p, dropout_seed,
-            for_backward=grad_on and any(ctx.needs_input_grad))
-        ctx.save_for_backward(qkv, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed,
-                              saved_out_lo(out_lo))
+            q,
+            k,
+            v,
+            attn_mask,
+            key_padding_mask,
+            head_mask,
+            is_causal,
+            None,
+            need_weights,
+            dropout_p,
+            dropout_seed,
+            for_backward=grad_on and any(ctx.needs_input_grad),
+        )
+        ctx.save_for_backward(qkv, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed, saved_out_lo(out_lo))
         ctx.is_causal, ctx.need_weights, ctx.batch_first = is_causal, need_weights, batch_first
         ctx.dropout_p = dropout_p
         ctx.set_materialize_grads(False)
@@ -63,11 +85,17 @@ class _PackedSelfAttention(torch.autograd.Function):
         grad_qkv = torch.empty_like(qkv)
         _, _, _, d_am, d_kpm, dhm = attention_backward(
             (*_split_qkv(qkv, ctx.batch_first), out, lse, attn_mask, key_padding_mask, head_mask),
-            _needs(ctx, 1, 2, 3), ctx.is_causal, None, grad_out,
-            grad_weights if ctx.need_weights else None, into=_split_qkv(grad_qkv, ctx.batch_first),
-            dropout_p=ctx.dropout_p, dropout_seed=dropout_seed, out_lo=out_lo)
-        return first_order_only("MultiheadAttention", saved[:6], grad_qkv, d_am, d_kpm,
-                                dhm) + (None,) * 6
+            _needs(ctx, 1, 2, 3),
+            ctx.is_causal,
+            None,
+            grad_out,
+            grad_weights if ctx.need_weights else None,
+            into=_split_qkv(grad_qkv, ctx.batch_first),
+            dropout_p=ctx.dropout_p,
+            dropout_seed=dropout_seed,
+            out_lo=out_lo,
+        )
+        return first_order_only("MultiheadAttention", saved[:6], grad_qkv, d_am, d_kpm, dhm) + (None,) * 6
 
 
 def _merge_heads(t, batch_first):
@@ -91,16 +119,43 @@ class _RecomputedSelfAttention(torch.autograd.Function):
     activation (MultiheadAttention.recompute_projection)."""
 
     @staticmethod
-    def forward(ctx, x, w_in, b_in, w_out, b_out, attn_mask, key_padding_mask, head_mask, is_causal,
-                batch_first, H, dropout_p, dropout_seed, grad_on):
+    def forward(
+        ctx,
+        x,
+        w_in,
+        b_in,
+        w_out,
+        b_out,
+        attn_mask,
+        key_padding_mask,
+        head_mask,
+        is_causal,
+        batch_first,
+        H,
+        dropout_p,
+        dropout_seed,
+        grad_on,
+    ):
         qkv = F.linear(x, w_in, b_in).unflatten(-1, (3, H, -1))
         q, k, v = _split_qkv(qkv, batch_first)
         out, lse, _, out_lo = torch.ops.masked_attn.forward(
-            q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, None, False, dropout_p, dropout_seed,
-            for_backward=grad_on and any(ctx.needs_input_grad))
+            q,
+            k,
+            v,
+            attn_mask,
+            key_padding_mask,
+            head_mask,
+            is_causal,
+            None,
+            False,
+            dropout_p,
+            dropout_seed,
+            for_backward=grad_on and any(ctx.needs_input_grad),
+        )
         del qkv, q, k, v
-        ctx.save_for_backward(x, w_in, b_in, w_out, out, lse, attn_mask, key_padding_mask, head_mask,
-                              dropout_seed, saved_out_lo(out_lo))
+        ctx.save_for_backward(
+            x, w_in, b_in, w_out, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed, saved_out_lo(out_lo)
+        )
         ctx.dropout_p = dropout_p
         ctx.is_causal, ctx.batch_first, ctx.H, ctx.has_b_out = is_causal, batch_first, H, b_out is not None
         return F.linear(_merge_heads(out, batch_first), w_out, b_out)
@@ -116,22 +171,32 @@ class _RecomputedSelfAttention(torch.autograd.Function):
             gy = grad_y.reshape(-1, grad_y.size(-1))
             dw_out = gy.t() @ _merge_heads(out, bf).reshape(gy.shape) if need_w_out else None
             db_out = gy.sum(0) if need_b_out and ctx.has_b_out else None
-            grad_attn = _heads(grad_y @ w_out, H, out.size(-1), bf)                 # (N, H, L, hd)
+            grad_attn = _heads(grad_y @ w_out, H, out.size(-1), bf)  # (N, H, L, hd)
             # out = attention(split(x W_in^T + b_in)): projected again, overwritten by its gradient
             qkv = F.linear(x, w_in, b_in).unflatten(-1, (3, H, -1))
             views = _split_qkv(qkv, bf)
             _, _, _, d_am, d_kpm, dhm = attention_backward(
-                (*views, out, lse, attn_mask, key_padding_mask, head_mask), _needs(ctx, 5, 6, 7),
-                ctx.is_causal, None, grad_attn, None, into=views, dropout_p=ctx.dropout_p,
-                dropout_seed=dropout_seed, out_lo=out_lo)
+                (*views, out, lse, attn_mask, key_padding_mask, head_mask),
+                _needs(ctx, 5, 6, 7),
+                ctx.is_causal,
+                None,
+                grad_attn,
+                None,
+                into=views,
+                dropout_p=ctx.dropout_p,
+                dropout_seed=dropout_seed,
+                out_lo=out_lo,
+            )
             del grad_attn, views
             dqkv = qkv.flatten(-3)
             d2 = dqkv.reshape(-1, dqkv.size(-1))
             dw_in = d2.t() @ x.reshape(-1, x.size(-1)) if need_w_in else None
             db_in = d2.sum(0) if need_b_in and b_in is not None else None
             dx = dqkv @ w_in if need_x else None
-        return first_order_only("MultiheadAttention", saved[:9], dx, dw_in, db_in, dw_out, db_out,
-                                d_am, d_kpm, dhm) + (None,) * 6
+        return (
+            first_order_only("MultiheadAttention", saved[:9], dx, dw_in, db_in, dw_out, db_out, d_am, d_kpm, dhm)
+            + (None,) * 6
+        )
 
 
 def _calls_self_attn(module, args):
@@ -189,37 +254,65 @@ class MultiheadAttention(nn.MultiheadAttention):
     either way.
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
-                 add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: int | None = None,
-                 vdim: int | None = None, batch_first: bool = False, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        batch_first: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         if embed_dim <= 0 or num_heads <= 0:
-            raise ArgumentError(f"MultiheadAttention: embed_dim and num_heads must be > 0, got "
-                                f"embed_dim={embed_dim}, num_heads={num_heads}")
+            raise ArgumentError(
+                f"MultiheadAttention: embed_dim and num_heads must be > 0, got "
+                f"embed_dim={embed_dim}, num_heads={num_heads}"
+            )
         if embed_dim % num_heads != 0:
-            raise ArgumentError(f"MultiheadAttention: embed_dim ({embed_dim}) must be divisible by "
-                                f"num_heads ({num_heads})")
-        super().__init__(embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim,
-                         batch_first, device, dtype)
+            raise ArgumentError(
+                f"MultiheadAttention: embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
+            )
+        super().__init__(
+            embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim, batch_first, device, dtype
+        )
         self.recompute_projection = None
         _guard_fast_path(self)
 
-    def _forward_nested(self, query, key, value, key_padding_mask, need_weights, attn_mask,
-                        average_attn_weights, is_causal, head_mask):
+    def _forward_nested(
+        self, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal, head_mask
+    ):
         """A nested tensor (N, j, E), as nn.TransformerEncoder's inference path
         hands its layers when it was given a key padding mask: run on the
         padded batch with the padding as key_padding_mask, nested again after."""
-        if not (query is key and key is value) or attn_mask is not None or key_padding_mask is not None \
-                or not self.batch_first:
-            raise ValueError("MultiheadAttention: a nested tensor input is supported for batch_first "
-                             "self-attention (query is key is value) without attn_mask or key_padding_mask")
+        if (
+            not (query is key and key is value)
+            or attn_mask is not None
+            or key_padding_mask is not None
+            or not self.batch_first
+        ):
+            raise ValueError(
+                "MultiheadAttention: a nested tensor input is supported for batch_first "
+                "self-attention (query is key is value) without attn_mask or key_padding_mask"
+            )
         lengths = [t.size(0) for t in query.unbind()]
         x = query.to_padded_tensor(0.0)
         n = torch.tensor(lengths, device=x.device)
         pad = torch.arange(x.size(1), device=x.device).unsqueeze(0) >= n.unsqueeze(1)
-        out, weights = self.forward(x, x, x, key_padding_mask=pad, need_weights=need_weights,
-                                    average_attn_weights=average_attn_weights, is_causal=is_causal,
-                                    head_mask=head_mask)
+        out, weights = self.forward(
+            x,
+            x,
+            x,
+            key_padding_mask=pad,
+            need_weights=need_weights,
+            average_attn_weights=average_attn_weights,
+            is_causal=is_causal,
+            head_mask=head_mask,
+        )
         out = torch.nested.as_nested_tensor([out[i, :m] for i, m in enumerate(lengths)], layout=query.layout)
         return out, weights
 
@@ -234,12 +327,23 @@ class MultiheadAttention(nn.MultiheadAttention):
         # extra work 6 L E^2 vs causal attention's ~7 L^2 E per sequence: at most 1/16
         return 7 * L >= 96 * self.embed_dim
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None = None,
-                need_weights: bool = True, attn_mask: Tensor | None = None, average_attn_weights: bool = True,
-                is_causal: bool = False, *, head_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+        *,
+        head_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
         if isinstance(query, torch.Tensor) and query.is_nested:
-            return self._forward_nested(query, key, value, key_padding_mask, need_weights, attn_mask,
-                                        average_attn_weights, is_causal, head_mask)
+            return self._forward_nested(
+                query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal, head_mask
+            )
         kernels = not isinstance(query, torch.Tensor) or uses_kernels(query.device)
         # dropout on the attention probabilities in training mode, inside the kernels
         dropout_p = float(self.dropout) if self.training else 0.0
@@ -251,21 +355,27 @@ class MultiheadAttention(nn.MultiheadAttention):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"MultiheadAttention: {name} must be a Tensor, got {type(t).__name__}")
         if query.dim() not in (2, 3):
-            raise ValueError(f"MultiheadAttention: query should be unbatched 2-D or batched 3-D, "
-                             f"got {query.dim()}-D shape {tuple(query.shape)}")
+            raise ValueError(
+                f"MultiheadAttention: query should be unbatched 2-D or batched 3-D, "
+                f"got {query.dim()}-D shape {tuple(query.shape)}"
+            )
         is_batched = query.dim() == 3
-        self_attention = query is key and key is value   # before unbatched inputs get a batch dim
+        self_attention = query is key and key is value  # before unbatched inputs get a batch dim
         if key.dim() != query.dim() or value.dim() != query.dim():
-            raise ValueError(f"MultiheadAttention: key and value must be {query.dim()}-D like query, "
-                             f"got key {tuple(key.shape)}, value {tuple(value.shape)}")
+            raise ValueError(
+                f"MultiheadAttention: key and value must be {query.dim()}-D like query, "
+                f"got key {tuple(key.shape)}, value {tuple(value.shape)}"
+            )
         if not query.is_floating_point():
             raise TypeError(f"MultiheadAttention: query must be floating point, got {query.dtype}")
         if not is_batched:
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
             if key_padding_mask is not None:
                 if key_padding_mask.dim() != 1:
-                    raise ValueError("MultiheadAttention: for unbatched inputs key_padding_mask must be "
-                                     f"1-D (S,), got shape {tuple(key_padding_mask.shape)}")
+                    raise ValueError(
+                        "MultiheadAttention: for unbatched inputs key_padding_mask must be "
+                        f"1-D (S,), got shape {tuple(key_padding_mask.shape)}"
+                    )
                 key_padding_mask = key_padding_mask.unsqueeze(0)
             if head_mask is not None and head_mask.dim() == 2:
                 raise ValueError("MultiheadAttention: for unbatched inputs head_mask must be (H,)")
@@ -280,30 +390,39 @@ class MultiheadAttention(nn.MultiheadAttention):
         if Eq != E:
             raise ValueError(f"MultiheadAttention: query embedding dim must be embed_dim={E}, got {Eq}")
         if key.size(-1) != self.kdim or value.size(-1) != self.vdim:
-            raise ValueError(f"MultiheadAttention: key/value embedding dims must be kdim={self.kdim}, "
-                             f"vdim={self.vdim}, got {key.size(-1)}, {value.size(-1)}")
+            raise ValueError(
+                f"MultiheadAttention: key/value embedding dims must be kdim={self.kdim}, "
+                f"vdim={self.vdim}, got {key.size(-1)}, {value.size(-1)}"
+            )
         if key.shape[:2] != value.shape[:2] or NK != N:
-            raise ValueError(f"MultiheadAttention: key and value must share (S, N) with query's batch "
-                             f"{N}, got key {tuple(key.shape)}, value {tuple(value.shape)}")
+            raise ValueError(
+                f"MultiheadAttention: key and value must share (S, N) with query's batch "
+                f"{N}, got key {tuple(key.shape)}, value {tuple(value.shape)}"
+            )
 
         for name, m in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
             if m is not None and m.dtype != torch.bool and not m.is_floating_point():
-                raise TypeError(f"MultiheadAttention: only bool and floating types of {name} are "
-                                f"supported, got {m.dtype}")
+                raise TypeError(
+                    f"MultiheadAttention: only bool and floating types of {name} are supported, got {m.dtype}"
+                )
         if key_padding_mask is not None and tuple(key_padding_mask.shape) != (N, S):
-            raise ValueError(f"MultiheadAttention: key_padding_mask must have shape (N, S) = ({N}, {S}), "
-                             f"got {tuple(key_padding_mask.shape)}")
+            raise ValueError(
+                f"MultiheadAttention: key_padding_mask must have shape (N, S) = ({N}, {S}), "
+                f"got {tuple(key_padding_mask.shape)}"
+            )
         if is_causal and attn_mask is None:
-            raise RuntimeError("Need attn_mask if specifying the is_causal hint. You may use the "
-                               "Transformer module method `generate_square_subsequent_mask` to create "
-                               "this mask.")
+            raise RuntimeError(
+                "Need attn_mask if specifying the is_causal hint. You may use the "
+                "Transformer module method `generate_square_subsequent_mask` to create "
+                "this mask."
+            )
         if attn_mask is not None:
             if attn_mask.dim() == 2 and tuple(attn_mask.shape) != (L, S):
-                raise RuntimeError(f"The shape of the 2D attn_mask is {attn_mask.shape}, but should be "
-                                   f"{(L, S)}.")
+                raise RuntimeError(f"The shape of the 2D attn_mask is {attn_mask.shape}, but should be {(L, S)}.")
             if attn_mask.dim() == 3 and tuple(attn_mask.shape) != (N * H, L, S):
-                raise RuntimeError(f"The shape of the 3D attn_mask is {attn_mask.shape}, but should be "
-                                   f"{(N * H, L, S)}.")
+                raise RuntimeError(
+                    f"The shape of the 3D attn_mask is {attn_mask.shape}, but should be {(N * H, L, S)}."
+                )
             if attn_mask.dim() not in (2, 3):
                 raise RuntimeError(f"attn_mask's dimension {attn_mask.dim()} is not supported")
             if attn_mask.dim() == 3:
@@ -317,17 +436,38 @@ class MultiheadAttention(nn.MultiheadAttention):
         recompute = self._recomputes(L, need_weights)
         if packed and extra_keys == 0 and kernels and recompute:
             # the whole block as one node; the projection recomputed in the backward (long sequences)
-            attn = _RecomputedSelfAttention.apply(query, self.in_proj_weight, self.in_proj_bias,
-                                                  self.out_proj.weight, self.out_proj.bias, attn_mask,
-                                                  key_padding_mask, head_mask, causal, bf, H, dropout_p,
-                                                  dropout_seed, torch.is_grad_enabled())
+            attn = _RecomputedSelfAttention.apply(
+                query,
+                self.in_proj_weight,
+                self.in_proj_bias,
+                self.out_proj.weight,
+                self.out_proj.bias,
+                attn_mask,
+                key_padding_mask,
+                head_mask,
+                causal,
+                bf,
+                H,
+                dropout_p,
+                dropout_seed,
+                torch.is_grad_enabled(),
+            )
             return (attn if is_batched else attn.squeeze(1)), None
         if packed and extra_keys == 0 and kernels:
             # one fused projection, and its gradient written in place by the kernel
             qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias).unflatten(-1, (3, H, hd))
-            out = _PackedSelfAttention.apply(qkv, attn_mask, key_padding_mask, head_mask, causal,
-                                             bool(need_weights), bf, dropout_p, dropout_seed,
-                                             torch.is_grad_enabled())
+            out = _PackedSelfAttention.apply(
+                qkv,
+                attn_mask,
+                key_padding_mask,
+                head_mask,
+                causal,
+                bool(need_weights),
+                bf,
+                dropout_p,
+                dropout_seed,
+                torch.is_grad_enabled(),
+            )
         else:
             if packed:
                 qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)
@@ -340,8 +480,8 @@ class MultiheadAttention(nn.MultiheadAttention):
                 b_q = b_k = b_v = None
                 if self.in_proj_bias is not None:
                     b_q, b_k, b_v = self.in_proj_bias.chunk(3)
-                q = _heads(F.linear(query, w_q, b_q), H, hd, bf)                  # (N, H, L, hd)
-                k = _heads(F.linear(key, w_k, b_k), H, hd, bf)                    # (N, H, S, hd)
+                q = _heads(F.linear(query, w_q, b_q), H, hd, bf)  # (N, H, L, hd)
+                k = _heads(F.linear(key, w_k, b_k), H, hd, bf)  # (N, H, S, hd)
                 v = _heads(F.linear(value, w_v, b_v), H, hd, bf)
             if self.bias_k is not None:  # one more key and value: (1, 1, E) -> (N, H, 1, hd)
                 k = torch.cat([k, self.bias_k.view(1, H, 1, hd).expand(N, H, 1, hd)], dim=2)
@@ -354,20 +494,34 @@ class MultiheadAttention(nn.MultiheadAttention):
                 key_padding_mask = _pad_key(key_padding_mask)
             if kernels:
                 out = torch.ops.masked_attn.forward(
-                    q, k, v, attn_mask, key_padding_mask, head_mask, causal, None, bool(need_weights), dropout_p,
-                    dropout_seed, for_backward=grad_wanted(q, k, v, attn_mask, key_padding_mask, head_mask))
+                    q,
+                    k,
+                    v,
+                    attn_mask,
+                    key_padding_mask,
+                    head_mask,
+                    causal,
+                    None,
+                    bool(need_weights),
+                    dropout_p,
+                    dropout_seed,
+                    for_backward=grad_wanted(q, k, v, attn_mask, key_padding_mask, head_mask),
+                )
                 out = (out[0], out[2])
             else:  # another device: PyTorch's native attention, our semantics (functional.native_attention)
-                out = native_attention(q, k, v, attn_mask, key_padding_mask, head_mask, causal, None,
-                                       bool(need_weights), False, dropout_p)
+                out = native_attention(
+                    q, k, v, attn_mask, key_padding_mask, head_mask, causal, None, bool(need_weights), False, dropout_p
+                )
                 out = (out[0], out[2])
-        attn, weights = out                         # (N, H, L, hd), stored as (N, L, H, hd)
+        attn, weights = out  # (N, H, L, hd), stored as (N, L, H, hd)
         if bf:
-            attn = F.linear(attn.transpose(1, 2).reshape(N, L, E), self.out_proj.weight,
-                            self.out_proj.bias)                                   # (N, L, E)
+            attn = F.linear(
+                attn.transpose(1, 2).reshape(N, L, E), self.out_proj.weight, self.out_proj.bias
+            )  # (N, L, E)
         else:
-            attn = F.linear(attn.permute(2, 0, 1, 3).reshape(L, N, E), self.out_proj.weight,
-                            self.out_proj.bias)                                   # (L, N, E)
+            attn = F.linear(
+                attn.permute(2, 0, 1, 3).reshape(L, N, E), self.out_proj.weight, self.out_proj.bias
+            )  # (L, N, E)
         if not is_batched:
             attn = attn.squeeze(1)
         if not need_weights:
@@ -400,9 +554,10 @@ def replace_attention(module: nn.Module) -> nn.Module:
         raise TypeError(f"replace_attention: expected an nn.Module, got {type(module).__name__}")
     for m in module.modules():
         if type(m) is nn.MultiheadAttention:
-            if m.embed_dim % m.num_heads != 0:   # what our constructor refuses (native asserts it too)
-                raise ArgumentError(f"replace_attention: embed_dim ({m.embed_dim}) must be divisible by "
-                                    f"num_heads ({m.num_heads})")
+            if m.embed_dim % m.num_heads != 0:  # what our constructor refuses (native asserts it too)
+                raise ArgumentError(
+                    f"replace_attention: embed_dim ({m.embed_dim}) must be divisible by num_heads ({m.num_heads})"
+                )
             m.__class__ = MultiheadAttention
             m.recompute_projection = None
         if isinstance(m, MultiheadAttention):

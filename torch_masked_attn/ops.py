@@ -83,6 +83,7 @@ registration cannot express (a one-line comment at each points back here):
   forward and the backward only scales them: Python-level control flow over
   the ops, not one op with a backward.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -99,7 +100,8 @@ _libs = sorted(glob.glob(os.path.join(_here, "_C*.so")))
 if not _libs:
     raise ImportError(
         "torch_masked_attn._C is not built; run `make setup` or "
-        "`pip install --no-build-isolation -e .` in the repository")
+        "`pip install --no-build-isolation -e .` in the repository"
+    )
 torch.ops.load_library(_libs[0])
 
 
@@ -210,7 +212,7 @@ def new_dropout_seed() -> Tensor:
     """(seed, offset), an int64 tensor of shape (2,) drawn from PyTorch's
     default CPU generator: torch.manual_seed reproduces it, successive calls
     differ, get_rng_state / set_rng_state replay it."""
-    return torch.randint(-(2 ** 63), 2 ** 63 - 1, (2,), dtype=torch.int64)
+    return torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64)
 
 
 def call_op(op, *args):
@@ -243,7 +245,7 @@ def register_autograd(name: str, backward, setup_context) -> None:
 
     def forward(ctx, *args):  # args: the op's, then the key set
         out = redispatch(args[-1], args[:-1])
-        setup_context(ctx, args[:-1] + defaults[len(args) - 1:], out)
+        setup_context(ctx, args[:-1] + defaults[len(args) - 1 :], out)
         return out
 
     def backward_(ctx, *grads):
@@ -254,8 +256,11 @@ def register_autograd(name: str, backward, setup_context) -> None:
         finally:
             ctx.needs_input_grad = needs
 
-    function = type(f"masked_attn_{name}", (torch.autograd.Function,),
-                    {"forward": staticmethod(forward), "backward": staticmethod(backward_)})
+    function = type(
+        f"masked_attn_{name}",
+        (torch.autograd.Function,),
+        {"forward": staticmethod(forward), "backward": staticmethod(backward_)},
+    )
 
     def kernel(keyset, *args):
         if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
@@ -296,6 +301,7 @@ def _lse_dtype(dtype):
 # picks Meta over CPU), so they check what the CPU kernels rely on first: one
 # device for every tensor.
 
+
 def _same_device(op: str, **tensors: Tensor | None) -> None:
     first_name, first = None, None
     for name, t in tensors.items():
@@ -304,21 +310,46 @@ def _same_device(op: str, **tensors: Tensor | None) -> None:
         if first is None:
             first_name, first = name, t
         elif t.device != first.device:
-            raise RuntimeError(f"masked_attn.{op}: expected all tensors on one device, got {first_name} "
-                               f"on {first.device} and {name} on {t.device}")
+            raise RuntimeError(
+                f"masked_attn.{op}: expected all tensors on one device, got {first_name} "
+                f"on {first.device} and {name} on {t.device}"
+            )
 
 
 @torch.library.register_fake("masked_attn::forward")
-def _forward_fake(q, k, v, attn_mask=None, key_padding_mask=None, head_mask=None,
-                  is_causal=False, scale=None, need_weights=False, dropout_p=0.0, dropout_seed=None,
-                  window_left=-1, window_right=-1, softcap=None, sinks=None, for_backward=True):
-    _same_device("forward", q=q, k=k, v=v, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
-                 head_mask=head_mask, dropout_seed=dropout_seed, sinks=sinks)
-    torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
-                 lambda: "masked_attn: q, k, v must be 4-D")
+def _forward_fake(
+    q,
+    k,
+    v,
+    attn_mask=None,
+    key_padding_mask=None,
+    head_mask=None,
+    is_causal=False,
+    scale=None,
+    need_weights=False,
+    dropout_p=0.0,
+    dropout_seed=None,
+    window_left=-1,
+    window_right=-1,
+    softcap=None,
+    sinks=None,
+    for_backward=True,
+):
+    _same_device(
+        "forward",
+        q=q,
+        k=k,
+        v=v,
+        attn_mask=attn_mask,
+        key_padding_mask=key_padding_mask,
+        head_mask=head_mask,
+        dropout_seed=dropout_seed,
+        sinks=sinks,
+    )
+    torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4, lambda: "masked_attn: q, k, v must be 4-D")
     B, H, Lq, _ = q.shape
     Lk, Dv = k.shape[2], v.shape[3]
-    out = q.new_empty(B, Lq, H, Dv).transpose(1, 2)      # stored (B, Lq, H, Dv), see shim/attention.cpp
+    out = q.new_empty(B, Lq, H, Dv).transpose(1, 2)  # stored (B, Lq, H, Dv), see shim/attention.cpp
     lse = q.new_empty(B, H, Lq, dtype=_lse_dtype(q.dtype))
     weights = q.new_empty(B, H, Lq, Lk) if need_weights else q.new_empty(0)
     out_lo = q.new_empty(B, Lq, H, Dv).transpose(1, 2) if _has_out_lo(q.dtype) and for_backward else q.new_empty(0)
@@ -326,30 +357,98 @@ def _forward_fake(q, k, v, attn_mask=None, key_padding_mask=None, head_mask=None
 
 
 @torch.library.register_fake("masked_attn::backward_into")
-def _backward_into_fake(grad_out, grad_weights, q, k, v, out, lse, attn_mask=None,
-                        key_padding_mask=None, head_mask=None, is_causal=False, scale=None,
-                        head_mask_grad=False, mask_grad=False, grad_q=None, grad_k=None, grad_v=None,
-                        dropout_p=0.0, dropout_seed=None, window_left=-1, window_right=-1, softcap=None,
-                        sinks=None, out_lo=None):
-    _same_device("backward_into", grad_out=grad_out, grad_weights=grad_weights, q=q, k=k, v=v, out=out, lse=lse,
-                 attn_mask=attn_mask, key_padding_mask=key_padding_mask, head_mask=head_mask, grad_q=grad_q,
-                 grad_k=grad_k, grad_v=grad_v, dropout_seed=dropout_seed, sinks=sinks, out_lo=out_lo)
+def _backward_into_fake(
+    grad_out,
+    grad_weights,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    attn_mask=None,
+    key_padding_mask=None,
+    head_mask=None,
+    is_causal=False,
+    scale=None,
+    head_mask_grad=False,
+    mask_grad=False,
+    grad_q=None,
+    grad_k=None,
+    grad_v=None,
+    dropout_p=0.0,
+    dropout_seed=None,
+    window_left=-1,
+    window_right=-1,
+    softcap=None,
+    sinks=None,
+    out_lo=None,
+):
+    _same_device(
+        "backward_into",
+        grad_out=grad_out,
+        grad_weights=grad_weights,
+        q=q,
+        k=k,
+        v=v,
+        out=out,
+        lse=lse,
+        attn_mask=attn_mask,
+        key_padding_mask=key_padding_mask,
+        head_mask=head_mask,
+        grad_q=grad_q,
+        grad_k=grad_k,
+        grad_v=grad_v,
+        dropout_seed=dropout_seed,
+        sinks=sinks,
+        out_lo=out_lo,
+    )
     B, H, Lq = q.shape[:3]
     acc = _lse_dtype(q.dtype)
     grad_hm = q.new_empty(B, H, dtype=acc) if head_mask_grad else q.new_empty(0, dtype=acc)
-    grad_scores = (q.new_empty(B, H, Lq, k.shape[2], dtype=acc) if mask_grad
-                   else q.new_empty(0, dtype=acc))
+    grad_scores = q.new_empty(B, H, Lq, k.shape[2], dtype=acc) if mask_grad else q.new_empty(0, dtype=acc)
     return grad_hm, grad_scores
 
 
 @torch.library.register_fake("masked_attn::backward")
-def _backward_fake(grad_out, grad_weights, q, k, v, out, lse, attn_mask=None,
-                   key_padding_mask=None, head_mask=None, is_causal=False, scale=None,
-                   head_mask_grad=False, mask_grad=False, dropout_p=0.0, dropout_seed=None, window_left=-1,
-                   window_right=-1, softcap=None, sinks=None, out_lo=None):
-    _same_device("backward", grad_out=grad_out, grad_weights=grad_weights, q=q, k=k, v=v, out=out, lse=lse,
-                 attn_mask=attn_mask, key_padding_mask=key_padding_mask, head_mask=head_mask,
-                 dropout_seed=dropout_seed, sinks=sinks, out_lo=out_lo)
+def _backward_fake(
+    grad_out,
+    grad_weights,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    attn_mask=None,
+    key_padding_mask=None,
+    head_mask=None,
+    is_causal=False,
+    scale=None,
+    head_mask_grad=False,
+    mask_grad=False,
+    dropout_p=0.0,
+    dropout_seed=None,
+    window_left=-1,
+    window_right=-1,
+    softcap=None,
+    sinks=None,
+    out_lo=None,
+):
+    _same_device(
+        "backward",
+        grad_out=grad_out,
+        grad_weights=grad_weights,
+        q=q,
+        k=k,
+        v=v,
+        out=out,
+        lse=lse,
+        attn_mask=attn_mask,
+        key_padding_mask=key_padding_mask,
+        head_mask=head_mask,
+        dropout_seed=dropout_seed,
+        sinks=sinks,
+        out_lo=out_lo,
+    )
     B, H = q.shape[:2]
     acc = _lse_dtype(q.dtype)
     grad_hm = q.new_empty(B, H, dtype=acc) if head_mask_grad else q.new_empty(0, dtype=acc)
@@ -357,33 +456,70 @@ def _backward_fake(grad_out, grad_weights, q, k, v, out, lse, attn_mask=None,
     def blhd(shape):  # (B, H, L, D) stored as (B, L, H, D), see shim/attention.cpp
         return q.new_empty(shape[0], shape[2], shape[1], shape[3]).transpose(1, 2)
 
-    grad_scores = (q.new_empty(B, H, q.shape[2], k.shape[2], dtype=acc) if mask_grad
-                   else q.new_empty(0, dtype=acc))
+    grad_scores = q.new_empty(B, H, q.shape[2], k.shape[2], dtype=acc) if mask_grad else q.new_empty(0, dtype=acc)
     return blhd(q.shape), blhd(k.shape), blhd(v.shape), grad_hm, grad_scores
 
 
 # ---- autograd ------------------------------------------------------------
 
+
 def _forward_setup_context(ctx, inputs, output):
-    (q, k, v, attn_mask, key_padding_mask, head_mask, is_causal, scale, need_weights, dropout_p, dropout_seed,
-     window_left, window_right, softcap, sinks, _for_backward) = inputs  # every argument (register_autograd)
+    (
+        q,
+        k,
+        v,
+        attn_mask,
+        key_padding_mask,
+        head_mask,
+        is_causal,
+        scale,
+        need_weights,
+        dropout_p,
+        dropout_seed,
+        window_left,
+        window_right,
+        softcap,
+        sinks,
+        _for_backward,
+    ) = inputs  # every argument (register_autograd)
     out, lse, weights, out_lo = output
     # the weights are kept (not copied) only for the sinks' gradient through them
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed, sinks,
-                          weights if need_weights and sinks is not None else None,
-                          saved_out_lo(out_lo))
+    ctx.save_for_backward(
+        q,
+        k,
+        v,
+        out,
+        lse,
+        attn_mask,
+        key_padding_mask,
+        head_mask,
+        dropout_seed,
+        sinks,
+        weights if need_weights and sinks is not None else None,
+        saved_out_lo(out_lo),
+    )
     ctx.is_causal, ctx.scale, ctx.need_weights, ctx.dropout_p = is_causal, scale, need_weights, dropout_p
     ctx.window, ctx.softcap = (window_left, window_right), softcap
     ctx.mark_non_differentiable(lse, out_lo)
     ctx.set_materialize_grads(False)
 
 
-def attention_backward(saved: Sequence[Tensor | None], needs: Sequence[bool], is_causal: bool,
-                       scale: float | None, grad_out: Tensor | None, grad_weights: Tensor | None,
-                       into: Sequence[Tensor] | None = None, dropout_p: float = 0.0,
-                       dropout_seed: Tensor | None = None, *, window: tuple[int, int] = (-1, -1),
-                       softcap: float | None = None, sinks: Tensor | None = None,
-                       out_lo: Tensor | None = None) -> tuple[Tensor | None, ...]:
+def attention_backward(
+    saved: Sequence[Tensor | None],
+    needs: Sequence[bool],
+    is_causal: bool,
+    scale: float | None,
+    grad_out: Tensor | None,
+    grad_weights: Tensor | None,
+    into: Sequence[Tensor] | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: Tensor | None = None,
+    *,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    out_lo: Tensor | None = None,
+) -> tuple[Tensor | None, ...]:
     """The backward of masked_attn::forward from what it saved.
 
     saved = (q, k, v, out, lse, attn_mask, key_padding_mask, head_mask);
@@ -397,14 +533,34 @@ def attention_backward(saved: Sequence[Tensor | None], needs: Sequence[bool], is
     gradient: sinks_backward).
     """
     q, k, v, out, lse, attn_mask, key_padding_mask, head_mask = saved[:8]
-    am_grad, kpm_grad, hm_grad = (m is not None and n for m, n in
-                                  zip((attn_mask, key_padding_mask, head_mask), needs))
+    am_grad, kpm_grad, hm_grad = (m is not None and n for m, n in zip((attn_mask, key_padding_mask, head_mask), needs))
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    args = (grad_out, grad_weights, q, k, v, out, lse, attn_mask, key_padding_mask, head_mask,
-            is_causal, scale, hm_grad, am_grad or kpm_grad)
-    extra = (float(dropout_p), dropout_seed if dropout_p > 0 else None, int(window[0]), int(window[1]), softcap,
-             sinks, out_lo)
+    args = (
+        grad_out,
+        grad_weights,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        attn_mask,
+        key_padding_mask,
+        head_mask,
+        is_causal,
+        scale,
+        hm_grad,
+        am_grad or kpm_grad,
+    )
+    extra = (
+        float(dropout_p),
+        dropout_seed if dropout_p > 0 else None,
+        int(window[0]),
+        int(window[1]),
+        softcap,
+        sinks,
+        out_lo,
+    )
     if into is None:
         dq, dk, dv, dhm, dscores = torch.ops.masked_attn.backward(*args, *extra)
     else:
@@ -444,7 +600,8 @@ class _FirstOrderOnly(torch.autograd.Function):
     def backward(ctx, *grads):
         raise NotImplementedError(
             f"torch_masked_attn: the gradient of {ctx.what} is not differentiable: double backward "
-            "(differentiating a gradient taken with create_graph=True) is not supported")
+            "(differentiating a gradient taken with create_graph=True) is not supported"
+        )
 
 
 def first_order_only(what: str, anchors: Iterable[object], *grads: Tensor | None) -> tuple[Tensor | None, ...]:
@@ -464,9 +621,15 @@ def first_order_only(what: str, anchors: Iterable[object], *grads: Tensor | None
     return tuple(out)
 
 
-def sinks_backward(sinks: Tensor, lse: Tensor, out: Tensor, grad_out: Tensor | None,
-                   weights: Tensor | None = None, grad_weights: Tensor | None = None,
-                   out_lo: Tensor | None = None) -> Tensor:
+def sinks_backward(
+    sinks: Tensor,
+    lse: Tensor,
+    out: Tensor,
+    grad_out: Tensor | None,
+    weights: Tensor | None = None,
+    grad_weights: Tensor | None = None,
+    out_lo: Tensor | None = None,
+) -> Tensor:
     """d loss / d sinks (H,) of masked_attn::forward: the sink's probability of
     row i is P_sink,i = exp(sink_h - lse_i) (lse includes the sink), and
     d sink_h = -sum_{b,i} P_sink,i delta_i, delta_i = sum_j P_ij dP_ij =
@@ -489,9 +652,19 @@ def _forward_backward(ctx, grad_out, grad_lse, grad_weights, grad_out_lo):
     sinks, weights, out_lo = saved[9], saved[10], saved[11]
     grad_weights = grad_weights if ctx.need_weights else None
     grads = attention_backward(
-        saved[:8], _needs(ctx, 3, 4, 5), ctx.is_causal, ctx.scale, grad_out, grad_weights,
-        dropout_p=ctx.dropout_p, dropout_seed=saved[8], window=ctx.window, softcap=ctx.softcap, sinks=sinks,
-        out_lo=out_lo)
+        saved[:8],
+        _needs(ctx, 3, 4, 5),
+        ctx.is_causal,
+        ctx.scale,
+        grad_out,
+        grad_weights,
+        dropout_p=ctx.dropout_p,
+        dropout_seed=saved[8],
+        window=ctx.window,
+        softcap=ctx.softcap,
+        sinks=sinks,
+        out_lo=out_lo,
+    )
     d_sinks = None
     if sinks is not None and _needs(ctx, 14)[0] and (grad_out is not None or grad_weights is not None):
         d_sinks = sinks_backward(sinks, saved[4], saved[3], grad_out, weights, grad_weights, out_lo)
@@ -520,15 +693,41 @@ register_autograd("forward", _forward_backward, _forward_setup_context)
 # masked_attn::forward's (the lse includes the sink; its gradient: sinks_backward). The user-facing function is
 # torch_masked_attn.functional.varlen_attn.
 
+
 @torch.library.register_fake("masked_attn::varlen_forward")
-def _varlen_forward_fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=None,
-                         window_left=-1, window_right=-1, seqused_k=None, block_table=None, softcap=None,
-                         sinks=None, for_backward=True):
-    _same_device("varlen_forward", query=query, key=key, value=value, cu_seq_q=cu_seq_q, cu_seq_k=cu_seq_k,
-                 seqused_k=seqused_k, block_table=block_table, sinks=sinks)
+def _varlen_forward_fake(
+    query,
+    key,
+    value,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    scale=None,
+    window_left=-1,
+    window_right=-1,
+    seqused_k=None,
+    block_table=None,
+    softcap=None,
+    sinks=None,
+    for_backward=True,
+):
+    _same_device(
+        "varlen_forward",
+        query=query,
+        key=key,
+        value=value,
+        cu_seq_q=cu_seq_q,
+        cu_seq_k=cu_seq_k,
+        seqused_k=seqused_k,
+        block_table=block_table,
+        sinks=sinks,
+    )
     kv_dim = 3 if block_table is None else 4
-    torch._check(query.dim() == 3 and key.dim() == kv_dim and value.dim() == kv_dim,
-                 lambda: "masked_attn.varlen: query must be 3-D (T, H, D), key and value 3-D (or 4-D paged)")
+    torch._check(
+        query.dim() == 3 and key.dim() == kv_dim and value.dim() == kv_dim,
+        lambda: "masked_attn.varlen: query must be 3-D (T, H, D), key and value 3-D (or 4-D paged)",
+    )
     T, H, _ = query.shape
     Dv = value.shape[-1]
     out_lo = query.new_empty(T, H, Dv) if _has_out_lo(query.dtype) and for_backward else query.new_empty(0, H, Dv)
@@ -536,23 +735,66 @@ def _varlen_forward_fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, sc
 
 
 @torch.library.register_fake("masked_attn::varlen_backward")
-def _varlen_backward_fake(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, scale=None,
-                          window_left=-1, window_right=-1, softcap=None, sinks=None, out_lo=None):
-    _same_device("varlen_backward", grad_out=grad_out, query=query, key=key, value=value, out=out, lse=lse,
-                 cu_seq_q=cu_seq_q, cu_seq_k=cu_seq_k, sinks=sinks, out_lo=out_lo)
+def _varlen_backward_fake(
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    lse,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    scale=None,
+    window_left=-1,
+    window_right=-1,
+    softcap=None,
+    sinks=None,
+    out_lo=None,
+):
+    _same_device(
+        "varlen_backward",
+        grad_out=grad_out,
+        query=query,
+        key=key,
+        value=value,
+        out=out,
+        lse=lse,
+        cu_seq_q=cu_seq_q,
+        cu_seq_k=cu_seq_k,
+        sinks=sinks,
+        out_lo=out_lo,
+    )
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, wl, wr, seqused_k, block_table, softcap,
-     sinks, _for_backward) = inputs  # every argument (register_autograd)
+    (
+        query,
+        key,
+        value,
+        cu_seq_q,
+        cu_seq_k,
+        max_q,
+        max_k,
+        scale,
+        wl,
+        wr,
+        seqused_k,
+        block_table,
+        softcap,
+        sinks,
+        _for_backward,
+    ) = inputs  # every argument (register_autograd)
     out, lse, out_lo = output
     for name, t in (("block_table", block_table), ("seqused_k", seqused_k)):
         if t is not None:
-            raise RuntimeError(f"varlen_attn: {name} is an inference-only parameter (no backward); "
-                               "call it under torch.no_grad() or on tensors that do not require grad")
-    ctx.save_for_backward(query, key, value, cu_seq_q, cu_seq_k, out, lse, sinks,
-                          saved_out_lo(out_lo))
+            raise RuntimeError(
+                f"varlen_attn: {name} is an inference-only parameter (no backward); "
+                "call it under torch.no_grad() or on tensors that do not require grad"
+            )
+    ctx.save_for_backward(query, key, value, cu_seq_q, cu_seq_k, out, lse, sinks, saved_out_lo(out_lo))
     ctx.args = (max_q, max_k, scale, wl, wr, softcap)
     ctx.mark_non_differentiable(lse, out_lo)
     ctx.set_materialize_grads(False)
@@ -564,14 +806,21 @@ def _varlen_backward(ctx, grad_out, grad_lse, grad_out_lo):
         return (None,) * 15
     grad_out = grad_out.contiguous()
     dq, dk, dv = torch.ops.masked_attn.varlen_backward(
-        grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, *ctx.args, sinks, out_lo)
+        grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, *ctx.args, sinks, out_lo
+    )
     n = _needs(ctx, 0, 1, 2, 13)
-    grads = first_order_only("varlen attention", (query, key, value), dq if n[0] else None,
-                             dk if n[1] else None, dv if n[2] else None)
+    grads = first_order_only(
+        "varlen attention", (query, key, value), dq if n[0] else None, dk if n[1] else None, dv if n[2] else None
+    )
     d_sinks = None
     if sinks is not None and n[3]:  # (H, T) statistics as one (1, H, T) batch
-        d_sinks = sinks_backward(sinks, lse[None], out.transpose(0, 1)[None], grad_out.transpose(0, 1)[None],
-                                 out_lo=None if out_lo is None else out_lo.transpose(0, 1)[None])
+        d_sinks = sinks_backward(
+            sinks,
+            lse[None],
+            out.transpose(0, 1)[None],
+            grad_out.transpose(0, 1)[None],
+            out_lo=None if out_lo is None else out_lo.transpose(0, 1)[None],
+        )
     return grads + (None,) * 10 + (d_sinks, None)
 
 
@@ -606,13 +855,23 @@ register_autograd("varlen_forward", _varlen_backward, _varlen_setup_context)
 # The drop-in F.cross_entropy with PyTorch's argument handling and exceptions
 # is torch_masked_attn.losses.
 
+
 def _ce_rows_shape(input):
     return tuple(input.shape[:1]) + tuple(input.shape[2:]) if input.dim() >= 2 else ()
 
 
 @torch.library.register_fake("masked_attn::cross_entropy")
-def _cross_entropy_fake(input, target, weight=None, reduction="mean", ignore_index=-100,
-                        label_smoothing=0.0, z_loss=0.0, softcap=None, inplace_backward=False):
+def _cross_entropy_fake(
+    input,
+    target,
+    weight=None,
+    reduction="mean",
+    ignore_index=-100,
+    label_smoothing=0.0,
+    z_loss=0.0,
+    softcap=None,
+    inplace_backward=False,
+):
     _same_device("cross_entropy", input=input, target=target, weight=weight)
     torch._check(input.dim() >= 1, lambda: "masked_attn.cross_entropy: input must have a class dim")
     rows = _ce_rows_shape(input)
@@ -622,15 +881,27 @@ def _cross_entropy_fake(input, target, weight=None, reduction="mean", ignore_ind
 
 
 @torch.library.register_fake("masked_attn::cross_entropy_backward")
-def _cross_entropy_backward_fake(grad_loss, input, target, weight, lse, reduction, ignore_index,
-                                 label_smoothing, target_grad=False, z_loss=0.0, softcap=None):
+def _cross_entropy_backward_fake(
+    grad_loss,
+    input,
+    target,
+    weight,
+    lse,
+    reduction,
+    ignore_index,
+    label_smoothing,
+    target_grad=False,
+    z_loss=0.0,
+    softcap=None,
+):
     _same_device("cross_entropy_backward", grad_loss=grad_loss, input=input, target=target, weight=weight, lse=lse)
     return input.new_empty(input.shape), input.new_empty(input.shape if target_grad else (0,))
 
 
 @torch.library.register_fake("masked_attn::cross_entropy_backward_")
-def _cross_entropy_backward_inplace_fake(grad_loss, input, target, weight, lse, reduction, ignore_index,
-                                         label_smoothing, z_loss=0.0, softcap=None):
+def _cross_entropy_backward_inplace_fake(
+    grad_loss, input, target, weight, lse, reduction, ignore_index, label_smoothing, z_loss=0.0, softcap=None
+):
     _same_device("cross_entropy_backward_", grad_loss=grad_loss, input=input, target=target, weight=weight, lse=lse)
     return None
 
@@ -644,8 +915,9 @@ def _cache_write_fake(key, value, key_cache, value_cache, slots):
 
 
 @torch.library.register_fake("masked_attn::cross_entropy_chunk_")
-def _cross_entropy_chunk_fake(input, target, weight=None, grad_scale=None, ignore_index=-100,
-                              label_smoothing=0.0, z_loss=0.0, softcap=None):
+def _cross_entropy_chunk_fake(
+    input, target, weight=None, grad_scale=None, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None
+):
     _same_device("cross_entropy_chunk_", input=input, target=target, weight=weight)
     rows = _ce_rows_shape(input)
     acc = _lse_dtype(input.dtype)
@@ -675,10 +947,17 @@ def _cross_entropy_backward(ctx, grad_loss, grad_lse):
         torch.autograd.graph.increment_version(input)
         return (input,) + (None,) * 8
     grad_input, grad_target = torch.ops.masked_attn.cross_entropy_backward(
-        grad_loss, input, *args, target_grad, ctx.z_loss, ctx.softcap)
-    return first_order_only("cross_entropy", (input, target), grad_input if ctx.needs_input_grad[0] else None,
-                            grad_target if target_grad else None) + (None,) * 7
+        grad_loss, input, *args, target_grad, ctx.z_loss, ctx.softcap
+    )
+    return (
+        first_order_only(
+            "cross_entropy",
+            (input, target),
+            grad_input if ctx.needs_input_grad[0] else None,
+            grad_target if target_grad else None,
+        )
+        + (None,) * 7
+    )
 
 
 register_autograd("cross_entropy", _cross_entropy_backward, _cross_entropy_setup_context)
-

@@ -61,8 +61,8 @@ static inline ctile ctile_begin(float *C, int64_t ldc, int64_t m, int64_t n, int
     if (i0 + 16 <= m && j0 + 16 <= n) return t;
     const __mmask16 nm = tail_mask(n - j0);
     for (int r = 0; r < 16; r++)
-        _mm512_storeu_ps(buf + r * 16, load && i0 + r < m ? _mm512_maskz_loadu_ps(nm, C + (i0 + r) * ldc + j0)
-                                                          : _mm512_setzero_ps());
+        _mm512_storeu_ps(buf + r * 16,
+                         load && i0 + r < m ? _mm512_maskz_loadu_ps(nm, C + (i0 + r) * ldc + j0) : _mm512_setzero_ps());
     t.ptr = buf, t.stride_bytes = 64, t.edge = 1;
     return t;
 }
@@ -112,8 +112,8 @@ static inline __attribute__((always_inline)) void amx_block(const int MT, const 
 
 /* C (m, n) = [C +] A (m, k) @ B (k, n) from packed views (tiles_hooks.h); the
  * tiles must be configured (tile_begin). */
-static void tile_gemm(int64_t m, int64_t n, int64_t k, amx_view a, amx_view b, float *C, int64_t ldc,
-                      int accumulate, int terms) {
+static void tile_gemm(int64_t m, int64_t n, int64_t k, amx_view a, amx_view b, float *C, int64_t ldc, int accumulate,
+                      int terms) {
     float cbuf[4][256] __attribute__((aligned(64)));
     const int64_t nmt = ma_cdiv(m, 16), nnt = ma_cdiv(n, 16), nkt = ma_cdiv(k, 32);
     for (int64_t mt = 0; mt < nmt; mt += 2)

@@ -79,9 +79,7 @@
 
 /* ---- tiles ----------------------------------------------------------------- */
 
-static inline int FN(is_native)(ma_dtype dt) {
-    return sizeof(ACC) == sizeof(float) ? dt == MA_F32 : dt == MA_F64;
-}
+static inline int FN(is_native)(ma_dtype dt) { return sizeof(ACC) == sizeof(float) ? dt == MA_F32 : dt == MA_F64; }
 
 /* dst[c] = mul * src[c], c < n, from 16-bit floats, 8 at a time, as the scalar loop computes
  * them (the conversion is exact, then one rounding of the product); returns how many it did.
@@ -94,8 +92,8 @@ static inline int64_t FN(convert_16bit_row)(ACC *dst, const uint16_t *x, ma_dtyp
     const __m256 mv = _mm256_set1_ps(mul);
     for (; c + 8 <= n; c += 8) {
         const __m128i h = _mm_loadu_si128((const __m128i *)(x + c));
-        const __m256 f = dt == MA_BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
-                                       : _mm256_cvtph_ps(h);
+        const __m256 f =
+            dt == MA_BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
         _mm256_storeu_ps(dst + c, _mm256_mul_ps(mv, f));
     }
 #else
@@ -107,8 +105,8 @@ static inline int64_t FN(convert_16bit_row)(ACC *dst, const uint16_t *x, ma_dtyp
 /* dst[c * dst_stride] = mul * src[off + c * st], c < n: one row, converted to
  * ACC. The element type is switched on once per row, so each loop is plain
  * and vectorisable. */
-static void FN(convert_row)(ACC *dst, int64_t dst_stride, const void *src, ma_dtype dt, int64_t off,
-                            int64_t st, int64_t n, ACC mul) {
+static void FN(convert_row)(ACC *dst, int64_t dst_stride, const void *src, ma_dtype dt, int64_t off, int64_t st,
+                            int64_t n, ACC mul) {
     if ((dt == MA_BF16 || dt == MA_F16) && st == 1 && dst_stride == 1) {
         const uint16_t *x = (const uint16_t *)src + off;
         const int64_t c = FN(convert_16bit_row)(dst, x, dt, n, mul);
@@ -143,15 +141,15 @@ static void FN(convert_row)(ACC *dst, int64_t dst_stride, const void *src, ma_dt
 }
 
 /* dst (nr, ncol) = src[b, h, r0 : r0 + nr, 0 : ncol]; overwrites. */
-static void FN(load_tile)(ACC *dst, const void *src, ma_dtype dt, const int64_t st[4], int64_t b,
-                          int64_t h, int64_t r0, int64_t nr, int64_t ncol) {
+static void FN(load_tile)(ACC *dst, const void *src, ma_dtype dt, const int64_t st[4], int64_t b, int64_t h, int64_t r0,
+                          int64_t nr, int64_t ncol) {
     for (int64_t r = 0; r < nr; r++)
         FN(convert_row)(dst + r * ncol, 1, src, dt, b * st[0] + h * st[1] + (r0 + r) * st[2], st[3], ncol, 1);
 }
 
 /* dst (ncol, nr) = mul * src[b, h, r0 : r0 + nr, 0 : ncol]^T; overwrites. */
-static void FN(load_tile_t)(ACC *dst, const void *src, ma_dtype dt, const int64_t st[4], int64_t b,
-                            int64_t h, int64_t r0, int64_t nr, int64_t ncol, ACC mul) {
+static void FN(load_tile_t)(ACC *dst, const void *src, ma_dtype dt, const int64_t st[4], int64_t b, int64_t h,
+                            int64_t r0, int64_t nr, int64_t ncol, ACC mul) {
     if (FN(is_native)(dt) && st[3] == 1) {
         TRANSPOSE(dst, (const ACC *)src + b * st[0] + h * st[1] + r0 * st[2], st[2], nr, ncol, mul);
         return;
@@ -163,8 +161,8 @@ static void FN(load_tile_t)(ACC *dst, const void *src, ma_dtype dt, const int64_
 /* Rows r0 .. r0 + nr of src[b, h] as an ACC matrix with row stride *ld:
  * the tensor itself when it already is one (no copy), else converted into
  * buf (nr, ncol). */
-static const ACC *FN(rows)(const void *src, ma_dtype dt, const int64_t st[4], int64_t b, int64_t h,
-                           int64_t r0, int64_t nr, int64_t ncol, ACC *buf, int64_t *ld) {
+static const ACC *FN(rows)(const void *src, ma_dtype dt, const int64_t st[4], int64_t b, int64_t h, int64_t r0,
+                           int64_t nr, int64_t ncol, ACC *buf, int64_t *ld) {
     if (FN(is_native)(dt) && st[3] == 1) {
         *ld = st[2];
         return (const ACC *)src + b * st[0] + h * st[1] + r0 * st[2];
@@ -187,13 +185,11 @@ static inline int FN(needs_copy)(ma_dtype dt, const int64_t st[4]) {
  * thread rather than once per tile: *tag (in the scratch header, zeroed by
  * the shim for every call) remembers what the cache holds. Only for inputs
  * that need converting (bfloat16, float16, strided). */
-static const ACC *FN(head_cache)(int64_t *tag, ACC *cache, const void *src, ma_dtype dt,
-                                 const int64_t st[4], int64_t b, int64_t h0, int64_t nh, int64_t L,
-                                 int64_t ncol) {
+static const ACC *FN(head_cache)(int64_t *tag, ACC *cache, const void *src, ma_dtype dt, const int64_t st[4], int64_t b,
+                                 int64_t h0, int64_t nh, int64_t L, int64_t ncol) {
     const int64_t key = b * 65536 + h0 + 1;
     if (*tag != key) {
-        for (int64_t h = 0; h < nh; h++)
-            FN(load_tile)(cache + h * L * ncol, src, dt, st, b, h0 + h, 0, L, ncol);
+        for (int64_t h = 0; h < nh; h++) FN(load_tile)(cache + h * L * ncol, src, dt, st, b, h0 + h, 0, L, ncol);
         *tag = key;
     }
     return cache;
@@ -201,8 +197,8 @@ static const ACC *FN(head_cache)(int64_t *tag, ACC *cache, const void *src, ma_d
 
 /* Rows r0 .. r0 + nr of src[b, h] (row stride *ld): in place when possible,
  * else from the head cache (head_base = what FN(head_cache) returned for h). */
-static inline const ACC *FN(rows_in)(const void *src, ma_dtype dt, const int64_t st[4], int64_t b,
-                                     int64_t h, int64_t r0, const ACC *head_base, int64_t ncol, int64_t *ld) {
+static inline const ACC *FN(rows_in)(const void *src, ma_dtype dt, const int64_t st[4], int64_t b, int64_t h,
+                                     int64_t r0, const ACC *head_base, int64_t ncol, int64_t *ld) {
     if (!FN(needs_copy)(dt, st)) {
         *ld = st[2];
         return (const ACC *)src + b * st[0] + h * st[1] + r0 * st[2];
@@ -215,8 +211,8 @@ static inline const ACC *FN(rows_in)(const void *src, ma_dtype dt, const int64_t
  * stream (masked_attn.h, stream_stores), float32 rows that are whole cache
  * lines go out through the blocks' stream_row_f32 where they have one
  * (MA_BLK_STREAM); the task then ends with FN(fence_streams). */
-static void FN(store_tile)(void *dst, ma_dtype dt, const int64_t st[4], int64_t b, int64_t h,
-                           int64_t r0, int64_t nr, int64_t ncol, const ACC *src, ACC mul, int stream) {
+static void FN(store_tile)(void *dst, ma_dtype dt, const int64_t st[4], int64_t b, int64_t h, int64_t r0, int64_t nr,
+                           int64_t ncol, const ACC *src, ACC mul, int stream) {
     (void)stream;
     for (int64_t r = 0; r < nr; r++) {
         const int64_t base = b * st[0] + h * st[1] + (r0 + r) * st[2];
@@ -256,8 +252,8 @@ static inline uint16_t FN(f16_lo)(float x) {
 
 /* lo[b, h, r0 : r0 + nr, 0 : ncol] = the out_lo of src (nr, ncol) in dt
  * (bfloat16 or float16). */
-static void FN(store_tile_lo)(void *lo, ma_dtype dt, const int64_t st[4], int64_t b, int64_t h, int64_t r0,
-                              int64_t nr, int64_t ncol, const ACC *src) {
+static void FN(store_tile_lo)(void *lo, ma_dtype dt, const int64_t st[4], int64_t b, int64_t h, int64_t r0, int64_t nr,
+                              int64_t ncol, const ACC *src) {
     const int64_t cs = st[3];
     for (int64_t r = 0; r < nr; r++) {
         uint16_t *y = (uint16_t *)lo + b * st[0] + h * st[1] + (r0 + r) * st[2];
@@ -306,8 +302,7 @@ enum { MA_TILE_MIXED = 0, MA_TILE_BLOCKED = 1, MA_TILE_ZERO = 2 };
  *                    no attn_mask: FN(add_bias) adds nothing from it;
  *   MA_TILE_MIXED    anything else (NaN and +inf included): added as is.
  * Other masks (causal, key padding) are not consulted: each has its own skip. */
-static int FN(mask_tile_state)(const ma_mask *m, int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0,
-                               int64_t nc) {
+static int FN(mask_tile_state)(const ma_mask *m, int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t nc) {
     if (!m->ptr) return MA_TILE_ZERO;
     const int64_t *st = m->stride;
     const int64_t rows = st[2] ? nr : 1, cols = st[3] ? nc : 1, cst = st[3] ? st[3] : 1;
@@ -343,8 +338,8 @@ static int FN(mask_tile_state)(const ma_mask *m, int64_t b, int64_t h, int64_t i
  * s[r * rs + c * cs]: rs = nc, cs = 1 for row-wise s (nr, nc), rs = 1,
  * cs = nr for transposed sT (nc, nr). am_state is FN(mask_tile_state) of
  * the tile: MA_TILE_ZERO adds nothing from am (s + 0 = s: the same values). */
-static void FN(add_bias)(ACC *s, int64_t rs, int64_t cs, const ma_attn_args *a, int am_state, int64_t b,
-                         int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t nc) {
+static void FN(add_bias)(ACC *s, int64_t rs, int64_t cs, const ma_attn_args *a, int am_state, int64_t b, int64_t h,
+                         int64_t i0, int64_t nr, int64_t j0, int64_t nc) {
     const ma_mask *am = &a->attn_mask, *kpm = &a->key_padding_mask;
     const int64_t lo = a->band_lo, hi = a->band_hi;
     if (kpm->ptr) {
@@ -372,8 +367,7 @@ static void FN(add_bias)(ACC *s, int64_t rs, int64_t cs, const ma_attn_args *a, 
     }
     if (am->ptr && am_state != MA_TILE_ZERO) {
         for (int64_t r = 0; r < nr; r++) {
-            const int64_t base = b * am->stride[0] + h * am->stride[1] + (i0 + r) * am->stride[2] +
-                                 j0 * am->stride[3];
+            const int64_t base = b * am->stride[0] + h * am->stride[1] + (i0 + r) * am->stride[2] + j0 * am->stride[3];
             for (int64_t c = 0; c < nc; c++) s[r * rs + c * cs] += FN(mask_value)(am, base + c * am->stride[3]);
         }
     }
@@ -499,9 +493,7 @@ static inline int64_t FN(diag_split)(int64_t band_hi, int64_t BQ, int64_t BK, in
 /* Block index of the idx-th work item among n: 0, n-1, 1, n-2, ... so that
  * any contiguous range of items mixes cheap and expensive causal blocks and
  * the thread pool's static split stays balanced. */
-static inline int64_t FN(interleave)(int64_t idx, int64_t n) {
-    return idx % 2 == 0 ? idx / 2 : n - 1 - idx / 2;
-}
+static inline int64_t FN(interleave)(int64_t idx, int64_t n) { return idx % 2 == 0 ? idx / 2 : n - 1 - idx / 2; }
 
 /* ---- sequences ---------------------------------------------------------------
  *
@@ -580,8 +572,8 @@ static const ACC *FN(kv_head_cache)(const ma_attn_args *a, int64_t *tag, ACC *ca
     const int64_t key = b * 65536 + h + 1;
     if (*tag != key) {
         for (int64_t r = 0; r < a->Lk; r++)
-            FN(convert_row)(cache + r * ncol, 1, src, a->dtype, b * st[0] + h * st[1] + FN(key_off)(a, st, page_st, b, r),
-                            st[3], ncol, 1);
+            FN(convert_row)(cache + r * ncol, 1, src, a->dtype,
+                            b * st[0] + h * st[1] + FN(key_off)(a, st, page_st, b, r), st[3], ncol, 1);
         *tag = key;
     }
     return cache;
@@ -653,7 +645,6 @@ static void FN(scale_rows)(ACC *C, int64_t ldc, int64_t m, int64_t n, const ACC 
             for (int64_t d = 0; d < n; d++) C[r * ldc + d] *= rs[r];
 }
 
-
 typedef struct {
     ACC *qT, *sT, *o, *m, *m_new, *l, *lsum, *lse;
     ACC *grp;     /* the states of a run's heads (FN(fwd_head)) when runs are taken */
@@ -709,8 +700,8 @@ static FN(fwd_scratch) FN(fwd_carve)(void *scratch, const ma_attn_fwd_params *p)
  * side by side, then every head's O rows, m and l, so that consecutive heads'
  * rows form one block (FN(fwd_rows_step) takes the query heads of a key head
  * together). Fits FN(fwd_group_elems): nr <= grp_rows. */
-static void FN(fwd_head_carve)(const FN(fwd_scratch) *t, int64_t x, int64_t nr, int64_t D, int64_t Dv,
-                               FN(fwd_head) *e) {
+static void FN(fwd_head_carve)(const FN(fwd_scratch) * t, int64_t x, int64_t nr, int64_t D, int64_t Dv,
+                               FN(fwd_head) * e) {
     const int64_t n = t->grp_heads * t->grp_rows;
     e->q = t->grp + x * nr * D;
     e->o = t->grp + n * D + x * nr * Dv;
@@ -745,15 +736,16 @@ static inline int FN(fwd_by_rows)(const ma_attn_fwd_params *p, int64_t nr) {
  * side, where sums kept in lsum[] went through memory (a store and a reload
  * per key, ~10 cycles a key at nr = 1). Same additions, same order. */
 static void FN(sum_rows_in_order)(const ACC *s, int64_t nc, int64_t nr, ACC *lsum) {
-#define MA_SUM_ROWS(NR)                                                                                          \
-    case NR: {                                                                                                 \
-        ACC a[NR];                                                                                             \
-        for (int r = 0; r < NR; r++) a[r] = 0;                                                                 \
-        for (int64_t c = 0; c < nc; c++)                                                                       \
-            for (int r = 0; r < NR; r++) a[r] += s[r * nc + c];                                                \
-        for (int r = 0; r < NR; r++) lsum[r] = a[r];                                                           \
-        return;                                                                                                \
+#define MA_SUM_ROWS(NR)                                         \
+    case NR: {                                                  \
+        ACC a[NR];                                              \
+        for (int r = 0; r < NR; r++) a[r] = 0;                  \
+        for (int64_t c = 0; c < nc; c++)                        \
+            for (int r = 0; r < NR; r++) a[r] += s[r * nc + c]; \
+        for (int r = 0; r < NR; r++) lsum[r] = a[r];            \
+        return;                                                 \
     }
+    // clang-format off
     switch (nr) {
         MA_SUM_ROWS(1) MA_SUM_ROWS(2) MA_SUM_ROWS(3) MA_SUM_ROWS(4)
         MA_SUM_ROWS(5) MA_SUM_ROWS(6) MA_SUM_ROWS(7) MA_SUM_ROWS(8)
@@ -762,6 +754,7 @@ static void FN(sum_rows_in_order)(const ACC *s, int64_t nc, int64_t nr, ACC *lsu
         for (int64_t c = 0; c < nc; c++)
             for (int64_t r = 0; r < nr; r++) lsum[r] += s[r * nc + c];
     }
+    // clang-format on
 #undef MA_SUM_ROWS
 }
 
@@ -787,8 +780,7 @@ static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s,
     const int64_t pf_k = x + nh < run ? ks[1] : p->a.block_k * ks[2] - (hk - hk_first) * ks[1];
     const int64_t pf_v = x + nh < run ? vs[1] : p->a.block_k * vs[2] - (hk - hk_first) * vs[1];
     const int64_t k_off = b * ks[0] + hk * ks[1] + FN(key_off)(&p->a, ks, p->a.k_page_stride, b, j0);
-    if (ks[3] == 1)
-        DOT_KEYS(s, nc, q, R, D, p->a.k, p->a.dtype, k_off, ks[2], nc, pf_k);
+    if (ks[3] == 1) DOT_KEYS(s, nc, q, R, D, p->a.k, p->a.dtype, k_off, ks[2], nc, pf_k);
     else /* keys side by side, each element a row apart: a K^T page (the serving cache's layout) */
         DOT_KEYS_T(s, nc, q, R, D, p->a.k, p->a.dtype, k_off, ks[3], nc, pf_k);
     FN(apply_softcap)(s, R * nc, p->a.softcap, NULL);
@@ -800,8 +792,8 @@ static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s,
     FN(sum_rows_in_order)(s, nc, R, lsum);
     if (FN(online_step)(m, m_new, l, lsum, alpha, R)) FN(scale_rows)(o, Dv, R, Dv, alpha);
     if (dr) DROPOUT(s, NULL, nc, 1, nr, nc, dr, i0, j0); /* nh = 1; l summed the whole P; O takes P' */
-    AXPY_KEYS(o, s, nc, R, Dv, p->a.v, p->a.dtype, b * vs[0] + hk * vs[1] + FN(key_off)(&p->a, vs, p->a.v_page_stride, b, j0),
-              vs[2], nc, pf_v);
+    AXPY_KEYS(o, s, nc, R, Dv, p->a.v, p->a.dtype,
+              b * vs[0] + hk * vs[1] + FN(key_off)(&p->a, vs, p->a.v_page_stride, b, j0), vs[2], nc, pf_v);
 }
 
 /* ---- tile hooks -------------------------------------------------------------
@@ -833,32 +825,35 @@ static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s,
 
 /* Generic forward state: the converted head caches when K, V need converting. */
 typedef struct {
-    FN(fwd_scratch) *t;
+    FN(fwd_scratch) * t;
     ma_scratch_header *hdr;
     const ma_attn_fwd_params *p;
     int64_t b, hk, nr;
     const ACC *k_bh, *v_bh;
 } FN(gen_fwd);
 
-static void FN(gen_fwd_query)(FN(gen_fwd) *g, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t nr) {
+static void FN(gen_fwd_query)(FN(gen_fwd) * g, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t nr) {
     const ma_attn_fwd_params *p = g->p;
     FN(fwd_scratch) *t = g->t;
     g->b = b, g->hk = hk, g->nr = nr;
-    g->k_bh = FN(needs_copy)(p->a.dtype, p->a.k_stride)
-                  ? FN(kv_head_cache)(&p->a, &g->hdr->tag[0], t->kc, p->a.k, p->a.k_stride, p->a.k_page_stride, b, hk, p->a.D)
-                  : NULL;
+    g->k_bh =
+        FN(needs_copy)(p->a.dtype, p->a.k_stride)
+            ? FN(kv_head_cache)(&p->a, &g->hdr->tag[0], t->kc, p->a.k, p->a.k_stride, p->a.k_page_stride, b, hk, p->a.D)
+            : NULL;
     g->v_bh = FN(needs_copy)(p->a.dtype, p->a.v_stride)
-                  ? FN(kv_head_cache)(&p->a, &g->hdr->tag[1], t->vc, p->a.v, p->a.v_stride, p->a.v_page_stride, b, hk, p->a.Dv)
+                  ? FN(kv_head_cache)(&p->a, &g->hdr->tag[1], t->vc, p->a.v, p->a.v_stride, p->a.v_page_stride, b, hk,
+                                      p->a.Dv)
                   : NULL;
     FN(load_tile_t)(t->qT, p->a.q, p->a.dtype, p->a.q_stride, b, h, i0, nr, p->a.D, (ACC)p->a.scale);
 }
 
 /* sT = K (scale Q)^T; a split diagonal tile: keys c0.. x queries ..c0 are left to the causal fill */
-static void FN(gen_fwd_scores)(FN(gen_fwd) *g, ACC *sT, int64_t i0, int64_t j0, int64_t nc) {
+static void FN(gen_fwd_scores)(FN(gen_fwd) * g, ACC *sT, int64_t i0, int64_t j0, int64_t nc) {
     const ma_attn_fwd_params *p = g->p;
     const int64_t nr = g->nr, D = p->a.D;
     int64_t ldk;
-    const ACC *k_j = FN(kv_rows_in)(&p->a, p->a.k, p->a.k_stride, p->a.k_page_stride, g->b, g->hk, j0, g->k_bh, D, &ldk);
+    const ACC *k_j =
+        FN(kv_rows_in)(&p->a, p->a.k, p->a.k_stride, p->a.k_page_stride, g->b, g->hk, j0, g->k_bh, D, &ldk);
     const int64_t w = FN(diag_split)(p->a.band_hi, p->a.block_q, p->a.block_k, i0, nr, j0, nc);
     if (w) { /* keys c0 .. c0 + w against queries c0 .. nr */
         for (int64_t c0 = 0; c0 < ma_min(nc, nr); c0 += w)
@@ -868,12 +863,13 @@ static void FN(gen_fwd_scores)(FN(gen_fwd) *g, ACC *sT, int64_t i0, int64_t j0, 
     }
 }
 
-static void FN(gen_fwd_pv)(FN(gen_fwd) *g, ACC *o, const ACC *alpha, const ACC *sT, int64_t i0, int64_t j0,
+static void FN(gen_fwd_pv)(FN(gen_fwd) * g, ACC *o, const ACC *alpha, const ACC *sT, int64_t i0, int64_t j0,
                            int64_t nc) {
     const ma_attn_fwd_params *p = g->p;
     const int64_t nr = g->nr, Dv = p->a.Dv;
     int64_t ldv;
-    const ACC *v_j = FN(kv_rows_in)(&p->a, p->a.v, p->a.v_stride, p->a.v_page_stride, g->b, g->hk, j0, g->v_bh, Dv, &ldv);
+    const ACC *v_j =
+        FN(kv_rows_in)(&p->a, p->a.v, p->a.v_stride, p->a.v_page_stride, g->b, g->hk, j0, g->v_bh, Dv, &ldv);
     const int64_t w = FN(diag_split)(p->a.band_hi, p->a.block_q, p->a.block_k, i0, nr, j0, nc);
     if (w) { /* queries r0 .. r0 + w against keys ..r0 + w */
         for (int64_t r0 = 0; r0 < nr; r0 += w)
@@ -884,7 +880,7 @@ static void FN(gen_fwd_pv)(FN(gen_fwd) *g, ACC *o, const ACC *alpha, const ACC *
     }
 }
 
-static ACC *FN(gen_fwd_o_rows)(FN(gen_fwd) *g, ACC *o) {
+static ACC *FN(gen_fwd_o_rows)(FN(gen_fwd) * g, ACC *o) {
     (void)g;
     return o;
 }
@@ -893,13 +889,13 @@ static ACC *FN(gen_fwd_o_rows)(FN(gen_fwd) *g, ACC *o) {
 typedef struct FN(tiles) FN(tiles);
 static int FN(tiles_apply)(const ma_attn_fwd_params *p);
 static size_t FN(tiles_fwd_scratch_bytes)(const ma_attn_fwd_params *p);
-static void FN(tiles_fwd_begin)(FN(tiles) **T, const ma_attn_fwd_params *p, FN(fwd_scratch) *t, ma_scratch_header *hdr,
-                                void *extra);
-static void FN(tiles_fwd_query)(FN(tiles) *T, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t nr);
-static void FN(tiles_fwd_scores)(FN(tiles) *T, ACC *sT, int64_t i0, int64_t j0, int64_t nc);
-static void FN(tiles_fwd_pv)(FN(tiles) *T, ACC *o, const ACC *alpha, const ACC *sT, int64_t i0, int64_t j0,
+static void FN(tiles_fwd_begin)(FN(tiles) * *T, const ma_attn_fwd_params *p, FN(fwd_scratch) * t,
+                                ma_scratch_header *hdr, void *extra);
+static void FN(tiles_fwd_query)(FN(tiles) * T, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t nr);
+static void FN(tiles_fwd_scores)(FN(tiles) * T, ACC *sT, int64_t i0, int64_t j0, int64_t nc);
+static void FN(tiles_fwd_pv)(FN(tiles) * T, ACC *o, const ACC *alpha, const ACC *sT, int64_t i0, int64_t j0,
                              int64_t nc);
-static ACC *FN(tiles_fwd_o_rows)(FN(tiles) *T, ACC *o);
+static ACC *FN(tiles_fwd_o_rows)(FN(tiles) * T, ACC *o);
 static void FN(tiles_end)(void);
 #endif
 
@@ -910,7 +906,7 @@ typedef struct {
     FN(gen_fwd) gen; /* gen.t = &t */
 #ifdef MA_TILE_HOOKS
     int hooked;
-    FN(tiles) *tiles;
+    FN(tiles) * tiles;
 #endif
 } FN(fwd_task);
 
@@ -938,9 +934,9 @@ static size_t FN(fwd_scratch_bytes)(const ma_attn_fwd_params *p) {
  * entry and query block, taken together where the query block goes by rows
  * (at most FN(fwd_head_group); 1 elsewhere); and each head's state in hd:
  * scale * Q, m = -inf, l = 0, O = 0. Returns the run's length. */
-static int64_t FN(fwd_run_begin)(FN(fwd_task) *c, const ma_attn_fwd_params *p0, const ma_attn_fwd_params *p,
-                                 int64_t w, int64_t end, int64_t b, int64_t h, int64_t qb, int64_t i0, int64_t nr,
-                                 int by_rows, FN(fwd_head) *hd) {
+static int64_t FN(fwd_run_begin)(FN(fwd_task) * c, const ma_attn_fwd_params *p0, const ma_attn_fwd_params *p, int64_t w,
+                                 int64_t end, int64_t b, int64_t h, int64_t qb, int64_t i0, int64_t nr, int by_rows,
+                                 FN(fwd_head) * hd) {
     const int64_t D = p->a.D, Dv = p->a.Dv, hk = h / (p->a.H / p->a.Hkv), HGmax = FN(fwd_head_group)(p0);
     int64_t run = 1;
     if (by_rows)
@@ -950,18 +946,15 @@ static int64_t FN(fwd_run_begin)(FN(fwd_task) *c, const ma_attn_fwd_params *p0, 
         }
     for (int64_t x = 0; x < run; x++) {
         FN(fwd_head) *e = &hd[x];
-        if (run == 1)
-            e->q = c->t.qT, e->o = c->t.o, e->m = c->t.m, e->l = c->t.l;
-        else
-            FN(fwd_head_carve)(&c->t, x, nr, D, Dv, e);
+        if (run == 1) e->q = c->t.qT, e->o = c->t.o, e->m = c->t.m, e->l = c->t.l;
+        else FN(fwd_head_carve)(&c->t, x, nr, D, Dv, e);
         e->dr = FN(head_dropout)(&p->a, b, h + x, &e->dr_buf);
         if (by_rows) /* scale * Q rows, (nr, D), in qT's place */
             for (int64_t r = 0; r < nr; r++)
                 FN(convert_row)(e->q + r * D, 1, p->a.q, p->a.dtype,
                                 b * p->a.q_stride[0] + (h + x) * p->a.q_stride[1] + (i0 + r) * p->a.q_stride[2],
                                 p->a.q_stride[3], D, (ACC)p->a.scale);
-        else
-            FWD_STEP(query, b, h, hk, i0, nr);
+        else FWD_STEP(query, b, h, hk, i0, nr);
         for (int64_t r = 0; r < nr; r++) {
             e->m[r] = -(ACC)INFINITY;
             e->l[r] = 0;
@@ -973,7 +966,7 @@ static int64_t FN(fwd_run_begin)(FN(fwd_task) *c, const ma_attn_fwd_params *p0, 
 
 /* One key block j0 .. j0 + nc of the tile path (head h, query block i0 .. i0 + nr,
  * its state in c->t; ms its FN(mask_tile_state), not MA_TILE_BLOCKED). */
-static void FN(fwd_tile_block)(FN(fwd_task) *c, const ma_attn_fwd_params *p, const ma_dropout *dr, int64_t b,
+static void FN(fwd_tile_block)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const ma_dropout *dr, int64_t b,
                                int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t nc, int ms) {
     FN(fwd_scratch) *t = &c->t;
     /* sT = K (scale Q)^T + bias^T */
@@ -1000,13 +993,13 @@ static void FN(fwd_tile_block)(FN(fwd_task) *c, const ma_attn_fwd_params *p, con
  * l' = l exp(m - M) + exp(sink - M), M = max(m, sink); out = hm * exp(m - M) O / l',
  * lse = M + log l'; a fully masked row gives 0 and sink. Leaves lse, with -inf
  * as 0, in c->t.m_new for FN(fwd_weights). */
-static void FN(fwd_head_end)(FN(fwd_task) *c, const ma_attn_fwd_params *p, const FN(fwd_head) *e, int64_t b,
+static void FN(fwd_head_end)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const FN(fwd_head) * e, int64_t b,
                              int64_t hx, int64_t i0, int64_t nr, int by_rows) {
     FN(fwd_scratch) *t = &c->t;
     const int64_t Dv = p->a.Dv;
     const ACC hm = FN(head_scale)(&p->a.head_mask, b, hx);
-    const ACC sink = p->a.sinks.ptr ? LOAD(p->a.sinks.ptr, p->a.sinks.dtype, hx * p->a.sinks.stride[0])
-                                    : -(ACC)INFINITY;
+    const ACC sink =
+        p->a.sinks.ptr ? LOAD(p->a.sinks.ptr, p->a.sinks.dtype, hx * p->a.sinks.stride[0]) : -(ACC)INFINITY;
     ACC *lse_bh = (ACC *)p->lse + FN(stat_row0)(&p->a, b, hx);
     ACC *o = by_rows ? e->o : FWD_STEP(o_rows, t->o);
     for (int64_t r = 0; r < nr; r++) {
@@ -1035,17 +1028,16 @@ static void FN(fwd_head_end)(FN(fwd_task) *c, const ma_attn_fwd_params *p, const
 /* weights = hm * exp(S - lse) over every key of head h's query block, on
  * request only: never hooked, never in a run (by rows takes no weights).
  * The scores again, from c->t.qT; keys not read get weight 0. */
-static void FN(fwd_weights)(FN(fwd_task) *c, const ma_attn_fwd_params *p, const ma_dropout *dr, int64_t b,
-                            int64_t h, int64_t i0, int64_t nr, int64_t kv_begin, int64_t kv_end) {
+static void FN(fwd_weights)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const ma_dropout *dr, int64_t b, int64_t h,
+                            int64_t i0, int64_t nr, int64_t kv_begin, int64_t kv_end) {
     FN(fwd_scratch) *t = &c->t;
     const int64_t Lq = p->a.Lq, Lk = p->a.Lk, D = p->a.D, BK = p->a.block_k, hk = h / (p->a.H / p->a.Hkv);
     const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
     const int64_t w_st[4] = {p->a.H * Lq * Lk, Lq * Lk, Lk, 1};
     for (int64_t j0 = 0; j0 < Lk; j0 += BK) {
         const int64_t nw = ma_min(BK, Lk - j0); /* weights written */
-        int64_t nc = j0 >= kv_begin && j0 < kv_end
-                         ? FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(nw, kv_end - j0))
-                         : 0;
+        int64_t nc =
+            j0 >= kv_begin && j0 < kv_end ? FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(nw, kv_end - j0)) : 0;
         const int ms = nc > 0 ? FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc) : MA_TILE_BLOCKED;
         if (ms == MA_TILE_BLOCKED) nc = 0;
         if (nc > 0) {
@@ -1106,15 +1098,13 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
                 nh = 1;
                 if (by_rows && run > 1 && !hd[x].dr)
                     while (x + nh < run && (h + x + nh) / G == (h + x) / G && (nh + 1) * nr <= MA_FWD_ROWS &&
-                           !hd[x + nh].dr &&
-                           FN(mask_tile_state)(&p->a.attn_mask, b, h + x + nh, i0, nr, j0, nc) == ms)
+                           !hd[x + nh].dr && FN(mask_tile_state)(&p->a.attn_mask, b, h + x + nh, i0, nr, j0, nc) == ms)
                         nh++;
                 if (ms == MA_TILE_BLOCKED) continue; /* contributes exactly 0 */
                 if (by_rows)
                     FN(fwd_rows_step)(p, hd[x].q, c->t.sT, hd[x].o, hd[x].m, hd[x].l, c->t.m_new, c->t.lsum, c->t.lse,
                                       b, h + x, (h + x) / G, i0, nr, j0, nc, ms, hd[x].dr, x, run, nh);
-                else
-                    FN(fwd_tile_block)(c, p, hd[x].dr, b, h, i0, nr, j0, nc, ms);
+                else FN(fwd_tile_block)(c, p, hd[x].dr, b, h, i0, nr, j0, nc, ms);
             }
         }
         for (int64_t x = 0; x < run; x++) FN(fwd_head_end)(c, p, &hd[x], b, h + x, i0, nr, by_rows);
@@ -1158,25 +1148,44 @@ typedef struct {
 static FN(bwd_scratch) FN(bwd_carve)(void *scratch, int64_t BQ, int64_t BK, int64_t D, int64_t Dv) {
     FN(bwd_scratch) t;
     ACC *x = (ACC *)((char *)scratch + MA_CACHE_LINE); /* after the header */
-    t.qT = x;   x += D * BQ;   /* (D, BQ) scale * Q^T */
-    t.gT = x;   x += Dv * BQ;  /* (Dv, BQ) dO^T */
-    t.kbuf = x; x += BK * D;   /* (BK, D) K rows converted, when not float */
-    t.sT = x;   x += BK * BQ;  /* (BK, BQ) */
-    t.dpT = x;  x += BK * BQ;  /* (BK, BQ) */
-    t.dq = x;   x += BQ * D;   /* (BQ, D) */
-    t.kT = x;   x += D * BK;   /* (D, BK) scale * K^T */
-    t.vT = x;   x += Dv * BK;  /* (Dv, BK) */
-    t.gbuf = x; x += BQ * Dv;  /* (BQ, Dv) rows of dO and out, converted */
-    t.s = x;    x += BQ * BK;  /* (BQ, BK) */
-    t.dp = x;   x += BQ * BK;  /* (BQ, BK) */
-    t.dk = x;   x += BK * D;   /* (BK, D) */
-    t.dv = x;   x += BK * Dv;  /* (BK, Dv) */
-    t.lse = x;  x += BQ;
-    t.delta = x; x += BQ;
-    t.dhm = x;  x += BQ;
-    t.tmp = x;  x += BQ;
-    t.z = x;    x += BQ * BK;
-    t.th = x;   x += BQ * BK;  /* (BQ, BK) or (BK, BQ): tanh of the capped scores (softcap) */
+    t.qT = x;
+    x += D * BQ;   /* (D, BQ) scale * Q^T */
+    t.gT = x;
+    x += Dv * BQ;  /* (Dv, BQ) dO^T */
+    t.kbuf = x;
+    x += BK * D;   /* (BK, D) K rows converted, when not float */
+    t.sT = x;
+    x += BK * BQ;  /* (BK, BQ) */
+    t.dpT = x;
+    x += BK * BQ;  /* (BK, BQ) */
+    t.dq = x;
+    x += BQ * D;   /* (BQ, D) */
+    t.kT = x;
+    x += D * BK;   /* (D, BK) scale * K^T */
+    t.vT = x;
+    x += Dv * BK;  /* (Dv, BK) */
+    t.gbuf = x;
+    x += BQ * Dv;  /* (BQ, Dv) rows of dO and out, converted */
+    t.s = x;
+    x += BQ * BK;  /* (BQ, BK) */
+    t.dp = x;
+    x += BQ * BK;  /* (BQ, BK) */
+    t.dk = x;
+    x += BK * D;   /* (BK, D) */
+    t.dv = x;
+    x += BK * Dv;  /* (BK, Dv) */
+    t.lse = x;
+    x += BQ;
+    t.delta = x;
+    x += BQ;
+    t.dhm = x;
+    x += BQ;
+    t.tmp = x;
+    x += BQ;
+    t.z = x;
+    x += BQ * BK;
+    t.th = x;
+    x += BQ * BK;  /* (BQ, BK) or (BK, BQ): tanh of the capped scores (softcap) */
     t.extra = x;               /* the pass's own regions, see bwd_extra_elems */
     return t;
 }
@@ -1252,8 +1261,8 @@ static size_t FN(bwd_scratch_bytes)(const ma_attn_bwd_params *p) {
 }
 
 /* dW[b, h, i0 + r, j0 + c] added to dP at dp[r * rs + c * cs]. */
-static void FN(add_dweights)(ACC *dp, int64_t rs, int64_t cs, const ma_attn_bwd_params *p, int64_t b,
-                             int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t nc) {
+static void FN(add_dweights)(ACC *dp, int64_t rs, int64_t cs, const ma_attn_bwd_params *p, int64_t b, int64_t h,
+                             int64_t i0, int64_t nr, int64_t j0, int64_t nc) {
     const int64_t *st = p->dweights_stride;
     for (int64_t r = 0; r < nr; r++) {
         const int64_t base = b * st[0] + h * st[1] + (i0 + r) * st[2] + j0 * st[3];
@@ -1273,8 +1282,8 @@ static void FN(out_row)(const ma_attn_bwd_params *p, int64_t b, int64_t h, int64
 
 /* dS = P (hm dP - delta) in place of dP, element (r, c) at [r * rs + c * cs];
  * dhm[r] += sum_c P dP when dhm is not NULL. */
-static void FN(dscores)(ACC *dp, const ACC *pr, int64_t rs, int64_t cs, const ACC *delta, ACC *dhm,
-                        ACC hm, int64_t nr, int64_t nc) {
+static void FN(dscores)(ACC *dp, const ACC *pr, int64_t rs, int64_t cs, const ACC *delta, ACC *dhm, ACC hm, int64_t nr,
+                        int64_t nc) {
     if (dhm)
         for (int64_t r = 0; r < nr; r++) {
             ACC acc = 0;
@@ -1283,19 +1292,17 @@ static void FN(dscores)(ACC *dp, const ACC *pr, int64_t rs, int64_t cs, const AC
         }
     if (cs == 1) { /* row-wise */
         for (int64_t r = 0; r < nr; r++)
-            for (int64_t c = 0; c < nc; c++)
-                dp[r * rs + c] = pr[r * rs + c] * (hm * dp[r * rs + c] - delta[r]);
+            for (int64_t c = 0; c < nc; c++) dp[r * rs + c] = pr[r * rs + c] * (hm * dp[r * rs + c] - delta[r]);
     } else { /* transposed: r is the inner, contiguous index */
         for (int64_t c = 0; c < nc; c++)
-            for (int64_t r = 0; r < nr; r++)
-                dp[c * cs + r] = pr[c * cs + r] * (hm * dp[c * cs + r] - delta[r]);
+            for (int64_t r = 0; r < nr; r++) dp[c * cs + r] = pr[c * cs + r] * (hm * dp[c * cs + r] - delta[r]);
     }
 }
 
 /* dscores[b, h, i0 + r, j0 + c] = dS (r, c), at ds[r * rs + c * cs]: the gradient
  * of the scores, which is the gradient of an additive mask; overwrites. */
-static void FN(store_dscores)(const ma_attn_bwd_params *p, const ACC *ds, int64_t rs, int64_t cs,
-                              int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t nc) {
+static void FN(store_dscores)(const ma_attn_bwd_params *p, const ACC *ds, int64_t rs, int64_t cs, int64_t b, int64_t h,
+                              int64_t i0, int64_t nr, int64_t j0, int64_t nc) {
     ACC *out = (ACC *)p->dscores + ((b * p->a.H + h) * p->a.Lq + i0) * p->a.Lk + j0;
     for (int64_t r = 0; r < nr; r++)
         for (int64_t c = 0; c < nc; c++) out[r * p->a.Lk + c] = ds[r * rs + c * cs];
@@ -1305,7 +1312,7 @@ static void FN(store_dscores)(const ma_attn_bwd_params *p, const ACC *ds, int64_
  * and p->delta: g_i . (out_i + out_lo_i), plus hm * sum_j P_ij dW_ij where the
  * weights have a gradient (P from the scores again). t->lse gets the rows' lse,
  * -inf as 0. */
-static void FN(dq_delta)(FN(bwd_scratch) *t, const ma_attn_bwd_params *p, const ACC *k_bh, ACC hm,
+static void FN(dq_delta)(FN(bwd_scratch) * t, const ma_attn_bwd_params *p, const ACC *k_bh, ACC hm,
                          const ma_dropout *dr, int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t kv_begin,
                          int64_t kv_end) {
     const int64_t D = p->a.D, Dv = p->a.Dv, BK = p->a.block_k, hk = h / (p->a.H / p->a.Hkv);
@@ -1347,7 +1354,7 @@ static void FN(dq_delta)(FN(bwd_scratch) *t, const ma_attn_bwd_params *p, const 
 /* One key block j0 .. j0 + nc of the dq pass (ms: its mask state, not blocked):
  * P^T again, dS^T = P^T (hm dP^T - delta), dscores and dhm_rows where asked,
  * then t->dq += dS K. */
-static void FN(dq_block)(FN(bwd_scratch) *t, const ma_attn_bwd_params *p, const ACC *k_bh, const ACC *v_bh, ACC hm,
+static void FN(dq_block)(FN(bwd_scratch) * t, const ma_attn_bwd_params *p, const ACC *k_bh, const ACC *v_bh, ACC hm,
                          const ma_dropout *dr, int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t nc,
                          int ms) {
     const int64_t D = p->a.D, Dv = p->a.Dv, hk = h / (p->a.H / p->a.Hkv);
@@ -1432,7 +1439,7 @@ static inline int64_t FN(bwd_split)(const ma_attn_bwd_params *p, int64_t i0, int
 }
 
 /* s (nr, nc) = Q kT: a split tile's rows r0 .. r0 + w x keys r0 + w.. are left to the causal fill (P = 0) */
-static void FN(gen_bwd_scores_at)(const FN(bwd_scratch) *t, const ma_attn_bwd_params *p, int64_t i0, int64_t nr,
+static void FN(gen_bwd_scores_at)(const FN(bwd_scratch) * t, const ma_attn_bwd_params *p, int64_t i0, int64_t nr,
                                   int64_t j0, int64_t nc, const ACC *q_i, int64_t ldq) {
     const int64_t D = p->a.D, w = FN(bwd_split)(p, i0, nr, j0, nc);
     if (w) {
@@ -1444,7 +1451,7 @@ static void FN(gen_bwd_scores_at)(const FN(bwd_scratch) *t, const ma_attn_bwd_pa
 }
 
 /* dp (nr, nc) = dO vT, the part a split tile skips zeroed */
-static void FN(gen_bwd_dp_at)(const FN(bwd_scratch) *t, const ma_attn_bwd_params *p, int64_t i0, int64_t nr,
+static void FN(gen_bwd_dp_at)(const FN(bwd_scratch) * t, const ma_attn_bwd_params *p, int64_t i0, int64_t nr,
                               int64_t j0, int64_t nc, const ACC *g_i, int64_t ldg) {
     const int64_t Dv = p->a.Dv, w = FN(bwd_split)(p, i0, nr, j0, nc);
     if (w) {
@@ -1460,7 +1467,7 @@ static void FN(gen_bwd_dp_at)(const FN(bwd_scratch) *t, const ma_attn_bwd_params
 }
 
 /* dK += dS^T Q, dV += (hm P)^T dO: in a split tile, keys c0 .. c0 + w take rows c0.. only */
-static void FN(gen_bwd_dkdv_at)(const FN(bwd_scratch) *t, const ma_attn_bwd_params *p, int64_t i0, int64_t nr,
+static void FN(gen_bwd_dkdv_at)(const FN(bwd_scratch) * t, const ma_attn_bwd_params *p, int64_t i0, int64_t nr,
                                 int64_t j0, int64_t nc, const ACC *q_i, int64_t ldq, const ACC *g_i, int64_t ldg) {
     const int64_t D = p->a.D, Dv = p->a.Dv, w = FN(bwd_split)(p, i0, nr, j0, nc);
     if (w) {
@@ -1500,10 +1507,10 @@ static void FN(bwd_tile_softmax)(ACC *s, ACC *dp, ACC *th, const ma_attn_bwd_par
 }
 
 /* The whole generic tile of the two-pass dkdv pass (kT, vT packed in t). */
-static void FN(bwd_key_tile)(const FN(bwd_scratch) *t, const ma_attn_bwd_params *p, int64_t b, int64_t h, ACC hm,
-                             int64_t i0, int64_t nr, int64_t j0, int64_t nc, int am_state, const ACC *q_i,
-                             int64_t ldq, const ACC *g_i, int64_t ldg, const ACC *lse_r, const ACC *delta_r,
-                             ACC *dhm_r, const ma_dropout *dr) {
+static void FN(bwd_key_tile)(const FN(bwd_scratch) * t, const ma_attn_bwd_params *p, int64_t b, int64_t h, ACC hm,
+                             int64_t i0, int64_t nr, int64_t j0, int64_t nc, int am_state, const ACC *q_i, int64_t ldq,
+                             const ACC *g_i, int64_t ldg, const ACC *lse_r, const ACC *delta_r, ACC *dhm_r,
+                             const ma_dropout *dr) {
     FN(gen_bwd_scores_at)(t, p, i0, nr, j0, nc, q_i, ldq);
     FN(gen_bwd_dp_at)(t, p, i0, nr, j0, nc, g_i, ldg);
     FN(bwd_tile_softmax)(t->s, t->dp, t->th, p, b, h, hm, i0, nr, j0, nc, am_state, lse_r, delta_r, dhm_r, dr, t->z, 0);
@@ -1530,9 +1537,10 @@ static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
         const ACC *q_bg = FN(needs_copy)(p->a.dtype, p->a.q_stride)
                               ? FN(head_cache)(&hdr->tag[2], qc, p->a.q, p->a.dtype, p->a.q_stride, b, hk * G, G, Lq, D)
                               : NULL;
-        const ACC *g_bg = FN(needs_copy)(p->a.dtype, p->dout_stride)
-                              ? FN(head_cache)(&hdr->tag[3], gc, p->dout, p->a.dtype, p->dout_stride, b, hk * G, G, Lq, Dv)
-                              : NULL;
+        const ACC *g_bg =
+            FN(needs_copy)(p->a.dtype, p->dout_stride)
+                ? FN(head_cache)(&hdr->tag[3], gc, p->dout, p->a.dtype, p->dout_stride, b, hk * G, G, Lq, Dv)
+                : NULL;
         const int64_t j0 = kb * BK, nc_out = ma_min(BK, Lk - j0); /* rows of dk, dv written */
         const int64_t nc = FN(bwd_keys_read)(p, b, j0, nc_out);      /* keys read; the rest get 0 */
         for (int64_t x = 0; x < nc_out * D; x++) t.dk[x] = 0;
@@ -1577,7 +1585,7 @@ static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
  * Rows are read in place when they are ACC with unit stride, else converted
  * into gbuf (2 Dv). The dot product runs in 8 interleaved partial sums. */
 static void FN(delta_rows)(const ma_attn_bwd_params *p, int64_t b, int64_t h, ACC *gbuf, ACC *delta, ACC *lse,
-                          ACC *dhm) {
+                           ACC *dhm) {
     const int64_t Lq = p->a.Lq, Dv = p->a.Dv;
     const ACC *lse_bh = (const ACC *)p->lse + (b * p->a.H + h) * Lq;
     const int direct = FN(is_native)(p->a.dtype) && p->dout_stride[3] == 1 && p->a.out_stride[3] == 1 && !p->out_lo;
@@ -1606,7 +1614,7 @@ static void FN(delta_rows)(const ma_attn_bwd_params *p, int64_t b, int64_t h, AC
  * and the tile's rows in place (set by gen_bwd_scores, used by the later steps
  * of the same tile). */
 typedef struct {
-    FN(bwd_scratch) *t;
+    FN(bwd_scratch) * t;
     ma_scratch_header *hdr;
     const ma_attn_bwd_params *p;
     ACC *qc, *gc;
@@ -1614,20 +1622,20 @@ typedef struct {
     const ACC *q_bg, *g_bg, *k_j, *q_i, *g_i;
 } FN(gen_bwd);
 
-static void FN(gen_bwd_group)(FN(gen_bwd) *g, int64_t b, int64_t hk) {
+static void FN(gen_bwd_group)(FN(gen_bwd) * g, int64_t b, int64_t hk) {
     const ma_attn_bwd_params *p = g->p;
     const int64_t G = p->a.H / p->a.Hkv;
     g->b = b, g->hk = hk;
-    g->q_bg = FN(needs_copy)(p->a.dtype, p->a.q_stride)
-                  ? FN(head_cache)(&g->hdr->tag[2], g->qc, p->a.q, p->a.dtype, p->a.q_stride, b, hk * G, G, p->a.Lq, p->a.D)
-                  : NULL;
+    g->q_bg = FN(needs_copy)(p->a.dtype, p->a.q_stride) ? FN(head_cache)(&g->hdr->tag[2], g->qc, p->a.q, p->a.dtype,
+                                                                         p->a.q_stride, b, hk * G, G, p->a.Lq, p->a.D)
+                                                        : NULL;
     g->g_bg = FN(needs_copy)(p->a.dtype, p->dout_stride)
                   ? FN(head_cache)(&g->hdr->tag[3], g->gc, p->dout, p->a.dtype, p->dout_stride, b, hk * G, G, p->a.Lq,
                                    p->a.Dv)
                   : NULL;
 }
 
-static void FN(gen_bwd_keys)(FN(gen_bwd) *g, int64_t j0, int64_t nc) {
+static void FN(gen_bwd_keys)(FN(gen_bwd) * g, int64_t j0, int64_t nc) {
     const ma_attn_bwd_params *p = g->p;
     FN(bwd_scratch) *t = g->t;
     g->j0 = j0, g->nc = nc;
@@ -1636,23 +1644,23 @@ static void FN(gen_bwd_keys)(FN(gen_bwd) *g, int64_t j0, int64_t nc) {
     FN(load_tile_t)(t->vT, p->a.v, p->a.dtype, p->a.v_stride, g->b, g->hk, j0, nc, p->a.Dv, 1);
 }
 
-static void FN(gen_bwd_scores)(FN(gen_bwd) *g, int64_t gi, int64_t h, int64_t i0, int64_t nr) {
+static void FN(gen_bwd_scores)(FN(gen_bwd) * g, int64_t gi, int64_t h, int64_t i0, int64_t nr) {
     const ma_attn_bwd_params *p = g->p;
     const int64_t Lq = p->a.Lq;
-    g->q_i = FN(rows_in)(p->a.q, p->a.dtype, p->a.q_stride, g->b, h, i0, g->q_bg ? g->q_bg + gi * Lq * p->a.D : NULL, p->a.D,
-                         &g->ldq);
-    g->g_i = FN(rows_in)(p->dout, p->a.dtype, p->dout_stride, g->b, h, i0,
-                         g->g_bg ? g->g_bg + gi * Lq * p->a.Dv : NULL, p->a.Dv, &g->ldg);
+    g->q_i = FN(rows_in)(p->a.q, p->a.dtype, p->a.q_stride, g->b, h, i0, g->q_bg ? g->q_bg + gi * Lq * p->a.D : NULL,
+                         p->a.D, &g->ldq);
+    g->g_i = FN(rows_in)(p->dout, p->a.dtype, p->dout_stride, g->b, h, i0, g->g_bg ? g->g_bg + gi * Lq * p->a.Dv : NULL,
+                         p->a.Dv, &g->ldg);
     FN(gen_bwd_scores_at)(g->t, p, i0, nr, g->j0, g->nc, g->q_i, g->ldq);
 }
 
-static void FN(gen_bwd_dp)(FN(gen_bwd) *g, int64_t gi, int64_t h, int64_t i0, int64_t nr) {
+static void FN(gen_bwd_dp)(FN(gen_bwd) * g, int64_t gi, int64_t h, int64_t i0, int64_t nr) {
     (void)gi, (void)h;
     FN(gen_bwd_dp_at)(g->t, g->p, i0, nr, g->j0, g->nc, g->g_i, g->ldg);
 }
 
 /* dK, dV as the dkdv pass; dQ += dS K (times scale at the store): rows r0 .. r0 + w of a split diagonal tile see keys ..r0 + w */
-static void FN(gen_bwd_accum)(FN(gen_bwd) *g, ACC *dq_i, int64_t gi, int64_t h, int64_t i0, int64_t nr) {
+static void FN(gen_bwd_accum)(FN(gen_bwd) * g, ACC *dq_i, int64_t gi, int64_t h, int64_t i0, int64_t nr) {
     (void)gi, (void)h;
     const ma_attn_bwd_params *p = g->p;
     const FN(bwd_scratch) *t = g->t;
@@ -1660,22 +1668,23 @@ static void FN(gen_bwd_accum)(FN(gen_bwd) *g, ACC *dq_i, int64_t gi, int64_t h, 
     FN(gen_bwd_dkdv_at)(t, p, i0, nr, g->j0, nc, g->q_i, g->ldq, g->g_i, g->ldg);
     if (w) {
         for (int64_t r0 = 0; r0 < nr; r0 += w)
-            GEMM(ma_min(w, nr - r0), D, ma_min(nc, r0 + w), t->dp + r0 * nc, nc, 1, g->k_j, g->ldk, dq_i + r0 * D, D, 1);
+            GEMM(ma_min(w, nr - r0), D, ma_min(nc, r0 + w), t->dp + r0 * nc, nc, 1, g->k_j, g->ldk, dq_i + r0 * D, D,
+                 1);
     } else {
         GEMM(nr, D, nc, t->dp, nc, 1, g->k_j, g->ldk, dq_i, D, 1);
     }
 }
 
-static void FN(gen_bwd_keys_end)(FN(gen_bwd) *g, int64_t nc) { (void)g, (void)nc; }
+static void FN(gen_bwd_keys_end)(FN(gen_bwd) * g, int64_t nc) { (void)g, (void)nc; }
 
 #ifdef MA_TILE_HOOKS
-static void FN(tiles_bwd_begin)(FN(tiles) **T, const ma_attn_bwd_params *p, FN(bwd_scratch) *t, void *extra);
-static void FN(tiles_bwd_group)(FN(tiles) *T, int64_t b, int64_t hk);
-static void FN(tiles_bwd_keys)(FN(tiles) *T, int64_t j0, int64_t nc);
-static void FN(tiles_bwd_scores)(FN(tiles) *T, int64_t gi, int64_t h, int64_t i0, int64_t nr);
-static void FN(tiles_bwd_dp)(FN(tiles) *T, int64_t gi, int64_t h, int64_t i0, int64_t nr);
-static void FN(tiles_bwd_accum)(FN(tiles) *T, ACC *dq_i, int64_t gi, int64_t h, int64_t i0, int64_t nr);
-static void FN(tiles_bwd_keys_end)(FN(tiles) *T, int64_t nc);
+static void FN(tiles_bwd_begin)(FN(tiles) * *T, const ma_attn_bwd_params *p, FN(bwd_scratch) * t, void *extra);
+static void FN(tiles_bwd_group)(FN(tiles) * T, int64_t b, int64_t hk);
+static void FN(tiles_bwd_keys)(FN(tiles) * T, int64_t j0, int64_t nc);
+static void FN(tiles_bwd_scores)(FN(tiles) * T, int64_t gi, int64_t h, int64_t i0, int64_t nr);
+static void FN(tiles_bwd_dp)(FN(tiles) * T, int64_t gi, int64_t h, int64_t i0, int64_t nr);
+static void FN(tiles_bwd_accum)(FN(tiles) * T, ACC *dq_i, int64_t gi, int64_t h, int64_t i0, int64_t nr);
+static void FN(tiles_bwd_keys_end)(FN(tiles) * T, int64_t nc);
 #endif
 
 /* A single-pass task's state: the scratch of key block x of a group (tk[x]: tk[0]
@@ -1684,10 +1693,10 @@ static void FN(tiles_bwd_keys_end)(FN(tiles) *T, int64_t nc);
 typedef struct {
     FN(bwd_scratch) tk[MA_BWD_KEY_GROUP_MAX];
     FN(gen_bwd) gen[MA_BWD_KEY_GROUP_MAX]; /* gen[x].t = &tk[x] */
-    ACC *dq_all;                           /* (G, Lq, D) */
-    ACC *delta_all, *lse_all, *dhm_all;    /* (G, Lq) each; lse with -inf as 0 */
+    ACC *dq_all; /* (G, Lq, D) */
+    ACC *delta_all, *lse_all, *dhm_all; /* (G, Lq) each; lse with -inf as 0 */
 #ifdef MA_TILE_HOOKS
-    FN(tiles) *tiles;
+    FN(tiles) * tiles;
 #endif
 } FN(fused_task);
 
@@ -1718,7 +1727,7 @@ typedef struct {
  * bit. 5 matrix products and one exp per tile instead of the two passes' 7
  * and two; chosen by shape alone (ma_attn_bwd_single_pass) so results never
  * depend on the thread count. No dweights here (the two passes handle them). */
-static void FN(fused_carve)(FN(fused_task) *c, void *scratch, const ma_attn_bwd_params *p, int64_t KG) {
+static void FN(fused_carve)(FN(fused_task) * c, void *scratch, const ma_attn_bwd_params *p, int64_t KG) {
     const int64_t G = p->a.H / p->a.Hkv, Lq = p->a.Lq, D = p->a.D, Dv = p->a.Dv, BK = p->a.block_k;
     const FN(bwd_scratch) t = FN(bwd_carve)(scratch, p->a.block_q, BK, D, Dv);
     c->dq_all = t.extra;
@@ -1730,27 +1739,32 @@ static void FN(fused_carve)(FN(fused_task) *c, void *scratch, const ma_attn_bwd_
     for (int64_t x = 0; x < KG; x++) {
         c->tk[x] = t;
         if (x > 0) {
-            c->tk[x].kT = slot;   slot += D * BK;
-            c->tk[x].kbuf = slot; slot += BK * D;
-            c->tk[x].dk = slot;   slot += BK * D;
-            c->tk[x].vT = slot;   slot += Dv * BK;
-            c->tk[x].dv = slot;   slot += BK * Dv;
+            c->tk[x].kT = slot;
+            slot += D * BK;
+            c->tk[x].kbuf = slot;
+            slot += BK * D;
+            c->tk[x].dk = slot;
+            slot += BK * D;
+            c->tk[x].vT = slot;
+            slot += Dv * BK;
+            c->tk[x].dv = slot;
+            slot += BK * Dv;
         }
-        c->gen[x] = (FN(gen_bwd)){&c->tk[x], (ma_scratch_header *)scratch, p, qc, gc, 0, 0, 0, 0, 0, 0, 0,
-                                  NULL, NULL, NULL, NULL, NULL};
+        c->gen[x] = (FN(gen_bwd)){
+            &c->tk[x], (ma_scratch_header *)scratch, p, qc, gc, 0, 0, 0, 0, 0, 0, 0, NULL, NULL, NULL, NULL, NULL};
     }
 }
 
 /* The group from key block jg of (b, hk) on: each block's dK, dV sums zeroed and its keys prepared. */
-static void FN(fused_keys_begin)(FN(fused_task) *c, const ma_attn_bwd_params *p, int64_t b, int64_t jg,
-                                 int64_t KG, FN(key_group) *k) {
+static void FN(fused_keys_begin)(FN(fused_task) * c, const ma_attn_bwd_params *p, int64_t b, int64_t jg, int64_t KG,
+                                 FN(key_group) * k) {
     const int64_t Lk = p->a.Lk, D = p->a.D, Dv = p->a.Dv, BK = p->a.block_k, C = p->kv_chunks;
     k->i_lo = p->a.Lq, k->i_hi = 0;
     for (k->n = 0; k->n < KG && jg + k->n * C * BK < Lk; k->n++) {
         const int64_t x = k->n;
         k->j0[x] = jg + x * C * BK;
-        const int64_t nc_out = ma_min(BK, Lk - k->j0[x]);       /* rows of dk, dv written */
-        k->nc[x] = FN(bwd_keys_read)(p, b, k->j0[x], nc_out);   /* keys read; the rest get 0 */
+        const int64_t nc_out = ma_min(BK, Lk - k->j0[x]); /* rows of dk, dv written */
+        k->nc[x] = FN(bwd_keys_read)(p, b, k->j0[x], nc_out); /* keys read; the rest get 0 */
         for (int64_t e = 0; e < nc_out * D; e++) c->tk[x].dk[e] = 0;
         for (int64_t e = 0; e < nc_out * Dv; e++) c->tk[x].dv[e] = 0;
         k->ib[x] = k->ie[x] = 0;
@@ -1764,8 +1778,8 @@ static void FN(fused_keys_begin)(FN(fused_task) *c, const ma_attn_bwd_params *p,
 
 /* Every query block of the G heads against the group's key blocks: per tile the
  * scores, dP, the softmax's gradient, then dK, dV and dq (dq_acc, (G, Lq, D)). */
-static void FN(fused_queries)(FN(fused_task) *c, const ma_attn_bwd_params *p, int64_t b, int64_t hk,
-                              const FN(key_group) *k, ACC *dq_acc) {
+static void FN(fused_queries)(FN(fused_task) * c, const ma_attn_bwd_params *p, int64_t b, int64_t hk,
+                              const FN(key_group) * k, ACC *dq_acc) {
     const int64_t G = p->a.H / p->a.Hkv, Lq = p->a.Lq, D = p->a.D, BQ = p->a.block_q;
     for (int64_t g = 0; g < G; g++) {
         const int64_t h = hk * G + g;
@@ -1791,13 +1805,13 @@ static void FN(fused_queries)(FN(fused_task) *c, const ma_attn_bwd_params *p, in
 }
 
 /* The group's dK, dV sums out (scaled), rows of keys not read as 0. */
-static void FN(fused_keys_end)(FN(fused_task) *c, const ma_attn_bwd_params *p, int64_t b, int64_t hk,
-                               const FN(key_group) *k) {
+static void FN(fused_keys_end)(FN(fused_task) * c, const ma_attn_bwd_params *p, int64_t b, int64_t hk,
+                               const FN(key_group) * k) {
     for (int64_t x = 0; x < k->n; x++) {
         const int64_t nc_out = ma_min(p->a.block_k, p->a.Lk - k->j0[x]);
         if (k->nc[x] > 0) BWD_STEP(keys_end, x, k->nc[x]);
-        FN(store_tile)(p->dk, p->a.dtype, p->dk_stride, b, hk, k->j0[x], nc_out, p->a.D, c->tk[x].dk,
-                       (ACC)p->a.scale, p->a.stream_stores);
+        FN(store_tile)(p->dk, p->a.dtype, p->dk_stride, b, hk, k->j0[x], nc_out, p->a.D, c->tk[x].dk, (ACC)p->a.scale,
+                       p->a.stream_stores);
         FN(store_tile)(p->dv, p->a.dtype, p->dv_stride, b, hk, k->j0[x], nc_out, p->a.Dv, c->tk[x].dv, 1,
                        p->a.stream_stores);
     }
@@ -1880,8 +1894,8 @@ static void FN(attn_bwd_reduce)(int64_t begin, int64_t end, void *vctx) {
     }
 }
 
-const ma_attn_kernels FN(ma_attn_kernels) = {FN(attn_fwd),          FN(attn_bwd_dq),       FN(attn_bwd_dkdv),
-                                             FN(attn_bwd_fused),    FN(attn_bwd_reduce),   FN(fwd_scratch_bytes),
+const ma_attn_kernels FN(ma_attn_kernels) = {FN(attn_fwd),         FN(attn_bwd_dq),     FN(attn_bwd_dkdv),
+                                             FN(attn_bwd_fused),   FN(attn_bwd_reduce), FN(fwd_scratch_bytes),
                                              FN(bwd_scratch_bytes)};
 
 #undef ACC

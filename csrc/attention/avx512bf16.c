@@ -46,9 +46,8 @@ static inline int32_t dp_pair(const uint16_t *p) {
  * when NT == 2): c[r][t] += sum over k tiles, parts (i, j) with i + j <
  * terms, and the 16 k pairs q of A_i[r][2q, 2q+1] . B_j[2q, 2q+1][column].
  * 8 x NT accumulators; per k pair NT row loads of B and 8 broadcasts of A. */
-static inline __attribute__((always_inline)) void dp_block(const int NT, amx_view a, int64_t mt, int64_t r0,
-                                                           amx_view b, int64_t nt, int64_t nkt, int terms,
-                                                           __m512 c[8][2]) {
+static inline __attribute__((always_inline)) void dp_block(const int NT, amx_view a, int64_t mt, int64_t r0, amx_view b,
+                                                           int64_t nt, int64_t nkt, int terms, __m512 c[8][2]) {
     for (int64_t kt = 0; kt < nkt; kt++)
         for (int i = 0; i < a.parts && i < terms; i++) {
             const uint16_t *at = a.p + i * a.part_stride + mt * a.os + kt * a.ks + r0 * 32;
@@ -71,8 +70,8 @@ static inline __attribute__((always_inline)) void dp_block(const int NT, amx_vie
 /* C (m, n) = [C +] A (m, k) @ B (k, n) from packed views (tiles_hooks.h):
  * blocks of 8 rows x 32 columns (16 at the last odd B tile), C read and
  * written once per block with masks at the edges. */
-static void tile_gemm(int64_t m, int64_t n, int64_t k, amx_view a, amx_view b, float *C, int64_t ldc,
-                      int accumulate, int terms) {
+static void tile_gemm(int64_t m, int64_t n, int64_t k, amx_view a, amx_view b, float *C, int64_t ldc, int accumulate,
+                      int terms) {
     const int64_t nmt = ma_cdiv(m, 16), nnt = ma_cdiv(n, 16), nkt = ma_cdiv(k, 32);
     for (int64_t mt = 0; mt < nmt; mt++)
         for (int64_t r0 = 0; r0 < 16 && mt * 16 + r0 < m; r0 += 8) {
@@ -86,8 +85,8 @@ static void tile_gemm(int64_t m, int64_t n, int64_t k, amx_view a, amx_view b, f
                 for (int r = 0; r < 8; r++) {
                     const int live = accumulate && r < rows;
                     c[r][0] = live ? _mm512_maskz_loadu_ps(m0, C + (i0 + r) * ldc + j0) : _mm512_setzero_ps();
-                    c[r][1] = live && NT == 2 ? _mm512_maskz_loadu_ps(m1, C + (i0 + r) * ldc + j0 + 16)
-                                              : _mm512_setzero_ps();
+                    c[r][1] =
+                        live && NT == 2 ? _mm512_maskz_loadu_ps(m1, C + (i0 + r) * ldc + j0 + 16) : _mm512_setzero_ps();
                 }
                 if (NT == 2) dp_block(2, a, mt, r0, b, nt, nkt, terms, c);
                 else dp_block(1, a, mt, r0, b, nt, nkt, terms, c);
@@ -116,19 +115,19 @@ static inline int tile_apply(const ma_attn_fwd_params *p) {
 #define TILE_ISA avx512bf16
 #include "tiles_hooks.h"
 
-static void gemm_avx512bf16_2(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs,
-                              const float *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
+static void gemm_avx512bf16_2(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs, const float *B,
+                              int64_t ldb, float *C, int64_t ldc, int accumulate) {
     tile_gemm_terms(m, n, k, A, ars, acs, B, ldb, C, ldc, accumulate, 2);
 }
 
-static void gemm_avx512bf16_3(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs,
-                              const float *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
+static void gemm_avx512bf16_3(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs, const float *B,
+                              int64_t ldb, float *C, int64_t ldc, int accumulate) {
     tile_gemm_terms(m, n, k, A, ars, acs, B, ldb, C, ldc, accumulate, 3);
 }
 
 /* The harness tests the product on split operands (2 and 3 parts, as AMX's);
  * the other blocks are AVX-512's. */
-const ma_blocks ma_blocks_avx512bf16_2 = {"avx512bf16_2", gemm_avx512bf16_2, NULL, NULL, NULL, NULL, NULL,
-                                          NULL, NULL, NULL, NULL, NULL};
-const ma_blocks ma_blocks_avx512bf16_3 = {"avx512bf16_3", gemm_avx512bf16_3, NULL, NULL, NULL, NULL, NULL,
-                                          NULL, NULL, NULL, NULL, NULL};
+const ma_blocks ma_blocks_avx512bf16_2 = {
+    "avx512bf16_2", gemm_avx512bf16_2, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+const ma_blocks ma_blocks_avx512bf16_3 = {
+    "avx512bf16_3", gemm_avx512bf16_3, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};

@@ -73,8 +73,8 @@
  * (tests/c/test_blocks.c checks every variant against the scalar reference). */
 typedef struct {
     const char *name;
-    void (*gemm)(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs,
-                 const float *B, int64_t ldb, float *C, int64_t ldc, int accumulate);
+    void (*gemm)(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs, const float *B, int64_t ldb,
+                 float *C, int64_t ldc, int accumulate);
     float (*exp_sub_sum)(float *x, int64_t n, float m);
     void (*col_max)(const float *x, int64_t rows, int64_t n, float *m);
     void (*exp_sub_col)(float *x, int64_t rows, int64_t n, const float *m, float *sum);
@@ -84,18 +84,18 @@ typedef struct {
                      int64_t off, int64_t ld, int64_t nc, int64_t pf);
     void (*axpy_keys)(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v, ma_dtype dt,
                       int64_t off, int64_t ld, int64_t nc, int64_t pf);
-    void (*gemm_rowscale)(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs,
-                          const float *B, int64_t ldb, float *C, int64_t ldc, const float *rs);
-    void (*dropout)(float *x, float *z, int64_t rs, int64_t cs, int64_t nr, int64_t nc, const ma_dropout *d,
-                    int64_t i0, int64_t j0);
+    void (*gemm_rowscale)(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs, const float *B,
+                          int64_t ldb, float *C, int64_t ldc, const float *rs);
+    void (*dropout)(float *x, float *z, int64_t rs, int64_t cs, int64_t nr, int64_t nc, const ma_dropout *d, int64_t i0,
+                    int64_t j0);
     void (*softcap)(float *s, int64_t n, float cap, float inv, float *th);
     void (*dot_keys_t)(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
                        int64_t off, int64_t ldd, int64_t nc, int64_t pf);
 } ma_blocks;
 
-#define MA_ATTN_BLOCKS(X)                                                                                     \
-    {#X, gemm_##X, exp_sub_sum_##X, col_max_##X, exp_sub_col_##X, transpose_##X, row_max_##X, dot_keys_##X, \
-     axpy_keys_##X, gemm_rowscale_##X, dropout_##X, softcap_##X, dot_keys_t_##X}
+#define MA_ATTN_BLOCKS(X)                                                                                      \
+    {#X,           gemm_##X,      exp_sub_sum_##X,   col_max_##X, exp_sub_col_##X, transpose_##X, row_max_##X, \
+     dot_keys_##X, axpy_keys_##X, gemm_rowscale_##X, dropout_##X, softcap_##X,     dot_keys_t_##X}
 
 extern const ma_blocks ma_blocks_scalar, ma_blocks_avx2, ma_blocks_avx512;
 extern const ma_blocks ma_blocks_amx2, ma_blocks_amx3; /* GEMM only: 3 and 6 bf16 products */
@@ -108,7 +108,7 @@ typedef struct {
     size_t (*bwd_scratch_bytes)(const ma_attn_bwd_params *p);
 } ma_attn_kernels;
 
-extern const ma_attn_kernels ma_attn_kernels_scalar, ma_attn_kernels_f64, ma_attn_kernels_avx2,
-    ma_attn_kernels_avx512, ma_attn_kernels_amx, ma_attn_kernels_avx512bf16;
+extern const ma_attn_kernels ma_attn_kernels_scalar, ma_attn_kernels_f64, ma_attn_kernels_avx2, ma_attn_kernels_avx512,
+    ma_attn_kernels_amx, ma_attn_kernels_avx512bf16;
 
 #endif /* MA_ATTENTION_BLOCKS_H */

@@ -79,10 +79,8 @@ static inline __attribute__((always_inline)) void ukernel(const int MR, const in
     for (int64_t p = 0; p < k; p++) ukernel_step(MR, NV, masked, mk, c, A + p * acs, ars, B + p * ldb);
     for (int r = 0; r < MR; r++)
         for (int v = 0; v < NV; v++) {
-            if (masked)
-                _mm256_maskstore_ps(C + r * ldc + 8 * v, mk[v], c[r][v]);
-            else
-                _mm256_storeu_ps(C + r * ldc + 8 * v, c[r][v]);
+            if (masked) _mm256_maskstore_ps(C + r * ldc + 8 * v, mk[v], c[r][v]);
+            else _mm256_storeu_ps(C + r * ldc + 8 * v, c[r][v]);
         }
 }
 
@@ -118,9 +116,8 @@ static inline __attribute__((always_inline)) void gemm_panel(const int NV, const
 
 /* C (m, n) = [diag(rs) C +] A (m, k) @ B (k, n); A[i, p] = A[i*ars + p*acs]; rs only with accumulate. */
 static inline __attribute__((always_inline)) void gemm_avx2_rs(int64_t m, int64_t n, int64_t k, const float *A,
-                                                                int64_t ars, int64_t acs, const float *B, int64_t ldb,
-                                                                float *C, int64_t ldc, int accumulate,
-                                                                const float *rs) {
+                                                               int64_t ars, int64_t acs, const float *B, int64_t ldb,
+                                                               float *C, int64_t ldc, int accumulate, const float *rs) {
     int64_t j = 0;
     if (m > 6 && k <= MA_PACK_K && ldb % 128 == 0) { /* see MA_PACK_K */
         _Alignas(32) float pk[MA_PACK_K * 16];
@@ -134,17 +131,14 @@ static inline __attribute__((always_inline)) void gemm_avx2_rs(int64_t m, int64_
     }
     for (; j + 16 <= n; j += 16) gemm_panel(2, 0, m, 16, k, A, ars, acs, B + j, ldb, C + j, ldc, accumulate, rs);
     const int64_t nr = n - j; /* the last n % 16 columns */
-    if (nr > 8)
-        gemm_panel(2, 1, m, nr, k, A, ars, acs, B + j, ldb, C + j, ldc, accumulate, rs);
-    else if (nr == 8)
-        gemm_panel(1, 0, m, 8, k, A, ars, acs, B + j, ldb, C + j, ldc, accumulate, rs);
-    else if (nr > 0)
-        gemm_panel(1, 1, m, nr, k, A, ars, acs, B + j, ldb, C + j, ldc, accumulate, rs);
+    if (nr > 8) gemm_panel(2, 1, m, nr, k, A, ars, acs, B + j, ldb, C + j, ldc, accumulate, rs);
+    else if (nr == 8) gemm_panel(1, 0, m, 8, k, A, ars, acs, B + j, ldb, C + j, ldc, accumulate, rs);
+    else if (nr > 0) gemm_panel(1, 1, m, nr, k, A, ars, acs, B + j, ldb, C + j, ldc, accumulate, rs);
 }
 
 /* C (m, n) = [C +] A (m, k) @ B (k, n); A[i, p] = A[i*ars + p*acs]. */
-static void gemm_avx2(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs,
-                      const float *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
+static void gemm_avx2(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs, const float *B,
+                      int64_t ldb, float *C, int64_t ldc, int accumulate) {
     gemm_avx2_rs(m, n, k, A, ars, acs, B, ldb, C, ldc, accumulate, NULL);
 }
 
@@ -162,10 +156,8 @@ static inline __attribute__((always_inline)) __m256 load_ps(const int full, cons
     return full ? _mm256_loadu_ps(x) : _mm256_maskload_ps(x, k);
 }
 static inline __attribute__((always_inline)) void store_ps(const int full, float *x, __m256i k, __m256 v) {
-    if (full)
-        _mm256_storeu_ps(x, v);
-    else
-        _mm256_maskstore_ps(x, k, v);
+    if (full) _mm256_storeu_ps(x, v);
+    else _mm256_maskstore_ps(x, k, v);
 }
 
 /* x[c] = exp(x[c] - m) in place; returns the sum. */
@@ -204,8 +196,8 @@ static void softcap_avx2(float *s, int64_t n, float cap, float inv, float *th) {
 }
 
 /* One strip of 8 columns r.. of col_max_avx2 (full: all 8 inside n). */
-static inline __attribute__((always_inline)) void col_max_strip(const int full, const float *x, int64_t rows,
-                                                                int64_t n, float *m, __m256i k) {
+static inline __attribute__((always_inline)) void col_max_strip(const int full, const float *x, int64_t rows, int64_t n,
+                                                                float *m, __m256i k) {
     __m256 mv[4];
     mv[0] = load_ps(full, m, k);
     mv[1] = mv[2] = mv[3] = mv[0];
@@ -236,9 +228,8 @@ static void col_max_avx2(const float *x, int64_t rows, int64_t n, float *m) {
 }
 
 /* One strip of 8 columns r.. of exp_sub_col_avx2 (full: all 8 inside n). */
-static inline __attribute__((always_inline)) void exp_sub_col_strip(const int full, float *x, int64_t rows,
-                                                                    int64_t n, const float *m, float *sum,
-                                                                    __m256i k) {
+static inline __attribute__((always_inline)) void exp_sub_col_strip(const int full, float *x, int64_t rows, int64_t n,
+                                                                    const float *m, float *sum, __m256i k) {
     __m256 mv = load_ps(full, m, k);
     mv = _mm256_blendv_ps(mv, _mm256_setzero_ps(), _mm256_cmp_ps(mv, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
     __m256 acc = load_ps(full, sum, k);
@@ -337,8 +328,7 @@ static inline __attribute__((always_inline)) void dot_keys_row(const int full, f
 #pragma GCC unroll 8
                 for (int i = 0; i < 8; i++) {
                     x[i] = load8(k, dt, off + (c0 + 8 * g + i) * ld + d0, dn);
-                    if (line)
-                        _mm_prefetch((const char *)k + (off + (c0 + 8 * g + i) * ld + d0 + pf) * es, _MM_HINT_T0);
+                    if (line) _mm_prefetch((const char *)k + (off + (c0 + 8 * g + i) * ld + d0 + pf) * es, _MM_HINT_T0);
                 }
                 transpose8x8(x);
 #pragma GCC unroll 8 /* x[dd] at constant indices: the block stays in registers */
@@ -359,8 +349,8 @@ static inline __attribute__((always_inline)) void dot_keys_row(const int full, f
  * head's rows a key block ahead). Past the last key the prefetches touch memory
  * that is not the tensor's: a prefetch is a hint that never faults. */
 static inline __attribute__((always_inline)) void dot_keys_dt(float *s, int64_t lds, const float *q, int64_t nr,
-                                                              int64_t D, const void *k, const ma_dtype dt,
-                                                              int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+                                                              int64_t D, const void *k, const ma_dtype dt, int64_t off,
+                                                              int64_t ld, int64_t nc, int64_t pf) {
     int64_t c0 = 0;
     if (nr == 1) /* decoding: 16 keys at a time (32, in 4 chains, were no faster from caches and
                   * 10 - 20% slower from memory: B=8 H=32 Lk=2048 D=128, 2 threads, Zen 3) */
@@ -384,10 +374,8 @@ static inline __attribute__((always_inline)) void dot_keys_dt(float *s, int64_t 
         }
         for (int r = 0; r < 8; r++)
             if (r < nr) {
-                if (nk == 8)
-                    _mm256_storeu_ps(s + r * lds + c0, acc[r]);
-                else
-                    _mm256_maskstore_ps(s + r * lds + c0, tail_mask(nk), acc[r]);
+                if (nk == 8) _mm256_storeu_ps(s + r * lds + c0, acc[r]);
+                else _mm256_maskstore_ps(s + r * lds + c0, tail_mask(nk), acc[r]);
             }
     }
 }
@@ -438,8 +426,8 @@ static inline __attribute__((always_inline)) void dot_keys_t_dt(float *s, int64_
     }
 }
 
-static void dot_keys_t_avx2(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k,
-                            ma_dtype dt, int64_t off, int64_t ldd, int64_t nc, int64_t pf) {
+static void dot_keys_t_avx2(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
+                            int64_t off, int64_t ldd, int64_t nc, int64_t pf) {
     if (dt == MA_F32) dot_keys_t_dt(s, lds, q, nr, D, k, MA_F32, off, ldd, nc, pf);
     else if (dt == MA_BF16) dot_keys_t_dt(s, lds, q, nr, D, k, MA_BF16, off, ldd, nc, pf);
     else dot_keys_t_dt(s, lds, q, nr, D, k, MA_F16, off, ldd, nc, pf);
@@ -473,10 +461,8 @@ static inline __attribute__((always_inline)) void axpy_keys_strip(const int R, c
     }
     for (int u = 0; u < NV; u++)
         for (int r = 0; r < R; r++) {
-            if (n[u] == 8)
-                _mm256_storeu_ps(o + r * Dv + d0 + 8 * u, acc[r][u]);
-            else if (n[u] > 0)
-                _mm256_maskstore_ps(o + r * Dv + d0 + 8 * u, tail_mask(n[u]), acc[r][u]);
+            if (n[u] == 8) _mm256_storeu_ps(o + r * Dv + d0 + 8 * u, acc[r][u]);
+            else if (n[u] > 0) _mm256_maskstore_ps(o + r * Dv + d0 + 8 * u, tail_mask(n[u]), acc[r][u]);
         }
 }
 
@@ -488,14 +474,12 @@ static inline __attribute__((always_inline)) void axpy_keys_dt(float *o, const f
         for (int64_t d0 = 0; d0 < Dv; d0 += 32)
             if (d0 + 32 <= Dv)
                 axpy_keys_strip(2, 4, 1, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, d0, r == 0 ? pf : 0);
-            else
-                axpy_keys_strip(2, 4, 0, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, d0, r == 0 ? pf : 0);
+            else axpy_keys_strip(2, 4, 0, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, d0, r == 0 ? pf : 0);
     if (r < nr) /* the last row alone: 64 columns */
         for (int64_t d0 = 0; d0 < Dv; d0 += 64)
             if (d0 + 64 <= Dv)
                 axpy_keys_strip(1, 8, 1, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, d0, r == 0 ? pf : 0);
-            else
-                axpy_keys_strip(1, 8, 0, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, d0, r == 0 ? pf : 0);
+            else axpy_keys_strip(1, 8, 0, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, d0, r == 0 ? pf : 0);
 }
 
 static void axpy_keys_avx2(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v, ma_dtype dt,

@@ -65,21 +65,19 @@ static inline __attribute__((always_inline)) void ukernel(const int MR, const in
     for (int64_t p = 0; p < k; p++) ukernel_step(MR, NV, masked, mk, c, A + p * acs, ars, B + p * ldb);
     for (int r = 0; r < MR; r++)
         for (int v = 0; v < NV; v++) {
-            if (masked)
-                _mm512_mask_storeu_ps(C + r * ldc + 16 * v, mk[v], c[r][v]);
-            else
-                _mm512_storeu_ps(C + r * ldc + 16 * v, c[r][v]);
+            if (masked) _mm512_mask_storeu_ps(C + r * ldc + 16 * v, mk[v], c[r][v]);
+            else _mm512_storeu_ps(C + r * ldc + 16 * v, c[r][v]);
         }
 }
 
 /* C (m, n) = [diag(rs) C +] A (m, k) @ B (k, n); A[i, p] = A[i*ars + p*acs]; rs only with accumulate. */
 static inline __attribute__((always_inline)) void gemm_avx512_rs(int64_t m, int64_t n, int64_t k, const float *A,
-                                                                  int64_t ars, int64_t acs, const float *B,
-                                                                  int64_t ldb, float *C, int64_t ldc, int accumulate,
-                                                                  const float *rs) {
-#define MA_ROWS(MR, NV, masked)                                                                                  \
-    for (; i + MR <= m; i += MR)                                                                               \
-        ukernel(MR, NV, masked, nr, k, A + i * ars, ars, acs, B + j, ldb, C + i * ldc + j, ldc, accumulate,    \
+                                                                 int64_t ars, int64_t acs, const float *B, int64_t ldb,
+                                                                 float *C, int64_t ldc, int accumulate,
+                                                                 const float *rs) {
+#define MA_ROWS(MR, NV, masked)                                                                             \
+    for (; i + MR <= m; i += MR)                                                                            \
+        ukernel(MR, NV, masked, nr, k, A + i * ars, ars, acs, B + j, ldb, C + i * ldc + j, ldc, accumulate, \
                 rs ? rs + i : NULL);
     int64_t j = 0;
     for (; j + 64 <= n; j += 64) { /* 6 x 64 blocks; m % 6 rows as 4 + 2 + 1 */
@@ -107,8 +105,8 @@ static inline __attribute__((always_inline)) void gemm_avx512_rs(int64_t m, int6
 }
 
 /* C (m, n) = [C +] A (m, k) @ B (k, n); A[i, p] = A[i*ars + p*acs]. */
-static void gemm_avx512(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs,
-                        const float *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
+static void gemm_avx512(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs, const float *B,
+                        int64_t ldb, float *C, int64_t ldc, int accumulate) {
     gemm_avx512_rs(m, n, k, A, ars, acs, B, ldb, C, ldc, accumulate, NULL);
 }
 
@@ -176,8 +174,7 @@ static void exp_sub_col_avx512(float *x, int64_t rows, int64_t n, const float *m
     for (int64_t r = 0; r < n; r += 16) {
         const __mmask16 k = tail_mask(n - r);
         __m512 mv = _mm512_maskz_loadu_ps(k, m + r);
-        mv = _mm512_mask_mov_ps(mv, _mm512_cmp_ps_mask(mv, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
-                                _mm512_setzero_ps());
+        mv = _mm512_mask_mov_ps(mv, _mm512_cmp_ps_mask(mv, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), _mm512_setzero_ps());
         __m512 acc = _mm512_maskz_loadu_ps(k, sum + r);
         for (int64_t c = 0; c < rows; c++) {
             const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + c * n + r), mv));
@@ -241,8 +238,8 @@ static float row_max_avx512(const float *x, int64_t n, float m) {
  * head's part of the same rows). Past the last key the prefetches touch memory that is
  * not the tensor's: a prefetch is a hint that never faults. */
 static inline __attribute__((always_inline)) void dot_keys_dt(float *s, int64_t lds, const float *q, int64_t nr,
-                                                              int64_t D, const void *k, const ma_dtype dt,
-                                                              int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+                                                              int64_t D, const void *k, const ma_dtype dt, int64_t off,
+                                                              int64_t ld, int64_t nc, int64_t pf) {
     int64_t c0 = 0;
     if (nr == 1) /* decoding: 2 groups of 16 keys side by side, 2 independent FMA chains */
         for (; c0 + 32 <= nc; c0 += 32) {
@@ -257,7 +254,8 @@ static inline __attribute__((always_inline)) void dot_keys_dt(float *s, int64_t 
                     for (int i = 0; i < 16; i++) {
                         x[i] = load16(k, dt, off + (c0 + 16 * g + i) * ld + d0, dm);
                         if (pf)
-                            _mm_prefetch((const char *)k + (off + (c0 + 16 * g + i) * ld + d0 + pf) * (dt == MA_F32 ? 4 : 2),
+                            _mm_prefetch((const char *)k +
+                                             (off + (c0 + 16 * g + i) * ld + d0 + pf) * (dt == MA_F32 ? 4 : 2),
                                          _MM_HINT_T0);
                     }
                     transpose16x16(x);
@@ -337,7 +335,7 @@ static inline __attribute__((always_inline)) void dot_keys_t_dt(float *s, int64_
                                                                 int64_t D, const void *k, const ma_dtype dt,
                                                                 int64_t off, int64_t ldd, int64_t nc, int64_t pf) {
     int64_t c0 = 0;
-#define MA_KT_STRIPS(NV, NR)                                                                                    \
+#define MA_KT_STRIPS(NV, NR) \
     for (; c0 + 16 * (NV) <= nc; c0 += 16 * (NV)) dot_keys_t_strip(NV, NR, s, lds, q, D, k, dt, off, ldd, c0, pf)
     switch (nr) {
     case 1: MA_KT_STRIPS(4, 1); break;
@@ -364,8 +362,8 @@ static inline __attribute__((always_inline)) void dot_keys_t_dt(float *s, int64_
     }
 }
 
-static void dot_keys_t_avx512(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k,
-                              ma_dtype dt, int64_t off, int64_t ldd, int64_t nc, int64_t pf) {
+static void dot_keys_t_avx512(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
+                              int64_t off, int64_t ldd, int64_t nc, int64_t pf) {
     if (dt == MA_F32) dot_keys_t_dt(s, lds, q, nr, D, k, MA_F32, off, ldd, nc, pf);
     else if (dt == MA_BF16) dot_keys_t_dt(s, lds, q, nr, D, k, MA_BF16, off, ldd, nc, pf);
     else dot_keys_t_dt(s, lds, q, nr, D, k, MA_F16, off, ldd, nc, pf);
@@ -416,8 +414,10 @@ static inline __attribute__((always_inline)) void axpy_keys_dt(float *o, const f
     const int es = dt == MA_F32 ? 4 : 2;
     int64_t r = 0;
     if (nr >= 3) { /* the query heads of a key head: 4 (or 3) rows share each read, 64 columns at a time */
-        for (; r + 4 <= nr; r += 4) axpy_keys_rows(4, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, r == 0 ? pf : 0);
-        if (nr - r == 3) axpy_keys_rows(3, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, r == 0 ? pf : 0), r += 3;
+        for (; r + 4 <= nr; r += 4)
+            axpy_keys_rows(4, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, r == 0 ? pf : 0);
+        if (nr - r == 3)
+            axpy_keys_rows(3, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, r == 0 ? pf : 0), r += 3;
     }
     for (; r < nr; r += 2) { /* two rows share each value row read: 2 x 8 accumulators */
         const int two = r + 1 < nr;
@@ -448,8 +448,8 @@ static inline __attribute__((always_inline)) void axpy_keys_dt(float *o, const f
     }
 }
 
-static void axpy_keys_avx512(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v,
-                             ma_dtype dt, int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+static void axpy_keys_avx512(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v, ma_dtype dt,
+                             int64_t off, int64_t ld, int64_t nc, int64_t pf) {
     if (dt == MA_F32) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_F32, off, ld, nc, pf);
     else if (dt == MA_BF16) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_BF16, off, ld, nc, pf);
     else axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_F16, off, ld, nc, pf);

@@ -76,8 +76,8 @@ static T B_(row_max)(const T *x, int64_t n, T m) {
     return m;
 }
 
-static void B_(dot_keys)(T *s, int64_t lds, const T *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
-                         int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+static void B_(dot_keys)(T *s, int64_t lds, const T *q, int64_t nr, int64_t D, const void *k, ma_dtype dt, int64_t off,
+                         int64_t ld, int64_t nc, int64_t pf) {
     (void)pf; /* the reference prefetches nothing */
     for (int64_t r = 0; r < nr; r++)
         for (int64_t c = 0; c < nc; c++) {

@@ -67,9 +67,7 @@ void ma_attn_bwd_dkdv_task(int64_t begin, int64_t end, void *ctx) {
 }
 
 /* Varlen always takes the two passes: their items are sized by the real lengths. */
-int ma_attn_bwd_single_pass(const ma_attn_bwd_params *p) {
-    return p->dweights == NULL && !p->a.cu_q;
-}
+int ma_attn_bwd_single_pass(const ma_attn_bwd_params *p) { return p->dweights == NULL && !p->a.cu_q; }
 
 /* Enough (b, hkv, chunk) items for one per CPU the process can use, and at
  * least 8; never more chunks than key blocks, nor than MA_BWD_KV_CHUNKS_MAX

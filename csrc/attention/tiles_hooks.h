@@ -58,8 +58,8 @@ static void tile_gemm_kclip(int64_t m, int64_t n, int64_t k, amx_view a, amx_vie
 #define TILE_MC 64
 #define TILE_KC 128
 #define TILE_NC 64
-static void tile_gemm_terms(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs,
-                            const float *B, int64_t ldb, float *C, int64_t ldc, int accumulate, int terms) {
+static void tile_gemm_terms(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs, const float *B,
+                            int64_t ldb, float *C, int64_t ldc, int accumulate, int terms) {
     uint16_t ap[AMX_PARTS * (TILE_MC / 16) * (TILE_KC / 32) * AMX_TILE] __attribute__((aligned(64)));
     uint16_t bp[AMX_PARTS * (TILE_NC / 16) * (TILE_KC / 32) * AMX_TILE] __attribute__((aligned(64)));
     if (k <= 0) {
@@ -138,13 +138,13 @@ struct FN(tiles) {
      * loc, moved to entry b; dense: the call's, fp0) */
     const ma_attn_fwd_params *fp, *fp0;
     ma_attn_fwd_params loc;
-    FN(fwd_scratch) *ft;
+    FN(fwd_scratch) * ft;
     ma_scratch_header *hdr;
     fwd_tile_scratch fa;
     amx_view ka, vta, qb, pb;
     /* backward */
     const ma_attn_bwd_params *bp;
-    FN(bwd_scratch) *bt;
+    FN(bwd_scratch) * bt;
     bwd_tile_scratch ba;
     amx_view ktb, vtb, kb, pbb, dsb, dsa;
     float *dkT, *dvT; /* (D, nc), (Dv, nc): in t->kT, t->vT, after packing K^T and V^T from them */
@@ -166,11 +166,11 @@ static size_t fwd_tile_bytes(const ma_attn_fwd_params *p, fwd_tile_scratch *t, v
     const int64_t BQ = p->a.block_q, BK = p->a.block_k, D = p->a.D, Dv = p->a.Dv;
     void *x = base;
     fwd_tile_scratch s;
-    s.ka = CARVE(uint16_t, &x, pr.in * amx_a_elems(p->a.Lk, D));
-    s.vta = CARVE(uint16_t, &x, pr.in * amx_a_elems(Dv, p->a.Lk));
-    s.qb = CARVE(uint16_t, &x, pr.in * amx_b_elems(D, BQ));
-    s.pb = CARVE(uint16_t, &x, pr.pd * amx_b_elems(BK, BQ));
-    s.clip = CARVE(uint16_t, &x, pr.in * ma_cdiv(Dv, 16) * AMX_TILE);
+    s.ka = CARVE(uint16_t, &x, pr.in *amx_a_elems(p->a.Lk, D));
+    s.vta = CARVE(uint16_t, &x, pr.in *amx_a_elems(Dv, p->a.Lk));
+    s.qb = CARVE(uint16_t, &x, pr.in *amx_b_elems(D, BQ));
+    s.pb = CARVE(uint16_t, &x, pr.pd *amx_b_elems(BK, BQ));
+    s.clip = CARVE(uint16_t, &x, pr.in *ma_cdiv(Dv, 16) * AMX_TILE);
     s.rows = CARVE(float, &x, (BQ > BK ? BQ : BK) * (D > Dv ? D : Dv)); /* K, V rows; out rows */
     if (t) *t = s;
     return (size_t)((char *)x - (char *)base);
@@ -182,7 +182,7 @@ static size_t FN(tiles_fwd_scratch_bytes)(const ma_attn_fwd_params *p) {
     return ma_round_up(sizeof(struct FN(tiles)), MA_CACHE_LINE) + fwd_tile_bytes(p, NULL, NULL);
 }
 
-static void FN(tiles_fwd_begin)(FN(tiles) **T, const ma_attn_fwd_params *p, FN(fwd_scratch) *t,
+static void FN(tiles_fwd_begin)(FN(tiles) * *T, const ma_attn_fwd_params *p, FN(fwd_scratch) * t,
                                 ma_scratch_header *hdr, void *extra) {
     FN(tiles) *s = (FN(tiles) *)extra;
     const int64_t BQ = p->a.block_q, BK = p->a.block_k;
@@ -201,7 +201,7 @@ static void FN(tiles_fwd_begin)(FN(tiles) **T, const ma_attn_fwd_params *p, FN(f
  * each, the rest k_stride[2], v_stride[2] apart (r0 a multiple of 32). bfloat16
  * K stored transposed (k_stride[2] = 1: keys side by side, each element
  * k_stride[3] apart, the serving cache's K^T pages) is packed as it lies too. */
-static void fwd_pack_rows(FN(tiles) *s, const void *k_r, const void *v_r, int64_t r0, int64_t n) {
+static void fwd_pack_rows(FN(tiles) * s, const void *k_r, const void *v_r, int64_t r0, int64_t n) {
     const ma_attn_args *a = &s->fp->a;
     const int64_t D = a->D, Dv = a->Dv, BK = a->block_k;
     int64_t ldk = 0, ldv = 0;
@@ -230,22 +230,24 @@ static void fwd_pack_rows(FN(tiles) *s, const void *k_r, const void *v_r, int64_
  * shim zeroes before every call. Rows go by runs that are uniformly strided:
  * the whole head, or (paged) page by page through FN(key_off), a page holding
  * a multiple of 64 rows (so every run starts on a whole tile). */
-static void fwd_pack_head(FN(tiles) *s, int64_t b, int64_t hk) {
+static void fwd_pack_head(FN(tiles) * s, int64_t b, int64_t hk) {
     const ma_attn_args *a = &s->fp->a;
     const int64_t key = b * a->Hkv + hk + 1, Lk = a->Lk;
     if (s->hdr->tag[0] == key) return;
     const int64_t run = a->block_table ? a->page_size : Lk;
     for (int64_t r0 = 0; r0 < Lk; r0 += run) {
-        const void *k_r = FN(elem_at)(a->k, a->dtype, b * a->k_stride[0] + hk * a->k_stride[1] +
-                                                          FN(key_off)(a, a->k_stride, a->k_page_stride, b, r0));
-        const void *v_r = FN(elem_at)(a->v, a->dtype, b * a->v_stride[0] + hk * a->v_stride[1] +
-                                                          FN(key_off)(a, a->v_stride, a->v_page_stride, b, r0));
+        const void *k_r = FN(elem_at)(a->k, a->dtype,
+                                      b * a->k_stride[0] + hk * a->k_stride[1] +
+                                          FN(key_off)(a, a->k_stride, a->k_page_stride, b, r0));
+        const void *v_r = FN(elem_at)(a->v, a->dtype,
+                                      b * a->v_stride[0] + hk * a->v_stride[1] +
+                                          FN(key_off)(a, a->v_stride, a->v_page_stride, b, r0));
         fwd_pack_rows(s, k_r, v_r, r0, ma_min(run, Lk - r0));
     }
     s->hdr->tag[0] = key;
 }
 
-static void FN(tiles_fwd_query)(FN(tiles) *s, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t nr) {
+static void FN(tiles_fwd_query)(FN(tiles) * s, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t nr) {
     const ma_attn_fwd_params *p = s->fp = FN(fwd_seq)(s->fp0, b, &s->loc); /* entry b's extent */
     s->b = b, s->hk = hk, s->nr = nr;
     fwd_pack_head(s, b, hk);
@@ -279,11 +281,10 @@ static inline int64_t band_ktiles(const ma_attn_args *a, int64_t i0, int64_t c0,
     return ma_min(nc, ma_cdiv(band_keys(a, i0, c0, w, j0, nc), 32) * 32);
 }
 
-static void FN(tiles_fwd_scores)(FN(tiles) *s, float *sT, int64_t i0, int64_t j0, int64_t nc) {
+static void FN(tiles_fwd_scores)(FN(tiles) * s, float *sT, int64_t i0, int64_t j0, int64_t nc) {
     const ma_attn_args *a = &s->fp->a;
     const int64_t nr = s->nr;
-    if (!band_cuts(a, i0, j0, nc))
-        tile_gemm(nc, nr, a->D, amx_rows(s->ka, j0), s->qb, sT, nr, 0, s->pr.terms);
+    if (!band_cuts(a, i0, j0, nc)) tile_gemm(nc, nr, a->D, amx_rows(s->ka, j0), s->qb, sT, nr, 0, s->pr.terms);
     else
         for (int64_t c0 = 0; c0 < nr; c0 += BAND_BLOCK) {
             const int64_t w = ma_min(BAND_BLOCK, nr - c0), m = band_keys(a, i0, c0, w, j0, nc);
@@ -292,7 +293,7 @@ static void FN(tiles_fwd_scores)(FN(tiles) *s, float *sT, int64_t i0, int64_t j0
     scale_inplace(sT, nc * nr, (float)a->scale);
 }
 
-static void FN(tiles_fwd_pv)(FN(tiles) *s, float *oT, const float *alpha, const float *sT, int64_t i0, int64_t j0,
+static void FN(tiles_fwd_pv)(FN(tiles) * s, float *oT, const float *alpha, const float *sT, int64_t i0, int64_t j0,
                              int64_t nc) {
     const ma_attn_args *a = &s->fp->a;
     const int64_t nr = s->nr, Dv = a->Dv;
@@ -312,7 +313,7 @@ static void FN(tiles_fwd_pv)(FN(tiles) *s, float *oT, const float *alpha, const 
     }
 }
 
-static float *FN(tiles_fwd_o_rows)(FN(tiles) *s, float *oT) {
+static float *FN(tiles_fwd_o_rows)(FN(tiles) * s, float *oT) {
     BLK(transpose)(s->fa.rows, oT, s->nr, s->fp->a.Dv, s->nr, 1);
     return s->fa.rows;
 }
@@ -325,16 +326,16 @@ static size_t bwd_tile_bytes(const ma_attn_bwd_params *p, bwd_tile_scratch *t, v
     const int64_t Lq = p->a.Lq;
     void *x = base;
     bwd_tile_scratch s;
-    s.qa = CARVE(uint16_t, &x, G * pr.in * amx_a_elems(Lq, D));
-    s.qta = CARVE(uint16_t, &x, G * pr.in * amx_a_elems(D, Lq));
-    s.ga = CARVE(uint16_t, &x, G * pr.in * amx_a_elems(Lq, Dv));
-    s.gta = CARVE(uint16_t, &x, G * pr.in * amx_a_elems(Dv, Lq));
-    s.ktb = CARVE(uint16_t, &x, pr.in * amx_b_elems(D, BK));
-    s.vtb = CARVE(uint16_t, &x, pr.in * amx_b_elems(Dv, BK));
-    s.kb = CARVE(uint16_t, &x, pr.in * amx_b_elems(BK, D));
-    s.pb = CARVE(uint16_t, &x, pr.pd * amx_b_elems(BQ, BK));
-    s.dsb = CARVE(uint16_t, &x, pr.pd * amx_b_elems(BQ, BK));
-    s.dsa = CARVE(uint16_t, &x, pr.pd * amx_a_elems(BQ, BK));
+    s.qa = CARVE(uint16_t, &x, G *pr.in *amx_a_elems(Lq, D));
+    s.qta = CARVE(uint16_t, &x, G *pr.in *amx_a_elems(D, Lq));
+    s.ga = CARVE(uint16_t, &x, G *pr.in *amx_a_elems(Lq, Dv));
+    s.gta = CARVE(uint16_t, &x, G *pr.in *amx_a_elems(Dv, Lq));
+    s.ktb = CARVE(uint16_t, &x, pr.in *amx_b_elems(D, BK));
+    s.vtb = CARVE(uint16_t, &x, pr.in *amx_b_elems(Dv, BK));
+    s.kb = CARVE(uint16_t, &x, pr.in *amx_b_elems(BK, D));
+    s.pb = CARVE(uint16_t, &x, pr.pd *amx_b_elems(BQ, BK));
+    s.dsb = CARVE(uint16_t, &x, pr.pd *amx_b_elems(BQ, BK));
+    s.dsa = CARVE(uint16_t, &x, pr.pd *amx_a_elems(BQ, BK));
     s.rows = CARVE(float, &x, (BQ > BK ? BQ : BK) * (D > Dv ? D : Dv));
     if (t) *t = s;
     return (size_t)((char *)x - (char *)base);
@@ -344,7 +345,7 @@ static size_t FN(tiles_bwd_scratch_bytes)(const ma_attn_bwd_params *p) {
     return ma_round_up(sizeof(struct FN(tiles)), MA_CACHE_LINE) + bwd_tile_bytes(p, NULL, NULL);
 }
 
-static void FN(tiles_bwd_begin)(FN(tiles) **T, const ma_attn_bwd_params *p, FN(bwd_scratch) *t, void *extra) {
+static void FN(tiles_bwd_begin)(FN(tiles) * *T, const ma_attn_bwd_params *p, FN(bwd_scratch) * t, void *extra) {
     FN(tiles) *s = (FN(tiles) *)extra;
     const int64_t BQ = p->a.block_q, BK = p->a.block_k, D = p->a.D, Dv = p->a.Dv;
     s->pr = tile_precision(p->a.dtype);
@@ -362,7 +363,7 @@ static void FN(tiles_bwd_begin)(FN(tiles) **T, const ma_attn_bwd_params *p, FN(b
 }
 
 /* The packed operands of head g of the group: Q (Lq, D), Q^T (D, Lq), dO (Lq, Dv), dO^T (Dv, Lq). */
-static amx_view bwd_view(const FN(tiles) *s, int which, int64_t g) {
+static amx_view bwd_view(const FN(tiles) * s, int which, int64_t g) {
     const ma_attn_bwd_params *p = s->bp;
     const int64_t Lq = p->a.Lq, D = p->a.D, Dv = p->a.Dv, in = s->pr.in;
     switch (which) {
@@ -375,8 +376,8 @@ static amx_view bwd_view(const FN(tiles) *s, int which, int64_t g) {
 
 /* src[b, h] rows as A (L, ncol) into rows_a (row-major) and transposed as
  * A (ncol, L) into cols_a (k-major). */
-static void bwd_pack_rows(const FN(tiles) *s, const void *src, const int64_t st[4], int64_t b, int64_t h,
-                          int64_t ncol, amx_view rows_a, amx_view cols_a) {
+static void bwd_pack_rows(const FN(tiles) * s, const void *src, const int64_t st[4], int64_t b, int64_t h, int64_t ncol,
+                          amx_view rows_a, amx_view cols_a) {
     const ma_attn_bwd_params *p = s->bp;
     const int64_t BQ = p->a.block_q, L = p->a.Lq;
     int64_t ldx = 0;
@@ -395,7 +396,7 @@ static void bwd_pack_rows(const FN(tiles) *s, const void *src, const int64_t st[
     }
 }
 
-static void FN(tiles_bwd_group)(FN(tiles) *s, int64_t b, int64_t hk) {
+static void FN(tiles_bwd_group)(FN(tiles) * s, int64_t b, int64_t hk) {
     const ma_attn_bwd_params *p = s->bp;
     const int64_t G = p->a.H / p->a.Hkv;
     s->b = b, s->hk = hk;
@@ -406,7 +407,7 @@ static void FN(tiles_bwd_group)(FN(tiles) *s, int64_t b, int64_t hk) {
     }
 }
 
-static void FN(tiles_bwd_keys)(FN(tiles) *s, int64_t j0, int64_t nc) {
+static void FN(tiles_bwd_keys)(FN(tiles) * s, int64_t j0, int64_t nc) {
     const ma_attn_bwd_params *p = s->bp;
     const int64_t D = p->a.D, Dv = p->a.Dv, b = s->b, hk = s->hk;
     s->j0 = j0, s->nc = nc;
@@ -433,7 +434,7 @@ static void FN(tiles_bwd_keys)(FN(tiles) *s, int64_t j0, int64_t nc) {
  * tile the band cuts goes by blocks of 16 queries, each over the keys one of
  * them can see (band_keys); the rest of C is zeroed: the band writes -inf over
  * those scores, and dS = P (dP - delta) needs a finite dP where P is 0. */
-static void bwd_query_rows(const FN(tiles) *s, float *C, amx_view a, amx_view b, int64_t k, int64_t i0, int64_t nr) {
+static void bwd_query_rows(const FN(tiles) * s, float *C, amx_view a, amx_view b, int64_t k, int64_t i0, int64_t nr) {
     const ma_attn_args *ar = &s->bp->a;
     const int64_t nc = s->nc, j0 = s->j0;
     if (!band_cuts(ar, i0, j0, nc)) {
@@ -450,7 +451,7 @@ static void bwd_query_rows(const FN(tiles) *s, float *C, amx_view a, amx_view b,
 /* C (m, nc) += A (m, queries i0..) @ B (queries, nc) for dK^T = Q^T dS and
  * dV^T = dO^T P: on a tile the band cuts, each block of 32 keys from the k
  * tile of the first query that can see one of them (dS and P are 0 before). */
-static void bwd_key_cols(const FN(tiles) *s, float *C, amx_view a, amx_view b, int64_t m, int64_t i0, int64_t nr) {
+static void bwd_key_cols(const FN(tiles) * s, float *C, amx_view a, amx_view b, int64_t m, int64_t i0, int64_t nr) {
     const ma_attn_args *ar = &s->bp->a;
     const int64_t nc = s->nc, j0 = s->j0;
     if (!band_cuts(ar, i0, j0, nc)) {
@@ -464,19 +465,19 @@ static void bwd_key_cols(const FN(tiles) *s, float *C, amx_view a, amx_view b, i
     }
 }
 
-static void FN(tiles_bwd_scores)(FN(tiles) *s, int64_t g, int64_t h, int64_t i0, int64_t nr) {
+static void FN(tiles_bwd_scores)(FN(tiles) * s, int64_t g, int64_t h, int64_t i0, int64_t nr) {
     (void)h;
     const ma_attn_bwd_params *p = s->bp;
     bwd_query_rows(s, s->bt->s, bwd_view(s, 0, g), s->ktb, p->a.D, i0, nr);
     scale_inplace(s->bt->s, nr * s->nc, (float)p->a.scale);
 }
 
-static void FN(tiles_bwd_dp)(FN(tiles) *s, int64_t g, int64_t h, int64_t i0, int64_t nr) {
+static void FN(tiles_bwd_dp)(FN(tiles) * s, int64_t g, int64_t h, int64_t i0, int64_t nr) {
     (void)h;
     bwd_query_rows(s, s->bt->dp, bwd_view(s, 2, g), s->vtb, s->bp->a.Dv, i0, nr);
 }
 
-static void FN(tiles_bwd_accum)(FN(tiles) *s, float *dq_i, int64_t g, int64_t h, int64_t i0, int64_t nr) {
+static void FN(tiles_bwd_accum)(FN(tiles) * s, float *dq_i, int64_t g, int64_t h, int64_t i0, int64_t nr) {
     (void)h;
     const ma_attn_args *a = &s->bp->a;
     const int64_t nc = s->nc, D = a->D, Dv = a->Dv, terms = s->pr.terms;
@@ -484,8 +485,7 @@ static void FN(tiles_bwd_accum)(FN(tiles) *s, float *dq_i, int64_t g, int64_t h,
     amx_pack_b(s->dsb, t->dp, nc, nr, nc);
     bwd_key_cols(s, s->dkT, amx_krows(bwd_view(s, 1, g), i0), s->dsb, D, i0, nr);
     amx_pack_a(s->dsa, t->dp, nc, 1, nr, nc);
-    if (!band_cuts(a, i0, s->j0, nc))
-        tile_gemm(nr, D, nc, s->dsa, s->kb, dq_i, D, 1, terms);
+    if (!band_cuts(a, i0, s->j0, nc)) tile_gemm(nr, D, nc, s->dsa, s->kb, dq_i, D, 1, terms);
     else /* by blocks of 16 queries, over the k tiles of the keys they can see */
         for (int64_t r0 = 0; r0 < nr; r0 += 16) {
             const int64_t m = ma_min(16, nr - r0), k = band_ktiles(a, i0, r0, m, s->j0, nc);
@@ -495,7 +495,7 @@ static void FN(tiles_bwd_accum)(FN(tiles) *s, float *dq_i, int64_t g, int64_t h,
     bwd_key_cols(s, s->dvT, amx_krows(bwd_view(s, 3, g), i0), s->pbb, Dv, i0, nr);
 }
 
-static void FN(tiles_bwd_keys_end)(FN(tiles) *s, int64_t nc) {
+static void FN(tiles_bwd_keys_end)(FN(tiles) * s, int64_t nc) {
     BLK(transpose)(s->bt->dk, s->dkT, nc, s->bp->a.D, nc, 1);
     BLK(transpose)(s->bt->dv, s->dvT, nc, s->bp->a.Dv, nc, 1);
 }

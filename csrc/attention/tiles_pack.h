@@ -70,11 +70,10 @@ static inline void transpose16x16_epi32(__m512i r[16]) {
 
 /* Index that interleaves the two halves of 32 bf16: out[2n + s] = in[16 s + n]. */
 static inline __m512i interleave_idx(void) {
-    static const uint16_t idx[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+    static const uint16_t idx[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
     return _mm512_loadu_si512(idx);
 }
-
 
 /* ---- packed operands --------------------------------------------------------
  *
@@ -97,8 +96,14 @@ typedef struct {
 static inline int64_t amx_a_elems(int64_t m, int64_t k) { return ma_cdiv(m, 16) * ma_cdiv(k, 32) * AMX_TILE; }
 static inline int64_t amx_b_elems(int64_t k, int64_t n) { return ma_cdiv(k, 32) * ma_cdiv(n, 16) * AMX_TILE; }
 
-static inline amx_view amx_rows(amx_view v, int64_t r0) { v.p += (r0 / 16) * v.os; return v; }
-static inline amx_view amx_krows(amx_view v, int64_t k0) { v.p += (k0 / 32) * v.ks; return v; }
+static inline amx_view amx_rows(amx_view v, int64_t r0) {
+    v.p += (r0 / 16) * v.os;
+    return v;
+}
+static inline amx_view amx_krows(amx_view v, int64_t k0) {
+    v.p += (k0 / 32) * v.ks;
+    return v;
+}
 
 /* The layout of a packed matrix with nouter x nkt tiles per part. */
 static inline amx_view amx_layout(uint16_t *p, int64_t nouter, int64_t nkt, int parts, int kmajor) {
@@ -195,8 +200,8 @@ static inline __mmask32 tail_mask32(int64_t n) {
  *   pairs = 1: t[q] = rows p0 + 2q and p0 + 2q + 1 at the 16 columns o0..,
  *              interleaved (dword n = the pair of column o0 + n);
  * zero past k and nouter; then transposed as 16 x 16 dwords when tr. */
-static inline void bf16_tile(__m512i t[16], const uint16_t *X, int64_t ld, int64_t o0, int64_t nouter,
-                             int64_t p0, int64_t k, int pairs, int tr, __m512i ileave) {
+static inline void bf16_tile(__m512i t[16], const uint16_t *X, int64_t ld, int64_t o0, int64_t nouter, int64_t p0,
+                             int64_t k, int pairs, int tr, __m512i ileave) {
     if (!pairs) {
         const __mmask32 km = tail_mask32(k - p0);
         for (int r = 0; r < 16; r++)

@@ -30,8 +30,8 @@ typedef struct {
     ma_ce_stats (*row_stats)(const void *x, const void *w, ma_dtype dt, int64_t C, float cap, int want_dot);
     /* dx_c = (g_soft exp(y_c - lse) - g_w w_c) y'_c, stored as dt (overwrites;
      * dx may be x itself). The target's -g_t term is the caller's. */
-    void (*row_grad)(void *dx, const void *x, const void *w, ma_dtype dt, int64_t C, float cap, float lse,
-                     float g_soft, float g_w);
+    void (*row_grad)(void *dx, const void *x, const void *w, ma_dtype dt, int64_t C, float cap, float lse, float g_soft,
+                     float g_w);
 } ma_ce_blocks;
 
 extern const ma_ce_blocks ma_ce_blocks_scalar, ma_ce_blocks_avx2, ma_ce_blocks_avx512;

@@ -46,8 +46,8 @@ static inline __attribute__((always_inline)) __m256 load8_tail(const void *p, ma
 static inline __attribute__((always_inline)) void store8(void *p, ma_dtype dt, __m256 v) {
     if (dt == MA_BF16) {
         const __m256i u = _mm256_castps_si256(v), hi = _mm256_srli_epi32(u, 16);
-        __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
-                                                         _mm256_and_si256(hi, _mm256_set1_epi32(1))));
+        __m256i r = _mm256_add_epi32(
+            u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(hi, _mm256_set1_epi32(1))));
         r = _mm256_srli_epi32(r, 16);
         const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
         r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
@@ -75,10 +75,10 @@ static inline __m256 capped(__m256 x, float cap, float inv_cap) {
 /* Software prefetch PREFETCH_BYTES ahead of the row (the hardware prefetchers
  * stop at 4 KB page boundaries), one line per 64 bytes read. */
 #define PREFETCH_BYTES 2048
-#define PREFETCH_AHEAD(p, bytes)                                                       \
-    do {                                                                               \
-        for (int pf = 0; pf < (int)(bytes); pf += 64)                                  \
-            _mm_prefetch((const char *)(p) + PREFETCH_BYTES + pf, _MM_HINT_T0);        \
+#define PREFETCH_AHEAD(p, bytes)                                                \
+    do {                                                                        \
+        for (int pf = 0; pf < (int)(bytes); pf += 64)                           \
+            _mm_prefetch((const char *)(p) + PREFETCH_BYTES + pf, _MM_HINT_T0); \
     } while (0)
 
 typedef struct {
@@ -94,7 +94,7 @@ static inline __m256d hi_pd(__m256 v) { return _mm256_cvtps_pd(_mm256_extractf12
 /* One block of NV vectors y[i] (inactive lanes -inf), active masks k[i] and
  * weights wv[i] (inactive lanes 0). As stats_block in cross_entropy_avx512.c. */
 static inline __attribute__((always_inline)) void stats_block(const int NV, const __m256 *y, const __m256 *k,
-                                                               const __m256 *wv, int want_dot, lanes *st) {
+                                                              const __m256 *wv, int want_dot, lanes *st) {
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
     __m256 bm = y[0];
     for (int i = 1; i < NV; i++) bm = _mm256_max_ps(y[i], bm);
@@ -131,7 +131,7 @@ static inline __attribute__((always_inline)) void stats_block(const int NV, cons
 }
 
 static inline __attribute__((always_inline)) ma_ce_stats row_stats_dt(const void *x, const void *w, ma_dtype dt,
-                                                                       int64_t C, float cap, int want_dot) {
+                                                                      int64_t C, float cap, int want_dot) {
     const size_t es = dt == MA_F32 ? 4 : 2;
     const float inv_cap = cap > 0 ? 1.0f / cap : 0.0f;
     const __m256 ninf = _mm256_set1_ps(-INFINITY), one = _mm256_set1_ps(1.0f), all = lane_mask(8);
@@ -152,11 +152,12 @@ static inline __attribute__((always_inline)) ma_ce_stats row_stats_dt(const void
     for (; c < C; c += VL) {
         const int64_t n = C - c < VL ? C - c : VL;
         k[0] = lane_mask(n);
-        const __m256 xv = n == VL ? load8((const char *)x + c * es, dt) : load8_tail((const char *)x + c * es, dt, n, es);
+        const __m256 xv =
+            n == VL ? load8((const char *)x + c * es, dt) : load8_tail((const char *)x + c * es, dt, n, es);
         y[0] = _mm256_blendv_ps(ninf, capped(xv, cap, inv_cap), k[0]);
-        wv[0] = want_dot && w ? (n == VL ? load8((const char *)w + c * es, dt)
-                                         : load8_tail((const char *)w + c * es, dt, n, es))
-                              : _mm256_and_ps(k[0], one);
+        wv[0] = want_dot && w
+                    ? (n == VL ? load8((const char *)w + c * es, dt) : load8_tail((const char *)w + c * es, dt, n, es))
+                    : _mm256_and_ps(k[0], one);
         stats_block(1, y, k, wv, want_dot, &st);
     }
     float m[VL];
@@ -204,8 +205,8 @@ static inline __attribute__((always_inline)) __m256 grad8(__m256 xv, __m256 wv, 
 }
 
 static inline __attribute__((always_inline)) void row_grad_dt(void *dx, const void *x, const void *w, ma_dtype dt,
-                                                               int64_t C, float cap, float lse, float g_soft,
-                                                               float g_w) {
+                                                              int64_t C, float cap, float lse, float g_soft,
+                                                              float g_w) {
     const size_t es = dt == MA_F32 ? 4 : 2;
     const float inv_cap = cap > 0 ? 1.0f / cap : 0.0f;
     const __m256 lse_v = _mm256_set1_ps(lse), gs = _mm256_set1_ps(g_soft), gw = _mm256_set1_ps(g_w);

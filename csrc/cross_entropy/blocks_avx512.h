@@ -40,8 +40,8 @@ static inline __attribute__((always_inline)) __m512 load16(const void *p, ma_dty
 static inline __attribute__((always_inline)) void store16(void *p, ma_dtype dt, __mmask16 k, __m512 v) {
     if (dt == MA_BF16) {
         const __m512i u = _mm512_castps_si512(v), hi = _mm512_srli_epi32(u, 16);
-        __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                                         _mm512_and_si512(hi, _mm512_set1_epi32(1))));
+        __m512i r = _mm512_add_epi32(
+            u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(hi, _mm512_set1_epi32(1))));
         r = _mm512_srli_epi32(r, 16);
         r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
                                   _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
@@ -64,10 +64,10 @@ static inline __m512 capped(__m512 x, float cap, float inv_cap) {
  * straight through, so ask for the lines PREFETCH_BYTES ahead (a block of
  * UNROLL vectors is 512 bytes of float32: 8 lines). */
 #define PREFETCH_BYTES 2048
-#define PREFETCH_AHEAD(p)                                                              \
-    do {                                                                               \
-        for (int pf = 0; pf < UNROLL * VL * (int)es; pf += 64)                         \
-            _mm_prefetch((const char *)(p) + PREFETCH_BYTES + pf, _MM_HINT_T0);        \
+#define PREFETCH_AHEAD(p)                                                       \
+    do {                                                                        \
+        for (int pf = 0; pf < UNROLL * VL * (int)es; pf += 64)                  \
+            _mm_prefetch((const char *)(p) + PREFETCH_BYTES + pf, _MM_HINT_T0); \
     } while (0)
 
 typedef struct {
@@ -83,7 +83,7 @@ static inline __m512d hi_pd(__m512 v) { return _mm512_cvtps_pd(_mm512_extractf32
 /* One block of NV vectors y[i] (inactive lanes -inf) with active masks k[i]
  * and weights wv[i] (inactive lanes 0): update the lanes' max, sums. */
 static inline __attribute__((always_inline)) void stats_block(const int NV, const __m512 *y, const __mmask16 *k,
-                                                               const __m512 *wv, int want_dot, lanes *st) {
+                                                              const __m512 *wv, int want_dot, lanes *st) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     __m512 bm = y[0];
     for (int i = 1; i < NV; i++) bm = _mm512_max_ps(y[i], bm);
@@ -122,7 +122,7 @@ static inline __attribute__((always_inline)) void stats_block(const int NV, cons
 }
 
 static inline __attribute__((always_inline)) ma_ce_stats row_stats_dt(const void *x, const void *w, ma_dtype dt,
-                                                                       int64_t C, float cap, int want_dot) {
+                                                                      int64_t C, float cap, int want_dot) {
     const size_t es = dt == MA_F32 ? 4 : 2;
     const float inv_cap = cap > 0 ? 1.0f / cap : 0.0f;
     const __m512 ninf = _mm512_set1_ps(-INFINITY), one = _mm512_set1_ps(1.0f);
@@ -180,8 +180,8 @@ static ma_ce_stats row_stats_avx512(const void *x, const void *w, ma_dtype dt, i
 /* ---- row_grad ------------------------------------------------------------- */
 
 static inline __attribute__((always_inline)) __m512 grad16(__m512 xv, const void *w, ma_dtype dt, __mmask16 k,
-                                                           float cap, __m512 invv, __m512 capv, __m512 lse_v,
-                                                           __m512 gs, __m512 gw, int use_w) {
+                                                           float cap, __m512 invv, __m512 capv, __m512 lse_v, __m512 gs,
+                                                           __m512 gw, int use_w) {
     const __m512 one = _mm512_set1_ps(1.0f);
     if (cap > 0) {
         const __m512 t = tanh512(_mm512_mul_ps(xv, invv));
@@ -195,8 +195,8 @@ static inline __attribute__((always_inline)) __m512 grad16(__m512 xv, const void
 }
 
 static inline __attribute__((always_inline)) void row_grad_dt(void *dx, const void *x, const void *w, ma_dtype dt,
-                                                               int64_t C, float cap, float lse, float g_soft,
-                                                               float g_w) {
+                                                              int64_t C, float cap, float lse, float g_soft,
+                                                              float g_w) {
     const size_t es = dt == MA_F32 ? 4 : 2;
     const __m512 lse_v = _mm512_set1_ps(lse), gs = _mm512_set1_ps(g_soft), gw = _mm512_set1_ps(g_w);
     const __m512 capv = _mm512_set1_ps(cap), invv = _mm512_set1_ps(cap > 0 ? 1.0f / cap : 0.0f);
@@ -207,8 +207,9 @@ static inline __attribute__((always_inline)) void row_grad_dt(void *dx, const vo
     for (; c < C; c += 16) {
         const __mmask16 k = tail_mask(C - c);
         _mm_prefetch(xc + c * es + PREFETCH_BYTES, _MM_HINT_T0);
-        store16(dc + c * es, dt, k, grad16(load16(xc + c * es, dt, k), w ? wc + c * es : NULL, dt, k, cap, invv,
-                                           capv, lse_v, gs, gw, use_w));
+        store16(
+            dc + c * es, dt, k,
+            grad16(load16(xc + c * es, dt, k), w ? wc + c * es : NULL, dt, k, cap, invv, capv, lse_v, gs, gw, use_w));
     }
 }
 

@@ -49,9 +49,7 @@
 
 /* ---- per-element and per-row helpers ------------------------------------ */
 
-static inline size_t FN(elem_size)(ma_dtype dt) {
-    return dt == MA_F64 ? 8 : dt == MA_F32 ? 4 : dt == MA_BOOL ? 1 : 2;
-}
+static inline size_t FN(elem_size)(ma_dtype dt) { return dt == MA_F64 ? 8 : dt == MA_F32 ? 4 : dt == MA_BOOL ? 1 : 2; }
 
 /* y = cap tanh(x / cap) (soft-capping), or x when cap = 0 */
 static inline ACC FN(cap_fn)(ACC x, ACC cap) { return cap > 0 ? cap * TANH(x / cap) : x; }
@@ -102,8 +100,7 @@ typedef struct {
  * nothing to l and k_c * -inf to k_dot, as k_c * log_softmax_c does in
  * PyTorch; a +inf logit makes the row NaN, as it does in PyTorch's
  * log_softmax. NaN propagates. */
-static FN(row_summary) FN(row_pass)(const ma_ce_args *a, int64_t x_row, int64_t p_row, int want_k,
-                                  ACC ls, ACC ls_c) {
+static FN(row_summary) FN(row_pass)(const ma_ce_args *a, int64_t x_row, int64_t p_row, int want_k, ACC ls, ACC ls_c) {
     const int64_t C = a->C, cs = a->input_stride[1];
     const ACC NEG_INF = -(ACC)INFINITY, cap = (ACC)a->softcap;
     ACC m = NEG_INF;
@@ -140,13 +137,13 @@ static inline int FN(fast_row)(const ma_ce_args *a, const int64_t *dinput_stride
 }
 
 /* The statistics of a class-target row, by the blocks when it can. */
-static inline FN(row_summary) FN(class_row_stats)(const ma_ce_args *a, int64_t x_row, int fast, int want_k, ACC ls,
-                                                ACC ls_c) {
+static inline FN(row_summary)
+    FN(class_row_stats)(const ma_ce_args *a, int64_t x_row, int fast, int want_k, ACC ls, ACC ls_c) {
 #ifdef ROW_STATS
     if (fast) {
         const size_t es = FN(elem_size)(a->dtype);
-        const ma_ce_stats b = ROW_STATS((const char *)a->input + x_row * es, a->weight, a->dtype, a->C,
-                                        (float)a->softcap, want_k);
+        const ma_ce_stats b =
+            ROW_STATS((const char *)a->input + x_row * es, a->weight, a->dtype, a->C, (float)a->softcap, want_k);
         FN(row_summary) st = {b.m, b.m == INFINITY ? (double)NAN : log(b.l), b.k_sum, b.k_dot};
         return st;
     }
@@ -170,8 +167,8 @@ static inline void FN(zero_row)(void *dx, ma_dtype dt, int64_t dx_row, int64_t d
  *   dx_c = y'_c (g_soft softmax_c - g_w w_c - g_t [c == t])
  *   g_soft = g ((1 - ls) w_t + ls / C W + 2 z lse),  g_w = g ls / C,  g_t = g (1 - ls) w_t
  * dx may be the input itself: x_t is read before the row is written. */
-static inline void FN(class_row_grad)(const ma_ce_args *a, void *dx, const int64_t *ds, int64_t dx_row,
-                                      int64_t x_row, int64_t t, int fast, ACC g, ACC lse_r, ACC W) {
+static inline void FN(class_row_grad)(const ma_ce_args *a, void *dx, const int64_t *ds, int64_t dx_row, int64_t x_row,
+                                      int64_t t, int fast, ACC g, ACC lse_r, ACC W) {
     const int64_t C = a->C, cs = a->input_stride[1], dcs = ds[1];
     const ACC ls = (ACC)a->label_smoothing, ls_c = C > 0 ? ls / (ACC)C : 0, cap = (ACC)a->softcap;
     const ACC w_t = FN(class_weight)(a, t);
@@ -181,8 +178,8 @@ static inline void FN(class_row_grad)(const ma_ce_args *a, void *dx, const int64
     if (fast) {
         const size_t es = FN(elem_size)(a->dtype);
         const ACC x_t = LOAD(a->input, a->dtype, x_row + t * cs);
-        ROW_GRAD((char *)dx + dx_row * es, (const char *)a->input + x_row * es, a->weight, a->dtype, C,
-                 (float)cap, lse_r, g_soft, g_w);
+        ROW_GRAD((char *)dx + dx_row * es, (const char *)a->input + x_row * es, a->weight, a->dtype, C, (float)cap,
+                 lse_r, g_soft, g_w);
         /* the target's element, from the x_t read before the row was written */
         ACC d = g_soft * EXP(FN(cap_fn)(x_t, cap) - lse_r);
         if (ls > 0) d -= g_w * w_t;
@@ -245,8 +242,8 @@ static void FN(ce_fwd)(int64_t begin, int64_t end, void *vctx) {
             if (ls > 0) loss = (1 - ls) * loss + ls_c * (st.k_sum * st.log_l - st.k_dot);
             if (z > 0) loss += z * lse_d * lse_d;
             if (fused)
-                FN(class_row_grad)(a, p->dinput, ds, n * ds[0] + s * ds[2], x_row, t, fast,
-                                   (ACC)p->dloss_scale, lse[r], W);
+                FN(class_row_grad)(a, p->dinput, ds, n * ds[0] + s * ds[2], x_row, t, fast, (ACC)p->dloss_scale, lse[r],
+                                   W);
         } else {
             const FN(row_summary) st = FN(row_pass)(a, x_row, n * ts[0] + s * ts[2], 1, ls, ls_c);
             lse_d = st.m + st.log_l;
@@ -309,7 +306,8 @@ static void FN(ce_bwd)(int64_t begin, int64_t end, void *vctx) {
                 if (p->dtarget)
                     STORE(p->dtarget, a->dtype, dp_row + c * dts[1],
                           g * (1 - ls) * FN(class_weight)(a, c) * (lse_r - y));
-                STORE(p->dinput, a->dtype, dx_row + c * ds[1], (g_soft * EXP(y - lse_r) - g * k) * FN(cap_grad)(x, cap));
+                STORE(p->dinput, a->dtype, dx_row + c * ds[1],
+                      (g_soft * EXP(y - lse_r) - g * k) * FN(cap_grad)(x, cap));
             }
         }
     }

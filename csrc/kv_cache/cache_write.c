@@ -18,14 +18,14 @@ static void copy_row(const ma_cache_side *side, int64_t Hkv, size_t bytes, char 
     for (int64_t h = 0; h < Hkv; h++) {
         char *d = dst + (size_t)(h * cs[2]) * bytes;
         const char *s = src + (size_t)(h * ss[1]) * bytes;
-        if (ss[2] == 1 && cs[3] == 1)
-            memcpy(d, s, (size_t)dim * bytes);
+        if (ss[2] == 1 && cs[3] == 1) memcpy(d, s, (size_t)dim * bytes);
         else if (bytes == 4) /* a K^T page: each element a page row apart */
             for (int64_t i = 0; i < dim; i++) ((uint32_t *)d)[i * cs[3]] = ((const uint32_t *)s)[i * ss[2]];
         else if (bytes == 2)
             for (int64_t i = 0; i < dim; i++) ((uint16_t *)d)[i * cs[3]] = ((const uint16_t *)s)[i * ss[2]];
         else
-            for (int64_t i = 0; i < dim; i++) memcpy(d + (size_t)(i * cs[3]) * bytes, s + (size_t)(i * ss[2]) * bytes, bytes);
+            for (int64_t i = 0; i < dim; i++)
+                memcpy(d + (size_t)(i * cs[3]) * bytes, s + (size_t)(i * ss[2]) * bytes, bytes);
     }
 }
 
@@ -37,7 +37,8 @@ void ma_cache_write_task(int64_t begin, int64_t end, void *ctx) {
         const int64_t page = s / p->page_size, row = s % p->page_size;
         for (int side_i = 0; side_i < 2; side_i++) {
             const ma_cache_side *side = side_i ? &p->v : &p->k;
-            char *dst = (char *)side->cache + (size_t)(page * side->cache_stride[0] + row * side->cache_stride[1]) * p->elem_bytes;
+            char *dst = (char *)side->cache +
+                        (size_t)(page * side->cache_stride[0] + row * side->cache_stride[1]) * p->elem_bytes;
             const char *src = (const char *)side->src + (size_t)(t * side->src_stride[0]) * p->elem_bytes;
             copy_row(side, p->Hkv, p->elem_bytes, dst, src);
         }

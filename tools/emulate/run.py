@@ -19,6 +19,7 @@ and its wheel needs glibc 2.38's C23 symbols (this script supplies them
 with a small preloaded library where the system lacks them). Exit status 1
 when any case exceeds its tolerance.
 """
+
 import argparse
 import collections
 import os
@@ -38,7 +39,9 @@ _C23_SHIM = r"""
 #include <stdio.h>
 #include <stdlib.h>
 unsigned long long __isoc23_strtoull(const char *s, char **e, int b) { return strtoull(s, e, b); }
-int __isoc23_sscanf(const char *s, const char *f, ...) { va_list a; va_start(a, f); int r = vsscanf(s, f, a); va_end(a); return r; }
+int __isoc23_sscanf(const char *s, const char *f, ...) {
+    va_list a; va_start(a, f); int r = vsscanf(s, f, a); va_end(a); return r;
+}
 """
 
 
@@ -47,10 +50,11 @@ def import_bochscpu():
         import bochscpu  # noqa: F401
         import bochscpu.cpu  # noqa: F401
         import bochscpu.memory  # noqa: F401
+
         return sys.modules["bochscpu"]
     except ImportError as e:
         if "__isoc23" not in str(e) or os.environ.get("MA_EMU_PRELOADED"):
-            raise SystemExit(f"bochscpu-python is needed (pip install bochscpu-python): {e}")
+            raise SystemExit(f"bochscpu-python is needed (pip install bochscpu-python): {e}") from e
     # an older glibc: supply the two C23 functions the wheel links against, and start again
     d = tempfile.mkdtemp(prefix="ma_emu_")
     src, lib = os.path.join(d, "c23.c"), os.path.join(d, "libc23.so")
@@ -63,17 +67,29 @@ def import_bochscpu():
 
 # ---- the build ------------------------------------------------------------------
 
+
 def build(out_dir, count=False):
     """harness.elf: the harness, every attention instance and dispatch.c,
     linked statically with no C library; returns its path. count: the two
     AVX512-BF16 intrinsics as one stand-in instruction each (emu_bf16.h),
     for instruction counts, not results."""
     from setup import isa_flags
+
     cc = os.environ.get("CC", "cc")
     # the kernels as the build compiles them (builtins on: small memcpy inlined); the harness and
     # its libm freestanding, so that their loops never become calls of themselves
-    flags = ["-std=c11", "-O3" if count else "-O2", "-fno-math-errno", "-fno-pic", "-fno-pie", "-fno-stack-protector",
-             "-fno-asynchronous-unwind-tables", "-fno-tree-loop-distribute-patterns", "-I", os.path.join(ROOT, "csrc")]
+    flags = [
+        "-std=c11",
+        "-O3" if count else "-O2",
+        "-fno-math-errno",
+        "-fno-pic",
+        "-fno-pie",
+        "-fno-stack-protector",
+        "-fno-asynchronous-unwind-tables",
+        "-fno-tree-loop-distribute-patterns",
+        "-I",
+        os.path.join(ROOT, "csrc"),
+    ]
     free = ["-ffreestanding"]
     jobs = []
     # the instances run here; avx2 and amx stand in as empty tables (harness.c, EMU_STUBS)
@@ -93,21 +109,20 @@ def build(out_dir, count=False):
             raise SystemExit(f"compiling {src} failed:\n{err.decode(errors='replace')}")
     objs = [obj for _, _, obj in jobs]
     elf = os.path.join(out_dir, "harness.elf")
-    subprocess.run([cc, "-static", "-nostdlib", "-no-pie", "-Wl,-e,emu_main", "-o", elf, *objs, "-lgcc"],
-                   check=True)
+    subprocess.run([cc, "-static", "-nostdlib", "-no-pie", "-Wl,-e,emu_main", "-o", elf, *objs, "-lgcc"], check=True)
     return elf
 
 
 def elf_segments(path):
     """(vaddr, bytes, memsz) of each PT_LOAD segment, and the symbol table's emu_main, emu_halt."""
     data = open(path, "rb").read()
-    phoff, = struct.unpack_from("<Q", data, 0x20)
+    (phoff,) = struct.unpack_from("<Q", data, 0x20)
     phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
     segs = []
     for i in range(phnum):
         ptype, _, off, vaddr, _, filesz, memsz, _ = struct.unpack_from("<IIQQQQQQ", data, phoff + i * phentsize)
         if ptype == 1:
-            segs.append((vaddr, data[off:off + filesz], memsz))
+            segs.append((vaddr, data[off : off + filesz], memsz))
     syms = {}
     for line in subprocess.run(["nm", path], capture_output=True, text=True, check=True).stdout.splitlines():
         parts = line.split()
@@ -139,6 +154,7 @@ class Machine:
                     mem.page_insert(page, mem.allocate_host_page())
                     self.pt.insert(page, page, 1)
                     mapped.add(page)
+
         for vaddr, _, memsz in segs:
             map_range(vaddr, vaddr + memsz)
         map_range(STACK, STACK + STACK_BYTES)
@@ -165,6 +181,7 @@ class Machine:
 
         def missing(gpa):
             raise RuntimeError(f"the harness touched unmapped memory at {gpa:#x}")
+
         sess.missing_page_handler = missing
         st = b.State()
         b.cpu.set_long_mode(st)
@@ -191,8 +208,10 @@ class Machine:
         hook.exception = exception
         executed = collections.Counter()
         if count:
+
             def before(s, cpu_id, insn):
                 executed[s.cpu.rip] += 1
+
             hook.before_execution = before
         sess.run([hook])
         if fault and fault[0][0] == 13 and fault[0][2] - self.syms["emu_halt"] in (0, 1):
@@ -231,13 +250,20 @@ CASES = [
     ("inference causal", 1, 8, 8, 200, 200, 64, 64, dict(causal=True, inference=True)),
     ("inference masks gqa", 2, 8, 2, 97, 150, 48, 40, dict(kpm=True, attn_mask=True, inference=True)),
 ]
-QUICK = ("plain", "causal+kpm gqa", "float mask + head mask", "window both sides", "softcap causal",
-         "inference masks gqa")
+QUICK = (
+    "plain",
+    "causal+kpm gqa",
+    "float mask + head mask",
+    "window both sides",
+    "softcap causal",
+    "inference masks gqa",
+)
 
 
 def random_cases(n, seed):
     """n random cases (the fuzz slice): shapes off every block and vector width, any mix of masks."""
     import random
+
     rng = random.Random(seed)
     out = []
     for i in range(n):
@@ -261,22 +287,28 @@ def random_cases(n, seed):
             o["softcap"] = rng.choice([5.0, 30.0])
         if rng.random() < 0.3:
             o["inference"] = True
-        out.append((f"fuzz {seed}:{i} B={B} H={H}/{Hkv} L={Lq}x{Lk} D={D}/{Dv} {sorted(o)}", B, H, Hkv, Lq, Lk, D,
-                    Dv, o))
+        out.append(
+            (f"fuzz {seed}:{i} B={B} H={H}/{Hkv} L={Lq}x{Lk} D={D}/{Dv} {sorted(o)}", B, H, Hkv, Lq, Lk, D, Dv, o)
+        )
     return out
 
 
 # run.py --count's classes of instructions, by mnemonic (objdump). In the count build the
 # VDPBF16PS stand-in is VFMADDSUB231PS (emu_bf16.h), which nothing else uses.
-MIX = (("VDPBF16PS", ("vfmaddsub",)), ("FMA", ("vfmadd", "vfmsub", "vfnmadd", "vfnmsub")),
-       ("other vector", ("v",)), ("scalar", ("",)))
+MIX = (
+    ("VDPBF16PS", ("vfmaddsub",)),
+    ("FMA", ("vfmadd", "vfmsub", "vfnmadd", "vfnmsub")),
+    ("other vector", ("v",)),
+    ("scalar", ("",)),
+)
 
 
 def instruction_mix(elf, counts):
     """{class: instructions executed} of a count ({rip: n}), by MIX."""
     ops = {}
-    dump = subprocess.run(["objdump", "-d", "--no-show-raw-insn", elf], capture_output=True, text=True,
-                          check=True).stdout
+    dump = subprocess.run(
+        ["objdump", "-d", "--no-show-raw-insn", elf], capture_output=True, text=True, check=True
+    ).stdout
     for line in dump.splitlines():
         m = re.match(r"\s*([0-9a-f]+):\s+(\S+)", line)
         if m:
@@ -292,9 +324,10 @@ def count_case(m, isa, dtype, case, torch):
     """Instructions the emulated CPU executes for the case's forward with no backward to follow
     (inference), its forward before a backward (training), and forward + backward."""
     name, B, H, Hkv, Lq, Lk, D, Dv, o = case
-    return [run_case(m, m.syms, isa, dtype, (name, B, H, Hkv, Lq, Lk, D, Dv, dict(o, **extra)), torch, None,
-                     count=True)
-            for extra in (dict(inference=True), dict(forward_only=True), {})]
+    return [
+        run_case(m, m.syms, isa, dtype, (name, B, H, Hkv, Lq, Lk, D, Dv, dict(o, **extra)), torch, None, count=True)
+        for extra in (dict(inference=True), dict(forward_only=True), {})
+    ]
 
 
 def run_case(m, elf_syms, isa, dtype, case, torch, tma, count=False):
@@ -308,7 +341,7 @@ def run_case(m, elf_syms, isa, dtype, case, torch, tma, count=False):
     kpm = attn_mask = head_mask = None
     if o.get("kpm"):
         kpm = torch.zeros(B, Lk, dtype=torch.bool)
-        kpm[0, Lk - Lk // 3:] = True
+        kpm[0, Lk - Lk // 3 :] = True
         kpm[-1, 5:9] = True
     if o.get("attn_mask"):
         attn_mask = torch.randn(Lq, Lk, generator=g).to(tdt)
@@ -318,7 +351,7 @@ def run_case(m, elf_syms, isa, dtype, case, torch, tma, count=False):
     window = o.get("window")
     softcap = o.get("softcap")
     causal = bool(o.get("causal"))
-    scale = 1.0 / D ** 0.5
+    scale = 1.0 / D**0.5
 
     # the emulated run
     esz = q.element_size()
@@ -331,8 +364,12 @@ def run_case(m, elf_syms, isa, dtype, case, torch, tma, count=False):
         layout[key] = cursor
         m.write(cursor, blob if blob is not None else b"\xff" * nbytes)
         cursor += (nbytes + 63) // 64 * 64
-    raw = (lambda t: t.contiguous().view(torch.int16).numpy().tobytes()) if esz == 2 else \
-        (lambda t: t.contiguous().numpy().tobytes())
+
+    raw = (
+        (lambda t: t.contiguous().view(torch.int16).numpy().tobytes())
+        if esz == 2
+        else (lambda t: t.contiguous().numpy().tobytes())
+    )
     put("io", IO.size)
     for key, t in (("q", q), ("k", k), ("v", v), ("dout", dout)):
         put(key, t.numel() * esz, raw(t))
@@ -342,18 +379,41 @@ def run_case(m, elf_syms, isa, dtype, case, torch, tma, count=False):
         put("attn_mask", attn_mask.numel() * 4, attn_mask.float().numpy().tobytes())
     if head_mask is not None:
         put("head_mask", head_mask.numel() * 4, head_mask.float().numpy().tobytes())
-    shapes = {"out": (B, H, Lq, Dv), "out_lo": (B, H, Lq, Dv), "dq": (B, H, Lq, D), "dk": (B, Hkv, Lk, D),
-              "dv": (B, Hkv, Lk, Dv)}
+    shapes = {
+        "out": (B, H, Lq, Dv),
+        "out_lo": (B, H, Lq, Dv),
+        "dq": (B, H, Lq, D),
+        "dk": (B, Hkv, Lk, D),
+        "dv": (B, Hkv, Lk, Dv),
+    }
     for key, shp in shapes.items():
-        put(key, B * H * Lq * max(D, Dv) * esz if key in ("out", "out_lo", "dq") else
-            shp[0] * shp[1] * shp[2] * shp[3] * esz)
+        put(
+            key,
+            B * H * Lq * max(D, Dv) * esz
+            if key in ("out", "out_lo", "dq")
+            else shp[0] * shp[1] * shp[2] * shp[3] * esz,
+        )
     put("lse", B * H * Lq * 4)
     put("delta", B * H * Lq * 4)
     arena = cursor
     arena_bytes = DATA + m.data_bytes - arena
-    wl, wr = (window if window else (-1, -1))
-    fields = [B, H, Hkv, Lq, Lk, D, Dv, DTYPE[dtype], ISA[isa], int(causal), wl if wl is not None else -1,
-              wr if wr is not None else -1, scale, softcap or 0.0]
+    wl, wr = window if window else (-1, -1)
+    fields = [
+        B,
+        H,
+        Hkv,
+        Lq,
+        Lk,
+        D,
+        Dv,
+        DTYPE[dtype],
+        ISA[isa],
+        int(causal),
+        wl if wl is not None else -1,
+        wr if wr is not None else -1,
+        scale,
+        softcap or 0.0,
+    ]
     fields += [layout[x] for x in ("q", "k", "v", "dout")]
     fields += [layout.get(x, 0) for x in ("kpm", "attn_mask", "head_mask")]
     infer = bool(o.get("inference"))  # out_lo: bf16 / f16 only, and not for inference, as the shim
@@ -376,12 +436,20 @@ def run_case(m, elf_syms, isa, dtype, case, torch, tma, count=False):
         if dt == torch.bfloat16:
             return torch.frombuffer(bytearray(blob), dtype=torch.int16).view(torch.bfloat16).reshape(shp).clone()
         return torch.frombuffer(bytearray(blob), dtype=dt).reshape(shp).clone()
+
     got = {key: get(key, shapes[key]) for key in ("out", "dq", "dk", "dv")}
     got["lse"] = get("lse", (B, H, Lq), torch.float32)
 
     # the scalar reference, through the package, natively
-    kw = dict(attn_mask=attn_mask, key_padding_mask=kpm, head_mask=head_mask, is_causal=causal, scale=scale,
-              window=window, softcap=softcap)
+    kw = dict(
+        attn_mask=attn_mask,
+        key_padding_mask=kpm,
+        head_mask=head_mask,
+        is_causal=causal,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+    )
 
     def fwd_bwd(dt):
         qq, kk, vv = (t.to(dt).detach().requires_grad_() for t in (q, k, v))
@@ -392,6 +460,7 @@ def run_case(m, elf_syms, isa, dtype, case, torch, tma, count=False):
         out, lse = tma.functional.masked_attention(qq, kk, vv, return_lse=True, **kw2)
         grads = torch.autograd.grad(out, (qq, kk, vv), dout.to(dt))
         return {"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]}
+
     with tma.ops.use_isa("scalar"):
         ref = fwd_bwd(tdt)
     exact = fwd_bwd(torch.float64)
@@ -412,8 +481,9 @@ def run_case(m, elf_syms, isa, dtype, case, torch, tma, count=False):
         if attn_mask is not None:
             bias = bias + attn_mask.float()
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-        out = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=bias.to(tdt), scale=scale,
-                                                               enable_gqa=Hkv != H)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qq, kk, vv, attn_mask=bias.to(tdt), scale=scale, enable_gqa=Hkv != H
+        )
         grads = torch.autograd.grad(out, (qq, kk, vv), dout)
         native = {"out": out, "dq": grads[0], "dk": grads[1], "dv": grads[2]}
     rows = []
@@ -431,7 +501,7 @@ def run_case(m, elf_syms, isa, dtype, case, torch, tma, count=False):
         e_ref = (r - x)[finite].abs().max().item() if finite.any() else 0.0
         # bfloat16: within 2x the scalar reference's own error against float64 (plus a
         # rounding step of the largest value); float32: close to the reference
-        tol = 2 * e_ref + (2 ** -8 if dtype == "bf16" else 2e-5) * max(scale_x, 1.0)
+        tol = 2 * e_ref + (2**-8 if dtype == "bf16" else 2e-5) * max(scale_x, 1.0)
         if key == "lse":
             tol = 1e-3 if dtype == "bf16" else 2e-5
         e_nat = float("nan")
@@ -449,15 +519,20 @@ def run_case(m, elf_syms, isa, dtype, case, torch, tma, count=False):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--isa", default="avx512bf16",
-                    help="avx512bf16, avx512 (or scalar), or several separated by commas")
+    ap.add_argument(
+        "--isa", default="avx512bf16", help="avx512bf16, avx512 (or scalar), or several separated by commas"
+    )
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
     ap.add_argument("--quick", action="store_true", help="six of the fixed cases only")
     ap.add_argument("--fuzz", type=int, default=0, metavar="N", help="N random cases after the fixed ones")
     ap.add_argument("--seed", type=int, default=0, help="of the random cases")
-    ap.add_argument("--count", metavar="B,H,L,D", help="instead: count the instructions a causal forward "
-                    "(inference, and before a backward) and backward of this shape execute, per ISA, by class "
-                    "(VDPBF16PS, FMA, other vector, scalar; a Python call per instruction: slow)")
+    ap.add_argument(
+        "--count",
+        metavar="B,H,L,D",
+        help="instead: count the instructions a causal forward "
+        "(inference, and before a backward) and backward of this shape execute, per ISA, by class "
+        "(VDPBF16PS, FMA, other vector, scalar; a Python call per instruction: slow)",
+    )
     args = ap.parse_args()
     isas = args.isa.split(",")
     for isa in isas:
@@ -465,7 +540,9 @@ def main():
             ap.error(f"--isa: {isa!r} is not one of avx512bf16, avx512, scalar")
     bochscpu = import_bochscpu()
     import torch
+
     import torch_masked_attn as tma
+
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="ma_emu_build_") as d:
         elf = build(d, count=bool(args.count))
@@ -473,23 +550,32 @@ def main():
         if args.count:
             B, H, L, D = (int(x) for x in args.count.split(","))
             for isa in isas:
-                infer, fwd, both = count_case(m, isa, args.dtype, ("count", B, H, H, L, L, D, D, dict(causal=True)),
-                                              torch)
+                infer, fwd, both = count_case(
+                    m, isa, args.dtype, ("count", B, H, H, L, L, D, D, dict(causal=True)), torch
+                )
                 print(f"{isa} {args.dtype} B={B} H={H} L={L} D={D} causal:")
                 mixes = [instruction_mix(elf, c) for c in (infer, fwd, both)]
                 mixes[2] = {name: mixes[2][name] - mixes[1][name] for name, _ in MIX}  # the backward alone
                 for what, mix in zip(("forward (inference)", "forward (training)", "backward"), mixes):
-                    print(f"  {what:20s} {sum(mix.values()):>12,} instructions: " +
-                          ", ".join(f"{name} {mix[name]:,}" for name, _ in MIX), flush=True)
+                    print(
+                        f"  {what:20s} {sum(mix.values()):>12,} instructions: "
+                        + ", ".join(f"{name} {mix[name]:,}" for name, _ in MIX),
+                        flush=True,
+                    )
             return
         failed = 0
         cases = [c for c in CASES if not args.quick or c[0] in QUICK] + random_cases(args.fuzz, args.seed)
         for isa, case in ((isa, case) for isa in isas for case in cases):
             ok, rows = run_case(m, m.syms, isa, args.dtype, case, torch, tma)
             failed += not ok
-            print(f"{'ok  ' if ok else 'FAIL'} {isa} {args.dtype} {case[0]:24s} " +
-                  "  ".join(f"{k}: |got-scalar| {a:.1e} |got-f64| {b:.1e} |scalar-f64| {c:.1e} |native-f64| {e:.1e}"
-                            for k, a, b, c, e in rows), flush=True)
+            print(
+                f"{'ok  ' if ok else 'FAIL'} {isa} {args.dtype} {case[0]:24s} "
+                + "  ".join(
+                    f"{k}: |got-scalar| {a:.1e} |got-f64| {b:.1e} |scalar-f64| {c:.1e} |native-f64| {e:.1e}"
+                    for k, a, b, c, e in rows
+                ),
+                flush=True,
+            )
     print(f"{failed} of the cases failed" if failed else "every case passed")
     sys.exit(1 if failed else 0)
 
