@@ -16,8 +16,8 @@ def test_low_precision_delta_is_exact(dtype, what):
     """Every query sees one key (window (0, 0)): P = 1 for that key, so dS = 0
     and dq = dk = 0 exactly, as PyTorch's own bf16 computation gives. With
     delta = dO . out from the rounded out (scaled by dropout's 1 / (1 - p), a
-    head mask or a sink's share), the fuzzer found |dq| ~ 0.02 and |dk| ~ 0.24
-    here (issue 17). The forward's out_lo (out's rounding error) makes delta =
+    head mask or a sink's share), |dq| would reach ~0.02 and |dk| ~0.24 here
+    (fuzzer findings). The forward's out_lo (out's rounding error) makes delta =
     dO . (out + out_lo) exact to float32 noise: with |dO| |out| ~ 1..10 (100
     with dropout's 1 / (1 - 0.9)) that is ~1e-6 (1e-5), where one bf16 ulp of
     1 is 8e-3."""

@@ -43,7 +43,7 @@ SAN_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sa
 # the harnesses and their sources: those of tests/test_c_harness.py
 def _sources(op: str) -> tuple[str, ...]:
     """Every C file of csrc/<op>/ (each instruction-set variant and the dispatch), so that a new
-    variant cannot be left out of the link (avx512bf16.c was, until 2026-11-27)."""
+    variant cannot be left out of the link."""
     d = os.path.join(ROOT, "csrc", op)
     return tuple(f"{op}/{f}" for f in sorted(os.listdir(d)) if f.endswith(".c"))
 
