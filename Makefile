@@ -63,7 +63,7 @@ bench: setup $(PEERS)
 	$(VPY) benchmarks/cb_throughput.py --record
 	$(MAKE) docs
 
-# docs/performance.md's tables from benchmarks/results_*.json (tools/make_docs.py,
+# docs/performance.md's tables and README.md's results from benchmarks/results_*.json (tools/make_docs.py,
 # standard library only); tests/test_docs.py fails where the page differs.
 docs:
 	$(PY) tools/make_docs.py

@@ -1,6 +1,6 @@
-"""docs/performance.md's tables are the benchmark records': tools/make_docs.py
-generates them from benchmarks/results_<machine>.json, and the page must be
-what it writes (`make docs`). No benchmark runs here."""
+"""docs/performance.md's tables and README.md's results table are the benchmark
+records': tools/make_docs.py generates them from benchmarks/results_<machine>.json,
+and the pages must be what it writes (`make docs`). No benchmark runs here."""
 
 import copy
 import importlib.util
@@ -30,6 +30,14 @@ def page(make_docs):
 def test_performance_md_is_what_the_records_give(make_docs, page):
     assert make_docs.generate(page, make_docs.load_records()) == page, (
         "docs/performance.md differs from benchmarks/results_*.json: run `make docs`"
+    )
+
+
+def test_readme_results_are_what_the_records_give(make_docs):
+    with open(make_docs.README, encoding="utf-8") as f:
+        text = f.read()
+    assert make_docs.generate_readme(text, make_docs.load_records()) == text, (
+        "README.md's results differ from benchmarks/results_*.json: run `make docs`"
     )
 
 
