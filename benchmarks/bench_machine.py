@@ -18,7 +18,7 @@ OUT = os.path.join(HERE, "out")
 
 
 def cpu_info():
-    model, flags = platform.processor() or "unknown", set()
+    model, flags, fields = platform.processor() or "unknown", set(), {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -28,6 +28,8 @@ def cpu_info():
                     model = value.strip()
                 elif key == "flags":
                     flags = set(value.split())
+                elif key in ("vendor_id", "cpu family", "model"):
+                    fields.setdefault(key, value.strip())
                 if model != "unknown" and flags:
                     break
     except OSError:
@@ -35,6 +37,9 @@ def cpu_info():
     wanted = ["avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"]
     return {
         "cpu_model": model,
+        "vendor": fields.get("vendor_id", "unknown"),
+        "family": fields.get("cpu family"),
+        "model": fields.get("model"),
         "flags": {f: f in flags for f in wanted},
         "amx": any(f.startswith("amx") for f in flags),
         "logical_cpus": os.cpu_count(),
@@ -42,6 +47,29 @@ def cpu_info():
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
     }
+
+
+VENDORS = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}
+
+
+def machine_key(info):
+    """The machine kind a record is kept for (benchmarks/results_<key>.json):
+    vendor, the widest instruction set the kernels can use on it (amx,
+    avx512bf16, avx512, avx2 or scalar, from /proc/cpuinfo's flags) and the
+    logical CPU count, e.g. "amd-avx2-2cpu", "intel-amx-16cpu". Family and
+    model numbers are left out: a virtual machine may report another CPU's."""
+    flags = info["flags"]
+    if flags.get("amx_bf16") or flags.get("amx_tile"):
+        isa = "amx"
+    elif flags.get("avx512_bf16"):
+        isa = "avx512bf16"
+    elif flags.get("avx512f"):
+        isa = "avx512"
+    elif flags.get("avx2") and flags.get("fma"):
+        isa = "avx2"
+    else:
+        isa = "scalar"
+    return f"{VENDORS.get(info.get('vendor'), 'cpu')}-{isa}-{info['logical_cpus']}cpu"
 
 
 def fma_peak(threads):

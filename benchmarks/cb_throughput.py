@@ -7,7 +7,11 @@ tokens/s (median of 3 runs after a warm-up run) and its peak resident memory abo
 once the model was built (ru_maxrss). Every implementation's tokens are checked against
 masked_attn's.
 
-    .venv/bin/python benchmarks/cb_throughput.py [--ranges 20-100,400-800,1200-2000] [--out FILE]
+    .venv/bin/python benchmarks/cb_throughput.py [--ranges 20-100,400-800,1200-2000] [--out FILE] [--record]
+
+--record merges the rows into this machine's record, benchmarks/results_<machine>.json
+(benchmarks/record.py): case cb-<prompts> against CB "sdpa", cb-<prompts>-paged against
+CB "paged|eager", cb-<prompts>-generate against padded generate(); tokens/s, ratio = ours / theirs.
 """
 
 import argparse
@@ -98,11 +102,42 @@ def child(impl, lo, hi):
     )
 
 
+CASE_SUFFIX = {"sdpa": "", "paged|eager": "-paged", "generate": "-generate"}
+
+
+def record_rows(results, date):
+    """The record's rows (benchmarks/record.py) of a run's results: masked_attn against each other route."""
+    rows = []
+    for rng, row in results["cases"].items():
+        ours = row.get("masked_attn", {})
+        for impl, suffix in CASE_SUFFIX.items():
+            other = row.get(impl, {})
+            if "tok_s" not in ours or "tok_s" not in other:
+                continue
+            r = {
+                "case": f"cb-{rng}{suffix}",
+                "date": date,
+                "native": "CB " + impl if impl != "generate" else "padded generate",
+                "unit": "tok/s",
+                "native_ms": round(other["tok_s"], 1),
+                "ours_ms": round(ours["tok_s"], 1),
+                "ratio": round(ours["tok_s"] / other["tok_s"], 4),
+                "peak_mb_native": round(other["peak_mb"], 1),
+                "peak_mb_ours": round(ours["peak_mb"], 1),
+                "source": "cb_throughput.py",
+            }
+            if other.get("tokens") != ours.get("tokens"):
+                r["note"] = "tokens differ from masked_attn's"
+            rows.append(r)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranges", default="20-100,400-800,1200-2000")
     ap.add_argument("--impls", default=",".join(IMPLS))
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "cb_throughput.json"))
+    ap.add_argument("--record", action="store_true", help="merge into benchmarks/results_<machine>.json")
     ap.add_argument("--child", nargs=3)
     a = ap.parse_args()
     if a.child:
@@ -143,6 +178,21 @@ def main():
         os.makedirs(os.path.dirname(a.out), exist_ok=True)
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)
+    if a.record:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import record
+
+        import bench_machine
+
+        info = bench_machine.cpu_info()
+        path = record.merge(
+            bench_machine.machine_key(info),
+            info["cpu_model"],
+            torch.get_num_threads(),
+            torch.__version__,
+            record_rows(results, record.today()),
+        )
+        print(f"recorded in {os.path.relpath(path)}")
 
 
 if __name__ == "__main__":

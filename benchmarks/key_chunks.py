@@ -1,8 +1,8 @@
 """The single-pass backward's key chunks under several CPU counts of the rule
 (ma_attn_bwd_kv_chunks: enough chunks for a work item per CPU, at least 8
 items), in one process, interleaved, backward alone, medians of 7
-(docs/performance.md, "Intel Xeon, 16 cores"). A count of 8 or less gives the
-rule before 2026-11-26 (8 items); "machine" is the CPU count the process has.
+(docs/performance.md, "Intel Xeon, 16 cores", "Key chunks"). A count of 8 or less gives the
+rule's floor (8 items); "machine" is the CPU count the process has.
 
     .venv/bin/python benchmarks/key_chunks.py [THREADS] [--cpus 4,8,machine]
 """

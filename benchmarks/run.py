@@ -1,6 +1,6 @@
 """Side-by-side benchmarks: torch_masked_attn against native PyTorch.
 
-    .venv/bin/python benchmarks/run.py               # --quick (what `make bench` runs)
+    .venv/bin/python benchmarks/run.py --record      # --quick, into the record (what `make bench` runs)
     .venv/bin/python benchmarks/run.py --full        # the whole sweep, more repetitions
     .venv/bin/python benchmarks/run.py --cases gpt-train,ce
     .venv/bin/python benchmarks/run.py --list
@@ -9,12 +9,12 @@ Each case is timed in this one process, native and ours interleaved
 repetition by repetition (the order alternating), after one warm-up call of
 each; the reported times are medians and ratio = native ms / ours ms (above
 1: ours is faster). Peak memory is measured separately for each
-(case, implementation) in a fresh process (see --probe). Results go to
-benchmarks/results.json (rewritten after every case; `make bench` then adds
-the thread sweep, benchmarks/threads.py) and the sweep's plot to
-benchmarks/out/ratio_vs_length.png. A run of chosen --cases writes
-benchmarks/out/results-cases.json instead, so that it never replaces the
-whole run's record. See benchmarks/README.md.
+(case, implementation) in a fresh process (see --probe). Every number of the
+run goes to benchmarks/out/results.json (rewritten after every case), the
+sweep's plot to benchmarks/out/ratio_vs_length.png. --record then merges one
+row per case into this machine's record, benchmarks/results_<machine>.json
+(benchmarks/record.py), from which `make docs` writes docs/performance.md.
+See benchmarks/README.md.
 """
 
 import argparse
@@ -35,7 +35,7 @@ from torch_masked_attn import ops as tma_ops
 
 HERE = machine.HERE
 OUT = machine.OUT
-RESULTS = os.path.join(HERE, "results.json")
+RESULTS = os.path.join(OUT, "results.json")
 
 MODES = {
     #         sweep grid          min reps, max reps, seconds of timed reps per case (after min reps)
@@ -459,7 +459,12 @@ def main():
     p.add_argument(
         "--out",
         default=None,
-        help="results JSON path (default benchmarks/results.json, or benchmarks/out/results-cases.json with --cases)",
+        help="the run's JSON, every number (default benchmarks/out/results.json)",
+    )
+    p.add_argument(
+        "--record",
+        action="store_true",
+        help="merge one row per case into this machine's record, benchmarks/results_<machine>.json",
     )
     p.add_argument("--plot", default=os.path.join(OUT, "ratio_vs_length.png"))
     p.add_argument("--plot-ce", default=os.path.join(OUT, "ce_vocab_sweep.png"))
@@ -474,8 +479,8 @@ def main():
 
     mode = "full" if args.full else "quick"
     names = select(args, mode)
-    if args.out is None:  # a run of chosen cases never replaces the whole run's record
-        args.out = os.path.join(OUT, "results-cases.json") if args.cases else RESULTS
+    if args.out is None:
+        args.out = RESULTS
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     if args.list:
         for g, ns in cases.GROUPS.items():
@@ -557,7 +562,24 @@ def main():
         f"on {info['logical_cpus']} CPUs (other work on the machine skews timings)"
     )
     log(f"wrote {os.path.relpath(args.out)}" + "".join(f" and {os.path.relpath(x)}" for x in (png, png_ce) if x))
+    if args.record:
+        log(f"recorded in {os.path.relpath(record_run(results, info, args.threads))}")
     log(f"wall time {results['wall_s']:.0f} s")
+
+
+def record_run(results, info, threads):
+    """Merge the run's cases into this machine's record (benchmarks/record.py)."""
+    import record
+
+    isa = os.environ.get("MASKED_ATTN_ISA") or None
+    date = record.today()
+    rows = [
+        record.row_from_run(r, date, isa=isa, threads=threads, bf16_isa=info["variants"]["bfloat16"])
+        for r in results["cases"]
+    ]
+    rows = [r for r in rows if r is not None]
+    key = machine.machine_key(info)
+    return record.merge(key, info["cpu_model"], os.cpu_count(), info["torch"], rows)
 
 
 def measure_machine(threads, when):

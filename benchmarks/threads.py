@@ -6,7 +6,10 @@ bytes. Plus a model of our schedule: the work items' costs (in 64 x 64 tiles,
 by the kernels' own skipping rules) handed out in order to N threads, the
 predicted time at N threads from the 1-thread time, and the busy fraction.
 
-    python benchmarks/threads.py [--threads 1,2,4,...] [--out benchmarks/results.json]
+    python benchmarks/threads.py [--threads 1,2,4,...] [--out benchmarks/out/results.json] [--record]
+
+--record merges the rows (case threads-gpt-train, one per thread count) into this
+machine's record, benchmarks/results_<machine>.json (benchmarks/record.py).
 
 On a machine with fewer cores than N, times at N are oversubscribed (the
 model and the faults and bytes per call still hold); say so when quoting.
@@ -100,7 +103,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", default="1,2,4,8,16,32,64")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--out", default=os.path.join(HERE, "results.json"))
+    p.add_argument("--out", default=os.path.join(HERE, "out", "results.json"))
+    p.add_argument("--record", action="store_true", help="merge into benchmarks/results_<machine>.json")
     args = p.parse_args()
     counts = [int(x) for x in args.threads.split(",")]
     q, k, v, go, kpm, lengths = inputs()
@@ -154,8 +158,25 @@ def main():
         with open(args.out) as f:
             results = json.load(f)
     results["threads_sweep"] = dict(case="gpt-train shape, fwd+bwd", isa=isa, cpus=os.cpu_count(), rows=rows)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
+    if args.record:
+        import record
+
+        import bench_machine
+
+        info, date = bench_machine.cpu_info(), record.today()
+        recs = []
+        for r in rows:
+            row = dict(case="threads-gpt-train", date=date, threads=r["threads"], native="sdpa-bool")
+            row.update(native_ms=round(r["native_ms"], 3), ours_ms=round(r["ours_ms"], 3))
+            row.update(ratio=round(r["native_ms"] / r["ours_ms"], 4), source="threads.py")
+            if r["oversubscribed"]:
+                row["note"] = "more threads than CPUs"
+            recs.append(row)
+        path = record.merge(bench_machine.machine_key(info), info["cpu_model"], old, torch.__version__, recs)
+        print(f"recorded in {os.path.relpath(path)}")
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def _ma_bad_cases():
         "head_mask_shape": (dict(q=q, k=k, v=v, head_mask=torch.ones(H + 1)), "head_mask"),
         "head_mask_shape_2d": (dict(q=q, k=k, v=v, head_mask=torch.ones(H, B)), "head_mask"),
         "head_mask_rank3": (dict(q=q, k=k, v=v, head_mask=torch.ones(B, H, 1)), "head_mask"),
-        # dropout (issue 14)
+        # dropout
         "dropout_p_negative": (dict(q=q, k=k, v=v, dropout_p=-0.1), "dropout_p"),
         "dropout_p_above_1": (dict(q=q, k=k, v=v, dropout_p=1.5), "dropout_p"),
         "dropout_p_nan": (dict(q=q, k=k, v=v, dropout_p=float("nan")), "dropout_p"),
@@ -101,7 +101,7 @@ def _ma_bad_cases():
             "dropout_seed",
         ),
         "dropout_seed_list": (dict(q=q, k=k, v=v, dropout_p=0.1, dropout_seed=[1, 2]), "dropout_seed"),
-        # window, softcap, sinks (issue 15)
+        # window, softcap, sinks
         "window_left_below_minus_1": (dict(q=q, k=k, v=v, window=(-2, 0)), "window"),
         "window_right_below_minus_1": (dict(q=q, k=k, v=v, window=(0, -3)), "window"),
         "window_triple": (dict(q=q, k=k, v=v, window=(1, 2, 3)), "window"),

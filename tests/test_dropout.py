@@ -1,4 +1,4 @@
-"""Attention dropout inside the fused kernels (issue 14, item 1).
+"""Attention dropout inside the fused kernels.
 
 The keep mask is never stored: element (b, h, i, j) keeps or drops from the
 (seed, offset) tensor and its own indices alone (Philox-4x32-10,

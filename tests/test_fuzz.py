@@ -27,14 +27,14 @@ fuzz = _load_fuzz()
 CASES_PER_ISA = 300  # attention, cross-entropy and varlen in turn
 MASTER_SEED = 18  # 17 draws KNOWN_OPEN's first case on AVX2
 
-# Findings of `make fuzz` not fixed yet (issue 17), replayed on the ISA that found
+# Open findings of `make fuzz`, replayed on the ISA that found
 # them; strict xfail, so a fix shows up as an XPASS to move them out. Within
 # 1.1-1.2x of the bound, where the bound's PyTorch term is small:
 KNOWN_OPEN = [
     ("avx2", 3107736406743),  # f32 dropout 0.62, Lq=1: dv 7.1e-5 vs bound 6.2e-5 (P's exp error, scaled)
 ]
-# bfloat16/float16 gradient findings of `make fuzz` before out_lo (delta from the
-# rounded out; docs/design.md, section 4), each beyond its bound then (1.05-5x),
+# bfloat16/float16 gradient findings of `make fuzz` that delta from the rounded out
+# gives (1.05-5x beyond their bounds) and out_lo fixes (docs/design.md, section 4),
 # kept as regression cases:
 FIXED = [
     ("avx2", 423093423758),  # varlen bf16 GQA, window (1, 0), D=1: dq 0.037 vs bound 0.0075
@@ -138,6 +138,6 @@ def test_fixed_findings(isa, seed):
 @pytest.mark.parametrize("isa,seed", KNOWN_OPEN, ids=[f"{i}-{s}" for i, s in KNOWN_OPEN])
 # strict on the torch that found them: the bound scales PyTorch's own error, which another
 # torch computes differently (under 2.10 the f32 dropout case is inside its bound)
-@pytest.mark.xfail(strict=torch.__version__.startswith("2.13."), reason="known open fuzz finding (issue 17)")
+@pytest.mark.xfail(strict=torch.__version__.startswith("2.13."), reason="known open fuzz finding")
 def test_known_open_findings(isa, seed):
     _replay_clean(isa, seed)

@@ -1,21 +1,20 @@
-"""Sliding windows, logit soft-capping and attention sinks in masked_attention
-(issue 15, item 2).
+"""Sliding windows, logit soft-capping and attention sinks in masked_attention.
 
-  * values and every gradient (q, k, v, sinks, float attn_mask and
-    key_padding_mask, head_mask) against a float64 reference built from plain
-    torch ops, with flash-attention's rule (PyTorch's own float32 error on the
-    same reference as the yardstick): lengths 1, 63, 64, 65, Lq != Lk, GQA,
-    every window shape, softcap, sinks, combined with causal + key padding +
-    attn_mask + head_mask; the single-pass and the two-pass backward;
-  * gradcheck in float64, opcheck on the ops with the new arguments;
-  * every ISA against scalar;
-  * structural identities, bit for bit: a window reaching every key is no
-    window, (None, 0) is is_causal, a window equals the same mask given as a
-    bool attn_mask;
-  * block skipping really skips: NaN in k, v of key blocks outside the
-    window of a query block never reaches it, and keys outside every window
-    are never read;
-  * bad input raises clear errors.
+* values and every gradient (q, k, v, sinks, float attn_mask and
+  key_padding_mask, head_mask) against a float64 reference built from plain
+  torch ops, with flash-attention's rule (PyTorch's own float32 error on the
+  same reference as the yardstick): lengths 1, 63, 64, 65, Lq != Lk, GQA,
+  every window shape, softcap, sinks, combined with causal + key padding +
+  attn_mask + head_mask; the single-pass and the two-pass backward;
+* gradcheck in float64, opcheck on the ops with these arguments;
+* every ISA against scalar;
+* structural identities, bit for bit: a window reaching every key is no
+  window, (None, 0) is is_causal, a window equals the same mask given as a
+  bool attn_mask;
+* block skipping really skips: NaN in k, v of key blocks outside the
+  window of a query block never reaches it, and keys outside every window
+  are never read;
+* bad input raises clear errors.
 """
 
 import math

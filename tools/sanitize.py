@@ -43,7 +43,7 @@ SAN_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sa
 # the harnesses and their sources: those of tests/test_c_harness.py
 def _sources(op: str) -> tuple[str, ...]:
     """Every C file of csrc/<op>/ (each instruction-set variant and the dispatch), so that a new
-    variant cannot be left out of the link (avx512bf16.c was, until 2026-11-27)."""
+    variant cannot be left out of the link."""
     d = os.path.join(ROOT, "csrc", op)
     return tuple(f"{op}/{f}" for f in sorted(os.listdir(d)) if f.endswith(".c"))
 
@@ -61,14 +61,16 @@ HARNESSES = (("test_blocks.c", COMMON + ATTENTION), ("test_ce_blocks.c", COMMON 
 # and all but one case of each large streamed-output test; plus dropout, window /
 # softcap / sinks (without dropout's statistical training run and torch.compile)
 # and the fuzzer's seeded slice (300 random cases per ISA, every option,
-# the HF backend included where transformers is installed); the trust tests
-# (aliasing and overlap, meta tensors, Python threads, thread counts, the
-# overflow probes, out_lo) and the scratch pool's (reuse across shapes and
+# the HF backend included where transformers is installed); output aliasing and
+# overlap, meta tensors, Python threads and thread counts, the extreme shapes
+# (overflow probes), the low-precision backward (out_lo) and the scratch pool's (reuse across shapes and
 # threads, release_memory, the key chunks' partial sums).
 DEFAULT_TESTS = (
     "tests/test_bad_input.py tests/test_isa.py tests/test_cross_entropy.py tests/test_sdpa.py "
     "tests/test_dropout.py tests/test_window_softcap_sinks.py tests/test_fuzz.py "
-    "tests/test_trust.py tests/test_scratch.py tests/test_kv_cache.py"
+    "tests/test_output_aliasing.py tests/test_meta_tensors.py tests/test_threads.py "
+    "tests/test_extreme_shapes.py tests/test_low_precision_backward.py tests/test_scratch.py "
+    "tests/test_kv_cache.py"
 )
 DEFAULT_SELECT = [
     "-k",

@@ -1,4 +1,4 @@
-"""The house rules a reader relies on (docs/design.md, "Source layout"): the
+"""The source layout a reader relies on (docs/design.md, "Source layout"): the
 package's modules import each other without a circle, and the environment is
 read in one place of the C code (MASKED_ATTN_ISA, common/isa.c)."""
 
