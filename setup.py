@@ -32,8 +32,15 @@ AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-mf16c"]
 AVX512BF16 = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c"]
 AMX = [
-    *("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16"),
-    *("-mamx-tile", "-mamx-bf16", "-mfma", "-mf16c"),
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512dq",
+    "-mavx512vl",
+    "-mavx512bf16",
+    "-mamx-tile",
+    "-mamx-bf16",
+    "-mfma",
+    "-mf16c",
 ]
 PORTABLE = {  # no instruction-set flags: the policy, the scalar instances, the dispatch
     "common/isa.c": [],
