@@ -1,15 +1,14 @@
-# make demo | make test | make bench | make lint -- each does the set-up first; make docs needs none.
+# make demo | make test | make bench | make lint | make sanitize -- each does the set-up first; make docs needs none.
 PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.deps-installed
 SOURCES := $(wildcard csrc/*.h csrc/*/*.c csrc/*/*.h csrc/*/*.cpp csrc/*/*.hpp) setup.py pyproject.toml
 BUILT   := $(VENV)/.built
-RUFF    := $(VENV)/bin/ruff
 # the C kernels (not the C++ shim, csrc/shim/*.cpp and *.hpp: see .clang-format)
 C_FILES := $(shell find csrc -name '*.c' -o -name '*.h' | sort)
 
-.PHONY: setup demo demo-attention test test-compat bench docs fuzz emulate sanitize lint clean
+.PHONY: setup demo demo-attention test test-compat bench docs fuzz emulate sanitize sanitize-c lint clean
 
 setup: $(BUILT)
 
@@ -132,20 +131,31 @@ test-wheel: wheel
 
 # The C harnesses and a slice of the suite under ASan + UBSan (tools/sanitize.py),
 # built into build-sanitize/ with setup.py's flags + the sanitizers
-# (MASKED_ATTN_CFLAGS); the editable install and build/ are left alone.
+# (MASKED_ATTN_CFLAGS): every C unit of setup.py's list for this architecture
+# (C_UNITS_BY_ARCH); the editable install and build/ are left alone.
+# sanitize-c: the kernels and the C harnesses only (about a minute; CI runs it).
 sanitize: $(STAMP)
 	$(VPY) tools/sanitize.py
 
-# pinned: a newer ruff or clang-format may bring new rules or another layout
-$(RUFF): | $(STAMP)
-	$(VPY) -m pip install ruff==0.17.6 clang-format==22.1.8
+sanitize-c: $(STAMP)
+	$(VPY) tools/sanitize.py --c-only
+
+# pinned: a newer ruff, clang-format or pyright may bring new rules or another
+# layout (pyright[nodejs]: Node.js from PyPI, for machines without one)
+LINT_PINS  := ruff==0.17.6 clang-format==22.1.8 pyright[nodejs]==1.1.414
+LINT_TOOLS := $(VENV)/.lint-$(subst ==,-,$(subst [nodejs],,$(subst $() ,_,$(LINT_PINS))))
+$(LINT_TOOLS): | $(STAMP)
+	$(VPY) -m pip install $(foreach p,$(LINT_PINS),"$(p)")
+	touch $@
 
 # ruff (rules: pyproject.toml) and ruff's formatter over every Python file,
-# tools/ included; clang-format (.clang-format) over the C kernels.
-lint: $(RUFF)
-	$(RUFF) check .
-	$(RUFF) format --check .
+# tools/ included; clang-format (.clang-format) over the C kernels; pyright
+# (pyproject.toml: basic mode) over the package, against .venv's torch and transformers.
+lint: $(LINT_TOOLS)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/clang-format --dry-run -Werror $(C_FILES)
+	PYRIGHT_PYTHON_IGNORE_WARNINGS=1 $(VENV)/bin/pyright --pythonpath $(VPY)
 
 clean:
 	rm -rf build *.egg-info torch_masked_attn/_C*.so .ruff_cache

@@ -8,64 +8,125 @@ objects. Install with `pip install --no-build-isolation -e .` (see README).
 
 import glob
 import os
+import platform
 import subprocess
 
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-C_SOURCES = sorted(glob.glob(os.path.join("csrc", "**", "*.c"), recursive=True))
 C_HEADERS = sorted(glob.glob(os.path.join("csrc", "**", "*.h"), recursive=True))
 # the C++ shim: its .cpp files (one extension) and the header they share (.hpp: not a C header)
 SHIM_SOURCES = sorted(glob.glob(os.path.join("csrc", "shim", "*.cpp")))
 SHIM_HEADERS = sorted(glob.glob(os.path.join("csrc", "shim", "*.hpp")))
 C_FLAGS = ["-std=c11", "-O3", "-fPIC", "-Wall", "-Wextra", "-fno-math-errno", "-I" + os.path.join(ROOT, "csrc")]
-# Instruction-set variants: an op's instance for instruction set X is the
-# file csrc/<op>/X.c, compiled with X's flags (never -march=native); which
+
+# The C11 translation units and the instruction-set flags of each, per machine
+# architecture: the one list the build, tools/sanitize.py (make sanitize) and the
+# C harnesses' tests (tests/test_c_harness.py) compile. An op's instance for
+# instruction set X is csrc/<op>/X.c with X's flags (never -march=native); which
 # one runs is decided at run time (csrc/common/isa.c, csrc/<op>/dispatch.c).
-ISA_FLAGS = {
-    "avx2": ["-mavx2", "-mfma", "-mf16c"],
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-mf16c"],
-    "amx": [
-        "-mavx512f",
-        "-mavx512bw",
-        "-mavx512dq",
-        "-mavx512vl",
-        "-mavx512bf16",
-        "-mamx-tile",
-        "-mamx-bf16",
-        "-mfma",
-        "-mf16c",
-    ],
-    "avx512bf16": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c"],
+# Every csrc/**/*.c outside csrc/shim must be listed under some architecture
+# (check_c_units), so a new variant cannot be left out of a build.
+AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-mf16c"]
+AVX512BF16 = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c"]
+AMX = [
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512dq",
+    "-mavx512vl",
+    "-mavx512bf16",
+    "-mamx-tile",
+    "-mamx-bf16",
+    "-mfma",
+    "-mf16c",
+]
+PORTABLE = {  # no instruction-set flags: the policy, the scalar instances, the dispatch
+    "common/isa.c": [],
+    "attention/scalar.c": [],
+    "attention/dispatch.c": [],
+    "cross_entropy/scalar.c": [],
+    "cross_entropy/dispatch.c": [],
+    "kv_cache/cache_write.c": [],
 }
+C_UNITS_BY_ARCH = {
+    "x86_64": {
+        **PORTABLE,
+        "attention/avx2.c": AVX2,
+        "attention/avx512.c": AVX512,
+        "attention/avx512bf16.c": AVX512BF16,
+        "attention/amx.c": AMX,
+        "cross_entropy/avx2.c": AVX2,
+        "cross_entropy/avx512.c": AVX512,
+    },
+    # the scalar units only: no variant for this architecture yet
+    "aarch64": dict(PORTABLE),
+}
+_ARCH_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}
+ARCH = _ARCH_ALIASES.get(platform.machine().lower(), platform.machine().lower())
+# this machine's units, as paths relative to csrc/ ({} where the architecture has no list)
+C_UNITS = C_UNITS_BY_ARCH.get(ARCH, {})
+C_SOURCES = sorted(os.path.join("csrc", *u.split("/")) for u in C_UNITS)
 # MASKED_ATTN_CFLAGS: extra words appended to every compile (C11 and C++) and to
 # the link, e.g. the sanitizers (make sanitize); unset: the flags above only.
 EXTRA_FLAGS = os.environ.get("MASKED_ATTN_CFLAGS", "").split()
 
 
+def unit_name(src):
+    """csrc/attention/avx2.c or its absolute path -> attention/avx2.c (C_UNITS' key)."""
+    rel = os.path.relpath(os.path.abspath(os.path.join(ROOT, src)), os.path.join(ROOT, "csrc"))
+    return rel.replace(os.sep, "/")
+
+
 def isa_flags(src):
-    return ISA_FLAGS.get(os.path.splitext(os.path.basename(src))[0], [])
+    """The instruction-set flags of a unit of C_UNITS (a path as C_SOURCES has it, or absolute)."""
+    name = unit_name(src)
+    if name not in C_UNITS:
+        raise KeyError(f"{name} is not a C unit of {ARCH} in setup.py's C_UNITS_BY_ARCH")
+    return C_UNITS[name]
 
 
 def object_name(src):
     """csrc/attention/avx2.c -> attention_avx2.o (instances of different ops share file names)."""
-    rel = os.path.relpath(src, os.path.join(ROOT, "csrc") if os.path.isabs(src) else "csrc")
-    return rel[:-2].replace(os.sep, "_") + ".o"
+    return unit_name(src)[:-2].replace("/", "_") + ".o"
+
+
+def compile_command(cc, src, obj, extra=()):
+    """The compile line of one C unit: C_FLAGS, its instruction-set flags, then extra."""
+    return [cc, *C_FLAGS, *isa_flags(src), *extra, "-c", src, "-o", obj]
+
+
+def c_object_stale(src, obj):
+    """True when obj is missing or older than src or than any C header."""
+    newest_header = max((os.path.getmtime(os.path.join(ROOT, h)) for h in C_HEADERS), default=0)
+    newest = max(os.path.getmtime(os.path.join(ROOT, src)), newest_header)
+    return not os.path.exists(obj) or os.path.getmtime(obj) < newest
+
+
+def check_c_units():
+    """Raises unless this architecture has a list and every C file of csrc/ (the shim aside)
+    is listed under some architecture."""
+    if ARCH not in C_UNITS_BY_ARCH:
+        raise SystemExit(f"setup.py: no C units listed for the architecture {ARCH!r} (C_UNITS_BY_ARCH)")
+    listed = {u for units in C_UNITS_BY_ARCH.values() for u in units}
+    found = glob.glob(os.path.join(ROOT, "csrc", "**", "*.c"), recursive=True)
+    missing = sorted(n for n in map(unit_name, found) if n not in listed and not n.startswith("shim/"))
+    if missing:
+        raise SystemExit(f"setup.py: C files in no architecture's list of C_UNITS_BY_ARCH: {', '.join(missing)}")
 
 
 class BuildC11ThenExtension(BuildExtension):
     def build_extensions(self):
+        check_c_units()
         cc = os.environ.get("CC", "cc")
         obj_dir = os.path.join(self.build_temp, "c11")
         os.makedirs(obj_dir, exist_ok=True)
-        newest_header = max((os.path.getmtime(h) for h in C_HEADERS), default=0)
         objects = []
         for src in C_SOURCES:
             obj = os.path.join(obj_dir, object_name(src))
-            stale = not os.path.exists(obj) or os.path.getmtime(obj) < max(os.path.getmtime(src), newest_header)
-            if stale:
-                cmd = [cc, *C_FLAGS, *isa_flags(src), *EXTRA_FLAGS, "-c", src, "-o", obj]
+            if c_object_stale(src, obj):
+                cmd = compile_command(cc, src, obj, EXTRA_FLAGS)
                 print(" ".join(cmd))
                 subprocess.check_call(cmd)
             objects.append(obj)

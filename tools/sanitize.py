@@ -3,10 +3,14 @@
 Everything is built into build-sanitize/ (never build/ nor the package's own
 _C.abi3.so, which the editable install and other builds own):
 
+  build-sanitize/tmp/c11              the C11 kernels: setup.py's C units for this
+                                      architecture (C_UNITS), each compiled with
+                                      setup.py's compile line (C_FLAGS + its ISA
+                                      flags) + the sanitizer flags;
   build-sanitize/tmp, build-sanitize/lib
                                       `setup.py build_ext` with MASKED_ATTN_CFLAGS =
-                                      the sanitizer flags: the C11 kernels (tmp/c11,
-                                      C_FLAGS + ISA flags + these) and the shim;
+                                      the sanitizer flags: the shim, linked with
+                                      those kernel objects;
   build-sanitize/c/<harness>/         tests/c/*.c linked with those kernel objects
                                       (the sources of tests/test_c_harness.py), run;
   build-sanitize/pkg/torch_masked_attn the package's .py files + that _C.abi3.so,
@@ -20,6 +24,7 @@ report aborts the process (abort_on_error, halt_on_error,
 -fno-sanitize-recover), so a report is a failure.
 
   python tools/sanitize.py                 # the build, the harnesses, the slice
+  python tools/sanitize.py --c-only        # the kernels and the C harnesses only (make sanitize-c)
   python tools/sanitize.py -- -k causal    # extra arguments go to pytest
   SANITIZE_TESTS="tests/test_isa.py" python tools/sanitize.py   # another slice (all of it)
 """
@@ -35,23 +40,19 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "build-sanitize")
 sys.path.insert(0, ROOT)
-from setup import C_FLAGS, object_name  # noqa: E402  (the build's own flags and object names)
+from setup import C_FLAGS, C_UNITS, c_object_stale, check_c_units, compile_command, object_name  # noqa: E402
 
 SAN_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined", "-g", "-O1"]
 
 
-# the harnesses and their sources: those of tests/test_c_harness.py
-def _sources(op: str) -> tuple[str, ...]:
-    """Every C file of csrc/<op>/ (each instruction-set variant and the dispatch), so that a new
-    variant cannot be left out of the link."""
-    d = os.path.join(ROOT, "csrc", op)
-    return tuple(f"{op}/{f}" for f in sorted(os.listdir(d)) if f.endswith(".c"))
+# the harnesses (those of tests/test_c_harness.py) and the C units each links: the
+# units of setup.py's list for this architecture under the ops' folders, so that
+# every instruction-set variant the build compiles is in its harness's link
+def _units(*ops: str) -> tuple[str, ...]:
+    return tuple(u for u in C_UNITS if u.split("/")[0] in ops)
 
 
-COMMON = _sources("common")
-ATTENTION = _sources("attention")
-CROSS_ENTROPY = _sources("cross_entropy")
-HARNESSES = (("test_blocks.c", COMMON + ATTENTION), ("test_ce_blocks.c", COMMON + CROSS_ENTROPY))
+HARNESSES = (("test_blocks.c", _units("common", "attention")), ("test_ce_blocks.c", _units("common", "cross_entropy")))
 
 # the Python slice: bad input (error paths through the shim, child interpreters),
 # the kernels on every variant this CPU has, SDPA and cross-entropy end to end;
@@ -168,17 +169,42 @@ def c_harnesses(cc):
     return True
 
 
-def build_extension():
-    step("the extension with the sanitizers (setup.py build_ext into build-sanitize/)")
-    env = dict(os.environ, MASKED_ATTN_CFLAGS=" ".join(SAN_FLAGS))
+def c_objects(cc):
+    """The kernels' C units (setup.py's C_UNITS) compiled as setup.py compiles them, with
+    SAN_FLAGS as MASKED_ATTN_CFLAGS, into setup.py's object folder build-sanitize/tmp/c11,
+    the CPUs' count at a time: the build_ext that follows finds them up to date."""
+    step(f"the kernels' {len(C_UNITS)} C units with the sanitizers (build-sanitize/tmp/c11)")
+    check_c_units()
+    obj_dir = os.path.join(OUT, "tmp", "c11")
     # setup.py rebuilds a kernel object only when its sources are newer:
     # start over when the flags (or the compiler) changed since the last build
-    stamp, flags = os.path.join(OUT, "tmp", "flags"), " ".join([env.get("CC", "cc"), *C_FLAGS, *SAN_FLAGS])
+    stamp, flags = os.path.join(OUT, "tmp", "flags"), " ".join([cc, *C_FLAGS, *SAN_FLAGS])
     if not os.path.exists(stamp) or open(stamp).read() != flags:
-        shutil.rmtree(os.path.join(OUT, "tmp", "c11"), ignore_errors=True)
+        shutil.rmtree(obj_dir, ignore_errors=True)
         os.makedirs(os.path.dirname(stamp), exist_ok=True)
         with open(stamp, "w") as f:
             f.write(flags)
+    os.makedirs(obj_dir, exist_ok=True)
+    todo = [
+        compile_command(cc, src, obj, SAN_FLAGS)
+        for src in (os.path.join("csrc", u) for u in sorted(C_UNITS))
+        for obj in [os.path.join(obj_dir, object_name(src))]
+        if c_object_stale(src, obj)
+    ]
+    running = []
+    while todo or running:
+        while todo and len(running) < (os.cpu_count() or 1):
+            cmd = todo.pop(0)
+            print(" ".join(cmd), flush=True)
+            running.append((cmd, subprocess.Popen(cmd, cwd=ROOT)))
+        cmd, proc = running.pop(0)
+        if proc.wait():
+            raise SystemExit(f"sanitize: compiling {cmd[-3]} failed")
+
+
+def build_extension():
+    step("the extension with the sanitizers (setup.py build_ext into build-sanitize/)")
+    env = dict(os.environ, MASKED_ATTN_CFLAGS=" ".join(SAN_FLAGS))
     run(
         [
             sys.executable,
@@ -259,11 +285,16 @@ def python_slice(cc, pkg_root, extra):
 
 def main(argv):
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    c_only = "--c-only" in (argv[: argv.index("--")] if "--" in argv else argv)
     cc = os.environ.get("CC", "cc")
     t0 = time.time()
     os.makedirs(OUT, exist_ok=True)
-    pkg_root = build_extension()
-    ok = c_harnesses(cc) and python_slice(cc, pkg_root, extra)
+    c_objects(cc)
+    if c_only:
+        ok = c_harnesses(cc)
+    else:
+        pkg_root = build_extension()
+        ok = c_harnesses(cc) and python_slice(cc, pkg_root, extra)
     print(f"\nsanitize: {'clean' if ok else 'FAILED'} in {time.time() - t0:.0f} s")
     return 0 if ok else 1
 

@@ -15,6 +15,8 @@ same casts before their own checks, as the native functions do.
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 from torch import Tensor
 
@@ -39,6 +41,10 @@ def autocast_dtype(device_type: str, policy: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type) if policy == "lower" else torch.float32
 
 
+@overload
+def autocast_cast(t: Tensor, dtype: torch.dtype | None, device_type: str) -> Tensor: ...
+@overload
+def autocast_cast(t: None, dtype: torch.dtype | None, device_type: str) -> None: ...
 def autocast_cast(t: Tensor | None, dtype: torch.dtype | None, device_type: str) -> Tensor | None:
     """``t`` cast to ``dtype`` where autocast would cast it: a floating tensor,
     not float64, on ``device_type``; anything else as it is."""

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -199,8 +200,9 @@ def _alibi(fn: str, alibi_slopes, B: int, H: int) -> Tensor | None:
     return alibi_slopes.detach().reshape(-1, H)
 
 
-def _fa_lse(lse: Tensor) -> Tensor:
+def _fa_lse(lse: Tensor | None) -> Tensor:
     """flash-attn's softmax_lse: +inf (not -inf) for a row that sees no key."""
+    assert lse is not None  # the callers asked the kernels for it
     return lse.masked_fill(lse == float("-inf"), float("inf"))
 
 
@@ -290,15 +292,15 @@ def _dense_attention(
         blocked, dist = blocked.unsqueeze(1), d.abs().unsqueeze(1)  # (B, 1, Lq, Lk)
     mask = blocked
     if alibi is not None:
+        assert blocked is not None and dist is not None  # built above whenever alibi is given
         bias_dtype = torch.float64 if q4.dtype == torch.float64 else torch.float32
         slopes = alibi.to(bias_dtype).view(-1, H, 1, 1)
         mask = (-slopes * dist.to(bias_dtype)).masked_fill(blocked, float("-inf"))
     qt, kt, vt = q4.transpose(1, 2), k4.transpose(1, 2), v4.transpose(1, 2)
-    kw = dict(attn_mask=mask, is_causal=is_causal, window=window, scale=scale, softcap=softcap)
+    kw: dict[str, Any] = dict(attn_mask=mask, is_causal=is_causal, window=window, scale=scale, softcap=softcap)
     need_weights = want_probs and dropout_p > 0
-    res = _fn.masked_attention(qt, kt, vt, dropout_p=dropout_p, need_weights=need_weights, return_lse=want_lse, **kw)
-    if not isinstance(res, tuple):
-        res = (res,)
+    ret = _fn.masked_attention(qt, kt, vt, dropout_p=dropout_p, need_weights=need_weights, return_lse=want_lse, **kw)
+    res = ret if isinstance(ret, tuple) else cast("tuple[Tensor, ...]", (ret,))
     out = res[0].transpose(1, 2)
     weights = res[1] if need_weights else None
     lse = res[-1] if want_lse else None
@@ -626,7 +628,7 @@ def flash_attn_varlen_func(
                 enable_gqa=True,
                 softcap=cap,
             )
-        out, lse = res if want else (res, None)
+        out, lse = cast("tuple[Tensor, Tensor]", res) if want else (cast(Tensor, res), None)
     else:
         # the packed kernels have neither dropout nor ALiBi: pad the batch and run the dense ones
         q4 = _pad_rows(qs, cu_q[:-1] - q0, max(mq, 1))
@@ -651,7 +653,7 @@ def flash_attn_varlen_func(
         )
         rows = (torch.arange(q4.size(1)).view(1, -1) < lens_q.view(-1, 1)).flatten().nonzero().flatten()
         out = out4.reshape(-1, H, out4.size(-1)).index_select(0, rows)
-        lse = lse4.transpose(0, 1).reshape(H, -1).index_select(1, rows) if want else None
+        lse = cast(Tensor, lse4).transpose(0, 1).reshape(H, -1).index_select(1, rows) if want else None
         if probs4 is not None:
             probs = F.pad(probs4[:, :, :mq, :mk], (0, _round128(max_seqlen_k) - mk, 0, _round128(max_seqlen_q) - mq))
     if (q0, q1) != (0, q.size(0)):  # rows outside the sequences: output 0, softmax_lse +inf
@@ -845,6 +847,7 @@ def flash_attn_with_kvcache(
         raise ValueError(f"{fn}: k and v go together: {name} is None while the other is given")
     Lnew = 0
     if k is not None:
+        assert v is not None  # k and v go together (above)
         _check_tensor(fn, "k", k, 4, "(batch_size, seqlen_new, nheads_k, headdim)")
         _check_tensor(fn, "v", v, 4, "(batch_size, seqlen_new, nheads_k, headdim_v)")
         _check_same_dtype(fn, q, k=k, v=v)
@@ -951,6 +954,7 @@ def flash_attn_with_kvcache(
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"{fn}: num_splits must be an int >= 0, got {num_splits!r}")
     if rotary:
+        assert rotary_cos is not None and rotary_sin is not None and k is not None  # checked above
         # flash-attn: keys at ends[b] + t; queries at ends[b] + i when causal or local, else all at ends[b]
         local = causal or left >= 0 or right >= 0
         top = max(ends) + max(Lnew, Lq if local else 1)
@@ -963,11 +967,13 @@ def flash_attn_with_kvcache(
 
     with torch.no_grad():
         if rotary:
+            assert rotary_cos is not None and rotary_sin is not None and k is not None  # checked above
             first = torch.tensor(ends).view(-1, 1)
             k = _rotary(k, rotary_cos, rotary_sin, first + torch.arange(Lnew), bool(rotary_interleaved))
             q_pos = first + torch.arange(Lq) if local else first.expand(B, Lq)
             q = _rotary(q, rotary_cos, rotary_sin, q_pos, bool(rotary_interleaved))
         if Lnew > 0:
+            assert k is not None and v is not None  # Lnew = k.size(1)
             if paged:
                 pos = torch.tensor(ends).view(-1, 1) + torch.arange(Lnew)
                 slots = bt.to(torch.int64).gather(1, pos // page) * page + pos % page
@@ -1006,7 +1012,7 @@ def flash_attn_with_kvcache(
         else:
             qf = q.reshape(B * Lq, H, D)
             cu_q = _steps(B, Lq)
-            common = dict(
+            common: dict[str, Any] = dict(
                 return_aux=_fn.AuxRequest(lse=want_lse),
                 scale=scale,
                 window_size=(left, right),
@@ -1028,7 +1034,7 @@ def flash_attn_with_kvcache(
                 )
             else:
                 res = _kvcache_dense(qf, k_cache, v_cache, cu_q, Lq, idx, leftpad, common)
-            out, lse = res if want_lse else (res, None)
+            out, lse = cast("tuple[Tensor, Tensor]", res) if want_lse else (cast(Tensor, res), None)
             out = out.view(B, Lq, H, Dv)
             if lse is not None:
                 lse = lse.view(H, B, Lq).transpose(0, 1).contiguous()

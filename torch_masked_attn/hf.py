@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextvars
 import functools
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -76,8 +77,9 @@ except ImportError:  # pragma: no cover
 
 _AND_CODE = and_masks(causal_mask_function).__code__
 _SLIDING_CODE = sliding_window_overlay(1).__code__
-_PACKED_CODE = packed_sequence_mask_function(None).__code__
-_REMAP_CODE = remap_positions_for_packed_sequence(causal_mask_function, None).__code__
+# (None for the tensors: only the closures' code objects are kept)
+_PACKED_CODE = packed_sequence_mask_function(None).__code__  # pyright: ignore[reportArgumentType]
+_REMAP_CODE = remap_positions_for_packed_sequence(causal_mask_function, None).__code__  # pyright: ignore[reportArgumentType]
 
 
 def _closure(fn) -> dict:
@@ -163,10 +165,10 @@ class StructuredMask:
         """transformers' own (B, 1, Lq, Lk) bool mask, True = attend (sdpa's
         convention), for the fallbacks."""
         if "bool" not in self._cache:
-            self._cache["bool"] = sdpa_mask(
+            self._cache["bool"] = sdpa_mask(  # a tensor: no skip allowed
                 **self._hf_args, allow_is_causal_skip=False, allow_is_bidirectional_skip=False
             )
-        return self._cache["bool"]
+        return cast(Tensor, self._cache["bool"])
 
     def kernel_args(self, lq: int, lk: int) -> dict:
         """masked_attention's keyword arguments for queries (.., lq, ..) and
@@ -186,7 +188,7 @@ class StructuredMask:
             w = self.sliding_window
             no_lower = w is None or (lq - 1) + d - w + 1 <= 0  # every row's lower bound <= 0
             no_upper = d >= lk - 1  # every row sees up to the last key
-            left = -1 if no_lower else w - 1 - d  # -1: unbounded; < -1 cannot be a window
+            left = -1 if no_lower or w is None else w - 1 - d  # -1: unbounded; < -1 cannot be a window
             if no_lower and d == 0:
                 args["is_causal"] = True
             elif no_lower and no_upper:
@@ -203,7 +205,7 @@ class StructuredMask:
                 i = torch.arange(lq, device=device).unsqueeze(1) + d
                 j = torch.arange(lk, device=device).unsqueeze(0)
                 blocked = j > i
-                if not no_lower:
+                if not no_lower and w is not None:
                     blocked |= j <= i - w
                 args["attn_mask"] = blocked[None, None]
         self._cache[lq] = args
@@ -269,7 +271,7 @@ def mask_function(
         )
     padding = None
     if attention_mask is not None:
-        keep = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+        keep = cast(Tensor, prepare_padding_mask(attention_mask, kv_length, kv_offset))  # a tensor for a mask
         keep = keep[:, int(kv_offset) : int(kv_offset) + kv_length]
         if not bool(keep.all()):
             padding = (~keep.bool()).contiguous()
@@ -343,7 +345,8 @@ def attention_forward(
     if isinstance(attention_mask, StructuredMask) and attention_mask.packed is not None:
         if not need_weights and dropout == 0.0:
             return _packed_attention(attention_mask, query, key, value, scaling, softcap, sinks), None
-        args = {"attn_mask": ~attention_mask.to_bool()}  # weights or dropout (varlen_attn has neither): 4-D mask
+        # weights or dropout (varlen_attn has neither): a 4-D mask
+        args: dict[str, Any] = {"attn_mask": ~attention_mask.to_bool()}
     elif isinstance(attention_mask, StructuredMask):
         args = dict(attention_mask.kernel_args(lq, lk))
     elif attention_mask is None:  # sdpa's rule: the layer's causality, top-left, not for one query
@@ -364,7 +367,7 @@ def attention_forward(
     if dropout > 0.0:  # the model passes its attention_dropout in training only, as to sdpa
         args["dropout_p"] = dropout
     res = _F.masked_attention(query, key, value, scale=scaling, need_weights=need_weights, **args)
-    out, weights = res if need_weights else (res, None)
+    out, weights = cast("tuple[Tensor, Tensor]", res) if need_weights else (cast(Tensor, res), None)
     return out.transpose(1, 2).contiguous(), weights
 
 
@@ -375,7 +378,7 @@ def _packed_attention(
     into cu_seqlens over the B * L tokens; causal (or a sliding window) inside
     each sequence. Returns (B, L, H, Dv), transformers' layout."""
     B, H, L, D = query.shape
-    ids = mask.packed.to(query.device)
+    ids = cast(Tensor, mask.packed).to(query.device)  # the caller's condition
     ids = ids + torch.arange(B, device=ids.device).unsqueeze(1) * (ids.amax() + 1)  # no run across rows
     _, counts = torch.unique_consecutive(ids.reshape(-1), return_counts=True)
     cu = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=query.device)
@@ -393,7 +396,7 @@ def _packed_attention(
     out = _F.varlen_attn(
         q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(left, 0), enable_gqa=key.shape[1] != H, **extra
     )
-    return out.reshape(B, L, H, value.shape[3])
+    return cast(Tensor, out).reshape(B, L, H, value.shape[3])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,8 +471,9 @@ def _paged_attention(
             f"one packed sequence of tokens and {', '.join(missing) or 'its arguments'}; got query "
             f"{tuple(query.shape)}" + (f" without {', '.join(missing)}" if missing else "")
         )
-    allocator = cache.layer_to_allocator[module.layer_idx]
-    k_pages, v_pages = _cache_pages(allocator, module.layer_idx)
+    layer_idx = cast(int, module.layer_idx)  # transformers' attention layers' index
+    allocator = cache.layer_to_allocator[layer_idx]
+    k_pages, v_pages = _cache_pages(allocator, layer_idx)
     read_index = kwargs["read_index"][allocator.index]
     write_index = kwargs["write_index"][allocator.index]
     cu_q = kwargs["cu_seq_lens_q"]
@@ -510,7 +514,7 @@ def _paged_attention(
         out = _ring_attention(
             cache, allocator, q, k_new, v_new, k_pages, v_pages, read_index, write_index, cu_q, cu_k, max_q, args
         )
-    return out.unsqueeze(0)
+    return cast(Tensor, out).unsqueeze(0)  # varlen_attn without return_aux: a tensor
 
 
 @dataclass(eq=False)
@@ -583,6 +587,7 @@ def _ring_attention(
     step = _ring_step(cache, allocator, read_index, write_index, cu_q, cu_k)
     gathered = None
     if step.gathered is not None:
+        assert step.src is not None and step.cu_g is not None  # made with gathered (_ring_step)
         new = step.src < 0
         ring = torch.where(new, 0, step.src)
         fresh = torch.where(new, -step.src - 1, 0)
@@ -605,10 +610,11 @@ def _ring_attention(
         block_table=step.table,
         **args,
     )
-    if gathered is not None:
+    if gathered is not None and step.cu_g is not None:
         lens = step.cu_g[1:] - step.cu_g[:-1]
-        out = out + _F.varlen_attn(q, gathered[0], gathered[1], cu_q, step.cu_g, max_q, max(int(lens.max()), 1), **args)
-    return out
+        more = _F.varlen_attn(q, gathered[0], gathered[1], cu_q, step.cu_g, max_q, max(int(lens.max()), 1), **args)
+        out = cast(Tensor, out) + cast(Tensor, more)
+    return cast(Tensor, out)  # varlen_attn without return_aux: a tensor
 
 
 try:
@@ -631,7 +637,7 @@ if ContinuousBatchingManager is not None:
                 super().switch_to_cb_friendly_attn(model, auto_switch_to_flash)
 
 
-def _init_continuous_batching(model: nn.Module):
+def _init_continuous_batching(model: Any):  # a transformers model
     """model.init_continuous_batching for apply(): transformers' own (generate_batch and
     continuous_batching_context_manager call it), with our manager when the model runs on
     "masked_attn"."""
@@ -659,11 +665,11 @@ def _init_continuous_batching(model: nn.Module):
         return MaskedAttnBatchingManager(
             model=model,
             generation_config=gen_config,
-            continuous_batching_config=continuous_batching_config,
+            continuous_batching_config=cast(ContinuousBatchingConfig, continuous_batching_config),  # set above
             workload_hints=workload_hints,
         )
 
-    init_continuous_batching._tma_original = original
+    init_continuous_batching._tma_original = original  # pyright: ignore[reportAttributeAccessIssue]
     return init_continuous_batching
 
 
@@ -721,24 +727,25 @@ def apply(model: nn.Module) -> nn.Module:
     """
     if getattr(model, "_tma_hf_applied", False):
         return model
+    lm: Any = model  # a transformers model: attributes (config, forward, ...) nn.Module's typing does not know
     # model.loss_function without reading the property (it warns for loss_type=None)
     custom = getattr(model, "_loss_function", None)
     loss_type = getattr(model, "loss_type", None)
     causal_loss = custom is ForCausalLMLoss or (
         custom is None and (loss_type == "ForCausalLM" or loss_type not in LOSS_MAPPING)
     )
-    if not (causal_loss and hasattr(model, "can_generate") and model.can_generate()):
+    if not (causal_loss and hasattr(lm, "can_generate") and lm.can_generate()):
         raise TypeError(
             f"torch_masked_attn.hf.apply: {type(model).__name__} is not a causal LM with "
             f"transformers' ForCausalLM loss (loss_type={getattr(model, 'loss_type', None)!r})"
         )
-    head = model.get_output_embeddings()
+    head = lm.get_output_embeddings()
     if not isinstance(head, nn.Linear):
         raise TypeError(
             f"torch_masked_attn.hf.apply: the output embeddings of {type(model).__name__} must be "
             f"an nn.Linear, got {type(head).__name__}"
         )
-    config = model.config
+    config = lm.config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     for name in _LOGIT_TRANSFORMS:
         value = getattr(text_config, name, None)
@@ -750,8 +757,8 @@ def apply(model: nn.Module) -> nn.Module:
     softcap = getattr(text_config, "final_logit_softcapping", None)
     softcap = float(softcap) if softcap else None
 
-    head.forward = _head_capture(head)
-    forward = model.forward
+    head.forward = _head_capture(head)  # pyright: ignore[reportAttributeAccessIssue]  (an instance attribute)
+    forward = lm.forward
 
     @functools.wraps(forward)
     def fused_forward(*args, labels: Tensor | None = None, skip_logits: bool | None = None, **kwargs):
@@ -763,7 +770,7 @@ def apply(model: nn.Module) -> nn.Module:
         ignore_index = kwargs.pop("ignore_index", -100)
         shift_labels = kwargs.pop("shift_labels", None)
         num_items = kwargs.get("num_items_in_batch")
-        slot = {"head": head}
+        slot: dict[str, Any] = {"head": head}
         token = _CAPTURE.set(slot)
         try:
             out = forward(*args, labels=None, **kwargs)
@@ -802,8 +809,8 @@ def apply(model: nn.Module) -> nn.Module:
         out["logits"] = None
         return out
 
-    model.forward = fused_forward
-    if ContinuousBatchingManager is not None and hasattr(model, "init_continuous_batching"):
-        model.init_continuous_batching = _init_continuous_batching(model)
-    model._tma_hf_applied = True
+    lm.forward = fused_forward
+    if ContinuousBatchingManager is not None and hasattr(lm, "init_continuous_batching"):
+        lm.init_continuous_batching = _init_continuous_batching(lm)
+    lm._tma_hf_applied = True
     return model

@@ -80,11 +80,13 @@ def _lce_chunks(
         else:
             torch.addmm(bias, hc, wt, out=logits)
         if dloss is None:
+            assert loss is not None and lse_out is not None  # allocated above for a forward sweep
             l_c, lse_c = torch.ops.masked_attn.cross_entropy_chunk_(
                 logits, tc, None, grad_scale, ignore_index, ls, z_loss, softcap
             )
             loss[s:e], lse_out[s:e] = l_c, lse_c
         else:  # logits -> d loss / d logits, scaled row by row by dloss
+            assert lse is not None  # a backward sweep is given the forward's
             torch.ops.masked_attn.cross_entropy_backward_(
                 dloss[s:e], logits, tc, None, lse[s:e], "none", ignore_index, ls, z_loss, softcap
             )
@@ -102,6 +104,7 @@ def _lce_chunks(
     if grad_w is not None and low:
         grad_w = grad_w.to(weight.dtype)
     if grad_b is not None:
+        assert bias is not None  # grad_b is wanted only with a bias
         grad_b = grad_b.to(bias.dtype)
     return loss, lse_out, (grad_h, grad_w, grad_b)
 
@@ -134,6 +137,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         divisor = Nk if reduction == "mean" else 1
         scale = (1.0 / divisor if divisor else 0.0) if eager else None
         loss_rows, lse, grads = _lce_chunks(hk, weight, bias, tk, chunk, opts, grad_scale=scale, want_grads=want)
+        assert loss_rows is not None  # a forward sweep returns the rows' loss
 
         ctx.reduction, ctx.opts, ctx.chunk, ctx.N, ctx.want = reduction, opts, chunk, N, want
         ctx.eager = eager

@@ -327,7 +327,8 @@ def cross_entropy(
     cast = autocast_dtype(input.device.type, "float32") if isinstance(input, torch.Tensor) else None
     if cast is not None:  # under autocast, as F.cross_entropy: float32 before any check
         dev = input.device.type
-        input, target, weight = (autocast_cast(t, cast, dev) for t in (input, target, weight))
+        input, target = autocast_cast(input, cast, dev), autocast_cast(target, cast, dev)
+        weight = autocast_cast(weight, cast, dev)
     ignore_index, ls = _check_arg_types(input, target, weight, ignore_index, label_smoothing)
 
     if input.shape == target.shape:

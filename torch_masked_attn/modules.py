@@ -484,6 +484,7 @@ class MultiheadAttention(nn.MultiheadAttention):
                 k = _heads(F.linear(key, w_k, b_k), H, hd, bf)  # (N, H, S, hd)
                 v = _heads(F.linear(value, w_v, b_v), H, hd, bf)
             if self.bias_k is not None:  # one more key and value: (1, 1, E) -> (N, H, 1, hd)
+                assert self.bias_v is not None  # add_bias_kv makes both
                 k = torch.cat([k, self.bias_k.view(1, H, 1, hd).expand(N, H, 1, hd)], dim=2)
                 v = torch.cat([v, self.bias_v.view(1, H, 1, hd).expand(N, H, 1, hd)], dim=2)
             if self.add_zero_attn:
@@ -526,6 +527,7 @@ class MultiheadAttention(nn.MultiheadAttention):
             attn = attn.squeeze(1)
         if not need_weights:
             return attn, None
+        assert weights is not None  # the kernels return them when need_weights
         if average_attn_weights:
             weights = weights.mean(dim=1)
         if not is_batched:
@@ -559,7 +561,7 @@ def replace_attention(module: nn.Module) -> nn.Module:
                     f"replace_attention: embed_dim ({m.embed_dim}) must be divisible by num_heads ({m.num_heads})"
                 )
             m.__class__ = MultiheadAttention
-            m.recompute_projection = None
+            m.recompute_projection = None  # pyright: ignore[reportArgumentType]  (any value; torch's stub says Tensor | Module)
         if isinstance(m, MultiheadAttention):
             _guard_fast_path(m)
     return module
