@@ -57,8 +57,8 @@
  * roundings, about 2 ulp: tests/c hold it to 4e-7 of libm). Tiny results are
  * exactly 0 (-inf among them) and no operation ever makes a denormal: each
  * vector with a denormal result costs a microcode assist, and masked scores
- * (-inf) are common. exp512 zeroes results below FLT_MIN (x < -87.33, clamped
- * there first); exp256 those of x < -86.99 (below 2^-125.5, see there). NaN stays
+ * (-inf) are common. AVX-512's vf_exp zeroes results below FLT_MIN (x < -87.33,
+ * clamped there first); AVX2's those of x < -86.99 (below 2^-125.5, see there). NaN stays
  * NaN (it passes the clamps as their second operand). */
 /* The constants both widths share: x = n ln2 + r with ln2 split in two
  * (Cody-Waite, the high part exact in 9 bits), and e^r's polynomial,
