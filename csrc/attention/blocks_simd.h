@@ -32,10 +32,10 @@ MA_INLINE void store_k(const int full, float *x, vm k, vf v) {
     else vf_store_m(x, k, v);
 }
 
-/* ---- GEMM: register-blocked micro-kernels, B read in place, A through its
- * strides by broadcasts. C[0:MR, 0:NV VL] (+)= A[0:MR, 0:k] @ B[0:k, 0:NV VL]; masked: only
- * columns < nr are read and written. MR, NV, masked are constants after inlining, so the
- * accumulators stay in registers (MR <= 8, NV <= 4). With accumulate and rs, row r of C is first multiplied by
+/* ---- GEMM: register-blocked micro-kernels, B read in place, A through its strides by
+ * broadcasts. C[0:MR, 0:NV VL] (+)= A[0:MR, 0:k] @ B[0:k, 0:NV VL]; masked: only columns < nr
+ * are read and written. MR, NV, masked are constants after inlining, so the accumulators stay
+ * in registers (MR <= 8, NV <= 4). With accumulate and rs, row r of C is first multiplied by
  * rs[r] (rounded once, as a separate pass would store it). */
 MA_INLINE void ukernel(const int MR, const int NV, const int masked, int64_t nr, int64_t k, const float *A, int64_t ars,
                        int64_t acs, const float *B, int64_t ldb, float *C, int64_t ldc, int accumulate,
