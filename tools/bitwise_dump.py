@@ -80,6 +80,71 @@ def dump_attention(res):
         ]
 
 
+def dump_attention_more(res):
+    """Options and layouts the dense cases above leave out: soft-capping, sinks,
+    windows and dropout together (the dropout and softcap blocks), decoding
+    (Lq = 1, GQA: the rows path, dot_keys and axpy_keys), varlen (packed
+    sequences), paged row caches (block_table) and K^T pages (dot_keys_t)."""
+    fwd, bwd = torch.ops.masked_attn.forward, torch.ops.masked_attn.backward
+    vfwd, vbwd = torch.ops.masked_attn.varlen_forward, torch.ops.masked_attn.varlen_backward
+    g = torch.Generator().manual_seed(2)
+
+    def r(*s, dt):
+        return torch.randn(*s, generator=g, dtype=torch.float64).to(dt)
+
+    seed = torch.tensor([1234, 7], dtype=torch.int64)
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        # dense: cap + sinks + window, with and without dropout; decode (Lq = 1) and short blocks, GQA
+        for B, H, Hkv, Lq, Lk, D in [(2, 4, 2, 70, 150, 64), (2, 8, 2, 1, 300, 128), (1, 8, 1, 3, 77, 64)]:
+            q, k, v, go = r(B, H, Lq, D, dt=dt), r(B, Hkv, Lk, D, dt=dt), r(B, Hkv, Lk, D, dt=dt), r(B, H, Lq, D, dt=dt)
+            sinks = torch.randn(H, generator=g)
+            kpm = torch.arange(Lk)[None] >= torch.tensor([Lk, Lk - 9] * B)[:B, None]
+            for vname, p, causal, wl, wr, cap, sk in [
+                ("cap-sinks", 0.0, False, -1, -1, 4.0, sinks),
+                ("drop", 0.2, False, -1, -1, None, None),
+                ("drop-cap-win-sinks", 0.3, True, 50, -1, 6.0, sinks),
+            ]:
+                ds = seed if p > 0 else None
+                out, lse, w, lo = fwd(q, k, v, None, kpm, None, causal, None, False, p, ds, wl, wr, cap, sk)
+                lo = lo if lo.numel() else None
+                grads = bwd(
+                    go, None, q, k, v, out, lse, None, kpm, None, causal, None, False, False, p, ds, wl, wr, cap, sk, lo
+                )
+                res[f"more-{dt}-{B}{H}{Hkv}-{Lq}x{Lk}-{D}-{vname}"] = [out, lse, *grads]
+            out, lse, w, lo = fwd(q, k, v, None, kpm, None, False, None, True, 0.25, seed)
+            res[f"more-{dt}-{B}{H}{Hkv}-{Lq}x{Lk}-{D}-drop-weights"] = [out, lse, w]
+        # varlen: packed sequences, GQA, forward and backward
+        H, Hkv, D = 4, 2, 64
+        lens_q, lens_k = [1, 70, 5, 33], [90, 70, 130, 33]
+        cu_q = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)
+        cu_k = torch.tensor([0] + lens_k).cumsum(0).to(torch.int32)
+        q, k, v = r(int(cu_q[-1]), H, D, dt=dt), r(int(cu_k[-1]), Hkv, D, dt=dt), r(int(cu_k[-1]), Hkv, D, dt=dt)
+        go = r(int(cu_q[-1]), H, D, dt=dt)
+        for vname, wl, wr, cap in [("plain", -1, -1, None), ("causal-cap", -1, 0, 5.0), ("win", 20, 3, None)]:
+            out, lse, lo = vfwd(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), None, wl, wr, None, None, cap)
+            lo = lo if lo.numel() else None
+            grads = vbwd(go, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k), None, wl, wr, cap, None, lo)
+            res[f"varlen-{dt}-{vname}"] = [out, lse, *grads]
+        # paged caches: row pages and K^T pages (element d of key c at d * page + c within a head's page)
+        H, Hkv, D, page, pages = 8, 2, 64, 64, 40
+        lens_q, lens_k = [1, 1, 6, 40, 1], [200, 64, 77, 290, 3]
+        table = torch.randperm(pages, generator=g)[:25].view(5, 5).to(torch.int32)
+        cu_q = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)
+        used = torch.tensor(lens_k, dtype=torch.int32)
+        q = r(int(cu_q[-1]), H, D, dt=dt)
+        rows_k, rows_v = r(pages, page, Hkv, D, dt=dt), r(pages, page, Hkv, D, dt=dt)
+        t_k = rows_k.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # K^T pages, as (pages, page, H_kv, D)
+        for lname, kc in [("rows", rows_k), ("kt", t_k)]:
+            for vname, wl, wr, cap, sk in [
+                ("causal", -1, 0, None, None),
+                ("cap-sinks-win", 60, 0, 3.0, torch.randn(H, generator=g)),
+            ]:
+                out, lse, lo = vfwd(
+                    q, kc, rows_v, cu_q, None, max(lens_q), max(lens_k), None, wl, wr, used, table, cap, sk
+                )
+                res[f"paged-{dt}-{lname}-{vname}"] = [out, lse, lo]
+
+
 def dump_ce(res):
     g = torch.Generator().manual_seed(1)
     for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
@@ -119,6 +184,7 @@ def main():
     torch.ops.load_library(lib)
     res = {}
     dump_attention(res)
+    dump_attention_more(res)
     dump_ce(res)
 
     def digest(t):  # shape, dtype and a hash of the bytes: small files, exact comparison

@@ -23,7 +23,10 @@
 #include <math.h>
 #include <string.h>
 
-#include "blocks_avx512.h" /* every block but the products: exp, column max, transposes, rows */
+#include "common/simd_avx512.h"
+
+#define BLK(name) name##_avx512 /* every block but the products: AVX-512's */
+#include "blocks_simd.h"
 #include "common/dtype.h"
 #include "masked_attn.h"
 #include "tiles_pack.h"
@@ -59,7 +62,7 @@ static inline ctile ctile_begin(float *C, int64_t ldc, int64_t m, int64_t n, int
                                 float *buf) {
     ctile t = {C + i0 * ldc + j0, ldc * (int64_t)sizeof(float), 0};
     if (i0 + 16 <= m && j0 + 16 <= n) return t;
-    const __mmask16 nm = tail_mask(n - j0);
+    const __mmask16 nm = vm_first(n - j0);
     for (int r = 0; r < 16; r++)
         _mm512_storeu_ps(buf + r * 16,
                          load && i0 + r < m ? _mm512_maskz_loadu_ps(nm, C + (i0 + r) * ldc + j0) : _mm512_setzero_ps());
@@ -69,7 +72,7 @@ static inline ctile ctile_begin(float *C, int64_t ldc, int64_t m, int64_t n, int
 
 static inline void ctile_end(const ctile *t, float *C, int64_t ldc, int64_t m, int64_t n, int64_t i0, int64_t j0) {
     if (!t->edge) return;
-    const __mmask16 nm = tail_mask(n - j0);
+    const __mmask16 nm = vm_first(n - j0);
     for (int r = 0; r < 16 && i0 + r < m; r++)
         _mm512_mask_storeu_ps(C + (i0 + r) * ldc + j0, nm, _mm512_loadu_ps(t->ptr + r * 16));
 }
@@ -178,3 +181,6 @@ static void gemm_amx3(int64_t m, int64_t n, int64_t k, const float *A, int64_t a
 /* The harness tests the two precisions' GEMMs; the other blocks are AVX-512's. */
 const ma_blocks ma_blocks_amx2 = {"amx2", gemm_amx2, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
 const ma_blocks ma_blocks_amx3 = {"amx3", gemm_amx3, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+const ma_attn_kernels ma_attn_kernels_amx = {attn_fwd_amx,         attn_bwd_dq_amx,     attn_bwd_dkdv_amx,
+                                             attn_bwd_fused_amx,   attn_bwd_reduce_amx, fwd_scratch_bytes_amx,
+                                             bwd_scratch_bytes_amx};

@@ -3,12 +3,13 @@
  *
  * Instantiated once per (accumulation type, instruction set) by a small
  * instance file (blocks.h, "An instance"): scalar.c (the float reference and
- * the float64 instance), avx2.c, avx512.c, amx.c. The instance defines
+ * the float64 instance), avx2.c, avx512.c, amx.c, avx512bf16.c. The instance defines
  *   FN(name)    its suffix: every function here is FN(...), static
  *   BLK(name)   the suffix of the building blocks it calls (blocks.h)
  *   MA_ACC_F64  for double accumulation (float64 inputs); float otherwise
  *   MA_TILE_HOOKS  when it supplies the tile products (AMX; "tile hooks" below)
- * and gets const ma_attn_kernels ma_attn_kernels_<suffix> (at the end).
+ * and lists the kernels it gets (attn_fwd_<suffix>, ...) in its
+ * ma_attn_kernels_<suffix> table, by their full names.
  *
  * Shapes: B, H, Hkv, Lq, Lk, D, Dv as in masked_attn.h; G = H / Hkv; a tile
  * is nr <= BQ query rows by nc <= BK keys (block_q, block_k).
@@ -1893,10 +1894,6 @@ static void FN(attn_bwd_reduce)(int64_t begin, int64_t end, void *vctx) {
         }
     }
 }
-
-const ma_attn_kernels FN(ma_attn_kernels) = {FN(attn_fwd),         FN(attn_bwd_dq),     FN(attn_bwd_dkdv),
-                                             FN(attn_bwd_fused),   FN(attn_bwd_reduce), FN(fwd_scratch_bytes),
-                                             FN(bwd_scratch_bytes)};
 
 #undef ACC
 #undef LOAD

@@ -28,7 +28,10 @@
 #include <math.h>
 #include <string.h>
 
-#include "blocks_avx512.h" /* every block but the products: exp, column max, transposes, rows */
+#include "common/simd_avx512.h"
+
+#define BLK(name) name##_avx512 /* every block but the products: AVX-512's */
+#include "blocks_simd.h"
 #include "common/dtype.h"
 #include "masked_attn.h"
 #include "tiles_pack.h"
@@ -79,7 +82,7 @@ static void tile_gemm(int64_t m, int64_t n, int64_t k, amx_view a, amx_view b, f
             for (int64_t nt = 0; nt < nnt; nt += 2) {
                 const int NT = nnt - nt >= 2 ? 2 : 1;
                 const int64_t j0 = nt * 16;
-                const __mmask16 m0 = tail_mask(n - j0), m1 = NT == 2 ? tail_mask(n - j0 - 16) : 0;
+                const __mmask16 m0 = vm_first(n - j0), m1 = NT == 2 ? vm_first(n - j0 - 16) : 0;
                 __m512 c[8][2];
 #pragma GCC unroll 8
                 for (int r = 0; r < 8; r++) {
@@ -131,3 +134,6 @@ const ma_blocks ma_blocks_avx512bf16_2 = {
     "avx512bf16_2", gemm_avx512bf16_2, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
 const ma_blocks ma_blocks_avx512bf16_3 = {
     "avx512bf16_3", gemm_avx512bf16_3, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+const ma_attn_kernels ma_attn_kernels_avx512bf16 = {
+    attn_fwd_avx512bf16,        attn_bwd_dq_avx512bf16,       attn_bwd_dkdv_avx512bf16,    attn_bwd_fused_avx512bf16,
+    attn_bwd_reduce_avx512bf16, fwd_scratch_bytes_avx512bf16, bwd_scratch_bytes_avx512bf16};

@@ -1,9 +1,11 @@
 /* blocks.h -- the contract between the attention loops (attention_tmpl.h)
  * and the instruction sets. Private to the kernels.
  *
- * 1. Building blocks. An instruction set X provides these functions, named
- *    <block>_X, in csrc/attention/blocks_X.h (static, so the loops inline
- *    them); ACC is float (double for the float64 instance, X = f64):
+ * 1. Building blocks, named <block>_X for instruction set X (static, so the
+ *    loops inline them): the scalar reference in blocks_scalar.h (X = scalar;
+ *    X = f64 with ACC double), the vector ones written once in blocks_simd.h
+ *    over the SIMD vocabulary (common/simd.h; X = avx2, avx512). ACC is
+ *    float (double for the float64 instance):
  *
  *   gemm_X(m, n, k, A, ars, acs, B, ldb, C, ldc, accumulate)
  *       C (m, n) [+]= A (m, k) @ B (k, n); A[i, p] = A[i*ars + p*acs] (a
@@ -20,8 +22,8 @@
  *   row_max_X(x, n, m)             max(m, x[c] for c < n); NaN sticks
  *   softcap_X(s, n, cap, inv, th)  s[x] = cap tanh(s[x] inv) in place; th (or NULL)
  *                                  keeps the tanh for the backward. The scalar
- *                                  block is libm's tanh; the SIMD ones simd.h's
- *                                  tanh256 / tanh512 (a few float32 ulps off it)
+ *                                  block is libm's tanh; the SIMD one the
+ *                                  vocabulary's vf_tanh (a few float32 ulps off it)
  *   dot_keys_X(s, lds, q, nr, D, k, dt, off, ld, nc, pf)
  *       s[r*lds + c] = q[r*D : r*D + D] . k[off + c*ld : ... + D], k in its own
  *       dtype, summed in gemm_X's order (bit for bit the tile's score)
@@ -46,11 +48,14 @@
  *   exp(-inf) is exactly 0 in every block: masked keys get exactly zero
  *   probability, so they cannot leak into any output.
  *
- * 2. An instance: a translation unit compiled with X's flags that includes
- *    blocks_X.h, defines FN(name) (the instance's suffix) and BLK(name) (the
- *    blocks' suffix, usually the same) and includes attention_tmpl.h, which
- *    then defines const ma_attn_kernels ma_attn_kernels_<suffix>.
- *    MA_ATTN_BLOCKS(X) builds the float blocks' table the C harness tests.
+ * 2. An instance: a translation unit compiled with X's flags (X.c) that
+ *    includes common/simd_X.h, defines BLK(name) (the blocks' suffix) and
+ *    includes blocks_simd.h, then defines FN(name) (the instance's suffix,
+ *    usually the same) and includes attention_tmpl.h. It ends with its
+ *    tables, every name spelled out (so a name a profiler shows, such as
+ *    attn_fwd_avx2, is found by grep): const ma_blocks ma_blocks_X (the
+ *    float blocks the C harness tests) and const ma_attn_kernels
+ *    ma_attn_kernels_X (the kernels dispatch.c picks).
  *
  * 3. Tile hooks (optional: AMX, AVX512-BF16; tiles_hooks.h writes them once
  *    for both). With #define MA_TILE_HOOKS the instance
@@ -92,10 +97,6 @@ typedef struct {
     void (*dot_keys_t)(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
                        int64_t off, int64_t ldd, int64_t nc, int64_t pf);
 } ma_blocks;
-
-#define MA_ATTN_BLOCKS(X)                                                                                      \
-    {#X,           gemm_##X,      exp_sub_sum_##X,   col_max_##X, exp_sub_col_##X, transpose_##X, row_max_##X, \
-     dot_keys_##X, axpy_keys_##X, gemm_rowscale_##X, dropout_##X, softcap_##X,     dot_keys_t_##X}
 
 extern const ma_blocks ma_blocks_scalar, ma_blocks_avx2, ma_blocks_avx512;
 extern const ma_blocks ma_blocks_amx2, ma_blocks_amx3; /* GEMM only: 3 and 6 bf16 products */

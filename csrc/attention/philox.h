@@ -9,7 +9,7 @@
  * gives 4 x 32 bits = 8 numbers u of 16 bits, u of key j in word (j % 8) / 2,
  * bits 16 (j % 2) ..; the element is kept iff u >= thr = round(p 65536).
  * Results never depend on tiles, threads or the instruction set. The vector
- * blocks (dropout_X in blocks_X.h) run 8 or 16 such counters side by side,
+ * blocks (dropout_X in blocks_simd.h) run 8 or 16 such counters side by side,
  * one per query row. */
 #ifndef MA_ATTENTION_PHILOX_H
 #define MA_ATTENTION_PHILOX_H

@@ -14,7 +14,7 @@
  *   tile_apply(p)              whether a forward call takes the hooks
  *
  * The loops, masks and softmax are attention_tmpl.h's; every other building
- * block is AVX-512's (blocks_avx512.h). bfloat16 inputs (one part, unit
+ * block is AVX-512's (blocks_simd.h on common/simd_avx512.h). bfloat16 inputs (one part, unit
  * column stride) are packed straight from their rows (amx_pack_a_bf16,
  * _b_bf16); others are converted to float32 rows and split (amx_pack_a, _b).
  */

@@ -5,7 +5,7 @@
  * zmm registers). Both read the same layout: AMX's tiles, which is also what
  * VDPBF16PS wants (an A row holds k pairs side by side, a B row the pair
  * (B[2p][n], B[2p+1][n]) of each column n). Included by an instance compiled
- * with AVX-512 and AVX512-BF16 flags, after blocks_avx512.h.
+ * with AVX-512 and AVX512-BF16 flags, after common/simd_avx512.h.
  *
  * GEMM takes the same float32 operands as every other variant. Each operand
  * is split while it is packed: x = x0 + x1 + x2 with x0 = bf16(x),
@@ -64,7 +64,7 @@ static inline void split32(__m512 a, __m512 b, int nparts, __m512i part[AMX_PART
 static inline void transpose16x16_epi32(__m512i r[16]) {
     __m512 f[16];
     for (int i = 0; i < 16; i++) f[i] = _mm512_castsi512_ps(r[i]);
-    transpose16x16(f);
+    vf_transpose(f);
     for (int i = 0; i < 16; i++) r[i] = _mm512_castps_si512(f[i]);
 }
 
@@ -131,7 +131,7 @@ static void amx_pack_a(amx_view dst, const float *A, int64_t ars, int64_t acs, i
             uint16_t *tile = dst.p + mt * dst.os + kt * dst.ks;
             __m512i part[AMX_PARTS];
             if (acs == 1) { /* a tile row is 32 consecutive floats of a row */
-                const __mmask16 k0 = tail_mask(k - p0), k1 = tail_mask(k - p0 - 16);
+                const __mmask16 k0 = vm_first(k - p0), k1 = vm_first(k - p0 - 16);
                 for (int r = 0; r < 16; r++) {
                     __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
                     if (i0 + r < m) {
@@ -142,7 +142,7 @@ static void amx_pack_a(amx_view dst, const float *A, int64_t ars, int64_t acs, i
                     for (int i = 0; i < parts; i++) _mm512_storeu_si512(tile + i * part_stride + r * 32, part[i]);
                 }
             } else { /* pairs of k rows interleaved, then a 32-bit transpose */
-                const __mmask16 km = tail_mask(m - i0);
+                const __mmask16 km = vm_first(m - i0);
                 __m512i t[AMX_PARTS][16];
                 for (int q = 0; q < 16; q++) {
                     __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();
@@ -165,7 +165,7 @@ static void amx_pack_b(amx_view dst, const float *B, int64_t ldb, int64_t k, int
     const int64_t part_stride = dst.part_stride;
     const __m512i ileave = interleave_idx();
     for (int64_t nt = 0; nt < ma_cdiv(n, 16); nt++) {
-        const __mmask16 nm = tail_mask(n - nt * 16);
+        const __mmask16 nm = vm_first(n - nt * 16);
         for (int64_t kt = 0; kt < ma_cdiv(k, 32); kt++) {
             uint16_t *tile = dst.p + nt * dst.os + kt * dst.ks;
             for (int q = 0; q < 16; q++) {
@@ -189,7 +189,7 @@ static void amx_pack_b(amx_view dst, const float *B, int64_t ldb, int64_t k, int
  * is, with no float32 round trip, into the same layout as amx_pack_a / _b
  * with one part. trans = 0: the operand is X itself; trans = 1: X^T. */
 
-/* The mask of the first n of 32 elements (tail_mask for 16-bit lanes). */
+/* The mask of the first n of 32 elements (vm_first for 16-bit lanes). */
 static inline __mmask32 tail_mask32(int64_t n) {
     return n >= 32 ? (__mmask32)0xffffffffu : n <= 0 ? (__mmask32)0 : (__mmask32)((1u << n) - 1u);
 }
@@ -207,7 +207,7 @@ static inline void bf16_tile(__m512i t[16], const uint16_t *X, int64_t ld, int64
         for (int r = 0; r < 16; r++)
             t[r] = o0 + r < nouter ? _mm512_maskz_loadu_epi16(km, X + (o0 + r) * ld + p0) : _mm512_setzero_si512();
     } else {
-        const __mmask16 cm = tail_mask(nouter - o0);
+        const __mmask16 cm = vm_first(nouter - o0);
         for (int q = 0; q < 16; q++) {
             const int64_t p = p0 + 2 * q;
             const __m256i lo = p < k ? _mm256_maskz_loadu_epi16(cm, X + p * ld + o0) : _mm256_setzero_si256();

@@ -1,7 +1,7 @@
 /* blocks.h -- the contract between the cross-entropy loops
  * (cross_entropy_tmpl.h) and the instruction sets: the row building blocks an
- * instruction set X provides as row_stats_X and row_grad_X (blocks_X.h; the
- * scalar reference in scalar.c), the table of them the C harness
+ * instruction set X provides as row_stats_X and row_grad_X (blocks_simd.h on
+ * common/simd_X.h; the scalar reference in scalar.c), the table of them the C harness
  * (tests/c/test_ce_blocks.c) checks against the reference, and the kernels
  * of an instance, which dispatch.c picks. Private to the kernels.
  *

@@ -4,8 +4,9 @@
  * few lines): scalar.c (float with the scalar blocks, the reference; and
  * double for float64 inputs, generic loops only), avx2.c, avx512.c. An
  * instance defines FN(x) (its suffix), BLK(x) (the suffix of its row blocks,
- * blocks.h; none for the double instance) and MA_ACC_F64 for double, and gets
- * const ma_ce_kernels ma_ce_kernels_<suffix>. Per-element arithmetic is in
+ * blocks.h; none for the double instance) and MA_ACC_F64 for double, and
+ * lists the kernels it gets (ce_fwd_<suffix>, ce_bwd_<suffix>) in its
+ * ma_ce_kernels_<suffix> table. Per-element arithmetic is in
  * ACC; the sums over a row's C classes (sum of exponentials, the smoothing
  * and probability terms) are kept in double, so a 128k-class vocabulary
  * loses nothing to a long float32 running sum.
@@ -312,8 +313,6 @@ static void FN(ce_bwd)(int64_t begin, int64_t end, void *vctx) {
         }
     }
 }
-
-const ma_ce_kernels FN(ma_ce_kernels) = {FN(ce_fwd), FN(ce_bwd)};
 
 #undef ACC
 #undef LOAD

@@ -67,8 +67,10 @@ const ma_ce_blocks ma_ce_blocks_scalar = MA_CE_BLOCKS(scalar);
 #define FN(name) name##_scalar
 #define BLK(name) name##_scalar
 #include "cross_entropy_tmpl.h"
+const ma_ce_kernels ma_ce_kernels_scalar = {ce_fwd_scalar, ce_bwd_scalar};
 
 /* double accumulation (float64 inputs): the generic loops only */
 #define MA_ACC_F64
 #define FN(name) name##_f64
 #include "cross_entropy_tmpl.h"
+const ma_ce_kernels ma_ce_kernels_f64 = {ce_fwd_f64, ce_bwd_f64};

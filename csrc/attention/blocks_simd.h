@@ -1,0 +1,550 @@
+/*
+ * blocks_simd.h -- the attention building blocks (blocks.h) written once over
+ * the SIMD vocabulary (common/simd.h). The including file has included one
+ * instruction set's mapping (common/simd_X.h) and defined BLK(name), the
+ * blocks' names (name_X). Shapes that differ between instruction sets are
+ * the mapping's constants (MA_VL, MA_GEMM_*, MA_KT_NV, MA_AXPY_*), so each
+ * keeps its register blocking.
+ *
+ * Every element of a product is computed the same way in every block and on
+ * every instruction set: c = 0 (or C, or rs[r] * C rounded once), then
+ * c = fma(a_p, b_p, c) for p = 0, 1, ... in order, one FMA per p in one lane.
+ * So results never depend on the block shape or where a tile is split, and
+ * dot_keys, dot_keys_t and axpy_keys are bit for bit the GEMM's
+ * (tests/c/test_blocks.c).
+ */
+#ifndef MA_ATTENTION_BLOCKS_SIMD_H
+#define MA_ATTENTION_BLOCKS_SIMD_H
+
+#include <math.h>
+
+#include "blocks.h"
+#include "common/dtype.h"
+#include "masked_attn.h"
+#include "philox.h"
+
+#define MA_INLINE static inline __attribute__((always_inline))
+
+/* A vector at x: whole (full), or the lanes of k (the rest read as 0, never written). */
+MA_INLINE vf load_k(const int full, const float *x, vm k) { return full ? vf_load(x) : vf_load_m(x, k); }
+MA_INLINE void store_k(const int full, float *x, vm k, vf v) {
+    if (full) vf_store(x, v);
+    else vf_store_m(x, k, v);
+}
+
+/* ---- GEMM: register-blocked micro-kernels, B read in place, A through its strides by
+ * broadcasts. C[0:MR, 0:NV VL] (+)= A[0:MR, 0:k] @ B[0:k, 0:NV VL]; masked: only columns < nr
+ * are read and written. MR, NV, masked are constants after inlining, so the accumulators stay
+ * in registers (MR <= 8, NV <= 4). With accumulate and rs, row r of C is first multiplied by
+ * rs[r] (rounded once, as a separate pass would store it). */
+MA_INLINE void ukernel(const int MR, const int NV, const int masked, int64_t nr, int64_t k, const float *A, int64_t ars,
+                       int64_t acs, const float *B, int64_t ldb, float *C, int64_t ldc, int accumulate,
+                       const float *rs) {
+    vm mk[4];
+    vf c[8][4];
+    for (int v = 0; v < NV; v++) mk[v] = vm_first(masked ? nr - MA_VL * v : MA_VL);
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < NV; v++)
+            c[r][v] = !accumulate ? vf_zero() : load_k(!masked, C + r * ldc + MA_VL * v, mk[v]);
+    if (accumulate && rs)
+        for (int r = 0; r < MR; r++)
+            for (int v = 0; v < NV; v++) c[r][v] = vf_mul(c[r][v], vf_set1(rs[r]));
+#pragma GCC unroll 2 /* two steps in flight: hides the load latency of B rows far apart */
+    for (int64_t p = 0; p < k; p++) {
+        const float *Ap = A + p * acs, *Bp = B + p * ldb;
+        vf b[4];
+        for (int v = 0; v < NV; v++) b[v] = load_k(!masked, Bp + MA_VL * v, mk[v]);
+        for (int r = 0; r < MR; r++) {
+            const vf a = vf_set1(Ap[r * ars]);
+            for (int v = 0; v < NV; v++) c[r][v] = vf_fma(a, b[v], c[r][v]);
+        }
+    }
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < NV; v++) store_k(!masked, C + r * ldc + MA_VL * v, mk[v], c[r][v]);
+}
+
+/* One column panel C[0:m, 0:NV VL]: blocks of MR rows, then the m % MR rows in one block. */
+MA_INLINE void gemm_panel(const int MR, const int NV, const int masked, int64_t m, int64_t nr, int64_t k,
+                          const float *A, int64_t ars, int64_t acs, const float *B, int64_t ldb, float *C, int64_t ldc,
+                          int accumulate, const float *rs) {
+#define MA_BLOCK(R) \
+    ukernel(R, NV, masked, nr, k, A + i * ars, ars, acs, B, ldb, C + i * ldc, ldc, accumulate, rs ? rs + i : NULL)
+    int64_t i = 0;
+    for (; i + MR <= m; i += MR) MA_BLOCK(MR);
+    switch (m - i) { /* MR > R: no block of R rows where MR rows are the most */
+    case 7:
+        if (MR > 7) MA_BLOCK(7);
+        break;
+    case 6:
+        if (MR > 6) MA_BLOCK(6);
+        break;
+    case 5: MA_BLOCK(5); break;
+    case 4: MA_BLOCK(4); break;
+    case 3: MA_BLOCK(3); break;
+    case 2: MA_BLOCK(2); break;
+    case 1: MA_BLOCK(1); break;
+    default: break;
+    }
+#undef MA_BLOCK
+}
+
+/* Rows of B that lie a multiple of 512 bytes apart (D = 128 floats, or rows
+ * H * D apart) map to 8 of L1's 64 sets: a k = 64 panel's 64 lines then fill
+ * them and evict each other between the row blocks that reuse the panel.
+ * With MA_GEMM_PACK such panels (full, k <= MA_PACK_K) are copied to a
+ * contiguous buffer on the stack first when more than one row block reads
+ * them; the FMAs and their order are unchanged. */
+#define MA_PACK_K 256
+#define MA_PANEL (MA_GEMM_NV * MA_VL)
+
+/* C (m, n) = [diag(rs) C +] A (m, k) @ B (k, n); A[i, p] = A[i*ars + p*acs]; rs only with
+ * accumulate. Full panels of MA_PANEL columns, then whole tail panels, then the last columns:
+ * more than one vector's worth in a masked tail panel, else one vector (masked unless whole). */
+MA_INLINE void gemm_rs(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs, const float *B,
+                       int64_t ldb, float *C, int64_t ldc, int accumulate, const float *rs) {
+    int64_t j = 0;
+    if (MA_GEMM_PACK && m > MA_GEMM_MR && k <= MA_PACK_K && ldb % 128 == 0) { /* see MA_PACK_K */
+        _Alignas(64) float pk[MA_PACK_K * MA_PANEL];
+        for (; j + MA_PANEL <= n; j += MA_PANEL) {
+            for (int64_t p = 0; p < k; p++)
+                for (int v = 0; v < MA_GEMM_NV; v++)
+                    vf_store(pk + p * MA_PANEL + MA_VL * v, vf_load(B + p * ldb + j + MA_VL * v));
+            gemm_panel(MA_GEMM_MR, MA_GEMM_NV, 0, m, MA_PANEL, k, A, ars, acs, pk, MA_PANEL, C + j, ldc, accumulate,
+                       rs);
+        }
+    }
+    for (; j + MA_PANEL <= n; j += MA_PANEL)
+        gemm_panel(MA_GEMM_MR, MA_GEMM_NV, 0, m, MA_PANEL, k, A, ars, acs, B + j, ldb, C + j, ldc, accumulate, rs);
+    const int64_t tail = MA_GEMM_TAIL_NV * MA_VL;
+    for (; j + tail <= n; j += tail)
+        gemm_panel(MA_GEMM_TAIL_MR, MA_GEMM_TAIL_NV, 0, m, tail, k, A, ars, acs, B + j, ldb, C + j, ldc, accumulate,
+                   rs);
+    const int64_t nr = n - j;
+    if (nr > MA_VL)
+        gemm_panel(MA_GEMM_TAIL_MR, MA_GEMM_TAIL_NV, 1, m, nr, k, A, ars, acs, B + j, ldb, C + j, ldc, accumulate, rs);
+    else if (nr == MA_VL)
+        gemm_panel(MA_GEMM_TAIL_MR, 1, 0, m, nr, k, A, ars, acs, B + j, ldb, C + j, ldc, accumulate, rs);
+    else if (nr > 0) gemm_panel(MA_GEMM_TAIL_MR, 1, 1, m, nr, k, A, ars, acs, B + j, ldb, C + j, ldc, accumulate, rs);
+}
+
+static void BLK(gemm)(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs, const float *B,
+                      int64_t ldb, float *C, int64_t ldc, int accumulate) {
+    gemm_rs(m, n, k, A, ars, acs, B, ldb, C, ldc, accumulate, NULL);
+}
+
+/* the online softmax's rescaling of O folded into the product that accumulates into it */
+static void BLK(gemm_rowscale)(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs,
+                               const float *B, int64_t ldb, float *C, int64_t ldc, const float *rs) {
+    gemm_rs(m, n, k, A, ars, acs, B, ldb, C, ldc, 1, rs);
+}
+
+/* ---- rows and columns of scores ------------------------------------------ */
+
+static float BLK(exp_sub_sum)(float *x, int64_t n, float m) {
+    const vf mv = vf_set1(m);
+    vf acc = vf_zero();
+    int64_t c = 0;
+    for (; c + MA_VL <= n; c += MA_VL) {
+        const vf e = vf_exp(vf_sub(vf_load(x + c), mv));
+        vf_store(x + c, e);
+        acc = vf_add(acc, e);
+    }
+    if (c < n) {
+        const vm k = vm_first(n - c);
+        const vf e = vf_maskz(k, vf_exp(vf_sub(vf_load_m(x + c, k), mv))); /* lanes past n add nothing */
+        vf_store_m(x + c, k, e);
+        acc = vf_add(acc, e);
+    }
+    return vf_hsum(acc);
+}
+
+static void BLK(softcap)(float *s, int64_t n, float cap, float inv, float *th) {
+    const vf cv = vf_set1(cap), iv = vf_set1(inv);
+    for (int64_t x = 0; x < n; x += MA_VL) {
+        const int full = x + MA_VL <= n;
+        const vm k = vm_first(n - x);
+        const vf t = vf_tanh(vf_mul(load_k(full, s + x, k), iv));
+        if (th) store_k(full, th + x, k, t);
+        store_k(full, s + x, k, vf_mul(cv, t));
+    }
+}
+
+/* One strip of VL columns of col_max: four running maxima (rows c .. c + 3), so the vmaxps
+ * chain does not serialise the column; NaN sticks (vmaxps alone would drop it). */
+MA_INLINE void col_max_strip(const int full, const float *x, int64_t rows, int64_t n, float *m, vm k) {
+    vf mv[4];
+    mv[0] = load_k(full, m, k);
+    mv[1] = mv[2] = mv[3] = mv[0];
+    vm nan = vf_isnan(mv[0]);
+    int64_t c = 0;
+    for (; c + 4 <= rows; c += 4)
+        for (int u = 0; u < 4; u++) {
+            const vf xv = load_k(full, x + (c + u) * n, k);
+            nan = vm_or(nan, vf_isnan(xv));
+            mv[u] = vf_max(xv, mv[u]);
+        }
+    for (; c < rows; c++) {
+        const vf xv = load_k(full, x + c * n, k);
+        nan = vm_or(nan, vf_isnan(xv));
+        mv[0] = vf_max(xv, mv[0]);
+    }
+    const vf mx = vf_max(vf_max(mv[0], mv[1]), vf_max(mv[2], mv[3]));
+    store_k(full, m, k, vf_blend(nan, mx, vf_set1(NAN)));
+}
+
+static void BLK(col_max)(const float *x, int64_t rows, int64_t n, float *m) {
+    int64_t r = 0;
+    for (; r + MA_VL <= n; r += MA_VL) col_max_strip(1, x + r, rows, n, m + r, vm_first(MA_VL));
+    if (r < n) col_max_strip(0, x + r, rows, n, m + r, vm_first(n - r));
+}
+
+MA_INLINE void exp_sub_col_strip(const int full, float *x, int64_t rows, int64_t n, const float *m, float *sum, vm k) {
+    vf mv = load_k(full, m, k);
+    mv = vf_blend(vf_eq(mv, vf_set1(-INFINITY)), mv, vf_zero());
+    vf acc = load_k(full, sum, k);
+    for (int64_t c = 0; c < rows; c++) {
+        const vf e = vf_exp(vf_sub(load_k(full, x + c * n, k), mv));
+        store_k(full, x + c * n, k, e);
+        acc = vf_add(acc, e);
+    }
+    store_k(full, sum, k, acc);
+}
+
+static void BLK(exp_sub_col)(float *x, int64_t rows, int64_t n, const float *m, float *sum) {
+    int64_t r = 0;
+    for (; r + MA_VL <= n; r += MA_VL) exp_sub_col_strip(1, x + r, rows, n, m + r, sum + r, vm_first(MA_VL));
+    if (r < n) exp_sub_col_strip(0, x + r, rows, n, m + r, sum + r, vm_first(n - r));
+}
+
+/* VL x VL blocks transposed in registers; edge blocks masked (MA_MASKED_EDGES) or
+ * elementwise. Each element is the one rounding of mul * x either way. */
+static void BLK(transpose)(float *dst, const float *src, int64_t lds, int64_t nr, int64_t ncol, float mul) {
+    const vf mv = vf_set1(mul);
+    for (int64_t r0 = 0; r0 < nr; r0 += MA_VL) {
+        const int64_t rn = ma_min(MA_VL, nr - r0);
+        for (int64_t c0 = 0; c0 < ncol; c0 += MA_VL) {
+            const int64_t cn = ma_min(MA_VL, ncol - c0);
+            const int whole = rn == MA_VL && cn == MA_VL;
+            if (whole || MA_MASKED_EDGES) {
+                const vm cmask = vm_first(cn), rmask = vm_first(rn);
+                vf x[MA_VL];
+                for (int i = 0; i < MA_VL; i++)
+                    x[i] = i < rn ? vf_mul(mv, load_k(whole, src + (r0 + i) * lds + c0, cmask)) : vf_zero();
+                vf_transpose(x); /* x[j] lane i = src[r0 + i][c0 + j] */
+                for (int j = 0; j < cn; j++) store_k(whole, dst + (c0 + j) * nr + r0, rmask, x[j]);
+            } else {
+                for (int64_t r = r0; r < r0 + rn; r++)
+                    for (int64_t c = c0; c < c0 + cn; c++) dst[c * nr + r] = mul * src[r * lds + c];
+            }
+        }
+    }
+}
+
+static float BLK(row_max)(const float *x, int64_t n, float m) {
+    vf mx = vf_set1(m);
+    vm nan = vf_isnan(mx);
+    int64_t c = 0;
+    for (; c + MA_VL <= n; c += MA_VL) {
+        const vf xv = vf_load(x + c);
+        nan = vm_or(nan, vf_isnan(xv));
+        mx = vf_max(xv, mx);
+    }
+    if (c < n) {
+        const vm k = vm_first(n - c);
+        const vf xv = vf_blend(k, vf_set1(-INFINITY), vf_load_m(x + c, k));
+        nan = vm_or(nan, vf_isnan(xv));
+        mx = vf_max(xv, mx);
+    }
+    return vm_bits(nan) ? NAN : vf_hmax(mx, m);
+}
+
+/* ---- keys and values in their own dtype ----------------------------------- */
+
+/* One query row against keys c0 .. c0 + 2 VL: 2 groups of VL keys, 2 independent FMA
+ * chains. Each group takes a whole cache line of its VL rows before the other group's, so
+ * that VL rows, not 2 VL, share an L1 set where rows are a multiple of 4 KB apart (a
+ * (B, L, H, D) cache: the heads' rows). full: D % VL == 0 (no tests in the FMA sequence). */
+MA_INLINE void dot_keys_row(const int full, float *s, const float *q, int64_t D, const void *k, const ma_dtype dt,
+                            int64_t off, int64_t ld, int64_t c0, int64_t pf) {
+    const int64_t es = dt == MA_F32 ? 4 : 2, le = MA_CACHE_LINE / es; /* elements per line */
+    vf acc[2] = {vf_zero(), vf_zero()};
+    for (int64_t dl = 0; dl < D; dl += le)
+#pragma GCC unroll 2
+        for (int g = 0; g < 2; g++)
+            for (int64_t d0 = dl; d0 < ma_min(dl + le, D); d0 += MA_VL) {
+                const int64_t dn = full ? MA_VL : ma_min(MA_VL, D - d0);
+                const int line = pf && d0 == dl; /* the first elements of a line */
+                vf x[MA_VL];
+#pragma GCC unroll 16
+                for (int i = 0; i < MA_VL; i++) {
+                    const int64_t o = off + (c0 + MA_VL * g + i) * ld + d0;
+                    x[i] = vf_load_dt(k, dt, o, dn);
+                    if (line) ma_prefetch((const char *)k + (o + pf) * es);
+                }
+                vf_transpose(x);
+#pragma GCC unroll 16 /* x[dd] at constant indices: the block stays in registers */
+                for (int dd = 0; dd < MA_VL; dd++)
+                    if (full || dd < dn) acc[g] = vf_fma(x[dd], vf_set1(q[d0 + dd]), acc[g]);
+            }
+    for (int g = 0; g < 2; g++) vf_store(s + c0 + MA_VL * g, acc[g]);
+}
+
+/* s[r * lds + c] = q_r . k_c (one FMA per d, in order, from 0): VL keys in the lanes, their
+ * VL x VL blocks of K transposed in registers, so every query row reuses each block. nr <= 8.
+ * Instantiated per dtype (dt a constant after inlining).
+ * Decoding (nr = 1) streams K and V from memory once, so dot_keys and axpy_keys prefetch
+ * the line pf elements past each line they read (the template: for one head alone the rows
+ * a key block ahead; in a run of heads the next head's part of the same rows). Past the
+ * last key the prefetches touch memory that is not the tensor's: a prefetch is a hint that
+ * never faults. */
+MA_INLINE void dot_keys_dt(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k,
+                           const ma_dtype dt, int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+    int64_t c0 = 0;
+    if (nr == 1) {
+        for (; c0 + 2 * MA_VL <= nc; c0 += 2 * MA_VL)
+            if (D % MA_VL == 0) dot_keys_row(1, s, q, D, k, dt, off, ld, c0, pf);
+            else dot_keys_row(0, s, q, D, k, dt, off, ld, c0, pf);
+    }
+    for (; c0 < nc; c0 += MA_VL) {
+        const int64_t nk = ma_min(MA_VL, nc - c0);
+        vf acc[8];
+        for (int r = 0; r < 8; r++) acc[r] = vf_zero();
+        for (int64_t d0 = 0; d0 < D; d0 += MA_VL) {
+            const int64_t dn = ma_min(MA_VL, D - d0);
+            vf x[MA_VL];
+            for (int i = 0; i < MA_VL; i++) /* keys past nc: nothing read */
+                x[i] = i < nk ? vf_load_dt(k, dt, off + (c0 + i) * ld + d0, dn) : vf_zero();
+            vf_transpose(x); /* x[dd] lane i = k[c0 + i][d0 + dd] */
+#pragma GCC unroll 16
+            for (int dd = 0; dd < MA_VL; dd++)
+                for (int r = 0; r < 8; r++)
+                    if (dd < dn && r < nr) acc[r] = vf_fma(x[dd], vf_set1(q[r * D + d0 + dd]), acc[r]);
+        }
+        for (int r = 0; r < 8; r++)
+            if (r < nr) store_k(nk == MA_VL, s + r * lds + c0, vm_first(nk), acc[r]);
+    }
+}
+
+/* dot_keys from a K^T page (element d of key c at off + c + d * ldd): keys in the lanes as
+ * they lie, one FMA per d in order from 0, the same bits without the transposes. A strip takes
+ * NV vectors of keys for NR query rows (the query heads of one key head), NR * NV chains;
+ * each line read prefetches the line pf elements on (the next key block, or the next head's). */
+MA_INLINE void dot_keys_t_strip(const int NV, const int NR, float *s, int64_t lds, const float *q, int64_t D,
+                                const void *k, const ma_dtype dt, int64_t off, int64_t ldd, int64_t c0, int64_t pf) {
+    const int64_t es = dt == MA_F32 ? 4 : 2;
+    vf acc[8][4];
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) acc[r][v] = vf_zero();
+    for (int64_t d = 0; d < D; d++) {
+        const int64_t o = off + d * ldd + c0;
+        vf x[4];
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) {
+            x[v] = vf_load_dt(k, dt, o + MA_VL * v, MA_VL);
+            if (pf && (MA_VL * v * es) % MA_CACHE_LINE == 0) ma_prefetch((const char *)k + (o + MA_VL * v + pf) * es);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; r++) {
+            const vf qd = vf_set1(q[r * D + d]);
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; v++) acc[r][v] = vf_fma(x[v], qd, acc[r][v]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) vf_store(s + r * lds + c0 + MA_VL * v, acc[r][v]);
+}
+
+MA_INLINE void dot_keys_t_dt(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k,
+                             const ma_dtype dt, int64_t off, int64_t ldd, int64_t nc, int64_t pf) {
+    int64_t c0 = 0;
+#define MA_KT_STRIPS(NR)                                                \
+    for (; c0 + MA_VL * MA_KT_NV(NR) <= nc; c0 += MA_VL * MA_KT_NV(NR)) \
+    dot_keys_t_strip(MA_KT_NV(NR), NR, s, lds, q, D, k, dt, off, ldd, c0, pf)
+    switch (nr) {
+    case 1: MA_KT_STRIPS(1); break;
+    case 2: MA_KT_STRIPS(2); break;
+    case 3: MA_KT_STRIPS(3); break;
+    case 4: MA_KT_STRIPS(4); break;
+    case 5: MA_KT_STRIPS(5); break;
+    case 6: MA_KT_STRIPS(6); break;
+    case 7: MA_KT_STRIPS(7); break;
+    default: MA_KT_STRIPS(8); break;
+    }
+#undef MA_KT_STRIPS
+    for (; c0 < nc; c0 += MA_VL) {
+        const int64_t nk = ma_min(MA_VL, nc - c0);
+        vf acc[8];
+        for (int r = 0; r < 8; r++) acc[r] = vf_zero();
+        for (int64_t d = 0; d < D; d++) {
+            const vf x = vf_load_dt(k, dt, off + d * ldd + c0, nk);
+            for (int r = 0; r < 8; r++)
+                if (r < nr) acc[r] = vf_fma(x, vf_set1(q[r * D + d]), acc[r]);
+        }
+        for (int r = 0; r < 8; r++)
+            if (r < nr) store_k(nk == MA_VL, s + r * lds + c0, vm_first(nk), acc[r]);
+    }
+}
+
+/* o[r * Dv + d] += sum_c p[r * ldp + c] v_c[d] (one FMA per key, in order): R rows x NV
+ * vectors of columns in registers while the keys stream past; the R rows share each value
+ * row read. full: the strip's columns all exist (no tests in the key loop). */
+MA_INLINE void axpy_keys_strip(const int R, const int NV, const int full, float *o, const float *p, int64_t ldp,
+                               int64_t Dv, const void *v, const ma_dtype dt, int64_t off, int64_t ld, int64_t nc,
+                               int64_t d0, int64_t pf) {
+    const int64_t es = dt == MA_F32 ? 4 : 2;
+    int64_t n[8];
+    vf acc[4][8];
+    for (int u = 0; u < NV; u++) {
+        n[u] = full ? MA_VL : Dv - d0 - MA_VL * u < 0 ? 0 : ma_min(MA_VL, Dv - d0 - MA_VL * u);
+        for (int r = 0; r < R; r++) acc[r][u] = vf_load_dt(o, MA_F32, r * Dv + d0 + MA_VL * u, n[u]);
+    }
+    for (int64_t c = 0; c < nc; c++) {
+        vf pv[4];
+        for (int r = 0; r < R; r++) pv[r] = vf_set1(p[r * ldp + c]);
+        for (int u = 0; u < NV; u++) {
+            if (n[u] == 0) break;
+            const vf vv = vf_load_dt(v, dt, off + c * ld + d0 + MA_VL * u, n[u]);
+            for (int r = 0; r < R; r++) acc[r][u] = vf_fma(pv[r], vv, acc[r][u]);
+            if (pf && (MA_VL * u * es) % MA_CACHE_LINE == 0) /* see dot_keys; d0 * es is a multiple of a line */
+                ma_prefetch((const char *)v + (off + c * ld + d0 + MA_VL * u + pf) * es);
+        }
+    }
+    for (int u = 0; u < NV; u++)
+        for (int r = 0; r < R; r++)
+            if (n[u] > 0) store_k(n[u] == MA_VL, o + r * Dv + d0 + MA_VL * u, vm_first(n[u]), acc[r][u]);
+}
+
+/* Rows r .. r + R of o, strips of MA_AXPY_NV(R) vectors; only the first rows prefetch. */
+MA_INLINE void axpy_keys_rows(const int R, float *o, const float *p, int64_t ldp, int64_t Dv, const void *v,
+                              const ma_dtype dt, int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+    const int64_t w = MA_VL * MA_AXPY_NV(R);
+    for (int64_t d0 = 0; d0 < Dv; d0 += w)
+        if (d0 + w <= Dv) axpy_keys_strip(R, MA_AXPY_NV(R), 1, o, p, ldp, Dv, v, dt, off, ld, nc, d0, pf);
+        else axpy_keys_strip(R, MA_AXPY_NV(R), 0, o, p, ldp, Dv, v, dt, off, ld, nc, d0, pf);
+}
+
+/* MA_AXPY_ROWS = 4: the query heads of a key head, 4 (or 3) rows at a time; then pairs, then
+ * the last row alone. */
+MA_INLINE void axpy_keys_dt(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v,
+                            const ma_dtype dt, int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+#define MA_ROWS(R) axpy_keys_rows(R, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, r == 0 ? pf : 0)
+    int64_t r = 0;
+    if (MA_AXPY_ROWS >= 4 && nr >= 3) {
+        for (; r + 4 <= nr; r += 4) MA_ROWS(4);
+        if (nr - r == 3) MA_ROWS(3), r += 3;
+    }
+    for (; r + 2 <= nr; r += 2) MA_ROWS(2);
+    if (r < nr) MA_ROWS(1);
+#undef MA_ROWS
+}
+
+static void BLK(dot_keys)(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
+                          int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+    if (dt == MA_F32) dot_keys_dt(s, lds, q, nr, D, k, MA_F32, off, ld, nc, pf);
+    else if (dt == MA_BF16) dot_keys_dt(s, lds, q, nr, D, k, MA_BF16, off, ld, nc, pf);
+    else dot_keys_dt(s, lds, q, nr, D, k, MA_F16, off, ld, nc, pf);
+}
+
+static void BLK(dot_keys_t)(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
+                            int64_t off, int64_t ldd, int64_t nc, int64_t pf) {
+    if (dt == MA_F32) dot_keys_t_dt(s, lds, q, nr, D, k, MA_F32, off, ldd, nc, pf);
+    else if (dt == MA_BF16) dot_keys_t_dt(s, lds, q, nr, D, k, MA_BF16, off, ldd, nc, pf);
+    else dot_keys_t_dt(s, lds, q, nr, D, k, MA_F16, off, ldd, nc, pf);
+}
+
+static void BLK(axpy_keys)(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v, ma_dtype dt,
+                           int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+    if (dt == MA_F32) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_F32, off, ld, nc, pf);
+    else if (dt == MA_BF16) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_BF16, off, ld, nc, pf);
+    else axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_F16, off, ld, nc, pf);
+}
+
+/* ---- dropout --------------------------------------------------------------- */
+
+/* Philox-4x32-10 (philox.h) on VL counters side by side, lane l = query row i + l: c (4
+ * vectors of VL words) in place. */
+MA_INLINE vi philox_mulhilo(vi a, vi m, vi *lo) {
+    const vi pe = vi_mul_even(a, m), po = vi_mul_even(vi_srl64(a, 32), m);
+    *lo = vi_blend_odd(pe, vi_sll64(po, 32));
+    return vi_blend_odd(vi_srl64(pe, 32), po);
+}
+
+MA_INLINE void philox(vi c[4], uint32_t k0, uint32_t k1) {
+    const vi m0 = vi_set1(MA_PHILOX_M0), m1 = vi_set1(MA_PHILOX_M1);
+    for (int round = 0; round < 10; round++) {
+        vi lo0, lo1;
+        const vi hi0 = philox_mulhilo(c[0], m0, &lo0), hi1 = philox_mulhilo(c[2], m1, &lo1);
+        c[0] = vi_xor(vi_xor(hi1, c[1]), vi_set1(k0));
+        c[1] = lo1;
+        c[2] = vi_xor(vi_xor(hi0, c[3]), vi_set1(k1));
+        c[3] = lo0;
+        k0 += MA_PHILOX_W0;
+        k1 += MA_PHILOX_W1;
+    }
+}
+
+/* dropout_scalar's contract (blocks_scalar.h), VL query rows at a time: one vector Philox
+ * call gives rows r0 .. r0 + VL - 1 x the 8 keys of a group as drop masks over the rows; a
+ * transposed tile (rs == 1) takes them as they are, a row-wise one (cs == 1) through an
+ * 8 x 8 transpose where VL = 8, other layouts and the edges elementwise. */
+static void BLK(dropout)(float *x, float *z, int64_t rs, int64_t cs, int64_t nr, int64_t nc, const ma_dropout *d,
+                         int64_t i0, int64_t j0) {
+    const vf scale = vf_set1((float)d->scale);
+    const vi thr = vi_set1(d->thr), low16 = vi_set1(0xffff);
+    for (int64_t r0 = 0; r0 < nr; r0 += MA_VL) {
+        const int64_t nl = ma_min(MA_VL, nr - r0);
+        const vi ci = vi_add(vi_set1((uint32_t)(i0 + r0)), vi_lanes());
+        for (int64_t g = j0 >> 3; g * 8 < j0 + nc; g++) {
+            vi c[4] = {vi_set1((uint32_t)g), ci, vi_set1(d->c2), vi_set1(d->c3)};
+            philox(c, d->k0, d->k1);
+            vm drop[8]; /* drop[m], lane l: element (r0 + l, key 8 g + m) is dropped */
+            for (int m = 0; m < 8; m++)
+                drop[m] = vi_gt(thr, m & 1 ? vi_srl32(c[m >> 1], 16) : vi_and(c[m >> 1], low16));
+            const int64_t c0 = g * 8 - j0; /* tile column of key 8 g */
+            if (nl == MA_VL && rs == 1) {
+                for (int m = 0; m < 8; m++) {
+                    if (c0 + m < 0 || c0 + m >= nc) continue;
+                    float *e = (z ? z : x) + (c0 + m) * cs + r0;
+                    const vf mul = vf_blend(drop[m], scale, vf_zero());
+                    vf_store(e, z ? mul : vf_mul(vf_load(e), mul));
+                }
+            } else if (MA_VL == 8 && nl == 8 && c0 >= 0 && c0 + 8 <= nc && cs == 1) {
+                vf t[MA_VL];
+                for (int m = 0; m < MA_VL; m++) t[m] = m < 8 ? vf_from_mask(drop[m]) : vf_zero();
+                vf_transpose(t); /* t[l], lane m: element (r0 + l, key 8 g + m) */
+                for (int l = 0; l < 8; l++) {
+                    float *e = (z ? z : x) + (r0 + l) * rs + c0;
+                    const vf mul = vf_andnot(t[l], scale);
+                    vf_store(e, z ? mul : vf_mul(vf_load(e), mul));
+                }
+            } else {
+                const float s = (float)d->scale;
+                for (int64_t l = 0; l < nl; l++)
+                    for (int m = 0; m < 8; m++) {
+                        if (c0 + m < 0 || c0 + m >= nc) continue;
+                        float *e = (z ? z : x) + (r0 + l) * rs + (c0 + m) * cs;
+                        const float mul = (vm_bits(drop[m]) >> l) & 1 ? 0 : s;
+                        *e = z ? mul : *e * mul;
+                    }
+            }
+        }
+    }
+}
+
+/* ---- non-temporal stores of whole float32 rows (store_tile, stream_stores) --- */
+#define MA_BLK_STREAM
+
+/* y[0 : n] = mul * x[0 : n]: y 64-byte aligned, n a multiple of 16; stream_fence before
+ * others read y. */
+static inline void BLK(stream_row_f32)(float *y, const float *x, int64_t n, float mul) {
+    const vf m = vf_set1(mul);
+    for (int64_t c = 0; c < n; c += MA_VL) vf_stream(y + c, vf_mul(m, vf_load(x + c)));
+}
+
+static inline void BLK(stream_fence)(void) { _mm_sfence(); }
+
+#endif /* MA_ATTENTION_BLOCKS_SIMD_H */

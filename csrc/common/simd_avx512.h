@@ -1,0 +1,169 @@
+/*
+ * simd_avx512.h -- the SIMD vocabulary (simd.h) on AVX-512 (F, BW, DQ, VL +
+ * FMA): 16 lanes, mask registers for tails, 32 vector registers.
+ */
+#ifndef MA_SIMD_AVX512_H
+#define MA_SIMD_AVX512_H
+
+#include <math.h>
+#include <string.h>
+
+#include "common/simd.h"
+
+#define MA_VL 16
+typedef __m512 vf;
+typedef __m512d vd;
+typedef __m512i vi;
+typedef __mmask16 vm;
+
+/* GEMM: full 64-column panels in 6 x 64 blocks (24 accumulators + 4 of B + 1
+ * broadcast of A = 29 of the 32 registers), the last n % 64 columns in 8 x 32
+ * blocks; no packing. Masked edges are as fast as plain moves. dot_keys_t:
+ * 4 vectors of keys per strip for up to 4 query rows, 2 for more. axpy_keys:
+ * 4 rows x 4 vectors, 2 rows x 8. */
+#define MA_GEMM_MR 6
+#define MA_GEMM_NV 4
+#define MA_GEMM_TAIL_MR 8
+#define MA_GEMM_TAIL_NV 2
+#define MA_GEMM_PACK 0
+#define MA_MASKED_EDGES 1
+#define MA_KT_NV(nr) ((nr) <= 4 ? 4 : 2)
+#define MA_AXPY_ROWS 4
+#define MA_AXPY_NV(R) ((R) >= 3 ? 4 : 8)
+
+#define vf_zero _mm512_setzero_ps
+#define vf_set1 _mm512_set1_ps
+#define vf_load _mm512_loadu_ps
+#define vf_store _mm512_storeu_ps
+#define vf_load_m(p, m) _mm512_maskz_loadu_ps(m, p)
+#define vf_store_m(p, m, v) _mm512_mask_storeu_ps(p, m, v)
+#define vf_stream _mm512_stream_ps
+#define vf_add _mm512_add_ps
+#define vf_sub _mm512_sub_ps
+#define vf_mul _mm512_mul_ps
+#define vf_div _mm512_div_ps
+#define vf_max _mm512_max_ps
+#define vf_min _mm512_min_ps
+#define vf_andnot _mm512_andnot_ps
+#define vf_fma _mm512_fmadd_ps
+#define vf_fms _mm512_fmsub_ps
+#define vf_fnma _mm512_fnmadd_ps
+#define vf_lt(a, b) _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ)
+#define vf_gt(a, b) _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ)
+#define vf_eq(a, b) _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ)
+#define vf_neq(a, b) _mm512_cmp_ps_mask(a, b, _CMP_NEQ_OQ)
+#define vf_isnan(a) _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q)
+#define vm_or(a, b) ((vm)((a) | (b)))
+#define vm_and(a, b) ((vm)((a) & (b)))
+#define vm_bits(m) ((unsigned)(m))
+#define vf_blend(m, a, b) _mm512_mask_blend_ps(m, a, b)
+#define vf_maskz(m, a) _mm512_maskz_mov_ps(m, a)
+#define vf_from_mask(m) _mm512_castsi512_ps(_mm512_movm_epi32(m))
+#define vf_hsum _mm512_reduce_add_ps
+#define vf_hmax(v, m) _mm512_reduce_max_ps(v) /* m is among the lanes where the blocks use it */
+#define vd_zero _mm512_setzero_pd
+#define vd_lo(v) _mm512_cvtps_pd(_mm512_castps512_ps256(v))
+#define vd_hi(v) _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1))
+#define vd_add _mm512_add_pd
+#define vd_mul _mm512_mul_pd
+#define vd_fma _mm512_fmadd_pd
+#define vd_store _mm512_storeu_pd
+#define vi_set1(x) _mm512_set1_epi32((int)(x))
+#define vi_lanes() _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+#define vi_add _mm512_add_epi32
+#define vi_xor _mm512_xor_si512
+#define vi_and _mm512_and_si512
+#define vi_srl32 _mm512_srli_epi32
+#define vi_mul_even _mm512_mul_epu32
+#define vi_srl64 _mm512_srli_epi64
+#define vi_sll64 _mm512_slli_epi64
+#define vi_blend_odd(a, b) _mm512_mask_blend_epi32(0xAAAA, a, b)
+#define vi_gt(a, b) _mm512_cmpgt_epi32_mask(a, b)
+
+static inline vm vm_first(int64_t n) { return n >= 16 ? (vm)0xffff : n <= 0 ? (vm)0 : (vm)((1u << n) - 1u); }
+
+static inline __attribute__((always_inline)) vf vf_load_dt(const void *base, ma_dtype dt, int64_t off, int64_t n) {
+    const vm k = vm_first(n);
+    if (dt == MA_F32)
+        return n >= 16 ? _mm512_loadu_ps((const float *)base + off) : vf_load_m((const float *)base + off, k);
+    const __m256i h = _mm256_maskz_loadu_epi16(k, (const uint16_t *)base + off);
+    if (dt == MA_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+/* bfloat16 rounds to nearest even, NaN stays a quiet NaN (ma_f32_to_bf16). */
+static inline __attribute__((always_inline)) void vf_store_dt(void *base, ma_dtype dt, int64_t off, int64_t n, vf v) {
+    const vm k = vm_first(n);
+    if (dt == MA_BF16) {
+        const __m512i u = _mm512_castps_si512(v), hi = _mm512_srli_epi32(u, 16);
+        __m512i r = _mm512_add_epi32(
+            u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(hi, _mm512_set1_epi32(1))));
+        r = _mm512_srli_epi32(r, 16);
+        r = _mm512_mask_mov_epi32(r, vf_isnan(v), _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+        _mm256_mask_storeu_epi16((uint16_t *)base + off, k, _mm512_cvtepi32_epi16(r));
+    } else if (dt == MA_F16) {
+        _mm256_mask_storeu_epi16((uint16_t *)base + off, k,
+                                 _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    } else {
+        _mm512_mask_storeu_ps((float *)base + off, k, v);
+    }
+}
+
+/* exp (simd.h): 2^n by vscalefps, results below FLT_MIN (x < -87.33) zeroed
+ * by a mask; past 88.72 it overflows to inf. */
+static inline vf vf_exp(vf x_in) {
+    const vm underflow = vf_lt(x_in, _mm512_set1_ps(-87.33f));
+    const vf x = _mm512_max_ps(_mm512_set1_ps(-87.33f), x_in);
+    const vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(MA_EXP_LOG2E)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf r = _mm512_fnmadd_ps(n, _mm512_set1_ps(MA_EXP_LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(MA_EXP_LN2_LO), r);
+    vf y = _mm512_set1_ps(ma_exp_poly[0]);
+    for (int i = 1; i < MA_EXP_TERMS; i++) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ma_exp_poly[i]));
+    return _mm512_maskz_scalef_ps((vm)~underflow, y, n);
+}
+
+static inline vf vf_tanh(vf x) {
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    const vf a = _mm512_castsi512_ps(_mm512_andnot_si512(sign, _mm512_castps_si512(x)));
+    const vf t = _mm512_mul_ps(a, a);
+    vf p = _mm512_set1_ps(ma_tanh_poly[0]);
+    for (int i = 1; i < MA_TANH_TERMS; i++) p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(ma_tanh_poly[i]));
+    const vf small = _mm512_fmadd_ps(_mm512_mul_ps(a, t), p, a);
+    const vm is_small = vf_lt(a, _mm512_set1_ps(MA_TANH_SMALL));
+    vf y = small;
+    if (is_small != 0xFFFF) { /* some lane from 0.625 on (or NaN) */
+        const vf a10 = _mm512_min_ps(_mm512_set1_ps(10.0f), a); /* NaN passes (the second operand) */
+        const vf e = vf_exp(_mm512_add_ps(a10, a10));
+        const vf big = _mm512_sub_ps(_mm512_set1_ps(1.0f),
+                                     _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
+        y = _mm512_mask_blend_ps(is_small, big, small);
+    }
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(y), _mm512_and_si512(sign, _mm512_castps_si512(x))));
+}
+
+static inline void vf_transpose(vf r[16]) {
+    vf t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 16; i += 8) {
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xdd);
+        }
+    }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
+    }
+}
+
+#endif /* MA_SIMD_AVX512_H */
