@@ -222,41 +222,40 @@ Sizes check_qkv(const Tensor& q, const Tensor& k, const Tensor& v);
 ma_mask canonical_mask(const std::optional<Tensor>& m, const char* name, std::vector<int64_t> dims,
                        const char* dims_str, bool allow_bool);
 
+// attn_mask and key_padding_mask, canonical (the head mask is an option: AttnOpts).
 struct Masks {
-  ma_mask attn_mask, key_padding_mask, head_mask;
+  ma_mask attn_mask, key_padding_mask;
 };
 
 Masks check_masks(const Sizes& s, const std::optional<Tensor>& attn_mask,
-                  const std::optional<Tensor>& key_padding_mask, const std::optional<Tensor>& head_mask);
+                  const std::optional<Tensor>& key_padding_mask);
 
-// ---- dropout (issue 14) ----
-// dropout_p in [0, 1]; with dropout_p > 0, dropout_seed is an int64 CPU tensor
-// of shape (2,): (seed, offset), the Philox key and counter words
-// (csrc/attention/philox.h). The op draws nothing: the caller does (Python,
-// from PyTorch's default generator), so a given seed reproduces the mask.
-struct Dropout {
-  double p = 0;
-  uint64_t seed = 0, offset = 0;
-};
+// ---- the options of an attention call (options.cpp) ----------------------------------
 
-Dropout check_dropout(const Sizes& s, double dropout_p, const std::optional<Tensor>& dropout_seed);
-
-// The sliding window, soft-capping and sinks of one call (issue 15), checked
-// and normalised: a window side that reaches every key (left >= Lq - 1,
-// right >= Lk - 1) is unbounded (-1), is_causal caps the right side at 0, and
-// a right side of 0 is is_causal itself (which has the causal block skipping
-// and diagonal split): the kernels see window_right -1 or > 0.
-struct WindowCapSinks {
-  int64_t left = -1, right = -1;
+// The options as the attention ops' schemas spell them (registration.cpp; an
+// op without one leaves its default).
+struct AttnOptArgs {
   bool is_causal = false;
-  double softcap = 0;
-  ma_mask sinks{};
+  double dropout_p = 0;
+  std::optional<Tensor> dropout_seed;
+  int64_t window_left = -1, window_right = -1;
+  std::optional<double> softcap;
+  std::optional<Tensor> sinks, head_mask;
 };
 
-void check_cap_sinks(int64_t H, std::optional<double> softcap, const std::optional<Tensor>& sinks, double* cap,
-                     ma_mask* sk);
-WindowCapSinks check_window_cap_sinks(const Sizes& s, bool is_causal, int64_t window_left, int64_t window_right,
-                                      std::optional<double> softcap, const std::optional<Tensor>& sinks);
+// The options checked and normalised, once per call (parse_attn_opts): c is
+// what the kernels read (ma_attn_args.opts, masked_attn.h); the tensors are
+// kept for what the shim computes from them itself.
+struct AttnOpts {
+  ma_attn_opts c{};
+  bool is_causal = false;  // dense: is_causal, or a window whose right side is 0
+  std::optional<Tensor> sinks, head_mask;
+};
+
+// Every check of the options lives here: the five attention ops call it
+// with the call's sizes (varlen: B = N sequences, Lq, Lk the longest).
+AttnOpts parse_attn_opts(const Sizes& s, const AttnOptArgs& in, bool varlen);
+
 ma_isa select_isa(ma_dtype dt);
 void check_shape(const Tensor& t, const char* name, std::vector<int64_t> dims, const char* dims_str,
                  ScalarType dtype);
