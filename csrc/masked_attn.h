@@ -91,8 +91,8 @@ typedef void (*ma_task_fn)(int64_t begin, int64_t end, void *ctx);
  *   P[b,h,i,j] = exp(S_ij - lse_i),  lse_i = log(exp(sinks[h]) + sum_j exp(S_ij))
  * so lse includes the sink, a row with no allowed key has out 0 and lse =
  * sinks[h], and d sinks[h] = -sum_{b,i} exp(sinks[h] - lse_i) delta_i with
- * delta_i = sum_j P_ij dP_ij = dO_i . (out_i + out_lo_i) (computed outside the kernels,
- * torch_masked_attn/ops.py).
+ * delta_i = sum_j P_ij dP_ij = dO_i . (out_i + out_lo_i) (+ sum_j P_ij dW_ij), the
+ * backward's delta (ma_attn_bwd_sinks_grad).
  * The backward needs nothing else from the sink: P from the saved lse already
  * carries it.
  * ---------------------------------------------------------------------- */
@@ -231,7 +231,8 @@ typedef struct {
     const void *out_lo;     /* the forward's out_lo (strides a.out_lo_stride) or NULL: delta = dO . out */
     /* scratch shared between the two passes */
     void *delta;            /* (B, H, Lq) acc type: D_i = sum_j P_ij dP_ij = dO_i . (out_i + out_lo_i)
-                               (+ sum_j P_ij dW_ij), written by the dq pass */
+                               (+ sum_j P_ij dW_ij), written by the dq pass (the single pass:
+                               with sinks, for ma_attn_bwd_sinks_grad) */
     /* single pass with kv_chunks > 1: dq and dhm partial sums of each key
      * chunk, (kv_chunks, B, H, Lq, D) and (kv_chunks, B, H, Lq), acc type,
      * summed in chunk order by the reduce task */
@@ -243,6 +244,12 @@ typedef struct {
 } ma_attn_bwd_params;
 
 #define MA_BWD_KEY_GROUP_MAX 4
+
+/* After the passes: d sinks[h] = -sum_{b,i} exp(sinks[h] - lse_i) delta_i
+ * (see "Attention" above) into dsinks (H,), accumulated in double, entries
+ * then rows in order. Needs a.opts.sinks and the passes' delta (both write
+ * it: the single pass from the items of the first key chunk). */
+void ma_attn_bwd_sinks_grad(const ma_attn_bwd_params *p, double *dsinks);
 
 /* stream_stores: the outputs are large (the shim sets it from their size), so
  * no cache could keep them until they are read: the SIMD variants write their

@@ -93,6 +93,7 @@ def dump_options(res):
         cu_k = torch.tensor([0, 40, 45, 150], dtype=torch.int32)
         pq, pk, pv = r(90, H, D, dt=dt), r(150, Hkv, D, dt=dt), r(150, Hkv, D, dt=dt)
         pgo = r(90, H, D, dt=dt)
+        vslopes = torch.rand(3, H, generator=g)  # drawn whether or not the build has ALiBi
         vcases = {
             "plain": dict(),
             "causal-cap-sinks": dict(window_left=-1, window_right=0, softcap=5.0, sinks=sinks),
@@ -100,7 +101,7 @@ def dump_options(res):
         }
         if alibi:
             vcases["alibi-causal"] = dict(window_right=0, alibi_slopes=slopes[1])
-            vcases["alibi-win-batch"] = dict(window_left=25, window_right=5, alibi_slopes=torch.rand(3, H, generator=g))
+            vcases["alibi-win-batch"] = dict(window_left=25, window_right=5, alibi_slopes=vslopes)
         for cname, kw in vcases.items():
             out, lse = vf(pq, pk, pv, cu_q, cu_k, 73, 105, **kw)[:2]
             grads = vb(pgo, pq, pk, pv, out, lse, cu_q, cu_k, 73, 105, **kw)

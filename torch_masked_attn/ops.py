@@ -11,7 +11,7 @@ The ops themselves are defined in csrc/shim/ (schemas: registration.cpp):
                           key_padding_mask?, head_mask?, is_causal, scale?,
                           head_mask_grad, mask_grad, dropout_p=0., dropout_seed?,
                           window_left=-1, window_right=-1, softcap?, sinks?, out_lo?)
-        -> (grad_q, grad_k, grad_v, grad_head_mask, grad_scores)
+        -> (grad_q, grad_k, grad_v, grad_head_mask, grad_scores, grad_sinks)
 
 out_lo (bfloat16 / float16 only; empty otherwise) is out's rounding error in
 the same dtype and layout: out + out_lo is the float32 output to 16 (bf16) or
@@ -34,14 +34,16 @@ window_left / window_right: query i sees keys j in [i - left, i + right]
 (-1: that side unbounded), top-left aligned like is_causal. softcap: scores
 s -> softcap * tanh(s / softcap) before the masks are added. sinks (H,): one
 logit per head in every row's softmax denominator (no value); lse includes
-it. The sinks' gradient is not an output of the backward op: it is
--sum_{b,i} exp(sink_h - lse) * rowsum(grad_out * (out + out_lo)), computed here
-(sinks_backward) from what the forward saved.
+it. The options are built and checked once per call (AttnOptions) and passed
+by their schema names (OpArgs).
 
 grad_scores (B, H, Lq, Lk) is dL/dS, the gradient of the additive masks, and
-is materialised only when mask_grad (a floating mask requires grad).
-grad_head_mask (B, H) and grad_scores are in the accumulation type (float32,
-float64 for float64), rounded to the mask's dtype after the caller's sums.
+is materialised only when mask_grad (a floating mask requires grad); it is in
+the accumulation type (float32, float64 for float64), rounded to the mask's
+dtype after the caller's sums. grad_head_mask (head_mask_grad) and grad_sinks
+(with sinks: -sum_{b,i} exp(sink_h - lse) delta_i, delta_i the backward's
+grad_out_i . (out_i + out_lo_i) (+ the weights' term)) come reduced to the
+head mask's and the sinks' shapes and dtypes; empty where not asked for.
 
 Conventions are nn.MultiheadAttention's: a bool mask is True where attention
 is blocked; a floating mask is added to the scaled scores.
@@ -372,43 +374,13 @@ class AttnOptions:
         sides; ``window_size`` varlen_attn's, whose softcap and sinks only the
         shim checks (varlen_attn raises its RuntimeError)."""
         dropout_p = float(dropout_p)
-        if not 0.0 <= dropout_p <= 1.0:
-            raise ValueError(f"{fn}: dropout_p must be in [0, 1], got {dropout_p}")
-        if dropout_p > 0.0 and dropout_seed is not None:
-            if not isinstance(dropout_seed, Tensor):
-                raise TypeError(
-                    f"{fn}: dropout_seed must be None or an int64 tensor (seed, offset) of shape (2,), "
-                    f"got {type(dropout_seed).__name__}"
-                )
-            seed = dropout_seed
-            if seed.dtype != torch.int64 or tuple(seed.shape) != (2,) or seed.device.type != "cpu":
-                raise ValueError(
-                    f"{fn}: dropout_seed must be an int64 CPU tensor (seed, offset) of shape (2,), got "
-                    f"{dropout_seed.dtype} {tuple(dropout_seed.shape)} on {dropout_seed.device}"
-                )
+        seed = _dropout_seed(fn, dropout_p, dropout_seed)
         if window_size is not None:  # varlen_attn: torch's window_size; the shim checks the rest (RuntimeError)
             softcap = None if softcap is None else float(softcap)
             return cls(False, _window_size(fn, window_size), softcap, sinks)
-        win = _window(fn, window)
-        if softcap is not None:
-            if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-                raise TypeError(f"{fn}: softcap must be None or a number > 0, got {type(softcap).__name__}")
-            if not (math.isfinite(softcap) and softcap > 0):
-                raise ValueError(f"{fn}: softcap must be None or a finite number > 0, got {softcap}")
-            softcap = float(softcap)
-        heads = q.size(-3)
-        if sinks is not None:
-            if not isinstance(sinks, Tensor):
-                raise TypeError(f"{fn}: sinks must be None or a Tensor, got {type(sinks).__name__}")
-            if not sinks.is_floating_point():
-                raise TypeError(f"{fn}: sinks must be floating point, got {sinks.dtype}")
-            if sinks.dim() != 1 or sinks.size(0) != heads:
-                raise ValueError(
-                    f"{fn}: sinks must have shape (H,) = ({heads},), one logit per query head, got {tuple(sinks.shape)}"
-                )
-            if sinks.device != q.device:
-                raise ValueError(f"{fn}: sinks must be on q's device ({q.device}), got {sinks.device}")
-        return cls(bool(is_causal), win, softcap, sinks, dropout_p, dropout_seed if dropout_p > 0.0 else None)
+        win, softcap = _window(fn, window), _softcap(fn, softcap)
+        _check_sinks(fn, q, sinks)
+        return cls(bool(is_causal), win, softcap, sinks, dropout_p, seed)
 
     @classmethod
     def from_op(cls, a: SimpleNamespace) -> AttnOptions:
@@ -442,6 +414,51 @@ class AttnOptions:
             named["dropout_p"] = self.dropout_p
             named["dropout_seed"] = self.dropout_seed
         return named
+
+
+def _dropout_seed(fn: str, dropout_p: float, seed: object) -> Tensor | None:
+    """dropout_p in [0, 1]; the seed (None: drawn later) when dropout_p > 0, else None."""
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{fn}: dropout_p must be in [0, 1], got {dropout_p}")
+    if dropout_p == 0.0 or seed is None:
+        return None
+    if not isinstance(seed, Tensor):
+        raise TypeError(
+            f"{fn}: dropout_seed must be None or an int64 tensor (seed, offset) of shape (2,), "
+            f"got {type(seed).__name__}"
+        )
+    if seed.dtype != torch.int64 or tuple(seed.shape) != (2,) or seed.device.type != "cpu":
+        raise ValueError(
+            f"{fn}: dropout_seed must be an int64 CPU tensor (seed, offset) of shape (2,), got "
+            f"{seed.dtype} {tuple(seed.shape)} on {seed.device}"
+        )
+    return seed
+
+
+def _softcap(fn: str, softcap: object) -> float | None:
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"{fn}: softcap must be None or a number > 0, got {type(softcap).__name__}")
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"{fn}: softcap must be None or a finite number > 0, got {softcap}")
+    return float(softcap)
+
+
+def _check_sinks(fn: str, q: Tensor, sinks: object) -> None:
+    if sinks is None:
+        return
+    heads = q.size(-3)
+    if not isinstance(sinks, Tensor):
+        raise TypeError(f"{fn}: sinks must be None or a Tensor, got {type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"{fn}: sinks must be floating point, got {sinks.dtype}")
+    if sinks.dim() != 1 or sinks.size(0) != heads:
+        raise ValueError(
+            f"{fn}: sinks must have shape (H,) = ({heads},), one logit per query head, got {tuple(sinks.shape)}"
+        )
+    if sinks.device != q.device:
+        raise ValueError(f"{fn}: sinks must be on q's device ({q.device}), got {sinks.device}")
 
 
 def _window(fn: str, window: object) -> tuple[int, int]:
@@ -521,14 +538,23 @@ def _forward_fake(*args, **kwargs):
     return out, lse, weights, out_lo
 
 
-def _backward_fake_grads(a: SimpleNamespace) -> tuple[Tensor, Tensor]:
-    """(grad_head_mask, grad_scores) of a backward call."""
+def _options_grads_fake(a: SimpleNamespace, like: Tensor) -> tuple[Tensor, Tensor]:
+    """(grad_head_mask, grad_sinks) of a backward call: reduced to the head
+    mask's and the sinks' shapes and dtypes, empty (acc type) without them."""
+    acc = _lse_dtype(like.dtype)
+    hm, sinks = getattr(a, "head_mask", None), a.sinks
+    grad_hm = hm.new_empty(hm.shape) if getattr(a, "head_mask_grad", False) else like.new_empty(0, dtype=acc)
+    return grad_hm, (sinks.new_empty(sinks.shape) if sinks is not None else like.new_empty(0, dtype=acc))
+
+
+def _backward_fake_grads(a: SimpleNamespace) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_head_mask, grad_scores, grad_sinks) of a backward call."""
     q = a.q
     B, H, Lq = q.shape[:3]
     acc = _lse_dtype(q.dtype)
-    grad_hm = q.new_empty(B, H, dtype=acc) if a.head_mask_grad else q.new_empty(0, dtype=acc)
+    grad_hm, grad_sinks = _options_grads_fake(a, q)
     grad_scores = q.new_empty(B, H, Lq, a.k.shape[2], dtype=acc) if a.mask_grad else q.new_empty(0, dtype=acc)
-    return grad_hm, grad_scores
+    return grad_hm, grad_scores, grad_sinks
 
 
 @torch.library.register_fake("masked_attn::backward_into")
@@ -565,7 +591,6 @@ def saved(ctx) -> SimpleNamespace:
 def _forward_setup_context(ctx, a, output):
     out, lse, weights, out_lo = output
     ctx.opts = AttnOptions.from_op(a)
-    # the weights are kept (not copied) only for the sinks' gradient through them
     _save(
         ctx,
         q=a.q,
@@ -578,7 +603,6 @@ def _forward_setup_context(ctx, a, output):
         head_mask=a.head_mask,
         dropout_seed=a.dropout_seed,
         sinks=a.sinks,
-        weights=weights if a.need_weights and a.sinks is not None else None,
         out_lo=saved_out_lo(out_lo),
     )
     ctx.scale, ctx.need_weights = a.scale, a.need_weights
@@ -604,8 +628,8 @@ def attention_backward(
     needs: whether attn_mask, key_padding_mask, head_mask need a gradient,
     by name; into: optional (grad_q, grad_k, grad_v) views to write the
     q/k/v gradients into (masked_attn::backward_into). Returns the gradients
-    of q, k, v and of the masks (reduced to their shapes) by name (the
-    sinks' gradient: sinks_backward).
+    of q, k, v, of the masks and of the sinks, reduced to their shapes, by
+    name (the head mask's and the sinks' as the op returns them).
     """
     am_grad = t.attn_mask is not None and needs.get("attn_mask", False)
     kpm_grad = t.key_padding_mask is not None and needs.get("key_padding_mask", False)
@@ -630,11 +654,12 @@ def attention_backward(
         **opts.op_args(),
     )
     if into is None:
-        dq, dk, dv, dhm, dscores = torch.ops.masked_attn.backward(*BACKWARD(**named))
+        dq, dk, dv, dhm, dscores, dsinks = torch.ops.masked_attn.backward(*BACKWARD(**named))
     else:
         dq, dk, dv = into
-        dhm, dscores = torch.ops.masked_attn.backward_into(*BACKWARD_INTO(**named, grad_q=dq, grad_k=dk, grad_v=dv))
-    hm = t.head_mask
+        dhm, dscores, dsinks = torch.ops.masked_attn.backward_into(
+            *BACKWARD_INTO(**named, grad_q=dq, grad_k=dk, grad_v=dv)
+        )
     return dict(
         q=dq,
         k=dk,
@@ -642,7 +667,8 @@ def attention_backward(
         # an additive mask receives dL/dS summed over the dimensions it broadcasts over
         attn_mask=dscores.sum_to_size(t.attn_mask.shape).to(t.attn_mask.dtype) if am_grad else None,
         key_padding_mask=dscores.sum((1, 2)).to(t.key_padding_mask.dtype) if kpm_grad else None,
-        head_mask=(dhm.sum(0) if hm.dim() == 1 else dhm).to(hm.dtype) if hm_grad else None,
+        head_mask=dhm if hm_grad else None,
+        sinks=dsinks if opts.sinks is not None and needs.get("sinks", False) else None,
     )
 
 
@@ -697,38 +723,10 @@ def first_order_only_named(what: str, anchors: Iterable[object], grads: dict[str
     return dict(zip(grads, first_order_only(what, anchors, *grads.values())))
 
 
-def sinks_backward(
-    sinks: Tensor,
-    lse: Tensor,
-    out: Tensor,
-    grad_out: Tensor | None,
-    weights: Tensor | None = None,
-    grad_weights: Tensor | None = None,
-    out_lo: Tensor | None = None,
-) -> Tensor:
-    """d loss / d sinks (H,) of masked_attn::forward: the sink's probability of
-    row i is P_sink,i = exp(sink_h - lse_i) (lse includes the sink), and
-    d sink_h = -sum_{b,i} P_sink,i delta_i, delta_i = sum_j P_ij dP_ij =
-    grad_out_i . (out_i + out_lo_i) (+ sum_j weights_ij grad_weights_ij when the
-    weights were used). In the accumulation type, summed by torch in a fixed order."""
-    acc = lse.dtype
-    delta = torch.zeros_like(lse)
-    if grad_out is not None:
-        o = out.to(acc) if out_lo is None else out.to(acc) + out_lo.to(acc)
-        delta = delta + (grad_out.to(acc) * o).sum(-1)
-    if grad_weights is not None and weights is not None:
-        delta = delta + (weights.to(acc) * grad_weights.to(acc)).sum(-1)
-    p_sink = torch.exp(sinks.to(acc)[:, None] - lse)
-    p_sink = torch.where(lse == float("-inf"), torch.zeros_like(p_sink), p_sink)
-    return -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
-
-
 def _forward_backward(ctx, grad_out, grad_lse, grad_weights, grad_out_lo):
     t = saved(ctx)
     grad_weights = grad_weights if ctx.need_weights else None
     grads = attention_backward(t, ctx.opts, ctx.needs, grad_out, grad_weights, scale=ctx.scale)
-    if t.sinks is not None and ctx.needs.get("sinks") and (grad_out is not None or grad_weights is not None):
-        grads["sinks"] = sinks_backward(t.sinks, t.lse, t.out, grad_out, t.weights, grad_weights, t.out_lo)
     return first_order_only_named("masked attention", vars(t).values(), grads)
 
 
@@ -774,7 +772,8 @@ def _varlen_forward_fake(*args, **kwargs):
 def _varlen_backward_fake(*args, **kwargs):
     a = VARLEN_BACKWARD.read(args, kwargs)
     _same_device("varlen_backward", a)
-    return a.query.new_empty(a.query.shape), a.key.new_empty(a.key.shape), a.value.new_empty(a.value.shape)
+    grads = tuple(t.new_empty(t.shape) for t in (a.query, a.key, a.value))
+    return (*grads, _options_grads_fake(a, a.query)[1])
 
 
 def _varlen_setup_context(ctx, a, output):
@@ -808,7 +807,7 @@ def _varlen_backward(ctx, grad_out, grad_lse, grad_out_lo):
     if grad_out is None:
         return {}
     grad_out = grad_out.contiguous()
-    dq, dk, dv = torch.ops.masked_attn.varlen_backward(
+    dq, dk, dv, dsinks = torch.ops.masked_attn.varlen_backward(
         *VARLEN_BACKWARD(
             grad_out=grad_out,
             query=t.query,
@@ -828,14 +827,8 @@ def _varlen_backward(ctx, grad_out, grad_lse, grad_out_lo):
     n = ctx.needs
     grads = {"query": dq if n["query"] else None, "key": dk if n["key"] else None, "value": dv if n["value"] else None}
     grads = first_order_only_named("varlen attention", (t.query, t.key, t.value), grads)
-    if t.sinks is not None and n.get("sinks"):  # (H, T) statistics as one (1, H, T) batch
-        grads["sinks"] = sinks_backward(
-            t.sinks,
-            t.lse[None],
-            t.out.transpose(0, 1)[None],
-            grad_out.transpose(0, 1)[None],
-            out_lo=None if t.out_lo is None else t.out_lo.transpose(0, 1)[None],
-        )
+    if t.sinks is not None and n.get("sinks"):
+        grads["sinks"] = dsinks
     return grads
 
 

@@ -1838,6 +1838,9 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
         for (int64_t g = 0; g < G; g++)
             FN(delta_rows)(p, b, hk * G + g, c->tk[0].gbuf, c->delta_all + g * Lq, c->lse_all + g * Lq,
                            c->dhm_all + g * Lq);
+        if (ch == 0 && p->a.opts.sinks.ptr) /* delta for ma_attn_bwd_sinks_grad */
+            for (int64_t g = 0; g < G; g++)
+                memcpy((ACC *)p->delta + FN(stat_row0)(&p->a, b, hk * G + g), c->delta_all + g * Lq, Lq * sizeof(ACC));
         for (int64_t x = 0; x < G * Lq * D; x++) dq_acc[x] = 0;
 
         for (int64_t jg = ch * BK; jg < Lk; jg += KG * C * BK) {

@@ -129,8 +129,9 @@ struct BwdIn {
 };
 
 // The backward of a checked call, writing dq, dk, dv into the given (B, H,
-// L, D) tensors (any strides); returns (grad_head_mask, grad_scores).
-std::tuple<Tensor, Tensor> backward_impl(const Sizes& s, const Masks& m, const AttnOpts& o, const Tensor& q,
+// L, D) tensors (any strides); returns (grad_head_mask, grad_scores,
+// grad_sinks), the options' gradients reduced to their shapes (options.cpp).
+std::tuple<Tensor, Tensor, Tensor> backward_impl(const Sizes& s, const Masks& m, const AttnOpts& o, const Tensor& q,
                                          const Tensor& k, const Tensor& v, const BwdIn& in, double scale,
                                          Tensor dq, Tensor dk, Tensor dv) {
   check_shape(in.out, "out", {s.B, s.H, s.Lq, s.Dv}, "(B, H, Lq, Dv)", q.scalar_type());
@@ -184,6 +185,7 @@ std::tuple<Tensor, Tensor> backward_impl(const Sizes& s, const Masks& m, const A
   const size_t bytes = ma_attn_bwd_scratch_bytes(&p);
   const int64_t work = s.B * s.H * s.Lq * s.Lk * (3 * s.D + 2 * s.Dv);  // the five products
   if (s.Lk == 0) {
+    p.delta = nullptr;  // not written: no sink gradient (out is 0)
     torch::stable::zero_(dq);
     if (head_mask_grad) torch::stable::zero_(dhm_rows);
   } else if (ma_attn_bwd_single_pass(&p)) {
@@ -210,17 +212,12 @@ std::tuple<Tensor, Tensor> backward_impl(const Sizes& s, const Masks& m, const A
   if (s.Lk > 0 && !ma_attn_bwd_single_pass(&p))
     run_tasks(ma_attn_bwd_dkdv_task, &p, ma_attn_bwd_dkdv_work_items(&p), bytes, q, 1, work);
 
-  // d head_mask[b, h] = sum over the rows of (b, h), in a fixed order, in the
-  // accumulation type: the caller rounds once, after summing over what the
-  // head mask broadcasts over (ops.attention_backward).
-  Tensor dhm = head_mask_grad ? torch::stable::sum(dhm_rows, std::vector<int64_t>{2})
-                              : new_strided(q, {0}, {}, acc);
-  return {dhm, dscores};
+  return {head_mask_grad_of(o, head_mask_grad ? &dhm_rows : nullptr, q), dscores, sinks_grad_of(o, p, q)};
 }
 
 }  // namespace
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
     Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
     Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
     std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
@@ -235,16 +232,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
   Tensor dk = blhd(q, s.B, s.Hkv, s.Lk, s.D);
   Tensor dv = blhd(q, s.B, s.Hkv, s.Lk, s.Dv);
   for (Tensor* t : {&dq, &dk, &dv}) advise_huge_pages(*t);
-  auto [dhm, dscores] = backward_impl(s, m, o, q, k, v,
-                                      {grad_out, grad_weights, out, lse, out_lo, head_mask_grad, mask_grad},
-                                      default_scale(s, scale), dq, dk, dv);
-  return {dq, dk, dv, dhm, dscores};
+  auto [dhm, dscores, dsinks] = backward_impl(s, m, o, q, k, v,
+                                              {grad_out, grad_weights, out, lse, out_lo, head_mask_grad, mask_grad},
+                                              default_scale(s, scale), dq, dk, dv);
+  return {dq, dk, dv, dhm, dscores, dsinks};
 }
 
 // The backward writing dq, dk, dv into caller-provided views, e.g. three
 // slices of one packed (B, L, 3, H, D) buffer: the gradient of a fused qkv
 // projection, with no stack or copy after it. The views must not overlap.
-std::tuple<Tensor, Tensor> attn_backward_into(
+std::tuple<Tensor, Tensor, Tensor> attn_backward_into(
     Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
     Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
     std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,

@@ -256,6 +256,16 @@ struct AttnOpts {
 // with the call's sizes (varlen: B = N sequences, Lq, Lk the longest).
 AttnOpts parse_attn_opts(const Sizes& s, const AttnOptArgs& in, bool varlen);
 
+// The options' gradients the backward ops return, reduced to their shapes:
+// the head mask's ((H,) or (B, H), its dtype) from the kernels' per-row sums
+// dhm_rows (B, H, Lq) (acc type; nullptr: not wanted), summed over the rows
+// and then over what the head mask broadcasts over, in the accumulation type,
+// rounded once; the sinks' ((H,), their dtype) from the passes' lse and delta
+// (ma_attn_bwd_sinks_grad; p.delta NULL: no key, 0). Empty (acc type) where
+// the call has none.
+Tensor head_mask_grad_of(const AttnOpts& o, const Tensor* dhm_rows, const Tensor& like);
+Tensor sinks_grad_of(const AttnOpts& o, const ma_attn_bwd_params& p, const Tensor& like);
+
 ma_isa select_isa(ma_dtype dt);
 void check_shape(const Tensor& t, const char* name, std::vector<int64_t> dims, const char* dims_str,
                  ScalarType dtype);
@@ -283,14 +293,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tens
                                                 int64_t window_left, int64_t window_right,
                                                 std::optional<double> softcap, std::optional<Tensor> sinks,
                                                 bool for_backward);
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
     Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
     Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
     std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
     bool head_mask_grad, bool mask_grad, double dropout_p, std::optional<Tensor> dropout_seed,
     int64_t window_left, int64_t window_right, std::optional<double> softcap, std::optional<Tensor> sinks,
     std::optional<Tensor> out_lo);
-std::tuple<Tensor, Tensor> attn_backward_into(
+std::tuple<Tensor, Tensor, Tensor> attn_backward_into(
     Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
     Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
     std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
@@ -303,7 +313,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, 
                                                   int64_t window_right, std::optional<Tensor> seqused_k,
                                                   std::optional<Tensor> block_table, std::optional<double> softcap,
                                                   std::optional<Tensor> sinks, bool for_backward);
-std::tuple<Tensor, Tensor, Tensor> varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out,
+std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out,
                                                    Tensor lse, Tensor cu_seq_q, Tensor cu_seq_k, int64_t max_q,
                                                    int64_t max_k, std::optional<double> scale,
                                                    int64_t window_left, int64_t window_right,

@@ -79,4 +79,19 @@ AttnOpts parse_attn_opts(const Sizes& s, const AttnOptArgs& in, bool varlen) {
   return r;
 }
 
+Tensor head_mask_grad_of(const AttnOpts& o, const Tensor* dhm_rows, const Tensor& like) {
+  if (!dhm_rows) return new_strided(like, {0}, {}, acc_type(like.scalar_type()));
+  const Tensor& hm = *o.head_mask;
+  Tensor dhm = torch::stable::sum(*dhm_rows, std::vector<int64_t>{2});  // (B, H)
+  if (hm.dim() == 1) dhm = torch::stable::sum(dhm, std::vector<int64_t>{0});
+  return torch::stable::to(dhm, hm.scalar_type());
+}
+
+Tensor sinks_grad_of(const AttnOpts& o, const ma_attn_bwd_params& p, const Tensor& like) {
+  if (!o.sinks.has_value()) return new_strided(like, {0}, {}, acc_type(like.scalar_type()));
+  Tensor d = torch::stable::new_zeros(like, {p.a.H}, ScalarType::Double);
+  if (p.delta) ma_attn_bwd_sinks_grad(&p, static_cast<double*>(d.mutable_data_ptr()));
+  return torch::stable::to(d, o.sinks->scalar_type());
+}
+
 }  // namespace masked_attn_shim

@@ -238,7 +238,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, 
   return {out, lse, out_lo};
 }
 
-std::tuple<Tensor, Tensor, Tensor> varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out,
+std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out,
                                                    Tensor lse, Tensor cu_seq_q, Tensor cu_seq_k, int64_t max_q,
                                                    int64_t max_k, std::optional<double> scale,
                                                    int64_t window_left, int64_t window_right,
@@ -279,7 +279,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward(Tensor grad_out, Tensor q, Te
   run_tasks(ma_attn_bwd_dq_task, &p, ma_attn_bwd_dq_work_items(&p), bytes, q, 1);
   run_tasks(ma_attn_bwd_dkdv_task, &p, ma_attn_bwd_dkdv_work_items(&p), bytes, q, 1);
   // key rows no item covers (none: cu_seq_k[-1] == T_k and no seqused_k) would stay unwritten
-  return {dq, dk, dv};
+  return {dq, dk, dv, sinks_grad_of(o, p, q)};
 }
 
 }  // namespace masked_attn_shim
