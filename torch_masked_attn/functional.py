@@ -210,6 +210,7 @@ def masked_attention(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, ...]:
     """Masked multi-head attention.
 
@@ -250,6 +251,10 @@ def masked_attention(
         sinks: (H,) floating, one learned logit per head that joins every
             row's softmax denominator and has no value (GPT-OSS); gets a
             gradient. A row that no key may attend to still gives 0.
+        alibi_slopes: (H,) or (B, H) float32, flash-attn's ALiBi: the score
+            of query i and key j gets -slope * |i + Lk - Lq - j| (bottom-right
+            aligned, as flash-attn), added after the scaling and the soft-cap,
+            with the masks. No gradient.
 
     Returns:
         out (B, H, Lq, Dv), followed by weights if need_weights and by lse if
@@ -269,6 +274,7 @@ def masked_attention(
         and window is None
         and softcap is None
         and sinks is None
+        and alibi_slopes is None
         and _plain_call(q, k, v)
     ):
         out = _plain_forward(q, k, v, bool(is_causal), None if scale is None else float(scale))
@@ -290,6 +296,7 @@ def masked_attention(
         sinks=sinks,
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
+        alibi_slopes=alibi_slopes,
     )
     return _attention(q, k, v, attn_mask, key_padding_mask, head_mask, scale, need_weights, return_lse, opts)
 
@@ -311,9 +318,15 @@ def _attention(
     of its options: the call."""
     attn_mask = _as_4d_attn_mask(attn_mask, q.size(0), q.size(1))
     if not uses_kernels(q.device):
-        if opts.window != (-1, -1) or opts.softcap is not None or opts.sinks is not None:
+        if (
+            opts.window != (-1, -1)
+            or opts.softcap is not None
+            or opts.sinks is not None
+            or opts.alibi_slopes is not None
+        ):
             raise NotImplementedError(
-                f"masked_attention: window, softcap and sinks run in the CPU kernels only; got tensors on {q.device}"
+                "masked_attention: window, softcap, sinks and alibi_slopes run in the CPU kernels only; "
+                f"got tensors on {q.device}"
             )
         out, lse, weights = native_attention(
             q,
@@ -364,6 +377,7 @@ def scaled_dot_product_attention(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
 ) -> Tensor:
     """Drop-in for torch.nn.functional.scaled_dot_product_attention.
 
@@ -375,7 +389,8 @@ def scaled_dot_product_attention(
     the mask drawn from PyTorch's default generator.
 
     Keyword-only extensions (not in PyTorch), as in masked_attention:
-    window=(left, right), softcap, sinks (Hq,).
+    window=(left, right), softcap, sinks (Hq,), alibi_slopes (Hq,) or (B, Hq)
+    (B the flattened batch dims).
     """
     if (
         attn_mask is None
@@ -383,6 +398,7 @@ def scaled_dot_product_attention(
         and window is None
         and softcap is None
         and sinks is None
+        and alibi_slopes is None
         and _plain_call(query, key, value)
         and query.dim() == 4
         and (enable_gqa or key.dim() != 4 or query.size(1) == key.size(1))
@@ -466,6 +482,7 @@ def scaled_dot_product_attention(
         softcap=softcap,
         sinks=sinks,
         dropout_p=dropout_p,
+        alibi_slopes=alibi_slopes,
     )
     out = _attention(q, k, v, mask, None, None, scale, False, False, opts, fn="scaled_dot_product_attention")
     if query.dim() == 4:
@@ -517,6 +534,7 @@ def varlen_attn(
     num_splits: int | None = None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over packed variable-length sequences, with
     torch.nn.attention.varlen.varlen_attn's signature and conventions, on the CPU.
@@ -551,6 +569,9 @@ def varlen_attn(
             masked_attention: scores -> softcap * tanh(s / softcap) before the
             window; sinks (H,) one logit per head in every row's softmax
             denominator, no value, differentiable (the lse includes it).
+        alibi_slopes: (H,) or (N, H) float32, flash-attn's ALiBi: -slope *
+            |i + Lk - Lq - j| with the sequence's own lengths, after the
+            soft-cap. Paged caches too. No gradient.
 
     Returns:
         out (T_q, H, Dv), and lse if return_aux.lse. A query row that sees no
@@ -583,7 +604,12 @@ def varlen_attn(
             f"varlen_attn: the number of query heads ({hq}) must be a multiple of the number of key/value heads ({hk})"
         )
     opts = ops.AttnOptions.check(
-        "varlen_attn", query, window_size=(-1, -1) if window_size is None else window_size, softcap=softcap, sinks=sinks
+        "varlen_attn",
+        query,
+        window_size=(-1, -1) if window_size is None else window_size,
+        softcap=softcap,
+        sinks=sinks,
+        alibi_slopes=alibi_slopes,
     )
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 0):
         raise ValueError(f"varlen_attn: num_splits must be None or a nonnegative int, got {num_splits!r}")

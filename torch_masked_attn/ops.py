@@ -346,7 +346,9 @@ class AttnOptions:
 
     window: (left, right), -1 a side without bound; softcap > 0 or None;
     sinks (H,) floating or None; dropout_p in [0, 1] with dropout_seed (an
-    int64 (seed, offset) tensor) when > 0."""
+    int64 (seed, offset) tensor) when > 0; alibi_slopes (H,) or (B, H)
+    float32 or None (flash-attn's: score += -slope * |i + Lk - Lq - j| after
+    the scaling and the soft-cap)."""
 
     is_causal: bool = False
     window: tuple[int, int] = (-1, -1)
@@ -354,6 +356,7 @@ class AttnOptions:
     sinks: Tensor | None = None
     dropout_p: float = 0.0
     dropout_seed: Tensor | None = None
+    alibi_slopes: Tensor | None = None
 
     @classmethod
     def check(
@@ -368,6 +371,7 @@ class AttnOptions:
         dropout_p: float = 0.0,
         dropout_seed: object = None,
         window_size: object = None,
+        alibi_slopes: object = None,
     ) -> AttnOptions:
         """The options of a call of ``fn`` on queries ``q`` (B, H, L, D),
         checked. ``window`` is masked_attention's (left, right) with None
@@ -375,12 +379,16 @@ class AttnOptions:
         shim checks (varlen_attn raises its RuntimeError)."""
         dropout_p = float(dropout_p)
         seed = _dropout_seed(fn, dropout_p, dropout_seed)
+        if alibi_slopes is not None and not isinstance(alibi_slopes, Tensor):  # its shape and dtype: the shim's
+            raise TypeError(
+                f"{fn}: alibi_slopes must be None or a float32 Tensor (H,) or (B, H), got {type(alibi_slopes).__name__}"
+            )
         if window_size is not None:  # varlen_attn: torch's window_size; the shim checks the rest (RuntimeError)
             softcap = None if softcap is None else float(softcap)
-            return cls(False, _window_size(fn, window_size), softcap, sinks)
+            return cls(False, _window_size(fn, window_size), softcap, sinks, alibi_slopes=alibi_slopes)
         win, softcap = _window(fn, window), _softcap(fn, softcap)
         _check_sinks(fn, q, sinks)
-        return cls(bool(is_causal), win, softcap, sinks, dropout_p, seed)
+        return cls(bool(is_causal), win, softcap, sinks, dropout_p, seed, alibi_slopes)
 
     @classmethod
     def from_op(cls, a: SimpleNamespace) -> AttnOptions:
@@ -393,12 +401,19 @@ class AttnOptions:
             a.sinks,
             float(getattr(a, "dropout_p", 0.0)),
             getattr(a, "dropout_seed", None),
+            a.alibi_slopes,
         )
 
     @property
     def plain(self) -> bool:
-        """No window, soft-cap, sinks or dropout."""
-        return self.window == (-1, -1) and self.softcap is None and self.sinks is None and not self.dropout_p
+        """No window, soft-cap, sinks, dropout or ALiBi."""
+        return (
+            self.window == (-1, -1)
+            and self.softcap is None
+            and self.sinks is None
+            and not self.dropout_p
+            and self.alibi_slopes is None
+        )
 
     def op_args(self) -> dict[str, object]:
         """The options as the attention ops' schemas name them (registration.cpp);
@@ -413,6 +428,8 @@ class AttnOptions:
         if self.dropout_p:
             named["dropout_p"] = self.dropout_p
             named["dropout_seed"] = self.dropout_seed
+        if self.alibi_slopes is not None:
+            named["alibi_slopes"] = self.alibi_slopes
         return named
 
 

@@ -19,7 +19,7 @@
  * FN(mask_tile_state) (an
  * attn_mask tile that blocks every entry is skipped, one that adds only
  * zeros is not added). Where they are applied: FN(add_bias), the only place
- * scores get their bias; head_mask in FN(head_scale) and the output/gradient
+ * scores get their bias (ALiBi's too); head_mask in FN(head_scale) and the output/gradient
  * lines that use it.
  *
  * The algorithm is FlashAttention-2. The forward and the dq pass hold one
@@ -333,8 +333,11 @@ static int FN(mask_tile_state)(const ma_mask *m, int64_t b, int64_t h, int64_t i
     return blocked ? MA_TILE_BLOCKED : zero ? MA_TILE_ZERO : MA_TILE_MIXED;
 }
 
+/* |d| as ACC: ALiBi's distance (exact below 2^24) */
+static inline ACC FN(dist)(int64_t d) { return (ACC)(d < 0 ? -d : d); }
+
 /* Scores of queries i0 .. i0 + nr against keys j0 .. j0 + nc, plus the bias
- * of every mask (additive forms); accumulates. Element (r, c) lives at
+ * of every mask (additive forms) and ALiBi's; accumulates. Element (r, c) lives at
  * s[r * rs + c * cs]: rs = nc, cs = 1 for row-wise s (nr, nc), rs = 1,
  * cs = nr for transposed sT (nc, nr). am_state is FN(mask_tile_state) of
  * the tile: MA_TILE_ZERO adds nothing from am (s + 0 = s: the same values). */
@@ -370,6 +373,17 @@ static void FN(add_bias)(ACC *s, int64_t rs, int64_t cs, const ma_attn_args *a, 
             const int64_t base = b * am->stride[0] + h * am->stride[1] + (i0 + r) * am->stride[2] + j0 * am->stride[3];
             for (int64_t c = 0; c < nc; c++) s[r * rs + c * cs] += FN(mask_value)(am, base + c * am->stride[3]);
         }
+    }
+    if (a->opts.alibi.ptr) { /* ALiBi: -slope |i + Lk - Lq - j|, after the soft-cap, as flash-attn */
+        const ma_mask *al = &a->opts.alibi;
+        const ACC m = -LOAD(al->ptr, al->dtype, b * al->stride[0] + h * al->stride[1]);
+        const int64_t d0 = i0 + a->Lk - a->Lq - j0; /* i - j + Lk - Lq at r = c = 0 */
+        if (rs == 1)
+            for (int64_t c = 0; c < nc; c++)
+                for (int64_t r = 0; r < nr; r++) s[c * cs + r] += m * FN(dist)(d0 + r - c);
+        else
+            for (int64_t r = 0; r < nr; r++)
+                for (int64_t c = 0; c < nc; c++) s[r * rs + c * cs] += m * FN(dist)(d0 + r - c);
     }
     /* the band (ma_attn_args.band_lo, band_hi; causal: hi = 0): key j = j0 + c
      * is hidden from query i = i0 + r when j - i > hi or j - i < lo */

@@ -108,11 +108,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tens
                                                 double dropout_p, std::optional<Tensor> dropout_seed,
                                                 int64_t window_left, int64_t window_right,
                                                 std::optional<double> softcap, std::optional<Tensor> sinks,
-                                                bool for_backward) {
+                                                bool for_backward, std::optional<Tensor> alibi_slopes) {
   const Sizes s = check_qkv(q, k, v);
   const Masks m = check_masks(s, attn_mask, key_padding_mask);
   const AttnOpts o = parse_attn_opts(
-      s, {is_causal, dropout_p, dropout_seed, window_left, window_right, softcap, sinks, head_mask}, false);
+      s, {is_causal, dropout_p, dropout_seed, window_left, window_right, softcap, sinks, head_mask, alibi_slopes},
+      false);
   return forward_impl(s, m, o, q, k, v, default_scale(s, scale), need_weights, for_backward);
 }
 
@@ -223,11 +224,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
     std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
     bool head_mask_grad, bool mask_grad, double dropout_p, std::optional<Tensor> dropout_seed,
     int64_t window_left, int64_t window_right, std::optional<double> softcap, std::optional<Tensor> sinks,
-    std::optional<Tensor> out_lo) {
+    std::optional<Tensor> out_lo, std::optional<Tensor> alibi_slopes) {
   const Sizes s = check_qkv(q, k, v);
   const Masks m = check_masks(s, attn_mask, key_padding_mask);
   const AttnOpts o = parse_attn_opts(
-      s, {is_causal, dropout_p, dropout_seed, window_left, window_right, softcap, sinks, head_mask}, false);
+      s, {is_causal, dropout_p, dropout_seed, window_left, window_right, softcap, sinks, head_mask, alibi_slopes},
+      false);
   Tensor dq = blhd(q, s.B, s.H, s.Lq, s.D);
   Tensor dk = blhd(q, s.B, s.Hkv, s.Lk, s.D);
   Tensor dv = blhd(q, s.B, s.Hkv, s.Lk, s.Dv);
@@ -247,7 +249,7 @@ std::tuple<Tensor, Tensor, Tensor> attn_backward_into(
     std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
     bool head_mask_grad, bool mask_grad, Tensor grad_q, Tensor grad_k, Tensor grad_v, double dropout_p,
     std::optional<Tensor> dropout_seed, int64_t window_left, int64_t window_right, std::optional<double> softcap,
-    std::optional<Tensor> sinks, std::optional<Tensor> out_lo) {
+    std::optional<Tensor> sinks, std::optional<Tensor> out_lo, std::optional<Tensor> alibi_slopes) {
   // What the kernels allow (masked_attn.h): outputs that never share memory
   // with each other or with what is read, except that the single pass (no
   // grad_weights) may write grad_q, grad_k, grad_v over q, k, v themselves,
@@ -284,7 +286,8 @@ std::tuple<Tensor, Tensor, Tensor> attn_backward_into(
   const Sizes s = check_qkv(q, k, v);
   const Masks m = check_masks(s, attn_mask, key_padding_mask);
   const AttnOpts o = parse_attn_opts(
-      s, {is_causal, dropout_p, dropout_seed, window_left, window_right, softcap, sinks, head_mask}, false);
+      s, {is_causal, dropout_p, dropout_seed, window_left, window_right, softcap, sinks, head_mask, alibi_slopes},
+      false);
   return backward_impl(s, m, o, q, k, v, {grad_out, grad_weights, out, lse, out_lo, head_mask_grad, mask_grad},
                        default_scale(s, scale), grad_q, grad_k, grad_v);
 }

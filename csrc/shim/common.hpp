@@ -240,7 +240,7 @@ struct AttnOptArgs {
   std::optional<Tensor> dropout_seed;
   int64_t window_left = -1, window_right = -1;
   std::optional<double> softcap;
-  std::optional<Tensor> sinks, head_mask;
+  std::optional<Tensor> sinks, head_mask, alibi_slopes;
 };
 
 // The options checked and normalised, once per call (parse_attn_opts): c is
@@ -292,33 +292,34 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tens
                                                 double dropout_p, std::optional<Tensor> dropout_seed,
                                                 int64_t window_left, int64_t window_right,
                                                 std::optional<double> softcap, std::optional<Tensor> sinks,
-                                                bool for_backward);
+                                                bool for_backward, std::optional<Tensor> alibi_slopes);
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
     Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
     Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
     std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
     bool head_mask_grad, bool mask_grad, double dropout_p, std::optional<Tensor> dropout_seed,
     int64_t window_left, int64_t window_right, std::optional<double> softcap, std::optional<Tensor> sinks,
-    std::optional<Tensor> out_lo);
+    std::optional<Tensor> out_lo, std::optional<Tensor> alibi_slopes);
 std::tuple<Tensor, Tensor, Tensor> attn_backward_into(
     Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
     Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
     std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
     bool head_mask_grad, bool mask_grad, Tensor grad_q, Tensor grad_k, Tensor grad_v, double dropout_p,
     std::optional<Tensor> dropout_seed, int64_t window_left, int64_t window_right, std::optional<double> softcap,
-    std::optional<Tensor> sinks, std::optional<Tensor> out_lo);
+    std::optional<Tensor> sinks, std::optional<Tensor> out_lo, std::optional<Tensor> alibi_slopes);
 std::tuple<Tensor, Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seq_q,
                                                   std::optional<Tensor> cu_seq_k, int64_t max_q, int64_t max_k,
                                                   std::optional<double> scale, int64_t window_left,
                                                   int64_t window_right, std::optional<Tensor> seqused_k,
                                                   std::optional<Tensor> block_table, std::optional<double> softcap,
-                                                  std::optional<Tensor> sinks, bool for_backward);
+                                                  std::optional<Tensor> sinks, bool for_backward,
+                                                  std::optional<Tensor> alibi_slopes);
 std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out,
                                                    Tensor lse, Tensor cu_seq_q, Tensor cu_seq_k, int64_t max_q,
                                                    int64_t max_k, std::optional<double> scale,
                                                    int64_t window_left, int64_t window_right,
                                                    std::optional<double> softcap, std::optional<Tensor> sinks,
-                                                   std::optional<Tensor> out_lo);
+                                                   std::optional<Tensor> out_lo, std::optional<Tensor> alibi_slopes);
 std::tuple<Tensor, Tensor> ce_forward(Tensor input, Tensor target, std::optional<Tensor> weight,
                                       std::string reduction, int64_t ignore_index, double label_smoothing,
                                       double z_loss, std::optional<double> softcap, bool inplace_backward);

@@ -1,5 +1,5 @@
 // options.cpp -- the options of an attention call (the masks aside: window,
-// soft-capping, sinks, head mask, dropout), checked and normalised in one
+// soft-capping, sinks, head mask, ALiBi, dropout), checked and normalised in one
 // place for the five attention ops (forward, backward, backward_into,
 // varlen_forward, varlen_backward) into ma_attn_opts, what the kernels read.
 
@@ -74,6 +74,14 @@ AttnOpts parse_attn_opts(const Sizes& s, const AttnOptArgs& in, bool varlen) {
              "), got ", shape_str(hm));
     o.head_mask = canonical_mask(in.head_mask, "head_mask", {s.B, s.H}, "(B, H)", false);
     r.head_mask = in.head_mask;
+  }
+  if (in.alibi_slopes.has_value()) {  // flash-attn's alibi_slopes: (H,) or (B, H) float32
+    const Tensor& al = *in.alibi_slopes;
+    MA_CHECK(al.scalar_type() == ScalarType::Float, "masked_attn: alibi_slopes must be float32, got another dtype");
+    MA_CHECK((al.dim() == 1 && al.size(0) == s.H) || (al.dim() == 2 && al.size(0) == s.B && al.size(1) == s.H),
+             "masked_attn: alibi_slopes must have shape (H,) = (", s.H, ",) or (B, H) = (", s.B, ", ", s.H,
+             "), got ", shape_str(al));
+    o.alibi = canonical_mask(in.alibi_slopes, "alibi_slopes", {s.B, s.H}, "(B, H)", false);
   }
   parse_dropout(s, in.dropout_p, in.dropout_seed, &o);
   return r;

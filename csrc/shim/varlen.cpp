@@ -217,10 +217,11 @@ std::tuple<Tensor, Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, 
                                                   std::optional<double> scale, int64_t window_left,
                                                   int64_t window_right, std::optional<Tensor> seqused_k,
                                                   std::optional<Tensor> block_table, std::optional<double> softcap,
-                                                  std::optional<Tensor> sinks, bool for_backward) {
+                                                  std::optional<Tensor> sinks, bool for_backward,
+                                                  std::optional<Tensor> alibi_slopes) {
   const Varlen r = check_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, window_left, window_right, seqused_k,
                                 block_table);
-  const AttnOpts o = parse_attn_opts(r.sizes(), {false, 0.0, std::nullopt, window_left, window_right, softcap, sinks}, true);
+  const AttnOpts o = parse_attn_opts(r.sizes(), {false, 0.0, std::nullopt, window_left, window_right, softcap, sinks, std::nullopt, alibi_slopes}, true);
   const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(r.D));
   Tensor out = new_strided(q, {r.Tq, r.H, r.Dv}, {});
   advise_huge_pages(out);
@@ -243,9 +244,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_backward(Tensor grad_out, Tens
                                                    int64_t max_k, std::optional<double> scale,
                                                    int64_t window_left, int64_t window_right,
                                                    std::optional<double> softcap, std::optional<Tensor> sinks,
-                                                   std::optional<Tensor> out_lo) {
+                                                   std::optional<Tensor> out_lo, std::optional<Tensor> alibi_slopes) {
   const Varlen r = check_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, window_left, window_right, std::nullopt);
-  const AttnOpts o = parse_attn_opts(r.sizes(), {false, 0.0, std::nullopt, window_left, window_right, softcap, sinks}, true);
+  const AttnOpts o = parse_attn_opts(r.sizes(), {false, 0.0, std::nullopt, window_left, window_right, softcap, sinks, std::nullopt, alibi_slopes}, true);
   const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(r.D));
   check_shape(out, "out", {r.Tq, r.H, r.Dv}, "(T_q, H, Dv)", q.scalar_type());
   check_out_lo(out_lo, {r.Tq, r.H, r.Dv}, "(T_q, H, Dv)", q.scalar_type());
