@@ -514,9 +514,10 @@ def _window_size(fn: str, window_size: object) -> tuple[int, int]:
 # device for every tensor. Each reads the call's arguments by name (OpArgs).
 
 
-def _same_device(op: str, a: SimpleNamespace) -> None:
+def _same_device(op: str, a: SimpleNamespace | None = None, **tensors: Tensor | None) -> None:
+    """All the tensors of a call (a, read by OpArgs, or the keyword arguments) on one device."""
     first_name, first = None, None
-    for name, t in vars(a).items():
+    for name, t in (vars(a) if a is not None else tensors).items():
         if not isinstance(t, Tensor):
             continue
         if first is None:
