@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .devices import uses_kernels
 from .functional import native_attention
-from .ops import AttnOptions, _needs, attention_backward, first_order_only, grad_wanted, new_dropout_seed, saved_out_lo
+from .ops import (
+    AttnOptions,
+    AttnSaved,
+    _needs,
+    attention_backward,
+    first_order_only,
+    grad_wanted,
+    new_dropout_seed,
+    saved_out_lo,
+)
 
 __all__ = ["MultiheadAttention", "replace_attention"]
 
@@ -87,7 +94,7 @@ class _PackedSelfAttention(torch.autograd.Function):
         grad_qkv = torch.empty_like(qkv)
         q, k, v = _split_qkv(qkv, ctx.batch_first)
         g = attention_backward(
-            SimpleNamespace(
+            AttnSaved(
                 q=q,
                 k=k,
                 v=v,
@@ -186,7 +193,7 @@ class _RecomputedSelfAttention(torch.autograd.Function):
             qkv = F.linear(x, w_in, b_in).unflatten(-1, (3, H, -1))
             views = _split_qkv(qkv, bf)
             g = attention_backward(
-                SimpleNamespace(
+                AttnSaved(
                     q=views[0],
                     k=views[1],
                     v=views[2],

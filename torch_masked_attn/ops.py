@@ -96,6 +96,7 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -594,6 +595,21 @@ def _backward_fake(*args, **kwargs):
 # ---- autograd ------------------------------------------------------------
 
 
+class AttnSaved(NamedTuple):
+    """What attention_backward reads of a forward, by name (a NamedTuple:
+    torch.compile traces its construction inside autograd.Functions)."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    out: Tensor
+    lse: Tensor
+    attn_mask: Tensor | None = None
+    key_padding_mask: Tensor | None = None
+    head_mask: Tensor | None = None
+    out_lo: Tensor | None = None
+
+
 def _save(ctx, **tensors: Tensor | None) -> None:
     """ctx.save_for_backward by name: ctx.saved() gives them back as a namespace."""
     ctx.save_for_backward(*tensors.values())
@@ -629,7 +645,7 @@ def _forward_setup_context(ctx, a, output):
 
 
 def attention_backward(
-    t: SimpleNamespace,
+    t: AttnSaved | SimpleNamespace,
     opts: AttnOptions,
     needs: dict[str, bool],
     grad_out: Tensor | None,
