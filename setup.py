@@ -46,6 +46,7 @@ PORTABLE = {  # no instruction-set flags: the policy, the scalar instances, the 
     "common/isa.c": [],
     "attention/scalar.c": [],
     "attention/dispatch.c": [],
+    "attention/head_grads.c": [],
     "cross_entropy/scalar.c": [],
     "cross_entropy/dispatch.c": [],
     "kv_cache/cache_write.c": [],

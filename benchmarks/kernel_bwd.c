@@ -92,7 +92,7 @@ int main(int argc, char **argv) {
     memcpy(a.q_stride, st, sizeof st), memcpy(a.k_stride, st, sizeof st), memcpy(a.v_stride, st, sizeof st);
     memcpy(a.out_stride, ost, sizeof ost);
     a.is_causal = 1, a.scale = 1.0 / sqrt((double)D);
-    a.window_left = a.window_right = -1;
+    a.opts.window_left = a.opts.window_right = -1;
     a.B = B, a.H = H, a.Hkv = H, a.Lq = L, a.Lk = L, a.D = D, a.Dv = D;
     a.block_q = a.block_k = 64;
     a.band_lo = -MA_BAND_INF, a.band_hi = 0;

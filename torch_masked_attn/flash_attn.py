@@ -32,10 +32,10 @@ Differences from flash-attn (every one a superset or a documented choice):
   ``(batch, H, round128(max_seqlen_q), round128(max_seqlen_k))``), the softmax probabilities,
   negated where dropped, zero beyond the sequence (computed by a second, probability-returning pass;
   for testing, as flash-attn says).
-* fallbacks: ``alibi_slopes`` (no ALiBi in the kernels yet) is a float additive mask
-  ``-slope * |i + Lk - Lq - j|`` of ``(B or 1, H, Lq, Lk)`` through ``masked_attention``; varlen calls
-  with dropout or ALiBi are padded to ``(batch, max_len, H, D)`` (copies) and run there;
-  ``flash_attn_with_kvcache`` with ALiBi gathers the keys into a dense copy. The dense functions with
+* ``alibi_slopes`` runs in the kernels (``masked_attention`` / ``varlen_attn``'s ``alibi_slopes``),
+  paged caches included. Fallbacks: varlen calls with dropout are padded to ``(batch, max_len, H, D)``
+  (copies) and run there, their ALiBi then a float additive mask ``-slope * |i + Lk - Lq - j|`` of each
+  sequence's own lengths. The dense functions with
   Lq != Lk and a window bound the top-left windows cannot express add a boolean mask (exact, slower).
   flash-attn's kernels add ``slope * j`` instead of the documented bias when ``causal=True``: same
   output, its ``softmax_lse`` larger by ``slope * (i + Lk - Lq)``; ours is the documented one.
@@ -189,6 +189,7 @@ def _alibi(fn: str, alibi_slopes, B: int, H: int) -> Tensor | None:
         )
     if not alibi_slopes.is_floating_point():
         raise TypeError(f"{fn}: alibi_slopes must be float32 (H,) or (B, H), got {alibi_slopes.dtype}")
+    # the kernels take float32 slopes, (H,) or (B, H)
     if tuple(alibi_slopes.shape) not in ((H,), (B, H)):
         raise ValueError(
             f"{fn}: alibi_slopes must have shape (H,) = ({H},) or (B, H) = ({B}, {H}), got {tuple(alibi_slopes.shape)}"
@@ -197,7 +198,7 @@ def _alibi(fn: str, alibi_slopes, B: int, H: int) -> Tensor | None:
         raise ValueError(
             f"{fn}: alibi_slopes is on {alibi_slopes.device}; torch_masked_attn.flash_attn computes on the CPU"
         )
-    return alibi_slopes.detach().reshape(-1, H)
+    return alibi_slopes.detach().to(torch.float32)
 
 
 def _fa_lse(lse: Tensor | None) -> Tensor:
@@ -263,14 +264,13 @@ def _dense_attention(
         wl = None if left < 0 else left - off
         wr = None if right < 0 else right + off
         exact = (wl is None or wl >= 0) and (wr is None or wr >= 0)
-        if not exact or alibi is not None:
+        if not exact:
             d = torch.arange(Lq, device=dev)[:, None] + off - torch.arange(Lk, device=dev)[None]
             blocked = torch.zeros(Lq, Lk, dtype=torch.bool, device=dev)
             if left >= 0:
                 blocked |= d > left
             if right >= 0:
                 blocked |= d < -right
-            dist = d.abs()
         wl = None if wl is None else max(wl, 0)
         wr = None if wr is None else max(wr, 0)
         if wl is None and wr == 0:
@@ -290,14 +290,16 @@ def _dense_attention(
         if right >= 0:
             blocked = blocked | (d < -right)
         blocked, dist = blocked.unsqueeze(1), d.abs().unsqueeze(1)  # (B, 1, Lq, Lk)
-    mask = blocked
-    if alibi is not None:
-        assert blocked is not None and dist is not None  # built above whenever alibi is given
+    mask, alibi_slopes = blocked, alibi
+    if alibi is not None and dist is not None:  # per-entry lengths: ALiBi as the additive mask of each entry's own
+        assert blocked is not None
         bias_dtype = torch.float64 if q4.dtype == torch.float64 else torch.float32
-        slopes = alibi.to(bias_dtype).view(-1, H, 1, 1)
-        mask = (-slopes * dist.to(bias_dtype)).masked_fill(blocked, float("-inf"))
+        slopes = alibi.to(bias_dtype).reshape(-1, H, 1, 1)
+        mask, alibi_slopes = (-slopes * dist.to(bias_dtype)).masked_fill(blocked, float("-inf")), None
     qt, kt, vt = q4.transpose(1, 2), k4.transpose(1, 2), v4.transpose(1, 2)
-    kw: dict[str, Any] = dict(attn_mask=mask, is_causal=is_causal, window=window, scale=scale, softcap=softcap)
+    kw: dict[str, Any] = dict(
+        attn_mask=mask, is_causal=is_causal, window=window, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes
+    )
     need_weights = want_probs and dropout_p > 0
     ret = _fn.masked_attention(qt, kt, vt, dropout_p=dropout_p, need_weights=need_weights, return_lse=want_lse, **kw)
     res = ret if isinstance(ret, tuple) else cast("tuple[Tensor, ...]", (ret,))
@@ -593,7 +595,7 @@ def flash_attn_varlen_func(
     q0, q1 = int(cu_q[0]), int(cu_q[-1])
     qs = q if (q0, q1) == (0, q.size(0)) else q[q0:q1]
     probs = None
-    if dropout_p == 0.0 and alibi is None:
+    if dropout_p == 0.0:
         if paged:
             res = _fn.varlen_attn(
                 qs,
@@ -610,6 +612,7 @@ def flash_attn_varlen_func(
                 seqused_k=lens_k.to(torch.int32),
                 block_table=bt.to(torch.int32).contiguous(),
                 softcap=cap,
+                alibi_slopes=alibi,
             )
         else:
             k0, k1 = int(cu_k[0]), int(cu_k[-1])
@@ -627,10 +630,11 @@ def flash_attn_varlen_func(
                 window_size=(left, right),
                 enable_gqa=True,
                 softcap=cap,
+                alibi_slopes=alibi,
             )
         out, lse = cast("tuple[Tensor, Tensor]", res) if want else (cast(Tensor, res), None)
     else:
-        # the packed kernels have neither dropout nor ALiBi: pad the batch and run the dense ones
+        # the packed kernels have no dropout: pad the batch and run the dense ones
         q4 = _pad_rows(qs, cu_q[:-1] - q0, max(mq, 1))
         if paged:
             k4, v4 = _gather_paged(k, bt, lens_k), _gather_paged(v, bt, lens_k)
@@ -984,60 +988,35 @@ def flash_attn_with_kvcache(
                 k.reshape(B * Lnew, Hk, D), v.reshape(B * Lnew, Hk, Dv), k_cache, v_cache, slots.flatten()
             )
 
-        if alibi is not None:
-            # no ALiBi in the packed kernels: the keys as a dense (B, Lk, H_kv, D) tensor (a copy for
-            # paged caches and cache_batch_idx; a view otherwise) and an additive mask
-            lk = torch.tensor(lengths)
-            if paged:
-                kd, vd = _gather_paged(k_cache, bt, lk), _gather_paged(v_cache, bt, lk)
-            elif idx is None:
-                kd, vd = k_cache[:B], v_cache[:B]
-            else:
-                kd, vd = k_cache.index_select(0, torch.tensor(idx)), v_cache.index_select(0, torch.tensor(idx))
-            out, lse, _ = _dense_attention(
-                q,
-                kd,
-                vd,
-                scale=scale,
-                left=left,
-                right=right,
-                softcap=cap,
-                alibi=alibi,
-                dropout_p=0.0,
-                want_lse=want_lse,
-                want_probs=False,
-                lk=lk,
-                kstart=None if leftpad is None else torch.tensor(leftpad),
+        qf = q.reshape(B * Lq, H, D)
+        cu_q = _steps(B, Lq)
+        common: dict[str, Any] = dict(
+            return_aux=_fn.AuxRequest(lse=want_lse),
+            scale=scale,
+            window_size=(left, right),
+            enable_gqa=True,
+            seqused_k=torch.tensor(lengths, dtype=torch.int32),
+            softcap=cap,
+            alibi_slopes=alibi,
+        )
+        if paged:
+            res = _fn.varlen_attn(
+                qf,
+                k_cache,
+                v_cache,
+                cu_q,
+                None,
+                max(Lq, 1),
+                max(seqlen_k, 1),
+                block_table=bt.to(torch.int32).contiguous(),
+                **common,
             )
         else:
-            qf = q.reshape(B * Lq, H, D)
-            cu_q = _steps(B, Lq)
-            common: dict[str, Any] = dict(
-                return_aux=_fn.AuxRequest(lse=want_lse),
-                scale=scale,
-                window_size=(left, right),
-                enable_gqa=True,
-                seqused_k=torch.tensor(lengths, dtype=torch.int32),
-                softcap=cap,
-            )
-            if paged:
-                res = _fn.varlen_attn(
-                    qf,
-                    k_cache,
-                    v_cache,
-                    cu_q,
-                    None,
-                    max(Lq, 1),
-                    max(seqlen_k, 1),
-                    block_table=bt.to(torch.int32).contiguous(),
-                    **common,
-                )
-            else:
-                res = _kvcache_dense(qf, k_cache, v_cache, cu_q, Lq, idx, leftpad, common)
-            out, lse = cast("tuple[Tensor, Tensor]", res) if want_lse else (cast(Tensor, res), None)
-            out = out.view(B, Lq, H, Dv)
-            if lse is not None:
-                lse = lse.view(H, B, Lq).transpose(0, 1).contiguous()
+            res = _kvcache_dense(qf, k_cache, v_cache, cu_q, Lq, idx, leftpad, common)
+        out, lse = cast("tuple[Tensor, Tensor]", res) if want_lse else (cast(Tensor, res), None)
+        out = out.view(B, Lq, H, Dv)
+        if lse is not None:
+            lse = lse.view(H, B, Lq).transpose(0, 1).contiguous()
     if not want_lse:
         return out
     return out, _fa_lse(lse)

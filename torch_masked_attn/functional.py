@@ -11,7 +11,7 @@ varlen_attn                   torch.nn.attention.varlen.varlen_attn: packed
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -185,68 +185,12 @@ def _plain_call(q: object, k: object, v: object) -> bool:
     )
 
 
-def _check_dropout_p(fn, dropout_p):
-    if not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"{fn}: dropout_p must be in [0, 1], got {dropout_p}")
-
-
-def _check_dropout_seed(fn, seed):
-    if not isinstance(seed, torch.Tensor):
-        raise TypeError(
-            f"{fn}: dropout_seed must be None or an int64 tensor (seed, offset) of shape (2,), "
-            f"got {type(seed).__name__}"
-        )
-    if seed.dtype != torch.int64 or tuple(seed.shape) != (2,) or seed.device.type != "cpu":
-        raise ValueError(
-            f"{fn}: dropout_seed must be an int64 CPU tensor (seed, offset) of shape (2,), got "
-            f"{seed.dtype} {tuple(seed.shape)} on {seed.device}"
-        )
-
-
 def _as_4d_attn_mask(attn_mask, B, H):
     """nn.MultiheadAttention's (B*H, Lq, Lk) form as the (B, H, Lq, Lk) it means;
     every other shape is left to broadcast by strides."""
     if attn_mask is not None and attn_mask.dim() == 3 and B > 1 and attn_mask.size(0) == B * H:
         return attn_mask.unflatten(0, (B, H))
     return attn_mask
-
-
-def _window_cap_sinks(fn, q, window, softcap, sinks):
-    """Checks window, softcap and sinks; returns (window_left, window_right,
-    softcap, sinks) as the op takes them."""
-    left = right = -1
-    if window is not None:
-        if not isinstance(window, (tuple, list)) or len(window) != 2:
-            raise TypeError(f"{fn}: window must be None or a pair (left, right), got {window!r}")
-        sides = []
-        for name, w in zip(("left", "right"), window):
-            if w is None:
-                w = -1
-            if isinstance(w, bool) or not isinstance(w, int):
-                raise TypeError(f"{fn}: window {name} must be an int or None, got {type(w).__name__}")
-            if w < -1:
-                raise ValueError(f"{fn}: window {name} must be >= 0, or -1 / None for no bound, got {w}")
-            sides.append(int(w))
-        left, right = sides
-    if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-            raise TypeError(f"{fn}: softcap must be None or a number > 0, got {type(softcap).__name__}")
-        if not (math.isfinite(softcap) and softcap > 0):
-            raise ValueError(f"{fn}: softcap must be None or a finite number > 0, got {softcap}")
-        softcap = float(softcap)
-    if sinks is not None:
-        if not isinstance(sinks, torch.Tensor):
-            raise TypeError(f"{fn}: sinks must be None or a Tensor, got {type(sinks).__name__}")
-        if not sinks.is_floating_point():
-            raise TypeError(f"{fn}: sinks must be floating point, got {sinks.dtype}")
-        if sinks.dim() != 1 or sinks.size(0) != q.size(-3):
-            raise ValueError(
-                f"{fn}: sinks must have shape (H,) = ({q.size(-3)},), one logit per query head, "
-                f"got {tuple(sinks.shape)}"
-            )
-        if sinks.device != q.device:
-            raise ValueError(f"{fn}: sinks must be on q's device ({q.device}), got {sinks.device}")
-    return left, right, softcap, sinks
 
 
 def masked_attention(
@@ -266,6 +210,7 @@ def masked_attention(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, ...]:
     """Masked multi-head attention.
 
@@ -306,6 +251,10 @@ def masked_attention(
         sinks: (H,) floating, one learned logit per head that joins every
             row's softmax denominator and has no value (GPT-OSS); gets a
             gradient. A row that no key may attend to still gives 0.
+        alibi_slopes: (H,) or (B, H) float32, flash-attn's ALiBi: the score
+            of query i and key j gets -slope * |i + Lk - Lq - j| (bottom-right
+            aligned, as flash-attn), added after the scaling and the soft-cap,
+            with the masks. No gradient.
 
     Returns:
         out (B, H, Lq, Dv), followed by weights if need_weights and by lse if
@@ -325,13 +274,12 @@ def masked_attention(
         and window is None
         and softcap is None
         and sinks is None
+        and alibi_slopes is None
         and _plain_call(q, k, v)
     ):
         out = _plain_forward(q, k, v, bool(is_causal), None if scale is None else float(scale))
         if out is not None:
             return out
-    dropout_p = float(dropout_p)
-    _check_dropout_p("masked_attention", dropout_p)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"masked_attention: {name} must be a Tensor, got {type(t).__name__}")
@@ -339,51 +287,46 @@ def masked_attention(
             raise ValueError(f"masked_attention: {name} must be 4-D (B, H, L, D), got shape {tuple(t.shape)}")
         if t.dtype not in _FLOATS:
             raise TypeError(f"masked_attention: {name} must be float32, float64, bfloat16 or float16, got {t.dtype}")
-    return _attention(
+    opts = ops.AttnOptions.check(
+        "masked_attention",
         q,
-        k,
-        v,
-        attn_mask,
-        key_padding_mask,
-        head_mask,
-        is_causal,
-        scale,
-        dropout_p,
-        need_weights,
-        return_lse,
-        dropout_seed,
-        window,
-        softcap,
-        sinks,
+        is_causal=is_causal,
+        window=window,
+        softcap=softcap,
+        sinks=sinks,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
+        alibi_slopes=alibi_slopes,
     )
+    return _attention(q, k, v, attn_mask, key_padding_mask, head_mask, scale, need_weights, return_lse, opts)
 
 
 def _attention(
-    q,
-    k,
-    v,
-    attn_mask,
-    key_padding_mask,
-    head_mask,
-    is_causal,
-    scale,
-    dropout_p,
-    need_weights,
-    return_lse,
-    dropout_seed,
-    window,
-    softcap,
-    sinks,
-    fn="masked_attention",
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None,
+    key_padding_mask: Tensor | None,
+    head_mask: Tensor | None,
+    scale: float | None,
+    need_weights: bool,
+    return_lse: bool,
+    opts: ops.AttnOptions,
+    fn: str = "masked_attention",
 ):
-    """masked_attention after its checks of q, k, v (4-D floating tensors), with
-    dropout_p a float in [0, 1]: the rest of the checks, and the call."""
-    extra = _window_cap_sinks(fn, q, window, softcap, sinks)
+    """masked_attention after its checks of q, k, v (4-D floating tensors) and
+    of its options: the call."""
     attn_mask = _as_4d_attn_mask(attn_mask, q.size(0), q.size(1))
     if not uses_kernels(q.device):
-        if window is not None or softcap is not None or sinks is not None:
+        if (
+            opts.window != (-1, -1)
+            or opts.softcap is not None
+            or opts.sinks is not None
+            or opts.alibi_slopes is not None
+        ):
             raise NotImplementedError(
-                f"masked_attention: window, softcap and sinks run in the CPU kernels only; got tensors on {q.device}"
+                "masked_attention: window, softcap, sinks and alibi_slopes run in the CPU kernels only; "
+                f"got tensors on {q.device}"
             )
         out, lse, weights = native_attention(
             q,
@@ -392,35 +335,30 @@ def _attention(
             attn_mask,
             key_padding_mask,
             head_mask,
-            bool(is_causal),
+            opts.is_causal,
             scale,
             bool(need_weights),
             bool(return_lse),
-            float(dropout_p),
+            opts.dropout_p,
         )
-        if not (need_weights or return_lse):
-            return out
-        return (out,) + ((weights,) if need_weights else ()) + ((lse,) if return_lse else ())
-    drop = ()
-    if dropout_p > 0.0:
-        if dropout_seed is not None:
-            _check_dropout_seed(fn, dropout_seed)
-        drop = (dropout_p, ops.new_dropout_seed() if dropout_seed is None else dropout_seed)
-    out, lse, weights, _ = ops.call_op(
-        torch.ops.masked_attn.forward.default,
-        q,
-        k,
-        v,
-        attn_mask,
-        key_padding_mask,
-        head_mask,
-        bool(is_causal),
-        None if scale is None else float(scale),
-        bool(need_weights),
-        *(drop or (0.0, None)),
-        *extra,
-        ops.grad_wanted(q, k, v, attn_mask, key_padding_mask, head_mask, extra[3]),
-    )
+    else:
+        if opts.dropout_p > 0.0 and opts.dropout_seed is None:
+            opts = dataclasses.replace(opts, dropout_seed=ops.new_dropout_seed())
+        out, lse, weights, _ = ops.call_op(
+            _FORWARD,
+            *ops.FORWARD(
+                q=q,
+                k=k,
+                v=v,
+                attn_mask=attn_mask,
+                key_padding_mask=key_padding_mask,
+                head_mask=head_mask,
+                scale=None if scale is None else float(scale),
+                need_weights=bool(need_weights),
+                for_backward=ops.grad_wanted(q, k, v, attn_mask, key_padding_mask, head_mask, opts.sinks),
+                **opts.op_args(),
+            ),
+        )
     if not (need_weights or return_lse):
         return out
     return (out,) + ((weights,) if need_weights else ()) + ((lse,) if return_lse else ())
@@ -439,6 +377,7 @@ def scaled_dot_product_attention(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
 ) -> Tensor:
     """Drop-in for torch.nn.functional.scaled_dot_product_attention.
 
@@ -450,7 +389,8 @@ def scaled_dot_product_attention(
     the mask drawn from PyTorch's default generator.
 
     Keyword-only extensions (not in PyTorch), as in masked_attention:
-    window=(left, right), softcap, sinks (Hq,).
+    window=(left, right), softcap, sinks (Hq,), alibi_slopes (Hq,) or (B, Hq)
+    (B the flattened batch dims).
     """
     if (
         attn_mask is None
@@ -458,6 +398,7 @@ def scaled_dot_product_attention(
         and window is None
         and softcap is None
         and sinks is None
+        and alibi_slopes is None
         and _plain_call(query, key, value)
         and query.dim() == 4
         and (enable_gqa or key.dim() != 4 or query.size(1) == key.size(1))
@@ -465,7 +406,6 @@ def scaled_dot_product_attention(
         out = _plain_forward(query, key, value, bool(is_causal), None if scale is None else float(scale))
         if out is not None:
             return out
-    _check_dropout_p("scaled_dot_product_attention", float(dropout_p))
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"scaled_dot_product_attention: {name} must be a Tensor")
@@ -534,24 +474,17 @@ def scaled_dot_product_attention(
             mask = ~mask  # F.sdpa: True = take part; ours: True = blocked
         if len(batch) > 1 and mask.dim() > 3:  # flatten the batch dims like q's
             mask = mask.expand(*batch, *mask.shape[-3:]).reshape(-1, *mask.shape[-3:])
-    out = _attention(
+    opts = ops.AttnOptions.check(
+        "scaled_dot_product_attention",
         q,
-        k,
-        v,
-        mask,
-        None,
-        None,
-        is_causal,
-        scale,
-        float(dropout_p),
-        False,
-        False,
-        None,
-        window,
-        softcap,
-        sinks,
-        fn="scaled_dot_product_attention",
+        is_causal=is_causal,
+        window=window,
+        softcap=softcap,
+        sinks=sinks,
+        dropout_p=dropout_p,
+        alibi_slopes=alibi_slopes,
     )
+    out = _attention(q, k, v, mask, None, None, scale, False, False, opts, fn="scaled_dot_product_attention")
     if query.dim() == 4:
         return out
     out_shape = (*batch, hq, query.size(-2), value.size(-1)) if query.dim() >= 3 else (query.size(-2), value.size(-1))
@@ -601,6 +534,7 @@ def varlen_attn(
     num_splits: int | None = None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over packed variable-length sequences, with
     torch.nn.attention.varlen.varlen_attn's signature and conventions, on the CPU.
@@ -635,6 +569,9 @@ def varlen_attn(
             masked_attention: scores -> softcap * tanh(s / softcap) before the
             window; sinks (H,) one logit per head in every row's softmax
             denominator, no value, differentiable (the lse includes it).
+        alibi_slopes: (H,) or (N, H) float32, flash-attn's ALiBi: -slope *
+            |i + Lk - Lq - j| with the sequence's own lengths, after the
+            soft-cap. Paged caches too. No gradient.
 
     Returns:
         out (T_q, H, Dv), and lse if return_aux.lse. A query row that sees no
@@ -666,14 +603,14 @@ def varlen_attn(
         raise ValueError(
             f"varlen_attn: the number of query heads ({hq}) must be a multiple of the number of key/value heads ({hk})"
         )
-    if window_size is None:
-        window_size = (-1, -1)
-    window_size = tuple(window_size)
-    if len(window_size) != 2:
-        raise ValueError(f"varlen_attn: window_size must have length 2, got {len(window_size)}")
-    left, right = (int(w) for w in window_size)
-    if left < -1 or right < -1:
-        raise ValueError(f"varlen_attn: window_size entries must be -1 (unbounded) or >= 0, got {window_size}")
+    opts = ops.AttnOptions.check(
+        "varlen_attn",
+        query,
+        window_size=(-1, -1) if window_size is None else window_size,
+        softcap=softcap,
+        sinks=sinks,
+        alibi_slopes=alibi_slopes,
+    )
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 0):
         raise ValueError(f"varlen_attn: num_splits must be None or a nonnegative int, got {num_splits!r}")
     if block_table is not None:
@@ -696,21 +633,20 @@ def varlen_attn(
         raise ValueError("varlen_attn: cu_seq_k is required without block_table")
     out, lse, _ = ops.call_op(
         torch.ops.masked_attn.varlen_forward.default,
-        query,
-        key,
-        value,
-        cu_seq_q,
-        cu_seq_k,
-        int(max_q),
-        int(max_k),
-        None if scale is None else float(scale),
-        left,
-        right,
-        seqused_k,
-        block_table,
-        None if softcap is None else float(softcap),
-        sinks,
-        ops.grad_wanted(query, key, value, sinks),
+        *ops.VARLEN_FORWARD(
+            query=query,
+            key=key,
+            value=value,
+            cu_seq_q=cu_seq_q,
+            cu_seq_k=cu_seq_k,
+            max_q=int(max_q),
+            max_k=int(max_k),
+            scale=None if scale is None else float(scale),
+            seqused_k=seqused_k,
+            block_table=block_table,
+            for_backward=ops.grad_wanted(query, key, value, opts.sinks),
+            **opts.op_args(),
+        ),
     )
     if return_aux is not None and return_aux.lse:
         return out, lse

@@ -8,7 +8,16 @@ from torch import Tensor, nn
 
 from .devices import uses_kernels
 from .functional import native_attention
-from .ops import _needs, attention_backward, first_order_only, grad_wanted, new_dropout_seed, saved_out_lo
+from .ops import (
+    AttnOptions,
+    AttnSaved,
+    _needs,
+    attention_backward,
+    first_order_only,
+    grad_wanted,
+    new_dropout_seed,
+    saved_out_lo,
+)
 
 __all__ = ["MultiheadAttention", "replace_attention"]
 
@@ -83,18 +92,26 @@ class _PackedSelfAttention(torch.autograd.Function):
         saved = ctx.saved_tensors  # once: activation checkpointing unpacks each saved tensor only once
         qkv, out, lse, attn_mask, key_padding_mask, head_mask, dropout_seed, out_lo = saved
         grad_qkv = torch.empty_like(qkv)
-        _, _, _, d_am, d_kpm, dhm = attention_backward(
-            (*_split_qkv(qkv, ctx.batch_first), out, lse, attn_mask, key_padding_mask, head_mask),
-            _needs(ctx, 1, 2, 3),
-            ctx.is_causal,
-            None,
+        q, k, v = _split_qkv(qkv, ctx.batch_first)
+        g = attention_backward(
+            AttnSaved(
+                q=q,
+                k=k,
+                v=v,
+                out=out,
+                lse=lse,
+                attn_mask=attn_mask,
+                key_padding_mask=key_padding_mask,
+                head_mask=head_mask,
+                out_lo=out_lo,
+            ),
+            AttnOptions(is_causal=ctx.is_causal, dropout_p=ctx.dropout_p, dropout_seed=dropout_seed),
+            dict(zip(("attn_mask", "key_padding_mask", "head_mask"), _needs(ctx, 1, 2, 3))),
             grad_out,
             grad_weights if ctx.need_weights else None,
             into=_split_qkv(grad_qkv, ctx.batch_first),
-            dropout_p=ctx.dropout_p,
-            dropout_seed=dropout_seed,
-            out_lo=out_lo,
         )
+        d_am, d_kpm, dhm = g["attn_mask"], g["key_padding_mask"], g["head_mask"]
         return first_order_only("MultiheadAttention", saved[:6], grad_qkv, d_am, d_kpm, dhm) + (None,) * 6
 
 
@@ -175,18 +192,25 @@ class _RecomputedSelfAttention(torch.autograd.Function):
             # out = attention(split(x W_in^T + b_in)): projected again, overwritten by its gradient
             qkv = F.linear(x, w_in, b_in).unflatten(-1, (3, H, -1))
             views = _split_qkv(qkv, bf)
-            _, _, _, d_am, d_kpm, dhm = attention_backward(
-                (*views, out, lse, attn_mask, key_padding_mask, head_mask),
-                _needs(ctx, 5, 6, 7),
-                ctx.is_causal,
-                None,
+            g = attention_backward(
+                AttnSaved(
+                    q=views[0],
+                    k=views[1],
+                    v=views[2],
+                    out=out,
+                    lse=lse,
+                    attn_mask=attn_mask,
+                    key_padding_mask=key_padding_mask,
+                    head_mask=head_mask,
+                    out_lo=out_lo,
+                ),
+                AttnOptions(is_causal=ctx.is_causal, dropout_p=ctx.dropout_p, dropout_seed=dropout_seed),
+                dict(zip(("attn_mask", "key_padding_mask", "head_mask"), _needs(ctx, 5, 6, 7))),
                 grad_attn,
                 None,
                 into=views,
-                dropout_p=ctx.dropout_p,
-                dropout_seed=dropout_seed,
-                out_lo=out_lo,
             )
+            d_am, d_kpm, dhm = g["attn_mask"], g["key_padding_mask"], g["head_mask"]
             del grad_attn, views
             dqkv = qkv.flatten(-3)
             d2 = dqkv.reshape(-1, dqkv.size(-1))

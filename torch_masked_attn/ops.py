@@ -11,7 +11,7 @@ The ops themselves are defined in csrc/shim/ (schemas: registration.cpp):
                           key_padding_mask?, head_mask?, is_causal, scale?,
                           head_mask_grad, mask_grad, dropout_p=0., dropout_seed?,
                           window_left=-1, window_right=-1, softcap?, sinks?, out_lo?)
-        -> (grad_q, grad_k, grad_v, grad_head_mask, grad_scores)
+        -> (grad_q, grad_k, grad_v, grad_head_mask, grad_scores, grad_sinks)
 
 out_lo (bfloat16 / float16 only; empty otherwise) is out's rounding error in
 the same dtype and layout: out + out_lo is the float32 output to 16 (bf16) or
@@ -34,14 +34,16 @@ window_left / window_right: query i sees keys j in [i - left, i + right]
 (-1: that side unbounded), top-left aligned like is_causal. softcap: scores
 s -> softcap * tanh(s / softcap) before the masks are added. sinks (H,): one
 logit per head in every row's softmax denominator (no value); lse includes
-it. The sinks' gradient is not an output of the backward op: it is
--sum_{b,i} exp(sink_h - lse) * rowsum(grad_out * (out + out_lo)), computed here
-(sinks_backward) from what the forward saved.
+it. The options are built and checked once per call (AttnOptions) and passed
+by their schema names (OpArgs).
 
 grad_scores (B, H, Lq, Lk) is dL/dS, the gradient of the additive masks, and
-is materialised only when mask_grad (a floating mask requires grad).
-grad_head_mask (B, H) and grad_scores are in the accumulation type (float32,
-float64 for float64), rounded to the mask's dtype after the caller's sums.
+is materialised only when mask_grad (a floating mask requires grad); it is in
+the accumulation type (float32, float64 for float64), rounded to the mask's
+dtype after the caller's sums. grad_head_mask (head_mask_grad) and grad_sinks
+(with sinks: -sum_{b,i} exp(sink_h - lse) delta_i, delta_i the backward's
+grad_out_i . (out_i + out_lo_i) (+ the weights' term)) come reduced to the
+head mask's and the sinks' shapes and dtypes; empty where not asked for.
 
 Conventions are nn.MultiheadAttention's: a bool mask is True where attention
 is blocked; a floating mask is added to the scaled scores.
@@ -89,8 +91,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import glob
+import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -227,16 +233,52 @@ def call_op(op, *args):
         return op(*args)
 
 
+class OpArgs:
+    """The arguments of one op, by the names of its schema (read once): the
+    positional arguments of a call from names (the schema's defaults for the
+    rest), a call's arguments read back by name, and per-input gradients laid
+    out in the schema's order. Nothing here counts positions."""
+
+    def __init__(self, op) -> None:
+        self.op = op
+        self.names = tuple(a.name for a in op._schema.arguments)
+        self.defaults = tuple(a.default_value for a in op._schema.arguments)
+        self._known = frozenset(self.names)
+
+    def __call__(self, **named) -> tuple:
+        """The positional arguments of a call that passes ``named``."""
+        if not self._known.issuperset(named):
+            raise TypeError(f"{self.op}: no argument {sorted(set(named) - self._known)}")
+        return tuple(named[n] if n in named else d for n, d in zip(self.names, self.defaults))
+
+    def read(self, args: Sequence[object], kwargs: dict | None = None) -> SimpleNamespace:
+        """A call's arguments (positional, then keyword, then defaults) by name."""
+        vals = dict(zip(self.names, self.defaults))
+        vals.update(zip(self.names, args))
+        if kwargs:
+            vals.update(kwargs)
+        return SimpleNamespace(**vals)
+
+    def grads(self, named: dict[str, Tensor | None]) -> tuple[Tensor | None, ...]:
+        """One gradient per argument, in the schema's order (None where not named)."""
+        return tuple(named.get(n) for n in self.names)
+
+    def tensors(self, a: SimpleNamespace) -> dict[str, Tensor]:
+        """The call's tensor arguments, by name."""
+        return {n: t for n, t in vars(a).items() if isinstance(t, Tensor)}
+
+
 def register_autograd(name: str, backward, setup_context) -> None:
     """torch.library.register_autograd for masked_attn::<name>, with the op's
     defaults read once (see "How gradients are registered" above): an Autograd
     kernel, given the dispatch key set, that runs an autograd.Function when an
     input needs a gradient and otherwise redispatches below autograd.
-    setup_context gets every argument (the dispatcher drops trailing ones
-    equal to their defaults); backward sees ctx.needs_input_grad of the op's
-    own inputs."""
+    setup_context(ctx, args, output) gets every argument by name (OpArgs.read;
+    the dispatcher drops trailing ones equal to their defaults); backward sees
+    ctx.needs, whether each of the op's inputs needs a gradient by name, and
+    returns a dict of gradients by argument name."""
     op = getattr(torch.ops.masked_attn, name).default
-    defaults = tuple(a.default_value for a in op._schema.arguments)
+    schema = OpArgs(op)
     below_autograd = torch._C._after_autograd_keyset
 
     def redispatch(keyset, args):
@@ -245,16 +287,12 @@ def register_autograd(name: str, backward, setup_context) -> None:
 
     def forward(ctx, *args):  # args: the op's, then the key set
         out = redispatch(args[-1], args[:-1])
-        setup_context(ctx, args[:-1] + defaults[len(args) - 1 :], out)
+        setup_context(ctx, schema.read(args[:-1]), out)
         return out
 
     def backward_(ctx, *grads):
-        needs = ctx.needs_input_grad
-        try:
-            ctx.needs_input_grad = needs[:-1]
-            return (*backward(ctx, *grads), None)
-        finally:
-            ctx.needs_input_grad = needs
+        ctx.needs = dict(zip(schema.names, ctx.needs_input_grad))
+        return (*schema.grads(backward(ctx, *grads)), None)
 
     function = type(
         f"masked_attn_{name}",
@@ -295,17 +333,193 @@ def _lse_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# ---- the options of an attention call ------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttnOptions:
+    """The options of one attention call, the masks aside: built and checked
+    once per call (AttnOptions.check), then handed to the op by name
+    (op_args) and read back by name by its autograd (from_op). The checks
+    here are those whose exception the Python functions promise (their type
+    and message); the ranges are the shim's (csrc/shim/options.cpp), which
+    checks every call of the raw ops too.
+
+    window: (left, right), -1 a side without bound; softcap > 0 or None;
+    sinks (H,) floating or None; dropout_p in [0, 1] with dropout_seed (an
+    int64 (seed, offset) tensor) when > 0; alibi_slopes (H,) or (B, H)
+    float32 or None (flash-attn's: score += -slope * |i + Lk - Lq - j| after
+    the scaling and the soft-cap)."""
+
+    is_causal: bool = False
+    window: tuple[int, int] = (-1, -1)
+    softcap: float | None = None
+    sinks: Tensor | None = None
+    dropout_p: float = 0.0
+    dropout_seed: Tensor | None = None
+    alibi_slopes: Tensor | None = None
+
+    @classmethod
+    def check(
+        cls,
+        fn: str,
+        q: Tensor,
+        *,
+        is_causal: bool = False,
+        window: object = None,
+        softcap: object = None,
+        sinks: object = None,
+        dropout_p: float = 0.0,
+        dropout_seed: object = None,
+        window_size: object = None,
+        alibi_slopes: object = None,
+    ) -> AttnOptions:
+        """The options of a call of ``fn`` on queries ``q`` (B, H, L, D),
+        checked. ``window`` is masked_attention's (left, right) with None
+        sides; ``window_size`` varlen_attn's, whose softcap and sinks only the
+        shim checks (varlen_attn raises its RuntimeError)."""
+        dropout_p = float(dropout_p)
+        seed = _dropout_seed(fn, dropout_p, dropout_seed)
+        if alibi_slopes is not None and not isinstance(alibi_slopes, Tensor):  # its shape and dtype: the shim's
+            raise TypeError(
+                f"{fn}: alibi_slopes must be None or a float32 Tensor (H,) or (B, H), got {type(alibi_slopes).__name__}"
+            )
+        if window_size is not None:  # varlen_attn: torch's window_size; the shim checks the rest (RuntimeError)
+            softcap = None if softcap is None else float(softcap)
+            return cls(False, _window_size(fn, window_size), softcap, sinks, alibi_slopes=alibi_slopes)
+        win, softcap = _window(fn, window), _softcap(fn, softcap)
+        _check_sinks(fn, q, sinks)
+        return cls(bool(is_causal), win, softcap, sinks, dropout_p, seed, alibi_slopes)
+
+    @classmethod
+    def from_op(cls, a: SimpleNamespace) -> AttnOptions:
+        """The options of an op call's arguments (OpArgs.read); an op without
+        one (varlen: is_causal, dropout) leaves its default."""
+        return cls(
+            bool(getattr(a, "is_causal", False)),
+            (a.window_left, a.window_right),
+            a.softcap,
+            a.sinks,
+            float(getattr(a, "dropout_p", 0.0)),
+            getattr(a, "dropout_seed", None),
+            a.alibi_slopes,
+        )
+
+    @property
+    def plain(self) -> bool:
+        """No window, soft-cap, sinks, dropout or ALiBi."""
+        return (
+            self.window == (-1, -1)
+            and self.softcap is None
+            and self.sinks is None
+            and not self.dropout_p
+            and self.alibi_slopes is None
+        )
+
+    def op_args(self) -> dict[str, object]:
+        """The options as the attention ops' schemas name them (registration.cpp);
+        those at their default are left out (varlen's schema lacks some)."""
+        named: dict[str, object] = {"window_left": self.window[0], "window_right": self.window[1]}
+        if self.softcap is not None:
+            named["softcap"] = self.softcap
+        if self.sinks is not None:
+            named["sinks"] = self.sinks
+        if self.is_causal:
+            named["is_causal"] = True
+        if self.dropout_p:
+            named["dropout_p"] = self.dropout_p
+            named["dropout_seed"] = self.dropout_seed
+        if self.alibi_slopes is not None:
+            named["alibi_slopes"] = self.alibi_slopes
+        return named
+
+
+def _dropout_seed(fn: str, dropout_p: float, seed: object) -> Tensor | None:
+    """dropout_p in [0, 1]; the seed (None: drawn later) when dropout_p > 0, else None."""
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{fn}: dropout_p must be in [0, 1], got {dropout_p}")
+    if dropout_p == 0.0 or seed is None:
+        return None
+    if not isinstance(seed, Tensor):
+        raise TypeError(
+            f"{fn}: dropout_seed must be None or an int64 tensor (seed, offset) of shape (2,), "
+            f"got {type(seed).__name__}"
+        )
+    if seed.dtype != torch.int64 or tuple(seed.shape) != (2,) or seed.device.type != "cpu":
+        raise ValueError(
+            f"{fn}: dropout_seed must be an int64 CPU tensor (seed, offset) of shape (2,), got "
+            f"{seed.dtype} {tuple(seed.shape)} on {seed.device}"
+        )
+    return seed
+
+
+def _softcap(fn: str, softcap: object) -> float | None:
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"{fn}: softcap must be None or a number > 0, got {type(softcap).__name__}")
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"{fn}: softcap must be None or a finite number > 0, got {softcap}")
+    return float(softcap)
+
+
+def _check_sinks(fn: str, q: Tensor, sinks: object) -> None:
+    if sinks is None:
+        return
+    heads = q.size(-3)
+    if not isinstance(sinks, Tensor):
+        raise TypeError(f"{fn}: sinks must be None or a Tensor, got {type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"{fn}: sinks must be floating point, got {sinks.dtype}")
+    if sinks.dim() != 1 or sinks.size(0) != heads:
+        raise ValueError(
+            f"{fn}: sinks must have shape (H,) = ({heads},), one logit per query head, got {tuple(sinks.shape)}"
+        )
+    if sinks.device != q.device:
+        raise ValueError(f"{fn}: sinks must be on q's device ({q.device}), got {sinks.device}")
+
+
+def _window(fn: str, window: object) -> tuple[int, int]:
+    """masked_attention's window=(left, right), a side None or -1 unbounded."""
+    if window is None:
+        return (-1, -1)
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"{fn}: window must be None or a pair (left, right), got {window!r}")
+    sides = []
+    for name, w in zip(("left", "right"), window):
+        if w is None:
+            w = -1
+        if isinstance(w, bool) or not isinstance(w, int):
+            raise TypeError(f"{fn}: window {name} must be an int or None, got {type(w).__name__}")
+        if w < -1:
+            raise ValueError(f"{fn}: window {name} must be >= 0, or -1 / None for no bound, got {w}")
+        sides.append(int(w))
+    return sides[0], sides[1]
+
+
+def _window_size(fn: str, window_size: object) -> tuple[int, int]:
+    """varlen_attn's window_size=(left, right), -1 unbounded (torch's messages)."""
+    window_size = tuple(window_size)
+    if len(window_size) != 2:
+        raise ValueError(f"{fn}: window_size must have length 2, got {len(window_size)}")
+    left, right = (int(w) for w in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"{fn}: window_size entries must be -1 (unbounded) or >= 0, got {window_size}")
+    return left, right
+
+
 # ---- fake kernels: shapes and dtypes only --------------------------------
 #
 # They also run for real when any argument is a meta tensor (the dispatcher
 # picks Meta over CPU), so they check what the CPU kernels rely on first: one
-# device for every tensor.
+# device for every tensor. Each reads the call's arguments by name (OpArgs).
 
 
-def _same_device(op: str, **tensors: Tensor | None) -> None:
+def _same_device(op: str, a: SimpleNamespace | None = None, **tensors: Tensor | None) -> None:
+    """All the tensors of a call (a, read by OpArgs, or the keyword arguments) on one device."""
     first_name, first = None, None
-    for name, t in tensors.items():
-        if t is None:
+    for name, t in (vars(a) if a is not None else tensors).items():
+        if not isinstance(t, Tensor):
             continue
         if first is None:
             first_name, first = name, t
@@ -316,269 +530,186 @@ def _same_device(op: str, **tensors: Tensor | None) -> None:
             )
 
 
+FORWARD = OpArgs(torch.ops.masked_attn.forward.default)
+BACKWARD = OpArgs(torch.ops.masked_attn.backward.default)
+BACKWARD_INTO = OpArgs(torch.ops.masked_attn.backward_into.default)
+VARLEN_FORWARD = OpArgs(torch.ops.masked_attn.varlen_forward.default)
+VARLEN_BACKWARD = OpArgs(torch.ops.masked_attn.varlen_backward.default)
+
+
+def _blhd(like: Tensor, B: int, H: int, L: int, D: int) -> Tensor:
+    """A (B, H, L, D) tensor stored as (B, L, H, D), as the shim allocates them (shim/attention.cpp)."""
+    return like.new_empty(B, L, H, D).transpose(1, 2)
+
+
 @torch.library.register_fake("masked_attn::forward")
-def _forward_fake(
-    q,
-    k,
-    v,
-    attn_mask=None,
-    key_padding_mask=None,
-    head_mask=None,
-    is_causal=False,
-    scale=None,
-    need_weights=False,
-    dropout_p=0.0,
-    dropout_seed=None,
-    window_left=-1,
-    window_right=-1,
-    softcap=None,
-    sinks=None,
-    for_backward=True,
-):
-    _same_device(
-        "forward",
-        q=q,
-        k=k,
-        v=v,
-        attn_mask=attn_mask,
-        key_padding_mask=key_padding_mask,
-        head_mask=head_mask,
-        dropout_seed=dropout_seed,
-        sinks=sinks,
-    )
+def _forward_fake(*args, **kwargs):
+    a = FORWARD.read(args, kwargs)
+    _same_device("forward", a)
+    q, k, v = a.q, a.k, a.v
     torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4, lambda: "masked_attn: q, k, v must be 4-D")
     B, H, Lq, _ = q.shape
     Lk, Dv = k.shape[2], v.shape[3]
-    out = q.new_empty(B, Lq, H, Dv).transpose(1, 2)  # stored (B, Lq, H, Dv), see shim/attention.cpp
+    out = _blhd(q, B, H, Lq, Dv)
     lse = q.new_empty(B, H, Lq, dtype=_lse_dtype(q.dtype))
-    weights = q.new_empty(B, H, Lq, Lk) if need_weights else q.new_empty(0)
-    out_lo = q.new_empty(B, Lq, H, Dv).transpose(1, 2) if _has_out_lo(q.dtype) and for_backward else q.new_empty(0)
+    weights = q.new_empty(B, H, Lq, Lk) if a.need_weights else q.new_empty(0)
+    out_lo = _blhd(q, B, H, Lq, Dv) if _has_out_lo(q.dtype) and a.for_backward else q.new_empty(0)
     return out, lse, weights, out_lo
 
 
-@torch.library.register_fake("masked_attn::backward_into")
-def _backward_into_fake(
-    grad_out,
-    grad_weights,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    attn_mask=None,
-    key_padding_mask=None,
-    head_mask=None,
-    is_causal=False,
-    scale=None,
-    head_mask_grad=False,
-    mask_grad=False,
-    grad_q=None,
-    grad_k=None,
-    grad_v=None,
-    dropout_p=0.0,
-    dropout_seed=None,
-    window_left=-1,
-    window_right=-1,
-    softcap=None,
-    sinks=None,
-    out_lo=None,
-):
-    _same_device(
-        "backward_into",
-        grad_out=grad_out,
-        grad_weights=grad_weights,
-        q=q,
-        k=k,
-        v=v,
-        out=out,
-        lse=lse,
-        attn_mask=attn_mask,
-        key_padding_mask=key_padding_mask,
-        head_mask=head_mask,
-        grad_q=grad_q,
-        grad_k=grad_k,
-        grad_v=grad_v,
-        dropout_seed=dropout_seed,
-        sinks=sinks,
-        out_lo=out_lo,
-    )
+def _options_grads_fake(a: SimpleNamespace, like: Tensor) -> tuple[Tensor, Tensor]:
+    """(grad_head_mask, grad_sinks) of a backward call: reduced to the head
+    mask's and the sinks' shapes and dtypes, empty (acc type) without them."""
+    acc = _lse_dtype(like.dtype)
+    hm, sinks = getattr(a, "head_mask", None), a.sinks
+    grad_hm = hm.new_empty(hm.shape) if getattr(a, "head_mask_grad", False) else like.new_empty(0, dtype=acc)
+    return grad_hm, (sinks.new_empty(sinks.shape) if sinks is not None else like.new_empty(0, dtype=acc))
+
+
+def _backward_fake_grads(a: SimpleNamespace) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_head_mask, grad_scores, grad_sinks) of a backward call."""
+    q = a.q
     B, H, Lq = q.shape[:3]
     acc = _lse_dtype(q.dtype)
-    grad_hm = q.new_empty(B, H, dtype=acc) if head_mask_grad else q.new_empty(0, dtype=acc)
-    grad_scores = q.new_empty(B, H, Lq, k.shape[2], dtype=acc) if mask_grad else q.new_empty(0, dtype=acc)
-    return grad_hm, grad_scores
+    grad_hm, grad_sinks = _options_grads_fake(a, q)
+    grad_scores = q.new_empty(B, H, Lq, a.k.shape[2], dtype=acc) if a.mask_grad else q.new_empty(0, dtype=acc)
+    return grad_hm, grad_scores, grad_sinks
+
+
+@torch.library.register_fake("masked_attn::backward_into")
+def _backward_into_fake(*args, **kwargs):
+    a = BACKWARD_INTO.read(args, kwargs)
+    _same_device("backward_into", a)
+    return _backward_fake_grads(a)
 
 
 @torch.library.register_fake("masked_attn::backward")
-def _backward_fake(
-    grad_out,
-    grad_weights,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    attn_mask=None,
-    key_padding_mask=None,
-    head_mask=None,
-    is_causal=False,
-    scale=None,
-    head_mask_grad=False,
-    mask_grad=False,
-    dropout_p=0.0,
-    dropout_seed=None,
-    window_left=-1,
-    window_right=-1,
-    softcap=None,
-    sinks=None,
-    out_lo=None,
-):
-    _same_device(
-        "backward",
-        grad_out=grad_out,
-        grad_weights=grad_weights,
-        q=q,
-        k=k,
-        v=v,
-        out=out,
-        lse=lse,
-        attn_mask=attn_mask,
-        key_padding_mask=key_padding_mask,
-        head_mask=head_mask,
-        dropout_seed=dropout_seed,
-        sinks=sinks,
-        out_lo=out_lo,
-    )
-    B, H = q.shape[:2]
-    acc = _lse_dtype(q.dtype)
-    grad_hm = q.new_empty(B, H, dtype=acc) if head_mask_grad else q.new_empty(0, dtype=acc)
-
-    def blhd(shape):  # (B, H, L, D) stored as (B, L, H, D), see shim/attention.cpp
-        return q.new_empty(shape[0], shape[2], shape[1], shape[3]).transpose(1, 2)
-
-    grad_scores = q.new_empty(B, H, q.shape[2], k.shape[2], dtype=acc) if mask_grad else q.new_empty(0, dtype=acc)
-    return blhd(q.shape), blhd(k.shape), blhd(v.shape), grad_hm, grad_scores
+def _backward_fake(*args, **kwargs):
+    a = BACKWARD.read(args, kwargs)
+    _same_device("backward", a)
+    q, k, v = a.q, a.k, a.v
+    grads = tuple(_blhd(q, t.shape[0], t.shape[1], t.shape[2], t.shape[3]) for t in (q, k, v))
+    return (*grads, *_backward_fake_grads(a))
 
 
 # ---- autograd ------------------------------------------------------------
 
 
-def _forward_setup_context(ctx, inputs, output):
-    (
-        q,
-        k,
-        v,
-        attn_mask,
-        key_padding_mask,
-        head_mask,
-        is_causal,
-        scale,
-        need_weights,
-        dropout_p,
-        dropout_seed,
-        window_left,
-        window_right,
-        softcap,
-        sinks,
-        _for_backward,
-    ) = inputs  # every argument (register_autograd)
+class AttnSaved(NamedTuple):
+    """What attention_backward reads of a forward, by name (a NamedTuple:
+    torch.compile traces its construction inside autograd.Functions)."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    out: Tensor
+    lse: Tensor
+    attn_mask: Tensor | None = None
+    key_padding_mask: Tensor | None = None
+    head_mask: Tensor | None = None
+    out_lo: Tensor | None = None
+
+
+def _save(ctx, **tensors: Tensor | None) -> None:
+    """ctx.save_for_backward by name: ctx.saved() gives them back as a namespace."""
+    ctx.save_for_backward(*tensors.values())
+    ctx.saved_names = tuple(tensors)
+
+
+def saved(ctx) -> SimpleNamespace:
+    """What _save kept, by name (unpacked once: activation checkpointing
+    unpacks each saved tensor only once)."""
+    return SimpleNamespace(**dict(zip(ctx.saved_names, ctx.saved_tensors)))
+
+
+def _forward_setup_context(ctx, a, output):
     out, lse, weights, out_lo = output
-    # the weights are kept (not copied) only for the sinks' gradient through them
-    ctx.save_for_backward(
-        q,
-        k,
-        v,
-        out,
-        lse,
-        attn_mask,
-        key_padding_mask,
-        head_mask,
-        dropout_seed,
-        sinks,
-        weights if need_weights and sinks is not None else None,
-        saved_out_lo(out_lo),
+    ctx.opts = AttnOptions.from_op(a)
+    _save(
+        ctx,
+        q=a.q,
+        k=a.k,
+        v=a.v,
+        out=out,
+        lse=lse,
+        attn_mask=a.attn_mask,
+        key_padding_mask=a.key_padding_mask,
+        head_mask=a.head_mask,
+        dropout_seed=a.dropout_seed,
+        sinks=a.sinks,
+        out_lo=saved_out_lo(out_lo),
     )
-    ctx.is_causal, ctx.scale, ctx.need_weights, ctx.dropout_p = is_causal, scale, need_weights, dropout_p
-    ctx.window, ctx.softcap = (window_left, window_right), softcap
+    ctx.scale, ctx.need_weights = a.scale, a.need_weights
     ctx.mark_non_differentiable(lse, out_lo)
     ctx.set_materialize_grads(False)
 
 
 def attention_backward(
-    saved: Sequence[Tensor | None],
-    needs: Sequence[bool],
-    is_causal: bool,
-    scale: float | None,
+    t: AttnSaved | SimpleNamespace,
+    opts: AttnOptions,
+    needs: dict[str, bool],
     grad_out: Tensor | None,
     grad_weights: Tensor | None,
-    into: Sequence[Tensor] | None = None,
-    dropout_p: float = 0.0,
-    dropout_seed: Tensor | None = None,
     *,
-    window: tuple[int, int] = (-1, -1),
-    softcap: float | None = None,
-    sinks: Tensor | None = None,
-    out_lo: Tensor | None = None,
-) -> tuple[Tensor | None, ...]:
+    scale: float | None = None,
+    into: Sequence[Tensor] | None = None,
+) -> dict[str, Tensor | None]:
     """The backward of masked_attn::forward from what it saved.
 
-    saved = (q, k, v, out, lse, attn_mask, key_padding_mask, head_mask);
-    out_lo = the forward's fourth output (None for float32 / float64);
-    dropout_p, dropout_seed = the forward's (the same mask is regenerated);
-    needs = whether (attn_mask, key_padding_mask, head_mask) need a gradient;
-    into = optional (grad_q, grad_k, grad_v) views to write the q/k/v
-    gradients into (masked_attn::backward_into); window, softcap, sinks as
-    the forward got them. Returns (dq, dk, dv, d_attn_mask, d_key_padding_mask,
-    d_head_mask), masks' gradients reduced to their shapes (the sinks'
-    gradient: sinks_backward).
+    t: q, k, v, out, lse, attn_mask, key_padding_mask, head_mask and out_lo
+    (the forward's fourth output, None for float32 / float64) by name;
+    opts: the forward's options (the same dropout mask is regenerated);
+    needs: whether attn_mask, key_padding_mask, head_mask need a gradient,
+    by name; into: optional (grad_q, grad_k, grad_v) views to write the
+    q/k/v gradients into (masked_attn::backward_into). Returns the gradients
+    of q, k, v, of the masks and of the sinks, reduced to their shapes, by
+    name (the head mask's and the sinks' as the op returns them).
     """
-    q, k, v, out, lse, attn_mask, key_padding_mask, head_mask = saved[:8]
-    am_grad, kpm_grad, hm_grad = (m is not None and n for m, n in zip((attn_mask, key_padding_mask, head_mask), needs))
+    am_grad = t.attn_mask is not None and needs.get("attn_mask", False)
+    kpm_grad = t.key_padding_mask is not None and needs.get("key_padding_mask", False)
+    hm_grad = t.head_mask is not None and needs.get("head_mask", False)
     if grad_out is None:
-        grad_out = torch.zeros_like(out)
-    args = (
-        grad_out,
-        grad_weights,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        attn_mask,
-        key_padding_mask,
-        head_mask,
-        is_causal,
-        scale,
-        hm_grad,
-        am_grad or kpm_grad,
-    )
-    extra = (
-        float(dropout_p),
-        dropout_seed if dropout_p > 0 else None,
-        int(window[0]),
-        int(window[1]),
-        softcap,
-        sinks,
-        out_lo,
+        grad_out = torch.zeros_like(t.out)
+    named = dict(
+        grad_out=grad_out,
+        grad_weights=grad_weights,
+        q=t.q,
+        k=t.k,
+        v=t.v,
+        out=t.out,
+        lse=t.lse,
+        attn_mask=t.attn_mask,
+        key_padding_mask=t.key_padding_mask,
+        head_mask=t.head_mask,
+        scale=scale,
+        head_mask_grad=hm_grad,
+        mask_grad=am_grad or kpm_grad,
+        out_lo=t.out_lo,
+        **opts.op_args(),
     )
     if into is None:
-        dq, dk, dv, dhm, dscores = torch.ops.masked_attn.backward(*args, *extra)
+        dq, dk, dv, dhm, dscores, dsinks = torch.ops.masked_attn.backward(*BACKWARD(**named))
     else:
         dq, dk, dv = into
-        dhm, dscores = torch.ops.masked_attn.backward_into(*args, dq, dk, dv, *extra)
-    if hm_grad:
-        dhm = (dhm.sum(0) if head_mask.dim() == 1 else dhm).to(head_mask.dtype)
-    else:
-        dhm = None
-    # an additive mask receives dL/dS summed over the dimensions it broadcasts over
-    d_am = dscores.sum_to_size(attn_mask.shape).to(attn_mask.dtype) if am_grad else None
-    d_kpm = dscores.sum((1, 2)).to(key_padding_mask.dtype) if kpm_grad else None
-    return dq, dk, dv, d_am, d_kpm, dhm
+        dhm, dscores, dsinks = torch.ops.masked_attn.backward_into(
+            *BACKWARD_INTO(**named, grad_q=dq, grad_k=dk, grad_v=dv)
+        )
+    return dict(
+        q=dq,
+        k=dk,
+        v=dv,
+        # an additive mask receives dL/dS summed over the dimensions it broadcasts over
+        attn_mask=dscores.sum_to_size(t.attn_mask.shape).to(t.attn_mask.dtype) if am_grad else None,
+        key_padding_mask=dscores.sum((1, 2)).to(t.key_padding_mask.dtype) if kpm_grad else None,
+        head_mask=dhm if hm_grad else None,
+        sinks=dsinks if opts.sinks is not None and needs.get("sinks", False) else None,
+    )
 
 
 def _needs(ctx, *indices):
     """ctx.needs_input_grad at these input positions (the tuple can be shorter
-    than the op's inputs when trailing optional tensors are None)."""
+    than the inputs when trailing optional tensors are None); for the
+    autograd.Functions of modules.py."""
     n = ctx.needs_input_grad
     return tuple(bool(n[i]) if i < len(n) else False for i in indices)
 
@@ -621,55 +752,16 @@ def first_order_only(what: str, anchors: Iterable[object], *grads: Tensor | None
     return tuple(out)
 
 
-def sinks_backward(
-    sinks: Tensor,
-    lse: Tensor,
-    out: Tensor,
-    grad_out: Tensor | None,
-    weights: Tensor | None = None,
-    grad_weights: Tensor | None = None,
-    out_lo: Tensor | None = None,
-) -> Tensor:
-    """d loss / d sinks (H,) of masked_attn::forward: the sink's probability of
-    row i is P_sink,i = exp(sink_h - lse_i) (lse includes the sink), and
-    d sink_h = -sum_{b,i} P_sink,i delta_i, delta_i = sum_j P_ij dP_ij =
-    grad_out_i . (out_i + out_lo_i) (+ sum_j weights_ij grad_weights_ij when the
-    weights were used). In the accumulation type, summed by torch in a fixed order."""
-    acc = lse.dtype
-    delta = torch.zeros_like(lse)
-    if grad_out is not None:
-        o = out.to(acc) if out_lo is None else out.to(acc) + out_lo.to(acc)
-        delta = delta + (grad_out.to(acc) * o).sum(-1)
-    if grad_weights is not None and weights is not None:
-        delta = delta + (weights.to(acc) * grad_weights.to(acc)).sum(-1)
-    p_sink = torch.exp(sinks.to(acc)[:, None] - lse)
-    p_sink = torch.where(lse == float("-inf"), torch.zeros_like(p_sink), p_sink)
-    return -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
+def first_order_only_named(what: str, anchors: Iterable[object], grads: dict[str, Tensor | None]) -> dict:
+    """first_order_only over a dict of gradients by name."""
+    return dict(zip(grads, first_order_only(what, anchors, *grads.values())))
 
 
 def _forward_backward(ctx, grad_out, grad_lse, grad_weights, grad_out_lo):
-    saved = ctx.saved_tensors
-    sinks, weights, out_lo = saved[9], saved[10], saved[11]
+    t = saved(ctx)
     grad_weights = grad_weights if ctx.need_weights else None
-    grads = attention_backward(
-        saved[:8],
-        _needs(ctx, 3, 4, 5),
-        ctx.is_causal,
-        ctx.scale,
-        grad_out,
-        grad_weights,
-        dropout_p=ctx.dropout_p,
-        dropout_seed=saved[8],
-        window=ctx.window,
-        softcap=ctx.softcap,
-        sinks=sinks,
-        out_lo=out_lo,
-    )
-    d_sinks = None
-    if sinks is not None and _needs(ctx, 14)[0] and (grad_out is not None or grad_weights is not None):
-        d_sinks = sinks_backward(sinks, saved[4], saved[3], grad_out, weights, grad_weights, out_lo)
-    grads = first_order_only("masked attention", saved, *grads, d_sinks)
-    return grads[:6] + (None,) * 8 + grads[6:] + (None,)
+    grads = attention_backward(t, ctx.opts, ctx.needs, grad_out, grad_weights, scale=ctx.scale)
+    return first_order_only_named("masked attention", vars(t).values(), grads)
 
 
 register_autograd("forward", _forward_backward, _forward_setup_context)
@@ -689,139 +781,89 @@ register_autograd("forward", _forward_backward, _forward_setup_context)
 # The window is bottom-right aligned (flash-attn's): query i of a sequence sees
 # key j iff i + Lk - Lq - left <= j <= i + Lk - Lq + right, -1 = unbounded.
 # seqused_k and block_table (key, value then (pages, page_size, H_kv, D) pools,
-# page_size a multiple of 64) are inference-only (no backward). softcap and sinks (H,) are
-# masked_attn::forward's (the lse includes the sink; its gradient: sinks_backward). The user-facing function is
-# torch_masked_attn.functional.varlen_attn.
+# page_size a multiple of 64) are inference-only (no backward). The options are
+# masked_attn::forward's (AttnOptions; the lse includes the sink). The
+# user-facing function is torch_masked_attn.functional.varlen_attn.
 
 
 @torch.library.register_fake("masked_attn::varlen_forward")
-def _varlen_forward_fake(
-    query,
-    key,
-    value,
-    cu_seq_q,
-    cu_seq_k,
-    max_q,
-    max_k,
-    scale=None,
-    window_left=-1,
-    window_right=-1,
-    seqused_k=None,
-    block_table=None,
-    softcap=None,
-    sinks=None,
-    for_backward=True,
-):
-    _same_device(
-        "varlen_forward",
-        query=query,
-        key=key,
-        value=value,
-        cu_seq_q=cu_seq_q,
-        cu_seq_k=cu_seq_k,
-        seqused_k=seqused_k,
-        block_table=block_table,
-        sinks=sinks,
-    )
-    kv_dim = 3 if block_table is None else 4
+def _varlen_forward_fake(*args, **kwargs):
+    a = VARLEN_FORWARD.read(args, kwargs)
+    _same_device("varlen_forward", a)
+    query, key, value = a.query, a.key, a.value
+    kv_dim = 3 if a.block_table is None else 4
     torch._check(
         query.dim() == 3 and key.dim() == kv_dim and value.dim() == kv_dim,
         lambda: "masked_attn.varlen: query must be 3-D (T, H, D), key and value 3-D (or 4-D paged)",
     )
     T, H, _ = query.shape
     Dv = value.shape[-1]
-    out_lo = query.new_empty(T, H, Dv) if _has_out_lo(query.dtype) and for_backward else query.new_empty(0, H, Dv)
+    out_lo = query.new_empty(T, H, Dv) if _has_out_lo(query.dtype) and a.for_backward else query.new_empty(0, H, Dv)
     return query.new_empty(T, H, Dv), query.new_empty(H, T, dtype=_lse_dtype(query.dtype)), out_lo
 
 
 @torch.library.register_fake("masked_attn::varlen_backward")
-def _varlen_backward_fake(
-    grad_out,
-    query,
-    key,
-    value,
-    out,
-    lse,
-    cu_seq_q,
-    cu_seq_k,
-    max_q,
-    max_k,
-    scale=None,
-    window_left=-1,
-    window_right=-1,
-    softcap=None,
-    sinks=None,
-    out_lo=None,
-):
-    _same_device(
-        "varlen_backward",
-        grad_out=grad_out,
-        query=query,
-        key=key,
-        value=value,
-        out=out,
-        lse=lse,
-        cu_seq_q=cu_seq_q,
-        cu_seq_k=cu_seq_k,
-        sinks=sinks,
-        out_lo=out_lo,
-    )
-    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+def _varlen_backward_fake(*args, **kwargs):
+    a = VARLEN_BACKWARD.read(args, kwargs)
+    _same_device("varlen_backward", a)
+    grads = tuple(t.new_empty(t.shape) for t in (a.query, a.key, a.value))
+    return (*grads, _options_grads_fake(a, a.query)[1])
 
 
-def _varlen_setup_context(ctx, inputs, output):
-    (
-        query,
-        key,
-        value,
-        cu_seq_q,
-        cu_seq_k,
-        max_q,
-        max_k,
-        scale,
-        wl,
-        wr,
-        seqused_k,
-        block_table,
-        softcap,
-        sinks,
-        _for_backward,
-    ) = inputs  # every argument (register_autograd)
+def _varlen_setup_context(ctx, a, output):
     out, lse, out_lo = output
-    for name, t in (("block_table", block_table), ("seqused_k", seqused_k)):
-        if t is not None:
+    for name in ("block_table", "seqused_k"):
+        if getattr(a, name) is not None:
             raise RuntimeError(
                 f"varlen_attn: {name} is an inference-only parameter (no backward); "
                 "call it under torch.no_grad() or on tensors that do not require grad"
             )
-    ctx.save_for_backward(query, key, value, cu_seq_q, cu_seq_k, out, lse, sinks, saved_out_lo(out_lo))
-    ctx.args = (max_q, max_k, scale, wl, wr, softcap)
+    _save(
+        ctx,
+        query=a.query,
+        key=a.key,
+        value=a.value,
+        cu_seq_q=a.cu_seq_q,
+        cu_seq_k=a.cu_seq_k,
+        out=out,
+        lse=lse,
+        sinks=a.sinks,
+        out_lo=saved_out_lo(out_lo),
+    )
+    ctx.opts = AttnOptions.from_op(a)
+    ctx.max_q, ctx.max_k, ctx.scale = a.max_q, a.max_k, a.scale
     ctx.mark_non_differentiable(lse, out_lo)
     ctx.set_materialize_grads(False)
 
 
 def _varlen_backward(ctx, grad_out, grad_lse, grad_out_lo):
-    query, key, value, cu_seq_q, cu_seq_k, out, lse, sinks, out_lo = ctx.saved_tensors
+    t = saved(ctx)
     if grad_out is None:
-        return (None,) * 15
+        return {}
     grad_out = grad_out.contiguous()
-    dq, dk, dv = torch.ops.masked_attn.varlen_backward(
-        grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, *ctx.args, sinks, out_lo
-    )
-    n = _needs(ctx, 0, 1, 2, 13)
-    grads = first_order_only(
-        "varlen attention", (query, key, value), dq if n[0] else None, dk if n[1] else None, dv if n[2] else None
-    )
-    d_sinks = None
-    if sinks is not None and n[3]:  # (H, T) statistics as one (1, H, T) batch
-        d_sinks = sinks_backward(
-            sinks,
-            lse[None],
-            out.transpose(0, 1)[None],
-            grad_out.transpose(0, 1)[None],
-            out_lo=None if out_lo is None else out_lo.transpose(0, 1)[None],
+    dq, dk, dv, dsinks = torch.ops.masked_attn.varlen_backward(
+        *VARLEN_BACKWARD(
+            grad_out=grad_out,
+            query=t.query,
+            key=t.key,
+            value=t.value,
+            out=t.out,
+            lse=t.lse,
+            cu_seq_q=t.cu_seq_q,
+            cu_seq_k=t.cu_seq_k,
+            max_q=ctx.max_q,
+            max_k=ctx.max_k,
+            scale=ctx.scale,
+            out_lo=t.out_lo,
+            **ctx.opts.op_args(),
         )
-    return grads + (None,) * 10 + (d_sinks, None)
+    )
+    n = ctx.needs
+    grads = {"query": dq if n["query"] else None, "key": dk if n["key"] else None, "value": dv if n["value"] else None}
+    grads = first_order_only_named("varlen attention", (t.query, t.key, t.value), grads)
+    if t.sinks is not None and n.get("sinks"):
+        grads["sinks"] = dsinks
+    return grads
 
 
 register_autograd("varlen_forward", _varlen_backward, _varlen_setup_context)
@@ -924,39 +966,34 @@ def _cross_entropy_chunk_fake(
     return input.new_empty(rows, dtype=acc), input.new_empty(rows, dtype=acc)
 
 
-def _cross_entropy_setup_context(ctx, inputs, output):
-    input, target, weight, reduction, ignore_index, label_smoothing, z_loss, softcap, inplace = inputs
+def _cross_entropy_setup_context(ctx, a, output):
     _, lse = output
-    ctx.save_for_backward(input, target, weight, lse)
-    ctx.reduction, ctx.ignore_index, ctx.label_smoothing = reduction, ignore_index, label_smoothing
-    ctx.z_loss, ctx.softcap, ctx.inplace_backward = z_loss, softcap, inplace
+    ctx.save_for_backward(a.input, a.target, a.weight, lse)
+    ctx.reduction, ctx.ignore_index, ctx.label_smoothing = a.reduction, a.ignore_index, a.label_smoothing
+    ctx.z_loss, ctx.softcap, ctx.inplace_backward = a.z_loss, a.softcap, a.inplace_backward
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
 
 
 def _cross_entropy_backward(ctx, grad_loss, grad_lse):
     input, target, weight, lse = ctx.saved_tensors
-    target_grad = bool(ctx.needs_input_grad[1]) and target.is_floating_point()
-    if grad_loss is None or not (ctx.needs_input_grad[0] or target_grad):
-        return (None,) * 9
+    target_grad = bool(ctx.needs["target"]) and target.is_floating_point()
+    if grad_loss is None or not (ctx.needs["input"] or target_grad):
+        return {}
     args = (target, weight, lse, ctx.reduction, ctx.ignore_index, ctx.label_smoothing)
     if ctx.inplace_backward and not target_grad:
         # the gradient overwrites the logits; the version bump makes any other
         # use of the saved logits in this graph fail loudly instead of silently
         torch.ops.masked_attn.cross_entropy_backward_(grad_loss, input, *args, ctx.z_loss, ctx.softcap)
         torch.autograd.graph.increment_version(input)
-        return (input,) + (None,) * 8
+        return {"input": input}
     grad_input, grad_target = torch.ops.masked_attn.cross_entropy_backward(
         grad_loss, input, *args, target_grad, ctx.z_loss, ctx.softcap
     )
-    return (
-        first_order_only(
-            "cross_entropy",
-            (input, target),
-            grad_input if ctx.needs_input_grad[0] else None,
-            grad_target if target_grad else None,
-        )
-        + (None,) * 7
+    return first_order_only_named(
+        "cross_entropy",
+        (input, target),
+        {"input": grad_input if ctx.needs["input"] else None, "target": grad_target if target_grad else None},
     )
 
 

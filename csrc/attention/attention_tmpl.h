@@ -20,7 +20,7 @@
  * FN(mask_tile_state) (an
  * attn_mask tile that blocks every entry is skipped, one that adds only
  * zeros is not added). Where they are applied: FN(add_bias), the only place
- * scores get their bias; head_mask in FN(head_scale) and the output/gradient
+ * scores get their bias (ALiBi's too); head_mask in FN(head_scale) and the output/gradient
  * lines that use it.
  *
  * The algorithm is FlashAttention-2. The forward and the dq pass hold one
@@ -334,8 +334,11 @@ static int FN(mask_tile_state)(const ma_mask *m, int64_t b, int64_t h, int64_t i
     return blocked ? MA_TILE_BLOCKED : zero ? MA_TILE_ZERO : MA_TILE_MIXED;
 }
 
+/* |d| as ACC: ALiBi's distance (exact below 2^24) */
+static inline ACC FN(dist)(int64_t d) { return (ACC)(d < 0 ? -d : d); }
+
 /* Scores of queries i0 .. i0 + nr against keys j0 .. j0 + nc, plus the bias
- * of every mask (additive forms); accumulates. Element (r, c) lives at
+ * of every mask (additive forms) and ALiBi's; accumulates. Element (r, c) lives at
  * s[r * rs + c * cs]: rs = nc, cs = 1 for row-wise s (nr, nc), rs = 1,
  * cs = nr for transposed sT (nc, nr). am_state is FN(mask_tile_state) of
  * the tile: MA_TILE_ZERO adds nothing from am (s + 0 = s: the same values). */
@@ -371,6 +374,17 @@ static void FN(add_bias)(ACC *s, int64_t rs, int64_t cs, const ma_attn_args *a, 
             const int64_t base = b * am->stride[0] + h * am->stride[1] + (i0 + r) * am->stride[2] + j0 * am->stride[3];
             for (int64_t c = 0; c < nc; c++) s[r * rs + c * cs] += FN(mask_value)(am, base + c * am->stride[3]);
         }
+    }
+    if (a->opts.alibi.ptr) { /* ALiBi: -slope |i + Lk - Lq - j|, after the soft-cap, as flash-attn */
+        const ma_mask *al = &a->opts.alibi;
+        const ACC m = -LOAD(al->ptr, al->dtype, b * al->stride[0] + h * al->stride[1]);
+        const int64_t d0 = i0 + a->Lk - a->Lq - j0; /* i - j + Lk - Lq at r = c = 0 */
+        if (rs == 1)
+            for (int64_t c = 0; c < nc; c++)
+                for (int64_t r = 0; r < nr; r++) s[c * cs + r] += m * FN(dist)(d0 + r - c);
+        else
+            for (int64_t r = 0; r < nr; r++)
+                for (int64_t c = 0; c < nc; c++) s[r * rs + c * cs] += m * FN(dist)(d0 + r - c);
     }
     /* the band (ma_attn_args.band_lo, band_hi; causal: hi = 0): key j = j0 + c
      * is hidden from query i = i0 + r when j - i > hi or j - i < lo */
@@ -524,8 +538,8 @@ static int64_t FN(seq_args)(ma_attn_args *a, int64_t b, int64_t *k0) {
     a->v = FN(elem_at)(a->v, a->dtype, *k0 * a->v_stride[2]);
     a->Lq = Lq, a->Lk = Lk;
     /* bottom-right aligned: the diagonal of query i is key i + Lk - Lq */
-    a->band_lo = a->window_left >= 0 ? Lk - Lq - a->window_left : -MA_BAND_INF;
-    a->band_hi = a->window_right >= 0 ? Lk - Lq + a->window_right : MA_BAND_INF;
+    a->band_lo = a->opts.window_left >= 0 ? Lk - Lq - a->opts.window_left : -MA_BAND_INF;
+    a->band_hi = a->opts.window_right >= 0 ? Lk - Lq + a->opts.window_right : MA_BAND_INF;
     return q0;
 }
 
@@ -784,7 +798,7 @@ static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s,
     if (ks[3] == 1) DOT_KEYS(s, nc, q, R, D, p->a.k, p->a.dtype, k_off, ks[2], nc, pf_k);
     else /* keys side by side, each element a row apart: a K^T page (the serving cache's layout) */
         DOT_KEYS_T(s, nc, q, R, D, p->a.k, p->a.dtype, k_off, ks[3], nc, pf_k);
-    FN(apply_softcap)(s, R * nc, p->a.softcap, NULL);
+    FN(apply_softcap)(s, R * nc, p->a.opts.softcap, NULL);
     for (int64_t y = 0; y < nh; y++) FN(add_bias)(s + y * nr * nc, nc, 1, &p->a, am_state, b, h + y, i0, nr, j0, nc);
     for (int64_t r = 0; r < R; r++) {
         m_new[r] = ROW_MAX(s + r * nc, nc, m[r]);
@@ -972,7 +986,7 @@ static void FN(fwd_tile_block)(FN(fwd_task) * c, const ma_attn_fwd_params *p, co
     FN(fwd_scratch) *t = &c->t;
     /* sT = K (scale Q)^T + bias^T */
     FWD_STEP(scores, t->sT, i0, j0, nc);
-    FN(apply_softcap)(t->sT, nc * nr, p->a.softcap, NULL);
+    FN(apply_softcap)(t->sT, nc * nr, p->a.opts.softcap, NULL);
     FN(add_bias)(t->sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
     /* online softmax: m_new = max(m, colmax sT); P = exp(sT - m_new); l, O rescaled */
     for (int64_t r = 0; r < nr; r++) {
@@ -998,9 +1012,10 @@ static void FN(fwd_head_end)(FN(fwd_task) * c, const ma_attn_fwd_params *p, cons
                              int64_t hx, int64_t i0, int64_t nr, int by_rows) {
     FN(fwd_scratch) *t = &c->t;
     const int64_t Dv = p->a.Dv;
-    const ACC hm = FN(head_scale)(&p->a.head_mask, b, hx);
-    const ACC sink =
-        p->a.sinks.ptr ? LOAD(p->a.sinks.ptr, p->a.sinks.dtype, hx * p->a.sinks.stride[0]) : -(ACC)INFINITY;
+    const ACC hm = FN(head_scale)(&p->a.opts.head_mask, b, hx);
+    const ACC sink = p->a.opts.sinks.ptr
+                         ? LOAD(p->a.opts.sinks.ptr, p->a.opts.sinks.dtype, hx * p->a.opts.sinks.stride[0])
+                         : -(ACC)INFINITY;
     ACC *lse_bh = (ACC *)p->lse + FN(stat_row0)(&p->a, b, hx);
     ACC *o = by_rows ? e->o : FWD_STEP(o_rows, t->o);
     for (int64_t r = 0; r < nr; r++) {
@@ -1033,7 +1048,7 @@ static void FN(fwd_weights)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const
                             int64_t i0, int64_t nr, int64_t kv_begin, int64_t kv_end) {
     FN(fwd_scratch) *t = &c->t;
     const int64_t Lq = p->a.Lq, Lk = p->a.Lk, D = p->a.D, BK = p->a.block_k, hk = h / (p->a.H / p->a.Hkv);
-    const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
+    const ACC hm = FN(head_scale)(&p->a.opts.head_mask, b, h);
     const int64_t w_st[4] = {p->a.H * Lq * Lk, Lq * Lk, Lk, 1};
     for (int64_t j0 = 0; j0 < Lk; j0 += BK) {
         const int64_t nw = ma_min(BK, Lk - j0); /* weights written */
@@ -1045,7 +1060,7 @@ static void FN(fwd_weights)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const
             int64_t ldk;
             const ACC *k_j = FN(rows_in)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, c->gen.k_bh, D, &ldk);
             GEMM(nc, nr, D, k_j, ldk, 1, t->qT, nr, t->sT, nr, 0);
-            FN(apply_softcap)(t->sT, nc * nr, p->a.softcap, NULL);
+            FN(apply_softcap)(t->sT, nc * nr, p->a.opts.softcap, NULL);
             FN(add_bias)(t->sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
             EXP_SUB_COL(t->sT, nc, nr, t->m_new, t->lsum);
             if (dr) DROPOUT(t->sT, NULL, 1, nr, nr, nc, dr, i0, j0); /* the weights after dropout */
@@ -1337,7 +1352,7 @@ static void FN(dq_delta)(FN(bwd_scratch) * t, const ma_attn_bwd_params *p, const
             int64_t ldk;
             const ACC *k_j = FN(rows_in)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, k_bh, D, &ldk);
             GEMM(nc, nr, D, k_j, ldk, 1, t->qT, nr, t->sT, nr, 0);
-            FN(apply_softcap)(t->sT, nc * nr, p->a.softcap, NULL);
+            FN(apply_softcap)(t->sT, nc * nr, p->a.opts.softcap, NULL);
             FN(add_bias)(t->sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
             EXP_SUB_COL(t->sT, nc, nr, t->lse, t->tmp);
             for (int64_t x = 0; x < nc * nr; x++) t->dpT[x] = 0;
@@ -1364,7 +1379,7 @@ static void FN(dq_block)(FN(bwd_scratch) * t, const ma_attn_bwd_params *p, const
     const ACC *v_j = FN(rows_in)(p->a.v, p->a.dtype, p->a.v_stride, b, hk, j0, v_bh, Dv, &ldv);
     /* P^T = exp(K (scale Q)^T + bias^T - lse) */
     GEMM(nc, nr, D, k_j, ldk, 1, t->qT, nr, t->sT, nr, 0);
-    FN(apply_softcap)(t->sT, nc * nr, p->a.softcap, t->th);
+    FN(apply_softcap)(t->sT, nc * nr, p->a.opts.softcap, t->th);
     FN(add_bias)(t->sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
     EXP_SUB_COL(t->sT, nc, nr, t->lse, t->tmp);
     /* dP^T = V dO^T (+ dW^T);  dS^T = P^T (hm dP^T - delta) */
@@ -1373,7 +1388,7 @@ static void FN(dq_block)(FN(bwd_scratch) * t, const ma_attn_bwd_params *p, const
     if (dr) DROPOUT(t->dpT, NULL, 1, nr, nr, nc, dr, i0, j0); /* dP = (dO V^T + dW) Z / (1 - p) */
     FN(dscores)(t->dpT, t->sT, 1, nr, t->delta, p->dhm_rows ? t->dhm : NULL, hm, nr, nc);
     if (p->dscores) FN(store_dscores)(p, t->dpT, 1, nr, b, h, i0, nr, j0, nc);
-    FN(softcap_grad)(t->dpT, t->th, nc * nr, p->a.softcap); /* through the cap: dS (1 - tanh^2) */
+    FN(softcap_grad)(t->dpT, t->th, nc * nr, p->a.opts.softcap); /* through the cap: dS (1 - tanh^2) */
     /* dQ += dS K */
     GEMM(nr, D, nc, t->dpT, 1, nr, k_j, ldk, t->dq, D, 1);
 }
@@ -1397,7 +1412,7 @@ static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
         const int64_t Lk = p->a.Lk, hk = h / G, i0 = qb * BQ, nr = ma_min(BQ, p->a.Lq - i0);
         int64_t kv_begin, kv_end;
         FN(kv_range)(&p->a, i0, nr, &kv_begin, &kv_end);
-        const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
+        const ACC hm = FN(head_scale)(&p->a.opts.head_mask, b, h);
         ma_dropout dr_buf;
         const ma_dropout *dr = FN(head_dropout)(&p->a, b, h, &dr_buf);
         const ACC *k_bh = FN(needs_copy)(p->a.dtype, p->a.k_stride)
@@ -1491,7 +1506,7 @@ static void FN(gen_bwd_dkdv_at)(const FN(bwd_scratch) * t, const ma_attn_bwd_par
 static void FN(bwd_tile_softmax)(ACC *s, ACC *dp, ACC *th, const ma_attn_bwd_params *p, int64_t b, int64_t h, ACC hm,
                                  int64_t i0, int64_t nr, int64_t j0, int64_t nc, int am_state, const ACC *lse_r,
                                  const ACC *delta_r, ACC *dhm_r, const ma_dropout *dr, ACC *z, int store_ds) {
-    FN(apply_softcap)(s, nr * nc, p->a.softcap, th);
+    FN(apply_softcap)(s, nr * nc, p->a.opts.softcap, th);
     FN(add_bias)(s, nc, 1, &p->a, am_state, b, h, i0, nr, j0, nc);
     for (int64_t r = 0; r < nr; r++) (void)EXP_SUB_SUM(s + r * nc, nc, lse_r[r]);
     if (p->dweights) FN(add_dweights)(dp, nc, 1, p, b, h, i0, nr, j0, nc);
@@ -1502,7 +1517,7 @@ static void FN(bwd_tile_softmax)(ACC *s, ACC *dp, ACC *th, const ma_attn_bwd_par
     FN(dscores)(dp, s, nc, 1, delta_r, dhm_r, hm, nr, nc);
     if (dr) FN(apply_dropout)(s, z, nr * nc);
     if (store_ds && p->dscores) FN(store_dscores)(p, dp, nc, 1, b, h, i0, nr, j0, nc);
-    FN(softcap_grad)(dp, th, nr * nc, p->a.softcap); /* through the cap: dS (1 - tanh^2) */
+    FN(softcap_grad)(dp, th, nr * nc, p->a.opts.softcap); /* through the cap: dS (1 - tanh^2) */
     if (hm != 1)
         for (int64_t x = 0; x < nr * nc; x++) s[x] *= hm;
 }
@@ -1554,7 +1569,7 @@ static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
             int64_t i_begin, i_end;
             FN(q_range)(&p->a, j0, nc, &i_begin, &i_end);
             for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
-                const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
+                const ACC hm = FN(head_scale)(&p->a.opts.head_mask, b, h);
                 ma_dropout dr_buf;
                 const ma_dropout *dr = FN(head_dropout)(&p->a, b, h, &dr_buf);
                 const ACC *lse_bh = (const ACC *)p->lse + FN(stat_row0)(&p->a, b, h);
@@ -1784,7 +1799,7 @@ static void FN(fused_queries)(FN(fused_task) * c, const ma_attn_bwd_params *p, i
     const int64_t G = p->a.H / p->a.Hkv, Lq = p->a.Lq, D = p->a.D, BQ = p->a.block_q;
     for (int64_t g = 0; g < G; g++) {
         const int64_t h = hk * G + g;
-        const ACC hm = FN(head_scale)(&p->a.head_mask, b, h);
+        const ACC hm = FN(head_scale)(&p->a.opts.head_mask, b, h);
         ma_dropout dr_buf;
         const ma_dropout *dr = FN(head_dropout)(&p->a, b, h, &dr_buf);
         for (int64_t i0 = k->i_lo; i0 < k->i_hi; i0 += BQ) { /* every ib[x] is on this grid (bwd_key_group) */
@@ -1838,6 +1853,9 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
         for (int64_t g = 0; g < G; g++)
             FN(delta_rows)(p, b, hk * G + g, c->tk[0].gbuf, c->delta_all + g * Lq, c->lse_all + g * Lq,
                            c->dhm_all + g * Lq);
+        if (ch == 0 && p->a.opts.sinks.ptr) /* delta for ma_attn_bwd_sinks_grad */
+            for (int64_t g = 0; g < G; g++)
+                memcpy((ACC *)p->delta + FN(stat_row0)(&p->a, b, hk * G + g), c->delta_all + g * Lq, Lq * sizeof(ACC));
         for (int64_t x = 0; x < G * Lq * D; x++) dq_acc[x] = 0;
 
         for (int64_t jg = ch * BK; jg < Lk; jg += KG * C * BK) {

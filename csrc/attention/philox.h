@@ -32,18 +32,18 @@ typedef struct {
     double scale;    /* 1 / (1 - p) */
 } ma_dropout;
 
-static inline int ma_dropout_on(const ma_attn_args *a) { return a->dropout_p > 0; }
+static inline int ma_dropout_on(const ma_attn_args *a) { return a->opts.dropout_p > 0; }
 
 static inline ma_dropout ma_dropout_head(const ma_attn_args *a, int64_t b, int64_t h) {
     ma_dropout d;
     const uint64_t bh = (uint64_t)(b * a->H + h);
-    d.k0 = (uint32_t)a->dropout_seed;
-    d.k1 = (uint32_t)(a->dropout_seed >> 32) ^ (uint32_t)(a->dropout_offset >> 32);
+    d.k0 = (uint32_t)a->opts.dropout_seed;
+    d.k1 = (uint32_t)(a->opts.dropout_seed >> 32) ^ (uint32_t)(a->opts.dropout_offset >> 32);
     d.c2 = (uint32_t)bh;
-    d.c3 = (uint32_t)a->dropout_offset;
-    double t = nearbyint(a->dropout_p * 65536.0);
+    d.c3 = (uint32_t)a->opts.dropout_offset;
+    double t = nearbyint(a->opts.dropout_p * 65536.0);
     d.thr = t < 0 ? 0 : t > 65536 ? 65536 : (int32_t)t;
-    d.scale = a->dropout_p < 1 ? 1.0 / (1.0 - a->dropout_p) : 0.0; /* p = 1 drops everything */
+    d.scale = a->opts.dropout_p < 1 ? 1.0 / (1.0 - a->opts.dropout_p) : 0.0; /* p = 1 drops everything */
     return d;
 }
 

@@ -20,9 +20,9 @@ void fill_strides4(int64_t out[4], const Tensor& t) {
 
 // What the forward and the backward of one call both read (ma_attn_args),
 // filled in one place: q, k, v and out with their strides, the canonical
-// masks, the flags, sizes and tiles, and the variant.
-ma_attn_args attn_args(const Sizes& s, const Masks& m, const Tensor& q, const Tensor& k, const Tensor& v,
-                       const Tensor& out, const WindowCapSinks& w, double scale, bool stream_stores, const Dropout& dr) {
+// masks, the options, sizes and tiles, and the variant.
+ma_attn_args attn_args(const Sizes& s, const Masks& m, const AttnOpts& o, const Tensor& q, const Tensor& k,
+                       const Tensor& v, const Tensor& out, double scale, bool stream_stores) {
   ma_attn_args a{};
   a.q = q.const_data_ptr();
   a.k = k.const_data_ptr();
@@ -34,45 +34,28 @@ ma_attn_args attn_args(const Sizes& s, const Masks& m, const Tensor& q, const Te
   fill_strides4(a.out_stride, out);
   a.attn_mask = m.attn_mask;
   a.key_padding_mask = m.key_padding_mask;
-  a.head_mask = m.head_mask;
-  a.is_causal = w.is_causal;
+  a.opts = o.c;
+  a.is_causal = o.is_causal;
   // the band the loops read (ma_attn_args): top-left aligned
-  a.band_lo = w.left >= 0 ? -w.left : -MA_BAND_INF;
-  a.band_hi = w.is_causal ? 0 : w.right >= 0 ? w.right : MA_BAND_INF;
+  a.band_lo = o.c.window_left >= 0 ? -o.c.window_left : -MA_BAND_INF;
+  a.band_hi = o.is_causal ? 0 : o.c.window_right >= 0 ? o.c.window_right : MA_BAND_INF;
   a.stat_stride[0] = s.H * s.Lq, a.stat_stride[1] = s.Lq;
   a.scale = scale;
-  // window, soft-capping, sinks
-  a.window_left = w.left;
-  a.window_right = w.right;
-  a.softcap = w.softcap;
-  a.sinks = w.sinks;
   a.B = s.B, a.H = s.H, a.Hkv = s.Hkv, a.Lq = s.Lq, a.Lk = s.Lk, a.D = s.D, a.Dv = s.Dv;
   a.block_q = kBlockQ, a.block_k = kBlockK;
   a.stream_stores = stream_stores;
   a.isa = select_isa(a.dtype);
-  a.dropout_p = dr.p, a.dropout_seed = dr.seed, a.dropout_offset = dr.offset;
   return a;
 }
 
-}  // namespace
+double default_scale(const Sizes& s, std::optional<double> scale) {
+  return scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(s.D));
+}
 
-// ---- ops --------------------------------------------------------------------
-
-std::tuple<Tensor, Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tensor v,
-                                                std::optional<Tensor> attn_mask,
-                                                std::optional<Tensor> key_padding_mask,
-                                                std::optional<Tensor> head_mask, bool is_causal,
-                                                std::optional<double> scale, bool need_weights,
-                                                double dropout_p, std::optional<Tensor> dropout_seed,
-                                                int64_t window_left, int64_t window_right,
-                                                std::optional<double> softcap, std::optional<Tensor> sinks,
-                                                bool for_backward) {
-  const Sizes s = check_qkv(q, k, v);
-  const Masks m = check_masks(s, attn_mask, key_padding_mask, head_mask);
-  const Dropout dr = check_dropout(s, dropout_p, dropout_seed);
-  const WindowCapSinks w = check_window_cap_sinks(s, is_causal, window_left, window_right, softcap, sinks);
-  const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(s.D));
-
+// The forward of a checked call.
+std::tuple<Tensor, Tensor, Tensor, Tensor> forward_impl(const Sizes& s, const Masks& m, const AttnOpts& o,
+                                                        const Tensor& q, const Tensor& k, const Tensor& v,
+                                                        double scale, bool need_weights, bool for_backward) {
   // out (B, H, Lq, Dv) is stored as (B, Lq, H, Dv): the layout the output
   // projection reads, so (B, Lq, H * Dv) is a free view.
   Tensor out = blhd(q, s.B, s.H, s.Lq, s.Dv);
@@ -89,14 +72,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tens
   p.lse = lse.mutable_data_ptr();
   p.weights = need_weights ? weights.mutable_data_ptr() : nullptr;
   p.out_lo = low ? out_lo.mutable_data_ptr() : nullptr;
-  p.a = attn_args(s, m, q, k, v, out, w, sc, worth_streaming(out), dr);
+  p.a = attn_args(s, m, o, q, k, v, out, scale, worth_streaming(out));
   if (low) fill_strides4(p.a.out_lo_stride, out_lo);
 
   if (s.Lk == 0) {  // no key at all: every row is fully masked
     torch::stable::zero_(out);
     torch::stable::fill_(lse, -INFINITY);
-    if (w.sinks.ptr) {  // lse = the sink's logit (masked_attn.h)
-      Tensor sk = torch::stable::contiguous(torch::stable::to(*sinks, acc_type(q.scalar_type())));
+    if (o.sinks.has_value()) {  // lse = the sink's logit (masked_attn.h)
+      Tensor sk = torch::stable::contiguous(torch::stable::to(*o.sinks, acc_type(q.scalar_type())));
       const size_t esz = q.scalar_type() == ScalarType::Double ? sizeof(double) : sizeof(float);
       char* dst = static_cast<char*>(lse.mutable_data_ptr());
       const char* src = static_cast<const char*>(sk.const_data_ptr());
@@ -113,32 +96,57 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tens
   return {out, lse, weights, out_lo};
 }
 
+}  // namespace
+
+// ---- ops --------------------------------------------------------------------
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tensor v,
+                                                std::optional<Tensor> attn_mask,
+                                                std::optional<Tensor> key_padding_mask,
+                                                std::optional<Tensor> head_mask, bool is_causal,
+                                                std::optional<double> scale, bool need_weights,
+                                                double dropout_p, std::optional<Tensor> dropout_seed,
+                                                int64_t window_left, int64_t window_right,
+                                                std::optional<double> softcap, std::optional<Tensor> sinks,
+                                                bool for_backward, std::optional<Tensor> alibi_slopes) {
+  const Sizes s = check_qkv(q, k, v);
+  const Masks m = check_masks(s, attn_mask, key_padding_mask);
+  const AttnOpts o = parse_attn_opts(
+      s, {is_causal, dropout_p, dropout_seed, window_left, window_right, softcap, sinks, head_mask, alibi_slopes},
+      false);
+  return forward_impl(s, m, o, q, k, v, default_scale(s, scale), need_weights, for_backward);
+}
+
 namespace {
 
-// The backward, writing dq, dk, dv into the given (B, H, L, D) tensors (any
-// strides); returns (grad_head_mask, grad_scores).
-std::tuple<Tensor, Tensor> attn_backward_impl(
-    Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
-    Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
-    std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
-    bool head_mask_grad, bool mask_grad, double dropout_p, std::optional<Tensor> dropout_seed, Tensor dq,
-    Tensor dk, Tensor dv, int64_t window_left, int64_t window_right, std::optional<double> softcap,
-    std::optional<Tensor> sinks, std::optional<Tensor> out_lo) {
-  const Sizes s = check_qkv(q, k, v);
-  const Masks m = check_masks(s, attn_mask, key_padding_mask, head_mask);
-  const Dropout dr = check_dropout(s, dropout_p, dropout_seed);
-  const WindowCapSinks w = check_window_cap_sinks(s, is_causal, window_left, window_right, softcap, sinks);
-  const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(s.D));
-  check_shape(out, "out", {s.B, s.H, s.Lq, s.Dv}, "(B, H, Lq, Dv)", q.scalar_type());
-  check_out_lo(out_lo, {s.B, s.H, s.Lq, s.Dv}, "(B, H, Lq, Dv)", q.scalar_type());
-  check_shape(grad_out, "grad_out", {s.B, s.H, s.Lq, s.Dv}, "(B, H, Lq, Dv)", q.scalar_type());
+// What the backward reads besides q, k, v, the masks and the options: the
+// forward's outputs, the gradients of its outputs, and the mask gradients wanted.
+struct BwdIn {
+  Tensor grad_out;
+  std::optional<Tensor> grad_weights;
+  Tensor out, lse;
+  std::optional<Tensor> out_lo;
+  bool head_mask_grad = false, mask_grad = false;
+};
+
+// The backward of a checked call, writing dq, dk, dv into the given (B, H,
+// L, D) tensors (any strides); returns (grad_head_mask, grad_scores,
+// grad_sinks), the options' gradients reduced to their shapes (options.cpp).
+std::tuple<Tensor, Tensor, Tensor> backward_impl(const Sizes& s, const Masks& m, const AttnOpts& o, const Tensor& q,
+                                         const Tensor& k, const Tensor& v, const BwdIn& in, double scale,
+                                         Tensor dq, Tensor dk, Tensor dv) {
+  check_shape(in.out, "out", {s.B, s.H, s.Lq, s.Dv}, "(B, H, Lq, Dv)", q.scalar_type());
+  check_out_lo(in.out_lo, {s.B, s.H, s.Lq, s.Dv}, "(B, H, Lq, Dv)", q.scalar_type());
+  check_shape(in.grad_out, "grad_out", {s.B, s.H, s.Lq, s.Dv}, "(B, H, Lq, Dv)", q.scalar_type());
+  const Tensor& lse = in.lse;
   MA_CHECK(lse.dim() == 3 && lse.size(0) == s.B && lse.size(1) == s.H && lse.size(2) == s.Lq &&
                       lse.scalar_type() == acc_type(q.scalar_type()) && lse.is_contiguous(),
                   "masked_attn: lse must be the forward's contiguous (B, H, Lq) log-sum-exp");
-  if (grad_weights.has_value())
-    check_shape(*grad_weights, "grad_weights", {s.B, s.H, s.Lq, s.Lk}, "(B, H, Lq, Lk)",
+  if (in.grad_weights.has_value())
+    check_shape(*in.grad_weights, "grad_weights", {s.B, s.H, s.Lq, s.Lk}, "(B, H, Lq, Lk)",
                 q.scalar_type());
-  MA_CHECK(!head_mask_grad || head_mask.has_value(),
+  const bool head_mask_grad = in.head_mask_grad, mask_grad = in.mask_grad;
+  MA_CHECK(!head_mask_grad || o.head_mask.has_value(),
                   "masked_attn: head_mask_grad=True needs a head_mask");
 
   check_shape(dq, "grad_q", {s.B, s.H, s.Lq, s.D}, "(B, H, Lq, D)", q.scalar_type());
@@ -158,19 +166,19 @@ std::tuple<Tensor, Tensor> attn_backward_impl(
   p.dv = dv.mutable_data_ptr();
   p.dhm_rows = head_mask_grad ? dhm_rows.mutable_data_ptr() : nullptr;
   p.dscores = mask_grad ? dscores.mutable_data_ptr() : nullptr;
-  p.dout = grad_out.const_data_ptr();
-  p.dweights = grad_weights.has_value() ? grad_weights->const_data_ptr() : nullptr;
-  p.out = out.const_data_ptr();
-  p.out_lo = out_lo.has_value() ? out_lo->const_data_ptr() : nullptr;
+  p.dout = in.grad_out.const_data_ptr();
+  p.dweights = in.grad_weights.has_value() ? in.grad_weights->const_data_ptr() : nullptr;
+  p.out = in.out.const_data_ptr();
+  p.out_lo = in.out_lo.has_value() ? in.out_lo->const_data_ptr() : nullptr;
   p.lse = lse.const_data_ptr();
   fill_strides4(p.dq_stride, dq);
   fill_strides4(p.dk_stride, dk);
   fill_strides4(p.dv_stride, dv);
-  fill_strides4(p.dout_stride, grad_out);
-  if (grad_weights.has_value()) fill_strides4(p.dweights_stride, *grad_weights);
-  p.a = attn_args(s, m, q, k, v, out, w, sc,
-                  worth_streaming(dq) || worth_streaming(dk) || worth_streaming(dv), dr);
-  if (out_lo.has_value()) fill_strides4(p.a.out_lo_stride, *out_lo);
+  fill_strides4(p.dout_stride, in.grad_out);
+  if (in.grad_weights.has_value()) fill_strides4(p.dweights_stride, *in.grad_weights);
+  p.a = attn_args(s, m, o, q, k, v, in.out, scale,
+                  worth_streaming(dq) || worth_streaming(dk) || worth_streaming(dv));
+  if (in.out_lo.has_value()) fill_strides4(p.a.out_lo_stride, *in.out_lo);
   p.delta = delta.mutable_data_ptr();
   p.kv_chunks = 1;
   p.key_group = ma_attn_bwd_key_group(&p);
@@ -178,6 +186,7 @@ std::tuple<Tensor, Tensor> attn_backward_impl(
   const size_t bytes = ma_attn_bwd_scratch_bytes(&p);
   const int64_t work = s.B * s.H * s.Lq * s.Lk * (3 * s.D + 2 * s.Dv);  // the five products
   if (s.Lk == 0) {
+    p.delta = nullptr;  // not written: no sink gradient (out is 0)
     torch::stable::zero_(dq);
     if (head_mask_grad) torch::stable::zero_(dhm_rows);
   } else if (ma_attn_bwd_single_pass(&p)) {
@@ -204,45 +213,43 @@ std::tuple<Tensor, Tensor> attn_backward_impl(
   if (s.Lk > 0 && !ma_attn_bwd_single_pass(&p))
     run_tasks(ma_attn_bwd_dkdv_task, &p, ma_attn_bwd_dkdv_work_items(&p), bytes, q, 1, work);
 
-  // d head_mask[b, h] = sum over the rows of (b, h), in a fixed order, in the
-  // accumulation type: the caller rounds once, after summing over what the
-  // head mask broadcasts over (ops.attention_backward).
-  Tensor dhm = head_mask_grad ? torch::stable::sum(dhm_rows, std::vector<int64_t>{2})
-                              : new_strided(q, {0}, {}, acc);
-  return {dhm, dscores};
+  return {head_mask_grad_of(o, head_mask_grad ? &dhm_rows : nullptr, q), dscores, sinks_grad_of(o, p, q)};
 }
 
 }  // namespace
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
     Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
     Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
     std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
     bool head_mask_grad, bool mask_grad, double dropout_p, std::optional<Tensor> dropout_seed,
     int64_t window_left, int64_t window_right, std::optional<double> softcap, std::optional<Tensor> sinks,
-    std::optional<Tensor> out_lo) {
+    std::optional<Tensor> out_lo, std::optional<Tensor> alibi_slopes) {
   const Sizes s = check_qkv(q, k, v);
+  const Masks m = check_masks(s, attn_mask, key_padding_mask);
+  const AttnOpts o = parse_attn_opts(
+      s, {is_causal, dropout_p, dropout_seed, window_left, window_right, softcap, sinks, head_mask, alibi_slopes},
+      false);
   Tensor dq = blhd(q, s.B, s.H, s.Lq, s.D);
   Tensor dk = blhd(q, s.B, s.Hkv, s.Lk, s.D);
   Tensor dv = blhd(q, s.B, s.Hkv, s.Lk, s.Dv);
   for (Tensor* t : {&dq, &dk, &dv}) advise_huge_pages(*t);
-  auto [dhm, dscores] = attn_backward_impl(grad_out, grad_weights, q, k, v, out, lse, attn_mask,
-                                           key_padding_mask, head_mask, is_causal, scale,
-                                           head_mask_grad, mask_grad, dropout_p, dropout_seed, dq, dk, dv,
-                                           window_left, window_right, softcap, sinks, out_lo);
-  return {dq, dk, dv, dhm, dscores};
+  auto [dhm, dscores, dsinks] = backward_impl(s, m, o, q, k, v,
+                                              {grad_out, grad_weights, out, lse, out_lo, head_mask_grad, mask_grad},
+                                              default_scale(s, scale), dq, dk, dv);
+  return {dq, dk, dv, dhm, dscores, dsinks};
 }
 
 // The backward writing dq, dk, dv into caller-provided views, e.g. three
 // slices of one packed (B, L, 3, H, D) buffer: the gradient of a fused qkv
 // projection, with no stack or copy after it. The views must not overlap.
-std::tuple<Tensor, Tensor> attn_backward_into(
+std::tuple<Tensor, Tensor, Tensor> attn_backward_into(
     Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
     Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
     std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
     bool head_mask_grad, bool mask_grad, Tensor grad_q, Tensor grad_k, Tensor grad_v, double dropout_p,
     std::optional<Tensor> dropout_seed, int64_t window_left, int64_t window_right, std::optional<double> softcap,
-    std::optional<Tensor> sinks, std::optional<Tensor> out_lo) {
+    std::optional<Tensor> sinks, std::optional<Tensor> out_lo, std::optional<Tensor> alibi_slopes) {
   // What the kernels allow (masked_attn.h): outputs that never share memory
   // with each other or with what is read, except that the single pass (no
   // grad_weights) may write grad_q, grad_k, grad_v over q, k, v themselves,
@@ -276,9 +283,13 @@ std::tuple<Tensor, Tensor> attn_backward_into(
     if (out_lo.has_value())
       MA_CHECK(!may_overlap(*outs[i], *out_lo), "masked_attn.backward_into: ", names[i], " shares memory with out_lo");
   }
-  return attn_backward_impl(grad_out, grad_weights, q, k, v, out, lse, attn_mask, key_padding_mask,
-                            head_mask, is_causal, scale, head_mask_grad, mask_grad, dropout_p, dropout_seed,
-                            grad_q, grad_k, grad_v, window_left, window_right, softcap, sinks, out_lo);
+  const Sizes s = check_qkv(q, k, v);
+  const Masks m = check_masks(s, attn_mask, key_padding_mask);
+  const AttnOpts o = parse_attn_opts(
+      s, {is_causal, dropout_p, dropout_seed, window_left, window_right, softcap, sinks, head_mask, alibi_slopes},
+      false);
+  return backward_impl(s, m, o, q, k, v, {grad_out, grad_weights, out, lse, out_lo, head_mask_grad, mask_grad},
+                       default_scale(s, scale), grad_q, grad_k, grad_v);
 }
 
 }  // namespace masked_attn_shim

@@ -158,7 +158,7 @@ ma_mask canonical_mask(const std::optional<Tensor>& m, const char* name, std::ve
 }
 
 Masks check_masks(const Sizes& s, const std::optional<Tensor>& attn_mask,
-                  const std::optional<Tensor>& key_padding_mask, const std::optional<Tensor>& head_mask) {
+                  const std::optional<Tensor>& key_padding_mask) {
   Masks m;
   m.attn_mask = canonical_mask(attn_mask, "attn_mask", {s.B, s.H, s.Lq, s.Lk}, "(B, H, Lq, Lk)", true);
   if (key_padding_mask.has_value())
@@ -167,61 +167,7 @@ Masks check_masks(const Sizes& s, const std::optional<Tensor>& attn_mask,
                     "masked_attn: key_padding_mask must have shape (B, Lk) = (", s.B, ", ", s.Lk,
                     "), got ", shape_str(*key_padding_mask));
   m.key_padding_mask = canonical_mask(key_padding_mask, "key_padding_mask", {s.B, s.Lk}, "(B, Lk)", true);
-  if (head_mask.has_value())
-    MA_CHECK((head_mask->dim() == 1 && head_mask->size(0) == s.H) ||
-                        (head_mask->dim() == 2 && head_mask->size(0) == s.B && head_mask->size(1) == s.H),
-                    "masked_attn: head_mask must have shape (H,) = (", s.H, ",) or (B, H) = (", s.B,
-                    ", ", s.H, "), got ", shape_str(*head_mask));
-  m.head_mask = canonical_mask(head_mask, "head_mask", {s.B, s.H}, "(B, H)", false);
   return m;
-}
-
-Dropout check_dropout(const Sizes& s, double dropout_p, const std::optional<Tensor>& dropout_seed) {
-  Dropout d;
-  MA_CHECK(dropout_p >= 0.0 && dropout_p <= 1.0, "masked_attn: dropout_p must be in [0, 1], got ", dropout_p);
-  if (dropout_p == 0.0) return d;
-  MA_CHECK(dropout_seed.has_value(), "masked_attn: dropout_p > 0 needs dropout_seed, an int64 tensor (seed, offset)");
-  const Tensor& t = *dropout_seed;
-  MA_CHECK(t.is_cpu() && t.scalar_type() == ScalarType::Long && t.dim() == 1 && t.size(0) == 2,
-           "masked_attn: dropout_seed must be an int64 CPU tensor of shape (2,) (seed, offset), got shape ",
-           shape_str(t), t.scalar_type() == ScalarType::Long ? ", int64" : ", not int64",
-           t.is_cpu() ? ", on the CPU" : ", not on the CPU");
-  MA_CHECK(s.Lq <= (int64_t{1} << 32) && s.Lk <= (int64_t{1} << 35),
-           "masked_attn: dropout needs Lq <= 2^32 and Lk <= 2^35 (the Philox counter's words)");
-  const int64_t* x = static_cast<const int64_t*>(t.const_data_ptr());
-  d.p = dropout_p;
-  d.seed = static_cast<uint64_t>(x[0]);
-  d.offset = static_cast<uint64_t>(x[t.stride(0)]);
-  return d;
-}
-// ---- end dropout ----
-
-// softcap (> 0, finite, or None: 0) and sinks ((H,), or None: ptr NULL), checked.
-void check_cap_sinks(int64_t H, std::optional<double> softcap, const std::optional<Tensor>& sinks, double* cap,
-                     ma_mask* sk) {
-  if (softcap.has_value()) {
-    MA_CHECK(std::isfinite(*softcap) && *softcap > 0, "masked_attn: softcap must be None or a finite number > 0, got ",
-             *softcap);
-    *cap = *softcap;
-  }
-  if (sinks.has_value()) {
-    MA_CHECK(sinks->dim() == 1 && sinks->size(0) == H, "masked_attn: sinks must have shape (H,) = (", H,
-             ",), got ", shape_str(*sinks));
-    *sk = canonical_mask(sinks, "sinks", {H}, "(H,)", false);
-  }
-}
-
-WindowCapSinks check_window_cap_sinks(const Sizes& s, bool is_causal, int64_t window_left, int64_t window_right,
-                                      std::optional<double> softcap, const std::optional<Tensor>& sinks) {
-  MA_CHECK(window_left >= -1, "masked_attn: window_left must be -1 (no bound) or >= 0, got ", window_left);
-  MA_CHECK(window_right >= -1, "masked_attn: window_right must be -1 (no bound) or >= 0, got ", window_right);
-  WindowCapSinks w;
-  w.left = window_left >= s.Lq - 1 ? -1 : window_left;
-  w.right = is_causal ? 0 : window_right >= s.Lk - 1 ? -1 : window_right;
-  w.is_causal = is_causal || w.right == 0;
-  if (w.right == 0) w.right = -1;
-  check_cap_sinks(s.H, softcap, sinks, &w.softcap, &w.sinks);
-  return w;
 }
 
 // The instruction-set variant for this call: common/isa.h decides (the CPU's

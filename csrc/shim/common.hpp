@@ -222,41 +222,50 @@ Sizes check_qkv(const Tensor& q, const Tensor& k, const Tensor& v);
 ma_mask canonical_mask(const std::optional<Tensor>& m, const char* name, std::vector<int64_t> dims,
                        const char* dims_str, bool allow_bool);
 
+// attn_mask and key_padding_mask, canonical (the head mask is an option: AttnOpts).
 struct Masks {
-  ma_mask attn_mask, key_padding_mask, head_mask;
+  ma_mask attn_mask, key_padding_mask;
 };
 
 Masks check_masks(const Sizes& s, const std::optional<Tensor>& attn_mask,
-                  const std::optional<Tensor>& key_padding_mask, const std::optional<Tensor>& head_mask);
+                  const std::optional<Tensor>& key_padding_mask);
 
-// ---- dropout (issue 14) ----
-// dropout_p in [0, 1]; with dropout_p > 0, dropout_seed is an int64 CPU tensor
-// of shape (2,): (seed, offset), the Philox key and counter words
-// (csrc/attention/philox.h). The op draws nothing: the caller does (Python,
-// from PyTorch's default generator), so a given seed reproduces the mask.
-struct Dropout {
-  double p = 0;
-  uint64_t seed = 0, offset = 0;
-};
+// ---- the options of an attention call (options.cpp) ----------------------------------
 
-Dropout check_dropout(const Sizes& s, double dropout_p, const std::optional<Tensor>& dropout_seed);
-
-// The sliding window, soft-capping and sinks of one call (issue 15), checked
-// and normalised: a window side that reaches every key (left >= Lq - 1,
-// right >= Lk - 1) is unbounded (-1), is_causal caps the right side at 0, and
-// a right side of 0 is is_causal itself (which has the causal block skipping
-// and diagonal split): the kernels see window_right -1 or > 0.
-struct WindowCapSinks {
-  int64_t left = -1, right = -1;
+// The options as the attention ops' schemas spell them (registration.cpp; an
+// op without one leaves its default).
+struct AttnOptArgs {
   bool is_causal = false;
-  double softcap = 0;
-  ma_mask sinks{};
+  double dropout_p = 0;
+  std::optional<Tensor> dropout_seed;
+  int64_t window_left = -1, window_right = -1;
+  std::optional<double> softcap;
+  std::optional<Tensor> sinks, head_mask, alibi_slopes;
 };
 
-void check_cap_sinks(int64_t H, std::optional<double> softcap, const std::optional<Tensor>& sinks, double* cap,
-                     ma_mask* sk);
-WindowCapSinks check_window_cap_sinks(const Sizes& s, bool is_causal, int64_t window_left, int64_t window_right,
-                                      std::optional<double> softcap, const std::optional<Tensor>& sinks);
+// The options checked and normalised, once per call (parse_attn_opts): c is
+// what the kernels read (ma_attn_args.opts, masked_attn.h); the tensors are
+// kept for what the shim computes from them itself.
+struct AttnOpts {
+  ma_attn_opts c{};
+  bool is_causal = false;  // dense: is_causal, or a window whose right side is 0
+  std::optional<Tensor> sinks, head_mask;
+};
+
+// Every check of the options lives here: the five attention ops call it
+// with the call's sizes (varlen: B = N sequences, Lq, Lk the longest).
+AttnOpts parse_attn_opts(const Sizes& s, const AttnOptArgs& in, bool varlen);
+
+// The options' gradients the backward ops return, reduced to their shapes:
+// the head mask's ((H,) or (B, H), its dtype) from the kernels' per-row sums
+// dhm_rows (B, H, Lq) (acc type; nullptr: not wanted), summed over the rows
+// and then over what the head mask broadcasts over, in the accumulation type,
+// rounded once; the sinks' ((H,), their dtype) from the passes' lse and delta
+// (ma_attn_bwd_sinks_grad; p.delta NULL: no key, 0). Empty (acc type) where
+// the call has none.
+Tensor head_mask_grad_of(const AttnOpts& o, const Tensor* dhm_rows, const Tensor& like);
+Tensor sinks_grad_of(const AttnOpts& o, const ma_attn_bwd_params& p, const Tensor& like);
+
 ma_isa select_isa(ma_dtype dt);
 void check_shape(const Tensor& t, const char* name, std::vector<int64_t> dims, const char* dims_str,
                  ScalarType dtype);
@@ -283,33 +292,34 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tens
                                                 double dropout_p, std::optional<Tensor> dropout_seed,
                                                 int64_t window_left, int64_t window_right,
                                                 std::optional<double> softcap, std::optional<Tensor> sinks,
-                                                bool for_backward);
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
+                                                bool for_backward, std::optional<Tensor> alibi_slopes);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
     Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
     Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
     std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
     bool head_mask_grad, bool mask_grad, double dropout_p, std::optional<Tensor> dropout_seed,
     int64_t window_left, int64_t window_right, std::optional<double> softcap, std::optional<Tensor> sinks,
-    std::optional<Tensor> out_lo);
-std::tuple<Tensor, Tensor> attn_backward_into(
+    std::optional<Tensor> out_lo, std::optional<Tensor> alibi_slopes);
+std::tuple<Tensor, Tensor, Tensor> attn_backward_into(
     Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
     Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
     std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
     bool head_mask_grad, bool mask_grad, Tensor grad_q, Tensor grad_k, Tensor grad_v, double dropout_p,
     std::optional<Tensor> dropout_seed, int64_t window_left, int64_t window_right, std::optional<double> softcap,
-    std::optional<Tensor> sinks, std::optional<Tensor> out_lo);
+    std::optional<Tensor> sinks, std::optional<Tensor> out_lo, std::optional<Tensor> alibi_slopes);
 std::tuple<Tensor, Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seq_q,
                                                   std::optional<Tensor> cu_seq_k, int64_t max_q, int64_t max_k,
                                                   std::optional<double> scale, int64_t window_left,
                                                   int64_t window_right, std::optional<Tensor> seqused_k,
                                                   std::optional<Tensor> block_table, std::optional<double> softcap,
-                                                  std::optional<Tensor> sinks, bool for_backward);
-std::tuple<Tensor, Tensor, Tensor> varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out,
+                                                  std::optional<Tensor> sinks, bool for_backward,
+                                                  std::optional<Tensor> alibi_slopes);
+std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out,
                                                    Tensor lse, Tensor cu_seq_q, Tensor cu_seq_k, int64_t max_q,
                                                    int64_t max_k, std::optional<double> scale,
                                                    int64_t window_left, int64_t window_right,
                                                    std::optional<double> softcap, std::optional<Tensor> sinks,
-                                                   std::optional<Tensor> out_lo);
+                                                   std::optional<Tensor> out_lo, std::optional<Tensor> alibi_slopes);
 std::tuple<Tensor, Tensor> ce_forward(Tensor input, Tensor target, std::optional<Tensor> weight,
                                       std::string reduction, int64_t ignore_index, double label_smoothing,
                                       double z_loss, std::optional<double> softcap, bool inplace_backward);

@@ -17,6 +17,8 @@ namespace {
 struct Varlen {
   int64_t N = 0, Tq = 0, Tk = 0, H = 0, Hkv = 0, D = 0, Dv = 0, max_q = 0, max_k = 0;
   std::vector<int64_t> q_items, kv_items;
+  // as the options see them: N entries, the longest lengths
+  Sizes sizes() const { return {N, H, Hkv, max_q, max_k, D, Dv}; }
 };
 
 // A 1-D int32 CPU tensor of n entries, contiguous (it is read as an array).
@@ -29,8 +31,9 @@ void check_index_tensor(const Tensor& t, const char* name, int64_t n, const char
   MA_CHECK(t.is_contiguous(), "masked_attn.varlen: ", name, " must be contiguous");
 }
 
-// Checks q, k, v, the offsets, seqused_k, max_q, max_k and the window; fills
-// the sizes and, when `plan`, the work-item tables.
+// Checks q, k, v, the offsets, seqused_k, max_q, max_k; fills the sizes and
+// the work-item tables (their costs from the window wl, wr, which
+// parse_attn_opts checks).
 // With block_table, key and value are page pools (pages, page_size, H_kv, D)
 // and cu_k is not read (may be absent); seqused_k gives the lengths.
 Varlen check_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_q,
@@ -80,8 +83,6 @@ Varlen check_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
              "masked_attn.varlen: block_table must be a contiguous int32 CPU tensor (N, max_pages) = (", r.N,
              ", ...), got shape ", shape_str(bt));
   }
-  MA_CHECK(wl >= -1 && wr >= -1, "masked_attn.varlen: window_size must be (left, right) with each -1 (unbounded) "
-           "or >= 0, got (", wl, ", ", wr, ")");
   const int32_t* cq = static_cast<const int32_t*>(cu_q.const_data_ptr());
   // paged: the key offsets are not read; every sequence may use all its table's pages
   std::vector<int32_t> no_ck;
@@ -174,8 +175,8 @@ int64_t fill_strides_paged(int64_t out[4], const Tensor& t) {
 
 ma_attn_args varlen_args(const Varlen& r, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                          const Tensor& cu_q, const std::optional<Tensor>& cu_k, const std::optional<Tensor>& seqused_k,
-                         double scale, int64_t wl, int64_t wr, double softcap, const ma_mask& sinks,
-                         bool stream_stores, const std::optional<Tensor>& block_table = std::nullopt) {
+                         const AttnOpts& o, double scale, bool stream_stores,
+                         const std::optional<Tensor>& block_table = std::nullopt) {
   ma_attn_args a{};
   a.q = q.const_data_ptr();
   a.k = k.const_data_ptr();
@@ -194,8 +195,7 @@ ma_attn_args varlen_args(const Varlen& r, const Tensor& q, const Tensor& k, cons
   }
   fill_strides_thd(a.out_stride, out);
   a.scale = scale;
-  a.softcap = softcap;
-  a.sinks = sinks;
+  a.opts = o.c;  // the window bottom-right aligned per sequence: FN(seq_args)
   a.B = r.N, a.H = r.H, a.Hkv = r.Hkv, a.Lq = r.max_q, a.Lk = r.max_k, a.D = r.D, a.Dv = r.Dv;
   a.block_q = kBlockQ, a.block_k = kBlockK;
   a.band_lo = -MA_BAND_INF, a.band_hi = MA_BAND_INF;  // per sequence: FN(seq_args)
@@ -205,7 +205,6 @@ ma_attn_args varlen_args(const Varlen& r, const Tensor& q, const Tensor& k, cons
   a.cu_q = static_cast<const int32_t*>(cu_q.const_data_ptr());
   a.cu_k = cu_k.has_value() && !block_table.has_value() ? static_cast<const int32_t*>(cu_k->const_data_ptr()) : nullptr;
   a.seqused_k = seqused_k.has_value() ? static_cast<const int32_t*>(seqused_k->const_data_ptr()) : nullptr;
-  a.window_left = wl, a.window_right = wr;  // bottom-right aligned per sequence: FN(seq_args)
   a.q_items = r.q_items.data(), a.n_q_items = static_cast<int64_t>(r.q_items.size() / 3);
   a.kv_items = r.kv_items.data(), a.n_kv_items = static_cast<int64_t>(r.kv_items.size() / 3);
   return a;
@@ -218,12 +217,11 @@ std::tuple<Tensor, Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, 
                                                   std::optional<double> scale, int64_t window_left,
                                                   int64_t window_right, std::optional<Tensor> seqused_k,
                                                   std::optional<Tensor> block_table, std::optional<double> softcap,
-                                                  std::optional<Tensor> sinks, bool for_backward) {
+                                                  std::optional<Tensor> sinks, bool for_backward,
+                                                  std::optional<Tensor> alibi_slopes) {
   const Varlen r = check_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, window_left, window_right, seqused_k,
                                 block_table);
-  double cap = 0;
-  ma_mask sk{};
-  check_cap_sinks(r.H, softcap, sinks, &cap, &sk);
+  const AttnOpts o = parse_attn_opts(r.sizes(), {false, 0.0, std::nullopt, window_left, window_right, softcap, sinks, std::nullopt, alibi_slopes}, true);
   const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(r.D));
   Tensor out = new_strided(q, {r.Tq, r.H, r.Dv}, {});
   advise_huge_pages(out);
@@ -234,24 +232,21 @@ std::tuple<Tensor, Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, 
   p.out = out.mutable_data_ptr();
   p.lse = lse.mutable_data_ptr();
   p.out_lo = low ? out_lo.mutable_data_ptr() : nullptr;
-  p.a = varlen_args(r, q, k, v, out, cu_seq_q, cu_seq_k, seqused_k, sc, window_left, window_right, cap, sk,
-                    worth_streaming(out), block_table);
+  p.a = varlen_args(r, q, k, v, out, cu_seq_q, cu_seq_k, seqused_k, o, sc, worth_streaming(out), block_table);
   if (low) fill_strides_thd(p.a.out_lo_stride, out_lo);
   p.head_group = ma_attn_fwd_head_group(&p);
   run_tasks(ma_attn_fwd_task, &p, ma_attn_fwd_work_items(&p), ma_attn_fwd_scratch_bytes(&p), q, fwd_grain(p));
   return {out, lse, out_lo};
 }
 
-std::tuple<Tensor, Tensor, Tensor> varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out,
+std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out,
                                                    Tensor lse, Tensor cu_seq_q, Tensor cu_seq_k, int64_t max_q,
                                                    int64_t max_k, std::optional<double> scale,
                                                    int64_t window_left, int64_t window_right,
                                                    std::optional<double> softcap, std::optional<Tensor> sinks,
-                                                   std::optional<Tensor> out_lo) {
+                                                   std::optional<Tensor> out_lo, std::optional<Tensor> alibi_slopes) {
   const Varlen r = check_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, window_left, window_right, std::nullopt);
-  double cap = 0;
-  ma_mask sk{};
-  check_cap_sinks(r.H, softcap, sinks, &cap, &sk);
+  const AttnOpts o = parse_attn_opts(r.sizes(), {false, 0.0, std::nullopt, window_left, window_right, softcap, sinks, std::nullopt, alibi_slopes}, true);
   const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(r.D));
   check_shape(out, "out", {r.Tq, r.H, r.Dv}, "(T_q, H, Dv)", q.scalar_type());
   check_out_lo(out_lo, {r.Tq, r.H, r.Dv}, "(T_q, H, Dv)", q.scalar_type());
@@ -276,7 +271,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward(Tensor grad_out, Tensor q, Te
   fill_strides_thd(p.dk_stride, dk);
   fill_strides_thd(p.dv_stride, dv);
   fill_strides_thd(p.dout_stride, grad_out);
-  p.a = varlen_args(r, q, k, v, out, cu_seq_q, cu_seq_k, std::nullopt, sc, window_left, window_right, cap, sk,
+  p.a = varlen_args(r, q, k, v, out, cu_seq_q, cu_seq_k, std::nullopt, o, sc,
                     worth_streaming(dq) || worth_streaming(dk) || worth_streaming(dv));
   if (out_lo.has_value()) fill_strides_thd(p.a.out_lo_stride, *out_lo);
   p.delta = delta.mutable_data_ptr();
@@ -285,7 +280,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward(Tensor grad_out, Tensor q, Te
   run_tasks(ma_attn_bwd_dq_task, &p, ma_attn_bwd_dq_work_items(&p), bytes, q, 1);
   run_tasks(ma_attn_bwd_dkdv_task, &p, ma_attn_bwd_dkdv_work_items(&p), bytes, q, 1);
   // key rows no item covers (none: cu_seq_k[-1] == T_k and no seqused_k) would stay unwritten
-  return {dq, dk, dv};
+  return {dq, dk, dv, sinks_grad_of(o, p, q)};
 }
 
 }  // namespace masked_attn_shim

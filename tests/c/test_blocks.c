@@ -342,7 +342,7 @@ static void test_dropout(const ma_blocks *v) {
     static const int64_t nrs[] = {1, 5, 8, 13, 16, 17, 64}, ncs[] = {1, 7, 8, 9, 64}, j0s[] = {0, 3, 64}, i0s[] = {0, 5};
     ma_attn_args a;
     memset(&a, 0, sizeof a);
-    a.H = 3, a.dropout_p = 0.3, a.dropout_seed = 0x0123456789abcdefull, a.dropout_offset = 0xfedcba9876543210ull;
+    a.H = 3, a.opts.dropout_p = 0.3, a.opts.dropout_seed = 0x0123456789abcdefull, a.opts.dropout_offset = 0xfedcba9876543210ull;
     const ma_dropout d = ma_dropout_head(&a, 1, 2);
     float *x0 = malloc(sizeof(float) * 64 * 64), *x1 = malloc(sizeof(float) * 64 * 64);
     for (size_t a1 = 0; a1 < sizeof nrs / sizeof nrs[0]; a1++)

@@ -67,14 +67,14 @@ void emu_main(struct emu_io *io) {
         a.attn_mask.stride[2] = Lk, a.attn_mask.stride[3] = 1;
     }
     if (io->head_mask) {
-        a.head_mask.ptr = (const void *)io->head_mask, a.head_mask.dtype = MA_F32;
-        a.head_mask.stride[1] = 1;
+        a.opts.head_mask.ptr = (const void *)io->head_mask, a.opts.head_mask.dtype = MA_F32;
+        a.opts.head_mask.stride[1] = 1;
     }
     a.is_causal = (int)io->is_causal;
-    a.window_left = io->window_left, a.window_right = io->window_right;
+    a.opts.window_left = io->window_left, a.opts.window_right = io->window_right;
     a.band_lo = io->window_left >= 0 ? -io->window_left : -MA_BAND_INF;
     a.band_hi = io->is_causal ? 0 : io->window_right >= 0 ? io->window_right : MA_BAND_INF;
-    a.softcap = io->softcap, a.scale = io->scale;
+    a.opts.softcap = io->softcap, a.scale = io->scale;
     a.B = B, a.H = H, a.Hkv = Hkv, a.Lq = Lq, a.Lk = Lk, a.D = D, a.Dv = Dv;
     a.block_q = a.block_k = 64;
     a.stat_stride[0] = H * Lq, a.stat_stride[1] = Lq;

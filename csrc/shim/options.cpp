@@ -1,0 +1,105 @@
+// options.cpp -- the options of an attention call (the masks aside: window,
+// soft-capping, sinks, head mask, ALiBi, dropout), checked and normalised in one
+// place for the five attention ops (forward, backward, backward_into,
+// varlen_forward, varlen_backward) into ma_attn_opts, what the kernels read.
+
+#include "shim/common.hpp"
+
+namespace masked_attn_shim {
+
+namespace {
+
+// dropout_p in [0, 1]; with dropout_p > 0, dropout_seed is an int64 CPU tensor
+// of shape (2,): (seed, offset), the Philox key and counter words
+// (csrc/attention/philox.h). The op draws nothing: the caller does (Python,
+// from PyTorch's default generator), so a given seed reproduces the mask.
+void parse_dropout(const Sizes& s, double dropout_p, const std::optional<Tensor>& dropout_seed, ma_attn_opts* o) {
+  MA_CHECK(dropout_p >= 0.0 && dropout_p <= 1.0, "masked_attn: dropout_p must be in [0, 1], got ", dropout_p);
+  if (dropout_p == 0.0) return;
+  MA_CHECK(dropout_seed.has_value(), "masked_attn: dropout_p > 0 needs dropout_seed, an int64 tensor (seed, offset)");
+  const Tensor& t = *dropout_seed;
+  MA_CHECK(t.is_cpu() && t.scalar_type() == ScalarType::Long && t.dim() == 1 && t.size(0) == 2,
+           "masked_attn: dropout_seed must be an int64 CPU tensor of shape (2,) (seed, offset), got shape ",
+           shape_str(t), t.scalar_type() == ScalarType::Long ? ", int64" : ", not int64",
+           t.is_cpu() ? ", on the CPU" : ", not on the CPU");
+  MA_CHECK(s.Lq <= (int64_t{1} << 32) && s.Lk <= (int64_t{1} << 35),
+           "masked_attn: dropout needs Lq <= 2^32 and Lk <= 2^35 (the Philox counter's words)");
+  const int64_t* x = static_cast<const int64_t*>(t.const_data_ptr());
+  o->dropout_p = dropout_p;
+  o->dropout_seed = static_cast<uint64_t>(x[0]);
+  o->dropout_offset = static_cast<uint64_t>(x[t.stride(0)]);
+}
+
+// The window: each side -1 (no bound) or >= 0. Dense calls normalise it (top
+// left aligned): a side that reaches every key (left >= Lq - 1, right >=
+// Lk - 1) is unbounded (-1), is_causal caps the right side at 0, and a right
+// side of 0 is is_causal itself (which has the causal block skipping and
+// diagonal split): the kernels see window_right -1 or > 0. Varlen calls keep
+// it as given (bottom-right aligned per sequence: FN(seq_args)).
+void parse_window(const Sizes& s, const AttnOptArgs& in, bool varlen, ma_attn_opts* o, bool* is_causal) {
+  MA_CHECK(in.window_left >= -1, "masked_attn: window_left must be -1 (no bound) or >= 0, got ", in.window_left);
+  MA_CHECK(in.window_right >= -1, "masked_attn: window_right must be -1 (no bound) or >= 0, got ", in.window_right);
+  if (varlen) {
+    o->window_left = in.window_left, o->window_right = in.window_right;
+    *is_causal = false;
+    return;
+  }
+  o->window_left = in.window_left >= s.Lq - 1 ? -1 : in.window_left;
+  o->window_right = in.is_causal ? 0 : in.window_right >= s.Lk - 1 ? -1 : in.window_right;
+  *is_causal = in.is_causal || o->window_right == 0;
+  if (o->window_right == 0) o->window_right = -1;
+}
+
+}  // namespace
+
+AttnOpts parse_attn_opts(const Sizes& s, const AttnOptArgs& in, bool varlen) {
+  AttnOpts r;
+  ma_attn_opts& o = r.c;
+  parse_window(s, in, varlen, &o, &r.is_causal);
+  if (in.softcap.has_value()) {
+    MA_CHECK(std::isfinite(*in.softcap) && *in.softcap > 0,
+             "masked_attn: softcap must be None or a finite number > 0, got ", *in.softcap);
+    o.softcap = *in.softcap;
+  }
+  if (in.sinks.has_value()) {
+    MA_CHECK(in.sinks->dim() == 1 && in.sinks->size(0) == s.H, "masked_attn: sinks must have shape (H,) = (", s.H,
+             ",), got ", shape_str(*in.sinks));
+    o.sinks = canonical_mask(in.sinks, "sinks", {s.H}, "(H,)", false);
+    r.sinks = in.sinks;
+  }
+  if (in.head_mask.has_value()) {
+    const Tensor& hm = *in.head_mask;
+    MA_CHECK((hm.dim() == 1 && hm.size(0) == s.H) || (hm.dim() == 2 && hm.size(0) == s.B && hm.size(1) == s.H),
+             "masked_attn: head_mask must have shape (H,) = (", s.H, ",) or (B, H) = (", s.B, ", ", s.H,
+             "), got ", shape_str(hm));
+    o.head_mask = canonical_mask(in.head_mask, "head_mask", {s.B, s.H}, "(B, H)", false);
+    r.head_mask = in.head_mask;
+  }
+  if (in.alibi_slopes.has_value()) {  // flash-attn's alibi_slopes: (H,) or (B, H) float32
+    const Tensor& al = *in.alibi_slopes;
+    MA_CHECK(al.scalar_type() == ScalarType::Float, "masked_attn: alibi_slopes must be float32, got another dtype");
+    MA_CHECK((al.dim() == 1 && al.size(0) == s.H) || (al.dim() == 2 && al.size(0) == s.B && al.size(1) == s.H),
+             "masked_attn: alibi_slopes must have shape (H,) = (", s.H, ",) or (B, H) = (", s.B, ", ", s.H,
+             "), got ", shape_str(al));
+    o.alibi = canonical_mask(in.alibi_slopes, "alibi_slopes", {s.B, s.H}, "(B, H)", false);
+  }
+  parse_dropout(s, in.dropout_p, in.dropout_seed, &o);
+  return r;
+}
+
+Tensor head_mask_grad_of(const AttnOpts& o, const Tensor* dhm_rows, const Tensor& like) {
+  if (!dhm_rows) return new_strided(like, {0}, {}, acc_type(like.scalar_type()));
+  const Tensor& hm = *o.head_mask;
+  Tensor dhm = torch::stable::sum(*dhm_rows, std::vector<int64_t>{2});  // (B, H)
+  if (hm.dim() == 1) dhm = torch::stable::sum(dhm, std::vector<int64_t>{0});
+  return torch::stable::to(dhm, hm.scalar_type());
+}
+
+Tensor sinks_grad_of(const AttnOpts& o, const ma_attn_bwd_params& p, const Tensor& like) {
+  if (!o.sinks.has_value()) return new_strided(like, {0}, {}, acc_type(like.scalar_type()));
+  Tensor d = torch::stable::new_zeros(like, {p.a.H}, ScalarType::Double);
+  if (p.delta) ma_attn_bwd_sinks_grad(&p, static_cast<double*>(d.mutable_data_ptr()));
+  return torch::stable::to(d, o.sinks->scalar_type());
+}
+
+}  // namespace masked_attn_shim
