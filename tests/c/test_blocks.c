@@ -137,7 +137,7 @@ static void test_exp(const ma_blocks *v) {
         if (ref >= 2.3509887e-38f) /* 2^-125 on: a few ulp */
             CHECK(close_enough(x1[i], ref, 4e-7f, 0.0f), "%s exp(%g) = %g, libm %g", v->name,
                   -110.0f + 120.0f * (float)i / (N - 1), x1[i], ref);
-        else /* below 2^-125 a variant may flush to 0 (exp256 from 2^-125.5, exp512 from FLT_MIN) */
+        else /* below 2^-125 a variant may flush to 0 (AVX2's vf_exp from 2^-125.5, AVX-512's from FLT_MIN) */
             CHECK(x1[i] >= 0.0f && x1[i] <= 2.36e-38f, "%s exp underflow %g", v->name, x1[i]);
     }
     CHECK(close_enough(s1, s0, 1e-5f, 0.0f), "%s exp_sub_sum sum %g vs %g", v->name, s1, s0);
