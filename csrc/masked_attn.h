@@ -320,7 +320,7 @@ int64_t ma_attn_bwd_key_group_force(int64_t n);
  *     chunks' partial sums of dq and dhm);
  *  2. the passes in order, each over its items [0, n), handed out grain at a
  *     time to at most `threads` threads, each with a scratch slice of
- *     scratch_bytes (padded to MA_CACHE_LINE, its header zeroed) passed as
+ *     scratch_bytes (a multiple of MA_CACHE_LINE, its header zeroed) as
  *     ma_task_ctx.scratch; a pass starts when the previous one has ended.
  * threads is 1 where the call's multiply-adds (work) are fewer than
  * MA_SERIAL_WORK: waking a pool costs more than such a call's arithmetic (a
