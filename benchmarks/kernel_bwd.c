@@ -102,11 +102,12 @@ int main(int argc, char **argv) {
     ma_attn_fwd_params f;
     memset(&f, 0, sizeof f);
     f.out = out, f.lse = lse, f.a = a;
-    f.head_group = ma_attn_fwd_head_group(&f);
+    ma_plan fplan;
+    ma_attn_plan_fwd(&f, 1, &fplan);
     const int64_t nq = (L + 63) / 64, tiles = B * H * nq * (nq + 1) / 2;
     double fbest = 1e30;
     for (int r = 0; r < reps; r++) {
-        const double t = run(ma_attn_fwd_task, &f, ma_attn_fwd_work_items(&f), ma_attn_fwd_scratch_bytes(&f));
+        const double t = run(fplan.pass[0].fn, &f, fplan.pass[0].n, fplan.pass[0].scratch_bytes);
         if (t < fbest) fbest = t;
     }
 
@@ -115,16 +116,16 @@ int main(int argc, char **argv) {
     p.dq = dq, p.dk = dk, p.dv = dv, p.dout = g, p.out = out, p.lse = lse, p.delta = delta, p.a = a;
     memcpy(p.dq_stride, ost, sizeof ost), memcpy(p.dk_stride, ost, sizeof ost), memcpy(p.dv_stride, ost, sizeof ost);
     memcpy(p.dout_stride, st, sizeof st);
-    p.kv_chunks = 1;
-    p.key_group = ma_attn_bwd_key_group(&p);
     ma_attn_bwd_cpus_force(1); /* one thread: key chunks as on a machine of up to 8 CPUs (8 items) */
-    if (!ma_attn_bwd_single_pass(&p) || ma_attn_bwd_kv_chunks(&p) != 1) {
+    ma_plan bplan;
+    ma_attn_plan_bwd(&p, 1, &bplan);
+    if (!ma_attn_bwd_single_pass(&p) || p.kv_chunks != 1) {
         fprintf(stderr, "this shape takes key chunks (B * H < 8): use B * H >= 8\n");
         return 2;
     }
     double bbest = 1e30;
     for (int r = 0; r < reps; r++) {
-        const double t = run(ma_attn_bwd_fused_task, &p, ma_attn_bwd_fused_work_items(&p), ma_attn_bwd_scratch_bytes(&p));
+        const double t = run(bplan.pass[0].fn, &p, bplan.pass[0].n, bplan.pass[0].scratch_bytes);
         if (t < bbest) bbest = t;
     }
     /* the same call on the scalar reference: the timed variant's results must agree (exit 1 if not) */
@@ -134,10 +135,12 @@ int main(int argc, char **argv) {
               *dv_s = alloc_or_die(4 * n), *lse_s = alloc_or_die(4 * (size_t)(B * H * L));
         ma_attn_fwd_params fs = f;
         fs.a.isa = MA_ISA_SCALAR, fs.out = out_s, fs.lse = lse_s;
-        run(ma_attn_fwd_task, &fs, ma_attn_fwd_work_items(&fs), ma_attn_fwd_scratch_bytes(&fs));
+        ma_attn_plan_fwd(&fs, 1, &fplan);
+        run(fplan.pass[0].fn, &fs, fplan.pass[0].n, fplan.pass[0].scratch_bytes);
         ma_attn_bwd_params ps = p;
         ps.a.isa = MA_ISA_SCALAR, ps.dq = dq_s, ps.dk = dk_s, ps.dv = dv_s, ps.out = out_s, ps.lse = lse_s;
-        run(ma_attn_bwd_fused_task, &ps, ma_attn_bwd_fused_work_items(&ps), ma_attn_bwd_scratch_bytes(&ps));
+        ma_attn_plan_bwd(&ps, 1, &bplan);
+        run(bplan.pass[0].fn, &ps, bplan.pass[0].n, bplan.pass[0].scratch_bytes);
         const float *got[4] = {out, dq, dk, dv}, *want[4] = {out_s, dq_s, dk_s, dv_s};
         for (int t = 0; t < 4; t++)
             for (size_t i = 0; i < n; i++) {

@@ -2,9 +2,10 @@
  * masked_attn.h -- the C interface of the torch_masked_attn kernels.
  *
  * Plain C11. No torch, no C++, no allocation. The shim (csrc/shim/) validates
- * every input, allocates outputs and per-thread scratch, fills one params
- * struct and runs a task function over a range of independent work items on
- * PyTorch's intra-op thread pool.
+ * every input, allocates outputs, fills one params struct, asks
+ * ma_attn_plan_fwd / ma_attn_plan_bwd for the schedule, allocates the
+ * scratch and workspace it names and runs its passes, task functions over
+ * ranges of independent work items, on PyTorch's intra-op thread pool.
  *
  * Dimensions, named once:
  *   B    batch
@@ -177,9 +178,10 @@ typedef struct {
      * page_size is a multiple of block_k, so a key block lies in one page. cu_k unused. */
     const int32_t *block_table;  /* NULL: no paging */
     int64_t bt_stride, page_size, k_page_stride, v_page_stride;
-    /* work-item tables built by the shim, 3 int64 per item: (b, h, q-block)
-     * for the forward and the dq pass, (b, hkv, k-block) for the dkdv pass;
-     * ordered most expensive first (the pool hands items out dynamically) */
+    /* work-item tables, 3 int64 per item: (b, h, q-block) for the forward
+     * and the dq pass, (b, hkv, k-block) for the dkdv pass; ordered most
+     * expensive first (the pool hands items out dynamically). Sized by
+     * ma_attn_plan_*, placed and filled by its bind; NULL for dense calls. */
     const int64_t *q_items, *kv_items;
     int64_t n_q_items, n_kv_items;
 } ma_attn_args;
@@ -206,7 +208,7 @@ typedef struct {
     /* inputs */
     ma_attn_args a;
     /* short query blocks of consecutive heads a task takes together, key block
-     * by key block (ma_attn_fwd_head_group; 0 or 1: one head at a time; at
+     * by key block (set by ma_attn_plan_fwd; 0 or 1: one head at a time; at
      * most MA_FWD_HEAD_GROUP_MAX); the same bits for every value */
     int64_t head_group;
 } ma_attn_fwd_params;
@@ -240,10 +242,11 @@ typedef struct {
                                with sinks, for ma_attn_bwd_sinks_grad) */
     /* single pass with kv_chunks > 1: dq and dhm partial sums of each key
      * chunk, (kv_chunks, B, H, Lq, D) and (kv_chunks, B, H, Lq), acc type,
-     * summed in chunk order by the reduce task */
+     * summed in chunk order by the reduce task; placed by ma_attn_plan_bwd's
+     * bind (dhm_part only with dhm_rows) */
     void *dq_part, *dhm_part;
     int64_t kv_chunks;
-    /* single pass: key blocks an item holds at once (ma_attn_bwd_key_group;
+    /* single pass: key blocks an item holds at once (set by ma_attn_plan_bwd;
      * 0 or 1: one; at most MA_BWD_KEY_GROUP_MAX); the same bits for every value */
     int64_t key_group;
 } ma_attn_bwd_params;
@@ -265,19 +268,13 @@ void ma_attn_bwd_sinks_grad(const ma_attn_bwd_params *p, double *dsinks);
 
 /* Forward: work item w = ((b * H) + h) * nq + qb,  nq = ceil(Lq / block_q)
  * (varlen: q_items[3 w ..], the dq pass too; the dkdv pass: kv_items).
- * Writes out, lse (and weights) of its (b, h, q-block). */
+ * Writes out, lse (and weights) of its (b, h, q-block). Where every query
+ * block is short (decoding) and the heads lie side by side in each key row
+ * (a (T, H, D) packed or paged cache, a (B, L, H, D) projection), a task
+ * given consecutive items of one entry and query block reads each key block
+ * for up to head_group heads at once (ma_attn_plan_fwd sets it), so that the
+ * rows it reads are whole runs of heads rather than D elements every H * D. */
 void ma_attn_fwd_task(int64_t begin, int64_t end, void *ctx);
-int64_t ma_attn_fwd_work_items(const ma_attn_fwd_params *p);
-size_t ma_attn_fwd_scratch_bytes(const ma_attn_fwd_params *p);
-/* Heads of one query block a task may take together: where every query block
- * is short (decoding) and the heads lie side by side in each key row (a
- * (T, H, D) packed or paged cache, a (B, L, H, D) projection), a task given
- * consecutive items of one entry and query block reads each key block for
- * up to MA_FWD_HEAD_GROUP_MAX heads at once, so that the rows it reads are
- * whole runs of heads rather than D elements every H * D. 1 elsewhere. The
- * shim sets head_group from it before ma_attn_fwd_scratch_bytes, which
- * depends on it, and hands out that many items at a time. */
-int64_t ma_attn_fwd_head_group(const ma_attn_fwd_params *p);
 
 /* Backward, two passes, run in this order:
  *  1. dq pass, work item = (b, h, q-block): computes delta for its rows, then dq
@@ -288,20 +285,21 @@ int64_t ma_attn_fwd_head_group(const ma_attn_fwd_params *p);
  * bitwise deterministic for any thread count, no atomics. */
 void ma_attn_bwd_dq_task(int64_t begin, int64_t end, void *ctx);
 void ma_attn_bwd_dkdv_task(int64_t begin, int64_t end, void *ctx);
-int64_t ma_attn_bwd_dq_work_items(const ma_attn_bwd_params *p);
-int64_t ma_attn_bwd_dkdv_work_items(const ma_attn_bwd_params *p);
-size_t ma_attn_bwd_scratch_bytes(const ma_attn_bwd_params *p);
 
 /* Or, when ma_attn_bwd_single_pass (no dweights, not varlen): one pass over the key
  * blocks, work item = (b, hkv, key chunk c), chunk c holding key blocks c,
- * c + C, c + 2C, ... (C = ma_attn_bwd_kv_chunks, a rule on the shape and the
- * CPUs the process can use (ma_cpu_count), never on the thread count:
- * one item per CPU, at least 8, at most 16 chunks).
+ * c + C, c + 2C, ... (C = kv_chunks, a rule on the shape and the CPUs the
+ * process can use (ma_cpu_count), never on the thread count: one item per
+ * CPU, at least 8, at most 16 chunks).
  * dk, dv of a key block are written by the one item holding it; dq (and
  * dhm) are accumulated per item: straight into dq when C = 1, else into the
  * chunk's partial sums, which ma_attn_bwd_reduce_task (work item (b, h,
  * q-block)) then adds up in chunk order. 5 matrix products per tile instead
- * of the two passes' 7.
+ * of the two passes' 7. An item takes its chunk's key blocks key_group at a
+ * time, visiting each query block once per group rather than once per key
+ * block: more than one where the Q, dO and dq rows of an item's heads would
+ * not stay in a core's L2 between key blocks (a rule on the shape; the
+ * kernels may still take 1, attention_tmpl.h FN(bwd_key_group)).
  * dq, dk, dv may be q, k, v themselves (the same elements, element for
  * element): an item reads a key block's k, v before it writes that block's
  * dk, dv, no other item reads them, and q is read by the items of its head
@@ -309,27 +307,60 @@ size_t ma_attn_bwd_scratch_bytes(const ma_attn_bwd_params *p);
  * task. (MultiheadAttention's recomputed projection relies on this; the two
  * passes do not allow it.) */
 int ma_attn_bwd_single_pass(const ma_attn_bwd_params *p);
-int64_t ma_attn_bwd_kv_chunks(const ma_attn_bwd_params *p);
-/* Takes the CPU count of ma_attn_bwd_kv_chunks's rule as n (n <= 0: the
- * machine's again) for every later call, process-wide; returns the previous
- * setting. For tests (torch_masked_attn.ops.bwd_cpus) and benchmarks. */
+void ma_attn_bwd_fused_task(int64_t begin, int64_t end, void *ctx);
+void ma_attn_bwd_reduce_task(int64_t begin, int64_t end, void *ctx);
+/* Takes the CPU count of the key chunks' rule as n (n <= 0: the machine's
+ * again) for every later call, process-wide; returns the previous setting.
+ * For tests (torch_masked_attn.ops.bwd_cpus) and benchmarks. */
 int64_t ma_attn_bwd_cpus_force(int64_t n);
-/* An item of the single pass takes its chunk's key blocks this many at a
- * time, visiting each query block once per group rather than once per key
- * block: more than one where the Q, dO and dq rows of an item's heads would
- * not stay in a core's L2 between key blocks (a rule on the shape; the
- * kernels may still take 1, attention_tmpl.h FN(bwd_key_group)). Set
- * before ma_attn_bwd_scratch_bytes, which depends on it. */
-int64_t ma_attn_bwd_key_group(const ma_attn_bwd_params *p);
 /* Forces the key group to n (n <= 0: the shape rule again) for every later
  * call, process-wide; returns the previous setting. The results are the same
  * bits for every n: the tests check it (torch_masked_attn.ops.bwd_key_group),
  * benchmarks compare speeds. */
 int64_t ma_attn_bwd_key_group_force(int64_t n);
-void ma_attn_bwd_fused_task(int64_t begin, int64_t end, void *ctx);
-int64_t ma_attn_bwd_fused_work_items(const ma_attn_bwd_params *p);
-void ma_attn_bwd_reduce_task(int64_t begin, int64_t end, void *ctx);
-int64_t ma_attn_bwd_reduce_work_items(const ma_attn_bwd_params *p);
+
+/* ---- The schedule of one call ----------------------------------------------
+ *
+ * ma_attn_plan_fwd / ma_attn_plan_bwd decide everything about how a call is
+ * run, for dense and varlen calls alike, and write the decisions the
+ * kernels read into the params (head_group; kv_chunks, key_group;
+ * n_q_items, n_kv_items); the caller (the shim) fills the params but for
+ * these, plans, then executes the plan:
+ *  1. if bind is set: one block of workspace_bytes (cache-line aligned) for
+ *     the call, handed to bind(params, block), which places in it what the
+ *     passes share (varlen's work-item tables, which it fills, and the key
+ *     chunks' partial sums of dq and dhm);
+ *  2. the passes in order, each over its items [0, n), handed out grain at a
+ *     time to at most `threads` threads, each with a scratch slice of
+ *     scratch_bytes (a multiple of MA_CACHE_LINE, its header zeroed) as
+ *     ma_task_ctx.scratch; a pass starts when the previous one has ended.
+ * threads is 1 where the call's multiply-adds (work) are fewer than
+ * MA_SERIAL_WORK: waking a pool costs more than such a call's arithmetic (a
+ * decoding step against a short cache, a small model's layer). No decision
+ * but kv_chunks' (made on the machine's CPU count) changes a result's bits:
+ * every item is computed the same way by whichever thread takes it, alone
+ * or in a run. Both return 0, or -1 for a NULL argument. */
+#define MA_PLAN_PASSES_MAX 4
+#define MA_SERIAL_WORK ((int64_t)1 << 17)
+
+typedef struct {
+    ma_task_fn fn;
+    int64_t n;            /* work items */
+    int64_t grain;        /* items a thread takes at a time, >= 1 */
+    size_t scratch_bytes; /* per thread */
+} ma_pass;
+
+typedef struct {
+    ma_pass pass[MA_PLAN_PASSES_MAX];
+    int n_passes;
+    int64_t threads;         /* at most the caller's thread count; 1: run on the calling thread */
+    double work;             /* the multiply-adds of the matrix products, every key counted */
+    size_t workspace_bytes;  /* with bind */
+    void (*bind)(void *params, void *workspace); /* NULL: no workspace */
+} ma_plan;
+
+int ma_attn_plan_fwd(ma_attn_fwd_params *p, int64_t threads, ma_plan *plan);
+int ma_attn_plan_bwd(ma_attn_bwd_params *p, int64_t threads, ma_plan *plan);
 
 /* Scratch slices are padded to this many bytes. The first MA_CACHE_LINE
  * bytes of each thread's slice are a header the shim zero-fills before every

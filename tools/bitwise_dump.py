@@ -216,6 +216,63 @@ def dump_attention_more(res):
                 res[f"paged-{dt}-{lname}-{vname}"] = [out, lse, lo]
 
 
+def dump_schedule(res):
+    """Calls whose schedule differs (masked_attn.h, the plans): decoding
+    (runs of heads, the serial path), varlen batches with empty, decoding and
+    long entries (the work-item tables), a paged cache and seqused_k."""
+    fwd, bwd = torch.ops.masked_attn.forward, torch.ops.masked_attn.backward
+    vf, vb = torch.ops.masked_attn.varlen_forward, torch.ops.masked_attn.varlen_backward
+    g = torch.Generator().manual_seed(3)
+
+    def r(*s, dt):
+        return torch.randn(*s, generator=g, dtype=torch.float64).to(dt)
+
+    for dt in (torch.float32, torch.bfloat16):
+        # dense decoding from a (B, L, H, D) cache: heads side by side, small and larger
+        for B, H, Hkv, Lk, D in [(1, 8, 2, 60, 32), (2, 16, 4, 700, 64)]:
+            q = r(B, 1, H, D, dt=dt).transpose(1, 2)
+            k, v = r(B, Lk, Hkv, D, dt=dt).transpose(1, 2), r(B, Lk, Hkv, D, dt=dt).transpose(1, 2)
+            out, lse = fwd(q, k, v, None, None, None, False, None, False)[:2]
+            res[f"sched-{dt}-decode-{B}{H}{Hkv}-{Lk}"] = [out, lse]
+        # a tiny training call (serial forward and backward)
+        q, k, v, go = (r(1, 2, 9, 16, dt=dt) for _ in range(4))
+        out, lse = fwd(q, k, v, None, None, None, True, None, False)[:2]
+        grads = bwd(go, None, q, k, v, out, lse, None, None, None, True, None, False, False)
+        res[f"sched-{dt}-tiny"] = [out, lse, *bwd_grads(grads, None)]
+        # varlen: empty, decoding and long entries, GQA
+        H, Hkv, D = 8, 2, 64
+        lq = [0, 1, 1, 37, 200, 1, 64, 129, 0, 3]
+        lk = [5, 90, 1, 37, 260, 0, 64, 300, 0, 70]
+        cu_q = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()], dtype=torch.int32)
+        cu_k = torch.tensor([0, *torch.tensor(lk).cumsum(0).tolist()], dtype=torch.int32)
+        Tq, Tk = int(cu_q[-1]), int(cu_k[-1])
+        pq, pk, pv, pgo = r(Tq, H, D, dt=dt), r(Tk, Hkv, D, dt=dt), r(Tk, Hkv, D, dt=dt), r(Tq, H, D, dt=dt)
+        for cname, kw in {
+            "plain": dict(),
+            "causal": dict(window_right=0),
+            "win": dict(window_left=50, window_right=7),
+        }.items():
+            out, lse = vf(pq, pk, pv, cu_q, cu_k, max(lq), max(lk), **kw)[:2]
+            grads = vb(pgo, pq, pk, pv, out, lse, cu_q, cu_k, max(lq), max(lk), **kw)
+            res[f"sched-{dt}-varlen-{cname}"] = [out, lse, *grads[:3]]
+        # varlen decoding: one query per entry, seqused_k, then the same keys paged
+        N, P = 6, 64
+        used = torch.tensor([1, 64, 65, 200, 0, 130], dtype=torch.int32)
+        cu_q = torch.arange(N + 1, dtype=torch.int32)
+        cu_k = torch.arange(N + 1, dtype=torch.int32) * 256
+        dq_, dk_, dv_ = r(N, H, D, dt=dt), r(N * 256, Hkv, D, dt=dt), r(N * 256, Hkv, D, dt=dt)
+        out, lse = vf(dq_, dk_, dv_, cu_q, cu_k, 1, 256, seqused_k=used, window_right=0)[:2]
+        res[f"sched-{dt}-varlen-decode"] = [out, lse]
+        bt = torch.randperm(N * 4, generator=g)[: N * 4].view(N, 4).to(torch.int32)
+        kc, vc = torch.zeros(N * 4, P, Hkv, D, dtype=dt), torch.zeros(N * 4, P, Hkv, D, dtype=dt)
+        for b in range(N):
+            for j in range(4):
+                kc[bt[b, j]] = dk_[b * 256 + j * P : b * 256 + (j + 1) * P]
+                vc[bt[b, j]] = dv_[b * 256 + j * P : b * 256 + (j + 1) * P]
+        out, lse = vf(dq_, kc, vc, cu_q, None, 1, 256, seqused_k=used, block_table=bt, window_right=0)[:2]
+        res[f"sched-{dt}-varlen-paged"] = [out, lse]
+
+
 def dump_ce(res):
     g = torch.Generator().manual_seed(1)
     for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
@@ -258,6 +315,7 @@ def main():
     dump_attention(res)
     dump_options(res)
     dump_attention_more(res)
+    dump_schedule(res)
     dump_ce(res)
 
     def digest(t):  # shape, dtype and a hash of the bytes: small files, exact comparison

@@ -90,9 +90,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> forward_impl(const Sizes& s, const Ma
     if (low) torch::stable::zero_(out_lo);
     return {out, lse, weights, out_lo};
   }
-  p.head_group = ma_attn_fwd_head_group(&p);
-  run_tasks(ma_attn_fwd_task, &p, ma_attn_fwd_work_items(&p), ma_attn_fwd_scratch_bytes(&p), q, fwd_grain(p),
-            s.B * s.H * s.Lq * s.Lk * (s.D + s.Dv));
+  run_attn_fwd(p);
   return {out, lse, weights, out_lo};
 }
 
@@ -180,38 +178,13 @@ std::tuple<Tensor, Tensor, Tensor> backward_impl(const Sizes& s, const Masks& m,
                   worth_streaming(dq) || worth_streaming(dk) || worth_streaming(dv));
   if (in.out_lo.has_value()) fill_strides4(p.a.out_lo_stride, *in.out_lo);
   p.delta = delta.mutable_data_ptr();
-  p.kv_chunks = 1;
-  p.key_group = ma_attn_bwd_key_group(&p);
-
-  const size_t bytes = ma_attn_bwd_scratch_bytes(&p);
-  const int64_t work = s.B * s.H * s.Lq * s.Lk * (3 * s.D + 2 * s.Dv);  // the five products
   if (s.Lk == 0) {
     p.delta = nullptr;  // not written: no sink gradient (out is 0)
     torch::stable::zero_(dq);
     if (head_mask_grad) torch::stable::zero_(dhm_rows);
-  } else if (ma_attn_bwd_single_pass(&p)) {
-    // key chunks > 1: per-chunk partial sums of dq (and dhm), added up in chunk order
-    p.kv_chunks = ma_attn_bwd_kv_chunks(&p);
-    // the chunks' partial sums come from the scratch pool like the per-thread
-    // scratch, so a call with them faults in no fresh pages once the pool
-    // holds a large enough block (one head at L = 8192, D = 128: 32 MB in 8 chunks, 64 MB
-    // in 16 on a machine of 16 CPUs or more)
-    const size_t esz = q.scalar_type() == ScalarType::Double ? sizeof(double) : sizeof(float);
-    const size_t dq_elems = p.kv_chunks > 1 ? static_cast<size_t>(p.kv_chunks * s.B * s.H * s.Lq * s.D) : 0;
-    const size_t dhm_elems =
-        p.kv_chunks > 1 && head_mask_grad ? static_cast<size_t>(p.kv_chunks * s.B * s.H * s.Lq) : 0;
-    std::optional<ScratchLease> parts;
-    if (dq_elems) parts.emplace((dq_elems + dhm_elems) * esz);
-    p.dq_part = dq_elems ? parts->block.ptr : nullptr;
-    p.dhm_part = dhm_elems ? static_cast<char*>(parts->block.ptr) + dq_elems * esz : nullptr;
-    run_tasks(ma_attn_bwd_fused_task, &p, ma_attn_bwd_fused_work_items(&p), bytes, q, 1, work);
-    if (p.kv_chunks > 1)
-      run_tasks(ma_attn_bwd_reduce_task, &p, ma_attn_bwd_reduce_work_items(&p), bytes, q, 1, work);
   } else {
-    run_tasks(ma_attn_bwd_dq_task, &p, ma_attn_bwd_dq_work_items(&p), bytes, q, 1, work);
+    run_attn_bwd(p);  // the single pass (key chunks: their partial sums, then the reduce) or the two passes
   }
-  if (s.Lk > 0 && !ma_attn_bwd_single_pass(&p))
-    run_tasks(ma_attn_bwd_dkdv_task, &p, ma_attn_bwd_dkdv_work_items(&p), bytes, q, 1, work);
 
   return {head_mask_grad_of(o, head_mask_grad ? &dhm_rows : nullptr, q), dscores, sinks_grad_of(o, p, q)};
 }

@@ -202,9 +202,12 @@ struct ScratchLease {
 // Runs fn over work items [0, n) on PyTorch's intra-op pool (pool.cpp).
 void run_tasks(ma_task_fn fn, const void* params, int64_t n, size_t scratch_bytes,
                const Tensor& like, int64_t grain = 0, int64_t work = 0);
+// Plans an attention call (ma_attn_plan_fwd / ma_attn_plan_bwd, which set the
+// params' schedule fields) and runs the plan (pool.cpp).
+void run_attn_fwd(ma_attn_fwd_params& p);
+void run_attn_bwd(ma_attn_bwd_params& p);
 void advise_huge_pages(Tensor& t);
 bool worth_streaming(const Tensor& t);
-int64_t fwd_grain(const ma_attn_fwd_params& p);
 
 // ---- memory overlap (checks.cpp) ---------------------------------------------------
 

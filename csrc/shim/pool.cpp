@@ -57,27 +57,22 @@ std::atomic<size_t> last_scratch_bytes{0};
 
 // ---- running a task function on the thread pool ---------------------------
 
-// Runs fn over work items [0, n) on PyTorch's intra-op pool, in at most one
-// chunk per thread. Each chunk gets its own slice of scratch, so scratch is
-// sized by the work (slices = chunks, never more than the threads) and taken
-// from the pool before the parallel region; the kernels never allocate.
-// Items are handed out dynamically, `grain` at a time (default: about 16
-// grabs per thread), so threads stay busy when items cost different amounts
-// (causal blocks, padded sequences). Every item is computed the same way
-// whichever thread takes it: results do not depend on the schedule.
-// `work` (multiply-adds, 0: unknown) below kSerialWork runs on the calling
-// thread alone: waking the pool costs more than such a call's arithmetic
-// (a decoding step against a short cache, a small model's layer).
-constexpr int64_t kSerialWork = int64_t{1} << 17;
+namespace {
 
-void run_tasks(ma_task_fn fn, const void* params, int64_t n, size_t scratch_bytes,
-               const Tensor& like, int64_t grain, int64_t work) {
-  (void)like;
+// Runs a pass (fn over work items [0, n)) on PyTorch's intra-op pool, on at
+// most `threads` threads (1: the calling thread alone), in at most one chunk
+// per thread. Each chunk gets its own slice of scratch, so scratch is sized
+// by the work (slices = chunks, never more than the threads) and taken from
+// the pool before the parallel region; the kernels never allocate. Items
+// are handed out dynamically, `grain` at a time, so threads stay busy when
+// items cost different amounts (causal blocks, padded sequences). Every item
+// is computed the same way whichever thread takes it: results do not depend
+// on the schedule.
+void run_pass(const ma_pass& pass, const void* params, int64_t threads) {
+  const int64_t n = pass.n, grain = std::max<int64_t>(1, pass.grain);
+  const size_t scratch_bytes = pass.scratch_bytes;
   if (n <= 0) return;
-  const int64_t nthreads =
-      work > 0 && work < kSerialWork ? 1 : std::max<int64_t>(1, torch::stable::get_num_threads());
-  if (grain <= 0) grain = std::max<int64_t>(1, n / (16 * nthreads));
-  const int64_t nchunks = std::min(nthreads, (n + grain - 1) / grain);
+  const int64_t nchunks = std::min(std::max<int64_t>(1, threads), (n + grain - 1) / grain);
   const size_t total = scratch_bytes * static_cast<size_t>(nchunks);
   last_scratch_bytes.store(total);
   ScratchLease lease(std::max<size_t>(total, 1));
@@ -90,13 +85,52 @@ void run_tasks(ma_task_fn fn, const void* params, int64_t n, size_t scratch_byte
   auto worker = [&](int64_t chunk_begin, int64_t) {
     ma_task_ctx ctx{params, reinterpret_cast<void*>(base + chunk_begin * scratch_bytes)};
     for (int64_t begin; (begin = next.fetch_add(grain)) < n;)
-      fn(begin, std::min(begin + grain, n), &ctx);
+      pass.fn(begin, std::min(begin + grain, n), &ctx);
   };
   if (nchunks == 1) {
     worker(0, 1);
   } else {
     torch::stable::parallel_for(0, nchunks, 1, worker);
   }
+}
+
+int64_t num_threads() { return std::max<int64_t>(1, torch::stable::get_num_threads()); }
+
+// Executes a plan (masked_attn.h): its workspace, bound to the params, then
+// its passes in order.
+void run_plan(const ma_plan& plan, void* params) {
+  std::optional<ScratchLease> workspace;
+  if (plan.bind) {
+    workspace.emplace(std::max<size_t>(plan.workspace_bytes, 1));
+    plan.bind(params, workspace->block.ptr);
+  }
+  for (int i = 0; i < plan.n_passes; i++) run_pass(plan.pass[i], params, plan.threads);
+}
+
+}  // namespace
+
+// Ops without a plan (cross-entropy, the cache write): `grain` 0 takes about
+// 16 grabs per thread; `work` (multiply-adds or bytes, 0: unknown) below
+// MA_SERIAL_WORK runs on the calling thread alone.
+void run_tasks(ma_task_fn fn, const void* params, int64_t n, size_t scratch_bytes,
+               const Tensor& like, int64_t grain, int64_t work) {
+  (void)like;
+  const int64_t threads = work > 0 && work < MA_SERIAL_WORK ? 1 : num_threads();
+  if (grain <= 0) grain = std::max<int64_t>(1, n / (16 * threads));
+  run_pass({fn, n, grain, scratch_bytes}, params, threads);
+}
+
+// The attention ops' calls: planned in C (dispatch.c), executed here.
+void run_attn_fwd(ma_attn_fwd_params& p) {
+  ma_plan plan;
+  MA_CHECK(ma_attn_plan_fwd(&p, num_threads(), &plan) == 0, "masked_attn: the forward could not be planned");
+  run_plan(plan, &p);
+}
+
+void run_attn_bwd(ma_attn_bwd_params& p) {
+  ma_plan plan;
+  MA_CHECK(ma_attn_plan_bwd(&p, num_threads(), &plan) == 0, "masked_attn: the backward could not be planned");
+  run_plan(plan, &p);
 }
 
 // A large output (4 MB or more) the kernels are about to write for the first
@@ -131,26 +165,6 @@ void advise_huge_pages(Tensor& t) {
 constexpr int64_t kStreamBytes = int64_t{4} << 20;
 
 bool worth_streaming(const Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()) >= kStreamBytes; }
-
-// Forward work items a thread takes at a time. Where runs of heads are taken
-// (head_group > 1: decoding from a cache whose heads lie side by side in each
-// row, or K^T pages; varlen calls with such a cache, whose items of equal cost,
-// consecutive heads of one entry and query block, follow each other), up to a
-// run's heads, while every thread still gets 2 takes. Else
-// consecutive query blocks of one head (the kernel orders a head's blocks
-// cheap, expensive, cheap, ...), up to the whole head, so that a thread reads
-// that head's K and V into its own L2 once instead of both threads pulling
-// every head; at least 8 takes per thread are left for balance; other varlen
-// calls one item at a time (its items come most expensive first). Results do not
-// depend on it: every query block is computed the same way by whichever
-// thread takes it, alone or in a run.
-int64_t fwd_grain(const ma_attn_fwd_params& p) {
-  const int64_t n = ma_attn_fwd_work_items(&p), nq = (p.a.Lq + p.a.block_q - 1) / p.a.block_q;
-  const int64_t threads = std::max<int64_t>(1, torch::stable::get_num_threads());
-  if (p.head_group > 1) return std::max<int64_t>(1, std::min<int64_t>(p.head_group, n / (2 * threads)));
-  if (p.a.cu_q) return 1;
-  return std::max<int64_t>(1, std::min<int64_t>(nq, n / (8 * threads)));
-}
 
 }  // namespace masked_attn_shim
 

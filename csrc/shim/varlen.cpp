@@ -9,14 +9,13 @@ namespace masked_attn_shim {
 // varlen_forward / varlen_backward: torch.nn.attention.varlen's conventions.
 // q (Tq, H, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv); cu_seq_q, cu_seq_k int32
 // (N + 1) offsets; lse (H, Tq). The kernels run the dense template one
-// sequence at a time (ma_attn_args' varlen group); this checks the offsets,
-// finds the real lengths and builds the work-item tables from them.
+// sequence at a time (ma_attn_args' varlen group); this checks the offsets
+// and finds the real lengths (the work-item tables: ma_attn_plan_fwd / _bwd).
 
 namespace {
 
 struct Varlen {
   int64_t N = 0, Tq = 0, Tk = 0, H = 0, Hkv = 0, D = 0, Dv = 0, max_q = 0, max_k = 0;
-  std::vector<int64_t> q_items, kv_items;
   // as the options see them: N entries, the longest lengths
   Sizes sizes() const { return {N, H, Hkv, max_q, max_k, D, Dv}; }
 };
@@ -31,13 +30,11 @@ void check_index_tensor(const Tensor& t, const char* name, int64_t n, const char
   MA_CHECK(t.is_contiguous(), "masked_attn.varlen: ", name, " must be contiguous");
 }
 
-// Checks q, k, v, the offsets, seqused_k, max_q, max_k; fills the sizes and
-// the work-item tables (their costs from the window wl, wr, which
-// parse_attn_opts checks).
+// Checks q, k, v, the offsets, seqused_k, max_q, max_k; fills the sizes.
 // With block_table, key and value are page pools (pages, page_size, H_kv, D)
 // and cu_k is not read (may be absent); seqused_k gives the lengths.
 Varlen check_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_q,
-                    const std::optional<Tensor>& cu_k_opt, int64_t max_q, int64_t max_k, int64_t wl, int64_t wr,
+                    const std::optional<Tensor>& cu_k_opt, int64_t max_q, int64_t max_k,
                     const std::optional<Tensor>& seqused_k, const std::optional<Tensor>& block_table = std::nullopt) {
   Varlen r;
   const bool paged = block_table.has_value();
@@ -126,39 +123,6 @@ Varlen check_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
            real_k, ")");
   r.max_q = real_q, r.max_k = real_k;  // scratch is sized by the real longest
 
-  // Work items, most expensive first (run_tasks hands them out one at a
-  // time, so one long sequence among short ones never leaves a thread
-  // idle at the end). Cost: keys read per query block, queries per key block.
-  const int64_t BQ = kBlockQ, BK = kBlockK, G = r.Hkv > 0 ? r.H / r.Hkv : 1;
-  struct Item {
-    int64_t cost, b, h, blk;
-  };
-  std::vector<Item> qi, ki;
-  for (int64_t b = 0; b < r.N; b++) {
-    const int64_t Lq = cq[b + 1] - cq[b], Lk = used ? used[b] : ck[b + 1] - ck[b];
-    const int64_t lo = wl >= 0 ? Lk - Lq - wl : -MA_BAND_INF, hi = wr >= 0 ? Lk - Lq + wr : MA_BAND_INF;
-    for (int64_t qb = 0; qb * BQ < Lq; qb++) {
-      const int64_t i0 = qb * BQ, nr = std::min(BQ, Lq - i0);
-      const int64_t kb = lo > -MA_BAND_INF ? std::max<int64_t>(0, i0 + lo) : 0;
-      const int64_t ke = hi < MA_BAND_INF ? std::min(Lk, i0 + nr + hi) : Lk;
-      const int64_t cost = nr * std::max<int64_t>(ke - kb, 0) + nr;
-      for (int64_t h = 0; h < r.H; h++) qi.push_back({cost, b, h, qb});
-    }
-    for (int64_t kb = 0; kb * BK < Lk; kb++) {
-      const int64_t j0 = kb * BK, nc = std::min(BK, Lk - j0);
-      const int64_t qb = hi < MA_BAND_INF ? std::max<int64_t>(0, j0 - hi) : 0;
-      const int64_t qe = lo > -MA_BAND_INF ? std::min(Lq, j0 + nc - lo) : Lq;
-      const int64_t cost = G * nc * std::max<int64_t>(qe - qb, 0) + nc;
-      for (int64_t h = 0; h < r.Hkv; h++) ki.push_back({cost, b, h, kb});
-    }
-  }
-  auto order = [](std::vector<Item>& v, std::vector<int64_t>& out) {
-    std::stable_sort(v.begin(), v.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
-    out.reserve(3 * v.size());
-    for (const Item& it : v) out.insert(out.end(), {it.b, it.h, it.blk});
-  };
-  order(qi, r.q_items);
-  order(ki, r.kv_items);
   return r;
 }
 
@@ -205,8 +169,6 @@ ma_attn_args varlen_args(const Varlen& r, const Tensor& q, const Tensor& k, cons
   a.cu_q = static_cast<const int32_t*>(cu_q.const_data_ptr());
   a.cu_k = cu_k.has_value() && !block_table.has_value() ? static_cast<const int32_t*>(cu_k->const_data_ptr()) : nullptr;
   a.seqused_k = seqused_k.has_value() ? static_cast<const int32_t*>(seqused_k->const_data_ptr()) : nullptr;
-  a.q_items = r.q_items.data(), a.n_q_items = static_cast<int64_t>(r.q_items.size() / 3);
-  a.kv_items = r.kv_items.data(), a.n_kv_items = static_cast<int64_t>(r.kv_items.size() / 3);
   return a;
 }
 
@@ -219,8 +181,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, 
                                                   std::optional<Tensor> block_table, std::optional<double> softcap,
                                                   std::optional<Tensor> sinks, bool for_backward,
                                                   std::optional<Tensor> alibi_slopes) {
-  const Varlen r = check_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, window_left, window_right, seqused_k,
-                                block_table);
+  const Varlen r = check_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table);
   const AttnOpts o = parse_attn_opts(r.sizes(), {false, 0.0, std::nullopt, window_left, window_right, softcap, sinks, std::nullopt, alibi_slopes}, true);
   const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(r.D));
   Tensor out = new_strided(q, {r.Tq, r.H, r.Dv}, {});
@@ -234,8 +195,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, 
   p.out_lo = low ? out_lo.mutable_data_ptr() : nullptr;
   p.a = varlen_args(r, q, k, v, out, cu_seq_q, cu_seq_k, seqused_k, o, sc, worth_streaming(out), block_table);
   if (low) fill_strides_thd(p.a.out_lo_stride, out_lo);
-  p.head_group = ma_attn_fwd_head_group(&p);
-  run_tasks(ma_attn_fwd_task, &p, ma_attn_fwd_work_items(&p), ma_attn_fwd_scratch_bytes(&p), q, fwd_grain(p));
+  run_attn_fwd(p);
   return {out, lse, out_lo};
 }
 
@@ -245,7 +205,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_backward(Tensor grad_out, Tens
                                                    int64_t window_left, int64_t window_right,
                                                    std::optional<double> softcap, std::optional<Tensor> sinks,
                                                    std::optional<Tensor> out_lo, std::optional<Tensor> alibi_slopes) {
-  const Varlen r = check_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, window_left, window_right, std::nullopt);
+  const Varlen r = check_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, std::nullopt);
   const AttnOpts o = parse_attn_opts(r.sizes(), {false, 0.0, std::nullopt, window_left, window_right, softcap, sinks, std::nullopt, alibi_slopes}, true);
   const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(r.D));
   check_shape(out, "out", {r.Tq, r.H, r.Dv}, "(T_q, H, Dv)", q.scalar_type());
@@ -275,10 +235,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_backward(Tensor grad_out, Tens
                     worth_streaming(dq) || worth_streaming(dk) || worth_streaming(dv));
   if (out_lo.has_value()) fill_strides_thd(p.a.out_lo_stride, *out_lo);
   p.delta = delta.mutable_data_ptr();
-  p.kv_chunks = 1;
-  const size_t bytes = ma_attn_bwd_scratch_bytes(&p);
-  run_tasks(ma_attn_bwd_dq_task, &p, ma_attn_bwd_dq_work_items(&p), bytes, q, 1);
-  run_tasks(ma_attn_bwd_dkdv_task, &p, ma_attn_bwd_dkdv_work_items(&p), bytes, q, 1);
+  run_attn_bwd(p);
   // key rows no item covers (none: cu_seq_k[-1] == T_k and no seqused_k) would stay unwritten
   return {dq, dk, dv, sinks_grad_of(o, p, q)};
 }

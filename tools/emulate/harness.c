@@ -4,8 +4,8 @@
  * (Bochs, through bochscpu) to test instruction-set variants this machine
  * lacks (AVX-512, AVX512-BF16). run.py writes a struct emu_io and the
  * inputs into the emulated memory and calls emu_main(io); emu_main fills the
- * params as the shim does (csrc/shim/attention.cpp), runs the forward task
- * over every work item on one thread, then the single-pass backward (and its
+ * params as the shim does (csrc/shim/attention.cpp), runs the forward's plan
+ * (ma_attn_plan_fwd) on one thread, then the single-pass backward's (and its
  * reduce when the keys are split in chunks), and returns to emu_halt.
  * Layouts: q, dout, out, out_lo, dq (B, H, Lq, D|Dv); k, v, dk, dv (B, Hkv,
  * Lk, D|Dv), contiguous, in dtype; lse, delta (B, H, Lq) float32.
@@ -50,6 +50,19 @@ static int run(struct emu_io *io, ma_task_fn fn, const void *params, int64_t n, 
     return 0;
 }
 
+/* a plan's workspace (the key chunks' partial sums of dq) at the start of the arena, then its passes in order */
+static int run_plan(struct emu_io *io, const ma_plan *plan, void *params, char *arena) {
+    if (plan->bind) {
+        if (plan->workspace_bytes + MA_CACHE_LINE > io->arena_bytes - (size_t)(arena - (char *)io->arena)) return 1;
+        plan->bind(params, arena);
+        arena += plan->workspace_bytes + MA_CACHE_LINE;
+        arena -= (uintptr_t)arena % MA_CACHE_LINE;
+    }
+    for (int i = 0; i < plan->n_passes; i++)
+        if (run(io, plan->pass[i].fn, params, plan->pass[i].n, plan->pass[i].scratch_bytes, arena)) return 1;
+    return 0;
+}
+
 void emu_main(struct emu_io *io) {
     const int64_t B = io->B, H = io->H, Hkv = io->Hkv, Lq = io->Lq, Lk = io->Lk, D = io->D, Dv = io->Dv;
     ma_attn_args a;
@@ -83,9 +96,10 @@ void emu_main(struct emu_io *io) {
     ma_attn_fwd_params f;
     zero(&f, sizeof f);
     f.out = (void *)io->out, f.lse = (void *)io->lse, f.out_lo = (void *)io->out_lo, f.a = a;
-    f.head_group = ma_attn_fwd_head_group(&f);
+    ma_plan plan;
+    ma_attn_plan_fwd(&f, 1, &plan);
     char *arena = (char *)io->arena;
-    if (run(io, ma_attn_fwd_task, &f, ma_attn_fwd_work_items(&f), ma_attn_fwd_scratch_bytes(&f), arena)) {
+    if (run_plan(io, &plan, &f, arena)) {
         io->status = 1;
         return;
     }
@@ -101,28 +115,12 @@ void emu_main(struct emu_io *io) {
     p.lse = (const void *)io->lse, p.delta = (void *)io->delta, p.a = a;
     contig4(p.dq_stride, H, Lq, D), contig4(p.dk_stride, Hkv, Lk, D), contig4(p.dv_stride, Hkv, Lk, Dv);
     contig4(p.dout_stride, H, Lq, Dv);
-    p.kv_chunks = 1;
-    p.key_group = ma_attn_bwd_key_group(&p);
     if (!ma_attn_bwd_single_pass(&p)) {
         io->status = 2;
         return;
     }
-    p.kv_chunks = ma_attn_bwd_kv_chunks(&p);
-    const size_t bytes = ma_attn_bwd_scratch_bytes(&p);
-    if (p.kv_chunks > 1) { /* the chunks' dq partial sums, float32, at the start of the arena */
-        p.dq_part = arena;
-        arena += (size_t)(p.kv_chunks * B * H * Lq * D) * sizeof(float) + MA_CACHE_LINE;
-        arena -= (uintptr_t)arena % MA_CACHE_LINE;
-    }
-    if (run(io, ma_attn_bwd_fused_task, &p, ma_attn_bwd_fused_work_items(&p), bytes, arena)) {
-        io->status = 1;
-        return;
-    }
-    if (p.kv_chunks > 1 && run(io, ma_attn_bwd_reduce_task, &p, ma_attn_bwd_reduce_work_items(&p), bytes, arena)) {
-        io->status = 1;
-        return;
-    }
-    io->status = 0;
+    ma_attn_plan_bwd(&p, 1, &plan);
+    io->status = run_plan(io, &plan, &p, arena);
 }
 
 /* emu_main returns here: run.py pushes this address before calling it. */
