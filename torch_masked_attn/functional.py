@@ -12,7 +12,7 @@ varlen_attn                   torch.nn.attention.varlen.varlen_attn: packed
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +67,7 @@ def native_attention(
     """
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
-    scale = D**-0.5 if scale is None else float(scale)
+    sc = D**-0.5 if scale is None else float(scale)
     low = q.dtype in (torch.bfloat16, torch.float16)
     acc = torch.float32 if low else q.dtype
     need_lse = bool(return_lse)
@@ -100,7 +100,7 @@ def native_attention(
             attn_mask=bias,
             dropout_p=float(dropout_p),
             is_causal=causal_alone,
-            scale=scale,
+            scale=sc,
             enable_gqa=H != Hkv,
         )
         if dead is not None:
@@ -108,7 +108,7 @@ def native_attention(
         return out, None, None
     if H != Hkv:
         k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
-    s = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * scale
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * sc
     if causal_alone:
         s = s.masked_fill(torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     if bias is not None:
@@ -313,7 +313,7 @@ def _attention(
     return_lse: bool,
     opts: ops.AttnOptions,
     fn: str = "masked_attention",
-):
+) -> Tensor | tuple[Tensor, ...]:
     """masked_attention after its checks of q, k, v (4-D floating tensors) and
     of its options: the call."""
     attn_mask = _as_4d_attn_mask(attn_mask, q.size(0), q.size(1))
@@ -361,7 +361,7 @@ def _attention(
         )
     if not (need_weights or return_lse):
         return out
-    return (out,) + ((weights,) if need_weights else ()) + ((lse,) if return_lse else ())
+    return cast("tuple[Tensor, ...]", (out,) + ((weights,) if need_weights else ()) + ((lse,) if return_lse else ()))
 
 
 def scaled_dot_product_attention(
@@ -485,6 +485,7 @@ def scaled_dot_product_attention(
         alibi_slopes=alibi_slopes,
     )
     out = _attention(q, k, v, mask, None, None, scale, False, False, opts, fn="scaled_dot_product_attention")
+    assert isinstance(out, Tensor)  # neither weights nor lse asked for
     if query.dim() == 4:
         return out
     out_shape = (*batch, hq, query.size(-2), value.size(-1)) if query.dim() >= 3 else (query.size(-2), value.size(-1))

@@ -367,11 +367,11 @@ class AttnOptions:
         *,
         is_causal: bool = False,
         window: object = None,
-        softcap: object = None,
-        sinks: object = None,
+        softcap: float | None = None,
+        sinks: Tensor | None = None,
         dropout_p: float = 0.0,
         dropout_seed: object = None,
-        window_size: object = None,
+        window_size: Iterable[int] | None = None,
         alibi_slopes: object = None,
     ) -> AttnOptions:
         """The options of a call of ``fn`` on queries ``q`` (B, H, L, D),
@@ -497,7 +497,7 @@ def _window(fn: str, window: object) -> tuple[int, int]:
     return sides[0], sides[1]
 
 
-def _window_size(fn: str, window_size: object) -> tuple[int, int]:
+def _window_size(fn: str, window_size: Iterable[int]) -> tuple[int, int]:
     """varlen_attn's window_size=(left, right), -1 unbounded (torch's messages)."""
     window_size = tuple(window_size)
     if len(window_size) != 2:
@@ -562,7 +562,8 @@ def _options_grads_fake(a: SimpleNamespace, like: Tensor) -> tuple[Tensor, Tenso
     mask's and the sinks' shapes and dtypes, empty (acc type) without them."""
     acc = _lse_dtype(like.dtype)
     hm, sinks = getattr(a, "head_mask", None), a.sinks
-    grad_hm = hm.new_empty(hm.shape) if getattr(a, "head_mask_grad", False) else like.new_empty(0, dtype=acc)
+    want = getattr(a, "head_mask_grad", False) and hm is not None
+    grad_hm = hm.new_empty(hm.shape) if want and hm is not None else like.new_empty(0, dtype=acc)
     return grad_hm, (sinks.new_empty(sinks.shape) if sinks is not None else like.new_empty(0, dtype=acc))
 
 
@@ -694,13 +695,14 @@ def attention_backward(
         dhm, dscores, dsinks = torch.ops.masked_attn.backward_into(
             *BACKWARD_INTO(**named, grad_q=dq, grad_k=dk, grad_v=dv)
         )
+    am, kpm = t.attn_mask, t.key_padding_mask  # not None where am_grad, kpm_grad
     return dict(
         q=dq,
         k=dk,
         v=dv,
         # an additive mask receives dL/dS summed over the dimensions it broadcasts over
-        attn_mask=dscores.sum_to_size(t.attn_mask.shape).to(t.attn_mask.dtype) if am_grad else None,
-        key_padding_mask=dscores.sum((1, 2)).to(t.key_padding_mask.dtype) if kpm_grad else None,
+        attn_mask=dscores.sum_to_size(am.shape).to(am.dtype) if am_grad and am is not None else None,
+        key_padding_mask=dscores.sum((1, 2)).to(kpm.dtype) if kpm_grad and kpm is not None else None,
         head_mask=dhm if hm_grad else None,
         sinks=dsinks if opts.sinks is not None and needs.get("sinks", False) else None,
     )
