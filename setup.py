@@ -61,8 +61,11 @@ C_UNITS_BY_ARCH = {
         "cross_entropy/avx2.c": AVX2,
         "cross_entropy/avx512.c": AVX512,
     },
-    # the scalar units only: no variant for this architecture yet
-    "aarch64": dict(PORTABLE),
+    "aarch64": {  # NEON is in every aarch64 CPU: no flags
+        **PORTABLE,
+        "attention/neon.c": [],
+        "cross_entropy/neon.c": [],
+    },
 }
 _ARCH_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}
 ARCH = _ARCH_ALIASES.get(platform.machine().lower(), platform.machine().lower())

@@ -39,13 +39,15 @@ typedef enum {
  * (which one a call gets) is common/isa.h's; each op's dispatch.c maps
  * (dtype, variant) to a kernel: float64 always runs the double-accumulating
  * scalar kernels, and cross-entropy, which has no AMX kernels, runs AMX on
- * AVX-512. */
+ * AVX-512. Only the current architecture's variants are compiled in (setup.py);
+ * the others are never available. */
 typedef enum {
     MA_ISA_SCALAR = 0,
     MA_ISA_AVX2 = 1,   /* AVX2 + FMA */
     MA_ISA_AVX512 = 2, /* AVX-512 F, BW, DQ, VL */
     MA_ISA_AMX = 3,    /* AVX-512 + AVX512-BF16 + AMX-BF16 tiles for the matrix products */
     MA_ISA_AVX512BF16 = 4, /* AVX-512 + AVX512-BF16: bfloat16 products on VDPBF16PS */
+    MA_ISA_NEON = 5,       /* AArch64 Advanced SIMD (every aarch64 CPU) */
 } ma_isa;
 
 int ma_isa_available(ma_isa isa); /* compiled in and supported by this CPU */

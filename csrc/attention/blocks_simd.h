@@ -545,6 +545,6 @@ static inline void BLK(stream_row_f32)(float *y, const float *x, int64_t n, floa
     for (int64_t c = 0; c < n; c += MA_VL) vf_stream(y + c, vf_mul(m, vf_load(x + c)));
 }
 
-static inline void BLK(stream_fence)(void) { _mm_sfence(); }
+static inline void BLK(stream_fence)(void) { vf_stream_fence(); }
 
 #endif /* MA_ATTENTION_BLOCKS_SIMD_H */

@@ -15,11 +15,15 @@
  * AVX512-BF16's products are for bfloat16 only (avx512bf16.c). */
 static const ma_attn_kernels *kernels(ma_dtype dt, ma_isa isa) {
     if (dt == MA_F64) return &ma_attn_kernels_f64;
-    switch (isa) {
+    switch (isa) { /* the architecture's variants only: the others are not compiled in */
+#if defined(__x86_64__) || defined(__i386__)
     case MA_ISA_AMX: return &ma_attn_kernels_amx;
     case MA_ISA_AVX512BF16: return dt == MA_BF16 ? &ma_attn_kernels_avx512bf16 : &ma_attn_kernels_avx512;
     case MA_ISA_AVX512: return &ma_attn_kernels_avx512;
     case MA_ISA_AVX2: return &ma_attn_kernels_avx2;
+#elif defined(__aarch64__)
+    case MA_ISA_NEON: return &ma_attn_kernels_neon;
+#endif
     case MA_ISA_SCALAR:
     default: return &ma_attn_kernels_scalar;
     }

@@ -24,7 +24,7 @@ static int amx_permitted(void) {
     }
     return s;
 }
-#else
+#elif defined(__x86_64__) || defined(__i386__)
 static int amx_permitted(void) { return 0; }
 #endif
 
@@ -40,6 +40,8 @@ int ma_isa_available(ma_isa isa) {
         return ma_isa_available(MA_ISA_AVX512) && __builtin_cpu_supports("avx512bf16") &&
                __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && amx_permitted();
     case MA_ISA_AVX512BF16: return ma_isa_available(MA_ISA_AVX512) && __builtin_cpu_supports("avx512bf16");
+#elif defined(__aarch64__)
+    case MA_ISA_NEON: return 1; /* in every aarch64 CPU */
 #endif
     default: return 0;
     }
@@ -59,6 +61,7 @@ ma_isa ma_isa_best(ma_dtype dt) {
     if ((dt == MA_BF16 || dt == MA_F16) && ma_isa_available(MA_ISA_AMX)) return MA_ISA_AMX;
     if (ma_isa_available(MA_ISA_AVX512)) return MA_ISA_AVX512;
     if (ma_isa_available(MA_ISA_AVX2)) return MA_ISA_AVX2;
+    if (ma_isa_available(MA_ISA_NEON)) return MA_ISA_NEON;
     return MA_ISA_SCALAR;
 }
 
@@ -70,15 +73,15 @@ static char env_error_buf[192];
 
 static void read_env(void) {
     const char *env = getenv("MASKED_ATTN_ISA");
-    static const char *const names[] = {"scalar", "avx2", "avx512", "amx", "avx512bf16"}; /* ma_isa's order */
+    static const char *const names[] = {"scalar", "avx2", "avx512", "amx", "avx512bf16", "neon"}; /* ma_isa's order */
     int isa = -1;
     const char *err = NULL;
     if (env && *env) {
         for (int i = 0; i < (int)(sizeof names / sizeof names[0]); i++)
             if (strcmp(env, names[i]) == 0) isa = i;
         if (isa < 0)
-            err = "masked_attn: MASKED_ATTN_ISA is not a kernel variant; expected scalar, avx2, avx512, amx or "
-                  "avx512bf16";
+            err = "masked_attn: MASKED_ATTN_ISA is not a kernel variant; expected scalar, avx2, avx512, amx, "
+                  "avx512bf16 or neon";
         else if (!ma_isa_available((ma_isa)isa)) {
             err = "masked_attn: MASKED_ATTN_ISA names a variant this CPU does not support";
             isa = -1;

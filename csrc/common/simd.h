@@ -2,17 +2,18 @@
  * simd.h -- the SIMD vocabulary: what a vector instruction set provides so
  * that the blocks written once over it (attention/blocks_simd.h,
  * cross_entropy/blocks_simd.h) run on it. One header per instruction set
- * implements it (simd_avx2.h, simd_avx512.h), included by the translation
+ * implements it (simd_avx2.h, simd_avx512.h, simd_neon.h), included by the translation
  * units compiled with that set's flags (setup.py). Private to the kernels.
  *
  * Types and shape:
- *   MA_VL            float32 lanes per vector (8, 16)
+ *   MA_VL            float32 lanes per vector (4, 8, 16)
  *   vf, vd, vi       MA_VL floats, MA_VL / 2 doubles, MA_VL int32
- *   vm               a lane mask: a vector of all-ones lanes (AVX2) or a mask
- *                    register (AVX-512); vm_bits(m) its lanes as bits, lane 0
+ *   vm               a lane mask: a vector of all-ones lanes (AVX2, NEON) or a
+ *                    mask register (AVX-512); vm_bits(m) its lanes as bits, lane 0
  *                    the lowest
  * Memory (p any address; _m: lanes outside the mask read 0, are not written):
- *   vf_load, vf_store, vf_load_m, vf_store_m, vf_stream (non-temporal, aligned)
+ *   vf_load, vf_store, vf_load_m, vf_store_m, vf_stream (non-temporal where
+ *   the set has such stores, aligned), vf_stream_fence() (orders them)
  *   vf_load_dt(base, dt, off, n)      n elements from base + off of dtype dt
  *                                     (float32, bfloat16, float16) as float32;
  *                                     n >= MA_VL: a whole vector, else the rest 0
@@ -35,7 +36,8 @@
  *   vi_srl64, vi_sll64, vi_blend_odd(a, b) (odd lanes from b), vi_gt -> vm
  * Block shapes, constants the blocks read (attention/blocks_simd.h says what
  * each shapes): MA_GEMM_MR, MA_GEMM_NV, MA_GEMM_TAIL_MR, MA_GEMM_TAIL_NV,
- *   MA_GEMM_PACK, MA_MASKED_EDGES, MA_KT_NV(nr), MA_AXPY_ROWS, MA_AXPY_NV(R)
+ *   MA_GEMM_PACK, MA_MASKED_EDGES, MA_KT_NV(nr), MA_AXPY_ROWS, MA_AXPY_NV(R);
+ *   MA_CE_UNROLL (cross_entropy/blocks_simd.h: vectors per block)
  *
  * A new instruction set: a simd_X.h defining the above, its flags in setup.py
  * and an instance file per op (attention/X.c, cross_entropy/X.c) that
@@ -44,13 +46,19 @@
 #ifndef MA_SIMD_H
 #define MA_SIMD_H
 
-#include <immintrin.h>
 #include <stdint.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #include "common/dtype.h"
 #include "masked_attn.h"
 
+#if defined(__x86_64__) || defined(__i386__)
 #define ma_prefetch(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+#else
+#define ma_prefetch(p) __builtin_prefetch((const void *)(p), 0, 3)
+#endif
 
 /* exp(x): x = n ln2 + r, |r| <= ln2/2 (Cody-Waite), e^r by a degree-5
  * polynomial fitted for relative error (9e-8; 1.65e-7 with float32's

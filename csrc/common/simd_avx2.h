@@ -31,6 +31,7 @@ typedef __m256 vm;
 #define MA_MASKED_EDGES 0
 #define MA_KT_NV(nr) ((nr) == 1 ? 2 : 1)
 #define MA_AXPY_ROWS 2
+#define MA_CE_UNROLL 4
 #define MA_AXPY_NV(R) ((R) == 2 ? 4 : 8)
 
 #define vf_zero _mm256_setzero_ps
@@ -39,6 +40,7 @@ typedef __m256 vm;
 #define vf_store _mm256_storeu_ps
 #define vf_load_m(p, m) _mm256_maskload_ps(p, _mm256_castps_si256(m))
 #define vf_store_m(p, m, v) _mm256_maskstore_ps(p, _mm256_castps_si256(m), v)
+#define vf_stream_fence _mm_sfence
 #define vf_stream _mm256_stream_ps
 #define vf_add _mm256_add_ps
 #define vf_sub _mm256_sub_ps

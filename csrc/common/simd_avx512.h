@@ -29,6 +29,7 @@ typedef __mmask16 vm;
 #define MA_MASKED_EDGES 1
 #define MA_KT_NV(nr) ((nr) <= 4 ? 4 : 2)
 #define MA_AXPY_ROWS 4
+#define MA_CE_UNROLL 8
 #define MA_AXPY_NV(R) ((R) >= 3 ? 4 : 8)
 
 #define vf_zero _mm512_setzero_ps
@@ -37,6 +38,7 @@ typedef __mmask16 vm;
 #define vf_store _mm512_storeu_ps
 #define vf_load_m(p, m) _mm512_maskz_loadu_ps(m, p)
 #define vf_store_m(p, m, v) _mm512_mask_storeu_ps(p, m, v)
+#define vf_stream_fence _mm_sfence
 #define vf_stream _mm512_stream_ps
 #define vf_add _mm512_add_ps
 #define vf_sub _mm512_sub_ps

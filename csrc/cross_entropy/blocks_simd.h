@@ -19,8 +19,8 @@
 #include "common/dtype.h"
 #include "masked_attn.h"
 
-/* vectors per block: 8 of 16 lanes, 4 of 8 (128 or 32 floats) */
-enum { VL = MA_VL, UNROLL = MA_VL / 2 };
+/* vectors per block (the mapping's MA_CE_UNROLL): 8 of 16 lanes, 4 of 8, 8 of 4 */
+enum { VL = MA_VL, UNROLL = MA_CE_UNROLL };
 
 /* y = cap tanh(x / cap), or x */
 static inline vf capped(vf x, float cap, float inv_cap) {

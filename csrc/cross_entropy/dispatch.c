@@ -9,11 +9,15 @@
  * for cross-entropy (no matrix products), so those run AVX-512's. */
 static const ma_ce_kernels *kernels(const ma_ce_args *a) {
     if (a->dtype == MA_F64) return &ma_ce_kernels_f64;
-    switch (a->isa) {
+    switch (a->isa) { /* the architecture's variants only: the others are not compiled in */
+#if defined(__x86_64__) || defined(__i386__)
     case MA_ISA_AMX:
     case MA_ISA_AVX512BF16:
     case MA_ISA_AVX512: return &ma_ce_kernels_avx512;
     case MA_ISA_AVX2: return &ma_ce_kernels_avx2;
+#elif defined(__aarch64__)
+    case MA_ISA_NEON: return &ma_ce_kernels_neon;
+#endif
     case MA_ISA_SCALAR:
     default: return &ma_ce_kernels_scalar;
     }

@@ -176,8 +176,15 @@ int main(void) {
     const struct {
         ma_isa isa;
         const ma_ce_blocks *blocks;
-    } variants[] = {{MA_ISA_SCALAR, &ma_ce_blocks_scalar}, {MA_ISA_AVX2, &ma_ce_blocks_avx2},
-                    {MA_ISA_AVX512, &ma_ce_blocks_avx512}};
+    } variants[] = {
+        {MA_ISA_SCALAR, &ma_ce_blocks_scalar},
+#if defined(__x86_64__) || defined(__i386__)
+        {MA_ISA_AVX2, &ma_ce_blocks_avx2},
+        {MA_ISA_AVX512, &ma_ce_blocks_avx512},
+#elif defined(__aarch64__)
+        {MA_ISA_NEON, &ma_ce_blocks_neon},
+#endif
+    };
     for (size_t i = 0; i < sizeof variants / sizeof variants[0]; i++) {
         if (!ma_isa_available(variants[i].isa)) {
             printf("%-7s not supported by this CPU, skipped\n", variants[i].blocks->name);
