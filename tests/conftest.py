@@ -12,6 +12,7 @@ Yardsticks (docs/design.md, "Testing"):
 
 import math
 import os
+import platform
 import zlib
 
 import pytest
@@ -322,6 +323,18 @@ def run_isa(isa, fn):
 
     with use_isa(isa):
         return fn()
+
+
+# The kernel variants built for this machine's architecture (setup.py's C_UNITS_BY_ARCH), in
+# ma_isa's order: the tests run each against the scalar reference and PyTorch, skipping those
+# this CPU lacks. FMA_ISAS: those whose products are float32 FMAs in the scalar kernels' order
+# (the same bits); AMX tiles and VDPBF16PS take bfloat16 products and round differently.
+if platform.machine().lower() in ("aarch64", "arm64"):
+    ISAS = ("scalar", "neon")
+else:
+    ISAS = ("scalar", "avx2", "avx512", "amx", "avx512bf16")
+SIMD_ISAS = ISAS[1:]
+FMA_ISAS = tuple(i for i in ISAS if i not in ("amx", "avx512bf16"))
 
 
 def isa_available(isa):

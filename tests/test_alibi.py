@@ -14,10 +14,9 @@ import torch
 import torch.nn.functional as F
 
 import torch_masked_attn as tma
-from conftest import assert_close64, assert_close_ref, isa_available, run_isa
+from conftest import ISAS, assert_close64, assert_close_ref, isa_available, run_isa
 
 tmaF = tma.functional
-ISAS = ["scalar", "avx2", "avx512", "avx512bf16", "amx"]
 
 
 def _rand(*shape, dtype=torch.float32):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_masked_attn as tma
-from conftest import isa_available, run_isa
+from conftest import ISAS, isa_available, run_isa
 
 
 def _case(seed, B, H, L, D):
@@ -59,7 +59,7 @@ HEAD_MASK_CASES = [  # (B, H, Lq, Lk, D, scale, causal): short rows see one or t
 ]
 
 
-@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512", "amx", "avx512bf16"])
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", HEAD_MASK_CASES, ids=str)
 def test_head_mask_gradients_no_less_accurate_than_native(isa, dtype, case):

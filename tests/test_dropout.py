@@ -27,11 +27,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torch_masked_attn as tma
-from conftest import isa_available, run_isa
+from conftest import ISAS, isa_available, run_isa
 from torch_masked_attn import ops
 from torch_masked_attn.functional import masked_attention
 
-ISAS = [i for i in ("scalar", "avx2", "avx512", "amx", "avx512bf16") if isa_available(i)]
+AVAILABLE = [i for i in ISAS if isa_available(i)]
 OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 M32 = 0xFFFFFFFF
 
@@ -94,7 +94,7 @@ def _qkv(B=2, H=3, Hkv=None, Lq=37, Lk=45, D=16, Dv=12, dtype=torch.float32):
     )
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", AVAILABLE)
 @pytest.mark.parametrize("shape", [(2, 3, 37, 45), (1, 2, 70, 131), (1, 1, 5, 9), (1, 2, 130, 70)], ids=str)
 def test_mask_is_the_definition(isa, shape):
     """The kernels' kept entries (need_weights) are exactly the definition's,
@@ -107,7 +107,7 @@ def test_mask_is_the_definition(isa, shape):
     assert torch.equal(w != 0, keep_mask(seed, B, H, Lq, Lk, p))
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", AVAILABLE)
 @pytest.mark.parametrize("Lq", [1, 5, 67])
 def test_short_rows_path(isa, Lq):
     """Query blocks of <= 8 rows without weights run by rows (decoding, the
@@ -195,7 +195,7 @@ def _ref_from_mask(q, k, v, z, p, scale, bias=None, hm=None, is_causal=False):
     return w @ v, w
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", AVAILABLE)
 @pytest.mark.parametrize("loss_on_weights", [False, True], ids=["single-pass", "two-pass"])
 @pytest.mark.parametrize("case", ["plain", "causal-gqa", "masks", "chunks"])
 def test_gradients_vs_reference(isa, loss_on_weights, case):
@@ -300,7 +300,7 @@ def test_every_isa_against_scalar(dtype):
 
     ref = run_isa("scalar", run)
     tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
-    for isa in ISAS[1:]:
+    for isa in AVAILABLE[1:]:
         got = run_isa(isa, run)
         assert torch.equal(got[1] != 0, ref[1] != 0), isa  # the same mask
         for a, b in zip(got, ref):

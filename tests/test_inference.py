@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torch_masked_attn as tma
-from conftest import assert_close_ref, ref_attention
+from conftest import ISAS, assert_close_ref, ref_attention
 
 tmaF = tma.functional
 
@@ -115,7 +115,7 @@ def test_raw_op_out_lo(dtype):
     q, k, v = _qkv(dtype, requires_grad=True)
     fwd = torch.ops.masked_attn.forward.default
     args = (q, k, v, None, None, None, True, None, False, 0.0, None, -1, -1, None, None)
-    for isa in ("scalar", "avx2", "avx512", "amx", "avx512bf16"):
+    for isa in ISAS:
         if not tma.ops.isa_available(isa):
             continue
         with tma.ops.use_isa(isa):

@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 
 import torch_masked_attn as tma
-from conftest import assert_close_ref, isa_available, run_isa
+from conftest import FMA_ISAS, ISAS, SIMD_ISAS, assert_close_ref, isa_available, run_isa
 from torch_masked_attn.ops import bwd_cpus, bwd_key_group, use_isa
 
-VARIANTS = ["scalar", "avx2", "avx512", "amx", "avx512bf16"]
+VARIANTS = ISAS
 
 
 def fwd_bwd(q, k, v, g, **kw):
@@ -49,7 +49,7 @@ def torch_reference(q, k, v, masks, kw):
     return p @ vr
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512", "amx", "avx512bf16"])
+@pytest.mark.parametrize("isa", SIMD_ISAS)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("masks", ["none", "causal+kpm", "float+head"])
 def test_variant_matches_scalar_and_torch(isa, shape, masks):
@@ -260,7 +260,7 @@ def _op_bwd(g, q, k, v, out, lse, kpm=None, causal=True, into=None):
     return into
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512", "amx", "avx512bf16"])
+@pytest.mark.parametrize("isa", SIMD_ISAS)
 @pytest.mark.parametrize("D", [64, 48, 80])
 @pytest.mark.parametrize("masks", ["causal+kpm", "none"])
 def test_large_outputs_streamed_same_values(isa, D, masks):
@@ -300,7 +300,7 @@ def _large_outputs_streamed(isa, D, masks):
             assert torch.equal(a[:, s], b), f"{isa} D={D}: {name}"
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512", "amx", "avx512bf16"])
+@pytest.mark.parametrize("isa", SIMD_ISAS)
 @pytest.mark.parametrize("off", [0, 4, 8])
 def test_streamed_gradients_into_misaligned_views(isa, off):
     """backward_into views whose rows start 0, 16 or 32 bytes off a cache
@@ -323,7 +323,7 @@ def test_streamed_gradients_into_misaligned_views(isa, off):
         assert torch.equal(a, b), f"{isa} off={off}: {name}"
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512", "amx", "avx512bf16"])
+@pytest.mark.parametrize("isa", SIMD_ISAS)
 def test_streamed_gradients_over_their_inputs_with_key_chunks(isa):
     """dq, dk, dv written over q, k, v themselves (MultiheadAttention's
     recompute path) with 4 MB gradients, streamed, and B * Hkv = 4 (key
@@ -435,7 +435,7 @@ ROWS_CASES = {
 @pytest.mark.parametrize(
     "isa,dtype",
     [(isa, torch.float32) for isa in VARIANTS]
-    + [(isa, dt) for isa in ("scalar", "avx2", "avx512") for dt in (torch.bfloat16, torch.float16)]
+    + [(isa, dt) for isa in FMA_ISAS for dt in (torch.bfloat16, torch.float16)]
     + [("amx", torch.bfloat16), ("avx512bf16", torch.bfloat16), ("scalar", torch.float64)],
     ids=str,
 )
@@ -615,7 +615,7 @@ RUN_CASES = {
 @pytest.mark.parametrize(
     "isa,dtype",
     [(isa, torch.float32) for isa in VARIANTS]
-    + [(isa, torch.bfloat16) for isa in ("scalar", "avx2", "avx512")]
+    + [(isa, torch.bfloat16) for isa in FMA_ISAS]
     + [("avx2", torch.float16), ("scalar", torch.float64)],
     ids=str,
 )
@@ -678,9 +678,7 @@ def test_runs_of_heads_same_bits(isa, dtype, case, Lq, threads):
 
 @pytest.mark.parametrize(
     "isa,dtype",
-    [(isa, torch.float32) for isa in VARIANTS]
-    + [(isa, torch.bfloat16) for isa in ("scalar", "avx2", "avx512", "amx", "avx512bf16")]
-    + [("amx", torch.float16)],
+    [(isa, torch.float32) for isa in VARIANTS] + [(isa, torch.bfloat16) for isa in ISAS] + [("amx", torch.float16)],
     ids=str,
 )
 @pytest.mark.parametrize("Hkv", [8, 2])

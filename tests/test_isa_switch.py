@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import torch_masked_attn as tma
+from conftest import ISAS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -63,7 +64,7 @@ def test_isa_for_names_the_variant_a_call_gets():
         "import torch, torch_masked_attn as t\n"
         "print(*(t.ops.isa_for(d) for d in (torch.float32, torch.bfloat16, torch.float16)))"
     )
-    have = [i for i in ("scalar", "avx2", "avx512", "amx", "avx512bf16") if tma.ops.isa_available(i)]
+    have = [i for i in ISAS if tma.ops.isa_available(i)]
     fp32, bf16, fp16 = _child(code, {"MASKED_ATTN_ISA": ""}).stdout.split()
     assert fp32 == [i for i in ("avx512", "avx2", "scalar") if i in have][0]
     assert bf16 == fp16 == ("amx" if "amx" in have else fp32)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import torch_masked_attn.functional as tma_F
+from conftest import ISAS
 
 
 def _reference(key, value, kc, vc, slots):
@@ -115,7 +116,7 @@ def test_opcheck():
     )
 
 
-@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512", "amx", "avx512bf16"])
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_transposed_key_pages_same_bits(isa, dtype):
     """K^T pages (per head a (D, page_size) block, what the continuous-batching path writes) give

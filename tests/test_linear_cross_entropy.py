@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.autograd import gradcheck
 
 import torch_masked_attn as tma
-from conftest import assert_close64, assert_close_ref, isa_available, run_isa
+from conftest import FMA_ISAS, assert_close64, assert_close_ref, isa_available, run_isa
 
 lce = tma.functional.linear_cross_entropy
 REDUCTIONS = ("mean", "sum", "none")
@@ -247,7 +247,7 @@ def test_module():
     assert_close64(got, F.cross_entropy(head(x).reshape(-1, 60), tt.reshape(-1)))
 
 
-@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("isa", FMA_ISAS)
 def test_every_variant(isa):
     if not isa_available(isa):
         pytest.skip(f"this CPU has no {isa}")

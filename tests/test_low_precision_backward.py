@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import torch_masked_attn as tma
+from conftest import ISAS
 from torch_masked_attn import ops
 
 
@@ -48,7 +49,7 @@ def test_low_precision_delta_is_exact(dtype, what):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512", "amx", "avx512bf16"])
+@pytest.mark.parametrize("isa", ISAS)
 def test_out_lo_is_outs_rounding_error(dtype, isa):
     """The forward's fourth output: out + out_lo is the float32 output before
     rounding, to 16 (bf16) / 22 (fp16) bits, where out alone has 8 / 11: against

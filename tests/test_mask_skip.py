@@ -19,12 +19,12 @@ import torch.nn.functional as F
 from torch.autograd import gradcheck
 
 import torch_masked_attn as tma
-from conftest import allowed_to_additive, assert_close_ref, isa_available, ref_attention, run_isa
+from conftest import FMA_ISAS, ISAS, allowed_to_additive, assert_close_ref, isa_available, ref_attention, run_isa
 
 tmaF = tma.functional
 
-VARIANTS = ["scalar", "avx2", "avx512", "amx", "avx512bf16"]
-BITWISE = ["scalar", "avx2", "avx512"]  # AMX tiles round differently: rounding-level agreement only
+VARIANTS = ISAS
+BITWISE = FMA_ISAS  # AMX tiles round differently: rounding-level agreement only
 
 
 def _need(isa):

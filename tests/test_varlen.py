@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.autograd import gradcheck
 
-from conftest import assert_close_ref, isa_available, run_isa
+from conftest import SIMD_ISAS, assert_close_ref, isa_available, run_isa
 from torch_masked_attn.functional import AuxRequest, masked_attention, varlen_attn
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -241,7 +241,7 @@ def test_opcheck(window, cap_sinks):
     )
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512", "amx", "avx512bf16"])
+@pytest.mark.parametrize("isa", SIMD_ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_isa_against_scalar(isa, dtype):
     if not isa_available(isa):

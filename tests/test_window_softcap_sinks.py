@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.autograd import gradcheck
 
 import torch_masked_attn as tma
-from conftest import assert_close_ref, isa_available, run_isa
+from conftest import ISAS, SIMD_ISAS, assert_close_ref, isa_available, run_isa
 
 tmaF = tma.functional
 NEG = float("-inf")
@@ -417,7 +417,7 @@ def test_opcheck():
 # ---- every ISA against scalar ------------------------------------------------------
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512", "amx", "avx512bf16"])
+@pytest.mark.parametrize("isa", SIMD_ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("need_weights", [False, True], ids=["single_pass", "two_pass"])
 def test_isa_against_scalar(isa, dtype, need_weights):
@@ -499,7 +499,7 @@ def test_sdpa_keywords():
 # ---- block skipping really skips ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512", "amx", "avx512bf16"])
+@pytest.mark.parametrize("isa", ISAS)
 def test_skipped_blocks_are_not_read(isa):
     """Causal window of 64 at L = 256: the query blocks from 128 on see key
     blocks 1.. only, so NaN in block 0's k and v must not reach them (if that
