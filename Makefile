@@ -129,6 +129,33 @@ test-wheel: wheel
 	$(PY) tools/test_wheel.py $(DIST)/torch_masked_attn-*.whl \
 		$(addprefix --torch ,$(WHEEL_TORCH))
 
+# aarch64 on this x86_64 machine (tools/arm.py; docs/design.md, "aarch64"): the
+# cross compilers and qemu-user from Debian (apt-get, once), then
+# test-arm-c: setup.py's aarch64 C units cross-built, the C harnesses and the
+#   kernel tool under qemu on a CPU without SVE and on SVE CPUs at 128, 256 and
+#   512 bits (about a minute; CI runs it);
+# test-arm: that, then the package cross-built against PyPI's aarch64 torch
+#   (430 MB, downloaded once into .arm/) and a slice of the suite under an
+#   emulated aarch64 Python (tools/arm.py's ARM_SLICE; about 20 minutes);
+# wheel-arm: the cp310-abi3 aarch64 wheel into dist/, tagged by auditwheel.
+.PHONY: test-arm-c test-arm wheel-arm
+test-arm-c: $(STAMP)
+	$(VPY) tools/arm.py harness
+
+test-arm: test-arm-c
+	$(VPY) tools/arm.py setup
+	$(VPY) tools/arm.py build
+	$(VPY) tools/arm.py pytest
+
+wheel-arm: $(STAMP) $(AUDITWHEEL)
+	$(VPY) tools/arm.py setup
+	$(VPY) tools/arm.py build
+	rm -rf $(WHEEL_DIR)/raw-arm && $(VPY) tools/arm.py wheel --out $(WHEEL_DIR)/raw-arm
+	rm -f $(DIST)/torch_masked_attn-*aarch64.whl
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(AUDITWHEEL) repair --exclude 'libtorch*.so' --exclude 'libc10*.so' \
+		-w $(DIST) $(WHEEL_DIR)/raw-arm/*.whl
+	@ls $(DIST)/torch_masked_attn-*aarch64.whl
+
 # The C harnesses and a slice of the suite under ASan + UBSan (tools/sanitize.py),
 # built into build-sanitize/ with setup.py's flags + the sanitizers
 # (MASKED_ATTN_CFLAGS): every C unit of setup.py's list for this architecture

@@ -7,7 +7,8 @@
     python tools/arm.py build          cross-build _C.abi3.so against that torch: .arm/pkg/
     python tools/arm.py pytest [ARGS]  pytest under the emulated Python, on .arm/pkg (ARGS: the
                                        tests, default ARM_SLICE)
-    python tools/arm.py wheel          the cp310-abi3 manylinux_2_28_aarch64 wheel into dist/
+    python tools/arm.py wheel [--out D] the cp310-abi3 linux_aarch64 wheel of .arm/pkg (make wheel-arm
+                                       has auditwheel give it its manylinux tag)
 
 The cross compilers and qemu-user come from Debian (gcc-aarch64-linux-gnu,
 g++-aarch64-linux-gnu, libc6-dev-arm64-cross, qemu-user); `harness` installs them
@@ -235,10 +236,30 @@ def cmd_setup(_):
     make_cuda_stubs()
 
 
+# torch's cpuinfo (in libc10.so) fails to initialise under qemu-user 7.2 (its Linux processor
+# detection finds no valid processor there), and fbgemm's float16 conversions then raise
+# "Failed to initialize cpuinfo!". Preloaded into the emulated Python, this runs cpuinfo's own
+# initialisation and reports success; nothing else changes.
+CPUINFO_OK = r"""/* generated: tools/arm.py */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdbool.h>
+bool cpuinfo_initialize(void) {
+    bool (*real)(void) = (bool (*)(void))dlsym(RTLD_NEXT, "cpuinfo_initialize");
+    if (real) (void)real();
+    return true;
+}
+"""
+
+
 def make_cuda_stubs():
+    os.makedirs(STUBS, exist_ok=True)
+    src = os.path.join(STUBS, "cpuinfo_ok.c")
+    with open(src, "w") as f:
+        f.write(CPUINFO_OK)
+    run([CC, "-shared", "-fPIC", "-O2", src, "-o", os.path.join(STUBS, "libcpuinfo_ok.so"), "-ldl"])
     if os.path.exists(os.path.join(STUBS, CUDA_LIBS[0])):
         return
-    os.makedirs(STUBS, exist_ok=True)
     lib = os.path.join(SITE, "torch", "lib")
     und, defined = [], set()
     for so in glob.glob(os.path.join(lib, "*.so*")):
@@ -341,6 +362,7 @@ def emulated_env(cpu="max,sve-default-vector-length=32"):
         LD_LIBRARY_PATH=STUBS,
         QEMU_LD_PREFIX=SYSROOT,
         QEMU_CPU=cpu,
+        QEMU_SET_ENV="LD_PRELOAD=" + os.path.join(STUBS, "libcpuinfo_ok.so"),
         PYTHONDONTWRITEBYTECODE="1",
     )
     return env
@@ -349,7 +371,9 @@ def emulated_env(cpu="max,sve-default-vector-length=32"):
 def cmd_pytest(ns):
     if not os.path.exists(os.path.join(PKG, "torch_masked_attn", "_C.abi3.so")):
         sys.exit("tools/arm.py pytest: run `tools/arm.py setup` and `tools/arm.py build` first")
-    tests = ns.args or ARM_SLICE
+    # the tests' paths from the checkout (pytest runs in PKG, so that `import torch_masked_attn`
+    # finds the aarch64 package first)
+    tests = [os.path.join(ROOT, a) if a.startswith("tests") else a for a in (ns.args or ARM_SLICE)]
     py = [QEMU, os.path.join(SYSROOT, "usr", "bin", "python3.11")]
     # PKG first: the aarch64 package, not the checkout's x86 one (ROOT is on the path for tests/)
     code = "import sys, pytest; sys.exit(pytest.main(sys.argv[1:]))"
@@ -359,15 +383,15 @@ def cmd_pytest(ns):
     sys.exit(r.returncode)
 
 
-def cmd_wheel(_):
+def cmd_wheel(ns):
     so = os.path.join(PKG, "torch_masked_attn", "_C.abi3.so")
     if not os.path.exists(so):
         sys.exit("tools/arm.py wheel: run `tools/arm.py setup` and `tools/arm.py build` first")
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         proj = tomllib.load(f)["project"]
     name, version = proj["name"], proj["version"]
-    tag = "cp310-abi3-manylinux_2_28_aarch64"
-    dist = os.path.join(ROOT, "dist")
+    tag = "cp310-abi3-linux_aarch64"  # auditwheel repair sets the manylinux tag
+    dist = ns.out
     os.makedirs(dist, exist_ok=True)
     path = os.path.join(dist, f"{name}-{version}-{tag}.whl")
     info = f"{name}-{version}.dist-info"
@@ -408,8 +432,10 @@ def cmd_wheel(_):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("harness", "setup", "build", "wheel"):
+    for name in ("harness", "setup", "build"):
         sub.add_parser(name)
+    wh = sub.add_parser("wheel")
+    wh.add_argument("--out", default=os.path.join(ROOT, "dist"), help="the folder for the wheel (default dist/)")
     pt = sub.add_parser("pytest")
     pt.add_argument("args", nargs=argparse.REMAINDER)
     ns = p.parse_args()
