@@ -42,6 +42,9 @@ AMX = [
     "-mfma",
     "-mf16c",
 ]
+# SVE at one vector length each (common/simd_sve.h)
+SVE256 = ["-march=armv8.2-a+sve", "-msve-vector-bits=256"]
+SVE512 = ["-march=armv8.2-a+sve", "-msve-vector-bits=512"]
 PORTABLE = {  # no instruction-set flags: the policy, the scalar instances, the dispatch
     "common/isa.c": [],
     "attention/scalar.c": [],
@@ -64,7 +67,11 @@ C_UNITS_BY_ARCH = {
     "aarch64": {  # NEON is in every aarch64 CPU: no flags
         **PORTABLE,
         "attention/neon.c": [],
+        "attention/sve256.c": SVE256,
+        "attention/sve512.c": SVE512,
         "cross_entropy/neon.c": [],
+        "cross_entropy/sve256.c": SVE256,
+        "cross_entropy/sve512.c": SVE512,
     },
 }
 _ARCH_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}

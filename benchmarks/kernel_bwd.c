@@ -13,7 +13,7 @@
  *   O=$(ls -d build/temp.*)/c11
  *   gcc -O2 -std=c11 -Icsrc -D_POSIX_C_SOURCE=200809L benchmarks/kernel_bwd.c \
  *       $O/attention_*.o $O/common_isa.o -o /tmp/kernel_bwd -lm
- *   /tmp/kernel_bwd B H L D REPS [ISA]      e.g. 8 8 512 64 5 avx2 (ISA: scalar, avx2, avx512, amx, avx512bf16, neon)
+ *   /tmp/kernel_bwd B H L D REPS [ISA]      e.g. 8 8 512 64 5 avx2 (ISA: scalar, avx2, avx512, amx, avx512bf16, neon, sve256, sve512)
  */
 #include <math.h>
 #include <stdio.h>
@@ -58,14 +58,14 @@ static double run(ma_task_fn fn, const void *params, int64_t n, size_t scratch_b
 
 int main(int argc, char **argv) {
     if (argc < 6) {
-        fprintf(stderr, "usage: %s B H L D REPS [scalar|avx2|avx512|amx|avx512bf16|neon]\n", argv[0]);
+        fprintf(stderr, "usage: %s B H L D REPS [scalar|avx2|avx512|amx|avx512bf16|neon|sve256|sve512]\n", argv[0]);
         return 2;
     }
     const int64_t B = atoll(argv[1]), H = atoll(argv[2]), L = atoll(argv[3]), D = atoll(argv[4]);
     const int reps = atoi(argv[5]);
     ma_isa isa = ma_isa_best(MA_F32);
     if (argc > 6) {
-        const char *names[] = {"scalar", "avx2", "avx512", "amx", "avx512bf16", "neon"}; /* ma_isa order */
+        const char *names[] = {"scalar", "avx2", "avx512", "amx", "avx512bf16", "neon", "sve256", "sve512"}; /* ma_isa order */
         int found = 0;
         for (int i = 0; i < (int)(sizeof names / sizeof names[0]); i++)
             if (!strcmp(argv[6], names[i])) isa = (ma_isa)i, found = 1;

@@ -28,7 +28,11 @@ def test_unknown_isa_in_environment_raises_naming_it():
         {"MASKED_ATTN_ISA": "bogus"},
     )
     assert r.returncode == 0, r.stderr
-    assert "RAISED" in r.stdout and "bogus" in r.stdout and "scalar, avx2, avx512, amx or avx512bf16" in r.stdout
+    assert (
+        "RAISED" in r.stdout
+        and "bogus" in r.stdout
+        and "scalar, avx2, avx512, amx, avx512bf16, neon, sve256 or sve512" in r.stdout
+    )
 
 
 def test_environment_is_read_once_and_use_isa_forces():

@@ -98,7 +98,8 @@ typedef struct {
                        int64_t off, int64_t ldd, int64_t nc, int64_t pf);
 } ma_blocks;
 
-extern const ma_blocks ma_blocks_scalar, ma_blocks_avx2, ma_blocks_avx512, ma_blocks_neon;
+extern const ma_blocks ma_blocks_scalar, ma_blocks_avx2, ma_blocks_avx512, ma_blocks_neon, ma_blocks_sve256,
+    ma_blocks_sve512;
 extern const ma_blocks ma_blocks_amx2, ma_blocks_amx3; /* GEMM only: 3 and 6 bf16 products */
 extern const ma_blocks ma_blocks_avx512bf16_2, ma_blocks_avx512bf16_3; /* the same on VDPBF16PS */
 
@@ -110,6 +111,7 @@ typedef struct {
 } ma_attn_kernels;
 
 extern const ma_attn_kernels ma_attn_kernels_scalar, ma_attn_kernels_f64, ma_attn_kernels_avx2, ma_attn_kernels_avx512,
-    ma_attn_kernels_amx, ma_attn_kernels_avx512bf16, ma_attn_kernels_neon;
+    ma_attn_kernels_amx, ma_attn_kernels_avx512bf16, ma_attn_kernels_neon, ma_attn_kernels_sve256,
+    ma_attn_kernels_sve512;
 
 #endif /* MA_ATTENTION_BLOCKS_H */

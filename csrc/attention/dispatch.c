@@ -23,6 +23,8 @@ static const ma_attn_kernels *kernels(ma_dtype dt, ma_isa isa) {
     case MA_ISA_AVX2: return &ma_attn_kernels_avx2;
 #elif defined(__aarch64__)
     case MA_ISA_NEON: return &ma_attn_kernels_neon;
+    case MA_ISA_SVE256: return &ma_attn_kernels_sve256;
+    case MA_ISA_SVE512: return &ma_attn_kernels_sve512;
 #endif
     case MA_ISA_SCALAR:
     default: return &ma_attn_kernels_scalar;

@@ -27,6 +27,19 @@ static int amx_permitted(void) {
 #elif defined(__x86_64__) || defined(__i386__)
 static int amx_permitted(void) { return 0; }
 #endif
+#if defined(__linux__) && defined(__aarch64__)
+#include <sys/auxv.h>
+#include <sys/prctl.h>
+/* The SVE vector length in bytes (the thread's, which Linux gives every thread of the
+ * process alike unless one changes it), or 0 without SVE. */
+static int sve_vector_bytes(void) {
+    if (!(getauxval(AT_HWCAP) & (1UL << 22) /* HWCAP_SVE */)) return 0;
+    const int vl = prctl(51 /* PR_SVE_GET_VL */);
+    return vl < 0 ? 0 : vl & 0xffff; /* PR_SVE_VL_LEN_MASK */
+}
+#elif defined(__aarch64__)
+static int sve_vector_bytes(void) { return 0; }
+#endif
 
 int ma_isa_available(ma_isa isa) {
     switch (isa) {
@@ -42,6 +55,8 @@ int ma_isa_available(ma_isa isa) {
     case MA_ISA_AVX512BF16: return ma_isa_available(MA_ISA_AVX512) && __builtin_cpu_supports("avx512bf16");
 #elif defined(__aarch64__)
     case MA_ISA_NEON: return 1; /* in every aarch64 CPU */
+    case MA_ISA_SVE256: return sve_vector_bytes() == 32;
+    case MA_ISA_SVE512: return sve_vector_bytes() == 64;
 #endif
     default: return 0;
     }
@@ -73,7 +88,8 @@ static char env_error_buf[192];
 
 static void read_env(void) {
     const char *env = getenv("MASKED_ATTN_ISA");
-    static const char *const names[] = {"scalar", "avx2", "avx512", "amx", "avx512bf16", "neon"}; /* ma_isa's order */
+    static const char *const names[] = {"scalar",     "avx2", "avx512", "amx",
+                                        "avx512bf16", "neon", "sve256", "sve512"}; /* ma_isa's order */
     int isa = -1;
     const char *err = NULL;
     if (env && *env) {
@@ -81,7 +97,7 @@ static void read_env(void) {
             if (strcmp(env, names[i]) == 0) isa = i;
         if (isa < 0)
             err = "masked_attn: MASKED_ATTN_ISA is not a kernel variant; expected scalar, avx2, avx512, amx, "
-                  "avx512bf16 or neon";
+                  "avx512bf16, neon, sve256 or sve512";
         else if (!ma_isa_available((ma_isa)isa)) {
             err = "masked_attn: MASKED_ATTN_ISA names a variant this CPU does not support";
             isa = -1;

@@ -34,7 +34,8 @@ typedef struct {
                      float g_w);
 } ma_ce_blocks;
 
-extern const ma_ce_blocks ma_ce_blocks_scalar, ma_ce_blocks_avx2, ma_ce_blocks_avx512, ma_ce_blocks_neon;
+extern const ma_ce_blocks ma_ce_blocks_scalar, ma_ce_blocks_avx2, ma_ce_blocks_avx512, ma_ce_blocks_neon,
+    ma_ce_blocks_sve256, ma_ce_blocks_sve512;
 
 #define MA_CE_BLOCKS(X) {#X, row_stats_##X, row_grad_##X}
 
@@ -44,6 +45,6 @@ typedef struct {
 } ma_ce_kernels;
 
 extern const ma_ce_kernels ma_ce_kernels_scalar, ma_ce_kernels_f64, ma_ce_kernels_avx2, ma_ce_kernels_avx512,
-    ma_ce_kernels_neon;
+    ma_ce_kernels_neon, ma_ce_kernels_sve256, ma_ce_kernels_sve512;
 
 #endif

@@ -17,6 +17,8 @@ static const ma_ce_kernels *kernels(const ma_ce_args *a) {
     case MA_ISA_AVX2: return &ma_ce_kernels_avx2;
 #elif defined(__aarch64__)
     case MA_ISA_NEON: return &ma_ce_kernels_neon;
+    case MA_ISA_SVE256: return &ma_ce_kernels_sve256;
+    case MA_ISA_SVE512: return &ma_ce_kernels_sve512;
 #endif
     case MA_ISA_SCALAR:
     default: return &ma_ce_kernels_scalar;

@@ -382,6 +382,8 @@ int main(void) {
         {MA_ISA_AVX512BF16, &ma_blocks_avx512bf16_3},
 #elif defined(__aarch64__)
         {MA_ISA_NEON, &ma_blocks_neon},
+        {MA_ISA_SVE256, &ma_blocks_sve256},
+        {MA_ISA_SVE512, &ma_blocks_sve512},
 #endif
     };
     for (size_t i = 0; i < sizeof variants / sizeof variants[0]; i++) {
