@@ -138,7 +138,12 @@ test-wheel: wheel
 #   (430 MB, downloaded once into .arm/) and a slice of the suite under an
 #   emulated aarch64 Python (tools/arm.py's ARM_SLICE; about 20 minutes);
 # wheel-arm: the cp310-abi3 aarch64 wheel into dist/, tagged by auditwheel.
-.PHONY: test-arm-c test-arm wheel-arm
+# bench-arm: instructions per call under qemu for scalar, NEON, SVE 256 and 512
+#   (benchmarks/arm_insns.py; docs/performance.md, "aarch64"; about 8 minutes).
+.PHONY: test-arm-c test-arm wheel-arm bench-arm
+bench-arm: $(STAMP)
+	$(VPY) benchmarks/arm_insns.py
+
 test-arm-c: $(STAMP)
 	$(VPY) tools/arm.py harness
 

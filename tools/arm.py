@@ -57,9 +57,16 @@ CPUS = [
 # The pytest slice: the ops against PyTorch and the scalar reference on every variant the
 # emulated CPU has (the tests parametrize over ISAs and skip the absent ones).
 ARM_SLICE = [
-    "tests/test_isa.py",
-    "tests/test_cross_entropy_options.py::test_every_isa_matches_scalar",
-    "tests/test_varlen.py::test_batch_invariance_bitwise",
+    "tests/test_isa.py::test_variant_matches_scalar_and_torch",  # every shape edge, mask kinds, fwd + bwd
+    "tests/test_isa.py::test_converted_inputs",  # float32, bfloat16, float16
+    "tests/test_isa.py::test_short_query_blocks_match_the_tiles",  # decode rows: the tiles' bits
+    "tests/test_window_softcap_sinks.py::test_isa_against_scalar",  # windows, soft-capping, sinks
+    "tests/test_mask_skip.py::test_hf_mask_matches_sdpa_and_structural",  # padding + causal masks, skipped blocks
+    "tests/test_dropout.py::test_mask_is_the_definition",  # Philox on the vector integer ops
+    "tests/test_cross_entropy_options.py::test_variant_matches_scalar_and_torch",
+    "tests/test_varlen.py::test_thread_count_and_batch_invariance",  # bitwise, the default variant
+    "-k",
+    "neon or sve256 or None",  # the variants of the emulated CPU (SVE at 256 bits) and its default
 ]
 
 # aarch64 Python 3.11 from Debian 12 (arm64 packages unpacked into SYSROOT, never installed).

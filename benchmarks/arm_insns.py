@@ -1,0 +1,88 @@
+"""Executed instructions per attention call on aarch64, counted under qemu-user (make bench-arm).
+
+No ARM machine is at hand, and qemu's timings mean nothing (it translates every instruction), so
+this counts instead: benchmarks/kernel_bwd.c (the forward and the single-pass backward, causal,
+float32, one thread, the kernels called from C) cross-built by tools/arm.py, run under
+qemu-aarch64 with benchmarks/arm/insncount.c as a plugin, once with 1 repetition and once with 3;
+half the difference is one forward + backward (the set-up and the scalar reference check cancel).
+Each variant runs on an emulated CPU that has it: NEON on a Neoverse N1 (no SVE), sve256 and
+sve512 on qemu's `max` CPU at those vector lengths.
+
+Columns: instructions per call (millions), the share that are vector instructions (Advanced
+SIMD vector data processing, or SVE), and the ratio to the scalar kernels' count. Writes
+benchmarks/out/arm_insns.json and prints a Markdown table.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import arm  # noqa: E402  (tools/arm.py: the cross-build)
+
+CASES = [(4, 2, 256, 64), (4, 2, 256, 128)]  # (B, H, L, D): B * H >= 8, the single-pass backward
+VARIANTS = [
+    ("scalar", "neoverse-n1"),
+    ("neon", "neoverse-n1"),
+    ("sve256", "max,sve-default-vector-length=32"),
+    ("sve512", "max,sve-default-vector-length=64"),
+]
+
+
+def count(plugin, exe, cpu, case, reps, isa):
+    r = subprocess.run(
+        [arm.QEMU, "-L", "/usr/aarch64-linux-gnu", "-cpu", cpu, "-plugin", plugin, "-d", "plugin", exe]
+        + [str(x) for x in case]
+        + [str(reps), isa],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    m = re.search(r"insns all (\d+) sve (\d+) neon (\d+) fp (\d+)", r.stdout + r.stderr)
+    return [int(x) for x in m.groups()]
+
+
+def main():
+    arm.need_toolchain()
+    out = os.path.join(ROOT, "benchmarks", "out")
+    os.makedirs(out, exist_ok=True)
+    objs = arm.c_objects(os.path.join(arm.ARM, "harness"))
+    exe = os.path.join(arm.ARM, "harness", "kernel_bwd")
+    att = [o for o in objs if "attention_" in o or "common_" in o]
+    kb = os.path.join(ROOT, "benchmarks", "kernel_bwd.c")
+    arm.run([arm.CC, *arm.C_FLAGS, "-D_POSIX_C_SOURCE=200809L", kb, *att, "-lm", "-lpthread", "-o", exe])
+    plugin = os.path.join(arm.ARM, "libinsncount.so")
+    arm.run(["gcc", "-shared", "-fPIC", "-O2", "-o", plugin, os.path.join(ROOT, "benchmarks", "arm", "insncount.c")])
+    rows = []
+    for case in CASES:
+        base = None
+        for isa, cpu in VARIANTS:
+            one, three = (count(plugin, exe, cpu, case, reps, isa) for reps in (1, 3))
+            per = [(b - a) / 2 for a, b in zip(one, three)]  # all, sve, neon, fp
+            base = base or per[0]
+            rows.append(
+                dict(
+                    case=case,
+                    isa=isa,
+                    cpu=cpu,
+                    insns=per[0],
+                    vector=(per[1] + per[2]) / per[0],
+                    vs_scalar=base / per[0],
+                )
+            )
+            print(rows[-1], flush=True)
+    with open(os.path.join(out, "arm_insns.json"), "w") as f:
+        json.dump(dict(date=time.strftime("%Y-%m-%d"), qemu="qemu-aarch64 7.2", rows=rows), f, indent=1)
+    print("\n| case (B, H, L, D) | variant | M instructions | vector share | scalar / variant |")
+    print("|---|---|---:|---:|---:|")
+    for r in rows:
+        share, ratio = f"{100 * r['vector']:.0f}%", f"{r['vs_scalar']:.2f}"
+        print(f"| {tuple(r['case'])} | {r['isa']} | {r['insns'] / 1e6:.1f} | {share} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
