@@ -33,6 +33,7 @@ __all__ = [
     "cross_entropy",
     "linear_cross_entropy",
     "write_kv_cache",
+    "quantize_kv",
 ]
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -211,6 +212,8 @@ def masked_attention(
     softcap: float | None = None,
     sinks: Tensor | None = None,
     alibi_slopes: Tensor | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, ...]:
     """Masked multi-head attention.
 
@@ -255,6 +258,12 @@ def masked_attention(
             of query i and key j gets -slope * |i + Lk - Lq - j| (bottom-right
             aligned, as flash-attn), added after the scaling and the soft-cap,
             with the masks. No gradient.
+        k_scale, v_scale: an 8-bit KV cache: k and v int8 and these their
+            float32 scales, shaped like k and v without the last dim (one per
+            key and head; :func:`quantize_kv` makes both). Key j's values are
+            k_scale[j] * k[j]; the kernels apply the scales outside the dot
+            products and never dequantize K or V. q float32, bfloat16 or
+            float16 (the output's dtype). Inference only: no gradient.
 
     Returns:
         out (B, H, Lq, Dv), followed by weights if need_weights and by lse if
@@ -275,6 +284,8 @@ def masked_attention(
         and softcap is None
         and sinks is None
         and alibi_slopes is None
+        and k_scale is None
+        and v_scale is None
         and _plain_call(q, k, v)
     ):
         out = _plain_forward(q, k, v, bool(is_causal), None if scale is None else float(scale))
@@ -285,7 +296,9 @@ def masked_attention(
             raise TypeError(f"masked_attention: {name} must be a Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"masked_attention: {name} must be 4-D (B, H, L, D), got shape {tuple(t.shape)}")
-        if t.dtype not in _FLOATS:
+    quant = _kv_scales("masked_attention", q, k, v, k_scale, v_scale)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in _FLOATS and not (quant and name != "q"):
             raise TypeError(f"masked_attention: {name} must be float32, float64, bfloat16 or float16, got {t.dtype}")
     opts = ops.AttnOptions.check(
         "masked_attention",
@@ -298,7 +311,67 @@ def masked_attention(
         dropout_seed=dropout_seed,
         alibi_slopes=alibi_slopes,
     )
-    return _attention(q, k, v, attn_mask, key_padding_mask, head_mask, scale, need_weights, return_lse, opts)
+    return _attention(
+        q, k, v, attn_mask, key_padding_mask, head_mask, scale, need_weights, return_lse, opts, kv_scales=(k_scale, v_scale)
+    )
+
+
+def _kv_scales(fn: str, q: Tensor, k: Tensor, v: Tensor, k_scale: object, v_scale: object) -> bool:
+    """Whether k, v are an 8-bit cache (int8, with k_scale and v_scale), and
+    the checks of it the Python functions promise; the scales' shapes are the
+    shim's (csrc/shim/options.cpp, parse_kv_scales)."""
+    if k_scale is None and v_scale is None:
+        if k.dtype == torch.int8 or v.dtype == torch.int8:
+            raise TypeError(f"{fn}: int8 key and value (an 8-bit cache) need k_scale and v_scale (quantize_kv)")
+        return False
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a float32 Tensor (an 8-bit cache's scales), got {type(t).__name__}")
+    if k.dtype != torch.int8 or v.dtype != torch.int8:
+        raise TypeError(f"{fn}: k_scale and v_scale are an 8-bit cache's: key and value must be int8, got {k.dtype}")
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"{fn}: with an 8-bit cache the queries must be float32, bfloat16 or float16, got {q.dtype}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_scale, v_scale)):
+        raise RuntimeError(
+            f"{fn}: an 8-bit KV cache is inference only (no gradient); "
+            "call it under torch.no_grad() or on tensors that do not require grad"
+        )
+    if not uses_kernels(q.device):
+        raise NotImplementedError(f"{fn}: an 8-bit KV cache is read by the CPU kernels only; got tensors on {q.device}")
+    return True
+
+
+def quantize_kv(x: Tensor, dtype: torch.dtype = torch.int8) -> tuple[Tensor, Tensor]:
+    """Quantizes keys or values for an 8-bit KV cache: symmetric int8 with one
+    float32 scale per row of the last dim (per token and head).
+
+    In float32: ``scale = absmax(row) / 127`` and ``xq = round(clamp(x * (127 /
+    absmax(row)), -127, 127))``, ties to even; a row of zeros has scale 0, a
+    row holding an inf or NaN scale NaN (and xq 0). Dequantized, ``xq *
+    scale[..., None]`` is within scale / 2 of x.
+
+    Args:
+        x: (..., D) float32, bfloat16 or float16, any strides, on the CPU.
+        dtype: torch.int8 (the one 8-bit format so far).
+
+    Returns:
+        (xq, scale): xq int8 of x's shape (contiguous), scale float32 of
+        x.shape[:-1]. Pass them to masked_attention / varlen_attn as k, k_scale
+        (and v, v_scale).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize_kv: x must be a Tensor, got {type(x).__name__}")
+    if dtype != torch.int8:
+        raise ValueError(f"quantize_kv: dtype must be torch.int8, got {dtype}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"quantize_kv: x must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.dim() == 0 or x.size(-1) == 0:
+        raise ValueError(f"quantize_kv: x must have a last dim of size > 0, got shape {tuple(x.shape)}")
+    if not uses_kernels(x.device):
+        raise NotImplementedError(f"quantize_kv: runs on the CPU only; got a tensor on {x.device}")
+    with torch.no_grad():
+        q, scale = torch.ops.masked_attn.quantize_kv(x)
+    return q.view(x.shape), scale.view(x.shape[:-1])
 
 
 def _attention(
@@ -313,6 +386,7 @@ def _attention(
     return_lse: bool,
     opts: ops.AttnOptions,
     fn: str = "masked_attention",
+    kv_scales: tuple[Tensor | None, Tensor | None] = (None, None),
 ) -> Tensor | tuple[Tensor, ...]:
     """masked_attention after its checks of q, k, v (4-D floating tensors) and
     of its options: the call."""
@@ -357,6 +431,7 @@ def _attention(
                 need_weights=bool(need_weights),
                 for_backward=ops.grad_wanted(q, k, v, attn_mask, key_padding_mask, head_mask, opts.sinks),
                 **opts.op_args(),
+                **_scale_args(kv_scales),
             ),
         )
     if not (need_weights or return_lse):
@@ -498,6 +573,11 @@ class AuxRequest(NamedTuple):
     lse: bool = False
 
 
+def _scale_args(kv_scales: tuple[Tensor | None, Tensor | None]) -> dict[str, Tensor]:
+    """An 8-bit cache's scales as the forward ops name them (none: nothing)."""
+    return {} if kv_scales[0] is None else {"k_scale": kv_scales[0], "v_scale": kv_scales[1]}
+
+
 def _gather_pages(t: Tensor, block_table: Tensor, seqused_k: Tensor) -> tuple[Tensor, Tensor]:
     """A paged KV pool (pages, page_size, H_kv, D) read through block_table
     (N, max_pages) as packed (T_k, H_kv, D) rows and their cu_seq_k: each
@@ -536,6 +616,8 @@ def varlen_attn(
     softcap: float | None = None,
     sinks: Tensor | None = None,
     alibi_slopes: Tensor | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over packed variable-length sequences, with
     torch.nn.attention.varlen.varlen_attn's signature and conventions, on the CPU.
@@ -573,6 +655,10 @@ def varlen_attn(
         alibi_slopes: (H,) or (N, H) float32, flash-attn's ALiBi: -slope *
             |i + Lk - Lq - j| with the sequence's own lengths, after the
             soft-cap. Paged caches too. No gradient.
+        k_scale, v_scale: an 8-bit cache, as in masked_attention: key and
+            value int8 and these float32 scales of their shapes without the
+            last dim ((T_k, H_kv), or (pages, page_size, H_kv) paged).
+            Inference only.
 
     Returns:
         out (T_q, H, Dv), and lse if return_aux.lse. A query row that sees no
@@ -582,7 +668,9 @@ def varlen_attn(
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"varlen_attn: {name} must be a Tensor, got {type(t).__name__}")
-        if t.dtype not in _FLOATS:
+    quant = _kv_scales("varlen_attn", query, key, value, k_scale, v_scale)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dtype not in _FLOATS and not (quant and name != "query"):
             raise TypeError(f"varlen_attn: {name} must be float32, float64, bfloat16 or float16, got {t.dtype}")
     if query.dim() != 3:
         raise ValueError(f"varlen_attn: query must be 3-D (T_q, H, D), got shape {tuple(query.shape)}")
@@ -629,6 +717,9 @@ def varlen_attn(
         if key.size(1) % 64 != 0:  # the kernels read pages of a multiple of 64 tokens in place
             key, cu_seq_k = _gather_pages(key, block_table, seqused_k)
             value, _ = _gather_pages(value, block_table, seqused_k)
+            if quant:  # the scales are gathered like their rows
+                k_scale = _gather_pages(k_scale.unsqueeze(-1), block_table, seqused_k)[0].squeeze(-1)
+                v_scale = _gather_pages(v_scale.unsqueeze(-1), block_table, seqused_k)[0].squeeze(-1)
             block_table = None
     elif cu_seq_k is None:
         raise ValueError("varlen_attn: cu_seq_k is required without block_table")
@@ -647,6 +738,7 @@ def varlen_attn(
             block_table=block_table,
             for_backward=ops.grad_wanted(query, key, value, opts.sinks),
             **opts.op_args(),
+            **_scale_args((k_scale, v_scale)),
         ),
     )
     if return_aux is not None and return_aux.lse:
@@ -654,7 +746,15 @@ def varlen_attn(
     return out
 
 
-def write_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slots: Tensor) -> None:
+def write_kv_cache(
+    key: Tensor,
+    value: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    slots: Tensor,
+    key_scale: Tensor | None = None,
+    value_scale: Tensor | None = None,
+) -> None:
     """Writes new key / value rows into a KV cache in place (vLLM's reshape_and_cache).
 
     Args:
@@ -665,14 +765,19 @@ def write_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: T
         slots: int64 or int32 (T,): row t goes to slot slots[t] = page * page_size + row (in a
             flat cache, the row); a negative slot skips the row (padding). Where two rows share
             a slot, the later row is what the cache holds.
+        key_scale, value_scale: an 8-bit cache (int8 key_cache, value_cache): its float32 scales,
+            shaped like the caches without their last dim; each new row (float32, bfloat16 or
+            float16) is quantized as :func:`quantize_kv` does, its scale written beside it.
 
     On the CPU one C op (masked_attn::cache_write) does the copy, no Python indexing; on other
     devices, index_copy_. No gradient flows into the cache.
     """
     if isinstance(key_cache, torch.Tensor) and uses_kernels(key_cache.device):  # the op checks every argument
         with torch.no_grad():
-            torch.ops.masked_attn.cache_write(key, value, key_cache, value_cache, slots)
+            torch.ops.masked_attn.cache_write(key, value, key_cache, value_cache, slots, key_scale, value_scale)
         return
+    if key_scale is not None or value_scale is not None:
+        raise NotImplementedError("write_kv_cache: an 8-bit cache is written by the CPU kernels only")
     for name, t in (
         ("key", key),
         ("value", value),

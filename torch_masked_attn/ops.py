@@ -623,7 +623,16 @@ def saved(ctx) -> SimpleNamespace:
     return SimpleNamespace(**dict(zip(ctx.saved_names, ctx.saved_tensors)))
 
 
+def _no_grad_with_int8_kv(fn: str, a: SimpleNamespace) -> None:
+    if getattr(a, "k_scale", None) is not None:
+        raise RuntimeError(
+            f"{fn}: an 8-bit KV cache (k_scale, v_scale) is inference only (no backward); "
+            "call it under torch.no_grad() or on tensors that do not require grad"
+        )
+
+
 def _forward_setup_context(ctx, a, output):
+    _no_grad_with_int8_kv("masked_attention", a)
     out, lse, weights, out_lo = output
     ctx.opts = AttnOptions.from_op(a)
     _save(
@@ -813,6 +822,7 @@ def _varlen_backward_fake(*args, **kwargs):
 
 
 def _varlen_setup_context(ctx, a, output):
+    _no_grad_with_int8_kv("varlen_attn", a)
     out, lse, out_lo = output
     for name in ("block_table", "seqused_k"):
         if getattr(a, name) is not None:
@@ -953,9 +963,18 @@ def _cross_entropy_backward_inplace_fake(
 # masked_attn::cache_write(key, value, key_cache!, value_cache!, slots) -> (): new rows written in
 # place (functional.write_kv_cache); nothing to return.
 @torch.library.register_fake("masked_attn::cache_write")
-def _cache_write_fake(key, value, key_cache, value_cache, slots):
+def _cache_write_fake(key, value, key_cache, value_cache, slots, key_scale=None, value_scale=None):
     _same_device("cache_write", key=key, value=value, key_cache=key_cache, value_cache=value_cache, slots=slots)
     return None
+
+
+# masked_attn::quantize_kv(x) -> (q (rows, D) int8, scale (rows,) float32): an 8-bit cache's rows
+# (functional.quantize_kv views them as x's shape).
+@torch.library.register_fake("masked_attn::quantize_kv")
+def _quantize_kv_fake(x):
+    D = x.shape[-1]
+    rows = x.numel() // D
+    return x.new_empty(rows, D, dtype=torch.int8), x.new_empty(rows, dtype=torch.float32)
 
 
 @torch.library.register_fake("masked_attn::cross_entropy_chunk_")

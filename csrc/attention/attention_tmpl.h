@@ -82,6 +82,9 @@
 
 static inline int FN(is_native)(ma_dtype dt) { return sizeof(ACC) == sizeof(float) ? dt == MA_F32 : dt == MA_F64; }
 
+/* The element type of k and v: the call's, or int8 with their scales (ma_attn_opts.k_scale). */
+static inline ma_dtype FN(kv_dtype)(const ma_attn_args *a) { return a->opts.k_scale.ptr ? MA_I8 : a->dtype; }
+
 /* dst[c] = mul * src[c], c < n, from 16-bit floats, 8 at a time, as the scalar loop computes
  * them (the conversion is exact, then one rounding of the product); returns how many it did.
  * GCC leaves the scalar loop over bfloat16 unvectorised (the bits moved through memcpy): on
@@ -523,8 +526,7 @@ static inline int64_t FN(interleave)(int64_t idx, int64_t n) { return idx % 2 ==
 
 /* x + off elements of dt (NULL stays NULL). */
 static inline const void *FN(elem_at)(const void *x, ma_dtype dt, int64_t off) {
-    static const int64_t size[] = {1, 4, 8, 2, 2}; /* MA_BOOL, MA_F32, MA_F64, MA_BF16, MA_F16 */
-    return x ? (const char *)x + off * size[dt] : x;
+    return x ? (const char *)x + off * ma_dtype_size(dt) : x;
 }
 
 /* Moves args a (a copy) to varlen entry b; returns its first q row, *k0 its
@@ -534,8 +536,10 @@ static int64_t FN(seq_args)(ma_attn_args *a, int64_t b, int64_t *k0) {
     *k0 = a->block_table ? 0 : a->cu_k[b];
     const int64_t Lk = a->seqused_k ? a->seqused_k[b] : a->cu_k[b + 1] - *k0;
     a->q = FN(elem_at)(a->q, a->dtype, q0 * a->q_stride[2]);
-    a->k = FN(elem_at)(a->k, a->dtype, *k0 * a->k_stride[2]);
-    a->v = FN(elem_at)(a->v, a->dtype, *k0 * a->v_stride[2]);
+    a->k = FN(elem_at)(a->k, FN(kv_dtype)(a), *k0 * a->k_stride[2]);
+    a->v = FN(elem_at)(a->v, FN(kv_dtype)(a), *k0 * a->v_stride[2]);
+    a->opts.k_scale.ptr = FN(elem_at)(a->opts.k_scale.ptr, MA_F32, *k0 * a->opts.k_scale.stride[2]);
+    a->opts.v_scale.ptr = FN(elem_at)(a->opts.v_scale.ptr, MA_F32, *k0 * a->opts.v_scale.stride[2]);
     a->Lq = Lq, a->Lk = Lk;
     /* bottom-right aligned: the diagonal of query i is key i + Lk - Lq */
     a->band_lo = a->opts.window_left >= 0 ? Lk - Lq - a->opts.window_left : -MA_BAND_INF;
@@ -583,11 +587,11 @@ static inline int64_t FN(key_off)(const ma_attn_args *a, const int64_t st[4], in
  * crosses a page). */
 static const ACC *FN(kv_head_cache)(const ma_attn_args *a, int64_t *tag, ACC *cache, const void *src,
                                     const int64_t st[4], int64_t page_st, int64_t b, int64_t h, int64_t ncol) {
-    if (!a->block_table) return FN(head_cache)(tag, cache, src, a->dtype, st, b, h, 1, a->Lk, ncol);
+    if (!a->block_table) return FN(head_cache)(tag, cache, src, FN(kv_dtype)(a), st, b, h, 1, a->Lk, ncol);
     const int64_t key = b * 65536 + h + 1;
     if (*tag != key) {
         for (int64_t r = 0; r < a->Lk; r++)
-            FN(convert_row)(cache + r * ncol, 1, src, a->dtype,
+            FN(convert_row)(cache + r * ncol, 1, src, FN(kv_dtype)(a),
                             b * st[0] + h * st[1] + FN(key_off)(a, st, page_st, b, r), st[3], ncol, 1);
         *tag = key;
     }
@@ -597,12 +601,31 @@ static const ACC *FN(kv_head_cache)(const ma_attn_args *a, int64_t *tag, ACC *ca
 static inline const ACC *FN(kv_rows_in)(const ma_attn_args *a, const void *src, const int64_t st[4], int64_t page_st,
                                         int64_t b, int64_t h, int64_t j0, const ACC *head_base, int64_t ncol,
                                         int64_t *ld) {
-    if (!FN(needs_copy)(a->dtype, st)) {
+    if (!FN(needs_copy)(FN(kv_dtype)(a), st)) {
         *ld = st[2];
         return (const ACC *)src + b * st[0] + h * st[1] + FN(key_off)(a, st, page_st, b, j0);
     }
     *ld = ncol;
     return head_base + j0 * ncol;
+}
+
+/* 8-bit K, V (ma_attn_opts.k_scale): x[c * cs + r * rs] *= sc's scale of key j0 + c of head
+ * (b, h), c < nc, r < nr; the keys' scales on their scores (sc = k_scale) or on P before
+ * P V (v_scale). A key block lies in one page. Nothing without scales. */
+static void FN(kv_scale)(ACC *x, int64_t rs, int64_t cs, int64_t nr, const ma_attn_args *a, const ma_mask *sc,
+                         int64_t b, int64_t h, int64_t j0, int64_t nc) {
+    if (!sc->ptr) return;
+    const float *s = (const float *)sc->ptr + b * sc->stride[0] + h * sc->stride[1] +
+                     FN(key_off)(a, sc->stride, sc->stride[3], b, j0);
+    const int64_t st = sc->stride[2];
+    if (cs == 1) /* rows of keys: the scales along each row */
+        for (int64_t r = 0; r < nr; r++)
+            for (int64_t c = 0; c < nc; c++) x[r * rs + c] *= (ACC)s[c * st];
+    else
+        for (int64_t c = 0; c < nc; c++) {
+            const ACC m = (ACC)s[c * st];
+            for (int64_t r = 0; r < nr; r++) x[c * cs + r * rs] *= m;
+        }
 }
 
 /* Work item w of the forward and the dq pass: (b, h, query block). Dense:
@@ -728,8 +751,8 @@ static void FN(fwd_head_carve)(const FN(fwd_scratch) * t, int64_t x, int64_t nr,
 static inline size_t FN(fwd_scratch_elems)(const ma_attn_fwd_params *p) {
     const int64_t BQ = p->a.block_q, BK = p->a.block_k, D = p->a.D, Dv = p->a.Dv;
     return (size_t)(D * BQ + BK * BQ + BQ * Dv + 5 * BQ) + FN(fwd_group_elems)(p) +
-           (size_t)((FN(needs_copy)(p->a.dtype, p->a.k_stride) ? p->a.Lk * D : 0) +
-                    (FN(needs_copy)(p->a.dtype, p->a.v_stride) ? p->a.Lk * Dv : 0));
+           (size_t)((FN(needs_copy)(FN(kv_dtype)(&p->a), p->a.k_stride) ? p->a.Lk * D : 0) +
+                    (FN(needs_copy)(FN(kv_dtype)(&p->a), p->a.v_stride) ? p->a.Lk * Dv : 0));
 }
 
 /* Query blocks of at most MA_FWD_ROWS rows (decoding: Lq = 1, or the last
@@ -795,9 +818,11 @@ static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s,
     const int64_t pf_k = x + nh < run ? ks[1] : p->a.block_k * ks[2] - (hk - hk_first) * ks[1];
     const int64_t pf_v = x + nh < run ? vs[1] : p->a.block_k * vs[2] - (hk - hk_first) * vs[1];
     const int64_t k_off = b * ks[0] + hk * ks[1] + FN(key_off)(&p->a, ks, p->a.k_page_stride, b, j0);
-    if (ks[3] == 1) DOT_KEYS(s, nc, q, R, D, p->a.k, p->a.dtype, k_off, ks[2], nc, pf_k);
+    const ma_dtype kvt = FN(kv_dtype)(&p->a);
+    if (ks[3] == 1) DOT_KEYS(s, nc, q, R, D, p->a.k, kvt, k_off, ks[2], nc, pf_k);
     else /* keys side by side, each element a row apart: a K^T page (the serving cache's layout) */
-        DOT_KEYS_T(s, nc, q, R, D, p->a.k, p->a.dtype, k_off, ks[3], nc, pf_k);
+        DOT_KEYS_T(s, nc, q, R, D, p->a.k, kvt, k_off, ks[3], nc, pf_k);
+    FN(kv_scale)(s, nc, 1, R, &p->a, &p->a.opts.k_scale, b, hk, j0, nc);
     FN(apply_softcap)(s, R * nc, p->a.opts.softcap, NULL);
     for (int64_t y = 0; y < nh; y++) FN(add_bias)(s + y * nr * nc, nc, 1, &p->a, am_state, b, h + y, i0, nr, j0, nc);
     for (int64_t r = 0; r < R; r++) {
@@ -807,7 +832,8 @@ static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s,
     FN(sum_rows_in_order)(s, nc, R, lsum);
     if (FN(online_step)(m, m_new, l, lsum, alpha, R)) FN(scale_rows)(o, Dv, R, Dv, alpha);
     if (dr) DROPOUT(s, NULL, nc, 1, nr, nc, dr, i0, j0); /* nh = 1; l summed the whole P; O takes P' */
-    AXPY_KEYS(o, s, nc, R, Dv, p->a.v, p->a.dtype,
+    FN(kv_scale)(s, nc, 1, R, &p->a, &p->a.opts.v_scale, b, hk, j0, nc);
+    AXPY_KEYS(o, s, nc, R, Dv, p->a.v, kvt,
               b * vs[0] + hk * vs[1] + FN(key_off)(&p->a, vs, p->a.v_page_stride, b, j0), vs[2], nc, pf_v);
 }
 
@@ -852,10 +878,10 @@ static void FN(gen_fwd_query)(FN(gen_fwd) * g, int64_t b, int64_t h, int64_t hk,
     FN(fwd_scratch) *t = g->t;
     g->b = b, g->hk = hk, g->nr = nr;
     g->k_bh =
-        FN(needs_copy)(p->a.dtype, p->a.k_stride)
+        FN(needs_copy)(FN(kv_dtype)(&p->a), p->a.k_stride)
             ? FN(kv_head_cache)(&p->a, &g->hdr->tag[0], t->kc, p->a.k, p->a.k_stride, p->a.k_page_stride, b, hk, p->a.D)
             : NULL;
-    g->v_bh = FN(needs_copy)(p->a.dtype, p->a.v_stride)
+    g->v_bh = FN(needs_copy)(FN(kv_dtype)(&p->a), p->a.v_stride)
                   ? FN(kv_head_cache)(&p->a, &g->hdr->tag[1], t->vc, p->a.v, p->a.v_stride, p->a.v_page_stride, b, hk,
                                       p->a.Dv)
                   : NULL;
@@ -986,6 +1012,7 @@ static void FN(fwd_tile_block)(FN(fwd_task) * c, const ma_attn_fwd_params *p, co
     FN(fwd_scratch) *t = &c->t;
     /* sT = K (scale Q)^T + bias^T */
     FWD_STEP(scores, t->sT, i0, j0, nc);
+    FN(kv_scale)(t->sT, 1, nr, nr, &p->a, &p->a.opts.k_scale, b, h / (p->a.H / p->a.Hkv), j0, nc);
     FN(apply_softcap)(t->sT, nc * nr, p->a.opts.softcap, NULL);
     FN(add_bias)(t->sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
     /* online softmax: m_new = max(m, colmax sT); P = exp(sT - m_new); l, O rescaled */
@@ -999,6 +1026,7 @@ static void FN(fwd_tile_block)(FN(fwd_task) * c, const ma_attn_fwd_params *p, co
     const ACC *alpha = FN(online_step)(t->m, t->m_new, t->l, t->lsum, t->lse, nr) ? t->lse : NULL;
     /* dropout: l summed the whole P; O takes P' = P Z / (1 - p) */
     if (dr) DROPOUT(t->sT, NULL, 1, nr, nr, nc, dr, i0, j0);
+    FN(kv_scale)(t->sT, 1, nr, nr, &p->a, &p->a.opts.v_scale, b, h / (p->a.H / p->a.Hkv), j0, nc);
     /* O = alpha O + P V */
     FWD_STEP(pv, t->o, alpha, t->sT, i0, j0, nc);
 }
@@ -1058,8 +1086,9 @@ static void FN(fwd_weights)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const
         if (ms == MA_TILE_BLOCKED) nc = 0;
         if (nc > 0) {
             int64_t ldk;
-            const ACC *k_j = FN(rows_in)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, c->gen.k_bh, D, &ldk);
+            const ACC *k_j = FN(rows_in)(p->a.k, FN(kv_dtype)(&p->a), p->a.k_stride, b, hk, j0, c->gen.k_bh, D, &ldk);
             GEMM(nc, nr, D, k_j, ldk, 1, t->qT, nr, t->sT, nr, 0);
+            FN(kv_scale)(t->sT, 1, nr, nr, &p->a, &p->a.opts.k_scale, b, hk, j0, nc);
             FN(apply_softcap)(t->sT, nc * nr, p->a.opts.softcap, NULL);
             FN(add_bias)(t->sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
             EXP_SUB_COL(t->sT, nc, nr, t->m_new, t->lsum);
@@ -1082,7 +1111,7 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
     ma_scratch_header *hdr = (ma_scratch_header *)ctx->scratch;
     FN(fwd_task) task, *c = &task;
     c->t = FN(fwd_carve)(ctx->scratch, p0);
-    c->t.vc = c->t.kc + (FN(needs_copy)(p0->a.dtype, p0->a.k_stride) ? p0->a.Lk * p0->a.D : 0); /* the longest */
+    c->t.vc = c->t.kc + (FN(needs_copy)(FN(kv_dtype)(&p0->a), p0->a.k_stride) ? p0->a.Lk * p0->a.D : 0); /* the longest */
     c->gen = (FN(gen_fwd)){&c->t, hdr, p0, 0, 0, 0, NULL, NULL};
 #ifdef MA_TILE_HOOKS
     c->hooked = FN(tiles_apply)(p0); /* varlen too: the hooks move to each item's entry (FN(fwd_seq)) */

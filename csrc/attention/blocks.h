@@ -36,6 +36,11 @@
  *       in gemm_X's order
  *       pf: as they read a line of a key or value row, these two may prefetch
  *       the line pf elements further (0: none); a hint, values never change
+ *   quantize_row_X(x, dt, n, q, scale)
+ *       one row of the 8-bit KV cache (masked_attn.h, "8-bit KV cache"): x[0:n]
+ *       of dtype dt (float32, bfloat16, float16, unit stride) into q[0:n] and
+ *       *scale, float32 arithmetic only (the scalar block is the float one in
+ *       every instance), bit for bit the same in every variant
  *   dropout_X(x, z, rs, cs, nr, nc, d, i0, j0)
  *       dropout of the elements (i0 + r, j0 + c) of one head, element (r, c)
  *       at [r * rs + c * cs], m = kept ? scale : 0: z NULL: x = x * m in
@@ -96,7 +101,12 @@ typedef struct {
     void (*softcap)(float *s, int64_t n, float cap, float inv, float *th);
     void (*dot_keys_t)(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
                        int64_t off, int64_t ldd, int64_t nc, int64_t pf);
+    void (*quantize_row)(const void *x, ma_dtype dt, int64_t n, int8_t *q, float *scale);
 } ma_blocks;
+
+/* The float blocks of variant isa (AMX and AVX512-BF16: AVX-512's, which their
+ * kernels use outside the tile products); dispatch.c. */
+const ma_blocks *ma_blocks_for(ma_isa isa);
 
 extern const ma_blocks ma_blocks_scalar, ma_blocks_avx2, ma_blocks_avx512, ma_blocks_neon, ma_blocks_sve256,
     ma_blocks_sve512;

@@ -106,6 +106,30 @@ static void B_(axpy_keys)(T *o, const T *p, int64_t ldp, int64_t nr, int64_t Dv,
             for (int64_t d = 0; d < Dv; d++) o[r * Dv + d] += p[r * ldp + c] * LOADT(v, dt, off + c * ld + d);
 }
 
+#ifndef MA_QUANTIZE_ROW_SCALAR /* float arithmetic whatever T: defined once, by the float instance */
+#define MA_QUANTIZE_ROW_SCALAR
+static void quantize_row_scalar(const void *x, ma_dtype dt, int64_t n, int8_t *q, float *scale) {
+    float mx = 0;
+    int finite = 1;
+    for (int64_t c = 0; c < n; c++) {
+        const float v = ma_load_f32(x, dt, c);
+        if (!isfinite(v)) finite = 0;
+        else if (fabsf(v) > mx) mx = fabsf(v);
+    }
+    *scale = finite ? mx / 127.0f : NAN;
+    if (!finite || mx == 0) { /* scale NaN or 0: the row's values are 0 */
+        memset(q, 0, (size_t)n);
+        return;
+    }
+    const float inv = 127.0f / mx;
+    for (int64_t c = 0; c < n; c++) {
+        float y = ma_load_f32(x, dt, c) * inv;
+        y = y < -127.0f ? -127.0f : y > 127.0f ? 127.0f : y;
+        q[c] = (int8_t)rintf(y);
+    }
+}
+#endif
+
 /* Dropout of the elements (i0 + r, j0 + c), r < nr, c < nc, of one head
  * (philox.h): element (r, c) at [r * rs + c * cs], multiplier m = kept ?
  * scale : 0. z NULL: x = x * m in place (a dropped NaN stays NaN, as

@@ -266,7 +266,7 @@ static float BLK(row_max)(const float *x, int64_t n, float m) {
  * (B, L, H, D) cache: the heads' rows). full: D % VL == 0 (no tests in the FMA sequence). */
 MA_INLINE void dot_keys_row(const int full, float *s, const float *q, int64_t D, const void *k, const ma_dtype dt,
                             int64_t off, int64_t ld, int64_t c0, int64_t pf) {
-    const int64_t es = dt == MA_F32 ? 4 : 2, le = MA_CACHE_LINE / es; /* elements per line */
+    const int64_t es = ma_dtype_size(dt), le = MA_CACHE_LINE / es; /* elements per line */
     vf acc[2] = {vf_zero(), vf_zero()};
     for (int64_t dl = 0; dl < D; dl += le)
 #pragma GCC unroll 2
@@ -331,7 +331,7 @@ MA_INLINE void dot_keys_dt(float *s, int64_t lds, const float *q, int64_t nr, in
  * each line read prefetches the line pf elements on (the next key block, or the next head's). */
 MA_INLINE void dot_keys_t_strip(const int NV, const int NR, float *s, int64_t lds, const float *q, int64_t D,
                                 const void *k, const ma_dtype dt, int64_t off, int64_t ldd, int64_t c0, int64_t pf) {
-    const int64_t es = dt == MA_F32 ? 4 : 2;
+    const int64_t es = ma_dtype_size(dt);
     vf acc[8][4];
 #pragma GCC unroll 8
     for (int r = 0; r < NR; r++)
@@ -395,7 +395,7 @@ MA_INLINE void dot_keys_t_dt(float *s, int64_t lds, const float *q, int64_t nr, 
 MA_INLINE void axpy_keys_strip(const int R, const int NV, const int full, float *o, const float *p, int64_t ldp,
                                int64_t Dv, const void *v, const ma_dtype dt, int64_t off, int64_t ld, int64_t nc,
                                int64_t d0, int64_t pf) {
-    const int64_t es = dt == MA_F32 ? 4 : 2;
+    const int64_t es = ma_dtype_size(dt);
     int64_t n[8];
     vf acc[4][8];
     for (int u = 0; u < NV; u++) {
@@ -446,6 +446,7 @@ static void BLK(dot_keys)(float *s, int64_t lds, const float *q, int64_t nr, int
                           int64_t off, int64_t ld, int64_t nc, int64_t pf) {
     if (dt == MA_F32) dot_keys_dt(s, lds, q, nr, D, k, MA_F32, off, ld, nc, pf);
     else if (dt == MA_BF16) dot_keys_dt(s, lds, q, nr, D, k, MA_BF16, off, ld, nc, pf);
+    else if (dt == MA_I8) dot_keys_dt(s, lds, q, nr, D, k, MA_I8, off, ld, nc, pf);
     else dot_keys_dt(s, lds, q, nr, D, k, MA_F16, off, ld, nc, pf);
 }
 
@@ -453,6 +454,7 @@ static void BLK(dot_keys_t)(float *s, int64_t lds, const float *q, int64_t nr, i
                             int64_t off, int64_t ldd, int64_t nc, int64_t pf) {
     if (dt == MA_F32) dot_keys_t_dt(s, lds, q, nr, D, k, MA_F32, off, ldd, nc, pf);
     else if (dt == MA_BF16) dot_keys_t_dt(s, lds, q, nr, D, k, MA_BF16, off, ldd, nc, pf);
+    else if (dt == MA_I8) dot_keys_t_dt(s, lds, q, nr, D, k, MA_I8, off, ldd, nc, pf);
     else dot_keys_t_dt(s, lds, q, nr, D, k, MA_F16, off, ldd, nc, pf);
 }
 
@@ -460,7 +462,33 @@ static void BLK(axpy_keys)(float *o, const float *p, int64_t ldp, int64_t nr, in
                            int64_t off, int64_t ld, int64_t nc, int64_t pf) {
     if (dt == MA_F32) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_F32, off, ld, nc, pf);
     else if (dt == MA_BF16) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_BF16, off, ld, nc, pf);
+    else if (dt == MA_I8) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_I8, off, ld, nc, pf);
     else axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_F16, off, ld, nc, pf);
+}
+
+/* ---- 8-bit KV cache ---------------------------------------------------------- */
+
+/* blocks.h, quantize_row: absmax in lanes (exact, so any order gives the scalar's), a
+ * non-finite element found by x * 0 (NaN for inf and NaN, 0 otherwise), then q = the
+ * clamped x * (127 / absmax) rounded to nearest even, as the scalar block computes it. */
+static void BLK(quantize_row)(const void *x, ma_dtype dt, int64_t n, int8_t *q, float *scale) {
+    const vf sign = vf_set1(-0.0f);
+    vf mx = vf_zero(), nf = vf_zero();
+    for (int64_t c = 0; c < n; c += MA_VL) { /* a tail's lanes past n read 0 */
+        const vf v = vf_load_dt(x, dt, c, n - c);
+        mx = vf_max(vf_andnot(sign, v), mx);
+        nf = vf_fma(v, vf_zero(), nf);
+    }
+    const float m = vf_hmax(mx, 0.0f);
+    const int finite = vf_hsum(nf) == 0.0f;
+    *scale = finite ? m / 127.0f : NAN;
+    if (!finite || m == 0) {
+        memset(q, 0, (size_t)n);
+        return;
+    }
+    const vf iv = vf_set1(127.0f / m), lo = vf_set1(-127.0f), hi = vf_set1(127.0f);
+    for (int64_t c = 0; c < n; c += MA_VL)
+        vf_store_i8(q + c, n - c, vf_min(vf_max(vf_mul(vf_load_dt(x, dt, c, n - c), iv), lo), hi));
 }
 
 /* ---- dropout --------------------------------------------------------------- */

@@ -205,9 +205,10 @@ static void fwd_pack_rows(FN(tiles) * s, const void *k_r, const void *v_r, int64
     const ma_attn_args *a = &s->fp->a;
     const int64_t D = a->D, Dv = a->Dv, BK = a->block_k;
     int64_t ldk = 0, ldv = 0;
-    const uint16_t *kx = bf16_at(k_r, a->dtype, a->k_stride, 0, 0, 0, s->pr.in, &ldk);
-    const uint16_t *vx = bf16_at(v_r, a->dtype, a->v_stride, 0, 0, 0, s->pr.in, &ldv);
-    const int k_t = !kx && a->dtype == MA_BF16 && s->pr.in == 1 && a->k_stride[2] == 1;
+    const ma_dtype kvt = FN(kv_dtype)(a); /* int8: converted (exactly) to float32 rows, then packed */
+    const uint16_t *kx = bf16_at(k_r, kvt, a->k_stride, 0, 0, 0, s->pr.in, &ldk);
+    const uint16_t *vx = bf16_at(v_r, kvt, a->v_stride, 0, 0, 0, s->pr.in, &ldv);
+    const int k_t = !kx && kvt == MA_BF16 && s->pr.in == 1 && a->k_stride[2] == 1;
     if (k_t) kx = (const uint16_t *)k_r, ldk = a->k_stride[3];
     if (kx && vx) {
         amx_pack_a_bf16(amx_rows(s->ka, r0), kx, ldk, n, D, k_t);
@@ -216,9 +217,9 @@ static void fwd_pack_rows(FN(tiles) * s, const void *k_r, const void *v_r, int64
         for (int64_t r1 = 0; r1 < n; r1 += BK) {
             const int64_t nr = ma_min(BK, n - r1);
             int64_t ld;
-            const float *k1 = FN(rows)(k_r, a->dtype, a->k_stride, 0, 0, r1, nr, D, s->fa.rows, &ld);
+            const float *k1 = FN(rows)(k_r, kvt, a->k_stride, 0, 0, r1, nr, D, s->fa.rows, &ld);
             amx_pack_a(amx_rows(s->ka, r0 + r1), k1, ld, 1, nr, D);
-            const float *v1 = FN(rows)(v_r, a->dtype, a->v_stride, 0, 0, r1, nr, Dv, s->fa.rows, &ld);
+            const float *v1 = FN(rows)(v_r, kvt, a->v_stride, 0, 0, r1, nr, Dv, s->fa.rows, &ld);
             amx_pack_a(amx_krows(s->vta, r0 + r1), v1, 1, ld, Dv, nr);
         }
 }
@@ -236,10 +237,10 @@ static void fwd_pack_head(FN(tiles) * s, int64_t b, int64_t hk) {
     if (s->hdr->tag[0] == key) return;
     const int64_t run = a->block_table ? a->page_size : Lk;
     for (int64_t r0 = 0; r0 < Lk; r0 += run) {
-        const void *k_r = FN(elem_at)(a->k, a->dtype,
+        const void *k_r = FN(elem_at)(a->k, FN(kv_dtype)(a),
                                       b * a->k_stride[0] + hk * a->k_stride[1] +
                                           FN(key_off)(a, a->k_stride, a->k_page_stride, b, r0));
-        const void *v_r = FN(elem_at)(a->v, a->dtype,
+        const void *v_r = FN(elem_at)(a->v, FN(kv_dtype)(a),
                                       b * a->v_stride[0] + hk * a->v_stride[1] +
                                           FN(key_off)(a, a->v_stride, a->v_page_stride, b, r0));
         fwd_pack_rows(s, k_r, v_r, r0, ma_min(run, Lk - r0));

@@ -49,6 +49,7 @@ static inline float ma_load_f32(const void *base, ma_dtype dt, int64_t off) {
     case MA_BF16: return ma_bf16_to_f32(((const uint16_t *)base)[off]);
     case MA_F16: return ma_f16_to_f32(((const uint16_t *)base)[off]);
     case MA_BOOL: return ((const uint8_t *)base)[off] ? 1.0f : 0.0f;
+    case MA_I8: return (float)((const int8_t *)base)[off];
     }
     return 0.0f;
 }
@@ -65,12 +66,26 @@ static inline void ma_store_f32(void *base, ma_dtype dt, int64_t off, float x) {
     case MA_BF16: ((uint16_t *)base)[off] = ma_f32_to_bf16(x); break;
     case MA_F16: ((uint16_t *)base)[off] = ma_f32_to_f16(x); break;
     case MA_BOOL: ((uint8_t *)base)[off] = x != 0.0f; break;
+    case MA_I8: break; /* never an output: quantize_kv rounds and clamps itself */
     }
 }
 
 static inline void ma_store_f64(void *base, ma_dtype dt, int64_t off, double x) {
     if (dt == MA_F64) ((double *)base)[off] = x;
     else ma_store_f32(base, dt, off, (float)x);
+}
+
+/* Bytes per element of dt. */
+static inline int64_t ma_dtype_size(ma_dtype dt) {
+    switch (dt) {
+    case MA_F32: return 4;
+    case MA_F64: return 8;
+    case MA_BF16:
+    case MA_F16: return 2;
+    case MA_BOOL:
+    case MA_I8: return 1;
+    }
+    return 1;
 }
 
 static inline int64_t ma_cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }

@@ -15,10 +15,13 @@
  *   vf_load, vf_store, vf_load_m, vf_store_m, vf_stream (non-temporal where
  *   the set has such stores, aligned), vf_stream_fence() (orders them)
  *   vf_load_dt(base, dt, off, n)      n elements from base + off of dtype dt
- *                                     (float32, bfloat16, float16) as float32;
+ *                                     (float32, bfloat16, float16, int8) as float32;
  *                                     n >= MA_VL: a whole vector, else the rest 0
  *   vf_store_dt(base, dt, off, n, v)  the first min(n, MA_VL) lanes as dt,
  *                                     rounded to nearest even
+ *   vf_store_i8(p, n, v)              the first min(n, MA_VL) lanes rounded to the
+ *                                     nearest integer (ties to even) as int8 at p;
+ *                                     lanes in [-128, 127] (the caller clamps)
  * Lanes: vf_zero, vf_set1, vf_add, vf_sub, vf_mul, vf_div, vf_max, vf_min
  *   (vmaxps / vminps: the second operand where either is NaN), vf_andnot,
  *   vf_fma(a, b, c) = a b + c, vf_fms = a b - c, vf_fnma = c - a b (one

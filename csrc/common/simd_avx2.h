@@ -102,11 +102,19 @@ static inline float vf_hmax(vf v, float m) {
     return r;
 }
 
-/* 16-bit tails go through a zero-padded buffer (AVX2 has no 16-bit masked moves). */
+/* 16-bit tails go through a zero-padded buffer (AVX2 has no 16-bit masked moves); int8 is
+ * one 8-byte load (the tail's bytes copied into it). */
 static inline __attribute__((always_inline)) vf vf_load_dt(const void *base, ma_dtype dt, int64_t off, int64_t n) {
     if (dt == MA_F32) {
         const float *x = (const float *)base + off;
         return n >= 8 ? _mm256_loadu_ps(x) : vf_load_m(x, vm_first(n));
+    }
+    if (dt == MA_I8) {
+        const int8_t *x = (const int8_t *)base + off;
+        int64_t b8 = 0;
+        if (n >= 8) memcpy(&b8, x, 8);
+        else memcpy(&b8, x, (size_t)(n > 0 ? n : 0));
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(b8)));
     }
     const uint16_t *x = (const uint16_t *)base + off;
     __m128i h;
@@ -142,6 +150,14 @@ static inline __attribute__((always_inline)) void vf_store_dt(void *base, ma_dty
         _mm256_storeu_ps((float *)p, v);
     }
     if (n < 8 && n > 0) memcpy((char *)base + off * es, buf, (size_t)n * es);
+}
+
+/* vcvtps2dq rounds as MXCSR says: to nearest even, the default every thread starts with */
+static inline __attribute__((always_inline)) void vf_store_i8(int8_t *p, int64_t n, vf v) {
+    const __m256i i = _mm256_cvtps_epi32(v);
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    const int64_t b8 = _mm_cvtsi128_si64(_mm_packs_epi16(w, w));
+    memcpy(p, &b8, (size_t)(n >= 8 ? 8 : n > 0 ? n : 0));
 }
 
 /* exp (simd.h) with n rounded by the 1.5 2^23 trick (one FMA: n + 126 lands

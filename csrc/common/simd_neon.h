@@ -141,6 +141,13 @@ static inline __attribute__((always_inline)) vf vf_load_dt(const void *base, ma_
         const float *x = (const float *)base + off;
         return n >= 4 ? vld1q_f32(x) : vf_load_m(x, vm_first(n));
     }
+    if (dt == MA_I8) { /* 4 bytes, widened twice (SXTL) and converted */
+        const int8_t *x = (const int8_t *)base + off;
+        int32_t b4 = 0;
+        memcpy(&b4, x, (size_t)(n >= 4 ? 4 : n > 0 ? n : 0));
+        const int16x8_t w = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(b4)));
+        return vcvtq_f32_s32(vmovl_s16(vget_low_s16(w)));
+    }
     const uint16_t *x = (const uint16_t *)base + off;
     uint16x4_t h;
     if (n >= 4) {
@@ -179,6 +186,15 @@ static inline __attribute__((always_inline)) void vf_store_dt(void *base, ma_dty
         vst1_u16(buf, h);
         for (int64_t i = 0; i < n; i++) x[i] = buf[i];
     }
+}
+
+/* FCVTNS rounds to nearest even; narrowed twice with saturation (SQXTN) */
+static inline __attribute__((always_inline)) void vf_store_i8(int8_t *p, int64_t n, vf v) {
+    const int16x4_t h = vqmovn_s32(vcvtnq_s32_f32(v));
+    const int8x8_t b = vqmovn_s16(vcombine_s16(h, h));
+    int8_t buf[8];
+    vst1_s8(buf, b);
+    memcpy(p, buf, (size_t)(n >= 4 ? 4 : n > 0 ? n : 0));
 }
 
 /* exp (simd.h) as AVX2's: n = round(x log2e), the polynomial's coefficients doubled (exactly)

@@ -129,6 +129,7 @@ static inline float vf_hmax(vf v, float m) {
 static inline __attribute__((always_inline)) vf vf_load_dt(const void *base, ma_dtype dt, int64_t off, int64_t n) {
     const vm k = n >= MA_VL ? MA_PT : vm_first(n);
     if (dt == MA_F32) return svld1_f32(k, (const float *)base + off);
+    if (dt == MA_I8) return svcvt_f32_s32_x(MA_PT, svld1sb_s32(k, (const int8_t *)base + off)); /* LD1SB */
     const svuint32_t h = svld1uh_u32(k, (const uint16_t *)base + off);
     if (dt == MA_BF16) return svreinterpret_f32_u32(svlsl_n_u32_x(MA_PT, h, 16));
     return svcvt_f32_f16_x(MA_PT, svreinterpret_f16_u32(h));
@@ -151,6 +152,11 @@ static inline __attribute__((always_inline)) void vf_store_dt(void *base, ma_dty
         h = svreinterpret_u32_f16(svcvt_f16_f32_x(MA_PT, v));
     }
     svst1h_u32(k, (uint16_t *)base + off, h);
+}
+
+/* FRINTN (to nearest, ties to even), then an exact conversion; ST1B keeps the low bytes */
+static inline __attribute__((always_inline)) void vf_store_i8(int8_t *p, int64_t n, vf v) {
+    svst1b_s32(n >= MA_VL ? MA_PT : vm_first(n), p, svcvt_s32_f32_x(MA_PT, svrintn_f32_x(MA_PT, v)));
 }
 
 /* exp (simd.h) as AVX2's and NEON's: n = round(x log2e), the polynomial's coefficients doubled

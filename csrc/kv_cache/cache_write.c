@@ -1,12 +1,24 @@
-/* cache_write.c -- new key / value rows copied into a paged KV cache
- * (masked_attn.h, "KV cache write"). A copy: no arithmetic, so one scalar
+/* cache_write.c -- new key / value rows written into a paged KV cache
+ * (masked_attn.h, "KV cache write"), and the 8-bit cache's quantizing
+ * ("8-bit KV cache: quantizing"). A copy has no arithmetic, so one scalar
  * instance serves every instruction set; runs that are contiguous on both
  * sides (a whole row of heads, or one head) go through memcpy, which the C
- * library vectorises. */
+ * library vectorises. Quantizing runs the variant's quantize_row block
+ * (attention/blocks.h). */
 #include <stdint.h>
 #include <string.h>
 
+#include "attention/blocks.h"
 #include "masked_attn.h"
+
+/* One head's row at a time into an 8-bit cache (its rows unit stride: the shim checks). */
+static void quantize_heads(const ma_cache_write_params *p, const ma_cache_side *side, int8_t *dst, const char *src,
+                           float *scale) {
+    const ma_blocks *blk = ma_blocks_for(p->isa);
+    for (int64_t h = 0; h < p->Hkv; h++)
+        blk->quantize_row(src + (size_t)(h * side->src_stride[1]) * p->elem_bytes, p->src_dtype, side->dim,
+                          dst + h * side->cache_stride[2], scale + h * side->scale_stride[2]);
+}
 
 static void copy_row(const ma_cache_side *side, int64_t Hkv, size_t bytes, char *dst, const char *src) {
     const int64_t *ss = side->src_stride, *cs = side->cache_stride;
@@ -37,10 +49,26 @@ void ma_cache_write_task(int64_t begin, int64_t end, void *ctx) {
         const int64_t page = s / p->page_size, row = s % p->page_size;
         for (int side_i = 0; side_i < 2; side_i++) {
             const ma_cache_side *side = side_i ? &p->v : &p->k;
+            if (side->scale) {
+                quantize_heads(p, side,
+                               (int8_t *)side->cache + page * side->cache_stride[0] + row * side->cache_stride[1],
+                               (const char *)side->src + (size_t)(t * side->src_stride[0]) * p->elem_bytes,
+                               side->scale + page * side->scale_stride[0] + row * side->scale_stride[1]);
+                continue;
+            }
             char *dst = (char *)side->cache +
                         (size_t)(page * side->cache_stride[0] + row * side->cache_stride[1]) * p->elem_bytes;
             const char *src = (const char *)side->src + (size_t)(t * side->src_stride[0]) * p->elem_bytes;
             copy_row(side, p->Hkv, p->elem_bytes, dst, src);
         }
     }
+}
+
+void ma_kv_quantize_task(int64_t begin, int64_t end, void *ctx) {
+    const ma_kv_quant_params *p = (const ma_kv_quant_params *)((const ma_task_ctx *)ctx)->params;
+    const ma_blocks *blk = ma_blocks_for(p->isa);
+    const size_t es = p->dtype == MA_F32 ? 4 : 2;
+    for (int64_t r = begin; r < end; r++)
+        blk->quantize_row((const char *)p->x + (size_t)(r * p->x_stride) * es, p->dtype, p->D, p->q + r * p->q_stride,
+                          p->scale + r);
 }

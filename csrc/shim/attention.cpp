@@ -106,12 +106,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tens
                                                 double dropout_p, std::optional<Tensor> dropout_seed,
                                                 int64_t window_left, int64_t window_right,
                                                 std::optional<double> softcap, std::optional<Tensor> sinks,
-                                                bool for_backward, std::optional<Tensor> alibi_slopes) {
-  const Sizes s = check_qkv(q, k, v);
+                                                bool for_backward, std::optional<Tensor> alibi_slopes,
+                                                std::optional<Tensor> k_scale, std::optional<Tensor> v_scale) {
+  const Sizes s = check_qkv(q, k, v, true);
   const Masks m = check_masks(s, attn_mask, key_padding_mask);
-  const AttnOpts o = parse_attn_opts(
+  AttnOpts o = parse_attn_opts(
       s, {is_causal, dropout_p, dropout_seed, window_left, window_right, softcap, sinks, head_mask, alibi_slopes},
       false);
+  parse_kv_scales("masked_attn", q, k, v, k_scale, v_scale, KvLayout::Dense, &o.c);
   return forward_impl(s, m, o, q, k, v, default_scale(s, scale), need_weights, for_backward);
 }
 

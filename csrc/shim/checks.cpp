@@ -29,6 +29,10 @@ std::string shape_str(const Tensor& t) {
   return s + ")";
 }
 
+bool is_int8_kv(const Tensor& k, const Tensor& v) {
+  return k.scalar_type() == ScalarType::Char && v.scalar_type() == ScalarType::Char;
+}
+
 // The accumulation type of the saved log-sum-exp and of the backward's scratch.
 ScalarType acc_type(ScalarType t) {
   return t == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
@@ -102,15 +106,17 @@ bool same_view(const Tensor& a, const Tensor& b) {
 
 // ---- input checks -----------------------------------------------------------
 
-Sizes check_qkv(const Tensor& q, const Tensor& k, const Tensor& v) {
+Sizes check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, bool int8_kv) {
   MA_CHECK(q.dim() == 4, "masked_attn: q must be 4-D (B, H, Lq, D), got shape ", shape_str(q));
   MA_CHECK(k.dim() == 4, "masked_attn: k must be 4-D (B, Hkv, Lk, D), got shape ", shape_str(k));
   MA_CHECK(v.dim() == 4, "masked_attn: v must be 4-D (B, Hkv, Lk, Dv), got shape ", shape_str(v));
   MA_CHECK(q.is_cpu() && k.is_cpu() && v.is_cpu(), "masked_attn: q, k, v must be CPU tensors");
   MA_CHECK(is_floating(q.scalar_type()),
                   "masked_attn: q must be float32, float64, bfloat16 or float16");
-  MA_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-                  "masked_attn: q, k and v must have the same dtype");
+  MA_CHECK((k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type()) ||
+               (int8_kv && is_int8_kv(k, v)),
+           "masked_attn: q, k and v must have the same dtype",
+           int8_kv ? " (or k and v int8, an 8-bit cache, with k_scale and v_scale)" : "");
   Sizes s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
   MA_CHECK(k.size(0) == s.B && v.size(0) == s.B, "masked_attn: q, k, v batch sizes differ: q ",
                   shape_str(q), ", k ", shape_str(k), ", v ", shape_str(v));

@@ -83,6 +83,8 @@ namespace masked_attn_shim __attribute__((visibility("hidden"))) {
 // ---- dtypes (checks.cpp) -------------------------------------------------------
 
 bool to_ma_dtype(ScalarType t, ma_dtype* out);
+// k and v of an 8-bit cache (int8, with k_scale and v_scale: options.cpp, parse_kv_scales)
+bool is_int8_kv(const Tensor& k, const Tensor& v);
 bool is_floating(ScalarType t);
 std::string shape_str(const Tensor& t);
 // The accumulation type of the saved log-sum-exp and of the backward's scratch.
@@ -221,7 +223,8 @@ struct Sizes {
   int64_t B, H, Hkv, Lq, Lk, D, Dv;
 };
 
-Sizes check_qkv(const Tensor& q, const Tensor& k, const Tensor& v);
+// int8_kv: k and v may be an 8-bit cache (the forward; its scales: parse_kv_scales)
+Sizes check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, bool int8_kv = false);
 ma_mask canonical_mask(const std::optional<Tensor>& m, const char* name, std::vector<int64_t> dims,
                        const char* dims_str, bool allow_bool);
 
@@ -267,6 +270,16 @@ AttnOpts parse_attn_opts(const Sizes& s, const AttnOptArgs& in, bool varlen);
 // (ma_attn_bwd_sinks_grad; p.delta NULL: no key, 0). Empty (acc type) where
 // the call has none.
 Tensor head_mask_grad_of(const AttnOpts& o, const Tensor* dhm_rows, const Tensor& like);
+
+// The 8-bit cache's scales into o->k_scale, o->v_scale (masked_attn.h): with
+// int8 k and v, float32 CPU tensors of k's and v's shapes without their last
+// dim (one scale per row), required; without, absent. layout maps the rows'
+// dims to the kernels' (b, head, row, page): dense (B, H_kv, L), packed (T, H_kv),
+// paged (pages, page_size, H_kv).
+enum class KvLayout { Dense, Packed, Paged };
+void parse_kv_scales(const char* fn, const Tensor& q, const Tensor& k, const Tensor& v,
+                     const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale, KvLayout layout,
+                     ma_attn_opts* o);
 Tensor sinks_grad_of(const AttnOpts& o, const ma_attn_bwd_params& p, const Tensor& like);
 
 ma_isa select_isa(ma_dtype dt);
@@ -295,7 +308,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tens
                                                 double dropout_p, std::optional<Tensor> dropout_seed,
                                                 int64_t window_left, int64_t window_right,
                                                 std::optional<double> softcap, std::optional<Tensor> sinks,
-                                                bool for_backward, std::optional<Tensor> alibi_slopes);
+                                                bool for_backward, std::optional<Tensor> alibi_slopes,
+                                                std::optional<Tensor> k_scale, std::optional<Tensor> v_scale);
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
     Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
     Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
@@ -316,7 +330,8 @@ std::tuple<Tensor, Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, 
                                                   int64_t window_right, std::optional<Tensor> seqused_k,
                                                   std::optional<Tensor> block_table, std::optional<double> softcap,
                                                   std::optional<Tensor> sinks, bool for_backward,
-                                                  std::optional<Tensor> alibi_slopes);
+                                                  std::optional<Tensor> alibi_slopes, std::optional<Tensor> k_scale,
+                                                  std::optional<Tensor> v_scale);
 std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out,
                                                    Tensor lse, Tensor cu_seq_q, Tensor cu_seq_k, int64_t max_q,
                                                    int64_t max_k, std::optional<double> scale,
@@ -336,6 +351,8 @@ void ce_backward_inplace(Tensor grad_loss, Tensor input, Tensor target, std::opt
 std::tuple<Tensor, Tensor> ce_chunk_inplace(Tensor input, Tensor target, std::optional<Tensor> weight,
                                             std::optional<double> grad_scale, int64_t ignore_index,
                                             double label_smoothing, double z_loss, std::optional<double> softcap);
-void cache_write(Tensor key, Tensor value, Tensor key_cache, Tensor value_cache, Tensor slots);
+void cache_write(Tensor key, Tensor value, Tensor key_cache, Tensor value_cache, Tensor slots,
+                 std::optional<Tensor> key_scale, std::optional<Tensor> value_scale);
+std::tuple<Tensor, Tensor> quantize_kv(Tensor x);
 
 }  // namespace masked_attn_shim

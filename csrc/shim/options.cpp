@@ -87,6 +87,46 @@ AttnOpts parse_attn_opts(const Sizes& s, const AttnOptArgs& in, bool varlen) {
   return r;
 }
 
+namespace {
+
+ma_mask kv_scale(const char* fn, const char* name, const Tensor& x, const char* x_name, const Tensor& sc,
+                 KvLayout layout) {
+  bool ok = sc.is_cpu() && sc.scalar_type() == ScalarType::Float && sc.dim() == x.dim() - 1;
+  for (int64_t i = 0; ok && i < sc.dim(); i++) ok = sc.size(i) == x.size(i);
+  std::string want = "(";
+  for (int64_t i = 0; i + 1 < x.dim(); i++) want += (i ? ", " : "") + std::to_string(x.size(i));
+  MA_CHECK(ok, fn, ": ", name, " must be a float32 CPU tensor of ", x_name, ".shape[:-1] = ", want, "), got shape ",
+           shape_str(sc), sc.scalar_type() == ScalarType::Float ? "" : ", not float32",
+           sc.is_cpu() ? "" : ", not on the CPU");
+  ma_mask m{};
+  m.ptr = sc.const_data_ptr();
+  m.dtype = MA_F32;
+  switch (layout) {  // (b, head, row, page)
+    case KvLayout::Dense: m.stride[0] = sc.stride(0), m.stride[1] = sc.stride(1), m.stride[2] = sc.stride(2); break;
+    case KvLayout::Packed: m.stride[1] = sc.stride(1), m.stride[2] = sc.stride(0); break;
+    case KvLayout::Paged: m.stride[1] = sc.stride(2), m.stride[2] = sc.stride(1), m.stride[3] = sc.stride(0); break;
+  }
+  return m;
+}
+
+}  // namespace
+
+void parse_kv_scales(const char* fn, const Tensor& q, const Tensor& k, const Tensor& v,
+                     const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale, KvLayout layout,
+                     ma_attn_opts* o) {
+  if (!is_int8_kv(k, v)) {
+    MA_CHECK(!k_scale.has_value() && !v_scale.has_value(), fn,
+             ": k_scale and v_scale are the scales of an 8-bit cache: they need int8 k and v");
+    return;
+  }
+  MA_CHECK(k_scale.has_value() && v_scale.has_value(), fn,
+           ": int8 k and v (an 8-bit cache) need both k_scale and v_scale (torch_masked_attn.functional.quantize_kv)");
+  MA_CHECK(q.scalar_type() == ScalarType::Float || low_precision(q.scalar_type()), fn,
+           ": with an 8-bit cache q must be float32, bfloat16 or float16");
+  o->k_scale = kv_scale(fn, "k_scale", k, "k", *k_scale, layout);
+  o->v_scale = kv_scale(fn, "v_scale", v, "v", *v_scale, layout);
+}
+
 Tensor head_mask_grad_of(const AttnOpts& o, const Tensor* dhm_rows, const Tensor& like) {
   if (!dhm_rows) return new_strided(like, {0}, {}, acc_type(like.scalar_type()));
   const Tensor& hm = *o.head_mask;

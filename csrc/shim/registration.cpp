@@ -11,7 +11,8 @@ STABLE_TORCH_LIBRARY(masked_attn, m) {
       "Tensor? head_mask=None, bool is_causal=False, float? scale=None, bool need_weights=False, "
       "float dropout_p=0., Tensor? dropout_seed=None, "
       "int window_left=-1, int window_right=-1, float? softcap=None, Tensor? sinks=None, bool for_backward=True, "
-      "Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse, Tensor weights, Tensor out_lo)");
+      "Tensor? alibi_slopes=None, Tensor? k_scale=None, Tensor? v_scale=None) "
+      "-> (Tensor out, Tensor lse, Tensor weights, Tensor out_lo)");
   m.def(
       "backward(Tensor grad_out, Tensor? grad_weights, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, Tensor? attn_mask=None, Tensor? key_padding_mask=None, Tensor? head_mask=None, "
@@ -31,7 +32,7 @@ STABLE_TORCH_LIBRARY(masked_attn, m) {
       "varlen_forward(Tensor query, Tensor key, Tensor value, Tensor cu_seq_q, Tensor? cu_seq_k, int max_q, "
       "int max_k, float? scale=None, int window_left=-1, int window_right=-1, Tensor? seqused_k=None, "
       "Tensor? block_table=None, float? softcap=None, Tensor? sinks=None, bool for_backward=True, "
-      "Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse, Tensor out_lo)");
+      "Tensor? alibi_slopes=None, Tensor? k_scale=None, Tensor? v_scale=None) -> (Tensor out, Tensor lse, Tensor out_lo)");
   m.def(
       "varlen_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
       "Tensor cu_seq_q, Tensor cu_seq_k, int max_q, int max_k, float? scale=None, int window_left=-1, "
@@ -53,7 +54,9 @@ STABLE_TORCH_LIBRARY(masked_attn, m) {
       "int ignore_index=-100, float label_smoothing=0.0, float z_loss=0.0, float? softcap=None) "
       "-> (Tensor loss, Tensor lse)");
   m.def(
-      "cache_write(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slots) -> ()");
+      "cache_write(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slots, "
+      "Tensor(c!)? key_scale=None, Tensor(d!)? value_scale=None) -> ()");
+  m.def("quantize_kv(Tensor x) -> (Tensor q, Tensor scale)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(masked_attn, CPU, m) {
@@ -67,4 +70,5 @@ STABLE_TORCH_LIBRARY_IMPL(masked_attn, CPU, m) {
   m.impl("cross_entropy_backward_", TORCH_BOX(&ce_backward_inplace));
   m.impl("cross_entropy_chunk_", TORCH_BOX(&ce_chunk_inplace));
   m.impl("cache_write", TORCH_BOX(&cache_write));
+  m.impl("quantize_kv", TORCH_BOX(&quantize_kv));
 }

@@ -35,7 +35,8 @@ void check_index_tensor(const Tensor& t, const char* name, int64_t n, const char
 // and cu_k is not read (may be absent); seqused_k gives the lengths.
 Varlen check_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_q,
                     const std::optional<Tensor>& cu_k_opt, int64_t max_q, int64_t max_k,
-                    const std::optional<Tensor>& seqused_k, const std::optional<Tensor>& block_table = std::nullopt) {
+                    const std::optional<Tensor>& seqused_k, const std::optional<Tensor>& block_table = std::nullopt,
+                    bool int8_kv = false) {
   Varlen r;
   const bool paged = block_table.has_value();
   MA_CHECK(q.dim() == 3, "masked_attn.varlen: query must be 3-D (T_q, H, D), got shape ", shape_str(q));
@@ -56,8 +57,10 @@ Varlen check_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
   const int64_t kd = paged ? 1 : 0;  // key/value dims are shifted by the page dim
   MA_CHECK(q.is_cpu() && k.is_cpu() && v.is_cpu(), "masked_attn.varlen: query, key, value must be CPU tensors");
   MA_CHECK(is_floating(q.scalar_type()), "masked_attn.varlen: query must be float32, float64, bfloat16 or float16");
-  MA_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-           "masked_attn.varlen: query, key and value must have the same dtype");
+  MA_CHECK((k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type()) ||
+               (int8_kv && is_int8_kv(k, v)),
+           "masked_attn.varlen: query, key and value must have the same dtype",
+           int8_kv ? " (or key and value int8, an 8-bit cache, with k_scale and v_scale)" : "");
   r.Tq = q.size(0), r.H = q.size(1), r.D = q.size(2), r.Tk = k.size(0), r.Hkv = k.size(1 + kd),
   r.Dv = v.size(2 + kd);
   MA_CHECK(k.size(2 + kd) == r.D, "masked_attn.varlen: key head dim must equal query's (", r.D, "), got key ",
@@ -180,9 +183,12 @@ std::tuple<Tensor, Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, 
                                                   int64_t window_right, std::optional<Tensor> seqused_k,
                                                   std::optional<Tensor> block_table, std::optional<double> softcap,
                                                   std::optional<Tensor> sinks, bool for_backward,
-                                                  std::optional<Tensor> alibi_slopes) {
-  const Varlen r = check_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table);
-  const AttnOpts o = parse_attn_opts(r.sizes(), {false, 0.0, std::nullopt, window_left, window_right, softcap, sinks, std::nullopt, alibi_slopes}, true);
+                                                  std::optional<Tensor> alibi_slopes, std::optional<Tensor> k_scale,
+                                                  std::optional<Tensor> v_scale) {
+  const Varlen r = check_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table, true);
+  AttnOpts o = parse_attn_opts(r.sizes(), {false, 0.0, std::nullopt, window_left, window_right, softcap, sinks, std::nullopt, alibi_slopes}, true);
+  parse_kv_scales("masked_attn.varlen", q, k, v, k_scale, v_scale,
+                  block_table.has_value() ? KvLayout::Paged : KvLayout::Packed, &o.c);
   const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(r.D));
   Tensor out = new_strided(q, {r.Tq, r.H, r.Dv}, {});
   advise_huge_pages(out);
