@@ -1,0 +1,417 @@
+"""The 8-bit KV cache: quantize_kv against its definition; attention over int8
+k, v against attention over the dequantized cache in float64 (every layout the
+kernels read in place, every mask kind, every variant the CPU has, against the
+scalar kernels too); the cache op's quantizing write; batch invariance; bad
+input.
+
+The quantization's own error is the reference's input, not ours: the reference
+attends to k_scale[j] * k[j] exactly (in float64), and our error against it
+must stay within flash-attention's rule (twice PyTorch's own error in q's
+dtype, plus a slack) and within twice our float32 path's error over the same
+dequantized cache."""
+
+import math
+
+import pytest
+import torch
+
+import torch_masked_attn.functional as tf
+from conftest import ISAS, assert_close_ref, isa_available, run_isa
+
+LOW = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _need(isa):
+    if not isa_available(isa):
+        pytest.skip(f"this CPU has no {isa}")
+
+
+def quant_ref(x):
+    """quantize_kv's definition in plain PyTorch, float32 arithmetic."""
+    xf = x.float()
+    am = xf.abs().amax(-1)
+    ok = torch.isfinite(xf).all(-1) & (am > 0)
+    c127 = torch.full_like(am, 127.0)  # not 127 / am: torch computes that as am.reciprocal() * 127
+    scale = torch.where(torch.isfinite(xf).all(-1), am / c127, torch.full_like(am, math.nan))
+    inv = c127 / am
+    q = (xf * inv[..., None]).clamp(-127, 127).round()
+    q = torch.where(ok[..., None], q, torch.zeros_like(q))
+    return q.to(torch.int8), scale
+
+
+def deq(xq, s, dtype=torch.float64):
+    return (xq.double() * s.double()[..., None]).to(dtype)
+
+
+def ref_attn(q, k, v, *, dtype=torch.float64, causal=False, offset=0, attn_mask=None, kpm=None, head_mask=None,
+             window=None, softcap=None, sinks=None, alibi=None):
+    """softmax(scale q k^T [softcapped] + bias) v in `dtype`, plain PyTorch; q (B, H, Lq, D),
+    k, v (B, Hkv, Lk, D), GQA by repeated heads. The diagonal of query i is key i + offset
+    (0: top left, masked_attention's; Lk - Lq: bottom right, varlen's). attn_mask bool
+    (True = blocked) or additive (B|1, H|1, Lq, Lk); kpm (B, Lk) True = padding; window
+    (left, right), -1 unbounded; alibi (H,) slopes; sinks (H,) logits."""
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    B, H, Lq, D = q.shape
+    Lk = k.size(2)
+    k, v = (t.repeat_interleave(H // t.size(1), dim=1) for t in (k, v))
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(D)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(Lq)[:, None] + offset
+    j = torch.arange(Lk)[None, :]
+    blocked = torch.zeros(B, H, Lq, Lk, dtype=torch.bool)
+    if causal:
+        blocked |= j > i
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            blocked |= j < i - left
+        if right >= 0:
+            blocked |= j > i + right
+    if kpm is not None:
+        blocked |= kpm[:, None, None, :]
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        blocked |= attn_mask
+    elif attn_mask is not None:
+        s = s + attn_mask.to(dtype)
+    if alibi is not None:
+        s = s - alibi.to(dtype)[None, :, None, None] * (i - j).abs().to(dtype)
+    s = s.masked_fill(blocked, -math.inf)
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(dtype)[None, :, None, None].expand(B, H, Lq, 1)], dim=-1)
+    empty = torch.isneginf(s).all(-1, keepdim=True)
+    p = torch.softmax(torch.where(empty, torch.zeros((), dtype=dtype), s), dim=-1)
+    p = torch.where(empty, torch.zeros((), dtype=dtype), p)
+    if sinks is not None:
+        p = p[..., :-1]
+    if head_mask is not None:
+        p = p * head_mask.to(dtype)[None, :, None, None]
+    return p @ v
+
+
+# ---- quantize_kv ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("D", [1, 7, 16, 33, 64, 128, 200])
+def test_quantize_kv_is_its_definition(isa, dtype, D):
+    """Bit for bit the definition (rounding ties to even, clamping, zero and non-finite rows),
+    from a strided view; the dequantized values within half a step of the input."""
+    _need(isa)
+    x = (torch.randn(3, 4, 6, D) * torch.exp(2 * torch.randn(3, 4, 6, 1))).to(dtype).transpose(1, 2)
+    x[0, 0, 0] = 0
+    x[0, 1, 1, 0] = math.inf
+    x[1, 2, 3, -1] = math.nan
+    x[2, 0, 1] = torch.arange(D) - D / 2 + 0.5  # many values on a half step
+    q, s = run_isa(isa, lambda: tf.quantize_kv(x))
+    qr, sr = quant_ref(x)
+    assert q.dtype == torch.int8 and q.shape == x.shape and s.shape == x.shape[:-1] and s.dtype == torch.float32
+    assert torch.equal(q, qr)
+    torch.testing.assert_close(s, sr, rtol=0, atol=0, equal_nan=True)
+    assert s[0, 0, 0] == 0 and s[0, 1, 1].isnan() and s[1, 2, 3].isnan() and (q[0, 1, 1] == 0).all()
+    fin = torch.isfinite(s)
+    err = (deq(q, s) - x.double()).abs()[fin]
+    step = s.double()[..., None].expand_as(x)[fin]
+    assert bool((err <= step * (0.5 + 2e-5)).all())  # 127 ulps of inv and scale, rounded apart
+
+
+# ---- attention ---------------------------------------------------------------------
+
+# (name, masked_attention's keywords, ref_attn's keywords) given B, H, Lq, Lk
+def _masks(name, B, H, Lq, Lk):
+    if name == "none":
+        return {}, {}
+    if name == "causal":
+        return {"is_causal": True}, {"causal": True}
+    if name == "bool":
+        m = torch.rand(B, 1, Lq, Lk) < 0.3
+        m[..., 0] = False
+        return {"attn_mask": m}, {"attn_mask": m}
+    if name == "float+kpm":
+        m, kpm = torch.randn(1, H, Lq, Lk), torch.zeros(B, Lk, dtype=torch.bool)
+        kpm[:, Lk - Lk // 4 :] = True
+        return {"attn_mask": m, "key_padding_mask": kpm}, {"attn_mask": m, "kpm": kpm}
+    if name == "head":
+        hm = torch.rand(H)
+        return {"head_mask": hm}, {"head_mask": hm}
+    if name == "window":
+        return {"window": (13, 2)}, {"window": (13, 2)}
+    if name == "softcap+sinks":
+        sk = torch.randn(H)
+        return {"softcap": 1.5, "sinks": sk, "is_causal": True}, {"softcap": 1.5, "sinks": sk, "causal": True}
+    if name == "alibi":
+        sl = torch.rand(H)
+        return {"alibi_slopes": sl, "is_causal": True}, {"alibi": sl, "causal": True, "offset": Lk - Lq}
+    raise AssertionError(name)
+
+
+MASKS = ["none", "causal", "bool", "float+kpm", "head", "window", "softcap+sinks", "alibi"]
+
+
+def _cache(B, Hkv, Lk, D, layout):
+    """Random k, v quantized, in `layout`: "bhld" (B, Hkv, Lk, D) or "blhd" (B, Lk, Hkv, D)
+    seen as (B, Hkv, Lk, D), the scales laid out like their rows."""
+    shape = (B, Hkv, Lk, D) if layout == "bhld" else (B, Lk, Hkv, D)
+    k = torch.randn(shape) * torch.exp(torch.randn(*shape[:-1], 1))
+    v = torch.randn(shape)
+    (kq, ks), (vq, vs) = tf.quantize_kv(k), tf.quantize_kv(v)
+    if layout == "blhd":
+        kq, vq, ks, vs = kq.transpose(1, 2), vq.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)
+    return kq, ks, vq, vs
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("masks", MASKS)
+@pytest.mark.parametrize("Lq", [1, 5, 70])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+def test_attention_over_int8_cache(isa, masks, Lq, layout):
+    """float32 q over an int8 cache: within the flash rule of float64 attention over the
+    dequantized cache, and within twice our own float32 path's error over that cache; and the
+    variant against the scalar kernels. Lq 1 and 5 take the rows path, 70 the tiles."""
+    _need(isa)
+    B, H, Hkv, Lk, D = 2, 4, 2, 150, 64
+    kq, ks, vq, vs = _cache(B, Hkv, Lk, D, layout)
+    q = torch.randn(B, H, Lq, D)
+    kw, rkw = _masks(masks, B, H, Lq, Lk)
+    ours = run_isa(isa, lambda: tf.masked_attention(q, kq, vq, k_scale=ks, v_scale=vs, **kw))
+    k64, v64 = deq(kq, ks), deq(vq, vs)
+    ref = ref_attn(q, k64, v64, **rkw)
+    torch32 = ref_attn(q, k64.float(), v64.float(), dtype=torch.float32, **rkw)
+    ours32 = run_isa(isa, lambda: tf.masked_attention(q, k64.float(), v64.float(), **kw))
+    assert_close_ref(ours, [torch32, ours32], ref, name=f"{isa} {masks}")
+    scalar = run_isa("scalar", lambda: tf.masked_attention(q, kq, vq, k_scale=ks, v_scale=vs, **kw))
+    torch.testing.assert_close(ours, scalar, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("Lq", [1, 8, 100])
+def test_low_precision_queries(isa, dtype, Lq):
+    """bfloat16 / float16 q and output over an int8 cache (GQA, causal, weights too)."""
+    _need(isa)
+    B, H, Hkv, Lk, D = 2, 6, 3, 130, 32
+    kq, ks, vq, vs = _cache(B, Hkv, Lk, D, "bhld")
+    q = torch.randn(B, H, Lq, D).to(dtype)
+    out, w = run_isa(
+        isa,
+        lambda: tf.masked_attention(q, kq, vq, k_scale=ks, v_scale=vs, is_causal=True, need_weights=True),
+    )
+    assert out.dtype == dtype and w.dtype == dtype
+    k64, v64 = deq(kq, ks), deq(vq, vs)
+    ref = ref_attn(q, k64, v64, causal=True)
+    theirs = ref_attn(q, k64.to(dtype), v64.to(dtype), dtype=dtype, causal=True)
+    assert_close_ref(out, theirs, ref, name=f"{isa} {dtype}")
+    # weights: the probabilities over the dequantized keys
+    s = (q.double() @ k64.repeat_interleave(2, 1).transpose(-1, -2)) / math.sqrt(D)
+    s = s.masked_fill(torch.ones(Lq, Lk, dtype=torch.bool).triu(1), -math.inf)
+    torch.testing.assert_close(w.double(), torch.softmax(s, -1), atol=1e-2, rtol=2e-2)
+
+
+def test_dropout_draws_the_float_paths_mask():
+    """Dropout over an int8 cache keeps and drops the same elements as over a float cache
+    (the mask is a function of the seed and the position only)."""
+    B, H, Lq, Lk, D = 1, 2, 20, 90, 16
+    kq, ks, vq, vs = _cache(B, H, Lk, D, "bhld")
+    q, seed = torch.randn(B, H, Lq, D), torch.tensor([7, 0])
+    kw = dict(dropout_p=0.4, dropout_seed=seed, need_weights=True)
+    _, w8 = tf.masked_attention(q, kq, vq, k_scale=ks, v_scale=vs, **kw)
+    _, w32 = tf.masked_attention(q, deq(kq, ks, torch.float32), deq(vq, vs, torch.float32), **kw)
+    assert torch.equal(w8 == 0, w32 == 0)
+    torch.testing.assert_close(w8, w32, atol=1e-5, rtol=1e-4)
+
+
+# ---- varlen: packed and paged caches -----------------------------------------------
+
+
+def _varlen_case(page, lens_q, lens_k, H=4, Hkv=2, D=64):
+    """Packed int8 (T_k, Hkv, D) rows and the same rows in pages (page > 0) through
+    write_kv_cache's quantizing write; queries; the per-sequence float64 references
+    (bottom-right causal)."""
+    N = len(lens_q)
+    k = [torch.randn(n, Hkv, D) for n in lens_k]
+    v = [torch.randn(n, Hkv, D) for n in lens_k]
+    q = torch.randn(sum(lens_q), H, D)
+    kq, ks = tf.quantize_kv(torch.cat(k))
+    vq, vs = tf.quantize_kv(torch.cat(v))
+    cu_q = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k).cumsum(0).to(torch.int32)
+    refs = []
+    for b in range(N):
+        qb = q[cu_q[b] : cu_q[b + 1]].transpose(0, 1)[None]
+        kb = deq(kq[cu_k[b] : cu_k[b + 1]], ks[cu_k[b] : cu_k[b + 1]]).transpose(0, 1)[None]
+        vb = deq(vq[cu_k[b] : cu_k[b + 1]], vs[cu_k[b] : cu_k[b + 1]]).transpose(0, 1)[None]
+        refs.append(ref_attn(qb, kb, vb, causal=True, offset=lens_k[b] - lens_q[b])[0].transpose(0, 1))
+    paged = None
+    if page:
+        per = [-(-n // page) for n in lens_k]
+        pages = sum(per) + 3
+        table = torch.full((N, max(per)), 0, dtype=torch.int32)
+        order = torch.randperm(pages)
+        kc = torch.zeros(pages, page, Hkv, D, dtype=torch.int8)
+        vc = torch.zeros_like(kc)
+        kcs = torch.zeros(pages, page, Hkv)
+        vcs = torch.zeros_like(kcs)
+        used = 0
+        for b, n in enumerate(lens_k):
+            table[b, : per[b]] = order[used : used + per[b]].to(torch.int32)
+            used += per[b]
+            slots = table[b, torch.arange(n) // page].long() * page + torch.arange(n) % page
+            tf.write_kv_cache(k[b], v[b], kc, vc, slots, kcs, vcs)
+        paged = (kc, vc, kcs, vcs, table)
+    return q, (kq, ks, vq, vs), cu_q, cu_k, refs, paged
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("page", [0, 64, 16])
+def test_varlen_packed_and_paged(isa, page):
+    """Packed (T_k, H_kv, D) and paged (pages, page_size, H_kv, D) int8 caches through
+    varlen_attn, mixed decodes and prefill chunks, against float64 references per sequence;
+    pages of 16 rows are gathered first (scales with them)."""
+    _need(isa)
+    lens_q, lens_k = [1, 1, 9, 70, 1], [130, 64, 77, 190, 1]
+    q, (kq, ks, vq, vs), cu_q, cu_k, refs, paged = _varlen_case(page, lens_q, lens_k)
+    if not page:
+        out = run_isa(
+            isa,
+            lambda: tf.varlen_attn(q, kq, vq, cu_q, cu_k, 70, 190, window_size=(-1, 0), enable_gqa=True,
+                                   k_scale=ks, v_scale=vs),
+        )
+    else:
+        kc, vc, kcs, vcs, table = paged
+        # the quantizing write stored what quantize_kv gives for the same rows
+        rows = table.long()[:, :, None] * page + torch.arange(page)
+        flat = kc.view(-1, *kc.shape[2:])
+        assert torch.equal(flat[rows[0].flatten()[: lens_k[0]]], kq[: lens_k[0]])
+        assert torch.equal(kcs.view(-1, kcs.size(-1))[rows[3].flatten()[: lens_k[3]]], ks[cu_k[3] : cu_k[4]])
+        used = torch.tensor(lens_k, dtype=torch.int32)
+        out = run_isa(
+            isa,
+            lambda: tf.varlen_attn(q, kc, vc, cu_q, None, 70, 190, window_size=(-1, 0), enable_gqa=True,
+                                   seqused_k=used, block_table=table, k_scale=kcs, v_scale=vcs),
+        )
+    ref = torch.cat(refs)
+    assert_close_ref(out, ref.float(), ref, name=f"{isa} page {page}", slack=2e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_decode_row_batch_invariant(isa):
+    """A decode row alone gives the bits it gets among other sequences, from int8 pages."""
+    _need(isa)
+    lens_q, lens_k = [1, 5, 1, 40], [200, 77, 64, 100]
+    q, _, cu_q, _, _, (kc, vc, kcs, vcs, table) = _varlen_case(64, lens_q, lens_k)
+    used = torch.tensor(lens_k, dtype=torch.int32)
+    kw = dict(window_size=(-1, 0), enable_gqa=True, k_scale=kcs, v_scale=vcs)
+    full = run_isa(isa, lambda: tf.varlen_attn(q, kc, vc, cu_q, None, 40, 200, seqused_k=used, block_table=table, **kw))
+    for b in (0, 2):
+        alone = run_isa(
+            isa,
+            lambda: tf.varlen_attn(q[cu_q[b] : cu_q[b + 1]], kc, vc, cu_q[:2], None, 1, 200,
+                                   seqused_k=used[b : b + 1], block_table=table[b : b + 1], **kw),
+        )
+        assert torch.equal(alone, full[cu_q[b] : cu_q[b + 1]])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", LOW)
+def test_quantizing_write_is_quantize_kv(isa, dtype):
+    """write_kv_cache into an int8 cache stores quantize_kv's bits and scales at each slot
+    (from strided rows; negative slots skipped; flat caches too)."""
+    _need(isa)
+    T, Hkv, D = 9, 3, 40
+    key = torch.randn(T, D, Hkv).to(dtype).transpose(1, 2)  # strided rows
+    value = torch.randn(T, Hkv, D).to(dtype)
+    kc, vc = torch.zeros(4, 16, Hkv, D, dtype=torch.int8), torch.zeros(4, 16, Hkv, D, dtype=torch.int8)
+    kcs, vcs = torch.full((4, 16, Hkv), -1.0), torch.full((4, 16, Hkv), -1.0)
+    slots = torch.tensor([5, 17, -1, 63, 0, 33, 34, 2, 48])
+    run_isa(isa, lambda: tf.write_kv_cache(key, value, kc, vc, slots, kcs, vcs))
+    keep = slots >= 0
+    for cache, scales, x in ((kc, kcs, key), (vc, vcs, value)):
+        xq, xs = quant_ref(x[keep])
+        assert torch.equal(cache.view(-1, Hkv, D)[slots[keep]], xq)
+        assert torch.equal(scales.view(-1, Hkv)[slots[keep]], xs)
+        untouched = torch.ones(64, dtype=torch.bool)
+        untouched[slots[keep]] = False
+        assert bool((scales.view(-1, Hkv)[untouched] == -1).all())
+    flat_k, flat_s = torch.zeros(10, Hkv, D, dtype=torch.int8), torch.zeros(10, Hkv)
+    tf.write_kv_cache(key[:2], value[:2], flat_k, flat_k.clone(), torch.tensor([3, 9]), flat_s, flat_s.clone())
+    assert torch.equal(flat_k[[3, 9]], quant_ref(key[:2])[0])
+
+
+# ---- scales: documented results, bad input ------------------------------------------
+
+
+def test_zero_and_nan_scales():
+    """A zero scale makes a key score 0 and add 0 (a zero row's quantization); a NaN scale
+    (a row that held inf or NaN) gives NaN in the rows that read that key, as a float cache
+    holding the inf would, and nowhere else."""
+    B, H, Lq, Lk, D = 1, 2, 6, 10, 8
+    kq, ks, vq, vs = _cache(B, H, Lk, D, "bhld")
+    ks[0, 0, 3] = 0
+    vs[0, 1, 4] = 0
+    ks[0, 1, 5] = math.nan
+    q = torch.randn(B, H, Lq, D)
+    out = tf.masked_attention(q, kq, vq, k_scale=ks, v_scale=vs, is_causal=True)
+    ref = ref_attn(q, deq(kq, ks), deq(vq, vs), causal=True)
+    assert torch.equal(out.isnan(), ref.isnan()) and bool(out[0, 1, 5:].isnan().all())
+    assert not bool(out[0, 0].isnan().any()) and not bool(out[0, 1, :5].isnan().any())
+    torch.testing.assert_close(out.double().nan_to_num(), ref.nan_to_num(), atol=1e-5, rtol=1e-5)
+
+
+def _bad(**over):
+    q, k = torch.randn(1, 2, 3, 8), torch.randint(-127, 128, (1, 2, 5, 8), dtype=torch.int8)
+    a = dict(q=q, k=k, v=k.clone(), k_scale=torch.rand(1, 2, 5), v_scale=torch.rand(1, 2, 5))
+    a.update(over)
+    q, k, v = a.pop("q"), a.pop("k"), a.pop("v")
+    return lambda: tf.masked_attention(q, k, v, **a)
+
+
+@pytest.mark.parametrize(
+    "over,exc,match",
+    [
+        (dict(k_scale=None, v_scale=None), TypeError, "need k_scale and v_scale"),
+        (dict(v_scale=None), TypeError, "v_scale must be a float32 Tensor"),
+        (dict(k=torch.randn(1, 2, 5, 8)), TypeError, "key and value must be int8"),
+        (dict(q=torch.randn(1, 2, 3, 8, dtype=torch.float64)), TypeError, "float32, bfloat16 or float16"),
+        (dict(k_scale=torch.rand(1, 2, 4)), RuntimeError, r"k_scale must be a float32 CPU tensor of k.shape\[:-1\]"),
+        (dict(v_scale=torch.rand(1, 2, 5, dtype=torch.float64)), RuntimeError, "v_scale must be a float32"),
+        (dict(q=torch.randn(1, 2, 3, 8, requires_grad=True)), RuntimeError, "inference only"),
+    ],
+)
+def test_bad_input(over, exc, match):
+    with pytest.raises(exc, match=match):
+        _bad(**over)()
+
+
+def test_bad_input_raw_ops():
+    """The ops refuse what the Python functions do (their own messages), and no gradient."""
+    q, k = torch.randn(1, 2, 3, 8), torch.randint(-127, 128, (1, 2, 5, 8), dtype=torch.int8)
+    s = torch.rand(1, 2, 5)
+    fwd = torch.ops.masked_attn.forward
+    with pytest.raises(RuntimeError, match="need both k_scale and v_scale"):
+        fwd(q, k, k, k_scale=s)
+    with pytest.raises(RuntimeError, match="they need int8 k and v"):
+        fwd(q, q, q, k_scale=s[..., :3], v_scale=s[..., :3])
+    with pytest.raises(RuntimeError, match="same dtype"):
+        torch.ops.masked_attn.backward(q, None, q, k, k, q, torch.zeros(1, 2, 3))
+    with pytest.raises(RuntimeError, match="inference only"):
+        fwd(q.requires_grad_(), k, k, k_scale=s, v_scale=s)
+    with pytest.raises(RuntimeError, match="quantize_kv: x must be float32"):
+        torch.ops.masked_attn.quantize_kv(torch.ones(3, 4, dtype=torch.float64))
+    kc, ks = torch.zeros(2, 4, 2, 8, dtype=torch.int8), torch.zeros(2, 4, 2)
+    with pytest.raises(RuntimeError, match="needs its scales, key_scale"):
+        tf.write_kv_cache(torch.randn(1, 2, 8), torch.randn(1, 2, 8), kc, kc.clone(), torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="key_scale must be a float32 CPU tensor"):
+        tf.write_kv_cache(torch.randn(1, 2, 8), torch.randn(1, 2, 8), kc, kc.clone(), torch.tensor([0]), ks[:1], ks)
+
+
+def test_opcheck():
+    """quantize_kv and the forward ops with scales pass torch.library.opcheck."""
+    x = torch.randn(2, 3, 5, 16)
+    torch.library.opcheck(torch.ops.masked_attn.quantize_kv.default, (x,))
+    (kq, ks), (vq, vs) = tf.quantize_kv(x), tf.quantize_kv(torch.randn(2, 3, 5, 16))
+    q = torch.randn(2, 3, 4, 16)
+    utils = ("test_schema", "test_faketensor")
+    torch.library.opcheck(
+        torch.ops.masked_attn.forward.default, (q, kq, vq), {"k_scale": ks, "v_scale": vs}, test_utils=utils
+    )
