@@ -19,6 +19,10 @@
  *                                     n >= MA_VL: a whole vector, else the rest 0
  *   vf_store_dt(base, dt, off, n, v)  the first min(n, MA_VL) lanes as dt,
  *                                     rounded to nearest even
+ *   vf_load_bytes(p)                  4 MA_VL bytes at p (any alignment) as a vector's
+ *                                     bits; vf_i8_lane(v, t) (t a literal 0..3): byte t
+ *                                     of each 32-bit lane of v's bits, sign-extended,
+ *                                     as float (exact)
  *   vf_store_i8(p, n, v)              the first min(n, MA_VL) lanes rounded to the
  *                                     nearest integer (ties to even) as int8 at p;
  *                                     lanes in [-128, 127] (the caller clamps)
@@ -57,10 +61,16 @@
 #include "common/dtype.h"
 #include "masked_attn.h"
 
+/* ma_prefetch: into L1. ma_prefetch_l2: into L2 only, for the decoding rows' streams (K and
+ * V a key block ahead): a prefetch into L1 holds one of the core's few L1 fill buffers until
+ * its line arrives, which caps what one core streams at about that many lines per memory
+ * latency; into L2 it does not (docs/performance.md, "Decoding"). */
 #if defined(__x86_64__) || defined(__i386__)
 #define ma_prefetch(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+#define ma_prefetch_l2(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)
 #else
 #define ma_prefetch(p) __builtin_prefetch((const void *)(p), 0, 3)
+#define ma_prefetch_l2(p) __builtin_prefetch((const void *)(p), 0, 2)
 #endif
 
 /* exp(x): x = n ln2 + r, |r| <= ln2/2 (Cody-Waite), e^r by a degree-5

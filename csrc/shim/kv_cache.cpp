@@ -115,6 +115,7 @@ std::tuple<Tensor, Tensor> quantize_kv(Tensor x) {
   Tensor xc = torch::stable::contiguous(x);
   const int64_t D = x.size(x.dim() - 1), rows = x.numel() / D;
   Tensor q = new_strided(x, {rows, D}, {}, ScalarType::Char);
+  advise_huge_pages(q);  // a cache decoding streams: 2 MB pages read it 12% faster (docs/performance.md)
   Tensor scale = new_strided(x, {rows}, {}, ScalarType::Float);
   ma_kv_quant_params p{};
   p.x = xc.const_data_ptr();
