@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional
 
+import kv8  # the kv8 group (benchmarks/kv8.py)
 import serving  # the vllm group (benchmarks/serving.py)
 import torch
 import torch.nn.functional as F
@@ -958,6 +959,7 @@ NAMED = {
     "hf-prefill-4096": lambda: hf_e2e("prefill", 4096),
     "hf-generate-4096": lambda: hf_e2e("generate", 4096),
     **serving.NAMED,  # vllm-* and kvwrite-*: vLLM's CPU paged attention and the KV-cache write
+    **kv8.NAMED,  # kv8-*: the 8-bit KV cache
 }
 GROUPS = {
     "attention": [
@@ -988,6 +990,7 @@ GROUPS = {
     ],
     "zentorch": [f"zentorch-{kind}{suffix}" for kind in ("kpm", "causal") for suffix in ("", "-bf16")],
     "vllm": serving.GROUP,
+    "kv8": kv8.GROUP,
     "tiny": ["tiny-decode-16", "tiny-decode-256", "tiny-prefill-8", "tiny-train"],
     "memory": ["mha-mem-8192"],
     "ce": ["ce", "ce-bf16", "linear-ce"],

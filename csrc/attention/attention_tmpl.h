@@ -130,6 +130,14 @@ static void FN(convert_row)(ACC *dst, int64_t dst_stride, const void *src, ma_dt
         for (int64_t c = 0; c < n; c++) dst[c * dst_stride] = mul * (ACC)x[c * st];
         break;
     }
+    case MA_I8: { /* the 8-bit cache's integers, exactly */
+        const int8_t *x = (const int8_t *)src + off;
+        if (st == 1 && dst_stride == 1)
+            for (int64_t c = 0; c < n; c++) dst[c] = mul * (ACC)x[c];
+        else
+            for (int64_t c = 0; c < n; c++) dst[c * dst_stride] = mul * (ACC)x[c * st];
+        break;
+    }
     case MA_BF16: {
         const uint16_t *x = (const uint16_t *)src + off;
         if (st == 1 && dst_stride == 1)

@@ -103,6 +103,23 @@ static const uint16_t *bf16_at(const void *src, ma_dtype dt, const int64_t st[4]
     return (const uint16_t *)src + b * st[0] + h * st[1] + r0 * st[2];
 }
 
+/* dst (nr, ncol) = the int8 rows of src (row r at src + r st[2], elements st[3] apart) as
+ * bfloat16, exactly (an 8-bit integer has at most 8 significant bits): an 8-bit cache's K
+ * and V for the one-part packers, without float32 rows between. */
+static void i8_rows_bf16(uint16_t *dst, const int8_t *src, const int64_t st[4], int64_t nr, int64_t ncol) {
+    for (int64_t r = 0; r < nr; r++) {
+        const int8_t *x = src + r * st[2];
+        uint16_t *y = dst + r * ncol;
+        int64_t c = 0;
+        if (st[3] == 1)
+            for (; c + 16 <= ncol; c += 16) {
+                const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(x + c))));
+                _mm256_storeu_si256((__m256i *)(y + c), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f), 16)));
+            }
+        for (; c < ncol; c++) y[c] = ma_f32_to_bf16((float)x[c * st[3]]);
+    }
+}
+
 static inline void scale_inplace(float *x, int64_t n, float s) {
     for (int64_t i = 0; i < n; i++) x[i] *= s;
 }
@@ -213,7 +230,16 @@ static void fwd_pack_rows(FN(tiles) * s, const void *k_r, const void *v_r, int64
     if (kx && vx) {
         amx_pack_a_bf16(amx_rows(s->ka, r0), kx, ldk, n, D, k_t);
         amx_pack_a_bf16(amx_krows(s->vta, r0), vx, ldv, Dv, n, 1);
-    } else
+    } else if (kvt == MA_I8 && s->pr.in == 1) /* bfloat16 rows of the integers, packed as bfloat16 inputs are */
+        for (int64_t r1 = 0; r1 < n; r1 += BK) {
+            const int64_t nr = ma_min(BK, n - r1);
+            uint16_t *rows = (uint16_t *)s->fa.rows; /* room for 2 (BK, max(D, Dv)) bfloat16 blocks */
+            i8_rows_bf16(rows, (const int8_t *)k_r + r1 * a->k_stride[2], a->k_stride, nr, D);
+            amx_pack_a_bf16(amx_rows(s->ka, r0 + r1), rows, D, nr, D, 0);
+            i8_rows_bf16(rows, (const int8_t *)v_r + r1 * a->v_stride[2], a->v_stride, nr, Dv);
+            amx_pack_a_bf16(amx_krows(s->vta, r0 + r1), rows, Dv, Dv, nr, 1);
+        }
+    else
         for (int64_t r1 = 0; r1 < n; r1 += BK) {
             const int64_t nr = ma_min(BK, n - r1);
             int64_t ld;
