@@ -415,3 +415,75 @@ def test_opcheck():
     torch.library.opcheck(
         torch.ops.masked_attn.forward.default, (q, kq, vq), {"k_scale": ks, "v_scale": vs}, test_utils=utils
     )
+
+
+# ---- Hugging Face: Int8Cache ----------------------------------------------------------
+
+
+def _hf_model():
+    transformers = pytest.importorskip("transformers")
+    import torch_masked_attn.hf  # noqa: F401  (registers "masked_attn")
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=500,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+    )
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="masked_attn").eval()
+
+
+def test_int8_cache_generate_reads_the_quantized_cache():
+    """generate with Int8Cache: the cache holds int8 rows and scales, and every step's
+    scores equal (to float32 rounding) those of a float cache holding the same values
+    dequantized; so the kernels read exactly what quantize_kv stored. Left padding."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    from torch_masked_attn.hf import Int8Cache
+
+    class DequantizedLayer(DynamicLayer):  # the reference: quantized, dequantized, kept in float32
+        def update(self, k, v, *args, **kwargs):
+            (kq, ks), (vq, vs) = tf.quantize_kv(k), tf.quantize_kv(v)
+            return super().update(deq(kq, ks, k.dtype), deq(vq, vs, v.dtype))
+
+    model = _hf_model()
+    ids = torch.randint(1, 500, (3, 24))
+    mask = (torch.arange(24) >= torch.tensor([[0], [6], [11]])).long()
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, output_scores=True,
+              return_dict_in_generate=True)
+    cache = Int8Cache()
+    with torch.no_grad():
+        a = model.generate(**kw, past_key_values=cache)
+        ref = DynamicCache()
+        ref.layer_class_to_replicate = DequantizedLayer
+        b = model.generate(**kw, past_key_values=ref)
+        c = model.generate(**kw)  # a float cache
+    layer = cache.layers[0]
+    assert layer.keys.dtype == torch.int8 and layer.keys.shape[2] == 24 + 9 == cache.get_seq_length()
+    assert torch.equal(a.sequences, b.sequences)
+    for sa, sb, sc in zip(a.scores, b.scores, c.scores):
+        torch.testing.assert_close(sa, sb, atol=2e-5, rtol=1e-4)
+        assert (sa - sc).abs().max() < 0.05 * sc.abs().max()  # and near the float cache's
+
+
+def test_int8_cache_crop_and_beams():
+    """crop, and beam search's reordering, keep the int8 rows and their scales together."""
+    from torch_masked_attn.hf import Int8Cache
+
+    model = _hf_model()
+    ids = torch.randint(1, 500, (2, 12))
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, max_new_tokens=6, num_beams=3, do_sample=False,
+                             past_key_values=Int8Cache())
+    assert out.shape == (2, 18)
+    cache = Int8Cache()
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache)
+    k0 = cache.layers[1].keys.clone()
+    cache.crop(-4)
+    assert cache.get_seq_length() == 8 and torch.equal(cache.layers[1].keys, k0[:, :, :8])
+    s = getattr(cache.layers[1].keys, "_masked_attn_scale")
+    assert s.shape == (2, 2, 8) and s.dtype == torch.float32

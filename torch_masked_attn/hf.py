@@ -23,6 +23,9 @@ Two parts, both registered in transformers' own interfaces:
   through its own arguments), packed sequences through
   :func:`torch_masked_attn.functional.varlen_attn`, and T5-style position
   biases through transformers' own sdpa attention.
+
+And a cache: :class:`Int8Cache`, an 8-bit KV cache the kernels read as it is
+(``model.generate(..., past_key_values=Int8Cache())``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from . import functional as _F
 try:
     import transformers  # noqa: F401
     from transformers import AttentionInterface
+    from transformers.cache_utils import Cache, DynamicLayer
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
     from transformers.masking_utils import (
@@ -56,7 +60,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise ImportError("torch_masked_attn.hf needs Hugging Face transformers (pip install transformers)") from e
 
-__all__ = ["ATTN_IMPLEMENTATION", "StructuredMask", "apply", "attention_forward", "mask_function"]
+__all__ = ["ATTN_IMPLEMENTATION", "Int8Cache", "StructuredMask", "apply", "attention_forward", "mask_function"]
 
 ATTN_IMPLEMENTATION = "masked_attn"
 
@@ -366,9 +370,124 @@ def attention_forward(
         args["sinks"] = sinks
     if dropout > 0.0:  # the model passes its attention_dropout in training only, as to sdpa
         args["dropout_p"] = dropout
+    k_scale = getattr(key, _SCALE, None)
+    if k_scale is not None:  # an Int8Cache's keys and values: the kernels read them with their scales
+        args["k_scale"], args["v_scale"] = k_scale, getattr(value, _SCALE)
     res = _F.masked_attention(query, key, value, scale=scaling, need_weights=need_weights, **args)
     out, weights = cast("tuple[Tensor, Tensor]", res) if need_weights else (cast(Tensor, res), None)
     return out.transpose(1, 2).contiguous(), weights
+
+
+# ---------------------------------------------------------------------------------------------
+# The 8-bit KV cache
+# ---------------------------------------------------------------------------------------------
+
+_SCALE = "_masked_attn_scale"  # the attribute by which an Int8Layer's views carry their scales
+
+
+class Int8Layer(DynamicLayer):
+    """One layer of :class:`Int8Cache`: keys and values as int8 (B, L, H_kv, D)
+    buffers (the heads of a token side by side, a layout the kernels read in
+    place) with float32 scales (B, L, H_kv), one per token and head
+    (functional.quantize_kv's), grown by doubling. update quantizes the new
+    rows into them (functional.write_kv_cache: one C op, no float copy of the
+    cache) and returns int8 (B, H_kv, L, D) views carrying their scales, which
+    "masked_attn"'s attention function hands to the kernels."""
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        B, H, _, D = key_states.shape
+        Dv = value_states.shape[-1]
+        self.length = 0
+        self._buf = self._alloc(B, 0, H, D, Dv)
+        self._views()
+        self.is_initialized = True
+
+    @staticmethod
+    def _alloc(B: int, cap: int, H: int, D: int, Dv: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        i8 = torch.int8
+        return (torch.empty(B, cap, H, D, dtype=i8), torch.empty(B, cap, H, Dv, dtype=i8),
+                torch.empty(B, cap, H), torch.empty(B, cap, H))
+
+    def _views(self) -> None:
+        kq, vq, ks, vs = (t[:, : self.length] for t in self._buf)
+        self.keys, self.values = kq.transpose(1, 2), vq.transpose(1, 2)
+        setattr(self.keys, _SCALE, ks.transpose(1, 2))
+        setattr(self.values, _SCALE, vs.transpose(1, 2))
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.device.type != "cpu":
+            raise NotImplementedError("Int8Cache: the 8-bit cache is read by the CPU kernels only")
+        B, H, n, D = key_states.shape
+        kq = self._buf[0]
+        cap = kq.shape[1]
+        if self.length + n > cap:  # grow by doubling: each row is copied O(1) times
+            new = self._alloc(B, max(self.length + n, 2 * cap, 64), H, D, value_states.shape[-1])
+            for dst, src in zip(new, self._buf):
+                dst[:, : self.length] = src[:, : self.length]
+            self._buf, cap = new, new[0].shape[1]
+        pos = self.length + torch.arange(n)
+        slots = (torch.arange(B)[:, None] * cap + pos).reshape(-1)
+        kq, vq, ks, vs = self._buf
+        _F.write_kv_cache(
+            key_states.transpose(1, 2).reshape(B * n, H, D),
+            value_states.transpose(1, 2).reshape(B * n, H, -1),
+            kq.view(B * cap, H, D),
+            vq.view(B * cap, H, -1),
+            slots,
+            ks.view(B * cap, H),
+            vs.view(B * cap, H),
+        )
+        self.length += n
+        self._views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("Int8Cache.crop takes a negative number of tokens to remove")
+        if self.is_initialized and tokens_to_remove:
+            self.length = max(0, self.length + tokens_to_remove)
+            self._views()
+
+    def _rows(self, fn) -> None:
+        if self.is_initialized:
+            self._buf = tuple(fn(t) for t in self._buf)
+            self._views()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        self._rows(lambda t: t[indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def reset(self) -> None:
+        self.length = 0
+        self.keys = self.values = None
+        self.is_initialized = False
+
+
+class Int8Cache(Cache):
+    """An 8-bit KV cache for models on ``attn_implementation="masked_attn"``:
+    keys and values stored as int8 with one float32 scale per token and head
+    (:func:`torch_masked_attn.functional.quantize_kv`), about half a bfloat16
+    cache's bytes and a quarter of a float32 one's, read by the attention
+    kernels as they are (no dequantized copy). One line::
+
+        out = model.generate(**inputs, past_key_values=Int8Cache())
+
+    Every layer keeps every token (a sliding-window layer's window is applied
+    by the mask, as over a full cache). On the CPU; inference only."""
+
+    def __init__(self) -> None:
+        super().__init__(layer_class_to_replicate=Int8Layer)
 
 
 def _packed_attention(
