@@ -16,7 +16,11 @@ ignore_index for the loss.
 
 While it runs: both models' training loss and perplexity, time per step and
 peak memory per step. At the end: held-out perplexity of both, speed and memory
-ratios, PNGs (examples/out/), and text sampled from both trained models.
+ratios, PNGs (examples/out/), and text sampled from both trained models. Then
+the trained model decodes through a KV cache, float32 and 8-bit
+(tma.functional.quantize_kv; the kernels read the int8 cache as it is): the
+perplexity of held-out continuations with each cache, the caches' sizes, and a
+greedy continuation with each.
 
 Peak memory of a step is the growth of the process's resident set (VmHWM reset
 through /proc/self/clear_refs) over the step, measured on every --log-every-th
@@ -416,6 +420,85 @@ def sample(model, tok, prompt, n_tokens=60, top_k=20, temperature=0.8, seed=0, m
     return tok.decode(ids)
 
 
+# ---- decoding through a KV cache, float32 and 8-bit ------------------------------------------
+def _cached_block(blk, x, t0, cache, int8):
+    """One block on the new positions t0 .. t0 + L of x (B, L, d): their keys and values
+    written into the layer's cache ((B, T, H, Dh), heads side by side; int8 with
+    float32 scales (B, T, H)), attention of their queries over every cached position."""
+    B, L, d = x.shape
+    H = blk.attn.num_heads
+    h = blk.ln1(x)
+    q, k, v = F.linear(h, blk.attn.in_proj_weight, blk.attn.in_proj_bias).view(B, L, 3, H, d // H).unbind(2)
+    n, kw = t0 + L, {}
+    if int8:
+        for name, t in (("k", k), ("v", v)):
+            cache[name][:, t0:n], cache[name + "s"][:, t0:n] = tma.functional.quantize_kv(t)
+        kw = dict(k_scale=cache["ks"][:, :n].transpose(1, 2), v_scale=cache["vs"][:, :n].transpose(1, 2))
+    else:
+        cache["k"][:, t0:n], cache["v"][:, t0:n] = k, v
+    a = tma.functional.masked_attention(
+        q.transpose(1, 2), cache["k"][:, :n].transpose(1, 2), cache["v"][:, :n].transpose(1, 2), is_causal=L > 1, **kw
+    )
+    x = x + blk.attn.out_proj(a.transpose(1, 2).reshape(B, L, d))
+    return x + blk.mlp(blk.ln2(x))
+
+
+def _new_cache(model, B, T, int8):
+    d, H = model.tok.weight.shape[1], model.blocks[0].attn.num_heads
+    dt = torch.int8 if int8 else torch.float32
+    caches = []
+    for _ in model.blocks:
+        c = {"k": torch.empty(B, T, H, d // H, dtype=dt), "v": torch.empty(B, T, H, d // H, dtype=dt)}
+        if int8:
+            c["ks"], c["vs"] = torch.empty(B, T, H), torch.empty(B, T, H)
+        caches.append(c)
+    return caches
+
+
+def _cache_bytes(caches):
+    return sum(t.numel() * t.element_size() for c in caches for t in c.values())
+
+
+def _cached_step(model, caches, tokens, t0, int8):
+    """Logits (B, L, V) of tokens (B, L) at positions t0 .. t0 + L, through the caches."""
+    x = model.tok(tokens) + model.pos(torch.arange(t0, t0 + tokens.shape[1]))
+    for blk, c in zip(model.blocks, caches):
+        x = _cached_block(blk, x, t0, c, int8)
+    return model.ln(x) @ model.tok.weight.t()
+
+
+@torch.no_grad()
+def cached_continuation(model, seqs, int8, prompt=32, cont=64):
+    """Held-out windows of at least prompt + cont + 1 tokens: the first `prompt` tokens fill
+    the cache in one call, then the next `cont` are fed one at a time (teacher forcing),
+    each predicting the next token from the cache. Returns (mean NLL of the cont predicted
+    tokens, the caches' bytes)."""
+    model.eval()
+    x = torch.stack([s[: prompt + cont + 1] for s in seqs if len(s) >= prompt + cont + 1])
+    caches = _new_cache(model, x.shape[0], prompt + cont, int8)
+    logits = _cached_step(model, caches, x[:, :prompt], 0, int8)[:, -1:]
+    nll = []
+    for t in range(prompt, prompt + cont):
+        nll.append(F.cross_entropy(logits[:, 0], x[:, t], reduction="none"))
+        logits = _cached_step(model, caches, x[:, t : t + 1], t, int8)
+    model.train()
+    return torch.stack(nll).mean().item(), _cache_bytes(caches)
+
+
+@torch.no_grad()
+def greedy_cached(model, tok, prompt, int8, n_tokens=40):
+    """A greedy continuation of prompt through the cache."""
+    model.eval()
+    ids = [BOS] + tok.encode(prompt)
+    caches = _new_cache(model, 1, len(ids) + n_tokens, int8)
+    logits = _cached_step(model, caches, torch.tensor([ids]), 0, int8)[:, -1]
+    for _ in range(n_tokens):
+        ids.append(int(logits.argmax()))
+        logits = _cached_step(model, caches, torch.tensor([ids[-1:]]), len(ids) - 1, int8)[:, -1]
+    model.train()
+    return tok.decode(ids)
+
+
 # ---- the main job ----------------------------------------------------------------------
 def plot(hist, steps, log_every):
     import matplotlib
@@ -546,6 +629,18 @@ def main():
             text = sample(models[k], tok, prompt)
             shown = text[len(prompt) :].replace("\n", "\n" + " " * 13)
             print(f'  {k:>6}: "{prompt}"{shown}\n')
+    name = "ours" if "ours" in models else names[0]
+    print(f"\n8-bit KV cache ({name}'s trained model decoding held-out continuations through a cache)")
+    res = {int8: cached_continuation(models[name], data["held"], int8) for int8 in (False, True)}
+    (nll32, mb32), (nll8, mb8) = res[False], res[True]
+    print(
+        f"  continuation perplexity (32 prompt tokens, 64 decoded one at a time): float32 cache "
+        f"{math.exp(nll32):.3f}, int8 cache {math.exp(nll8):.3f} ({100 * (math.exp(nll8 - nll32) - 1):+.3f}%)"
+    )
+    print(f"  cache size: float32 {mb32 / 1e6:.2f} MB, int8 (values + scales) {mb8 / 1e6:.2f} MB ({mb32 / mb8:.2f}x smaller)")
+    for int8 in (False, True):
+        text = greedy_cached(models[name], tok, "The ", int8)
+        print(f"  greedy, {'int8' if int8 else 'float32'} cache: \"The \"{text[4:]}".replace("\n", " "))
     if not args.no_plots:
         for path in plot(hist, args.steps, log_every):
             print(f"wrote {path}")

@@ -335,6 +335,74 @@ static void test_rows(const ma_blocks *v) {
             }
 }
 
+/* The 8-bit cache: dot_keys (rows and K^T) and axpy_keys over int8 keys bit for bit the
+ * same blocks over float32 keys of the same (integer) values, on the D the word-transposing
+ * path takes (multiples of 4 MA_VL) and the others; quantize_row bit for bit the scalar
+ * block's, from each dtype, on rows with ties, zeros, infinities and NaN. */
+static void test_int8(const ma_blocks *v) {
+    static const int64_t ns[] = {1, 15, 16, 33, 64, 100};
+    static const int64_t ds[] = {1, 16, 17, 32, 64, 80, 128, 256};
+    for (int in = 0; in < 6; in++)
+        for (int id = 0; id < 8; id++)
+            for (int64_t nr = 1; nr <= 8; nr += 2) {
+                const int64_t nc = ns[in], D = ds[id], ld = D + 5, lds = nc + 1, ldt = nc + 3;
+                int8_t *k8 = malloc((size_t)(nc * ld)), *kt8 = malloc((size_t)(D * ldt));
+                float *k = malloc(sizeof(float) * nc * ld), *kt = malloc(sizeof(float) * D * ldt);
+                float *q = malloc(sizeof(float) * nr * D), *s = malloc(sizeof(float) * nr * lds);
+                float *s2 = malloc(sizeof(float) * nr * lds);
+                for (int64_t x = 0; x < nc * ld; x++) k[x] = k8[x] = (int8_t)(rand() % 255 - 127);
+                for (int64_t c = 0; c < nc; c++)
+                    for (int64_t d = 0; d < D; d++) kt[d * ldt + c] = kt8[d * ldt + c] = k8[c * ld + d];
+                for (int64_t x = 0; x < nr * D; x++) q[x] = frand();
+                for (int64_t x = 0; x < nr * lds; x++) s[x] = s2[x] = 7.0f;
+                v->dot_keys(s, lds, q, nr, D, k, MA_F32, 0, ld, nc, 0);
+                v->dot_keys(s2, lds, q, nr, D, k8, MA_I8, 0, ld, nc, 64 * ld);
+                CHECK(memcmp(s, s2, sizeof(float) * nr * lds) == 0, "%s dot_keys int8 nr=%ld nc=%ld D=%ld", v->name,
+                      (long)nr, (long)nc, (long)D);
+                for (int64_t x = 0; x < nr * lds; x++) s2[x] = 7.0f;
+                v->dot_keys_t(s2, lds, q, nr, D, kt8, MA_I8, 0, ldt, nc, 0);
+                CHECK(memcmp(s, s2, sizeof(float) * nr * lds) == 0, "%s dot_keys_t int8 nr=%ld nc=%ld D=%ld",
+                      v->name, (long)nr, (long)nc, (long)D);
+                float *o = malloc(sizeof(float) * nr * D), *o2 = malloc(sizeof(float) * nr * D);
+                for (int64_t x = 0; x < nr * D; x++) o[x] = o2[x] = frand();
+                v->axpy_keys(o, s, lds, nr, D, k, MA_F32, 0, ld, nc, 0);
+                v->axpy_keys(o2, s, lds, nr, D, k8, MA_I8, 0, ld, nc, 64 * ld);
+                CHECK(memcmp(o, o2, sizeof(float) * nr * D) == 0, "%s axpy_keys int8 nr=%ld nc=%ld Dv=%ld", v->name,
+                      (long)nr, (long)nc, (long)D);
+                free(k8), free(kt8), free(k), free(kt), free(q), free(s), free(s2), free(o), free(o2);
+            }
+    for (int id = 0; id < 8; id++)
+        for (int kind = 0; kind < 5; kind++) {
+            const int64_t n = ds[id];
+            float x[256];
+            uint16_t xb[256], xh[256];
+            for (int64_t c = 0; c < n; c++) x[c] = frand() * (kind == 1 ? 1e-30f : 3.0f);
+            if (kind == 2) /* ties: multiples of absmax / 254 */
+                for (int64_t c = 0; c < n; c++) x[c] = (float)(c % 255 - 127) + 0.5f;
+            if (kind == 3) x[n / 2] = INFINITY;
+            if (kind == 4) x[n - 1] = NAN;
+            if (kind == 0 && n > 1) x[0] = 0, x[1] = 0;
+            for (int64_t c = 0; c < n; c++) xb[c] = ma_f32_to_bf16(x[c]), xh[c] = ma_f32_to_f16(x[c]);
+            const void *src[3] = {x, xb, xh};
+            const ma_dtype dts[3] = {MA_F32, MA_BF16, MA_F16};
+            for (int t = 0; t < 3; t++) {
+                int8_t q0[257], q1[257];
+                float s0, s1;
+                memset(q1, 99, sizeof q1);
+                ma_blocks_scalar.quantize_row(src[t], dts[t], n, q0, &s0);
+                v->quantize_row(src[t], dts[t], n, q1, &s1);
+                CHECK(memcmp(q0, q1, (size_t)n) == 0 && (s0 == s1 || (isnan(s0) && isnan(s1))) && q1[n] == 99,
+                      "%s quantize_row dtype %d n=%ld kind %d", v->name, (int)dts[t], (long)n, kind);
+            }
+        }
+    /* the zero row: scale 0, q 0 */
+    float z[20] = {0};
+    int8_t qz[20];
+    float sz = 1;
+    v->quantize_row(z, MA_F32, 20, qz, &sz);
+    CHECK(sz == 0 && qz[0] == 0 && qz[19] == 0, "%s quantize_row of zeros", v->name);
+}
+
 /* dropout: bit for bit the scalar block's, both layouts, in place and the
  * multiplier form, at every row/key edge of the 8- and 16-lane blocks and
  * unaligned key starts; and the mask is the definition (ma_dropout_keep). */
@@ -403,6 +471,7 @@ int main(void) {
             test_columns(v);
             test_transpose(v);
             test_rows(v);
+            test_int8(v);
             test_dropout(v);
         }
         printf("%-7s %s\n", v->name, failures == before ? "ok" : "FAILED");
