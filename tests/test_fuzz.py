@@ -88,6 +88,8 @@ BROKEN = [
     ("attention", "softcap", {"softcap": True, "softcap_value": 1.0}),
     ("attention", "sinks", {"sinks": True}),
     ("attention", "dropout", {"dropout": True, "dropout_p": 0.3, "hf": False}),
+    ("attention", "scale", {"int8": True, "hf": False, "sdpa": False}),  # an 8-bit KV cache
+    ("attention", "causal", {"int8": True, "hf": False, "sdpa": False, "is_causal": True}),
     ("attention", "sinks", {"sinks": True, "hf": True}),  # the HF backend passes them on
     ("attention", "causal", {"hf": True, "is_causal": True}),
     ("varlen", "window", {"window": (3, 0)}),

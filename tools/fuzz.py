@@ -23,7 +23,9 @@ without dropout), now and then the F.scaled_dot_product_attention drop-in,
 and now and then the Hugging Face backend (torch_masked_attn.hf.
 attention_forward, with no mask, a 4-D mask, or a StructuredMask: causal /
 sliding window on an offset diagonal, padding; softcap and s_aux sinks),
-where transformers is installed.
+where transformers is installed, and now and then an 8-bit KV cache (k, v
+quantized by quantize_kv in their drawn layout; the references attend to the
+dequantized values; no gradients).
 Cross-entropy: torch_masked_attn.functional.cross_entropy ((C,), (N, C),
 (N, C, d1[, d2]); class targets with ignore_index anywhere, probability
 targets, weight, label smoothing, every reduction, z_loss and softcap), loss
@@ -57,6 +59,7 @@ Exit status 1 if there is any finding.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import math
 import random
@@ -412,6 +415,31 @@ def _draw_new_options(c: dict, r: random.Random, g: torch.Generator, force: dict
             h["window"] = r.choice((None, 1, 2, r.randint(1, Lk + 2))) if h["causal"] else None
         c["hf"] = h
         c["causal"] = h["mask"] == "none" and h["module_causal"] and Lq > 1
+    # drawn last: every other draw of a seed is what it was before
+    c["int8"] = None
+    if not sdpa and not hf and dtype != torch.float64 and force.get("int8", r.random() < 0.1):
+        _draw_int8(c)
+
+
+def _draw_int8(c: dict) -> None:
+    """An 8-bit KV cache (issue 40): k and v quantized by quantize_kv in their drawn layouts
+    (an expanded one is left as it is: no int8 then), and the case's float64 k, v replaced by
+    the dequantized values, which the references then attend to. Inference only: no
+    gradients are compared."""
+    got = {}
+    for n in ("k", "v"):
+        lname, vals, view = c["tensors"][n]
+        x = view(vals.to(c["dtype"]))
+        if 0 in x.stride():
+            return
+        xq, xs = tmf.quantize_kv(x)
+        base_q = torch.empty(vals.shape, dtype=torch.int8)
+        view(base_q).copy_(xq)  # the drawn layout of k (or v), in int8; the scales contiguous
+        deq = torch.empty_like(vals)
+        view(deq).copy_(xq.double() * xs.double()[..., None])
+        got[n] = (view(base_q), xs)
+        c["tensors"][n] = (lname, deq, view)
+    c["int8"] = got
 
 
 def describe_attention(c: dict) -> str:
@@ -453,6 +481,8 @@ def describe_attention(c: dict) -> str:
         )
     if c["dropout"] is not None:
         s.append(f"dropout_p={c['dropout']['p']} seed={c['dropout']['seed'].tolist()}")
+    if c.get("int8"):
+        s.append("int8 k/v cache")
     if c["hf"]:
         h = c["hf"]
         if h["mask"] == "structured":
@@ -785,26 +815,31 @@ def run_attention(c: dict, breaks: frozenset = frozenset()) -> Result:
             extra["sinks"] = t["sinks"]
         if c["dropout"] is not None:
             extra["dropout_p"], extra["dropout_seed"] = c["dropout"]["p"], c["dropout"]["seed"]
-        r = tmf.masked_attention(
-            t["q"],
-            t["k"],
-            t["v"],
-            attn_mask=t["am"],
-            key_padding_mask=t["kpm"],
-            head_mask=t["hm"],
-            is_causal=c["causal"],
-            scale=c["scale"],
-            need_weights=c["need_weights"],
-            return_lse=c["return_lse"],
-            **extra,
-        )
+        k, v = t["k"], t["v"]
+        if c.get("int8"):  # inference only
+            (k, extra["k_scale"]), (v, extra["v_scale"]) = c["int8"]["k"], c["int8"]["v"]
+        with torch.no_grad() if c.get("int8") else contextlib.nullcontext():
+            r = tmf.masked_attention(
+                t["q"],
+                k,
+                v,
+                attn_mask=t["am"],
+                key_padding_mask=t["kpm"],
+                head_mask=t["hm"],
+                is_causal=c["causal"],
+                scale=c["scale"],
+                need_weights=c["need_weights"],
+                return_lse=c["return_lse"],
+                **extra,
+            )
         r = list(r) if isinstance(r, tuple) else [r]
         out = r.pop(0)
         w = r.pop(0) if c["need_weights"] else None
         lse = r.pop(0) if c["return_lse"] else None
         outs = [out, w]
     ours = {"out": out, "weights": w, "lse": lse}
-    ours.update(("d" + n, g) for n, g in _grads(outs, [go.to(dtype), gw.to(dtype)], leaves).items())
+    if not c.get("int8"):
+        ours.update(("d" + n, g) for n, g in _grads(outs, [go.to(dtype), gw.to(dtype)], leaves).items())
 
     # references: float64 (ref) and the input dtype (torch's own error)
     causal = (not c["causal"]) if "causal" in breaks else c["causal"]
@@ -860,6 +895,8 @@ def run_attention(c: dict, breaks: frozenset = frozenset()) -> Result:
         if name in ("weights", "lse") and ref.get(name) is None:
             continue
         if name not in ref and name not in ours:
+            continue
+        if c.get("int8") and name.startswith("d"):  # an 8-bit cache: inference only
             continue
         cmp_dtype = dtype
         if name in ("dam", "dkpm", "dhm", "dsinks"):  # gradients come in the mask's own dtype
