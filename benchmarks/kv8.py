@@ -147,3 +147,51 @@ def quantize(B=8, L=4096, H=8, D=128):
 
 NAMED = {"kv8-decode": decode, "kv8-prefill": prefill, "kv8-quantize": quantize}
 GROUP = list(NAMED)
+
+
+def hf_generate(B=2, prompt=512, new=32):
+    """A small Llama (hidden 512, 4 layers, 8 heads on 2 KV heads, random weights, nothing
+    downloaded) generating `new` tokens greedily after a `prompt`-token prompt: ours on
+    "masked_attn" with hf.Int8Cache against transformers' QuantizedCache (optimum-quanto,
+    4 bits, the smallest it offers; it dequantizes the whole cache at every step) on "sdpa".
+    The peer installs beside the package (make bench), never as a dependency."""
+    from bench_cases import Bench, Skip
+
+    try:
+        import optimum.quanto  # noqa: F401
+        from transformers import AutoModelForCausalLM, LlamaConfig, QuantizedCache
+    except ImportError as e:
+        raise Skip(f"optimum-quanto is not installed ({e})")
+    import torch_masked_attn.hf as tma_hf
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, pad_token_id=0)
+    models = {impl: AutoModelForCausalLM.from_config(cfg, attn_implementation=impl).eval() for impl in ("sdpa",)}
+    models["masked_attn"] = AutoModelForCausalLM.from_config(cfg, attn_implementation="masked_attn").eval()
+    models["masked_attn"].load_state_dict(models["sdpa"].state_dict())
+    ids = torch.randint(1, 32000, (B, prompt))
+    kw = dict(input_ids=ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+
+    def ours():
+        with torch.no_grad():
+            return models["masked_attn"].generate(**kw, past_key_values=tma_hf.Int8Cache())[:, prompt:].float()
+
+    def quanto():
+        with torch.no_grad():
+            cache = QuantizedCache(backend="quanto", config=cfg, nbits=4)
+            return models["sdpa"].generate(**kw, past_key_values=cache)[:, prompt:].float()
+
+    return Bench(
+        work=f"HF generate, Llama hidden 512, 4 layers, 8 heads on 2 KV heads, B={B}, {prompt}-token prompt, "
+        f"{new} new tokens (greedy): ours on masked_attn + hf.Int8Cache vs transformers' QuantizedCache "
+        "(optimum-quanto, 4 bits) on sdpa (the tokens differ: 4 and 8 bits round differently)",
+        natives={"quanto-4bit": quanto},
+        ours=ours,
+        memory=False,
+        info=dict(B=B, prompt=prompt, new=new, cache="int8 vs quanto 4-bit"),
+    )
+
+
+NAMED["kv8-hf-generate"] = hf_generate
+GROUP.append("kv8-hf-generate")

@@ -232,6 +232,7 @@ HEADLINE = [
     ("one-head-long", "B=1 H=1 L=8192 D=128, causal, fwd+bwd", "F.sdpa"),
     ("bert-infer", "E=768 H=12 B=8 L=512, eval", "nn.MHA"),
     ("decode", "B=8 H=32 Lq=1 Lk=2048 D=128", "F.sdpa"),
+    ("kv8-decode", "decode, B=8 H=32 Lk=4096 D=128, bf16 q: int8 cache vs bf16 cache", "bf16 cache"),
     ("gpt-train-bf16", "gpt-train in bfloat16", "F.sdpa"),
     ("long-causal-bf16", "long-causal in bfloat16", "F.sdpa"),
     ("mha-mem-8192", "MHA training step, L=8192: peak memory only", "nn.MHA"),
