@@ -89,7 +89,7 @@ def decode(B=8, H=32, Lk=4096, D=128):
 
 
 def prefill(Lq=512, Lk=4096, H=32, D=128):
-    from bench_cases import Bench, attention_flops
+    from bench_cases import Bench
 
     g = torch.Generator().manual_seed(1)
     q = torch.randn(Lq, H, D, generator=g).bfloat16()
@@ -172,12 +172,19 @@ def hf_generate(B=2, prompt=512, new=32):
         import optimum.quanto  # noqa: F401
         from transformers import AutoModelForCausalLM, LlamaConfig, QuantizedCache
     except ImportError as e:
-        raise Skip(f"optimum-quanto is not installed ({e})")
+        raise Skip(f"optimum-quanto is not installed ({e})") from e
     import torch_masked_attn.hf as tma_hf
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=2, pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        pad_token_id=0,
+    )
     models = {impl: AutoModelForCausalLM.from_config(cfg, attn_implementation=impl).eval() for impl in ("sdpa",)}
     models["masked_attn"] = AutoModelForCausalLM.from_config(cfg, attn_implementation="masked_attn").eval()
     models["masked_attn"].load_state_dict(models["sdpa"].state_dict())

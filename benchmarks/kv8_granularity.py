@@ -64,7 +64,9 @@ def collect(demo, model, seqs, L=96):
     for blk in model.blocks:
         H = blk.attn.num_heads
         d = h.shape[-1]
-        q, k, v = F.linear(blk.ln1(h), blk.attn.in_proj_weight, blk.attn.in_proj_bias).view(B, L, 3, H, d // H).unbind(2)
+        q, k, v = (
+            F.linear(blk.ln1(h), blk.attn.in_proj_weight, blk.attn.in_proj_bias).view(B, L, 3, H, d // H).unbind(2)
+        )
         out.append((q, k, v))
         h = demo._cached_block(blk, h, 0, {"k": torch.empty(B, L, H, d // H), "v": torch.empty(B, L, H, d // H)}, False)
     return out
@@ -85,8 +87,10 @@ def main():
     model = models["ours"].eval()
     layers = collect(demo, model, data["held"])
     Dh = layers[0][1].shape[-1]
-    print(f"demo model after {args.steps} steps, {len(layers)} layers, head dim {Dh}, "
-          f"{layers[0][1].shape[0]} held-out windows of 96 tokens")
+    print(
+        f"demo model after {args.steps} steps, {len(layers)} layers, head dim {Dh}, "
+        f"{layers[0][1].shape[0]} held-out windows of 96 tokens"
+    )
     print("| layer | scheme | K rel. RMS err | V rel. RMS err | attention out rel. err | scale bytes / value |")
     print("|---|---|---:|---:|---:|---:|")
     # and the same keys with 4 channels per head scaled 20x (the outlier channels KIVI reports
@@ -107,7 +111,8 @@ def main():
         }
         for name, (kq, vq, sb) in schemes.items():
             sb_s = f"{sb:.3f}" if sb is not None else f"{4 / 96:.3f} (K) / {4 / Dh:.3f} (V)"
-            print(f"| {i % len(layers)} | {name} | {rel(kq, k):.2e} | {rel(vq, v):.2e} | {rel(attend(q, kq, vq), ref):.2e} | {sb_s} |")
+            err = rel(attend(q, kq, vq), ref)
+            print(f"| {i % len(layers)} | {name} | {rel(kq, k):.2e} | {rel(vq, v):.2e} | {err:.2e} | {sb_s} |")
     ch = torch.stack([k.abs().amax((0, 1)) for _, k, _ in layers])  # (layers, H, Dh)
     print(f"key channel absmax / median channel absmax: max {(ch / ch.median(-1, keepdim=True).values).max():.2f}")
     res = {i8: demo.cached_continuation(model, data["held"], i8) for i8 in (False, True)}

@@ -637,10 +637,13 @@ def main():
         f"  continuation perplexity (32 prompt tokens, 64 decoded one at a time): float32 cache "
         f"{math.exp(nll32):.3f}, int8 cache {math.exp(nll8):.3f} ({100 * (math.exp(nll8 - nll32) - 1):+.3f}%)"
     )
-    print(f"  cache size: float32 {mb32 / 1e6:.2f} MB, int8 (values + scales) {mb8 / 1e6:.2f} MB ({mb32 / mb8:.2f}x smaller)")
+    print(
+        f"  cache size: float32 {mb32 / 1e6:.2f} MB, int8 (values + scales) {mb8 / 1e6:.2f} MB "
+        f"({mb32 / mb8:.2f}x smaller)"
+    )
     for int8 in (False, True):
         text = greedy_cached(models[name], tok, "The ", int8)
-        print(f"  greedy, {'int8' if int8 else 'float32'} cache: \"The \"{text[4:]}".replace("\n", " "))
+        print(f'  greedy, {"int8" if int8 else "float32"} cache: "The "{text[4:]}'.replace("\n", " "))
     if not args.no_plots:
         for path in plot(hist, args.steps, log_every):
             print(f"wrote {path}")

@@ -67,14 +67,17 @@ def test_demo_kv_cache_decoding():
     import torch.nn.functional as F
 
     demo = load_demo()
-    _, models, data = demo.train(steps=6, batch_size=8, max_len=128, d=64, layers=2, log_every=6, eval_every=6,
-                                 verbose=False, names=("ours",))
+    _, models, data = demo.train(
+        steps=6, batch_size=8, max_len=128, d=64, layers=2, log_every=6, eval_every=6, verbose=False, names=("ours",)
+    )
     model, prompt, cont = models["ours"], 32, 64
     (nll32, b32), (nll8, b8) = (demo.cached_continuation(model, data["held"], i8, prompt, cont) for i8 in (False, True))
     x = torch.stack([s[: prompt + cont + 1] for s in data["held"] if len(s) >= prompt + cont + 1])
     with torch.no_grad():
         logits = model.eval().logits(x[:, :-1])
-    ref = F.cross_entropy(logits[:, prompt - 1 : prompt + cont - 1].flatten(0, 1), x[:, prompt : prompt + cont].flatten())
+    ref = F.cross_entropy(
+        logits[:, prompt - 1 : prompt + cont - 1].flatten(0, 1), x[:, prompt : prompt + cont].flatten()
+    )
     assert abs(nll32 - ref.item()) < 1e-4, (nll32, ref.item())
     assert abs(math.exp(nll8 - nll32) - 1) < 5e-3, (nll32, nll8)
     dh = model.tok.weight.shape[1] // model.blocks[0].attn.num_heads

@@ -43,8 +43,22 @@ def deq(xq, s, dtype=torch.float64):
     return (xq.double() * s.double()[..., None]).to(dtype)
 
 
-def ref_attn(q, k, v, *, dtype=torch.float64, causal=False, offset=0, attn_mask=None, kpm=None, head_mask=None,
-             window=None, softcap=None, sinks=None, alibi=None):
+def ref_attn(
+    q,
+    k,
+    v,
+    *,
+    dtype=torch.float64,
+    causal=False,
+    offset=0,
+    attn_mask=None,
+    kpm=None,
+    head_mask=None,
+    window=None,
+    softcap=None,
+    sinks=None,
+    alibi=None,
+):
     """softmax(scale q k^T [softcapped] + bias) v in `dtype`, plain PyTorch; q (B, H, Lq, D),
     k, v (B, Hkv, Lk, D), GQA by repeated heads. The diagonal of query i is key i + offset
     (0: top left, masked_attention's; Lk - Lq: bottom right, varlen's). attn_mask bool
@@ -117,6 +131,7 @@ def test_quantize_kv_is_its_definition(isa, dtype, D):
 
 
 # ---- attention ---------------------------------------------------------------------
+
 
 # (name, masked_attention's keywords, ref_attn's keywords) given B, H, Lq, Lk
 def _masks(name, B, H, Lq, Lk):
@@ -274,8 +289,9 @@ def test_varlen_packed_and_paged(isa, page):
     if not page:
         out = run_isa(
             isa,
-            lambda: tf.varlen_attn(q, kq, vq, cu_q, cu_k, 70, 190, window_size=(-1, 0), enable_gqa=True,
-                                   k_scale=ks, v_scale=vs),
+            lambda: tf.varlen_attn(
+                q, kq, vq, cu_q, cu_k, 70, 190, window_size=(-1, 0), enable_gqa=True, k_scale=ks, v_scale=vs
+            ),
         )
     else:
         kc, vc, kcs, vcs, table = paged
@@ -287,8 +303,21 @@ def test_varlen_packed_and_paged(isa, page):
         used = torch.tensor(lens_k, dtype=torch.int32)
         out = run_isa(
             isa,
-            lambda: tf.varlen_attn(q, kc, vc, cu_q, None, 70, 190, window_size=(-1, 0), enable_gqa=True,
-                                   seqused_k=used, block_table=table, k_scale=kcs, v_scale=vcs),
+            lambda: tf.varlen_attn(
+                q,
+                kc,
+                vc,
+                cu_q,
+                None,
+                70,
+                190,
+                window_size=(-1, 0),
+                enable_gqa=True,
+                seqused_k=used,
+                block_table=table,
+                k_scale=kcs,
+                v_scale=vcs,
+            ),
         )
     ref = torch.cat(refs)
     assert_close_ref(out, ref.float(), ref, name=f"{isa} page {page}", slack=2e-5)
@@ -306,8 +335,18 @@ def test_decode_row_batch_invariant(isa):
     for b in (0, 2):
         alone = run_isa(
             isa,
-            lambda: tf.varlen_attn(q[cu_q[b] : cu_q[b + 1]], kc, vc, cu_q[:2], None, 1, 200,
-                                   seqused_k=used[b : b + 1], block_table=table[b : b + 1], **kw),
+            lambda: tf.varlen_attn(
+                q[cu_q[b] : cu_q[b + 1]],
+                kc,
+                vc,
+                cu_q[:2],
+                None,
+                1,
+                200,
+                seqused_k=used[b : b + 1],
+                block_table=table[b : b + 1],
+                **kw,
+            ),
         )
         assert torch.equal(alone, full[cu_q[b] : cu_q[b + 1]])
 
@@ -466,8 +505,14 @@ def test_int8_cache_generate_reads_the_quantized_cache():
     model = _hf_model()
     ids = torch.randint(1, 500, (3, 24))
     mask = (torch.arange(24) >= torch.tensor([[0], [6], [11]])).long()
-    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, output_scores=True,
-              return_dict_in_generate=True)
+    kw = dict(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=10,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     cache = Int8Cache()
     with torch.no_grad():
         a = model.generate(**kw, past_key_values=cache)
@@ -490,8 +535,7 @@ def test_int8_cache_crop_and_beams():
     model = _hf_model()
     ids = torch.randint(1, 500, (2, 12))
     with torch.no_grad():
-        out = model.generate(input_ids=ids, max_new_tokens=6, num_beams=3, do_sample=False,
-                             past_key_values=Int8Cache())
+        out = model.generate(input_ids=ids, max_new_tokens=6, num_beams=3, do_sample=False, past_key_values=Int8Cache())
     assert out.shape == (2, 18)
     cache = Int8Cache()
     with torch.no_grad():
@@ -499,5 +543,5 @@ def test_int8_cache_crop_and_beams():
     k0 = cache.layers[1].keys.clone()
     cache.crop(-4)
     assert cache.get_seq_length() == 8 and torch.equal(cache.layers[1].keys, k0[:, :, :8])
-    s = getattr(cache.layers[1].keys, "_masked_attn_scale")
+    s = cache.layers[1].keys._masked_attn_scale
     assert s.shape == (2, 2, 8) and s.dtype == torch.float32

@@ -312,7 +312,17 @@ def masked_attention(
         alibi_slopes=alibi_slopes,
     )
     return _attention(
-        q, k, v, attn_mask, key_padding_mask, head_mask, scale, need_weights, return_lse, opts, kv_scales=(k_scale, v_scale)
+        q,
+        k,
+        v,
+        attn_mask,
+        key_padding_mask,
+        head_mask,
+        scale,
+        need_weights,
+        return_lse,
+        opts,
+        kv_scales=(k_scale, v_scale),
     )
 
 
@@ -327,6 +337,7 @@ def _kv_scales(fn: str, q: Tensor, k: Tensor, v: Tensor, k_scale: object, v_scal
     for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{fn}: {name} must be a float32 Tensor (an 8-bit cache's scales), got {type(t).__name__}")
+    k_scale, v_scale = cast(Tensor, k_scale), cast(Tensor, v_scale)
     if k.dtype != torch.int8 or v.dtype != torch.int8:
         raise TypeError(f"{fn}: k_scale and v_scale are an 8-bit cache's: key and value must be int8, got {k.dtype}")
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -575,7 +586,8 @@ class AuxRequest(NamedTuple):
 
 def _scale_args(kv_scales: tuple[Tensor | None, Tensor | None]) -> dict[str, Tensor]:
     """An 8-bit cache's scales as the forward ops name them (none: nothing)."""
-    return {} if kv_scales[0] is None else {"k_scale": kv_scales[0], "v_scale": kv_scales[1]}
+    k_scale, v_scale = kv_scales
+    return {} if k_scale is None or v_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
 
 
 def _gather_pages(t: Tensor, block_table: Tensor, seqused_k: Tensor) -> tuple[Tensor, Tensor]:
@@ -718,8 +730,8 @@ def varlen_attn(
             key, cu_seq_k = _gather_pages(key, block_table, seqused_k)
             value, _ = _gather_pages(value, block_table, seqused_k)
             if quant:  # the scales are gathered like their rows
-                k_scale = _gather_pages(k_scale.unsqueeze(-1), block_table, seqused_k)[0].squeeze(-1)
-                v_scale = _gather_pages(v_scale.unsqueeze(-1), block_table, seqused_k)[0].squeeze(-1)
+                k_scale = _gather_pages(cast(Tensor, k_scale).unsqueeze(-1), block_table, seqused_k)[0].squeeze(-1)
+                v_scale = _gather_pages(cast(Tensor, v_scale).unsqueeze(-1), block_table, seqused_k)[0].squeeze(-1)
             block_table = None
     elif cu_seq_k is None:
         raise ValueError("varlen_attn: cu_seq_k is required without block_table")

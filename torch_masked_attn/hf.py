@@ -406,8 +406,12 @@ class Int8Layer(DynamicLayer):
     @staticmethod
     def _alloc(B: int, cap: int, H: int, D: int, Dv: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         i8 = torch.int8
-        return (torch.empty(B, cap, H, D, dtype=i8), torch.empty(B, cap, H, Dv, dtype=i8),
-                torch.empty(B, cap, H), torch.empty(B, cap, H))
+        return (
+            torch.empty(B, cap, H, D, dtype=i8),
+            torch.empty(B, cap, H, Dv, dtype=i8),
+            torch.empty(B, cap, H),
+            torch.empty(B, cap, H),
+        )
 
     def _views(self) -> None:
         kq, vq, ks, vs = (t[:, : self.length] for t in self._buf)
@@ -442,7 +446,7 @@ class Int8Layer(DynamicLayer):
         )
         self.length += n
         self._views()
-        return self.keys, self.values
+        return cast(Tensor, self.keys), cast(Tensor, self.values)
 
     def get_seq_length(self) -> int:
         return self.length if self.is_initialized else 0

@@ -841,8 +841,8 @@ static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s,
     if (FN(online_step)(m, m_new, l, lsum, alpha, R)) FN(scale_rows)(o, Dv, R, Dv, alpha);
     if (dr) DROPOUT(s, NULL, nc, 1, nr, nc, dr, i0, j0); /* nh = 1; l summed the whole P; O takes P' */
     FN(kv_scale)(s, nc, 1, R, &p->a, &p->a.opts.v_scale, b, hk, j0, nc);
-    AXPY_KEYS(o, s, nc, R, Dv, p->a.v, kvt,
-              b * vs[0] + hk * vs[1] + FN(key_off)(&p->a, vs, p->a.v_page_stride, b, j0), vs[2], nc, pf_v);
+    AXPY_KEYS(o, s, nc, R, Dv, p->a.v, kvt, b * vs[0] + hk * vs[1] + FN(key_off)(&p->a, vs, p->a.v_page_stride, b, j0),
+              vs[2], nc, pf_v);
 }
 
 /* ---- tile hooks -------------------------------------------------------------
@@ -1119,7 +1119,8 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
     ma_scratch_header *hdr = (ma_scratch_header *)ctx->scratch;
     FN(fwd_task) task, *c = &task;
     c->t = FN(fwd_carve)(ctx->scratch, p0);
-    c->t.vc = c->t.kc + (FN(needs_copy)(FN(kv_dtype)(&p0->a), p0->a.k_stride) ? p0->a.Lk * p0->a.D : 0); /* the longest */
+    c->t.vc =
+        c->t.kc + (FN(needs_copy)(FN(kv_dtype)(&p0->a), p0->a.k_stride) ? p0->a.Lk * p0->a.D : 0); /* the longest */
     c->gen = (FN(gen_fwd)){&c->t, hdr, p0, 0, 0, 0, NULL, NULL};
 #ifdef MA_TILE_HOOKS
     c->hooked = FN(tiles_apply)(p0); /* varlen too: the hooks move to each item's entry (FN(fwd_seq)) */

@@ -32,6 +32,17 @@ MA_INLINE void store_k(const int full, float *x, vm k, vf v) {
     else vf_store_m(x, k, v);
 }
 
+/* The decoding rows' prefetch, pf_bytes ahead: far (a key block on, a head alone) into L2
+ * only, near (the next head's part of the same rows, in a run of heads) into L1. A prefetch
+ * into L1 holds one of the core's few fill buffers until its line arrives from memory, which
+ * capped bfloat16 decoding of one head at 63% of the bandwidth (75% into L2); a near one is
+ * needed in L1 soon and its line is usually on its way already. */
+#define MA_PREFETCH_FAR 4096
+MA_INLINE void prefetch_ahead(const char *p, int64_t pf_bytes) {
+    if (pf_bytes >= MA_PREFETCH_FAR) ma_prefetch_l2(p);
+    else ma_prefetch(p);
+}
+
 /* ---- GEMM: register-blocked micro-kernels, B read in place, A through its strides by
  * broadcasts. C[0:MR, 0:NV VL] (+)= A[0:MR, 0:k] @ B[0:k, 0:NV VL]; masked: only columns < nr
  * are read and written. MR, NV, masked are constants after inlining, so the accumulators stay
@@ -279,7 +290,7 @@ MA_INLINE void dot_keys_row(const int full, float *s, const float *q, int64_t D,
                 for (int i = 0; i < MA_VL; i++) {
                     const int64_t o = off + (c0 + MA_VL * g + i) * ld + d0;
                     x[i] = vf_load_dt(k, dt, o, dn);
-                    if (line) ma_prefetch_l2((const char *)k + (o + pf) * es);
+                    if (line) prefetch_ahead((const char *)k + (o + pf) * es, pf * es);
                 }
                 vf_transpose(x);
 #pragma GCC unroll 16 /* x[dd] at constant indices: the block stays in registers */
@@ -343,7 +354,8 @@ MA_INLINE void dot_keys_t_strip(const int NV, const int NR, float *s, int64_t ld
 #pragma GCC unroll 4
         for (int v = 0; v < NV; v++) {
             x[v] = vf_load_dt(k, dt, o + MA_VL * v, MA_VL);
-            if (pf && (MA_VL * v * es) % MA_CACHE_LINE == 0) ma_prefetch_l2((const char *)k + (o + MA_VL * v + pf) * es);
+            if (pf && (MA_VL * v * es) % MA_CACHE_LINE == 0)
+                prefetch_ahead((const char *)k + (o + MA_VL * v + pf) * es, pf * es);
         }
 #pragma GCC unroll 8
         for (int r = 0; r < NR; r++) {
@@ -410,7 +422,7 @@ MA_INLINE void axpy_keys_strip(const int R, const int NV, const int full, float 
             const vf vv = vf_load_dt(v, dt, off + c * ld + d0 + MA_VL * u, n[u]);
             for (int r = 0; r < R; r++) acc[r][u] = vf_fma(pv[r], vv, acc[r][u]);
             if (pf && (MA_VL * u * es) % MA_CACHE_LINE == 0) /* see dot_keys; d0 * es is a multiple of a line */
-                ma_prefetch_l2((const char *)v + (off + c * ld + d0 + MA_VL * u + pf) * es);
+                prefetch_ahead((const char *)v + (off + c * ld + d0 + MA_VL * u + pf) * es, pf * es);
         }
     }
     for (int u = 0; u < NV; u++)
@@ -450,8 +462,8 @@ MA_INLINE void axpy_keys_dt(float *o, const float *p, int64_t ldp, int64_t nr, i
  * not the shuffles); the same FMAs in the same order (d from 0), so bit for bit the generic
  * path's. G groups of keys side by side (2 for one row: two FMA chains in flight), NR rows
  * (nr <= NR; the rows past nr are skipped). */
-MA_INLINE void dot_keys_i8_keys(const int G, const int NR, float *s, int64_t lds, const float *q, int64_t nr,
-                                int64_t D, const int8_t *k, int64_t ld, int64_t c0, int64_t pf) {
+MA_INLINE void dot_keys_i8_keys(const int G, const int NR, float *s, int64_t lds, const float *q, int64_t nr, int64_t D,
+                                const int8_t *k, int64_t ld, int64_t c0, int64_t pf) {
     vf acc[2][8];
     for (int g = 0; g < G; g++)
         for (int r = 0; r < NR; r++) acc[g][r] = vf_zero();
@@ -467,13 +479,12 @@ MA_INLINE void dot_keys_i8_keys(const int G, const int NR, float *s, int64_t lds
             for (int i = 0; i < MA_VL; i++) {
                 const int8_t *row = k + (c0 + MA_VL * g + i) * ld + d0;
                 x[i] = vf_load_bytes(row);
-                if (pf) ma_prefetch_l2(row + pf);
+                if (pf) prefetch_ahead(row + pf, pf);
             }
             vf_transpose(x); /* x[w] lane i = dims 4 w .. 4 w + 3 of key c0 + MA_VL g + i */
 #pragma GCC unroll 16
             for (int w = 0; w < MA_VL; w++) {
-                const vf kv[4] = {vf_i8_lane(x[w], 0), vf_i8_lane(x[w], 1), vf_i8_lane(x[w], 2),
-                                  vf_i8_lane(x[w], 3)};
+                const vf kv[4] = {vf_i8_lane(x[w], 0), vf_i8_lane(x[w], 1), vf_i8_lane(x[w], 2), vf_i8_lane(x[w], 3)};
 #pragma GCC unroll 4
                 for (int t = 0; t < 4; t++)
 #pragma GCC unroll 8

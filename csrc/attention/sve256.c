@@ -12,7 +12,7 @@
 const ma_blocks ma_blocks_sve256 = {"sve256",           gemm_sve256,          exp_sub_sum_sve256, col_max_sve256,
                                     exp_sub_col_sve256, transpose_sve256,     row_max_sve256,     dot_keys_sve256,
                                     axpy_keys_sve256,   gemm_rowscale_sve256, dropout_sve256,     softcap_sve256,
-                                    dot_keys_t_sve256, quantize_row_sve256};
+                                    dot_keys_t_sve256,  quantize_row_sve256};
 const ma_attn_kernels ma_attn_kernels_sve256 = {
     attn_fwd_sve256,        attn_bwd_dq_sve256,       attn_bwd_dkdv_sve256,    attn_bwd_fused_sve256,
     attn_bwd_reduce_sve256, fwd_scratch_bytes_sve256, bwd_scratch_bytes_sve256};

@@ -12,7 +12,7 @@
 const ma_blocks ma_blocks_sve512 = {"sve512",           gemm_sve512,          exp_sub_sum_sve512, col_max_sve512,
                                     exp_sub_col_sve512, transpose_sve512,     row_max_sve512,     dot_keys_sve512,
                                     axpy_keys_sve512,   gemm_rowscale_sve512, dropout_sve512,     softcap_sve512,
-                                    dot_keys_t_sve512, quantize_row_sve512};
+                                    dot_keys_t_sve512,  quantize_row_sve512};
 const ma_attn_kernels ma_attn_kernels_sve512 = {
     attn_fwd_sve512,        attn_bwd_dq_sve512,       attn_bwd_dkdv_sve512,    attn_bwd_fused_sve512,
     attn_bwd_reduce_sve512, fwd_scratch_bytes_sve512, bwd_scratch_bytes_sve512};

@@ -114,7 +114,8 @@ static void i8_rows_bf16(uint16_t *dst, const int8_t *src, const int64_t st[4], 
         if (st[3] == 1)
             for (; c + 16 <= ncol; c += 16) {
                 const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(x + c))));
-                _mm256_storeu_si256((__m256i *)(y + c), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f), 16)));
+                _mm256_storeu_si256((__m256i *)(y + c),
+                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f), 16)));
             }
         for (; c < ncol; c++) y[c] = ma_f32_to_bf16((float)x[c * st[3]]);
     }

@@ -88,7 +88,8 @@ static inline __attribute__((always_inline)) vf vf_load_dt(const void *base, ma_
     const vm k = vm_first(n);
     if (dt == MA_F32)
         return n >= 16 ? _mm512_loadu_ps((const float *)base + off) : vf_load_m((const float *)base + off, k);
-    if (dt == MA_I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, (const int8_t *)base + off)));
+    if (dt == MA_I8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, (const int8_t *)base + off)));
     const __m256i h = _mm256_maskz_loadu_epi16(k, (const uint16_t *)base + off);
     if (dt == MA_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     return _mm512_cvtph_ps(h);
@@ -115,15 +116,16 @@ static inline __attribute__((always_inline)) void vf_store_dt(void *base, ma_dty
 #define vf_load_bytes(p) _mm512_castsi512_ps(_mm512_loadu_si512((const void *)(p)))
 /* byte t moved to the top of its lane by vpshufb (port 5), where the transposes leave room,
  * rather than shifted there (port 0, which the shifts down and the conversions fill) */
-#define vf_i8_lane(v, t)                                                                                   \
-    _mm512_cvtepi32_ps(_mm512_srai_epi32(                                                                \
-        (t) == 3 ? _mm512_castps_si512(v)                                                                \
+#define vf_i8_lane(v, t)                                                                                            \
+    _mm512_cvtepi32_ps(_mm512_srai_epi32(                                                                           \
+        (t) == 3 ? _mm512_castps_si512(v)                                                                           \
                  : _mm512_shuffle_epi8(_mm512_castps_si512(v), _mm512_set4_epi32((12 + (t)) << 24, (8 + (t)) << 24, \
-                                                                                 (4 + (t)) << 24, (t) << 24)), \
+                                                                                 (4 + (t)) << 24, (t) << 24)),      \
         24))
 
 static inline __attribute__((always_inline)) void vf_store_i8(int8_t *p, int64_t n, vf v) {
-    _mm512_mask_cvtepi32_storeu_epi8(p, vm_first(n), _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm512_mask_cvtepi32_storeu_epi8(p, vm_first(n),
+                                     _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
 /* exp (simd.h): 2^n by vscalefps, results below FLT_MIN (x < -87.33) zeroed

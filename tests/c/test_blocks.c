@@ -65,9 +65,8 @@ static void test_gemm(const ma_blocks *v, float rtol) {
                                 const float a = C1[i * ldc + j], b = C0[i * ldc + j];
                                 if (j < n)
                                     CHECK(close_enough(a, b, rtol, rtol),
-                                          "%s gemm m=%ld n=%ld k=%ld trans=%d acc=%d C[%ld,%ld] %g vs %g",
-                                          v->name, (long)m, (long)n, (long)k, trans, accumulate, (long)i,
-                                          (long)j, a, b);
+                                          "%s gemm m=%ld n=%ld k=%ld trans=%d acc=%d C[%ld,%ld] %g vs %g", v->name,
+                                          (long)m, (long)n, (long)k, trans, accumulate, (long)i, (long)j, a, b);
                                 else /* padding columns of C are never touched */
                                     CHECK(a == b, "%s gemm wrote past n: m=%ld n=%ld", v->name, (long)m, (long)n);
                             }
@@ -95,7 +94,8 @@ static void test_gemm_rowscale(const ma_blocks *v) {
                     for (int64_t x = 0; x < k * ldb; x++) B[x] = frand();
                     float *Cin = malloc(sizeof(float) * m * ldc);
                     for (int64_t x = 0; x < m * ldc; x++) Cin[x] = C0[x] = C1[x] = C2[x] = frand();
-                    for (int64_t i = 0; i < m; i++) rs[i] = i % 3 == 0 ? 1.0f : i % 7 == 1 ? 0.0f : 0.5f + 0.4f * frand();
+                    for (int64_t i = 0; i < m; i++)
+                        rs[i] = i % 3 == 0 ? 1.0f : i % 7 == 1 ? 0.0f : 0.5f + 0.4f * frand();
                     const float *r = with_rs ? rs : NULL;
                     ma_blocks_scalar.gemm_rowscale(m, n, k, A, ars, acs, B, ldb, C0, ldc, r);
                     v->gemm_rowscale(m, n, k, A, ars, acs, B, ldb, C1, ldc, r);
@@ -107,8 +107,8 @@ static void test_gemm_rowscale(const ma_blocks *v) {
                         memcpy(C3, Cin, sizeof(float) * m * ldc);
                         v->gemm_rowscale(m, n, k, A, ars, acs, Bw, WIDE_LDB, C3, ldc, r);
                         CHECK(memcmp(C1, C3, sizeof(float) * m * ldc) == 0,
-                              "%s gemm_rowscale m=%ld n=%ld k=%ld rs=%d: ldb %d differs from ldb %ld", v->name,
-                              (long)m, (long)n, (long)k, with_rs, WIDE_LDB, (long)ldb);
+                              "%s gemm_rowscale m=%ld n=%ld k=%ld rs=%d: ldb %d differs from ldb %ld", v->name, (long)m,
+                              (long)n, (long)k, with_rs, WIDE_LDB, (long)ldb);
                         free(Bw), free(C3);
                     }
                     for (int64_t i = 0; i < m; i++)
@@ -119,8 +119,8 @@ static void test_gemm_rowscale(const ma_blocks *v) {
                                   (long)m, (long)n, (long)k, with_rs, (long)i, (long)j, a, C2[i * ldc + j]);
                             if (j < n)
                                 CHECK(close_enough(a, C0[i * ldc + j], 1e-5f, 1e-5f),
-                                      "%s gemm_rowscale m=%ld n=%ld k=%ld C[%ld,%ld] %g vs scalar %g", v->name,
-                                      (long)m, (long)n, (long)k, (long)i, (long)j, a, C0[i * ldc + j]);
+                                      "%s gemm_rowscale m=%ld n=%ld k=%ld C[%ld,%ld] %g vs scalar %g", v->name, (long)m,
+                                      (long)n, (long)k, (long)i, (long)j, a, C0[i * ldc + j]);
                         }
                     free(A), free(B), free(C0), free(C1), free(C2), free(rs), free(Cin);
                 }
@@ -191,8 +191,8 @@ static void test_softcap(const ma_blocks *v) {
     }
     for (int64_t n = 1; n <= 40; n++) {
         float a[40], b[40], t[41];
-        for (int64_t i = 0; i < n; i++) a[i] = b[i] = (i % 5 == 0) ? -INFINITY : (i % 5 == 1) ? INFINITY
-                                                                                 : frand() * 80.0f;
+        for (int64_t i = 0; i < n; i++)
+            a[i] = b[i] = (i % 5 == 0) ? -INFINITY : (i % 5 == 1) ? INFINITY : frand() * 80.0f;
         t[n] = 12345.0f;
         ma_blocks_scalar.softcap(a, n, cap, inv, NULL);
         v->softcap(b, n, cap, inv, t);
@@ -228,8 +228,8 @@ static void test_columns(const ma_blocks *v) {
                 CHECK(close_enough(x1[i], x0[i], 1e-6f, 1e-30f), "%s exp_sub_col rows=%ld n=%ld i=%ld %g vs %g",
                       v->name, (long)rows, (long)n, (long)i, x1[i], x0[i]);
             for (int64_t r = 0; r < n; r++)
-                CHECK(close_enough(s1[r], s0[r], 1e-5f, 0.0f), "%s exp_sub_col sum r=%ld %g vs %g", v->name,
-                      (long)r, s1[r], s0[r]);
+                CHECK(close_enough(s1[r], s0[r], 1e-5f, 0.0f), "%s exp_sub_col sum r=%ld %g vs %g", v->name, (long)r,
+                      s1[r], s0[r]);
             CHECK(x1[0] == 0.0f && s1[0] == 1.0f, "%s fully masked column: p %g, sum %g", v->name, x1[0], s1[0]);
         }
 }
@@ -247,8 +247,8 @@ static void test_transpose(const ma_blocks *v) {
             ma_blocks_scalar.transpose(d0, src, lds, nr, ncol, 0.5f);
             v->transpose(d1, src, lds, nr, ncol, 0.5f);
             for (int64_t x = 0; x < ncol * nr + 16; x++)
-                CHECK(d0[x] == d1[x], "%s transpose nr=%ld ncol=%ld at %ld: %g vs %g", v->name, (long)nr,
-                      (long)ncol, (long)x, d1[x], d0[x]);
+                CHECK(d0[x] == d1[x], "%s transpose nr=%ld ncol=%ld at %ld: %g vs %g", v->name, (long)nr, (long)ncol,
+                      (long)x, d1[x], d0[x]);
             free(src), free(d0), free(d1);
         }
 }
@@ -294,21 +294,22 @@ static void test_rows(const ma_blocks *v) {
                 for (int64_t r = 0; r < nr; r++)
                     for (int64_t c = 0; c < lds; c++)
                         CHECK(c < nc ? s[r * lds + c] == sT[c * nr + r] : s[r * lds + c] == 7.0f,
-                              "%s dot_keys nr=%ld nc=%ld D=%ld s[%ld,%ld] %g vs gemm %g", v->name, (long)nr,
-                              (long)nc, (long)D, (long)r, (long)c, s[r * lds + c], c < nc ? sT[c * nr + r] : 7.0f);
+                              "%s dot_keys nr=%ld nc=%ld D=%ld s[%ld,%ld] %g vs gemm %g", v->name, (long)nr, (long)nc,
+                              (long)D, (long)r, (long)c, s[r * lds + c], c < nc ? sT[c * nr + r] : 7.0f);
                 v->dot_keys(s2, lds, q, nr, D, kb, MA_BF16, 0, ld, nc, 0);
-                CHECK(memcmp(s, s2, sizeof(float) * nr * lds) == 0, "%s dot_keys bfloat16 nr=%ld nc=%ld D=%ld",
-                      v->name, (long)nr, (long)nc, (long)D);
+                CHECK(memcmp(s, s2, sizeof(float) * nr * lds) == 0, "%s dot_keys bfloat16 nr=%ld nc=%ld D=%ld", v->name,
+                      (long)nr, (long)nc, (long)D);
                 v->dot_keys(s2, lds, q, nr, D, kh, MA_F16, 0, ld, nc, D);
-                CHECK(memcmp(s, s2, sizeof(float) * nr * lds) == 0, "%s dot_keys float16 nr=%ld nc=%ld D=%ld",
-                      v->name, (long)nr, (long)nc, (long)D);
+                CHECK(memcmp(s, s2, sizeof(float) * nr * lds) == 0, "%s dot_keys float16 nr=%ld nc=%ld D=%ld", v->name,
+                      (long)nr, (long)nc, (long)D);
                 { /* the same keys stored transposed (a K^T page, keys ldt = nc + 5 apart per element) */
                     const int64_t ldt = nc + 5;
                     float *kt = malloc(sizeof(float) * D * ldt);
                     uint16_t *ktb = malloc(sizeof(uint16_t) * D * ldt), *kth = malloc(sizeof(uint16_t) * D * ldt);
                     for (int64_t c = 0; c < nc; c++)
                         for (int64_t d = 0; d < D; d++)
-                            kt[d * ldt + c] = k[c * ld + d], ktb[d * ldt + c] = kb[c * ld + d], kth[d * ldt + c] = kh[c * ld + d];
+                            kt[d * ldt + c] = k[c * ld + d], ktb[d * ldt + c] = kb[c * ld + d],
+                                         kth[d * ldt + c] = kh[c * ld + d];
                     const ma_dtype dts[3] = {MA_F32, MA_BF16, MA_F16};
                     const void *kts[3] = {kt, ktb, kth};
                     for (int t = 0; t < 3; t++) {
@@ -329,9 +330,10 @@ static void test_rows(const ma_blocks *v) {
                 CHECK(memcmp(o, o2, sizeof(float) * nr * D) == 0, "%s axpy_keys nr=%ld nc=%ld Dv=%ld", v->name,
                       (long)nr, (long)nc, (long)D);
                 v->axpy_keys(o3, s, lds, nr, D, kb, MA_BF16, 0, ld, nc, 0);
-                CHECK(memcmp(o, o3, sizeof(float) * nr * D) == 0, "%s axpy_keys bfloat16 nr=%ld nc=%ld Dv=%ld",
-                      v->name, (long)nr, (long)nc, (long)D);
-                free(k), free(q), free(qT), free(sT), free(s), free(s2), free(kb), free(kh), free(o), free(o2), free(o3);
+                CHECK(memcmp(o, o3, sizeof(float) * nr * D) == 0, "%s axpy_keys bfloat16 nr=%ld nc=%ld Dv=%ld", v->name,
+                      (long)nr, (long)nc, (long)D);
+                free(k), free(q), free(qT), free(sT), free(s), free(s2), free(kb), free(kh), free(o), free(o2),
+                    free(o3);
             }
 }
 
@@ -361,8 +363,8 @@ static void test_int8(const ma_blocks *v) {
                       (long)nr, (long)nc, (long)D);
                 for (int64_t x = 0; x < nr * lds; x++) s2[x] = 7.0f;
                 v->dot_keys_t(s2, lds, q, nr, D, kt8, MA_I8, 0, ldt, nc, 0);
-                CHECK(memcmp(s, s2, sizeof(float) * nr * lds) == 0, "%s dot_keys_t int8 nr=%ld nc=%ld D=%ld",
-                      v->name, (long)nr, (long)nc, (long)D);
+                CHECK(memcmp(s, s2, sizeof(float) * nr * lds) == 0, "%s dot_keys_t int8 nr=%ld nc=%ld D=%ld", v->name,
+                      (long)nr, (long)nc, (long)D);
                 float *o = malloc(sizeof(float) * nr * D), *o2 = malloc(sizeof(float) * nr * D);
                 for (int64_t x = 0; x < nr * D; x++) o[x] = o2[x] = frand();
                 v->axpy_keys(o, s, lds, nr, D, k, MA_F32, 0, ld, nc, 0);
@@ -407,10 +409,12 @@ static void test_int8(const ma_blocks *v) {
  * multiplier form, at every row/key edge of the 8- and 16-lane blocks and
  * unaligned key starts; and the mask is the definition (ma_dropout_keep). */
 static void test_dropout(const ma_blocks *v) {
-    static const int64_t nrs[] = {1, 5, 8, 13, 16, 17, 64}, ncs[] = {1, 7, 8, 9, 64}, j0s[] = {0, 3, 64}, i0s[] = {0, 5};
+    static const int64_t nrs[] = {1, 5, 8, 13, 16, 17, 64}, ncs[] = {1, 7, 8, 9, 64}, j0s[] = {0, 3, 64},
+                         i0s[] = {0, 5};
     ma_attn_args a;
     memset(&a, 0, sizeof a);
-    a.H = 3, a.opts.dropout_p = 0.3, a.opts.dropout_seed = 0x0123456789abcdefull, a.opts.dropout_offset = 0xfedcba9876543210ull;
+    a.H = 3, a.opts.dropout_p = 0.3, a.opts.dropout_seed = 0x0123456789abcdefull,
+    a.opts.dropout_offset = 0xfedcba9876543210ull;
     const ma_dropout d = ma_dropout_head(&a, 1, 2);
     float *x0 = malloc(sizeof(float) * 64 * 64), *x1 = malloc(sizeof(float) * 64 * 64);
     for (size_t a1 = 0; a1 < sizeof nrs / sizeof nrs[0]; a1++)
@@ -424,13 +428,15 @@ static void test_dropout(const ma_blocks *v) {
                         float *z0 = mode & 2 ? x0 : NULL, *z1 = mode & 2 ? x1 : NULL;
                         ma_blocks_scalar.dropout(x0, z0, rs, cs, nr, nc, &d, i0, j0);
                         v->dropout(x1, z1, rs, cs, nr, nc, &d, i0, j0);
-                        CHECK(memcmp(x0, x1, sizeof(float) * nr * nc) == 0, "%s dropout nr=%ld nc=%ld j0=%ld i0=%ld mode=%d",
-                              v->name, (long)nr, (long)nc, (long)j0, (long)i0, mode);
+                        CHECK(memcmp(x0, x1, sizeof(float) * nr * nc) == 0,
+                              "%s dropout nr=%ld nc=%ld j0=%ld i0=%ld mode=%d", v->name, (long)nr, (long)nc, (long)j0,
+                              (long)i0, mode);
                         int def = 1;
                         for (int64_t r = 0; r < nr; r++)
                             for (int64_t c = 0; c < nc; c++)
                                 def &= (x1[r * rs + c * cs] != 0) == ma_dropout_keep(&d, i0 + r, j0 + c);
-                        CHECK(def, "%s dropout mask != definition nr=%ld nc=%ld mode=%d", v->name, (long)nr, (long)nc, mode);
+                        CHECK(def, "%s dropout mask != definition nr=%ld nc=%ld mode=%d", v->name, (long)nr, (long)nc,
+                              mode);
                     }
     free(x0), free(x1);
 }
