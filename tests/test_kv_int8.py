@@ -438,7 +438,7 @@ def test_bad_input_raw_ops():
     with pytest.raises(RuntimeError, match="quantize_kv: x must be float32"):
         torch.ops.masked_attn.quantize_kv(torch.ones(3, 4, dtype=torch.float64))
     kc, ks = torch.zeros(2, 4, 2, 8, dtype=torch.int8), torch.zeros(2, 4, 2)
-    with pytest.raises(RuntimeError, match="needs its scales, key_scale"):
+    with pytest.raises(RuntimeError, match="quantized and need its scales, key_scale"):
         tf.write_kv_cache(torch.randn(1, 2, 8), torch.randn(1, 2, 8), kc, kc.clone(), torch.tensor([0]))
     with pytest.raises(RuntimeError, match="key_scale must be a float32 CPU tensor"):
         tf.write_kv_cache(torch.randn(1, 2, 8), torch.randn(1, 2, 8), kc, kc.clone(), torch.tensor([0]), ks[:1], ks)

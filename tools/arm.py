@@ -65,6 +65,9 @@ ARM_SLICE = [
     "tests/test_dropout.py::test_mask_is_the_definition",  # Philox on the vector integer ops
     "tests/test_cross_entropy_options.py::test_variant_matches_scalar_and_torch",
     "tests/test_varlen.py::test_thread_count_and_batch_invariance",  # bitwise, the default variant
+    "tests/test_kv_int8.py::test_quantize_kv_is_its_definition",  # the 8-bit cache: quantize_row
+    "tests/test_kv_int8.py::test_attention_over_int8_cache",  # int8 k, v: dot_keys' word transposes
+    "tests/test_kv_int8.py::test_decode_row_batch_invariant",
     "-k",
     "neon or sve256 or None",  # the variants of the emulated CPU (SVE at 256 bits) and its default
 ]

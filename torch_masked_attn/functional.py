@@ -777,9 +777,10 @@ def write_kv_cache(
         slots: int64 or int32 (T,): row t goes to slot slots[t] = page * page_size + row (in a
             flat cache, the row); a negative slot skips the row (padding). Where two rows share
             a slot, the later row is what the cache holds.
-        key_scale, value_scale: an 8-bit cache (int8 key_cache, value_cache): its float32 scales,
-            shaped like the caches without their last dim; each new row (float32, bfloat16 or
-            float16) is quantized as :func:`quantize_kv` does, its scale written beside it.
+        key_scale, value_scale: float rows (float32, bfloat16 or float16) into an 8-bit cache
+            (int8 key_cache, value_cache): its float32 scales, shaped like the caches without their
+            last dim; each new row is quantized as :func:`quantize_kv` does, its scale written
+            beside it. (int8 rows into an int8 cache are copied, without scales.)
 
     On the CPU one C op (masked_attn::cache_write) does the copy, no Python indexing; on other
     devices, index_copy_. No gradient flows into the cache.

@@ -105,7 +105,8 @@ typedef struct {
 } ma_blocks;
 
 /* The float blocks of variant isa (AMX and AVX512-BF16: AVX-512's, which their
- * kernels use outside the tile products); dispatch.c. */
+ * kernels use outside the tile products); kv_cache/cache_write.c, its user (the
+ * quantizing block), so that harnesses linking a few variants need not link it. */
 const ma_blocks *ma_blocks_for(ma_isa isa);
 
 extern const ma_blocks ma_blocks_scalar, ma_blocks_avx2, ma_blocks_avx512, ma_blocks_neon, ma_blocks_sve256,

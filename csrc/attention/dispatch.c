@@ -31,23 +31,6 @@ static const ma_attn_kernels *kernels(ma_dtype dt, ma_isa isa) {
     }
 }
 
-const ma_blocks *ma_blocks_for(ma_isa isa) {
-    switch (isa) {
-#if defined(__x86_64__) || defined(__i386__)
-    case MA_ISA_AMX:
-    case MA_ISA_AVX512BF16:
-    case MA_ISA_AVX512: return &ma_blocks_avx512;
-    case MA_ISA_AVX2: return &ma_blocks_avx2;
-#elif defined(__aarch64__)
-    case MA_ISA_NEON: return &ma_blocks_neon;
-    case MA_ISA_SVE256: return &ma_blocks_sve256;
-    case MA_ISA_SVE512: return &ma_blocks_sve512;
-#endif
-    case MA_ISA_SCALAR:
-    default: return &ma_blocks_scalar;
-    }
-}
-
 #define KERNELS(P) kernels((P)->a.dtype, (P)->a.isa)
 #define PARAMS(T, ctx) ((const T *)((const ma_task_ctx *)(ctx))->params)
 

@@ -11,6 +11,23 @@
 #include "attention/blocks.h"
 #include "masked_attn.h"
 
+const ma_blocks *ma_blocks_for(ma_isa isa) {
+    switch (isa) {
+#if defined(__x86_64__) || defined(__i386__)
+    case MA_ISA_AMX:
+    case MA_ISA_AVX512BF16:
+    case MA_ISA_AVX512: return &ma_blocks_avx512;
+    case MA_ISA_AVX2: return &ma_blocks_avx2;
+#elif defined(__aarch64__)
+    case MA_ISA_NEON: return &ma_blocks_neon;
+    case MA_ISA_SVE256: return &ma_blocks_sve256;
+    case MA_ISA_SVE512: return &ma_blocks_sve512;
+#endif
+    case MA_ISA_SCALAR:
+    default: return &ma_blocks_scalar;
+    }
+}
+
 /* One head's row at a time into an 8-bit cache (its rows unit stride: the shim checks). */
 static void quantize_heads(const ma_cache_write_params *p, const ma_cache_side *side, int8_t *dst, const char *src,
                            float *scale) {

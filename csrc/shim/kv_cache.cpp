@@ -20,16 +20,17 @@ void cache_side(ma_cache_side* side, const Tensor& src, Tensor& cache, const cha
   const int64_t o = cache.dim() - 3;  // 1 for a paged cache
   MA_CHECK(cache.size(1 + o) == Hkv && cache.size(2 + o) == src.size(2), "masked_attn.cache_write: ", cache_name, " ",
            shape_str(cache), " does not hold rows of ", src_name, " ", shape_str(src), " (H_kv, dim)");
-  const bool i8 = cache.scalar_type() == ScalarType::Char;
+  // quantizing: float rows into an int8 cache (int8 rows into one are copied as they are)
+  const bool i8 = cache.scalar_type() == ScalarType::Char && src.scalar_type() != ScalarType::Char;
   MA_CHECK(src.scalar_type() == cache.scalar_type() || (i8 && src.scalar_type() != ScalarType::Double &&
                                                         is_floating(src.scalar_type())),
            "masked_attn.cache_write: ", src_name, " and ", cache_name,
            " must have the same dtype (or ", cache_name, " int8, an 8-bit cache, and ", src_name,
            " float32, bfloat16 or float16)");
   MA_CHECK(i8 == scale.has_value(), "masked_attn.cache_write: ",
-           i8 ? "an int8 (8-bit) cache needs its scales, " : "", scale_name,
+           i8 ? "float rows into an int8 (8-bit) cache are quantized and need its scales, " : "", scale_name,
            i8 ? ", a float32 tensor of the cache's shape without its last dim"
-              : " is for an int8 (8-bit) cache only");
+              : " is for float rows quantized into an int8 (8-bit) cache only");
   MA_CHECK(src.is_cpu() && cache.is_cpu(), "masked_attn.cache_write: ", src_name, " and ", cache_name,
            " must be CPU tensors");
   MA_CHECK(no_internal_overlap(cache), "masked_attn.cache_write: ", cache_name,
@@ -71,13 +72,11 @@ void cache_write(Tensor key, Tensor value, Tensor key_cache, Tensor value_cache,
   p.Hkv = key.dim() == 3 ? key.size(1) : 0;
   MA_CHECK(key.scalar_type() == value.scalar_type(), "masked_attn.cache_write: key and value must have the same dtype");
   // an 8-bit cache quantizes rows of unit stride: others are copied first
-  if (key_cache.scalar_type() == ScalarType::Char && key.dim() == 3 && key.stride(2) != 1)
-    key = torch::stable::contiguous(key);
-  if (value_cache.scalar_type() == ScalarType::Char && value.dim() == 3 && value.stride(2) != 1)
-    value = torch::stable::contiguous(value);
+  if (key_scale.has_value() && key.dim() == 3 && key.stride(2) != 1) key = torch::stable::contiguous(key);
+  if (value_scale.has_value() && value.dim() == 3 && value.stride(2) != 1) value = torch::stable::contiguous(value);
   cache_side(&p.k, key, key_cache, "key", "key_cache", p.T, p.Hkv, key_scale, "key_scale");
   cache_side(&p.v, value, value_cache, "value", "value_cache", p.T, p.Hkv, value_scale, "value_scale");
-  if (key_cache.scalar_type() == ScalarType::Char || value_cache.scalar_type() == ScalarType::Char) {
+  if (key_scale.has_value() || value_scale.has_value()) {
     to_ma_dtype(key.scalar_type(), &p.src_dtype);
     p.isa = select_isa(p.src_dtype);
   }
