@@ -630,7 +630,7 @@ def main():
             shown = text[len(prompt) :].replace("\n", "\n" + " " * 13)
             print(f'  {k:>6}: "{prompt}"{shown}\n')
     name = "ours" if "ours" in models else names[0]
-    print(f"\n8-bit KV cache ({name}'s trained model decoding held-out continuations through a cache)")
+    print(f"\n8-bit KV cache (the trained {name!r} model decoding held-out continuations through a cache)")
     res = {int8: cached_continuation(models[name], data["held"], int8) for int8 in (False, True)}
     (nll32, mb32), (nll8, mb8) = res[False], res[True]
     print(

@@ -38,7 +38,7 @@ MA_INLINE void store_k(const int full, float *x, vm k, vf v) {
  * capped bfloat16 decoding of one head at 63% of the bandwidth (75% into L2); a near one is
  * needed in L1 soon and its line is usually on its way already. */
 #define MA_PREFETCH_FAR 4096
-MA_INLINE void prefetch_ahead(const char *p, int64_t pf_bytes) {
+MA_INLINE void prefetch_ahead(const void *p, int64_t pf_bytes) {
     if (pf_bytes >= MA_PREFETCH_FAR) ma_prefetch_l2(p);
     else ma_prefetch(p);
 }
