@@ -545,3 +545,30 @@ def test_int8_cache_crop_and_beams():
     assert cache.get_seq_length() == 8 and torch.equal(cache.layers[1].keys, k0[:, :, :8])
     s = cache.layers[1].keys._masked_attn_scale
     assert s.shape == (2, 2, 8) and s.dtype == torch.float32
+
+
+def test_int8_cache_buffers_advised_huge_pages():
+    """The buffers Int8Cache grows (ops.empty_on_huge_pages) are marked for transparent huge
+    pages (madvise MADV_HUGEPAGE: "hg" in the mapping's VmFlags) on their 2 MB-aligned part;
+    a small one is left alone."""
+    import os
+
+    from torch_masked_attn.ops import empty_on_huge_pages
+
+    if not os.path.exists("/proc/self/smaps"):
+        pytest.skip("no /proc/self/smaps (not Linux)")
+    t = empty_on_huge_pages(8 << 20, dtype=torch.int8)
+    addr = (t.data_ptr() + (2 << 20) - 1) // (2 << 20) * (2 << 20)  # inside the advised part
+    flags = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif line.startswith("VmFlags:") and inside:
+                flags = line.split()[1:]
+                break
+    assert flags is not None and "hg" in flags, flags
+    assert empty_on_huge_pages(0, dtype=torch.float32).numel() == 0
+    assert empty_on_huge_pages(3, 5, dtype=torch.float32).shape == (3, 5)

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from . import functional as _F
+from . import ops as _ops
 
 try:
     import transformers  # noqa: F401
@@ -405,12 +406,12 @@ class Int8Layer(DynamicLayer):
 
     @staticmethod
     def _alloc(B: int, cap: int, H: int, D: int, Dv: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        i8 = torch.int8
+        new, i8, f32 = _ops.empty_on_huge_pages, torch.int8, torch.float32  # decoding streams these
         return (
-            torch.empty(B, cap, H, D, dtype=i8),
-            torch.empty(B, cap, H, Dv, dtype=i8),
-            torch.empty(B, cap, H),
-            torch.empty(B, cap, H),
+            new(B, cap, H, D, dtype=i8),
+            new(B, cap, H, Dv, dtype=i8),
+            new(B, cap, H, dtype=f32),
+            new(B, cap, H, dtype=f32),
         )
 
     def _views(self) -> None:

@@ -162,6 +162,8 @@ def bwd_cpus(n: int | None) -> Iterator[None]:
 _clib.ma_release_memory.restype = ctypes.c_size_t
 _clib.ma_scratch_idle_bytes.restype = ctypes.c_size_t
 _clib.ma_scratch_last_bytes.restype = ctypes.c_size_t
+_clib.ma_advise_huge_pages.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_clib.ma_advise_huge_pages.restype = None
 
 
 def release_memory() -> int:
@@ -171,6 +173,16 @@ def release_memory() -> int:
     calls (a few, at most 1 GB), so that a call touches no fresh pages; this
     frees them (the next call allocates again). Process exit frees them too."""
     return int(_clib.ma_release_memory())
+
+
+def empty_on_huge_pages(*shape: int, dtype: torch.dtype) -> Tensor:
+    """An uninitialised CPU tensor whose 2 MB-aligned part Linux is asked to back with
+    transparent huge pages (madvise, before the first touch; a hint, nothing elsewhere):
+    what the kernels stream (an 8-bit cache) reads about 12% faster than from 4 KB pages."""
+    t = torch.empty(*shape, dtype=dtype)
+    if t.numel():
+        _clib.ma_advise_huge_pages(t.data_ptr(), t.numel() * t.element_size())
+    return t
 
 
 def scratch_stats() -> dict[str, int]:

@@ -145,17 +145,24 @@ void run_attn_bwd(ma_attn_bwd_params& p) {
 // distributions, only an madvise gives them; it is advice: where THP is off,
 // or the pages are already there, nothing changes. The memory still belongs
 // to PyTorch's allocator.
-void advise_huge_pages(Tensor& t) {
+namespace {
+
+void advise_range(void* p, uintptr_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  const uintptr_t bytes = static_cast<uintptr_t>(t.numel()) * t.element_size();
   if (bytes < 2 * kHuge) return;
-  const uintptr_t base = reinterpret_cast<uintptr_t>(t.mutable_data_ptr());
+  const uintptr_t base = reinterpret_cast<uintptr_t>(p);
   const uintptr_t lo = (base + kHuge - 1) & ~(kHuge - 1), hi = (base + bytes) & ~(kHuge - 1);
   if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
 #else
-  (void)t;
+  (void)p, (void)bytes;
 #endif
+}
+
+}  // namespace
+
+void advise_huge_pages(Tensor& t) {
+  advise_range(t.mutable_data_ptr(), static_cast<uintptr_t>(t.numel()) * t.element_size());
 }
 
 // Outputs of at least this many bytes are written with non-temporal stores
@@ -177,4 +184,6 @@ size_t ma_release_memory(void) { return scratch_pool().release(); }
 // Bytes the pool keeps now (idle), and the scratch the last parallel region used.
 size_t ma_scratch_idle_bytes(void) { return scratch_pool().idle_bytes(); }
 size_t ma_scratch_last_bytes(void) { return last_scratch_bytes.load(); }
+// advise_huge_pages for memory Python allocated (hf.Int8Cache's buffers), before its first touch.
+void ma_advise_huge_pages(void* p, size_t bytes) { advise_range(p, bytes); }
 }
