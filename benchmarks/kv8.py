@@ -20,6 +20,8 @@ cache format's alone: on 4 KB pages both read about 12% slower (SPR,
                  kernel, without its fresh output, whose first touch costs more than
                  the kernel); "native" the same definition in PyTorch ops. traffic_bytes:
                  bfloat16 in, int8 and scales out.
+  kv8-hf-generate  generate on a small Llama with hf.Int8Cache against transformers'
+                 QuantizedCache (optimum-quanto, 4 bits) on "sdpa" (skipped without it).
 """
 
 import ctypes
@@ -156,10 +158,6 @@ def quantize(B=8, L=4096, H=8, D=128):
     )
 
 
-NAMED = {"kv8-decode": decode, "kv8-prefill": prefill, "kv8-quantize": quantize}
-GROUP = list(NAMED)
-
-
 def hf_generate(B=2, prompt=512, new=32):
     """A small Llama (hidden 512, 4 layers, 8 heads on 2 KV heads, random weights, nothing
     downloaded) generating `new` tokens greedily after a `prompt`-token prompt: ours on
@@ -185,8 +183,9 @@ def hf_generate(B=2, prompt=512, new=32):
         num_key_value_heads=2,
         pad_token_id=0,
     )
-    models = {impl: AutoModelForCausalLM.from_config(cfg, attn_implementation=impl).eval() for impl in ("sdpa",)}
-    models["masked_attn"] = AutoModelForCausalLM.from_config(cfg, attn_implementation="masked_attn").eval()
+    models = {
+        impl: AutoModelForCausalLM.from_config(cfg, attn_implementation=impl).eval() for impl in ("sdpa", "masked_attn")
+    }
     models["masked_attn"].load_state_dict(models["sdpa"].state_dict())
     ids = torch.randint(1, 32000, (B, prompt))
     kw = dict(input_ids=ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
@@ -211,5 +210,5 @@ def hf_generate(B=2, prompt=512, new=32):
     )
 
 
-NAMED["kv8-hf-generate"] = hf_generate
-GROUP.append("kv8-hf-generate")
+NAMED = {"kv8-decode": decode, "kv8-prefill": prefill, "kv8-quantize": quantize, "kv8-hf-generate": hf_generate}
+GROUP = list(NAMED)
