@@ -274,11 +274,11 @@ _OP_SCRIPT = textwrap.dedent(r"""
     pq, pk, pv = r(12, H, D), r(12, 2, D), r(12, 2, D)
     cu = i32(0, 5, 12)
     def vfw(q=pq, k=pk, v=pv, cq=cu, ck=cu, mq=7, mk=7, wl=-1, wr=-1, **kw):
-        return vf(q, k, v, cq, ck, mq, mk, None, wl, wr, **kw)
+        return vf(q, k, v, cq, ck, mq, mk, None, window_left=wl, window_right=wr, **kw)
     pout, plse, _ = vfw()
     pgo = torch.randn_like(pout)
     def vbw(go=pgo, out=pout, lse=plse, cq=cu, ck=cu, mq=7, mk=7, **kw):
-        return vb(go, pq, pk, pv, out, lse, cq, ck, mq, mk, None, -1, -1, **kw)
+        return vb(go, pq, pk, pv, out, lse, cq, ck, mq, mk, None, **kw)
     cases = {
       "q_rank3": lambda: fwd(q[0], k, v, None, None, None, False, None, False),
       "k_rank5": lambda: fwd(q, k[None], v, None, None, None, False, None, False),

@@ -114,7 +114,7 @@ def test_raw_op_out_lo(dtype):
     runs, from out alone."""
     q, k, v = _qkv(dtype, requires_grad=True)
     fwd = torch.ops.masked_attn.forward.default
-    args = (q, k, v, None, None, None, True, None, False, 0.0, None, -1, -1, None, None)
+    args = (q, k, v, None, None, None, True, None, False, 0.0, None)
     for isa in ISAS:
         if not tma.ops.isa_available(isa):
             continue
@@ -149,7 +149,7 @@ def test_varlen_raw_op_out_lo():
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in _qkv())
     cu = torch.tensor([0, 10, 33], dtype=torch.int32)
     f = torch.ops.masked_attn.varlen_forward.default
-    args = (q, k, v, cu, cu, 23, 23, None, -1, -1, None, None, None, None)
+    args = (q, k, v, cu, cu, 23, 23, None, None, None)
     assert f(*args, True)[2].shape == q.shape
     assert f(*args, False)[2].numel() == 0
     torch.library.opcheck(f, args + (False,), test_utils=("test_schema", "test_faketensor"))

@@ -71,8 +71,8 @@ def test_out_lo_is_outs_rounding_error(dtype, isa):
             130,
             130,
             None,
-            -1,
-            0,
+            window_left=-1,
+            window_right=0,
         )
     ref = tma.functional.masked_attention(q.double(), k.double(), v.double(), head_mask=hm.double(), is_causal=True)
     assert lo.dtype == dtype and lo.shape == out.shape

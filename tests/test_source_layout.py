@@ -64,3 +64,46 @@ def test_environment_read_in_one_place():
                     if re.search(r"\bgetenv\s*\(", f.read()):
                         readers.append(os.path.relpath(os.path.join(dirpath, name), ROOT))
     assert readers == ["csrc/common/isa.c"]
+
+
+ATTENTION_OPS = ("forward", "backward", "backward_into", "varlen_forward", "varlen_backward")
+
+
+def test_attention_options_declared_once():
+    """The options all five attention ops take end every schema, identically
+    (declared once, csrc/shim/options.cpp), and are what ops.AttnOptions
+    hands the ops; ALiBi, the example of such an option, is named only where
+    an option of its kind must be (docs/design.md, "The options object")."""
+    import torch
+
+    def tail(op):
+        args = getattr(torch.ops.masked_attn, op).default._schema.arguments
+        return [(a.name, str(a.type), a.default_value) for a in args]
+
+    tails = {op: tail(op) for op in ATTENTION_OPS}
+    n = min(len(t) for t in tails.values())
+    common = 0  # the longest common suffix
+    while common < n and len({tuple(t[len(t) - 1 - common]) for t in tails.values()}) == 1:
+        common += 1
+    shared = [name for name, _, _ in tails["forward"][len(tails["forward"]) - common :]]
+    opts = torch_masked_attn.ops.AttnOptions(
+        window=(1, 2), softcap=1.0, sinks=torch.zeros(2), alibi_slopes=torch.zeros(2)
+    ).op_args()
+    assert shared == ["window_left", "window_right", "softcap", "sinks", "alibi_slopes"]
+    assert set(shared) <= set(opts)
+    readers = set()
+    for top in ("csrc", "torch_masked_attn"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+            for name in files:
+                if name.endswith((".c", ".h", ".cpp", ".hpp", ".py")):
+                    with open(os.path.join(dirpath, name), encoding="utf-8") as f:
+                        if "alibi" in f.read().lower():
+                            readers.add(os.path.relpath(os.path.join(dirpath, name), ROOT))
+    assert readers == {
+        "csrc/masked_attn.h",
+        "csrc/attention/attention_tmpl.h",
+        "csrc/shim/options.cpp",
+        "torch_masked_attn/ops.py",
+        "torch_masked_attn/functional.py",
+        "torch_masked_attn/flash_attn.py",
+    }

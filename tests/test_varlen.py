@@ -217,10 +217,11 @@ OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
 @pytest.mark.parametrize("cap_sinks", [False, True], ids=["plain", "softcap-sinks"])
 def test_opcheck(window, cap_sinks):
     q, k, v, cq, ck = make([5, 0, 70], [6, 2, 70], 2, 1, 8, 8, torch.float32)
-    extra = (2.5, torch.randn(2, requires_grad=True)) if cap_sinks else ()
-    args = (q, k, v, cq, ck, 70, 70, None, window[0], window[1], None, None) + extra
-    torch.library.opcheck(torch.ops.masked_attn.varlen_forward.default, args, test_utils=OPCHECK_UTILS)
-    out, lse, _ = torch.ops.masked_attn.varlen_forward(*args)
+    extra = dict(softcap=2.5, sinks=torch.randn(2, requires_grad=True)) if cap_sinks else {}
+    opts = dict(window_left=window[0], window_right=window[1], **extra)
+    args = (q, k, v, cq, ck, 70, 70, None, None, None)
+    torch.library.opcheck(torch.ops.masked_attn.varlen_forward.default, args, opts, test_utils=OPCHECK_UTILS)
+    out, lse, _ = torch.ops.masked_attn.varlen_forward(*args, **opts)
     bargs = (
         torch.randn_like(out),
         q.detach(),
@@ -233,11 +234,10 @@ def test_opcheck(window, cap_sinks):
         70,
         70,
         0.5,
-        window[0],
-        window[1],
-    ) + tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in extra)
+    )
+    bopts = {name: x.detach() if isinstance(x, torch.Tensor) else x for name, x in opts.items()}
     torch.library.opcheck(
-        torch.ops.masked_attn.varlen_backward.default, bargs, test_utils=("test_schema", "test_faketensor")
+        torch.ops.masked_attn.varlen_backward.default, bargs, bopts, test_utils=("test_schema", "test_faketensor")
     )
 
 
@@ -336,13 +336,13 @@ def test_tile_products_forward(isa, dtype, window, cap_sinks):
                 mq,
                 mk,
                 None,
-                window[0],
-                window[1],
                 extra.get("used"),
                 extra.get("table"),
-                cap,
-                sinks,
                 for_backward,
+                window_left=window[0],
+                window_right=window[1],
+                softcap=cap,
+                sinks=sinks,
             )[:2]
 
         out, lse = run_isa(isa, lambda: call(k, v, ck))
@@ -461,13 +461,12 @@ def test_entries_match_dense_forward_bitwise(isa, dtype, grad):
                         max(lq),
                         max(lk),
                         None,
-                        -1,
-                        0 if causal else -1,
                         used,
                         table,
-                        cap,
-                        kw["sinks"],
                         grad,
+                        window_right=0 if causal else -1,
+                        softcap=cap,
+                        sinks=kw["sinks"],
                     )[0]
                 dense = []
                 for b in range(len(lq)):
@@ -550,13 +549,13 @@ def test_seqused_k_and_block_table(page, dtype, lq):
         # for_backward=False as varlen_attn's no-grad call: a bfloat16 call on the tile products (amx,
         # avx512bf16) otherwise keeps P in two parts for a backward (docs/design.md, section 6)
         raw = torch.ops.masked_attn.varlen_forward(
-            q, kp, vp, cq, None, mq, 256, None, -1, 0, seqused, table, None, None, False
+            q, kp, vp, cq, None, mq, 256, None, seqused, table, False, window_right=0
         )[0]
         assert torch.equal(raw, ref_p)
         bad = table.clone()
         bad[0, 0] = pool_pages
         with pytest.raises(RuntimeError, match=r"block_table\[0, 0\] = .* is not a page of key"):
-            torch.ops.masked_attn.varlen_forward(q, kp, vp, cq, None, mq, 256, None, -1, 0, seqused, bad)
+            torch.ops.masked_attn.varlen_forward(q, kp, vp, cq, None, mq, 256, None, seqused, bad, window_right=0)
     # inference only
     qg = q.clone().requires_grad_()
     with pytest.raises(RuntimeError, match="inference-only"):

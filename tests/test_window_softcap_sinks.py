@@ -352,9 +352,11 @@ def test_opcheck():
     sinks = _rand(2).requires_grad_()
     am = _rand(1, 1, 70, 70)
     fwd = torch.ops.masked_attn.forward.default
-    torch.library.opcheck(fwd, (q, k, v, am, None, None, True, None, False, 0.0, None, 30, -1, 2.0, sinks))
-    torch.library.opcheck(fwd, (q, k, v, None, None, None, False, 0.3, True, 0.0, None, 5, 7, None, sinks))
-    out, lse, _, _ = fwd(q, k, v, am, None, None, False, None, False, 0.0, None, 5, 7, 2.0, sinks)
+    opts = dict(window_left=5, window_right=7, softcap=2.0, sinks=sinks)
+    torch.library.opcheck(fwd, (q, k, v, am, None, None, True, None, False), dict(opts, window_left=30))
+    torch.library.opcheck(fwd, (q, k, v, None, None, None, False, 0.3, True), dict(opts, softcap=None))
+    out, lse, _, _ = fwd(q, k, v, am, None, None, False, None, False, **opts)
+    opts["sinks"] = sinks.detach()
     g = _rand(*out.shape)
     bwd = torch.ops.masked_attn.backward.default
     torch.library.opcheck(
@@ -374,13 +376,8 @@ def test_opcheck():
             None,
             False,
             False,
-            0.0,
-            None,
-            5,
-            7,
-            2.0,
-            sinks.detach(),
         ),
+        opts,
     )
     into = torch.ops.masked_attn.backward_into.default
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -404,13 +401,8 @@ def test_opcheck():
             dq,
             dk,
             dv,
-            0.0,
-            None,
-            5,
-            7,
-            2.0,
-            sinks.detach(),
         ),
+        opts,
     )
 
 
@@ -583,12 +575,12 @@ def test_bad_input():
     # the raw op checks too, naming the argument
     fwd = torch.ops.masked_attn.forward
     with pytest.raises(RuntimeError, match="window_left must be -1"):
-        fwd(q, k, v, None, None, None, False, None, False, 0.0, None, -4, 0, None, None)
+        fwd(q, k, v, None, None, None, False, None, False, window_left=-4, window_right=0)
     with pytest.raises(RuntimeError, match="window_right must be -1"):
-        fwd(q, k, v, None, None, None, False, None, False, 0.0, None, 0, -4, None, None)
+        fwd(q, k, v, None, None, None, False, None, False, window_left=0, window_right=-4)
     with pytest.raises(RuntimeError, match="softcap must be None or a finite number > 0"):
-        fwd(q, k, v, None, None, None, False, None, False, 0.0, None, -1, -1, -2.0, None)
+        fwd(q, k, v, None, None, None, False, None, False, softcap=-2.0)
     with pytest.raises(RuntimeError, match=r"sinks must have shape \(H,\)"):
-        fwd(q, k, v, None, None, None, False, None, False, 0.0, None, -1, -1, None, torch.zeros(5))
+        fwd(q, k, v, None, None, None, False, None, False, sinks=torch.zeros(5))
     with pytest.raises(RuntimeError, match="sinks must be floating point"):
-        fwd(q, k, v, None, None, None, False, None, False, 0.0, None, -1, -1, None, torch.zeros(2, dtype=torch.int32))
+        fwd(q, k, v, None, None, None, False, None, False, sinks=torch.zeros(2, dtype=torch.int32))

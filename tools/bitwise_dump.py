@@ -137,9 +137,9 @@ def dump_attention(res):
             ("causal-win", True, 30, -1, None),
             ("cap-win", False, 40, 70, 5.0),
         ]:
-            win = (0.0, None, wl, wr, cap, None)
-            out, lse = fwd(q, k, v, None, kpm, None, causal, None, False, *win)[:2]
-            grads = bwd(go, None, q, k, v, out, lse, None, kpm, None, causal, None, False, False, *win)
+            win = dict(window_left=wl, window_right=wr, softcap=cap)
+            out, lse = fwd(q, k, v, None, kpm, None, causal, None, False, **win)[:2]
+            grads = bwd(go, None, q, k, v, out, lse, None, kpm, None, causal, None, False, False, **win)
             res[f"{name}-{vname}"] = [out, lse, *bwd_grads(grads, None)]
         # strided (non-contiguous) q, k, v
         qs = q.transpose(2, 3).contiguous().transpose(2, 3)
@@ -176,11 +176,10 @@ def dump_attention_more(res):
                 ("drop-cap-win-sinks", 0.3, True, 50, -1, 6.0, sinks),
             ]:
                 ds = seed if p > 0 else None
-                out, lse, w, lo = fwd(q, k, v, None, kpm, None, causal, None, False, p, ds, wl, wr, cap, sk)
+                opts = dict(dropout_p=p, dropout_seed=ds, window_left=wl, window_right=wr, softcap=cap, sinks=sk)
+                out, lse, w, lo = fwd(q, k, v, None, kpm, None, causal, None, False, **opts)
                 lo = lo if lo.numel() else None
-                grads = bwd(
-                    go, None, q, k, v, out, lse, None, kpm, None, causal, None, False, False, p, ds, wl, wr, cap, sk, lo
-                )
+                grads = bwd(go, None, q, k, v, out, lse, None, kpm, None, causal, None, False, False, out_lo=lo, **opts)
                 res[f"more-{dt}-{B}{H}{Hkv}-{Lq}x{Lk}-{D}-{vname}"] = [out, lse, *grads]
             out, lse, w, lo = fwd(q, k, v, None, kpm, None, False, None, True, 0.25, seed)
             res[f"more-{dt}-{B}{H}{Hkv}-{Lq}x{Lk}-{D}-drop-weights"] = [out, lse, w]
@@ -192,9 +191,10 @@ def dump_attention_more(res):
         q, k, v = r(int(cu_q[-1]), H, D, dt=dt), r(int(cu_k[-1]), Hkv, D, dt=dt), r(int(cu_k[-1]), Hkv, D, dt=dt)
         go = r(int(cu_q[-1]), H, D, dt=dt)
         for vname, wl, wr, cap in [("plain", -1, -1, None), ("causal-cap", -1, 0, 5.0), ("win", 20, 3, None)]:
-            out, lse, lo = vfwd(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), None, wl, wr, None, None, cap)
+            opts = dict(window_left=wl, window_right=wr, softcap=cap)
+            out, lse, lo = vfwd(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), None, **opts)
             lo = lo if lo.numel() else None
-            grads = vbwd(go, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k), None, wl, wr, cap, None, lo)
+            grads = vbwd(go, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k), None, out_lo=lo, **opts)
             res[f"varlen-{dt}-{vname}"] = [out, lse, *grads]
         # paged caches: row pages and K^T pages (element d of key c at d * page + c within a head's page)
         H, Hkv, D, page, pages = 8, 2, 64, 64, 40
@@ -211,7 +211,20 @@ def dump_attention_more(res):
                 ("cap-sinks-win", 60, 0, 3.0, torch.randn(H, generator=g)),
             ]:
                 out, lse, lo = vfwd(
-                    q, kc, rows_v, cu_q, None, max(lens_q), max(lens_k), None, wl, wr, used, table, cap, sk
+                    q,
+                    kc,
+                    rows_v,
+                    cu_q,
+                    None,
+                    max(lens_q),
+                    max(lens_k),
+                    None,
+                    window_left=wl,
+                    window_right=wr,
+                    seqused_k=used,
+                    block_table=table,
+                    softcap=cap,
+                    sinks=sk,
                 )
                 res[f"paged-{dt}-{lname}-{vname}"] = [out, lse, lo]
 

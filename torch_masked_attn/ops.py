@@ -1,16 +1,18 @@
 """torch.ops.masked_attn: load the compiled library, register fake (meta)
 kernels and autograd for every op.
 
-The ops themselves are defined in csrc/shim/ (schemas: registration.cpp):
+The ops themselves are defined in csrc/shim/ (schemas: registration.cpp;
+every attention schema ends with the same options, declared once in
+options.cpp: window_left=-1, window_right=-1, softcap?, sinks?, alibi_slopes?):
 
     masked_attn::forward(q, k, v, attn_mask?, key_padding_mask?, head_mask?,
                          is_causal, scale?, need_weights, dropout_p=0., dropout_seed?,
-                         window_left=-1, window_right=-1, softcap?, sinks?, for_backward=True)
+                         for_backward=True, k_scale?, v_scale?, <options>)
         -> (out, lse, weights, out_lo)
     masked_attn::backward(grad_out, grad_weights?, q, k, v, out, lse, attn_mask?,
                           key_padding_mask?, head_mask?, is_causal, scale?,
                           head_mask_grad, mask_grad, dropout_p=0., dropout_seed?,
-                          window_left=-1, window_right=-1, softcap?, sinks?, out_lo?)
+                          out_lo?, <options>)
         -> (grad_q, grad_k, grad_v, grad_head_mask, grad_scores, grad_sinks)
 
 out_lo (bfloat16 / float16 only; empty otherwise) is out's rounding error in
@@ -429,8 +431,9 @@ class AttnOptions:
         )
 
     def op_args(self) -> dict[str, object]:
-        """The options as the attention ops' schemas name them (registration.cpp);
-        those at their default are left out (varlen's schema lacks some)."""
+        """The options as the attention ops' schemas name them (their shared
+        tail: csrc/shim/options.cpp); those at their default are left out
+        (varlen's schema lacks some)."""
         named: dict[str, object] = {"window_left": self.window[0], "window_right": self.window[1]}
         if self.softcap is not None:
             named["softcap"] = self.softcap

@@ -98,21 +98,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> forward_impl(const Sizes& s, const Ma
 
 // ---- ops --------------------------------------------------------------------
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tensor v,
-                                                std::optional<Tensor> attn_mask,
-                                                std::optional<Tensor> key_padding_mask,
-                                                std::optional<Tensor> head_mask, bool is_causal,
-                                                std::optional<double> scale, bool need_weights,
-                                                double dropout_p, std::optional<Tensor> dropout_seed,
-                                                int64_t window_left, int64_t window_right,
-                                                std::optional<double> softcap, std::optional<Tensor> sinks,
-                                                bool for_backward, std::optional<Tensor> alibi_slopes,
-                                                std::optional<Tensor> k_scale, std::optional<Tensor> v_scale) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> attn_forward(const AttnOptArgs& opts, Tensor q, Tensor k, Tensor v,
+                                                        std::optional<Tensor> attn_mask,
+                                                        std::optional<Tensor> key_padding_mask,
+                                                        std::optional<Tensor> head_mask, bool is_causal,
+                                                        std::optional<double> scale, bool need_weights,
+                                                        double dropout_p, std::optional<Tensor> dropout_seed,
+                                                        bool for_backward, std::optional<Tensor> k_scale,
+                                                        std::optional<Tensor> v_scale) {
   const Sizes s = check_qkv(q, k, v, true);
   const Masks m = check_masks(s, attn_mask, key_padding_mask);
-  AttnOpts o = parse_attn_opts(
-      s, {is_causal, dropout_p, dropout_seed, window_left, window_right, softcap, sinks, head_mask, alibi_slopes},
-      false);
+  AttnOpts o = parse_attn_opts(s, opts, {is_causal, dropout_p, dropout_seed, head_mask}, false);
   parse_kv_scales("masked_attn", q, k, v, k_scale, v_scale, KvLayout::Dense, &o.c);
   return forward_impl(s, m, o, q, k, v, default_scale(s, scale), need_weights, for_backward);
 }
@@ -194,17 +190,13 @@ std::tuple<Tensor, Tensor, Tensor> backward_impl(const Sizes& s, const Masks& m,
 }  // namespace
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
-    Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
-    Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
-    std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
-    bool head_mask_grad, bool mask_grad, double dropout_p, std::optional<Tensor> dropout_seed,
-    int64_t window_left, int64_t window_right, std::optional<double> softcap, std::optional<Tensor> sinks,
-    std::optional<Tensor> out_lo, std::optional<Tensor> alibi_slopes) {
+    const AttnOptArgs& opts, Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v,
+    Tensor out, Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
+    std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale, bool head_mask_grad,
+    bool mask_grad, double dropout_p, std::optional<Tensor> dropout_seed, std::optional<Tensor> out_lo) {
   const Sizes s = check_qkv(q, k, v);
   const Masks m = check_masks(s, attn_mask, key_padding_mask);
-  const AttnOpts o = parse_attn_opts(
-      s, {is_causal, dropout_p, dropout_seed, window_left, window_right, softcap, sinks, head_mask, alibi_slopes},
-      false);
+  const AttnOpts o = parse_attn_opts(s, opts, {is_causal, dropout_p, dropout_seed, head_mask}, false);
   Tensor dq = blhd(q, s.B, s.H, s.Lq, s.D);
   Tensor dk = blhd(q, s.B, s.Hkv, s.Lk, s.D);
   Tensor dv = blhd(q, s.B, s.Hkv, s.Lk, s.Dv);
@@ -219,12 +211,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
 // slices of one packed (B, L, 3, H, D) buffer: the gradient of a fused qkv
 // projection, with no stack or copy after it. The views must not overlap.
 std::tuple<Tensor, Tensor, Tensor> attn_backward_into(
-    Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
-    Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
-    std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
-    bool head_mask_grad, bool mask_grad, Tensor grad_q, Tensor grad_k, Tensor grad_v, double dropout_p,
-    std::optional<Tensor> dropout_seed, int64_t window_left, int64_t window_right, std::optional<double> softcap,
-    std::optional<Tensor> sinks, std::optional<Tensor> out_lo, std::optional<Tensor> alibi_slopes) {
+    const AttnOptArgs& opts, Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v,
+    Tensor out, Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
+    std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale, bool head_mask_grad,
+    bool mask_grad, Tensor grad_q, Tensor grad_k, Tensor grad_v, double dropout_p,
+    std::optional<Tensor> dropout_seed, std::optional<Tensor> out_lo) {
   // What the kernels allow (masked_attn.h): outputs that never share memory
   // with each other or with what is read, except that the single pass (no
   // grad_weights) may write grad_q, grad_k, grad_v over q, k, v themselves,
@@ -260,9 +251,7 @@ std::tuple<Tensor, Tensor, Tensor> attn_backward_into(
   }
   const Sizes s = check_qkv(q, k, v);
   const Masks m = check_masks(s, attn_mask, key_padding_mask);
-  const AttnOpts o = parse_attn_opts(
-      s, {is_causal, dropout_p, dropout_seed, window_left, window_right, softcap, sinks, head_mask, alibi_slopes},
-      false);
+  const AttnOpts o = parse_attn_opts(s, opts, {is_causal, dropout_p, dropout_seed, head_mask}, false);
   return backward_impl(s, m, o, q, k, v, {grad_out, grad_weights, out, lse, out_lo, head_mask_grad, mask_grad},
                        default_scale(s, scale), grad_q, grad_k, grad_v);
 }

@@ -37,6 +37,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <variant>
 #include <initializer_list>
 #include <vector>
 
@@ -238,16 +239,43 @@ Masks check_masks(const Sizes& s, const std::optional<Tensor>& attn_mask,
 
 // ---- the options of an attention call (options.cpp) ----------------------------------
 
-// The options as the attention ops' schemas spell them (registration.cpp; an
-// op without one leaves its default).
-struct AttnOptArgs {
+// The options every attention op's schema ends with, declared once (kOpts,
+// options.cpp): attn_schema() appends their text to each of the five schemas,
+// and AttnBox hands the op the call's last attn_opt_count() values, taken over
+// from its boxed stack, one per option in the schema's order; parse_attn_opts
+// reads them. A new option of this kind is a row of kOpts and its check there:
+// no edit here, in the schemas or in the ops.
+using AttnOptValue = std::variant<int64_t, std::optional<double>, std::optional<Tensor>>;
+using AttnOptArgs = std::vector<AttnOptValue>;
+std::string attn_schema(const char* head, const char* tail);  // head + the options + tail
+uint64_t attn_opt_count();
+AttnOptArgs take_attn_opt_args(const StableIValue* values);
+
+// The options only the dense ops (forward, backward, backward_into) have.
+struct DenseOptArgs {
   bool is_causal = false;
   double dropout_p = 0;
-  std::optional<Tensor> dropout_seed;
-  int64_t window_left = -1, window_right = -1;
-  std::optional<double> softcap;
-  std::optional<Tensor> sinks, head_mask, alibi_slopes;
+  std::optional<Tensor> dropout_seed, head_mask;
 };
+
+// A boxed kernel (registration.cpp) for an attention op written as
+// R fn(const AttnOptArgs&, A...): A... are the schema's leading arguments,
+// the options its last attn_opt_count().
+template <typename Sig, Sig* fn>
+struct AttnBox;
+template <typename... R, typename... A, std::tuple<R...> (*fn)(const AttnOptArgs&, A...)>
+struct AttnBox<std::tuple<R...>(const AttnOptArgs&, A...), fn> {
+  static void boxed(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
+    namespace d = torch::stable::detail;
+    MA_CHECK(num_args == sizeof...(A) + attn_opt_count() && num_outputs == sizeof...(R),
+             "masked_attn: an attention op's schema and its kernel disagree");
+    AttnOptArgs opts = take_attn_opt_args(stack + sizeof...(A));
+    auto args = d::unbox_to_tuple<d::unbox_type_t<A>...>(stack);
+    auto res = std::apply([&](auto&&... a) { return fn(opts, a...); }, std::move(args));
+    d::box_from_tuple<R...>(stack, res);
+  }
+};
+#define ATTN_BOX(f) (masked_attn_shim::AttnBox<std::remove_pointer_t<decltype(f)>, (f)>::boxed)
 
 // The options checked and normalised, once per call (parse_attn_opts): c is
 // what the kernels read (ma_attn_args.opts, masked_attn.h); the tensors are
@@ -260,7 +288,7 @@ struct AttnOpts {
 
 // Every check of the options lives here: the five attention ops call it
 // with the call's sizes (varlen: B = N sequences, Lq, Lk the longest).
-AttnOpts parse_attn_opts(const Sizes& s, const AttnOptArgs& in, bool varlen);
+AttnOpts parse_attn_opts(const Sizes& s, const AttnOptArgs& in, const DenseOptArgs& dense, bool varlen);
 
 // The options' gradients the backward ops return, reduced to their shapes:
 // the head mask's ((H,) or (B, H), its dtype) from the kernels' per-row sums
@@ -300,44 +328,38 @@ Tensor new_strided(const Tensor& like, std::initializer_list<int64_t> sizes, std
 
 // ---- ops (attention.cpp, varlen.cpp, cross_entropy.cpp; registered in registration.cpp) ----
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> attn_forward(Tensor q, Tensor k, Tensor v,
-                                                std::optional<Tensor> attn_mask,
-                                                std::optional<Tensor> key_padding_mask,
-                                                std::optional<Tensor> head_mask, bool is_causal,
-                                                std::optional<double> scale, bool need_weights,
-                                                double dropout_p, std::optional<Tensor> dropout_seed,
-                                                int64_t window_left, int64_t window_right,
-                                                std::optional<double> softcap, std::optional<Tensor> sinks,
-                                                bool for_backward, std::optional<Tensor> alibi_slopes,
-                                                std::optional<Tensor> k_scale, std::optional<Tensor> v_scale);
+// The attention ops take their options first (AttnBox), then the schema's
+// leading arguments in its order.
+std::tuple<Tensor, Tensor, Tensor, Tensor> attn_forward(const AttnOptArgs& opts, Tensor q, Tensor k, Tensor v,
+                                                        std::optional<Tensor> attn_mask,
+                                                        std::optional<Tensor> key_padding_mask,
+                                                        std::optional<Tensor> head_mask, bool is_causal,
+                                                        std::optional<double> scale, bool need_weights,
+                                                        double dropout_p, std::optional<Tensor> dropout_seed,
+                                                        bool for_backward, std::optional<Tensor> k_scale,
+                                                        std::optional<Tensor> v_scale);
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attn_backward(
-    Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
-    Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
-    std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
-    bool head_mask_grad, bool mask_grad, double dropout_p, std::optional<Tensor> dropout_seed,
-    int64_t window_left, int64_t window_right, std::optional<double> softcap, std::optional<Tensor> sinks,
-    std::optional<Tensor> out_lo, std::optional<Tensor> alibi_slopes);
+    const AttnOptArgs& opts, Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v,
+    Tensor out, Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
+    std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale, bool head_mask_grad,
+    bool mask_grad, double dropout_p, std::optional<Tensor> dropout_seed, std::optional<Tensor> out_lo);
 std::tuple<Tensor, Tensor, Tensor> attn_backward_into(
-    Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v, Tensor out,
-    Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
-    std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale,
-    bool head_mask_grad, bool mask_grad, Tensor grad_q, Tensor grad_k, Tensor grad_v, double dropout_p,
-    std::optional<Tensor> dropout_seed, int64_t window_left, int64_t window_right, std::optional<double> softcap,
-    std::optional<Tensor> sinks, std::optional<Tensor> out_lo, std::optional<Tensor> alibi_slopes);
-std::tuple<Tensor, Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seq_q,
-                                                  std::optional<Tensor> cu_seq_k, int64_t max_q, int64_t max_k,
-                                                  std::optional<double> scale, int64_t window_left,
-                                                  int64_t window_right, std::optional<Tensor> seqused_k,
-                                                  std::optional<Tensor> block_table, std::optional<double> softcap,
-                                                  std::optional<Tensor> sinks, bool for_backward,
-                                                  std::optional<Tensor> alibi_slopes, std::optional<Tensor> k_scale,
+    const AttnOptArgs& opts, Tensor grad_out, std::optional<Tensor> grad_weights, Tensor q, Tensor k, Tensor v,
+    Tensor out, Tensor lse, std::optional<Tensor> attn_mask, std::optional<Tensor> key_padding_mask,
+    std::optional<Tensor> head_mask, bool is_causal, std::optional<double> scale, bool head_mask_grad,
+    bool mask_grad, Tensor grad_q, Tensor grad_k, Tensor grad_v, double dropout_p,
+    std::optional<Tensor> dropout_seed, std::optional<Tensor> out_lo);
+std::tuple<Tensor, Tensor, Tensor> varlen_forward(const AttnOptArgs& opts, Tensor q, Tensor k, Tensor v,
+                                                  Tensor cu_seq_q, std::optional<Tensor> cu_seq_k, int64_t max_q,
+                                                  int64_t max_k, std::optional<double> scale,
+                                                  std::optional<Tensor> seqused_k, std::optional<Tensor> block_table,
+                                                  bool for_backward, std::optional<Tensor> k_scale,
                                                   std::optional<Tensor> v_scale);
-std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out,
-                                                   Tensor lse, Tensor cu_seq_q, Tensor cu_seq_k, int64_t max_q,
-                                                   int64_t max_k, std::optional<double> scale,
-                                                   int64_t window_left, int64_t window_right,
-                                                   std::optional<double> softcap, std::optional<Tensor> sinks,
-                                                   std::optional<Tensor> out_lo, std::optional<Tensor> alibi_slopes);
+std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_backward(const AttnOptArgs& opts, Tensor grad_out, Tensor q,
+                                                           Tensor k, Tensor v, Tensor out, Tensor lse,
+                                                           Tensor cu_seq_q, Tensor cu_seq_k, int64_t max_q,
+                                                           int64_t max_k, std::optional<double> scale,
+                                                           std::optional<Tensor> out_lo);
 std::tuple<Tensor, Tensor> ce_forward(Tensor input, Tensor target, std::optional<Tensor> weight,
                                       std::string reduction, int64_t ignore_index, double label_smoothing,
                                       double z_loss, std::optional<double> softcap, bool inplace_backward);

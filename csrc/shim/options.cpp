@@ -1,11 +1,60 @@
 // options.cpp -- the options of an attention call (the masks aside: window,
-// soft-capping, sinks, head mask, ALiBi, dropout), checked and normalised in one
-// place for the five attention ops (forward, backward, backward_into,
-// varlen_forward, varlen_backward) into ma_attn_opts, what the kernels read.
+// soft-cap, sinks, ALiBi; the dense ops' head mask and dropout), checked and
+// normalised in one place for the five attention ops (forward, backward,
+// backward_into, varlen_forward, varlen_backward) into ma_attn_opts, what the
+// kernels read. The options all five take are declared once, in kOpts: the
+// schemas' shared tail (attn_schema) and how each value is read off the stack.
 
 #include "shim/common.hpp"
 
 namespace masked_attn_shim {
+
+namespace {
+
+// The options every attention schema ends with, in their order: a new one is
+// a row here, its index in OptIndex and its check in parse_attn_opts.
+enum class OptKind { Int, OptFloat, OptTensor };
+struct OptDecl {
+  const char* schema;  // as the schema spells it, with its default
+  OptKind kind;
+};
+constexpr OptDecl kOpts[] = {
+    {"int window_left=-1", OptKind::Int},         {"int window_right=-1", OptKind::Int},
+    {"float? softcap=None", OptKind::OptFloat},   {"Tensor? sinks=None", OptKind::OptTensor},
+    {"Tensor? alibi_slopes=None", OptKind::OptTensor},
+};
+enum OptIndex { kWindowLeft, kWindowRight, kSoftcap, kSinks, kAlibi, kOptCount };
+static_assert(kOptCount == sizeof(kOpts) / sizeof(kOpts[0]), "kOpts and OptIndex must list the same options");
+
+int64_t opt_int(const AttnOptArgs& in, OptIndex i) { return std::get<int64_t>(in[i]); }
+const std::optional<double>& opt_float(const AttnOptArgs& in, OptIndex i) {
+  return std::get<std::optional<double>>(in[i]);
+}
+const std::optional<Tensor>& opt_tensor(const AttnOptArgs& in, OptIndex i) {
+  return std::get<std::optional<Tensor>>(in[i]);
+}
+
+}  // namespace
+
+std::string attn_schema(const char* head, const char* tail) {
+  std::string s = head;
+  for (const OptDecl& o : kOpts) s += std::string(", ") + o.schema;
+  return s + tail;
+}
+
+uint64_t attn_opt_count() { return kOptCount; }
+
+AttnOptArgs take_attn_opt_args(const StableIValue* values) {
+  namespace d = torch::stable::detail;
+  AttnOptArgs r;
+  r.reserve(kOptCount);
+  for (int i = 0; i < kOptCount; i++) switch (kOpts[i].kind) {  // each value converted once: it is owned then
+      case OptKind::Int: r.emplace_back(d::to<int64_t>(values[i])); break;
+      case OptKind::OptFloat: r.emplace_back(d::to<std::optional<double>>(values[i])); break;
+      case OptKind::OptTensor: r.emplace_back(d::to<std::optional<Tensor>>(values[i])); break;
+    }
+  return r;
+}
 
 namespace {
 
@@ -36,54 +85,56 @@ void parse_dropout(const Sizes& s, double dropout_p, const std::optional<Tensor>
 // side of 0 is is_causal itself (which has the causal block skipping and
 // diagonal split): the kernels see window_right -1 or > 0. Varlen calls keep
 // it as given (bottom-right aligned per sequence: FN(seq_args)).
-void parse_window(const Sizes& s, const AttnOptArgs& in, bool varlen, ma_attn_opts* o, bool* is_causal) {
-  MA_CHECK(in.window_left >= -1, "masked_attn: window_left must be -1 (no bound) or >= 0, got ", in.window_left);
-  MA_CHECK(in.window_right >= -1, "masked_attn: window_right must be -1 (no bound) or >= 0, got ", in.window_right);
+void parse_window(const Sizes& s, int64_t left, int64_t right, bool causal, bool varlen, ma_attn_opts* o,
+                  bool* is_causal) {
+  MA_CHECK(left >= -1, "masked_attn: window_left must be -1 (no bound) or >= 0, got ", left);
+  MA_CHECK(right >= -1, "masked_attn: window_right must be -1 (no bound) or >= 0, got ", right);
   if (varlen) {
-    o->window_left = in.window_left, o->window_right = in.window_right;
+    o->window_left = left, o->window_right = right;
     *is_causal = false;
     return;
   }
-  o->window_left = in.window_left >= s.Lq - 1 ? -1 : in.window_left;
-  o->window_right = in.is_causal ? 0 : in.window_right >= s.Lk - 1 ? -1 : in.window_right;
-  *is_causal = in.is_causal || o->window_right == 0;
+  o->window_left = left >= s.Lq - 1 ? -1 : left;
+  o->window_right = causal ? 0 : right >= s.Lk - 1 ? -1 : right;
+  *is_causal = causal || o->window_right == 0;
   if (o->window_right == 0) o->window_right = -1;
 }
 
 }  // namespace
 
-AttnOpts parse_attn_opts(const Sizes& s, const AttnOptArgs& in, bool varlen) {
+AttnOpts parse_attn_opts(const Sizes& s, const AttnOptArgs& in, const DenseOptArgs& dense, bool varlen) {
+  MA_CHECK(in.size() == kOptCount, "masked_attn: the options' values do not match their declarations");
   AttnOpts r;
   ma_attn_opts& o = r.c;
-  parse_window(s, in, varlen, &o, &r.is_causal);
-  if (in.softcap.has_value()) {
-    MA_CHECK(std::isfinite(*in.softcap) && *in.softcap > 0,
-             "masked_attn: softcap must be None or a finite number > 0, got ", *in.softcap);
-    o.softcap = *in.softcap;
+  parse_window(s, opt_int(in, kWindowLeft), opt_int(in, kWindowRight), dense.is_causal, varlen, &o, &r.is_causal);
+  if (const auto& softcap = opt_float(in, kSoftcap); softcap.has_value()) {
+    MA_CHECK(std::isfinite(*softcap) && *softcap > 0, "masked_attn: softcap must be None or a finite number > 0, got ",
+             *softcap);
+    o.softcap = *softcap;
   }
-  if (in.sinks.has_value()) {
-    MA_CHECK(in.sinks->dim() == 1 && in.sinks->size(0) == s.H, "masked_attn: sinks must have shape (H,) = (", s.H,
-             ",), got ", shape_str(*in.sinks));
-    o.sinks = canonical_mask(in.sinks, "sinks", {s.H}, "(H,)", false);
-    r.sinks = in.sinks;
+  if (const auto& sinks = opt_tensor(in, kSinks); sinks.has_value()) {
+    MA_CHECK(sinks->dim() == 1 && sinks->size(0) == s.H, "masked_attn: sinks must have shape (H,) = (", s.H,
+             ",), got ", shape_str(*sinks));
+    o.sinks = canonical_mask(sinks, "sinks", {s.H}, "(H,)", false);
+    r.sinks = sinks;
   }
-  if (in.head_mask.has_value()) {
-    const Tensor& hm = *in.head_mask;
+  if (dense.head_mask.has_value()) {
+    const Tensor& hm = *dense.head_mask;
     MA_CHECK((hm.dim() == 1 && hm.size(0) == s.H) || (hm.dim() == 2 && hm.size(0) == s.B && hm.size(1) == s.H),
              "masked_attn: head_mask must have shape (H,) = (", s.H, ",) or (B, H) = (", s.B, ", ", s.H,
              "), got ", shape_str(hm));
-    o.head_mask = canonical_mask(in.head_mask, "head_mask", {s.B, s.H}, "(B, H)", false);
-    r.head_mask = in.head_mask;
+    o.head_mask = canonical_mask(dense.head_mask, "head_mask", {s.B, s.H}, "(B, H)", false);
+    r.head_mask = dense.head_mask;
   }
-  if (in.alibi_slopes.has_value()) {  // flash-attn's alibi_slopes: (H,) or (B, H) float32
-    const Tensor& al = *in.alibi_slopes;
+  if (const auto& alibi = opt_tensor(in, kAlibi); alibi.has_value()) {  // flash-attn's: (H,) or (B, H) float32
+    const Tensor& al = *alibi;
     MA_CHECK(al.scalar_type() == ScalarType::Float, "masked_attn: alibi_slopes must be float32, got another dtype");
     MA_CHECK((al.dim() == 1 && al.size(0) == s.H) || (al.dim() == 2 && al.size(0) == s.B && al.size(1) == s.H),
              "masked_attn: alibi_slopes must have shape (H,) = (", s.H, ",) or (B, H) = (", s.B, ", ", s.H,
              "), got ", shape_str(al));
-    o.alibi = canonical_mask(in.alibi_slopes, "alibi_slopes", {s.B, s.H}, "(B, H)", false);
+    o.alibi = canonical_mask(alibi, "alibi_slopes", {s.B, s.H}, "(B, H)", false);
   }
-  parse_dropout(s, in.dropout_p, in.dropout_seed, &o);
+  parse_dropout(s, dense.dropout_p, dense.dropout_seed, &o);
   return r;
 }
 

@@ -6,38 +6,36 @@
 using namespace masked_attn_shim;
 
 STABLE_TORCH_LIBRARY(masked_attn, m) {
-  m.def(
-      "forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, Tensor? key_padding_mask=None, "
-      "Tensor? head_mask=None, bool is_causal=False, float? scale=None, bool need_weights=False, "
-      "float dropout_p=0., Tensor? dropout_seed=None, "
-      "int window_left=-1, int window_right=-1, float? softcap=None, Tensor? sinks=None, bool for_backward=True, "
-      "Tensor? alibi_slopes=None, Tensor? k_scale=None, Tensor? v_scale=None) "
-      "-> (Tensor out, Tensor lse, Tensor weights, Tensor out_lo)");
-  m.def(
-      "backward(Tensor grad_out, Tensor? grad_weights, Tensor q, Tensor k, Tensor v, Tensor out, "
-      "Tensor lse, Tensor? attn_mask=None, Tensor? key_padding_mask=None, Tensor? head_mask=None, "
-      "bool is_causal=False, float? scale=None, bool head_mask_grad=False, bool mask_grad=False, "
-      "float dropout_p=0., Tensor? dropout_seed=None, "
-      "int window_left=-1, int window_right=-1, float? softcap=None, Tensor? sinks=None, Tensor? out_lo=None, "
-      "Tensor? alibi_slopes=None) "
-      "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_head_mask, Tensor grad_scores, Tensor grad_sinks)");
-  m.def(
-      "backward_into(Tensor grad_out, Tensor? grad_weights, Tensor q, Tensor k, Tensor v, Tensor out, "
-      "Tensor lse, Tensor? attn_mask, Tensor? key_padding_mask, Tensor? head_mask, bool is_causal, "
-      "float? scale, bool head_mask_grad, bool mask_grad, Tensor(a!) grad_q, Tensor(b!) grad_k, "
-      "Tensor(c!) grad_v, float dropout_p=0., Tensor? dropout_seed=None, "
-      "int window_left=-1, int window_right=-1, float? softcap=None, Tensor? sinks=None, Tensor? out_lo=None, "
-      "Tensor? alibi_slopes=None) -> (Tensor grad_head_mask, Tensor grad_scores, Tensor grad_sinks)");
-  m.def(
-      "varlen_forward(Tensor query, Tensor key, Tensor value, Tensor cu_seq_q, Tensor? cu_seq_k, int max_q, "
-      "int max_k, float? scale=None, int window_left=-1, int window_right=-1, Tensor? seqused_k=None, "
-      "Tensor? block_table=None, float? softcap=None, Tensor? sinks=None, bool for_backward=True, "
-      "Tensor? alibi_slopes=None, Tensor? k_scale=None, Tensor? v_scale=None) -> (Tensor out, Tensor lse, Tensor out_lo)");
-  m.def(
-      "varlen_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
-      "Tensor cu_seq_q, Tensor cu_seq_k, int max_q, int max_k, float? scale=None, int window_left=-1, "
-      "int window_right=-1, float? softcap=None, Tensor? sinks=None, Tensor? out_lo=None, Tensor? alibi_slopes=None) "
-      "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_sinks)");
+  // The attention schemas end with the options all five share (attn_schema, options.cpp).
+  m.def(attn_schema("forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, Tensor? key_padding_mask=None, "
+                    "Tensor? head_mask=None, bool is_causal=False, float? scale=None, bool need_weights=False, "
+                    "float dropout_p=0., Tensor? dropout_seed=None, bool for_backward=True, "
+                    "Tensor? k_scale=None, Tensor? v_scale=None",
+                    ") -> (Tensor out, Tensor lse, Tensor weights, Tensor out_lo)")
+            .c_str());
+  m.def(attn_schema("backward(Tensor grad_out, Tensor? grad_weights, Tensor q, Tensor k, Tensor v, Tensor out, "
+                    "Tensor lse, Tensor? attn_mask=None, Tensor? key_padding_mask=None, Tensor? head_mask=None, "
+                    "bool is_causal=False, float? scale=None, bool head_mask_grad=False, bool mask_grad=False, "
+                    "float dropout_p=0., Tensor? dropout_seed=None, Tensor? out_lo=None",
+                    ") -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_head_mask, Tensor grad_scores, "
+                    "Tensor grad_sinks)")
+            .c_str());
+  m.def(attn_schema("backward_into(Tensor grad_out, Tensor? grad_weights, Tensor q, Tensor k, Tensor v, Tensor out, "
+                    "Tensor lse, Tensor? attn_mask, Tensor? key_padding_mask, Tensor? head_mask, bool is_causal, "
+                    "float? scale, bool head_mask_grad, bool mask_grad, Tensor(a!) grad_q, Tensor(b!) grad_k, "
+                    "Tensor(c!) grad_v, float dropout_p=0., Tensor? dropout_seed=None, Tensor? out_lo=None",
+                    ") -> (Tensor grad_head_mask, Tensor grad_scores, Tensor grad_sinks)")
+            .c_str());
+  m.def(attn_schema("varlen_forward(Tensor query, Tensor key, Tensor value, Tensor cu_seq_q, Tensor? cu_seq_k, "
+                    "int max_q, int max_k, float? scale=None, Tensor? seqused_k=None, Tensor? block_table=None, "
+                    "bool for_backward=True, Tensor? k_scale=None, Tensor? v_scale=None",
+                    ") -> (Tensor out, Tensor lse, Tensor out_lo)")
+            .c_str());
+  m.def(attn_schema("varlen_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
+                    "Tensor lse, Tensor cu_seq_q, Tensor cu_seq_k, int max_q, int max_k, float? scale=None, "
+                    "Tensor? out_lo=None",
+                    ") -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_sinks)")
+            .c_str());
   m.def(
       "cross_entropy(Tensor input, Tensor target, Tensor? weight=None, str reduction='mean', "
       "int ignore_index=-100, float label_smoothing=0.0, float z_loss=0.0, float? softcap=None, "
@@ -60,11 +58,11 @@ STABLE_TORCH_LIBRARY(masked_attn, m) {
 }
 
 STABLE_TORCH_LIBRARY_IMPL(masked_attn, CPU, m) {
-  m.impl("forward", TORCH_BOX(&attn_forward));
-  m.impl("backward", TORCH_BOX(&attn_backward));
-  m.impl("backward_into", TORCH_BOX(&attn_backward_into));
-  m.impl("varlen_forward", TORCH_BOX(&varlen_forward));
-  m.impl("varlen_backward", TORCH_BOX(&varlen_backward));
+  m.impl("forward", ATTN_BOX(&attn_forward));
+  m.impl("backward", ATTN_BOX(&attn_backward));
+  m.impl("backward_into", ATTN_BOX(&attn_backward_into));
+  m.impl("varlen_forward", ATTN_BOX(&varlen_forward));
+  m.impl("varlen_backward", ATTN_BOX(&varlen_backward));
   m.impl("cross_entropy", TORCH_BOX(&ce_forward));
   m.impl("cross_entropy_backward", TORCH_BOX(&ce_backward));
   m.impl("cross_entropy_backward_", TORCH_BOX(&ce_backward_inplace));

@@ -177,16 +177,14 @@ ma_attn_args varlen_args(const Varlen& r, const Tensor& q, const Tensor& k, cons
 
 }  // namespace
 
-std::tuple<Tensor, Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seq_q,
-                                                  std::optional<Tensor> cu_seq_k, int64_t max_q, int64_t max_k,
-                                                  std::optional<double> scale, int64_t window_left,
-                                                  int64_t window_right, std::optional<Tensor> seqused_k,
-                                                  std::optional<Tensor> block_table, std::optional<double> softcap,
-                                                  std::optional<Tensor> sinks, bool for_backward,
-                                                  std::optional<Tensor> alibi_slopes, std::optional<Tensor> k_scale,
+std::tuple<Tensor, Tensor, Tensor> varlen_forward(const AttnOptArgs& opts, Tensor q, Tensor k, Tensor v,
+                                                  Tensor cu_seq_q, std::optional<Tensor> cu_seq_k, int64_t max_q,
+                                                  int64_t max_k, std::optional<double> scale,
+                                                  std::optional<Tensor> seqused_k, std::optional<Tensor> block_table,
+                                                  bool for_backward, std::optional<Tensor> k_scale,
                                                   std::optional<Tensor> v_scale) {
   const Varlen r = check_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table, true);
-  AttnOpts o = parse_attn_opts(r.sizes(), {false, 0.0, std::nullopt, window_left, window_right, softcap, sinks, std::nullopt, alibi_slopes}, true);
+  AttnOpts o = parse_attn_opts(r.sizes(), opts, {}, true);
   parse_kv_scales("masked_attn.varlen", q, k, v, k_scale, v_scale,
                   block_table.has_value() ? KvLayout::Paged : KvLayout::Packed, &o.c);
   const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(r.D));
@@ -205,14 +203,13 @@ std::tuple<Tensor, Tensor, Tensor> varlen_forward(Tensor q, Tensor k, Tensor v, 
   return {out, lse, out_lo};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out,
-                                                   Tensor lse, Tensor cu_seq_q, Tensor cu_seq_k, int64_t max_q,
-                                                   int64_t max_k, std::optional<double> scale,
-                                                   int64_t window_left, int64_t window_right,
-                                                   std::optional<double> softcap, std::optional<Tensor> sinks,
-                                                   std::optional<Tensor> out_lo, std::optional<Tensor> alibi_slopes) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> varlen_backward(const AttnOptArgs& opts, Tensor grad_out, Tensor q,
+                                                           Tensor k, Tensor v, Tensor out, Tensor lse,
+                                                           Tensor cu_seq_q, Tensor cu_seq_k, int64_t max_q,
+                                                           int64_t max_k, std::optional<double> scale,
+                                                           std::optional<Tensor> out_lo) {
   const Varlen r = check_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, std::nullopt);
-  const AttnOpts o = parse_attn_opts(r.sizes(), {false, 0.0, std::nullopt, window_left, window_right, softcap, sinks, std::nullopt, alibi_slopes}, true);
+  const AttnOpts o = parse_attn_opts(r.sizes(), opts, {}, true);
   const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(r.D));
   check_shape(out, "out", {r.Tq, r.H, r.Dv}, "(T_q, H, Dv)", q.scalar_type());
   check_out_lo(out_lo, {r.Tq, r.H, r.Dv}, "(T_q, H, Dv)", q.scalar_type());
