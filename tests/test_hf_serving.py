@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from test_hf import MODELS  # noqa: E402
 from transformers import GenerationConfig  # noqa: E402
+from transformers.cache_utils import Cache, DynamicLayer  # noqa: E402
 from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
 
 import torch_masked_attn.functional as tma_F  # noqa: E402
@@ -174,3 +175,123 @@ def test_other_implementations_keep_transformers_manager():
     ours.set_attn_implementation("sdpa")
     manager = ours.init_continuous_batching(generation_config=GenerationConfig(max_new_tokens=2, eos_token_id=-1))
     assert not isinstance(manager, hf.MaskedAttnBatchingManager)
+
+
+# ---- an 8-bit paged cache: hf.apply(model, kv_cache_dtype=torch.int8) ----------------------------
+
+
+class _FakeQuantLayer(DynamicLayer):
+    """A float cache holding each row as the 8-bit cache's values dequantized: the reference
+    model attends over exactly what the 8-bit pool holds, with transformers' own attention."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        def fq(x):
+            q, s = tma_F.quantize_kv(x)
+            return (q.double() * s.double()[..., None]).to(x.dtype)
+
+        return super().update(fq(key_states), fq(value_states), *args, **kwargs)
+
+
+def _generate_logprobs(ref, prompts, new, fake_quant):
+    """generate()'s greedy tokens and their log-probabilities, per prompt."""
+    tokens, logprobs = [], []
+    for p in prompts:
+        ids = torch.tensor([p])
+        cache = {"past_key_values": Cache(layer_class_to_replicate=_FakeQuantLayer)} if fake_quant else {}
+        g = ref.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **cache,
+        )
+        t = g.sequences[0, len(p) :]
+        tokens.append(t.tolist())
+        logprobs.append(torch.stack([torch.log_softmax(lg[0].double(), -1)[i] for lg, i in zip(g.logits, t)]))
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_generate_batch_int8_cache(case, monkeypatch):
+    """Continuous batching over an int8 paged pool: the same greedy tokens as generate() over a
+    float cache holding the same quantized rows, log-probabilities equal to float32 rounding
+    (far below what the quantization itself moves them); every write quantizes into the int8
+    pool and every read of the pool passes its scales."""
+    name, lengths, cb, overrides = (*case, {})[:4]
+    ref, ours = _pair(name, dtype=torch.float32, **overrides)
+    hf.apply(ours, kv_cache_dtype=torch.int8)
+    seen = {"writes": 0, "pool_reads": 0, "reads_without_scales": 0}
+    write, varlen = tma_F.write_kv_cache, tma_F.varlen_attn
+
+    def write_spy(k, v, kc, vc, slots, ks=None, vs=None):
+        assert kc.dtype == torch.int8 and vc.dtype == torch.int8 and ks is not None and vs is not None
+        seen["writes"] += 1
+        return write(k, v, kc, vc, slots, ks, vs)
+
+    def varlen_spy(q, k, v, *a, **kw):
+        seen["pool_reads"] += kw.get("block_table") is not None
+        seen["reads_without_scales"] += k.dtype == torch.int8 and kw.get("k_scale") is None
+        assert k.dtype == torch.int8  # every key the step reads is the pool's, or quantized as it
+        return varlen(q, k, v, *a, **kw)
+
+    monkeypatch.setattr(tma_F, "write_kv_cache", write_spy)
+    monkeypatch.setattr(tma_F, "varlen_attn", varlen_spy)
+    prompts = _prompts(lengths, ref.config.vocab_size)
+    new = 8
+    want, want_lp = _generate_logprobs(ref, prompts, new, fake_quant=True)
+    _, float_lp = _generate_logprobs(ref, prompts, new, fake_quant=False)
+    gc = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    res = ours.generate_batch(
+        prompts,
+        generation_config=gc,
+        continuous_batching_config=ContinuousBatchingConfig(return_logprobs=True, **cb),
+        progress_bar=False,
+    )
+    got = [res[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+    got_lp = [torch.tensor(res[f"req_{i}"].logprobs, dtype=torch.float64) for i in range(len(prompts))]
+    assert got == want
+    err = max((a - b).abs().max().item() for a, b in zip(got_lp, want_lp))
+    quantization = max((a - b).abs().max().item() for a, b in zip(float_lp, want_lp))
+    assert err < 5e-6 and quantization > 20 * err, (err, quantization)
+    assert seen["writes"] > 0 and seen["pool_reads"] > 0 and seen["reads_without_scales"] == 0
+
+
+def test_int8_cache_pool_and_refusals():
+    """The 8-bit pool takes a quarter of a float32 pool's bytes for the same blocks (and its
+    scales beside it); forks copy scales with their blocks; what it cannot do is refused."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    from transformers.generation.continuous_batching.distributed import DistributedHelper
+
+    _, ours = _pair("llama", dtype=torch.float32)
+    cfg = ours.config.get_text_config()
+
+    def pool(cls, **cb):
+        c = ContinuousBatchingConfig(page_size=64, num_blocks=8, max_batch_tokens=64, max_memory_percent=0.05, **cb)
+        return cls(cfg, c, "cpu", DistributedHelper(None, None), dtype=torch.float32)
+
+    f32, i8 = pool(PagedAttentionCache), pool(hf._Int8PagedCache)
+    assert i8.num_blocks == f32.num_blocks and i8.dtype == torch.float32
+    assert i8.cache_tensor.numel() * 4 == f32.cache_tensor.numel()
+    (name, alloc), layer = next(iter(i8.cache_allocators.items())), cfg.num_hidden_layers - 1
+    k_pages, _ = alloc._kv_page_views[layer]
+    ks = i8.scales_of(k_pages)
+    assert ks.shape == k_pages.shape[:3] and ks.dtype == torch.float32
+    # a fork: the blocks' bytes and their scales both copied
+    page = k_pages.shape[1]
+    src_row = 3 * alloc.bytes_per_block // (k_pages.shape[2] * k_pages.shape[3])  # block 3's first row
+    flat = ks.reshape(-1, ks.shape[-1])
+    start = ks.storage_offset() // ks.shape[-1]
+    flat[src_row - start : src_row - start + page] = torch.arange(page * ks.shape[-1], dtype=torch.float32).view(
+        page, -1
+    )
+    i8.perform_cache_copy({name: ([3], [5])})
+    dst_row = src_row + 2 * alloc.bytes_per_block // (k_pages.shape[2] * k_pages.shape[3])
+    assert torch.equal(flat[dst_row - start : dst_row - start + page], flat[src_row - start : src_row - start + page])
+    with pytest.raises(NotImplementedError, match="cpu_offload_space"):
+        pool(hf._Int8PagedCache, cpu_offload_space=1.0)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be None or torch.int8"):
+        hf.apply(ours, kv_cache_dtype=torch.float16)

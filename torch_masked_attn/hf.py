@@ -30,6 +30,7 @@ And a cache: :class:`Int8Cache`, an 8-bit KV cache the kernels read as it is
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 from dataclasses import dataclass, field
@@ -528,15 +529,83 @@ def _packed_attention(
 # ---------------------------------------------------------------------------------------------
 
 
-def _cache_pages(allocator, layer_idx: int) -> tuple[Tensor, Tensor]:
-    """The layer's key and value pages in transformers' pool, (pages, page_size, H_kv, D) views.
+def _cache_pages(cache, allocator, layer_idx: int) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """The layer's key and value pages in transformers' pool, (pages, page_size, H_kv, D) views,
+    and their scales (pages, page_size, H_kv) in an 8-bit pool (_Int8PagedCache; else None).
     Only our ops write and read the pool of a model on "masked_attn" (transformers copies and
-    shares whole blocks, bytes as they are), so each key page holds K transposed: per head a
-    (D, page_size) block, keys side by side (the view's strides say so; the kernels read it with
-    no transposes, the same bits as rows). Values stay rows."""
+    shares whole blocks, bytes as they are), so a float pool's key pages hold K transposed: per
+    head a (D, page_size) block, keys side by side (the view's strides say so; the kernels read it
+    with no transposes, the same bits as rows). Values, and an 8-bit pool's keys, stay rows."""
     k_pages, v_pages = allocator._kv_page_views[layer_idx]  # contiguous (pages, page_size, H_kv, D)
+    if isinstance(cache, _Int8PagedCache):
+        return k_pages, v_pages, cache.scales_of(k_pages), cache.scales_of(v_pages)
     n, page, hkv, d = k_pages.shape
-    return k_pages.view(n, hkv, d, page).permute(0, 3, 1, 2), v_pages
+    return k_pages.view(n, hkv, d, page).permute(0, 3, 1, 2), v_pages, None, None
+
+
+_PagedBase: Any = PagedAttentionCache if isinstance(PagedAttentionCache, type) else object
+
+
+class _Int8PagedCache(_PagedBase):
+    """transformers' PagedAttentionCache with its pages in int8 (hf.apply(model,
+    kv_cache_dtype=torch.int8)): transformers sizes the pool for one byte per value, so the same
+    memory holds 2x (bfloat16) or 4x (float32) the tokens; a float32 scale per row and head lies
+    beside it (scales_of), 4 / D more bytes that transformers' sizing does not count. Rows are
+    quantized as functional.quantize_kv does when our cache op writes them. Forked requests copy
+    their blocks' scales with the blocks; CPU offloading (cpu_offload_space) copies bytes only
+    and is refused."""
+
+    def __init__(self, config, continuous_batching_config, *args, dtype=torch.float16, **kwargs):
+        if getattr(continuous_batching_config, "cpu_offload_space", None):
+            raise NotImplementedError(
+                "torch_masked_attn.hf: an 8-bit paged cache (kv_cache_dtype=torch.int8) does not support "
+                f"cpu_offload_space (got {continuous_batching_config.cpu_offload_space}); set it to 0"
+            )
+        with _activations_in(dtype):  # transformers sizes activations by the cache's dtype otherwise
+            super().__init__(config, continuous_batching_config, *args, dtype=torch.int8, **kwargs)
+        self.dtype = dtype  # the activations' (transformers' "cache and activations" dtype)
+        k_pages = next(iter(self.cache_allocators.values()))._kv_page_views
+        _, page, hkv, d = next(iter(k_pages.values()))[0].shape
+        self._row_bytes, self._hkv = hkv * d, hkv
+        self._scales = torch.zeros(self.cache_tensor.numel() // self._row_bytes, hkv, dtype=torch.float32)
+
+    def scales_of(self, pages: Tensor) -> Tensor:
+        """The scales of an int8 (pages, page_size, H_kv, D) view of the pool: the rows at its bytes."""
+        n, page, hkv, d = pages.shape
+        if pages.stride() != (page * hkv * d, hkv * d, d, 1) or hkv * d != self._row_bytes:
+            raise RuntimeError(
+                "torch_masked_attn.hf: transformers' paged cache has a layout this version does not know"
+            )
+        start = pages.storage_offset() // self._row_bytes
+        return self._scales[start : start + n * page].view(n, page, hkv)
+
+    def perform_cache_copy(self, copy_src_and_dst) -> None:
+        super().perform_cache_copy(copy_src_and_dst)
+        for name, (src, dst) in copy_src_and_dst.items():
+            if src:
+                rows = self.cache_allocators[name].bytes_per_block // self._row_bytes
+                blocks = self._scales.view(-1, rows, self._hkv)
+                blocks.index_copy_(0, torch.tensor(dst), blocks.index_select(0, torch.tensor(src)))
+
+
+@contextlib.contextmanager
+def _activations_in(dtype: torch.dtype):
+    """transformers' PagedAttentionMemoryHandler taking activations of `dtype` under a cache of
+    another (it takes one dtype for both)."""
+    from transformers.generation.continuous_batching import cache as cache_module
+
+    base = cache_module.PagedAttentionMemoryHandler
+
+    class Handler(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.activation_dtype = dtype
+
+    cache_module.PagedAttentionMemoryHandler = Handler
+    try:
+        yield
+    finally:
+        cache_module.PagedAttentionMemoryHandler = base
 
 
 @dataclass(eq=False)
@@ -597,7 +666,7 @@ def _paged_attention(
         )
     layer_idx = cast(int, module.layer_idx)  # transformers' attention layers' index
     allocator = cache.layer_to_allocator[layer_idx]
-    k_pages, v_pages = _cache_pages(allocator, layer_idx)
+    k_pages, v_pages, k_scale, v_scale = _cache_pages(cache, allocator, layer_idx)
     read_index = kwargs["read_index"][allocator.index]
     write_index = kwargs["write_index"][allocator.index]
     cu_q = kwargs["cu_seq_lens_q"]
@@ -615,13 +684,16 @@ def _paged_attention(
         args["softcap"] = float(softcap)
     if sinks is not None:
         args["sinks"] = sinks
+    scales = (k_scale, v_scale) if k_scale is not None else None
     if read_index.numel() == 0:  # only new sequences in the step: their keys are the new rows
-        _F.write_kv_cache(k_new, v_new, k_pages, v_pages, write_index)
+        _F.write_kv_cache(k_new, v_new, k_pages, v_pages, write_index, k_scale, v_scale)
         max_k = int((cu_k[1:] - cu_k[:-1]).max())
-        out = _F.varlen_attn(q, k_new, v_new, cu_q, cu_k, max_q, max_k, **args)
+        out = _F.varlen_attn(q, *_as_cached(k_new, v_new, scales, args), cu_q, cu_k, max_q, max_k, **args)
     elif window is None:
-        _F.write_kv_cache(k_new, v_new, k_pages, v_pages, write_index)
+        _F.write_kv_cache(k_new, v_new, k_pages, v_pages, write_index, k_scale, v_scale)
         pages = _step_pages(cache, allocator, read_index, cu_k)
+        if scales is not None:
+            args.update(k_scale=k_scale, v_scale=v_scale)
         out = _F.varlen_attn(
             q,
             k_pages,
@@ -636,9 +708,30 @@ def _paged_attention(
         )
     else:
         out = _ring_attention(
-            cache, allocator, q, k_new, v_new, k_pages, v_pages, read_index, write_index, cu_q, cu_k, max_q, args
+            cache,
+            allocator,
+            q,
+            (k_new, v_new),
+            (k_pages, v_pages),
+            scales,
+            read_index,
+            write_index,
+            cu_q,
+            cu_k,
+            max_q,
+            args,
         )
     return cast(Tensor, out).unsqueeze(0)  # varlen_attn without return_aux: a tensor
+
+
+def _as_cached(k: Tensor, v: Tensor, scales, args: dict) -> tuple[Tensor, Tensor]:
+    """New rows as the pool holds them: in an 8-bit pool (scales given) quantized as the cache op
+    quantizes them, their scales added to varlen_attn's args; else the rows."""
+    if scales is None:
+        return k, v
+    (kq, ks), (vq, vs) = _F.quantize_kv(k), _F.quantize_kv(v)
+    args.update(k_scale=ks, v_scale=vs)
+    return kq, vq
 
 
 @dataclass(eq=False)
@@ -702,26 +795,40 @@ def _ring_step(cache, allocator, read_index: Tensor, write_index: Tensor, cu_q: 
 
 
 def _ring_attention(
-    cache, allocator, q, k_new, v_new, k_pages, v_pages, read_index, write_index, cu_q, cu_k, max_q, args
+    cache, allocator, q, new, pool, scales, read_index, write_index, cu_q, cu_k, max_q, args: dict[str, Any]
 ) -> Tensor:
     """A sliding-window layer's step (see _ring_step): the gathered sequences' keys are read first
     (at most window - 1 cached rows each), then the new rows written, then the in-place sequences
     attend to the ring's pages and the gathered ones to their rows, each call giving 0 to the other
-    call's rows (no key), so the two outputs add up exactly."""
+    call's rows (no key), so the two outputs add up exactly. new: the step's (keys, values); pool:
+    the layer's (key pages, value pages); scales: an 8-bit pool's (key scales, value scales), else
+    None (the new rows are then quantized as the write quantizes them, and gathered with their
+    scales)."""
     step = _ring_step(cache, allocator, read_index, write_index, cu_q, cu_k)
-    gathered = None
+    gathered, more_args = None, {**args}
     if step.gathered is not None:
         assert step.src is not None and step.cu_g is not None  # made with gathered (_ring_step)
-        new = step.src < 0
-        ring = torch.where(new, 0, step.src)
-        fresh = torch.where(new, -step.src - 1, 0)
-        nw = new.view(-1, 1, 1)
+        is_new = step.src < 0
+        ring = torch.where(is_new, 0, step.src)
+        fresh = torch.where(is_new, -step.src - 1, 0)
         page = allocator.tokens_per_page
-        gathered = [
-            torch.where(nw, kv_new.index_select(0, fresh), kv_pages[ring // page, ring % page])
-            for kv_new, kv_pages in ((k_new, k_pages), (v_new, v_pages))
-        ]
-    _F.write_kv_cache(k_new, v_new, k_pages, v_pages, write_index)
+        rows = list(new)
+        if scales is not None:
+            (kq, ks), (vq, vs) = _F.quantize_kv(new[0]), _F.quantize_kv(new[1])
+            rows, pool_rows = [kq, vq, ks, vs], [*pool, *scales]
+        else:
+            pool_rows = list(pool)
+        gathered = []
+        for fresh_rows, pages in zip(rows, pool_rows):
+            nw = is_new.view(-1, *([1] * (fresh_rows.dim() - 1)))
+            gathered.append(torch.where(nw, fresh_rows.index_select(0, fresh), pages[ring // page, ring % page]))
+        if scales is not None:
+            more_args.update(k_scale=gathered[2], v_scale=gathered[3])
+    (k_new, v_new), (k_pages, v_pages) = new, pool
+    k_scale, v_scale = scales if scales is not None else (None, None)
+    _F.write_kv_cache(k_new, v_new, k_pages, v_pages, write_index, k_scale, v_scale)
+    if scales is not None:
+        args = {**args, "k_scale": k_scale, "v_scale": v_scale}
     out = _F.varlen_attn(
         q,
         k_pages,
@@ -736,7 +843,7 @@ def _ring_attention(
     )
     if gathered is not None and step.cu_g is not None:
         lens = step.cu_g[1:] - step.cu_g[:-1]
-        more = _F.varlen_attn(q, gathered[0], gathered[1], cu_q, step.cu_g, max_q, max(int(lens.max()), 1), **args)
+        more = _F.varlen_attn(q, gathered[0], gathered[1], cu_q, step.cu_g, max_q, max(int(lens.max()), 1), **more_args)
         out = cast(Tensor, out) + cast(Tensor, more)
     return cast(Tensor, out)  # varlen_attn without return_aux: a tensor
 
@@ -759,6 +866,20 @@ if ContinuousBatchingManager is not None:
         def switch_to_cb_friendly_attn(self, model, auto_switch_to_flash: bool = True) -> None:
             if model.config._attn_implementation != ATTN_IMPLEMENTATION:
                 super().switch_to_cb_friendly_attn(model, auto_switch_to_flash)
+
+        def _create_batch_processor(self):
+            """transformers' own, with the paged cache in int8 when hf.apply asked for it."""
+            if getattr(self.model, "_tma_kv_cache_dtype", None) != torch.int8:
+                return super()._create_batch_processor()
+            from transformers.generation.continuous_batching import continuous_api
+
+            name = "PagedAttentionCache"  # the class transformers constructs there
+            base = vars(continuous_api)[name]
+            setattr(continuous_api, name, _Int8PagedCache)
+            try:
+                return super()._create_batch_processor()
+            finally:
+                setattr(continuous_api, name, base)
 
 
 def _init_continuous_batching(model: Any):  # a transformers model
@@ -833,9 +954,16 @@ def _head_capture(head: nn.Linear):
     return capture_forward
 
 
-def apply(model: nn.Module) -> nn.Module:
+def apply(model: nn.Module, *, kv_cache_dtype: torch.dtype | None = None) -> nn.Module:
     """Route ``model``'s causal-LM loss through
     :func:`torch_masked_attn.functional.linear_cross_entropy`; returns the model.
+
+    ``kv_cache_dtype=torch.int8``: continuous batching (``generate_batch``, the
+    manager) on "masked_attn" keeps its paged cache in int8, one float32 scale
+    per token and head beside it (:func:`torch_masked_attn.functional.quantize_kv`),
+    read by the kernels as it is; transformers sizes the pool for one byte per
+    value. None (the default): the model's dtype. ``generate`` takes
+    :class:`Int8Cache` instead.
 
     When the model gets ``labels`` in training mode (or ``skip_logits=True``),
     its forward runs with the LM head capturing the final hidden states
@@ -849,9 +977,12 @@ def apply(model: nn.Module) -> nn.Module:
     The attention implementation is separate: pick it with
     ``attn_implementation="masked_attn"``.
     """
+    if kv_cache_dtype not in (None, torch.int8):
+        raise ValueError(f"torch_masked_attn.hf.apply: kv_cache_dtype must be None or torch.int8, got {kv_cache_dtype}")
+    lm: Any = model  # a transformers model: attributes (config, forward, ...) nn.Module's typing does not know
+    lm._tma_kv_cache_dtype = kv_cache_dtype
     if getattr(model, "_tma_hf_applied", False):
         return model
-    lm: Any = model  # a transformers model: attributes (config, forward, ...) nn.Module's typing does not know
     # model.loss_function without reading the property (it warns for loss_type=None)
     custom = getattr(model, "_loss_function", None)
     loss_type = getattr(model, "loss_type", None)
