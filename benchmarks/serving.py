@@ -61,6 +61,8 @@ OUR_PAGE = 128  # our pool's page size
 # within the machine's noise of 64; benchmarks/README.md, "vllm"). TMA_BENCH_VLLM_BLOCK overrides it.
 VLLM_BLOCK = int(os.environ.get("TMA_BENCH_VLLM_BLOCK", "256"))
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # max |ours - vLLM| allowed before timing
+# 8-bit caches: max |output - the float caches' output| (fp8 e4m3 keeps 3 significand bits, int8 ~7)
+TOLERANCE_8BIT = {"int8": 3e-2, "fp8": 0.25}
 WRITE_CALLS = {16: 200, 4096: 1}  # write calls per timed unit
 
 
@@ -170,23 +172,37 @@ class PagedStep:
             slots = _slots(self.table, b, torch.arange(klens[b]), OUR_PAGE)
             fk.index_copy_(0, slots, k)
             fv.index_copy_(0, slots, v)
+        self.scales = {}
+        if layout == "int8":  # the 8-bit pool continuous batching writes: int8 K^T pages, scales beside
+            self.float_pools = (self.k_pool.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2), self.v_pool)
+            k8 = torch.zeros(pages, HKV, D, OUR_PAGE, dtype=torch.int8).permute(0, 3, 1, 2)
+            v8 = torch.zeros(pages, OUR_PAGE, HKV, D, dtype=torch.int8)
+            ks, vs = torch.zeros(pages, OUR_PAGE, HKV), torch.zeros(pages, OUR_PAGE, HKV)
+            for b, (k, v) in enumerate(self._kv):
+                slots = _slots(self.table, b, torch.arange(klens[b]), OUR_PAGE)
+                tma.functional.write_kv_cache(k, v, k8, v8, slots, ks, vs)
+            self.k_pool, self.v_pool, self.scales = k8, v8, {"k_scale": ks, "v_scale": vs}
         if layout == "kT":  # the continuous-batching path's layout: per head a (D, page) block of K
             self.k_pool = self.k_pool.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
         self.layout = layout
         self._gen = gen
 
     def fill_vllm(self, ops):
-        """vLLM's cache, written by its own write op from the same K and V."""
+        """vLLM's cache, written by its own write op from the same K and V (beside our 8-bit pool:
+        its fp8 cache, e4m3 with one scale per tensor, 1 here)."""
         isa = vllm_isa(self.dtype)
+        cache_dtype = "fp8" if self.layout == "int8" else "auto"
         table, blocks = _pages(self.klens, VLLM_BLOCK, self._gen)
-        kv_cache = torch.zeros(blocks, HKV, VLLM_BLOCK, 2 * D, dtype=self.dtype)
+        kv_cache = torch.zeros(
+            blocks, HKV, VLLM_BLOCK, 2 * D, dtype=torch.uint8 if cache_dtype == "fp8" else self.dtype
+        )
         key_cache, value_cache = kv_cache.view(blocks, HKV, 2 * VLLM_BLOCK, D).chunk(2, dim=2)
         for b, (k, v) in enumerate(self._kv):
             slots = _slots(table, b, torch.arange(self.klens[b]), VLLM_BLOCK)
-            ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
+            ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa, 1.0, 1.0, cache_dtype)
         t0 = time.perf_counter()
         meta = ops.get_scheduler_metadata(
-            len(self.qlens), H, HKV, D, self.used, self.dtype, self.cu_q, True, -1, isa, True, None
+            len(self.qlens), H, HKV, D, self.used, self.dtype, self.cu_q, True, -1, isa, True, None, cache_dtype
         )
         meta_ms = (time.perf_counter() - t0) * 1e3
         self.vllm = dict(
@@ -197,6 +213,7 @@ class PagedStep:
             value_cache=value_cache,
             meta=meta,
             meta_ms=meta_ms,
+            cache_dtype=cache_dtype,
         )
         self._kv = None  # the sources are no longer needed
 
@@ -206,6 +223,23 @@ class PagedStep:
                 self.q,
                 self.k_pool,
                 self.v_pool,
+                self.cu_q,
+                None,
+                self.max_q,
+                self.max_k,
+                seqused_k=self.used,
+                block_table=self.table,
+                window_size=(-1, 0),
+                enable_gqa=True,
+                **self.scales,
+            )
+
+    def float_reference(self):
+        """Ours over the float pools the 8-bit ones were quantized from."""
+        with torch.no_grad():
+            return tma.functional.varlen_attn(
+                self.q,
+                *self.float_pools,
                 self.cu_q,
                 None,
                 self.max_q,
@@ -237,6 +271,9 @@ class PagedStep:
                 c["meta"],
                 None,
                 None,
+                1.0,
+                1.0,
+                c["cache_dtype"],
             )
             return out
 
@@ -264,7 +301,9 @@ def attention_case(kind, dtype, layout="rows"):
     else:
         raise KeyError(kind)
     step = PagedStep(qlens, klens, dtype, layout=layout)
-    shape += ", ours K^T pages" if layout == "kT" else ""
+    shape += {"kT": ", ours K^T pages", "int8": ", 8-bit caches: ours int8 K^T pages + scales, vLLM fp8"}.get(
+        layout, ""
+    )
     try:
         step.fill_vllm(ops)
         native = step.vllm_call(ops)
@@ -272,16 +311,29 @@ def attention_case(kind, dtype, layout="rows"):
     except RuntimeError as e:
         raise _cases().Skip(f"vLLM's CPU attention does not run here: {e}") from e
     out = step.ours()
-    diff = (out.float() - ref.float()).abs().max().item()
-    if not diff <= TOLERANCE[dtype]:
-        raise RuntimeError(f"ours and vLLM disagree: max |ours - vLLM| = {diff:.3g} (tolerance {TOLERANCE[dtype]:g})")
+    if layout == "int8":  # two quantizations: each against the float caches' output
+        full = step.float_reference().float()
+        ours_err, vllm_err = ((x.float() - full).abs().max().item() for x in (out, ref))
+        print(
+            f"  {kind} 8-bit caches, max |output - the float caches' output|: "
+            f"ours int8 {ours_err:.2e}, vLLM fp8 {vllm_err:.2e}"
+        )
+        if not (ours_err <= TOLERANCE_8BIT["int8"] and vllm_err <= TOLERANCE_8BIT["fp8"]):
+            raise RuntimeError(f"8-bit caches: ours {ours_err:.3g}, vLLM {vllm_err:.3g} from the float output")
+        diff = (out.float() - ref.float()).abs().max().item()
+    else:
+        diff = (out.float() - ref.float()).abs().max().item()
+        if not diff <= TOLERANCE[dtype]:
+            raise RuntimeError(
+                f"ours and vLLM disagree: max |ours - vLLM| = {diff:.3g} (tolerance {TOLERANCE[dtype]:g})"
+            )
     print(
         f"  {kind} {_dtype_name(dtype)}: max |ours - vLLM| before timing {diff:.2e} "
         f"(vLLM isa {step.vllm['isa']}, block {VLLM_BLOCK}; ours page {OUR_PAGE})",
         flush=True,
     )
     fl = 4.0 * H * D * step.pairs()
-    traffic = 2.0 * sum(klens) * HKV * D * step.k_pool.element_size()
+    traffic = 2.0 * sum(klens) * HKV * (D * step.k_pool.element_size() + (4 if layout == "int8" else 0))
     return _cases().Bench(
         work=f"H={H}/{HKV} D={D} {_dtype_name(dtype)}, {shape}, paged (vLLM {step.vllm['isa']} "
         f"block {VLLM_BLOCK}, ours page {OUR_PAGE}), ratio = vLLM / ours; {what}; "
@@ -411,6 +463,7 @@ def _names():
         for suffix, dtype in (("", torch.float32), ("-bf16", torch.bfloat16)):
             named[f"vllm-{kind}{suffix}"] = functools.partial(attention_case, kind, dtype)
             named[f"vllm-{kind}-kT{suffix}"] = functools.partial(attention_case, kind, dtype, "kT")
+        named[f"vllm-{kind}-int8-bf16"] = functools.partial(attention_case, kind, torch.bfloat16, "int8")
     for peer, prefix in (("index_copy", "kvwrite"), ("vllm", "vllm-kvwrite")):
         for T in (16, 4096):
             for suffix, dtype in (("", torch.float32), ("-bf16", torch.bfloat16)):

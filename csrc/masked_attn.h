@@ -491,7 +491,9 @@ double ma_ce_sum(const void *x, ma_dtype dt, int64_t n);
  * differ in their number of pages or rows); a negative slot skips the row.
  * Elements are copied as they are (the shim requires equal dtypes), or, into
  * an 8-bit cache (side.scale set), each head's row quantized as
- * ma_kv_quantize_task does, its scale stored at the same (page, row, head).
+ * ma_kv_quantize_task does, its scale stored at the same (page, row, head);
+ * an 8-bit row whose elements are not adjacent (a K^T page) is quantized on
+ * the stack and then scattered, so its dim is at most MA_KV_STRIDED_I8_ROW.
  * Work item = one new row (its keys, then its values). Where two rows share
  * a slot, the later one is what the cache holds: the shim then runs the
  * items in order on one thread. No scratch.
@@ -515,6 +517,8 @@ typedef struct {
     ma_dtype src_dtype;       /* of the new rows (read when quantizing) */
     ma_isa isa;               /* the quantizing block's variant */
 } ma_cache_write_params;
+
+#define MA_KV_STRIDED_I8_ROW 1024
 
 void ma_cache_write_task(int64_t begin, int64_t end, void *ctx);
 

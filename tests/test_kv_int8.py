@@ -321,6 +321,11 @@ def test_varlen_packed_and_paged(isa, page):
         )
     ref = torch.cat(refs)
     assert_close_ref(out, ref.float(), ref, name=f"{isa} page {page}", slack=2e-5)
+    if page:  # K^T pages (continuous batching's pool): the rows' bits, decodes and prefill chunks alike
+        kt = kc.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+        args = (cu_q, None, 70, 190)
+        kw = dict(window_size=(-1, 0), enable_gqa=True, seqused_k=used, block_table=table, k_scale=kcs, v_scale=vcs)
+        assert torch.equal(run_isa(isa, lambda: tf.varlen_attn(q, kt, vc, *args, **kw)), out)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -375,6 +380,45 @@ def test_quantizing_write_is_quantize_kv(isa, dtype):
     flat_k, flat_s = torch.zeros(10, Hkv, D, dtype=torch.int8), torch.zeros(10, Hkv)
     tf.write_kv_cache(key[:2], value[:2], flat_k, flat_k.clone(), torch.tensor([3, 9]), flat_s, flat_s.clone())
     assert torch.equal(flat_k[[3, 9]], quant_ref(key[:2])[0])
+    # K^T pages (per head a (D, page) block, keys side by side: the continuous-batching pool's
+    # layout): the same bits, each element a page row apart; they read back as the row pages do
+    kt = torch.zeros(4, Hkv, D, 16, dtype=torch.int8).permute(0, 3, 1, 2)
+    kts = torch.zeros(4, 16, Hkv)
+    run_isa(isa, lambda: tf.write_kv_cache(key, value, kt, vc.clone(), slots, kts, vcs.clone()))
+    assert torch.equal(kt.reshape(-1, Hkv, D)[slots[keep]], kc.view(-1, Hkv, D)[slots[keep]])
+    assert torch.equal(kts, torch.where(kcs < 0, 0.0, kcs))
+    q, cu = torch.randn(2, 2 * Hkv, D).to(dtype), torch.tensor([0, 2], dtype=torch.int32)
+    used, table = torch.tensor([50], dtype=torch.int32), torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
+
+    def read(k, ks):
+        return tf.varlen_attn(
+            q,
+            k,
+            vc,
+            cu,
+            None,
+            2,
+            50,
+            seqused_k=used,
+            block_table=table,
+            window_size=(-1, 0),
+            enable_gqa=True,
+            k_scale=ks,
+            v_scale=vcs.clamp(min=0),
+        )
+
+    assert torch.equal(run_isa(isa, lambda: read(kt, kts)), run_isa(isa, lambda: read(kc, kcs.clamp(min=0))))
+    with pytest.raises(RuntimeError, match="at most 1024 elements"):
+        wide = torch.zeros(1, 1, 1025, 16, dtype=torch.int8).permute(0, 3, 1, 2)
+        tf.write_kv_cache(
+            torch.randn(1, 1, 1025),
+            torch.randn(1, 1, 1025),
+            wide,
+            torch.zeros(1, 16, 1, 1025, dtype=torch.int8),
+            torch.tensor([0]),
+            torch.zeros(1, 16, 1),
+            torch.zeros(1, 16, 1),
+        )
 
 
 # ---- scales: documented results, bad input ------------------------------------------

@@ -533,14 +533,15 @@ def _cache_pages(cache, allocator, layer_idx: int) -> tuple[Tensor, Tensor, Tens
     """The layer's key and value pages in transformers' pool, (pages, page_size, H_kv, D) views,
     and their scales (pages, page_size, H_kv) in an 8-bit pool (_Int8PagedCache; else None).
     Only our ops write and read the pool of a model on "masked_attn" (transformers copies and
-    shares whole blocks, bytes as they are), so a float pool's key pages hold K transposed: per
-    head a (D, page_size) block, keys side by side (the view's strides say so; the kernels read it
-    with no transposes, the same bits as rows). Values, and an 8-bit pool's keys, stay rows."""
+    shares whole blocks, bytes as they are), so each key page holds K transposed: per head a
+    (D, page_size) block, keys side by side (the view's strides say so; the kernels read it with
+    no transposes, the same bits as rows). Values, and the scales, stay rows."""
     k_pages, v_pages = allocator._kv_page_views[layer_idx]  # contiguous (pages, page_size, H_kv, D)
+    scales = (None, None)
     if isinstance(cache, _Int8PagedCache):
-        return k_pages, v_pages, cache.scales_of(k_pages), cache.scales_of(v_pages)
+        scales = (cache.scales_of(k_pages), cache.scales_of(v_pages))
     n, page, hkv, d = k_pages.shape
-    return k_pages.view(n, hkv, d, page).permute(0, 3, 1, 2), v_pages, None, None
+    return k_pages.view(n, hkv, d, page).permute(0, 3, 1, 2), v_pages, *scales
 
 
 _PagedBase: Any = PagedAttentionCache if isinstance(PagedAttentionCache, type) else object

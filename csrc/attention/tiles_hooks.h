@@ -235,8 +235,14 @@ static void fwd_pack_rows(FN(tiles) * s, const void *k_r, const void *v_r, int64
         for (int64_t r1 = 0; r1 < n; r1 += BK) {
             const int64_t nr = ma_min(BK, n - r1);
             uint16_t *rows = (uint16_t *)s->fa.rows; /* room for 2 (BK, max(D, Dv)) bfloat16 blocks */
-            i8_rows_bf16(rows, (const int8_t *)k_r + r1 * a->k_stride[2], a->k_stride, nr, D);
-            amx_pack_a_bf16(amx_rows(s->ka, r0 + r1), rows, D, nr, D, 0);
+            if (a->k_stride[2] == 1) { /* K^T pages: D rows of the nr keys, converted as they lie */
+                const int64_t kt_stride[4] = {0, 0, a->k_stride[3], 1};
+                i8_rows_bf16(rows, (const int8_t *)k_r + r1, kt_stride, D, nr);
+                amx_pack_a_bf16(amx_rows(s->ka, r0 + r1), rows, nr, nr, D, 1);
+            } else {
+                i8_rows_bf16(rows, (const int8_t *)k_r + r1 * a->k_stride[2], a->k_stride, nr, D);
+                amx_pack_a_bf16(amx_rows(s->ka, r0 + r1), rows, D, nr, D, 0);
+            }
             i8_rows_bf16(rows, (const int8_t *)v_r + r1 * a->v_stride[2], a->v_stride, nr, Dv);
             amx_pack_a_bf16(amx_krows(s->vta, r0 + r1), rows, Dv, Dv, nr, 1);
         }

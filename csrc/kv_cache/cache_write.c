@@ -28,13 +28,24 @@ const ma_blocks *ma_blocks_for(ma_isa isa) {
     }
 }
 
-/* One head's row at a time into an 8-bit cache (its rows unit stride: the shim checks). */
+/* One head's row at a time into an 8-bit cache; a row whose elements lie
+ * apart (a K^T page: each a page row apart) goes through the stack (its dim
+ * at most MA_KV_STRIDED_I8_ROW: the shim checks). */
 static void quantize_heads(const ma_cache_write_params *p, const ma_cache_side *side, int8_t *dst, const char *src,
                            float *scale) {
     const ma_blocks *blk = ma_blocks_for(p->isa);
-    for (int64_t h = 0; h < p->Hkv; h++)
-        blk->quantize_row(src + (size_t)(h * side->src_stride[1]) * p->elem_bytes, p->src_dtype, side->dim,
-                          dst + h * side->cache_stride[2], scale + h * side->scale_stride[2]);
+    const int64_t step = side->cache_stride[3];
+    int8_t row[MA_KV_STRIDED_I8_ROW];
+    for (int64_t h = 0; h < p->Hkv; h++) {
+        const char *x = src + (size_t)(h * side->src_stride[1]) * p->elem_bytes;
+        int8_t *d = dst + h * side->cache_stride[2];
+        if (step == 1 || side->dim <= 1) {
+            blk->quantize_row(x, p->src_dtype, side->dim, d, scale + h * side->scale_stride[2]);
+            continue;
+        }
+        blk->quantize_row(x, p->src_dtype, side->dim, row, scale + h * side->scale_stride[2]);
+        for (int64_t i = 0; i < side->dim; i++) d[i * step] = row[i];
+    }
 }
 
 static void copy_row(const ma_cache_side *side, int64_t Hkv, size_t bytes, char *dst, const char *src) {

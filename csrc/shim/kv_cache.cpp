@@ -48,8 +48,9 @@ void cache_side(ma_cache_side* side, const Tensor& src, Tensor& cache, const cha
   for (int64_t i = 0; ok && i < sc.dim(); i++) ok = sc.size(i) == cache.size(i);
   MA_CHECK(ok, "masked_attn.cache_write: ", scale_name, " must be a float32 CPU tensor of ", cache_name,
            ".shape[:-1], got shape ", shape_str(sc), " for ", cache_name, " ", shape_str(cache));
-  MA_CHECK(side->cache_stride[3] == 1 || side->dim <= 1, "masked_attn.cache_write: an int8 ", cache_name,
-           " must hold each row contiguous (stride 1 in its last dim)");
+  MA_CHECK(side->cache_stride[3] == 1 || side->dim <= MA_KV_STRIDED_I8_ROW, "masked_attn.cache_write: an int8 ",
+           cache_name, " whose rows are not contiguous (a K^T page) takes rows of at most ", MA_KV_STRIDED_I8_ROW,
+           " elements, got ", side->dim);
   MA_CHECK(no_internal_overlap(sc) && !may_overlap(sc, cache), "masked_attn.cache_write: ", scale_name,
            " cannot be written in place (shared or overlapping memory)");
   side->scale = static_cast<float*>(sc.mutable_data_ptr());
