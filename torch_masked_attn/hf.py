@@ -537,11 +537,11 @@ def _cache_pages(cache, allocator, layer_idx: int) -> tuple[Tensor, Tensor, Tens
     (D, page_size) block, keys side by side (the view's strides say so; the kernels read it with
     no transposes, the same bits as rows). Values, and the scales, stay rows."""
     k_pages, v_pages = allocator._kv_page_views[layer_idx]  # contiguous (pages, page_size, H_kv, D)
-    scales = (None, None)
+    k_scale = v_scale = None
     if isinstance(cache, _Int8PagedCache):
-        scales = (cache.scales_of(k_pages), cache.scales_of(v_pages))
+        k_scale, v_scale = cache.scales_of(k_pages), cache.scales_of(v_pages)
     n, page, hkv, d = k_pages.shape
-    return k_pages.view(n, hkv, d, page).permute(0, 3, 1, 2), v_pages, *scales
+    return k_pages.view(n, hkv, d, page).permute(0, 3, 1, 2), v_pages, k_scale, v_scale
 
 
 _PagedBase: Any = PagedAttentionCache if isinstance(PagedAttentionCache, type) else object
