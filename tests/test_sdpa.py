@@ -707,9 +707,9 @@ def test_plain_call_short_path(fn, grad, causal, dtype, monkeypatch):
     counted) and gives the same bits, values and gradients, as the checked
     path, which window=(None, None) (no window) takes; with GQA, and with a
     key whose heads are interleaved (a strided view)."""
-    taken = []
+    taken = []  # the op's output, or None where it refused the short path's arguments
     plain = tmaF._plain_forward
-    monkeypatch.setattr(tmaF, "_plain_forward", lambda *a: taken.append(1) or plain(*a))
+    monkeypatch.setattr(tmaF, "_plain_forward", lambda *a: taken.append(plain(*a)) or taken[-1])
     call = tmaF.scaled_dot_product_attention if fn == "sdpa" else tmaF.masked_attention
     extra = {"enable_gqa": True} if fn == "sdpa" else {}
     q = _rand(B, 4, 3, D, dtype=dtype)
@@ -722,7 +722,7 @@ def test_plain_call_short_path(fn, grad, causal, dtype, monkeypatch):
         out = call(*leaves, is_causal=causal, scale=0.3, window=window, **extra)
         grads = torch.autograd.grad(out, leaves, g) if grad else ()
         results.append((out, *grads))
-    assert len(taken) == 1
+    assert len(taken) == 1 and taken[0] is not None  # taken, and not silently refused
     for a, b in zip(*results):
         assert torch.equal(a, b)
     ref = ref_attention(q.double(), k.double(), v.double(), None, scale=0.3, is_causal=causal)

@@ -162,11 +162,7 @@ def _plain_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: floa
             False,
             0.0,
             None,
-            -1,
-            -1,
-            None,
-            None,
-            ops.grad_wanted(q, k, v),
+            ops.grad_wanted(q, k, v),  # for_backward; the shared options (window, ...) at their defaults
         )[0]
     except (RuntimeError, TypeError):
         return None
