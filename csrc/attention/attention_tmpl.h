@@ -820,12 +820,20 @@ static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s,
                               int64_t nh) {
     const int64_t D = p->a.D, Dv = p->a.Dv, *ks = p->a.k_stride, *vs = p->a.v_stride, R = nr * nh;
     /* prefetch distance (elements): the run's next key head in the same rows (ks[1] on:
-     * heads x + nh .. share key head hk + 1), the first head's rows a key block on after
-     * the last (alone: its own rows) */
+     * heads x + nh .. share key head hk + 1), after the last the first head's rows of the
+     * next key block (alone: its own rows), on its page in a paged cache */
     const int64_t hk_first = (h - x) / (p->a.H / p->a.Hkv);  /* the key head of the run's first head */
-    const int64_t pf_k = x + nh < run ? ks[1] : p->a.block_k * ks[2] - (hk - hk_first) * ks[1];
-    const int64_t pf_v = x + nh < run ? vs[1] : p->a.block_k * vs[2] - (hk - hk_first) * vs[1];
+    const int64_t j1 = ma_min(j0 + p->a.block_k, p->a.Lk - 1); /* a key of the next block, or the last */
     const int64_t k_off = b * ks[0] + hk * ks[1] + FN(key_off)(&p->a, ks, p->a.k_page_stride, b, j0);
+    const int64_t v_off = b * vs[0] + hk * vs[1] + FN(key_off)(&p->a, vs, p->a.v_page_stride, b, j0);
+    const int64_t pf_k = x + nh < run
+                             ? ks[1]
+                             : b * ks[0] + hk_first * ks[1] +
+                                   FN(key_off)(&p->a, ks, p->a.k_page_stride, b, j1 - j1 % p->a.block_k) - k_off;
+    const int64_t pf_v = x + nh < run
+                             ? vs[1]
+                             : b * vs[0] + hk_first * vs[1] +
+                                   FN(key_off)(&p->a, vs, p->a.v_page_stride, b, j1 - j1 % p->a.block_k) - v_off;
     const ma_dtype kvt = FN(kv_dtype)(&p->a);
     if (ks[3] == 1) DOT_KEYS(s, nc, q, R, D, p->a.k, kvt, k_off, ks[2], nc, pf_k);
     else /* keys side by side, each element a row apart: a K^T page (the serving cache's layout) */
@@ -841,8 +849,7 @@ static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s,
     if (FN(online_step)(m, m_new, l, lsum, alpha, R)) FN(scale_rows)(o, Dv, R, Dv, alpha);
     if (dr) DROPOUT(s, NULL, nc, 1, nr, nc, dr, i0, j0); /* nh = 1; l summed the whole P; O takes P' */
     FN(kv_scale)(s, nc, 1, R, &p->a, &p->a.opts.v_scale, b, hk, j0, nc);
-    AXPY_KEYS(o, s, nc, R, Dv, p->a.v, kvt, b * vs[0] + hk * vs[1] + FN(key_off)(&p->a, vs, p->a.v_page_stride, b, j0),
-              vs[2], nc, pf_v);
+    AXPY_KEYS(o, s, nc, R, Dv, p->a.v, kvt, v_off, vs[2], nc, pf_v);
 }
 
 /* ---- tile hooks -------------------------------------------------------------
