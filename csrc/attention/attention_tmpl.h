@@ -85,21 +85,16 @@ static inline int FN(is_native)(ma_dtype dt) { return sizeof(ACC) == sizeof(floa
 /* The element type of k and v: the call's, or int8 with their scales (ma_attn_opts.k_scale). */
 static inline ma_dtype FN(kv_dtype)(const ma_attn_args *a) { return a->opts.k_scale.ptr ? MA_I8 : a->dtype; }
 
-/* dst[c] = mul * src[c], c < n, from 16-bit floats, 8 at a time, as the scalar loop computes
- * them (the conversion is exact, then one rounding of the product); returns how many it did.
- * GCC leaves the scalar loop over bfloat16 unvectorised (the bits moved through memcpy): on
- * the emulated CPU a bfloat16 backward's delta = dO . O took about 1,600 instructions a row
- * of D = 64. No change in time measured on Zen 3, where those loads wait on memory. */
+/* dst[c] = mul * src[c], c < n, from 16-bit floats, MA_VL at a time through the instance's
+ * vocabulary (vf_load_dt), as the scalar loop computes them (the conversion is exact, then one
+ * rounding of the product); returns how many it did (0 in the scalar instances). GCC leaves the
+ * scalar loop over bfloat16 unvectorised (the bits moved through memcpy): on the emulated CPU
+ * a bfloat16 backward's delta = dO . O took about 1,600 instructions a row of D = 64. */
 static inline int64_t FN(convert_16bit_row)(ACC *dst, const uint16_t *x, ma_dtype dt, int64_t n, ACC mul) {
     int64_t c = 0;
-#if !defined(MA_ACC_F64) && defined(__AVX2__) && defined(__F16C__)
-    const __m256 mv = _mm256_set1_ps(mul);
-    for (; c + 8 <= n; c += 8) {
-        const __m128i h = _mm_loadu_si128((const __m128i *)(x + c));
-        const __m256 f =
-            dt == MA_BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
-        _mm256_storeu_ps(dst + c, _mm256_mul_ps(mv, f));
-    }
+#if !defined(MA_ACC_F64) && defined(MA_VL)
+    const vf mv = vf_set1(mul);
+    for (; c + MA_VL <= n; c += MA_VL) vf_store(dst + c, vf_mul(mv, vf_load_dt(x, dt, c, MA_VL)));
 #else
     (void)dst, (void)x, (void)dt, (void)n, (void)mul;
 #endif
