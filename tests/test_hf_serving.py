@@ -295,3 +295,41 @@ def test_int8_cache_pool_and_refusals():
         pool(hf._Int8PagedCache, cpu_offload_space=1.0)
     with pytest.raises(ValueError, match="kv_cache_dtype must be None or torch.int8"):
         hf.apply(ours, kv_cache_dtype=torch.float16)
+
+
+def test_int8_cache_prefix_sharing(monkeypatch):
+    """Prompts sharing a prefix of whole pages, twice through one persistent manager: the second
+    round reuses the first's cached blocks (transformers' prefix sharing) and the scales that lie
+    beside them, and gives the first round's tokens and log-probabilities, those of generate()
+    over the same quantized rows."""
+    matched = []
+    search = hf._Int8PagedCache.search_prefix_match
+
+    def spy(self, *a, **k):
+        matched.append(search(self, *a, **k))
+        return matched[-1]
+
+    monkeypatch.setattr(hf._Int8PagedCache, "search_prefix_match", spy)
+    ref, ours = _pair("llama", dtype=torch.float32)
+    hf.apply(ours, kv_cache_dtype=torch.int8)
+    g = torch.Generator().manual_seed(7)
+    vocab = ref.config.vocab_size
+    prefix = torch.randint(3, vocab, (150,), generator=g).tolist()
+    prompts = [prefix + torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 20, 33)]
+    want, want_lp = _generate_logprobs(ref, prompts, 6, fake_quant=True)
+    gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    for _ in range(2):
+        res = ours.generate_batch(
+            prompts,
+            generation_config=gc,
+            continuous_batching_config=ContinuousBatchingConfig(return_logprobs=True, page_size=64),
+            progress_bar=False,
+            persistent_manager=True,
+        )
+        done = sorted(res.values(), key=lambda o: int(o.request_id.rsplit("_", 1)[-1]))
+        assert [o.generated_tokens for o in done] == want
+        err = max((torch.tensor(o.logprobs, dtype=torch.float64) - w).abs().max().item() for o, w in zip(done, want_lp))
+        assert err < 5e-6
+    assert ours._cached_continuous_batching_manager.batch_processor.cache.use_prefix_sharing
+    assert max(matched) >= 128  # whole pages of the prefix were found in the cache
+    ours.destroy_cached_continuous_batching_manager()
