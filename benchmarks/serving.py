@@ -217,12 +217,12 @@ class PagedStep:
         )
         self._kv = None  # the sources are no longer needed
 
-    def ours(self):
+    def _attend(self, k_pool, v_pool, **scales):
         with torch.no_grad():
             return tma.functional.varlen_attn(
                 self.q,
-                self.k_pool,
-                self.v_pool,
+                k_pool,
+                v_pool,
                 self.cu_q,
                 None,
                 self.max_q,
@@ -231,24 +231,15 @@ class PagedStep:
                 block_table=self.table,
                 window_size=(-1, 0),
                 enable_gqa=True,
-                **self.scales,
+                **scales,
             )
+
+    def ours(self):
+        return self._attend(self.k_pool, self.v_pool, **self.scales)
 
     def float_reference(self):
         """Ours over the float pools the 8-bit ones were quantized from."""
-        with torch.no_grad():
-            return tma.functional.varlen_attn(
-                self.q,
-                *self.float_pools,
-                self.cu_q,
-                None,
-                self.max_q,
-                self.max_k,
-                seqused_k=self.used,
-                block_table=self.table,
-                window_size=(-1, 0),
-                enable_gqa=True,
-            )
+        return self._attend(*self.float_pools)
 
     def vllm_call(self, ops):
         c = self.vllm

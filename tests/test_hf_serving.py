@@ -81,19 +81,7 @@ def _prompts(lengths, vocab, seed=0):
 
 
 def _reference_tokens(ref, prompts, new):
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        gen = ref.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new,
-            do_sample=False,
-            pad_token_id=0,
-            eos_token_id=None,
-        )
-        out.append(gen[0, len(p) :].tolist())
-    return out
+    return _generate_logprobs(ref, prompts, new, fake_quant=False)[0]
 
 
 def _cb_tokens(model, prompts, new, **cb):
