@@ -151,6 +151,39 @@ static void tile_gemm(int64_t m, int64_t n, int64_t k, amx_view a, amx_view b, f
         }
 }
 
+/* C (16 mtiles, 16) = A (16 mtiles, 32 nkt) @ B (32 nkt, 16) for the rows path's scores
+ * (tiles_hooks.h, FN(tiles_rows_scores)): A tile (mt, kt) loaded where it lies, at
+ * A + 16 mt lda + kt a_kstep with rows lda elements apart (key rows in a cache); B packed, one
+ * part; C tiles 256 floats apart. Two C tiles at a time share each B tile. */
+static void tile_key_rows(int64_t mtiles, int64_t nkt, const uint16_t *A, int64_t lda, int64_t a_kstep, amx_view b,
+                          float *C) {
+    const int64_t stride = lda * (int64_t)sizeof(uint16_t);
+    int64_t mt = 0;
+    for (; mt + 2 <= mtiles; mt += 2) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t kt = 0; kt < nkt; kt++) {
+            _tile_loadd(6, b.p + kt * b.ks, 64);
+            _tile_loadd(4, A + mt * 16 * lda + kt * a_kstep, stride);
+            _tile_loadd(5, A + (mt + 1) * 16 * lda + kt * a_kstep, stride);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 5, 6);
+        }
+        _tile_stored(0, C + mt * 256, 64);
+        _tile_stored(1, C + (mt + 1) * 256, 64);
+    }
+    if (mt < mtiles) {
+        _tile_zero(0);
+        for (int64_t kt = 0; kt < nkt; kt++) {
+            _tile_loadd(6, b.p + kt * b.ks, 64);
+            _tile_loadd(4, A + mt * 16 * lda + kt * a_kstep, stride);
+            _tile_dpbf16ps(0, 4, 6);
+        }
+        _tile_stored(0, C + mt * 256, 64);
+    }
+}
+#define TILE_KEY_ROWS
+
 static inline void tile_begin(void) { amx_configure(); }
 static inline void tile_end(void) { _tile_release(); }
 

@@ -799,54 +799,6 @@ static void FN(sum_rows_in_order)(const ACC *s, int64_t nc, int64_t nr, ACC *lsu
 #undef MA_SUM_ROWS
 }
 
-/* One key block j0 .. j0 + nc of that path: q holds scale * Q rows (nr, D),
- * o the running output (nr, Dv), m and l the running max and sum; s (nr, nc),
- * m_new, lsum and alpha are scratch. The same arithmetic as the tiles: scores
- * plus bias, m_new = max(m, row max), P = exp(S - m_new) (m_new = -inf as 0),
- * l = alpha l + sum P, O = alpha O + P V, each in the order the tiles use
- * (DOT_KEYS and AXPY_KEYS are bit for bit the GEMM's sums, P sums in key
- * order): a row's values never depend on which path computed it, so adding
- * query rows (padding) changes no other row. The AMX tile kernels round
- * differently; their short blocks take this path on AVX-512. am_state is
- * the tile's FN(mask_tile_state) (the loop skips MA_TILE_BLOCKED). */
-static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s, ACC *o, ACC *m, ACC *l, ACC *m_new,
-                              ACC *lsum, ACC *alpha, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t nr,
-                              int64_t j0, int64_t nc, int am_state, const ma_dropout *dr, int64_t x, int64_t run,
-                              int64_t nh) {
-    const int64_t D = p->a.D, Dv = p->a.Dv, *ks = p->a.k_stride, *vs = p->a.v_stride, R = nr * nh;
-    /* prefetch distance (elements): the run's next key head in the same rows (ks[1] on:
-     * heads x + nh .. share key head hk + 1), after the last the first head's rows of the
-     * next key block (alone: its own rows), on its page in a paged cache */
-    const int64_t hk_first = (h - x) / (p->a.H / p->a.Hkv);  /* the key head of the run's first head */
-    const int64_t j1 = ma_min(j0 + p->a.block_k, p->a.Lk - 1); /* a key of the next block, or the last */
-    const int64_t k_off = b * ks[0] + hk * ks[1] + FN(key_off)(&p->a, ks, p->a.k_page_stride, b, j0);
-    const int64_t v_off = b * vs[0] + hk * vs[1] + FN(key_off)(&p->a, vs, p->a.v_page_stride, b, j0);
-    const int64_t pf_k = x + nh < run
-                             ? ks[1]
-                             : b * ks[0] + hk_first * ks[1] +
-                                   FN(key_off)(&p->a, ks, p->a.k_page_stride, b, j1 - j1 % p->a.block_k) - k_off;
-    const int64_t pf_v = x + nh < run
-                             ? vs[1]
-                             : b * vs[0] + hk_first * vs[1] +
-                                   FN(key_off)(&p->a, vs, p->a.v_page_stride, b, j1 - j1 % p->a.block_k) - v_off;
-    const ma_dtype kvt = FN(kv_dtype)(&p->a);
-    if (ks[3] == 1) DOT_KEYS(s, nc, q, R, D, p->a.k, kvt, k_off, ks[2], nc, pf_k);
-    else /* keys side by side, each element a row apart: a K^T page (the serving cache's layout) */
-        DOT_KEYS_T(s, nc, q, R, D, p->a.k, kvt, k_off, ks[3], nc, pf_k);
-    FN(kv_scale)(s, nc, 1, R, &p->a, &p->a.opts.k_scale, b, hk, j0, nc);
-    FN(apply_softcap)(s, R * nc, p->a.opts.softcap, NULL);
-    for (int64_t y = 0; y < nh; y++) FN(add_bias)(s + y * nr * nc, nc, 1, &p->a, am_state, b, h + y, i0, nr, j0, nc);
-    for (int64_t r = 0; r < R; r++) {
-        m_new[r] = ROW_MAX(s + r * nc, nc, m[r]);
-        (void)EXP_SUB_SUM(s + r * nc, nc, m_new[r] == -(ACC)INFINITY ? 0 : m_new[r]);
-    }
-    FN(sum_rows_in_order)(s, nc, R, lsum);
-    if (FN(online_step)(m, m_new, l, lsum, alpha, R)) FN(scale_rows)(o, Dv, R, Dv, alpha);
-    if (dr) DROPOUT(s, NULL, nc, 1, nr, nc, dr, i0, j0); /* nh = 1; l summed the whole P; O takes P' */
-    FN(kv_scale)(s, nc, 1, R, &p->a, &p->a.opts.v_scale, b, hk, j0, nc);
-    AXPY_KEYS(o, s, nc, R, Dv, p->a.v, kvt, v_off, vs[2], nc, pf_v);
-}
-
 /* ---- tile hooks -------------------------------------------------------------
  *
  * The tile path of the forward and the single-pass backward do their matrix
@@ -864,6 +816,9 @@ static void FN(fwd_rows_step)(const ma_attn_fwd_params *p, const ACC *q, ACC *s,
  *     fwd_pv(o, alpha, sT, j0, nc)   O = diag(alpha) O + P V, P^T in sT (alpha NULL: 1);
  *                                    O in the step's own layout, zeroed by the loop
  *     fwd_o_rows(o)                  O as rows (nr, Dv)
+ *     rows_scores(p, s, b, h, i0, nr, nh, k_off, nc, pf)
+ *                                    the rows path's s (nh nr, nc) = scale Q K^T of a run's
+ *                                    nh heads; returns 0 where it leaves them to DOT_KEYS
  *   single-pass backward, per (b, hkv), key block j0..j0+nc, query block i0..i0+nr of head g:
  *     bwd_group(b, hk)               prepare Q, dO of the G heads
  *     bwd_keys(b, hk, j0, nc)        prepare K, V of the key block; zero its dK, dV sums
@@ -947,6 +902,8 @@ static void FN(tiles_fwd_scores)(FN(tiles) * T, ACC *sT, int64_t i0, int64_t j0,
 static void FN(tiles_fwd_pv)(FN(tiles) * T, ACC *o, const ACC *alpha, const ACC *sT, int64_t i0, int64_t j0,
                              int64_t nc);
 static ACC *FN(tiles_fwd_o_rows)(FN(tiles) * T, ACC *o);
+static int FN(tiles_rows_scores)(FN(tiles) * T, const ma_attn_fwd_params *p, ACC *s, int64_t b, int64_t h, int64_t i0,
+                                 int64_t nr, int64_t nh, int64_t k_off, int64_t nc, int64_t pf);
 static void FN(tiles_end)(void);
 #endif
 
@@ -968,6 +925,63 @@ typedef struct {
 #else
 #define FWD_STEP(step, ...) FN(gen_fwd_##step)(&c->gen, __VA_ARGS__)
 #endif
+/* the rows step's product on the hooks where they take it (FN(tiles_rows_*) return 1), else 0 */
+#ifdef MA_TILE_HOOKS
+#define ROWS_HOOK(step, ...) (c->hooked && FN(tiles_rows_##step)(c->tiles, __VA_ARGS__))
+#else
+#define ROWS_HOOK(step, ...) ((void)c, 0)
+#endif
+
+/* One key block j0 .. j0 + nc of that path: q holds scale * Q rows (nr, D),
+ * o the running output (nr, Dv), m and l the running max and sum; s (nr, nc),
+ * m_new, lsum and alpha are scratch. The same arithmetic as the tiles: scores
+ * plus bias, m_new = max(m, row max), P = exp(S - m_new) (m_new = -inf as 0),
+ * l = alpha l + sum P, O = alpha O + P V, each in the order the tiles use
+ * (DOT_KEYS and AXPY_KEYS are bit for bit the GEMM's sums, P sums in key
+ * order): a row's values never depend on which path computed it, so adding
+ * query rows (padding) changes no other row. The AMX tile kernels round
+ * differently; their short blocks take this path on AVX-512, but for the scores
+ * from bfloat16 key rows, which the hooks take on the tiles where the keys lie
+ * (FN(tiles_rows_scores): the tile path's scores). am_state is
+ * the tile's FN(mask_tile_state) (the loop skips MA_TILE_BLOCKED). */
+static void FN(fwd_rows_step)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const ACC *q, ACC *s, ACC *o, ACC *m,
+                              ACC *l, ACC *m_new, ACC *lsum, ACC *alpha, int64_t b, int64_t h, int64_t hk, int64_t i0,
+                              int64_t nr, int64_t j0, int64_t nc, int am_state, const ma_dropout *dr, int64_t x,
+                              int64_t run, int64_t nh) {
+    const int64_t D = p->a.D, Dv = p->a.Dv, *ks = p->a.k_stride, *vs = p->a.v_stride, R = nr * nh;
+    /* prefetch distance (elements): the run's next key head in the same rows (ks[1] on:
+     * heads x + nh .. share key head hk + 1), after the last the first head's rows of the
+     * next key block (alone: its own rows), on its page in a paged cache */
+    const int64_t hk_first = (h - x) / (p->a.H / p->a.Hkv);  /* the key head of the run's first head */
+    const int64_t j1 = ma_min(j0 + p->a.block_k, p->a.Lk - 1); /* a key of the next block, or the last */
+    const int64_t k_off = b * ks[0] + hk * ks[1] + FN(key_off)(&p->a, ks, p->a.k_page_stride, b, j0);
+    const int64_t v_off = b * vs[0] + hk * vs[1] + FN(key_off)(&p->a, vs, p->a.v_page_stride, b, j0);
+    const int64_t pf_k = x + nh < run
+                             ? ks[1]
+                             : b * ks[0] + hk_first * ks[1] +
+                                   FN(key_off)(&p->a, ks, p->a.k_page_stride, b, j1 - j1 % p->a.block_k) - k_off;
+    const int64_t pf_v = x + nh < run
+                             ? vs[1]
+                             : b * vs[0] + hk_first * vs[1] +
+                                   FN(key_off)(&p->a, vs, p->a.v_page_stride, b, j1 - j1 % p->a.block_k) - v_off;
+    const ma_dtype kvt = FN(kv_dtype)(&p->a);
+    if (ROWS_HOOK(scores, p, s, b, h, i0, nr, nh, k_off, nc, pf_k)) (void)0;
+    else if (ks[3] == 1) DOT_KEYS(s, nc, q, R, D, p->a.k, kvt, k_off, ks[2], nc, pf_k);
+    else /* keys side by side, each element a row apart: a K^T page (the serving cache's layout) */
+        DOT_KEYS_T(s, nc, q, R, D, p->a.k, kvt, k_off, ks[3], nc, pf_k);
+    FN(kv_scale)(s, nc, 1, R, &p->a, &p->a.opts.k_scale, b, hk, j0, nc);
+    FN(apply_softcap)(s, R * nc, p->a.opts.softcap, NULL);
+    for (int64_t y = 0; y < nh; y++) FN(add_bias)(s + y * nr * nc, nc, 1, &p->a, am_state, b, h + y, i0, nr, j0, nc);
+    for (int64_t r = 0; r < R; r++) {
+        m_new[r] = ROW_MAX(s + r * nc, nc, m[r]);
+        (void)EXP_SUB_SUM(s + r * nc, nc, m_new[r] == -(ACC)INFINITY ? 0 : m_new[r]);
+    }
+    FN(sum_rows_in_order)(s, nc, R, lsum);
+    if (FN(online_step)(m, m_new, l, lsum, alpha, R)) FN(scale_rows)(o, Dv, R, Dv, alpha);
+    if (dr) DROPOUT(s, NULL, nc, 1, nr, nc, dr, i0, j0); /* nh = 1; l summed the whole P; O takes P' */
+    FN(kv_scale)(s, nc, 1, R, &p->a, &p->a.opts.v_scale, b, hk, j0, nc);
+    AXPY_KEYS(o, s, nc, R, Dv, p->a.v, kvt, v_off, vs[2], nc, pf_v);
+}
 
 static size_t FN(generic_fwd_scratch_bytes)(const ma_attn_fwd_params *p) {
     return ma_round_up(MA_CACHE_LINE + FN(fwd_scratch_elems)(p) * sizeof(ACC), MA_CACHE_LINE);
@@ -1158,7 +1172,7 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
                         nh++;
                 if (ms == MA_TILE_BLOCKED) continue; /* contributes exactly 0 */
                 if (by_rows)
-                    FN(fwd_rows_step)(p, hd[x].q, c->t.sT, hd[x].o, hd[x].m, hd[x].l, c->t.m_new, c->t.lsum, c->t.lse,
+                    FN(fwd_rows_step)(c, p, hd[x].q, c->t.sT, hd[x].o, hd[x].m, hd[x].l, c->t.m_new, c->t.lsum, c->t.lse,
                                       b, h + x, (h + x) / G, i0, nr, j0, nc, ms, hd[x].dr, x, run, nh);
                 else FN(fwd_tile_block)(c, p, hd[x].dr, b, h, i0, nr, j0, nc, ms);
             }
@@ -1172,6 +1186,7 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
     FN(fence_streams)();
 }
 #undef FWD_STEP
+#undef ROWS_HOOK
 
 /* ---- backward ------------------------------------------------------------
  *

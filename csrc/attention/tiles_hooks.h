@@ -12,6 +12,8 @@
  *       configuration and release)
  *   tile_precision(dt)         parts and terms per dtype (tiles_pack.h)
  *   tile_apply(p)              whether a forward call takes the hooks
+ *   tile_key_rows(...)         optional (TILE_KEY_ROWS, AMX): the rows path's scores with
+ *       the key rows loaded as tiles where they lie (FN(tiles_rows_scores))
  *
  * The loops, masks and softmax are attention_tmpl.h's; every other building
  * block is AVX-512's (blocks_simd.h on common/simd_avx512.h). bfloat16 inputs (one part, unit
@@ -134,6 +136,8 @@ static inline void scale_inplace(float *x, int64_t n, float s) {
 typedef struct {
     uint16_t *ka, *vta, *qb, *pb, *clip;
     float *rows;
+    uint16_t *rq, *rk; /* the rows path's Q^T as B and a last partial tile of keys */
+    float *rst;        /* its S^T (BK, 16) */
 } fwd_tile_scratch;
 
 /* ---- backward hooks -----------------------------------------------------------
@@ -162,6 +166,7 @@ struct FN(tiles) {
     amx_view ka, vta, qb, pb;
     /* backward */
     const ma_attn_bwd_params *bp;
+    int rows_k; /* the rows path may take its scores on the tiles (FN(tiles_rows_scores)) */
     FN(bwd_scratch) * bt;
     bwd_tile_scratch ba;
     amx_view ktb, vtb, kb, pbb, dsb, dsa;
@@ -190,6 +195,9 @@ static size_t fwd_tile_bytes(const ma_attn_fwd_params *p, fwd_tile_scratch *t, v
     s.pb = CARVE(uint16_t, &x, pr.pd *amx_b_elems(BK, BQ));
     s.clip = CARVE(uint16_t, &x, pr.in *ma_cdiv(Dv, 16) * AMX_TILE);
     s.rows = CARVE(float, &x, (BQ > BK ? BQ : BK) * (D > Dv ? D : Dv)); /* K, V rows; out rows */
+    s.rq = CARVE(uint16_t, &x, amx_b_elems(D, 16));
+    s.rk = CARVE(uint16_t, &x, 16 * D);
+    s.rst = CARVE(float, &x, ma_round_up(BK, 16) * 16);
     if (t) *t = s;
     return (size_t)((char *)x - (char *)base);
 }
@@ -211,6 +219,7 @@ static void FN(tiles_fwd_begin)(FN(tiles) * *T, const ma_attn_fwd_params *p, FN(
     s->vta = amx_a_layout(s->fa.vta, p->a.Dv, p->a.Lk, s->pr.in, 1);
     s->qb = amx_b_layout(s->fa.qb, p->a.D, BQ, s->pr.in, 0);
     s->pb = amx_b_layout(s->fa.pb, BK, BQ, s->pr.pd, 0);
+    s->rows_k = p->a.dtype == MA_BF16 && s->pr.in == 1 && p->a.q_stride[3] == 1 && p->a.D % 32 == 0;
     tile_begin();
     *T = s;
 }
@@ -351,6 +360,56 @@ static float *FN(tiles_fwd_o_rows)(FN(tiles) * s, float *oT) {
     BLK(transpose)(s->fa.rows, oT, s->nr, s->fp->a.Dv, s->nr, 1);
     return s->fa.rows;
 }
+
+/* ---- the rows path's scores from key rows --------------------------------------
+ * A short query block (attention_tmpl.h, FN(fwd_rows_step): decoding) of a bfloat16 call
+ * reading bfloat16 key rows (ks[3] = 1: a (B, H, L, D) cache, flash-attn's pages) takes
+ * S^T = K Q^T on the tiles, the key rows loaded as A tiles where they lie (tile_key_rows), Q^T
+ * packed as B once per step: the tile path's product, so the tile path's scores bit for bit,
+ * with no transposes of K (the AVX-512 dot_keys transposes every block to keep the GEMM's
+ * order). s (R, nc) = scale (S^T)^T. A last partial tile of keys goes through a zero-padded
+ * copy. Everything else stays with the AVX-512 blocks: P V (V rows are not a tile operand of
+ * it), K^T pages and int8 keys (packing an operand to load it as a tile costs more than the
+ * FMAs it saves: docs/performance.md), and the VDPBF16PS instance (its broadcast product
+ * would compute 16 query columns for R <= 8). R = nh * nr <= 8. */
+#ifdef TILE_KEY_ROWS
+static int FN(tiles_rows_scores)(FN(tiles) * s, const ma_attn_fwd_params *p, float *sc, int64_t b, int64_t h,
+                                 int64_t i0, int64_t nr, int64_t nh, int64_t k_off, int64_t nc, int64_t pf) {
+    const ma_attn_args *a = &p->a;
+    if (!s->rows_k || a->k_stride[3] != 1 || FN(kv_dtype)(a) != MA_BF16) return 0;
+    const int64_t D = a->D, R = nr * nh, ld = a->k_stride[2], full = nc / 16 * 16;
+    const uint16_t *q = (const uint16_t *)a->q, *k = (const uint16_t *)a->k + k_off;
+    const amx_view qb = amx_b_layout(s->fa.rq, D, 16, 1, 0);
+    for (int64_t kt = 0; kt < D / 32; kt++) { /* Q^T as B: row r's 16 pairs are column r */
+        __m512i t[16];
+        for (int r = 0; r < 16; r++)
+            t[r] = r < R ? _mm512_loadu_si512(q + b * a->q_stride[0] + (h + r / nr) * a->q_stride[1] +
+                                              (i0 + r % nr) * a->q_stride[2] + kt * 32)
+                         : _mm512_setzero_si512();
+        transpose16x16_epi32(t);
+        for (int r = 0; r < 16; r++) _mm512_storeu_si512(qb.p + kt * qb.ks + r * 32, t[r]);
+    }
+    if (pf) /* the lines of the keys pf elements on, as the blocks' loads would */
+        for (int64_t i = 0; i < nc; i++)
+            for (int64_t d = 0; d < D; d += MA_CACHE_LINE / 2) prefetch_ahead(k + i * ld + d + pf, pf * 2);
+    tile_key_rows(full / 16, D / 32, k, ld, 32, qb, s->fa.rst);
+    if (full < nc) { /* the last keys, zero-padded to a tile */
+        for (int64_t i = 0; i < 16; i++)
+            for (int64_t d = 0; d < D; d += 32)
+                _mm512_storeu_si512(s->fa.rk + i * D + d, full + i < nc ? _mm512_loadu_si512(k + (full + i) * ld + d)
+                                                                         : _mm512_setzero_si512());
+        tile_key_rows(1, D / 32, s->fa.rk, D, 32, qb, s->fa.rst + full * 16);
+    }
+    BLK(transpose)(sc, s->fa.rst, 16, nc, R, (float)a->scale);
+    return 1;
+}
+#else
+static int FN(tiles_rows_scores)(FN(tiles) * s, const ma_attn_fwd_params *p, float *sc, int64_t b, int64_t h,
+                                 int64_t i0, int64_t nr, int64_t nh, int64_t k_off, int64_t nc, int64_t pf) {
+    (void)s, (void)p, (void)sc, (void)b, (void)h, (void)i0, (void)nr, (void)nh, (void)k_off, (void)nc, (void)pf;
+    return 0;
+}
+#endif
 
 static void FN(tiles_end)(void) { tile_end(); }
 
