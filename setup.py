@@ -20,6 +20,11 @@ C_HEADERS = sorted(glob.glob(os.path.join("csrc", "**", "*.h"), recursive=True))
 SHIM_SOURCES = sorted(glob.glob(os.path.join("csrc", "shim", "*.cpp")))
 SHIM_HEADERS = sorted(glob.glob(os.path.join("csrc", "shim", "*.hpp")))
 C_FLAGS = ["-std=c11", "-O3", "-fPIC", "-Wall", "-Wextra", "-fno-math-errno", "-I" + os.path.join(ROOT, "csrc")]
+# The wheels' glibc floor, 2.28 (manylinux_2_28, PyTorch's): csrc/common/glibc_compat.h binds
+# the C units' exp and log to their old symbol versions; the shim renames libstdc++'s
+# __libc_single_threaded (glibc 2.32) to a variable of its own (csrc/shim/registration.cpp).
+C_FLAGS += ["-include", os.path.join(ROOT, "csrc", "common", "glibc_compat.h")]
+SHIM_FLAGS = ["-D__libc_single_threaded=ma_libc_single_threaded"]
 
 # The C11 translation units and the instruction-set flags of each, per machine
 # architecture: the one list the build, tools/sanitize.py (make sanitize) and the
@@ -156,7 +161,7 @@ if __name__ == "__main__":  # tests import this file for the C flags
                 SHIM_SOURCES,
                 include_dirs=[os.path.join(ROOT, "csrc")],
                 extra_compile_args={
-                    "cxx": ["-O2", "-std=c++17", "-DTORCH_TARGET_VERSION=0x020a000000000000", *EXTRA_FLAGS],
+                    "cxx": ["-O2", "-std=c++17", "-DTORCH_TARGET_VERSION=0x020a000000000000", *SHIM_FLAGS, *EXTRA_FLAGS],
                 },
                 extra_link_args=EXTRA_FLAGS,
                 py_limited_api=True,

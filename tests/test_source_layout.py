@@ -5,6 +5,11 @@ read in one place of the C code (MASKED_ATTN_ISA, common/isa.c)."""
 import ast
 import os
 import re
+import shutil
+import subprocess
+import sys
+
+import pytest
 
 import torch_masked_attn
 
@@ -107,3 +112,24 @@ def test_attention_options_declared_once():
         "torch_masked_attn/functional.py",
         "torch_masked_attn/flash_attn.py",
     }
+
+
+# manylinux_2_28 (PyTorch's own wheels' floor): the newest symbol version of each system library
+# the extension may need (auditwheel's policy for manylinux_2_28)
+GLIBC_FLOOR = {"GLIBC": (2, 28), "GLIBCXX": (3, 4, 24), "CXXABI": (1, 3, 11), "GCC": (7, 0, 0)}
+
+
+def test_extension_needs_no_newer_glibc_than_torch():
+    """The built extension references no symbol version newer than manylinux_2_28 allows, so its
+    wheel installs wherever torch's does (csrc/common/glibc_compat.h: exp and log bound to their
+    old versions, float16 conversions in integers, libstdc++'s single-thread flag renamed)."""
+    if not sys.platform.startswith("linux") or not shutil.which("objdump"):
+        pytest.skip("objdump on Linux reads the symbol versions")
+    so = [f for f in os.listdir(PKG) if f.startswith("_C") and f.endswith(".so")]
+    assert so, f"no built extension in {PKG}"
+    out = subprocess.run(["objdump", "-T", os.path.join(PKG, so[0])], capture_output=True, text=True, check=True)
+    newer = set()
+    for lib, ver in re.findall(r"\((GLIBCXX|GLIBC|CXXABI|GCC)_([0-9.]+)\)", out.stdout):
+        if tuple(int(x) for x in ver.split(".")) > GLIBC_FLOOR[lib]:
+            newer.add(f"{lib}_{ver}")
+    assert not newer, f"symbol versions past manylinux_2_28: {sorted(newer)}"

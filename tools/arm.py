@@ -31,7 +31,7 @@ import tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from setup import C_FLAGS, C_UNITS_BY_ARCH, SHIM_SOURCES, object_name  # noqa: E402  (the build's own lists)
+from setup import C_FLAGS, C_UNITS_BY_ARCH, SHIM_FLAGS, SHIM_SOURCES, object_name  # noqa: E402  (the build's own lists)
 
 ARM = os.path.join(ROOT, ".arm")
 CC, CXX = "aarch64-linux-gnu-gcc", "aarch64-linux-gnu-g++"
@@ -351,6 +351,7 @@ def cmd_build(_):
         "-I" + os.path.join(ROOT, "csrc"),
         "-I" + inc,
         "-I" + os.path.join(inc, "torch", "csrc", "api", "include"),
+        *SHIM_FLAGS,
     ]
     for src in SHIM_SOURCES:
         obj = os.path.join(out, "shim_" + os.path.basename(src)[:-4] + ".o")

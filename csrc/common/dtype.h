@@ -27,18 +27,45 @@ static inline uint16_t ma_f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* _Float16 (gcc >= 12, clang >= 15 on x86-64) converts with IEEE rounding. */
+/* float16 <-> float32 in integer arithmetic, IEEE round-to-nearest-even, NaN quieted (as
+ * F16C's and the C _Float16 conversions do). Not _Float16: on an x86 unit without F16C (the
+ * scalar ones) GCC 12 compiles its conversions to libgcc calls versioned GCC_12.0.0, which
+ * would lift the wheel's glibc floor (common/glibc_compat.h) to 2.35. tests/c/test_blocks.c
+ * checks both against _Float16 over every float16 and every float32 that rounds to one. */
 static inline float ma_f16_to_f32(uint16_t h) {
-    _Float16 x;
-    memcpy(&x, &h, sizeof x);
-    return (float)x;
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    uint32_t u;
+    if (e == 0x1f) u = sign | 0x7f800000u | (m << 13) | (m ? 0x400000u : 0); /* inf; NaN, quiet */
+    else if (e) u = sign | ((e + 112) << 23) | (m << 13);                     /* normal */
+    else {                                                                     /* 0, subnormal: m 2^-24 */
+        const float f = (float)m * 0x1p-24f;
+        memcpy(&u, &f, sizeof u);
+        u |= sign;
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 
 static inline uint16_t ma_f32_to_f16(float f) {
-    _Float16 x = (_Float16)f;
-    uint16_t h;
-    memcpy(&h, &x, sizeof h);
-    return h;
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    const uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu)); /* NaN, quiet */
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* 65520 and up: infinity */
+    if (a >= 0x38800000u) {                                   /* a normal float16: rebias, round 13 bits */
+        uint32_t r = a - 0x38000000u;
+        r += 0xfffu + ((r >> 13) & 1u);
+        return (uint16_t)(sign | (r >> 13));
+    }
+    const int shift = 126 - (int)(a >> 23); /* a subnormal float16 (or 0): a in units of 2^-24 */
+    if (shift > 24) return sign;            /* below 2^-25, or 2^-25 itself (a tie to even 0) */
+    const uint32_t mant = (a & 0x7fffffu) | 0x800000u, half = 1u << (shift - 1);
+    uint32_t q = mant >> shift;
+    const uint32_t rem = mant & ((half << 1) - 1u);
+    if (rem > half || (rem == half && (q & 1u))) q++;
+    return (uint16_t)(sign | q);
 }
 
 /* base[off] as float, whatever the element type. MA_BOOL reads 0 or 1. */

@@ -3,6 +3,13 @@
 
 #include "shim/common.hpp"
 
+// libstdc++'s "is this process single-threaded" flag, renamed here by setup.py's shim flags
+// (__libc_single_threaded is glibc 2.32's; the wheels' floor is 2.28, csrc/common/glibc_compat.h):
+// 0, so reference counts always take their atomic path, as they must in a threaded library.
+extern "C" {
+__attribute__((visibility("hidden"))) char ma_libc_single_threaded = 0;
+}
+
 using namespace masked_attn_shim;
 
 STABLE_TORCH_LIBRARY(masked_attn, m) {

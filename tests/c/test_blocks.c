@@ -441,7 +441,58 @@ static void test_dropout(const ma_blocks *v) {
     free(x0), free(x1);
 }
 
+/* dtype.h's float16 conversions, in integers, against the compiler's _Float16: every float16
+ * to float32; to float16, every float32 from 2^-27 to 2^18 whose bits below the rounding point
+ * are a rounding case (0, 1, just below, at and just above the half, all ones) with every
+ * value of the bits kept (normal and subnormal float16 results, the last finite value,
+ * overflow), a million others, zeros, infinities and NaN payloads. */
+static int f32_to_f16_differs(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    const _Float16 w = (_Float16)f;
+    uint16_t want;
+    memcpy(&want, &w, sizeof want);
+    const uint16_t got = ma_f32_to_f16(f);
+    if (want != got) printf("f32_to_f16 %08x: want %04x got %04x\n", u, want, got);
+    return want != got;
+}
+
+static void test_f16_conversions(void) {
+    int bad = 0;
+    for (uint32_t h = 0; h < 0x10000u; h++) {
+        _Float16 x;
+        const uint16_t h16 = (uint16_t)h;
+        memcpy(&x, &h16, sizeof x);
+        const float want = (float)x, got = ma_f16_to_f32(h16);
+        uint32_t wb, gb;
+        memcpy(&wb, &want, sizeof wb);
+        memcpy(&gb, &got, sizeof gb);
+        if (wb != gb && bad++ < 5) printf("f16_to_f32 %04x: want %08x got %08x\n", h, wb, gb);
+    }
+    for (uint32_t s = 0; s < 2 && bad < 5; s++)
+        for (uint32_t e = 100; e < 145; e++) {
+            /* bits of the 24-bit significand dropped: 13 for a normal float16, more below 2^-14 */
+            const int drop = e >= 113 ? 13 : ma_min(24, 13 + (int)(113 - e));
+            const uint32_t half = 1u << (drop - 1), low[6] = {0, 1, half - 1, half, half + 1, 2 * half - 1};
+            for (uint32_t kept = 0; kept < (1u << (23 - drop + 1)) && bad < 5; kept++)
+                for (int i = 0; i < 6; i++) {
+                    const uint32_t mant = ((kept << drop) | low[i]) & 0x7fffffu;
+                    bad += f32_to_f16_differs(s << 31 | e << 23 | mant);
+                }
+        }
+    uint32_t x = 2463534242u;
+    for (int i = 0; i < 1000000 && bad < 5; i++) {
+        x ^= x << 13, x ^= x >> 17, x ^= x << 5;
+        bad += f32_to_f16_differs(x);
+    }
+    const uint32_t edges[] = {0u, 1u, 0x7f800000u, 0x7f800001u, 0x7fc00000u, 0x7fbfe000u, 0x7fffffffu, 0x33000000u};
+    for (size_t i = 0; i < sizeof edges / sizeof edges[0]; i++)
+        bad += f32_to_f16_differs(edges[i]) + f32_to_f16_differs(edges[i] | 0x80000000u);
+    CHECK(bad == 0, "float16 conversions: %d differ from _Float16's", bad);
+}
+
 int main(void) {
+    test_f16_conversions();
     const struct {
         ma_isa isa;
         const ma_blocks *blocks;
