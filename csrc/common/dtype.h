@@ -27,11 +27,30 @@ static inline uint16_t ma_f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* float16 <-> float32 in integer arithmetic, IEEE round-to-nearest-even, NaN quieted (as
- * F16C's and the C _Float16 conversions do). Not _Float16: on an x86 unit without F16C (the
- * scalar ones) GCC 12 compiles its conversions to libgcc calls versioned GCC_12.0.0, which
- * would lift the wheel's glibc floor (common/glibc_compat.h) to 2.35. tests/c/test_blocks.c
- * checks both against _Float16 over every float16 and every float32 that rounds to one. */
+/* float16 <-> float32, IEEE round-to-nearest-even, NaN quieted: F16C's instructions in the
+ * units compiled with it, aarch64's own (_Float16), and elsewhere (the x86 scalar units) in
+ * integer arithmetic. Not _Float16 on x86: without F16C GCC 12 compiles its conversions to
+ * libgcc calls versioned GCC_12.0.0, which would lift the wheel's glibc floor
+ * (common/glibc_compat.h) to 2.35. tests/c/test_blocks.c checks the integer conversions
+ * against _Float16 over every float16 and every rounding case of float32. */
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline float ma_f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+static inline uint16_t ma_f32_to_f16(float f) { return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+#elif defined(__aarch64__)
+static inline float ma_f16_to_f32(uint16_t h) {
+    _Float16 x;
+    memcpy(&x, &h, sizeof x);
+    return (float)x;
+}
+
+static inline uint16_t ma_f32_to_f16(float f) {
+    const _Float16 x = (_Float16)f;
+    uint16_t h;
+    memcpy(&h, &x, sizeof h);
+    return h;
+}
+#else
 static inline float ma_f16_to_f32(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
     uint32_t u;
@@ -67,6 +86,7 @@ static inline uint16_t ma_f32_to_f16(float f) {
     if (rem > half || (rem == half && (q & 1u))) q++;
     return (uint16_t)(sign | q);
 }
+#endif
 
 /* base[off] as float, whatever the element type. MA_BOOL reads 0 or 1. */
 static inline float ma_load_f32(const void *base, ma_dtype dt, int64_t off) {
