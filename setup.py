@@ -161,7 +161,13 @@ if __name__ == "__main__":  # tests import this file for the C flags
                 SHIM_SOURCES,
                 include_dirs=[os.path.join(ROOT, "csrc")],
                 extra_compile_args={
-                    "cxx": ["-O2", "-std=c++17", "-DTORCH_TARGET_VERSION=0x020a000000000000", *SHIM_FLAGS, *EXTRA_FLAGS],
+                    "cxx": [
+                        "-O2",
+                        "-std=c++17",
+                        "-DTORCH_TARGET_VERSION=0x020a000000000000",
+                        *SHIM_FLAGS,
+                        *EXTRA_FLAGS,
+                    ],
                 },
                 extra_link_args=EXTRA_FLAGS,
                 py_limited_api=True,

@@ -1172,8 +1172,8 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
                         nh++;
                 if (ms == MA_TILE_BLOCKED) continue; /* contributes exactly 0 */
                 if (by_rows)
-                    FN(fwd_rows_step)(c, p, hd[x].q, c->t.sT, hd[x].o, hd[x].m, hd[x].l, c->t.m_new, c->t.lsum, c->t.lse,
-                                      b, h + x, (h + x) / G, i0, nr, j0, nc, ms, hd[x].dr, x, run, nh);
+                    FN(fwd_rows_step)(c, p, hd[x].q, c->t.sT, hd[x].o, hd[x].m, hd[x].l, c->t.m_new, c->t.lsum,
+                                      c->t.lse, b, h + x, (h + x) / G, i0, nr, j0, nc, ms, hd[x].dr, x, run, nh);
                 else FN(fwd_tile_block)(c, p, hd[x].dr, b, h, i0, nr, j0, nc, ms);
             }
         }

@@ -397,7 +397,7 @@ static int FN(tiles_rows_scores)(FN(tiles) * s, const ma_attn_fwd_params *p, flo
         for (int64_t i = 0; i < 16; i++)
             for (int64_t d = 0; d < D; d += 32)
                 _mm512_storeu_si512(s->fa.rk + i * D + d, full + i < nc ? _mm512_loadu_si512(k + (full + i) * ld + d)
-                                                                         : _mm512_setzero_si512());
+                                                                        : _mm512_setzero_si512());
         tile_key_rows(1, D / 32, s->fa.rk, D, 32, qb, s->fa.rst + full * 16);
     }
     BLK(transpose)(sc, s->fa.rst, 16, nc, R, (float)a->scale);

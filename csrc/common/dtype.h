@@ -56,8 +56,7 @@ static inline float ma_f16_to_f32(uint16_t h) {
     uint32_t u;
     if (e == 0x1f) u = sign | 0x7f800000u | (m << 13) | (m ? 0x400000u : 0); /* inf; NaN, quiet */
     else if (e) u = sign | ((e + 112) << 23) | (m << 13);                     /* normal */
-    else {                                                                     /* 0, subnormal: m 2^-24 */
-        const float f = (float)m * 0x1p-24f;
+    else { /* 0, subnormal: m 2^-24 */ const float f = (float)m * 0x1p-24f;
         memcpy(&u, &f, sizeof u);
         u |= sign;
     }
