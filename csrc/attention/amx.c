@@ -154,20 +154,30 @@ static void tile_gemm(int64_t m, int64_t n, int64_t k, amx_view a, amx_view b, f
 /* C (16 mtiles, 16) = A (16 mtiles, 32 nkt) @ B (32 nkt, 16) for the rows path's scores
  * (tiles_hooks.h, FN(tiles_rows_scores)): A tile (mt, kt) loaded where it lies, at
  * A + 16 mt lda + kt a_kstep with rows lda elements apart (key rows in a cache); B packed, one
- * part; C tiles 256 floats apart. Two C tiles at a time share each B tile. */
+ * part; C tiles 256 floats apart. Two C tiles at a time share each B tile. With pf, each A
+ * tile's 16 lines are prefetched pf elements on as it is loaded (prefetch_ahead: a burst of
+ * a block's prefetches before its loads stalled on the fill buffers). */
+static inline void tile_key_prefetch(const uint16_t *a, int64_t lda, int64_t pf) {
+    if (pf)
+        for (int r = 0; r < 16; r++) prefetch_ahead(a + r * lda + pf, pf * (int64_t)sizeof(uint16_t));
+}
+
 static void tile_key_rows(int64_t mtiles, int64_t nkt, const uint16_t *A, int64_t lda, int64_t a_kstep, amx_view b,
-                          float *C) {
+                          float *C, int64_t pf) {
     const int64_t stride = lda * (int64_t)sizeof(uint16_t);
     int64_t mt = 0;
     for (; mt + 2 <= mtiles; mt += 2) {
         _tile_zero(0);
         _tile_zero(1);
         for (int64_t kt = 0; kt < nkt; kt++) {
+            const uint16_t *a0 = A + mt * 16 * lda + kt * a_kstep, *a1 = a0 + 16 * lda;
             _tile_loadd(6, b.p + kt * b.ks, 64);
-            _tile_loadd(4, A + mt * 16 * lda + kt * a_kstep, stride);
-            _tile_loadd(5, A + (mt + 1) * 16 * lda + kt * a_kstep, stride);
+            _tile_loadd(4, a0, stride);
+            _tile_loadd(5, a1, stride);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 5, 6);
+            tile_key_prefetch(a0, lda, pf);
+            tile_key_prefetch(a1, lda, pf);
         }
         _tile_stored(0, C + mt * 256, 64);
         _tile_stored(1, C + (mt + 1) * 256, 64);
@@ -175,9 +185,11 @@ static void tile_key_rows(int64_t mtiles, int64_t nkt, const uint16_t *A, int64_
     if (mt < mtiles) {
         _tile_zero(0);
         for (int64_t kt = 0; kt < nkt; kt++) {
+            const uint16_t *a0 = A + mt * 16 * lda + kt * a_kstep;
             _tile_loadd(6, b.p + kt * b.ks, 64);
-            _tile_loadd(4, A + mt * 16 * lda + kt * a_kstep, stride);
+            _tile_loadd(4, a0, stride);
             _tile_dpbf16ps(0, 4, 6);
+            tile_key_prefetch(a0, lda, pf);
         }
         _tile_stored(0, C + mt * 256, 64);
     }

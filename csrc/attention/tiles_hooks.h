@@ -389,16 +389,13 @@ static int FN(tiles_rows_scores)(FN(tiles) * s, const ma_attn_fwd_params *p, flo
         transpose16x16_epi32(t);
         for (int r = 0; r < 16; r++) _mm512_storeu_si512(qb.p + kt * qb.ks + r * 32, t[r]);
     }
-    if (pf) /* the lines of the keys pf elements on, as the blocks' loads would */
-        for (int64_t i = 0; i < nc; i++)
-            for (int64_t d = 0; d < D; d += MA_CACHE_LINE / 2) prefetch_ahead(k + i * ld + d + pf, pf * 2);
-    tile_key_rows(full / 16, D / 32, k, ld, 32, qb, s->fa.rst);
+    tile_key_rows(full / 16, D / 32, k, ld, 32, qb, s->fa.rst, pf);
     if (full < nc) { /* the last keys, zero-padded to a tile */
         for (int64_t i = 0; i < 16; i++)
             for (int64_t d = 0; d < D; d += 32)
                 _mm512_storeu_si512(s->fa.rk + i * D + d, full + i < nc ? _mm512_loadu_si512(k + (full + i) * ld + d)
                                                                         : _mm512_setzero_si512());
-        tile_key_rows(1, D / 32, s->fa.rk, D, 32, qb, s->fa.rst + full * 16);
+        tile_key_rows(1, D / 32, s->fa.rk, D, 32, qb, s->fa.rst + full * 16, 0);
     }
     BLK(transpose)(sc, s->fa.rst, 16, nc, R, (float)a->scale);
     return 1;
