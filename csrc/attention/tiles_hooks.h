@@ -164,9 +164,9 @@ struct FN(tiles) {
     ma_scratch_header *hdr;
     fwd_tile_scratch fa;
     amx_view ka, vta, qb, pb;
+    int rows_k; /* the rows path may take its scores on the tiles (FN(tiles_rows_scores)) */
     /* backward */
     const ma_attn_bwd_params *bp;
-    int rows_k; /* the rows path may take its scores on the tiles (FN(tiles_rows_scores)) */
     FN(bwd_scratch) * bt;
     bwd_tile_scratch ba;
     amx_view ktb, vtb, kb, pbb, dsb, dsa;
@@ -370,7 +370,7 @@ static float *FN(tiles_fwd_o_rows)(FN(tiles) * s, float *oT) {
  * order). s (R, nc) = scale (S^T)^T. A last partial tile of keys goes through a zero-padded
  * copy. Everything else stays with the AVX-512 blocks: P V (V rows are not a tile operand of
  * it), K^T pages and int8 keys (packing an operand to load it as a tile costs more than the
- * FMAs it saves: docs/performance.md), and the VDPBF16PS instance (its broadcast product
+ * FMAs it saves: docs/design.md, section 5), and the VDPBF16PS instance (its broadcast product
  * would compute 16 query columns for R <= 8). R = nh * nr <= 8. */
 #ifdef TILE_KEY_ROWS
 static int FN(tiles_rows_scores)(FN(tiles) * s, const ma_attn_fwd_params *p, float *sc, int64_t b, int64_t h,
