@@ -925,11 +925,11 @@ typedef struct {
 #else
 #define FWD_STEP(step, ...) FN(gen_fwd_##step)(&c->gen, __VA_ARGS__)
 #endif
-/* the rows step's product on the hooks where they take it (FN(tiles_rows_*) return 1), else 0 */
+/* the rows step's scores on the hooks where they take them (FN(tiles_rows_scores) returns 1), else 0 */
 #ifdef MA_TILE_HOOKS
-#define ROWS_HOOK(step, ...) (c->hooked && FN(tiles_rows_##step)(c->tiles, __VA_ARGS__))
+#define ROWS_SCORES(...) (c->hooked && FN(tiles_rows_scores)(c->tiles, __VA_ARGS__))
 #else
-#define ROWS_HOOK(step, ...) ((void)c, 0)
+#define ROWS_SCORES(...) ((void)c, 0)
 #endif
 
 /* One key block j0 .. j0 + nc of that path: q holds scale * Q rows (nr, D),
@@ -965,10 +965,11 @@ static void FN(fwd_rows_step)(FN(fwd_task) * c, const ma_attn_fwd_params *p, con
                              : b * vs[0] + hk_first * vs[1] +
                                    FN(key_off)(&p->a, vs, p->a.v_page_stride, b, j1 - j1 % p->a.block_k) - v_off;
     const ma_dtype kvt = FN(kv_dtype)(&p->a);
-    if (ROWS_HOOK(scores, p, s, b, h, i0, nr, nh, k_off, nc, pf_k)) (void)0;
-    else if (ks[3] == 1) DOT_KEYS(s, nc, q, R, D, p->a.k, kvt, k_off, ks[2], nc, pf_k);
-    else /* keys side by side, each element a row apart: a K^T page (the serving cache's layout) */
-        DOT_KEYS_T(s, nc, q, R, D, p->a.k, kvt, k_off, ks[3], nc, pf_k);
+    if (!ROWS_SCORES(p, s, b, h, i0, nr, nh, k_off, nc, pf_k)) {
+        if (ks[3] == 1) DOT_KEYS(s, nc, q, R, D, p->a.k, kvt, k_off, ks[2], nc, pf_k);
+        else /* keys side by side, each element a row apart: a K^T page (the serving cache's layout) */
+            DOT_KEYS_T(s, nc, q, R, D, p->a.k, kvt, k_off, ks[3], nc, pf_k);
+    }
     FN(kv_scale)(s, nc, 1, R, &p->a, &p->a.opts.k_scale, b, hk, j0, nc);
     FN(apply_softcap)(s, R * nc, p->a.opts.softcap, NULL);
     for (int64_t y = 0; y < nh; y++) FN(add_bias)(s + y * nr * nc, nc, 1, &p->a, am_state, b, h + y, i0, nr, j0, nc);
@@ -1186,7 +1187,7 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
     FN(fence_streams)();
 }
 #undef FWD_STEP
-#undef ROWS_HOOK
+#undef ROWS_SCORES
 
 /* ---- backward ------------------------------------------------------------
  *

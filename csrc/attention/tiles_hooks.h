@@ -136,7 +136,7 @@ static inline void scale_inplace(float *x, int64_t n, float s) {
 typedef struct {
     uint16_t *ka, *vta, *qb, *pb, *clip;
     float *rows;
-    uint16_t *rq, *rk; /* the rows path's Q^T as B and a last partial tile of keys */
+    uint16_t *rq, *rk; /* the rows path's Q^T as B and its last partial tiles of keys as A */
     float *rst;        /* its S^T (BK, 16) */
 } fwd_tile_scratch;
 
@@ -390,12 +390,9 @@ static int FN(tiles_rows_scores)(FN(tiles) * s, const ma_attn_fwd_params *p, flo
         for (int r = 0; r < 16; r++) _mm512_storeu_si512(qb.p + kt * qb.ks + r * 32, t[r]);
     }
     tile_key_rows(full / 16, D / 32, k, ld, 32, qb, s->fa.rst, pf);
-    if (full < nc) { /* the last keys, zero-padded to a tile */
-        for (int64_t i = 0; i < 16; i++)
-            for (int64_t d = 0; d < D; d += 32)
-                _mm512_storeu_si512(s->fa.rk + i * D + d, full + i < nc ? _mm512_loadu_si512(k + (full + i) * ld + d)
-                                                                        : _mm512_setzero_si512());
-        tile_key_rows(1, D / 32, s->fa.rk, D, 32, qb, s->fa.rst + full * 16, 0);
+    if (full < nc) { /* the last keys, packed as one row of zero-padded A tiles */
+        amx_pack_a_bf16(amx_a_layout(s->fa.rk, 16, D, 1, 0), k + full * ld, ld, nc - full, D, 0);
+        tile_key_rows(1, D / 32, s->fa.rk, 32, AMX_TILE, qb, s->fa.rst + full * 16, 0);
     }
     BLK(transpose)(sc, s->fa.rst, 16, nc, R, (float)a->scale);
     return 1;
