@@ -83,8 +83,8 @@ static inline void ctile_end(const ctile *t, float *C, int64_t ldc, int64_t m, i
  * while B_j changes, and the last B part loaded is used first by the next A
  * part (i = 0: j = 2, 1, 0; i = 1: j = 0, 1; i = 2: j = 0): 16 tile loads
  * for 24 products at 3 parts instead of 24. */
-static inline __attribute__((always_inline)) void amx_block(const int MT, const int NT, amx_view a, int64_t mt,
-                                                            amx_view b, int64_t nt, int64_t nkt, int terms) {
+static inline __attribute__((always_inline)) void amx_block(const int MT, const int NT, tile_view a, int64_t mt,
+                                                            tile_view b, int64_t nt, int64_t nkt, int terms) {
     for (int64_t kt = 0; kt < nkt; kt++) {
         int loaded = -1; /* the B part in tiles 6, 7 */
         for (int i = 0; i < a.parts && i < terms; i++) {
@@ -92,7 +92,7 @@ static inline __attribute__((always_inline)) void amx_block(const int MT, const 
             _tile_loadd(4, a0, 64);
             if (MT == 2) _tile_loadd(5, a0 + a.os, 64);
             const int nj = b.parts < terms - i ? b.parts : terms - i; /* j < nj */
-            int order[AMX_PARTS], n = 0; /* the loaded part first, the others descending */
+            int order[TILE_PARTS], n = 0; /* the loaded part first, the others descending */
             if (loaded >= 0 && loaded < nj) order[n++] = loaded;
             for (int j = nj - 1; j >= 0; j--)
                 if (j != loaded) order[n++] = j;
@@ -115,7 +115,7 @@ static inline __attribute__((always_inline)) void amx_block(const int MT, const 
 
 /* C (m, n) = [C +] A (m, k) @ B (k, n) from packed views (tiles_hooks.h); the
  * tiles must be configured (tile_begin). */
-static void tile_gemm(int64_t m, int64_t n, int64_t k, amx_view a, amx_view b, float *C, int64_t ldc, int accumulate,
+static void tile_gemm(int64_t m, int64_t n, int64_t k, tile_view a, tile_view b, float *C, int64_t ldc, int accumulate,
                       int terms) {
     float cbuf[4][256] __attribute__((aligned(64)));
     const int64_t nmt = ma_cdiv(m, 16), nnt = ma_cdiv(n, 16), nkt = ma_cdiv(k, 32);
@@ -162,7 +162,7 @@ static inline void tile_key_prefetch(const uint16_t *a, int64_t lda, int64_t pf)
         for (int r = 0; r < 16; r++) prefetch_ahead(a + r * lda + pf, pf * (int64_t)sizeof(uint16_t));
 }
 
-static void tile_key_rows(int64_t mtiles, int64_t nkt, const uint16_t *A, int64_t lda, int64_t a_kstep, amx_view b,
+static void tile_key_rows(int64_t mtiles, int64_t nkt, const uint16_t *A, int64_t lda, int64_t a_kstep, tile_view b,
                           float *C, int64_t pf) {
     const int64_t stride = lda * (int64_t)sizeof(uint16_t);
     int64_t mt = 0;
@@ -211,6 +211,7 @@ static inline int tile_apply(const ma_attn_fwd_params *p) {
 
 /* ---- the instance: the template's loops, AVX-512 blocks, tile hooks on AMX ---- */
 #define TILE_ISA amx
+#define TILE_BLK avx512
 #include "tiles_hooks.h"
 
 static void gemm_amx2(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs, const float *B,

@@ -49,7 +49,7 @@ static inline int32_t dp_pair(const uint16_t *p) {
  * when NT == 2): c[r][t] += sum over k tiles, parts (i, j) with i + j <
  * terms, and the 16 k pairs q of A_i[r][2q, 2q+1] . B_j[2q, 2q+1][column].
  * 8 x NT accumulators; per k pair NT row loads of B and 8 broadcasts of A. */
-static inline __attribute__((always_inline)) void dp_block(const int NT, amx_view a, int64_t mt, int64_t r0, amx_view b,
+static inline __attribute__((always_inline)) void dp_block(const int NT, tile_view a, int64_t mt, int64_t r0, tile_view b,
                                                            int64_t nt, int64_t nkt, int terms, __m512 c[8][2]) {
     for (int64_t kt = 0; kt < nkt; kt++)
         for (int i = 0; i < a.parts && i < terms; i++) {
@@ -73,7 +73,7 @@ static inline __attribute__((always_inline)) void dp_block(const int NT, amx_vie
 /* C (m, n) = [C +] A (m, k) @ B (k, n) from packed views (tiles_hooks.h):
  * blocks of 8 rows x 32 columns (16 at the last odd B tile), C read and
  * written once per block with masks at the edges. */
-static void tile_gemm(int64_t m, int64_t n, int64_t k, amx_view a, amx_view b, float *C, int64_t ldc, int accumulate,
+static void tile_gemm(int64_t m, int64_t n, int64_t k, tile_view a, tile_view b, float *C, int64_t ldc, int accumulate,
                       int terms) {
     const int64_t nmt = ma_cdiv(m, 16), nnt = ma_cdiv(n, 16), nkt = ma_cdiv(k, 32);
     for (int64_t mt = 0; mt < nmt; mt++)
@@ -116,6 +116,7 @@ static inline int tile_apply(const ma_attn_fwd_params *p) {
 
 /* ---- the instance: the template's loops, AVX-512 blocks, tile hooks on VDPBF16PS ---- */
 #define TILE_ISA avx512bf16
+#define TILE_BLK avx512
 #include "tiles_hooks.h"
 
 static void gemm_avx512bf16_2(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs, const float *B,

@@ -1,39 +1,43 @@
 /*
  * tiles_hooks.h -- the template's tile hooks (attention_tmpl.h, "tile
- * hooks") on operands packed by tiles_pack.h, written once for the two
- * instances that multiply bf16 pairs: amx.c and avx512bf16.c. The instance
- * defines TILE_ISA (its suffix: FN(name) is name_TILE_ISA, the building
- * blocks are AVX-512's) and, before including this file:
+ * hooks") on packed operands (tiles_layout.h), written once for the
+ * instances that multiply bf16 pairs: amx.c and avx512bf16.c on x86
+ * (packed by tiles_pack.h), svebf16.c on aarch64 (tiles_pack_mmla.h). The
+ * instance defines TILE_ISA (its suffix: FN(name) is name_TILE_ISA) and
+ * TILE_BLK (the suffix of the building blocks it takes: avx512, neon),
+ * includes its packer, and defines before including this file:
  *
  *   tile_gemm(m, n, k, a, b, C, ldc, accumulate, terms)
  *       C (m, n) = [C +] A (m, k) @ B (k, n) from packed views, the products
  *       of the parts i + j < terms
  *   tile_begin(), tile_end()   a thread's products start and end (AMX: tile
  *       configuration and release)
- *   tile_precision(dt)         parts and terms per dtype (tiles_pack.h)
+ *   tile_precision(dt)         parts and terms per dtype (tiles_layout.h)
  *   tile_apply(p)              whether a forward call takes the hooks
  *   tile_key_rows(...)         optional (TILE_KEY_ROWS, AMX): the rows path's scores with
  *       the key rows loaded as tiles where they lie (FN(tiles_rows_scores))
  *
- * The loops, masks and softmax are attention_tmpl.h's; every other building
- * block is AVX-512's (blocks_simd.h on common/simd_avx512.h). bfloat16 inputs (one part, unit
- * column stride) are packed straight from their rows (amx_pack_a_bf16,
- * _b_bf16); others are converted to float32 rows and split (amx_pack_a, _b).
+ * The packer provides pack_a, pack_b, pack_a_bf16, pack_b_bf16, tile_a_keep_k
+ * and i8_rows_bf16. The loops, masks and softmax are attention_tmpl.h's; every
+ * other building block is TILE_BLK's (blocks_simd.h). bfloat16 inputs (one
+ * part, unit column stride) are packed straight from their rows (pack_a_bf16,
+ * _b_bf16); others are converted to float32 rows and split (pack_a, _b).
  */
 #define MA_TILE_CAT_(a, b) a##_##b
 #define MA_TILE_CAT(a, b) MA_TILE_CAT_(a, b)
 #define MA_TILE_HOOKS
+#undef BLK /* the instance's, for blocks_simd.h */
 #define FN(name) MA_TILE_CAT(name, TILE_ISA)
-#define BLK(name) name##_avx512
+#define BLK(name) MA_TILE_CAT(name, TILE_BLK)
 #include "attention_tmpl.h" /* which ends with #undef FN, BLK */
 #define FN(name) MA_TILE_CAT(name, TILE_ISA)
-#define BLK(name) name##_avx512
+#define BLK(name) MA_TILE_CAT(name, TILE_BLK)
 
 /* tile_gemm where A is a view into a longer packed matrix (V^T of a whole
  * head) whose columns past k are other keys: A's last k tile is copied into
  * buf with those columns zeroed, so B's zero padding never meets them
  * (0 * inf would be NaN). */
-static void tile_gemm_kclip(int64_t m, int64_t n, int64_t k, amx_view a, amx_view b, float *C, int64_t ldc,
+static void tile_gemm_kclip(int64_t m, int64_t n, int64_t k, tile_view a, tile_view b, float *C, int64_t ldc,
                             int accumulate, int terms, uint16_t *buf) {
     const int64_t kfull = k / 32 * 32;
     if (kfull > 0) {
@@ -42,17 +46,12 @@ static void tile_gemm_kclip(int64_t m, int64_t n, int64_t k, amx_view a, amx_vie
     }
     if (kfull == k) return;
     const int64_t nmt = ma_cdiv(m, 16), rem = k - kfull;
-    const __mmask32 keep = (__mmask32)((1ull << rem) - 1);
-    const amx_view ak = amx_krows(a, kfull);
+    const tile_view ak = view_krows(a, kfull);
     for (int i = 0; i < a.parts; i++)
-        for (int64_t mt = 0; mt < nmt; mt++) {
-            const uint16_t *src = ak.p + i * a.part_stride + mt * a.os;
-            uint16_t *dst = buf + (i * nmt + mt) * AMX_TILE;
-            for (int r = 0; r < 16; r++)
-                _mm512_storeu_si512(dst + r * 32, _mm512_maskz_mov_epi16(keep, _mm512_loadu_si512(src + r * 32)));
-        }
-    const amx_view at = amx_layout(buf, nmt, 1, a.parts, 0);
-    tile_gemm(m, n, rem, at, amx_krows(b, kfull), C, ldc, accumulate, terms);
+        for (int64_t mt = 0; mt < nmt; mt++)
+            tile_a_keep_k(buf + (i * nmt + mt) * TILE_ELEMS, ak.p + i * a.part_stride + mt * a.os, rem);
+    const tile_view at = view_layout(buf, nmt, 1, a.parts, 0);
+    tile_gemm(m, n, rem, at, view_krows(b, kfull), C, ldc, accumulate, terms);
 }
 
 /* The product with float32 operands, as the other variants' GEMM block (the
@@ -62,8 +61,8 @@ static void tile_gemm_kclip(int64_t m, int64_t n, int64_t k, amx_view a, amx_vie
 #define TILE_NC 64
 static void tile_gemm_terms(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs, const float *B,
                             int64_t ldb, float *C, int64_t ldc, int accumulate, int terms) {
-    uint16_t ap[AMX_PARTS * (TILE_MC / 16) * (TILE_KC / 32) * AMX_TILE] __attribute__((aligned(64)));
-    uint16_t bp[AMX_PARTS * (TILE_NC / 16) * (TILE_KC / 32) * AMX_TILE] __attribute__((aligned(64)));
+    uint16_t ap[TILE_PARTS * (TILE_MC / 16) * (TILE_KC / 32) * TILE_ELEMS] __attribute__((aligned(64)));
+    uint16_t bp[TILE_PARTS * (TILE_NC / 16) * (TILE_KC / 32) * TILE_ELEMS] __attribute__((aligned(64)));
     if (k <= 0) {
         if (!accumulate)
             for (int64_t i = 0; i < m; i++) memset(C + i * ldc, 0, (size_t)n * sizeof(float));
@@ -74,12 +73,12 @@ static void tile_gemm_terms(int64_t m, int64_t n, int64_t k, const float *A, int
         const int64_t mc = ma_min(TILE_MC, m - i0);
         for (int64_t p0 = 0; p0 < k; p0 += TILE_KC) {
             const int64_t kc = ma_min(TILE_KC, k - p0);
-            const amx_view av = amx_a_layout(ap, mc, kc, terms, 0);
-            amx_pack_a(av, A + i0 * ars + p0 * acs, ars, acs, mc, kc);
+            const tile_view av = view_a_layout(ap, mc, kc, terms, 0);
+            pack_a(av, A + i0 * ars + p0 * acs, ars, acs, mc, kc);
             for (int64_t j0 = 0; j0 < n; j0 += TILE_NC) {
                 const int64_t nc = ma_min(TILE_NC, n - j0);
-                const amx_view bv = amx_b_layout(bp, kc, nc, terms, 0);
-                amx_pack_b(bv, B + p0 * ldb + j0, ldb, kc, nc);
+                const tile_view bv = view_b_layout(bp, kc, nc, terms, 0);
+                pack_b(bv, B + p0 * ldb + j0, ldb, kc, nc);
                 tile_gemm(mc, nc, kc, av, bv, C + i0 * ldc + j0, ldc, accumulate || p0 > 0, terms);
             }
         }
@@ -96,31 +95,13 @@ static inline void *ma_carve(void **x, size_t bytes) {
 }
 
 /* src[b, h] from row r0 on as bfloat16 rows *ld elements apart, for the
- * packers that read it in place (amx_pack_a_bf16, _b_bf16): a bfloat16 input
+ * packers that read it in place (pack_a_bf16, _b_bf16): a bfloat16 input
  * in one part with unit column stride. NULL otherwise: the float32 path. */
 static const uint16_t *bf16_at(const void *src, ma_dtype dt, const int64_t st[4], int64_t b, int64_t h, int64_t r0,
                                int parts, int64_t *ld) {
     if (dt != MA_BF16 || parts != 1 || st[3] != 1) return NULL;
     *ld = st[2];
     return (const uint16_t *)src + b * st[0] + h * st[1] + r0 * st[2];
-}
-
-/* dst (nr, ncol) = the int8 rows of src (row r at src + r st[2], elements st[3] apart) as
- * bfloat16, exactly (an 8-bit integer has at most 8 significant bits): an 8-bit cache's K
- * and V for the one-part packers, without float32 rows between. */
-static void i8_rows_bf16(uint16_t *dst, const int8_t *src, const int64_t st[4], int64_t nr, int64_t ncol) {
-    for (int64_t r = 0; r < nr; r++) {
-        const int8_t *x = src + r * st[2];
-        uint16_t *y = dst + r * ncol;
-        int64_t c = 0;
-        if (st[3] == 1)
-            for (; c + 16 <= ncol; c += 16) {
-                const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(x + c))));
-                _mm256_storeu_si256((__m256i *)(y + c),
-                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f), 16)));
-            }
-        for (; c < ncol; c++) y[c] = ma_f32_to_bf16((float)x[c * st[3]]);
-    }
 }
 
 static inline void scale_inplace(float *x, int64_t n, float s) {
@@ -163,13 +144,13 @@ struct FN(tiles) {
     FN(fwd_scratch) * ft;
     ma_scratch_header *hdr;
     fwd_tile_scratch fa;
-    amx_view ka, vta, qb, pb;
+    tile_view ka, vta, qb, pb;
     int rows_k; /* the rows path may take its scores on the tiles (FN(tiles_rows_scores)) */
     /* backward */
     const ma_attn_bwd_params *bp;
     FN(bwd_scratch) * bt;
     bwd_tile_scratch ba;
-    amx_view ktb, vtb, kb, pbb, dsb, dsa;
+    tile_view ktb, vtb, kb, pbb, dsb, dsa;
     float *dkT, *dvT; /* (D, nc), (Dv, nc): in t->kT, t->vT, after packing K^T and V^T from them */
 };
 
@@ -189,13 +170,13 @@ static size_t fwd_tile_bytes(const ma_attn_fwd_params *p, fwd_tile_scratch *t, v
     const int64_t BQ = p->a.block_q, BK = p->a.block_k, D = p->a.D, Dv = p->a.Dv;
     void *x = base;
     fwd_tile_scratch s;
-    s.ka = CARVE(uint16_t, &x, pr.in *amx_a_elems(p->a.Lk, D));
-    s.vta = CARVE(uint16_t, &x, pr.in *amx_a_elems(Dv, p->a.Lk));
-    s.qb = CARVE(uint16_t, &x, pr.in *amx_b_elems(D, BQ));
-    s.pb = CARVE(uint16_t, &x, pr.pd *amx_b_elems(BK, BQ));
-    s.clip = CARVE(uint16_t, &x, pr.in *ma_cdiv(Dv, 16) * AMX_TILE);
+    s.ka = CARVE(uint16_t, &x, pr.in *packed_a_elems(p->a.Lk, D));
+    s.vta = CARVE(uint16_t, &x, pr.in *packed_a_elems(Dv, p->a.Lk));
+    s.qb = CARVE(uint16_t, &x, pr.in *packed_b_elems(D, BQ));
+    s.pb = CARVE(uint16_t, &x, pr.pd *packed_b_elems(BK, BQ));
+    s.clip = CARVE(uint16_t, &x, pr.in *ma_cdiv(Dv, 16) * TILE_ELEMS);
     s.rows = CARVE(float, &x, (BQ > BK ? BQ : BK) * (D > Dv ? D : Dv)); /* K, V rows; out rows */
-    s.rq = CARVE(uint16_t, &x, amx_b_elems(D, 16));
+    s.rq = CARVE(uint16_t, &x, packed_b_elems(D, 16));
     s.rk = CARVE(uint16_t, &x, 16 * D);
     s.rst = CARVE(float, &x, ma_round_up(BK, 16) * 16);
     if (t) *t = s;
@@ -215,10 +196,10 @@ static void FN(tiles_fwd_begin)(FN(tiles) * *T, const ma_attn_fwd_params *p, FN(
     s->pr = fwd_precision(p);
     s->fp = s->fp0 = p, s->ft = t, s->hdr = hdr;
     fwd_tile_bytes(p, &s->fa, (char *)extra + ma_round_up(sizeof(struct FN(tiles)), MA_CACHE_LINE));
-    s->ka = amx_a_layout(s->fa.ka, p->a.Lk, p->a.D, s->pr.in, 0);
-    s->vta = amx_a_layout(s->fa.vta, p->a.Dv, p->a.Lk, s->pr.in, 1);
-    s->qb = amx_b_layout(s->fa.qb, p->a.D, BQ, s->pr.in, 0);
-    s->pb = amx_b_layout(s->fa.pb, BK, BQ, s->pr.pd, 0);
+    s->ka = view_a_layout(s->fa.ka, p->a.Lk, p->a.D, s->pr.in, 0);
+    s->vta = view_a_layout(s->fa.vta, p->a.Dv, p->a.Lk, s->pr.in, 1);
+    s->qb = view_b_layout(s->fa.qb, p->a.D, BQ, s->pr.in, 0);
+    s->pb = view_b_layout(s->fa.pb, BK, BQ, s->pr.pd, 0);
     s->rows_k = p->a.dtype == MA_BF16 && s->pr.in == 1 && p->a.q_stride[3] == 1 && p->a.D % 32 == 0;
     tile_begin();
     *T = s;
@@ -238,8 +219,8 @@ static void fwd_pack_rows(FN(tiles) * s, const void *k_r, const void *v_r, int64
     const int k_t = !kx && kvt == MA_BF16 && s->pr.in == 1 && a->k_stride[2] == 1;
     if (k_t) kx = (const uint16_t *)k_r, ldk = a->k_stride[3];
     if (kx && vx) {
-        amx_pack_a_bf16(amx_rows(s->ka, r0), kx, ldk, n, D, k_t);
-        amx_pack_a_bf16(amx_krows(s->vta, r0), vx, ldv, Dv, n, 1);
+        pack_a_bf16(view_rows(s->ka, r0), kx, ldk, n, D, k_t);
+        pack_a_bf16(view_krows(s->vta, r0), vx, ldv, Dv, n, 1);
     } else if (kvt == MA_I8 && s->pr.in == 1) /* bfloat16 rows of the integers, packed as bfloat16 inputs are */
         for (int64_t r1 = 0; r1 < n; r1 += BK) {
             const int64_t nr = ma_min(BK, n - r1);
@@ -247,22 +228,22 @@ static void fwd_pack_rows(FN(tiles) * s, const void *k_r, const void *v_r, int64
             if (a->k_stride[2] == 1) { /* K^T pages: D rows of the nr keys, converted as they lie */
                 const int64_t kt_stride[4] = {0, 0, a->k_stride[3], 1};
                 i8_rows_bf16(rows, (const int8_t *)k_r + r1, kt_stride, D, nr);
-                amx_pack_a_bf16(amx_rows(s->ka, r0 + r1), rows, nr, nr, D, 1);
+                pack_a_bf16(view_rows(s->ka, r0 + r1), rows, nr, nr, D, 1);
             } else {
                 i8_rows_bf16(rows, (const int8_t *)k_r + r1 * a->k_stride[2], a->k_stride, nr, D);
-                amx_pack_a_bf16(amx_rows(s->ka, r0 + r1), rows, D, nr, D, 0);
+                pack_a_bf16(view_rows(s->ka, r0 + r1), rows, D, nr, D, 0);
             }
             i8_rows_bf16(rows, (const int8_t *)v_r + r1 * a->v_stride[2], a->v_stride, nr, Dv);
-            amx_pack_a_bf16(amx_krows(s->vta, r0 + r1), rows, Dv, Dv, nr, 1);
+            pack_a_bf16(view_krows(s->vta, r0 + r1), rows, Dv, Dv, nr, 1);
         }
     else
         for (int64_t r1 = 0; r1 < n; r1 += BK) {
             const int64_t nr = ma_min(BK, n - r1);
             int64_t ld;
             const float *k1 = FN(rows)(k_r, kvt, a->k_stride, 0, 0, r1, nr, D, s->fa.rows, &ld);
-            amx_pack_a(amx_rows(s->ka, r0 + r1), k1, ld, 1, nr, D);
+            pack_a(view_rows(s->ka, r0 + r1), k1, ld, 1, nr, D);
             const float *v1 = FN(rows)(v_r, kvt, a->v_stride, 0, 0, r1, nr, Dv, s->fa.rows, &ld);
-            amx_pack_a(amx_krows(s->vta, r0 + r1), v1, 1, ld, Dv, nr);
+            pack_a(view_krows(s->vta, r0 + r1), v1, 1, ld, Dv, nr);
         }
 }
 
@@ -297,11 +278,11 @@ static void FN(tiles_fwd_query)(FN(tiles) * s, int64_t b, int64_t h, int64_t hk,
     int64_t ldq = 0;
     const uint16_t *qx = bf16_at(p->a.q, p->a.dtype, p->a.q_stride, b, h, i0, s->pr.in, &ldq);
     if (qx) {
-        amx_pack_b_bf16(s->qb, qx, ldq, p->a.D, nr, 1);
+        pack_b_bf16(s->qb, qx, ldq, p->a.D, nr, 1);
         return;
     }
     FN(load_tile_t)(s->ft->qT, p->a.q, p->a.dtype, p->a.q_stride, b, h, i0, nr, p->a.D, 1);
-    amx_pack_b(s->qb, s->ft->qT, nr, p->a.D, nr);
+    pack_b(s->qb, s->ft->qT, nr, p->a.D, nr);
 }
 
 /* A tile (i0, nr) x (j0, nc) that the band's upper bound (causal) cuts: its
@@ -327,11 +308,11 @@ static inline int64_t band_ktiles(const ma_attn_args *a, int64_t i0, int64_t c0,
 static void FN(tiles_fwd_scores)(FN(tiles) * s, float *sT, int64_t i0, int64_t j0, int64_t nc) {
     const ma_attn_args *a = &s->fp->a;
     const int64_t nr = s->nr;
-    if (!band_cuts(a, i0, j0, nc)) tile_gemm(nc, nr, a->D, amx_rows(s->ka, j0), s->qb, sT, nr, 0, s->pr.terms);
+    if (!band_cuts(a, i0, j0, nc)) tile_gemm(nc, nr, a->D, view_rows(s->ka, j0), s->qb, sT, nr, 0, s->pr.terms);
     else
         for (int64_t c0 = 0; c0 < nr; c0 += BAND_BLOCK) {
             const int64_t w = ma_min(BAND_BLOCK, nr - c0), m = band_keys(a, i0, c0, w, j0, nc);
-            if (m > 0) tile_gemm(m, w, a->D, amx_rows(s->ka, j0), amx_rows(s->qb, c0), sT + c0, nr, 0, s->pr.terms);
+            if (m > 0) tile_gemm(m, w, a->D, view_rows(s->ka, j0), view_rows(s->qb, c0), sT + c0, nr, 0, s->pr.terms);
         }
     scale_inplace(sT, nc * nr, (float)a->scale);
 }
@@ -343,16 +324,16 @@ static void FN(tiles_fwd_pv)(FN(tiles) * s, float *oT, const float *alpha, const
     if (alpha)
         for (int64_t d = 0; d < Dv; d++)
             for (int64_t r = 0; r < nr; r++) oT[d * nr + r] *= alpha[r];
-    amx_pack_b(s->pb, sT, nr, nc, nr);
-    const amx_view vt = amx_krows(s->vta, j0);
+    pack_b(s->pb, sT, nr, nc, nr);
+    const tile_view vt = view_krows(s->vta, j0);
     if (!band_cuts(a, i0, j0, nc)) {
         tile_gemm_kclip(Dv, nr, nc, vt, s->pb, oT, nr, 1, s->pr.terms, s->fa.clip);
         return;
     }
     for (int64_t c0 = 0; c0 < nr; c0 += BAND_BLOCK) { /* keys past band_keys have P = 0: whole k tiles left out */
         const int64_t w = ma_min(BAND_BLOCK, nr - c0), k = band_ktiles(a, i0, c0, w, j0, nc);
-        if (k == nc) tile_gemm_kclip(Dv, w, nc, vt, amx_rows(s->pb, c0), oT + c0, nr, 1, s->pr.terms, s->fa.clip);
-        else if (k > 0) tile_gemm(Dv, w, k, vt, amx_rows(s->pb, c0), oT + c0, nr, 1, s->pr.terms);
+        if (k == nc) tile_gemm_kclip(Dv, w, nc, vt, view_rows(s->pb, c0), oT + c0, nr, 1, s->pr.terms, s->fa.clip);
+        else if (k > 0) tile_gemm(Dv, w, k, vt, view_rows(s->pb, c0), oT + c0, nr, 1, s->pr.terms);
     }
 }
 
@@ -379,7 +360,7 @@ static int FN(tiles_rows_scores)(FN(tiles) * s, const ma_attn_fwd_params *p, flo
     if (!s->rows_k || a->k_stride[3] != 1 || FN(kv_dtype)(a) != MA_BF16) return 0;
     const int64_t D = a->D, R = nr * nh, ld = a->k_stride[2], full = nc / 16 * 16;
     const uint16_t *q = (const uint16_t *)a->q, *k = (const uint16_t *)a->k + k_off;
-    const amx_view qb = amx_b_layout(s->fa.rq, D, 16, 1, 0);
+    const tile_view qb = view_b_layout(s->fa.rq, D, 16, 1, 0);
     for (int64_t kt = 0; kt < D / 32; kt++) { /* Q^T as B: row r's 16 pairs are column r */
         __m512i t[16];
         for (int r = 0; r < 16; r++)
@@ -391,8 +372,8 @@ static int FN(tiles_rows_scores)(FN(tiles) * s, const ma_attn_fwd_params *p, flo
     }
     tile_key_rows(full / 16, D / 32, k, ld, 32, qb, s->fa.rst, pf);
     if (full < nc) { /* the last keys, packed as one row of zero-padded A tiles */
-        amx_pack_a_bf16(amx_a_layout(s->fa.rk, 16, D, 1, 0), k + full * ld, ld, nc - full, D, 0);
-        tile_key_rows(1, D / 32, s->fa.rk, 32, AMX_TILE, qb, s->fa.rst + full * 16, 0);
+        pack_a_bf16(view_a_layout(s->fa.rk, 16, D, 1, 0), k + full * ld, ld, nc - full, D, 0);
+        tile_key_rows(1, D / 32, s->fa.rk, 32, TILE_ELEMS, qb, s->fa.rst + full * 16, 0);
     }
     BLK(transpose)(sc, s->fa.rst, 16, nc, R, (float)a->scale);
     return 1;
@@ -413,16 +394,16 @@ static size_t bwd_tile_bytes(const ma_attn_bwd_params *p, bwd_tile_scratch *t, v
     const int64_t Lq = p->a.Lq;
     void *x = base;
     bwd_tile_scratch s;
-    s.qa = CARVE(uint16_t, &x, G *pr.in *amx_a_elems(Lq, D));
-    s.qta = CARVE(uint16_t, &x, G *pr.in *amx_a_elems(D, Lq));
-    s.ga = CARVE(uint16_t, &x, G *pr.in *amx_a_elems(Lq, Dv));
-    s.gta = CARVE(uint16_t, &x, G *pr.in *amx_a_elems(Dv, Lq));
-    s.ktb = CARVE(uint16_t, &x, pr.in *amx_b_elems(D, BK));
-    s.vtb = CARVE(uint16_t, &x, pr.in *amx_b_elems(Dv, BK));
-    s.kb = CARVE(uint16_t, &x, pr.in *amx_b_elems(BK, D));
-    s.pb = CARVE(uint16_t, &x, pr.pd *amx_b_elems(BQ, BK));
-    s.dsb = CARVE(uint16_t, &x, pr.pd *amx_b_elems(BQ, BK));
-    s.dsa = CARVE(uint16_t, &x, pr.pd *amx_a_elems(BQ, BK));
+    s.qa = CARVE(uint16_t, &x, G *pr.in *packed_a_elems(Lq, D));
+    s.qta = CARVE(uint16_t, &x, G *pr.in *packed_a_elems(D, Lq));
+    s.ga = CARVE(uint16_t, &x, G *pr.in *packed_a_elems(Lq, Dv));
+    s.gta = CARVE(uint16_t, &x, G *pr.in *packed_a_elems(Dv, Lq));
+    s.ktb = CARVE(uint16_t, &x, pr.in *packed_b_elems(D, BK));
+    s.vtb = CARVE(uint16_t, &x, pr.in *packed_b_elems(Dv, BK));
+    s.kb = CARVE(uint16_t, &x, pr.in *packed_b_elems(BK, D));
+    s.pb = CARVE(uint16_t, &x, pr.pd *packed_b_elems(BQ, BK));
+    s.dsb = CARVE(uint16_t, &x, pr.pd *packed_b_elems(BQ, BK));
+    s.dsa = CARVE(uint16_t, &x, pr.pd *packed_a_elems(BQ, BK));
     s.rows = CARVE(float, &x, (BQ > BK ? BQ : BK) * (D > Dv ? D : Dv));
     if (t) *t = s;
     return (size_t)((char *)x - (char *)base);
@@ -438,48 +419,48 @@ static void FN(tiles_bwd_begin)(FN(tiles) * *T, const ma_attn_bwd_params *p, FN(
     s->pr = tile_precision(p->a.dtype);
     s->bp = p, s->bt = t;
     bwd_tile_bytes(p, &s->ba, (char *)extra + ma_round_up(sizeof(struct FN(tiles)), MA_CACHE_LINE));
-    s->ktb = amx_b_layout(s->ba.ktb, D, BK, s->pr.in, 0);
-    s->vtb = amx_b_layout(s->ba.vtb, Dv, BK, s->pr.in, 0);
-    s->kb = amx_b_layout(s->ba.kb, BK, D, s->pr.in, 0);
-    s->pbb = amx_b_layout(s->ba.pb, BQ, BK, s->pr.pd, 0);
-    s->dsb = amx_b_layout(s->ba.dsb, BQ, BK, s->pr.pd, 0);
-    s->dsa = amx_a_layout(s->ba.dsa, BQ, BK, s->pr.pd, 0);
+    s->ktb = view_b_layout(s->ba.ktb, D, BK, s->pr.in, 0);
+    s->vtb = view_b_layout(s->ba.vtb, Dv, BK, s->pr.in, 0);
+    s->kb = view_b_layout(s->ba.kb, BK, D, s->pr.in, 0);
+    s->pbb = view_b_layout(s->ba.pb, BQ, BK, s->pr.pd, 0);
+    s->dsb = view_b_layout(s->ba.dsb, BQ, BK, s->pr.pd, 0);
+    s->dsa = view_a_layout(s->ba.dsa, BQ, BK, s->pr.pd, 0);
     s->dkT = t->kT, s->dvT = t->vT;
     tile_begin();
     *T = s;
 }
 
 /* The packed operands of head g of the group: Q (Lq, D), Q^T (D, Lq), dO (Lq, Dv), dO^T (Dv, Lq). */
-static amx_view bwd_view(const FN(tiles) * s, int which, int64_t g) {
+static tile_view bwd_view(const FN(tiles) * s, int which, int64_t g) {
     const ma_attn_bwd_params *p = s->bp;
     const int64_t Lq = p->a.Lq, D = p->a.D, Dv = p->a.Dv, in = s->pr.in;
     switch (which) {
-    case 0: return amx_a_layout(s->ba.qa + g * in * amx_a_elems(Lq, D), Lq, D, in, 0);
-    case 1: return amx_a_layout(s->ba.qta + g * in * amx_a_elems(D, Lq), D, Lq, in, 1);
-    case 2: return amx_a_layout(s->ba.ga + g * in * amx_a_elems(Lq, Dv), Lq, Dv, in, 0);
-    default: return amx_a_layout(s->ba.gta + g * in * amx_a_elems(Dv, Lq), Dv, Lq, in, 1);
+    case 0: return view_a_layout(s->ba.qa + g * in * packed_a_elems(Lq, D), Lq, D, in, 0);
+    case 1: return view_a_layout(s->ba.qta + g * in * packed_a_elems(D, Lq), D, Lq, in, 1);
+    case 2: return view_a_layout(s->ba.ga + g * in * packed_a_elems(Lq, Dv), Lq, Dv, in, 0);
+    default: return view_a_layout(s->ba.gta + g * in * packed_a_elems(Dv, Lq), Dv, Lq, in, 1);
     }
 }
 
 /* src[b, h] rows as A (L, ncol) into rows_a (row-major) and transposed as
  * A (ncol, L) into cols_a (k-major). */
 static void bwd_pack_rows(const FN(tiles) * s, const void *src, const int64_t st[4], int64_t b, int64_t h, int64_t ncol,
-                          amx_view rows_a, amx_view cols_a) {
+                          tile_view rows_a, tile_view cols_a) {
     const ma_attn_bwd_params *p = s->bp;
     const int64_t BQ = p->a.block_q, L = p->a.Lq;
     int64_t ldx = 0;
     const uint16_t *bx = bf16_at(src, p->a.dtype, st, b, h, 0, s->pr.in, &ldx);
     if (bx) {
-        amx_pack_a_bf16(rows_a, bx, ldx, L, ncol, 0);
-        amx_pack_a_bf16(cols_a, bx, ldx, ncol, L, 1);
+        pack_a_bf16(rows_a, bx, ldx, L, ncol, 0);
+        pack_a_bf16(cols_a, bx, ldx, ncol, L, 1);
         return;
     }
     for (int64_t r0 = 0; r0 < L; r0 += BQ) {
         const int64_t nr = ma_min(BQ, L - r0);
         int64_t ld;
         const float *x = FN(rows)(src, p->a.dtype, st, b, h, r0, nr, ncol, s->ba.rows, &ld);
-        amx_pack_a(amx_rows(rows_a, r0), x, ld, 1, nr, ncol);
-        amx_pack_a(amx_krows(cols_a, r0), x, 1, ld, ncol, nr);
+        pack_a(view_rows(rows_a, r0), x, ld, 1, nr, ncol);
+        pack_a(view_krows(cols_a, r0), x, 1, ld, ncol, nr);
     }
 }
 
@@ -502,16 +483,16 @@ static void FN(tiles_bwd_keys)(FN(tiles) * s, int64_t j0, int64_t nc) {
     const uint16_t *kx = bf16_at(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, s->pr.in, &ldk);
     const uint16_t *vx = bf16_at(p->a.v, p->a.dtype, p->a.v_stride, b, hk, j0, s->pr.in, &ldv);
     if (kx && vx) {
-        amx_pack_b_bf16(s->kb, kx, ldk, nc, D, 0);
-        amx_pack_b_bf16(s->ktb, kx, ldk, D, nc, 1);
-        amx_pack_b_bf16(s->vtb, vx, ldv, Dv, nc, 1);
+        pack_b_bf16(s->kb, kx, ldk, nc, D, 0);
+        pack_b_bf16(s->ktb, kx, ldk, D, nc, 1);
+        pack_b_bf16(s->vtb, vx, ldv, Dv, nc, 1);
     } else {
         const float *k_j = FN(rows)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, nc, D, s->ba.rows, &ldk);
-        amx_pack_b(s->kb, k_j, ldk, nc, D);
+        pack_b(s->kb, k_j, ldk, nc, D);
         FN(load_tile_t)(s->dkT, p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, nc, D, 1);
-        amx_pack_b(s->ktb, s->dkT, nc, D, nc);
+        pack_b(s->ktb, s->dkT, nc, D, nc);
         FN(load_tile_t)(s->dvT, p->a.v, p->a.dtype, p->a.v_stride, b, hk, j0, nc, Dv, 1);
-        amx_pack_b(s->vtb, s->dvT, nc, Dv, nc);
+        pack_b(s->vtb, s->dvT, nc, Dv, nc);
     }
     for (int64_t x = 0; x < D * nc; x++) s->dkT[x] = 0;
     for (int64_t x = 0; x < Dv * nc; x++) s->dvT[x] = 0;
@@ -521,16 +502,16 @@ static void FN(tiles_bwd_keys)(FN(tiles) * s, int64_t j0, int64_t nc) {
  * tile the band cuts goes by blocks of 16 queries, each over the keys one of
  * them can see (band_keys); the rest of C is zeroed: the band writes -inf over
  * those scores, and dS = P (dP - delta) needs a finite dP where P is 0. */
-static void bwd_query_rows(const FN(tiles) * s, float *C, amx_view a, amx_view b, int64_t k, int64_t i0, int64_t nr) {
+static void bwd_query_rows(const FN(tiles) * s, float *C, tile_view a, tile_view b, int64_t k, int64_t i0, int64_t nr) {
     const ma_attn_args *ar = &s->bp->a;
     const int64_t nc = s->nc, j0 = s->j0;
     if (!band_cuts(ar, i0, j0, nc)) {
-        tile_gemm(nr, nc, k, amx_rows(a, i0), b, C, nc, 0, s->pr.terms);
+        tile_gemm(nr, nc, k, view_rows(a, i0), b, C, nc, 0, s->pr.terms);
         return;
     }
     for (int64_t r0 = 0; r0 < nr; r0 += 16) {
         const int64_t m = ma_min(16, nr - r0), n = band_keys(ar, i0, r0, m, j0, nc);
-        if (n > 0) tile_gemm(m, n, k, amx_rows(a, i0 + r0), b, C + r0 * nc, nc, 0, s->pr.terms);
+        if (n > 0) tile_gemm(m, n, k, view_rows(a, i0 + r0), b, C + r0 * nc, nc, 0, s->pr.terms);
         for (int64_t r = r0; r < r0 + m; r++) memset(C + r * nc + n, 0, (size_t)(nc - n) * sizeof(float));
     }
 }
@@ -538,7 +519,7 @@ static void bwd_query_rows(const FN(tiles) * s, float *C, amx_view a, amx_view b
 /* C (m, nc) += A (m, queries i0..) @ B (queries, nc) for dK^T = Q^T dS and
  * dV^T = dO^T P: on a tile the band cuts, each block of 32 keys from the k
  * tile of the first query that can see one of them (dS and P are 0 before). */
-static void bwd_key_cols(const FN(tiles) * s, float *C, amx_view a, amx_view b, int64_t m, int64_t i0, int64_t nr) {
+static void bwd_key_cols(const FN(tiles) * s, float *C, tile_view a, tile_view b, int64_t m, int64_t i0, int64_t nr) {
     const ma_attn_args *ar = &s->bp->a;
     const int64_t nc = s->nc, j0 = s->j0;
     if (!band_cuts(ar, i0, j0, nc)) {
@@ -548,7 +529,7 @@ static void bwd_key_cols(const FN(tiles) * s, float *C, amx_view a, amx_view b, 
     for (int64_t c0 = 0; c0 < nc; c0 += BAND_BLOCK) {
         const int64_t w = ma_min(BAND_BLOCK, nc - c0), k0 = ma_max(0, j0 + c0 - ar->band_hi - i0) / 32 * 32;
         if (k0 < nr)
-            tile_gemm(m, w, nr - k0, amx_krows(a, k0), amx_krows(amx_rows(b, c0), k0), C + c0, nc, 1, s->pr.terms);
+            tile_gemm(m, w, nr - k0, view_krows(a, k0), view_krows(view_rows(b, c0), k0), C + c0, nc, 1, s->pr.terms);
     }
 }
 
@@ -569,17 +550,17 @@ static void FN(tiles_bwd_accum)(FN(tiles) * s, float *dq_i, int64_t g, int64_t h
     const ma_attn_args *a = &s->bp->a;
     const int64_t nc = s->nc, D = a->D, Dv = a->Dv, terms = s->pr.terms;
     const FN(bwd_scratch) *t = s->bt;
-    amx_pack_b(s->dsb, t->dp, nc, nr, nc);
-    bwd_key_cols(s, s->dkT, amx_krows(bwd_view(s, 1, g), i0), s->dsb, D, i0, nr);
-    amx_pack_a(s->dsa, t->dp, nc, 1, nr, nc);
+    pack_b(s->dsb, t->dp, nc, nr, nc);
+    bwd_key_cols(s, s->dkT, view_krows(bwd_view(s, 1, g), i0), s->dsb, D, i0, nr);
+    pack_a(s->dsa, t->dp, nc, 1, nr, nc);
     if (!band_cuts(a, i0, s->j0, nc)) tile_gemm(nr, D, nc, s->dsa, s->kb, dq_i, D, 1, terms);
     else /* by blocks of 16 queries, over the k tiles of the keys they can see */
         for (int64_t r0 = 0; r0 < nr; r0 += 16) {
             const int64_t m = ma_min(16, nr - r0), k = band_ktiles(a, i0, r0, m, s->j0, nc);
-            if (k > 0) tile_gemm(m, D, k, amx_rows(s->dsa, r0), s->kb, dq_i + r0 * D, D, 1, terms);
+            if (k > 0) tile_gemm(m, D, k, view_rows(s->dsa, r0), s->kb, dq_i + r0 * D, D, 1, terms);
         }
-    amx_pack_b(s->pbb, t->s, nc, nr, nc);
-    bwd_key_cols(s, s->dvT, amx_krows(bwd_view(s, 3, g), i0), s->pbb, Dv, i0, nr);
+    pack_b(s->pbb, t->s, nc, nr, nc);
+    bwd_key_cols(s, s->dvT, view_krows(bwd_view(s, 3, g), i0), s->pbb, Dv, i0, nr);
 }
 
 static void FN(tiles_bwd_keys_end)(FN(tiles) * s, int64_t nc) {

@@ -31,15 +31,7 @@
 
 #include "common/dtype.h"
 #include "masked_attn.h"
-
-#define AMX_PARTS 3 /* at most x0, x1, x2 */
-#define AMX_TILE 512 /* bf16 elements of one tile: 16 rows x 64 bytes */
-
-/* Parts per operand and product terms, by dtype: inputs (q, k, v, dout) and
- * computed operands (P, dS). */
-typedef struct {
-    int in, pd, terms;
-} tile_prec;
+#include "tiles_layout.h"
 
 /* The 16 float32 values of the bf16 in the low or high half of v. */
 static inline __m512 bf16_lo_to_ps(__m512i v) {
@@ -50,7 +42,7 @@ static inline __m512 bf16_hi_to_ps(__m512i v) {
 }
 
 /* part[i] = 32 bf16: the i-th parts of a (low 16) and b (high 16), i < nparts. */
-static inline void split32(__m512 a, __m512 b, int nparts, __m512i part[AMX_PARTS]) {
+static inline void split32(__m512 a, __m512 b, int nparts, __m512i part[TILE_PARTS]) {
     for (int i = 0; i < nparts; i++) {
         part[i] = (__m512i)_mm512_cvtne2ps_pbh(b, a);
         if (i + 1 < nparts) {
@@ -75,53 +67,10 @@ static inline __m512i interleave_idx(void) {
     return _mm512_loadu_si512(idx);
 }
 
-/* ---- packed operands --------------------------------------------------------
- *
- * A packed operand holds the tiles of a matrix, part after part:
- *   A operand (m, k): tile (mt, kt) = rows 16 mt.., k 32 kt.. (16 x 32 bf16)
- *   B operand (k, n): tile (nt, kt) = k pairs 16 kt.., columns 16 nt.. (VNNI)
- * at p + i * part_stride + outer * os + kt * ks, outer = mt or nt: row-major
- * (os = nkt tiles, ks = 1 tile) for views that move along the outer index,
- * k-major (os = 1 tile, ks = nouter tiles) for views that move along k, so
- * that the tiles one product reads are contiguous either way. Elements beyond
- * m, n, k within the last tiles are zero. A view starts at a later tile (rows
- * r0 of A, r0 a multiple of 16; k0 of B or A, a multiple of 32) and keeps the
- * strides. */
-typedef struct {
-    uint16_t *p;
-    int64_t part_stride, os, ks;
-    int parts;
-} amx_view;
-
-static inline int64_t amx_a_elems(int64_t m, int64_t k) { return ma_cdiv(m, 16) * ma_cdiv(k, 32) * AMX_TILE; }
-static inline int64_t amx_b_elems(int64_t k, int64_t n) { return ma_cdiv(k, 32) * ma_cdiv(n, 16) * AMX_TILE; }
-
-static inline amx_view amx_rows(amx_view v, int64_t r0) {
-    v.p += (r0 / 16) * v.os;
-    return v;
-}
-static inline amx_view amx_krows(amx_view v, int64_t k0) {
-    v.p += (k0 / 32) * v.ks;
-    return v;
-}
-
-/* The layout of a packed matrix with nouter x nkt tiles per part. */
-static inline amx_view amx_layout(uint16_t *p, int64_t nouter, int64_t nkt, int parts, int kmajor) {
-    const amx_view v = {p, nouter * nkt * AMX_TILE, kmajor ? AMX_TILE : nkt * AMX_TILE,
-                        kmajor ? nouter * AMX_TILE : AMX_TILE, parts};
-    return v;
-}
-static inline amx_view amx_a_layout(uint16_t *p, int64_t m, int64_t k, int parts, int kmajor) {
-    return amx_layout(p, ma_cdiv(m, 16), ma_cdiv(k, 32), parts, kmajor);
-}
-static inline amx_view amx_b_layout(uint16_t *p, int64_t k, int64_t n, int parts, int kmajor) {
-    return amx_layout(p, ma_cdiv(n, 16), ma_cdiv(k, 32), parts, kmajor);
-}
-
 /* Pack A (m, k), A[i, p] = A[i*ars + p*acs] with acs == 1 (rows) or ars == 1
  * (transposed), as tiles (mt, kt), mt < ceil(m/16), kt < ceil(k/32), in
  * dst.parts parts into the view dst; overwrites. */
-static void amx_pack_a(amx_view dst, const float *A, int64_t ars, int64_t acs, int64_t m, int64_t k) {
+static void pack_a(tile_view dst, const float *A, int64_t ars, int64_t acs, int64_t m, int64_t k) {
     const int parts = dst.parts;
     const int64_t part_stride = dst.part_stride;
     const __m512i ileave = interleave_idx();
@@ -129,7 +78,7 @@ static void amx_pack_a(amx_view dst, const float *A, int64_t ars, int64_t acs, i
         for (int64_t kt = 0; kt < ma_cdiv(k, 32); kt++) {
             const int64_t i0 = mt * 16, p0 = kt * 32;
             uint16_t *tile = dst.p + mt * dst.os + kt * dst.ks;
-            __m512i part[AMX_PARTS];
+            __m512i part[TILE_PARTS];
             if (acs == 1) { /* a tile row is 32 consecutive floats of a row */
                 const __mmask16 k0 = vm_first(k - p0), k1 = vm_first(k - p0 - 16);
                 for (int r = 0; r < 16; r++) {
@@ -143,7 +92,7 @@ static void amx_pack_a(amx_view dst, const float *A, int64_t ars, int64_t acs, i
                 }
             } else { /* pairs of k rows interleaved, then a 32-bit transpose */
                 const __mmask16 km = vm_first(m - i0);
-                __m512i t[AMX_PARTS][16];
+                __m512i t[TILE_PARTS][16];
                 for (int q = 0; q < 16; q++) {
                     __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();
                     if (p0 + 2 * q < k) x0 = _mm512_maskz_loadu_ps(km, A + i0 + (p0 + 2 * q) * acs);
@@ -160,7 +109,7 @@ static void amx_pack_a(amx_view dst, const float *A, int64_t ars, int64_t acs, i
 }
 
 /* Pack B (k, n), rows ldb apart, as tiles (nt, kt) into the view dst; overwrites. */
-static void amx_pack_b(amx_view dst, const float *B, int64_t ldb, int64_t k, int64_t n) {
+static void pack_b(tile_view dst, const float *B, int64_t ldb, int64_t k, int64_t n) {
     const int parts = dst.parts;
     const int64_t part_stride = dst.part_stride;
     const __m512i ileave = interleave_idx();
@@ -173,7 +122,7 @@ static void amx_pack_b(amx_view dst, const float *B, int64_t ldb, int64_t k, int
                 __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();
                 if (p < k) x0 = _mm512_maskz_loadu_ps(nm, B + p * ldb + nt * 16);
                 if (p + 1 < k) x1 = _mm512_maskz_loadu_ps(nm, B + (p + 1) * ldb + nt * 16);
-                __m512i part[AMX_PARTS];
+                __m512i part[TILE_PARTS];
                 split32(x0, x1, parts, part);
                 for (int i = 0; i < parts; i++)
                     _mm512_storeu_si512(tile + i * part_stride + q * 32, _mm512_permutexvar_epi16(ileave, part[i]));
@@ -186,7 +135,7 @@ static void amx_pack_b(amx_view dst, const float *B, int64_t ldb, int64_t k, int
  *
  * A bfloat16 input is one part (exact), and its rows already hold bf16 pairs:
  * the packers below read X (rows ld elements apart, unit column stride) as it
- * is, with no float32 round trip, into the same layout as amx_pack_a / _b
+ * is, with no float32 round trip, into the same layout as pack_a / _b
  * with one part. trans = 0: the operand is X itself; trans = 1: X^T. */
 
 /* The mask of the first n of 32 elements (vm_first for 16-bit lanes). */
@@ -220,7 +169,7 @@ static inline void bf16_tile(__m512i t[16], const uint16_t *X, int64_t ld, int64
 
 /* Every tile (outer, kt) of an operand with nouter x k elements into the
  * one-part view dst, by bf16_tile; overwrites. */
-static void pack_bf16(amx_view dst, const uint16_t *X, int64_t ld, int64_t nouter, int64_t k, int pairs, int tr) {
+static void pack_bf16(tile_view dst, const uint16_t *X, int64_t ld, int64_t nouter, int64_t k, int pairs, int tr) {
     const __m512i ileave = interleave_idx();
     for (int64_t ot = 0; ot < ma_cdiv(nouter, 16); ot++)
         for (int64_t kt = 0; kt < ma_cdiv(k, 32); kt++) {
@@ -234,15 +183,41 @@ static void pack_bf16(amx_view dst, const uint16_t *X, int64_t ld, int64_t noute
 /* A (m, k): A[i, p] = X[i ld + p] (trans 0: a tile row is 32 elements of a
  * row) or X[p ld + i] (trans 1: pairs of rows interleaved, then a 32-bit
  * transpose). */
-static void amx_pack_a_bf16(amx_view dst, const uint16_t *X, int64_t ld, int64_t m, int64_t k, int trans) {
+static void pack_a_bf16(tile_view dst, const uint16_t *X, int64_t ld, int64_t m, int64_t k, int trans) {
     pack_bf16(dst, X, ld, m, k, trans, trans);
 }
 
 /* B (k, n): B[p, j] = X[p ld + j] (trans 0: pairs of rows interleaved) or
  * X[j ld + p] (trans 1: a row's pairs are a tile column: 16 rows, then a
  * 32-bit transpose). */
-static void amx_pack_b_bf16(amx_view dst, const uint16_t *X, int64_t ld, int64_t k, int64_t n, int trans) {
+static void pack_b_bf16(tile_view dst, const uint16_t *X, int64_t ld, int64_t k, int64_t n, int trans) {
     pack_bf16(dst, X, ld, n, k, !trans, trans);
+}
+
+/* dst = the A tile src with its k columns from rem on zeroed (0 < rem < 32): the last k
+ * tile of a view into a longer packed matrix (tile_gemm_kclip, tiles_hooks.h). */
+static inline void tile_a_keep_k(uint16_t *dst, const uint16_t *src, int64_t rem) {
+    const __mmask32 keep = (__mmask32)((1ull << rem) - 1);
+    for (int r = 0; r < 16; r++)
+        _mm512_storeu_si512(dst + r * 32, _mm512_maskz_mov_epi16(keep, _mm512_loadu_si512(src + r * 32)));
+}
+
+/* dst (nr, ncol) = the int8 rows of src (row r at src + r st[2], elements st[3] apart) as
+ * bfloat16, exactly (an 8-bit integer has at most 8 significant bits): an 8-bit cache's K
+ * and V for the one-part packers, without float32 rows between. */
+static void i8_rows_bf16(uint16_t *dst, const int8_t *src, const int64_t st[4], int64_t nr, int64_t ncol) {
+    for (int64_t r = 0; r < nr; r++) {
+        const int8_t *x = src + r * st[2];
+        uint16_t *y = dst + r * ncol;
+        int64_t c = 0;
+        if (st[3] == 1)
+            for (; c + 16 <= ncol; c += 16) {
+                const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(x + c))));
+                _mm256_storeu_si256((__m256i *)(y + c),
+                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f), 16)));
+            }
+        for (; c < ncol; c++) y[c] = ma_f32_to_bf16((float)x[c * st[3]]);
+    }
 }
 
 #endif /* MA_TILES_PACK_H */
