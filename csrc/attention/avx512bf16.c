@@ -49,8 +49,9 @@ static inline int32_t dp_pair(const uint16_t *p) {
  * when NT == 2): c[r][t] += sum over k tiles, parts (i, j) with i + j <
  * terms, and the 16 k pairs q of A_i[r][2q, 2q+1] . B_j[2q, 2q+1][column].
  * 8 x NT accumulators; per k pair NT row loads of B and 8 broadcasts of A. */
-static inline __attribute__((always_inline)) void dp_block(const int NT, tile_view a, int64_t mt, int64_t r0, tile_view b,
-                                                           int64_t nt, int64_t nkt, int terms, __m512 c[8][2]) {
+static inline __attribute__((always_inline)) void dp_block(const int NT, tile_view a, int64_t mt, int64_t r0,
+                                                           tile_view b, int64_t nt, int64_t nkt, int terms,
+                                                           __m512 c[8][2]) {
     for (int64_t kt = 0; kt < nkt; kt++)
         for (int i = 0; i < a.parts && i < terms; i++) {
             const uint16_t *at = a.p + i * a.part_stride + mt * a.os + kt * a.ks + r0 * 32;

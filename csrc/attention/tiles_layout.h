@@ -56,7 +56,7 @@ static inline tile_view view_krows(tile_view v, int64_t k0) {
 /* The layout of a packed matrix with nouter x nkt tiles per part. */
 static inline tile_view view_layout(uint16_t *p, int64_t nouter, int64_t nkt, int parts, int kmajor) {
     const tile_view v = {p, nouter * nkt * TILE_ELEMS, kmajor ? TILE_ELEMS : nkt * TILE_ELEMS,
-                        kmajor ? nouter * TILE_ELEMS : TILE_ELEMS, parts};
+                         kmajor ? nouter * TILE_ELEMS : TILE_ELEMS, parts};
     return v;
 }
 static inline tile_view view_a_layout(uint16_t *p, int64_t m, int64_t k, int parts, int kmajor) {
