@@ -50,6 +50,7 @@ AMX = [
 # SVE at one vector length each (common/simd_sve.h)
 SVE256 = ["-march=armv8.2-a+sve", "-msve-vector-bits=256"]
 SVE512 = ["-march=armv8.2-a+sve", "-msve-vector-bits=512"]
+SVEBF16 = ["-march=armv8.6-a+sve+bf16"]  # any vector length (attention/svebf16.c)
 PORTABLE = {  # no instruction-set flags: the policy, the scalar instances, the dispatch
     "common/isa.c": [],
     "attention/scalar.c": [],
@@ -74,6 +75,7 @@ C_UNITS_BY_ARCH = {
         "attention/neon.c": [],
         "attention/sve256.c": SVE256,
         "attention/sve512.c": SVE512,
+        "attention/svebf16.c": SVEBF16,
         "cross_entropy/neon.c": [],
         "cross_entropy/sve256.c": SVE256,
         "cross_entropy/sve512.c": SVE512,

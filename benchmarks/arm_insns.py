@@ -2,11 +2,12 @@
 
 No ARM machine is at hand, and qemu's timings mean nothing (it translates every instruction), so
 this counts instead: benchmarks/kernel_bwd.c (the forward and the single-pass backward, causal,
-float32, one thread, the kernels called from C) cross-built by tools/arm.py, run under
-qemu-aarch64 with benchmarks/arm/insncount.c as a plugin, once with 1 repetition and once with 3;
-half the difference is one forward + backward (the set-up and the scalar reference check cancel).
+one thread, the kernels called from C) cross-built by tools/arm.py, run under qemu-aarch64 with
+benchmarks/arm/insncount.c as a plugin, once with 1 repetition and once with 3; half the
+difference is one forward + backward (the set-up and the scalar reference check cancel).
 Each variant runs on an emulated CPU that has it: NEON on a Neoverse N1 (no SVE), sve256 and
-sve512 on qemu's `max` CPU at those vector lengths.
+sve512 on qemu's `max` CPU at those vector lengths, svebf16 (bfloat16 only: BFMMLA) on `max` at
+128, 256 and 512 bits. float32 and bfloat16 (inputs, outputs and gradients) each.
 
 Columns: instructions per call (millions), the share that are vector instructions (Advanced
 SIMD vector data processing, or SVE), and the ratio to the scalar kernels' count. Writes
@@ -25,19 +26,24 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 import arm  # noqa: E402  (tools/arm.py: the cross-build)
 
 CASES = [(4, 2, 256, 64), (4, 2, 256, 128)]  # (B, H, L, D): B * H >= 8, the single-pass backward
+SVE = "max,sve-default-vector-length="  # + bytes
+# (variant, its label in the table, qemu CPU, dtypes)
 VARIANTS = [
-    ("scalar", "neoverse-n1"),
-    ("neon", "neoverse-n1"),
-    ("sve256", "max,sve-default-vector-length=32"),
-    ("sve512", "max,sve-default-vector-length=64"),
+    ("scalar", "scalar", "neoverse-n1", ("f32", "bf16")),
+    ("neon", "neon", "neoverse-n1", ("f32", "bf16")),
+    ("sve256", "sve256", SVE + "32", ("f32", "bf16")),
+    ("sve512", "sve512", SVE + "64", ("f32", "bf16")),
+    ("svebf16", "svebf16 (SVE 128)", SVE + "16", ("bf16",)),
+    ("svebf16", "svebf16 (SVE 256)", SVE + "32", ("bf16",)),
+    ("svebf16", "svebf16 (SVE 512)", SVE + "64", ("bf16",)),
 ]
 
 
-def count(plugin, exe, cpu, case, reps, isa):
+def count(plugin, exe, cpu, case, reps, isa, dtype):
     r = subprocess.run(
         [arm.QEMU, "-L", "/usr/aarch64-linux-gnu", "-cpu", cpu, "-plugin", plugin, "-d", "plugin", exe]
         + [str(x) for x in case]
-        + [str(reps), isa],
+        + [str(reps), isa, dtype],
         capture_output=True,
         text=True,
         check=True,
@@ -58,30 +64,34 @@ def main():
     plugin = os.path.join(arm.ARM, "libinsncount.so")
     arm.run(["gcc", "-shared", "-fPIC", "-O2", "-o", plugin, os.path.join(ROOT, "benchmarks", "arm", "insncount.c")])
     rows = []
-    for case in CASES:
-        base = None
-        for isa, cpu in VARIANTS:
-            one, three = (count(plugin, exe, cpu, case, reps, isa) for reps in (1, 3))
-            per = [(b - a) / 2 for a, b in zip(one, three)]  # all, sve, neon, fp
-            base = base or per[0]
-            rows.append(
-                dict(
-                    case=case,
-                    isa=isa,
-                    cpu=cpu,
-                    insns=per[0],
-                    vector=(per[1] + per[2]) / per[0],
-                    vs_scalar=base / per[0],
+    for dtype in ("f32", "bf16"):
+        for case in CASES:
+            base = None
+            for isa, label, cpu, dtypes in VARIANTS:
+                if dtype not in dtypes:
+                    continue
+                one, three = (count(plugin, exe, cpu, case, reps, isa, dtype) for reps in (1, 3))
+                per = [(b - a) / 2 for a, b in zip(one, three)]  # all, sve, neon, fp
+                base = base or per[0]
+                rows.append(
+                    dict(
+                        case=case,
+                        dtype=dtype,
+                        isa=label,
+                        cpu=cpu,
+                        insns=per[0],
+                        vector=(per[1] + per[2]) / per[0],
+                        vs_scalar=base / per[0],
+                    )
                 )
-            )
-            print(rows[-1], flush=True)
+                print(rows[-1], flush=True)
     with open(os.path.join(out, "arm_insns.json"), "w") as f:
         json.dump(dict(date=time.strftime("%Y-%m-%d"), qemu="qemu-aarch64 7.2", rows=rows), f, indent=1)
-    print("\n| case (B, H, L, D) | variant | M instructions | vector share | scalar / variant |")
-    print("|---|---|---:|---:|---:|")
+    print("\n| case (B, H, L, D) | dtype | variant | M instructions | vector share | scalar / variant |")
+    print("|---|---|---|---:|---:|---:|")
     for r in rows:
         share, ratio = f"{100 * r['vector']:.0f}%", f"{r['vs_scalar']:.2f}"
-        print(f"| {tuple(r['case'])} | {r['isa']} | {r['insns'] / 1e6:.1f} | {share} | {ratio} |")
+        print(f"| {tuple(r['case'])} | {r['dtype']} | {r['isa']} | {r['insns'] / 1e6:.1f} | {share} | {ratio} |")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ typedef enum {
     MA_ISA_NEON = 5,       /* AArch64 Advanced SIMD (every aarch64 CPU) */
     MA_ISA_SVE256 = 6,     /* SVE where its vectors are 256 bits */
     MA_ISA_SVE512 = 7,     /* SVE where its vectors are 512 bits */
+    MA_ISA_SVEBF16 = 8,    /* SVE + BF16, any vector length: bfloat16 products on BFMMLA */
 } ma_isa;
 
 int ma_isa_available(ma_isa isa); /* compiled in and supported by this CPU */

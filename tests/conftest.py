@@ -330,11 +330,12 @@ def run_isa(isa, fn):
 # this CPU lacks. FMA_ISAS: those whose products are float32 FMAs in the scalar kernels' order
 # (the same bits); AMX tiles and VDPBF16PS take bfloat16 products and round differently.
 if platform.machine().lower() in ("aarch64", "arm64"):
-    ISAS = ("scalar", "neon", "sve256", "sve512")
+    ISAS = ("scalar", "neon", "sve256", "sve512", "svebf16")
 else:
     ISAS = ("scalar", "avx2", "avx512", "amx", "avx512bf16")
 SIMD_ISAS = ISAS[1:]
-FMA_ISAS = tuple(i for i in ISAS if i not in ("amx", "avx512bf16"))
+TILE_ISAS = tuple(i for i in ISAS if i in ("amx", "avx512bf16", "svebf16"))  # the bfloat16 pair products
+FMA_ISAS = tuple(i for i in ISAS if i not in TILE_ISAS)
 
 
 def isa_available(isa):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_masked_attn as tma
-from conftest import ISAS, isa_available, run_isa
+from conftest import ISAS, TILE_ISAS, isa_available, run_isa
 
 
 def _case(seed, B, H, L, D):
@@ -28,7 +28,7 @@ def _fwd_bwd(fn, q, k, v, dout, dtype, allowed):
     return [t.double() for t in (out,) + grads]
 
 
-@pytest.mark.parametrize("isa", ["default", "avx512", "amx", "avx512bf16"])
+@pytest.mark.parametrize("isa", ["default", *(i for i in ("avx512", "neon") if i in ISAS), *TILE_ISAS])
 @pytest.mark.parametrize("shape", [(2, 4, 256, 64), (1, 2, 200, 48), (1, 1, 130, 128)], ids=str)
 def test_bf16_no_less_accurate_than_native(isa, shape):
     if isa != "default" and not isa_available(isa):

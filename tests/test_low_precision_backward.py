@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import torch_masked_attn as tma
-from conftest import ISAS
+from conftest import ISAS, TILE_ISAS
 from torch_masked_attn import ops
 
 
@@ -80,7 +80,7 @@ def test_out_lo_is_outs_rounding_error(dtype, isa):
     # the float32 output o that out + out_lo holds is itself exact to float32 noise, except where the
     # tile products keep P in two bfloat16 parts (amx, avx512bf16: about 16 bits, docs/design.md,
     # section 6), which bounds float16's o below its 22 bits
-    o_bits = min(2 * bits, 15) if isa in ("amx", "avx512bf16") else 2 * bits
+    o_bits = min(2 * bits, 15) if isa in TILE_ISAS else 2 * bits
     top = ref.abs().max().item()
     err_hi = (out.double() - ref).abs().max().item()
     err = (out.double() + lo.double() - ref).abs().max().item()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.autograd import gradcheck
 
-from conftest import SIMD_ISAS, assert_close_ref, isa_available, run_isa
+from conftest import SIMD_ISAS, TILE_ISAS, assert_close_ref, isa_available, run_isa
 from torch_masked_attn.functional import AuxRequest, masked_attention, varlen_attn
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -296,12 +296,12 @@ def to_pages(k, v, ck, page, seed=0):
 TILE_LQ, TILE_LK = [0, 1, 70, 130, 9, 64, 40, 100], [5, 200, 200, 130, 0, 300, 10, 257]
 
 
-@pytest.mark.parametrize("isa", ["amx", "avx512bf16"])
+@pytest.mark.parametrize("isa", TILE_ISAS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (50, 0), (20, 10)], ids=str)
 @pytest.mark.parametrize("cap_sinks", [False, True], ids=["plain", "softcap-sinks"])
 def test_tile_products_forward(isa, dtype, window, cap_sinks):
-    """The forward on the bfloat16 pair products (the tile hooks: amx, and avx512bf16 for bfloat16),
+    """The forward on the bfloat16 pair products (the tile hooks: amx; avx512bf16 and svebf16 for bfloat16),
     packed and from page pools of 64 and 128 rows, GQA, inference (P in one part for bfloat16) and
     before a backward, against the per-sequence float64 reference with PyTorch's own error in the
     test dtype as the yardstick (the dense rule); paged gives the packed call's bits."""
@@ -368,14 +368,14 @@ def test_tile_products_forward(isa, dtype, window, cap_sinks):
         ("amx", torch.bfloat16),
         ("amx", torch.float16),
         ("amx", torch.float32),
-        ("avx512bf16", torch.bfloat16),
-    ],
+    ]
+    + [(isa, torch.bfloat16) for isa in TILE_ISAS if isa != "amx"],
     ids=str,
 )
 def test_thread_count_and_batch_invariance(isa, dtype):
     """Bitwise the same for any thread count, and a sequence's results do not
     depend on the other sequences of the batch (num_splits=1's promise), under
-    each variant (amx and avx512bf16: the tile products, in the forward before
+    each variant (amx, avx512bf16, svebf16: the tile products, in the forward before
     a backward and in inference, whose bfloat16 P is in one part)."""
     if isa is not None and not isa_available(isa):
         pytest.skip(f"this CPU has no {isa}")
@@ -427,12 +427,12 @@ def test_matches_dense_forward_bitwise():
         assert torch.equal(out, dense[0].transpose(0, 1))
 
 
-@pytest.mark.parametrize("isa", [None, "amx", "avx512bf16"], ids=str)
+@pytest.mark.parametrize("isa", [None, *TILE_ISAS], ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "for-backward"])
 def test_entries_match_dense_forward_bitwise(isa, dtype, grad):
     """Every entry of a packed or paged call gives the bits of the dense kernel on that sequence alone,
-    under the same variant: varlen takes the products dense takes (on AMX and AVX512-BF16 the tile
+    under the same variant: varlen takes the products dense takes (on the tile variants the tile
     hooks, whose bits differ from the FMAs'), whatever the other sequences. A chunk of Lq < Lk queries
     causal at the bottom right is dense's window (-1, Lk - Lq); softcap and sinks as dense's."""
     if isa is not None and not isa_available(isa):

@@ -25,6 +25,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 
 import tomllib
@@ -43,16 +44,21 @@ PKG = os.path.join(ARM, "pkg")  # the package with the aarch64 extension
 TORCH = "2.13.0"
 APT = ["gcc-aarch64-linux-gnu", "g++-aarch64-linux-gnu", "libc6-dev-arm64-cross", "qemu-user"]
 
-ARM_VARIANTS = ("neon", "sve256", "sve512")  # ma_isa's aarch64 variants
-# The emulated CPUs the C harnesses run on: (name, qemu -cpu, the variants it must run).
-# neoverse-n1 has no SVE (dispatch must not pick an SVE variant there); max has every
-# extension qemu knows, SVE at the lengths given.
+ARM_VARIANTS = ("neon", "sve256", "sve512", "svebf16")  # ma_isa's aarch64 variants
+# The emulated CPUs the C harnesses run on: (name, qemu -cpu, the variants it must run, whether
+# the block harnesses run there). neoverse-n1 has no SVE (dispatch must not pick an SVE variant
+# there); max has every extension qemu knows, SVE-BF16 among them, SVE at the lengths given:
+# svebf16, length-agnostic, runs at each; at 2048 bits kernel_bwd only (its products are all
+# that depends on the length, and the block harnesses take minutes there).
 CPUS = [
-    ("neoverse-n1 (NEON, no SVE)", "neoverse-n1", ["neon"]),
-    ("max, SVE 128 bits", "max,sve-default-vector-length=16", ["neon"]),
-    ("max, SVE 256 bits", "max,sve-default-vector-length=32", ["neon", "sve256"]),
-    ("max, SVE 512 bits", "max,sve-default-vector-length=64", ["neon", "sve512"]),
+    ("neoverse-n1 (NEON, no SVE)", "neoverse-n1", ["neon"], True),
+    ("max, SVE 128 bits", "max,sve-default-vector-length=16", ["neon", "svebf16"], True),
+    ("max, SVE 256 bits", "max,sve-default-vector-length=32", ["neon", "sve256", "svebf16"], True),
+    ("max, SVE 512 bits", "max,sve-default-vector-length=64", ["neon", "sve512", "svebf16"], True),
+    ("max, SVE 2048 bits", "max,sve-default-vector-length=256", ["neon", "svebf16"], False),
 ]
+# SVE without BF16 (a64fx: SVE 512): svebf16 must be refused there.
+NO_BF16_CPU = "a64fx"
 
 # The pytest slice: the ops against PyTorch and the scalar reference on every variant the
 # emulated CPU has (the tests parametrize over ISAs and skip the absent ones).
@@ -192,21 +198,34 @@ def cmd_harness(_):
     kb = os.path.join(ROOT, "benchmarks", "kernel_bwd.c")
     run([CC, *C_FLAGS, "-D_POSIX_C_SOURCE=200809L", kb, *att, "-lm", "-lpthread", "-o", exes["kernel_bwd"]])
     failed = []
-    for label, cpu, variants in CPUS:
-        for name in ("test_blocks", "test_ce_blocks"):
+    # the names each harness prints per variant: svebf16 has only its product (in 2 parts), and
+    # cross-entropy no svebf16 blocks (its svebf16 calls run NEON's)
+    printed = {"test_blocks": {"svebf16": "svebf16_2"}, "test_ce_blocks": {"svebf16": None}}
+    for label, cpu, variants, blocks in CPUS:
+        for name in ("test_blocks", "test_ce_blocks") if blocks else ():
+            t0 = time.time()
             r = qemu(cpu, exes[name], capture_output=True, text=True)
+            shown = {v: printed[name].get(v, v) for v in ("scalar", *ARM_VARIANTS)}
             # the CPU's variants pass; the others are refused by ma_isa_available, not run
-            ok = r.returncode == 0 and all(f"{v:<7} ok" in r.stdout for v in ["scalar", *variants])
-            ok = ok and all(f"{v:<7} not supported" in r.stdout for v in ARM_VARIANTS if v not in variants)
-            print(f"{label:<28} {name:<15} {'ok' if ok else 'FAILED'}")
+            ok = r.returncode == 0 and all(f"{shown[v]:<7} ok" in r.stdout for v in ["scalar", *variants] if shown[v])
+            ok = ok and all(
+                f"{shown[v]:<7} not supported" in r.stdout for v in ARM_VARIANTS if v not in variants and shown[v]
+            )
+            print(f"{label:<28} {name:<15} {'ok' if ok else 'FAILED'} ({time.time() - t0:.0f} s)")
             if not ok:
                 failed.append((label, name, r.stdout + r.stderr))
         for v in variants:  # the forward and the single-pass backward against the scalar kernels
-            r = qemu(cpu, exes["kernel_bwd"], "4", "2", "70", "64", "1", v, capture_output=True, text=True)
-            ok = r.returncode == 0 and "from the scalar reference" in r.stdout
-            print(f"{label:<28} kernel_bwd {v:<4}     {'ok' if ok else 'FAILED'}")
-            if not ok:
-                failed.append((label, f"kernel_bwd {v}", r.stdout + r.stderr))
+            for dt in ("f32", "bf16"):  # bfloat16: the tile products of svebf16 (float32 runs NEON's)
+                r = qemu(cpu, exes["kernel_bwd"], "4", "2", "70", "64", "1", v, dt, capture_output=True, text=True)
+                ok = r.returncode == 0 and "from the scalar reference" in r.stdout
+                print(f"{label:<28} kernel_bwd {v:<7} {dt:<4} {'ok' if ok else 'FAILED'}")
+                if not ok:
+                    failed.append((label, f"kernel_bwd {v} {dt}", r.stdout + r.stderr))
+    r = qemu(NO_BF16_CPU, exes["kernel_bwd"], "1", "1", "8", "8", "1", "svebf16", capture_output=True, text=True)
+    ok = r.returncode == 2 and "not on this CPU" in r.stderr
+    print(f"{NO_BF16_CPU + ' (SVE, no BF16)':<28} svebf16 refused  {'ok' if ok else 'FAILED'}")
+    if not ok:
+        failed.append((NO_BF16_CPU, "svebf16 refused", r.stdout + r.stderr))
     for label, name, text in failed:
         print(f"---- {label}: {name}\n{text}")
     sys.exit(1 if failed else 0)

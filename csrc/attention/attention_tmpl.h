@@ -1694,6 +1694,7 @@ typedef struct {
     const ACC *q_bg, *g_bg, *k_j, *q_i, *g_i;
 } FN(gen_bwd);
 
+#ifndef MA_TILE_HOOKS /* the generic steps (the hooks replace them in the tile instances) */
 static void FN(gen_bwd_group)(FN(gen_bwd) * g, int64_t b, int64_t hk) {
     const ma_attn_bwd_params *p = g->p;
     const int64_t G = p->a.H / p->a.Hkv;
@@ -1748,6 +1749,7 @@ static void FN(gen_bwd_accum)(FN(gen_bwd) * g, ACC *dq_i, int64_t gi, int64_t h,
 }
 
 static void FN(gen_bwd_keys_end)(FN(gen_bwd) * g, int64_t nc) { (void)g, (void)nc; }
+#endif
 
 #ifdef MA_TILE_HOOKS
 static void FN(tiles_bwd_begin)(FN(tiles) * *T, const ma_attn_bwd_params *p, FN(bwd_scratch) * t, void *extra);

@@ -104,7 +104,7 @@ typedef struct {
     void (*quantize_row)(const void *x, ma_dtype dt, int64_t n, int8_t *q, float *scale);
 } ma_blocks;
 
-/* The float blocks of variant isa (AMX and AVX512-BF16: AVX-512's, which their
+/* The float blocks of variant isa (AMX and AVX512-BF16: AVX-512's, SVE-BF16: NEON's, which their
  * kernels use outside the tile products); kv_cache/cache_write.c, its user (the
  * quantizing block), so that harnesses linking a few variants need not link it. */
 const ma_blocks *ma_blocks_for(ma_isa isa);
@@ -113,6 +113,7 @@ extern const ma_blocks ma_blocks_scalar, ma_blocks_avx2, ma_blocks_avx512, ma_bl
     ma_blocks_sve512;
 extern const ma_blocks ma_blocks_amx2, ma_blocks_amx3; /* GEMM only: 3 and 6 bf16 products */
 extern const ma_blocks ma_blocks_avx512bf16_2, ma_blocks_avx512bf16_3; /* the same on VDPBF16PS */
+extern const ma_blocks ma_blocks_svebf16_2;                             /* 3 products (2 parts) on BFMMLA */
 
 /* The kernels of one instance (attention_tmpl.h); dispatch.c picks one. */
 typedef struct {
@@ -123,6 +124,6 @@ typedef struct {
 
 extern const ma_attn_kernels ma_attn_kernels_scalar, ma_attn_kernels_f64, ma_attn_kernels_avx2, ma_attn_kernels_avx512,
     ma_attn_kernels_amx, ma_attn_kernels_avx512bf16, ma_attn_kernels_neon, ma_attn_kernels_sve256,
-    ma_attn_kernels_sve512;
+    ma_attn_kernels_sve512, ma_attn_kernels_svebf16;
 
 #endif /* MA_ATTENTION_BLOCKS_H */

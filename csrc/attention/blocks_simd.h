@@ -543,7 +543,8 @@ static void BLK(axpy_keys)(float *o, const float *p, int64_t ldp, int64_t nr, in
 /* blocks.h, quantize_row: absmax in lanes (exact, so any order gives the scalar's), a
  * non-finite element found by x * 0 (NaN for inf and NaN, 0 otherwise), then q = the
  * clamped x * (127 / absmax) rounded to nearest even, as the scalar block computes it. */
-static void BLK(quantize_row)(const void *x, ma_dtype dt, int64_t n, int8_t *q, float *scale) {
+/* Unused where an instance's table holds only the product (the tile instances). */
+__attribute__((unused)) static void BLK(quantize_row)(const void *x, ma_dtype dt, int64_t n, int8_t *q, float *scale) {
     const vf sign = vf_set1(-0.0f);
     vf mx = vf_zero(), nf = vf_zero();
     for (int64_t c = 0; c < n; c += MA_VL) { /* a tail's lanes past n read 0 */

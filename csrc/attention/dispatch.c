@@ -12,7 +12,8 @@
 
 /* float64 runs the double-accumulating instance whatever the ISA (the shim
  * asked common/isa.c for p->isa); float32, bfloat16, float16 the ISA's, but
- * AVX512-BF16's products are for bfloat16 only (avx512bf16.c). */
+ * AVX512-BF16's and SVE-BF16's products are for bfloat16 only (avx512bf16.c,
+ * svebf16.c): their other dtypes run AVX-512's and NEON's. */
 static const ma_attn_kernels *kernels(ma_dtype dt, ma_isa isa) {
     if (dt == MA_F64) return &ma_attn_kernels_f64;
     switch (isa) { /* the architecture's variants only: the others are not compiled in */
@@ -23,6 +24,7 @@ static const ma_attn_kernels *kernels(ma_dtype dt, ma_isa isa) {
     case MA_ISA_AVX2: return &ma_attn_kernels_avx2;
 #elif defined(__aarch64__)
     case MA_ISA_NEON: return &ma_attn_kernels_neon;
+    case MA_ISA_SVEBF16: return dt == MA_BF16 ? &ma_attn_kernels_svebf16 : &ma_attn_kernels_neon;
     case MA_ISA_SVE256: return &ma_attn_kernels_sve256;
     case MA_ISA_SVE512: return &ma_attn_kernels_sve512;
 #endif

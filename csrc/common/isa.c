@@ -37,8 +37,13 @@ static int sve_vector_bytes(void) {
     const int vl = prctl(51 /* PR_SVE_GET_VL */);
     return vl < 0 ? 0 : vl & 0xffff; /* PR_SVE_VL_LEN_MASK */
 }
+/* SVE's BFMMLA and BFDOT (FEAT_BF16 with SVE). */
+static int sve_bf16(void) {
+    return sve_vector_bytes() > 0 && (getauxval(AT_HWCAP2) & (1UL << 12) /* HWCAP2_SVEBF16 */);
+}
 #elif defined(__aarch64__)
 static int sve_vector_bytes(void) { return 0; }
+static int sve_bf16(void) { return 0; }
 #endif
 
 int ma_isa_available(ma_isa isa) {
@@ -57,6 +62,7 @@ int ma_isa_available(ma_isa isa) {
     case MA_ISA_NEON: return 1; /* in every aarch64 CPU */
     case MA_ISA_SVE256: return sve_vector_bytes() == 32;
     case MA_ISA_SVE512: return sve_vector_bytes() == 64;
+    case MA_ISA_SVEBF16: return sve_bf16();
 #endif
     default: return 0;
     }
@@ -84,12 +90,12 @@ ma_isa ma_isa_best(ma_dtype dt) {
  * else the forced ma_isa. env_error is set once, with the first decision. */
 static atomic_int forced = -2;
 static const char *env_error = NULL;
-static char env_error_buf[192];
+static char env_error_buf[256];
 
 static void read_env(void) {
     const char *env = getenv("MASKED_ATTN_ISA");
-    static const char *const names[] = {"scalar",     "avx2", "avx512", "amx",
-                                        "avx512bf16", "neon", "sve256", "sve512"}; /* ma_isa's order */
+    static const char *const names[] = {"scalar", "avx2",   "avx512", "amx",    "avx512bf16",
+                                        "neon",   "sve256", "sve512", "svebf16"}; /* ma_isa's order */
     int isa = -1;
     const char *err = NULL;
     if (env && *env) {
@@ -97,7 +103,7 @@ static void read_env(void) {
             if (strcmp(env, names[i]) == 0) isa = i;
         if (isa < 0)
             err = "masked_attn: MASKED_ATTN_ISA is not a kernel variant; expected scalar, avx2, avx512, amx, "
-                  "avx512bf16, neon, sve256 or sve512";
+                  "avx512bf16, neon, sve256, sve512 or svebf16";
         else if (!ma_isa_available((ma_isa)isa)) {
             err = "masked_attn: MASKED_ATTN_ISA names a variant this CPU does not support";
             isa = -1;

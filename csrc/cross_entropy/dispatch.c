@@ -5,8 +5,8 @@
 #include "common/dtype.h"
 #include "masked_attn.h"
 
-/* float64 runs the double instance; there are no AMX or AVX512-BF16 kernels
- * for cross-entropy (no matrix products), so those run AVX-512's. */
+/* float64 runs the double instance; there are no AMX, AVX512-BF16 or SVE-BF16
+ * kernels for cross-entropy (no matrix products), so those run AVX-512's and NEON's. */
 static const ma_ce_kernels *kernels(const ma_ce_args *a) {
     if (a->dtype == MA_F64) return &ma_ce_kernels_f64;
     switch (a->isa) { /* the architecture's variants only: the others are not compiled in */
@@ -16,6 +16,7 @@ static const ma_ce_kernels *kernels(const ma_ce_args *a) {
     case MA_ISA_AVX512: return &ma_ce_kernels_avx512;
     case MA_ISA_AVX2: return &ma_ce_kernels_avx2;
 #elif defined(__aarch64__)
+    case MA_ISA_SVEBF16:
     case MA_ISA_NEON: return &ma_ce_kernels_neon;
     case MA_ISA_SVE256: return &ma_ce_kernels_sve256;
     case MA_ISA_SVE512: return &ma_ce_kernels_sve512;

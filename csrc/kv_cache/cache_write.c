@@ -19,6 +19,7 @@ const ma_blocks *ma_blocks_for(ma_isa isa) {
     case MA_ISA_AVX512: return &ma_blocks_avx512;
     case MA_ISA_AVX2: return &ma_blocks_avx2;
 #elif defined(__aarch64__)
+    case MA_ISA_SVEBF16:
     case MA_ISA_NEON: return &ma_blocks_neon;
     case MA_ISA_SVE256: return &ma_blocks_sve256;
     case MA_ISA_SVE512: return &ma_blocks_sve512;

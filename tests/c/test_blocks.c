@@ -506,9 +506,8 @@ int main(void) {
         {MA_ISA_AVX512BF16, &ma_blocks_avx512bf16_2},
         {MA_ISA_AVX512BF16, &ma_blocks_avx512bf16_3},
 #elif defined(__aarch64__)
-        {MA_ISA_NEON, &ma_blocks_neon},
-        {MA_ISA_SVE256, &ma_blocks_sve256},
-        {MA_ISA_SVE512, &ma_blocks_sve512},
+        {MA_ISA_NEON, &ma_blocks_neon},     {MA_ISA_SVE256, &ma_blocks_sve256},
+        {MA_ISA_SVE512, &ma_blocks_sve512}, {MA_ISA_SVEBF16, &ma_blocks_svebf16_2},
 #endif
     };
     for (size_t i = 0; i < sizeof variants / sizeof variants[0]; i++) {
@@ -518,10 +517,12 @@ int main(void) {
         }
         const int before = failures;
         const ma_blocks *v = variants[i].blocks;
-        const int bf16_2 = strcmp(v->name, "amx2") == 0 || strcmp(v->name, "avx512bf16_2") == 0;
+        const int bf16_2 =
+            strcmp(v->name, "amx2") == 0 || strcmp(v->name, "avx512bf16_2") == 0 || strcmp(v->name, "svebf16_2") == 0;
         test_gemm(v, bf16_2 ? 1e-4f : 1e-5f); /* 2 bfloat16 products per float one */
-        if (variants[i].isa != MA_ISA_AMX && variants[i].isa != MA_ISA_AVX512BF16) {
-            /* AMX and AVX512-BF16 have the GEMM only; the rest is AVX-512's */
+        if (variants[i].isa != MA_ISA_AMX && variants[i].isa != MA_ISA_AVX512BF16 &&
+            variants[i].isa != MA_ISA_SVEBF16) {
+            /* the pair-product variants have the GEMM only; the rest is AVX-512's or NEON's */
             test_gemm_rowscale(v);
             test_exp(v);
             test_softcap(v);
