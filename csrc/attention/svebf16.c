@@ -62,7 +62,8 @@ static inline void mmla_block(tile_view a, int64_t mt, int64_t r0, int64_t rows,
     const svbool_t pc##v = svwhilelt_b32((int64_t)0, ma_max(0, ma_min(n - jc[v], cols)));
     PREDS(0)
     PREDS(1)
-    PREDS(2) PREDS(3)
+    PREDS(2)
+    PREDS(3)
 #undef PREDS
 #define INIT(r, v)                                                                                                 \
     svfloat32_t c##r##v = svdup_n_f32(0.0f);                                                                       \
