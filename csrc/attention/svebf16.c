@@ -74,24 +74,25 @@ static inline void mmla_block(tile_view a, int64_t mt, int64_t r0, int64_t rows,
                                    : svdup_n_f64(0.0);                                                             \
         c##r##v = svreinterpret_f32_f64(svzip1_f64(lo, hi));                                                       \
     }
-        ACC_EACH(INIT)
+    ACC_EACH(INIT)
 #undef INIT
-            for (int64_t kt = 0; kt < nkt; kt++) for (int i = 0; i < a.parts && i < terms; i++) {
-        const bfloat16_t *at = (const bfloat16_t *)(a.p + i * a.part_stride + mt * a.os + kt * a.ks) + (r0 / 2) * 8;
-        for (int j = 0; j < b.parts && i + j < terms; j++) {
-            const bfloat16_t *bt = (const bfloat16_t *)(b.p + j * b.part_stride + kt * b.ks);
-            for (int g = 0; g < 8; g++) {
-                const bfloat16_t *ag = at + g * 64, *bg = bt + g * 64;
-                const svbfloat16_t a0 = svld1rq_bf16(all16, ag), a1 = svld1rq_bf16(all16, ag + 8),
-                                   a2 = svld1rq_bf16(all16, ag + 16), a3 = svld1rq_bf16(all16, ag + 24);
-                const svbfloat16_t b0 = svld1_bf16(pb0, bg + bo[0]), b1 = svld1_bf16(pb1, bg + bo[1]),
-                                   b2 = svld1_bf16(pb2, bg + bo[2]), b3 = svld1_bf16(pb3, bg + bo[3]);
+    for (int64_t kt = 0; kt < nkt; kt++)
+        for (int i = 0; i < a.parts && i < terms; i++) {
+            const bfloat16_t *at = (const bfloat16_t *)(a.p + i * a.part_stride + mt * a.os + kt * a.ks) + (r0 / 2) * 8;
+            for (int j = 0; j < b.parts && i + j < terms; j++) {
+                const bfloat16_t *bt = (const bfloat16_t *)(b.p + j * b.part_stride + kt * b.ks);
+                for (int g = 0; g < 8; g++) {
+                    const bfloat16_t *ag = at + g * 64, *bg = bt + g * 64;
+                    const svbfloat16_t a0 = svld1rq_bf16(all16, ag), a1 = svld1rq_bf16(all16, ag + 8),
+                                       a2 = svld1rq_bf16(all16, ag + 16), a3 = svld1rq_bf16(all16, ag + 24);
+                    const svbfloat16_t b0 = svld1_bf16(pb0, bg + bo[0]), b1 = svld1_bf16(pb1, bg + bo[1]),
+                                       b2 = svld1_bf16(pb2, bg + bo[2]), b3 = svld1_bf16(pb3, bg + bo[3]);
 #define MMLA(r, v) c##r##v = svbfmmla_f32(c##r##v, a##r, b##v);
-                ACC_EACH(MMLA)
+                    ACC_EACH(MMLA)
 #undef MMLA
+                }
             }
         }
-    }
 #define STORE(r, v)                                                                                          \
     if (2 * (r) < rows) {                                                                                    \
         const svfloat64_t x = svreinterpret_f64_f32(c##r##v);                                                \
