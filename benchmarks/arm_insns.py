@@ -14,6 +14,7 @@ SIMD vector data processing, or SVE), and the ratio to the scalar kernels' count
 benchmarks/out/arm_insns.json and prints a Markdown table.
 """
 
+import argparse
 import json
 import os
 import re
@@ -53,6 +54,9 @@ def count(plugin, exe, cpu, case, reps, isa, dtype):
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtype", choices=("f32", "bf16"), action="append", help="default: both")
+    dtypes = ap.parse_args().dtype or ["f32", "bf16"]
     arm.need_toolchain()
     out = os.path.join(ROOT, "benchmarks", "out")
     os.makedirs(out, exist_ok=True)
@@ -64,7 +68,7 @@ def main():
     plugin = os.path.join(arm.ARM, "libinsncount.so")
     arm.run(["gcc", "-shared", "-fPIC", "-O2", "-o", plugin, os.path.join(ROOT, "benchmarks", "arm", "insncount.c")])
     rows = []
-    for dtype in ("f32", "bf16"):
+    for dtype in dtypes:
         for case in CASES:
             base = None
             for isa, label, cpu, dtypes in VARIANTS:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torch_masked_attn as tma
-from conftest import ISAS, assert_close_ref, ref_attention
+from conftest import ISAS, TILE_ISAS, assert_close_ref, ref_attention
 
 tmaF = tma.functional
 
@@ -123,7 +123,7 @@ def test_raw_op_out_lo(dtype):
             out_f, _, _, lo_f = fwd(*args, False)
         assert lo_f.numel() == 0
         assert lo_t.numel() == (q.numel() if dtype != torch.float32 else 0)
-        if isa in ("amx", "avx512bf16") and dtype == torch.bfloat16:  # P in one part (design.md, section 6)
+        if isa in TILE_ISAS and dtype == torch.bfloat16:  # P in one part (design.md, section 6)
             q64, k64, v64 = (t.detach().double() for t in (q, k, v))
             with torch.no_grad():
                 native = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)

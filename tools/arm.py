@@ -22,6 +22,7 @@ import collections
 import glob
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -201,6 +202,7 @@ def cmd_harness(_):
     # the names each harness prints per variant: svebf16 has only its product (in 2 parts), and
     # cross-entropy no svebf16 blocks (its svebf16 calls run NEON's)
     printed = {"test_blocks": {"svebf16": "svebf16_2"}, "test_ce_blocks": {"svebf16": None}}
+    length_bits = {}  # svebf16's bfloat16 output bits per SVE length: all the same
     for label, cpu, variants, blocks in CPUS:
         for name in ("test_blocks", "test_ce_blocks") if blocks else ():
             t0 = time.time()
@@ -218,9 +220,16 @@ def cmd_harness(_):
             for dt in ("f32", "bf16"):  # bfloat16: the tile products of svebf16 (float32 runs NEON's)
                 r = qemu(cpu, exes["kernel_bwd"], "4", "2", "70", "64", "1", v, dt, capture_output=True, text=True)
                 ok = r.returncode == 0 and "from the scalar reference" in r.stdout
+                if v == "svebf16" and dt == "bf16":
+                    m = re.search(r"output bits (\w+)", r.stdout)
+                    length_bits[label] = m.group(1) if m else None
                 print(f"{label:<28} kernel_bwd {v:<7} {dt:<4} {'ok' if ok else 'FAILED'}")
                 if not ok:
                     failed.append((label, f"kernel_bwd {v} {dt}", r.stdout + r.stderr))
+    ok = len(length_bits) >= 4 and None not in length_bits.values() and len(set(length_bits.values())) == 1
+    print(f"{'svebf16 at every SVE length':<28} same bits       {'ok' if ok else 'FAILED'}")
+    if not ok:
+        failed.append(("svebf16", "the same bits at every SVE length", str(length_bits)))
     r = qemu(NO_BF16_CPU, exes["kernel_bwd"], "1", "1", "8", "8", "1", "svebf16", capture_output=True, text=True)
     ok = r.returncode == 2 and "not on this CPU" in r.stderr
     print(f"{NO_BF16_CPU + ' (SVE, no BF16)':<28} svebf16 refused  {'ok' if ok else 'FAILED'}")
