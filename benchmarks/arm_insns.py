@@ -10,7 +10,8 @@ sve512 on qemu's `max` CPU at those vector lengths, svebf16 (bfloat16 only: BFMM
 128, 256 and 512 bits. float32 and bfloat16 (inputs, outputs and gradients) each.
 
 Columns: instructions per call (millions), the share that are vector instructions (Advanced
-SIMD vector data processing, or SVE), and the ratio to the scalar kernels' count. Writes
+SIMD vector data processing, or SVE), the ratio to the scalar kernels' count, the multiply-add
+instructions (FMLA, FMAD, BFMMLA) and the float multiply-adds they do (millions). Writes
 benchmarks/out/arm_insns.json and prints a Markdown table.
 """
 
@@ -49,8 +50,13 @@ def count(plugin, exe, cpu, case, reps, isa, dtype):
         text=True,
         check=True,
     )
-    m = re.search(r"insns all (\d+) sve (\d+) neon (\d+) fp (\d+)", r.stdout + r.stderr)
-    return [int(x) for x in m.groups()]
+    m = re.search(
+        r"insns all (\d+) sve (\d+) neon (\d+) fp (\d+) fmla (\d+) bfmmla (\d+) mac (\d+) mac_seg (\d+)",
+        r.stdout + r.stderr,
+    )
+    all_, sve, neon, fp, fmla, bfmmla, mac, mac_seg = (int(x) for x in m.groups())
+    seg = int(cpu.split("=")[-1]) // 16 if "vector-length=" in cpu else 0  # SVE's 128-bit segments
+    return [all_, sve, neon, fp, fmla + bfmmla, mac + mac_seg * seg]
 
 
 def main():
@@ -75,7 +81,7 @@ def main():
                 if dtype not in dtypes:
                     continue
                 one, three = (count(plugin, exe, cpu, case, reps, isa, dtype) for reps in (1, 3))
-                per = [(b - a) / 2 for a, b in zip(one, three)]  # all, sve, neon, fp
+                per = [(b - a) / 2 for a, b in zip(one, three)]  # all, sve, neon, fp, multiply-add insns, macs
                 base = base or per[0]
                 rows.append(
                     dict(
@@ -86,16 +92,24 @@ def main():
                         insns=per[0],
                         vector=(per[1] + per[2]) / per[0],
                         vs_scalar=base / per[0],
+                        mla_insns=per[4],
+                        macs=per[5],
                     )
                 )
                 print(rows[-1], flush=True)
     with open(os.path.join(out, "arm_insns.json"), "w") as f:
         json.dump(dict(date=time.strftime("%Y-%m-%d"), qemu="qemu-aarch64 7.2", rows=rows), f, indent=1)
-    print("\n| case (B, H, L, D) | dtype | variant | M instructions | vector share | scalar / variant |")
-    print("|---|---|---|---:|---:|---:|")
+    print(
+        "\n| case (B, H, L, D) | dtype | variant | M instructions | vector share | scalar / variant "
+        "| M multiply-add instructions | M multiply-adds |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
         share, ratio = f"{100 * r['vector']:.0f}%", f"{r['vs_scalar']:.2f}"
-        print(f"| {tuple(r['case'])} | {r['dtype']} | {r['isa']} | {r['insns'] / 1e6:.1f} | {share} | {ratio} |")
+        print(
+            f"| {tuple(r['case'])} | {r['dtype']} | {r['isa']} | {r['insns'] / 1e6:.1f} | {share} | {ratio} "
+            f"| {r['mla_insns'] / 1e6:.2f} | {r['macs'] / 1e6:.0f} |"
+        )
 
 
 if __name__ == "__main__":

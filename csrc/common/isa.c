@@ -77,7 +77,9 @@ int ma_isa_available(ma_isa isa) {
  * Intel Xeon with AMX, where VDPBF16PS runs at half the FMA's flops and the
  * variant is 1.8 - 2.9x slower than AVX-512; no CPU with AVX512-BF16 and no
  * AMX (Zen 4 and 5, where VDPBF16PS issues at the FMA's rate) has timed it.
- * Until one does, MASKED_ATTN_ISA=avx512bf16 asks for it. */
+ * Until one does, MASKED_ATTN_ISA=avx512bf16 asks for it. On aarch64 NEON: sve256, sve512 and
+ * svebf16 (BFMMLA) wait for an ARM CPU to time them (docs/performance.md, "aarch64", gives their
+ * instruction counts under qemu); MASKED_ATTN_ISA asks for them. */
 ma_isa ma_isa_best(ma_dtype dt) {
     if ((dt == MA_BF16 || dt == MA_F16) && ma_isa_available(MA_ISA_AMX)) return MA_ISA_AMX;
     if (ma_isa_available(MA_ISA_AVX512)) return MA_ISA_AVX512;

@@ -2,8 +2,9 @@
  *
  * Which variants this CPU can run (ma_isa_available), which one a dtype gets
  * by default (ma_isa_best), and the override: MASKED_ATTN_ISA=scalar|avx2|
- * avx512|amx|avx512bf16 in the environment, read once per process, or ma_isa_force()
- * (torch_masked_attn.ops.use_isa, which the tests use to run every variant).
+ * avx512|amx|avx512bf16|neon|sve256|sve512|svebf16 in the environment, read
+ * once per process, or ma_isa_force() (torch_masked_attn.ops.use_isa, which
+ * the tests use to run every variant).
  * The shim asks ma_isa_for() once per op call and stores the answer in the
  * params; each op's dispatch.c maps (dtype, isa) to a kernel. */
 #ifndef MA_ISA_H
