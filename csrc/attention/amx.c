@@ -200,13 +200,9 @@ static inline void tile_begin(void) { amx_configure(); }
 static inline void tile_end(void) { _tile_release(); }
 
 static tile_prec tile_precision(ma_dtype dt) {
-    if (dt == MA_BF16) return (tile_prec){1, 2, 2};
+    if (dt == MA_BF16) return tile_prec_bf16;
     if (dt == MA_F16) return (tile_prec){2, 2, 3};
     return (tile_prec){3, 3, 3};
-}
-
-static inline int tile_apply(const ma_attn_fwd_params *p) {
-    return !p->weights; /* the weights need every score again: the generic products */
 }
 
 /* ---- the instance: the template's loops, AVX-512 blocks, tile hooks on AMX ---- */

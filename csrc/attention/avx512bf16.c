@@ -108,11 +108,7 @@ static inline void tile_end(void) {}
 /* bfloat16 only (dispatch.c): inputs one part, P and dS two (see the top). */
 static tile_prec tile_precision(ma_dtype dt) {
     (void)dt;
-    return (tile_prec){1, 2, 2};
-}
-
-static inline int tile_apply(const ma_attn_fwd_params *p) {
-    return !p->weights; /* the weights need every score again: the generic products */
+    return tile_prec_bf16;
 }
 
 /* ---- the instance: the template's loops, AVX-512 blocks, tile hooks on VDPBF16PS ---- */

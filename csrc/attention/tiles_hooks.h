@@ -13,7 +13,6 @@
  *   tile_begin(), tile_end()   a thread's products start and end (AMX: tile
  *       configuration and release)
  *   tile_precision(dt)         parts and terms per dtype (tiles_layout.h)
- *   tile_apply(p)              whether a forward call takes the hooks
  *   tile_key_rows(...)         optional (TILE_KEY_ROWS, AMX): the rows path's scores with
  *       the key rows loaded as tiles where they lie (FN(tiles_rows_scores))
  *
@@ -183,7 +182,9 @@ static size_t fwd_tile_bytes(const ma_attn_fwd_params *p, fwd_tile_scratch *t, v
     return (size_t)((char *)x - (char *)base);
 }
 
-static int FN(tiles_apply)(const ma_attn_fwd_params *p) { return tile_apply(p); }
+/* Every forward call but one asking for the weights, which need every score again: the
+ * generic products. */
+static int FN(tiles_apply)(const ma_attn_fwd_params *p) { return !p->weights; }
 
 static size_t FN(tiles_fwd_scratch_bytes)(const ma_attn_fwd_params *p) {
     return ma_round_up(sizeof(struct FN(tiles)), MA_CACHE_LINE) + fwd_tile_bytes(p, NULL, NULL);

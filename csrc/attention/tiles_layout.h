@@ -23,6 +23,10 @@ typedef struct {
     int in, pd, terms;
 } tile_prec;
 
+/* bfloat16's, on every instance: inputs one part (exact), P and dS two, the products of parts
+ * i + j < 2 (docs/design.md, section 6). */
+static const tile_prec tile_prec_bf16 = {1, 2, 2};
+
 /* ---- packed operands --------------------------------------------------------
  *
  * A packed operand holds the tiles of a matrix, part after part:
