@@ -47,9 +47,13 @@ AMX = [
     "-mfma",
     "-mf16c",
 ]
-# SVE at one vector length each (common/simd_sve.h)
-SVE256 = ["-march=armv8.2-a+sve", "-msve-vector-bits=256"]
-SVE512 = ["-march=armv8.2-a+sve", "-msve-vector-bits=512"]
+# SVE: an instance per vector length (common/simd_sve.h); the variant "sve" runs the CPU's
+SVE_BITS = (128, 256, 512, 1024, 2048)
+SVE_UNITS = {
+    f"{op}/sve{b}.c": ["-march=armv8.2-a+sve", f"-msve-vector-bits={b}"]
+    for op in ("attention", "cross_entropy")
+    for b in SVE_BITS
+}
 SVEBF16 = ["-march=armv8.6-a+sve+bf16"]  # any vector length (attention/svebf16.c)
 PORTABLE = {  # no instruction-set flags: the policy, the scalar instances, the dispatch
     "common/isa.c": [],
@@ -73,12 +77,9 @@ C_UNITS_BY_ARCH = {
     "aarch64": {  # NEON is in every aarch64 CPU: no flags
         **PORTABLE,
         "attention/neon.c": [],
-        "attention/sve256.c": SVE256,
-        "attention/sve512.c": SVE512,
         "attention/svebf16.c": SVEBF16,
         "cross_entropy/neon.c": [],
-        "cross_entropy/sve256.c": SVE256,
-        "cross_entropy/sve512.c": SVE512,
+        **SVE_UNITS,
     },
 }
 _ARCH_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}

@@ -5,9 +5,9 @@ this counts instead: benchmarks/kernel_bwd.c (the forward and the single-pass ba
 one thread, the kernels called from C) cross-built by tools/arm.py, run under qemu-aarch64 with
 benchmarks/arm/insncount.c as a plugin, once with 1 repetition and once with 3; half the
 difference is one forward + backward (the set-up and the scalar reference check cancel).
-Each variant runs on an emulated CPU that has it: NEON on a Neoverse N1 (no SVE), sve256 and
-sve512 on qemu's `max` CPU at those vector lengths, svebf16 (bfloat16 only: BFMMLA) on `max` at
-128, 256 and 512 bits. float32 and bfloat16 (inputs, outputs and gradients) each.
+Each variant runs on an emulated CPU that has it: NEON on a Neoverse N1 (no SVE), sve (the
+instance of the CPU's length) and svebf16 (bfloat16 only: BFMMLA) on qemu's `max` CPU at 128,
+256 and 512 bits. float32 and bfloat16 (inputs, outputs and gradients) each.
 
 Columns: instructions per call (millions), the share that are vector instructions (Advanced
 SIMD vector data processing, or SVE), the ratio to the scalar kernels' count, the multiply-add
@@ -33,8 +33,9 @@ SVE = "max,sve-default-vector-length="  # + bytes
 VARIANTS = [
     ("scalar", "scalar", "neoverse-n1", ("f32", "bf16")),
     ("neon", "neon", "neoverse-n1", ("f32", "bf16")),
-    ("sve256", "sve256", SVE + "32", ("f32", "bf16")),
-    ("sve512", "sve512", SVE + "64", ("f32", "bf16")),
+    ("sve", "sve (SVE 128)", SVE + "16", ("f32", "bf16")),
+    ("sve", "sve (SVE 256)", SVE + "32", ("f32", "bf16")),
+    ("sve", "sve (SVE 512)", SVE + "64", ("f32", "bf16")),
     ("svebf16", "svebf16 (SVE 128)", SVE + "16", ("bf16",)),
     ("svebf16", "svebf16 (SVE 256)", SVE + "32", ("bf16",)),
     ("svebf16", "svebf16 (SVE 512)", SVE + "64", ("bf16",)),

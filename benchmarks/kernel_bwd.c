@@ -16,7 +16,7 @@
  *   gcc -O2 -std=c11 -Icsrc -D_POSIX_C_SOURCE=200809L benchmarks/kernel_bwd.c \
  *       $O/attention_*.o $O/common_isa.o -o /tmp/kernel_bwd -lm
  *   /tmp/kernel_bwd B H L D REPS [ISA [bf16]]   e.g. 8 8 512 64 5 avx2 (ISA: scalar, avx2, avx512, amx,
- *                                               avx512bf16, neon, sve256, sve512, svebf16)
+ *                                               avx512bf16, neon, sve, svebf16)
  */
 #include <math.h>
 #include <stdint.h>
@@ -64,7 +64,7 @@ static double run(ma_task_fn fn, const void *params, int64_t n, size_t scratch_b
 int main(int argc, char **argv) {
     if (argc < 6) {
         fprintf(stderr,
-                "usage: %s B H L D REPS [scalar|avx2|avx512|amx|avx512bf16|neon|sve256|sve512|svebf16 [bf16]]\n",
+                "usage: %s B H L D REPS [scalar|avx2|avx512|amx|avx512bf16|neon|sve|svebf16 [bf16]]\n",
                 argv[0]);
         return 2;
     }
@@ -72,8 +72,8 @@ int main(int argc, char **argv) {
     const int reps = atoi(argv[5]);
     ma_isa isa = ma_isa_best(MA_F32);
     if (argc > 6) {
-        const char *names[] = {"scalar", "avx2",   "avx512", "amx",    "avx512bf16",
-                               "neon",   "sve256", "sve512", "svebf16"}; /* ma_isa order */
+        const char *names[] = {"scalar", "avx2", "avx512", "amx",
+                               "avx512bf16", "neon", "sve", "svebf16"}; /* ma_isa order */
         int found = 0;
         for (int i = 0; i < (int)(sizeof names / sizeof names[0]); i++)
             if (!strcmp(argv[6], names[i])) isa = (ma_isa)i, found = 1;

@@ -49,9 +49,8 @@ typedef enum {
     MA_ISA_AMX = 3,    /* AVX-512 + AVX512-BF16 + AMX-BF16 tiles for the matrix products */
     MA_ISA_AVX512BF16 = 4, /* AVX-512 + AVX512-BF16: bfloat16 products on VDPBF16PS */
     MA_ISA_NEON = 5,       /* AArch64 Advanced SIMD (every aarch64 CPU) */
-    MA_ISA_SVE256 = 6,     /* SVE where its vectors are 256 bits */
-    MA_ISA_SVE512 = 7,     /* SVE where its vectors are 512 bits */
-    MA_ISA_SVEBF16 = 8,    /* SVE + BF16, any vector length: bfloat16 products on BFMMLA */
+    MA_ISA_SVE = 6,        /* SVE: the instance compiled for the CPU's vector length (128 to 2048 bits) */
+    MA_ISA_SVEBF16 = 7,    /* SVE + BF16, any vector length: bfloat16 products on BFMMLA */
 } ma_isa;
 
 int ma_isa_available(ma_isa isa); /* compiled in and supported by this CPU */

@@ -330,7 +330,7 @@ def run_isa(isa, fn):
 # this CPU lacks. FMA_ISAS: those whose products are float32 FMAs in the scalar kernels' order
 # (the same bits); AMX tiles and VDPBF16PS take bfloat16 products and round differently.
 if platform.machine().lower() in ("aarch64", "arm64"):
-    ISAS = ("scalar", "neon", "sve256", "sve512", "svebf16")
+    ISAS = ("scalar", "neon", "sve", "svebf16")
 else:
     ISAS = ("scalar", "avx2", "avx512", "amx", "avx512bf16")
 SIMD_ISAS = ISAS[1:]

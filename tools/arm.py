@@ -45,18 +45,15 @@ PKG = os.path.join(ARM, "pkg")  # the package with the aarch64 extension
 TORCH = "2.13.0"
 APT = ["gcc-aarch64-linux-gnu", "g++-aarch64-linux-gnu", "libc6-dev-arm64-cross", "qemu-user"]
 
-ARM_VARIANTS = ("neon", "sve256", "sve512", "svebf16")  # ma_isa's aarch64 variants
-# The emulated CPUs the C harnesses run on: (name, qemu -cpu, the variants it must run, whether
-# the block harnesses run there). neoverse-n1 has no SVE (dispatch must not pick an SVE variant
-# there); max has every extension qemu knows, SVE-BF16 among them, SVE at the lengths given:
-# svebf16, length-agnostic, runs at each; at 2048 bits kernel_bwd only (its products are all
-# that depends on the length, and the block harnesses take minutes there).
+ARM_VARIANTS = ("neon", "sve", "svebf16")  # ma_isa's aarch64 variants
+SVE_BITS = (128, 256, 512, 1024, 2048)  # sve's instances (setup.py)
+# The emulated CPUs the C harnesses run on: (name, qemu -cpu, its SVE length in bits, 0 without).
+# neoverse-n1 has no SVE (dispatch must not pick an SVE variant there); max has every extension
+# qemu knows, SVE-BF16 among them, SVE at the length given: sve runs the instance of that length
+# (each harness must run that one and refuse the others), svebf16, length-agnostic, runs at each.
 CPUS = [
-    ("neoverse-n1 (NEON, no SVE)", "neoverse-n1", ["neon"], True),
-    ("max, SVE 128 bits", "max,sve-default-vector-length=16", ["neon", "svebf16"], True),
-    ("max, SVE 256 bits", "max,sve-default-vector-length=32", ["neon", "sve256", "svebf16"], True),
-    ("max, SVE 512 bits", "max,sve-default-vector-length=64", ["neon", "sve512", "svebf16"], True),
-    ("max, SVE 2048 bits", "max,sve-default-vector-length=256", ["neon", "svebf16"], False),
+    ("neoverse-n1 (NEON, no SVE)", "neoverse-n1", 0),
+    *((f"max, SVE {b} bits", f"max,sve-default-vector-length={b // 8}", b) for b in SVE_BITS),
 ]
 # SVE without BF16 (a64fx: SVE 512): svebf16 must be refused there.
 NO_BF16_CPU = "a64fx"
@@ -81,7 +78,7 @@ ARM_SLICE = [
     "-k",
     # the variants of the emulated CPU (SVE at 256 bits, SVE-BF16) and its default; svebf16 in bfloat16
     # only (its float32 and float16 calls run NEON's kernels)
-    "neon or sve256 or None or (svebf16 and (bfloat16 or not float))",
+    "neon or None or (sve and not svebf16) or (svebf16 and (bfloat16 or not float))",
 ]
 
 # aarch64 Python 3.11 from Debian 12 (arm64 packages unpacked into SYSROOT, never installed).
@@ -204,19 +201,20 @@ def cmd_harness(_):
     kb = os.path.join(ROOT, "benchmarks", "kernel_bwd.c")
     run([CC, *C_FLAGS, "-D_POSIX_C_SOURCE=200809L", kb, *att, "-lm", "-lpthread", "-o", exes["kernel_bwd"]])
     failed = []
-    # the names each harness prints per variant: svebf16 has only its product (in 2 parts), and
-    # cross-entropy no svebf16 blocks (its svebf16 calls run NEON's)
-    printed = {"test_blocks": {"svebf16": "svebf16_2"}, "test_ce_blocks": {"svebf16": None}}
-    length_bits = {}  # svebf16's bfloat16 output bits per SVE length: all the same
-    for label, cpu, variants, blocks in CPUS:
-        for name in ("test_blocks", "test_ce_blocks") if blocks else ():
+    # the blocks each harness prints: sve's per length; svebf16 has only its product (in 2
+    # parts), and cross-entropy no svebf16 blocks (its svebf16 calls run NEON's)
+    sve_blocks = [f"sve{b}" for b in SVE_BITS]
+    printed = {"test_blocks": ["neon", *sve_blocks, "svebf16_2"], "test_ce_blocks": ["neon", *sve_blocks]}
+    length_bits = collections.defaultdict(dict)  # (variant, dtype): output bits per SVE length
+    for label, cpu, bits in CPUS:
+        variants = ["neon", "sve", "svebf16"] if bits else ["neon"]
+        for name in ("test_blocks", "test_ce_blocks"):
             t0 = time.time()
             r = qemu(cpu, exes[name], capture_output=True, text=True)
-            shown = {v: printed[name].get(v, v) for v in ("scalar", *ARM_VARIANTS)}
-            # the CPU's variants pass; the others are refused by ma_isa_available, not run
-            ok = r.returncode == 0 and all(f"{shown[v]:<7} ok" in r.stdout for v in ["scalar", *variants] if shown[v])
-            ok = ok and all(
-                f"{shown[v]:<7} not supported" in r.stdout for v in ARM_VARIANTS if v not in variants and shown[v]
+            # the CPU's blocks pass; the others are refused (ma_isa_available, ma_sve_bits), not run
+            runs = {"scalar", "neon", f"sve{bits}", "svebf16_2"} if bits else {"scalar", "neon"}
+            ok = r.returncode == 0 and all(
+                f"{b:<7} {'ok' if b in runs else 'not supported'}" in r.stdout for b in ["scalar", *printed[name]]
             )
             print(f"{label:<28} {name:<15} {'ok' if ok else 'FAILED'} ({time.time() - t0:.0f} s)")
             if not ok:
@@ -225,16 +223,19 @@ def cmd_harness(_):
             for dt in ("f32", "bf16"):  # bfloat16: the tile products of svebf16 (float32 runs NEON's)
                 r = qemu(cpu, exes["kernel_bwd"], "4", "2", "70", "64", "1", v, dt, capture_output=True, text=True)
                 ok = r.returncode == 0 and "from the scalar reference" in r.stdout
-                if v == "svebf16" and dt == "bf16":
+                if bits and v != "neon" and (v, dt) != ("svebf16", "f32"):  # svebf16's float32 is NEON's
                     m = re.search(r"output bits (\w+)", r.stdout)
-                    length_bits[label] = m.group(1) if m else None
+                    length_bits[v, dt][bits] = m.group(1) if m else None
                 print(f"{label:<28} kernel_bwd {v:<7} {dt:<4} {'ok' if ok else 'FAILED'}")
                 if not ok:
                     failed.append((label, f"kernel_bwd {v} {dt}", r.stdout + r.stderr))
-    ok = len(length_bits) >= 4 and None not in length_bits.values() and len(set(length_bits.values())) == 1
-    print(f"{'svebf16 at every SVE length':<28} same bits       {'ok' if ok else 'FAILED'}")
-    if not ok:
-        failed.append(("svebf16", "the same bits at every SVE length", str(length_bits)))
+    # each SVE variant gives the same bits at every length (sve: each lane's FMAs in one order)
+    for (v, dt), by_length in length_bits.items():
+        got = set(by_length.values())
+        ok = len(by_length) == len(SVE_BITS) and None not in got and len(got) == 1
+        print(f"{v + ' ' + dt + ' at every SVE length':<28} same bits       {'ok' if ok else 'FAILED'}")
+        if not ok:
+            failed.append((v, f"{dt}: the same bits at every SVE length", str(by_length)))
     r = qemu(NO_BF16_CPU, exes["kernel_bwd"], "1", "1", "8", "8", "1", "svebf16", capture_output=True, text=True)
     ok = r.returncode == 2 and "not on this CPU" in r.stderr
     print(f"{NO_BF16_CPU + ' (SVE, no BF16)':<28} svebf16 refused  {'ok' if ok else 'FAILED'}")

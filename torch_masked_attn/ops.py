@@ -120,7 +120,7 @@ torch.ops.load_library(_libs[0])
 # one. use_isa reaches the C function directly (the library is plain C there).
 
 # ma_isa's order (masked_attn.h)
-_ISAS = ("scalar", "avx2", "avx512", "amx", "avx512bf16", "neon", "sve256", "sve512", "svebf16")
+_ISAS = ("scalar", "avx2", "avx512", "amx", "avx512bf16", "neon", "sve", "svebf16")
 _clib = ctypes.CDLL(_libs[0])
 _clib.ma_isa_force.argtypes = [ctypes.c_int]
 _clib.ma_isa_force.restype = ctypes.c_int

@@ -109,8 +109,9 @@ typedef struct {
  * quantizing block), so that harnesses linking a few variants need not link it. */
 const ma_blocks *ma_blocks_for(ma_isa isa);
 
-extern const ma_blocks ma_blocks_scalar, ma_blocks_avx2, ma_blocks_avx512, ma_blocks_neon, ma_blocks_sve256,
-    ma_blocks_sve512;
+extern const ma_blocks ma_blocks_scalar, ma_blocks_avx2, ma_blocks_avx512, ma_blocks_neon;
+extern const ma_blocks ma_blocks_sve128, ma_blocks_sve256, ma_blocks_sve512, ma_blocks_sve1024,
+    ma_blocks_sve2048; /* sve: one per vector length */
 extern const ma_blocks ma_blocks_amx2, ma_blocks_amx3; /* GEMM only: 3 and 6 bf16 products */
 extern const ma_blocks ma_blocks_avx512bf16_2, ma_blocks_avx512bf16_3; /* the same on VDPBF16PS */
 extern const ma_blocks ma_blocks_svebf16_2;                             /* 3 products (2 parts) on BFMMLA */
@@ -123,7 +124,8 @@ typedef struct {
 } ma_attn_kernels;
 
 extern const ma_attn_kernels ma_attn_kernels_scalar, ma_attn_kernels_f64, ma_attn_kernels_avx2, ma_attn_kernels_avx512,
-    ma_attn_kernels_amx, ma_attn_kernels_avx512bf16, ma_attn_kernels_neon, ma_attn_kernels_sve256,
-    ma_attn_kernels_sve512, ma_attn_kernels_svebf16;
+    ma_attn_kernels_amx, ma_attn_kernels_avx512bf16, ma_attn_kernels_neon, ma_attn_kernels_svebf16;
+extern const ma_attn_kernels ma_attn_kernels_sve128, ma_attn_kernels_sve256, ma_attn_kernels_sve512,
+    ma_attn_kernels_sve1024, ma_attn_kernels_sve2048;
 
 #endif /* MA_ATTENTION_BLOCKS_H */

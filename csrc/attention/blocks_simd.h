@@ -266,18 +266,19 @@ static float BLK(row_max)(const float *x, int64_t n, float m) {
         nan = vm_or(nan, vf_isnan(xv));
         mx = vf_max(xv, mx);
     }
-    return vm_bits(nan) ? NAN : vf_hmax(mx, m);
+    return vm_any(nan) ? NAN : vf_hmax(mx, m);
 }
 
 /* ---- keys and values in their own dtype ----------------------------------- */
 
 /* One query row against keys c0 .. c0 + 2 VL: 2 groups of VL keys, 2 independent FMA
- * chains. Each group takes a whole cache line of its VL rows before the other group's, so
- * that VL rows, not 2 VL, share an L1 set where rows are a multiple of 4 KB apart (a
- * (B, L, H, D) cache: the heads' rows). full: D % VL == 0 (no tests in the FMA sequence). */
+ * chains. Each group takes a whole cache line of its VL rows (SVE from 1024 bits: a vector,
+ * lines) before the other group's, so that VL rows, not 2 VL, share an L1 set where rows are
+ * a multiple of 4 KB apart (a (B, L, H, D) cache: the heads' rows). full: D % VL == 0 (no
+ * tests in the FMA sequence). */
 MA_INLINE void dot_keys_row(const int full, float *s, const float *q, int64_t D, const void *k, const ma_dtype dt,
                             int64_t off, int64_t ld, int64_t c0, int64_t pf) {
-    const int64_t es = ma_dtype_size(dt), le = MA_CACHE_LINE / es; /* elements per line */
+    const int64_t es = ma_dtype_size(dt), le = ma_max(MA_CACHE_LINE / es, MA_VL); /* elements per step */
     vf acc[2] = {vf_zero(), vf_zero()};
     for (int64_t dl = 0; dl < D; dl += le)
 #pragma GCC unroll 2
@@ -290,7 +291,9 @@ MA_INLINE void dot_keys_row(const int full, float *s, const float *q, int64_t D,
                 for (int i = 0; i < MA_VL; i++) {
                     const int64_t o = off + (c0 + MA_VL * g + i) * ld + d0;
                     x[i] = vf_load_dt(k, dt, o, dn);
-                    if (line) prefetch_ahead((const char *)k + (o + pf) * es, pf * es);
+                    if (line)
+                        for (int64_t b = 0; b < le * es; b += MA_CACHE_LINE)
+                            prefetch_ahead((const char *)k + (o + pf) * es + b, pf * es);
                 }
                 vf_transpose(x);
 #pragma GCC unroll 16 /* x[dd] at constant indices: the block stays in registers */

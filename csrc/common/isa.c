@@ -31,20 +31,37 @@ static int amx_permitted(void) { return 0; }
 #include <sys/auxv.h>
 #include <sys/prctl.h>
 /* The SVE vector length in bytes (the thread's, which Linux gives every thread of the
- * process alike unless one changes it), or 0 without SVE. */
+ * process alike unless one changes it), or 0 without SVE; asked once. */
 static int sve_vector_bytes(void) {
-    if (!(getauxval(AT_HWCAP) & (1UL << 22) /* HWCAP_SVE */)) return 0;
-    const int vl = prctl(51 /* PR_SVE_GET_VL */);
-    return vl < 0 ? 0 : vl & 0xffff; /* PR_SVE_VL_LEN_MASK */
+    static atomic_int bytes = -1;
+    int b = atomic_load(&bytes);
+    if (b < 0) {
+        b = 0;
+        if (getauxval(AT_HWCAP) & (1UL << 22) /* HWCAP_SVE */) {
+            const int vl = prctl(51 /* PR_SVE_GET_VL */);
+            b = vl < 0 ? 0 : vl & 0xffff; /* PR_SVE_VL_LEN_MASK */
+        }
+        atomic_store(&bytes, b);
+    }
+    return b;
 }
 /* SVE's BFMMLA and BFDOT (FEAT_BF16 with SVE). */
 static int sve_bf16(void) {
     return sve_vector_bytes() > 0 && (getauxval(AT_HWCAP2) & (1UL << 12) /* HWCAP2_SVEBF16 */);
 }
-#elif defined(__aarch64__)
+#else
 static int sve_vector_bytes(void) { return 0; }
+#if defined(__aarch64__)
 static int sve_bf16(void) { return 0; }
 #endif
+#endif
+
+/* setup.py compiles the SVE instances at the powers of two from 128 to 2048 bits; SVE also
+ * allows the multiples of 128 between them, where NEON runs. */
+int ma_sve_bits(void) {
+    const int bits = 8 * sve_vector_bytes();
+    return bits >= 128 && bits <= 2048 && (bits & (bits - 1)) == 0 ? bits : 0;
+}
 
 int ma_isa_available(ma_isa isa) {
     switch (isa) {
@@ -60,8 +77,7 @@ int ma_isa_available(ma_isa isa) {
     case MA_ISA_AVX512BF16: return ma_isa_available(MA_ISA_AVX512) && __builtin_cpu_supports("avx512bf16");
 #elif defined(__aarch64__)
     case MA_ISA_NEON: return 1; /* in every aarch64 CPU */
-    case MA_ISA_SVE256: return sve_vector_bytes() == 32;
-    case MA_ISA_SVE512: return sve_vector_bytes() == 64;
+    case MA_ISA_SVE: return ma_sve_bits() > 0;
     case MA_ISA_SVEBF16: return sve_bf16();
 #endif
     default: return 0;
@@ -77,7 +93,7 @@ int ma_isa_available(ma_isa isa) {
  * Intel Xeon with AMX, where VDPBF16PS runs at half the FMA's flops and the
  * variant is 1.8 - 2.9x slower than AVX-512; no CPU with AVX512-BF16 and no
  * AMX (Zen 4 and 5, where VDPBF16PS issues at the FMA's rate) has timed it.
- * Until one does, MASKED_ATTN_ISA=avx512bf16 asks for it. On aarch64 NEON: sve256, sve512 and
+ * Until one does, MASKED_ATTN_ISA=avx512bf16 asks for it. On aarch64 NEON: sve and
  * svebf16 (BFMMLA) wait for an ARM CPU to time them (docs/performance.md, "aarch64", gives their
  * instruction counts under qemu); MASKED_ATTN_ISA asks for them. */
 ma_isa ma_isa_best(ma_dtype dt) {
@@ -96,8 +112,8 @@ static char env_error_buf[256];
 
 static void read_env(void) {
     const char *env = getenv("MASKED_ATTN_ISA");
-    static const char *const names[] = {"scalar", "avx2",   "avx512", "amx",    "avx512bf16",
-                                        "neon",   "sve256", "sve512", "svebf16"}; /* ma_isa's order */
+    static const char *const names[] = {"scalar",     "avx2", "avx512", "amx",
+                                        "avx512bf16", "neon", "sve",    "svebf16"}; /* ma_isa's order */
     int isa = -1;
     const char *err = NULL;
     if (env && *env) {
@@ -105,7 +121,7 @@ static void read_env(void) {
             if (strcmp(env, names[i]) == 0) isa = i;
         if (isa < 0)
             err = "masked_attn: MASKED_ATTN_ISA is not a kernel variant; expected scalar, avx2, avx512, amx, "
-                  "avx512bf16, neon, sve256, sve512 or svebf16";
+                  "avx512bf16, neon, sve or svebf16";
         else if (!ma_isa_available((ma_isa)isa)) {
             err = "masked_attn: MASKED_ATTN_ISA names a variant this CPU does not support";
             isa = -1;

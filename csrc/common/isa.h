@@ -2,7 +2,7 @@
  *
  * Which variants this CPU can run (ma_isa_available), which one a dtype gets
  * by default (ma_isa_best), and the override: MASKED_ATTN_ISA=scalar|avx2|
- * avx512|amx|avx512bf16|neon|sve256|sve512|svebf16 in the environment, read
+ * avx512|amx|avx512bf16|neon|sve|svebf16 in the environment, read
  * once per process, or ma_isa_force() (torch_masked_attn.ops.use_isa, which
  * the tests use to run every variant).
  * The shim asks ma_isa_for() once per op call and stores the answer in the
@@ -30,6 +30,10 @@ int ma_isa_force(int isa);
 
 /* The forced variant, or -1. */
 int ma_isa_forced(void);
+
+/* The SVE vector length in bits where an instance of "sve" is compiled for it (128, 256,
+ * 512, 1024, 2048), else 0 (no SVE, or a length between those). */
+int ma_sve_bits(void);
 
 /* The CPUs this process can use: the online CPUs, lowered to its
  * container's cgroup cpuset and CPU quota, read once; >= 1. Never the

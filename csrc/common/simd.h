@@ -6,11 +6,11 @@
  * units compiled with that set's flags (setup.py). Private to the kernels.
  *
  * Types and shape:
- *   MA_VL            float32 lanes per vector (4, 8, 16)
+ *   MA_VL            float32 lanes per vector (4, 8, 16; SVE 4 to 64)
  *   vf, vd, vi       MA_VL floats, MA_VL / 2 doubles, MA_VL int32
  *   vm               a lane mask: a vector of all-ones lanes (AVX2, NEON) or a
- *                    mask register (AVX-512); vm_bits(m) its lanes as bits, lane 0
- *                    the lowest
+ *                    mask register (AVX-512, SVE); vm_bits(m) its lanes as the
+ *                    bits of a uint64_t, lane 0 the lowest; vm_any(m): some lane set
  * Memory (p any address; _m: lanes outside the mask read 0, are not written):
  *   vf_load, vf_store, vf_load_m, vf_store_m, vf_stream (non-temporal where
  *   the set has such stores, aligned), vf_stream_fence() (orders them)

@@ -59,7 +59,8 @@ typedef __m256 vm;
 #define vf_isnan(a) _mm256_cmp_ps(a, a, _CMP_UNORD_Q)
 #define vm_or _mm256_or_ps
 #define vm_and _mm256_and_ps
-#define vm_bits(m) ((unsigned)_mm256_movemask_ps(m))
+#define vm_bits(m) ((uint64_t)(unsigned)_mm256_movemask_ps(m))
+#define vm_any(m) (_mm256_movemask_ps(m) != 0)
 #define vf_blend(m, a, b) _mm256_blendv_ps(a, b, m)
 #define vf_maskz(m, a) _mm256_and_ps(m, a)
 #define vf_from_mask(m) (m)

@@ -94,10 +94,11 @@ static inline vm vm_first(int64_t n) {
     const uint32_t nn = n < 0 ? 0 : n > 4 ? 4 : (uint32_t)n;
     return vcltq_u32(vi_lanes(), vdupq_n_u32(nn));
 }
-static inline unsigned vm_bits(vm m) {
+static inline uint64_t vm_bits(vm m) {
     static const uint32_t w[4] = {1, 2, 4, 8};
     return vaddvq_u32(vandq_u32(m, vld1q_u32(w)));
 }
+static inline int vm_any(vm m) { return vmaxvq_u32(m) != 0; }
 /* even lanes' unsigned 32 x 32 -> 64-bit products (x86's pmuludq) */
 static inline vi vi_mul_even(vi a, vi b) {
     return vreinterpretq_u32_u64(vmull_u32(vmovn_u64(vreinterpretq_u64_u32(a)), vmovn_u64(vreinterpretq_u64_u32(b))));

@@ -1,11 +1,12 @@
 /*
  * simd_sve.h -- the SIMD vocabulary (simd.h) on SVE at one vector length, the
- * one -msve-vector-bits=N gives (setup.py: 256 for Neoverse V1, AWS Graviton
- * 3; 512 for A64FX): N / 32 lanes, predicates for masks and tails, 32 vector
- * registers. A fixed length gives SVE's types a size, so that the blocks keep
- * vectors in arrays as on every other set; common/isa.c offers an instance
- * only where the CPU's vector length is its N. At 128 bits NEON is the same
- * width and runs instead. vf_max / vf_min keep x86's rule (the second operand
+ * one -msve-vector-bits=N gives: N / 32 lanes, predicates for masks and tails,
+ * 32 vector registers. A fixed length gives SVE's types a size, so that the
+ * blocks keep vectors in arrays as on every other set. setup.py compiles the
+ * instances (attention/sve_instance.h, cross_entropy/sve_instance.h) at each
+ * of 128, 256, 512, 1024 and 2048 bits, and the variant "sve" runs the one of
+ * the CPU's length (common/isa.c): one binary for every length, with each
+ * length's machine code. vf_max / vf_min keep x86's rule (the second operand
  * where either is NaN).
  */
 #ifndef MA_SIMD_SVE_H
@@ -17,11 +18,20 @@
 
 #include "common/simd.h"
 
-#if !defined(__ARM_FEATURE_SVE_BITS) || (__ARM_FEATURE_SVE_BITS != 256 && __ARM_FEATURE_SVE_BITS != 512)
-#error "simd_sve.h needs -msve-vector-bits=256 or 512"
+#if !defined(__ARM_FEATURE_SVE_BITS) ||                                                                 \
+    (__ARM_FEATURE_SVE_BITS != 128 && __ARM_FEATURE_SVE_BITS != 256 && __ARM_FEATURE_SVE_BITS != 512 && \
+     __ARM_FEATURE_SVE_BITS != 1024 && __ARM_FEATURE_SVE_BITS != 2048)
+#error "simd_sve.h needs -msve-vector-bits=128, 256, 512, 1024 or 2048"
 #endif
 
 #define MA_SVE_BITS __ARM_FEATURE_SVE_BITS
+/* An instance's names: MA_SVE_NAME(gemm) is gemm_sve256 at 256 bits; MA_SVE_LABEL "sve256". */
+#define MA_SVE_PASTE(name, bits) name##_sve##bits
+#define MA_SVE_PASTE_(name, bits) MA_SVE_PASTE(name, bits)
+#define MA_SVE_NAME(name) MA_SVE_PASTE_(name, MA_SVE_BITS)
+#define MA_SVE_STR(bits) "sve" #bits
+#define MA_SVE_STR_(bits) MA_SVE_STR(bits)
+#define MA_SVE_LABEL MA_SVE_STR_(MA_SVE_BITS)
 #define MA_VL (MA_SVE_BITS / 32)
 typedef svfloat32_t vf __attribute__((arm_sve_vector_bits(MA_SVE_BITS)));
 typedef svfloat64_t vd __attribute__((arm_sve_vector_bits(MA_SVE_BITS)));
@@ -105,7 +115,19 @@ MA_F vf vf_min(vf a, vf b) { return svsel_f32(svcmplt_f32(MA_PT, a, b), a, b); }
 /* ordered and not equal (x86's _CMP_NEQ_OQ): false where either is NaN */
 MA_F vm vf_neq(vf a, vf b) { return svbic_b_z(MA_PT, svcmpne_f32(MA_PT, a, b), svcmpuo_f32(MA_PT, a, b)); }
 MA_F vm vm_first(int64_t n) { return svwhilelt_b32_s64(0, n < 0 ? 0 : n); }
-MA_F unsigned vm_bits(vm m) { return (unsigned)svaddv_u32(m, svlsl_u32_x(MA_PT, svdup_n_u32(1), vi_lanes())); }
+/* a lane's bit is 1 << lane summed over the set lanes, in two halves at 64 lanes */
+MA_F uint64_t vm_bits(vm m) {
+    const svuint32_t one = svdup_n_u32(1), lanes = vi_lanes();
+#if MA_VL <= 32
+    return svaddv_u32(m, svlsl_u32_x(MA_PT, one, lanes));
+#else
+    const vm low = svcmplt_n_u32(MA_PT, lanes, 32);
+    const uint64_t lo = svaddv_u32(svand_b_z(MA_PT, m, low), svlsl_u32_x(MA_PT, one, lanes));
+    const uint64_t hi = svaddv_u32(svbic_b_z(MA_PT, m, low), svlsl_u32_x(MA_PT, one, svsub_n_u32_x(MA_PT, lanes, 32)));
+    return lo | hi << 32;
+#endif
+}
+MA_F int vm_any(vm m) { return svptest_any(MA_PT, m); }
 /* even lanes' unsigned 32 x 32 -> 64-bit products (x86's pmuludq): exact in 64-bit lanes */
 static inline vi vi_mul_even(vi a, vi b) {
     const svuint64_t lo = svdup_n_u64(0xffffffffu);

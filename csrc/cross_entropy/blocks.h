@@ -34,8 +34,9 @@ typedef struct {
                      float g_w);
 } ma_ce_blocks;
 
-extern const ma_ce_blocks ma_ce_blocks_scalar, ma_ce_blocks_avx2, ma_ce_blocks_avx512, ma_ce_blocks_neon,
-    ma_ce_blocks_sve256, ma_ce_blocks_sve512;
+extern const ma_ce_blocks ma_ce_blocks_scalar, ma_ce_blocks_avx2, ma_ce_blocks_avx512, ma_ce_blocks_neon;
+extern const ma_ce_blocks ma_ce_blocks_sve128, ma_ce_blocks_sve256, ma_ce_blocks_sve512, ma_ce_blocks_sve1024,
+    ma_ce_blocks_sve2048; /* sve: one per vector length */
 
 #define MA_CE_BLOCKS(X) {#X, row_stats_##X, row_grad_##X}
 
@@ -45,6 +46,8 @@ typedef struct {
 } ma_ce_kernels;
 
 extern const ma_ce_kernels ma_ce_kernels_scalar, ma_ce_kernels_f64, ma_ce_kernels_avx2, ma_ce_kernels_avx512,
-    ma_ce_kernels_neon, ma_ce_kernels_sve256, ma_ce_kernels_sve512;
+    ma_ce_kernels_neon;
+extern const ma_ce_kernels ma_ce_kernels_sve128, ma_ce_kernels_sve256, ma_ce_kernels_sve512, ma_ce_kernels_sve1024,
+    ma_ce_kernels_sve2048;
 
 #endif

@@ -46,7 +46,7 @@ static inline __attribute__((always_inline)) void stats_block(const int NV, cons
     vf bm = y[0];
     for (int i = 1; i < NV; i++) bm = vf_max(y[i], bm);
     const vm up = vf_gt(bm, st->m);
-    if (vm_bits(up)) { /* some lanes' max grew: rescale what they hold */
+    if (vm_any(up)) { /* some lanes' max grew: rescale what they hold */
         const vf m_new = vf_blend(up, st->m, bm);
         /* 0 where the old max was -inf, 1 in the lanes that did not grow */
         const vf sc = vf_exp(vf_maskz(up, vf_sub(st->m, m_new)));

@@ -13,6 +13,7 @@
 
 #include "attention/blocks.h"
 #include "common/dtype.h"
+#include "common/isa.h"
 #include "masked_attn.h"
 
 #include "harness.h"
@@ -496,6 +497,7 @@ int main(void) {
     const struct {
         ma_isa isa;
         const ma_blocks *blocks;
+        int sve_bits; /* sve's instances: the vector length each is for */
     } variants[] = {
         {MA_ISA_SCALAR, &ma_blocks_scalar},
 #if defined(__x86_64__) || defined(__i386__)
@@ -506,12 +508,17 @@ int main(void) {
         {MA_ISA_AVX512BF16, &ma_blocks_avx512bf16_2},
         {MA_ISA_AVX512BF16, &ma_blocks_avx512bf16_3},
 #elif defined(__aarch64__)
-        {MA_ISA_NEON, &ma_blocks_neon},     {MA_ISA_SVE256, &ma_blocks_sve256},
-        {MA_ISA_SVE512, &ma_blocks_sve512}, {MA_ISA_SVEBF16, &ma_blocks_svebf16_2},
+        {MA_ISA_NEON, &ma_blocks_neon},
+        {MA_ISA_SVE, &ma_blocks_sve128, 128},
+        {MA_ISA_SVE, &ma_blocks_sve256, 256},
+        {MA_ISA_SVE, &ma_blocks_sve512, 512},
+        {MA_ISA_SVE, &ma_blocks_sve1024, 1024},
+        {MA_ISA_SVE, &ma_blocks_sve2048, 2048},
+        {MA_ISA_SVEBF16, &ma_blocks_svebf16_2},
 #endif
     };
     for (size_t i = 0; i < sizeof variants / sizeof variants[0]; i++) {
-        if (!ma_isa_available(variants[i].isa)) {
+        if (!ma_isa_available(variants[i].isa) || (variants[i].sve_bits && variants[i].sve_bits != ma_sve_bits())) {
             printf("%-7s not supported by this CPU, skipped\n", variants[i].blocks->name);
             continue;
         }

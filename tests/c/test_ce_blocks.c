@@ -15,6 +15,7 @@
 
 #include "common/dtype.h"
 #include "cross_entropy/blocks.h"
+#include "common/isa.h"
 #include "masked_attn.h"
 
 #include "harness.h"
@@ -176,6 +177,7 @@ int main(void) {
     const struct {
         ma_isa isa;
         const ma_ce_blocks *blocks;
+        int sve_bits; /* sve's instances: the vector length each is for */
     } variants[] = {
         {MA_ISA_SCALAR, &ma_ce_blocks_scalar},
 #if defined(__x86_64__) || defined(__i386__)
@@ -183,12 +185,15 @@ int main(void) {
         {MA_ISA_AVX512, &ma_ce_blocks_avx512},
 #elif defined(__aarch64__)
         {MA_ISA_NEON, &ma_ce_blocks_neon},
-        {MA_ISA_SVE256, &ma_ce_blocks_sve256},
-        {MA_ISA_SVE512, &ma_ce_blocks_sve512},
+        {MA_ISA_SVE, &ma_ce_blocks_sve128, 128},
+        {MA_ISA_SVE, &ma_ce_blocks_sve256, 256},
+        {MA_ISA_SVE, &ma_ce_blocks_sve512, 512},
+        {MA_ISA_SVE, &ma_ce_blocks_sve1024, 1024},
+        {MA_ISA_SVE, &ma_ce_blocks_sve2048, 2048},
 #endif
     };
     for (size_t i = 0; i < sizeof variants / sizeof variants[0]; i++) {
-        if (!ma_isa_available(variants[i].isa)) {
+        if (!ma_isa_available(variants[i].isa) || (variants[i].sve_bits && variants[i].sve_bits != ma_sve_bits())) {
             printf("%-7s not supported by this CPU, skipped\n", variants[i].blocks->name);
             continue;
         }
