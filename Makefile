@@ -134,13 +134,13 @@ test-wheel: wheel
 # aarch64 on this x86_64 machine (tools/arm.py; docs/design.md, "aarch64"): the
 # cross compilers and qemu-user from Debian (apt-get, once), then
 # test-arm-c: setup.py's aarch64 C units cross-built, the C harnesses and the
-#   kernel tool under qemu on a CPU without SVE and on SVE CPUs at 128, 256 and
-#   512 bits (about a minute; CI runs it);
+#   kernel tool under qemu on a CPU without SVE and on SVE CPUs at 128 to 2048
+#   bits (about 15 minutes; CI runs it);
 # test-arm: that, then the package cross-built against PyPI's aarch64 torch
 #   (430 MB, downloaded once into .arm/) and a slice of the suite under an
 #   emulated aarch64 Python (tools/arm.py's ARM_SLICE; about 20 minutes);
 # wheel-arm: the cp310-abi3 aarch64 wheel into dist/, tagged by auditwheel.
-# bench-arm: instructions per call under qemu for scalar, NEON, SVE 256 and 512
+# bench-arm: instructions per call under qemu for scalar, NEON, SVE 128, 256 and 512
 #   (benchmarks/arm_insns.py; docs/performance.md, "aarch64"; about 8 minutes).
 .PHONY: test-arm-c test-arm wheel-arm bench-arm
 bench-arm: $(STAMP)

@@ -5,8 +5,9 @@
     python tools/arm.py setup          an aarch64 Python 3.11 and PyPI's aarch64 torch in .arm/
                                        (about 450 MB, once)
     python tools/arm.py build          cross-build _C.abi3.so against that torch: .arm/pkg/
-    python tools/arm.py pytest [ARGS]  pytest under the emulated Python, on .arm/pkg (ARGS: the
-                                       tests, default ARM_SLICE)
+    python tools/arm.py pytest [--sve-bits N] [ARGS]
+                                       pytest under the emulated Python, on .arm/pkg, SVE at N
+                                       bits (default 256; ARGS: the tests, default ARM_SLICE)
     python tools/arm.py wheel [--out D] the cp310-abi3 linux_aarch64 wheel of .arm/pkg (make wheel-arm
                                        has auditwheel give it its manylinux tag)
 
@@ -426,7 +427,9 @@ def cmd_pytest(ns):
     # PKG first: the aarch64 package, not the checkout's x86 one (ROOT is on the path for tests/)
     code = "import sys, pytest; sys.exit(pytest.main(sys.argv[1:]))"
     r = subprocess.run(
-        [*py, "-c", code, "-q", "-p", "no:cacheprovider", "--rootdir", ROOT, *tests], cwd=PKG, env=emulated_env()
+        [*py, "-c", code, "-q", "-p", "no:cacheprovider", "--rootdir", ROOT, *tests],
+        cwd=PKG,
+        env=emulated_env(f"max,sve-default-vector-length={ns.sve_bits // 8}"),
     )
     sys.exit(r.returncode)
 
@@ -485,6 +488,7 @@ def main():
     wh = sub.add_parser("wheel")
     wh.add_argument("--out", default=os.path.join(ROOT, "dist"), help="the folder for the wheel (default dist/)")
     pt = sub.add_parser("pytest")
+    pt.add_argument("--sve-bits", type=int, choices=SVE_BITS, default=256, help="the emulated SVE length")
     pt.add_argument("args", nargs=argparse.REMAINDER)
     ns = p.parse_args()
     {"harness": cmd_harness, "setup": cmd_setup, "build": cmd_build, "pytest": cmd_pytest, "wheel": cmd_wheel}[ns.cmd](
