@@ -14,20 +14,6 @@
  * asked common/isa.c for p->isa); float32, bfloat16, float16 the ISA's, but
  * AVX512-BF16's and SVE-BF16's products are for bfloat16 only (avx512bf16.c,
  * svebf16.c): their other dtypes run AVX-512's and NEON's. */
-#if defined(__aarch64__)
-/* sve: the instance of the CPU's vector length */
-static const ma_attn_kernels *sve_kernels(void) {
-    switch (ma_sve_bits()) {
-    case 128: return &ma_attn_kernels_sve128;
-    case 256: return &ma_attn_kernels_sve256;
-    case 512: return &ma_attn_kernels_sve512;
-    case 1024: return &ma_attn_kernels_sve1024;
-    case 2048: return &ma_attn_kernels_sve2048;
-    default: return &ma_attn_kernels_neon; /* not reached: sve is unavailable there */
-    }
-}
-#endif
-
 static const ma_attn_kernels *kernels(ma_dtype dt, ma_isa isa) {
     if (dt == MA_F64) return &ma_attn_kernels_f64;
     switch (isa) { /* the architecture's variants only: the others are not compiled in */
@@ -39,7 +25,7 @@ static const ma_attn_kernels *kernels(ma_dtype dt, ma_isa isa) {
 #elif defined(__aarch64__)
     case MA_ISA_NEON: return &ma_attn_kernels_neon;
     case MA_ISA_SVEBF16: return dt == MA_BF16 ? &ma_attn_kernels_svebf16 : &ma_attn_kernels_neon;
-    case MA_ISA_SVE: return sve_kernels();
+    case MA_ISA_SVE: return MA_SVE_INSTANCE(ma_attn_kernels, ma_attn_kernels_neon);
 #endif
     case MA_ISA_SCALAR:
     default: return &ma_attn_kernels_scalar;

@@ -35,6 +35,16 @@ int ma_isa_forced(void);
  * 512, 1024, 2048), else 0 (no SVE, or a length between those). */
 int ma_sve_bits(void);
 
+/* &name_sveN, the instance of the CPU's SVE length N (setup.py's SVE_BITS), else &other:
+ * e.g. MA_SVE_INSTANCE(ma_attn_kernels, ma_attn_kernels_neon). */
+#define MA_SVE_INSTANCE(name, other)           \
+    (ma_sve_bits() == 128    ? &name##_sve128  \
+     : ma_sve_bits() == 256  ? &name##_sve256  \
+     : ma_sve_bits() == 512  ? &name##_sve512  \
+     : ma_sve_bits() == 1024 ? &name##_sve1024 \
+     : ma_sve_bits() == 2048 ? &name##_sve2048 \
+                             : &other)
+
 /* The CPUs this process can use: the online CPUs, lowered to its
  * container's cgroup cpuset and CPU quota, read once; >= 1. Never the
  * calling thread's affinity mask. */

@@ -8,20 +8,6 @@
 
 /* float64 runs the double instance; there are no AMX, AVX512-BF16 or SVE-BF16
  * kernels for cross-entropy (no matrix products), so those run AVX-512's and NEON's. */
-#if defined(__aarch64__)
-/* sve: the instance of the CPU's vector length */
-static const ma_ce_kernels *sve_kernels(void) {
-    switch (ma_sve_bits()) {
-    case 128: return &ma_ce_kernels_sve128;
-    case 256: return &ma_ce_kernels_sve256;
-    case 512: return &ma_ce_kernels_sve512;
-    case 1024: return &ma_ce_kernels_sve1024;
-    case 2048: return &ma_ce_kernels_sve2048;
-    default: return &ma_ce_kernels_neon; /* not reached: sve is unavailable there */
-    }
-}
-#endif
-
 static const ma_ce_kernels *kernels(const ma_ce_args *a) {
     if (a->dtype == MA_F64) return &ma_ce_kernels_f64;
     switch (a->isa) { /* the architecture's variants only: the others are not compiled in */
@@ -33,7 +19,7 @@ static const ma_ce_kernels *kernels(const ma_ce_args *a) {
 #elif defined(__aarch64__)
     case MA_ISA_SVEBF16:
     case MA_ISA_NEON: return &ma_ce_kernels_neon;
-    case MA_ISA_SVE: return sve_kernels();
+    case MA_ISA_SVE: return MA_SVE_INSTANCE(ma_ce_kernels, ma_ce_kernels_neon);
 #endif
     case MA_ISA_SCALAR:
     default: return &ma_ce_kernels_scalar;

@@ -22,15 +22,7 @@ const ma_blocks *ma_blocks_for(ma_isa isa) {
 #elif defined(__aarch64__)
     case MA_ISA_SVEBF16:
     case MA_ISA_NEON: return &ma_blocks_neon;
-    case MA_ISA_SVE:
-        switch (ma_sve_bits()) { /* the instance of the CPU's vector length */
-        case 128: return &ma_blocks_sve128;
-        case 256: return &ma_blocks_sve256;
-        case 512: return &ma_blocks_sve512;
-        case 1024: return &ma_blocks_sve1024;
-        case 2048: return &ma_blocks_sve2048;
-        default: return &ma_blocks_neon;
-        }
+    case MA_ISA_SVE: return MA_SVE_INSTANCE(ma_blocks, ma_blocks_neon);
 #endif
     case MA_ISA_SCALAR:
     default: return &ma_blocks_scalar;
