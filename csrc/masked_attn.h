@@ -221,16 +221,61 @@ typedef struct {
     void *out_lo;
     /* inputs */
     ma_attn_args a;
-    /* short query blocks of consecutive heads a task takes together, key block
-     * by key block (set by ma_attn_plan_fwd; 0 or 1: one head at a time; at
-     * most MA_FWD_HEAD_GROUP_MAX); the same bits for every value */
-    int64_t head_group;
+    /* The decode kernel's schedule (set by ma_attn_plan_fwd where it takes the call, else
+     * decode_splits 0; see "Decoding" below): query heads per slab, slabs per key head, splits per (b, hkv, slab),
+     * rows per slab at most (slab heads x the longest query block); and, with more than one
+     * split, the workspace of the chunks' partial states and (varlen) each entry's first chunk
+     * slot (B + 1), both placed by the plan's bind. */
+    int64_t decode_slab_heads, decode_slabs, decode_splits, decode_rows;
+    int64_t decode_kv_heads; /* key heads an item takes in lockstep (heads side by side in a row) */
+    void *decode_part;
+    const int64_t *decode_chunk0;
 } ma_attn_fwd_params;
 
-/* Query blocks of at most MA_FWD_ROWS rows (decoding) read the key and value
- * rows in place (attention_tmpl.h, FN(fwd_by_rows)). */
-#define MA_FWD_ROWS 8
-#define MA_FWD_HEAD_GROUP_MAX 16
+/* ---- Decoding --------------------------------------------------------------
+ *
+ * A forward call of at most MA_DECODE_QROWS query rows (decoding, speculative
+ * verification; varlen: each entry of so few), without weights, over key rows
+ * (or K^T pages) and value rows with unit last stride, runs the decode kernel (ma_attn_decode_task, then
+ * ma_attn_decode_merge_task where an entry's keys were split between items):
+ *   work item w = ((b * Hkv + hkv) * slabs + slab) * splits + split
+ * (with kv = Hkv / kv_heads: b * kv + g in place of b * Hkv + hkv, an item then
+ * taking key heads g kv_heads .. g kv_heads + kv_heads in lockstep where the
+ * cache holds a token's heads side by side in a row, so that rows are read
+ * whole) holds the query heads of slab `slab` of key head hkv (consecutive heads,
+ * slab_heads of them, at most MA_DECODE_ROWS rows with the query rows) as one
+ * block of rows, which share every load of K and V (scores from key rows:
+ * dot_rows' order, each row read once in order: not the tile path's bits;
+ * from K^T pages: the tiles' order); and split `split` of the
+ * key chunks its rows see. Chunk c is the keys [c MA_DECODE_CHUNK, (c + 1)
+ * MA_DECODE_CHUNK): boundaries set by the keys' positions alone. Each chunk's
+ * softmax (max m, sum l, output O) starts afresh; the chunks' states are then
+ * folded in chunk order,
+ *   N = max(M, m),  L = e^(M - N) L + e^(m - N) l,  O = e^(M - N) O + e^(m - N) o,
+ * by the item that holds all of an entry's chunks, or by the merge task from
+ * the partial states the items left (the same fold, in the same order): a
+ * row's bits depend on neither the split, the thread count nor the batch
+ * around it. The merge's item is (b, hkv, slab). */
+#define MA_DECODE_QROWS 16
+#define MA_DECODE_ROWS 64
+#define MA_DECODE_CHUNK 512
+#define MA_DECODE_KV_HEADS 16
+
+/* The decode kernel's shape for a call (ma_attn_plan_fwd's rule, on the CPU count cpus;
+ * kv_heads: the key heads an item takes together, 1 unless the cache holds a token's heads
+ * side by side): slab heads, slabs per key head, key chunks of the longest entry, splits,
+ * work items, and the chunks of the longest item. */
+typedef struct {
+    int64_t slab_heads, slabs, chunks, splits, items, item_chunks;
+} ma_decode_shape;
+int ma_attn_decode_shape(int64_t B, int64_t H, int64_t Hkv, int64_t kv_heads, int64_t Lq, int64_t Lk, int64_t cpus,
+                         ma_decode_shape *s);
+/* Forces the decode kernel's splits to n (n <= 0: the rule again; at most the chunks) for
+ * every later call, process-wide; returns the previous setting. The same bits for every n
+ * (torch_masked_attn.ops.decode_splits, for tests and benchmarks). */
+int64_t ma_attn_decode_splits_force(int64_t n);
+void ma_attn_decode_task(int64_t begin, int64_t end, void *ctx);
+void ma_attn_decode_merge_task(int64_t begin, int64_t end, void *ctx);
 
 typedef struct {
     /* outputs (overwritten, never accumulated) */
@@ -280,14 +325,11 @@ void ma_attn_bwd_sinks_grad(const ma_attn_bwd_params *p, double *dsinks);
  * conflicts of rows H * D apart). Values are the same either way; every task
  * that may stream ends with a store fence. */
 
-/* Forward: work item w = ((b * H) + h) * nq + qb,  nq = ceil(Lq / block_q)
+/* Forward, the tile path: work item w = ((b * H) + h) * nq + qb,  nq = ceil(Lq / block_q)
  * (varlen: q_items[3 w ..], the dq pass too; the dkdv pass: kv_items).
- * Writes out, lse (and weights) of its (b, h, q-block). Where every query
- * block is short (decoding) and the heads lie side by side in each key row
- * (a (T, H, D) packed or paged cache, a (B, L, H, D) projection), a task
- * given consecutive items of one entry and query block reads each key block
- * for up to head_group heads at once (ma_attn_plan_fwd sets it), so that the
- * rows it reads are whole runs of heads rather than D elements every H * D. */
+ * Writes out, lse (and weights) of its (b, h, q-block). Calls (varlen: entries)
+ * whose query rows are at most MA_DECODE_QROWS run the decode kernel instead
+ * ("Decoding" above). */
 void ma_attn_fwd_task(int64_t begin, int64_t end, void *ctx);
 
 /* Backward, two passes, run in this order:
@@ -337,7 +379,7 @@ int64_t ma_attn_bwd_key_group_force(int64_t n);
  *
  * ma_attn_plan_fwd / ma_attn_plan_bwd decide everything about how a call is
  * run, for dense and varlen calls alike, and write the decisions the
- * kernels read into the params (head_group; kv_chunks, key_group;
+ * kernels read into the params (decode_*; kv_chunks, key_group;
  * n_q_items, n_kv_items); the caller (the shim) fills the params but for
  * these, plans, then executes the plan:
  *  1. if bind is set: one block of workspace_bytes (cache-line aligned) for

@@ -443,13 +443,13 @@ ROWS_CASES = {
 @pytest.mark.parametrize("case", list(ROWS_CASES))
 @pytest.mark.parametrize("masks", ["none", "causal+kpm", "float+head"])
 def test_short_query_blocks_match_the_tiles(isa, dtype, case, masks):
-    """A query block of at most 8 rows (Lq = 1 when decoding) reads K and V
-    rows in place with dot products; a longer block goes through the tiles.
-    Row for row the two give the same values, bit for bit (so more query
-    rows, e.g. padding, change no row's output), except on AMX, whose tiles
-    round differently (but for bfloat16 scores from key rows, which the
-    short blocks take on the tiles too: the same lse); and both match
-    PyTorch in float64."""
+    """A call of at most 16 query rows (Lq = 1 when decoding) runs the decode
+    kernel (K and V rows read in place, dot_rows' order); a longer one goes
+    through the tiles, its last short block too. A prefill's rows are the
+    same bits whatever its length (more query rows, e.g. padding, change no
+    row's output); a decode call's rows match them to float rounding (on
+    AMX, bfloat16 scores from key rows are the tiles' in both: the same lse);
+    and both match PyTorch in float64."""
     if not isa_available(isa):
         pytest.skip(f"this CPU has no {isa}")
     B, H, Hkv, Lk, D, Dv = ROWS_CASES[case]
@@ -475,20 +475,22 @@ def test_short_query_blocks_match_the_tiles(isa, dtype, case, masks):
             return tma.functional.masked_attention(q[:, :, :n], k, v, return_lse=True, **kk)
 
     full_out, full_lse = run_isa(isa, lambda: call(Lq))
-    for n in (1, 3, 8):
+    for n in (65, 70):  # prefills whose last block is short: the tiles, bit for bit
         out, lse = run_isa(isa, lambda: call(n))
-        if isa in TILE_ISAS:  # the tiles' bfloat16 products round differently
+        assert torch.equal(out, full_out[:, :, :n]) and torch.equal(lse, full_lse[:, :, :n]), f"{isa} {dtype} n={n}"
+    for n in (1, 3, 8, 16):
+        out, lse = run_isa(isa, lambda: call(n))
+        if isa not in TILE_ISAS:  # the decode kernel: to float rounding
+            tol = {torch.float32: 2e-6, torch.float64: 1e-14}.get(dtype, 1e-2)
+            torch.testing.assert_close(out, full_out[:, :, :n], rtol=tol, atol=tol)
+            torch.testing.assert_close(lse, full_lse[:, :, :n], rtol=tol, atol=tol)
+        else:  # the tiles' bfloat16 products round differently
             tol = 2e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(out, full_out[:, :, :n], rtol=tol, atol=tol)
             if isa == "amx" and dtype == torch.bfloat16 and D % 32 == 0:
                 # the scores from key rows on the tiles (FN(tiles_rows_scores)): the tile path's, so the
                 # same lse bit for bit (P V stays on the FMAs: the output to rounding)
                 assert torch.equal(lse, full_lse[:, :, :n]), f"n={n}: {(lse - full_lse[:, :, :n]).abs().max()}"
-        else:
-            assert torch.equal(out, full_out[:, :, :n]), (
-                f"{isa} {dtype} n={n}: {(out - full_out[:, :, :n]).abs().max()}"
-            )
-            assert torch.equal(lse, full_lse[:, :, :n])
     # the short path against PyTorch in float64 (its last rows 64..71 are a short block as well)
     ref = torch_reference(q, k, v, masks, kw)
     tol = {torch.float32: 2e-5, torch.float64: 1e-12}.get(dtype, 3e-2)

@@ -71,7 +71,7 @@ ARM_SLICE = [
     "tests/test_cross_entropy_options.py::test_variant_matches_scalar_and_torch",
     "tests/test_varlen.py::test_thread_count_and_batch_invariance",  # bitwise, the default variant
     "tests/test_kv_int8.py::test_quantize_kv_is_its_definition",  # the 8-bit cache: quantize_row
-    "tests/test_kv_int8.py::test_attention_over_int8_cache",  # int8 k, v: dot_keys' word transposes
+    "tests/test_kv_int8.py::test_attention_over_int8_cache",  # int8 k, v: dot_rows and axpy_keys over int8 rows
     "tests/test_kv_int8.py::test_decode_row_batch_invariant",
     "tests/test_varlen.py::test_entries_match_dense_forward_bitwise",  # svebf16: varlen, paged = dense bits
     "tests/test_varlen.py::test_tile_products_forward",  # svebf16: windows, softcap, sinks, pages

@@ -154,7 +154,7 @@ def dump_attention(res):
 def dump_attention_more(res):
     """Options and layouts the dense cases above leave out: soft-capping, sinks,
     windows and dropout together (the dropout and softcap blocks), decoding
-    (Lq = 1, GQA: the rows path, dot_keys and axpy_keys), varlen (packed
+    (Lq = 1, GQA: the decode kernel, dot_rows and axpy_keys), varlen (packed
     sequences), paged row caches (block_table) and K^T pages (dot_keys_t)."""
     fwd, bwd = torch.ops.masked_attn.forward, torch.ops.masked_attn.backward
     vfwd, vbwd = torch.ops.masked_attn.varlen_forward, torch.ops.masked_attn.varlen_backward

@@ -162,6 +162,46 @@ def bwd_cpus(n: int | None) -> Iterator[None]:
         _clib.ma_attn_bwd_cpus_force(old)
 
 
+_clib.ma_attn_decode_splits_force.argtypes = [ctypes.c_int64]
+_clib.ma_attn_decode_splits_force.restype = ctypes.c_int64
+
+
+@contextlib.contextmanager
+def decode_splits(n: int | None) -> Iterator[None]:
+    """Inside the block, the decode kernel splits each sequence's key chunks
+    between ``n`` work items (None: the plan's rule, ma_attn_decode_shape;
+    at most one chunk an item), process-wide; the previous setting is
+    restored after. Outputs are the same bits for every n (tests check it);
+    a knob for tests and benchmarks. The CPU count the rule assumes is
+    bwd_cpus's."""
+    old = _clib.ma_attn_decode_splits_force(0 if n is None else int(n))
+    try:
+        yield
+    finally:
+        _clib.ma_attn_decode_splits_force(old)
+
+
+class _DecodeShape(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ("slab_heads", "slabs", "chunks", "splits", "items", "item_chunks")]
+
+
+_clib.ma_attn_decode_shape.argtypes = [ctypes.c_int64] * 7 + [ctypes.POINTER(_DecodeShape)]
+_clib.ma_attn_decode_shape.restype = ctypes.c_int
+
+
+def decode_plan(B: int, H: int, Hkv: int, Lq: int, Lk: int, cpus: int, kv_heads: int = 1) -> dict[str, int]:
+    """The decode kernel's schedule for a call of these sizes on a machine of
+    ``cpus`` CPUs (ma_attn_decode_shape; ``kv_heads``: the key heads an item
+    takes together, more than 1 where the cache holds a token's heads side by
+    side): query heads per slab, slabs per key head, key chunks (masked_attn.h,
+    MA_DECODE_CHUNK keys each), splits per sequence, work items, and the chunks
+    of the longest item."""
+    s = _DecodeShape()
+    if _clib.ma_attn_decode_shape(B, H, Hkv, kv_heads, Lq, Lk, cpus, ctypes.byref(s)) != 0:
+        raise ValueError(f"decode_plan: no decode schedule for B={B}, H={H}, Hkv={Hkv}, Lq={Lq}, Lk={Lk}")
+    return {name: getattr(s, name) for name, _ in _DecodeShape._fields_}
+
+
 _clib.ma_release_memory.restype = ctypes.c_size_t
 _clib.ma_scratch_idle_bytes.restype = ctypes.c_size_t
 _clib.ma_scratch_last_bytes.restype = ctypes.c_size_t

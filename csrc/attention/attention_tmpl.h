@@ -73,8 +73,8 @@
 #define EXP_SUB_COL BLK(exp_sub_col)
 #define TRANSPOSE BLK(transpose)
 #define ROW_MAX BLK(row_max)
-#define DOT_KEYS BLK(dot_keys)
 #define DOT_KEYS_T BLK(dot_keys_t)
+#define DOT_ROWS BLK(dot_rows)
 #define AXPY_KEYS BLK(axpy_keys)
 #define DROPOUT BLK(dropout)
 
@@ -688,35 +688,16 @@ static void FN(scale_rows)(ACC *C, int64_t ldc, int64_t m, int64_t n, const ACC 
 
 typedef struct {
     ACC *qT, *sT, *o, *m, *m_new, *l, *lsum, *lse;
-    ACC *grp;     /* the states of a run's heads (FN(fwd_head)) when runs are taken */
-    int64_t grp_rows; /* rows each of those states holds */
-    int64_t grp_heads; /* heads a run may take */
     ACC *kc, *vc; /* head caches (Lk, D), (Lk, Dv) when K, V need converting */
 } FN(fwd_scratch);
 
-/* Heads a task takes together (a run, attn_fwd): p->head_group, clamped to
- * 1 .. MA_FWD_HEAD_GROUP_MAX (ma_attn_fwd_head_group sets it). */
-static inline int64_t FN(fwd_head_group)(const ma_attn_fwd_params *p) {
-    return p->head_group <= 1 ? 1 : ma_min(p->head_group, MA_FWD_HEAD_GROUP_MAX);
-}
-
-/* One head of a run: scale * Q rows (nr, D), O (nr, Dv), running max m and
- * sum l, its dropout. Rows: at most MA_FWD_ROWS (runs are by rows), and no
- * more than the longest query sequence. */
+/* One head's query block: scale * Q (the tile path: qT), O (nr, Dv), running max m and sum
+ * l, its dropout (the decode kernel's rows: decode_tmpl.h). */
 typedef struct {
     ACC *q, *o, *m, *l;
     const ma_dropout *dr;
     ma_dropout dr_buf;
 } FN(fwd_head);
-
-static inline int64_t FN(fwd_head_rows)(const ma_attn_fwd_params *p) { return ma_min(MA_FWD_ROWS, p->a.Lq); }
-static inline int64_t FN(fwd_head_elems)(int64_t rows, int64_t D, int64_t Dv) {
-    return ma_round_up(rows * (D + Dv + 2), MA_CACHE_LINE / sizeof(ACC));
-}
-static size_t FN(fwd_group_elems)(const ma_attn_fwd_params *p) {
-    const int64_t n = FN(fwd_head_group)(p);
-    return n > 1 ? (size_t)(n * FN(fwd_head_elems)(FN(fwd_head_rows)(p), p->a.D, p->a.Dv)) : 0;
-}
 
 static FN(fwd_scratch) FN(fwd_carve)(void *scratch, const ma_attn_fwd_params *p) {
     const int64_t BQ = p->a.block_q, BK = p->a.block_k, D = p->a.D, Dv = p->a.Dv;
@@ -729,50 +710,21 @@ static FN(fwd_scratch) FN(fwd_carve)(void *scratch, const ma_attn_fwd_params *p)
     t.l = t.m_new + BQ;              /* (BQ) running sum */
     t.lsum = t.l + BQ;               /* (BQ) */
     t.lse = t.lsum + BQ;             /* (BQ) */
-    t.grp = t.lse + BQ;              /* FN(fwd_group_elems) */
-    t.grp_rows = FN(fwd_head_rows)(p);
-    t.grp_heads = FN(fwd_head_group)(p);
-    t.kc = t.grp + FN(fwd_group_elems)(p);
+    t.kc = t.lse + BQ;               /* the head caches (FN(fwd_scratch_elems)) */
     t.vc = NULL;
     return t;
-}
-
-/* Head x of a run of nr-row heads: its state in t->grp, every head's Q rows
- * side by side, then every head's O rows, m and l, so that consecutive heads'
- * rows form one block (FN(fwd_rows_step) takes the query heads of a key head
- * together). Fits FN(fwd_group_elems): nr <= grp_rows. */
-static void FN(fwd_head_carve)(const FN(fwd_scratch) * t, int64_t x, int64_t nr, int64_t D, int64_t Dv,
-                               FN(fwd_head) * e) {
-    const int64_t n = t->grp_heads * t->grp_rows;
-    e->q = t->grp + x * nr * D;
-    e->o = t->grp + n * D + x * nr * Dv;
-    e->m = t->grp + n * (D + Dv) + x * nr;
-    e->l = t->grp + n * (D + Dv + 1) + x * nr;
 }
 
 /* Elements of ACC after the header; caches included when K, V need converting. */
 static inline size_t FN(fwd_scratch_elems)(const ma_attn_fwd_params *p) {
     const int64_t BQ = p->a.block_q, BK = p->a.block_k, D = p->a.D, Dv = p->a.Dv;
-    return (size_t)(D * BQ + BK * BQ + BQ * Dv + 5 * BQ) + FN(fwd_group_elems)(p) +
+    return (size_t)(D * BQ + BK * BQ + BQ * Dv + 5 * BQ) +
            (size_t)((FN(needs_copy)(FN(kv_dtype)(&p->a), p->a.k_stride) ? p->a.Lk * D : 0) +
                     (FN(needs_copy)(FN(kv_dtype)(&p->a), p->a.v_stride) ? p->a.Lk * Dv : 0));
 }
 
-/* Query blocks of at most MA_FWD_ROWS rows (decoding: Lq = 1, or the last
- * rows of a prefill) take the key and value rows in place, in their own
- * dtype: the scores are dot products of each query row with each key row
- * (DOT_KEYS), the softmax runs along rows, and O += P V is one pass over the
- * value rows (AXPY_KEYS). The tile path would pack every key block for a
- * handful of queries (its broadcast GEMM is 16-32x wasteful at one column),
- * convert a bfloat16 head to float32 first, and run the column-wise softmax
- * on columns one lane wide; at Lq = 1 the work is reading K and V. */
-static inline int FN(fwd_by_rows)(const ma_attn_fwd_params *p, int64_t nr) {
-    return nr <= MA_FWD_ROWS && !p->weights && (p->a.k_stride[3] == 1 || p->a.k_stride[2] == 1) &&
-           p->a.v_stride[3] == 1;
-}
-
 /* lsum[r] = sum of s[r * nc + c] over c = 0 .. nc in key order (as
- * EXP_SUB_COL sums a column), from 0; nr <= MA_FWD_ROWS. With the row count
+ * EXP_SUB_COL sums a column), from 0. With the row count (up to 8)
  * a constant the partial sums stay in registers: nr chains of adds side by
  * side, where sums kept in lsum[] went through memory (a store and a reload
  * per key, ~10 cycles a key at nr = 1). Same additions, same order. */
@@ -818,7 +770,7 @@ static void FN(sum_rows_in_order)(const ACC *s, int64_t nc, int64_t nr, ACC *lsu
  *     fwd_o_rows(o)                  O as rows (nr, Dv)
  *     rows_scores(p, s, b, h, i0, nr, nh, k_off, nc, pf)
  *                                    the rows path's s (nh nr, nc) = scale Q K^T of a run's
- *                                    nh heads; returns 0 where it leaves them to DOT_KEYS
+ *                                    nh heads; returns 0 where it leaves them to DOT_ROWS
  *   single-pass backward, per (b, hkv), key block j0..j0+nc, query block i0..i0+nr of head g:
  *     bwd_group(b, hk)               prepare Q, dO of the G heads
  *     bwd_keys(b, hk, j0, nc)        prepare K, V of the key block; zero its dK, dV sums
@@ -932,58 +884,6 @@ typedef struct {
 #define ROWS_SCORES(...) ((void)c, 0)
 #endif
 
-/* One key block j0 .. j0 + nc of that path: q holds scale * Q rows (nr, D),
- * o the running output (nr, Dv), m and l the running max and sum; s (nr, nc),
- * m_new, lsum and alpha are scratch. The same arithmetic as the tiles: scores
- * plus bias, m_new = max(m, row max), P = exp(S - m_new) (m_new = -inf as 0),
- * l = alpha l + sum P, O = alpha O + P V, each in the order the tiles use
- * (DOT_KEYS and AXPY_KEYS are bit for bit the GEMM's sums, P sums in key
- * order): a row's values never depend on which path computed it, so adding
- * query rows (padding) changes no other row. The AMX tile kernels round
- * differently; their short blocks take this path on AVX-512, but for the scores
- * from bfloat16 key rows, which the hooks take on the tiles where the keys lie
- * (FN(tiles_rows_scores): the tile path's scores). am_state is
- * the tile's FN(mask_tile_state) (the loop skips MA_TILE_BLOCKED). */
-static void FN(fwd_rows_step)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const ACC *q, ACC *s, ACC *o, ACC *m,
-                              ACC *l, ACC *m_new, ACC *lsum, ACC *alpha, int64_t b, int64_t h, int64_t hk, int64_t i0,
-                              int64_t nr, int64_t j0, int64_t nc, int am_state, const ma_dropout *dr, int64_t x,
-                              int64_t run, int64_t nh) {
-    const int64_t D = p->a.D, Dv = p->a.Dv, *ks = p->a.k_stride, *vs = p->a.v_stride, R = nr * nh;
-    /* prefetch distance (elements): the run's next key head in the same rows (ks[1] on:
-     * heads x + nh .. share key head hk + 1), after the last the first head's rows of the
-     * next key block (alone: its own rows), on its page in a paged cache */
-    const int64_t hk_first = (h - x) / (p->a.H / p->a.Hkv);  /* the key head of the run's first head */
-    const int64_t j1 = ma_min(j0 + p->a.block_k, p->a.Lk - 1); /* a key of the next block, or the last */
-    const int64_t k_off = b * ks[0] + hk * ks[1] + FN(key_off)(&p->a, ks, p->a.k_page_stride, b, j0);
-    const int64_t v_off = b * vs[0] + hk * vs[1] + FN(key_off)(&p->a, vs, p->a.v_page_stride, b, j0);
-    const int64_t pf_k = x + nh < run
-                             ? ks[1]
-                             : b * ks[0] + hk_first * ks[1] +
-                                   FN(key_off)(&p->a, ks, p->a.k_page_stride, b, j1 - j1 % p->a.block_k) - k_off;
-    const int64_t pf_v = x + nh < run
-                             ? vs[1]
-                             : b * vs[0] + hk_first * vs[1] +
-                                   FN(key_off)(&p->a, vs, p->a.v_page_stride, b, j1 - j1 % p->a.block_k) - v_off;
-    const ma_dtype kvt = FN(kv_dtype)(&p->a);
-    if (!ROWS_SCORES(p, s, b, h, i0, nr, nh, k_off, nc, pf_k)) {
-        if (ks[3] == 1) DOT_KEYS(s, nc, q, R, D, p->a.k, kvt, k_off, ks[2], nc, pf_k);
-        else /* keys side by side, each element a row apart: a K^T page (the serving cache's layout) */
-            DOT_KEYS_T(s, nc, q, R, D, p->a.k, kvt, k_off, ks[3], nc, pf_k);
-    }
-    FN(kv_scale)(s, nc, 1, R, &p->a, &p->a.opts.k_scale, b, hk, j0, nc);
-    FN(apply_softcap)(s, R * nc, p->a.opts.softcap, NULL);
-    for (int64_t y = 0; y < nh; y++) FN(add_bias)(s + y * nr * nc, nc, 1, &p->a, am_state, b, h + y, i0, nr, j0, nc);
-    for (int64_t r = 0; r < R; r++) {
-        m_new[r] = ROW_MAX(s + r * nc, nc, m[r]);
-        (void)EXP_SUB_SUM(s + r * nc, nc, m_new[r] == -(ACC)INFINITY ? 0 : m_new[r]);
-    }
-    FN(sum_rows_in_order)(s, nc, R, lsum);
-    if (FN(online_step)(m, m_new, l, lsum, alpha, R)) FN(scale_rows)(o, Dv, R, Dv, alpha);
-    if (dr) DROPOUT(s, NULL, nc, 1, nr, nc, dr, i0, j0); /* nh = 1; l summed the whole P; O takes P' */
-    FN(kv_scale)(s, nc, 1, R, &p->a, &p->a.opts.v_scale, b, hk, j0, nc);
-    AXPY_KEYS(o, s, nc, R, Dv, p->a.v, kvt, v_off, vs[2], nc, pf_v);
-}
-
 static size_t FN(generic_fwd_scratch_bytes)(const ma_attn_fwd_params *p) {
     return ma_round_up(MA_CACHE_LINE + FN(fwd_scratch_elems)(p) * sizeof(ACC), MA_CACHE_LINE);
 }
@@ -996,38 +896,18 @@ static size_t FN(fwd_scratch_bytes)(const ma_attn_fwd_params *p) {
     return n;
 }
 
-/* Item w's run: the items from w on that are heads h, h + 1, ... of the same
- * entry and query block, taken together where the query block goes by rows
- * (at most FN(fwd_head_group); 1 elsewhere); and each head's state in hd:
- * scale * Q, m = -inf, l = 0, O = 0. Returns the run's length. */
-static int64_t FN(fwd_run_begin)(FN(fwd_task) * c, const ma_attn_fwd_params *p0, const ma_attn_fwd_params *p, int64_t w,
-                                 int64_t end, int64_t b, int64_t h, int64_t qb, int64_t i0, int64_t nr, int by_rows,
-                                 FN(fwd_head) * hd) {
-    const int64_t D = p->a.D, Dv = p->a.Dv, hk = h / (p->a.H / p->a.Hkv), HGmax = FN(fwd_head_group)(p0);
-    int64_t run = 1;
-    if (by_rows)
-        for (int64_t b2, h2, qb2; run < HGmax && w + run < end; run++) {
-            FN(q_item)(&p0->a, w + run, &b2, &h2, &qb2);
-            if (b2 != b || qb2 != qb || h2 != h + run) break;
-        }
-    for (int64_t x = 0; x < run; x++) {
-        FN(fwd_head) *e = &hd[x];
-        if (run == 1) e->q = c->t.qT, e->o = c->t.o, e->m = c->t.m, e->l = c->t.l;
-        else FN(fwd_head_carve)(&c->t, x, nr, D, Dv, e);
-        e->dr = FN(head_dropout)(&p->a, b, h + x, &e->dr_buf);
-        if (by_rows) /* scale * Q rows, (nr, D), in qT's place */
-            for (int64_t r = 0; r < nr; r++)
-                FN(convert_row)(e->q + r * D, 1, p->a.q, p->a.dtype,
-                                b * p->a.q_stride[0] + (h + x) * p->a.q_stride[1] + (i0 + r) * p->a.q_stride[2],
-                                p->a.q_stride[3], D, (ACC)p->a.scale);
-        else FWD_STEP(query, b, h, hk, i0, nr);
-        for (int64_t r = 0; r < nr; r++) {
-            e->m[r] = -(ACC)INFINITY;
-            e->l[r] = 0;
-        }
-        for (int64_t y = 0; y < nr * Dv; y++) e->o[y] = 0;
+/* A tile-path item's state in c->t: scale * Q packed (FWD_STEP(query)), m = -inf, l = 0,
+ * O = 0, and its dropout. */
+static void FN(fwd_item_begin)(FN(fwd_task) * c, const ma_attn_fwd_params *p, int64_t b, int64_t h, int64_t i0,
+                               int64_t nr, FN(fwd_head) * e) {
+    e->q = c->t.qT, e->o = c->t.o, e->m = c->t.m, e->l = c->t.l;
+    e->dr = FN(head_dropout)(&p->a, b, h, &e->dr_buf);
+    FWD_STEP(query, b, h, h / (p->a.H / p->a.Hkv), i0, nr);
+    for (int64_t r = 0; r < nr; r++) {
+        e->m[r] = -(ACC)INFINITY;
+        e->l[r] = 0;
     }
-    return run;
+    for (int64_t y = 0; y < nr * p->a.Dv; y++) e->o[y] = 0;
 }
 
 /* One key block j0 .. j0 + nc of the tile path (head h, query block i0 .. i0 + nr,
@@ -1126,15 +1006,10 @@ static void FN(fwd_weights)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const
     }
 }
 
-/* The forward task: work items begin .. end (b, h, query block), a run of
- * heads at a time; per key block of the item's range, the rows step
- * (FN(fwd_rows_step)) or the tile step (FN(fwd_tile_block)); then each
- * head's end (out, lse) and, on request, its weights. */
-static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
-    const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
+/* A forward task's set-up (its scratch, the generic steps' state, the hooks') and end. */
+static void FN(fwd_task_begin)(FN(fwd_task) * c, const ma_task_ctx *ctx) {
     const ma_attn_fwd_params *p0 = (const ma_attn_fwd_params *)ctx->params;
     ma_scratch_header *hdr = (ma_scratch_header *)ctx->scratch;
-    FN(fwd_task) task, *c = &task;
     c->t = FN(fwd_carve)(ctx->scratch, p0);
     c->t.vc =
         c->t.kc + (FN(needs_copy)(FN(kv_dtype)(&p0->a), p0->a.k_stride) ? p0->a.Lk * p0->a.D : 0); /* the longest */
@@ -1145,46 +1020,50 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
     if (c->hooked)
         FN(tiles_fwd_begin)(&c->tiles, p0, &c->t, hdr, (char *)ctx->scratch + FN(generic_fwd_scratch_bytes)(p0));
 #endif
-    const int64_t G = p0->a.H / p0->a.Hkv, BQ = p0->a.block_q, BK = p0->a.block_k;
-    for (int64_t w = begin, run; w < end; w += run) {
+}
+
+static void FN(fwd_task_end)(FN(fwd_task) * c) {
+#ifdef MA_TILE_HOOKS
+    if (c->hooked) FN(tiles_end)();
+#endif
+    (void)c;
+    FN(fence_streams)();
+}
+
+#include "decode_tmpl.h"
+
+/* The forward task (the tile path): work items begin .. end (b, h, query block); per key block
+ * of the item's range FN(fwd_tile_block), then the head's end (out, lse) and, on request, its
+ * weights. Where the call also runs the decode kernel (a varlen batch with entries of at most
+ * MA_DECODE_QROWS rows), those entries' items are the decode kernel's and skipped here. */
+static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
+    const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
+    const ma_attn_fwd_params *p0 = (const ma_attn_fwd_params *)ctx->params;
+    FN(fwd_task) task, *c = &task;
+    FN(fwd_task_begin)(c, ctx);
+    const int64_t BQ = p0->a.block_q, BK = p0->a.block_k;
+    for (int64_t w = begin; w < end; w++) {
         int64_t b, h, qb;
         FN(q_item)(&p0->a, w, &b, &h, &qb);
         ma_attn_fwd_params loc;
         const ma_attn_fwd_params *p = FN(fwd_seq)(p0, b, &loc); /* entry b's extent */
+        if (p0->decode_splits > 0 && p->a.Lq <= MA_DECODE_QROWS) continue;
         c->gen.p = p;
         const int64_t i0 = qb * BQ, nr = ma_min(BQ, p->a.Lq - i0);
         int64_t kv_begin, kv_end;
         FN(kv_range)(&p->a, i0, nr, &kv_begin, &kv_end);
-        const int by_rows = FN(fwd_by_rows)(p, nr);
-        FN(fwd_head) hd[MA_FWD_HEAD_GROUP_MAX];
-        run = FN(fwd_run_begin)(c, p0, p, w, end, b, h, qb, i0, nr, by_rows, hd);
-
+        FN(fwd_head) e;
+        FN(fwd_item_begin)(c, p, b, h, i0, nr, &e);
         for (int64_t j0 = kv_begin; j0 < kv_end; j0 += BK) {
             const int64_t nc = FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
             if (nc == 0) continue;
-            for (int64_t x = 0, nh; x < run; x += nh) { /* the tile path: run = 1 */
-                const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h + x, i0, nr, j0, nc);
-                /* the rows path takes the query heads of one key head together, as one block of
-                 * rows: K and V read once for them (each row's sums are its own, the same bits) */
-                nh = 1;
-                if (by_rows && run > 1 && !hd[x].dr)
-                    while (x + nh < run && (h + x + nh) / G == (h + x) / G && (nh + 1) * nr <= MA_FWD_ROWS &&
-                           !hd[x + nh].dr && FN(mask_tile_state)(&p->a.attn_mask, b, h + x + nh, i0, nr, j0, nc) == ms)
-                        nh++;
-                if (ms == MA_TILE_BLOCKED) continue; /* contributes exactly 0 */
-                if (by_rows)
-                    FN(fwd_rows_step)(c, p, hd[x].q, c->t.sT, hd[x].o, hd[x].m, hd[x].l, c->t.m_new, c->t.lsum,
-                                      c->t.lse, b, h + x, (h + x) / G, i0, nr, j0, nc, ms, hd[x].dr, x, run, nh);
-                else FN(fwd_tile_block)(c, p, hd[x].dr, b, h, i0, nr, j0, nc, ms);
-            }
+            const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
+            if (ms != MA_TILE_BLOCKED) FN(fwd_tile_block)(c, p, e.dr, b, h, i0, nr, j0, nc, ms);
         }
-        for (int64_t x = 0; x < run; x++) FN(fwd_head_end)(c, p, &hd[x], b, h + x, i0, nr, by_rows);
-        if (p->weights) FN(fwd_weights)(c, p, hd[0].dr, b, h, i0, nr, kv_begin, kv_end);
+        FN(fwd_head_end)(c, p, &e, b, h, i0, nr, 0);
+        if (p->weights) FN(fwd_weights)(c, p, e.dr, b, h, i0, nr, kv_begin, kv_end);
     }
-#ifdef MA_TILE_HOOKS
-    if (c->hooked) FN(tiles_end)();
-#endif
-    FN(fence_streams)();
+    FN(fwd_task_end)(c);
 }
 #undef FWD_STEP
 #undef ROWS_SCORES
@@ -1984,8 +1863,8 @@ static void FN(attn_bwd_reduce)(int64_t begin, int64_t end, void *vctx) {
 #undef EXP_SUB_COL
 #undef TRANSPOSE
 #undef ROW_MAX
-#undef DOT_KEYS
 #undef DOT_KEYS_T
+#undef DOT_ROWS
 #undef AXPY_KEYS
 #undef DROPOUT
 #undef FN

@@ -24,13 +24,17 @@
  *                                  keeps the tanh for the backward. The scalar
  *                                  block is libm's tanh; the SIMD one the
  *                                  vocabulary's vf_tanh (a few float32 ulps off it)
- *   dot_keys_X(s, lds, q, nr, D, k, dt, off, ld, nc, pf)
+ *   dot_rows_X(s, lds, q, nr, D, k, dt, off, ld, nc, pf)
  *       s[r*lds + c] = q[r*D : r*D + D] . k[off + c*ld : ... + D], k in its own
- *       dtype, summed in gemm_X's order (bit for bit the tile's score)
+ *       dtype, in the decoding's order: 16 partial sums, partial j the terms
+ *       d = j (mod 16) in order from d = 0 (one FMA each; the scalar block a
+ *       product and a sum), then folded in halves (p_j + p_(j+8), then + 4,
+ *       + 2, + 1), so that each key row is read once, in order; not the
+ *       GEMM's bits (docs/design.md, "Decoding")
  *   dot_keys_t_X(s, lds, q, nr, D, k, dt, off, ldd, nc, pf)
- *       the same scores from keys stored transposed: element d of key c at
- *       k[off + c + d*ldd] (a K^T page), the same sum in the same order, no
- *       transposes
+ *       the scores from keys stored transposed: element d of key c at
+ *       k[off + c + d*ldd] (a K^T page), summed in gemm_X's order (bit for bit
+ *       the tile's score), no transposes
  *   axpy_keys_X(o, p, ldp, nr, Dv, v, dt, off, ld, nc, pf)
  *       o[r*Dv + d] += sum_c p[r*ldp + c] v[off + c*ld + d], v in its own dtype,
  *       in gemm_X's order
@@ -90,8 +94,6 @@ typedef struct {
     void (*exp_sub_col)(float *x, int64_t rows, int64_t n, const float *m, float *sum);
     void (*transpose)(float *dst, const float *src, int64_t lds, int64_t nr, int64_t ncol, float mul);
     float (*row_max)(const float *x, int64_t n, float m);
-    void (*dot_keys)(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
-                     int64_t off, int64_t ld, int64_t nc, int64_t pf);
     void (*axpy_keys)(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v, ma_dtype dt,
                       int64_t off, int64_t ld, int64_t nc, int64_t pf);
     void (*gemm_rowscale)(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs, const float *B,
@@ -102,6 +104,8 @@ typedef struct {
     void (*dot_keys_t)(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
                        int64_t off, int64_t ldd, int64_t nc, int64_t pf);
     void (*quantize_row)(const void *x, ma_dtype dt, int64_t n, int8_t *q, float *scale);
+    void (*dot_rows)(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
+                     int64_t off, int64_t ld, int64_t nc, int64_t pf);
 } ma_blocks;
 
 /* The float blocks of variant isa (AMX and AVX512-BF16: AVX-512's, SVE-BF16: NEON's, which their
@@ -121,6 +125,8 @@ typedef struct {
     ma_task_fn fwd, bwd_dq, bwd_dkdv, bwd_fused, bwd_reduce;
     size_t (*fwd_scratch_bytes)(const ma_attn_fwd_params *p);
     size_t (*bwd_scratch_bytes)(const ma_attn_bwd_params *p);
+    ma_task_fn decode, decode_merge; /* decode_tmpl.h */
+    size_t (*decode_scratch_bytes)(const ma_attn_fwd_params *p);
 } ma_attn_kernels;
 
 extern const ma_attn_kernels ma_attn_kernels_scalar, ma_attn_kernels_f64, ma_attn_kernels_avx2, ma_attn_kernels_avx512,

@@ -76,14 +76,17 @@ static T B_(row_max)(const T *x, int64_t n, T m) {
     return m;
 }
 
-static void B_(dot_keys)(T *s, int64_t lds, const T *q, int64_t nr, int64_t D, const void *k, ma_dtype dt, int64_t off,
+/* 16 partial sums (partial j: the terms d = j mod 16, in order), folded in halves */
+static void B_(dot_rows)(T *s, int64_t lds, const T *q, int64_t nr, int64_t D, const void *k, ma_dtype dt, int64_t off,
                          int64_t ld, int64_t nc, int64_t pf) {
-    (void)pf; /* the reference prefetches nothing */
+    (void)pf;
     for (int64_t r = 0; r < nr; r++)
         for (int64_t c = 0; c < nc; c++) {
-            T acc = 0;
-            for (int64_t d = 0; d < D; d++) acc += q[r * D + d] * LOADT(k, dt, off + c * ld + d);
-            s[r * lds + c] = acc;
+            T p[16] = {0};
+            for (int64_t d = 0; d < D; d++) p[d % 16] += q[r * D + d] * LOADT(k, dt, off + c * ld + d);
+            for (int w = 16; w > 1; w /= 2)
+                for (int t = 0; t < w / 2; t++) p[t] += p[t + w / 2];
+            s[r * lds + c] = p[0];
         }
 }
 

@@ -10,7 +10,7 @@
  * every instruction set: c = 0 (or C, or rs[r] * C rounded once), then
  * c = fma(a_p, b_p, c) for p = 0, 1, ... in order, one FMA per p in one lane.
  * So results never depend on the block shape or where a tile is split, and
- * dot_keys, dot_keys_t and axpy_keys are bit for bit the GEMM's
+ * dot_keys_t and axpy_keys are bit for bit the GEMM's
  * (tests/c/test_blocks.c).
  */
 #ifndef MA_ATTENTION_BLOCKS_SIMD_H
@@ -271,75 +271,164 @@ static float BLK(row_max)(const float *x, int64_t n, float m) {
 
 /* ---- keys and values in their own dtype ----------------------------------- */
 
-/* One query row against keys c0 .. c0 + 2 VL: 2 groups of VL keys, 2 independent FMA
- * chains. Each group takes a whole cache line of its VL rows (SVE from 1024 bits: a vector,
- * lines) before the other group's, so that VL rows, not 2 VL, share an L1 set where rows are
- * a multiple of 4 KB apart (a (B, L, H, D) cache: the heads' rows). full: D % VL == 0 (no
- * tests in the FMA sequence). */
-MA_INLINE void dot_keys_row(const int full, float *s, const float *q, int64_t D, const void *k, const ma_dtype dt,
-                            int64_t off, int64_t ld, int64_t c0, int64_t pf) {
-    const int64_t es = ma_dtype_size(dt), le = ma_max(MA_CACHE_LINE / es, MA_VL); /* elements per step */
-    vf acc[2] = {vf_zero(), vf_zero()};
-    for (int64_t dl = 0; dl < D; dl += le)
-#pragma GCC unroll 2
-        for (int g = 0; g < 2; g++)
-            for (int64_t d0 = dl; d0 < ma_min(dl + le, D); d0 += MA_VL) {
-                const int64_t dn = full ? MA_VL : ma_min(MA_VL, D - d0);
-                const int line = pf && d0 == dl; /* the first elements of a line */
-                vf x[MA_VL];
-#pragma GCC unroll 16
-                for (int i = 0; i < MA_VL; i++) {
-                    const int64_t o = off + (c0 + MA_VL * g + i) * ld + d0;
-                    x[i] = vf_load_dt(k, dt, o, dn);
-                    if (line)
-                        for (int64_t b = 0; b < le * es; b += MA_CACHE_LINE)
-                            prefetch_ahead((const char *)k + (o + pf) * es + b, pf * es);
-                }
-                vf_transpose(x);
-#pragma GCC unroll 16 /* x[dd] at constant indices: the block stays in registers */
-                for (int dd = 0; dd < MA_VL; dd++)
-                    if (full || dd < dn) acc[g] = vf_fma(x[dd], vf_set1(q[d0 + dd]), acc[g]);
-            }
-    for (int g = 0; g < 2; g++) vf_store(s + c0 + MA_VL * g, acc[g]);
+/* Prefetches every line of n bytes at p + pf_bytes (a vector of SVE from 1024 bits is longer than a line). */
+MA_INLINE void prefetch_lines(const char *p, int64_t n, int64_t pf_bytes) {
+    for (int64_t b = 0; b < n; b += MA_CACHE_LINE) prefetch_ahead(p + pf_bytes + b, pf_bytes);
 }
 
-/* s[r * lds + c] = q_r . k_c (one FMA per d, in order, from 0): VL keys in the lanes, their
- * VL x VL blocks of K transposed in registers, so every query row reuses each block. nr <= 8.
- * Instantiated per dtype (dt a constant after inlining).
- * Decoding (nr = 1) streams K and V from memory once, so dot_keys and axpy_keys prefetch
- * the line pf elements past each line they read (the template: for one head alone the rows
- * a key block ahead; in a run of heads the next head's part of the same rows). Past the
- * last key the prefetches touch memory that is not the tensor's: a prefetch is a hint that
- * never faults. */
-MA_INLINE void dot_keys_dt(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k,
-                           const ma_dtype dt, int64_t off, int64_t ld, int64_t nc, int64_t pf) {
-    int64_t c0 = 0;
-    if (nr == 1) {
-        for (; c0 + 2 * MA_VL <= nc; c0 += 2 * MA_VL)
-            if (D % MA_VL == 0) dot_keys_row(1, s, q, D, k, dt, off, ld, c0, pf);
-            else dot_keys_row(0, s, q, D, k, dt, off, ld, c0, pf);
-    }
-    for (; c0 < nc; c0 += MA_VL) {
-        const int64_t nk = ma_min(MA_VL, nc - c0);
-        vf acc[8];
-        for (int r = 0; r < 8; r++) acc[r] = vf_zero();
-        for (int64_t d0 = 0; d0 < D; d0 += MA_VL) {
-            const int64_t dn = ma_min(MA_VL, D - d0);
-            vf x[MA_VL];
-            for (int i = 0; i < MA_VL; i++) /* keys past nc: nothing read */
-                x[i] = i < nk ? vf_load_dt(k, dt, off + (c0 + i) * ld + d0, dn) : vf_zero();
-            vf_transpose(x); /* x[dd] lane i = k[c0 + i][d0 + dd] */
-#pragma GCC unroll 16
-            for (int dd = 0; dd < MA_VL; dd++)
-                for (int r = 0; r < 8; r++)
-                    if (dd < dn && r < nr) acc[r] = vf_fma(x[dd], vf_set1(q[r * D + d0 + dd]), acc[r]);
+/* ---- dot_rows: scores from key rows read in order ------------------------------------------
+ *
+ * s[r * lds + c] = q_r . k_c as 16 partial sums, partial j the terms d = j (mod 16) in order
+ * from d = 0 (one FMA each), folded in halves: p_j + p_(j+8), then + 4, + 2, + 1 (blocks.h).
+ * Each key row is read once, in order, a vector of D at a time: the decoding's stream (the
+ * keys-in-lanes order of the GEMM reads VL rows a vector each, which the hardware prefetchers
+ * do not follow: 3.8 GB/s of K on one Zen 3 core against 10 in order). The transposes are of
+ * the partial sums, once per VL keys. MA_DR_P vectors hold a key's 16 partial sums (MA_DR_W
+ * each); RP rows of KI keys at a time: RP KI MA_DR_P chains (MA_DR_CHAINS: what the registers
+ * hold beside the keys' vectors). */
+#define MA_DR_P (MA_VL < 16 ? 16 / MA_VL : 1)
+#define MA_DR_W (MA_VL < 16 ? MA_VL : 16)
+#ifndef MA_DR_CHAINS
+#define MA_DR_CHAINS 8
+#endif
+#define MA_DR_ROWS ma_max(1, 8 / MA_DR_P)
+#define MA_DR_KI(RP) ma_max(1, MA_DR_CHAINS / ((RP) * MA_DR_P))
+
+/* Rows 0 .. RP of q against keys c .. c + KI: each key's partial sums, folded across its
+ * vectors, into xs[r * VL + i + j] (key c + j). full: D % 16 == 0. */
+MA_INLINE void dot_rows_keys(const int RP, const int KI, const int full, vf *xs, int64_t i, const float *q, int64_t D,
+                             const void *k, const ma_dtype dt, int64_t off, int64_t ld, int64_t c, int64_t pf) {
+    const int64_t es = ma_dtype_size(dt);
+    vf acc[8]; /* acc[(j * RP + r) * MA_DR_P + u] */
+#pragma GCC unroll 8
+    for (int x = 0; x < KI * RP * MA_DR_P; x++) acc[x] = vf_zero();
+    for (int64_t d = 0; d < D; d += 16) {
+        vf kv[8]; /* kv[j * MA_DR_P + u] */
+#pragma GCC unroll 8
+        for (int j = 0; j < KI; j++) {
+            const int64_t o = off + (c + j) * ld + d;
+            if (pf && (d * es) % MA_CACHE_LINE == 0) prefetch_lines((const char *)k + o * es, 16 * es, pf * es);
+#pragma GCC unroll 4
+            for (int u = 0; u < MA_DR_P; u++)
+                kv[j * MA_DR_P + u] =
+                    vf_load_dt(k, dt, o + u * MA_DR_W, full ? MA_DR_W : ma_min(MA_DR_W, D - d - u * MA_DR_W));
         }
-        for (int r = 0; r < 8; r++)
-            if (r < nr) store_k(nk == MA_VL, s + r * lds + c0, vm_first(nk), acc[r]);
+#pragma GCC unroll 8
+        for (int r = 0; r < RP; r++)
+#pragma GCC unroll 4
+            for (int u = 0; u < MA_DR_P; u++) {
+                const int64_t n = full ? MA_DR_W : ma_min(MA_DR_W, D - d - u * MA_DR_W);
+                const vf qv = vf_load_dt(q, MA_F32, r * D + d + u * MA_DR_W, n);
+#pragma GCC unroll 8
+                for (int j = 0; j < KI; j++)
+                    acc[(j * RP + r) * MA_DR_P + u] = vf_fma(kv[j * MA_DR_P + u], qv, acc[(j * RP + r) * MA_DR_P + u]);
+            }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < KI; j++)
+#pragma GCC unroll 8
+        for (int r = 0; r < RP; r++) {
+            vf *a = acc + (j * RP + r) * MA_DR_P;
+            for (int w = MA_DR_P; w > 1; w /= 2) /* vectors u and u + w / 2: partials 16 / w apart... */
+#pragma GCC unroll 4
+                for (int u = 0; u < w / 2; u++) a[u] = vf_add(a[u], a[u + w / 2]);
+            xs[r * MA_VL + i + j] = a[0];
+        }
+}
+
+/* Rows 0 .. RP (at most MA_DR_ROWS), every key: VL keys at a time, their folded partial sums
+ * transposed (lane t of every key in x[t]) and folded across the lanes. */
+MA_INLINE void dot_rows_pass(const int RP, float *s, int64_t lds, const float *q, int64_t D, const void *k,
+                             const ma_dtype dt, int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+    const int KI = MA_DR_KI(RP);
+    vf xs[8 * MA_VL];
+    for (int64_t c0 = 0; c0 < nc; c0 += MA_VL) {
+        const int64_t nk = ma_min(MA_VL, nc - c0);
+        int64_t i = 0;
+        if (D % 16 == 0) {
+            for (; i + KI <= nk; i += KI) dot_rows_keys(RP, KI, 1, xs, i, q, D, k, dt, off, ld, c0 + i, pf);
+            for (; i < nk; i++) dot_rows_keys(RP, 1, 1, xs, i, q, D, k, dt, off, ld, c0 + i, pf);
+        } else {
+            for (; i < nk; i++) dot_rows_keys(RP, 1, 0, xs, i, q, D, k, dt, off, ld, c0 + i, pf);
+        }
+        for (int r = 0; r < RP; r++) {
+            vf *x = xs + r * MA_VL;
+            for (int64_t y = nk; y < MA_VL; y++) x[y] = vf_zero();
+            vf_transpose(x);
+            for (int w = MA_DR_W; w > 1; w /= 2)
+                for (int t = 0; t < w / 2; t++) x[t] = vf_add(x[t], x[t + w / 2]);
+            store_k(nk == MA_VL, s + r * lds + c0, vm_first(nk), x[0]);
+        }
     }
 }
 
-/* dot_keys from a K^T page (element d of key c at off + c + d * ldd): keys in the lanes as
+MA_INLINE void dot_rows_dt(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k,
+                           const ma_dtype dt, int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+    for (int64_t r0 = 0; r0 < nr; r0 += MA_DR_ROWS) {
+        const int64_t RP = ma_min(MA_DR_ROWS, nr - r0), pr = r0 == 0 ? pf : 0;
+        float *s_r = s + r0 * lds;
+        const float *q_r = q + r0 * D;
+#define MA_PASS(R) dot_rows_pass(R, s_r, lds, q_r, D, k, dt, off, ld, nc, pr)
+        switch (RP) {
+        case 1: MA_PASS(1); break;
+        case 2: MA_PASS(2); break;
+        case 3: MA_PASS(3); break;
+        case 4: MA_PASS(4); break;
+        case 5: MA_PASS(ma_min(5, MA_DR_ROWS)); break;
+        case 6: MA_PASS(ma_min(6, MA_DR_ROWS)); break;
+        case 7: MA_PASS(ma_min(7, MA_DR_ROWS)); break;
+        default: MA_PASS(ma_min(8, MA_DR_ROWS)); break;
+        }
+#undef MA_PASS
+    }
+}
+
+static void BLK(dot_rows)(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
+                          int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+    if (dt == MA_F32) dot_rows_dt(s, lds, q, nr, D, k, MA_F32, off, ld, nc, pf);
+    else if (dt == MA_BF16) dot_rows_dt(s, lds, q, nr, D, k, MA_BF16, off, ld, nc, pf);
+    else if (dt == MA_I8) dot_rows_dt(s, lds, q, nr, D, k, MA_I8, off, ld, nc, pf);
+    else dot_rows_dt(s, lds, q, nr, D, k, MA_F16, off, ld, nc, pf);
+}
+
+/* ---- axpy_rows: P V with the value rows read in order ----------------------------------------
+ *
+ * axpy_keys' sums (o[r][d] += p[r][c] v_c[d], one FMA per key in key order, so its bits) with
+ * the value rows taken MA_PV_KEYS at a time, whole, in order, before the next keys': the output
+ * rows' strips (MA_PV_NV vectors, MA_PV_ROWS rows) go through the registers once per MA_PV_KEYS
+ * keys. */
+#ifndef MA_PV_KEYS
+#define MA_PV_KEYS 2 /* 1: a store of O per key; 4 or 8: the rows interleaved past what the prefetchers follow */
+#endif
+#define MA_PV_ROWS 4
+#define MA_PV_NV(R) ((R) >= 4 ? 2 : (R) == 3 ? 2 : (R) == 2 ? 4 : 8)
+
+MA_INLINE void axpy_rows_block(const int R, const int NV, const int KS, float *o, const float *p, int64_t ldp, int64_t Dv,
+                               const void *v, const ma_dtype dt, int64_t off, int64_t ld, int64_t d0, int64_t c0) {
+    vf acc[8]; /* acc[r * NV + u] */
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int u = 0; u < NV; u++) acc[r * NV + u] = vf_load(o + r * Dv + d0 + MA_VL * u);
+#pragma GCC unroll 8
+    for (int c = 0; c < KS; c++) {
+        vf vv[8];
+#pragma GCC unroll 8
+        for (int u = 0; u < NV; u++) vv[u] = vf_load_dt(v, dt, off + (c0 + c) * ld + d0 + MA_VL * u, MA_VL);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const vf pr = vf_set1(p[r * ldp + c0 + c]);
+#pragma GCC unroll 8
+            for (int u = 0; u < NV; u++) acc[r * NV + u] = vf_fma(pr, vv[u], acc[r * NV + u]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int u = 0; u < NV; u++) vf_store(o + r * Dv + d0 + MA_VL * u, acc[r * NV + u]);
+}
+
+/* Scores from a K^T page (element d of key c at off + c + d * ldd): keys in the lanes as
  * they lie, one FMA per d in order from 0, the same bits without the transposes. A strip takes
  * NV vectors of keys for NR query rows (the query heads of one key head), NR * NV chains;
  * each line read prefetches the line pf elements on (the next key block, or the next head's). */
@@ -424,7 +513,7 @@ MA_INLINE void axpy_keys_strip(const int R, const int NV, const int full, float 
             if (n[u] == 0) break;
             const vf vv = vf_load_dt(v, dt, off + c * ld + d0 + MA_VL * u, n[u]);
             for (int r = 0; r < R; r++) acc[r][u] = vf_fma(pv[r], vv, acc[r][u]);
-            if (pf && (MA_VL * u * es) % MA_CACHE_LINE == 0) /* see dot_keys; d0 * es is a multiple of a line */
+            if (pf && (MA_VL * u * es) % MA_CACHE_LINE == 0) /* d0 * es is a multiple of a line */
                 prefetch_ahead((const char *)v + (off + c * ld + d0 + MA_VL * u + pf) * es, pf * es);
         }
     }
@@ -444,8 +533,48 @@ MA_INLINE void axpy_keys_rows(const int R, float *o, const float *p, int64_t ldp
 
 /* MA_AXPY_ROWS = 4: the query heads of a key head, 4 (or 3) rows at a time; then pairs, then
  * the last row alone. */
+/* Rows 0 .. R of o += keys c0 .. c0 + ks of P V (axpy_rows_block), every column: strips of
+ * MA_PV_NV(R) vectors, single vectors, then the last columns (Dv % VL) by axpy_keys_strip. */
+MA_INLINE void axpy_rows_keys(const int R, float *o, const float *p, int64_t ldp, int64_t Dv, const void *v,
+                              const ma_dtype dt, int64_t off, int64_t ld, int64_t c0, int64_t ks) {
+    const int NV = MA_PV_NV(R);
+    int64_t d0 = 0;
+    for (; d0 + NV * MA_VL <= Dv; d0 += NV * MA_VL)
+        if (ks == MA_PV_KEYS) axpy_rows_block(R, NV, MA_PV_KEYS, o, p, ldp, Dv, v, dt, off, ld, d0, c0);
+        else
+            for (int64_t c = 0; c < ks; c++) axpy_rows_block(R, NV, 1, o, p, ldp, Dv, v, dt, off, ld, d0, c0 + c);
+    for (; d0 + MA_VL <= Dv; d0 += MA_VL)
+        for (int64_t c = 0; c < ks; c++) axpy_rows_block(R, 1, 1, o, p, ldp, Dv, v, dt, off, ld, d0, c0 + c);
+    if (d0 < Dv)
+        for (int r = 0; r < R; r++)
+            axpy_keys_strip(1, 1, 0, o + r * Dv, p + r * ldp + c0, ldp, Dv, v, dt, off + c0 * ld, ld, ks, d0, 0);
+}
+
 MA_INLINE void axpy_keys_dt(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v,
                             const ma_dtype dt, int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+    if (Dv >= MA_VL) { /* the value rows MA_PV_KEYS at a time, whole (axpy_rows_block) */
+        const int64_t es = ma_dtype_size(dt);
+        for (int64_t c0 = 0; c0 < nc; c0 += MA_PV_KEYS) {
+            const int64_t ks = ma_min(MA_PV_KEYS, nc - c0);
+            if (pf)
+                for (int64_t c = 0; c < ks; c++)
+                    prefetch_lines((const char *)v + (off + (c0 + c) * ld) * es, Dv * es, pf * es);
+            for (int64_t r = 0; r < nr; r += MA_PV_ROWS) {
+                const int64_t R = ma_min(MA_PV_ROWS, nr - r);
+                float *o_r = o + r * Dv;
+                const float *p_r = p + r * ldp;
+#define MA_ROWS(R) axpy_rows_keys(R, o_r, p_r, ldp, Dv, v, dt, off, ld, c0, ks)
+                switch (R) {
+                case 1: MA_ROWS(1); break;
+                case 2: MA_ROWS(2); break;
+                case 3: MA_ROWS(3); break;
+                default: MA_ROWS(4); break;
+                }
+#undef MA_ROWS
+            }
+        }
+        return;
+    }
 #define MA_ROWS(R) axpy_keys_rows(R, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, r == 0 ? pf : 0)
     int64_t r = 0;
     if (MA_AXPY_ROWS >= 4 && nr >= 3) {
@@ -455,74 +584,6 @@ MA_INLINE void axpy_keys_dt(float *o, const float *p, int64_t ldp, int64_t nr, i
     for (; r + 2 <= nr; r += 2) MA_ROWS(2);
     if (r < nr) MA_ROWS(1);
 #undef MA_ROWS
-}
-
-/* dot_keys over int8 keys with D % (4 MA_VL) == 0: a chunk of 4 MA_VL dims of a key is MA_VL
- * 32-bit words, loaded as one vector (vf_load_bytes) per key of a group of MA_VL keys and
- * transposed once as 32-bit lanes: word w of every key in one vector, whose bytes t = 0..3
- * (dims 4 w + t) vf_i8_lane takes apart in order. One transpose per 4 MA_VL dims where
- * converted keys need four (the transposes bound dot_keys: the int8 cache halves the bytes,
- * not the shuffles); the same FMAs in the same order (d from 0), so bit for bit the generic
- * path's. G groups of keys side by side (2 for one row: two FMA chains in flight), NR rows
- * (nr <= NR; the rows past nr are skipped). */
-MA_INLINE void dot_keys_i8_keys(const int G, const int NR, float *s, int64_t lds, const float *q, int64_t nr, int64_t D,
-                                const int8_t *k, int64_t ld, int64_t c0, int64_t pf) {
-    vf acc[2][8];
-    for (int g = 0; g < G; g++)
-        for (int r = 0; r < NR; r++) acc[g][r] = vf_zero();
-    for (int64_t d0 = 0; d0 < D; d0 += 4 * MA_VL)
-        for (int g = 0; g < G; g++) {
-            /* the q elements are broadcast where the FMAs take them (a load each): loaded once
-             * for both groups, GCC keeps them in registers and broadcasts from there, a shuffle
-             * each on the port the transposes need (perf: +40% time in this block) */
-            const float *qg = q + d0;
-            __asm__("" : "+r"(qg));
-            vf x[MA_VL];
-#pragma GCC unroll 16
-            for (int i = 0; i < MA_VL; i++) {
-                const int8_t *row = k + (c0 + MA_VL * g + i) * ld + d0;
-                x[i] = vf_load_bytes(row);
-                if (pf) prefetch_ahead(row + pf, pf);
-            }
-            vf_transpose(x); /* x[w] lane i = dims 4 w .. 4 w + 3 of key c0 + MA_VL g + i */
-#pragma GCC unroll 16
-            for (int w = 0; w < MA_VL; w++) {
-                const vf kv[4] = {vf_i8_lane(x[w], 0), vf_i8_lane(x[w], 1), vf_i8_lane(x[w], 2), vf_i8_lane(x[w], 3)};
-#pragma GCC unroll 4
-                for (int t = 0; t < 4; t++)
-#pragma GCC unroll 8
-                    for (int r = 0; r < NR; r++)
-                        if (r < nr) acc[g][r] = vf_fma(kv[t], vf_set1(qg[r * D + 4 * w + t]), acc[g][r]);
-            }
-        }
-    for (int g = 0; g < G; g++)
-        for (int r = 0; r < NR; r++)
-            if (r < nr) vf_store(s + r * lds + c0 + MA_VL * g, acc[g][r]);
-}
-
-MA_INLINE void dot_keys_i8(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k, int64_t off,
-                           int64_t ld, int64_t nc, int64_t pf) {
-    const int8_t *k8 = (const int8_t *)k + off;
-    int64_t c0 = 0;
-    if (D % (4 * MA_VL) == 0) {
-        if (nr == 1)
-            for (; c0 + 2 * MA_VL <= nc; c0 += 2 * MA_VL) dot_keys_i8_keys(2, 1, s, lds, q, nr, D, k8, ld, c0, pf);
-        else if (nr == 2)
-            for (; c0 + MA_VL <= nc; c0 += MA_VL) dot_keys_i8_keys(1, 2, s, lds, q, nr, D, k8, ld, c0, pf);
-        else if (nr <= 4)
-            for (; c0 + MA_VL <= nc; c0 += MA_VL) dot_keys_i8_keys(1, 4, s, lds, q, nr, D, k8, ld, c0, pf);
-        else
-            for (; c0 + MA_VL <= nc; c0 += MA_VL) dot_keys_i8_keys(1, 8, s, lds, q, nr, D, k8, ld, c0, pf);
-    }
-    if (c0 < nc) dot_keys_dt(s + c0, lds, q, nr, D, k, MA_I8, off + c0 * ld, ld, nc - c0, pf);
-}
-
-static void BLK(dot_keys)(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
-                          int64_t off, int64_t ld, int64_t nc, int64_t pf) {
-    if (dt == MA_F32) dot_keys_dt(s, lds, q, nr, D, k, MA_F32, off, ld, nc, pf);
-    else if (dt == MA_BF16) dot_keys_dt(s, lds, q, nr, D, k, MA_BF16, off, ld, nc, pf);
-    else if (dt == MA_I8) dot_keys_i8(s, lds, q, nr, D, k, off, ld, nc, pf);
-    else dot_keys_dt(s, lds, q, nr, D, k, MA_F16, off, ld, nc, pf);
 }
 
 static void BLK(dot_keys_t)(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,

@@ -50,26 +50,14 @@ void ma_attn_bwd_fused_task(int64_t begin, int64_t end, void *ctx) {
 void ma_attn_bwd_reduce_task(int64_t begin, int64_t end, void *ctx) {
     KERNELS(PARAMS(ma_attn_bwd_params, ctx))->bwd_reduce(begin, end, ctx);
 }
+void ma_attn_decode_task(int64_t begin, int64_t end, void *ctx) {
+    KERNELS(PARAMS(ma_attn_fwd_params, ctx))->decode(begin, end, ctx);
+}
+void ma_attn_decode_merge_task(int64_t begin, int64_t end, void *ctx) {
+    KERNELS(PARAMS(ma_attn_fwd_params, ctx))->decode_merge(begin, end, ctx);
+}
 
 /* ---- rules on the shape ------------------------------------------------- */
-
-/* Heads of one query block a task may take together (masked_attn.h,
- * ma_attn_fwd_task): every query block short (varlen: a.Lq is the longest
- * sequence), no weights, and K's and V's heads side by side within a row
- * (head stride below the row stride). */
-static int64_t fwd_head_group(const ma_attn_fwd_params *p) {
-    const ma_attn_args *a = &p->a;
-    /* K rows with the heads side by side, or a K^T page (keys side by side, each head's block
-     * of them once per key block of every head in the run: a grouped-query head's G heads
-     * take it from L1) */
-    const int k_rows = a->k_stride[3] == 1 && a->k_stride[1] < a->k_stride[2];
-    const int k_t = a->k_stride[2] == 1 && a->k_stride[3] != 1;
-    const int v_rows = a->v_stride[3] == 1 && a->v_stride[1] < a->v_stride[2];
-    /* varlen: an entry's own length decides (a mixed batch's decodes take runs, its chunks one
-     * head at a time), so a long entry elsewhere does not stop them */
-    const int short_rows = a->Lq <= MA_FWD_ROWS || a->cu_q;
-    return short_rows && a->H > 1 && !p->weights && (k_rows || k_t) && v_rows ? MA_FWD_HEAD_GROUP_MAX : 1;
-}
 
 /* Varlen always takes the two passes: their items are sized by the real lengths. */
 int ma_attn_bwd_single_pass(const ma_attn_bwd_params *p) { return p->dweights == NULL && !p->a.cu_q; }
@@ -86,9 +74,15 @@ static _Atomic int64_t forced_cpus = 0;
 
 int64_t ma_attn_bwd_cpus_force(int64_t n) { return atomic_exchange(&forced_cpus, n > 0 ? n : 0); }
 
+/* The CPU count of the rules: forced, else the process's. */
+static int64_t rule_cpus(void) {
+    const int64_t forced = atomic_load(&forced_cpus);
+    return forced > 0 ? forced : ma_cpu_count();
+}
+
 static int64_t bwd_kv_chunks(const ma_attn_bwd_params *p) {
     const int64_t items = p->a.B * p->a.Hkv, nk = ma_cdiv(p->a.Lk, p->a.block_k);
-    const int64_t forced = atomic_load(&forced_cpus), cpus = forced > 0 ? forced : ma_cpu_count();
+    const int64_t cpus = rule_cpus();
     const int64_t want = cpus > 8 ? cpus : 8;
     if (items <= 0 || nk <= 1 || items >= want) return 1;
     const int64_t c = ma_min(ma_cdiv(want, items), MA_BWD_KV_CHUNKS_MAX);
@@ -222,43 +216,164 @@ static void plan_init(ma_plan *plan) {
     plan->workspace_bytes = 0, plan->bind = NULL;
 }
 
-static void fwd_bind(void *params, void *workspace) {
-    ma_attn_fwd_params *p = params;
-    varlen_fill(&p->a, 0, workspace, p->a.n_q_items);
-    p->a.q_items = workspace;
+
+/* ---- decoding (masked_attn.h, "Decoding") --------------------------------- */
+
+/* The shortest entry's query rows (dense: Lq). */
+static int64_t shortest_rows(const ma_attn_args *a) {
+    if (!a->cu_q) return a->Lq;
+    int64_t m = a->Lq;
+    for (int64_t b = 0; b < a->B; b++) m = ma_min(m, ma_max(seq_lq(a, b), 1));
+    return m;
 }
 
-/* Forward work items a thread takes at a time. Where runs of heads are
- * taken (head_group > 1: decoding from a cache whose heads lie side by side
- * in each row, or K^T pages; varlen calls with such a cache, whose items of
- * equal cost, consecutive heads of one entry and query block, follow each
- * other), up to a run's heads, while every thread still gets 2 takes. Else
- * consecutive query blocks of one head (the kernel orders a head's blocks
- * cheap, expensive, cheap, ...), up to the whole head, so that a thread
- * reads that head's K and V into its own L2 once instead of both threads
- * pulling every head; at least 8 takes per thread are left for balance;
- * other varlen calls one item at a time (its items come most expensive
- * first). */
+/* Some entry's query block short (dense: every one), no weights, K rows or K^T pages and V
+ * rows read in place (unit last stride): the decode kernel takes those entries. */
+static int decode_applies(const ma_attn_fwd_params *p) {
+    const ma_attn_args *a = &p->a;
+    return a->Lq >= 1 && !p->weights && a->Hkv > 0 && (a->k_stride[3] == 1 || a->k_stride[2] == 1) &&
+           a->v_stride[3] == 1 && shortest_rows(a) <= MA_DECODE_QROWS;
+}
+
+/* Slabs: the query heads of a key head in as few slabs of at most MA_DECODE_ROWS rows as
+ * there can be, of equal sizes but the last. Splits: where the (b, hkv, slab) items are fewer
+ * than twice the CPUs, each entry's key chunks go to enough items for twice the CPUs (two
+ * items per CPU let the pool even out a core slowed by other work; the chunks' partial
+ * states cost the same for any number of splits above one), at most one chunk an item. */
+int ma_attn_decode_shape(int64_t B, int64_t H, int64_t Hkv, int64_t kv_heads, int64_t Lq, int64_t Lk, int64_t cpus,
+                         ma_decode_shape *s) {
+    if (!s || B < 0 || Hkv <= 0 || H % Hkv != 0 || kv_heads < 1 || Hkv % kv_heads != 0 || Lq < 1 || Lk < 0) return -1;
+    const int64_t G = H / Hkv, per_slab = ma_max(1, ma_min(G, MA_DECODE_ROWS / Lq));
+    s->slabs = ma_max(1, ma_cdiv(G, per_slab));
+    s->slab_heads = ma_max(1, ma_cdiv(G, s->slabs));
+    s->chunks = ma_max(1, ma_cdiv(Lk, MA_DECODE_CHUNK));
+    const int64_t base = B * (Hkv / kv_heads) * s->slabs, want = 2 * ma_max(cpus, 1);
+    s->splits = base >= want || base == 0 ? 1 : ma_min(s->chunks, ma_cdiv(want, base));
+    s->items = base * s->splits;
+    s->item_chunks = ma_cdiv(s->chunks, s->splits);
+    return 0;
+}
+
+static _Atomic int64_t forced_splits = 0;
+
+int64_t ma_attn_decode_splits_force(int64_t n) { return atomic_exchange(&forced_splits, n > 0 ? n : 0); }
+
+/* Each entry's first chunk slot in the partial states (varlen): the chunks of the entries before it. */
+static int64_t decode_chunk_slots(const ma_attn_args *a, int64_t *chunk0) {
+    int64_t n = 0;
+    for (int64_t b = 0; b < a->B; b++) {
+        if (chunk0) chunk0[b] = n;
+        const int64_t Lk = a->cu_q ? (a->seqused_k ? a->seqused_k[b] : a->cu_k[b + 1] - a->cu_k[b]) : a->Lk;
+        n += ma_cdiv(Lk, MA_DECODE_CHUNK);
+    }
+    if (chunk0) chunk0[a->B] = n;
+    return n;
+}
+
+static size_t decode_part_bytes(const ma_attn_fwd_params *p) {
+    const size_t esz = p->a.dtype == MA_F64 ? sizeof(double) : sizeof(float);
+    const size_t slot = (size_t)(p->decode_rows * (p->a.Dv + 2)) * esz;
+    return ma_round_up((size_t)(decode_chunk_slots(&p->a, NULL) * p->a.Hkv * p->decode_slabs) * slot, MA_CACHE_LINE);
+}
+
+/* The forward's workspace: varlen's work-item table (where the tile path runs), then the
+ * decode kernel's partial states and (varlen) its entries' first chunk slots (where
+ * sequences are split). Returns its size; *at gets the two offsets. */
+static size_t fwd_layout(const ma_attn_fwd_params *p, int tiles, size_t at[2]) {
+    const ma_attn_args *a = &p->a;
+    size_t n = tiles && a->cu_q ? ma_round_up((size_t)a->n_q_items * 3 * sizeof(int64_t), MA_CACHE_LINE) : 0;
+    at[0] = n;
+    if (p->decode_splits > 1) n += decode_part_bytes(p);
+    at[1] = n;
+    if (p->decode_splits > 1 && a->cu_q) n += ma_round_up((size_t)(a->B + 1) * sizeof(int64_t), MA_CACHE_LINE);
+    return n;
+}
+
+static void fwd_bind(void *params, void *workspace) {
+    ma_attn_fwd_params *p = params;
+    char *w = workspace;
+    const int tiles = p->a.cu_q && (p->decode_splits == 0 || p->a.Lq > MA_DECODE_QROWS);
+    size_t at[2];
+    fwd_layout(p, tiles, at);
+    if (tiles) {
+        varlen_fill(&p->a, 0, (int64_t *)w, p->a.n_q_items);
+        p->a.q_items = (const int64_t *)w;
+    }
+    if (p->decode_splits > 1) {
+        p->decode_part = w + at[0];
+        if (p->a.cu_q) {
+            int64_t *chunk0 = (int64_t *)(w + at[1]);
+            decode_chunk_slots(&p->a, chunk0);
+            p->decode_chunk0 = chunk0;
+        }
+    }
+}
+
+/* The decode kernel's schedule (ma_attn_decode_shape on the entries' short query blocks,
+ * at most MA_DECODE_QROWS rows) into p; returns the (b, hkv, slab) items. */
+static int64_t decode_schedule(ma_attn_fwd_params *p) {
+    const ma_attn_args *a = &p->a;
+    const int64_t Lq = ma_min(a->Lq, MA_DECODE_QROWS);
+    /* a token's key heads side by side in each row (paged and packed caches, (B, L, H, D)
+     * projections), or K^T pages: as many key heads together as divide Hkv, at most
+     * MA_DECODE_KV_HEADS */
+    const int k_rows = a->k_stride[3] == 1 && a->k_stride[1] < a->k_stride[2];
+    const int k_t = a->k_stride[2] == 1 && a->k_stride[3] != 1;
+    const int v_rows = a->v_stride[3] == 1 && a->v_stride[1] < a->v_stride[2];
+    int64_t kg = 1;
+    if ((k_rows || k_t) && v_rows)
+        for (int64_t x = ma_min(a->Hkv, MA_DECODE_KV_HEADS); x > 1; x--)
+            if (a->Hkv % x == 0) {
+                kg = x;
+                break;
+            }
+    p->decode_kv_heads = kg;
+    ma_decode_shape s;
+    ma_attn_decode_shape(a->B, a->H, a->Hkv, kg, Lq, a->Lk, rule_cpus(), &s);
+    const int64_t forced = atomic_load(&forced_splits);
+    if (forced > 0) s.splits = ma_min(forced, s.chunks);
+    p->decode_slab_heads = s.slab_heads, p->decode_slabs = s.slabs, p->decode_splits = s.splits;
+    p->decode_rows = s.slab_heads * Lq;
+    return a->B * (a->Hkv / kg) * s.slabs;
+}
+
+/* The passes of a forward call: the decode kernel's (then its merge, where sequences are
+ * split) for the entries whose query rows are at most MA_DECODE_QROWS (every one of a dense
+ * call of such rows), the tile path's for the others (every query block of them, a last short
+ * one too, so that a prefill's rows have the tiles' bits whatever its length). Tile items a
+ * thread takes at a time: consecutive query blocks of one head (the kernel orders a head's
+ * blocks cheap, expensive, cheap, ...), up to the whole head, so that a thread reads that
+ * head's K and V into its own L2 once instead of both threads pulling every head; at least 8
+ * takes per thread are left for balance; varlen calls one item at a time (its items come
+ * most expensive first). Decode items are of equal cost where the call is dense. */
 int ma_attn_plan_fwd(ma_attn_fwd_params *p, int64_t threads, ma_plan *plan) {
     if (!p || !plan) return -1;
     ma_attn_args *a = &p->a;
     plan_init(plan);
-    p->head_group = fwd_head_group(p);
+    p->decode_splits = 0, p->decode_part = NULL, p->decode_chunk0 = NULL;
     const double per_head = (double)a->H * (double)(a->D + a->Dv);
-    int64_t n, g;
-    if (a->cu_q) {
-        plan->work = varlen_count(a) * per_head;
-        n = a->n_q_items;
-        plan->workspace_bytes = ma_round_up((size_t)n * 3 * sizeof(int64_t), MA_CACHE_LINE);
-        plan->bind = fwd_bind;
-    } else {
-        plan->work = (double)a->B * (double)a->Lq * (double)a->Lk * per_head;
-        n = a->B * a->H * ma_cdiv(a->Lq, a->block_q);
-    }
+    plan->work = (a->cu_q ? varlen_count(a) : (double)a->B * (double)a->Lq * (double)a->Lk) * per_head;
     plan->threads = plan_threads(plan->work, threads);
-    if (p->head_group > 1) g = grain(p->head_group, n, plan->threads, 2);
-    else g = a->cu_q ? 1 : grain(ma_cdiv(a->Lq, a->block_q), n, plan->threads, 8);
-    add_pass(plan, ma_attn_fwd_task, n, g, KERNELS(p)->fwd_scratch_bytes(p));
+    const int64_t T = plan->threads;
+    const int decode = decode_applies(p), tiles = !decode || a->Lq > MA_DECODE_QROWS;
+    int64_t bases = 0;
+    if (decode) {
+        bases = decode_schedule(p);
+        const int64_t n = bases * p->decode_splits;
+        add_pass(plan, ma_attn_decode_task, n, a->cu_q ? 1 : grain(16, n, T, 8), KERNELS(p)->decode_scratch_bytes(p));
+    }
+    if (tiles) {
+        const int64_t n = a->cu_q ? a->n_q_items : a->B * a->H * ma_cdiv(a->Lq, a->block_q);
+        const int64_t g = a->cu_q ? 1 : grain(ma_cdiv(a->Lq, a->block_q), n, T, 8);
+        add_pass(plan, ma_attn_fwd_task, n, g, KERNELS(p)->fwd_scratch_bytes(p));
+    }
+    if (decode && p->decode_splits > 1) {
+        const int64_t m = a->B * a->Hkv * p->decode_slabs;
+        add_pass(plan, ma_attn_decode_merge_task, m, grain(16, m, T, 8), KERNELS(p)->decode_scratch_bytes(p));
+    }
+    size_t at[2];
+    plan->workspace_bytes = fwd_layout(p, tiles, at);
+    if (plan->workspace_bytes) plan->bind = fwd_bind;
     return 0;
 }
 

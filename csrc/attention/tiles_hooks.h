@@ -344,11 +344,11 @@ static float *FN(tiles_fwd_o_rows)(FN(tiles) * s, float *oT) {
 }
 
 /* ---- the rows path's scores from key rows --------------------------------------
- * A short query block (attention_tmpl.h, FN(fwd_rows_step): decoding) of a bfloat16 call
+ * A short query block (decode_tmpl.h, FN(rows_step): decoding) of a bfloat16 call
  * reading bfloat16 key rows (ks[3] = 1: a (B, H, L, D) cache, flash-attn's pages) takes
  * S^T = K Q^T on the tiles, the key rows loaded as A tiles where they lie (tile_key_rows), Q^T
  * packed as B once per step: the tile path's product, so the tile path's scores bit for bit,
- * with no transposes of K (the AVX-512 dot_keys transposes every block to keep the GEMM's
+ * with no transposes of K (keys in the lanes would transpose every block to keep the GEMM's
  * order). s (R, nc) = scale (S^T)^T. A last partial tile of keys goes through a zero-padded
  * copy. Everything else stays with the AVX-512 blocks: P V (V rows are not a tile operand of
  * it), K^T pages and int8 keys (packing an operand to load it as a tile costs more than the

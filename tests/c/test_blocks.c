@@ -254,11 +254,24 @@ static void test_transpose(const ma_blocks *v) {
         }
 }
 
+/* dot_rows' order (blocks.h): 16 partial sums, partial j the terms d = j (mod 16) in
+ * order, folded in halves; each term one FMA (fmaf: exact) in a SIMD variant, a product and
+ * a sum in the scalar one (compiled without FMA contraction). */
+static float rows_expect(const ma_blocks *v, const float *q, const float *k, int64_t D) {
+    const int fma = strcmp(v->name, "scalar") != 0;
+    float p[16] = {0};
+    for (int64_t d = 0; d < D; d++) p[d % 16] = fma ? fmaf(q[d], k[d], p[d % 16]) : p[d % 16] + q[d] * k[d];
+    for (int w = 16; w > 1; w /= 2)
+        for (int t = 0; t < w / 2; t++) p[t] += p[t + w / 2];
+    return p[0];
+}
+
 /* The short-query blocks: row_max against the scalar one (exact, NaN
- * included); dot_keys and axpy_keys bit for bit equal to the variant's own
- * GEMM on the same operands (the forward relies on it: a query row gets the
- * same value from either path), for float32 rows, and on bfloat16 and
- * float16 rows bit for bit equal to float32 rows of the same values. */
+ * included); dot_rows bit for bit its order (rows_expect); dot_keys_t and
+ * axpy_keys bit for bit equal to the variant's own GEMM on the same operands
+ * (a K^T page's decode row gets the tile's value), for float32 keys, and on
+ * bfloat16 and float16 keys bit for bit equal to float32 keys of the same
+ * values. */
 static void test_rows(const ma_blocks *v) {
     static const int64_t ns[] = {1, 5, 15, 16, 17, 33, 64};
     static const int64_t ds[] = {1, 7, 16, 17, 64, 80, 128};
@@ -291,18 +304,24 @@ static void test_rows(const ma_blocks *v) {
                     for (int64_t d = 0; d < D; d++) qT[d * nr + r] = q[r * D + d] = frand();
                 v->gemm(nc, nr, D, k, ld, 1, qT, nr, sT, nr, 0); /* the tiles' scores, transposed */
                 for (int64_t x = 0; x < nr * lds; x++) s[x] = s2[x] = 7.0f;
-                v->dot_keys(s, lds, q, nr, D, k, MA_F32, 0, ld, nc, 64 * ld);
+                v->dot_rows(s2, lds, q, nr, D, k, MA_F32, 0, ld, nc, 64 * ld);
                 for (int64_t r = 0; r < nr; r++)
-                    for (int64_t c = 0; c < lds; c++)
-                        CHECK(c < nc ? s[r * lds + c] == sT[c * nr + r] : s[r * lds + c] == 7.0f,
-                              "%s dot_keys nr=%ld nc=%ld D=%ld s[%ld,%ld] %g vs gemm %g", v->name, (long)nr, (long)nc,
-                              (long)D, (long)r, (long)c, s[r * lds + c], c < nc ? sT[c * nr + r] : 7.0f);
-                v->dot_keys(s2, lds, q, nr, D, kb, MA_BF16, 0, ld, nc, 0);
-                CHECK(memcmp(s, s2, sizeof(float) * nr * lds) == 0, "%s dot_keys bfloat16 nr=%ld nc=%ld D=%ld", v->name,
+                    for (int64_t c = 0; c < lds; c++) {
+                        const float want = c < nc ? rows_expect(v, q + r * D, k + c * ld, D) : 7.0f;
+                        CHECK(s2[r * lds + c] == want, "%s dot_rows nr=%ld nc=%ld D=%ld s[%ld,%ld] %g vs %g", v->name,
+                              (long)nr, (long)nc, (long)D, (long)r, (long)c, s2[r * lds + c], want);
+                    }
+                float *s3 = malloc(sizeof(float) * nr * lds);
+                for (int64_t x = 0; x < nr * lds; x++) s3[x] = 7.0f;
+                v->dot_rows(s3, lds, q, nr, D, kb, MA_BF16, 0, ld, nc, 0);
+                CHECK(memcmp(s2, s3, sizeof(float) * nr * lds) == 0, "%s dot_rows bfloat16 nr=%ld nc=%ld D=%ld", v->name,
                       (long)nr, (long)nc, (long)D);
-                v->dot_keys(s2, lds, q, nr, D, kh, MA_F16, 0, ld, nc, D);
-                CHECK(memcmp(s, s2, sizeof(float) * nr * lds) == 0, "%s dot_keys float16 nr=%ld nc=%ld D=%ld", v->name,
+                v->dot_rows(s3, lds, q, nr, D, kh, MA_F16, 0, ld, nc, D);
+                CHECK(memcmp(s2, s3, sizeof(float) * nr * lds) == 0, "%s dot_rows float16 nr=%ld nc=%ld D=%ld", v->name,
                       (long)nr, (long)nc, (long)D);
+                free(s3);
+                for (int64_t r = 0; r < nr; r++) /* the tiles' scores as rows, for dot_keys_t and axpy_keys */
+                    for (int64_t c = 0; c < nc; c++) s[r * lds + c] = sT[c * nr + r];
                 { /* the same keys stored transposed (a K^T page, keys ldt = nc + 5 apart per element) */
                     const int64_t ldt = nc + 5;
                     float *kt = malloc(sizeof(float) * D * ldt);
@@ -338,7 +357,7 @@ static void test_rows(const ma_blocks *v) {
             }
 }
 
-/* The 8-bit cache: dot_keys (rows and K^T) and axpy_keys over int8 keys bit for bit the
+/* The 8-bit cache: dot_rows, dot_keys_t and axpy_keys over int8 keys bit for bit the
  * same blocks over float32 keys of the same (integer) values, on the D the word-transposing
  * path takes (multiples of 4 MA_VL) and the others; quantize_row bit for bit the scalar
  * block's, from each dtype, on rows with ties, zeros, infinities and NaN. */
@@ -358,11 +377,12 @@ static void test_int8(const ma_blocks *v) {
                     for (int64_t d = 0; d < D; d++) kt[d * ldt + c] = kt8[d * ldt + c] = k8[c * ld + d];
                 for (int64_t x = 0; x < nr * D; x++) q[x] = frand();
                 for (int64_t x = 0; x < nr * lds; x++) s[x] = s2[x] = 7.0f;
-                v->dot_keys(s, lds, q, nr, D, k, MA_F32, 0, ld, nc, 0);
-                v->dot_keys(s2, lds, q, nr, D, k8, MA_I8, 0, ld, nc, 64 * ld);
-                CHECK(memcmp(s, s2, sizeof(float) * nr * lds) == 0, "%s dot_keys int8 nr=%ld nc=%ld D=%ld", v->name,
+                v->dot_rows(s, lds, q, nr, D, k, MA_F32, 0, ld, nc, 0);
+                v->dot_rows(s2, lds, q, nr, D, k8, MA_I8, 0, ld, nc, 64 * ld);
+                CHECK(memcmp(s, s2, sizeof(float) * nr * lds) == 0, "%s dot_rows int8 nr=%ld nc=%ld D=%ld", v->name,
                       (long)nr, (long)nc, (long)D);
-                for (int64_t x = 0; x < nr * lds; x++) s2[x] = 7.0f;
+                for (int64_t x = 0; x < nr * lds; x++) s[x] = s2[x] = 7.0f;
+                v->dot_keys_t(s, lds, q, nr, D, kt, MA_F32, 0, ldt, nc, 0);
                 v->dot_keys_t(s2, lds, q, nr, D, kt8, MA_I8, 0, ldt, nc, 0);
                 CHECK(memcmp(s, s2, sizeof(float) * nr * lds) == 0, "%s dot_keys_t int8 nr=%ld nc=%ld D=%ld", v->name,
                       (long)nr, (long)nc, (long)D);

@@ -1,0 +1,316 @@
+/*
+ * decode_tmpl.h -- the decode kernel (ma_attn_decode_task, masked_attn.h "Decoding"): every
+ * call, or varlen entry, of at most MA_DECODE_QROWS query rows (decoding, speculative
+ * verification), over the key and value rows in place.
+ *
+ * Part of attention_tmpl.h (included by it, after the forward's shared pieces): FN, BLK, ACC
+ * and the blocks are the instance's.
+ *
+ * The work item is (b, hkv, slab, split): the query heads of one key head (a slab of them,
+ * at most MA_DECODE_ROWS rows in all) as one block of rows, so that every key and value row
+ * crosses the memory bus once per key head, not once per query head; and a range of the
+ * entry's key chunks (MA_DECODE_CHUNK keys each, at multiples of it from key 0), so that one
+ * long sequence has work for every core. Each chunk's softmax starts afresh (m = -inf, l = 0,
+ * O = 0) and the chunks' states are folded in chunk order (FN(decode_fold)): by the item
+ * itself when it holds all of the entry's chunks, else by the merge task from the partial
+ * states the items left in the workspace. The same fold in the same order either way, so a
+ * row's bits depend on neither the split, the thread count, nor the rows around it
+ * (docs/design.md, "Decoding").
+ */
+
+/* ---- the rows step ------------------------------------------------------- */
+
+/* The rows of one step: nh heads h .. h + nh (all of key head hk) of batch
+ * entry b, nr query rows i0 .. i0 + nr each, head-major: row y nr + r is query
+ * i0 + r of head h + y. */
+typedef struct {
+    const ACC *q;                /* (R, D): scale * Q, R = nh nr */
+    ACC *o, *m, *l;              /* (R, Dv), (R), (R): running output, max and sum */
+    const ma_dropout *const *dr; /* dr[y]: head h + y's dropout (NULL: the call has none) */
+    int64_t b, h, hk, i0, nr, nh;
+} FN(row_block);
+
+/* Scratch of a step: s (R, nc) scores then probabilities; m_new, lsum, alpha (R). */
+typedef struct {
+    ACC *s, *m_new, *lsum, *alpha;
+} FN(rows_tmp);
+
+/* One key block j0 .. j0 + nc for the rows w: scores plus bias, m_new = max(m, row max),
+ * P = exp(S - m_new) (m_new = -inf as 0), l = alpha l + sum P (in key order), O = alpha O +
+ * P V (AXPY_KEYS: the tiles' order of that product). The scores from key rows are DOT_ROWS'
+ * (each key row read once, in order, for every row of the block: the query heads of a key
+ * head share it), from K^T pages DOT_KEYS_T's (the tiles' order, 8 rows a product). Heads
+ * whose attn_mask tile differs are taken in runs of equal FN(mask_tile_state); a
+ * MA_TILE_BLOCKED run is skipped (contributes exactly 0). The AMX instance takes the scores
+ * from bfloat16 key rows on its tiles where the keys lie (FN(tiles_rows_scores), 8 rows at a
+ * time). pf_k, pf_v: the prefetch distances of the products (0: none). */
+static void FN(rows_step)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const FN(row_block) * w, const FN(rows_tmp) * t,
+                          int64_t j0, int64_t nc, int64_t pf_k, int64_t pf_v) {
+    const ma_attn_args *a = &p->a;
+    const int64_t D = a->D, Dv = a->Dv, nr = w->nr, b = w->b, *ks = a->k_stride, *vs = a->v_stride;
+    const ma_dtype kvt = FN(kv_dtype)(a);
+    const int64_t k_off = b * ks[0] + w->hk * ks[1] + FN(key_off)(a, ks, a->k_page_stride, b, j0);
+    const int64_t v_off = b * vs[0] + w->hk * vs[1] + FN(key_off)(a, vs, a->v_page_stride, b, j0);
+    const int64_t heads_per_product = nr <= 8 ? 8 / nr : 1;
+    for (int64_t y0 = 0, ny; y0 < w->nh; y0 += ny) {
+        const int ms = FN(mask_tile_state)(&a->attn_mask, b, w->h + y0, w->i0, nr, j0, nc);
+        for (ny = 1; y0 + ny < w->nh && FN(mask_tile_state)(&a->attn_mask, b, w->h + y0 + ny, w->i0, nr, j0, nc) == ms;)
+            ny++;
+        if (ms == MA_TILE_BLOCKED) continue;
+        const int64_t r0 = y0 * nr, R = ny * nr;
+        ACC *s = t->s;
+        int hooked = 1; /* the tiles' scores where the instance takes them (AMX: bfloat16 key rows), 8 rows a time */
+        for (int64_t y = y0; hooked && y < y0 + ny; y += heads_per_product)
+            for (int64_t i = 0; hooked && i < nr; i += 8) {
+                const int64_t nh8 = ma_min(heads_per_product, y0 + ny - y), n = nr <= 8 ? nh8 * nr : ma_min(8, nr - i);
+                const int64_t row = (y - y0) * nr + i;
+                (void)n, (void)row; /* unread where the instance has no hooks */
+                hooked = ROWS_SCORES(p, s + row * nc, b, w->h + y, w->i0 + i, nr <= 8 ? nr : n, nr <= 8 ? nh8 : 1,
+                                     k_off, nc, row == 0 ? pf_k : 0);
+                if (nr <= 8) break;
+            }
+        if (!hooked && ks[3] == 1) DOT_ROWS(s, nc, w->q + r0 * D, R, D, a->k, kvt, k_off, ks[2], nc, pf_k);
+        else if (!hooked) /* keys side by side, each element a row apart: a K^T page (the serving cache's layout) */
+            for (int64_t i = 0; i < R; i += 8)
+                DOT_KEYS_T(s + i * nc, nc, w->q + (r0 + i) * D, ma_min(8, R - i), D, a->k, kvt, k_off, ks[3], nc,
+                           i == 0 ? pf_k : 0);
+        FN(kv_scale)(s, nc, 1, R, a, &a->opts.k_scale, b, w->hk, j0, nc);
+        FN(apply_softcap)(s, R * nc, a->opts.softcap, NULL);
+        for (int64_t y = 0; y < ny; y++) FN(add_bias)(s + y * nr * nc, nc, 1, a, ms, b, w->h + y0 + y, w->i0, nr, j0, nc);
+        ACC *m = w->m + r0, *l = w->l + r0, *o = w->o + r0 * Dv;
+        for (int64_t r = 0; r < R; r++) {
+            t->m_new[r] = ROW_MAX(s + r * nc, nc, m[r]);
+            (void)EXP_SUB_SUM(s + r * nc, nc, t->m_new[r] == -(ACC)INFINITY ? 0 : t->m_new[r]);
+        }
+        FN(sum_rows_in_order)(s, nc, R, t->lsum);
+        if (FN(online_step)(m, t->m_new, l, t->lsum, t->alpha, R)) FN(scale_rows)(o, Dv, R, Dv, t->alpha);
+        if (w->dr) /* l summed the whole P; O takes P' */
+            for (int64_t y = 0; y < ny; y++) DROPOUT(s + y * nr * nc, NULL, nc, 1, nr, nc, w->dr[y0 + y], w->i0, j0);
+        FN(kv_scale)(s, nc, 1, R, a, &a->opts.v_scale, b, w->hk, j0, nc);
+        AXPY_KEYS(o, s, nc, R, Dv, a->v, kvt, v_off, vs[2], nc, y0 == 0 ? pf_v : 0);
+    }
+}
+
+/* ---- the decode kernel --------------------------------------------------- */
+
+/* How far ahead the products prefetch (into L1): at least 2 rows and 1 KB; on Zen 3 that lets
+ * one core stream K and V at a plain read's rate; a key block ahead (into L2) measured 40%
+ * slower there. */
+#define MA_DECODE_PF_BYTES 1024
+
+/* Folds a chunk's state (m, l, o: R rows) into the running one (M, L, O), row
+ * by row: N = max(M, m), L = e^(M - N) L + e^(m - N) l, O likewise. A row the
+ * chunk did not reach (m = -inf) is left as it is; into an empty row (M =
+ * -inf) the chunk's state is copied. NaN sticks. */
+static void FN(decode_fold)(ACC *M, ACC *L, ACC *O, const ACC *m, const ACC *l, const ACC *o, int64_t R, int64_t Dv) {
+    for (int64_t r = 0; r < R; r++) {
+        ACC *O_r = O + r * Dv;
+        const ACC *o_r = o + r * Dv;
+        if (m[r] == -(ACC)INFINITY) continue;
+        if (M[r] == -(ACC)INFINITY) {
+            M[r] = m[r], L[r] = l[r];
+            for (int64_t d = 0; d < Dv; d++) O_r[d] = o_r[d];
+            continue;
+        }
+        const ACC N = M[r] != M[r] || m[r] != m[r] ? (ACC)NAN : M[r] >= m[r] ? M[r] : m[r];
+        const ACC x = EXPF(M[r] - N), y = EXPF(m[r] - N);
+        L[r] = x * L[r] + y * l[r];
+        for (int64_t d = 0; d < Dv; d++) O_r[d] = x * O_r[d] + y * o_r[d];
+        M[r] = N;
+    }
+}
+
+/* A decode task's state: for each of its key heads (p->decode_kv_heads of them), rows (at most
+ * p->decode_rows): scale * Q, the chunk's running state (o, m, l), the fold's (O, M, L); and the
+ * step's scratch (one key head's rows). */
+typedef struct {
+    ACC *q, *o, *m, *l, *O, *M, *L;
+    FN(rows_tmp) tmp;
+} FN(decode_scratch);
+
+static inline size_t FN(decode_extra_elems)(const ma_attn_fwd_params *p) {
+    const int64_t R = p->decode_rows, RA = p->decode_kv_heads * R;
+    return (size_t)(RA * (p->a.D + 2 * p->a.Dv + 4) + R * (p->a.block_k + 3));
+}
+
+static inline size_t FN(decode_fwd_bytes)(const ma_attn_fwd_params *p) {
+    const int64_t BQ = p->a.block_q, BK = p->a.block_k, D = p->a.D, Dv = p->a.Dv;
+    return ma_round_up(MA_CACHE_LINE + (size_t)(D * BQ + BK * BQ + BQ * Dv + 5 * BQ) * sizeof(ACC), MA_CACHE_LINE);
+}
+
+/* The forward's scratch (FN(fwd_carve): c->t, which FN(fwd_head_end) uses) without its head
+ * caches (the rows are read in place), then the decode state. */
+static size_t FN(decode_scratch_bytes)(const ma_attn_fwd_params *p) {
+    size_t n = FN(decode_fwd_bytes)(p) + ma_round_up(FN(decode_extra_elems)(p) * sizeof(ACC), MA_CACHE_LINE);
+#ifdef MA_TILE_HOOKS
+    if (FN(tiles_apply)(p)) n += FN(tiles_fwd_scratch_bytes)(p);
+#endif
+    return n;
+}
+
+static FN(decode_scratch) FN(decode_carve)(void *scratch, const ma_attn_fwd_params *p) {
+    const int64_t BK = p->a.block_k, D = p->a.D, Dv = p->a.Dv, R = p->decode_rows, RA = p->decode_kv_heads * R;
+    ACC *x = (ACC *)((char *)scratch + FN(decode_fwd_bytes)(p));
+    FN(decode_scratch) d;
+    d.q = x, x += RA * D;
+    d.o = x, x += RA * Dv;
+    d.O = x, x += RA * Dv;
+    d.m = x, d.l = x + RA, d.M = x + 2 * RA, d.L = x + 3 * RA, x += 4 * RA;
+    d.tmp.s = x, x += R * BK;
+    d.tmp.m_new = x, d.tmp.lsum = x + R, d.tmp.alpha = x + 2 * R;
+    return d;
+}
+
+static void FN(decode_reset)(ACC *o, ACC *m, ACC *l, int64_t R, int64_t Dv) {
+    for (int64_t r = 0; r < R; r++) m[r] = -(ACC)INFINITY, l[r] = 0;
+    for (int64_t x = 0; x < R * Dv; x++) o[x] = 0;
+}
+
+/* Rows (b, key head hk, slab): heads h0 .. h0 + nh, nr query rows each, and the entry's chunks
+ * [c_lo, c_hi) that its rows see; entry b's params (FN(fwd_seq)) into *loc where varlen. */
+typedef struct {
+    int64_t b, hk, slab, h0, nh, nr, c_lo, c_hi, kv_begin, kv_end;
+} FN(decode_rows);
+
+static const ma_attn_fwd_params *FN(decode_locate)(const ma_attn_fwd_params *p0, int64_t b, int64_t hk, int64_t slab,
+                                                    ma_attn_fwd_params *loc, FN(decode_rows) * it) {
+    const int64_t G = p0->a.H / p0->a.Hkv, CK = MA_DECODE_CHUNK;
+    const ma_attn_fwd_params *p = FN(fwd_seq)(p0, b, loc);
+    it->b = b, it->hk = hk, it->slab = slab;
+    it->h0 = hk * G + slab * p0->decode_slab_heads;
+    it->nh = ma_min(p0->decode_slab_heads, G - slab * p0->decode_slab_heads);
+    it->nr = p->a.Lq;
+    FN(kv_range)(&p->a, 0, it->nr, &it->kv_begin, &it->kv_end);
+    it->c_lo = it->kv_begin / CK;
+    it->c_hi = it->kv_end > it->kv_begin ? ma_cdiv(it->kv_end, CK) : it->c_lo;
+    return p;
+}
+
+/* Where chunk c of (b, hk, slab) leaves its partial state: (rows, Dv) o, then m, l. */
+static ACC *FN(decode_part)(const ma_attn_fwd_params *p0, const FN(decode_rows) * it, int64_t c) {
+    const int64_t c0 = p0->decode_chunk0 ? p0->decode_chunk0[it->b] : it->b * ma_cdiv(p0->a.Lk, MA_DECODE_CHUNK);
+    const int64_t slot = ((c0 + c) * p0->a.Hkv + it->hk) * p0->decode_slabs + it->slab;
+    return (ACC *)p0->decode_part + slot * p0->decode_rows * (p0->a.Dv + 2);
+}
+
+/* out, lse of the rows from the folded state (FN(fwd_head_end), head by head). */
+static void FN(decode_end)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const FN(decode_rows) * it, ACC *o, ACC *m,
+                           ACC *l) {
+    const int64_t nr = it->nr, Dv = p->a.Dv;
+    for (int64_t y = 0; y < it->nh; y++) {
+        FN(fwd_head) e;
+        e.o = o + y * nr * Dv, e.m = m + y * nr, e.l = l + y * nr, e.dr = NULL;
+        FN(fwd_head_end)(c, p, &e, it->b, it->h0 + y, 0, nr, 1);
+    }
+}
+
+/* Work item w = ((b (Hkv / KG) + g) slabs + slab) splits + split, KG = p->decode_kv_heads:
+ * key heads g KG .. g KG + KG in lockstep, key block by key block (where the heads lie side by
+ * side in each row: the rows are read whole, each head's step prefetching the next head's
+ * part of them, the last head's the first head's part of the next block). */
+static void FN(attn_decode)(int64_t begin, int64_t end, void *vctx) {
+    const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
+    const ma_attn_fwd_params *p0 = (const ma_attn_fwd_params *)ctx->params;
+    FN(fwd_task) task, *c = &task;
+    FN(fwd_task_begin)(c, ctx);
+    FN(decode_scratch) d = FN(decode_carve)(ctx->scratch, p0);
+    const int64_t S = p0->decode_splits, KG = p0->decode_kv_heads, BK = p0->a.block_k, D = p0->a.D, Dv = p0->a.Dv;
+    const int64_t CK = MA_DECODE_CHUNK, RM = p0->decode_rows, slabs = p0->decode_slabs;
+    ma_dropout drop[MA_DECODE_ROWS];
+    const ma_dropout *drp[MA_DECODE_ROWS];
+    const int64_t es = ma_dtype_size(FN(kv_dtype)(&p0->a));
+    const int64_t pf_rows_k = ma_max(2, ma_cdiv(MA_DECODE_PF_BYTES, D * es));
+    const int64_t pf_rows_v = ma_max(2, ma_cdiv(MA_DECODE_PF_BYTES, Dv * es));
+    for (int64_t w = begin; w < end; w++) {
+        const int64_t split = w % S, slab = (w / S) % slabs, g = (w / (S * slabs)) % (p0->a.Hkv / KG);
+        const int64_t b = w / (S * slabs * (p0->a.Hkv / KG));
+        ma_attn_fwd_params loc;
+        FN(decode_rows) it[MA_DECODE_KV_HEADS];
+        const ma_attn_fwd_params *p = NULL;
+        for (int64_t x = 0; x < KG; x++) p = FN(decode_locate)(p0, b, g * KG + x, slab, &loc, &it[x]);
+        c->gen.p = p;
+        const int64_t n = it[0].c_hi - it[0].c_lo, nr = it[0].nr, R = it[0].nh * nr, *ks = p->a.k_stride,
+                      *vs = p->a.v_stride;
+        const int whole = S == 1 || n <= 1; /* this item holds all of the entry's chunks: it ends the rows */
+        if (nr == 0 || nr > MA_DECODE_QROWS || (whole && split > 0)) continue; /* long: the tile path's */
+        const int64_t cb = whole ? it[0].c_lo : it[0].c_lo + split * n / S;
+        const int64_t ce = whole ? it[0].c_hi : it[0].c_lo + (split + 1) * n / S;
+        for (int64_t x = 0; x < KG; x++)
+            for (int64_t y = 0; y < it[x].nh; y++)
+                for (int64_t r = 0; r < nr; r++)
+                    FN(convert_row)(d.q + (x * RM + y * nr + r) * D, 1, p->a.q, p->a.dtype,
+                                    b * p->a.q_stride[0] + (it[x].h0 + y) * p->a.q_stride[1] + r * p->a.q_stride[2],
+                                    p->a.q_stride[3], D, (ACC)p->a.scale);
+        for (int64_t x = 0; x < KG; x++) FN(decode_reset)(d.O + x * RM * Dv, d.M + x * RM, d.L + x * RM, R, Dv);
+        for (int64_t ch = cb; ch < ce; ch++) {
+            const int64_t j_end = ma_min(it[0].kv_end, (ch + 1) * CK);
+            for (int64_t x = 0; x < KG; x++) FN(decode_reset)(d.o + x * RM * Dv, d.m + x * RM, d.l + x * RM, R, Dv);
+            for (int64_t j0 = ma_max(it[0].kv_begin, ch * CK); j0 < j_end; j0 += BK) {
+                const int64_t nc = FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(BK, j_end - j0));
+                if (nc == 0) continue;
+                const int64_t j1 = j0 + BK < it[0].kv_end ? j0 + BK : j0; /* the next block, or this one */
+                const int64_t next_k = FN(key_off)(&p->a, ks, p->a.k_page_stride, b, j1) -
+                                       FN(key_off)(&p->a, ks, p->a.k_page_stride, b, j0);
+                const int64_t next_v = FN(key_off)(&p->a, vs, p->a.v_page_stride, b, j1) -
+                                       FN(key_off)(&p->a, vs, p->a.v_page_stride, b, j0);
+                for (int64_t x = 0; x < KG; x++) {
+                    /* prefetch: one key head, key and value rows MA_DECODE_PF rows on (in order,
+                     * the stream the products read; K^T pages the next key block); heads in
+                     * lockstep, the next head's part of the rows, the last the first's next block */
+                    const int64_t pf_k = KG > 1 ? (x + 1 < KG ? ks[1] : next_k - x * ks[1])
+                                         : ks[3] == 1 ? pf_rows_k * ks[2] : next_k;
+                    const int64_t pf_v = KG > 1 ? (x + 1 < KG ? vs[1] : next_v - x * vs[1]) : pf_rows_v * vs[2];
+                    if (ma_dropout_on(&p->a))
+                        for (int64_t y = 0; y < it[x].nh; y++)
+                            drp[y] = FN(head_dropout)(&p->a, b, it[x].h0 + y, &drop[y]);
+                    const FN(row_block) rw = {d.q + x * RM * D, d.o + x * RM * Dv, d.m + x * RM, d.l + x * RM,
+                                              ma_dropout_on(&p->a) ? drp : NULL, b, it[x].h0, it[x].hk, 0, nr,
+                                              it[x].nh};
+                    FN(rows_step)(c, p, &rw, &d.tmp, j0, nc, pf_k, pf_v);
+                }
+            }
+            for (int64_t x = 0; x < KG; x++) {
+                ACC *o = d.o + x * RM * Dv, *m = d.m + x * RM, *l = d.l + x * RM;
+                if (whole) FN(decode_fold)(d.M + x * RM, d.L + x * RM, d.O + x * RM * Dv, m, l, o, R, Dv);
+                else { /* the partial state, for the merge */
+                    ACC *part = FN(decode_part)(p0, &it[x], ch);
+                    memcpy(part, o, (size_t)(R * Dv) * sizeof(ACC));
+                    memcpy(part + RM * Dv, m, (size_t)R * sizeof(ACC));
+                    memcpy(part + RM * (Dv + 1), l, (size_t)R * sizeof(ACC));
+                }
+            }
+        }
+        if (whole)
+            for (int64_t x = 0; x < KG; x++)
+                FN(decode_end)(c, p, &it[x], d.O + x * RM * Dv, d.M + x * RM, d.L + x * RM);
+    }
+    FN(fwd_task_end)(c);
+}
+
+/* After the decode task where an entry's chunks were split between items, work item
+ * w = (b Hkv + hk) slabs + slab: the chunks' partial states folded in chunk order
+ * (FN(decode_fold), as an item holding them all folds them), then out and lse. */
+static void FN(attn_decode_merge)(int64_t begin, int64_t end, void *vctx) {
+    const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
+    const ma_attn_fwd_params *p0 = (const ma_attn_fwd_params *)ctx->params;
+    FN(fwd_task) task, *c = &task;
+    FN(fwd_task_begin)(c, ctx);
+    FN(decode_scratch) d = FN(decode_carve)(ctx->scratch, p0);
+    const int64_t Dv = p0->a.Dv, S = p0->decode_splits, RM = p0->decode_rows, slabs = p0->decode_slabs;
+    for (int64_t w = begin; w < end; w++) {
+        ma_attn_fwd_params loc;
+        FN(decode_rows) it;
+        const ma_attn_fwd_params *p =
+            FN(decode_locate)(p0, w / (slabs * p0->a.Hkv), (w / slabs) % p0->a.Hkv, w % slabs, &loc, &it);
+        c->gen.p = p;
+        const int64_t R = it.nh * it.nr;
+        if (it.nr == 0 || it.nr > MA_DECODE_QROWS || S == 1 || it.c_hi - it.c_lo <= 1) continue; /* ended by its item */
+        FN(decode_reset)(d.O, d.M, d.L, R, Dv);
+        for (int64_t ch = it.c_lo; ch < it.c_hi; ch++) {
+            const ACC *part = FN(decode_part)(p0, &it, ch);
+            FN(decode_fold)(d.M, d.L, d.O, part + RM * Dv, part + RM * (Dv + 1), part, R, Dv);
+        }
+        FN(decode_end)(c, p, &it, d.O, d.M, d.L);
+    }
+    FN(fwd_task_end)(c);
+}

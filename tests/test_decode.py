@@ -1,0 +1,191 @@
+"""The decode kernel (masked_attn.h, "Decoding"; csrc/attention/decode_tmpl.h): short query
+blocks (1 to 16 rows) with the query heads of a key head stacked, and each sequence's keys
+split in fixed chunks across work items.
+
+Every case is checked against a float64 reference and PyTorch's own result in the same dtype
+(flash-attention's rule, conftest.assert_close_ref), on every instruction-set variant this
+CPU runs; and bitwise: the same output for 1 and 2 threads, for forced splits of 1, 2, 4 and
+16 items per sequence, and for a row alone or among other sequences."""
+
+import math
+
+import pytest
+import torch
+
+from torch_masked_attn import functional as F_
+from torch_masked_attn import ops
+
+from conftest import ISAS, assert_close_ref, isa_available, ref_attention, run_isa
+
+DT = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+ISA_PARAMS = [pytest.param(i, marks=pytest.mark.skipif(not isa_available(i), reason=f"no {i}")) for i in ISAS]
+
+
+def _kv(B, Hkv, Lk, D, dtype, layout, gen):
+    """K, V (B, Hkv, Lk, D) views of a cache in `layout`: bhld (B, Hkv, L, D), blhd (B, L, Hkv, D)."""
+    if layout == "blhd":
+        k, v = (torch.randn(B, Lk, Hkv, D, generator=gen).to(dtype).transpose(1, 2) for _ in range(2))
+    else:
+        k, v = (torch.randn(B, Hkv, Lk, D, generator=gen).to(dtype) for _ in range(2))
+    return k, v
+
+
+def _masks(kind, B, H, Lq, Lk, gen):
+    """kwargs for masked_attention and the float64 reference's additive mask (B, H, Lq, Lk)."""
+    add = torch.zeros(B, H, Lq, Lk, dtype=torch.float64)
+    i = torch.arange(Lq).view(Lq, 1) + Lk - Lq
+    j = torch.arange(Lk).view(1, Lk)
+    if kind == "none":
+        return {}, add
+    if kind == "causal":  # bottom-right: query i sees keys j <= i + Lk - Lq
+        return {"window": (None, Lk - Lq)}, add.masked_fill(j > i, -math.inf)
+    if kind == "window":  # the band ends 200 keys before the diagonal (whole chunks past it are never read)
+        return {"window": (None, Lk - Lq - 200)}, add.masked_fill(j > i - 200, -math.inf)
+    if kind == "kpm":
+        kpm = torch.rand(B, Lk, generator=gen) < 0.3
+        kpm[:, 0] = False
+        kpm[0, Lk // 2 :] = True  # trailing padding: never read
+        return {"key_padding_mask": kpm}, add.masked_fill(kpm.view(B, 1, 1, Lk), -math.inf)
+    if kind == "mask":  # a bool mask that differs per head, one head blocked in the first keys
+        m = torch.rand(B, H, Lq, Lk, generator=gen) < 0.2
+        m[:, 0, :, :700] = True
+        m[..., -1] = False
+        return {"attn_mask": m}, add.masked_fill(m, -math.inf)
+    if kind == "softcap":
+        return {"softcap": 2.0}, None
+    if kind == "sinks":
+        return {"sinks": torch.randn(H, generator=gen)}, None
+    if kind == "alibi":
+        slopes = torch.rand(H, generator=gen) * 0.01
+        return {"alibi_slopes": slopes}, add - slopes.view(1, H, 1, 1).double() * (i - j).abs()
+    raise AssertionError(kind)
+
+
+def _reference(q, k, v, kind, kw, add):
+    """float64 out of the case (the soft-capped and sink cases by hand)."""
+    G = q.shape[1] // k.shape[1]
+    q64, k64, v64 = q.double(), k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1)
+    if add is not None:
+        return ref_attention(q64, k64, v64, add)
+    s = q64 @ k64.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if kind == "softcap":
+        s = kw["softcap"] * torch.tanh(s / kw["softcap"])
+        return torch.softmax(s, -1) @ v64
+    sink = kw["sinks"].double().view(1, -1, 1, 1).expand(*s.shape[:3], 1)
+    p = torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1]
+    return p @ v64
+
+
+def _native(q, k, v, kind, kw, add):
+    """PyTorch in the inputs' dtype: sdpa with the additive mask (the others by plain ops)."""
+    G = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    if add is not None:
+        return torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=add.to(q.dtype))
+    s = (q @ kk.transpose(-1, -2)).float() / math.sqrt(q.shape[-1])
+    if kind == "softcap":
+        s = kw["softcap"] * torch.tanh(s / kw["softcap"])
+        return (torch.softmax(s, -1) @ vv.float()).to(q.dtype)
+    sink = kw["sinks"].float().view(1, -1, 1, 1).expand(*s.shape[:3], 1)
+    return (torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1] @ vv.float()).to(q.dtype)
+
+
+CASES = [  # (B, H, Hkv, Lq, Lk, D): GQA ratios 1, 4, 8 and H; 1 to 16 query rows; chunks 1 to 5
+    (2, 4, 4, 1, 1500, 64),
+    (2, 8, 2, 1, 2100, 64),
+    (1, 16, 2, 3, 700, 32),
+    (1, 8, 1, 16, 1300, 64),
+    (3, 4, 1, 5, 520, 40),
+]
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
+@pytest.mark.parametrize("kind", ["none", "causal", "window", "kpm", "mask", "softcap", "sinks", "alibi"])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+@pytest.mark.parametrize("dt", ["f32", "bf16"])
+def test_decode_against_float64(isa, kind, layout, dt):
+    gen = torch.Generator().manual_seed(hash((kind, layout, dt)) % 2**31)
+    for B, H, Hkv, Lq, Lk, D in CASES:
+        dtype = DT[dt]
+        q = torch.randn(B, H, Lq, D, generator=gen).to(dtype)
+        k, v = _kv(B, Hkv, Lk, D, dtype, layout, gen)
+        kw, add = _masks(kind, B, H, Lq, Lk, gen)
+        ours = run_isa(isa, lambda: F_.masked_attention(q, k, v, **kw))
+        ref = _reference(q, k, v, kind, kw, add)
+        assert_close_ref(ours, _native(q, k, v, kind, kw, add), ref, name=f"{isa} {kind} {layout} {(B, H, Hkv, Lq, Lk)}")
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
+def test_decode_float16_and_int8(isa):
+    """float16 q and cache; an int8 cache with its scales (against float64 on the dequantized cache)."""
+    gen = torch.Generator().manual_seed(5)
+    B, H, Hkv, Lq, Lk, D = 2, 8, 2, 2, 1800, 64
+    q = torch.randn(B, H, Lq, D, generator=gen)
+    k, v = _kv(B, Hkv, Lk, D, torch.float32, "bhld", gen)
+    zero = torch.zeros(B, H, Lq, Lk, dtype=torch.float64)  # no mask
+    h = [t.half() for t in (q, k, v)]
+    ours = run_isa(isa, lambda: F_.masked_attention(*h))
+    assert_close_ref(ours, _native(*h, "none", {}, zero), _reference(*h, "none", {}, zero), name="float16")
+    k8, ks = F_.quantize_kv(k)
+    v8, vs = F_.quantize_kv(v)
+    ours = run_isa(isa, lambda: F_.masked_attention(q, k8, v8, k_scale=ks, v_scale=vs))
+    kd, vd = k8.float() * ks.unsqueeze(-1), v8.float() * vs.unsqueeze(-1)
+    assert_close_ref(ours, _native(q, kd, vd, "none", {}, zero), _reference(q, kd, vd, "none", {}, zero), name="int8")
+
+
+def test_decode_paged_against_dense():
+    """Paged rows (flash-attn's layout, read in place) give what the dense cache gives, within float32 rounding."""
+    from torch_masked_attn import flash_attn as fa
+
+    gen = torch.Generator().manual_seed(3)
+    B, H, Hkv, Lk, D, page = 3, 8, 2, 1536, 64, 128
+    q = torch.randn(B, 1, H, D, generator=gen)
+    kp, vp = (torch.randn(B * Lk // page, page, Hkv, D, generator=gen) for _ in range(2))
+    table = torch.randperm(B * Lk // page, generator=gen).to(torch.int32).view(B, Lk // page)
+    lens = torch.tensor([Lk, 1000, 1], dtype=torch.int32)
+    out = fa.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table)
+    for b in range(B):
+        kd = kp[table[b].long()].reshape(-1, Hkv, D)[: lens[b]].transpose(0, 1).unsqueeze(0)
+        vd = vp[table[b].long()].reshape(-1, Hkv, D)[: lens[b]].transpose(0, 1).unsqueeze(0)
+        qb = q[b : b + 1].transpose(1, 2)
+        zero = torch.zeros(1, H, 1, int(lens[b]), dtype=torch.float64)
+        ref = _reference(qb, kd, vd, "none", {}, zero)
+        assert_close_ref(out[b : b + 1].transpose(1, 2), _native(qb, kd, vd, "none", {}, zero), ref, name=f"page {b}")
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
+@pytest.mark.parametrize("dt", ["f32", "bf16"])
+def test_decode_bits_independent_of_split_threads_batch(isa, dt):
+    """One set of bits for any split of the keys, thread count, and batch around a row."""
+    gen = torch.Generator().manual_seed(11)
+    dtype = DT[dt]
+    B, H, Hkv, Lq, Lk, D = 3, 8, 1, 2, 9000, 64  # 18 chunks: splits 1, 2, 4 and 16 all allowed
+    q = torch.randn(B, H, Lq, D, generator=gen).to(dtype)
+    k, v = _kv(B, Hkv, Lk, D, dtype, "bhld", gen)
+    kw = {"window": (None, Lk - Lq), "sinks": torch.randn(H, generator=gen)}
+    threads = torch.get_num_threads()
+
+    def run(n_split, n_threads, sl=slice(None)):
+        torch.set_num_threads(n_threads)
+        try:
+            with ops.decode_splits(n_split):
+                return run_isa(isa, lambda: F_.masked_attention(q[sl], k[sl], v[sl], return_lse=True, **kw))
+        finally:
+            torch.set_num_threads(threads)
+
+    out, lse = run(1, 1)
+    for n_split in (1, 2, 4, 16):
+        for n_threads in (1, 2):
+            o2, l2 = run(n_split, n_threads)
+            assert torch.equal(out, o2) and torch.equal(lse, l2), f"split {n_split}, {n_threads} threads"
+    alone, lse_alone = run(None, 2, slice(1, 2))
+    assert torch.equal(alone, out[1:2]) and torch.equal(lse_alone, lse[1:2]), "row alone vs in the batch"
+
+
+def test_decode_plan_uses_every_cpu():
+    """The plan's items for one long sequence: work for every CPU of a 64-core machine."""
+    for Hkv, H in ((8, 32), (1, 8)):
+        s = ops.decode_plan(1, H, Hkv, 1, 32768, 64)
+        assert s["items"] >= 64, s
+        assert s["item_chunks"] * s["items"] >= s["chunks"] * Hkv, s
+    assert ops.decode_plan(8, 32, 8, 1, 32768, 2)["splits"] == 1  # enough (b, hkv) items: no split
