@@ -54,12 +54,14 @@ $(PEERS): $(STAMP)
 	-$(VPY) -m pip install --no-deps "optimum-quanto==0.2.7"
 	touch $@
 
-# Every case, the thread sweep and continuous batching on this machine, each
+# Every case, decoding against the streaming rate (benchmarks/decode.py), the thread sweep and
+# continuous batching on this machine, each
 # merged (--record) into this machine kind's record, benchmarks/results_<machine>.json
 # (one row per case: benchmarks/record.py); every number of the run stays in
 # benchmarks/out/. Then the page of figures is written again from the records.
 bench: setup $(PEERS)
 	$(VPY) benchmarks/run.py --record
+	$(VPY) benchmarks/decode.py --json benchmarks/out/decode.json
 	$(VPY) benchmarks/threads.py --record
 	$(VPY) benchmarks/cb_throughput.py --record
 	$(MAKE) docs

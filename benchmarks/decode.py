@@ -7,7 +7,8 @@ every timed call by a pass over 96 MB, so both come from memory).
 
     .venv/bin/python benchmarks/decode.py [--threads N] [--cases a,b] [--reps 9] [--json out.json]
 
-Roofline share = max(cache bytes / stream rate, multiply-adds / FMA peak) / time.
+Roofline share = max(cache bytes / stream rate, multiply-adds / FMA peak) / time. Then the
+one-sequence cases on 1 thread against all of them (the keys split across threads).
 """
 
 import argparse
@@ -21,8 +22,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_machine  # noqa: E402
-
-import torch_masked_attn as tma  # noqa: E402
 from torch_masked_attn import flash_attn as tfa  # noqa: E402
 from torch_masked_attn import functional as taf  # noqa: E402
 
@@ -124,18 +123,42 @@ def main():
         stream = torch.ones(max(nbytes // 4, 1))
         run(), stream.sum()
         t_ours = timed(run, args.reps)
-        t_stream = timed(lambda: stream.sum(), args.reps)
+        t_stream = timed(stream.sum, args.reps)
         macs = 2.0 * B * H * Lq * Lk * D
         floor = max(t_stream, 2 * macs / (gflops * 1e9) if gflops else 0.0)
-        row = dict(case=name, ms=t_ours * 1e3, floor_ms=floor * 1e3, gbs=nbytes / t_ours / 1e9,
-                   stream_gbs=nbytes / t_stream / 1e9, share=floor / t_ours)
+        row = dict(
+            case=name,
+            ms=t_ours * 1e3,
+            floor_ms=floor * 1e3,
+            gbs=nbytes / t_ours / 1e9,
+            stream_gbs=nbytes / t_stream / 1e9,
+            share=floor / t_ours,
+        )
         rows.append(row)
-        print(f"{name:40s} {row['ms']:8.2f} {row['floor_ms']:9.2f} {row['gbs']:6.1f} {row['stream_gbs']:6.1f} "
-              f"{row['share']:6.0%}", flush=True)
-        del run, stream
+        print(
+            f"{name:40s} {row['ms']:8.2f} {row['floor_ms']:9.2f} {row['gbs']:6.1f} {row['stream_gbs']:6.1f} "
+            f"{row['share']:6.0%}",
+            flush=True,
+        )
+    # one sequence's keys split across threads: 1 thread against all of them, interleaved
+    scaling = []
+    if args.threads > 1:
+        print(f"\n{'one sequence, threads':40s} {'1 ms':>8s} {str(args.threads) + ' ms':>8s} {'speed-up':>8s}")
+        for name in [n for n in names if n.startswith(("mqa B=1", "gqa B=1 H=32/8 Lk=32k f32 bhld"))]:
+            run, _ = build(*CASES[name], gen)
+            t = {1: [], args.threads: []}
+            for rep in range(args.reps):
+                for n in (1, args.threads) if rep % 2 == 0 else (args.threads, 1):
+                    torch.set_num_threads(n)
+                    run()
+                    t[n].append(timed(run, 1))
+            torch.set_num_threads(args.threads)
+            one, many = statistics.median(t[1]), statistics.median(t[args.threads])
+            scaling.append(dict(case=name, ms_1=one * 1e3, ms_n=many * 1e3, speedup=one / many))
+            print(f"{name:40s} {one * 1e3:8.2f} {many * 1e3:8.2f} {one / many:8.2f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(cpu=info, threads=args.threads, fma_gflops=gflops, rows=rows), f, indent=1)
+            json.dump(dict(cpu=info, threads=args.threads, fma_gflops=gflops, rows=rows, scaling=scaling), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -277,7 +277,8 @@ class PagedStep:
 
 def attention_case(kind, dtype, layout="rows"):
     """kind: "decode-8x2048" (8 sequences x 2048 keys, one query each),
-    "decode-64x512", "mixed" (12 decodes + 4 prefill chunks of 256 queries,
+    "decode-64x512", "decode-1x32768", "verify-4x8x4096" (speculative
+    verification), "mixed" (12 decodes + 4 prefill chunks of 256 queries,
     every sequence 1024 keys in the cache, the chunks' own keys among them)."""
     ops, what = vllm_ops()
     if kind == "decode-8x2048":
@@ -286,6 +287,12 @@ def attention_case(kind, dtype, layout="rows"):
     elif kind == "decode-64x512":
         qlens, klens = [1] * 64, [512] * 64
         shape = "64 decodes x 512 keys"
+    elif kind == "decode-1x32768":
+        qlens, klens = [1], [32768]
+        shape = "one decode x 32768 keys"
+    elif kind == "verify-4x8x4096":
+        qlens, klens = [8] * 4, [4096] * 4
+        shape = "4 sequences verifying 8 draft tokens over 4096 keys (bottom-right causal)"
     elif kind == "mixed":
         qlens, klens = [1] * 12 + [256] * 4, [1024] * 16
         shape = "12 decodes + 4 chunks of 256 queries, 1024 keys each (bottom-right causal)"
@@ -450,7 +457,7 @@ def write_case(T, dtype, peer):
 
 def _names():
     named = {}
-    for kind in ("decode-8x2048", "decode-64x512", "mixed"):
+    for kind in ("decode-8x2048", "decode-64x512", "decode-1x32768", "verify-4x8x4096", "mixed"):
         for suffix, dtype in (("", torch.float32), ("-bf16", torch.bfloat16)):
             named[f"vllm-{kind}{suffix}"] = functools.partial(attention_case, kind, dtype)
             named[f"vllm-{kind}-kT{suffix}"] = functools.partial(attention_case, kind, dtype, "kT")

@@ -12,10 +12,9 @@ import math
 import pytest
 import torch
 
+from conftest import ISAS, assert_close_ref, isa_available, ref_attention, run_isa
 from torch_masked_attn import functional as F_
 from torch_masked_attn import ops
-
-from conftest import ISAS, assert_close_ref, isa_available, ref_attention, run_isa
 
 DT = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 ISA_PARAMS = [pytest.param(i, marks=pytest.mark.skipif(not isa_available(i), reason=f"no {i}")) for i in ISAS]
@@ -112,7 +111,9 @@ def test_decode_against_float64(isa, kind, layout, dt):
         kw, add = _masks(kind, B, H, Lq, Lk, gen)
         ours = run_isa(isa, lambda: F_.masked_attention(q, k, v, **kw))
         ref = _reference(q, k, v, kind, kw, add)
-        assert_close_ref(ours, _native(q, k, v, kind, kw, add), ref, name=f"{isa} {kind} {layout} {(B, H, Hkv, Lq, Lk)}")
+        assert_close_ref(
+            ours, _native(q, k, v, kind, kw, add), ref, name=f"{isa} {kind} {layout} {(B, H, Hkv, Lq, Lk)}"
+        )
 
 
 @pytest.mark.parametrize("isa", ISA_PARAMS)

@@ -181,8 +181,11 @@ def decode_splits(n: int | None) -> Iterator[None]:
         _clib.ma_attn_decode_splits_force(old)
 
 
+_DECODE_SHAPE = ("slab_heads", "slabs", "chunks", "splits", "items", "item_chunks")
+
+
 class _DecodeShape(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_int64) for name in ("slab_heads", "slabs", "chunks", "splits", "items", "item_chunks")]
+    _fields_ = [(name, ctypes.c_int64) for name in _DECODE_SHAPE]
 
 
 _clib.ma_attn_decode_shape.argtypes = [ctypes.c_int64] * 7 + [ctypes.POINTER(_DecodeShape)]
@@ -199,7 +202,7 @@ def decode_plan(B: int, H: int, Hkv: int, Lq: int, Lk: int, cpus: int, kv_heads:
     s = _DecodeShape()
     if _clib.ma_attn_decode_shape(B, H, Hkv, kv_heads, Lq, Lk, cpus, ctypes.byref(s)) != 0:
         raise ValueError(f"decode_plan: no decode schedule for B={B}, H={H}, Hkv={Hkv}, Lq={Lq}, Lk={Lk}")
-    return {name: getattr(s, name) for name, _ in _DecodeShape._fields_}
+    return {name: getattr(s, name) for name in _DECODE_SHAPE}
 
 
 _clib.ma_release_memory.restype = ctypes.c_size_t

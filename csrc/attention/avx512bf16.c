@@ -132,6 +132,8 @@ const ma_blocks ma_blocks_avx512bf16_2 = {
     "avx512bf16_2", gemm_avx512bf16_2, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
 const ma_blocks ma_blocks_avx512bf16_3 = {
     "avx512bf16_3", gemm_avx512bf16_3, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
-const ma_attn_kernels ma_attn_kernels_avx512bf16 = {
-    attn_fwd_avx512bf16,        attn_bwd_dq_avx512bf16,       attn_bwd_dkdv_avx512bf16,    attn_bwd_fused_avx512bf16,
-    attn_bwd_reduce_avx512bf16, fwd_scratch_bytes_avx512bf16, bwd_scratch_bytes_avx512bf16, attn_decode_avx512bf16, attn_decode_merge_avx512bf16, decode_scratch_bytes_avx512bf16};
+const ma_attn_kernels ma_attn_kernels_avx512bf16 = {attn_fwd_avx512bf16,          attn_bwd_dq_avx512bf16,
+                                                    attn_bwd_dkdv_avx512bf16,     attn_bwd_fused_avx512bf16,
+                                                    attn_bwd_reduce_avx512bf16,   fwd_scratch_bytes_avx512bf16,
+                                                    bwd_scratch_bytes_avx512bf16, attn_decode_avx512bf16,
+                                                    attn_decode_merge_avx512bf16, decode_scratch_bytes_avx512bf16};

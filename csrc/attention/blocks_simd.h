@@ -403,8 +403,9 @@ static void BLK(dot_rows)(float *s, int64_t lds, const float *q, int64_t nr, int
 #define MA_PV_ROWS 4
 #define MA_PV_NV(R) ((R) >= 4 ? 2 : (R) == 3 ? 2 : (R) == 2 ? 4 : 8)
 
-MA_INLINE void axpy_rows_block(const int R, const int NV, const int KS, float *o, const float *p, int64_t ldp, int64_t Dv,
-                               const void *v, const ma_dtype dt, int64_t off, int64_t ld, int64_t d0, int64_t c0) {
+MA_INLINE void axpy_rows_block(const int R, const int NV, const int KS, float *o, const float *p, int64_t ldp,
+                               int64_t Dv, const void *v, const ma_dtype dt, int64_t off, int64_t ld, int64_t d0,
+                               int64_t c0) {
     vf acc[8]; /* acc[r * NV + u] */
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)

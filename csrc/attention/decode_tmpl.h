@@ -44,8 +44,8 @@ typedef struct {
  * MA_TILE_BLOCKED run is skipped (contributes exactly 0). The AMX instance takes the scores
  * from bfloat16 key rows on its tiles where the keys lie (FN(tiles_rows_scores), 8 rows at a
  * time). pf_k, pf_v: the prefetch distances of the products (0: none). */
-static void FN(rows_step)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const FN(row_block) * w, const FN(rows_tmp) * t,
-                          int64_t j0, int64_t nc, int64_t pf_k, int64_t pf_v) {
+static void FN(rows_step)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const FN(row_block) * w,
+                          const FN(rows_tmp) * t, int64_t j0, int64_t nc, int64_t pf_k, int64_t pf_v) {
     const ma_attn_args *a = &p->a;
     const int64_t D = a->D, Dv = a->Dv, nr = w->nr, b = w->b, *ks = a->k_stride, *vs = a->v_stride;
     const ma_dtype kvt = FN(kv_dtype)(a);
@@ -76,7 +76,8 @@ static void FN(rows_step)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const F
                            i == 0 ? pf_k : 0);
         FN(kv_scale)(s, nc, 1, R, a, &a->opts.k_scale, b, w->hk, j0, nc);
         FN(apply_softcap)(s, R * nc, a->opts.softcap, NULL);
-        for (int64_t y = 0; y < ny; y++) FN(add_bias)(s + y * nr * nc, nc, 1, a, ms, b, w->h + y0 + y, w->i0, nr, j0, nc);
+        for (int64_t y = 0; y < ny; y++)
+            FN(add_bias)(s + y * nr * nc, nc, 1, a, ms, b, w->h + y0 + y, w->i0, nr, j0, nc);
         ACC *m = w->m + r0, *l = w->l + r0, *o = w->o + r0 * Dv;
         for (int64_t r = 0; r < R; r++) {
             t->m_new[r] = ROW_MAX(s + r * nc, nc, m[r]);
@@ -173,7 +174,7 @@ typedef struct {
 } FN(decode_rows);
 
 static const ma_attn_fwd_params *FN(decode_locate)(const ma_attn_fwd_params *p0, int64_t b, int64_t hk, int64_t slab,
-                                                    ma_attn_fwd_params *loc, FN(decode_rows) * it) {
+                                                   ma_attn_fwd_params *loc, FN(decode_rows) * it) {
     const int64_t G = p0->a.H / p0->a.Hkv, CK = MA_DECODE_CHUNK;
     const ma_attn_fwd_params *p = FN(fwd_seq)(p0, b, loc);
     it->b = b, it->hk = hk, it->slab = slab;
@@ -257,14 +258,23 @@ static void FN(attn_decode)(int64_t begin, int64_t end, void *vctx) {
                     /* prefetch: one key head, key and value rows MA_DECODE_PF rows on (in order,
                      * the stream the products read; K^T pages the next key block); heads in
                      * lockstep, the next head's part of the rows, the last the first's next block */
-                    const int64_t pf_k = KG > 1 ? (x + 1 < KG ? ks[1] : next_k - x * ks[1])
-                                         : ks[3] == 1 ? pf_rows_k * ks[2] : next_k;
+                    const int64_t pf_k = KG > 1       ? (x + 1 < KG ? ks[1] : next_k - x * ks[1])
+                                         : ks[3] == 1 ? pf_rows_k * ks[2]
+                                                      : next_k;
                     const int64_t pf_v = KG > 1 ? (x + 1 < KG ? vs[1] : next_v - x * vs[1]) : pf_rows_v * vs[2];
                     if (ma_dropout_on(&p->a))
                         for (int64_t y = 0; y < it[x].nh; y++)
                             drp[y] = FN(head_dropout)(&p->a, b, it[x].h0 + y, &drop[y]);
-                    const FN(row_block) rw = {d.q + x * RM * D, d.o + x * RM * Dv, d.m + x * RM, d.l + x * RM,
-                                              ma_dropout_on(&p->a) ? drp : NULL, b, it[x].h0, it[x].hk, 0, nr,
+                    const FN(row_block) rw = {d.q + x * RM * D,
+                                              d.o + x * RM * Dv,
+                                              d.m + x * RM,
+                                              d.l + x * RM,
+                                              ma_dropout_on(&p->a) ? drp : NULL,
+                                              b,
+                                              it[x].h0,
+                                              it[x].hk,
+                                              0,
+                                              nr,
                                               it[x].nh};
                     FN(rows_step)(c, p, &rw, &d.tmp, j0, nc, pf_k, pf_v);
                 }
@@ -272,8 +282,7 @@ static void FN(attn_decode)(int64_t begin, int64_t end, void *vctx) {
             for (int64_t x = 0; x < KG; x++) {
                 ACC *o = d.o + x * RM * Dv, *m = d.m + x * RM, *l = d.l + x * RM;
                 if (whole) FN(decode_fold)(d.M + x * RM, d.L + x * RM, d.O + x * RM * Dv, m, l, o, R, Dv);
-                else { /* the partial state, for the merge */
-                    ACC *part = FN(decode_part)(p0, &it[x], ch);
+                else { /* the partial state, for the merge */ ACC *part = FN(decode_part)(p0, &it[x], ch);
                     memcpy(part, o, (size_t)(R * Dv) * sizeof(ACC));
                     memcpy(part + RM * Dv, m, (size_t)R * sizeof(ACC));
                     memcpy(part + RM * (Dv + 1), l, (size_t)R * sizeof(ACC));

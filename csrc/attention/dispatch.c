@@ -216,7 +216,6 @@ static void plan_init(ma_plan *plan) {
     plan->workspace_bytes = 0, plan->bind = NULL;
 }
 
-
 /* ---- decoding (masked_attn.h, "Decoding") --------------------------------- */
 
 /* The shortest entry's query rows (dense: Lq). */
