@@ -369,11 +369,11 @@ MA_INLINE void dot_rows_dt(float *s, int64_t lds, const float *q, int64_t nr, in
         float *s_r = s + r0 * lds;
         const float *q_r = q + r0 * D;
 #define MA_PASS(R) dot_rows_pass(R, s_r, lds, q_r, D, k, dt, off, ld, nc, pr)
-        switch (RP) {
+        switch (RP) { /* (RP <= MA_DR_ROWS: the cases past it never run, but compile within bounds) */
         case 1: MA_PASS(1); break;
-        case 2: MA_PASS(2); break;
-        case 3: MA_PASS(3); break;
-        case 4: MA_PASS(4); break;
+        case 2: MA_PASS(ma_min(2, MA_DR_ROWS)); break;
+        case 3: MA_PASS(ma_min(3, MA_DR_ROWS)); break;
+        case 4: MA_PASS(ma_min(4, MA_DR_ROWS)); break;
         case 5: MA_PASS(ma_min(5, MA_DR_ROWS)); break;
         case 6: MA_PASS(ma_min(6, MA_DR_ROWS)); break;
         case 7: MA_PASS(ma_min(7, MA_DR_ROWS)); break;
