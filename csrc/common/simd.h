@@ -19,10 +19,6 @@
  *                                     n >= MA_VL: a whole vector, else the rest 0
  *   vf_store_dt(base, dt, off, n, v)  the first min(n, MA_VL) lanes as dt,
  *                                     rounded to nearest even
- *   vf_load_bytes(p)                  4 MA_VL bytes at p (any alignment) as a vector's
- *                                     bits; vf_i8_lane(v, t) (t a literal 0..3): byte t
- *                                     of each 32-bit lane of v's bits, sign-extended,
- *                                     as float (exact)
  *   vf_store_i8(p, n, v)              the first min(n, MA_VL) lanes rounded to the
  *                                     nearest integer (ties to even) as int8 at p;
  *                                     lanes in [-128, 127] (the caller clamps)

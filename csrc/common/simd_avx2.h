@@ -153,17 +153,6 @@ static inline __attribute__((always_inline)) void vf_store_dt(void *base, ma_dty
     if (n < 8 && n > 0) memcpy((char *)base + off * es, buf, (size_t)n * es);
 }
 
-#define vf_load_bytes(p) _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p)))
-/* byte t moved to the top of its lane by vpshufb (port 5) rather than shifted (port 0), as AVX-512's */
-#define vf_i8_lane(v, t)                                                                                             \
-    _mm256_cvtepi32_ps(_mm256_srai_epi32(                                                                            \
-        (t) == 3                                                                                                     \
-            ? _mm256_castps_si256(v)                                                                                 \
-            : _mm256_shuffle_epi8(_mm256_castps_si256(v),                                                            \
-                                  _mm256_setr_epi32((t) << 24, (4 + (t)) << 24, (8 + (t)) << 24, (12 + (t)) << 24,   \
-                                                    (t) << 24, (4 + (t)) << 24, (8 + (t)) << 24, (12 + (t)) << 24)), \
-        24))
-
 /* vcvtps2dq rounds as MXCSR says: to nearest even, the default every thread starts with */
 static inline __attribute__((always_inline)) void vf_store_i8(int8_t *p, int64_t n, vf v) {
     const __m256i i = _mm256_cvtps_epi32(v);

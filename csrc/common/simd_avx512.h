@@ -114,16 +114,6 @@ static inline __attribute__((always_inline)) void vf_store_dt(void *base, ma_dty
     }
 }
 
-#define vf_load_bytes(p) _mm512_castsi512_ps(_mm512_loadu_si512((const void *)(p)))
-/* byte t moved to the top of its lane by vpshufb (port 5), where the transposes leave room,
- * rather than shifted there (port 0, which the shifts down and the conversions fill) */
-#define vf_i8_lane(v, t)                                                                                            \
-    _mm512_cvtepi32_ps(_mm512_srai_epi32(                                                                           \
-        (t) == 3 ? _mm512_castps_si512(v)                                                                           \
-                 : _mm512_shuffle_epi8(_mm512_castps_si512(v), _mm512_set4_epi32((12 + (t)) << 24, (8 + (t)) << 24, \
-                                                                                 (4 + (t)) << 24, (t) << 24)),      \
-        24))
-
 static inline __attribute__((always_inline)) void vf_store_i8(int8_t *p, int64_t n, vf v) {
     _mm512_mask_cvtepi32_storeu_epi8(p, vm_first(n),
                                      _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));

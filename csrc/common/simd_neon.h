@@ -189,9 +189,6 @@ static inline __attribute__((always_inline)) void vf_store_dt(void *base, ma_dty
     }
 }
 
-#define vf_load_bytes(p) vreinterpretq_f32_s8(vld1q_s8((const int8_t *)(const void *)(p)))
-#define vf_i8_lane(v, t) vcvtq_f32_s32(vshrq_n_s32(vshlq_n_s32(vreinterpretq_s32_f32(v), 24 - 8 * (t)), 24))
-
 /* FCVTNS rounds to nearest even; narrowed twice with saturation (SQXTN) */
 static inline __attribute__((always_inline)) void vf_store_i8(int8_t *p, int64_t n, vf v) {
     const int16x4_t h = vqmovn_s32(vcvtnq_s32_f32(v));

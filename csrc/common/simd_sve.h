@@ -176,10 +176,6 @@ static inline __attribute__((always_inline)) void vf_store_dt(void *base, ma_dty
     svst1h_u32(k, (uint16_t *)base + off, h);
 }
 
-#define vf_load_bytes(p) svreinterpret_f32_s8(svld1_s8(svptrue_b8(), (const int8_t *)(const void *)(p)))
-#define vf_i8_lane(v, t) \
-    svcvt_f32_s32_x(MA_PT, svasr_n_s32_x(MA_PT, svlsl_n_s32_x(MA_PT, svreinterpret_s32_f32(v), 24 - 8 * (t)), 24))
-
 /* FRINTN (to nearest, ties to even), then an exact conversion; ST1B keeps the low bytes */
 static inline __attribute__((always_inline)) void vf_store_i8(int8_t *p, int64_t n, vf v) {
     svst1b_s32(n >= MA_VL ? MA_PT : vm_first(n), p, svcvt_s32_f32_x(MA_PT, svrintn_f32_x(MA_PT, v)));
