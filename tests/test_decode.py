@@ -190,3 +190,43 @@ def test_decode_plan_uses_every_cpu():
         assert s["items"] >= 64, s
         assert s["item_chunks"] * s["items"] >= s["chunks"] * Hkv, s
     assert ops.decode_plan(8, 32, 8, 1, 32768, 2)["splits"] == 1  # enough (b, hkv) items: no split
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
+@pytest.mark.parametrize("kind", ["causal", "mask", "dropout"])
+@pytest.mark.parametrize("dt", ["f32", "bf16"])
+def test_decode_bits_independent_of_layout(isa, kind, dt):
+    """A row's bits are the same whether its cache's key heads lie apart ((B, H_kv, L, D): one key
+    head an item) or side by side ((B, L, H_kv, D) and pages of those: the key heads in lockstep,
+    their rows read whole), with masks that differ per head and dropout."""
+    from torch_masked_attn import flash_attn as fa
+
+    gen = torch.Generator().manual_seed(17)
+    dtype = DT[dt]
+    B, H, Hkv, Lq, Lk, D, page = 2, 16, 4, 3, 1280, 64, 128
+    q = torch.randn(B, H, Lq, D, generator=gen).to(dtype)
+    kl, vl = (torch.randn(B, Lk, Hkv, D, generator=gen).to(dtype) for _ in range(2))  # (B, L, Hkv, D)
+    kw = (
+        {"dropout_p": 0.3, "dropout_seed": torch.tensor([7, 0])}
+        if kind == "dropout"
+        else _masks(kind, B, H, Lq, Lk, gen)[0]
+    )
+    apart = run_isa(
+        isa, lambda: F_.masked_attention(q, kl.transpose(1, 2).contiguous(), vl.transpose(1, 2).contiguous(), **kw)
+    )
+    side = run_isa(isa, lambda: F_.masked_attention(q, kl.transpose(1, 2), vl.transpose(1, 2), **kw))
+    assert torch.equal(apart, side), kind
+    if kind == "causal":  # pages of (page, H_kv, D) rows, shuffled: flash-attn's layout, bottom-right causal
+        n = B * Lk // page
+        perm = torch.randperm(n, generator=gen)
+        kp, vp = (torch.empty(n, page, Hkv, D, dtype=dtype) for _ in range(2))
+        kp[perm], vp[perm] = kl.reshape(n, page, Hkv, D), vl.reshape(n, page, Hkv, D)
+        table = perm.to(torch.int32).view(B, Lk // page)
+        lens = torch.full((B,), Lk, dtype=torch.int32)
+        paged = run_isa(
+            isa,
+            lambda: fa.flash_attn_with_kvcache(
+                q.transpose(1, 2), kp, vp, cache_seqlens=lens, block_table=table, causal=True
+            ),
+        )
+        assert torch.equal(paged.transpose(1, 2), apart), "paged"

@@ -1006,8 +1006,9 @@ static void FN(fwd_weights)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const
     }
 }
 
-/* A forward task's set-up (its scratch, the generic steps' state, the hooks') and end. */
-static void FN(fwd_task_begin)(FN(fwd_task) * c, const ma_task_ctx *ctx) {
+/* A forward task's set-up (its scratch, the generic steps' state, the hooks', whose scratch
+ * starts tiles_at bytes into the task's) and end. */
+static void FN(fwd_task_begin)(FN(fwd_task) * c, const ma_task_ctx *ctx, size_t tiles_at) {
     const ma_attn_fwd_params *p0 = (const ma_attn_fwd_params *)ctx->params;
     ma_scratch_header *hdr = (ma_scratch_header *)ctx->scratch;
     c->t = FN(fwd_carve)(ctx->scratch, p0);
@@ -1017,8 +1018,9 @@ static void FN(fwd_task_begin)(FN(fwd_task) * c, const ma_task_ctx *ctx) {
 #ifdef MA_TILE_HOOKS
     c->hooked = FN(tiles_apply)(p0); /* varlen too: the hooks move to each item's entry (FN(fwd_seq)) */
     c->tiles = NULL;
-    if (c->hooked)
-        FN(tiles_fwd_begin)(&c->tiles, p0, &c->t, hdr, (char *)ctx->scratch + FN(generic_fwd_scratch_bytes)(p0));
+    if (c->hooked) FN(tiles_fwd_begin)(&c->tiles, p0, &c->t, hdr, (char *)ctx->scratch + tiles_at);
+#else
+    (void)tiles_at;
 #endif
 }
 
@@ -1040,7 +1042,7 @@ static void FN(attn_fwd)(int64_t begin, int64_t end, void *vctx) {
     const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
     const ma_attn_fwd_params *p0 = (const ma_attn_fwd_params *)ctx->params;
     FN(fwd_task) task, *c = &task;
-    FN(fwd_task_begin)(c, ctx);
+    FN(fwd_task_begin)(c, ctx, FN(generic_fwd_scratch_bytes)(p0));
     const int64_t BQ = p0->a.block_q, BK = p0->a.block_k;
     for (int64_t w = begin; w < end; w++) {
         int64_t b, h, qb;

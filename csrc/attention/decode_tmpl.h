@@ -35,61 +35,133 @@ typedef struct {
     ACC *s, *m_new, *lsum, *alpha;
 } FN(rows_tmp);
 
-/* One key block j0 .. j0 + nc for the rows w: scores plus bias, m_new = max(m, row max),
- * P = exp(S - m_new) (m_new = -inf as 0), l = alpha l + sum P (in key order), O = alpha O +
- * P V (AXPY_KEYS: the tiles' order of that product). The scores from key rows are DOT_ROWS'
- * (each key row read once, in order, for every row of the block: the query heads of a key
- * head share it), from K^T pages DOT_KEYS_T's (the tiles' order, 8 rows a product). Heads
- * whose attn_mask tile differs are taken in runs of equal FN(mask_tile_state); a
- * MA_TILE_BLOCKED run is skipped (contributes exactly 0). The AMX instance takes the scores
- * from bfloat16 key rows on its tiles where the keys lie (FN(tiles_rows_scores), 8 rows at a
- * time). pf_k, pf_v: the prefetch distances of the products (0: none). */
-static void FN(rows_step)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const FN(row_block) * w,
-                          const FN(rows_tmp) * t, int64_t j0, int64_t nc, int64_t pf_k, int64_t pf_v) {
+/* Where an item's key heads go in lockstep (their rows side by side in each key row), the
+ * products take MA_DECODE_SUB keys at a time, every key head's before the next keys': the key
+ * and value rows are then read whole, in order, as one key head's rows are; a whole key block
+ * per key head (64 rows a KB apart) measured 0.6x that stream on Zen 3. A key's score and its
+ * term of P V do not depend on the keys taken with it, so the bits are those of one product. */
+#define MA_DECODE_SUB 16
+
+/* Scores of one key head's rows w (every row, blocked or not) for keys c0 .. c0 + n of the
+ * block at k_off: DOT_ROWS from key rows, DOT_KEYS_T from a K^T page. s: (R, lds). */
+static void FN(rows_scores)(const ma_attn_fwd_params *p, const FN(row_block) * w, ACC *s, int64_t lds, int64_t k_off,
+                            int64_t c0, int64_t n, int64_t pf) {
     const ma_attn_args *a = &p->a;
-    const int64_t D = a->D, Dv = a->Dv, nr = w->nr, b = w->b, *ks = a->k_stride, *vs = a->v_stride;
+    const int64_t D = a->D, R = w->nh * w->nr, *ks = a->k_stride;
     const ma_dtype kvt = FN(kv_dtype)(a);
-    const int64_t k_off = b * ks[0] + w->hk * ks[1] + FN(key_off)(a, ks, a->k_page_stride, b, j0);
-    const int64_t v_off = b * vs[0] + w->hk * vs[1] + FN(key_off)(a, vs, a->v_page_stride, b, j0);
-    const int64_t heads_per_product = nr <= 8 ? 8 / nr : 1;
-    for (int64_t y0 = 0, ny; y0 < w->nh; y0 += ny) {
-        const int ms = FN(mask_tile_state)(&a->attn_mask, b, w->h + y0, w->i0, nr, j0, nc);
-        for (ny = 1; y0 + ny < w->nh && FN(mask_tile_state)(&a->attn_mask, b, w->h + y0 + ny, w->i0, nr, j0, nc) == ms;)
-            ny++;
-        if (ms == MA_TILE_BLOCKED) continue;
-        const int64_t r0 = y0 * nr, R = ny * nr;
-        ACC *s = t->s;
-        int hooked = 1; /* the tiles' scores where the instance takes them (AMX: bfloat16 key rows), 8 rows a time */
-        for (int64_t y = y0; hooked && y < y0 + ny; y += heads_per_product)
-            for (int64_t i = 0; hooked && i < nr; i += 8) {
-                const int64_t nh8 = ma_min(heads_per_product, y0 + ny - y), n = nr <= 8 ? nh8 * nr : ma_min(8, nr - i);
-                const int64_t row = (y - y0) * nr + i;
-                (void)n, (void)row; /* unread where the instance has no hooks */
-                hooked = ROWS_SCORES(p, s + row * nc, b, w->h + y, w->i0 + i, nr <= 8 ? nr : n, nr <= 8 ? nh8 : 1,
-                                     k_off, nc, row == 0 ? pf_k : 0);
-                if (nr <= 8) break;
-            }
-        if (!hooked && ks[3] == 1) DOT_ROWS(s, nc, w->q + r0 * D, R, D, a->k, kvt, k_off, ks[2], nc, pf_k);
-        else if (!hooked) /* keys side by side, each element a row apart: a K^T page (the serving cache's layout) */
-            for (int64_t i = 0; i < R; i += 8)
-                DOT_KEYS_T(s + i * nc, nc, w->q + (r0 + i) * D, ma_min(8, R - i), D, a->k, kvt, k_off, ks[3], nc,
-                           i == 0 ? pf_k : 0);
-        FN(kv_scale)(s, nc, 1, R, a, &a->opts.k_scale, b, w->hk, j0, nc);
-        FN(apply_softcap)(s, R * nc, a->opts.softcap, NULL);
-        for (int64_t y = 0; y < ny; y++)
-            FN(add_bias)(s + y * nr * nc, nc, 1, a, ms, b, w->h + y0 + y, w->i0, nr, j0, nc);
-        ACC *m = w->m + r0, *l = w->l + r0, *o = w->o + r0 * Dv;
-        for (int64_t r = 0; r < R; r++) {
-            t->m_new[r] = ROW_MAX(s + r * nc, nc, m[r]);
-            (void)EXP_SUB_SUM(s + r * nc, nc, t->m_new[r] == -(ACC)INFINITY ? 0 : t->m_new[r]);
+    if (ks[3] == 1) DOT_ROWS(s + c0, lds, w->q, R, D, a->k, kvt, k_off + c0 * ks[2], ks[2], n, pf);
+    else /* keys side by side, each element a row apart: a K^T page (the serving cache's layout) */
+        for (int64_t i = 0; i < R; i += 8)
+            DOT_KEYS_T(s + i * lds + c0, lds, w->q + i * D, ma_min(8, R - i), D, a->k, kvt, k_off + c0, ks[3], n,
+                       i == 0 ? pf : 0);
+}
+
+/* The instance's scores of one key head's rows from bfloat16 key rows on its tiles (AMX:
+ * FN(tiles_rows_scores), 8 rows at a time), the whole block; 0 where it takes none. */
+static int FN(rows_hooked)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const FN(row_block) * w, ACC *s,
+                           int64_t k_off, int64_t nc, int64_t pf) {
+    const int64_t nr = w->nr, heads_per_product = nr <= 8 ? 8 / nr : 1;
+    (void)p, (void)s, (void)k_off, (void)nc, (void)pf; /* unread where the instance has no hooks */
+    int hooked = 1;
+    for (int64_t y = 0; hooked && y < w->nh; y += heads_per_product)
+        for (int64_t i = 0; hooked && i < nr; i += 8) {
+            const int64_t nh8 = ma_min(heads_per_product, w->nh - y), n = nr <= 8 ? nh8 * nr : ma_min(8, nr - i);
+            const int64_t row = y * nr + i;
+            (void)c, (void)n, (void)row; /* unread where the instance has no hooks */
+            hooked = ROWS_SCORES(p, s + row * nc, w->b, w->h + y, w->i0 + i, nr <= 8 ? nr : n, nr <= 8 ? nh8 : 1, k_off,
+                                 nc, row == 0 ? pf : 0);
+            if (nr <= 8) break;
         }
-        FN(sum_rows_in_order)(s, nc, R, t->lsum);
-        if (FN(online_step)(m, t->m_new, l, t->lsum, t->alpha, R)) FN(scale_rows)(o, Dv, R, Dv, t->alpha);
-        if (w->dr) /* l summed the whole P; O takes P' */
-            for (int64_t y = 0; y < ny; y++) DROPOUT(s + y * nr * nc, NULL, nc, 1, nr, nc, w->dr[y0 + y], w->i0, j0);
-        FN(kv_scale)(s, nc, 1, R, a, &a->opts.v_scale, b, w->hk, j0, nc);
-        AXPY_KEYS(o, s, nc, R, Dv, a->v, kvt, v_off, vs[2], nc, y0 == 0 ? pf_v : 0);
+    return hooked;
+}
+
+/* Where key head x of nw in lockstep (heads hs apart) prefetches: the next head's part of the
+ * same rows; the last head the first head's part of the next keys, step on from these. */
+static inline int64_t FN(lockstep_pf)(int64_t x, int64_t nw, int64_t hs, int64_t step) {
+    return x + 1 < nw ? hs : step - x * hs;
+}
+
+/* One key block j0 .. j0 + nc for the row blocks w[0 .. nw) (nw key heads, in lockstep where
+ * more than one): scores plus bias, m_new = max(m, row max), P = exp(S - m_new) (m_new = -inf
+ * as 0), l = alpha l + sum P (in key order), O = alpha O + P V (AXPY_KEYS: the tiles' order of
+ * that product). The scores from key rows are DOT_ROWS' (each key row read once, in order, for
+ * every row of the block: the query heads of a key head share it), from K^T pages
+ * DOT_KEYS_T's (the tiles' order, 8 rows a product), or the instance's hook's. Heads whose
+ * attn_mask tile differs are taken in runs of equal FN(mask_tile_state); a MA_TILE_BLOCKED
+ * run contributes exactly 0 (its scores, where computed with the others, are not read).
+ * pf_k, pf_v: one key head's prefetch distances (0: none); next_k, next_v: the next block's
+ * offset from this one's (the lockstep's prefetch). t->s holds nw blocks of p->decode_rows
+ * rows. */
+static void FN(rows_step)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const FN(row_block) * w, int64_t nw,
+                          const FN(rows_tmp) * t, int64_t j0, int64_t nc, int64_t pf_k, int64_t pf_v, int64_t next_k,
+                          int64_t next_v) {
+    const ma_attn_args *a = &p->a;
+    const int64_t Dv = a->Dv, nr = w->nr, b = w->b, *ks = a->k_stride, *vs = a->v_stride, RM = p->decode_rows;
+    const ma_dtype kvt = FN(kv_dtype)(a);
+    const int64_t k_off = b * ks[0] + FN(key_off)(a, ks, a->k_page_stride, b, j0);
+    const int64_t v_off = b * vs[0] + FN(key_off)(a, vs, a->v_page_stride, b, j0);
+    int ms[MA_DECODE_KV_HEADS][MA_DECODE_ROWS], live[MA_DECODE_KV_HEADS], any = 0;
+    for (int64_t x = 0; x < nw; x++) {
+        live[x] = 0;
+        for (int64_t y = 0; y < w[x].nh; y++) {
+            ms[x][y] = FN(mask_tile_state)(&a->attn_mask, b, w[x].h + y, w[x].i0, nr, j0, nc);
+            live[x] |= ms[x][y] != MA_TILE_BLOCKED;
+        }
+        any |= live[x];
     }
+    if (!any) return;
+#define S_X(x) (t->s + (x) * RM * nc)
+    /* key rows of heads in lockstep: MA_DECODE_SUB keys at a time; else (one key head, K^T
+     * pages, the hook) each head's whole block */
+    const int sub_k = nw > 1 && ks[3] == 1;
+    int hooked = 0;
+    for (int64_t x = 0; x < nw; x++)
+        if (live[x] && !(hooked = FN(rows_hooked)(c, p, &w[x], S_X(x), k_off + w[x].hk * ks[1], nc,
+                                                  nw == 1 ? pf_k : FN(lockstep_pf)(x, nw, ks[1], next_k))))
+            break;
+    for (int64_t c0 = 0; !hooked && c0 < nc; c0 += sub_k ? MA_DECODE_SUB : nc) {
+        const int64_t n = sub_k ? ma_min(MA_DECODE_SUB, nc - c0) : nc;
+        const int64_t step = c0 + n < nc ? n * ks[2] : next_k - c0 * ks[2]; /* (K^T: c0 = 0) */
+        for (int64_t x = 0; x < nw; x++)
+            if (live[x])
+                FN(rows_scores)(p, &w[x], S_X(x), nc, k_off + w[x].hk * ks[1], c0, n,
+                                nw == 1 ? pf_k : FN(lockstep_pf)(x, nw, ks[1], step));
+    }
+    for (int64_t x = 0; x < nw; x++)
+        for (int64_t y0 = 0, ny; y0 < w[x].nh; y0 += ny) {
+            for (ny = 1; y0 + ny < w[x].nh && ms[x][y0 + ny] == ms[x][y0];) ny++;
+            if (ms[x][y0] == MA_TILE_BLOCKED) continue;
+            const int64_t r0 = y0 * nr, R = ny * nr;
+            ACC *s = S_X(x) + r0 * nc, *m = w[x].m + r0, *l = w[x].l + r0, *o = w[x].o + r0 * Dv;
+            FN(kv_scale)(s, nc, 1, R, a, &a->opts.k_scale, b, w[x].hk, j0, nc);
+            FN(apply_softcap)(s, R * nc, a->opts.softcap, NULL);
+            for (int64_t y = 0; y < ny; y++)
+                FN(add_bias)(s + y * nr * nc, nc, 1, a, ms[x][y0], b, w[x].h + y0 + y, w[x].i0, nr, j0, nc);
+            for (int64_t r = 0; r < R; r++) {
+                t->m_new[r] = ROW_MAX(s + r * nc, nc, m[r]);
+                (void)EXP_SUB_SUM(s + r * nc, nc, t->m_new[r] == -(ACC)INFINITY ? 0 : t->m_new[r]);
+            }
+            FN(sum_rows_in_order)(s, nc, R, t->lsum);
+            if (FN(online_step)(m, t->m_new, l, t->lsum, t->alpha, R)) FN(scale_rows)(o, Dv, R, Dv, t->alpha);
+            if (w[x].dr) /* l summed the whole P; O takes P' */
+                for (int64_t y = 0; y < ny; y++)
+                    DROPOUT(s + y * nr * nc, NULL, nc, 1, nr, nc, w[x].dr[y0 + y], w[x].i0, j0);
+            FN(kv_scale)(s, nc, 1, R, a, &a->opts.v_scale, b, w[x].hk, j0, nc);
+        }
+    const int64_t sub = nw == 1 ? nc : MA_DECODE_SUB;
+    for (int64_t c0 = 0; c0 < nc; c0 += sub) {
+        const int64_t n = ma_min(sub, nc - c0), step = c0 + n < nc ? n * vs[2] : next_v - c0 * vs[2];
+        for (int64_t x = 0; x < nw; x++) {
+            const int64_t pf = nw == 1 ? pf_v : FN(lockstep_pf)(x, nw, vs[1], step);
+            for (int64_t y0 = 0, ny; y0 < w[x].nh; y0 += ny) {
+                for (ny = 1; y0 + ny < w[x].nh && ms[x][y0 + ny] == ms[x][y0];) ny++;
+                if (ms[x][y0] == MA_TILE_BLOCKED) continue;
+                AXPY_KEYS(w[x].o + y0 * nr * Dv, S_X(x) + y0 * nr * nc + c0, nc, ny * nr, Dv, a->v, kvt,
+                          v_off + w[x].hk * vs[1] + c0 * vs[2], vs[2], n, y0 == 0 ? pf : 0);
+            }
+        }
+    }
+#undef S_X
 }
 
 /* ---- the decode kernel --------------------------------------------------- */
@@ -127,11 +199,18 @@ static void FN(decode_fold)(ACC *M, ACC *L, ACC *O, const ACC *m, const ACC *l, 
 typedef struct {
     ACC *q, *o, *m, *l, *O, *M, *L;
     FN(rows_tmp) tmp;
+    ma_dropout *drop;         /* (KG, rows): each head's dropout, where the call has one */
+    const ma_dropout **drops; /* (KG, rows): pointers to them */
 } FN(decode_scratch);
 
 static inline size_t FN(decode_extra_elems)(const ma_attn_fwd_params *p) {
     const int64_t R = p->decode_rows, RA = p->decode_kv_heads * R;
-    return (size_t)(RA * (p->a.D + 2 * p->a.Dv + 4) + R * (p->a.block_k + 3));
+    return (size_t)(RA * (p->a.D + 2 * p->a.Dv + 4 + p->a.block_k) + 3 * R);
+}
+
+static inline size_t FN(decode_drop_bytes)(const ma_attn_fwd_params *p) {
+    return ma_round_up((size_t)(p->decode_kv_heads * p->decode_rows) * (sizeof(ma_dropout) + sizeof(void *)),
+                       MA_CACHE_LINE);
 }
 
 static inline size_t FN(decode_fwd_bytes)(const ma_attn_fwd_params *p) {
@@ -139,10 +218,16 @@ static inline size_t FN(decode_fwd_bytes)(const ma_attn_fwd_params *p) {
     return ma_round_up(MA_CACHE_LINE + (size_t)(D * BQ + BK * BQ + BQ * Dv + 5 * BQ) * sizeof(ACC), MA_CACHE_LINE);
 }
 
+/* Where the hooks' scratch starts: after the forward's, the decode state and the dropouts. */
+static size_t FN(decode_tiles_at)(const ma_attn_fwd_params *p) {
+    return FN(decode_fwd_bytes)(p) + ma_round_up(FN(decode_extra_elems)(p) * sizeof(ACC), MA_CACHE_LINE) +
+           FN(decode_drop_bytes)(p);
+}
+
 /* The forward's scratch (FN(fwd_carve): c->t, which FN(fwd_head_end) uses) without its head
  * caches (the rows are read in place), then the decode state. */
 static size_t FN(decode_scratch_bytes)(const ma_attn_fwd_params *p) {
-    size_t n = FN(decode_fwd_bytes)(p) + ma_round_up(FN(decode_extra_elems)(p) * sizeof(ACC), MA_CACHE_LINE);
+    size_t n = FN(decode_tiles_at)(p);
 #ifdef MA_TILE_HOOKS
     if (FN(tiles_apply)(p)) n += FN(tiles_fwd_scratch_bytes)(p);
 #endif
@@ -157,8 +242,12 @@ static FN(decode_scratch) FN(decode_carve)(void *scratch, const ma_attn_fwd_para
     d.o = x, x += RA * Dv;
     d.O = x, x += RA * Dv;
     d.m = x, d.l = x + RA, d.M = x + 2 * RA, d.L = x + 3 * RA, x += 4 * RA;
-    d.tmp.s = x, x += R * BK;
+    d.tmp.s = x, x += RA * BK;
     d.tmp.m_new = x, d.tmp.lsum = x + R, d.tmp.alpha = x + 2 * R;
+    char *y =
+        (char *)scratch + FN(decode_fwd_bytes)(p) + ma_round_up(FN(decode_extra_elems)(p) * sizeof(ACC), MA_CACHE_LINE);
+    d.drop = (ma_dropout *)y; /* (sizeof(ma_dropout) a multiple of a pointer's) */
+    d.drops = (const ma_dropout **)(y + (size_t)RA * sizeof(ma_dropout));
     return d;
 }
 
@@ -213,12 +302,10 @@ static void FN(attn_decode)(int64_t begin, int64_t end, void *vctx) {
     const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
     const ma_attn_fwd_params *p0 = (const ma_attn_fwd_params *)ctx->params;
     FN(fwd_task) task, *c = &task;
-    FN(fwd_task_begin)(c, ctx);
+    FN(fwd_task_begin)(c, ctx, FN(decode_tiles_at)(p0));
     FN(decode_scratch) d = FN(decode_carve)(ctx->scratch, p0);
     const int64_t S = p0->decode_splits, KG = p0->decode_kv_heads, BK = p0->a.block_k, D = p0->a.D, Dv = p0->a.Dv;
     const int64_t CK = MA_DECODE_CHUNK, RM = p0->decode_rows, slabs = p0->decode_slabs;
-    ma_dropout drop[MA_DECODE_ROWS];
-    const ma_dropout *drp[MA_DECODE_ROWS];
     const int64_t es = ma_dtype_size(FN(kv_dtype)(&p0->a));
     const int64_t pf_rows_k = ma_max(2, ma_cdiv(MA_DECODE_PF_BYTES, D * es));
     const int64_t pf_rows_v = ma_max(2, ma_cdiv(MA_DECODE_PF_BYTES, Dv * es));
@@ -254,30 +341,28 @@ static void FN(attn_decode)(int64_t begin, int64_t end, void *vctx) {
                                        FN(key_off)(&p->a, ks, p->a.k_page_stride, b, j0);
                 const int64_t next_v = FN(key_off)(&p->a, vs, p->a.v_page_stride, b, j1) -
                                        FN(key_off)(&p->a, vs, p->a.v_page_stride, b, j0);
+                FN(row_block) rw[MA_DECODE_KV_HEADS];
                 for (int64_t x = 0; x < KG; x++) {
-                    /* prefetch: one key head, key and value rows MA_DECODE_PF rows on (in order,
-                     * the stream the products read; K^T pages the next key block); heads in
-                     * lockstep, the next head's part of the rows, the last the first's next block */
-                    const int64_t pf_k = KG > 1       ? (x + 1 < KG ? ks[1] : next_k - x * ks[1])
-                                         : ks[3] == 1 ? pf_rows_k * ks[2]
-                                                      : next_k;
-                    const int64_t pf_v = KG > 1 ? (x + 1 < KG ? vs[1] : next_v - x * vs[1]) : pf_rows_v * vs[2];
                     if (ma_dropout_on(&p->a))
                         for (int64_t y = 0; y < it[x].nh; y++)
-                            drp[y] = FN(head_dropout)(&p->a, b, it[x].h0 + y, &drop[y]);
-                    const FN(row_block) rw = {d.q + x * RM * D,
-                                              d.o + x * RM * Dv,
-                                              d.m + x * RM,
-                                              d.l + x * RM,
-                                              ma_dropout_on(&p->a) ? drp : NULL,
-                                              b,
-                                              it[x].h0,
-                                              it[x].hk,
-                                              0,
-                                              nr,
-                                              it[x].nh};
-                    FN(rows_step)(c, p, &rw, &d.tmp, j0, nc, pf_k, pf_v);
+                            d.drops[x * RM + y] = FN(head_dropout)(&p->a, b, it[x].h0 + y, &d.drop[x * RM + y]);
+                    const FN(row_block) r = {d.q + x * RM * D,
+                                             d.o + x * RM * Dv,
+                                             d.m + x * RM,
+                                             d.l + x * RM,
+                                             ma_dropout_on(&p->a) ? d.drops + x * RM : NULL,
+                                             b,
+                                             it[x].h0,
+                                             it[x].hk,
+                                             0,
+                                             nr,
+                                             it[x].nh};
+                    rw[x] = r;
                 }
+                /* prefetch: one key head, key and value rows MA_DECODE_PF_BYTES on (the stream the
+                 * products read; K^T pages the next key block); heads in lockstep, FN(lockstep_pf) */
+                FN(rows_step)(c, p, rw, KG, &d.tmp, j0, nc, ks[3] == 1 ? pf_rows_k * ks[2] : next_k, pf_rows_v * vs[2],
+                              next_k, next_v);
             }
             for (int64_t x = 0; x < KG; x++) {
                 ACC *o = d.o + x * RM * Dv, *m = d.m + x * RM, *l = d.l + x * RM;
@@ -303,7 +388,7 @@ static void FN(attn_decode_merge)(int64_t begin, int64_t end, void *vctx) {
     const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
     const ma_attn_fwd_params *p0 = (const ma_attn_fwd_params *)ctx->params;
     FN(fwd_task) task, *c = &task;
-    FN(fwd_task_begin)(c, ctx);
+    FN(fwd_task_begin)(c, ctx, FN(decode_tiles_at)(p0));
     FN(decode_scratch) d = FN(decode_carve)(ctx->scratch, p0);
     const int64_t Dv = p0->a.Dv, S = p0->decode_splits, RM = p0->decode_rows, slabs = p0->decode_slabs;
     for (int64_t w = begin; w < end; w++) {
