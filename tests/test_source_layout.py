@@ -107,6 +107,7 @@ def test_attention_options_declared_once():
     assert readers == {
         "csrc/masked_attn.h",
         "csrc/attention/attention_tmpl.h",
+        "csrc/attention/shared_tmpl.h",
         "csrc/shim/options.cpp",
         "torch_masked_attn/ops.py",
         "torch_masked_attn/functional.py",

@@ -3,7 +3,7 @@
  * call, or varlen entry, of at most MA_DECODE_QROWS query rows (decoding, speculative
  * verification), over the key and value rows in place.
  *
- * Part of attention_tmpl.h (included by it, after the forward's shared pieces): FN, BLK, ACC
+ * Part of attention_tmpl.h (included by it, after forward_tmpl.h): FN, BLK, ACC
  * and the blocks are the instance's.
  *
  * The work item is (b, hkv, slab, split): the query heads of one key head (a slab of them,

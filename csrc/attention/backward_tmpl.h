@@ -1,0 +1,470 @@
+/*
+ * backward_tmpl.h -- the backward's two passes: dq (a query block streaming its key blocks)
+ * and dk, dv (a key block streaming its query blocks).
+ *
+ * Part of attention_tmpl.h (included by it, after decode_tmpl.h): FN, BLK, ACC and the blocks are
+ * the instance's.
+ */
+
+/* ---- backward ------------------------------------------------------------
+ *
+ * Forward lines, differentiated in reverse (per row i of head (b, h), with
+ * g = dout, hm = head_mask[b, h], dW = dweights):
+ *   3. out_i = hm * sum_j P_ij v_j,  weights_ij = hm * P_ij
+ *        dv_j   += hm * P_ij * g_i
+ *        dP_ij   = hm * (g_i . v_j + dW_ij)
+ *        dhm    += sum_j P_ij (g_i . v_j + dW_ij)
+ *   2. P_ij = exp(S_ij - lse_i)
+ *        dS_ij   = P_ij (dP_ij - delta_i),  delta_i = sum_j P_ij dP_ij
+ *                = g_i . out_i + hm * sum_j P_ij dW_ij
+ *   1. S_ij = scale * q_i . k_j + bias_ij
+ *        dq_i   += scale * sum_j dS_ij k_j
+ *        dk_j   += scale * sum_i dS_ij q_i
+ */
+
+typedef struct {
+    /* dq pass: transposed tiles (nc, nr) */
+    ACC *qT, *gT, *kbuf, *sT, *dpT, *dq;
+    /* dkdv pass: row tiles (nr, nc) */
+    ACC *kT, *vT, *gbuf, *s, *dp, *dk, *dv;
+    /* per query row */
+    ACC *lse, *delta, *dhm, *tmp;
+    ACC *z; /* (BQ, BK) dropout multipliers of a row-wise tile (DROPOUT's z form) */
+    ACC *th; /* softcap's tanh of the tile's scores */
+    ACC *extra;
+} FN(bwd_scratch);
+
+static FN(bwd_scratch) FN(bwd_carve)(void *scratch, int64_t BQ, int64_t BK, int64_t D, int64_t Dv) {
+    FN(bwd_scratch) t;
+    ACC *x = (ACC *)((char *)scratch + MA_CACHE_LINE); /* after the header */
+    t.qT = x;
+    x += D * BQ;   /* (D, BQ) scale * Q^T */
+    t.gT = x;
+    x += Dv * BQ;  /* (Dv, BQ) dO^T */
+    t.kbuf = x;
+    x += BK * D;   /* (BK, D) K rows converted, when not float */
+    t.sT = x;
+    x += BK * BQ;  /* (BK, BQ) */
+    t.dpT = x;
+    x += BK * BQ;  /* (BK, BQ) */
+    t.dq = x;
+    x += BQ * D;   /* (BQ, D) */
+    t.kT = x;
+    x += D * BK;   /* (D, BK) scale * K^T */
+    t.vT = x;
+    x += Dv * BK;  /* (Dv, BK) */
+    t.gbuf = x;
+    x += BQ * Dv;  /* (BQ, Dv) rows of dO and out, converted */
+    t.s = x;
+    x += BQ * BK;  /* (BQ, BK) */
+    t.dp = x;
+    x += BQ * BK;  /* (BQ, BK) */
+    t.dk = x;
+    x += BK * D;   /* (BK, D) */
+    t.dv = x;
+    x += BK * Dv;  /* (BK, Dv) */
+    t.lse = x;
+    x += BQ;
+    t.delta = x;
+    x += BQ;
+    t.dhm = x;
+    x += BQ;
+    t.tmp = x;
+    x += BQ;
+    t.z = x;
+    x += BQ * BK;
+    t.th = x;
+    x += BQ * BK;  /* (BQ, BK) or (BK, BQ): tanh of the capped scores (softcap) */
+    t.extra = x;               /* the pass's own regions, see bwd_extra_elems */
+    return t;
+}
+
+static inline size_t FN(bwd_scratch_elems)(int64_t BQ, int64_t BK, int64_t D, int64_t Dv) {
+    return (size_t)(2 * D * BQ + 2 * Dv * BQ + 3 * BK * D + 2 * BK * Dv + 6 * BK * BQ + 4 * BQ);
+}
+
+/* Elements after the tiles that each backward pass carves from t.extra:
+ *   dq pass    K, V head caches (Lk, D), (Lk, Dv)            if they need converting
+ *   dkdv pass  Q, dO caches of the G heads (G, Lq, D), (G, Lq, Dv)   if they need converting
+ *   single pass  dq (G, Lq, D), delta, lse, dhm (G, Lq), then the Q, dO caches,
+ *              then the regions of key blocks 2 .. of a group (FN(bwd_key_slot_elems)) */
+static inline int64_t FN(bwd_qg_cache_elems)(const ma_attn_bwd_params *p) {
+    const int64_t G = p->a.H / p->a.Hkv;
+    return (FN(needs_copy)(p->a.dtype, p->a.q_stride) ? G * p->a.Lq * p->a.D : 0) +
+           (FN(needs_copy)(p->a.dtype, p->dout_stride) ? G * p->a.Lq * p->a.Dv : 0);
+}
+
+/* Key blocks the single pass holds at once (FN(attn_bwd_fused)):
+ * p->key_group (ma_attn_bwd_key_group) up to MA_BWD_KEY_GROUP_MAX, where every
+ * key block's query blocks start on one grid so that a query block's tiles
+ * are visited together (a causal band with block_k a multiple of block_q, or
+ * any other band); else 1, as with tile hooks (they keep one key block's
+ * operands). */
+static inline int64_t FN(bwd_key_group)(const ma_attn_bwd_params *p) {
+#ifdef MA_TILE_HOOKS
+    (void)p;
+    return 1;
+#else
+    const int grid = p->a.band_hi != 0 || p->a.block_k % p->a.block_q == 0;
+    return grid ? ma_max(1, ma_min(p->key_group, MA_BWD_KEY_GROUP_MAX)) : 1;
+#endif
+}
+
+/* A key block's own regions in the single pass, for each block of the group after the first (whose are the tiles') */
+static inline int64_t FN(bwd_key_slot_elems)(const ma_attn_bwd_params *p) {
+    return p->a.block_k * (3 * p->a.D + 2 * p->a.Dv); /* kT, kbuf, dk (BK, D); vT, dv (BK, Dv) */
+}
+
+static inline size_t FN(bwd_extra_elems)(const ma_attn_bwd_params *p, int single_pass) {
+    const int64_t G = p->a.H / p->a.Hkv;
+    if (single_pass)
+        return (size_t)(G * p->a.Lq * (p->a.D + 3) + FN(bwd_qg_cache_elems)(p) +
+                        (FN(bwd_key_group)(p) - 1) * FN(bwd_key_slot_elems)(p));
+    const int64_t kv = (FN(needs_copy)(p->a.dtype, p->a.k_stride) ? p->a.Lk * p->a.D : 0) +
+                       (FN(needs_copy)(p->a.dtype, p->a.v_stride) ? p->a.Lk * p->a.Dv : 0);
+    const int64_t qg = FN(bwd_qg_cache_elems)(p);
+    return (size_t)(kv > qg ? kv : qg);
+}
+
+/* Bytes of a thread's backward scratch without the hooks' own; with tile
+ * hooks the single pass needs no Q, dO caches (the hooks pack from rows). */
+static size_t FN(generic_bwd_scratch_bytes)(const ma_attn_bwd_params *p) {
+    const int single = ma_attn_bwd_single_pass(p);
+    size_t n = FN(bwd_scratch_elems)(p->a.block_q, p->a.block_k, p->a.D, p->a.Dv) + FN(bwd_extra_elems)(p, single);
+#ifdef MA_TILE_HOOKS
+    if (single) n -= (size_t)FN(bwd_qg_cache_elems)(p);
+#endif
+    return ma_round_up(MA_CACHE_LINE + n * sizeof(ACC), MA_CACHE_LINE);
+}
+
+#ifdef MA_TILE_HOOKS
+static size_t FN(tiles_bwd_scratch_bytes)(const ma_attn_bwd_params *p);
+#endif
+
+static size_t FN(bwd_scratch_bytes)(const ma_attn_bwd_params *p) {
+    size_t n = FN(generic_bwd_scratch_bytes)(p);
+#ifdef MA_TILE_HOOKS
+    if (ma_attn_bwd_single_pass(p)) n += FN(tiles_bwd_scratch_bytes)(p);
+#endif
+    return n;
+}
+
+/* dW[b, h, i0 + r, j0 + c] added to dP at dp[r * rs + c * cs]. */
+static void FN(add_dweights)(ACC *dp, int64_t rs, int64_t cs, const ma_attn_bwd_params *p, int64_t b, int64_t h,
+                             int64_t i0, int64_t nr, int64_t j0, int64_t nc) {
+    const int64_t *st = p->dweights_stride;
+    for (int64_t r = 0; r < nr; r++) {
+        const int64_t base = b * st[0] + h * st[1] + (i0 + r) * st[2] + j0 * st[3];
+        for (int64_t c = 0; c < nc; c++) dp[r * rs + c * cs] += LOAD(p->dweights, p->a.dtype, base + c * st[3]);
+    }
+}
+
+/* Row i of head (b, h) of the forward's output as it was before rounding,
+ * out + out_lo (out alone without out_lo), into o (Dv) in ACC. */
+static void FN(out_row)(const ma_attn_bwd_params *p, int64_t b, int64_t h, int64_t i, ACC *o, ACC *tmp) {
+    const int64_t *st = p->a.out_stride, *ls = p->a.out_lo_stride, Dv = p->a.Dv;
+    FN(convert_row)(o, 1, p->out, p->a.dtype, b * st[0] + h * st[1] + i * st[2], st[3], Dv, 1);
+    if (!p->out_lo) return;
+    FN(convert_row)(tmp, 1, p->out_lo, p->a.dtype, b * ls[0] + h * ls[1] + i * ls[2], ls[3], Dv, 1);
+    for (int64_t d = 0; d < Dv; d++) o[d] += tmp[d];
+}
+
+/* dS = P (hm dP - delta) in place of dP, element (r, c) at [r * rs + c * cs];
+ * dhm[r] += sum_c P dP when dhm is not NULL. */
+static void FN(dscores)(ACC *dp, const ACC *pr, int64_t rs, int64_t cs, const ACC *delta, ACC *dhm, ACC hm, int64_t nr,
+                        int64_t nc) {
+    if (dhm)
+        for (int64_t r = 0; r < nr; r++) {
+            ACC acc = 0;
+            for (int64_t c = 0; c < nc; c++) acc += pr[r * rs + c * cs] * dp[r * rs + c * cs];
+            dhm[r] += acc;
+        }
+    if (cs == 1) { /* row-wise */
+        for (int64_t r = 0; r < nr; r++)
+            for (int64_t c = 0; c < nc; c++) dp[r * rs + c] = pr[r * rs + c] * (hm * dp[r * rs + c] - delta[r]);
+    } else { /* transposed: r is the inner, contiguous index */
+        for (int64_t c = 0; c < nc; c++)
+            for (int64_t r = 0; r < nr; r++) dp[c * cs + r] = pr[c * cs + r] * (hm * dp[c * cs + r] - delta[r]);
+    }
+}
+
+/* dscores[b, h, i0 + r, j0 + c] = dS (r, c), at ds[r * rs + c * cs]: the gradient
+ * of the scores, which is the gradient of an additive mask; overwrites. */
+static void FN(store_dscores)(const ma_attn_bwd_params *p, const ACC *ds, int64_t rs, int64_t cs, int64_t b, int64_t h,
+                              int64_t i0, int64_t nr, int64_t j0, int64_t nc) {
+    ACC *out = (ACC *)p->dscores + ((b * p->a.H + h) * p->a.Lq + i0) * p->a.Lk + j0;
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t c = 0; c < nc; c++) out[r * p->a.Lk + c] = ds[r * rs + c * cs];
+}
+
+/* delta of rows i0 .. i0 + nr of head (b, h) (qT and gT loaded) into t->delta
+ * and p->delta: g_i . (out_i + out_lo_i), plus hm * sum_j P_ij dW_ij where the
+ * weights have a gradient (P from the scores again). t->lse gets the rows' lse,
+ * -inf as 0. */
+static void FN(dq_delta)(FN(bwd_scratch) * t, const ma_attn_bwd_params *p, const ACC *k_bh, ACC hm,
+                         const ma_dropout *dr, int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t kv_begin,
+                         int64_t kv_end) {
+    const int64_t D = p->a.D, Dv = p->a.Dv, BK = p->a.block_k, hk = h / (p->a.H / p->a.Hkv);
+    const ACC *lse_bh = (const ACC *)p->lse + FN(stat_row0)(&p->a, b, h);
+    ACC *delta_bh = (ACC *)p->delta + FN(stat_row0)(&p->a, b, h);
+    for (int64_t r = 0; r < nr; r++) {
+        t->lse[r] = FN(finite_or_zero)(lse_bh[i0 + r]);
+        t->dhm[r] = 0;
+        ACC *o_r = t->gbuf;
+        FN(out_row)(p, b, h, i0 + r, o_r, t->gbuf + Dv);
+        ACC dot = 0;
+        for (int64_t d = 0; d < Dv; d++) dot += t->gT[d * nr + r] * o_r[d];
+        t->delta[r] = dot;
+    }
+    if (p->dweights)
+        for (int64_t j0 = kv_begin; j0 < kv_end; j0 += BK) {
+            const int64_t nc = FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
+            if (nc == 0) continue;
+            const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
+            if (ms == MA_TILE_BLOCKED) continue;
+            int64_t ldk;
+            const ACC *k_j = FN(rows_in)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, k_bh, D, &ldk);
+            GEMM(nc, nr, D, k_j, ldk, 1, t->qT, nr, t->sT, nr, 0);
+            FN(apply_softcap)(t->sT, nc * nr, p->a.opts.softcap, NULL);
+            FN(add_bias)(t->sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
+            EXP_SUB_COL(t->sT, nc, nr, t->lse, t->tmp);
+            for (int64_t x = 0; x < nc * nr; x++) t->dpT[x] = 0;
+            FN(add_dweights)(t->dpT, 1, nr, p, b, h, i0, nr, j0, nc);
+            if (dr) DROPOUT(t->dpT, NULL, 1, nr, nr, nc, dr, i0, j0); /* P' dW = P (Z dW / (1 - p)) */
+            for (int64_t r = 0; r < nr; r++) {
+                ACC dot = 0;
+                for (int64_t c = 0; c < nc; c++) dot += t->sT[c * nr + r] * t->dpT[c * nr + r];
+                t->delta[r] += hm * dot;
+            }
+        }
+    for (int64_t r = 0; r < nr; r++) delta_bh[i0 + r] = t->delta[r];
+}
+
+/* One key block j0 .. j0 + nc of the dq pass (ms: its mask state, not blocked):
+ * P^T again, dS^T = P^T (hm dP^T - delta), dscores and dhm_rows where asked,
+ * then t->dq += dS K. */
+static void FN(dq_block)(FN(bwd_scratch) * t, const ma_attn_bwd_params *p, const ACC *k_bh, const ACC *v_bh, ACC hm,
+                         const ma_dropout *dr, int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t nc,
+                         int ms) {
+    const int64_t D = p->a.D, Dv = p->a.Dv, hk = h / (p->a.H / p->a.Hkv);
+    int64_t ldk, ldv;
+    const ACC *k_j = FN(rows_in)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, k_bh, D, &ldk);
+    const ACC *v_j = FN(rows_in)(p->a.v, p->a.dtype, p->a.v_stride, b, hk, j0, v_bh, Dv, &ldv);
+    /* P^T = exp(K (scale Q)^T + bias^T - lse) */
+    GEMM(nc, nr, D, k_j, ldk, 1, t->qT, nr, t->sT, nr, 0);
+    FN(apply_softcap)(t->sT, nc * nr, p->a.opts.softcap, t->th);
+    FN(add_bias)(t->sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
+    EXP_SUB_COL(t->sT, nc, nr, t->lse, t->tmp);
+    /* dP^T = V dO^T (+ dW^T);  dS^T = P^T (hm dP^T - delta) */
+    GEMM(nc, nr, Dv, v_j, ldv, 1, t->gT, nr, t->dpT, nr, 0);
+    if (p->dweights) FN(add_dweights)(t->dpT, 1, nr, p, b, h, i0, nr, j0, nc);
+    if (dr) DROPOUT(t->dpT, NULL, 1, nr, nr, nc, dr, i0, j0); /* dP = (dO V^T + dW) Z / (1 - p) */
+    FN(dscores)(t->dpT, t->sT, 1, nr, t->delta, p->dhm_rows ? t->dhm : NULL, hm, nr, nc);
+    if (p->dscores) FN(store_dscores)(p, t->dpT, 1, nr, b, h, i0, nr, j0, nc);
+    FN(softcap_grad)(t->dpT, t->th, nc * nr, p->a.opts.softcap); /* through the cap: dS (1 - tanh^2) */
+    /* dQ += dS K */
+    GEMM(nr, D, nc, t->dpT, 1, nr, k_j, ldk, t->dq, D, 1);
+}
+
+/* Pass 1, work item (b, h, q-block): delta (FN(dq_delta)), then dq over the
+ * block's key range (FN(dq_block)), stored with dhm_rows. */
+static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
+    const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
+    const ma_attn_bwd_params *p0 = (const ma_attn_bwd_params *)ctx->params;
+    const int64_t G = p0->a.H / p0->a.Hkv, D = p0->a.D, Dv = p0->a.Dv;
+    const int64_t BQ = p0->a.block_q, BK = p0->a.block_k;
+    FN(bwd_scratch) t = FN(bwd_carve)(ctx->scratch, BQ, BK, D, Dv);
+    ma_scratch_header *hdr = (ma_scratch_header *)ctx->scratch;
+    ACC *kc = t.extra, *vc = kc + (FN(needs_copy)(p0->a.dtype, p0->a.k_stride) ? p0->a.Lk * D : 0);
+
+    for (int64_t w = begin; w < end; w++) {
+        int64_t b, h, qb;
+        FN(q_item)(&p0->a, w, &b, &h, &qb);
+        ma_attn_bwd_params loc;
+        const ma_attn_bwd_params *p = FN(bwd_seq)(p0, b, &loc); /* entry b's extent */
+        const int64_t Lk = p->a.Lk, hk = h / G, i0 = qb * BQ, nr = ma_min(BQ, p->a.Lq - i0);
+        int64_t kv_begin, kv_end;
+        FN(kv_range)(&p->a, i0, nr, &kv_begin, &kv_end);
+        const ACC hm = FN(head_scale)(&p->a.opts.head_mask, b, h);
+        ma_dropout dr_buf;
+        const ma_dropout *dr = FN(head_dropout)(&p->a, b, h, &dr_buf);
+        const ACC *k_bh = FN(needs_copy)(p->a.dtype, p->a.k_stride)
+                              ? FN(head_cache)(&hdr->tag[0], kc, p->a.k, p->a.dtype, p->a.k_stride, b, hk, 1, Lk, D)
+                              : NULL;
+        const ACC *v_bh = FN(needs_copy)(p->a.dtype, p->a.v_stride)
+                              ? FN(head_cache)(&hdr->tag[1], vc, p->a.v, p->a.dtype, p->a.v_stride, b, hk, 1, Lk, Dv)
+                              : NULL;
+        FN(load_tile_t)(t.qT, p->a.q, p->a.dtype, p->a.q_stride, b, h, i0, nr, D, (ACC)p->a.scale);
+        FN(load_tile_t)(t.gT, p->dout, p->a.dtype, p->dout_stride, b, h, i0, nr, Dv, 1);
+        FN(dq_delta)(&t, p, k_bh, hm, dr, b, h, i0, nr, kv_begin, kv_end);
+
+        for (int64_t x = 0; x < nr * D; x++) t.dq[x] = 0;
+        for (int64_t j0 = kv_begin; j0 < kv_end; j0 += BK) {
+            const int64_t nc = FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
+            if (nc == 0) continue;
+            const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
+            if (ms == MA_TILE_BLOCKED) continue; /* P = 0, dS = 0: dq, dhm unchanged, dscores stays 0 */
+            FN(dq_block)(&t, p, k_bh, v_bh, hm, dr, b, h, i0, nr, j0, nc, ms);
+        }
+        FN(store_tile)(p->dq, p->a.dtype, p->dq_stride, b, h, i0, nr, D, t.dq, (ACC)p->a.scale, p->a.stream_stores);
+        if (p->dhm_rows) {
+            ACC *dhm_bh = (ACC *)p->dhm_rows + FN(stat_row0)(&p->a, b, h);
+            for (int64_t r = 0; r < nr; r++) dhm_bh[i0 + r] = t.dhm[r];
+        }
+    }
+    FN(fence_streams)();
+}
+
+/* One (query block, key block) tile of the row-wise backward, rows i0 .. i0 + nr
+ * of head h against keys j0 .. j0 + nc, in three steps:
+ *   products     s = Q (scale K^T),  dp = dO V^T              (gen_bwd_scores, gen_bwd_dp, or the hooks)
+ *   FN(bwd_tile_softmax)   P = exp(s + bias - lse) in s;  dS = P (hm (dp + dW) - delta) in dp;  s = hm P
+ *   products     dK += dS^T Q (times scale at the store),  dV += (hm P)^T dO,  and dQ += dS K in
+ *                the single pass                            (gen_bwd_accum, or the hooks)
+ * The generic products split a causal diagonal tile (FN(diag_split)) unless
+ * dweights are read (their dP needs every entry). */
+static inline int64_t FN(bwd_split)(const ma_attn_bwd_params *p, int64_t i0, int64_t nr, int64_t j0, int64_t nc) {
+    return p->dweights ? 0 : FN(diag_split)(p->a.band_hi, p->a.block_q, p->a.block_k, i0, nr, j0, nc);
+}
+
+/* s (nr, nc) = Q kT: a split tile's rows r0 .. r0 + w x keys r0 + w.. are left to the causal fill (P = 0) */
+static void FN(gen_bwd_scores_at)(const FN(bwd_scratch) * t, const ma_attn_bwd_params *p, int64_t i0, int64_t nr,
+                                  int64_t j0, int64_t nc, const ACC *q_i, int64_t ldq) {
+    const int64_t D = p->a.D, w = FN(bwd_split)(p, i0, nr, j0, nc);
+    if (w) {
+        for (int64_t r0 = 0; r0 < nr; r0 += w)
+            GEMM(ma_min(w, nr - r0), ma_min(nc, r0 + w), D, q_i + r0 * ldq, ldq, 1, t->kT, nc, t->s + r0 * nc, nc, 0);
+    } else {
+        GEMM(nr, nc, D, q_i, ldq, 1, t->kT, nc, t->s, nc, 0);
+    }
+}
+
+/* dp (nr, nc) = dO vT, the part a split tile skips zeroed */
+static void FN(gen_bwd_dp_at)(const FN(bwd_scratch) * t, const ma_attn_bwd_params *p, int64_t i0, int64_t nr,
+                              int64_t j0, int64_t nc, const ACC *g_i, int64_t ldg) {
+    const int64_t Dv = p->a.Dv, w = FN(bwd_split)(p, i0, nr, j0, nc);
+    if (w) {
+        for (int64_t r0 = 0; r0 < nr; r0 += w) {
+            const int64_t rw = ma_min(w, nr - r0), kc = ma_min(nc, r0 + w);
+            GEMM(rw, kc, Dv, g_i + r0 * ldg, ldg, 1, t->vT, nc, t->dp + r0 * nc, nc, 0);
+            for (int64_t r = r0; r < r0 + rw; r++)
+                for (int64_t c = kc; c < nc; c++) t->dp[r * nc + c] = 0;
+        }
+    } else {
+        GEMM(nr, nc, Dv, g_i, ldg, 1, t->vT, nc, t->dp, nc, 0);
+    }
+}
+
+/* dK += dS^T Q, dV += (hm P)^T dO: in a split tile, keys c0 .. c0 + w take rows c0.. only */
+static void FN(gen_bwd_dkdv_at)(const FN(bwd_scratch) * t, const ma_attn_bwd_params *p, int64_t i0, int64_t nr,
+                                int64_t j0, int64_t nc, const ACC *q_i, int64_t ldq, const ACC *g_i, int64_t ldg) {
+    const int64_t D = p->a.D, Dv = p->a.Dv, w = FN(bwd_split)(p, i0, nr, j0, nc);
+    if (w) {
+        for (int64_t c0 = 0; c0 < ma_min(nc, nr); c0 += w) {
+            const int64_t cw = ma_min(w, nc - c0);
+            GEMM(cw, D, nr - c0, t->dp + c0 * nc + c0, 1, nc, q_i + c0 * ldq, ldq, t->dk + c0 * D, D, 1);
+            GEMM(cw, Dv, nr - c0, t->s + c0 * nc + c0, 1, nc, g_i + c0 * ldg, ldg, t->dv + c0 * Dv, Dv, 1);
+        }
+    } else {
+        GEMM(nc, D, nr, t->dp, 1, nc, q_i, ldq, t->dk, D, 1);
+        GEMM(nc, Dv, nr, t->s, 1, nc, g_i, ldg, t->dv, Dv, 1);
+    }
+}
+
+/* The softmax lines of a row-wise tile, between the products: s holds the
+ * scores, dp holds dO V^T; lse_r and delta_r are the tile's rows (lse with
+ * -inf already 0); dhm_r gets the head mask's row sums when not NULL;
+ * am_state is the tile's FN(mask_tile_state) (never MA_TILE_BLOCKED: the
+ * loops skip those tiles). */
+static void FN(bwd_tile_softmax)(ACC *s, ACC *dp, ACC *th, const ma_attn_bwd_params *p, int64_t b, int64_t h, ACC hm,
+                                 int64_t i0, int64_t nr, int64_t j0, int64_t nc, int am_state, const ACC *lse_r,
+                                 const ACC *delta_r, ACC *dhm_r, const ma_dropout *dr, ACC *z, int store_ds) {
+    FN(apply_softcap)(s, nr * nc, p->a.opts.softcap, th);
+    FN(add_bias)(s, nc, 1, &p->a, am_state, b, h, i0, nr, j0, nc);
+    for (int64_t r = 0; r < nr; r++) (void)EXP_SUB_SUM(s + r * nc, nc, lse_r[r]);
+    if (p->dweights) FN(add_dweights)(dp, nc, 1, p, b, h, i0, nr, j0, nc);
+    if (dr) { /* one mask for both: dP' = dP Z / (1 - p) before dS, P' = P Z / (1 - p) after it */
+        DROPOUT(NULL, z, nc, 1, nr, nc, dr, i0, j0);
+        FN(apply_dropout)(dp, z, nr * nc);
+    }
+    FN(dscores)(dp, s, nc, 1, delta_r, dhm_r, hm, nr, nc);
+    if (dr) FN(apply_dropout)(s, z, nr * nc);
+    if (store_ds && p->dscores) FN(store_dscores)(p, dp, nc, 1, b, h, i0, nr, j0, nc);
+    FN(softcap_grad)(dp, th, nr * nc, p->a.opts.softcap); /* through the cap: dS (1 - tanh^2) */
+    if (hm != 1)
+        for (int64_t x = 0; x < nr * nc; x++) s[x] *= hm;
+}
+
+/* The whole generic tile of the two-pass dkdv pass (kT, vT packed in t). */
+static void FN(bwd_key_tile)(const FN(bwd_scratch) * t, const ma_attn_bwd_params *p, int64_t b, int64_t h, ACC hm,
+                             int64_t i0, int64_t nr, int64_t j0, int64_t nc, int am_state, const ACC *q_i, int64_t ldq,
+                             const ACC *g_i, int64_t ldg, const ACC *lse_r, const ACC *delta_r, ACC *dhm_r,
+                             const ma_dropout *dr) {
+    FN(gen_bwd_scores_at)(t, p, i0, nr, j0, nc, q_i, ldq);
+    FN(gen_bwd_dp_at)(t, p, i0, nr, j0, nc, g_i, ldg);
+    FN(bwd_tile_softmax)(t->s, t->dp, t->th, p, b, h, hm, i0, nr, j0, nc, am_state, lse_r, delta_r, dhm_r, dr, t->z, 0);
+    FN(gen_bwd_dkdv_at)(t, p, i0, nr, j0, nc, q_i, ldq, g_i, ldg);
+}
+
+/* Pass 2, work item (b, hkv, k-block): dk and dv of its keys, summed over the
+ * G query heads of the group and every query row that can see the block. */
+static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
+    const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
+    const ma_attn_bwd_params *p0 = (const ma_attn_bwd_params *)ctx->params;
+    const int64_t G = p0->a.H / p0->a.Hkv, D = p0->a.D, Dv = p0->a.Dv;
+    const int64_t BQ = p0->a.block_q, BK = p0->a.block_k;
+    FN(bwd_scratch) t = FN(bwd_carve)(ctx->scratch, BQ, BK, D, Dv);
+    ma_scratch_header *hdr = (ma_scratch_header *)ctx->scratch;
+    ACC *qc = t.extra, *gc = qc + (FN(needs_copy)(p0->a.dtype, p0->a.q_stride) ? G * p0->a.Lq * D : 0);
+
+    for (int64_t w = begin; w < end; w++) {
+        int64_t b, hk, kb;
+        FN(kv_item)(&p0->a, w, &b, &hk, &kb);
+        ma_attn_bwd_params loc;
+        const ma_attn_bwd_params *p = FN(bwd_seq)(p0, b, &loc); /* entry b's extent */
+        const int64_t Lq = p->a.Lq, Lk = p->a.Lk;
+        const ACC *q_bg = FN(needs_copy)(p->a.dtype, p->a.q_stride)
+                              ? FN(head_cache)(&hdr->tag[2], qc, p->a.q, p->a.dtype, p->a.q_stride, b, hk * G, G, Lq, D)
+                              : NULL;
+        const ACC *g_bg =
+            FN(needs_copy)(p->a.dtype, p->dout_stride)
+                ? FN(head_cache)(&hdr->tag[3], gc, p->dout, p->a.dtype, p->dout_stride, b, hk * G, G, Lq, Dv)
+                : NULL;
+        const int64_t j0 = kb * BK, nc_out = ma_min(BK, Lk - j0); /* rows of dk, dv written */
+        const int64_t nc = FN(bwd_keys_read)(p, b, j0, nc_out);      /* keys read; the rest get 0 */
+        for (int64_t x = 0; x < nc_out * D; x++) t.dk[x] = 0;
+        for (int64_t x = 0; x < nc_out * Dv; x++) t.dv[x] = 0;
+
+        if (nc > 0) {
+            FN(load_tile_t)(t.kT, p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, nc, D, (ACC)p->a.scale);
+            FN(load_tile_t)(t.vT, p->a.v, p->a.dtype, p->a.v_stride, b, hk, j0, nc, Dv, 1);
+            /* queries i < j0 see none of these keys under the causal mask, nor those outside the band */
+            int64_t i_begin, i_end;
+            FN(q_range)(&p->a, j0, nc, &i_begin, &i_end);
+            for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
+                const ACC hm = FN(head_scale)(&p->a.opts.head_mask, b, h);
+                ma_dropout dr_buf;
+                const ma_dropout *dr = FN(head_dropout)(&p->a, b, h, &dr_buf);
+                const ACC *lse_bh = (const ACC *)p->lse + FN(stat_row0)(&p->a, b, h);
+                const ACC *delta_bh = (const ACC *)p->delta + FN(stat_row0)(&p->a, b, h);
+                const ACC *q_bh = q_bg ? q_bg + (h - hk * G) * Lq * D : NULL;
+                const ACC *g_bh = g_bg ? g_bg + (h - hk * G) * Lq * Dv : NULL;
+                for (int64_t i0 = i_begin; i0 < i_end; i0 += BQ) {
+                    const int64_t nr = ma_min(BQ, Lq - i0);
+                    const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
+                    if (ms == MA_TILE_BLOCKED) continue; /* dS = 0, hm P = 0: dk, dv unchanged */
+                    int64_t ldq, ldg;
+                    const ACC *q_i = FN(rows_in)(p->a.q, p->a.dtype, p->a.q_stride, b, h, i0, q_bh, D, &ldq);
+                    const ACC *g_i = FN(rows_in)(p->dout, p->a.dtype, p->dout_stride, b, h, i0, g_bh, Dv, &ldg);
+                    for (int64_t r = 0; r < nr; r++) t.lse[r] = FN(finite_or_zero)(lse_bh[i0 + r]);
+                    FN(bwd_key_tile)(&t, p, b, h, hm, i0, nr, j0, nc, ms, q_i, ldq, g_i, ldg, t.lse, delta_bh + i0,
+                                     NULL, dr);
+                }
+            }
+        }
+        FN(store_tile)(p->dk, p->a.dtype, p->dk_stride, b, hk, j0, nc_out, D, t.dk, (ACC)p->a.scale,
+                       p->a.stream_stores);
+        FN(store_tile)(p->dv, p->a.dtype, p->dv_stride, b, hk, j0, nc_out, Dv, t.dv, 1, p->a.stream_stores);
+    }
+    FN(fence_streams)();
+}
