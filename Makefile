@@ -100,7 +100,7 @@ test-compat:
 	cd $(COMPAT_DIR) && $(CURDIR)/$(COMPAT_VENV)/bin/python setup.py -q build_ext --inplace
 	cd $(COMPAT_DIR) && $(CURDIR)/$(COMPAT_VENV)/bin/python -m pytest tests -q -p no:cacheprovider
 
-# A wheel users install (README, "Install from a wheel"): built in a copy of the
+# A wheel users install (README, "Build and requirements"): built in a copy of the
 # tracked files (build-wheel/src) against .venv's torch (--no-build-isolation),
 # tagged cp310-abi3 (the extension uses libtorch's stable ABI and no Python
 # API: one wheel for CPython >= 3.10, torch >= 2.10), then auditwheel sets the

@@ -20,7 +20,9 @@ C_HEADERS = sorted(glob.glob(os.path.join("csrc", "**", "*.h"), recursive=True))
 SHIM_SOURCES = sorted(glob.glob(os.path.join("csrc", "shim", "*.cpp")))
 SHIM_HEADERS = sorted(glob.glob(os.path.join("csrc", "shim", "*.hpp")))
 C_FLAGS = ["-std=c11", "-O3", "-fPIC", "-Wall", "-Wextra", "-fno-math-errno", "-I" + os.path.join(ROOT, "csrc")]
-# The wheels' glibc floor, 2.28 (manylinux_2_28, PyTorch's): csrc/common/glibc_compat.h binds
+# The wheels' glibc floor: no symbol newer than manylinux_2_28 allows (PyTorch's own wheels'
+# floor; tests/test_source_layout.py checks it; auditwheel tags today's build manylinux_2_27).
+# csrc/common/glibc_compat.h binds
 # the C units' exp and log to their old symbol versions; the shim renames libstdc++'s
 # __libc_single_threaded (glibc 2.32) to a variable of its own (csrc/shim/registration.cpp).
 C_FLAGS += ["-include", os.path.join(ROOT, "csrc", "common", "glibc_compat.h")]
