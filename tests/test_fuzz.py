@@ -143,3 +143,14 @@ def test_fixed_findings(isa, seed):
 @pytest.mark.xfail(strict=torch.__version__.startswith("2.13."), reason="known open fuzz finding")
 def test_known_open_findings(isa, seed):
     _replay_clean(isa, seed)
+
+
+def test_slice_draws_split_and_stacked_decodes():
+    """The slice runs the decode kernel over several key chunks, split between forced work
+    items, with a key head's query heads stacked as one block of rows (issue 51)."""
+    seeds = [s for _, s in zip(range(CASES_PER_ISA), fuzz.case_seeds(MASTER_SEED))]
+    drawn = [fuzz.draw(s) for s in seeds if fuzz.kind_of(s) == "attention"]
+    dec = [c for c in drawn if c["decode"] and c["Lk"] > 512 and c["Lq"] <= 16]
+    split = [c for c in dec if c["splits"] in (2, 4, 16)]
+    stacked = [c for c in split if c["H"] > c["Hkv"]]
+    assert len(split) >= 5 and len(stacked) >= 3, (len(dec), len(split), len(stacked))

@@ -258,9 +258,19 @@ def draw_attention(seed: int, force: dict | None = None) -> dict:
     Lq, Lk = _length(r), _length(r)
     D = _dim(r)
     Dv = D if r.random() < 0.4 else _dim(r)
+    dec = _draw_decode(seed, force)
+    c["decode"] = dec is not None
+    c["splits"] = dec[0] if dec else None
+    if dec:  # the decode kernel over several key chunks, mostly with grouped query heads
+        Lq, Lk = dec[1]
+        D, Dv = min(D, 64), min(Dv, 64)
+        H, c["Hkv"] = dec[2]
+        c["H"] = H
     # keep one case around 10 ms: shrink the largest of L, D while B*H*Lq*Lk*(D+Dv) is big
     while B * H * Lq * Lk * (D + Dv) > 12_000_000:
-        if Lq >= Lk and Lq > 8:
+        if c["decode"] and D + Dv > 2:
+            D, Dv = max(1, D // 2), max(1, Dv // 2)
+        elif Lq >= Lk and Lq > 8:
             Lq = max(1, Lq // 2)
         elif Lk > 8:
             Lk = max(1, Lk // 2)
@@ -366,6 +376,23 @@ def _window_side(r, L):
     return r.randint(0, max(1, L))
 
 
+def _draw_decode(seed: int, force: dict):
+    """Now and then (15% of attention seeds) a decode over several key chunks: Lq 1-16 query
+    rows of 1-8 query heads, each key head's G > 1 query heads stacked as one block of rows
+    (but where H = 1), over Lk past one MA_DECODE_CHUNK (512 keys), the key chunks split between a forced
+    number of work items (ops.decode_splits: None is the plan's rule). Drawn from a
+    generator of its own, so a seed that draws no decode draws what it drew before.
+    Returns None or (splits, (Lq, Lk), (H, Hkv))."""
+    d = random.Random(seed ^ 0xDEC0DE3)  # (no replayed seed in tests/test_fuzz.py draws one)
+    if not force.get("decode", d.random() < 0.15):
+        return None
+    Lq = d.choice((1, 1, 1, 2, 4, 8, 16, d.randint(1, 16)))
+    Lk = d.choice((513, 1024, 1537, d.randint(600, 2600)))
+    H = d.choice((2, 4, 6, 8, d.randint(1, 8)))
+    Hkv = d.choice([g for g in range(1, H + 1) if H % g == 0 and (g < H or H == 1)])
+    return force.get("splits", d.choice((None, 1, 2, 4, 16))), (Lq, Lk), (H, Hkv)
+
+
 def _draw_new_options(c: dict, r: random.Random, g: torch.Generator, force: dict):
     """The options that landed after the fuzzer (issues 14, 15, the HF backend):
     window, softcap, sinks, dropout, and now and then the call through
@@ -449,6 +476,8 @@ def describe_attention(c: dict) -> str:
         f"B={c['B']} H={c['H']} Hkv={c['Hkv']} Lq={c['Lq']} Lk={c['Lk']} D={c['D']} Dv={c['Dv']}",
         "layout=" + ",".join(f"{n}:{t[0]}" for n, t in c["tensors"].items()),
     ]
+    if c.get("decode"):
+        s.append(f"decode splits={c['splits']}")
     if c["am"]:
         a = c["am"]
         s.append(
@@ -818,7 +847,9 @@ def run_attention(c: dict, breaks: frozenset = frozenset()) -> Result:
         k, v = t["k"], t["v"]
         if c.get("int8"):  # inference only
             (k, extra["k_scale"]), (v, extra["v_scale"]) = c["int8"]["k"], c["int8"]["v"]
-        with torch.no_grad() if c.get("int8") else contextlib.nullcontext():
+        grad = contextlib.nullcontext() if not c.get("int8") else torch.no_grad()
+        split = ops.decode_splits(c["splits"]) if c.get("decode") else contextlib.nullcontext()
+        with grad, split:
             r = tmf.masked_attention(
                 t["q"],
                 k,
