@@ -58,7 +58,7 @@ H, HKV, D = 32, 8, 128  # 32 query heads on 8 KV heads (Llama-3-8B's attention)
 OUR_PAGE = 128  # our pool's page size
 # vLLM's block size: the fastest of 32, 64, 128, 256 for these cases (interleaved in one process,
 # Sapphire Rapids Xeon, 2 threads: 256 by 1 - 6% over 128, its CPU platform's default, which is
-# within the machine's noise of 64; benchmarks/README.md, "vllm"). TMA_BENCH_VLLM_BLOCK overrides it.
+# within the machine's noise of 64; benchmarks/README.md, "Serving"). TMA_BENCH_VLLM_BLOCK overrides it.
 VLLM_BLOCK = int(os.environ.get("TMA_BENCH_VLLM_BLOCK", "256"))
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # max |ours - vLLM| allowed before timing
 # 8-bit caches: max |output - the float caches' output| (fp8 e4m3 keeps 3 significand bits, int8 ~7)
