@@ -180,8 +180,20 @@ _CODE_SPAN = re.compile(r"`[^`\n]+`")
 
 
 def _claims(rel):
-    """A page's own words: generated records (machines, their torch builds) left out."""
+    """A page's own words: generated records (machines, their torch builds) left out; of
+    CHANGELOG.md the sections on the code as it is (Unreleased, the current version's), not the
+    history before it."""
+    if rel == "CHANGELOG.md":  # what was removed is named as it was
+        current = "\n".join(text for _, _, text in _changelog_sections()[:2])
+        return re.sub(r"^### Removed$.*?(?=^##|\Z)", "", current, flags=re.M | re.S)
     return _GENERATED.sub("", _read(rel))
+
+
+@functools.cache
+def _changelog_sections():
+    """[(version, date, text)] of CHANGELOG.md's '## [version] - date' sections, newest first."""
+    parts = re.split(r"^## \[([^\]]+)\](?:\s*-\s*(\S+))?[ \t]*$", _read("CHANGELOG.md"), flags=re.M)
+    return [(parts[i], parts[i + 1], parts[i + 2]) for i in range(1, len(parts), 3)]
 
 
 def _code(text):
@@ -541,39 +553,53 @@ def test_versions_named_are_the_pinned_ones():
 
 
 def _transformers_range_in_code():
-    """Version strings the package's transformers seam names (hf/_compat.py where it exists)."""
+    """[(file, name, value)] of the transformers versions the package's transformers seam
+    (torch_masked_attn/hf/_compat.py, or hf.py) assigns to an upper-case name: a
+    SpecifierSet("...") as a specifier, other version strings as they are."""
     found = []
     for rel in _files():
-        if re.fullmatch(r"torch_masked_attn/hf(?:/_compat)?\.py", rel):
-            for m in re.finditer(r"^([A-Z][A-Z0-9_]*)\s*(?::[^=]+)?=\s*(.+)$", _read(rel), re.M):
-                if re.search(r"TRANSFORMERS|TESTED|OLDEST|NEWEST|MIN|MAX", m.group(1)):
-                    found += [(rel, m.group(1), v) for v in re.findall(r"\d+\.\d+(?:\.\d+)?", m.group(2))]
+        if re.fullmatch(r"torch_masked_attn/hf(?:/_compat|/__init__)?\.py", rel):
+            for m in re.finditer(r"^([A-Z][A-Z0-9_]*)\s*(?::[^=\n]+)?=\s*(.+)$", _read(rel), re.M):
+                value = m.group(2)
+                spec = re.match(r"""SpecifierSet\(\s*["']([^"']+)["']""", value)
+                if spec:
+                    found.append((rel, m.group(1), spec.group(1)))
+                elif re.search(r"TRANSFORMERS|TESTED|OLDEST|NEWEST", m.group(1)):
+                    found += [(rel, m.group(1), v) for v in re.findall(r"\b\d+\.\d+(?:\.\d+)?", value)]
     return found
 
 
 def test_transformers_range_agrees():
     """The transformers versions the Makefile installs (make setup's, and the oldest tested where a
-    target pins one) are what pyproject.toml's `hf` extra admits, its lower bound the oldest tested;
-    the docs and the package's transformers seam name only those versions."""
+    target pins one) are the tested range: pyproject.toml's extras and the package's transformers
+    seam (hf/_compat.py) admit every one, start at the oldest and agree with each other; the seam
+    and the docs name only those versions, and README.md names make setup's."""
+    from packaging.specifiers import SpecifierSet
+
     tested = sorted(_pins().get("transformers", ()), key=_version)
     assert tested, "the Makefile pins no transformers"
     _, variables, _ = _makefile()
     setup_pin = re.search(r"transformers==([\d.]+)", _expand(_read("Makefile"), variables)).group(1)
-    wrong = []
-    extras = _pyproject()["project"].get("optional-dependencies", {})
-    for extra, reqs in extras.items():
+    specs = {}
+    for extra, reqs in _pyproject()["project"].get("optional-dependencies", {}).items():
         req = _requirement(reqs, "transformers")
-        if req is None:
-            continue
+        if req is not None:
+            specs[f"pyproject.toml [{extra}]"] = req.specifier
+    wrong = []
+    for rel, name, value in _transformers_range_in_code():
+        if re.search(r"[<>=!~]", value):
+            specs[f"{rel} {name}"] = SpecifierSet(value)
+        elif not any(_same_release(value, t) for t in tested):
+            wrong.append(f"{rel}: {name} names transformers {value}; the Makefile tests {tested}")
+    for where, spec in specs.items():
         for v in tested:
-            if not req.specifier.contains(v, prereleases=True):
-                wrong.append(f"pyproject.toml [{extra}] {req} excludes transformers {v}, which the Makefile tests")
-        low = _lower_bound(req.specifier)
+            if not spec.contains(v, prereleases=True):
+                wrong.append(f"{where} '{spec}' excludes transformers {v}, which the Makefile tests")
+        low = _lower_bound(spec)
         if low is None or _version(low) != _version(tested[0]):
-            wrong.append(f"pyproject.toml [{extra}] {req}: its lower bound is not the oldest tested, {tested[0]}")
-    for rel, name, v in _transformers_range_in_code():
-        if not any(_same_release(v, t) for t in tested):
-            wrong.append(f"{rel}: {name} names transformers {v}; the Makefile tests {tested}")
+            wrong.append(f"{where} '{spec}' does not start at the oldest version the Makefile tests, {tested[0]}")
+    if len(set(specs.values())) > 1:
+        wrong.append("the tested ranges differ: " + "; ".join(f"{w} '{s}'" for w, s in specs.items()))
     named = [
         (rel, ver)
         for rel, text in _version_texts().items()
@@ -603,7 +629,7 @@ def make_targets_named(rel, text):
 
 
 def _make_texts():
-    texts = {rel: _read(rel) for rel in _docs()}
+    texts = {rel: _claims(rel) for rel in _docs()}
     texts["Makefile"] = _makefile()[2] + "\n" + re.sub(r"^[^\t].*$", "", _read("Makefile"), flags=re.M)
     for rel in _files():
         if rel.startswith(".ci/") or rel.startswith("CONTRIBUTING") or rel == "setup.py" or rel == "pyproject.toml":
@@ -811,7 +837,7 @@ def test_every_path_quoted_exists():
     """Every source path the docs and the Makefile's comments quote (`csrc/attention/decode_tmpl.h`,
     `tiles_hooks.h`, tests/test_decode.py) is a file or directory of the project."""
     missing = []
-    texts = {rel: _claims(rel) for rel in _docs() if rel != "CHANGELOG.md"}  # CHANGELOG names removed files
+    texts = {rel: _claims(rel) for rel in _docs()}
     texts["Makefile"] = _makefile()[2]
     texts["setup.py"] = _comments("setup.py")
     named = 0
@@ -830,7 +856,7 @@ def test_environment_variables_named_are_read():
     code = "\n".join(
         _read(r) for r in _files() if r.endswith((".c", ".h", ".cpp", ".hpp", ".py")) and not r.startswith("tests/")
     )
-    texts = {rel: _claims(rel) for rel in _docs() if rel != "CHANGELOG.md"}  # CHANGELOG names removed ones
+    texts = {rel: _claims(rel) for rel in _docs()}
     texts["Makefile"] = _makefile()[2]
     missing, named = [], set()
     for rel, text in texts.items():
@@ -881,8 +907,6 @@ def test_c_names_and_constants_in_the_docs_are_the_codes():
     defines = _c_defines()
     wrong, named = [], 0
     for rel in _docs():
-        if rel == "CHANGELOG.md":
-            continue
         text = _claims(rel)
         code = "\n".join(_code(text))
         for name in set(re.findall(r"\b(MA_[A-Z0-9_]*[A-Z0-9])\b(?!_)", code)):
@@ -929,8 +953,6 @@ def test_python_names_in_the_docs_exist():
     aliases = {"tma": "__init__", "torch_masked_attn": "__init__"}
     wrong, named = [], 0
     for rel in _docs():
-        if rel == "CHANGELOG.md":
-            continue
         for span in _code(_claims(rel)):
             for mod, name in re.findall(
                 r"(?<![\w.])(?:(?:tma|torch_masked_attn)\.)?(ops|functional|hf|losses|modules|linear_ce|flash_attn"
@@ -949,3 +971,22 @@ def test_python_names_in_the_docs_exist():
                     wrong.append(f"{rel}: {mod}.{name} is not defined in torch_masked_attn/{module}")
     assert not wrong, "\n".join(sorted(set(wrong)))
     assert named > 20
+
+
+# ---- the release -----------------------------------------------------------------------------
+
+
+def test_changelog_releases_the_version():
+    """CHANGELOG.md opens with an [Unreleased] section, then the dated section of pyproject.toml's
+    version (the one place it is written; torch_masked_attn.__version__ reads it); versions descend."""
+    sections = _changelog_sections()
+    version = _pyproject()["project"]["version"]
+    assert sections and sections[0][0] == "Unreleased", "CHANGELOG.md does not open with ## [Unreleased]"
+    assert len(sections) > 1 and sections[1][0] == version, (
+        f"pyproject.toml's version is {version}; CHANGELOG.md's newest release is {sections[1][0]}"
+    )
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", sections[1][1] or ""), f"## [{version}] has no date"
+    releases = [v for v, _, _ in sections[1:]]
+    assert releases == sorted(set(releases), key=_version, reverse=True), releases
+    init = _read("torch_masked_attn/__init__.py")
+    assert not re.search(r"__version__\s*=\s*[\"']", init), "__init__.py writes the version again"
