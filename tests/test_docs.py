@@ -990,3 +990,39 @@ def test_changelog_releases_the_version():
     assert releases == sorted(set(releases), key=_version, reverse=True), releases
     init = _read("torch_masked_attn/__init__.py")
     assert not re.search(r"__version__\s*=\s*[\"']", init), "__init__.py writes the version again"
+
+
+# names of other projects the docs quote: transformers' gate of its decode fast path
+_OTHER_PROJECTS_NAMES = {"ensure_decode_fast_path_is_available"}
+
+
+def code_identifiers(text):
+    """The snake_case identifiers of a Markdown text's code spans (with an '_', not a path's part,
+    not a placeholder: UPPER_CASE, a prefix ending in '_', a math subscript like o_i)."""
+    out = set()
+    for span in _CODE_SPAN.findall(_FENCE.sub("", text)):
+        for w in re.findall(r"(?<![\w./-])([A-Za-z_][A-Za-z0-9]*_[A-Za-z0-9_]*)(?![\w./-])", span):
+            if w.isupper() or w.endswith("_") or re.match(r"^[A-Za-z]_", w):
+                continue
+            out.add(w)
+    return out
+
+
+def test_identifiers_quoted_are_in_the_code():
+    """Every snake_case name the docs quote in `code` (kernels' functions, struct fields, keyword
+    arguments, helpers) is a word of the project's C, C++ or Python. docs/performance.md, a dated
+    record of measurements, is left out."""
+    words = set()
+    for rel in _files():
+        if rel.endswith((".c", ".h", ".cpp", ".hpp", ".py")) and rel != "tests/test_docs.py":
+            words.update(re.findall(r"\w+", _read(rel)))
+    missing, named = [], 0
+    for rel in _docs():
+        if rel == "docs/performance.md":
+            continue
+        for name in code_identifiers(_claims(rel)):
+            named += 1
+            if name not in words and name not in _OTHER_PROJECTS_NAMES:
+                missing.append(f"{rel}: {name}")
+    assert not missing, "quoted, but in no source file:\n" + "\n".join(sorted(missing))
+    assert named > 100
