@@ -529,7 +529,7 @@ def test_torch_and_python_floors_are_what_pyproject_admits():
 
 def pinned_version_claims(text):
     """[(package, version, words)] for every 'package X.Y[.Z]' or 'package==X.Y[.Z]' of a text."""
-    pat = rf"(?<![\w-])({_PINNED_NAMES})(?:==|\s+(?:is\s+)?(?:pinned\s+to\s+)?)v?(\d+\.\d+(?:\.\d+)?)(?![\d.]*\d)"
+    pat = rf"(?<![\w-])({_PINNED_NAMES})`?(?:==|\s+\(?(?:is\s+)?(?:pinned\s+to\s+)?)v?(\d+\.\d+(?:\.\d+)?)(?![\d.]*\d)"
     return [
         (m.group(1).lower(), m.group(2), text[max(0, m.start() - 30) : m.end() + 10]) for m in re.finditer(pat, text)
     ]
@@ -623,7 +623,7 @@ def make_targets_named(rel, text):
     every one whose X is no English word; `$(MAKE) X` in Makefile recipes."""
     if rel.endswith(".md"):
         text = "\n".join(_code(text))
-    names = re.findall(r"(?<![\w$(-])make\s+([a-z][a-z0-9]*(?:-[a-z0-9]+)*)\b(?!\.)", text)
+    names = re.findall(r"(?<![\w-])make\s+([a-z][a-z0-9]*(?:-[a-z0-9]+)*)\b(?!\.)", text)
     names += re.findall(r"\$\(MAKE\)\s+([a-z][\w-]*)", text)
     return [n for n in names if rel.endswith(".md") or n not in _NOT_TARGETS]
 
@@ -816,14 +816,20 @@ def _path_exists(path):
 
 
 def quoted_paths(text):
-    """Files the text names: `code spans` that look like paths, and checkout-relative paths
-    (csrc/..., tests/..., ...) anywhere; globs and placeholders (*, <x>, {a,b}) left out."""
+    """Files the text names: `code spans` that look like paths, file names in fenced blocks (the
+    source tree's listing), and checkout-relative paths (csrc/..., tests/...) anywhere; globs and
+    placeholders (*, <x>, {a,b}) left out."""
     out = []
-    for span in _CODE_SPAN.findall(text):
+    file_name = r"\w\.(?:py|h|c|cpp|hpp|md|json|toml)$"
+    for span in _CODE_SPAN.findall(_FENCE.sub("", text)):
         for w in re.split(r"[\s,;:()=\[\]\"']+", span.strip("`")):
             if re.search(r"[*<>{}$]|\.\.\.", w):
                 continue
-            if re.search(r"\w\.(?:py|h|c|cpp|hpp|md|json|toml)$", w) or re.fullmatch(r"[\w.-]+(?:/[\w.-]+)+/?", w):
+            if re.search(file_name, w) or re.fullmatch(r"[\w.-]+(?:/[\w.-]+)+/?", w):
+                out.append(w)
+    for block in _FENCE.findall(text):
+        for w in re.split(r"[\s,;:()=\[\]\"'`]+", block):
+            if re.search(file_name, w) and not re.search(r"[*<>{}$]|\.\.\.", w):
                 out.append(w)
     for m in re.finditer(
         r"(?<![\w/.<{*-])((?:csrc|tests|tools|benchmarks|examples|docs|torch_masked_attn)/[\w./-]*[\w/])(?![\w<{*-])",
