@@ -17,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def make_docs():
     spec = importlib.util.spec_from_file_location("make_docs", os.path.join(ROOT, "tools", "make_docs.py"))
+    assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -78,6 +79,7 @@ def test_records_are_well_formed(make_docs):
 
 def _load(path, name):
     spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, path))
+    assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -377,7 +379,7 @@ def wheel_tag(arch, needed):
 def _built_extension():
     pkg = _package_dir()
     so = sorted(f for f in os.listdir(pkg) if f.startswith("_C") and f.endswith(".so")) if pkg else []
-    if not so:
+    if not pkg or not so:
         pytest.skip("no built extension (torch_masked_attn/_C*.so)")
     return os.path.join(pkg, so[0])
 
@@ -495,6 +497,7 @@ def test_torch_and_python_floors_are_what_pyproject_admits():
     from packaging.specifiers import SpecifierSet
 
     py_floor = _lower_bound(SpecifierSet(meta["project"]["requires-python"]))
+    assert py_floor, "pyproject.toml's requires-python has no lower bound"
     setup = _read("setup.py")
     hexv = re.search(r"TORCH_TARGET_VERSION=0x([0-9a-fA-F]{4})", setup)
     assert hexv, "setup.py sets no TORCH_TARGET_VERSION"
@@ -541,6 +544,7 @@ def test_versions_named_are_the_pinned_ones():
     oldest)."""
     pins = {k: set(v) for k, v in _pins().items()}
     torch_req = _requirement(_pyproject()["project"]["dependencies"], "torch")
+    assert torch_req is not None, "pyproject.toml's dependencies name no torch"
     pins.setdefault("torch", set()).add(_lower_bound(torch_req.specifier))
     wrong, named = [], 0
     for rel, text in _version_texts().items():
@@ -579,7 +583,9 @@ def test_transformers_range_agrees():
     tested = sorted(_pins().get("transformers", ()), key=_version)
     assert tested, "the Makefile pins no transformers"
     _, variables, _ = _makefile()
-    setup_pin = re.search(r"transformers==([\d.]+)", _expand(_read("Makefile"), variables)).group(1)
+    setup_pin = re.search(r"transformers==([\d.]+)", _expand(_read("Makefile"), variables))
+    assert setup_pin, "make setup installs no transformers"
+    setup_pin = setup_pin.group(1)
     specs = {}
     for extra, reqs in _pyproject()["project"].get("optional-dependencies", {}).items():
         req = _requirement(reqs, "transformers")
