@@ -237,7 +237,7 @@ def scratch_stats() -> dict[str, int]:
 
 
 def isa_available(name: str) -> bool:
-    """Whether this CPU runs the kernel variant ``name`` (scalar, avx2, avx512, amx)."""
+    """Whether this CPU runs the kernel variant ``name`` (a name MASKED_ATTN_ISA takes)."""
     if name not in _ISAS:
         raise ValueError(f"isa must be one of {', '.join(_ISAS)}, got {name!r}")
     return bool(_clib.ma_isa_available(_ISAS.index(name)))
