@@ -1,6 +1,14 @@
-"""docs/performance.md's tables and README.md's results table are the benchmark
+"""The docs say what the code does.
+
+docs/performance.md's tables and README.md's results table are the benchmark
 records': tools/make_docs.py generates them from benchmarks/results_<machine>.json,
-and the pages must be what it writes (`make docs`). No benchmark runs here."""
+and the pages must be what it writes (`make docs`). No benchmark runs here.
+
+Then every claim of README.md, CHANGELOG.md, docs/ and benchmarks/README.md that
+code can check, against the file that decides it: the wheel's glibc floor, the
+torch, Python and transformers versions, make targets, links, cited sections,
+paths, environment variables, C constants and names. Files are read, never
+built or imported."""
 
 import copy
 import functools
@@ -296,7 +304,7 @@ def _lower_bound(spec):
     return min(bounds, key=_version) if bounds else None
 
 
-# ---- (a) the wheel's glibc floor -------------------------------------------------------------
+# ---- the wheel's glibc floor ---------------------------------------------------------------------
 
 # auditwheel's policies (pypa/auditwheel, src/auditwheel/policy/manylinux-policy.json): the newest
 # symbol version each manylinux tag admits per library and architecture. `make wheel` runs
@@ -451,7 +459,7 @@ def test_wheel_tag_follows_the_symbol_versions():
     assert [(v, k) for v, k, _ in claims] == [((2, 28), "ceiling"), ((2, 27), "tag"), ((2, 27), "tag")]
 
 
-# ---- (b), (c) the torch, Python and transformers versions -------------------------------------
+# ---- the torch, Python and transformers versions -------------------------------------------------
 
 # what the docs call the oldest torch / Python they support
 _TORCH_FLOOR_CLAIMS = [
@@ -617,7 +625,7 @@ def test_transformers_range_agrees():
     assert not wrong, "\n".join(wrong)
 
 
-# ---- (d) make targets ------------------------------------------------------------------------
+# ---- make targets --------------------------------------------------------------------------------
 
 # English words that follow "make" in prose ("would make their gradient NaN")
 _NOT_TARGETS = {"a", "an", "the", "it", "its", "their", "them", "this", "that", "these", "those", "sure", "sense"}
@@ -659,7 +667,7 @@ def test_every_make_target_named_exists():
     assert {"setup", "test", "bench", "docs"} <= named
 
 
-# ---- (e) links and anchors -------------------------------------------------------------------
+# ---- links and anchors ---------------------------------------------------------------------------
 
 
 def slug(heading):
@@ -721,7 +729,7 @@ def test_slugs_are_githubs():
     assert slug("Packed batches (`varlen_attn`)") == "packed-batches-varlen_attn"
 
 
-# ---- (f) sections cited, paths, environment variables, C names and constants ------------------
+# ---- sections cited, paths, environment variables, C names and constants -------------------------
 
 
 @functools.cache
@@ -985,25 +993,6 @@ def test_python_names_in_the_docs_exist():
     assert named > 20
 
 
-# ---- the release -----------------------------------------------------------------------------
-
-
-def test_changelog_releases_the_version():
-    """CHANGELOG.md opens with an [Unreleased] section, then the dated section of pyproject.toml's
-    version (the one place it is written; torch_masked_attn.__version__ reads it); versions descend."""
-    sections = _changelog_sections()
-    version = _pyproject()["project"]["version"]
-    assert sections and sections[0][0] == "Unreleased", "CHANGELOG.md does not open with ## [Unreleased]"
-    assert len(sections) > 1 and sections[1][0] == version, (
-        f"pyproject.toml's version is {version}; CHANGELOG.md's newest release is {sections[1][0]}"
-    )
-    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", sections[1][1] or ""), f"## [{version}] has no date"
-    releases = [v for v, _, _ in sections[1:]]
-    assert releases == sorted(set(releases), key=_version, reverse=True), releases
-    init = _read("torch_masked_attn/__init__.py")
-    assert not re.search(r"__version__\s*=\s*[\"']", init), "__init__.py writes the version again"
-
-
 # names of other projects the docs quote: transformers' gate of its decode fast path
 _OTHER_PROJECTS_NAMES = {"ensure_decode_fast_path_is_available"}
 
@@ -1038,3 +1027,22 @@ def test_identifiers_quoted_are_in_the_code():
                 missing.append(f"{rel}: {name}")
     assert not missing, "quoted, but in no source file:\n" + "\n".join(sorted(missing))
     assert named > 100
+
+
+# ---- the release ---------------------------------------------------------------------------------
+
+
+def test_changelog_releases_the_version():
+    """CHANGELOG.md opens with an [Unreleased] section, then the dated section of pyproject.toml's
+    version (the one place it is written; torch_masked_attn.__version__ reads it); versions descend."""
+    sections = _changelog_sections()
+    version = _pyproject()["project"]["version"]
+    assert sections and sections[0][0] == "Unreleased", "CHANGELOG.md does not open with ## [Unreleased]"
+    assert len(sections) > 1 and sections[1][0] == version, (
+        f"pyproject.toml's version is {version}; CHANGELOG.md's newest release is {sections[1][0]}"
+    )
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", sections[1][1] or ""), f"## [{version}] has no date"
+    releases = [v for v, _, _ in sections[1:]]
+    assert releases == sorted(set(releases), key=_version, reverse=True), releases
+    init = _read("torch_masked_attn/__init__.py")
+    assert not re.search(r"__version__\s*=\s*[\"']", init), "__init__.py writes the version again"
