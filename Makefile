@@ -8,10 +8,13 @@ BUILT   := $(VENV)/.built
 # the C kernels (not the C++ shim, csrc/shim/*.cpp and *.hpp: see .clang-format)
 C_FILES := $(shell find csrc -name '*.c' -o -name '*.h' | sort)
 
-.PHONY: setup demo demo-attention test test-compat bench docs fuzz emulate sanitize sanitize-c lint clean
+.PHONY: setup demo demo-attention test test-hf-oldest test-compat bench docs fuzz emulate sanitize sanitize-c lint clean
 
 setup: $(BUILT)
 
+# transformers: the newest release of the range torch_masked_attn.hf is tested with, 5.18.0 to
+# 5.23.x (torch_masked_attn/hf/_compat.py's TESTED, pyproject.toml's [hf] extra; the oldest:
+# make test-hf-oldest)
 $(STAMP):
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install --upgrade pip >/dev/null
@@ -38,6 +41,20 @@ demo-attention: setup
 
 test: setup
 	$(VPY) -m pytest tests -q
+
+# The Hugging Face tests (and the other tests of torch_masked_attn.hf) against the oldest
+# transformers of the tested range: HF_OLDEST installed into .hf-oldest/ (--no-deps: .venv's
+# tokenizers, huggingface_hub and accelerate satisfy it) and put first on the path; .venv's
+# transformers stays as it is. About 2 minutes; CI runs it after make test.
+HF_OLDEST     := 5.18.0
+HF_OLDEST_DIR := .hf-oldest
+HF_TESTS      := tests/test_hf.py tests/test_hf_serving.py tests/test_hf_trainer.py tests/test_hf_compat.py \
+	tests/test_kv_int8.py::test_int8_cache_generate_reads_the_quantized_cache \
+	tests/test_kv_int8.py::test_int8_cache_crop_and_beams tests/test_bad_input.py::test_hf_backend_bad_input
+test-hf-oldest: setup
+	test -f $(HF_OLDEST_DIR)/transformers-$(HF_OLDEST).dist-info/METADATA || { rm -rf $(HF_OLDEST_DIR) && \
+		$(VPY) -m pip install -q --no-deps --target $(HF_OLDEST_DIR) transformers==$(HF_OLDEST); }
+	PYTHONPATH=$(CURDIR)/$(HF_OLDEST_DIR) $(VPY) -m pytest $(HF_TESTS) -q -p no:cacheprovider
 
 # the peers make bench compares against install here, never as the package's
 # dependencies: zentorch (AMD's plugin, its release for torch 2.13; --no-deps

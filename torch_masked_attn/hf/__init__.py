@@ -15,8 +15,8 @@ Two parts, both registered in transformers' own interfaces:
   ``key_padding_mask`` + ``is_causal`` (+ a window, or a small (Lq, Lk) mask
   shared by the batch when the diagonal is not the top-left one). Any other
   pattern (``or_mask_function`` / ``and_mask_function`` overlays, chunked and
-  blockwise attention, packed sequences, callers that ask for a tensor) is
-  built by transformers' own ``sdpa_mask`` and goes through as a mask.
+  blockwise attention, callers that ask for a tensor) is built by
+  transformers' own ``sdpa_mask`` and goes through as a mask.
 * an attention function (``AttentionInterface``) that calls
   :func:`torch_masked_attn.functional.masked_attention` on (B, H, L, D) with
   grouped-query heads as they are (sliding windows, soft-capping and sinks
@@ -26,11 +26,15 @@ Two parts, both registered in transformers' own interfaces:
 
 And a cache: :class:`Int8Cache`, an 8-bit KV cache the kernels read as it is
 (``model.generate(..., past_key_values=Int8Cache())``).
+
+Every name taken from transformers comes through ``_compat`` (the seam): it
+warns (:class:`TransformersVersionWarning`) when the installed transformers is
+outside the tested range, and raises :class:`TransformersCompatError`, naming
+the name, where one this package borrows is missing.
 """
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 from dataclasses import dataclass, field
@@ -39,97 +43,45 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from . import functional as _F
-from . import ops as _ops
+from .. import functional as _F
+from .. import ops as _ops
+from . import _compat  # every name taken from transformers comes through here
+from ._compat import (  # what registration, the mask function and Int8Cache need at import
+    AttentionInterface,
+    AttentionMaskInterface,
+    Cache,
+    DynamicLayer,
+    TransformersCompatError,
+    TransformersVersionWarning,
+    causal_mask_function,
+    prepare_padding_mask,
+    sdpa_attention_forward,
+    sdpa_mask,
+)
 
-try:
-    import transformers  # noqa: F401
-    from transformers import AttentionInterface
-    from transformers.cache_utils import Cache, DynamicLayer
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
-    from transformers.masking_utils import (
-        AttentionMaskInterface,
-        and_masks,
-        bidirectional_mask_function,
-        causal_mask_function,
-        packed_sequence_mask_function,
-        prepare_padding_mask,
-        remap_positions_for_packed_sequence,
-        sdpa_mask,
-        sliding_window_overlay,
-    )
-except ImportError as e:  # pragma: no cover - exercised only without transformers
-    raise ImportError("torch_masked_attn.hf needs Hugging Face transformers (pip install transformers)") from e
+_compat.require("import")  # the other names of registration, the mask function and the attention
 
-__all__ = ["ATTN_IMPLEMENTATION", "Int8Cache", "StructuredMask", "apply", "attention_forward", "mask_function"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "Int8Cache",
+    "StructuredMask",
+    "TransformersCompatError",
+    "TransformersVersionWarning",
+    "apply",
+    "attention_forward",
+    "mask_function",
+]
 
 ATTN_IMPLEMENTATION = "masked_attn"
 
-try:  # the hooks transformers uses to collect attention weights (output_attentions=True)
-    from transformers.utils.output_capturing import _active_collector
-except ImportError:  # pragma: no cover
-    _active_collector = None
-
-try:
-    from transformers.generation.continuous_batching.cache import PagedAttentionCache
-except ImportError:  # pragma: no cover
-    PagedAttentionCache = ()
+# continuous batching: None where transformers lacks it (a manager then raises TransformersCompatError)
+PagedAttentionCache = _compat.optional("PagedAttentionCache")
+ContinuousBatchingManager = _compat.optional("ContinuousBatchingManager")
 
 
 # ---------------------------------------------------------------------------------------------
 # The mask function
 # ---------------------------------------------------------------------------------------------
-
-_AND_CODE = and_masks(causal_mask_function).__code__
-_SLIDING_CODE = sliding_window_overlay(1).__code__
-# (None for the tensors: only the closures' code objects are kept)
-_PACKED_CODE = packed_sequence_mask_function(None).__code__  # pyright: ignore[reportArgumentType]
-_REMAP_CODE = remap_positions_for_packed_sequence(causal_mask_function, None).__code__  # pyright: ignore[reportArgumentType]
-
-
-def _closure(fn) -> dict:
-    cells = fn.__closure__ or ()
-    return {name: cell.cell_contents for name, cell in zip(fn.__code__.co_freevars, cells)}
-
-
-def _recognise(fn) -> tuple[str | None, int | None]:
-    """The pattern of one of transformers' mask functions: ('causal', None),
-    ('bidirectional', None), ('sliding', window) or (None, None) when it is
-    anything else (overlays, chunks, packed sequences, user functions)."""
-    if fn is causal_mask_function:
-        return "causal", None
-    if fn is bidirectional_mask_function:
-        return "bidirectional", None
-    if getattr(fn, "__code__", None) is _AND_CODE:  # sliding_window_causal_mask_function(w)
-        parts = _closure(fn).get("mask_functions")
-        if (
-            isinstance(parts, tuple)
-            and len(parts) == 2
-            and parts[1] is causal_mask_function
-            and getattr(parts[0], "__code__", None) is _SLIDING_CODE
-        ):
-            window = _closure(parts[0]).get("sliding_window")
-            if isinstance(window, int) and window > 0:
-                return "sliding", window
-    return None, None
-
-
-def _recognise_packed(fn) -> tuple[str | None, int | None, Tensor | None]:
-    """transformers' packed-sequence mask (packed_sequence_compatibility_function over a
-    causal or sliding pattern): (kind, window, (B, L) sequence ids), else (None, None, None)."""
-    if getattr(fn, "__code__", None) is _AND_CODE:
-        parts = _closure(fn).get("mask_functions")
-        if (
-            isinstance(parts, tuple)
-            and len(parts) == 2
-            and getattr(parts[0], "__code__", None) is _PACKED_CODE
-            and getattr(parts[1], "__code__", None) is _REMAP_CODE
-        ):
-            kind, window = _recognise(_closure(parts[1]).get("mask_function"))
-            if kind in ("causal", "sliding"):
-                return kind, window, _closure(parts[0]).get("packed_sequence_mask")
-    return None, None, None
 
 
 @dataclass(eq=False)
@@ -251,7 +203,7 @@ def mask_function(
         use_vmap=use_vmap,
         device=device,
     )
-    kind, window = _recognise(mask_function)
+    kind, window = _compat.mask_pattern(mask_function)
     packed = None
     if (
         kind is None
@@ -261,7 +213,7 @@ def mask_function(
         and not torch.compiler.is_compiling()
     ):
         # packed sequences (found by transformers from position_ids): varlen_attn, no mask at all
-        kind, window, packed = _recognise_packed(mask_function)
+        kind, window, packed = _compat.packed_pattern(mask_function)
         if packed is not None and (q_offset != 0 or kv_offset != 0 or packed.shape != (batch_size, q_length)):
             kind, window, packed = None, None, None
     # a caller that turns the skips off wants a tensor (e.g. to concatenate it with another mask)
@@ -301,12 +253,7 @@ def mask_function(
 
 
 def _wants_weights(kwargs) -> bool:
-    if kwargs.get("output_attentions", False):
-        return True
-    if _active_collector is not None:
-        collected = _active_collector.get()
-        return collected is not None and "attentions" in collected
-    return False
+    return bool(kwargs.get("output_attentions", False)) or _compat.wants_attentions()
 
 
 def _bool_mask(attention_mask, module, query: Tensor, key: Tensor, is_causal) -> Tensor | None:
@@ -337,7 +284,7 @@ def attention_forward(
     (B, Lq, H, Dv) and the attention weights when output_attentions asks for them."""
     softcap = kwargs.get("softcap")
     sinks = kwargs.get("s_aux")
-    if isinstance(kwargs.get("cache"), PagedAttentionCache):
+    if PagedAttentionCache is not None and isinstance(kwargs.get("cache"), PagedAttentionCache):
         return _paged_attention(module, query, key, value, kwargs, scaling, softcap, sinks), None
     need_weights = _wants_weights(kwargs)
     if kwargs.get("position_bias") is not None:  # T5-style bias: transformers' sdpa folds it into a float mask
@@ -529,14 +476,14 @@ def _packed_attention(
 # ---------------------------------------------------------------------------------------------
 
 
-def _cache_pages(cache, allocator, layer_idx: int) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+def _cache_pages(cache, layer: _compat.LayerPages) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """The layer's key and value pages in transformers' pool, (pages, page_size, H_kv, D) views,
     and their scales (pages, page_size, H_kv) in an 8-bit pool (_Int8PagedCache; else None).
     Only our ops write and read the pool of a model on "masked_attn" (transformers copies and
     shares whole blocks, bytes as they are), so each key page holds K transposed: per head a
     (D, page_size) block, keys side by side (the view's strides say so; the kernels read it with
     no transposes, the same bits as rows). Values, and the scales, stay rows."""
-    k_pages, v_pages = allocator._kv_page_views[layer_idx]  # contiguous (pages, page_size, H_kv, D)
+    k_pages, v_pages = layer.k_pages, layer.v_pages  # contiguous (pages, page_size, H_kv, D)
     k_scale = v_scale = None
     if isinstance(cache, _Int8PagedCache):
         k_scale, v_scale = cache.scales_of(k_pages), cache.scales_of(v_pages)
@@ -544,7 +491,7 @@ def _cache_pages(cache, allocator, layer_idx: int) -> tuple[Tensor, Tensor, Tens
     return k_pages.view(n, hkv, d, page).permute(0, 3, 1, 2), v_pages, k_scale, v_scale
 
 
-_PagedBase: Any = PagedAttentionCache if isinstance(PagedAttentionCache, type) else object
+_PagedBase: Any = PagedAttentionCache if PagedAttentionCache is not None else object
 
 
 class _Int8PagedCache(_PagedBase):
@@ -562,13 +509,12 @@ class _Int8PagedCache(_PagedBase):
                 "torch_masked_attn.hf: an 8-bit paged cache (kv_cache_dtype=torch.int8) does not support "
                 f"cpu_offload_space (got {continuous_batching_config.cpu_offload_space}); set it to 0"
             )
-        with _activations_in(dtype):  # transformers sizes activations by the cache's dtype otherwise
+        with _compat.activations_in(dtype):  # transformers sizes activations by the cache's dtype otherwise
             super().__init__(config, continuous_batching_config, *args, dtype=torch.int8, **kwargs)
         self.dtype = dtype  # the activations' (transformers' "cache and activations" dtype)
-        k_pages = next(iter(self.cache_allocators.values()))._kv_page_views
-        _, page, hkv, d = next(iter(k_pages.values()))[0].shape
+        pool, self._block_bytes, (_, _, hkv, d) = _compat.pool_geometry(self)
         self._row_bytes, self._hkv = hkv * d, hkv
-        self._scales = torch.zeros(self.cache_tensor.numel() // self._row_bytes, hkv, dtype=torch.float32)
+        self._scales = torch.zeros(pool.numel() // self._row_bytes, hkv, dtype=torch.float32)
 
     def scales_of(self, pages: Tensor) -> Tensor:
         """The scales of an int8 (pages, page_size, H_kv, D) view of the pool: the rows at its bytes."""
@@ -577,36 +523,16 @@ class _Int8PagedCache(_PagedBase):
             raise RuntimeError(
                 "torch_masked_attn.hf: transformers' paged cache has a layout this version does not know"
             )
-        start = pages.storage_offset() // self._row_bytes
+        start = int(pages.storage_offset()) // self._row_bytes
         return self._scales[start : start + n * page].view(n, page, hkv)
 
     def perform_cache_copy(self, copy_src_and_dst) -> None:
         super().perform_cache_copy(copy_src_and_dst)
         for name, (src, dst) in copy_src_and_dst.items():
             if src:
-                rows = self.cache_allocators[name].bytes_per_block // self._row_bytes
+                rows = self._block_bytes[name] // self._row_bytes
                 blocks = self._scales.view(-1, rows, self._hkv)
                 blocks.index_copy_(0, torch.tensor(dst), blocks.index_select(0, torch.tensor(src)))
-
-
-@contextlib.contextmanager
-def _activations_in(dtype: torch.dtype):
-    """transformers' PagedAttentionMemoryHandler taking activations of `dtype` under a cache of
-    another (it takes one dtype for both)."""
-    from transformers.generation.continuous_batching import cache as cache_module
-
-    base = cache_module.PagedAttentionMemoryHandler
-
-    class Handler(base):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.activation_dtype = dtype
-
-    cache_module.PagedAttentionMemoryHandler = Handler
-    try:
-        yield
-    finally:
-        cache_module.PagedAttentionMemoryHandler = base
 
 
 @dataclass(eq=False)
@@ -620,22 +546,22 @@ class _StepPages:
     seqused: Tensor  # (N,) int32: keys of sequence b
 
 
-def _step_memo(cache, allocator, read_index: Tensor):
+def _step_memo(cache, layer: _compat.LayerPages, read_index: Tensor):
     """The plans built this step, per allocator, kept on the cache object: (memo, the allocator's
     plan if it was built for this step's read-index tensor, else None)."""
     memo = cache.__dict__.setdefault("_tma_pages", {})
-    hit = memo.get(allocator.index)
+    hit = memo.get(layer.index)
     return memo, hit if hit is not None and hit.read_index is read_index else None
 
 
-def _step_pages(cache, allocator, read_index: Tensor, cu_k: Tensor) -> _StepPages:
+def _step_pages(cache, layer: _compat.LayerPages, read_index: Tensor, cu_k: Tensor) -> _StepPages:
     """Sequence b's keys are the pool rows read_index[cu_k[b] : cu_k[b + 1]] (whole pages but the
     last, in page order: transformers' full-attention allocator); its page table is every
     page_size-th of them over page_size. Cached on the cache object for the step."""
-    memo, hit = _step_memo(cache, allocator, read_index)
+    memo, hit = _step_memo(cache, layer, read_index)
     if hit is not None:
         return hit
-    page = allocator.tokens_per_page
+    page = layer.page_size
     cu = cu_k.to(torch.int64)
     lens = cu[1:] - cu[:-1]
     n_pages = (lens + page - 1) // page
@@ -643,7 +569,7 @@ def _step_pages(cache, allocator, read_index: Tensor, cu_k: Tensor) -> _StepPage
     used = cols.unsqueeze(0) < n_pages.unsqueeze(1)
     first = torch.where(used, cu[:-1].unsqueeze(1) + cols.unsqueeze(0) * page, 0)
     table = torch.where(used, read_index[first] // page, 0).to(torch.int32)
-    hit = memo[allocator.index] = _StepPages(read_index, table, lens.to(torch.int32))
+    hit = memo[layer.index] = _StepPages(read_index, table, lens.to(torch.int32))
     return hit
 
 
@@ -658,7 +584,7 @@ def _paged_attention(
     layers (transformers' ring buffer) read their at most window - 1 cached rows through the read
     indices, as transformers does, before the write. Returns (1, T, H, Dv)."""
     cache = kwargs["cache"]
-    missing = [k for k in ("cu_seq_lens_q", "cu_seq_lens_k", "read_index", "write_index") if kwargs.get(k) is None]
+    missing = [k for k in _compat.CB_KWARGS if kwargs.get(k) is None]
     if missing or query.shape[0] != 1:
         raise ValueError(
             f"masked_attn: a PagedAttentionCache comes from transformers' continuous batching, with "
@@ -666,19 +592,19 @@ def _paged_attention(
             f"{tuple(query.shape)}" + (f" without {', '.join(missing)}" if missing else "")
         )
     layer_idx = cast(int, module.layer_idx)  # transformers' attention layers' index
-    allocator = cache.layer_to_allocator[layer_idx]
-    k_pages, v_pages, k_scale, v_scale = _cache_pages(cache, allocator, layer_idx)
-    read_index = kwargs["read_index"][allocator.index]
-    write_index = kwargs["write_index"][allocator.index]
+    layer = _compat.layer_pages(cache, layer_idx)
+    k_pages, v_pages, k_scale, v_scale = _cache_pages(cache, layer)
+    read_index = kwargs["read_index"][layer.index]
+    write_index = kwargs["write_index"][layer.index]
     cu_q = kwargs["cu_seq_lens_q"]
     cu_k = kwargs["cu_seq_lens_k"]
-    cu_k = cu_k[allocator.layer_type] if isinstance(cu_k, dict) else cu_k
+    cu_k = cu_k[layer.layer_type] if isinstance(cu_k, dict) else cu_k
     cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
-    max_q = kwargs.get("max_length_q") or int((cu_q[1:] - cu_q[:-1]).max())
+    max_q = _compat.cb_max_q(kwargs) or int((cu_q[1:] - cu_q[:-1]).max())
     q = query[0].transpose(0, 1)  # (T, H, D), a view
     k_new = key[0].transpose(0, 1)  # (T, H_kv, D)
     v_new = value[0].transpose(0, 1)
-    window = getattr(allocator, "sliding_window", None)
+    window = layer.sliding_window
     left = -1 if window is None else window - 1
     args = {"scale": scaling, "window_size": (left, 0), "enable_gqa": k_new.size(1) != q.size(1)}
     if softcap is not None:
@@ -692,7 +618,7 @@ def _paged_attention(
         out = _F.varlen_attn(q, *_as_cached(k_new, v_new, scales, args), cu_q, cu_k, max_q, max_k, **args)
     elif window is None:
         _F.write_kv_cache(k_new, v_new, k_pages, v_pages, write_index, k_scale, v_scale)
-        pages = _step_pages(cache, allocator, read_index, cu_k)
+        pages = _step_pages(cache, layer, read_index, cu_k)
         if scales is not None:
             args.update(k_scale=k_scale, v_scale=v_scale)
         out = _F.varlen_attn(
@@ -710,7 +636,7 @@ def _paged_attention(
     else:
         out = _ring_attention(
             cache,
-            allocator,
+            layer,
             q,
             (k_new, v_new),
             (k_pages, v_pages),
@@ -749,7 +675,9 @@ class _RingStep:
     src: Tensor | None  # (rows,) int64 row of each gathered key: < 0: new row -src - 1, else a ring row
 
 
-def _ring_step(cache, allocator, read_index: Tensor, write_index: Tensor, cu_q: Tensor, cu_k: Tensor) -> _RingStep:
+def _ring_step(
+    cache, layer: _compat.LayerPages, read_index: Tensor, write_index: Tensor, cu_q: Tensor, cu_k: Tensor
+) -> _RingStep:
     """Sequence b has q_b new rows and c_b = k_b - q_b cached ones (at most window - 1). Its keys
     lie in the ring after this step's write, in slot order, whenever the write overwrites no row
     one of its queries still sees: one new row (a decode sees the whole window), or a past of
@@ -758,10 +686,10 @@ def _ring_step(cache, allocator, read_index: Tensor, write_index: Tensor, cu_q: 
     ring rotated, which the softmax does not see; pages are whole there when window % page_size
     == 0 or the ring is one page). The others (a chunk that wraps) read their cached rows before
     the write, as transformers does."""
-    memo, hit = _step_memo(cache, allocator, read_index)
+    memo, hit = _step_memo(cache, layer, read_index)
     if hit is not None:
         return hit
-    page, window = allocator.tokens_per_page, allocator.sliding_window
+    page, window = layer.page_size, cast(int, layer.sliding_window)  # a sliding layer's
     cq, ck = cu_q.to(torch.int64), cu_k.to(torch.int64)
     nq, nk = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
     cached = nk - nq
@@ -791,12 +719,12 @@ def _ring_step(cache, allocator, read_index: Tensor, write_index: Tensor, cu_q: 
         ring_row = read_index[ck[:-1][seq] + torch.where(is_new, 0, i)] if read_index.numel() else 0
         src = torch.where(is_new, -(cq[:-1][seq] + i - cached[seq]) - 1, ring_row)
         cu_g = cu_g.to(torch.int32)
-    hit = memo[allocator.index] = _RingStep(read_index, table, seqused, gathered, cu_g, src)
+    hit = memo[layer.index] = _RingStep(read_index, table, seqused, gathered, cu_g, src)
     return hit
 
 
 def _ring_attention(
-    cache, allocator, q, new, pool, scales, read_index, write_index, cu_q, cu_k, max_q, args: dict[str, Any]
+    cache, layer, q, new, pool, scales, read_index, write_index, cu_q, cu_k, max_q, args: dict[str, Any]
 ) -> Tensor:
     """A sliding-window layer's step (see _ring_step): the gathered sequences' keys are read first
     (at most window - 1 cached rows each), then the new rows written, then the in-place sequences
@@ -805,14 +733,14 @@ def _ring_attention(
     the layer's (key pages, value pages); scales: an 8-bit pool's (key scales, value scales), else
     None (the new rows are then quantized as the write quantizes them, and gathered with their
     scales)."""
-    step = _ring_step(cache, allocator, read_index, write_index, cu_q, cu_k)
+    step = _ring_step(cache, layer, read_index, write_index, cu_q, cu_k)
     gathered, more_args = None, {**args}
     if step.gathered is not None:
         assert step.src is not None and step.cu_g is not None  # made with gathered (_ring_step)
         is_new = step.src < 0
         ring = torch.where(is_new, 0, step.src)
         fresh = torch.where(is_new, -step.src - 1, 0)
-        page = allocator.tokens_per_page
+        page = layer.page_size
         rows = list(new)
         if scales is not None:
             (kq, ks), (vq, vs) = _F.quantize_kv(new[0]), _F.quantize_kv(new[1])
@@ -849,71 +777,40 @@ def _ring_attention(
     return cast(Tensor, out)  # varlen_attn without return_aux: a tensor
 
 
-try:
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
-except ImportError:  # pragma: no cover
-    ContinuousBatchingManager = None
+_ManagerBase: Any = ContinuousBatchingManager if ContinuousBatchingManager is not None else object
 
 
-if ContinuousBatchingManager is not None:
+class MaskedAttnBatchingManager(_ManagerBase):
+    """transformers' ContinuousBatchingManager for a model on "masked_attn": the one
+    difference is that it keeps the model on "masked_attn" (transformers' own manager admits
+    only "sdpa", "paged|eager" and flash implementations, and switches "eager"). No mask is
+    built for it (transformers builds one for "sdpa" and "paged|eager" only)."""
 
-    class MaskedAttnBatchingManager(ContinuousBatchingManager):
-        """transformers' ContinuousBatchingManager for a model on "masked_attn": the one
-        difference is that it keeps the model on "masked_attn" (transformers' own manager admits
-        only "sdpa", "paged|eager" and flash implementations, and switches "eager"). No mask is
-        built for it (transformers builds one for "sdpa" and "paged|eager" only)."""
+    def switch_to_cb_friendly_attn(self, model, *args, **kwargs) -> None:
+        if _compat.attn_implementation(model) != ATTN_IMPLEMENTATION:
+            super().switch_to_cb_friendly_attn(model, *args, **kwargs)
 
-        def switch_to_cb_friendly_attn(self, model, auto_switch_to_flash: bool = True) -> None:
-            if model.config._attn_implementation != ATTN_IMPLEMENTATION:
-                super().switch_to_cb_friendly_attn(model, auto_switch_to_flash)
-
-        def _create_batch_processor(self):
-            """transformers' own, with the paged cache in int8 when hf.apply asked for it."""
-            if getattr(self.model, "_tma_kv_cache_dtype", None) != torch.int8:
-                return super()._create_batch_processor()
-            from transformers.generation.continuous_batching import continuous_api
-
-            name = "PagedAttentionCache"  # the class transformers constructs there
-            base = vars(continuous_api)[name]
-            setattr(continuous_api, name, _Int8PagedCache)
-            try:
-                return super()._create_batch_processor()
-            finally:
-                setattr(continuous_api, name, base)
+    def _create_batch_processor(self):
+        """transformers' own, with the paged cache in int8 when hf.apply asked for it."""
+        if getattr(self.model, "_tma_kv_cache_dtype", None) != torch.int8:
+            return super()._create_batch_processor()
+        with _compat.swapped("PagedAttentionCache", _Int8PagedCache):
+            return super()._create_batch_processor()
 
 
 def _init_continuous_batching(model: Any):  # a transformers model
     """model.init_continuous_batching for apply(): transformers' own (generate_batch and
-    continuous_batching_context_manager call it), with our manager when the model runs on
-    "masked_attn"."""
+    continuous_batching_context_manager call it), building our manager where it builds its own
+    when the model runs on "masked_attn"."""
     original = model.init_continuous_batching
 
     @functools.wraps(original)
-    def init_continuous_batching(generation_config=None, continuous_batching_config=None, workload_hints=None):
-        cached = getattr(model, "_cached_continuous_batching_manager", None)
-        if model.config._attn_implementation != ATTN_IMPLEMENTATION or cached is not None:
-            return original(
-                generation_config=generation_config,
-                continuous_batching_config=continuous_batching_config,
-                workload_hints=workload_hints,
-            )
-        # transformers' init_continuous_batching (5.23) up to the manager's construction
-        gen_config = generation_config if generation_config is not None else model.generation_config
-        if gen_config is None:
-            raise ValueError("A GenerationConfig must be provided or set in the model.")
-        if gen_config.eos_token_id is None:
-            gen_config.eos_token_id = -1
-        if continuous_batching_config is None:
-            continuous_batching_config = getattr(gen_config, "continuous_batching_config", None)
-            if not isinstance(continuous_batching_config, ContinuousBatchingConfig):
-                continuous_batching_config = ContinuousBatchingConfig()
-        return MaskedAttnBatchingManager(
-            model=model,
-            generation_config=gen_config,
-            continuous_batching_config=cast(ContinuousBatchingConfig, continuous_batching_config),  # set above
-            workload_hints=workload_hints,
-        )
+    def init_continuous_batching(*args, **kwargs):
+        if _compat.attn_implementation(model) != ATTN_IMPLEMENTATION or _compat.cached_manager(model) is not None:
+            return original(*args, **kwargs)
+        _compat.require("serving")
+        with _compat.swapped("ContinuousBatchingManager", MaskedAttnBatchingManager):
+            return original(*args, **kwargs)
 
     init_continuous_batching._tma_original = original  # pyright: ignore[reportAttributeAccessIssue]
     return init_continuous_batching
@@ -984,21 +881,33 @@ def apply(model: nn.Module, *, kv_cache_dtype: torch.dtype | None = None) -> nn.
     lm._tma_kv_cache_dtype = kv_cache_dtype
     if getattr(model, "_tma_hf_applied", False):
         return model
-    # model.loss_function without reading the property (it warns for loss_type=None)
-    custom = getattr(model, "_loss_function", None)
-    loss_type = getattr(model, "loss_type", None)
-    causal_loss = custom is ForCausalLMLoss or (
-        custom is None and (loss_type == "ForCausalLM" or loss_type not in LOSS_MAPPING)
+    head, softcap = _fusable_head(lm)
+    head.forward = _head_capture(head)  # pyright: ignore[reportAttributeAccessIssue]  (an instance attribute)
+    lm.forward = _fused_forward(lm, head, softcap)
+    if hasattr(lm, "init_continuous_batching"):
+        lm.init_continuous_batching = _init_continuous_batching(lm)
+    lm._tma_hf_applied = True
+    return model
+
+
+def _fusable_head(lm: Any) -> tuple[nn.Linear, float | None]:
+    """A causal LM's LM head and its final logit soft-capping (None: off), or the error saying why
+    its loss cannot be fused."""
+    _compat.require("apply")
+    custom = _compat.custom_loss_function(lm)
+    loss_type = getattr(lm, "loss_type", None)
+    causal_loss = custom is _compat.ForCausalLMLoss or (
+        custom is None and (loss_type == "ForCausalLM" or loss_type not in _compat.LOSS_MAPPING)
     )
     if not (causal_loss and hasattr(lm, "can_generate") and lm.can_generate()):
         raise TypeError(
-            f"torch_masked_attn.hf.apply: {type(model).__name__} is not a causal LM with "
-            f"transformers' ForCausalLM loss (loss_type={getattr(model, 'loss_type', None)!r})"
+            f"torch_masked_attn.hf.apply: {type(lm).__name__} is not a causal LM with "
+            f"transformers' ForCausalLM loss (loss_type={loss_type!r})"
         )
     head = lm.get_output_embeddings()
     if not isinstance(head, nn.Linear):
         raise TypeError(
-            f"torch_masked_attn.hf.apply: the output embeddings of {type(model).__name__} must be "
+            f"torch_masked_attn.hf.apply: the output embeddings of {type(lm).__name__} must be "
             f"an nn.Linear, got {type(head).__name__}"
         )
     config = lm.config
@@ -1007,14 +916,17 @@ def apply(model: nn.Module, *, kv_cache_dtype: torch.dtype | None = None) -> nn.
         value = getattr(text_config, name, None)
         if value is not None and value != 1 and value is not False:
             raise NotImplementedError(
-                f"torch_masked_attn.hf.apply: {type(model).__name__} scales its logits "
+                f"torch_masked_attn.hf.apply: {type(lm).__name__} scales its logits "
                 f"(config.{name}={value!r}); the fused loss does not model that"
             )
     softcap = getattr(text_config, "final_logit_softcapping", None)
-    softcap = float(softcap) if softcap else None
+    return head, float(softcap) if softcap else None
 
-    head.forward = _head_capture(head)  # pyright: ignore[reportAttributeAccessIssue]  (an instance attribute)
-    forward = lm.forward
+
+def _fused_forward(model: Any, head: nn.Linear, softcap: float | None):
+    """model.forward for apply(): with labels and skip_logits, the hidden states the LM head
+    captured go to linear_cross_entropy (transformers' ForCausalLMLoss's reduction)."""
+    forward = model.forward
 
     @functools.wraps(forward)
     def fused_forward(*args, labels: Tensor | None = None, skip_logits: bool | None = None, **kwargs):
@@ -1065,8 +977,4 @@ def apply(model: nn.Module, *, kv_cache_dtype: torch.dtype | None = None) -> nn.
         out["logits"] = None
         return out
 
-    lm.forward = fused_forward
-    if ContinuousBatchingManager is not None and hasattr(lm, "init_continuous_batching"):
-        lm.init_continuous_batching = _init_continuous_batching(lm)
-    lm._tma_hf_applied = True
-    return model
+    return fused_forward
