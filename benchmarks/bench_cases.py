@@ -476,39 +476,42 @@ def linear_cross_entropy_case(N, d, V, dtype, ignored_fraction=0.25, chunk_size=
     )
 
 
-def decode(dtype, B=8, H=32, Lk=2048, D=128, interleaved=False):
+def decode(dtype, B=8, H=32, Lk=2048, D=128, interleaved=False, Hkv=None):
     """One decoding step: one new query per sequence against a cache of Lk
     keys and values, no grad. Memory-bound: the work is reading K and V once
     (traffic_bytes), which both implementations must do. interleaved: the cache
     is (B, Lk, H, D), heads side by side in each row (what a (B, L, H, D)
     projection or HF's static cache gives), passed to F.sdpa as its
-    (B, H, Lk, D) transposed view, to both sides."""
+    (B, H, Lk, D) transposed view, to both sides. Hkv: grouped query heads (H // Hkv
+    query heads per key head, enable_gqa)."""
+    Hkv = Hkv or H
     q = torch.randn(B, H, 1, D, dtype=dtype)
     if interleaved:
-        k, v = (torch.randn(B, Lk, H, D, dtype=dtype).transpose(1, 2) for _ in range(2))
+        k, v = (torch.randn(B, Lk, Hkv, D, dtype=dtype).transpose(1, 2) for _ in range(2))
     else:
-        k, v = (torch.randn(B, H, Lk, D, dtype=dtype) for _ in range(2))
+        k, v = (torch.randn(B, Hkv, Lk, D, dtype=dtype) for _ in range(2))
+    gqa = Hkv != H
 
     def native():
         with torch.no_grad():
-            return F.scaled_dot_product_attention(q, k, v)
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
 
     def ours():
         with torch.no_grad():
-            return tma.functional.scaled_dot_product_attention(q, k, v)
+            return tma.functional.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
 
     fl = attention_flops(B, H, 1, Lk, D, causal=False, backward=False)
-    traffic = 2.0 * B * H * Lk * D * k.element_size()
+    traffic = 2.0 * B * Hkv * Lk * D * k.element_size()
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
     layout = ", (B, Lk, H, D) cache" if interleaved else ""
     return Bench(
-        work=f"B={B} H={H} Lq=1 Lk={Lk} D={D} {name}, forward (no grad){layout}, K+V {traffic / 1e6:.0f} MB",
+        work=f"B={B} H={H}/{Hkv} Lq=1 Lk={Lk} D={D} {name}, forward (no grad){layout}, K+V {traffic / 1e6:.0f} MB",
         natives={"sdpa": native},
         ours=ours,
         flops=fl,
         attn_flops=fl,
         traffic_bytes=traffic,
-        info=dict(B=B, H=H, Lq=1, Lk=Lk, D=D, dtype=str(dtype), layout="BLHD" if interleaved else "BHLD"),
+        info=dict(B=B, H=H, Hkv=Hkv, Lq=1, Lk=Lk, D=D, dtype=str(dtype), layout="BLHD" if interleaved else "BHLD"),
     )
 
 
@@ -584,7 +587,7 @@ def decode_paged(B=8, H=32, Lk=2048, D=128, page=256):
             return tma.functional.varlen_attn(qv, kp, vp, cu, None, 1, Lk, seqused_k=used, block_table=table)
 
     fl = attention_flops(B, H, 1, Lk, D, causal=False, backward=False)
-    traffic = 2.0 * B * H * Lk * D * k.element_size()
+    traffic = 2.0 * B * Hkv * Lk * D * k.element_size()
     return Bench(
         work=f"B={B} H={H} Lq=1 Lk={Lk} D={D} float32, forward (no grad), paged KV (pages of {page}) "
         f"vs native on the dense cache, K+V {traffic / 1e6:.0f} MB",
@@ -930,6 +933,9 @@ NAMED = {
     "decode-paged": decode_paged,
     "decode-interleaved": lambda: decode(torch.float32, interleaved=True),
     "decode-interleaved-bf16": lambda: decode(torch.bfloat16, interleaved=True),
+    "decode-gqa": lambda: decode(torch.float32, B=1, Hkv=8, Lk=32768),
+    "decode-gqa-bf16": lambda: decode(torch.bfloat16, B=1, Hkv=8, Lk=32768),
+    "decode-gqa-interleaved-bf16": lambda: decode(torch.bfloat16, B=1, Hkv=8, Lk=32768, interleaved=True),
     "tiny-decode-16": lambda: tiny_case(1, 8, 1, 16, 64),
     "tiny-decode-256": lambda: tiny_case(1, 8, 1, 256, 64),
     "tiny-prefill-8": lambda: tiny_case(1, 16, 8, 8, 64),
