@@ -172,35 +172,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return (gh, gw, gb) + nones
 
 
-def linear_cross_entropy(
-    input: Tensor,
-    weight: Tensor,
-    target: Tensor,
-    bias: Tensor | None = None,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    label_smoothing: float = 0.0,
-    z_loss: float = 0.0,
-    softcap: float | None = None,
-    chunk_size: int | None = None,
-) -> Tensor:
-    """``F.cross_entropy(F.linear(input, weight, bias), target, ...)`` without
-    the (N, V) logits: chunked over the tokens, the matrix products by torch,
-    the loss and its gradient by the C kernel in one pass per row.
-
-    input: (..., d) hidden states; weight: (V, d) (the LM head, as
-    nn.Linear(d, V).weight); bias: (V,) or None; target: input's shape
-    without d, int64 class indices, ``ignore_index`` anywhere. float32,
-    float64, bfloat16 or float16, one dtype for input, weight and bias.
-    reduction: 'mean' (over the kept rows; NaN when there is none),
-    'sum' or 'none' (input's shape without d, 0 on ignored rows).
-    label_smoothing, z_loss (``z_loss * lse**2`` per kept row) and softcap
-    (``softcap * tanh(logits / softcap)``) as in :func:`cross_entropy`.
-    chunk_size: rows per chunk (default: as many as fit 64 MB of logits).
-    Gradients flow to input, weight and bias. With 'mean' / 'sum' they are
-    computed in the forward (when grad mode is on and one of them requires
-    grad) and held until the backward, which scales them by grad_output.
-    """
+def _check_args(input, weight, target, bias, reduction, label_smoothing, chunk_size) -> None:
+    """linear_cross_entropy's checks of its tensors (kinds, shapes, dtypes) and of reduction,
+    chunk_size and label_smoothing."""
     for name, tensor in (("input", input), ("weight", weight), ("target", target)):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"linear_cross_entropy: {name} must be a Tensor, got {type(tensor).__name__}")
@@ -234,6 +208,38 @@ def linear_cross_entropy(
         raise ValueError(f"linear_cross_entropy: chunk_size must be a positive int or None, got {chunk_size!r}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"linear_cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing!r}")
+
+
+def linear_cross_entropy(
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """``F.cross_entropy(F.linear(input, weight, bias), target, ...)`` without
+    the (N, V) logits: chunked over the tokens, the matrix products by torch,
+    the loss and its gradient by the C kernel in one pass per row.
+
+    input: (..., d) hidden states; weight: (V, d) (the LM head, as
+    nn.Linear(d, V).weight); bias: (V,) or None; target: input's shape
+    without d, int64 class indices, ``ignore_index`` anywhere. float32,
+    float64, bfloat16 or float16, one dtype for input, weight and bias.
+    reduction: 'mean' (over the kept rows; NaN when there is none),
+    'sum' or 'none' (input's shape without d, 0 on ignored rows).
+    label_smoothing, z_loss (``z_loss * lse**2`` per kept row) and softcap
+    (``softcap * tanh(logits / softcap)``) as in :func:`cross_entropy`.
+    chunk_size: rows per chunk (default: as many as fit 64 MB of logits).
+    Gradients flow to input, weight and bias. With 'mean' / 'sum' they are
+    computed in the forward (when grad mode is on and one of them requires
+    grad) and held until the backward, which scales them by grad_output.
+    """
+    _check_args(input, weight, target, bias, reduction, label_smoothing, chunk_size)
     ignore_index = operator.index(ignore_index)
     z_loss, softcap = _check_options(z_loss, softcap, "linear_cross_entropy")
     d = input.shape[-1]

@@ -34,7 +34,10 @@ from torch import Tensor, nn
 from torch.nn import _reduction as _Reduction
 from torch.overrides import handle_torch_function, has_torch_function_variadic
 
-from . import ops  # noqa: F401  (registers torch.ops.masked_attn)
+from . import (
+    _validate,
+    ops,  # noqa: F401  (registers torch.ops.masked_attn)
+)
 from .autocast import autocast_cast, autocast_dtype
 from .devices import uses_kernels
 
@@ -235,14 +238,11 @@ def _prepare_class_indices(input, target, weight, ignore_index, ls):
 
 
 def _check_options(z_loss, softcap, where):
-    """z_loss: a finite number >= 0; softcap: None or a finite number > 0."""
+    """z_loss: a finite number >= 0; softcap: the shared rule (_validate.softcap: None or a finite
+    number > 0)."""
     if isinstance(z_loss, bool) or not isinstance(z_loss, numbers.Real) or not math.isfinite(z_loss) or z_loss < 0:
         raise ValueError(f"{where}: z_loss must be a finite number >= 0, got {z_loss!r}")
-    if softcap is not None and (
-        isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap <= 0
-    ):
-        raise ValueError(f"{where}: softcap must be None or a finite number > 0, got {softcap!r}")
-    return float(z_loss), None if softcap is None else float(softcap)
+    return float(z_loss), _validate.softcap(where, softcap)
 
 
 def _check_inplace_backward(input):
@@ -324,24 +324,31 @@ def cross_entropy(
             softcap=softcap,
         )
     reduction = _REDUCTIONS[_Reduction.get_enum(reduction)]  # ValueError for a bad one
+    return _kernel_cross_entropy(
+        input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap, inplace_backward
+    )
+
+
+def _kernel_cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap, inplace):
+    """cross_entropy in the kernel, after its options' checks: autocast, the arguments' checks
+    (PyTorch's), their conventions converted, then the op."""
     cast = autocast_dtype(input.device.type, "float32") if isinstance(input, torch.Tensor) else None
     if cast is not None:  # under autocast, as F.cross_entropy: float32 before any check
         dev = input.device.type
         input, target = autocast_cast(input, cast, dev), autocast_cast(target, cast, dev)
         weight = autocast_cast(weight, cast, dev)
     ignore_index, ls = _check_arg_types(input, target, weight, ignore_index, label_smoothing)
-
     if input.shape == target.shape:
         input, target, weight = _prepare_probabilities(input, target, weight, ignore_index, ls)
     else:
         input, target, weight = _prepare_class_indices(input, target, weight, ignore_index, ls)
     ls = ls if ls > 0 else 0.0  # PyTorch ignores label_smoothing <= 0 (and NaN)
-    inplace_backward = bool(inplace_backward) and input.requires_grad
-    if inplace_backward:
+    inplace = bool(inplace) and input.requires_grad
+    if inplace:
         _check_inplace_backward(input)
     try:
         loss, _ = torch.ops.masked_attn.cross_entropy(
-            input, target, weight, reduction, ignore_index, ls, z_loss, softcap, inplace_backward
+            input, target, weight, reduction, ignore_index, ls, z_loss, softcap, inplace
         )
     except RuntimeError as e:  # the shim's target check: PyTorch raises IndexError
         m = _OUT_OF_BOUNDS.search(str(e))

@@ -93,7 +93,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import glob
-import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -102,6 +101,8 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from . import _validate
 
 _here = os.path.dirname(os.path.abspath(__file__))
 _libs = sorted(glob.glob(os.path.join(_here, "_C*.so")))
@@ -436,7 +437,7 @@ class AttnOptions:
         checked. ``window`` is masked_attention's (left, right) with None
         sides; ``window_size`` varlen_attn's, whose softcap and sinks only the
         shim checks (varlen_attn raises its RuntimeError)."""
-        dropout_p = float(dropout_p)
+        dropout_p = _validate.dropout_p(fn, dropout_p)
         seed = _dropout_seed(fn, dropout_p, dropout_seed)
         if alibi_slopes is not None and not isinstance(alibi_slopes, Tensor):  # its shape and dtype: the shim's
             raise TypeError(
@@ -444,9 +445,9 @@ class AttnOptions:
             )
         if window_size is not None:  # varlen_attn: torch's window_size; the shim checks the rest (RuntimeError)
             softcap = None if softcap is None else float(softcap)
-            return cls(False, _window_size(fn, window_size), softcap, sinks, alibi_slopes=alibi_slopes)
-        win, softcap = _window(fn, window), _softcap(fn, softcap)
-        _check_sinks(fn, q, sinks)
+            return cls(False, _validate.window_size(fn, window_size), softcap, sinks, alibi_slopes=alibi_slopes)
+        win, softcap = _validate.window(fn, window), _validate.softcap(fn, softcap)
+        _validate.sinks(fn, q, sinks)
         return cls(bool(is_causal), win, softcap, sinks, dropout_p, seed, alibi_slopes)
 
     @classmethod
@@ -494,9 +495,7 @@ class AttnOptions:
 
 
 def _dropout_seed(fn: str, dropout_p: float, seed: object) -> Tensor | None:
-    """dropout_p in [0, 1]; the seed (None: drawn later) when dropout_p > 0, else None."""
-    if not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"{fn}: dropout_p must be in [0, 1], got {dropout_p}")
+    """The seed (None: drawn later) when dropout_p > 0, else None."""
     if dropout_p == 0.0 or seed is None:
         return None
     if not isinstance(seed, Tensor):
@@ -510,61 +509,6 @@ def _dropout_seed(fn: str, dropout_p: float, seed: object) -> Tensor | None:
             f"{seed.dtype} {tuple(seed.shape)} on {seed.device}"
         )
     return seed
-
-
-def _softcap(fn: str, softcap: object) -> float | None:
-    if softcap is None:
-        return None
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"{fn}: softcap must be None or a number > 0, got {type(softcap).__name__}")
-    if not (math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"{fn}: softcap must be None or a finite number > 0, got {softcap}")
-    return float(softcap)
-
-
-def _check_sinks(fn: str, q: Tensor, sinks: object) -> None:
-    if sinks is None:
-        return
-    heads = q.size(-3)
-    if not isinstance(sinks, Tensor):
-        raise TypeError(f"{fn}: sinks must be None or a Tensor, got {type(sinks).__name__}")
-    if not sinks.is_floating_point():
-        raise TypeError(f"{fn}: sinks must be floating point, got {sinks.dtype}")
-    if sinks.dim() != 1 or sinks.size(0) != heads:
-        raise ValueError(
-            f"{fn}: sinks must have shape (H,) = ({heads},), one logit per query head, got {tuple(sinks.shape)}"
-        )
-    if sinks.device != q.device:
-        raise ValueError(f"{fn}: sinks must be on q's device ({q.device}), got {sinks.device}")
-
-
-def _window(fn: str, window: object) -> tuple[int, int]:
-    """masked_attention's window=(left, right), a side None or -1 unbounded."""
-    if window is None:
-        return (-1, -1)
-    if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise TypeError(f"{fn}: window must be None or a pair (left, right), got {window!r}")
-    sides = []
-    for name, w in zip(("left", "right"), window):
-        if w is None:
-            w = -1
-        if isinstance(w, bool) or not isinstance(w, int):
-            raise TypeError(f"{fn}: window {name} must be an int or None, got {type(w).__name__}")
-        if w < -1:
-            raise ValueError(f"{fn}: window {name} must be >= 0, or -1 / None for no bound, got {w}")
-        sides.append(int(w))
-    return sides[0], sides[1]
-
-
-def _window_size(fn: str, window_size: Iterable[int]) -> tuple[int, int]:
-    """varlen_attn's window_size=(left, right), -1 unbounded (torch's messages)."""
-    window_size = tuple(window_size)
-    if len(window_size) != 2:
-        raise ValueError(f"{fn}: window_size must have length 2, got {len(window_size)}")
-    left, right = (int(w) for w in window_size)
-    if left < -1 or right < -1:
-        raise ValueError(f"{fn}: window_size entries must be -1 (unbounded) or >= 0, got {window_size}")
-    return left, right
 
 
 # ---- fake kernels: shapes and dtypes only --------------------------------
