@@ -398,8 +398,9 @@ static void BLK(dot_rows)(float *s, int64_t lds, const float *q, int64_t nr, int
  * rows' strips (MA_PV_NV vectors, MA_PV_ROWS rows) go through the registers once per those
  * keys. Value rows one after another (ld = Dv, one stream) go MA_PV_KEYS at a time: more
  * interleave the rows past what the prefetchers follow (8: 0.85x on Zen 3 from memory). Rows
- * apart (heads side by side, pages, a slice), each its own stream, go MA_PV_KEYS_APART at a
- * time: a quarter of the loads and stores of O (1.1x on Zen 3, 2 -> 8). */
+ * apart (heads side by side, pages, a slice), each its own stream, and more rows than one
+ * strip's (speculative verification: the rows after the first strip's read the values from
+ * L1), go MA_PV_KEYS_APART at a time: a quarter of the loads and stores of O. */
 #ifndef MA_PV_KEYS
 #define MA_PV_KEYS 2
 #endif
@@ -559,7 +560,7 @@ MA_INLINE void axpy_rows_keys(const int R, const int KS, float *o, const float *
 MA_INLINE void axpy_keys_dt(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v,
                             const ma_dtype dt, int64_t off, int64_t ld, int64_t nc, int64_t pf) {
     if (Dv >= MA_VL) { /* the value rows KS at a time, whole (axpy_rows_block) */
-        const int64_t es = ma_dtype_size(dt), KS = ld == Dv ? MA_PV_KEYS : MA_PV_KEYS_APART;
+        const int64_t es = ma_dtype_size(dt), KS = ld == Dv && nr <= MA_PV_ROWS ? MA_PV_KEYS : MA_PV_KEYS_APART;
         for (int64_t c0 = 0; c0 < nc; c0 += KS) {
             const int64_t ks = ma_min(KS, nc - c0);
             if (pf)
