@@ -80,9 +80,10 @@ def softcap(fn: str, softcap: object) -> float | None:
         return None
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise ArgumentTypeError(f"{fn}: softcap must be None or a finite number > 0, got {type(softcap).__name__}")
-    if not (math.isfinite(softcap) and softcap > 0):
+    c = float(softcap)
+    if not (math.isfinite(c) and c > 0):
         raise ValueError(f"{fn}: softcap must be None or a finite number > 0, got {softcap}")
-    return float(softcap)
+    return c
 
 
 def dropout_p(fn: str, p: object) -> float:

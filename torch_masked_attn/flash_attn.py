@@ -51,14 +51,16 @@ bound is set the other unbounded one becomes ``seqlen_k``, where seqlen_k is Lk
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import _paging, _validate
 from . import functional as _fn
 
 __all__ = [
@@ -71,20 +73,16 @@ __all__ = [
     "flash_attn_with_kvcache",
 ]
 
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INTS = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
 
 
-# ---- argument checks -----------------------------------------------------------------------------
+# ---- argument checks (the shared ones in _validate; flash-attn's spellings translated here) ------
 
 
 def _check_tensor(fn: str, name: str, t, dims: int, layout: str) -> None:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{fn}: {name} must be a Tensor {layout}, got {type(t).__name__}")
-    if t.dim() != dims:
-        raise ValueError(f"{fn}: {name} must be {dims}-D {layout}, got shape {tuple(t.shape)}")
-    if t.dtype not in _FLOATS:
-        raise TypeError(f"{fn}: {name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    _validate.tensor(fn, name, t, layout)
+    _validate.dims(fn, name, t, dims, layout)
+    _validate.floating(fn, name, t)
     if t.device.type != "cpu":
         raise ValueError(
             f"{fn}: {name} is on {t.device}; torch_masked_attn.flash_attn computes on the CPU "
@@ -118,42 +116,30 @@ def _index(fn: str, name: str, t, dims: int, layout: str) -> Tensor:
     return t
 
 
-def _number(fn: str, name: str, x, what: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        if isinstance(x, Tensor) and x.numel() == 1 and not x.dtype == torch.bool:
-            x = x.item()
-        else:
-            raise TypeError(f"{fn}: {name} must be {what}, got {type(x).__name__}")
-    x = float(x)
-    if math.isnan(x):
-        raise ValueError(f"{fn}: {name} must be {what}, got nan")
-    return x
-
-
 def _dropout(fn: str, dropout_p) -> float:
-    p = _number(fn, "dropout_p", dropout_p, "a float in [0, 1)")
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"{fn}: dropout_p must be in [0, 1), got {p}")
+    """flash-attn's dropout_p: the shared rule ([0, 1]) less 1, which flash-attn refuses."""
+    p = _validate.dropout_p(fn, dropout_p)
+    if p == 1.0:
+        raise ValueError(f"{fn}: dropout_p must be in [0, 1) (flash-attn's dropout_p excludes 1), got {p}")
     return p
 
 
 def _scale(fn: str, softmax_scale) -> float | None:
     if softmax_scale is None:
         return None
-    s = _number(fn, "softmax_scale", softmax_scale, "None or a finite float")
+    s = _validate.number(fn, "softmax_scale", softmax_scale, "None or a finite float")
     if not math.isfinite(s):
         raise ValueError(f"{fn}: softmax_scale must be None or a finite float, got {s}")
     return s
 
 
 def _softcap(fn: str, softcap) -> float | None:
-    """flash-attn's softcap: > 0 on, <= 0 off (None here)."""
+    """flash-attn's softcap, a float: > 0 on, 0 (its default) or below off; translated to the
+    shared rule's None (off) or a finite number > 0 (_validate.softcap, which refuses +-inf)."""
     if softcap is None:
         return None
-    c = _number(fn, "softcap", softcap, "a float (0 = off)")
-    if not math.isfinite(c):
-        raise ValueError(f"{fn}: softcap must be finite (0 = off), got {c}")
-    return c if c > 0 else None
+    c = _validate.number(fn, "softcap", softcap, "a float (0 = off)")
+    return _validate.softcap(fn, c) if c > 0 or math.isinf(c) else None
 
 
 def _window(fn: str, window_size, causal: bool, seqlen_k: int) -> tuple[int, int]:
@@ -226,6 +212,49 @@ def _empty_probs(q: Tensor) -> Tensor:
 # ---- the dense path: masked_attention --------------------------------------------------------------
 
 
+def _top_left(Lq: int, Lk: int, left: int, right: int, dev) -> tuple[tuple | None, bool, Tensor | None]:
+    """flash-attn's bottom-right window (left, right) (-1 unbounded) of one (Lq, Lk) pair as
+    masked_attention's top-left options: (window, is_causal, blocked). A bound the top-left window
+    cannot express becomes 0 there (a superset) and blocked, an (Lq, Lk) boolean mask, makes it
+    exact (None where none is needed)."""
+    off = Lk - Lq  # the diagonal of query i is key i + off
+    # the same window, top-left aligned (masked_attention's): i - wl <= j <= i + wr
+    wl = None if left < 0 else left - off
+    wr = None if right < 0 else right + off
+    blocked = None
+    if not ((wl is None or wl >= 0) and (wr is None or wr >= 0)):
+        d = torch.arange(Lq, device=dev)[:, None] + off - torch.arange(Lk, device=dev)[None]
+        blocked = torch.zeros(Lq, Lk, dtype=torch.bool, device=dev)
+        if left >= 0:
+            blocked |= d > left
+        if right >= 0:
+            blocked |= d < -right
+    wl = None if wl is None else max(wl, 0)
+    wr = None if wr is None else max(wr, 0)
+    if wl is None and wr == 0:
+        return None, True, blocked
+    return ((wl, wr) if wl is not None or wr is not None else None), False, blocked
+
+
+def _per_entry(q4: Tensor, Lk: int, left: int, right: int, lq, lk, kstart) -> tuple[Tensor, Tensor]:
+    """The (B, 1, Lq, Lk) boolean mask of per-entry lengths (see _dense_attention) and window,
+    each entry aligned to its own bottom right, and the distances |i + lk - lq - j| (ALiBi's)."""
+    B, Lq = q4.size(0), q4.size(1)
+    dev = q4.device
+    i = torch.arange(Lq, device=dev).view(1, Lq, 1)
+    j = torch.arange(Lk, device=dev).view(1, 1, Lk)
+    n_q = Lq if lq is None else lq.view(B, 1, 1)
+    n_k = Lk if lk is None else lk.view(B, 1, 1)
+    jr = j if kstart is None else j - kstart.view(B, 1, 1)  # the key's index in its sequence
+    d = i + (n_k - n_q) - jr
+    blocked = (i >= n_q) | (jr < 0) | (jr >= n_k)
+    if left >= 0:
+        blocked = blocked | (d > left)
+    if right >= 0:
+        blocked = blocked | (d < -right)
+    return blocked.unsqueeze(1), d.abs().unsqueeze(1)
+
+
 def _dense_attention(
     q4: Tensor,
     k4: Tensor,
@@ -253,49 +282,16 @@ def _dense_attention(
 
     Returns out (B, Lq, H, Dv) (contiguous), lse (B, H, Lq) or None (-inf where a row sees no key),
     and with want_probs and dropout the probabilities (B, H, Lq, Lk), negated where dropped."""
-    B, Lq, H, _ = q4.shape
-    Lk = k4.size(1)
-    dev = q4.device
-    window, is_causal, blocked, dist = None, False, None, None
+    H, Lk = q4.size(2), k4.size(1)
+    window, is_causal, mask, alibi_slopes = None, False, None, alibi
     if lq is None and lk is None and kstart is None:
-        off = Lk - Lq  # the diagonal of query i is key i + off
-        # the same window, top-left aligned (masked_attention's): i - wl <= j <= i + wr; a bound it
-        # cannot express (wl or wr < 0) becomes 0 there (a superset) and a boolean mask makes it exact
-        wl = None if left < 0 else left - off
-        wr = None if right < 0 else right + off
-        exact = (wl is None or wl >= 0) and (wr is None or wr >= 0)
-        if not exact:
-            d = torch.arange(Lq, device=dev)[:, None] + off - torch.arange(Lk, device=dev)[None]
-            blocked = torch.zeros(Lq, Lk, dtype=torch.bool, device=dev)
-            if left >= 0:
-                blocked |= d > left
-            if right >= 0:
-                blocked |= d < -right
-        wl = None if wl is None else max(wl, 0)
-        wr = None if wr is None else max(wr, 0)
-        if wl is None and wr == 0:
-            is_causal = True
-        elif wl is not None or wr is not None:
-            window = (wl, wr)
+        window, is_causal, mask = _top_left(q4.size(1), Lk, left, right, q4.device)
     else:
-        i = torch.arange(Lq, device=dev).view(1, Lq, 1)
-        j = torch.arange(Lk, device=dev).view(1, 1, Lk)
-        n_q = Lq if lq is None else lq.view(B, 1, 1)
-        n_k = Lk if lk is None else lk.view(B, 1, 1)
-        jr = j if kstart is None else j - kstart.view(B, 1, 1)  # the key's index in its sequence
-        d = i + (n_k - n_q) - jr
-        blocked = (i >= n_q) | (jr < 0) | (jr >= n_k)
-        if left >= 0:
-            blocked = blocked | (d > left)
-        if right >= 0:
-            blocked = blocked | (d < -right)
-        blocked, dist = blocked.unsqueeze(1), d.abs().unsqueeze(1)  # (B, 1, Lq, Lk)
-    mask, alibi_slopes = blocked, alibi
-    if alibi is not None and dist is not None:  # per-entry lengths: ALiBi as the additive mask of each entry's own
-        assert blocked is not None
-        bias_dtype = torch.float64 if q4.dtype == torch.float64 else torch.float32
-        slopes = alibi.to(bias_dtype).reshape(-1, H, 1, 1)
-        mask, alibi_slopes = (-slopes * dist.to(bias_dtype)).masked_fill(blocked, float("-inf")), None
+        mask, dist = _per_entry(q4, Lk, left, right, lq, lk, kstart)
+        if alibi is not None:  # per-entry lengths: ALiBi as the additive mask of each entry's own
+            bias_dtype = torch.float64 if q4.dtype == torch.float64 else torch.float32
+            slopes = alibi.to(bias_dtype).reshape(-1, H, 1, 1)
+            mask, alibi_slopes = (-slopes * dist.to(bias_dtype)).masked_fill(mask, float("-inf")), None
     qt, kt, vt = q4.transpose(1, 2), k4.transpose(1, 2), v4.transpose(1, 2)
     kw: dict[str, Any] = dict(
         attn_mask=mask, is_causal=is_causal, window=window, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes
@@ -304,13 +300,12 @@ def _dense_attention(
     ret = _fn.masked_attention(qt, kt, vt, dropout_p=dropout_p, need_weights=need_weights, return_lse=want_lse, **kw)
     res = ret if isinstance(ret, tuple) else cast("tuple[Tensor, ...]", (ret,))
     out = res[0].transpose(1, 2)
-    weights = res[1] if need_weights else None
     lse = res[-1] if want_lse else None
     probs = None
     if need_weights:
         with torch.no_grad():
             p = _fn.masked_attention(qt.detach(), kt.detach(), vt.detach(), need_weights=True, **kw)[1]
-            probs = torch.where(weights != 0, p, -p)
+            probs = torch.where(res[1] != 0, p, -p)
     return out, lse, probs
 
 
@@ -322,18 +317,6 @@ def _pad_rows(x: Tensor, starts: Tensor, m: int) -> Tensor:
         return x.new_zeros((N, m) + tuple(x.shape[1:]))
     idx = (starts.view(N, 1) + torch.arange(m, device=x.device).view(1, m)).clamp_(0, x.size(0) - 1)
     return x.index_select(0, idx.flatten()).view((N, m) + tuple(x.shape[1:]))
-
-
-def _gather_paged(cache: Tensor, block_table: Tensor, lengths: Tensor) -> Tensor:
-    """A paged cache (pages, page_size, H_kv, D) read through block_table (B, max_pages) as a dense
-    (B, n_pages * page_size, H_kv, D) copy: the pages holding each entry's first lengths[b] keys
-    (columns past them read page 0; their keys are masked by the caller)."""
-    page = cache.size(1)
-    n_pages = max(1, (int(lengths.max()) + page - 1) // page) if lengths.numel() else 1
-    n_pages = min(n_pages, block_table.size(1))
-    used = torch.arange(n_pages).view(1, -1) < ((lengths + page - 1) // page).view(-1, 1)
-    pages = torch.where(used, block_table[:, :n_pages].to(torch.int64), 0)
-    return cache.index_select(0, pages.flatten()).view(block_table.size(0), n_pages * page, *cache.shape[2:])
 
 
 # ---- flash_attn_func and its packed forms ----------------------------------------------------------
@@ -499,6 +482,131 @@ def _offsets(fn: str, name: str, cu, rows: int | None) -> Tensor:
     return cu
 
 
+class _Seqs(NamedTuple):
+    """flash_attn_varlen_func's sequences, checked: offsets (int64 (N + 1,)), lengths (int64 (N,)),
+    the longest of each (mq, mk) and the max_seqlen_q, max_seqlen_k given (>= them)."""
+
+    cu_q: Tensor
+    cu_k: Tensor
+    lens_q: Tensor
+    lens_k: Tensor
+    mq: int
+    mk: int
+    max_q: int
+    max_k: int
+
+
+def _varlen_tensors(fn: str, q, k, v, paged: bool) -> None:
+    """flash_attn_varlen_func's q, k, v: layouts (k, v paged caches with block_table), dtypes,
+    head dims and heads."""
+    _check_tensor(fn, "q", q, 3, "(total_q, nheads, headdim)")
+    kv_dims, kv_layout = (
+        (4, "(num_blocks, page_block_size, nheads_k, headdim)") if paged else (3, "(total_k, nheads_k, headdim)")
+    )
+    _check_tensor(fn, "k", k, kv_dims, kv_layout + (" with block_table" if paged else ""))
+    _check_tensor(fn, "v", v, kv_dims, kv_layout + (" with block_table" if paged else ""))
+    _check_same_dtype(fn, q, k=k, v=v)
+    D = q.size(2)
+    if k.size(-1) != D:
+        raise ValueError(f"{fn}: k must have q's head dim ({D}), got k {tuple(k.shape)}")
+    if tuple(v.shape[:-1]) != tuple(k.shape[:-1]):
+        raise ValueError(f"{fn}: v must have k's rows and heads, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    _check_heads(fn, q.size(1), k.size(-2), "k and v")
+
+
+def _varlen_seqs(fn: str, q: Tensor, k: Tensor, cu_seqlens_q, cu_seqlens_k, max_q, max_k, paged: bool) -> _Seqs:
+    """flash_attn_varlen_func's offsets and maximum lengths, checked."""
+    cu_q = _offsets(fn, "cu_seqlens_q", cu_seqlens_q, q.size(0))
+    cu_k = _offsets(fn, "cu_seqlens_k", cu_seqlens_k, None if paged else k.size(0))
+    if cu_k.numel() != cu_q.numel():
+        raise ValueError(
+            f"{fn}: cu_seqlens_k must have as many entries as cu_seqlens_q ({cu_q.numel()}), got {cu_k.numel()}"
+        )
+    lens_q, lens_k = cu_q.diff(), cu_k.diff()
+    N = lens_q.numel()
+    max_q = int(_validate.number(fn, "max_seqlen_q", max_q, "an int"))
+    max_k = int(_validate.number(fn, "max_seqlen_k", max_k, "an int"))
+    mq = int(lens_q.max()) if N else 0
+    mk = int(lens_k.max()) if N else 0
+    if max_q < mq:
+        raise ValueError(f"{fn}: max_seqlen_q ({max_q}) is less than the longest query sequence ({mq})")
+    if max_k < mk:
+        raise ValueError(f"{fn}: max_seqlen_k ({max_k}) is less than the longest key sequence ({mk})")
+    return _Seqs(cu_q, cu_k, lens_q, lens_k, mq, mk, max_q, max_k)
+
+
+def _varlen_table(fn: str, block_table, q: Tensor, k: Tensor, v: Tensor, seqs: _Seqs) -> Tensor:
+    """flash_attn_varlen_func's block_table, checked against the pages k, v hold and the key
+    lengths; refused where a gradient is wanted (paged caches have no backward)."""
+    bt = _index(fn, "block_table", block_table, 2, "(batch_size, max_num_blocks_per_seq)")
+    N, page = seqs.lens_k.numel(), k.size(1)
+    if bt.size(0) != N:
+        raise ValueError(f"{fn}: block_table must have batch_size = {N} rows, got {tuple(bt.shape)}")
+    if seqs.mk > bt.size(1) * page:
+        raise ValueError(
+            f"{fn}: block_table addresses {bt.size(1)} pages of {page} keys, fewer than the "
+            f"longest key sequence ({seqs.mk})"
+        )
+    _paging.check_in_pool(fn, bt, _paging.pages_of(seqs.lens_k, page), k.size(0), "k")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise RuntimeError(
+            f"{fn}: block_table (a paged KV cache) is inference-only: no backward; call it under torch.no_grad()"
+        )
+    return bt
+
+
+def _varlen_packed(qs, k, v, seqs: _Seqs, q0: int, bt, want: bool, opts: dict):
+    """flash_attn_varlen_func without dropout: varlen_attn on the packed rows qs (from q's row q0)
+    and k, v (their rows from cu_k[0] on, or paged through bt). (out, lse or None)."""
+    cu_q, cu_k = seqs.cu_q, seqs.cu_k
+    args: dict[str, Any] = dict(return_aux=_fn.AuxRequest(lse=want), window_size=opts["window"], enable_gqa=True)
+    args.update(scale=opts["scale"], softcap=opts["softcap"], alibi_slopes=opts["alibi"])
+    if bt is not None:
+        ks, vs, cu_k = k, v, None
+        args.update(seqused_k=seqs.lens_k.to(torch.int32), block_table=bt.to(torch.int32).contiguous())
+    else:
+        k0, k1 = int(cu_k[0]), int(cu_k[-1])
+        ks, vs = (k, v) if (k0, k1) == (0, k.size(0)) else (k[k0:k1], v[k0:k1])
+        cu_k = (cu_k - k0).to(torch.int32)
+    res = _fn.varlen_attn(qs, ks, vs, (cu_q - q0).to(torch.int32), cu_k, max(seqs.mq, 1), max(seqs.mk, 1), **args)
+    return cast("tuple[Tensor, Tensor]", res) if want else (cast(Tensor, res), None)
+
+
+def _varlen_padded(qs, k, v, seqs: _Seqs, q0: int, bt, want: bool, dropout_p: float, opts: dict):
+    """flash_attn_varlen_func with dropout (the packed kernels have none): the batch padded to
+    (batch_size, max_len, ...) copies, the dense kernels, the rows packed again.
+    (out, lse or None, S_dmask or None)."""
+    H, lens_q, lens_k, mq, mk = qs.size(1), seqs.lens_q, seqs.lens_k, seqs.mq, seqs.mk
+    q4 = _pad_rows(qs, seqs.cu_q[:-1] - q0, max(mq, 1))
+    if bt is not None:
+        k4, v4 = _paging.gather_dense(k, bt, lens_k), _paging.gather_dense(v, bt, lens_k)
+    else:
+        k4, v4 = _pad_rows(k, seqs.cu_k[:-1], max(mk, 1)), _pad_rows(v, seqs.cu_k[:-1], max(mk, 1))
+    left, right = opts["window"]
+    out4, lse4, probs4 = _dense_attention(
+        q4,
+        k4,
+        v4,
+        scale=opts["scale"],
+        left=left,
+        right=right,
+        softcap=opts["softcap"],
+        alibi=opts["alibi"],
+        dropout_p=dropout_p,
+        want_lse=want,
+        want_probs=want,
+        lq=lens_q,
+        lk=lens_k,
+    )
+    rows = (torch.arange(q4.size(1)).view(1, -1) < lens_q.view(-1, 1)).flatten().nonzero().flatten()
+    out = out4.reshape(-1, H, out4.size(-1)).index_select(0, rows)
+    lse = cast(Tensor, lse4).transpose(0, 1).reshape(H, -1).index_select(1, rows) if want else None
+    probs = None
+    if probs4 is not None:
+        probs = F.pad(probs4[:, :, :mq, :mk], (0, _round128(seqs.max_k) - mk, 0, _round128(seqs.max_q) - mq))
+    return out, lse, probs
+
+
 def flash_attn_varlen_func(
     q,
     k,
@@ -541,125 +649,21 @@ def flash_attn_varlen_func(
     """
     fn = "flash_attn_varlen_func"
     paged = block_table is not None
-    _check_tensor(fn, "q", q, 3, "(total_q, nheads, headdim)")
-    kv_dims, kv_layout = (
-        (4, "(num_blocks, page_block_size, nheads_k, headdim)") if paged else (3, "(total_k, nheads_k, headdim)")
-    )
-    _check_tensor(fn, "k", k, kv_dims, kv_layout + (" with block_table" if paged else ""))
-    _check_tensor(fn, "v", v, kv_dims, kv_layout + (" with block_table" if paged else ""))
-    _check_same_dtype(fn, q, k=k, v=v)
-    H, D = q.size(1), q.size(2)
-    Hk = k.size(-2)
-    if k.size(-1) != D:
-        raise ValueError(f"{fn}: k must have q's head dim ({D}), got k {tuple(k.shape)}")
-    if tuple(v.shape[:-1]) != tuple(k.shape[:-1]):
-        raise ValueError(f"{fn}: v must have k's rows and heads, got k {tuple(k.shape)}, v {tuple(v.shape)}")
-    _check_heads(fn, H, Hk, "k and v")
-    cu_q = _offsets(fn, "cu_seqlens_q", cu_seqlens_q, q.size(0))
-    cu_k = _offsets(fn, "cu_seqlens_k", cu_seqlens_k, None if paged else k.size(0))
-    if cu_k.numel() != cu_q.numel():
-        raise ValueError(
-            f"{fn}: cu_seqlens_k must have as many entries as cu_seqlens_q ({cu_q.numel()}), got {cu_k.numel()}"
-        )
-    lens_q, lens_k = cu_q.diff(), cu_k.diff()
-    N = lens_q.numel()
-    max_seqlen_q = int(_number(fn, "max_seqlen_q", max_seqlen_q, "an int"))
-    max_seqlen_k = int(_number(fn, "max_seqlen_k", max_seqlen_k, "an int"))
-    mq = int(lens_q.max()) if N else 0
-    mk = int(lens_k.max()) if N else 0
-    if max_seqlen_q < mq:
-        raise ValueError(f"{fn}: max_seqlen_q ({max_seqlen_q}) is less than the longest query sequence ({mq})")
-    if max_seqlen_k < mk:
-        raise ValueError(f"{fn}: max_seqlen_k ({max_seqlen_k}) is less than the longest key sequence ({mk})")
-    if paged:
-        bt = _index(fn, "block_table", block_table, 2, "(batch_size, max_num_blocks_per_seq)")
-        if bt.size(0) != N:
-            raise ValueError(f"{fn}: block_table must have batch_size = {N} rows, got {tuple(bt.shape)}")
-        if mk > bt.size(1) * k.size(1):
-            raise ValueError(
-                f"{fn}: block_table addresses {bt.size(1)} pages of {k.size(1)} keys, fewer than the "
-                f"longest key sequence ({mk})"
-            )
-        used = torch.arange(bt.size(1)).view(1, -1) < ((lens_k + k.size(1) - 1) // k.size(1)).view(-1, 1)
-        if bool((((bt < 0) | (bt >= k.size(0))) & used).any()):
-            raise ValueError(f"{fn}: block_table holds a page outside k's {k.size(0)} pages")
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            raise RuntimeError(
-                f"{fn}: block_table (a paged KV cache) is inference-only: no backward; call it under torch.no_grad()"
-            )
+    _varlen_tensors(fn, q, k, v, paged)
+    seqs = _varlen_seqs(fn, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, paged)
+    bt = _varlen_table(fn, block_table, q, k, v, seqs) if paged else None
     dropout_p = _dropout(fn, dropout_p)
-    scale, cap = _scale(fn, softmax_scale), _softcap(fn, softcap)
-    left, right = _window(fn, window_size, bool(causal), max_seqlen_k)
-    alibi = _alibi(fn, alibi_slopes, N, H)
+    opts: dict[str, Any] = dict(scale=_scale(fn, softmax_scale), softcap=_softcap(fn, softcap))
+    opts.update(window=_window(fn, window_size, bool(causal), seqs.max_k))
+    opts.update(alibi=_alibi(fn, alibi_slopes, seqs.lens_q.numel(), q.size(1)))
     want = bool(return_attn_probs)
-    q0, q1 = int(cu_q[0]), int(cu_q[-1])
+    q0, q1 = int(seqs.cu_q[0]), int(seqs.cu_q[-1])
     qs = q if (q0, q1) == (0, q.size(0)) else q[q0:q1]
     probs = None
     if dropout_p == 0.0:
-        if paged:
-            res = _fn.varlen_attn(
-                qs,
-                k,
-                v,
-                (cu_q - q0).to(torch.int32),
-                None,
-                max(mq, 1),
-                max(mk, 1),
-                return_aux=_fn.AuxRequest(lse=want),
-                scale=scale,
-                window_size=(left, right),
-                enable_gqa=True,
-                seqused_k=lens_k.to(torch.int32),
-                block_table=bt.to(torch.int32).contiguous(),
-                softcap=cap,
-                alibi_slopes=alibi,
-            )
-        else:
-            k0, k1 = int(cu_k[0]), int(cu_k[-1])
-            ks, vs = (k, v) if (k0, k1) == (0, k.size(0)) else (k[k0:k1], v[k0:k1])
-            res = _fn.varlen_attn(
-                qs,
-                ks,
-                vs,
-                (cu_q - q0).to(torch.int32),
-                (cu_k - k0).to(torch.int32),
-                max(mq, 1),
-                max(mk, 1),
-                return_aux=_fn.AuxRequest(lse=want),
-                scale=scale,
-                window_size=(left, right),
-                enable_gqa=True,
-                softcap=cap,
-                alibi_slopes=alibi,
-            )
-        out, lse = cast("tuple[Tensor, Tensor]", res) if want else (cast(Tensor, res), None)
+        out, lse = _varlen_packed(qs, k, v, seqs, q0, bt, want, opts)
     else:
-        # the packed kernels have no dropout: pad the batch and run the dense ones
-        q4 = _pad_rows(qs, cu_q[:-1] - q0, max(mq, 1))
-        if paged:
-            k4, v4 = _gather_paged(k, bt, lens_k), _gather_paged(v, bt, lens_k)
-        else:
-            k4, v4 = _pad_rows(k, cu_k[:-1], max(mk, 1)), _pad_rows(v, cu_k[:-1], max(mk, 1))
-        out4, lse4, probs4 = _dense_attention(
-            q4,
-            k4,
-            v4,
-            scale=scale,
-            left=left,
-            right=right,
-            softcap=cap,
-            alibi=alibi,
-            dropout_p=dropout_p,
-            want_lse=want,
-            want_probs=want,
-            lq=lens_q,
-            lk=lens_k,
-        )
-        rows = (torch.arange(q4.size(1)).view(1, -1) < lens_q.view(-1, 1)).flatten().nonzero().flatten()
-        out = out4.reshape(-1, H, out4.size(-1)).index_select(0, rows)
-        lse = cast(Tensor, lse4).transpose(0, 1).reshape(H, -1).index_select(1, rows) if want else None
-        if probs4 is not None:
-            probs = F.pad(probs4[:, :, :mq, :mk], (0, _round128(max_seqlen_k) - mk, 0, _round128(max_seqlen_q) - mq))
+        out, lse, probs = _varlen_padded(qs, k, v, seqs, q0, bt, want, dropout_p, opts)
     if (q0, q1) != (0, q.size(0)):  # rows outside the sequences: output 0, softmax_lse +inf
         out = F.pad(out, (0, 0, 0, 0, q0, q.size(0) - q1))
         if lse is not None:
@@ -772,6 +776,221 @@ def _rotary(x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, interleaved: bool)
     return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
 
 
+@dataclasses.dataclass
+class _KVCall:
+    """flash_attn_with_kvcache's call, checked: the batch's sizes, the cache's layout and each
+    entry's cache rows. The bookkeeping in Python ints: a decoding step's batch is small, and a
+    tensor op costs more than a list's loop there."""
+
+    B: int
+    Lq: int
+    H: int
+    D: int
+    Hk: int
+    Dv: int
+    Lnew: int  # new keys per entry (k's seqlen_new, set by _kv_new; 0 without k)
+    bt: Tensor | None = None  # block_table (paged caches)
+    page: int = 0  # the page size (paged)
+    seqlen_k: int = 0  # the rows an entry may address
+    ends: list[int] = dataclasses.field(default_factory=list)  # cache_seqlens (before the append)
+    idx: list[int] | None = None  # cache_batch_idx
+    leftpad: list[int] | None = None  # cache_leftpad
+
+    @property
+    def lengths(self) -> list[int]:
+        """Each entry's keys: cache rows leftpad[b] .. ends[b] + Lnew - 1 (the seqlen_k it is aligned to)."""
+        return [e + self.Lnew - lp for e, lp in zip(self.ends, self.leftpad or [0] * self.B)]
+
+
+def _kv_tensors(fn: str, q, k_cache, v_cache, k, v, paged: bool) -> _KVCall:
+    """flash_attn_with_kvcache's q, caches and new k, v: layouts, dtypes, sizes, heads."""
+    _check_tensor(fn, "q", q, 4, "(batch_size, seqlen_q, nheads, headdim)")
+    cache_layout = (
+        "(num_blocks, page_block_size, nheads_k, headdim) with block_table"
+        if paged
+        else "(batch_size_cache, seqlen_cache, nheads_k, headdim)"
+    )
+    _check_tensor(fn, "k_cache", k_cache, 4, cache_layout)
+    _check_tensor(fn, "v_cache", v_cache, 4, cache_layout)
+    _check_same_dtype(fn, q, k_cache=k_cache, v_cache=v_cache)
+    B, Lq, H, D = q.shape
+    if B == 0:
+        raise ValueError(f"{fn}: q must have batch_size > 0, got shape {tuple(q.shape)}")
+    c = _KVCall(B, Lq, H, D, k_cache.size(2), v_cache.size(3), 0)
+    if k_cache.size(3) != D:
+        raise ValueError(f"{fn}: k_cache must have q's head dim ({D}), got k_cache {tuple(k_cache.shape)}")
+    if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
+        raise ValueError(
+            f"{fn}: v_cache must have k_cache's first three dims, got k_cache "
+            f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        )
+    _check_heads(fn, H, c.Hk, "k_cache and v_cache")
+    if (k is None) != (v is None):
+        name = "v" if v is None else "k"
+        raise ValueError(f"{fn}: k and v go together: {name} is None while the other is given")
+    if k is not None:
+        _kv_new(fn, q, k, v, c)
+    return c
+
+
+def _kv_new(fn: str, q: Tensor, k, v, c: _KVCall) -> None:
+    """flash_attn_with_kvcache's new k, v: (batch_size, seqlen_new, nheads_k, headdim / headdim_v)."""
+    _check_tensor(fn, "k", k, 4, "(batch_size, seqlen_new, nheads_k, headdim)")
+    _check_tensor(fn, "v", v, 4, "(batch_size, seqlen_new, nheads_k, headdim_v)")
+    _check_same_dtype(fn, q, k=k, v=v)
+    c.Lnew = k.size(1)
+    if tuple(k.shape) != (c.B, c.Lnew, c.Hk, c.D):
+        raise ValueError(
+            f"{fn}: k must have shape (batch_size, seqlen_new, nheads_k, headdim) = "
+            f"({c.B}, seqlen_new, {c.Hk}, {c.D}), got {tuple(k.shape)}"
+        )
+    if tuple(v.shape) != (c.B, c.Lnew, c.Hk, c.Dv):
+        raise ValueError(
+            f"{fn}: v must have shape (batch_size, seqlen_new, nheads_k, headdim_v) = "
+            f"({c.B}, {c.Lnew}, {c.Hk}, {c.Dv}), got {tuple(v.shape)}"
+        )
+
+
+def _kv_table(fn: str, c: _KVCall, block_table, cache_batch_idx, cache_leftpad, k_cache: Tensor) -> None:
+    """flash_attn_with_kvcache's block_table (paged: neither cache_batch_idx nor cache_leftpad, as
+    in flash-attn), and the rows an entry may address (c.seqlen_k)."""
+    if block_table is None:
+        c.seqlen_k = k_cache.size(1)
+        return
+    for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if t is not None:
+            raise ValueError(f"{fn}: {name} is not supported with block_table (paged KV cache), as in flash-attn")
+    c.bt = _index(fn, "block_table", block_table, 2, "(batch_size, max_num_blocks_per_seq)")
+    if c.bt.size(0) != c.B:
+        raise ValueError(f"{fn}: block_table must have batch_size = {c.B} rows, got {tuple(c.bt.shape)}")
+    c.page = k_cache.size(1)
+    c.seqlen_k = c.bt.size(1) * c.page
+
+
+def _kv_ends(fn: str, c: _KVCall, cache_seqlens, has_k: bool) -> None:
+    """flash_attn_with_kvcache's cache_seqlens (c.ends): an int, (batch_size,) or None (the whole
+    cache); with the new keys within the addressable rows."""
+    if cache_seqlens is None:
+        if has_k:
+            raise ValueError(f"{fn}: cache_seqlens is required when k and v are given (where to append them)")
+        c.ends = [c.seqlen_k] * c.B
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        c.ends = [int(cache_seqlens)] * c.B
+    else:
+        c.ends = _index(fn, "cache_seqlens", cache_seqlens, 1, "(batch_size,) or an int").tolist()
+        if len(c.ends) != c.B:
+            raise ValueError(f"{fn}: cache_seqlens must have batch_size = {c.B} entries, got {len(c.ends)}")
+    if any(e < 0 or e + c.Lnew > c.seqlen_k for e in c.ends):
+        paged, Lnew = c.bt is not None, c.Lnew
+        raise ValueError(
+            f"{fn}: cache_seqlens{' + seqlen_new' if Lnew else ''} must lie in [0, {c.seqlen_k}] "
+            f"(the cache's {'addressable ' if paged else ''}length), got cache_seqlens = "
+            f"{c.ends}{f', seqlen_new = {Lnew}' if Lnew else ''}"
+        )
+
+
+def _kv_rows(fn: str, c: _KVCall, cache_batch_idx, cache_leftpad, B_c: int) -> None:
+    """flash_attn_with_kvcache's cache_batch_idx (c.idx) and cache_leftpad (c.leftpad), and the
+    pages a paged entry uses: each within the cache's B_c rows or pages."""
+    if cache_batch_idx is not None:
+        c.idx = _index(fn, "cache_batch_idx", cache_batch_idx, 1, "(batch_size,)").tolist()
+        if len(c.idx) != c.B:
+            raise ValueError(f"{fn}: cache_batch_idx must have batch_size = {c.B} entries, got {len(c.idx)}")
+        if any(i < 0 or i >= B_c for i in c.idx):
+            raise ValueError(f"{fn}: cache_batch_idx must index k_cache's {B_c} rows, got {c.idx}")
+    elif c.bt is None and B_c < c.B:
+        raise ValueError(
+            f"{fn}: k_cache has {B_c} rows (batch_size_cache) for a batch of {c.B}; pass "
+            "cache_batch_idx or a larger cache"
+        )
+    if cache_leftpad is not None:
+        c.leftpad = _index(fn, "cache_leftpad", cache_leftpad, 1, "(batch_size,)").tolist()
+        if len(c.leftpad) != c.B:
+            raise ValueError(f"{fn}: cache_leftpad must have batch_size = {c.B} entries, got {len(c.leftpad)}")
+        if any(lp < 0 or lp > e for lp, e in zip(c.leftpad, c.ends)):
+            raise ValueError(
+                f"{fn}: cache_leftpad must lie in [0, cache_seqlens[b]], got {c.leftpad} for cache_seqlens {c.ends}"
+            )
+    if c.bt is not None:
+        n_pages = _paging.pages_of(torch.tensor(c.ends) + c.Lnew, c.page)
+        _paging.check_in_pool(fn, c.bt, n_pages, B_c, "k_cache")
+
+
+def _kv_rotary(fn: str, rotary_cos, rotary_sin, k, D: int) -> bool:
+    """Whether the call rotates (rotary_cos, rotary_sin given: together, with the new k, shaped
+    (seqlen_ro, rotary_dim / 2), rotary_dim <= headdim)."""
+    if rotary_cos is None and rotary_sin is None:
+        return False
+    if rotary_cos is None or rotary_sin is None:
+        missing = "rotary_cos" if rotary_cos is None else "rotary_sin"
+        raise ValueError(f"{fn}: rotary_cos and rotary_sin go together; {missing} is None")
+    if k is None:
+        raise ValueError(
+            f"{fn}: rotary_cos / rotary_sin need the new k and v (the rotary embedding is "
+            "applied to the keys being appended and to q)"
+        )
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        _check_tensor(fn, name, t, 2, "(seqlen_ro, rotary_dim / 2)")
+    if rotary_sin.shape != rotary_cos.shape:
+        raise ValueError(
+            f"{fn}: rotary_sin must have rotary_cos's shape {tuple(rotary_cos.shape)}, got {tuple(rotary_sin.shape)}"
+        )
+    if 2 * rotary_cos.size(1) > D:
+        raise ValueError(f"{fn}: rotary_cos's rotary_dim = 2 * {rotary_cos.size(1)} must be <= headdim ({D})")
+    return True
+
+
+def _kv_append(c: _KVCall, q, k, v, k_cache, v_cache, rotary, interleaved: bool, local: bool) -> Tensor:
+    """Rotates k and q (rotary: (cos, sin), or None) and writes k, v into the caches in place at
+    rows ends[b] ..; returns q, rotated. flash-attn's positions: keys at ends[b] + t; queries at
+    ends[b] + i when causal or local, else all at ends[b]."""
+    B, Lq, Lnew = c.B, c.Lq, c.Lnew
+    if rotary is not None:
+        cos, sin = rotary
+        top = max(c.ends) + max(Lnew, Lq if local else 1)
+        if cos.size(0) < top:
+            raise ValueError(
+                f"flash_attn_with_kvcache: rotary_cos has {cos.size(0)} positions, fewer than the {top} "
+                "the appended keys and the queries need"
+            )
+    with torch.no_grad():
+        if rotary is not None:
+            first = torch.tensor(c.ends).view(-1, 1)
+            k = _rotary(k, cos, sin, first + torch.arange(Lnew), interleaved)
+            q = _rotary(q, cos, sin, first + torch.arange(Lq) if local else first.expand(B, Lq), interleaved)
+        if Lnew > 0:
+            if c.bt is not None:
+                slots = _paging.slots(c.bt, torch.tensor(c.ends).view(-1, 1) + torch.arange(Lnew), c.page)
+            else:  # a dense cache is pages of seqlen_cache rows, one per cache row
+                first = torch.tensor([(b if c.idx is None else c.idx[b]) * c.seqlen_k + c.ends[b] for b in range(B)])
+                slots = first if Lnew == 1 else first.view(-1, 1) + torch.arange(Lnew)
+            flat_k, flat_v = k.reshape(B * Lnew, c.Hk, c.D), v.reshape(B * Lnew, c.Hk, c.Dv)
+            _fn.write_kv_cache(flat_k, flat_v, k_cache, v_cache, slots.flatten())
+    return q
+
+
+def _kv_attend(c: _KVCall, q: Tensor, k_cache: Tensor, v_cache: Tensor, want_lse: bool, opts: dict):
+    """flash_attn_with_kvcache's attention over the caches (varlen_attn: paged caches in place,
+    dense ones by _kvcache_dense). (out (B, Lq, H, Dv), softmax_lse (B, H, Lq) or None)."""
+    B, Lq, H = c.B, c.Lq, c.H
+    qf = q.reshape(B * Lq, H, c.D)
+    cu_q = _steps(B, Lq)
+    common: dict[str, Any] = dict(return_aux=_fn.AuxRequest(lse=want_lse), enable_gqa=True, **opts)
+    common["seqused_k"] = torch.tensor(c.lengths, dtype=torch.int32)
+    with torch.no_grad():
+        if c.bt is not None:
+            table = c.bt.to(torch.int32).contiguous()
+            res = _fn.varlen_attn(
+                qf, k_cache, v_cache, cu_q, None, max(Lq, 1), max(c.seqlen_k, 1), block_table=table, **common
+            )
+        else:
+            res = _kvcache_dense(qf, k_cache, v_cache, cu_q, Lq, c.idx, c.leftpad, common)
+    out, lse = cast("tuple[Tensor, Tensor]", res) if want_lse else (cast(Tensor, res), None)
+    if lse is not None:
+        lse = lse.view(H, B, Lq).transpose(0, 1).contiguous()
+    return out.view(B, Lq, H, c.Dv), lse
+
+
 def flash_attn_with_kvcache(
     q,
     k_cache,
@@ -824,202 +1043,22 @@ def flash_attn_with_kvcache(
         out (batch_size, seqlen_q, nheads, headdim_v), or (out, softmax_lse).
     """
     fn = "flash_attn_with_kvcache"
-    paged = block_table is not None
-    _check_tensor(fn, "q", q, 4, "(batch_size, seqlen_q, nheads, headdim)")
-    cache_layout = (
-        "(num_blocks, page_block_size, nheads_k, headdim) with block_table"
-        if paged
-        else "(batch_size_cache, seqlen_cache, nheads_k, headdim)"
-    )
-    _check_tensor(fn, "k_cache", k_cache, 4, cache_layout)
-    _check_tensor(fn, "v_cache", v_cache, 4, cache_layout)
-    _check_same_dtype(fn, q, k_cache=k_cache, v_cache=v_cache)
-    B, Lq, H, D = q.shape
-    if B == 0:
-        raise ValueError(f"{fn}: q must have batch_size > 0, got shape {tuple(q.shape)}")
-    Hk, Dv = k_cache.size(2), v_cache.size(3)
-    if k_cache.size(3) != D:
-        raise ValueError(f"{fn}: k_cache must have q's head dim ({D}), got k_cache {tuple(k_cache.shape)}")
-    if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
-        raise ValueError(
-            f"{fn}: v_cache must have k_cache's first three dims, got k_cache "
-            f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
-        )
-    _check_heads(fn, H, Hk, "k_cache and v_cache")
-    if (k is None) != (v is None):
-        name = "v" if v is None else "k"
-        raise ValueError(f"{fn}: k and v go together: {name} is None while the other is given")
-    Lnew = 0
-    if k is not None:
-        assert v is not None  # k and v go together (above)
-        _check_tensor(fn, "k", k, 4, "(batch_size, seqlen_new, nheads_k, headdim)")
-        _check_tensor(fn, "v", v, 4, "(batch_size, seqlen_new, nheads_k, headdim_v)")
-        _check_same_dtype(fn, q, k=k, v=v)
-        Lnew = k.size(1)
-        if tuple(k.shape) != (B, Lnew, Hk, D):
-            raise ValueError(
-                f"{fn}: k must have shape (batch_size, seqlen_new, nheads_k, headdim) = "
-                f"({B}, seqlen_new, {Hk}, {D}), got {tuple(k.shape)}"
-            )
-        if tuple(v.shape) != (B, Lnew, Hk, Dv):
-            raise ValueError(
-                f"{fn}: v must have shape (batch_size, seqlen_new, nheads_k, headdim_v) = "
-                f"({B}, {Lnew}, {Hk}, {Dv}), got {tuple(v.shape)}"
-            )
-    if paged:
-        if cache_batch_idx is not None:
-            raise ValueError(
-                f"{fn}: cache_batch_idx is not supported with block_table (paged KV cache), as in flash-attn"
-            )
-        if cache_leftpad is not None:
-            raise ValueError(
-                f"{fn}: cache_leftpad is not supported with block_table (paged KV cache), as in flash-attn"
-            )
-        bt = _index(fn, "block_table", block_table, 2, "(batch_size, max_num_blocks_per_seq)")
-        if bt.size(0) != B:
-            raise ValueError(f"{fn}: block_table must have batch_size = {B} rows, got {tuple(bt.shape)}")
-        page = k_cache.size(1)
-        seqlen_k = bt.size(1) * page
-    else:
-        seqlen_k = k_cache.size(1)
-    B_c = k_cache.size(0)
-
-    # the bookkeeping in Python ints: a decoding step's batch is small, and a tensor op costs more
-    # than a list's loop there
-    if cache_seqlens is None:
-        if k is not None:
-            raise ValueError(f"{fn}: cache_seqlens is required when k and v are given (where to append them)")
-        ends = [seqlen_k] * B
-    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        ends = [int(cache_seqlens)] * B
-    else:
-        ends = _index(fn, "cache_seqlens", cache_seqlens, 1, "(batch_size,) or an int").tolist()
-        if len(ends) != B:
-            raise ValueError(f"{fn}: cache_seqlens must have batch_size = {B} entries, got {len(ends)}")
-    if any(e < 0 or e + Lnew > seqlen_k for e in ends):
-        raise ValueError(
-            f"{fn}: cache_seqlens{' + seqlen_new' if Lnew else ''} must lie in [0, {seqlen_k}] "
-            f"(the cache's {'addressable ' if paged else ''}length), got cache_seqlens = "
-            f"{ends}{f', seqlen_new = {Lnew}' if Lnew else ''}"
-        )
-    idx = None
-    if cache_batch_idx is not None:
-        idx = _index(fn, "cache_batch_idx", cache_batch_idx, 1, "(batch_size,)").tolist()
-        if len(idx) != B:
-            raise ValueError(f"{fn}: cache_batch_idx must have batch_size = {B} entries, got {len(idx)}")
-        if any(i < 0 or i >= B_c for i in idx):
-            raise ValueError(f"{fn}: cache_batch_idx must index k_cache's {B_c} rows, got {idx}")
-    elif not paged and B_c < B:
-        raise ValueError(
-            f"{fn}: k_cache has {B_c} rows (batch_size_cache) for a batch of {B}; pass "
-            "cache_batch_idx or a larger cache"
-        )
-    leftpad = None
-    if cache_leftpad is not None:
-        leftpad = _index(fn, "cache_leftpad", cache_leftpad, 1, "(batch_size,)").tolist()
-        if len(leftpad) != B:
-            raise ValueError(f"{fn}: cache_leftpad must have batch_size = {B} entries, got {len(leftpad)}")
-        if any(lp < 0 or lp > e for lp, e in zip(leftpad, ends)):
-            raise ValueError(
-                f"{fn}: cache_leftpad must lie in [0, cache_seqlens[b]], got {leftpad} for cache_seqlens {ends}"
-            )
-    # each entry's keys: cache rows leftpad[b] .. ends[b] + Lnew - 1 (the seqlen_k it is aligned to)
-    lengths = [e + Lnew - lp for e, lp in zip(ends, leftpad or [0] * B)]
-    if paged:
-        need = torch.tensor([(e + Lnew + page - 1) // page for e in ends])
-        used = torch.arange(bt.size(1)).view(1, -1) < need.view(-1, 1)
-        if bool((((bt < 0) | (bt >= B_c)) & used).any()):
-            raise ValueError(f"{fn}: block_table holds a page outside k_cache's {B_c} pages")
-
-    rotary = rotary_cos is not None or rotary_sin is not None
-    if rotary:
-        if rotary_cos is None or rotary_sin is None:
-            missing = "rotary_cos" if rotary_cos is None else "rotary_sin"
-            raise ValueError(f"{fn}: rotary_cos and rotary_sin go together; {missing} is None")
-        if k is None:
-            raise ValueError(
-                f"{fn}: rotary_cos / rotary_sin need the new k and v (the rotary embedding is "
-                "applied to the keys being appended and to q)"
-            )
-        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-            _check_tensor(fn, name, t, 2, "(seqlen_ro, rotary_dim / 2)")
-        if rotary_sin.shape != rotary_cos.shape:
-            raise ValueError(
-                f"{fn}: rotary_sin must have rotary_cos's shape {tuple(rotary_cos.shape)}, "
-                f"got {tuple(rotary_sin.shape)}"
-            )
-        if 2 * rotary_cos.size(1) > D:
-            raise ValueError(f"{fn}: rotary_cos's rotary_dim = 2 * {rotary_cos.size(1)} must be <= headdim ({D})")
-
-    scale, cap = _scale(fn, softmax_scale), _softcap(fn, softcap)
-    causal = bool(causal)
-    left, right = _window(fn, window_size, causal, seqlen_k)
-    alibi = _alibi(fn, alibi_slopes, B, H)
+    c = _kv_tensors(fn, q, k_cache, v_cache, k, v, block_table is not None)
+    _kv_table(fn, c, block_table, cache_batch_idx, cache_leftpad, k_cache)
+    _kv_ends(fn, c, cache_seqlens, k is not None)
+    _kv_rows(fn, c, cache_batch_idx, cache_leftpad, k_cache.size(0))
+    rotary = _kv_rotary(fn, rotary_cos, rotary_sin, k, c.D)
+    opts: dict[str, Any] = dict(scale=_scale(fn, softmax_scale), softcap=_softcap(fn, softcap))
+    left, right = opts["window_size"] = _window(fn, window_size, bool(causal), c.seqlen_k)
+    opts["alibi_slopes"] = _alibi(fn, alibi_slopes, c.B, c.H)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"{fn}: num_splits must be an int >= 0, got {num_splits!r}")
-    if rotary:
-        assert rotary_cos is not None and rotary_sin is not None and k is not None  # checked above
-        # flash-attn: keys at ends[b] + t; queries at ends[b] + i when causal or local, else all at ends[b]
-        local = causal or left >= 0 or right >= 0
-        top = max(ends) + max(Lnew, Lq if local else 1)
-        if rotary_cos.size(0) < top:
-            raise ValueError(
-                f"{fn}: rotary_cos has {rotary_cos.size(0)} positions, fewer than the {top} "
-                "the appended keys and the queries need"
-            )
-    want_lse = bool(return_softmax_lse)
-
-    with torch.no_grad():
-        if rotary:
-            assert rotary_cos is not None and rotary_sin is not None and k is not None  # checked above
-            first = torch.tensor(ends).view(-1, 1)
-            k = _rotary(k, rotary_cos, rotary_sin, first + torch.arange(Lnew), bool(rotary_interleaved))
-            q_pos = first + torch.arange(Lq) if local else first.expand(B, Lq)
-            q = _rotary(q, rotary_cos, rotary_sin, q_pos, bool(rotary_interleaved))
-        if Lnew > 0:
-            assert k is not None and v is not None  # Lnew = k.size(1)
-            if paged:
-                pos = torch.tensor(ends).view(-1, 1) + torch.arange(Lnew)
-                slots = bt.to(torch.int64).gather(1, pos // page) * page + pos % page
-            else:  # a dense cache is pages of seqlen_cache rows, one per cache row
-                first = torch.tensor([(b if idx is None else idx[b]) * seqlen_k + ends[b] for b in range(B)])
-                slots = first if Lnew == 1 else first.view(-1, 1) + torch.arange(Lnew)
-            _fn.write_kv_cache(
-                k.reshape(B * Lnew, Hk, D), v.reshape(B * Lnew, Hk, Dv), k_cache, v_cache, slots.flatten()
-            )
-
-        qf = q.reshape(B * Lq, H, D)
-        cu_q = _steps(B, Lq)
-        common: dict[str, Any] = dict(
-            return_aux=_fn.AuxRequest(lse=want_lse),
-            scale=scale,
-            window_size=(left, right),
-            enable_gqa=True,
-            seqused_k=torch.tensor(lengths, dtype=torch.int32),
-            softcap=cap,
-            alibi_slopes=alibi,
-        )
-        if paged:
-            res = _fn.varlen_attn(
-                qf,
-                k_cache,
-                v_cache,
-                cu_q,
-                None,
-                max(Lq, 1),
-                max(seqlen_k, 1),
-                block_table=bt.to(torch.int32).contiguous(),
-                **common,
-            )
-        else:
-            res = _kvcache_dense(qf, k_cache, v_cache, cu_q, Lq, idx, leftpad, common)
-        out, lse = cast("tuple[Tensor, Tensor]", res) if want_lse else (cast(Tensor, res), None)
-        out = out.view(B, Lq, H, Dv)
-        if lse is not None:
-            lse = lse.view(H, B, Lq).transpose(0, 1).contiguous()
-    if not want_lse:
-        return out
-    return out, _fa_lse(lse)
+    local = bool(causal) or left >= 0 or right >= 0
+    q = _kv_append(
+        c, q, k, v, k_cache, v_cache, (rotary_cos, rotary_sin) if rotary else None, bool(rotary_interleaved), local
+    )
+    out, lse = _kv_attend(c, q, k_cache, v_cache, bool(return_softmax_lse), opts)
+    return (out, _fa_lse(lse)) if return_softmax_lse else out
 
 
 def _views_flat(cache: Tensor) -> bool:
