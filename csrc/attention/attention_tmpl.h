@@ -80,6 +80,7 @@
 
 /* The algorithms, in the order their pieces build on each other. */
 #include "shared_tmpl.h"   /* tiles, masks, sequences */
+#include "tiles_contract.h" /* the scratch types; the tile hooks' and instances' contract */
 #include "forward_tmpl.h"  /* the tile path and the forward task */
 #include "decode_tmpl.h"   /* short query blocks over the cache in place */
 #include "backward_tmpl.h" /* the two passes */

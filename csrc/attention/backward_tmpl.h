@@ -22,7 +22,7 @@
  *        dk_j   += scale * sum_i dS_ij q_i
  */
 
-typedef struct {
+struct FN(bwd_scratch) {
     /* dq pass: transposed tiles (nc, nr) */
     ACC *qT, *gT, *kbuf, *sT, *dpT, *dq;
     /* dkdv pass: row tiles (nr, nc) */
@@ -32,7 +32,7 @@ typedef struct {
     ACC *z; /* (BQ, BK) dropout multipliers of a row-wise tile (DROPOUT's z form) */
     ACC *th; /* softcap's tanh of the tile's scores */
     ACC *extra;
-} FN(bwd_scratch);
+};
 
 static FN(bwd_scratch) FN(bwd_carve)(void *scratch, int64_t BQ, int64_t BK, int64_t D, int64_t Dv) {
     FN(bwd_scratch) t;
@@ -136,10 +136,6 @@ static size_t FN(generic_bwd_scratch_bytes)(const ma_attn_bwd_params *p) {
 #endif
     return ma_round_up(MA_CACHE_LINE + n * sizeof(ACC), MA_CACHE_LINE);
 }
-
-#ifdef MA_TILE_HOOKS
-static size_t FN(tiles_bwd_scratch_bytes)(const ma_attn_bwd_params *p);
-#endif
 
 static size_t FN(bwd_scratch_bytes)(const ma_attn_bwd_params *p) {
     size_t n = FN(generic_bwd_scratch_bytes)(p);

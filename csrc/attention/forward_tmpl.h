@@ -17,10 +17,10 @@ static void FN(scale_rows)(ACC *C, int64_t ldc, int64_t m, int64_t n, const ACC 
             for (int64_t d = 0; d < n; d++) C[r * ldc + d] *= rs[r];
 }
 
-typedef struct {
+struct FN(fwd_scratch) {
     ACC *qT, *sT, *o, *m, *m_new, *l, *lsum, *lse;
     ACC *kc, *vc; /* head caches (Lk, D), (Lk, Dv) when K, V need converting */
-} FN(fwd_scratch);
+};
 
 /* One head's query block: scale * Q (the tile path: qT), O (nr, Dv), running max m and sum
  * l, its dropout (the decode kernel's rows: decode_tmpl.h). */
@@ -174,21 +174,7 @@ static ACC *FN(gen_fwd_o_rows)(FN(gen_fwd) * g, ACC *o) {
     return o;
 }
 
-#ifdef MA_TILE_HOOKS
-typedef struct FN(tiles) FN(tiles);
-static int FN(tiles_apply)(const ma_attn_fwd_params *p);
-static size_t FN(tiles_fwd_scratch_bytes)(const ma_attn_fwd_params *p);
-static void FN(tiles_fwd_begin)(FN(tiles) * *T, const ma_attn_fwd_params *p, FN(fwd_scratch) * t,
-                                ma_scratch_header *hdr, void *extra);
-static void FN(tiles_fwd_query)(FN(tiles) * T, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t nr);
-static void FN(tiles_fwd_scores)(FN(tiles) * T, ACC *sT, int64_t i0, int64_t j0, int64_t nc);
-static void FN(tiles_fwd_pv)(FN(tiles) * T, ACC *o, const ACC *alpha, const ACC *sT, int64_t i0, int64_t j0,
-                             int64_t nc);
-static ACC *FN(tiles_fwd_o_rows)(FN(tiles) * T, ACC *o);
-static int FN(tiles_rows_scores)(FN(tiles) * T, const ma_attn_fwd_params *p, ACC *s, int64_t b, int64_t h, int64_t i0,
-                                 int64_t nr, int64_t nh, int64_t k_off, int64_t nc, int64_t pf);
-static void FN(tiles_end)(void);
-#endif
+/* MA_TILE_HOOKS: the hooks FN(tiles_*) are declared in tiles_contract.h. */
 
 /* A forward task's state: its scratch, the generic steps' state and, with
  * MA_TILE_HOOKS, whether the hooks take this call and their state. */

@@ -105,16 +105,6 @@ static void FN(gen_bwd_accum)(FN(gen_bwd) * g, ACC *dq_i, int64_t gi, int64_t h,
 static void FN(gen_bwd_keys_end)(FN(gen_bwd) * g, int64_t nc) { (void)g, (void)nc; }
 #endif
 
-#ifdef MA_TILE_HOOKS
-static void FN(tiles_bwd_begin)(FN(tiles) * *T, const ma_attn_bwd_params *p, FN(bwd_scratch) * t, void *extra);
-static void FN(tiles_bwd_group)(FN(tiles) * T, int64_t b, int64_t hk);
-static void FN(tiles_bwd_keys)(FN(tiles) * T, int64_t j0, int64_t nc);
-static void FN(tiles_bwd_scores)(FN(tiles) * T, int64_t gi, int64_t h, int64_t i0, int64_t nr);
-static void FN(tiles_bwd_dp)(FN(tiles) * T, int64_t gi, int64_t h, int64_t i0, int64_t nr);
-static void FN(tiles_bwd_accum)(FN(tiles) * T, ACC *dq_i, int64_t gi, int64_t h, int64_t i0, int64_t nr);
-static void FN(tiles_bwd_keys_end)(FN(tiles) * T, int64_t nc);
-#endif
-
 /* A single-pass task's state: the scratch of key block x of a group (tk[x]: tk[0]
  * the tiles' regions, the others their own kT, vT, kbuf, dk, dv), the generic
  * steps' state per key block, the group's per-row sums, and the hooks' state. */

@@ -17,7 +17,8 @@
  *       the key rows loaded as tiles where they lie (FN(tiles_rows_scores))
  *
  * The packer provides pack_a, pack_b, pack_a_bf16, pack_b_bf16, tile_a_keep_k
- * and i8_rows_bf16. The loops, masks and softmax are attention_tmpl.h's; every
+ * and i8_rows_bf16 (and pack_rows_as_b_bf16 where TILE_KEY_ROWS). Intrinsics live in the
+ * instance and its packer only: this file is the instances' shared C. The loops, masks and softmax are attention_tmpl.h's; every
  * other building block is TILE_BLK's (blocks_simd.h). bfloat16 inputs (one
  * part, unit column stride) are packed straight from their rows (pack_a_bf16,
  * _b_bf16); others are converted to float32 rows and split (pack_a, _b).
@@ -362,15 +363,11 @@ static int FN(tiles_rows_scores)(FN(tiles) * s, const ma_attn_fwd_params *p, flo
     const int64_t D = a->D, R = nr * nh, ld = a->k_stride[2], full = nc / 16 * 16;
     const uint16_t *q = (const uint16_t *)a->q, *k = (const uint16_t *)a->k + k_off;
     const tile_view qb = view_b_layout(s->fa.rq, D, 16, 1, 0);
-    for (int64_t kt = 0; kt < D / 32; kt++) { /* Q^T as B: row r's 16 pairs are column r */
-        __m512i t[16];
-        for (int r = 0; r < 16; r++)
-            t[r] = r < R ? _mm512_loadu_si512(q + b * a->q_stride[0] + (h + r / nr) * a->q_stride[1] +
-                                              (i0 + r % nr) * a->q_stride[2] + kt * 32)
-                         : _mm512_setzero_si512();
-        transpose16x16_epi32(t);
-        for (int r = 0; r < 16; r++) _mm512_storeu_si512(qb.p + kt * qb.ks + r * 32, t[r]);
-    }
+    const uint16_t *rows[16]; /* Q^T as B: row r is column r */
+    for (int r = 0; r < 16; r++)
+        rows[r] =
+            r < R ? q + b * a->q_stride[0] + (h + r / nr) * a->q_stride[1] + (i0 + r % nr) * a->q_stride[2] : NULL;
+    pack_rows_as_b_bf16(qb, rows, D);
     tile_key_rows(full / 16, D / 32, k, ld, 32, qb, s->fa.rst, pf);
     if (full < nc) { /* the last keys, packed as one row of zero-padded A tiles */
         pack_a_bf16(view_a_layout(s->fa.rk, 16, D, 1, 0), k + full * ld, ld, nc - full, D, 0);

@@ -194,6 +194,18 @@ static void pack_b_bf16(tile_view dst, const uint16_t *X, int64_t ld, int64_t k,
     pack_bf16(dst, X, ld, n, k, !trans, trans);
 }
 
+/* B (D, 16): column r = the D bfloat16 at rows[r] (NULL: zeros), D a multiple of 32: each
+ * row's 16 pairs of a k tile are a tile column (16 rows, then a 32-bit transpose). The rows
+ * path's Q^T (FN(tiles_rows_scores), tiles_hooks.h). */
+static void pack_rows_as_b_bf16(tile_view dst, const uint16_t *const rows[16], int64_t D) {
+    for (int64_t kt = 0; kt < D / 32; kt++) {
+        __m512i t[16];
+        for (int r = 0; r < 16; r++) t[r] = rows[r] ? _mm512_loadu_si512(rows[r] + kt * 32) : _mm512_setzero_si512();
+        transpose16x16_epi32(t);
+        for (int r = 0; r < 16; r++) _mm512_storeu_si512(dst.p + kt * dst.ks + r * 32, t[r]);
+    }
+}
+
 /* dst = the A tile src with its k columns from rem on zeroed (0 < rem < 32): the last k
  * tile of a view into a longer packed matrix (tile_gemm_kclip, tiles_hooks.h). */
 static inline void tile_a_keep_k(uint16_t *dst, const uint16_t *src, int64_t rem) {
