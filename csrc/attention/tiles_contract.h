@@ -55,7 +55,7 @@ static tile_prec tile_precision(ma_dtype dt);
 #ifdef TILE_KEY_ROWS
 static void tile_key_rows(int64_t mtiles, int64_t nkt, const uint16_t *A, int64_t lda, int64_t a_kstep, tile_view b,
                           float *C, int64_t pf);
-static void pack_rows_as_b_bf16(tile_view dst, const uint16_t *const rows[16], int64_t D);
+static inline void pack_rows_as_b_bf16(tile_view dst, const uint16_t *const rows[16], int64_t D);
 #endif
 
 /* the packer's */

@@ -197,7 +197,7 @@ static void pack_b_bf16(tile_view dst, const uint16_t *X, int64_t ld, int64_t k,
 /* B (D, 16): column r = the D bfloat16 at rows[r] (NULL: zeros), D a multiple of 32: each
  * row's 16 pairs of a k tile are a tile column (16 rows, then a 32-bit transpose). The rows
  * path's Q^T (FN(tiles_rows_scores), tiles_hooks.h). */
-static void pack_rows_as_b_bf16(tile_view dst, const uint16_t *const rows[16], int64_t D) {
+static inline void pack_rows_as_b_bf16(tile_view dst, const uint16_t *const rows[16], int64_t D) {
     for (int64_t kt = 0; kt < D / 32; kt++) {
         __m512i t[16];
         for (int r = 0; r < 16; r++) t[r] = rows[r] ? _mm512_loadu_si512(rows[r] + kt * 32) : _mm512_setzero_si512();
