@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import _paging, _validate, ops
 from . import devices as _devices
-from . import ops
 from .autocast import autocast_cast, autocast_dtype
 from .devices import KERNEL_DEVICE_TYPES, uses_kernels  # noqa: F401  (part of this module's API)
 from .linear_ce import linear_cross_entropy  # noqa: F401  (re-exported)
@@ -69,30 +69,11 @@ def native_attention(
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     sc = D**-0.5 if scale is None else float(scale)
-    low = q.dtype in (torch.bfloat16, torch.float16)
-    acc = torch.float32 if low else q.dtype
-    need_lse = bool(return_lse)
-    fused = not (need_weights or need_lse or head_mask is not None)
-    bias_dtype = q.dtype if fused else acc
-
-    def additive(m):
-        if m.dtype == torch.bool:
-            return torch.zeros(m.shape, dtype=bias_dtype, device=m.device).masked_fill(m, float("-inf"))
-        return m.to(bias_dtype)
-
-    bias = None
-    for m in (attn_mask, None if key_padding_mask is None else key_padding_mask.view(B, 1, 1, Lk)):
-        if m is not None:
-            bias = additive(m) if bias is None else bias + additive(m)
-    causal_alone = bool(is_causal) and bias is None
-    if is_causal and bias is not None:
-        bias = bias + additive(torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).triu(1))
-    dead = None
-    if bias is not None:
-        # rows no key may attend to: unmask them for the computation (no NaN
-        # anywhere, in the forward or the backward), zero them after
-        dead = torch.isneginf(bias).all(-1, keepdim=True)
-        bias = bias.masked_fill(dead, 0.0)
+    acc = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
+    fused = not (need_weights or return_lse or head_mask is not None)
+    kpm = None if key_padding_mask is None else key_padding_mask.view(B, 1, 1, Lk)
+    bias, dead = _native_bias(attn_mask, kpm, is_causal, Lq, Lk, q.dtype if fused else acc, q.device)
+    causal_alone = bool(is_causal) and attn_mask is None and kpm is None
     if fused:
         out = F.scaled_dot_product_attention(
             q,
@@ -115,21 +96,52 @@ def native_attention(
     if bias is not None:
         s = s + bias
     lse = None
-    if need_lse:
+    if return_lse:
         with torch.no_grad():
             lse = torch.logsumexp(s, -1)
             if dead is not None:
                 lse = lse.masked_fill(dead.squeeze(-1).expand_as(lse), float("-inf"))
+    p = _native_probs(s, dead, dropout_p, head_mask, acc)
+    out = torch.matmul(p, v.to(acc)).to(q.dtype)
+    return out, lse, (p.to(q.dtype) if need_weights else None)
+
+
+def _native_bias(attn_mask, kpm, is_causal, Lq: int, Lk: int, dtype, device) -> tuple[Tensor | None, Tensor | None]:
+    """native_attention's masks (attn_mask, the key padding mask kpm (B, 1, 1, Lk), and is_causal
+    where another mask is given) summed into one additive bias of dtype, or None; and the rows no
+    key may attend to (bool, (..., Lq, 1)), unmasked in the bias for the computation (no NaN
+    anywhere, in the forward or the backward) and zeroed by the caller, or None."""
+
+    def additive(m):
+        if m.dtype == torch.bool:
+            return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(m, float("-inf"))
+        return m.to(dtype)
+
+    bias = None
+    for m in (attn_mask, kpm):
+        if m is not None:
+            bias = additive(m) if bias is None else bias + additive(m)
+    if bias is None:
+        return None, None
+    if is_causal:
+        bias = bias + additive(torch.ones(Lq, Lk, dtype=torch.bool, device=device).triu(1))
+    dead = torch.isneginf(bias).all(-1, keepdim=True)
+    return bias.masked_fill(dead, 0.0), dead
+
+
+def _native_probs(s: Tensor, dead: Tensor | None, dropout_p: float, head_mask: Tensor | None, acc) -> Tensor:
+    """native_attention's probabilities of the scores s (B, H, Lq, Lk): softmax, the dead rows 0,
+    dropout, the head mask."""
     p = torch.softmax(s, -1)
     if dead is not None:
         p = p.masked_fill(dead, 0.0)
     if dropout_p > 0.0:
         p = F.dropout(p, float(dropout_p))
     if head_mask is not None:
+        B, H = s.size(0), s.size(1)
         hm = head_mask.to(acc)
         p = p * (hm.view(1, H, 1, 1) if hm.dim() == 1 else hm.view(B, H, 1, 1))
-    out = torch.matmul(p, v.to(acc)).to(q.dtype)
-    return out, lse, (p.to(q.dtype) if need_weights else None)
+    return p
 
 
 # ---- the plain call's short path ---------------------------------------------
@@ -288,14 +300,8 @@ def masked_attention(
         if out is not None:
             return out
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"masked_attention: {name} must be a Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"masked_attention: {name} must be 4-D (B, H, L, D), got shape {tuple(t.shape)}")
-    quant = _kv_scales("masked_attention", q, k, v, k_scale, v_scale)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype not in _FLOATS and not (quant and name != "q"):
-            raise TypeError(f"masked_attention: {name} must be float32, float64, bfloat16 or float16, got {t.dtype}")
+        _validate.dims("masked_attention", name, _validate.tensor("masked_attention", name, t), 4, "(B, H, L, D)")
+    _check_dtypes("masked_attention", ("q", "k", "v"), (q, k, v), k_scale, v_scale)
     opts = ops.AttnOptions.check(
         "masked_attention",
         q,
@@ -320,6 +326,16 @@ def masked_attention(
         opts,
         kv_scales=(k_scale, v_scale),
     )
+
+
+def _check_dtypes(fn: str, names: tuple[str, str, str], qkv: tuple[Tensor, Tensor, Tensor], k_scale, v_scale) -> bool:
+    """The dtypes of q, k, v (named names): the kernels' floating dtypes, or k and v int8 with
+    k_scale and v_scale (an 8-bit cache: _kv_scales); whether they are one."""
+    quant = _kv_scales(fn, *qkv, k_scale, v_scale)
+    for i, (name, t) in enumerate(zip(names, qkv)):
+        if not (quant and i > 0):
+            _validate.floating(fn, name, t)
+    return quant
 
 
 def _kv_scales(fn: str, q: Tensor, k: Tensor, v: Tensor, k_scale: object, v_scale: object) -> bool:
@@ -446,48 +462,9 @@ def _attention(
     return cast("tuple[Tensor, ...]", (out,) + ((weights,) if need_weights else ()) + ((lse,) if return_lse else ()))
 
 
-def scaled_dot_product_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    *,
-    window: tuple[int | None, int | None] | None = None,
-    softcap: float | None = None,
-    sinks: Tensor | None = None,
-    alibi_slopes: Tensor | None = None,
-) -> Tensor:
-    """Drop-in for torch.nn.functional.scaled_dot_product_attention.
-
-    query (..., Hq, L, E), key (..., H, S, E), value (..., H, S, Ev); a bool
-    attn_mask is True where attention is allowed, a floating one is added;
-    is_causal is top-left aligned and combines with attn_mask. Rows with no
-    allowed key give 0, as PyTorch does from 2.5 on. dropout_p > 0 drops
-    attention probabilities inside the kernels (whenever given, as F.sdpa),
-    the mask drawn from PyTorch's default generator.
-
-    Keyword-only extensions (not in PyTorch), as in masked_attention:
-    window=(left, right), softcap, sinks (Hq,), alibi_slopes (Hq,) or (B, Hq)
-    (B the flattened batch dims).
-    """
-    if (
-        attn_mask is None
-        and not dropout_p
-        and window is None
-        and softcap is None
-        and sinks is None
-        and alibi_slopes is None
-        and _plain_call(query, key, value)
-        and query.dim() == 4
-        and (enable_gqa or key.dim() != 4 or query.size(1) == key.size(1))
-    ):
-        out = _plain_forward(query, key, value, bool(is_causal), None if scale is None else float(scale))
-        if out is not None:
-            return out
+def _sdpa_checked(query, key, value, attn_mask, enable_gqa: bool):
+    """scaled_dot_product_attention's checks of its tensors (F.sdpa's), under autocast after the
+    cast to its dtype, as F.sdpa does: (query, key, value, attn_mask), cast."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"scaled_dot_product_attention: {name} must be a Tensor")
@@ -530,12 +507,13 @@ def scaled_dot_product_attention(
             f"scaled_dot_product_attention: query has {hq} heads and key {hk}; "
             "pass enable_gqa=True for grouped-query attention"
         )
-    if hk == 0 or hq % hk != 0:
-        raise ValueError(
-            f"scaled_dot_product_attention: the number of query heads ({hq}) must be a "
-            f"multiple of the number of key/value heads ({hk})"
-        )
+    _validate.heads("scaled_dot_product_attention", hq, hk)
+    return query, key, value, attn_mask
 
+
+def _sdpa_4d(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None):
+    """F.sdpa's (..., H, L, E) tensors as (B, H, L, E), the batch dims flattened (broadcast first),
+    and its mask in our convention (bool True = blocked), flattened alike: (batch, q, k, v, mask)."""
     if query.dim() == key.dim() == value.dim() == 4 and query.size(0) == key.size(0) == value.size(0):
         # the common (B, H, L, E) call, as is (torch.broadcast_shapes alone costs ~20 us a call,
         # which a decoding step notices)
@@ -556,6 +534,53 @@ def scaled_dot_product_attention(
             mask = ~mask  # F.sdpa: True = take part; ours: True = blocked
         if len(batch) > 1 and mask.dim() > 3:  # flatten the batch dims like q's
             mask = mask.expand(*batch, *mask.shape[-3:]).reshape(-1, *mask.shape[-3:])
+    return batch, q, k, v, mask
+
+
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
+) -> Tensor:
+    """Drop-in for torch.nn.functional.scaled_dot_product_attention.
+
+    query (..., Hq, L, E), key (..., H, S, E), value (..., H, S, Ev); a bool
+    attn_mask is True where attention is allowed, a floating one is added;
+    is_causal is top-left aligned and combines with attn_mask. Rows with no
+    allowed key give 0, as PyTorch does from 2.5 on. dropout_p > 0 drops
+    attention probabilities inside the kernels (whenever given, as F.sdpa),
+    the mask drawn from PyTorch's default generator.
+
+    Keyword-only extensions (not in PyTorch), as in masked_attention:
+    window=(left, right), softcap, sinks (Hq,), alibi_slopes (Hq,) or (B, Hq)
+    (B the flattened batch dims).
+    """
+    if (
+        attn_mask is None
+        and not dropout_p
+        and window is None
+        and softcap is None
+        and sinks is None
+        and alibi_slopes is None
+        and _plain_call(query, key, value)
+        and query.dim() == 4
+        and (enable_gqa or key.dim() != 4 or query.size(1) == key.size(1))
+    ):
+        out = _plain_forward(query, key, value, bool(is_causal), None if scale is None else float(scale))
+        if out is not None:
+            return out
+    query, key, value, attn_mask = _sdpa_checked(query, key, value, attn_mask, enable_gqa)
+    batch, q, k, v, mask = _sdpa_4d(query, key, value, attn_mask)
     opts = ops.AttnOptions.check(
         "scaled_dot_product_attention",
         q,
@@ -570,7 +595,7 @@ def scaled_dot_product_attention(
     assert isinstance(out, Tensor)  # neither weights nor lse asked for
     if query.dim() == 4:
         return out
-    out_shape = (*batch, hq, query.size(-2), value.size(-1)) if query.dim() >= 3 else (query.size(-2), value.size(-1))
+    out_shape = (*batch, query.size(-3), query.size(-2), value.size(-1)) if query.dim() >= 3 else out.shape[-2:]
     return out.reshape(out_shape)
 
 
@@ -584,25 +609,6 @@ def _scale_args(kv_scales: tuple[Tensor | None, Tensor | None]) -> dict[str, Ten
     """An 8-bit cache's scales as the forward ops name them (none: nothing)."""
     k_scale, v_scale = kv_scales
     return {} if k_scale is None or v_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
-
-
-def _gather_pages(t: Tensor, block_table: Tensor, seqused_k: Tensor) -> tuple[Tensor, Tensor]:
-    """A paged KV pool (pages, page_size, H_kv, D) read through block_table
-    (N, max_pages) as packed (T_k, H_kv, D) rows and their cu_seq_k: each
-    sequence's first ceil(seqused_k / page_size) pages, in table order."""
-    page = t.size(1)
-    n_pages = (seqused_k.to(torch.int64) + page - 1) // page
-    if bool((n_pages > block_table.size(1)).any()):
-        raise ValueError("varlen_attn: seqused_k needs more pages than block_table has columns")
-    cols = torch.arange(block_table.size(1))
-    used = cols.unsqueeze(0) < n_pages.unsqueeze(1)
-    pages = block_table.to(torch.int64)[used]
-    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= t.size(0)):
-        raise ValueError(f"varlen_attn: block_table holds a page outside [0, {t.size(0)})")
-    rows = t.index_select(0, pages).reshape(-1, *t.shape[2:])
-    cu = torch.zeros(block_table.size(0) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(n_pages * page, 0)
-    return rows, cu
 
 
 def varlen_attn(
@@ -673,85 +679,91 @@ def varlen_attn(
         key (an empty key sequence, or a window that excludes every key) gives
         0 and lse -inf.
     """
+    options = dict(window_size=window_size, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
+    quant, opts = _varlen_checked(query, key, value, block_table, enable_gqa, (k_scale, v_scale), num_splits, options)
+    scales = (k_scale, v_scale)
+    if block_table is not None:
+        key, value, cu_seq_k, block_table, scales = _varlen_paged(
+            query, key, value, seqused_k, block_table, scales, quant, cu_seq_k
+        )
+    elif cu_seq_k is None:
+        raise ValueError("varlen_attn: cu_seq_k is required without block_table")
+    args = dict(cu_seq_q=cu_seq_q, cu_seq_k=cu_seq_k, max_q=int(max_q), max_k=int(max_k), seqused_k=seqused_k)
+    out, lse = _varlen_forward(query, key, value, args, scale, block_table, opts, scales)
+    return (out, lse) if return_aux is not None and return_aux.lse else out
+
+
+def _varlen_checked(query, key, value, block_table, enable_gqa, scales, num_splits, options: dict):
+    """varlen_attn's checks of query, key, value (kinds, dtypes, layouts, heads) and of its
+    options (window_size, softcap, sinks, alibi_slopes; num_splits): (whether key and value are
+    an 8-bit cache (scales: k_scale, v_scale), the options)."""
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"varlen_attn: {name} must be a Tensor, got {type(t).__name__}")
-    quant = _kv_scales("varlen_attn", query, key, value, k_scale, v_scale)
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if t.dtype not in _FLOATS and not (quant and name != "query"):
-            raise TypeError(f"varlen_attn: {name} must be float32, float64, bfloat16 or float16, got {t.dtype}")
-    if query.dim() != 3:
-        raise ValueError(f"varlen_attn: query must be 3-D (T_q, H, D), got shape {tuple(query.shape)}")
-    kv_dim = 4 if block_table is not None else 3
+        _validate.tensor("varlen_attn", name, t)
+    quant = _check_dtypes("varlen_attn", ("query", "key", "value"), (query, key, value), *scales)
+    _validate.dims("varlen_attn", "query", query, 3, "(T_q, H, D)")
+    kv_layout = (4, "(pages, page_size, H_kv, D)") if block_table is not None else (3, "(T_k, H_kv, D)")
     for name, t in (("key", key), ("value", value)):
-        if t.dim() != kv_dim:
-            raise ValueError(
-                f"varlen_attn: {name} must be {kv_dim}-D "
-                f"{'(pages, page_size, H_kv, D)' if kv_dim == 4 else '(T_k, H_kv, D)'}, "
-                f"got shape {tuple(t.shape)}"
-            )
+        _validate.dims("varlen_attn", name, t, *kv_layout)
     hq, hk = query.size(1), key.size(-2)
     if not enable_gqa and hq != hk:
         raise ValueError(
             f"varlen_attn: expected query and key/value to have the same number of heads, got "
             f"H={hq} and H_kv={hk}; pass enable_gqa=True for grouped-query attention"
         )
-    if hk == 0 or hq % hk != 0:
-        raise ValueError(
-            f"varlen_attn: the number of query heads ({hq}) must be a multiple of the number of key/value heads ({hk})"
-        )
-    opts = ops.AttnOptions.check(
-        "varlen_attn",
-        query,
-        window_size=(-1, -1) if window_size is None else window_size,
-        softcap=softcap,
-        sinks=sinks,
-        alibi_slopes=alibi_slopes,
-    )
+    _validate.heads("varlen_attn", hq, hk)
+    if options["window_size"] is None:
+        options = {**options, "window_size": (-1, -1)}
+    opts = ops.AttnOptions.check("varlen_attn", query, **options)
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 0):
         raise ValueError(f"varlen_attn: num_splits must be None or a nonnegative int, got {num_splits!r}")
-    if block_table is not None:
-        if seqused_k is None:
-            raise ValueError("varlen_attn: block_table requires seqused_k")
-        if block_table.dtype != torch.int32 or block_table.dim() != 2:
-            raise ValueError(
-                f"varlen_attn: block_table must be a 2-D int32 (N, max_pages) tensor, got "
-                f"{block_table.dtype} of shape {tuple(block_table.shape)}"
-            )
-        if seqused_k.dtype != torch.int32 or seqused_k.shape != (block_table.size(0),):
-            raise ValueError("varlen_attn: seqused_k must be int32 (N,) with N = block_table.size(0)")
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-            raise RuntimeError("varlen_attn: block_table is an inference-only parameter (no backward)")
-        if key.size(1) % 64 != 0:  # the kernels read pages of a multiple of 64 tokens in place
-            key, cu_seq_k = _gather_pages(key, block_table, seqused_k)
-            value, _ = _gather_pages(value, block_table, seqused_k)
-            if quant:  # the scales are gathered like their rows
-                k_scale = _gather_pages(cast(Tensor, k_scale).unsqueeze(-1), block_table, seqused_k)[0].squeeze(-1)
-                v_scale = _gather_pages(cast(Tensor, v_scale).unsqueeze(-1), block_table, seqused_k)[0].squeeze(-1)
-            block_table = None
-    elif cu_seq_k is None:
-        raise ValueError("varlen_attn: cu_seq_k is required without block_table")
+    return quant, opts
+
+
+def _varlen_paged(query, key, value, seqused_k, block_table, scales, quant: bool, cu_seq_k):
+    """varlen_attn's paged cache (block_table, with seqused_k; no backward): checked, and where its
+    pages are not a multiple of 64 rows (the kernels read those in place) gathered into packed
+    rows, scales alike. (key, value, cu_seq_k, block_table (None once gathered), scales)."""
+    if seqused_k is None:
+        raise ValueError("varlen_attn: block_table requires seqused_k")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2:
+        raise ValueError(
+            f"varlen_attn: block_table must be a 2-D int32 (N, max_pages) tensor, got "
+            f"{block_table.dtype} of shape {tuple(block_table.shape)}"
+        )
+    if seqused_k.dtype != torch.int32 or seqused_k.shape != (block_table.size(0),):
+        raise ValueError("varlen_attn: seqused_k must be int32 (N,) with N = block_table.size(0)")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        raise RuntimeError("varlen_attn: block_table is an inference-only parameter (no backward)")
+    if key.size(1) % 64 == 0:  # the kernels read pages of a multiple of 64 tokens in place
+        return key, value, cu_seq_k, block_table, scales
+    n_pages = _paging.pages_of(seqused_k, key.size(1))
+    if bool((n_pages > block_table.size(1)).any()):
+        raise ValueError("varlen_attn: seqused_k needs more pages than block_table has columns")
+    _paging.check_in_pool("varlen_attn", block_table, n_pages, key.size(0), "key")
+    key, cu_seq_k = _paging.gather_packed(key, block_table, seqused_k)
+    value, _ = _paging.gather_packed(value, block_table, seqused_k)
+    if quant:  # the scales are gathered like their rows
+        scales = tuple(_paging.gather_packed(cast(Tensor, s), block_table, seqused_k)[0] for s in scales)
+    return key, value, cu_seq_k, None, scales
+
+
+def _varlen_forward(query, key, value, args: dict, scale, block_table, opts: ops.AttnOptions, scales):
+    """varlen_attn's call of masked_attn::varlen_forward (the checked arguments): (out, lse)."""
     out, lse, _ = ops.call_op(
         torch.ops.masked_attn.varlen_forward.default,
         *ops.VARLEN_FORWARD(
             query=query,
             key=key,
             value=value,
-            cu_seq_q=cu_seq_q,
-            cu_seq_k=cu_seq_k,
-            max_q=int(max_q),
-            max_k=int(max_k),
             scale=None if scale is None else float(scale),
-            seqused_k=seqused_k,
             block_table=block_table,
             for_backward=ops.grad_wanted(query, key, value, opts.sinks),
+            **args,
             **opts.op_args(),
-            **_scale_args((k_scale, v_scale)),
+            **_scale_args(scales),
         ),
     )
-    if return_aux is not None and return_aux.lse:
-        return out, lse
-    return out
+    return out, lse
 
 
 def write_kv_cache(
