@@ -367,39 +367,49 @@ static void FN(gen_bwd_dkdv_at)(const FN(bwd_scratch) * t, const ma_attn_bwd_par
     }
 }
 
-/* The softmax lines of a row-wise tile, between the products: s holds the
- * scores, dp holds dO V^T; lse_r and delta_r are the tile's rows (lse with
- * -inf already 0); dhm_r gets the head mask's row sums when not NULL;
- * am_state is the tile's FN(mask_tile_state) (never MA_TILE_BLOCKED: the
- * loops skip those tiles). */
-static void FN(bwd_tile_softmax)(ACC *s, ACC *dp, ACC *th, const ma_attn_bwd_params *p, int64_t b, int64_t h, ACC hm,
-                                 int64_t i0, int64_t nr, int64_t j0, int64_t nc, int am_state, const ACC *lse_r,
-                                 const ACC *delta_r, ACC *dhm_r, const ma_dropout *dr, ACC *z, int store_ds) {
+/* One row-wise backward tile: query rows i0 .. i0 + nr of head h of batch entry b against
+ * keys j0 .. j0 + nc; the head's mask scale hm, the tile's FN(mask_tile_state) (never
+ * MA_TILE_BLOCKED: the loops skip those tiles), the rows' lse (-inf already 0) and delta,
+ * dhm the head mask's row sums (NULL: none wanted), dr the head's dropout (NULL: none). */
+typedef struct {
+    int64_t b, h, i0, nr, j0, nc;
+    ACC hm;
+    int am_state;
+    const ACC *lse, *delta;
+    ACC *dhm;
+    const ma_dropout *dr;
+} FN(bwd_tile);
+
+/* The softmax lines of tile w, between the products: s holds the scores, dp holds dO V^T;
+ * th, z: scratch for softcap's tanh and the dropout multipliers; store_ds: write dS out
+ * where the call wants it. */
+static void FN(bwd_tile_softmax)(ACC *s, ACC *dp, ACC *th, ACC *z, const ma_attn_bwd_params *p, const FN(bwd_tile) * w,
+                                 int store_ds) {
+    const int64_t b = w->b, h = w->h, i0 = w->i0, nr = w->nr, j0 = w->j0, nc = w->nc;
     FN(apply_softcap)(s, nr * nc, p->a.opts.softcap, th);
-    FN(add_bias)(s, nc, 1, &p->a, am_state, b, h, i0, nr, j0, nc);
-    for (int64_t r = 0; r < nr; r++) (void)EXP_SUB_SUM(s + r * nc, nc, lse_r[r]);
+    FN(add_bias)(s, nc, 1, &p->a, w->am_state, b, h, i0, nr, j0, nc);
+    for (int64_t r = 0; r < nr; r++) (void)EXP_SUB_SUM(s + r * nc, nc, w->lse[r]);
     if (p->dweights) FN(add_dweights)(dp, nc, 1, p, b, h, i0, nr, j0, nc);
-    if (dr) { /* one mask for both: dP' = dP Z / (1 - p) before dS, P' = P Z / (1 - p) after it */
-        DROPOUT(NULL, z, nc, 1, nr, nc, dr, i0, j0);
+    if (w->dr) { /* one mask for both: dP' = dP Z / (1 - p) before dS, P' = P Z / (1 - p) after it */
+        DROPOUT(NULL, z, nc, 1, nr, nc, w->dr, i0, j0);
         FN(apply_dropout)(dp, z, nr * nc);
     }
-    FN(dscores)(dp, s, nc, 1, delta_r, dhm_r, hm, nr, nc);
-    if (dr) FN(apply_dropout)(s, z, nr * nc);
+    FN(dscores)(dp, s, nc, 1, w->delta, w->dhm, w->hm, nr, nc);
+    if (w->dr) FN(apply_dropout)(s, z, nr * nc);
     if (store_ds && p->dscores) FN(store_dscores)(p, dp, nc, 1, b, h, i0, nr, j0, nc);
     FN(softcap_grad)(dp, th, nr * nc, p->a.opts.softcap); /* through the cap: dS (1 - tanh^2) */
-    if (hm != 1)
-        for (int64_t x = 0; x < nr * nc; x++) s[x] *= hm;
+    if (w->hm != 1)
+        for (int64_t x = 0; x < nr * nc; x++) s[x] *= w->hm;
 }
 
-/* The whole generic tile of the two-pass dkdv pass (kT, vT packed in t). */
-static void FN(bwd_key_tile)(const FN(bwd_scratch) * t, const ma_attn_bwd_params *p, int64_t b, int64_t h, ACC hm,
-                             int64_t i0, int64_t nr, int64_t j0, int64_t nc, int am_state, const ACC *q_i, int64_t ldq,
-                             const ACC *g_i, int64_t ldg, const ACC *lse_r, const ACC *delta_r, ACC *dhm_r,
-                             const ma_dropout *dr) {
-    FN(gen_bwd_scores_at)(t, p, i0, nr, j0, nc, q_i, ldq);
-    FN(gen_bwd_dp_at)(t, p, i0, nr, j0, nc, g_i, ldg);
-    FN(bwd_tile_softmax)(t->s, t->dp, t->th, p, b, h, hm, i0, nr, j0, nc, am_state, lse_r, delta_r, dhm_r, dr, t->z, 0);
-    FN(gen_bwd_dkdv_at)(t, p, i0, nr, j0, nc, q_i, ldq, g_i, ldg);
+/* The whole generic tile w of the two-pass dkdv pass (kT, vT packed in t); q_i, g_i: its
+ * rows of Q and dO, ldq and ldg apart. */
+static void FN(bwd_key_tile)(const FN(bwd_scratch) * t, const ma_attn_bwd_params *p, const FN(bwd_tile) * w,
+                             const ACC *q_i, int64_t ldq, const ACC *g_i, int64_t ldg) {
+    FN(gen_bwd_scores_at)(t, p, w->i0, w->nr, w->j0, w->nc, q_i, ldq);
+    FN(gen_bwd_dp_at)(t, p, w->i0, w->nr, w->j0, w->nc, g_i, ldg);
+    FN(bwd_tile_softmax)(t->s, t->dp, t->th, t->z, p, w, 0);
+    FN(gen_bwd_dkdv_at)(t, p, w->i0, w->nr, w->j0, w->nc, q_i, ldq, g_i, ldg);
 }
 
 /* Pass 2, work item (b, hkv, k-block): dk and dv of its keys, summed over the
@@ -453,8 +463,19 @@ static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
                     const ACC *q_i = FN(rows_in)(p->a.q, p->a.dtype, p->a.q_stride, b, h, i0, q_bh, D, &ldq);
                     const ACC *g_i = FN(rows_in)(p->dout, p->a.dtype, p->dout_stride, b, h, i0, g_bh, Dv, &ldg);
                     for (int64_t r = 0; r < nr; r++) t.lse[r] = FN(finite_or_zero)(lse_bh[i0 + r]);
-                    FN(bwd_key_tile)(&t, p, b, h, hm, i0, nr, j0, nc, ms, q_i, ldq, g_i, ldg, t.lse, delta_bh + i0,
-                                     NULL, dr);
+                    const FN(bwd_tile) w = {.b = b,
+                                            .h = h,
+                                            .i0 = i0,
+                                            .nr = nr,
+                                            .j0 = j0,
+                                            .nc = nc,
+                                            .hm = hm,
+                                            .am_state = ms,
+                                            .lse = t.lse,
+                                            .delta = delta_bh + i0,
+                                            .dhm = NULL,
+                                            .dr = dr};
+                    FN(bwd_key_tile)(&t, p, &w, q_i, ldq, g_i, ldg);
                 }
             }
         }

@@ -213,9 +213,19 @@ static void FN(fused_queries)(FN(fused_task) * c, const ma_attn_bwd_params *p, i
                 FN(bwd_scratch) *t = &c->tk[x];
                 BWD_STEP(scores, x, g, h, i0, nr);
                 BWD_STEP(dp, x, g, h, i0, nr);
-                FN(bwd_tile_softmax)(t->s, t->dp, t->th, p, b, h, hm, i0, nr, k->j0[x], k->nc[x], ms,
-                                     c->lse_all + g * Lq + i0, c->delta_all + g * Lq + i0,
-                                     p->dhm_rows ? c->dhm_all + g * Lq + i0 : NULL, dr, t->z, 1);
+                const FN(bwd_tile) w = {.b = b,
+                                        .h = h,
+                                        .i0 = i0,
+                                        .nr = nr,
+                                        .j0 = k->j0[x],
+                                        .nc = k->nc[x],
+                                        .hm = hm,
+                                        .am_state = ms,
+                                        .lse = c->lse_all + g * Lq + i0,
+                                        .delta = c->delta_all + g * Lq + i0,
+                                        .dhm = p->dhm_rows ? c->dhm_all + g * Lq + i0 : NULL,
+                                        .dr = dr};
+                FN(bwd_tile_softmax)(t->s, t->dp, t->th, t->z, p, &w, 1);
                 BWD_STEP(accum, x, dq_acc + (g * Lq + i0) * D, g, h, i0, nr);
             }
         }
