@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -243,6 +245,21 @@ def _guard_fast_path(module):
         module.register_forward_pre_hook(_calls_self_attn)
 
 
+class _Call(NamedTuple):
+    """MultiheadAttention.forward's inputs, checked and batched (unbatched ones get N = 1)."""
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    key_padding_mask: Tensor | None
+    head_mask: Tensor | None
+    is_batched: bool
+    bf: bool  # batch_first (and batched): the inputs are (N, L, E), else (L, N, E)
+    N: int
+    L: int
+    S: int
+
+
 class ArgumentError(ValueError, AssertionError):
     """A bad constructor argument. A ValueError, and an AssertionError too, so
     code written against nn.MultiheadAttention (which asserts) still catches it."""
@@ -372,9 +389,32 @@ class MultiheadAttention(nn.MultiheadAttention):
         # dropout on the attention probabilities in training mode, inside the kernels
         dropout_p = float(self.dropout) if self.training else 0.0
         dropout_seed = new_dropout_seed() if dropout_p > 0.0 and kernels else None
-        E, H = self.embed_dim, self.num_heads
-        hd = self.head_dim
+        self_attention = query is key and key is value  # before unbatched inputs get a batch dim
+        c = self._checked_inputs(query, key, value, key_padding_mask, head_mask)
+        attn_mask = self._checked_masks(c, attn_mask, is_causal)
+        extra_keys = int(self.bias_k is not None) + int(self.add_zero_attn)
+        causal = bool(is_causal and extra_keys == 0)
+        if causal:
+            attn_mask = None  # trust the hint: the mask is causal
+        packed = self._qkv_same_embed_dim and self_attention
+        fused = packed and extra_keys == 0 and kernels
+        masks = (attn_mask, c.key_padding_mask, c.head_mask)
+        if fused and self._recomputes(c.L, need_weights):
+            # the whole block as one node; the projection recomputed in the backward (long sequences)
+            attn = self._recomputed(c, masks, causal, dropout_p, dropout_seed)
+            return (attn if c.is_batched else attn.squeeze(1)), None
+        if fused:
+            # one fused projection, and its gradient written in place by the kernel
+            qkv = F.linear(c.query, self.in_proj_weight, self.in_proj_bias).unflatten(-1, (3, self.num_heads, -1))
+            extra = (causal, bool(need_weights), c.bf, dropout_p, dropout_seed, torch.is_grad_enabled())
+            attn, weights = _PackedSelfAttention.apply(qkv, *masks, *extra)
+        else:
+            attn, weights = self._attention(c, packed, masks, causal, bool(need_weights), dropout_p, dropout_seed)
+        return self._output(c, attn, weights if need_weights else None, average_attn_weights)
 
+    def _checked_inputs(self, query, key, value, key_padding_mask, head_mask) -> _Call:
+        """forward's checks of query, key, value (and of the masks' ranks for unbatched inputs):
+        the call, batched."""
         for name, t in (("query", query), ("key", key), ("value", value)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"MultiheadAttention: {name} must be a Tensor, got {type(t).__name__}")
@@ -384,7 +424,6 @@ class MultiheadAttention(nn.MultiheadAttention):
                 f"got {query.dim()}-D shape {tuple(query.shape)}"
             )
         is_batched = query.dim() == 3
-        self_attention = query is key and key is value  # before unbatched inputs get a batch dim
         if key.dim() != query.dim() or value.dim() != query.dim():
             raise ValueError(
                 f"MultiheadAttention: key and value must be {query.dim()}-D like query, "
@@ -405,14 +444,11 @@ class MultiheadAttention(nn.MultiheadAttention):
                 raise ValueError("MultiheadAttention: for unbatched inputs head_mask must be (H,)")
         # the projections run on the inputs in their own layout: (N, L, E) if bf, else (L, N, E)
         bf = self.batch_first and is_batched
-        if bf:
-            N, L, Eq = query.shape
-            S, NK = key.size(1), key.size(0)
-        else:
-            L, N, Eq = query.shape
-            S, NK = key.size(0), key.size(1)
-        if Eq != E:
-            raise ValueError(f"MultiheadAttention: query embedding dim must be embed_dim={E}, got {Eq}")
+        (N, L), (NK, S) = (query.shape[:2], key.shape[:2]) if bf else (query.shape[1::-1], key.shape[1::-1])
+        if query.size(-1) != self.embed_dim:
+            raise ValueError(
+                f"MultiheadAttention: query embedding dim must be embed_dim={self.embed_dim}, got {query.size(-1)}"
+            )
         if key.size(-1) != self.kdim or value.size(-1) != self.vdim:
             raise ValueError(
                 f"MultiheadAttention: key/value embedding dims must be kdim={self.kdim}, "
@@ -423,16 +459,21 @@ class MultiheadAttention(nn.MultiheadAttention):
                 f"MultiheadAttention: key and value must share (S, N) with query's batch "
                 f"{N}, got key {tuple(key.shape)}, value {tuple(value.shape)}"
             )
+        return _Call(query, key, value, key_padding_mask, head_mask, is_batched, bf, N, L, S)
 
-        for name, m in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
+    def _checked_masks(self, c: _Call, attn_mask, is_causal):
+        """forward's checks of the masks (nn.MultiheadAttention's messages); attn_mask, a 3-D one
+        (N * H, L, S) as (N, H, L, S)."""
+        N, L, S, H = c.N, c.L, c.S, self.num_heads
+        for name, m in (("key_padding_mask", c.key_padding_mask), ("attn_mask", attn_mask)):
             if m is not None and m.dtype != torch.bool and not m.is_floating_point():
                 raise TypeError(
                     f"MultiheadAttention: only bool and floating types of {name} are supported, got {m.dtype}"
                 )
-        if key_padding_mask is not None and tuple(key_padding_mask.shape) != (N, S):
+        if c.key_padding_mask is not None and tuple(c.key_padding_mask.shape) != (N, S):
             raise ValueError(
                 f"MultiheadAttention: key_padding_mask must have shape (N, S) = ({N}, {S}), "
-                f"got {tuple(key_padding_mask.shape)}"
+                f"got {tuple(c.key_padding_mask.shape)}"
             )
         if is_causal and attn_mask is None:
             raise RuntimeError(
@@ -451,110 +492,87 @@ class MultiheadAttention(nn.MultiheadAttention):
                 raise RuntimeError(f"attn_mask's dimension {attn_mask.dim()} is not supported")
             if attn_mask.dim() == 3:
                 attn_mask = attn_mask.unflatten(0, (N, H))
+        return attn_mask
 
-        extra_keys = int(self.bias_k is not None) + int(self.add_zero_attn)
-        causal = bool(is_causal and extra_keys == 0)
-        if causal:
-            attn_mask = None  # trust the hint: the mask is causal
-        packed = self._qkv_same_embed_dim and self_attention
-        recompute = self._recomputes(L, need_weights)
-        if packed and extra_keys == 0 and kernels and recompute:
-            # the whole block as one node; the projection recomputed in the backward (long sequences)
-            attn = _RecomputedSelfAttention.apply(
-                query,
-                self.in_proj_weight,
-                self.in_proj_bias,
-                self.out_proj.weight,
-                self.out_proj.bias,
-                attn_mask,
-                key_padding_mask,
-                head_mask,
-                causal,
-                bf,
-                H,
-                dropout_p,
-                dropout_seed,
-                torch.is_grad_enabled(),
-            )
-            return (attn if is_batched else attn.squeeze(1)), None
-        if packed and extra_keys == 0 and kernels:
-            # one fused projection, and its gradient written in place by the kernel
-            qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias).unflatten(-1, (3, H, hd))
-            out = _PackedSelfAttention.apply(
-                qkv,
-                attn_mask,
-                key_padding_mask,
-                head_mask,
-                causal,
-                bool(need_weights),
-                bf,
-                dropout_p,
-                dropout_seed,
-                torch.is_grad_enabled(),
-            )
+    def _recomputed(self, c: _Call, masks, causal: bool, dropout_p: float, dropout_seed) -> Tensor:
+        """Self-attention as one node, its in-projection recomputed in the backward
+        (_RecomputedSelfAttention): the output projected, (N, L, E) or (L, N, E)."""
+        weights = (self.in_proj_weight, self.in_proj_bias, self.out_proj.weight, self.out_proj.bias)
+        extra = (causal, c.bf, self.num_heads, dropout_p, dropout_seed, torch.is_grad_enabled())
+        return _RecomputedSelfAttention.apply(c.query, *weights, *masks, *extra)
+
+    def _projections(self, c: _Call, packed: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """q (N, H, L, hd), k, v (N, H, S (+ the extra keys), hd): the in-projections, then
+        add_bias_kv's and add_zero_attn's keys and values."""
+        N, H, hd, bf = c.N, self.num_heads, self.head_dim, c.bf
+        if packed:
+            qkv = F.linear(c.query, self.in_proj_weight, self.in_proj_bias)
+            q, k, v = (_heads(t, H, hd, bf) for t in qkv.chunk(3, dim=-1))
         else:
-            if packed:
-                qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)
-                q, k, v = (_heads(t, H, hd, bf) for t in qkv.chunk(3, dim=-1))
+            if self._qkv_same_embed_dim:
+                w_q, w_k, w_v = self.in_proj_weight.chunk(3)
             else:
-                if self._qkv_same_embed_dim:
-                    w_q, w_k, w_v = self.in_proj_weight.chunk(3)
-                else:
-                    w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
-                b_q = b_k = b_v = None
-                if self.in_proj_bias is not None:
-                    b_q, b_k, b_v = self.in_proj_bias.chunk(3)
-                q = _heads(F.linear(query, w_q, b_q), H, hd, bf)  # (N, H, L, hd)
-                k = _heads(F.linear(key, w_k, b_k), H, hd, bf)  # (N, H, S, hd)
-                v = _heads(F.linear(value, w_v, b_v), H, hd, bf)
-            if self.bias_k is not None:  # one more key and value: (1, 1, E) -> (N, H, 1, hd)
-                assert self.bias_v is not None  # add_bias_kv makes both
-                k = torch.cat([k, self.bias_k.view(1, H, 1, hd).expand(N, H, 1, hd)], dim=2)
-                v = torch.cat([v, self.bias_v.view(1, H, 1, hd).expand(N, H, 1, hd)], dim=2)
-            if self.add_zero_attn:
-                k = torch.cat([k, k.new_zeros(N, H, 1, hd)], dim=2)
-                v = torch.cat([v, v.new_zeros(N, H, 1, hd)], dim=2)
-            for _ in range(extra_keys):
-                attn_mask = _pad_key(attn_mask)
-                key_padding_mask = _pad_key(key_padding_mask)
-            if kernels:
-                out = torch.ops.masked_attn.forward(
-                    q,
-                    k,
-                    v,
-                    attn_mask,
-                    key_padding_mask,
-                    head_mask,
-                    causal,
-                    None,
-                    bool(need_weights),
-                    dropout_p,
-                    dropout_seed,
-                    for_backward=grad_wanted(q, k, v, attn_mask, key_padding_mask, head_mask),
-                )
-                out = (out[0], out[2])
-            else:  # another device: PyTorch's native attention, our semantics (functional.native_attention)
-                out = native_attention(
-                    q, k, v, attn_mask, key_padding_mask, head_mask, causal, None, bool(need_weights), False, dropout_p
-                )
-                out = (out[0], out[2])
-        attn, weights = out  # (N, H, L, hd), stored as (N, L, H, hd)
-        if bf:
-            attn = F.linear(
-                attn.transpose(1, 2).reshape(N, L, E), self.out_proj.weight, self.out_proj.bias
-            )  # (N, L, E)
+                w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+            b_q = b_k = b_v = None
+            if self.in_proj_bias is not None:
+                b_q, b_k, b_v = self.in_proj_bias.chunk(3)
+            q = _heads(F.linear(c.query, w_q, b_q), H, hd, bf)  # (N, H, L, hd)
+            k = _heads(F.linear(c.key, w_k, b_k), H, hd, bf)  # (N, H, S, hd)
+            v = _heads(F.linear(c.value, w_v, b_v), H, hd, bf)
+        if self.bias_k is not None:  # one more key and value: (1, 1, E) -> (N, H, 1, hd)
+            assert self.bias_v is not None  # add_bias_kv makes both
+            k = torch.cat([k, self.bias_k.view(1, H, 1, hd).expand(N, H, 1, hd)], dim=2)
+            v = torch.cat([v, self.bias_v.view(1, H, 1, hd).expand(N, H, 1, hd)], dim=2)
+        if self.add_zero_attn:
+            k = torch.cat([k, k.new_zeros(N, H, 1, hd)], dim=2)
+            v = torch.cat([v, v.new_zeros(N, H, 1, hd)], dim=2)
+        return q, k, v
+
+    def _attention(self, c: _Call, packed: bool, masks, causal, need_weights: bool, dropout_p, dropout_seed):
+        """The in-projections (_projections) and the attention, by the kernels or (another
+        device) PyTorch's native attention with our semantics (functional.native_attention):
+        (out (N, H, L, hd), weights or None)."""
+        q, k, v = self._projections(c, packed)
+        attn_mask, key_padding_mask, head_mask = masks
+        for _ in range(int(self.bias_k is not None) + int(self.add_zero_attn)):
+            attn_mask = _pad_key(attn_mask)
+            key_padding_mask = _pad_key(key_padding_mask)
+        if not uses_kernels(q.device):
+            args = (attn_mask, key_padding_mask, head_mask, causal, None, need_weights, False, dropout_p)
+            out = native_attention(q, k, v, *args)
+            return out[0], out[2]
+        out = torch.ops.masked_attn.forward(
+            q,
+            k,
+            v,
+            attn_mask,
+            key_padding_mask,
+            head_mask,
+            causal,
+            None,
+            need_weights,
+            dropout_p,
+            dropout_seed,
+            for_backward=grad_wanted(q, k, v, attn_mask, key_padding_mask, head_mask),
+        )
+        return out[0], out[2]
+
+    def _output(self, c: _Call, attn: Tensor, weights: Tensor | None, average_attn_weights: bool):
+        """The out-projection of attn (N, H, L, hd) (stored as (N, L, H, hd)), unbatched again
+        where the input was, and the weights (None unless asked for), averaged over the heads if
+        average_attn_weights."""
+        N, L, E = c.N, c.L, self.embed_dim
+        if c.bf:
+            attn = F.linear(attn.transpose(1, 2).reshape(N, L, E), self.out_proj.weight, self.out_proj.bias)
         else:
-            attn = F.linear(
-                attn.permute(2, 0, 1, 3).reshape(L, N, E), self.out_proj.weight, self.out_proj.bias
-            )  # (L, N, E)
-        if not is_batched:
+            attn = F.linear(attn.permute(2, 0, 1, 3).reshape(L, N, E), self.out_proj.weight, self.out_proj.bias)
+        if not c.is_batched:
             attn = attn.squeeze(1)
-        if not need_weights:
+        if weights is None:
             return attn, None
-        assert weights is not None  # the kernels return them when need_weights
         if average_attn_weights:
             weights = weights.mean(dim=1)
-        if not is_batched:
+        if not c.is_batched:
             weights = weights.squeeze(0)
         return attn, weights
 
