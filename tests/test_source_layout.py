@@ -1,8 +1,10 @@
 """The source layout a reader relies on (docs/design.md, "Source layout"): the
-package's modules import each other without a circle, and the environment is
+package's modules import each other without a circle, no Python function of it
+is longer than 80 lines (but those named with a reason), and the environment is
 read in one place of the C code (MASKED_ATTN_ISA, common/isa.c)."""
 
 import ast
+import importlib.util
 import os
 import re
 import shutil
@@ -76,6 +78,41 @@ def test_environment_read_in_one_place():
                     if re.search(r"\bgetenv\s*\(", f.read()):
                         readers.append(os.path.relpath(os.path.join(dirpath, name), ROOT))
     assert readers == ["csrc/common/isa.c"]
+
+
+FUNCTION_LINES = 80
+# The functions allowed past FUNCTION_LINES (path in the package:qualified name), each with why.
+LONGER_FUNCTIONS = {
+    "functional.py:masked_attention": "its docstring (58 lines) is the reference of the op's conventions, "
+    "every argument's; its signature 20 lines; its code under 50",
+}
+
+
+def test_functions_under_80_lines():
+    """No function of the package (methods and nested functions too) is longer than 80 lines from
+    def to its last line, docstring included (tools/longest_functions.py lists them), but those
+    LONGER_FUNCTIONS names; each of those is longer (the list does not go stale) and its code
+    without the docstring is not."""
+    spec = importlib.util.spec_from_file_location(
+        "longest_functions", os.path.join(ROOT, "tools", "longest_functions.py")
+    )
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    lines = {}
+    for dirpath, _, files in os.walk(PKG):
+        for name in sorted(f for f in files if f.endswith(".py")):
+            rel = os.path.relpath(os.path.join(dirpath, name), PKG).replace(os.sep, "/")
+            for n, _, qualname, doc in tool.functions(os.path.join(dirpath, name)):
+                lines[f"{rel}:{qualname}"] = (n, doc)
+    assert "flash_attn.py:flash_attn_with_kvcache" in lines and "modules.py:MultiheadAttention.forward" in lines
+    over = {f: n for f, (n, _) in lines.items() if n > FUNCTION_LINES and f not in LONGER_FUNCTIONS}
+    assert not over, f"functions over {FUNCTION_LINES} lines (split them, or name them in LONGER_FUNCTIONS): {over}"
+    for f in LONGER_FUNCTIONS:
+        assert f in lines, f"LONGER_FUNCTIONS names {f}, which the package does not define"
+        n, doc = lines[f]
+        assert n > FUNCTION_LINES, f"{f} is {n} lines now: drop it from LONGER_FUNCTIONS"
+        assert n - doc <= FUNCTION_LINES, f"{f}: {n - doc} lines besides its docstring"
 
 
 ATTENTION_OPS = ("forward", "backward", "backward_into", "varlen_forward", "varlen_backward")
