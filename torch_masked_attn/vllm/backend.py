@@ -1,0 +1,264 @@
+"""vLLM's attention on our kernels: the backend vLLM's CPU platform builds in place of its own
+CPU_ATTN when the switch is on (torch_masked_attn.vllm, docs/design/17-vllm.md).
+
+Per layer and step: ``do_kv_cache_update`` writes the step's new key and value rows into the
+layer's pages (:func:`torch_masked_attn.functional.write_kv_cache`, one C op), then ``forward``
+runs every request of the step, prefills, prefill chunks and decodes mixed, in one
+:func:`torch_masked_attn.functional.varlen_attn` over the pages in place (bottom-right causal,
+the request's block table and length). The page layout is ours: see :func:`pages`.
+
+Every vLLM name comes through ``_compat`` (the seam).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+
+from .. import functional as _F
+from . import _compat
+
+_compat.require("backend")
+
+# The page sizes the kernels read in place (varlen_attn gathers other sizes into rows first).
+PAGE_MULTIPLE = 64
+
+
+def pages(kv_cache: Tensor, head_size: int) -> tuple[Tensor, Tensor]:
+    """The key and value pages of one layer's cache, (blocks, page_size, H_kv, D) views.
+
+    vLLM hands a layer its cache as a (blocks, H_kv, page_size, D + Dv) view (its logical
+    ``[B, H, N, C]``, layout LBHNC: a block's H_kv x page_size x (D + Dv) elements in one run);
+    only our ops read and write the blocks' insides, and vLLM moves, zeroes and shares whole
+    blocks. So each block holds K transposed, per key head a (D, page_size) block (keys side by
+    side: the kernels read them with no transposes, the tile path's order of the scores), then
+    the values as rows, (page_size, H_kv, Dv) (a token's value heads side by side)."""
+    blocks, hkv, page, width = kv_cache.shape
+    dv = width - head_size
+    s = kv_cache.stride()
+    if s[1:] != (page * width, width, 1) or dv <= 0:
+        raise RuntimeError(
+            "torch_masked_attn.vllm: vLLM handed a KV cache of shape "
+            f"{tuple(kv_cache.shape)}, strides {s}, where this version expects blocks of "
+            "(H_kv, page_size, D + Dv) elements in one run (layout LBHNC)"
+        )
+    at = kv_cache.storage_offset()
+    k = kv_cache.as_strided((blocks, page, hkv, head_size), (s[0], 1, head_size * page, page), at)
+    v = kv_cache.as_strided((blocks, page, hkv, dv), (s[0], hkv * dv, dv, 1), at + hkv * page * head_size)
+    return k, v
+
+
+@dataclass
+class MaskedAttnMetadata:
+    """One step's requests as varlen_attn reads them (shared by every layer of a cache group)."""
+
+    num_tokens: int  # the step's query rows (cu_q[-1]); vLLM's tensors may be longer (padding)
+    cu_q: Tensor  # (N + 1,) int32: request b's rows are cu_q[b] : cu_q[b + 1]
+    seq_lens: Tensor  # (N,) int32: its keys, the new ones included (written before forward)
+    block_table: Tensor  # (N, max_pages) int32, contiguous
+    max_query_len: int
+    max_seq_len: int  # at least the longest (vLLM's may be an upper bound)
+    causal: bool
+
+
+class MaskedAttnMetadataBuilder(_compat.AttentionMetadataBuilder):
+    """The step's metadata from vLLM's CommonAttentionMetadata: a few views and dtype checks, no
+    scheduling (the kernels plan each call themselves)."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> MaskedAttnMetadata:
+        m = common_attn_metadata
+        if isinstance(m.causal, Tensor):
+            raise NotImplementedError(
+                "torch_masked_attn.vllm: a causal flag per request (multimodal prefix-LM attention) is not supported"
+            )
+        n = m.num_reqs
+        cu_q = _int32(m.query_start_loc_cpu[: n + 1])
+        return MaskedAttnMetadata(
+            num_tokens=int(cu_q[-1]),
+            cu_q=cu_q,
+            seq_lens=_int32(m.seq_lens[:n]),
+            block_table=_int32(m.block_table_tensor[:n]),
+            max_query_len=int(m.max_query_len),
+            max_seq_len=max(int(m.max_seq_len), 1),
+            causal=bool(m.causal),
+        )
+
+
+def _int32(t: Tensor) -> Tensor:
+    return t.to(torch.int32).contiguous()
+
+
+def _refuse(feature: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"torch_masked_attn.vllm: {feature} is not supported by this backend; "
+        "unset MASKED_ATTN_VLLM to serve with vLLM's own CPU attention"
+    )
+
+
+class MaskedAttnImpl(_compat.AttentionImpl):
+    """One decoder attention layer on varlen_attn: causal or not, sliding window, soft-cap, sinks,
+    ALiBi, grouped-query heads. What it cannot do is refused here, when vLLM builds the layer."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = "decoder",
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: Tensor | None = None,
+        **others: Any,
+    ) -> None:
+        _check_layer(attn_type, kv_cache_dtype, others)
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        self.kv_cache_dtype, self.attn_type = kv_cache_dtype, attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.sliding_window = sliding_window
+        self.softcap = float(logits_soft_cap) if logits_soft_cap else None  # vLLM's 0 / None: none
+        self.alibi_slopes = None if alibi_slopes is None else torch.tensor(alibi_slopes, dtype=torch.float32)
+        self.sinks = sinks
+        if sinks is not None and tuple(sinks.shape) != (num_heads,):
+            raise ValueError(
+                f"torch_masked_attn.vllm: sinks must be ({num_heads},), one per query head, got {tuple(sinks.shape)}"
+            )
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        """The sinks as the kernels take them, float32, once the weights are in."""
+        if self.sinks is not None:
+            self.sinks = self.sinks.detach().to(torch.float32)
+
+    def do_kv_cache_update(self, layer, key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+        """The step's new rows into the layer's pages (a negative slot: a padding row, skipped)."""
+        k_pages, v_pages = pages(kv_cache, self.head_size)
+        n = slot_mapping.numel()
+        _F.write_kv_cache(key[:n], value[:n], k_pages, v_pages, slot_mapping)
+
+    def forward(
+        self,
+        layer,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        kv_cache: Tensor,
+        attn_metadata: MaskedAttnMetadata | None,
+        output: Tensor,
+        output_scale: Tensor | None = None,
+        output_block_scale: Tensor | None = None,
+    ) -> Tensor:
+        """Attention of the step's query rows (T, H, D) over their requests' pages, into output
+        (T, H, Dv). Without metadata (vLLM's profiling run) nothing is computed."""
+        if output_scale is not None or output_block_scale is not None:
+            raise _refuse("fused output quantization (output_scale)")
+        if attn_metadata is None:
+            return output
+        m = attn_metadata
+        k_pages, v_pages = pages(kv_cache, self.head_size)
+        left = -1 if self.sliding_window is None else self.sliding_window - 1
+        out = _F.varlen_attn(
+            query[: m.num_tokens],
+            k_pages,
+            v_pages,
+            m.cu_q,
+            None,
+            m.max_query_len,
+            m.max_seq_len,
+            scale=self.scale,
+            window_size=(left, 0 if m.causal else -1),
+            enable_gqa=self.num_kv_heads != self.num_heads,
+            seqused_k=m.seq_lens,
+            block_table=m.block_table,
+            softcap=self.softcap,
+            sinks=self.sinks,
+            alibi_slopes=self.alibi_slopes,
+        )
+        output[: m.num_tokens].copy_(cast(Tensor, out))  # varlen_attn without return_aux: a tensor
+        return output
+
+
+def _check_layer(attn_type: str, kv_cache_dtype: str, others: dict) -> None:
+    """Refuses, naming it, what a layer asks for that this backend does not serve."""
+    if attn_type != _compat.AttentionType.DECODER:
+        raise _refuse(f"attention of type {attn_type!r} (only decoder layers are served)")
+    if kv_cache_dtype != "auto" and (
+        kv_cache_dtype not in _CACHE_DTYPES or getattr(torch, kv_cache_dtype) != _compat.model_dtype()
+    ):
+        raise _refuse(f"kv_cache_dtype={kv_cache_dtype!r} (the cache holds the model's dtype: 'auto')")
+    used = {k: v for k, v in others.items() if v not in (None, False)}
+    if used:
+        raise _refuse(f"the attention arguments {sorted(used)}")
+    for feature, used in _compat.config_checks().items():
+        if used:
+            raise _refuse(feature)
+
+
+_CACHE_DTYPES = ("bfloat16", "float16")  # vLLM's names of a cache dtype that may be the model's
+
+
+class MaskedAttnBackend(_compat.AttentionBackend):
+    """What vLLM asks of an attention backend: our impl and builder, the blocks the kernels read
+    in place (multiples of 64 tokens), the cache layout LBHNC (a block's heads, tokens and
+    channels in one run, which :func:`pages` reinterprets)."""
+
+    forward_includes_kv_cache_update = False  # vLLM calls do_kv_cache_update, then forward
+    supported_dtypes = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes = ["auto", "bfloat16", "float16"]
+
+    @staticmethod
+    def get_name() -> str:
+        return _compat.BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[MaskedAttnImpl]:
+        return MaskedAttnImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[MaskedAttnMetadataBuilder]:
+        return MaskedAttnMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
+        return [_compat.MultipleOf(PAGE_MULTIPLE)]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []  # any
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple:
+        return (_compat.KVCacheLayout.LBHNC,)
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == _compat.AttentionType.DECODER
+
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        return True  # a row's bits depend on its own request only (docs/design/05)
+
+    @classmethod
+    def supports_kv_connector(cls) -> bool:
+        return False  # connectors read CPU_ATTN's block insides
