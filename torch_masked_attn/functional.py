@@ -36,8 +36,6 @@ __all__ = [
     "quantize_kv",
 ]
 
-_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
 # ---- native attention (every device but the CPU) ----------------------------
 
 
@@ -472,7 +470,7 @@ def _sdpa_checked(query, key, value, attn_mask, enable_gqa: bool):
             raise ValueError(
                 f"scaled_dot_product_attention: {name} must have at least 2 dims (L, E), got shape {tuple(t.shape)}"
             )
-        if t.dtype not in _FLOATS:
+        if t.dtype not in _validate.FLOATS:
             raise TypeError(f"scaled_dot_product_attention: {name} must be floating point, got {t.dtype}")
     # under autocast, as F.sdpa: the inputs (and a floating mask) in the autocast dtype before any check
     cast = autocast_dtype(query.device.type, "lower")

@@ -43,7 +43,7 @@ from .devices import uses_kernels
 
 __all__ = ["cross_entropy", "CrossEntropyLoss", "perplexity", "native_cross_entropy"]
 
-_KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_KERNEL_DTYPES = _validate.FLOATS
 _REDUCTIONS = ("none", "mean", "sum")  # index = PyTorch's reduction enum
 _OUT_OF_BOUNDS = re.compile(r"Target -?\d+ is out of bounds\.")
 
