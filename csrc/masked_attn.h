@@ -56,6 +56,14 @@ typedef enum {
 int ma_isa_available(ma_isa isa); /* compiled in and supported by this CPU */
 ma_isa ma_isa_best(ma_dtype dt);
 
+/* The enums' names, written once (common/isa.c) and read by the Python side and the tests:
+ * a variant's name (MASKED_ATTN_ISA's word), whether this build compiles it in (this
+ * architecture's variants, whatever the CPU), and a dtype's name (torch's: "float32", ...).
+ * NULL, 0 past the last. */
+const char *ma_isa_name(int isa);
+int ma_isa_built(int isa);
+const char *ma_dtype_name(int dt);
+
 /* What every task function receives as ctx: the op's params (shared by all
  * threads) and this thread's scratch slice (cache-line aligned, sized by the
  * matching *_scratch_bytes function). */

@@ -63,6 +63,34 @@ int ma_sve_bits(void) {
     return bits >= 128 && bits <= 2048 && (bits & (bits - 1)) == 0 ? bits : 0;
 }
 
+static const char *const isa_names[] = {"scalar",     "avx2", "avx512", "amx",
+                                        "avx512bf16", "neon", "sve",    "svebf16"}; /* ma_isa's order */
+#define N_ISAS (int)(sizeof isa_names / sizeof isa_names[0])
+
+const char *ma_isa_name(int isa) { return isa >= 0 && isa < N_ISAS ? isa_names[isa] : NULL; }
+
+int ma_isa_built(int isa) {
+    switch (isa) {
+    case MA_ISA_SCALAR: return 1;
+#if defined(__x86_64__) || defined(__i386__)
+    case MA_ISA_AVX2:
+    case MA_ISA_AVX512:
+    case MA_ISA_AMX:
+    case MA_ISA_AVX512BF16: return 1;
+#elif defined(__aarch64__)
+    case MA_ISA_NEON:
+    case MA_ISA_SVE:
+    case MA_ISA_SVEBF16: return 1;
+#endif
+    default: return 0;
+    }
+}
+
+const char *ma_dtype_name(int dt) {
+    static const char *const names[] = {"bool", "float32", "float64", "bfloat16", "float16", "int8"}; /* ma_dtype's */
+    return dt >= 0 && dt < (int)(sizeof names / sizeof names[0]) ? names[dt] : NULL;
+}
+
 int ma_isa_available(ma_isa isa) {
     switch (isa) {
     case MA_ISA_SCALAR: return 1;
@@ -112,13 +140,11 @@ static char env_error_buf[256];
 
 static void read_env(void) {
     const char *env = getenv("MASKED_ATTN_ISA");
-    static const char *const names[] = {"scalar",     "avx2", "avx512", "amx",
-                                        "avx512bf16", "neon", "sve",    "svebf16"}; /* ma_isa's order */
     int isa = -1;
     const char *err = NULL;
     if (env && *env) {
-        for (int i = 0; i < (int)(sizeof names / sizeof names[0]); i++)
-            if (strcmp(env, names[i]) == 0) isa = i;
+        for (int i = 0; i < N_ISAS; i++)
+            if (strcmp(env, isa_names[i]) == 0) isa = i;
         if (isa < 0)
             err = "masked_attn: MASKED_ATTN_ISA is not a kernel variant; expected scalar, avx2, avx512, amx, "
                   "avx512bf16, neon, sve or svebf16";
