@@ -587,7 +587,7 @@ def decode_paged(B=8, H=32, Lk=2048, D=128, page=256):
             return tma.functional.varlen_attn(qv, kp, vp, cu, None, 1, Lk, seqused_k=used, block_table=table)
 
     fl = attention_flops(B, H, 1, Lk, D, causal=False, backward=False)
-    traffic = 2.0 * B * Hkv * Lk * D * k.element_size()
+    traffic = 2.0 * B * H * Lk * D * k.element_size()
     return Bench(
         work=f"B={B} H={H} Lq=1 Lk={Lk} D={D} float32, forward (no grad), paged KV (pages of {page}) "
         f"vs native on the dense cache, K+V {traffic / 1e6:.0f} MB",
