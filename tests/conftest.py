@@ -12,7 +12,6 @@ Yardsticks (docs/design.md, "Testing"):
 
 import math
 import os
-import platform
 import zlib
 
 import pytest
@@ -325,14 +324,18 @@ def run_isa(isa, fn):
         return fn()
 
 
-# The kernel variants built for this machine's architecture (setup.py's C_UNITS_BY_ARCH), in
-# ma_isa's order: the tests run each against the scalar reference and PyTorch, skipping those
-# this CPU lacks. FMA_ISAS: those whose products are float32 FMAs in the scalar kernels' order
-# (the same bits); AMX tiles and VDPBF16PS take bfloat16 products and round differently.
-if platform.machine().lower() in ("aarch64", "arm64"):
-    ISAS = ("scalar", "neon", "sve", "svebf16")
-else:
-    ISAS = ("scalar", "avx2", "avx512", "amx", "avx512bf16")
+# The kernel variants built for this machine's architecture (ops.built_isas: the C library
+# names them), in ma_isa's order: the tests run each against the scalar reference and PyTorch,
+# skipping those this CPU lacks. FMA_ISAS: those whose products are float32 FMAs in the scalar
+# kernels' order (the same bits); AMX tiles and VDPBF16PS take bfloat16 products and round
+# differently.
+def _built_isas():
+    from torch_masked_attn.ops import built_isas
+
+    return built_isas()
+
+
+ISAS = _built_isas()
 SIMD_ISAS = ISAS[1:]
 TILE_ISAS = tuple(i for i in ISAS if i in ("amx", "avx512bf16", "svebf16"))  # the bfloat16 pair products
 FMA_ISAS = tuple(i for i in ISAS if i not in TILE_ISAS)

@@ -80,7 +80,7 @@ try:  # the Hugging Face backend, where transformers is installed
 except ImportError:
     _HF = None
 
-ISAS = ("scalar", "avx2", "avx512", "amx", "avx512bf16")
+ISAS = ops.built_isas()
 KINDS = ("attention", "ce", "varlen")  # a case's kind: KINDS[seed % 3]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 LOW = (torch.bfloat16, torch.float16)

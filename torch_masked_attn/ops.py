@@ -120,9 +120,22 @@ torch.ops.load_library(_libs[0])
 # unless MASKED_ATTN_ISA (read once, at the first op call) or use_isa forces
 # one. use_isa reaches the C function directly (the library is plain C there).
 
-# ma_isa's order (masked_attn.h)
-_ISAS = ("scalar", "avx2", "avx512", "amx", "avx512bf16", "neon", "sve", "svebf16")
 _clib = ctypes.CDLL(_libs[0])
+_clib.ma_isa_name.argtypes = _clib.ma_dtype_name.argtypes = _clib.ma_isa_built.argtypes = [ctypes.c_int]
+_clib.ma_isa_name.restype = _clib.ma_dtype_name.restype = ctypes.c_char_p
+_clib.ma_isa_built.restype = ctypes.c_int
+
+
+def _enum_names(name_of) -> tuple[str, ...]:
+    """An enum's names in its order, as the C library writes them (common/isa.c)."""
+    names: list[str] = []
+    while (n := name_of(len(names))) is not None:
+        names.append(n.decode())
+    return tuple(names)
+
+
+_ISAS = _enum_names(_clib.ma_isa_name)  # ma_isa's (masked_attn.h)
+_DTYPES = _enum_names(_clib.ma_dtype_name)  # ma_dtype's: torch's names
 _clib.ma_isa_force.argtypes = [ctypes.c_int]
 _clib.ma_isa_force.restype = ctypes.c_int
 _clib.ma_isa_forced.restype = ctypes.c_int
@@ -237,6 +250,13 @@ def scratch_stats() -> dict[str, int]:
     return {"idle_bytes": int(_clib.ma_scratch_idle_bytes()), "last_call_bytes": int(_clib.ma_scratch_last_bytes())}
 
 
+def built_isas() -> tuple[str, ...]:
+    """The kernel variants this build has (this architecture's: on x86 scalar, avx2, avx512,
+    amx, avx512bf16; on aarch64 scalar, neon, sve, svebf16), whether or not this CPU runs
+    them (isa_available)."""
+    return tuple(n for i, n in enumerate(_ISAS) if _clib.ma_isa_built(i))
+
+
 def isa_available(name: str) -> bool:
     """Whether this CPU runs the kernel variant ``name`` (a name MASKED_ATTN_ISA takes)."""
     if name not in _ISAS:
@@ -246,7 +266,8 @@ def isa_available(name: str) -> bool:
 
 _clib.ma_isa_for.argtypes = [ctypes.c_int]
 _clib.ma_isa_for.restype = ctypes.c_int
-_MA_DTYPE = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3, torch.float16: 4}  # ma_dtype (masked_attn.h)
+# the dtypes q may have, as ma_dtype
+_MA_DTYPE = {getattr(torch, n): _DTYPES.index(n) for n in ("float32", "float64", "bfloat16", "float16")}
 
 
 def isa_for(dtype: torch.dtype) -> str:
