@@ -8,7 +8,7 @@ BUILT   := $(VENV)/.built
 # the C kernels (not the C++ shim, csrc/shim/*.cpp and *.hpp: see .clang-format)
 C_FILES := $(shell find csrc -name '*.c' -o -name '*.h' | sort)
 
-.PHONY: setup vllm-setup demo demo-attention test test-hf-oldest test-compat bench docs fuzz emulate sanitize sanitize-c lint clean
+.PHONY: setup vllm-setup demo demo-attention test test-vllm test-hf-oldest test-compat bench docs fuzz emulate sanitize sanitize-c lint clean
 
 setup: $(BUILT)
 
@@ -28,6 +28,14 @@ $(STAMP):
 $(BUILT): $(STAMP) $(SOURCES)
 	$(VPY) -m pip install --no-build-isolation --no-deps -e .
 	touch $@
+
+# torch_masked_attn.vllm's tests (tests/test_vllm_compat.py, tests/test_vllm.py: pytest --vllm; a plain
+# pytest run leaves them out): the seam, the backend against float64, then whole engines in
+# processes of their own against vLLM's own CPU backend on tiny random Llama, Mistral and Qwen2
+# (float32 and bfloat16), `vllm serve` with an HTTP client, tensor_parallel_size=2. About 20
+# minutes on 2 CPUs; not part of make test (CI runs it where the time allows).
+test-vllm: setup $(VLLM_SERVING)
+	$(VPY) -m pytest tests/test_vllm_compat.py tests/test_vllm.py --vllm -q
 
 # the main job: train a small causal LM on Python's own documentation text
 # (pydoc_data.topics) on torch.nn and on ours side by side, then a tour of the

@@ -134,7 +134,7 @@ BORROWED: tuple[Borrowed, ...] = (
     Borrowed("register_backend", "vllm.v1.attention.backends.registry", True, params=("backend", "class_path")),
     # the backend
     Borrowed("AttentionBackend", _BACKEND, True, attrs=BACKEND_ATTRS),
-    Borrowed("AttentionImpl", _BACKEND, True, params=IMPL_PARAMS, attrs=("forward",)),
+    Borrowed("AttentionImpl", _BACKEND, True, params=IMPL_PARAMS, attrs=("forward", "process_weights_after_loading")),
     Borrowed(
         "AttentionMetadataBuilder",
         _BACKEND,

