@@ -97,16 +97,18 @@ $(VLLM_SERVING): $(PEERS) tools/vllm_requirements.py
 	touch $@
 vllm-setup: $(VLLM_SERVING)
 
-# Every case, decoding against the streaming rate (benchmarks/decode.py), the thread sweep and
-# continuous batching on this machine, each
+# Every case, decoding against the streaming rate (benchmarks/decode.py), the thread sweep,
+# continuous batching and vLLM's LLM.generate with our backend against its own (benchmarks/vllm_generate.py,
+# about 25 minutes on 2 CPUs) on this machine, each
 # merged (--record) into this machine kind's record, benchmarks/results_<machine>.json
 # (one row per case: benchmarks/record.py); every number of the run stays in
 # benchmarks/out/. Then the page of figures is written again from the records.
-bench: setup $(PEERS)
+bench: setup $(PEERS) $(VLLM_SERVING)
 	$(VPY) benchmarks/run.py --record
 	$(VPY) benchmarks/decode.py --json benchmarks/out/decode.json
 	$(VPY) benchmarks/threads.py --record
 	$(VPY) benchmarks/cb_throughput.py --record
+	$(VPY) benchmarks/vllm_generate.py --record
 	$(MAKE) docs
 
 # docs/performance.md's tables and README.md's results from benchmarks/results_*.json (tools/make_docs.py,
