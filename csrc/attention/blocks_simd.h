@@ -557,31 +557,37 @@ MA_INLINE void axpy_rows_keys(const int R, const int KS, float *o, const float *
             axpy_keys_strip(1, 1, 0, o + r * Dv, p + r * ldp + c0, ldp, Dv, v, dt, off + c0 * ld, ld, ks, d0, 0);
 }
 
+/* Every key, the value rows KS at a time, whole (axpy_rows_block): KS a constant after
+ * inlining, one loop per strip width. */
+MA_INLINE void axpy_rows_all(const int KS, float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v,
+                             const ma_dtype dt, int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+    const int64_t es = ma_dtype_size(dt);
+    for (int64_t c0 = 0; c0 < nc; c0 += KS) {
+        const int64_t ks = ma_min(KS, nc - c0);
+        if (pf)
+            for (int64_t c = 0; c < ks; c++)
+                prefetch_lines((const char *)v + (off + (c0 + c) * ld) * es, Dv * es, pf * es);
+        for (int64_t r = 0; r < nr; r += MA_PV_ROWS) {
+            const int64_t R = ma_min(MA_PV_ROWS, nr - r);
+            float *o_r = o + r * Dv;
+            const float *p_r = p + r * ldp;
+#define MA_ROWS(R) axpy_rows_keys(R, KS, o_r, p_r, ldp, Dv, v, dt, off, ld, c0, ks)
+            switch (R) {
+            case 1: MA_ROWS(1); break;
+            case 2: MA_ROWS(2); break;
+            case 3: MA_ROWS(3); break;
+            default: MA_ROWS(4); break;
+            }
+#undef MA_ROWS
+        }
+    }
+}
+
 MA_INLINE void axpy_keys_dt(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v,
                             const ma_dtype dt, int64_t off, int64_t ld, int64_t nc, int64_t pf) {
-    if (Dv >= MA_VL) { /* the value rows KS at a time, whole (axpy_rows_block) */
-        const int64_t es = ma_dtype_size(dt), KS = ld == Dv && nr <= MA_PV_ROWS ? MA_PV_KEYS : MA_PV_KEYS_APART;
-        for (int64_t c0 = 0; c0 < nc; c0 += KS) {
-            const int64_t ks = ma_min(KS, nc - c0);
-            if (pf)
-                for (int64_t c = 0; c < ks; c++)
-                    prefetch_lines((const char *)v + (off + (c0 + c) * ld) * es, Dv * es, pf * es);
-            for (int64_t r = 0; r < nr; r += MA_PV_ROWS) {
-                const int64_t R = ma_min(MA_PV_ROWS, nr - r);
-                float *o_r = o + r * Dv;
-                const float *p_r = p + r * ldp;
-#define MA_ROWS(R)                                                                               \
-    (KS == MA_PV_KEYS ? axpy_rows_keys(R, MA_PV_KEYS, o_r, p_r, ldp, Dv, v, dt, off, ld, c0, ks) \
-                      : axpy_rows_keys(R, MA_PV_KEYS_APART, o_r, p_r, ldp, Dv, v, dt, off, ld, c0, ks))
-                switch (R) {
-                case 1: MA_ROWS(1); break;
-                case 2: MA_ROWS(2); break;
-                case 3: MA_ROWS(3); break;
-                default: MA_ROWS(4); break;
-                }
-#undef MA_ROWS
-            }
-        }
+    if (Dv >= MA_VL) {
+        if (ld == Dv && nr <= MA_PV_ROWS) axpy_rows_all(MA_PV_KEYS, o, p, ldp, nr, Dv, v, dt, off, ld, nc, pf);
+        else axpy_rows_all(MA_PV_KEYS_APART, o, p, ldp, nr, Dv, v, dt, off, ld, nc, pf);
         return;
     }
 #define MA_ROWS(R) axpy_keys_rows(R, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, r == 0 ? pf : 0)
