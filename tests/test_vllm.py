@@ -19,6 +19,7 @@ import json
 import math
 import os
 import random
+import struct
 import subprocess
 import sys
 
@@ -29,6 +30,7 @@ pytest.importorskip("vllm")
 
 from conftest import assert_close_ref  # noqa: E402
 from torch_masked_attn import vllm as tma_vllm  # noqa: E402
+from torch_masked_attn.functional import quantize_kv  # noqa: E402
 from torch_masked_attn.vllm import _compat, backend  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,17 +47,34 @@ def test_pages_split_each_block_into_kt_and_value_rows():
     two views, at the place the docstring gives."""
     blocks, hkv, page, d, dv = 3, 2, 64, 8, 6
     cache = torch.zeros(blocks, hkv, page, d + dv)
-    k, v = backend.pages(cache, d)
-    assert k.shape == (blocks, page, hkv, d) and v.shape == (blocks, page, hkv, dv)
+    k, v, k_scale, _ = backend.pages(cache, d)
+    assert k.shape == (blocks, page, hkv, d) and v.shape == (blocks, page, hkv, dv) and k_scale is None
     k.add_(1)
     v.add_(1)
     assert torch.equal(cache, torch.ones_like(cache))  # no element twice, none left out
     flat = torch.arange(cache.numel(), dtype=torch.float32).view_as(cache)
-    k, v = backend.pages(flat, d)
+    k, v, _, _ = backend.pages(flat, d)
     block = hkv * page * (d + dv)
     b, t, h, i = 2, 5, 1, 3
     assert k[b, t, h, i] == b * block + h * d * page + i * page + t
     assert v[b, t, h, i] == b * block + hkv * page * d + t * hkv * dv + h * dv + i
+
+
+def test_int8_pages_hold_their_scales_after_the_rows():
+    """An int8 cache (kv_cache_dtype="int8_per_token_head"): the same rows in int8, then the key
+    and the value scales, float32 (page_size, H_kv) each: every byte of a block used once."""
+    blocks, hkv, page, d = 3, 2, 64, 8
+    raw = torch.zeros(16 + blocks * hkv * page * (2 * d + 8), dtype=torch.int8)
+    cache = raw[16:].view(blocks, hkv, page, 2 * d + 8)  # at an offset, as a layer of vLLM's pool
+    p = backend.pages(cache, d)
+    assert p.k_scale.shape == p.v_scale.shape == (blocks, page, hkv) and p.k_scale.dtype == torch.float32
+    for x in (p.k, p.v):
+        x.add_(1)
+    for x in (p.k_scale, p.v_scale):
+        x.add_(struct.unpack("<f", bytes([1, 1, 1, 1]))[0])  # the float32 whose bytes are 1, 1, 1, 1
+    assert torch.equal(cache, torch.ones_like(cache)) and torch.all(raw[:16] == 0)
+    scales = cache.reshape(blocks, -1)[:, 2 * hkv * page * d :].view(torch.float32).view(blocks, 2, page, hkv)
+    assert torch.equal(scales[:, 0], p.k_scale) and torch.equal(scales[:, 1], p.v_scale)
 
 
 def test_pages_refuse_an_unknown_layout():
@@ -127,7 +146,10 @@ def _step(impl, dtype, page, hkv, d, requests, causal=True):
     n_pages = [math.ceil((c + n) / page) for c, n in requests]
     order = torch.randperm(sum(n_pages) + 3)  # a few pages nobody owns
     table = torch.zeros(len(requests), max(n_pages), dtype=torch.int32)
-    cache = torch.full((len(order), hkv, page, 2 * d), float("nan"), dtype=dtype)  # unwritten: NaN
+    if impl.kv_cache_dtype == backend.INT8:  # int8 rows, then the scales: D + D + 8 bytes a token and head
+        cache = torch.full((len(order), hkv, page, 2 * d + 8), -1, dtype=torch.int8)
+    else:
+        cache = torch.full((len(order), hkv, page, 2 * d), float("nan"), dtype=dtype)  # unwritten: NaN
     used, data, new_q, new_k, new_v, slots = 0, [], [], [], [], []
     for b, (c, n) in enumerate(requests):
         table[b, : n_pages[b]] = order[used : used + n_pages[b]]
@@ -160,6 +182,7 @@ FEATURES = {
     "alibi": {"alibi_slopes": True},
     "mha": {"num_kv_heads": 4},
     "non-causal": {"causal": False},
+    "int8": {"kv_cache_dtype": backend.INT8},
 }
 
 
@@ -175,8 +198,9 @@ def test_mixed_step_matches_float64(feature, dtype):
     sinks = torch.randn(h) if opts.pop("sinks", False) else None
     alibi = [2 ** (-(i + 1)) for i in range(h)] if opts.pop("alibi_slopes", False) else None
     scale = d**-0.5
+    cache_dtype = opts.pop("kv_cache_dtype", "auto")
     impl = backend.MaskedAttnImpl(
-        h, d, scale, hkv, alibi, opts.get("sliding_window"), "auto", **_impl_args(opts, sinks)
+        h, d, scale, hkv, alibi, opts.get("sliding_window"), cache_dtype, **_impl_args(opts, sinks)
     )
     impl.process_weights_after_loading(dtype)
     out, data = _step(impl, dtype, page, hkv, d, MIXED, causal)
@@ -185,7 +209,9 @@ def test_mixed_step_matches_float64(feature, dtype):
         kw = dict(scale=scale, window=opts.get("sliding_window"), causal=causal, softcap=opts.get("logits_soft_cap"))
         kw.update(sinks=sinks, alibi=None if alibi is None else torch.tensor(alibi))
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)  # what the kernels read
-        ref, theirs = _reference(q, k, v, **kw), _reference(q, k, v, **kw, dtype=dtype)
+        if cache_dtype == backend.INT8:  # the cache holds them quantized as quantize_kv does
+            k, v = (xq.double() * sc.double().unsqueeze(-1) for xq, sc in map(quantize_kv, (k, v)))
+        ref, theirs = _reference(q, k, v, **kw), _reference(q, k.to(dtype), v.to(dtype), **kw, dtype=dtype)
         assert_close_ref(out[row : row + len(q)], theirs, ref, name=f"{feature} request of {len(q)} rows")
         row += len(q)
 
@@ -241,18 +267,19 @@ def model_dir(tmp_path_factory):
         if name not in made:
             import transformers
 
-            config_cls, model_cls, extra = MODELS[name]
-            config = getattr(transformers, config_cls)(
-                vocab_size=VOCAB,
-                hidden_size=256,
-                intermediate_size=512,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=64,
-                max_position_embeddings=4096,
+            config_cls, model_cls, extra = {**MODELS, **FEATURE_MODELS}[name]
+            kwargs = {
+                "vocab_size": VOCAB,
+                "hidden_size": 256,
+                "intermediate_size": 512,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 64,
+                "max_position_embeddings": 4096,
                 **extra,
-            )
+            }
+            config = getattr(transformers, config_cls)(**{k: v for k, v in kwargs.items() if v is not None})
             torch.manual_seed(0)
             path = str(tmp_path_factory.mktemp(name))
             getattr(transformers, model_cls)(config).save_pretrained(path)
@@ -345,6 +372,7 @@ def test_greedy_tokens_equal_vllms_own(model_dir, name, dtype):
         c, t, _ = compare_tokens(ours, theirs, tol, rnd)
         compared, total = compared + c, total + t
     assert compared >= 0.5 * total, f"only {compared} of {total} tokens compared (near ties)"
+    print(f"\n{name} {dtype}: {compared} of {total} tokens equal before a near tie (tolerance {tol:.2g})")
     for run in (ours, theirs):
         assert all(run["cached"][2][i] >= 256 for i in range(3)), run["cached"]  # the shared prefix's blocks
 
@@ -357,7 +385,9 @@ def test_logprobs_within_rounding(model_dir, name, dtype):
     two kernels; in bfloat16 also against vLLM's float32 run, by flash-attention's rule."""
     ours, theirs = engine_run(model_dir(name), dtype, True), engine_run(model_dir(name), dtype, False)
     tol = logprob_tolerance(model_dir, name, dtype)
-    assert _max_diff(ours["prompt_logprobs"][0], theirs["prompt_logprobs"][0]) <= tol
+    diff = _max_diff(ours["prompt_logprobs"][0], theirs["prompt_logprobs"][0])
+    print(f"\n{name} {dtype}: prompt log-probabilities within {diff:.2g} of vLLM's (tolerance {tol:.2g})")
+    assert diff <= tol
     for rnd in range(len(SPEC["rounds"])):
         _, _, div = compare_tokens(ours, theirs, tol, rnd)
         first = {i: step for i, step in div}
@@ -366,6 +396,64 @@ def test_logprobs_within_rounding(model_dir, name, dtype):
     if dtype == "bfloat16":
         f32 = engine_run(model_dir(name), "float32", False)
         assert _max_diff(ours["prompt_logprobs"][0], f32["prompt_logprobs"][0]) <= tol
+
+
+def test_int8_cache(model_dir):
+    """Our int8 cache (kv_cache_dtype="int8_per_token_head": a float32 scale per token and head,
+    quantize_kv's): vLLM's own CPU backend has none, so against vLLM's float32 cache: the prompts'
+    log-probabilities and the greedy tokens (but at near ties) within INT8_FACTOR times vLLM's
+    own bfloat16 error against its float32 (int8 rows round to 1/254 of their largest value,
+    bfloat16 to 1/256 of each value)."""
+    path = model_dir("llama")
+    int8 = engine_run(path, "float32", True, kv_cache_dtype=backend.INT8)
+    f32, bf16 = engine_run(path, "float32", False), engine_run(path, "bfloat16", False)
+    assert int8["backends"] == ["MaskedAttnImpl"]
+    tol = INT8_FACTOR * _max_diff(bf16["prompt_logprobs"][0], f32["prompt_logprobs"][0])
+    diff = _max_diff(int8["prompt_logprobs"][0], f32["prompt_logprobs"][0])
+    print(f"\nint8 cache: prompt log-probabilities within {diff:.2g} of vLLM's float32 (tolerance {tol:.2g})")
+    assert diff <= tol
+    compared = total = 0
+    for rnd in range(len(SPEC["rounds"])):
+        c, t, _ = compare_tokens(int8, f32, tol, rnd)
+        compared, total = compared + c, total + t
+    assert compared >= 0.5 * total
+
+
+INT8_FACTOR = 4
+
+
+# the features the three models above do not use, in models vLLM serves on CPUs: Gemma 2 (soft-cap
+# on the scores, sliding-window layers between full ones: two cache groups), BLOOM (ALiBi, no
+# grouped heads); float32
+FEATURE_MODELS = {
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {"sliding_window": 96, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    ),
+    # BLOOM's config knows no grouped heads, head_dim or MLP width (4 x hidden)
+    "bloom": (
+        "BloomConfig",
+        "BloomForCausalLM",
+        dict.fromkeys(("num_key_value_heads", "head_dim", "intermediate_size")),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(FEATURE_MODELS))
+def test_feature_models_equal_vllms_own(model_dir, name):
+    """Gemma 2 (soft-cap, windows) and BLOOM (ALiBi): the greedy tokens and log-probabilities of
+    our backend and vLLM's own, as above."""
+    ours, theirs = engine_run(model_dir(name), "float32", True), engine_run(model_dir(name), "float32", False)
+    assert ours["backends"] == ["MaskedAttnImpl"] and theirs["backends"] == ["CPUAttentionBackendImpl"]
+    compared = total = 0
+    for rnd in range(len(SPEC["rounds"])):
+        c, t, _ = compare_tokens(ours, theirs, F32_LOGPROB_TOL, rnd)
+        compared, total = compared + c, total + t
+    assert compared >= 0.5 * total
+    diff = _max_diff(ours["prompt_logprobs"][0], theirs["prompt_logprobs"][0])
+    print(f"\n{name}: {compared} of {total} tokens equal before a near tie; log-probabilities within {diff:.2g}")
+    assert diff <= F32_LOGPROB_TOL
 
 
 # ---------------------------------------------------------------------------------------------

@@ -216,7 +216,7 @@ def test_register_is_idempotent(monkeypatch):
     [
         ({"attn_type": "encoder_only"}, "'encoder_only'"),
         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8'"),
-        ({"kv_cache_dtype": "int8_per_token_head"}, "kv_cache_dtype='int8_per_token_head'"),
+        ({"kv_cache_dtype": "fp8_per_token_head"}, "kv_cache_dtype='fp8_per_token_head'"),
         ({"use_alibi_sqrt": True}, "use_alibi_sqrt"),
     ],
 )
@@ -224,6 +224,20 @@ def test_refused_at_start_up(kwargs, named):
     with pytest.raises(NotImplementedError, match=re.escape(named)) as e:
         backend.MaskedAttnImpl(4, 64, 0.125, 2, None, None, **{"kv_cache_dtype": "auto", **kwargs})
     assert tma_vllm.ENV in str(e.value)
+
+
+def test_int8_cache_spec_carries_the_scales():
+    """kv_cache_dtype="int8_per_token_head": vLLM sizes each token and head's page cell by the
+    backend's spec, int8 rows of keys and values and two float32 scales."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
+
+    spec = FullAttentionSpec(
+        block_size=128, num_kv_heads=2, head_size=64, dtype=torch.int8, kv_quant_mode=KVQuantMode.INT8_PER_TOKEN_HEAD
+    )
+    ours = backend.MaskedAttnBackend.customize_spec(spec)
+    assert ours.page_size_bytes == 2 * 128 * (64 + 64 + 8)
+    plain = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    assert backend.MaskedAttnBackend.customize_spec(plain) == plain
 
 
 def test_refused_configurations():

@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # the real types for pyright; at run time the names resolve t
         MultipleOf,
     )
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend  # noqa: F401
+    from vllm.v1.kv_cache_interface import AttentionSpec, KVQuantMode  # noqa: F401
     from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: F401
 
 # The vLLM releases the vLLM tests pass on (make test-vllm); pyproject.toml's [vllm] extra and
@@ -116,7 +117,7 @@ BACKEND_ATTRS = (
     *("get_name", "get_impl_cls", "get_builder_cls", "get_supported_kernel_block_sizes"),
     *("get_supported_head_sizes", "supported_kv_cache_layouts", "supports_sink", "supports_sliding_window"),
     *("supports_non_causal", "supports_attn_type", "supports_batch_invariance", "supports_kv_connector"),
-    *("supported_dtypes", "supported_kv_cache_dtypes", "forward_includes_kv_cache_update"),
+    *("supported_dtypes", "supported_kv_cache_dtypes", "forward_includes_kv_cache_update", "customize_spec"),
 )
 IMPL_PARAMS = (
     *("num_heads", "head_size", "scale", "num_kv_heads", "alibi_slopes", "sliding_window"),
@@ -146,6 +147,14 @@ BORROWED: tuple[Borrowed, ...] = (
     Borrowed("AttentionType", _BACKEND, True, attrs=("DECODER",)),
     Borrowed("MultipleOf", _BACKEND, False, params=("base",)),
     Borrowed("KVCacheLayout", "vllm.v1.kv_cache_layout", False, attrs=("LBHNC",)),
+    # the int8 cache: kv_cache_dtype="int8_per_token_head", one scale per token and head
+    Borrowed("KVQuantMode", "vllm.v1.kv_cache_interface", False, attrs=("INT8_PER_TOKEN_HEAD",)),
+    Borrowed(
+        "AttentionSpec",
+        "vllm.v1.kv_cache_interface",
+        False,
+        fields=("head_size", "head_size_v", "kv_quant_mode", "state_content_bytes"),
+    ),
     # the configuration the impl checks at start-up (config_checks)
     Borrowed("get_current_vllm_config_or_none", "vllm.config", False),
     Borrowed(

@@ -12,8 +12,9 @@ Every vLLM name comes through ``_compat`` (the seam).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor
@@ -27,19 +28,35 @@ _compat.require("backend")
 PAGE_MULTIPLE = 64
 
 
-def pages(kv_cache: Tensor, head_size: int) -> tuple[Tensor, Tensor]:
-    """The key and value pages of one layer's cache, (blocks, page_size, H_kv, D) views.
+INT8 = "int8_per_token_head"  # vLLM's name of a cache dtype with a scale per token and head: our int8 cache
 
-    vLLM hands a layer its cache as a (blocks, H_kv, page_size, D + Dv) view (its logical
-    ``[B, H, N, C]``, layout LBHNC: a block's H_kv x page_size x (D + Dv) elements in one run);
-    only our ops read and write the blocks' insides, and vLLM moves, zeroes and shares whole
-    blocks. So each block holds K transposed, per key head a (D, page_size) block (keys side by
-    side: the kernels read them with no transposes, the tile path's order of the scores), then
-    the values as rows, (page_size, H_kv, Dv) (a token's value heads side by side)."""
+
+class Pages(NamedTuple):
+    """One layer's cache as the kernels read it: key and value pages (blocks, page_size, H_kv, D)
+    and, in an int8 cache, their float32 scales (blocks, page_size, H_kv); else None."""
+
+    k: Tensor
+    v: Tensor
+    k_scale: Tensor | None = None
+    v_scale: Tensor | None = None
+
+
+def pages(kv_cache: Tensor, head_size: int, head_size_v: int | None = None) -> Pages:
+    """The key and value pages of one layer's cache (and its scales), strided views.
+
+    vLLM hands a layer its cache as a (blocks, H_kv, page_size, C) view (its logical
+    ``[B, H, N, C]``, layout LBHNC: a block's H_kv x page_size x C elements in one run, C = D + Dv,
+    or D + Dv + 8 bytes in an int8 cache); only our ops read and write the blocks' insides, and
+    vLLM moves, zeroes and shares whole blocks. So each block holds K transposed, per key head a
+    (D, page_size) block (keys side by side: the kernels read them with no transposes, the tile
+    path's order of the scores), then the values as rows, (page_size, H_kv, Dv) (a token's value
+    heads side by side), then in an int8 cache the key scales and the value scales, float32
+    (page_size, H_kv) each."""
     blocks, hkv, page, width = kv_cache.shape
-    dv = width - head_size
+    int8 = kv_cache.dtype == torch.int8
+    dv = head_size_v if head_size_v is not None else width - head_size - (8 if int8 else 0)
     s = kv_cache.stride()
-    if s[1:] != (page * width, width, 1) or dv <= 0:
+    if s[1:] != (page * width, width, 1) or dv <= 0 or width != head_size + dv + (8 if int8 else 0):
         raise RuntimeError(
             "torch_masked_attn.vllm: vLLM handed a KV cache of shape "
             f"{tuple(kv_cache.shape)}, strides {s}, where this version expects blocks of "
@@ -48,7 +65,17 @@ def pages(kv_cache: Tensor, head_size: int) -> tuple[Tensor, Tensor]:
     at = kv_cache.storage_offset()
     k = kv_cache.as_strided((blocks, page, hkv, head_size), (s[0], 1, head_size * page, page), at)
     v = kv_cache.as_strided((blocks, page, hkv, dv), (s[0], hkv * dv, dv, 1), at + hkv * page * head_size)
-    return k, v
+    if not int8:
+        return Pages(k, v)
+    start = int(at) + hkv * page * (head_size + dv)  # bytes
+    if start % 4 or s[0] % 4:
+        raise RuntimeError("torch_masked_attn.vllm: an int8 KV cache whose blocks' scales are not 4-byte aligned")
+    floats = torch.empty(0, dtype=torch.float32).set_(kv_cache.untyped_storage())  # the same bytes as float32
+    shape, stride = (blocks, page, hkv), (s[0] // 4, hkv, 1)
+    first = start // 4  # in floats
+    k_scale = floats.as_strided(shape, stride, first)
+    v_scale = floats.as_strided(shape, stride, first + page * hkv)
+    return Pages(k, v, k_scale, v_scale)
 
 
 @dataclass
@@ -141,9 +168,9 @@ class MaskedAttnImpl(_compat.AttentionImpl):
 
     def do_kv_cache_update(self, layer, key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
         """The step's new rows into the layer's pages (a negative slot: a padding row, skipped)."""
-        k_pages, v_pages = pages(kv_cache, self.head_size)
+        p = pages(kv_cache, self.head_size)
         n = slot_mapping.numel()
-        _F.write_kv_cache(key[:n], value[:n], k_pages, v_pages, slot_mapping)
+        _F.write_kv_cache(key[:n], value[:n], p.k, p.v, slot_mapping, p.k_scale, p.v_scale)
 
     def forward(
         self,
@@ -164,12 +191,12 @@ class MaskedAttnImpl(_compat.AttentionImpl):
         if attn_metadata is None:
             return output
         m = attn_metadata
-        k_pages, v_pages = pages(kv_cache, self.head_size)
+        p = pages(kv_cache, self.head_size)
         left = -1 if self.sliding_window is None else self.sliding_window - 1
         out = _F.varlen_attn(
             query[: m.num_tokens],
-            k_pages,
-            v_pages,
+            p.k,
+            p.v,
             m.cu_q,
             None,
             m.max_query_len,
@@ -182,6 +209,8 @@ class MaskedAttnImpl(_compat.AttentionImpl):
             softcap=self.softcap,
             sinks=self.sinks,
             alibi_slopes=self.alibi_slopes,
+            k_scale=p.k_scale,
+            v_scale=p.v_scale,
         )
         output[: m.num_tokens].copy_(cast(Tensor, out))  # varlen_attn without return_aux: a tensor
         return output
@@ -191,10 +220,10 @@ def _check_layer(attn_type: str, kv_cache_dtype: str, others: dict) -> None:
     """Refuses, naming it, what a layer asks for that this backend does not serve."""
     if attn_type != _compat.AttentionType.DECODER:
         raise _refuse(f"attention of type {attn_type!r} (only decoder layers are served)")
-    if kv_cache_dtype != "auto" and (
+    if kv_cache_dtype not in ("auto", INT8) and (
         kv_cache_dtype not in _CACHE_DTYPES or getattr(torch, kv_cache_dtype) != _compat.model_dtype()
     ):
-        raise _refuse(f"kv_cache_dtype={kv_cache_dtype!r} (the cache holds the model's dtype: 'auto')")
+        raise _refuse(f"kv_cache_dtype={kv_cache_dtype!r} (the model's dtype: 'auto'; ours in int8: {INT8!r})")
     used = {k: v for k, v in others.items() if v not in (None, False)}
     if used:
         raise _refuse(f"the attention arguments {sorted(used)}")
@@ -213,11 +242,19 @@ class MaskedAttnBackend(_compat.AttentionBackend):
 
     forward_includes_kv_cache_update = False  # vLLM calls do_kv_cache_update, then forward
     supported_dtypes = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes = ["auto", "bfloat16", "float16"]
+    supported_kv_cache_dtypes = ["auto", "bfloat16", "float16", INT8]
 
     @staticmethod
     def get_name() -> str:
         return _compat.BACKEND_NAME
+
+    @classmethod
+    def customize_spec(cls, spec: Any) -> Any:
+        """An int8 cache's tokens carry their key and value scales (float32 per head) beside the
+        rows: 8 more bytes per token and head in vLLM's page size (``pages`` places them)."""
+        if spec.kv_quant_mode != _compat.KVQuantMode.INT8_PER_TOKEN_HEAD or spec.state_content_bytes is not None:
+            return spec
+        return dataclasses.replace(spec, state_content_bytes=spec.head_size + spec.head_size_v + 8)
 
     @staticmethod
     def get_impl_cls() -> type[MaskedAttnImpl]:
