@@ -32,8 +32,8 @@ $(BUILT): $(STAMP) $(SOURCES)
 # torch_masked_attn.vllm's tests (tests/test_vllm_compat.py, tests/test_vllm.py: pytest --vllm; a plain
 # pytest run leaves them out): the seam, the backend against float64, then whole engines in
 # processes of their own against vLLM's own CPU backend on tiny random Llama, Mistral and Qwen2
-# (float32 and bfloat16), `vllm serve` with an HTTP client, tensor_parallel_size=2. About 20
-# minutes on 2 CPUs; not part of make test (CI runs it where the time allows).
+# (float32 and bfloat16), Gemma 2 and BLOOM, the int8 cache, `vllm serve` with an HTTP client,
+# tensor_parallel_size=2. About 30 minutes on 2 CPUs; not part of make test (nor yet of .ci/run).
 test-vllm: setup $(VLLM_SERVING)
 	$(VPY) -m pytest tests/test_vllm_compat.py tests/test_vllm.py --vllm -q
 
