@@ -14,7 +14,7 @@ import time
 import torch
 
 import torch_masked_attn as tma
-from torch_masked_attn import ops
+from torch_masked_attn import _library, ops
 
 CASES = {  # name: (B, H, Hkv, L, D, dtype), all causal
     "long-causal f32": (1, 8, 8, 4096, 64, torch.float32),
@@ -41,9 +41,8 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     labels = args.cpus.split(",")
-    print(
-        f"cpus {ops._clib.ma_cpu_count()}, threads {args.threads}; backward ms, median of 7, per CPU count of the rule"
-    )
+    cpus = _library._clib.ma_cpu_count()
+    print(f"cpus {cpus}, threads {args.threads}; backward ms, median of 7, per CPU count of the rule")
     for name, (B, H, Hkv, L, D, dt) in CASES.items():
         q = torch.randn(B, H, L, D, dtype=dt, requires_grad=True)
         k, v = (torch.randn(B, Hkv, L, D, dtype=dt, requires_grad=True) for _ in range(2))

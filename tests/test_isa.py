@@ -752,21 +752,21 @@ def test_decoding_rows_same_bits_as_prefill(isa, dtype, D, Lk):
 
 
 def test_enum_names_come_from_c_in_enum_order():
-    """ops reads the variants' and dtypes' names from the C library (common/isa.c), which must
+    """_library reads the variants' and dtypes' names from the C library (common/isa.c), which must
     name every value of masked_attn.h's enums in order; tools/fuzz.py and conftest take
     ops.built_isas()."""
     import pathlib
     import re
 
-    from torch_masked_attn import ops
+    from torch_masked_attn import _library, ops
 
     header = (pathlib.Path(__file__).resolve().parents[1] / "csrc" / "masked_attn.h").read_text()
     isas = {int(n): name.lower() for name, n in re.findall(r"\bMA_ISA_(\w+) = (\d+)", header)}
-    assert ops._ISAS == tuple(isas[i] for i in range(len(isas)))
+    assert _library._ISAS == tuple(isas[i] for i in range(len(isas)))
     short = {"BOOL": "bool", "F32": "float32", "F64": "float64", "BF16": "bfloat16", "F16": "float16", "I8": "int8"}
     dts = {int(n): short[name] for name, n in re.findall(r"\bMA_(BOOL|F32|F64|BF16|F16|I8) = (\d+)", header)}
-    assert ops._DTYPES == tuple(dts[i] for i in range(len(dts)))
-    assert all(getattr(torch, ops._DTYPES[v]) is k for k, v in ops._MA_DTYPE.items())
+    assert _library._DTYPES == tuple(dts[i] for i in range(len(dts)))
+    assert all(getattr(torch, _library._DTYPES[v]) is k for k, v in _library._MA_DTYPE.items())
     built = ops.built_isas()
-    assert built[0] == "scalar" and set(built) <= set(ops._ISAS)
-    assert all(ops.isa_available(n) <= (n in built) for n in ops._ISAS)
+    assert built[0] == "scalar" and set(built) <= set(_library._ISAS)
+    assert all(ops.isa_available(n) <= (n in built) for n in _library._ISAS)

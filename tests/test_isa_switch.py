@@ -54,10 +54,10 @@ def test_use_isa_rejects_unknown_and_restores():
     with pytest.raises(ValueError, match="one of"):
         with tma.ops.use_isa("sse9"):
             pass
-    before = tma.ops._clib.ma_isa_forced()
+    before = tma._library._clib.ma_isa_forced()
     with tma.ops.use_isa("scalar"):
-        assert tma.ops._clib.ma_isa_forced() == 0
-    assert tma.ops._clib.ma_isa_forced() == before
+        assert tma._library._clib.ma_isa_forced() == 0
+    assert tma._library._clib.ma_isa_forced() == before
 
 
 def test_isa_for_names_the_variant_a_call_gets():

@@ -153,7 +153,8 @@ def test_attention_options_declared_once():
         "csrc/attention/attention_tmpl.h",
         "csrc/attention/shared_tmpl.h",
         "csrc/shim/options.cpp",
-        "torch_masked_attn/ops.py",
+        "torch_masked_attn/ops.py",  # the ops' reference names the options
+        "torch_masked_attn/_options.py",
         "torch_masked_attn/functional.py",
         "torch_masked_attn/flash_attn.py",
         # vLLM hands its attention impls alibi_slopes (by position: the seam names the order)

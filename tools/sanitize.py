@@ -101,13 +101,13 @@ REPORT_MARKS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime erro
 GUARD = """
 import os
 import torch_masked_attn
-from torch_masked_attn import ops
+from torch_masked_attn import _library
 
 PKG = os.environ["SANITIZE_PKG"]
 
 
 def pytest_configure(config):
-    lib = ops._libs[0]
+    lib = _library._libs[0]
     if not os.path.realpath(lib).startswith(os.path.realpath(PKG) + os.sep):
         raise SystemExit(f"sanitize: the tests import {lib}, not the sanitized build under {PKG}")
     with open("/proc/self/maps") as f:
@@ -117,7 +117,7 @@ def pytest_configure(config):
 
 def pytest_report_header(config):
     return [f"sanitize: torch_masked_attn from {torch_masked_attn.__file__}",
-            f"sanitize: library {ops._libs[0]} (ASan + UBSan)"]
+            f"sanitize: library {_library._libs[0]} (ASan + UBSan)"]
 """
 
 

@@ -117,7 +117,7 @@ def _scatter_rows(grad_kept, kept, N):
     return out.index_copy_(0, kept, grad_kept)
 
 
-# an autograd.Function, not register_autograd: see "How gradients are registered" in ops.py
+# an autograd.Function, not register_autograd: see "How gradients are registered" in _autograd.py
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, bias, t, ignore_index, reduction, ls, z_loss, softcap, chunk_size):

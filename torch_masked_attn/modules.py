@@ -46,7 +46,7 @@ def _split_qkv(qkv, batch_first):
     return tuple(qkv.select(2, i).permute(*perm) for i in range(3))
 
 
-# an autograd.Function, not register_autograd: see "How gradients are registered" in ops.py
+# an autograd.Function, not register_autograd: see "How gradients are registered" in _autograd.py
 class _PackedSelfAttention(torch.autograd.Function):
     """Self-attention on one fused in-projection qkv, (N, L, 3, H, hd) or
     (L, N, 3, H, hd). Its backward writes dq, dk, dv straight into one buffer
@@ -125,7 +125,7 @@ def _merge_heads(t, batch_first):
     return t.permute(2, 0, 1, 3).reshape(L, N, H * hd)
 
 
-# an autograd.Function, not register_autograd: see "How gradients are registered" in ops.py
+# an autograd.Function, not register_autograd: see "How gradients are registered" in _autograd.py
 class _RecomputedSelfAttention(torch.autograd.Function):
     """A whole self-attention block, in-projection, attention and
     out-projection, as one autograd node, for long sequences. The forward

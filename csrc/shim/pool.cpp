@@ -1,6 +1,6 @@
 // pool.cpp -- the scratch pool, running task functions on PyTorch's intra-op
 // thread pool, huge-page advice and streaming stores for large outputs, and
-// the plain C entry points of the pool (ops.py, through ctypes).
+// the plain C entry points of the pool (_library.py, through ctypes).
 
 #include "shim/common.hpp"
 
@@ -177,7 +177,7 @@ bool worth_streaming(const Tensor& t) { return t.numel() * static_cast<int64_t>(
 
 using namespace masked_attn_shim;
 
-// Plain C entry points for torch_masked_attn (ops.py, through ctypes).
+// Plain C entry points for torch_masked_attn (_library.py, through ctypes).
 extern "C" {
 // Frees the scratch blocks the pool keeps between calls; returns the bytes freed.
 size_t ma_release_memory(void) { return scratch_pool().release(); }
