@@ -122,16 +122,15 @@ typedef struct {
 /* The options of one attention call (the masks aside), checked and filled
  * once by the shim (shim/options.cpp, parse_attn_opts) for every op. */
 typedef struct {
-    /* Sliding window, normalised by the shim: a side that reaches every key
-     * is -1. Dense calls: aligned to the top left, and a right side of 0 is
-     * is_causal; varlen calls (cu_q below): aligned to the bottom right of
-     * each sequence, query i of entry b sees keys i + Lk_b - Lq_b - window_left
-     * <= j <= i + Lk_b - Lq_b + window_right, and is_causal is 0 (causal is
-     * window_right = 0). The loops read only the band (ma_attn_args.band_lo,
-     * band_hi), which the shim (dense) or FN(seq_args) (varlen, per entry)
-     * derives from these. */
-    int64_t window_left;    /* query i sees keys j >= i - window_left; -1: no bound */
-    int64_t window_right;   /* ... and j <= i + window_right; -1: no bound */
+    /* Sliding window about the diagonal (ma_attn_args.diagonal: query i's is
+     * key i + diagonal): query i sees keys i + diagonal - window_left <= j <=
+     * i + diagonal + window_right; causal is window_right = 0. Dense calls
+     * take the call's diagonal (0: top-left aligned, Lk - Lq: bottom-right),
+     * normalised by the shim (a side that reaches every key is -1); varlen
+     * calls (cu_q below) each entry's bottom right, Lk_b - Lq_b. The loops
+     * read only the band (ma_attn_args.band_lo, band_hi, ma_attn_band). */
+    int64_t window_left;    /* query i sees keys j >= i + diagonal - window_left; -1: no bound */
+    int64_t window_right;   /* ... and j <= i + diagonal + window_right; -1: no bound */
     double softcap;         /* > 0: scores s -> softcap tanh(s / softcap) before the bias; 0: off */
     ma_mask sinks;          /* (H,) one logit per head in every row's denominator, stride[0] = h; ptr NULL: none */
     ma_mask head_mask;      /* (B, H) strides b, h: multiplies head (b, h)'s probabilities; ptr NULL: none */
@@ -166,16 +165,19 @@ typedef struct {
     int64_t out_stride[4];  /* of out: written by the forward, read by the backward */
     int64_t out_lo_stride[4];  /* of out_lo (below), when there is one */
     ma_mask attn_mask, key_padding_mask;
-    int is_causal;
+    /* The diagonal: query i's is key i + diagonal, the causal mask's and the
+     * window's reference (0: top-left aligned, SDPA's is_causal; Lk - Lq:
+     * bottom-right, flash-attn's). Varlen: set per entry to Lk_b - Lq_b. */
+    int64_t diagonal;
     double scale;
     ma_attn_opts opts;
     /* sizes */
     int64_t B, H, Hkv, Lq, Lk, D, Dv;
     int64_t block_q, block_k;   /* tile sizes, set by the shim */
     /* The band every score must pass: key j is visible to query i iff
-     * band_lo <= j - i <= band_hi (MA_BAND_INF: no bound). Dense: band_hi =
-     * 0 under is_causal, else window_right; band_lo = -window_left. Varlen:
-     * set per entry by the template from the window (see above). */
+     * band_lo <= j - i <= band_hi (MA_BAND_INF: no bound): ma_attn_band of
+     * the diagonal and the window, by the shim (dense) or per entry by the
+     * template (varlen). */
     int64_t band_lo, band_hi;
     /* Where the per-row statistics (lse, delta, dhm_rows) of row i of head
      * (b, h) live: b * stat_stride[0] + h * stat_stride[1] + i. Dense
@@ -210,6 +212,15 @@ typedef struct {
 
 /* No bound on that side of the band (ma_attn_args.band_lo = -MA_BAND_INF). */
 #define MA_BAND_INF ((int64_t)1 << 60)
+
+/* The band of a diagonal and a window (ma_attn_opts.window_*, -1: no bound):
+ * key j is visible to query i iff *band_lo <= j - i <= *band_hi. The one place
+ * the alignment becomes the band (|diagonal| < 2^40, checked by the shim). */
+static inline void ma_attn_band(int64_t diagonal, int64_t window_left, int64_t window_right, int64_t *band_lo,
+                                int64_t *band_hi) {
+    *band_lo = window_left >= 0 ? diagonal - window_left : -MA_BAND_INF;
+    *band_hi = window_right >= 0 ? diagonal + window_right : MA_BAND_INF;
+}
 
 typedef struct {
     /* outputs */

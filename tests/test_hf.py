@@ -340,22 +340,22 @@ def test_mask_function_hands_structure():
     args = m.kernel_args(L, L)
     assert args["is_causal"] and "attn_mask" not in args
     torch.testing.assert_close(args["key_padding_mask"], mask == 0)
-    # no padding at all: nothing but is_causal
+    # no padding at all: nothing but is_causal on the top-left diagonal
     m = create_causal_mask(cfg, _emb(B, L), torch.ones(B, L, dtype=torch.long), None)
-    assert m.kernel_args(L, L) == {"key_padding_mask": None, "is_causal": True}
-    # decoding one token onto a cache: every cached key is visible, no causal mask
+    assert m.kernel_args(L, L) == {"key_padding_mask": None, "is_causal": True, "diagonal": 0}
+    # decoding one token onto a cache: the diagonal at the last key (every cached key visible)
     cache = DynamicCache(config=cfg)
     cache.update(torch.zeros(B, 2, L, 8), torch.zeros(B, 2, L, 8), 0)
     cache.update(torch.zeros(B, 2, L, 8), torch.zeros(B, 2, L, 8), 1)
     m = create_causal_mask(cfg, _emb(B, 1), torch.ones(B, L + 1, dtype=torch.long), cache)
-    assert m.kernel_args(1, L + 1) == {"key_padding_mask": None, "is_causal": False}
-    # sliding window: masked_attention's own window on top of the causal path
+    assert m.kernel_args(1, L + 1) == {"key_padding_mask": None, "is_causal": True, "diagonal": L}
+    # sliding window: masked_attention's own window about the causal diagonal
     scfg = copy.deepcopy(MODELS["mistral"][1])
     scfg._attn_implementation = "masked_attn"
     m = create_sliding_window_causal_mask(scfg, _emb(B, L), mask, None)
     assert isinstance(m, hf.StructuredMask) and m.sliding_window == 4
     args = m.kernel_args(L, L)
-    assert args["window"] == (3, -1) and args["is_causal"]
+    assert args["window"] == (3, None) and args["is_causal"] and args["diagonal"] == 0
     # a mask the structure does not cover goes through as transformers' own tensor
     m = create_causal_mask(cfg, _emb(B, L), mask, None, or_mask_function=lambda b, h, q, k: k == 0)
     assert isinstance(m, torch.Tensor) and m.shape == (B, 1, L, L)

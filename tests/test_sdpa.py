@@ -114,6 +114,24 @@ def test_sdpa_causal(lq, lk, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("lq,lk", [(7, 7), (5, 9), (9, 5), (70, 130)])
+@pytest.mark.parametrize("variant", ["upper_left", "lower_right"])
+def test_sdpa_causal_bias(variant, lq, lk, dtype):
+    """PyTorch's CausalBias: the kernels' causal band about its diagonal, no mask built."""
+    from torch.nn.attention import bias
+
+    make = bias.causal_upper_left if variant == "upper_left" else bias.causal_lower_right
+    q, k, v = _rand(B, H, lq, D, dtype=dtype), _rand(B, H, lk, D, dtype=dtype), _rand(B, H, lk, D, dtype=dtype)
+    d = lk - lq if variant == "lower_right" else 0
+    blocked = torch.arange(lk)[None, :] > torch.arange(lq)[:, None] + d
+    run_sdpa_parity(q, k, v, attn_mask=make(lq, lk), ref_mask=blocked_to_additive(blocked))
+    with pytest.raises(ValueError, match="CausalBias should not be used with is_causal=True"):
+        tmaF.scaled_dot_product_attention(q, k, v, attn_mask=make(lq, lk), is_causal=True)
+    with pytest.raises(ValueError, match="the CausalBias is for"):
+        tmaF.scaled_dot_product_attention(q, k, v, attn_mask=make(lq + 1, lk))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("scale", [0.3, 1.0, 2.5e-2])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sdpa_scale(scale, causal, dtype):

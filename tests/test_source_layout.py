@@ -136,9 +136,9 @@ def test_attention_options_declared_once():
         common += 1
     shared = [name for name, _, _ in tails["forward"][len(tails["forward"]) - common :]]
     opts = torch_masked_attn.ops.AttnOptions(
-        window=(1, 2), softcap=1.0, sinks=torch.zeros(2), alibi_slopes=torch.zeros(2)
+        window=(1, 2), softcap=1.0, sinks=torch.zeros(2), alibi_slopes=torch.zeros(2), diagonal=3
     ).op_args()
-    assert shared == ["window_left", "window_right", "softcap", "sinks", "alibi_slopes"]
+    assert shared == ["window_left", "window_right", "softcap", "sinks", "alibi_slopes", "diagonal"]
     assert set(shared) <= set(opts)
     readers = set()
     for top in ("csrc", "torch_masked_attn"):

@@ -35,9 +35,10 @@ def _rand(*shape, dtype=torch.float32, scale=1.0):
     return (torch.randn(*shape, dtype=torch.float64) * scale).to(dtype)
 
 
-def window_blocked(Lq, Lk, window, causal=False):
-    """Bool (Lq, Lk), True where key j is outside query i's window (top-left aligned)."""
-    i = torch.arange(Lq)[:, None]
+def window_blocked(Lq, Lk, window, causal=False, diagonal=0):
+    """Bool (Lq, Lk), True where key j is outside query i's window or causal band, about the
+    diagonal j = i + diagonal (0: top-left aligned)."""
+    i = torch.arange(Lq)[:, None] + diagonal
     j = torch.arange(Lk)[None, :]
     blocked = torch.zeros(Lq, Lk, dtype=torch.bool)
     if window is not None:
@@ -66,6 +67,7 @@ def ref(
     scale=None,
     dtype=torch.float64,
     need_weights=False,
+    diagonal=0,
 ):
     """Plain-torch attention in ``dtype``: scores scale q.k, soft-capped, plus the
     additive masks (bool True = blocked), the window and causal masks as -inf,
@@ -92,7 +94,7 @@ def ref(
         s = s + additive(attn_mask)
     if key_padding_mask is not None:
         s = s + additive(key_padding_mask)[:, None, None, :]
-    s = s.masked_fill(window_blocked(Lq, Lk, window, causal), NEG)
+    s = s.masked_fill(window_blocked(Lq, Lk, window, causal, diagonal), NEG)
     if sinks is not None:
         s = torch.cat([s, sinks.to(dtype)[None, :, None, None].expand(B, H, Lq, 1)], dim=-1)
     empty = torch.isneginf(s).all(-1, keepdim=True)
@@ -107,12 +109,12 @@ def ref(
     return (out, lse, p) if need_weights else (out, lse)
 
 
-def _inputs(B, H, Hkv, Lq, Lk, D, *, causal, window, softcap, sinks, am, kpm, hm, dtype=torch.float32):
+def _inputs(B, H, Hkv, Lq, Lk, D, *, causal, window, softcap, sinks, am, kpm, hm, dtype=torch.float32, diagonal=0):
     """Random inputs and masks; the float ones require grad."""
     q = _rand(B, H, Lq, D, dtype=dtype).requires_grad_()
     k = _rand(B, Hkv, Lk, D, dtype=dtype).requires_grad_()
     v = _rand(B, Hkv, Lk, D, dtype=dtype).requires_grad_()
-    kw = dict(causal=causal, window=window, softcap=softcap)
+    kw = dict(causal=causal, window=window, softcap=softcap, diagonal=diagonal)
     kw["sinks"] = _rand(H, dtype=dtype).requires_grad_() if sinks else None
     if am == "float":
         m = _rand(B, 1, Lq, Lk, dtype=dtype)
@@ -144,6 +146,7 @@ def _ours(q, k, v, kw, need_weights=False):
         window=kw["window"],
         softcap=kw["softcap"],
         sinks=kw["sinks"],
+        diagonal=kw["diagonal"],
         need_weights=need_weights,
         return_lse=True,
     )
@@ -167,7 +170,8 @@ def _grads(outs, gouts, leaves):
 def check_against_ref(B, H, Hkv, Lq, Lk, D, *, need_weights=False, dtype=torch.float32, **opts):
     q, k, v, kw = _inputs(B, H, Hkv, Lq, Lk, D, dtype=dtype, **opts)
     leaves = _leaves(q, k, v, kw)
-    rkw = {n: kw.get(n) for n in ("attn_mask", "key_padding_mask", "head_mask", "causal", "window", "softcap", "sinks")}
+    names = ("attn_mask", "key_padding_mask", "head_mask", "causal", "window", "softcap", "sinks", "diagonal")
+    rkw = {n: kw.get(n) for n in names}
     ours = _ours(q, k, v, kw, need_weights)
     ref64 = ref(q, k, v, **rkw, need_weights=need_weights)
     pt = ref(q, k, v, **rkw, dtype=dtype, need_weights=need_weights)  # PyTorch's own error, in dtype
@@ -205,6 +209,21 @@ WINDOWS = [(5, None), (None, 3), (7, 2), (0, 0), (0, None), (None, 0), (64, 0), 
 @pytest.mark.parametrize("window", WINDOWS, ids=str)
 def test_window_values_and_grads(shape, window):
     check_against_ref(*shape, causal=False, window=window, softcap=None, sinks=False, am=None, kpm=None, hm=False)
+
+
+# the diagonal (query i's is key i + d): bottom-right (Lk - Lq), a cache's offset, one below
+# the top-left; causal or a window about it, and rows whose band holds no key
+DIAGONALS = ["bottom-right", 5, -7]
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 2, 70, 150, 16), (1, 2, 2, 150, 70, 16), (2, 2, 1, 65, 65, 8)], ids=str)
+@pytest.mark.parametrize("diagonal", DIAGONALS, ids=str)
+@pytest.mark.parametrize("causal,window", [(True, None), (True, (20, None)), (False, (9, 3)), (False, (None, 0))])
+def test_diagonal_values_and_grads(shape, diagonal, causal, window):
+    d = shape[4] - shape[3] if diagonal == "bottom-right" else diagonal
+    check_against_ref(
+        *shape, causal=causal, window=window, softcap=None, sinks=False, am=None, kpm="bool", hm=False, diagonal=d
+    )
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -412,7 +431,8 @@ def test_opcheck():
 @pytest.mark.parametrize("isa", SIMD_ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("need_weights", [False, True], ids=["single_pass", "two_pass"])
-def test_isa_against_scalar(isa, dtype, need_weights):
+@pytest.mark.parametrize("diagonal", [0, 64], ids=["top_left", "bottom_right"])
+def test_isa_against_scalar(isa, dtype, need_weights, diagonal):
     if not isa_available(isa):
         pytest.skip(f"this CPU has no {isa}")
     q, k, v, kw = _inputs(
@@ -430,6 +450,7 @@ def test_isa_against_scalar(isa, dtype, need_weights):
         am="float",
         kpm="bool",
         hm=True,
+        diagonal=diagonal,
     )
     leaves = _leaves(q, k, v, kw)
     res = {}
@@ -470,6 +491,12 @@ def test_identities_bitwise(isa):
         a = run(window=window, is_causal=causal)
         b = run(attn_mask=blocked)
         assert all(torch.equal(x, y) for x, y in zip(a, b)), (window, causal)
+    # so is a band about another diagonal (rows whose band is empty: 0, lse -inf, in both)
+    for window, causal, d in [(None, True, -20), ((30, 5), False, 37), ((12, None), True, 90), ((None, 0), False, -3)]:
+        blocked = window_blocked(L, L, window, causal, d)
+        a = run(window=window, is_causal=causal, diagonal=d)
+        b = run(attn_mask=blocked)
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), (window, causal, d)
 
 
 def test_sdpa_keywords():

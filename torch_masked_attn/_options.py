@@ -104,7 +104,9 @@ class AttnOptions:
     sinks (H,) floating or None; dropout_p in [0, 1] with dropout_seed (an
     int64 (seed, offset) tensor) when > 0; alibi_slopes (H,) or (B, H)
     float32 or None (flash-attn's: score += -slope * |i + Lk - Lq - j| after
-    the scaling and the soft-cap)."""
+    the scaling and the soft-cap); diagonal: query i's diagonal is key
+    i + diagonal, what is_causal and the window are relative to (0: top-left,
+    SDPA's; Lk - Lq: bottom-right, flash-attn's; the dense ops only)."""
 
     is_causal: bool = False
     window: tuple[int, int] = (-1, -1)
@@ -113,6 +115,7 @@ class AttnOptions:
     dropout_p: float = 0.0
     dropout_seed: Tensor | None = None
     alibi_slopes: Tensor | None = None
+    diagonal: int = 0
 
     @classmethod
     def check(
@@ -128,6 +131,7 @@ class AttnOptions:
         dropout_seed: object = None,
         window_size: Iterable[int] | None = None,
         alibi_slopes: object = None,
+        diagonal: object = 0,
     ) -> AttnOptions:
         """The options of a call of ``fn`` on queries ``q`` (B, H, L, D),
         checked. ``window`` is masked_attention's (left, right) with None
@@ -144,7 +148,8 @@ class AttnOptions:
             return cls(False, _validate.window_size(fn, window_size), softcap, sinks, alibi_slopes=alibi_slopes)
         win, softcap = _validate.window(fn, window), _validate.softcap(fn, softcap)
         _validate.sinks(fn, q, sinks)
-        return cls(bool(is_causal), win, softcap, sinks, dropout_p, seed, alibi_slopes)
+        diag = _validate.diagonal(fn, diagonal)
+        return cls(bool(is_causal), win, softcap, sinks, dropout_p, seed, alibi_slopes, diag)
 
     @classmethod
     def from_op(cls, a: SimpleNamespace) -> AttnOptions:
@@ -158,17 +163,7 @@ class AttnOptions:
             float(getattr(a, "dropout_p", 0.0)),
             getattr(a, "dropout_seed", None),
             a.alibi_slopes,
-        )
-
-    @property
-    def plain(self) -> bool:
-        """No window, soft-cap, sinks, dropout or ALiBi."""
-        return (
-            self.window == (-1, -1)
-            and self.softcap is None
-            and self.sinks is None
-            and not self.dropout_p
-            and self.alibi_slopes is None
+            int(getattr(a, "diagonal", 0)),
         )
 
     def op_args(self) -> dict[str, object]:
@@ -187,6 +182,8 @@ class AttnOptions:
             named["dropout_seed"] = self.dropout_seed
         if self.alibi_slopes is not None:
             named["alibi_slopes"] = self.alibi_slopes
+        if self.diagonal:
+            named["diagonal"] = self.diagonal
         return named
 
 

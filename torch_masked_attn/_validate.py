@@ -112,6 +112,18 @@ def window(fn: str, window: object) -> tuple[int, int]:
     return sides[0], sides[1]
 
 
+def diagonal(fn: str, diagonal: object) -> int:
+    """The diagonal: query i's is key i + diagonal, what is_causal and the window are relative to
+    (0: top-left aligned, Lk - Lq: bottom-right); any int."""
+    if isinstance(diagonal, Tensor) and diagonal.numel() == 1 and not diagonal.is_floating_point():
+        diagonal = int(diagonal.item())
+    if isinstance(diagonal, bool) or not isinstance(diagonal, int):
+        raise TypeError(f"{fn}: diagonal must be an int (0: top-left, Lk - Lq: bottom-right), got {diagonal!r}")
+    if not -(2**40) < diagonal < 2**40:
+        raise ValueError(f"{fn}: diagonal must be within +-2**40, got {diagonal}")
+    return int(diagonal)
+
+
 def window_size(fn: str, window_size: Iterable[int]) -> tuple[int, int]:
     """The same window in torch's varlen spelling, window_size=(left, right) (-1 unbounded), with
     torch's messages."""

@@ -35,10 +35,10 @@ Differences from flash-attn (every one a superset or a documented choice):
 * ``alibi_slopes`` runs in the kernels (``masked_attention`` / ``varlen_attn``'s ``alibi_slopes``),
   paged caches included. Fallbacks: varlen calls with dropout are padded to ``(batch, max_len, H, D)``
   (copies) and run there, their ALiBi then a float additive mask ``-slope * |i + Lk - Lq - j|`` of each
-  sequence's own lengths. The dense functions with
-  Lq != Lk and a window bound the top-left windows cannot express add a boolean mask (exact, slower).
-  flash-attn's kernels add ``slope * j`` instead of the documented bias when ``causal=True``: same
-  output, its ``softmax_lse`` larger by ``slope * (i + Lk - Lq)``; ours is the documented one.
+  sequence's own lengths. The dense functions hand the bottom-right diagonal to the kernels
+  (``masked_attention``'s ``diagonal=Lk - Lq``): no mask for any window. flash-attn's kernels add
+  ``slope * j`` instead of the documented bias when ``causal=True``: same output, its
+  ``softmax_lse`` larger by ``slope * (i + Lk - Lq)``; ours is the documented one.
 * ``flash_attn_with_kvcache`` has no backward (as flash-attn): it runs under ``torch.no_grad()``.
   ``num_splits`` is accepted and ignored (results never depend on splits or threads).
 * CPU tensors only: other devices raise (use flash-attn itself there).
@@ -212,30 +212,6 @@ def _empty_probs(q: Tensor) -> Tensor:
 # ---- the dense path: masked_attention --------------------------------------------------------------
 
 
-def _top_left(Lq: int, Lk: int, left: int, right: int, dev) -> tuple[tuple | None, bool, Tensor | None]:
-    """flash-attn's bottom-right window (left, right) (-1 unbounded) of one (Lq, Lk) pair as
-    masked_attention's top-left options: (window, is_causal, blocked). A bound the top-left window
-    cannot express becomes 0 there (a superset) and blocked, an (Lq, Lk) boolean mask, makes it
-    exact (None where none is needed)."""
-    off = Lk - Lq  # the diagonal of query i is key i + off
-    # the same window, top-left aligned (masked_attention's): i - wl <= j <= i + wr
-    wl = None if left < 0 else left - off
-    wr = None if right < 0 else right + off
-    blocked = None
-    if not ((wl is None or wl >= 0) and (wr is None or wr >= 0)):
-        d = torch.arange(Lq, device=dev)[:, None] + off - torch.arange(Lk, device=dev)[None]
-        blocked = torch.zeros(Lq, Lk, dtype=torch.bool, device=dev)
-        if left >= 0:
-            blocked |= d > left
-        if right >= 0:
-            blocked |= d < -right
-    wl = None if wl is None else max(wl, 0)
-    wr = None if wr is None else max(wr, 0)
-    if wl is None and wr == 0:
-        return None, True, blocked
-    return ((wl, wr) if wl is not None or wr is not None else None), False, blocked
-
-
 def _per_entry(q4: Tensor, Lk: int, left: int, right: int, lq, lk, kstart) -> tuple[Tensor, Tensor]:
     """The (B, 1, Lq, Lk) boolean mask of per-entry lengths (see _dense_attention) and window,
     each entry aligned to its own bottom right, and the distances |i + lk - lq - j| (ALiBi's)."""
@@ -283,9 +259,9 @@ def _dense_attention(
     Returns out (B, Lq, H, Dv) (contiguous), lse (B, H, Lq) or None (-inf where a row sees no key),
     and with want_probs and dropout the probabilities (B, H, Lq, Lk), negated where dropped."""
     H, Lk = q4.size(2), k4.size(1)
-    window, is_causal, mask, alibi_slopes = None, False, None, alibi
-    if lq is None and lk is None and kstart is None:
-        window, is_causal, mask = _top_left(q4.size(1), Lk, left, right, q4.device)
+    window, diagonal, mask, alibi_slopes = None, 0, None, alibi
+    if lq is None and lk is None and kstart is None:  # flash-attn's bottom-right diagonal, in the kernels
+        window, diagonal = (left, right), Lk - q4.size(1)
     else:
         mask, dist = _per_entry(q4, Lk, left, right, lq, lk, kstart)
         if alibi is not None:  # per-entry lengths: ALiBi as the additive mask of each entry's own
@@ -294,7 +270,7 @@ def _dense_attention(
             mask, alibi_slopes = (-slopes * dist.to(bias_dtype)).masked_fill(mask, float("-inf")), None
     qt, kt, vt = q4.transpose(1, 2), k4.transpose(1, 2), v4.transpose(1, 2)
     kw: dict[str, Any] = dict(
-        attn_mask=mask, is_causal=is_causal, window=window, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes
+        attn_mask=mask, window=window, diagonal=diagonal, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes
     )
     need_weights = want_probs and dropout_p > 0
     ret = _fn.masked_attention(qt, kt, vt, dropout_p=dropout_p, need_weights=need_weights, return_lse=want_lse, **kw)

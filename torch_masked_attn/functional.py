@@ -17,6 +17,7 @@ from typing import NamedTuple, cast
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from . import _paging, _validate, ops
 from . import devices as _devices
@@ -51,12 +52,14 @@ def native_attention(
     need_weights: bool = False,
     return_lse: bool = False,
     dropout_p: float = 0.0,
+    diagonal: int = 0,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """masked_attn::forward's semantics computed with PyTorch's native ops, on
     any device: (out, lse, weights), lse and weights None unless asked for.
 
     The op's conventions (bool masks True = blocked, floating masks added, all
-    masks summed, is_causal top-left and combined with the rest, head_mask
+    masks summed, is_causal (query i sees keys j <= i + diagonal; 0: top-left)
+    combined with the rest, head_mask
     after softmax and after dropout), and ours where native attention differs:
     a query row that no key may attend to gives 0, zero gradients, zero
     weights and lse -inf, never NaN. Without head_mask, weights and lse this
@@ -70,8 +73,9 @@ def native_attention(
     acc = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
     fused = not (need_weights or return_lse or head_mask is not None)
     kpm = None if key_padding_mask is None else key_padding_mask.view(B, 1, 1, Lk)
-    bias, dead = _native_bias(attn_mask, kpm, is_causal, Lq, Lk, q.dtype if fused else acc, q.device)
-    causal_alone = bool(is_causal) and attn_mask is None and kpm is None
+    causal_alone = bool(is_causal) and attn_mask is None and kpm is None and diagonal == 0
+    causal = bool(is_causal) and not causal_alone
+    bias, dead = _native_bias(attn_mask, kpm, causal, diagonal, Lq, Lk, q.dtype if fused else acc, q.device)
     if fused:
         out = F.scaled_dot_product_attention(
             q,
@@ -104,9 +108,11 @@ def native_attention(
     return out, lse, (p.to(q.dtype) if need_weights else None)
 
 
-def _native_bias(attn_mask, kpm, is_causal, Lq: int, Lk: int, dtype, device) -> tuple[Tensor | None, Tensor | None]:
-    """native_attention's masks (attn_mask, the key padding mask kpm (B, 1, 1, Lk), and is_causal
-    where another mask is given) summed into one additive bias of dtype, or None; and the rows no
+def _native_bias(
+    attn_mask, kpm, causal: bool, diagonal: int, Lq: int, Lk: int, dtype, device
+) -> tuple[Tensor | None, Tensor | None]:
+    """native_attention's masks (attn_mask, the key padding mask kpm (B, 1, 1, Lk), and, with
+    causal, keys j > i + diagonal blocked) summed into one additive bias of dtype, or None; and the rows no
     key may attend to (bool, (..., Lq, 1)), unmasked in the bias for the computation (no NaN
     anywhere, in the forward or the backward) and zeroed by the caller, or None."""
 
@@ -116,13 +122,13 @@ def _native_bias(attn_mask, kpm, is_causal, Lq: int, Lk: int, dtype, device) -> 
         return m.to(dtype)
 
     bias = None
+    if causal:
+        bias = additive(torch.ones(Lq, Lk, dtype=torch.bool, device=device).triu(1 + diagonal))
     for m in (attn_mask, kpm):
         if m is not None:
             bias = additive(m) if bias is None else bias + additive(m)
     if bias is None:
         return None, None
-    if is_causal:
-        bias = bias + additive(torch.ones(Lq, Lk, dtype=torch.bool, device=device).triu(1))
     dead = torch.isneginf(bias).all(-1, keepdim=True)
     return bias.masked_fill(dead, 0.0), dead
 
@@ -220,6 +226,7 @@ def masked_attention(
     alibi_slopes: Tensor | None = None,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
+    diagonal: int = 0,
 ) -> Tensor | tuple[Tensor, ...]:
     """Masked multi-head attention.
 
@@ -235,7 +242,8 @@ def masked_attention(
             its gradient (the backward then materialises dL/dS, (B, H, Lq, Lk)).
         head_mask: (H,) or (B, H), multiplies each head's attention
             probabilities (differentiable).
-        is_causal: query i sees key j only if j <= i (top-left aligned).
+        is_causal: query i sees key j only if j <= i + diagonal (top-left
+            aligned by default).
         scale: defaults to 1 / sqrt(D).
         dropout_p: drop each attention probability with this probability and
             scale the kept ones by 1 / (1 - dropout_p), inside the kernels (the
@@ -250,11 +258,10 @@ def masked_attention(
             float64 for float64 inputs); -inf for a fully masked row. It
             includes the sink when sinks are given.
         window: (left, right): query i sees only keys j with
-            i - left <= j <= i + right; a side None or -1 is unbounded.
-            Top-left aligned like is_causal (the diagonal j = i, also when
-            Lq != Lk), combined with every other mask; key blocks outside
-            the window are never computed. (W, 0) is a causal window of W
-            earlier keys.
+            i + diagonal - left <= j <= i + diagonal + right; a side None or
+            -1 is unbounded. Combined with every other mask; key blocks
+            outside the window are never computed. (W, 0) is a causal window
+            of W earlier keys.
         softcap: scores s (scaled q . k) become softcap * tanh(s / softcap)
             before the masks are added (Gemma 2).
         sinks: (H,) floating, one learned logit per head that joins every
@@ -270,6 +277,12 @@ def masked_attention(
             k_scale[j] * k[j]; the kernels apply the scales outside the dot
             products and never dequantize K or V. q float32, bfloat16 or
             float16 (the output's dtype). Inference only: no gradient.
+        diagonal: query i's diagonal is key i + diagonal, the reference of
+            is_causal and the window: 0 top-left aligned (SDPA's is_causal,
+            the diagonal j = i also when Lq != Lk), Lk - Lq bottom-right
+            (flash-attn's causal, PyTorch's causal_lower_right), or any
+            offset (a cache's position: transformers' q_offset - kv_offset).
+            A row whose band holds no key gives 0 (lse -inf).
 
     Returns:
         out (B, H, Lq, Dv), followed by weights if need_weights and by lse if
@@ -292,6 +305,7 @@ def masked_attention(
         and alibi_slopes is None
         and k_scale is None
         and v_scale is None
+        and not diagonal
         and _plain_call(q, k, v)
     ):
         out = _plain_forward(q, k, v, bool(is_causal), None if scale is None else float(scale))
@@ -310,6 +324,7 @@ def masked_attention(
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
         alibi_slopes=alibi_slopes,
+        diagonal=diagonal,
     )
     return _attention(
         q,
@@ -435,6 +450,7 @@ def _attention(
             bool(need_weights),
             bool(return_lse),
             opts.dropout_p,
+            opts.diagonal,
         )
     else:
         if opts.dropout_p > 0.0 and opts.dropout_seed is None:
@@ -458,6 +474,22 @@ def _attention(
     if not (need_weights or return_lse):
         return out
     return cast("tuple[Tensor, ...]", (out,) + ((weights,) if need_weights else ()) + ((lse,) if return_lse else ()))
+
+
+def _causal_bias(attn_mask, is_causal, query, key) -> tuple[Tensor | None, bool, int]:
+    """PyTorch's CausalBias as the kernels' causal diagonal: (attn_mask, is_causal, diagonal);
+    any other attn_mask as it is (diagonal 0)."""
+    if not isinstance(attn_mask, CausalBias):
+        return attn_mask, is_causal, 0
+    if is_causal:  # F.sdpa's rule
+        raise ValueError("scaled_dot_product_attention: CausalBias should not be used with is_causal=True")
+    L, S = query.size(-2), key.size(-2)
+    if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (L, S):
+        raise ValueError(
+            f"scaled_dot_product_attention: the CausalBias is for {attn_mask.seq_len_q} queries and "
+            f"{attn_mask.seq_len_kv} keys, got {L} and {S}"
+        )
+    return None, True, S - L if attn_mask.variant == CausalVariant.LOWER_RIGHT else 0
 
 
 def _sdpa_checked(query, key, value, attn_mask, enable_gqa: bool):
@@ -559,12 +591,17 @@ def scaled_dot_product_attention(
     attention probabilities inside the kernels (whenever given, as F.sdpa),
     the mask drawn from PyTorch's default generator.
 
+    attn_mask may be PyTorch's CausalBias (torch.nn.attention.bias.causal_upper_left /
+    causal_lower_right): the kernels' causal band about its diagonal, no mask.
+
     Keyword-only extensions (not in PyTorch), as in masked_attention:
     window=(left, right), softcap, sinks (Hq,), alibi_slopes (Hq,) or (B, Hq)
     (B the flattened batch dims).
     """
+    attn_mask, is_causal, diagonal = _causal_bias(attn_mask, is_causal, query, key)
     if (
         attn_mask is None
+        and not diagonal
         and not dropout_p
         and window is None
         and softcap is None
@@ -588,6 +625,7 @@ def scaled_dot_product_attention(
         sinks=sinks,
         dropout_p=dropout_p,
         alibi_slopes=alibi_slopes,
+        diagonal=diagonal,
     )
     out = _attention(q, k, v, mask, None, None, scale, False, False, opts, fn="scaled_dot_product_attention")
     assert isinstance(out, Tensor)  # neither weights nor lse asked for

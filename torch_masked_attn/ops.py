@@ -14,7 +14,8 @@ This module re-exports what the rest of the package and its users call.
 
 The ops themselves are defined in csrc/shim/ (schemas: registration.cpp;
 every attention schema ends with the same options, declared once in
-options.cpp: window_left=-1, window_right=-1, softcap?, sinks?, alibi_slopes?):
+options.cpp: window_left=-1, window_right=-1, softcap?, sinks?, alibi_slopes?,
+diagonal=0):
 
     masked_attn::forward(q, k, v, attn_mask?, key_padding_mask?, head_mask?,
                          is_causal, scale?, need_weights, dropout_p=0., dropout_seed?,
@@ -43,8 +44,11 @@ dropout_p > 0: the keep mask is a function of it and of the element's
 nothing and the backward, given the same seed, regenerates the same mask.
 new_dropout_seed() draws one from PyTorch's default generator.
 
-window_left / window_right: query i sees keys j in [i - left, i + right]
-(-1: that side unbounded), top-left aligned like is_causal. softcap: scores
+diagonal: query i's diagonal is key i + diagonal (0: top-left, SDPA's;
+Lk - Lq: bottom-right, flash-attn's); is_causal sees keys j <= i + diagonal,
+and window_left / window_right keys j in [i + diagonal - left, i + diagonal +
+right] (-1: that side unbounded). The varlen ops align each sequence to its
+own bottom right and take diagonal 0 only. softcap: scores
 s -> softcap * tanh(s / softcap) before the masks are added. sinks (H,): one
 logit per head in every row's softmax denominator (no value); lse includes
 it. The options are built and checked once per call (AttnOptions) and passed

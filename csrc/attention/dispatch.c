@@ -161,7 +161,8 @@ static void varlen_fill(const ma_attn_args *a, int kv, int64_t *t, int64_t n_ite
     int64_t ng = 0;
     for (int64_t b = 0; b < a->B; b++) {
         const int64_t Lq = seq_lq(a, b), Lk = seq_lk(a, b);
-        const int64_t lo = wl >= 0 ? Lk - Lq - wl : -MA_BAND_INF, hi = wr >= 0 ? Lk - Lq + wr : MA_BAND_INF;
+        int64_t lo, hi;
+        ma_attn_band(Lk - Lq, wl, wr, &lo, &hi); /* FN(seq_args)'s */
         if (!kv)
             for (int64_t qb = 0; qb * BQ < Lq; qb++, ng++) {
                 const int64_t i0 = qb * BQ, nr = ma_min(BQ, Lq - i0);

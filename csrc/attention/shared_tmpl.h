@@ -473,9 +473,8 @@ static int64_t FN(seq_args)(ma_attn_args *a, int64_t b, int64_t *k0) {
     a->opts.k_scale.ptr = FN(elem_at)(a->opts.k_scale.ptr, MA_F32, *k0 * a->opts.k_scale.stride[2]);
     a->opts.v_scale.ptr = FN(elem_at)(a->opts.v_scale.ptr, MA_F32, *k0 * a->opts.v_scale.stride[2]);
     a->Lq = Lq, a->Lk = Lk;
-    /* bottom-right aligned: the diagonal of query i is key i + Lk - Lq */
-    a->band_lo = a->opts.window_left >= 0 ? Lk - Lq - a->opts.window_left : -MA_BAND_INF;
-    a->band_hi = a->opts.window_right >= 0 ? Lk - Lq + a->opts.window_right : MA_BAND_INF;
+    a->diagonal = Lk - Lq; /* bottom-right aligned */
+    ma_attn_band(a->diagonal, a->opts.window_left, a->opts.window_right, &a->band_lo, &a->band_hi);
     return q0;
 }
 

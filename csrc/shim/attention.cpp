@@ -35,10 +35,8 @@ ma_attn_args attn_args(const Sizes& s, const Masks& m, const AttnOpts& o, const 
   a.attn_mask = m.attn_mask;
   a.key_padding_mask = m.key_padding_mask;
   a.opts = o.c;
-  a.is_causal = o.is_causal;
-  // the band the loops read (ma_attn_args): top-left aligned
-  a.band_lo = o.c.window_left >= 0 ? -o.c.window_left : -MA_BAND_INF;
-  a.band_hi = o.is_causal ? 0 : o.c.window_right >= 0 ? o.c.window_right : MA_BAND_INF;
+  a.diagonal = o.diagonal;
+  ma_attn_band(a.diagonal, o.c.window_left, o.c.window_right, &a.band_lo, &a.band_hi);
   a.stat_stride[0] = s.H * s.Lq, a.stat_stride[1] = s.Lq;
   a.scale = scale;
   a.B = s.B, a.H = s.H, a.Hkv = s.Hkv, a.Lq = s.Lq, a.Lk = s.Lk, a.D = s.D, a.Dv = s.Dv;

@@ -282,7 +282,7 @@ struct AttnBox<std::tuple<R...>(const AttnOptArgs&, A...), fn> {
 // kept for what the shim computes from them itself.
 struct AttnOpts {
   ma_attn_opts c{};
-  bool is_causal = false;  // dense: is_causal, or a window whose right side is 0
+  int64_t diagonal = 0;  // dense: the call's (ma_attn_args.diagonal); varlen: 0, per entry in the kernels
   std::optional<Tensor> sinks, head_mask;
 };
 

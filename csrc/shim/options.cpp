@@ -21,9 +21,9 @@ struct OptDecl {
 constexpr OptDecl kOpts[] = {
     {"int window_left=-1", OptKind::Int},         {"int window_right=-1", OptKind::Int},
     {"float? softcap=None", OptKind::OptFloat},   {"Tensor? sinks=None", OptKind::OptTensor},
-    {"Tensor? alibi_slopes=None", OptKind::OptTensor},
+    {"Tensor? alibi_slopes=None", OptKind::OptTensor}, {"int diagonal=0", OptKind::Int},
 };
-enum OptIndex { kWindowLeft, kWindowRight, kSoftcap, kSinks, kAlibi, kOptCount };
+enum OptIndex { kWindowLeft, kWindowRight, kSoftcap, kSinks, kAlibi, kDiagonal, kOptCount };
 static_assert(kOptCount == sizeof(kOpts) / sizeof(kOpts[0]), "kOpts and OptIndex must list the same options");
 
 int64_t opt_int(const AttnOptArgs& in, OptIndex i) { return std::get<int64_t>(in[i]); }
@@ -79,25 +79,29 @@ void parse_dropout(const Sizes& s, double dropout_p, const std::optional<Tensor>
   o->dropout_offset = static_cast<uint64_t>(x[t.stride(0)]);
 }
 
-// The window: each side -1 (no bound) or >= 0. Dense calls normalise it (top
-// left aligned): a side that reaches every key (left >= Lq - 1, right >=
-// Lk - 1) is unbounded (-1), is_causal caps the right side at 0, and a right
-// side of 0 is is_causal itself (which has the causal block skipping and
-// diagonal split): the kernels see window_right -1 or > 0. Varlen calls keep
-// it as given (bottom-right aligned per sequence: FN(seq_args)).
-void parse_window(const Sizes& s, int64_t left, int64_t right, bool causal, bool varlen, ma_attn_opts* o,
-                  bool* is_causal) {
+// The window: each side -1 (no bound) or >= 0, about the diagonal (query i's
+// is key i + diagonal: ma_attn_args). Dense calls normalise it: a side that
+// reaches every key (i + diagonal - left <= 0 for every i, or i + diagonal +
+// right >= Lk - 1) is unbounded (-1), after is_causal sets the right side to 0.
+// Varlen calls keep it as given (bottom-right aligned per sequence:
+// FN(seq_args)) and take no diagonal of their own.
+void parse_window(const Sizes& s, int64_t left, int64_t right, int64_t d, const DenseOptArgs& dense, bool varlen,
+                  ma_attn_opts* o, int64_t* diagonal) {
   MA_CHECK(left >= -1, "masked_attn: window_left must be -1 (no bound) or >= 0, got ", left);
   MA_CHECK(right >= -1, "masked_attn: window_right must be -1 (no bound) or >= 0, got ", right);
   if (varlen) {
+    MA_CHECK(d == 0, "masked_attn.varlen: diagonal must be 0 (each sequence is aligned to its bottom right), got ",
+             d);
     o->window_left = left, o->window_right = right;
-    *is_causal = false;
+    *diagonal = 0;
     return;
   }
-  o->window_left = left >= s.Lq - 1 ? -1 : left;
-  o->window_right = causal ? 0 : right >= s.Lk - 1 ? -1 : right;
-  *is_causal = causal || o->window_right == 0;
-  if (o->window_right == 0) o->window_right = -1;
+  constexpr int64_t kMaxDiagonal = int64_t{1} << 40;  // the band's sums stay far from MA_BAND_INF
+  MA_CHECK(d > -kMaxDiagonal && d < kMaxDiagonal, "masked_attn: diagonal must be within +-2^40, got ", d);
+  o->window_left = left < 0 || d - left <= -(s.Lq - 1) ? -1 : left;
+  const int64_t r = dense.is_causal ? 0 : right;
+  o->window_right = r < 0 || d + r >= s.Lk - 1 ? -1 : r;
+  *diagonal = d;
 }
 
 }  // namespace
@@ -106,7 +110,8 @@ AttnOpts parse_attn_opts(const Sizes& s, const AttnOptArgs& in, const DenseOptAr
   MA_CHECK(in.size() == kOptCount, "masked_attn: the options' values do not match their declarations");
   AttnOpts r;
   ma_attn_opts& o = r.c;
-  parse_window(s, opt_int(in, kWindowLeft), opt_int(in, kWindowRight), dense.is_causal, varlen, &o, &r.is_causal);
+  parse_window(s, opt_int(in, kWindowLeft), opt_int(in, kWindowRight), opt_int(in, kDiagonal), dense, varlen, &o,
+               &r.diagonal);
   if (const auto& softcap = opt_float(in, kSoftcap); softcap.has_value()) {
     MA_CHECK(std::isfinite(*softcap) && *softcap > 0, "masked_attn: softcap must be None or a finite number > 0, got ",
              *softcap);

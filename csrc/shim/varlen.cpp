@@ -165,7 +165,7 @@ ma_attn_args varlen_args(const Varlen& r, const Tensor& q, const Tensor& k, cons
   a.opts = o.c;  // the window bottom-right aligned per sequence: FN(seq_args)
   a.B = r.N, a.H = r.H, a.Hkv = r.Hkv, a.Lq = r.max_q, a.Lk = r.max_k, a.D = r.D, a.Dv = r.Dv;
   a.block_q = kBlockQ, a.block_k = kBlockK;
-  a.band_lo = -MA_BAND_INF, a.band_hi = MA_BAND_INF;  // per sequence: FN(seq_args)
+  a.band_lo = -MA_BAND_INF, a.band_hi = MA_BAND_INF;  // diagonal and band per sequence: FN(seq_args)
   a.stat_stride[0] = 0, a.stat_stride[1] = r.Tq;
   a.stream_stores = stream_stores;
   a.isa = select_isa(a.dtype);

@@ -12,8 +12,8 @@ Two parts, both registered in transformers' own interfaces:
   when it knows the structure (causal, bidirectional, sliding window over
   causal): it returns a :class:`StructuredMask` (the 2-D key padding, the
   query / key offsets and the pattern) which the attention function turns into
-  ``key_padding_mask`` + ``is_causal`` (+ a window, or a small (Lq, Lk) mask
-  shared by the batch when the diagonal is not the top-left one). Any other
+  ``key_padding_mask`` + ``is_causal`` + ``diagonal`` (the query / key offsets'
+  difference) (+ a window), which the kernels take as they are. Any other
   pattern (``or_mask_function`` / ``and_mask_function`` overlays, chunked and
   blockwise attention, callers that ask for a tensor) is built by
   transformers' own ``sdpa_mask`` and goes through as a mask.
@@ -130,8 +130,7 @@ class StructuredMask:
 
     def kernel_args(self, lq: int, lk: int) -> dict:
         """masked_attention's keyword arguments for queries (.., lq, ..) and
-        keys (.., lk, ..): key_padding_mask, is_causal, and attn_mask or window
-        for a diagonal that is not the top-left one."""
+        keys (.., lk, ..): key_padding_mask, is_causal, the diagonal and the window."""
         if lk != self.kv_length or lq != self.q_length:
             raise ValueError(
                 f"masked_attn: the attention mask was made for {self.q_length} queries and "
@@ -139,33 +138,12 @@ class StructuredMask:
             )
         if lq in self._cache:
             return self._cache[lq]
-        args = {"key_padding_mask": self.padding, "is_causal": False}
+        args: dict = {"key_padding_mask": self.padding, "is_causal": False}
         if self.causal:
-            # allowed: i + d - w < j <= i + d, with d the offset of the diagonal
-            d = int(self.q_offset) - int(self.kv_offset)
-            w = self.sliding_window
-            no_lower = w is None or (lq - 1) + d - w + 1 <= 0  # every row's lower bound <= 0
-            no_upper = d >= lk - 1  # every row sees up to the last key
-            left = -1 if no_lower or w is None else w - 1 - d  # -1: unbounded; < -1 cannot be a window
-            if no_lower and d == 0:
-                args["is_causal"] = True
-            elif no_lower and no_upper:
-                pass
-            elif d >= 0 and (no_lower or left >= 0):
-                if d == 0:  # the kernel's own causal path, the window's left side on top
-                    args["is_causal"], args["window"] = True, (left, -1)
-                else:
-                    args["window"] = (left, -1 if no_upper else d)
-            else:
-                # a small (1, 1, Lq, Lk) mask shared by batch and heads (True = blocked); the
-                # kernel skips the key blocks it blocks entirely
-                device = self.padding.device if self.padding is not None else self._hf_args.get("device", "cpu")
-                i = torch.arange(lq, device=device).unsqueeze(1) + d
-                j = torch.arange(lk, device=device).unsqueeze(0)
-                blocked = j > i
-                if not no_lower and w is not None:
-                    blocked |= j <= i - w
-                args["attn_mask"] = blocked[None, None]
+            # allowed: i + d - w < j <= i + d, with d = q_offset - kv_offset the diagonal
+            args["is_causal"], args["diagonal"] = True, int(self.q_offset) - int(self.kv_offset)
+            if self.sliding_window is not None:
+                args["window"] = (self.sliding_window - 1, None)
         self._cache[lq] = args
         return args
 
