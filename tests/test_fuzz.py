@@ -85,6 +85,7 @@ BROKEN = [
     ("attention", "head_mask", {"head_mask": True}),
     ("attention", "scale", {}),
     ("attention", "window", {"window": True, "hf": False}),
+    ("attention", "diagonal", {"diagonal_draw": True, "is_causal": True, "hf": False, "sdpa": False}),
     ("attention", "softcap", {"softcap": True, "softcap_value": 1.0}),
     ("attention", "sinks", {"sinks": True}),
     ("attention", "dropout", {"dropout": True, "dropout_p": 0.3, "hf": False}),
@@ -154,3 +155,12 @@ def test_slice_draws_split_and_stacked_decodes():
     split = [c for c in dec if c["splits"] in (2, 4, 16)]
     stacked = [c for c in split if c["H"] > c["Hkv"]]
     assert len(split) >= 5 and len(stacked) >= 3, (len(dec), len(split), len(stacked))
+
+
+def test_slice_draws_other_diagonals():
+    """The slice calls masked_attention with diagonal= (bottom-right and other offsets) under
+    is_causal and windows."""
+    seeds = [s for _, s in zip(range(CASES_PER_ISA), fuzz.case_seeds(MASTER_SEED))]
+    drawn = [fuzz.draw(s) for s in seeds if fuzz.kind_of(s) == "attention"]
+    diag = [c for c in drawn if c["diagonal"]]
+    assert len(diag) >= 8 and any(c["diagonal"] == c["Lk"] - c["Lq"] for c in diag), len(diag)

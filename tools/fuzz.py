@@ -16,7 +16,7 @@ sliced / expanded views, bool and float attn_mask of every broadcast shape,
 key padding with fully padded rows, head mask, causal, scale, need_weights,
 return_lse, gradients of q, k, v and of the float masks / head mask that
 require grad), sliding windows (either side None / -1 / 0 / around L),
-softcap, attention sinks (+ their gradient), dropout (an explicit
+causal and windows about another diagonal (diagonal=: bottom-right or any offset), softcap, attention sinks (+ their gradient), dropout (an explicit
 dropout_seed; the reference applies the keep mask re-implemented from its
 definition, Philox-4x32-10, so values and gradients are compared exactly as
 without dropout), now and then the F.scaled_dot_product_attention drop-in,
@@ -362,6 +362,7 @@ def draw_attention(seed: int, force: dict | None = None) -> dict:
     c["go"] = rounded(torch.randn(go_shape, generator=g, dtype=torch.float64), dtype)
     c["gw"] = rounded(torch.randn((B, H, Lq, Lk), generator=g, dtype=torch.float64), dtype)
     _draw_new_options(c, r, g, force)
+    c["diagonal"] = _draw_diagonal(seed, c, force)
     return c
 
 
@@ -391,6 +392,20 @@ def _draw_decode(seed: int, force: dict):
     H = d.choice((2, 4, 6, 8, d.randint(1, 8)))
     Hkv = d.choice([g for g in range(1, H + 1) if H % g == 0 and (g < H or H == 1)])
     return force.get("splits", d.choice((None, 1, 2, 4, 16))), (Lq, Lk), (H, Hkv)
+
+
+def _draw_diagonal(seed: int, c: dict, force: dict) -> int:
+    """Now and then (a quarter of the masked_attention calls with is_causal or a window) a
+    diagonal other than the top-left one (masked_attention's diagonal=): bottom-right, Lk - Lq,
+    or any offset from -Lq to Lk. Drawn from a generator of its own, so the rest of a seed's draw
+    is what it was before."""
+    d = random.Random(seed ^ 0xD1A60)
+    if c["sdpa"] or c["hf"] or not (c["causal"] or c["window"] is not None):
+        return 0
+    if not force.get("diagonal_draw", d.random() < 0.25):
+        return 0
+    Lq, Lk = c["Lq"], c["Lk"]
+    return force.get("diagonal", d.choice((Lk - Lq, Lk - Lq, d.randint(-Lq, Lk), d.randint(-3, 3))))
 
 
 def _draw_new_options(c: dict, r: random.Random, g: torch.Generator, force: dict):
@@ -493,6 +508,8 @@ def describe_attention(c: dict) -> str:
         s.append(f"head_mask{h['shape']}={vals}{'+grad' if h['rg'] else ''}")
     if c["causal"]:
         s.append("causal")
+    if c.get("diagonal"):
+        s.append(f"diagonal={c['diagonal']}")
     if c["scale"] is not None:
         s.append(f"scale={c['scale']}")
     if c["need_weights"]:
@@ -566,14 +583,19 @@ def _dropout_scale(c: dict, breaks: frozenset):
 
 def _structural(c: dict, breaks: frozenset):
     """The blocked pattern of the window and of the HF backend's structured mask,
-    bool (B or 1, 1, Lq, Lk), True = blocked; None if there is none."""
-    Lq, Lk = c["Lq"], c["Lk"]
-    i = torch.arange(Lq)[:, None]
+    bool (B or 1, 1, Lq, Lk), True = blocked; None if there is none. About a diagonal other
+    than the top-left one (c["diagonal"]), the causal part too (the references' own causal
+    is top-left)."""
+    Lq, Lk, diag = c["Lq"], c["Lk"], 0 if "diagonal" in breaks else c.get("diagonal", 0)
+    i = torch.arange(Lq)[:, None] + diag
     j = torch.arange(Lk)[None, :]
     blocked = None
+    causal = (not c["causal"]) if "causal" in breaks else c["causal"]
+    if diag and causal:
+        blocked = j > i
     if c["window"] is not None and "window" not in breaks:
         left, right = c["window"]
-        blocked = torch.zeros(Lq, Lk, dtype=torch.bool)
+        blocked = torch.zeros(Lq, Lk, dtype=torch.bool) if blocked is None else blocked
         if left is not None and left != -1:
             blocked |= j < i - left
         if right is not None and right != -1:
@@ -813,8 +835,8 @@ def _hf_call(c: dict, t: dict):
 def run_attention(c: dict, breaks: frozenset = frozenset()) -> Result:
     """Run one attention case through ours and the references. `breaks` makes the
     reference wrong on purpose ("causal": flips is_causal; "head_mask": drops it;
-    "scale": doubles it; "window", "softcap", "sinks", "dropout": drops them),
-    for the self-test."""
+    "scale": doubles it; "window", "softcap", "sinks", "dropout": drops them; "diagonal":
+    takes the top-left one), for the self-test."""
     dtype = c["dtype"]
     res = Result(describe_attention(c))
     go, gw = c["go"], c["gw"]
@@ -838,6 +860,8 @@ def run_attention(c: dict, breaks: frozenset = frozenset()) -> Result:
         extra = {}
         if c["window"] is not None:
             extra["window"] = c["window"]
+        if c.get("diagonal"):
+            extra["diagonal"] = c["diagonal"]
         if c["softcap"] is not None:
             extra["softcap"] = c["softcap"]
         if t["sinks"] is not None:
@@ -874,6 +898,8 @@ def run_attention(c: dict, breaks: frozenset = frozenset()) -> Result:
 
     # references: float64 (ref) and the input dtype (torch's own error)
     causal = (not c["causal"]) if "causal" in breaks else c["causal"]
+    if c.get("diagonal") and "diagonal" not in breaks:  # the causal part is in _structural's mask
+        causal = False
     scale = c["scale"]
     if "scale" in breaks:
         scale = 2.0 * (scale if scale is not None else 1.0 / math.sqrt(c["D"]))
