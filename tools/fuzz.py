@@ -16,7 +16,8 @@ sliced / expanded views, bool and float attn_mask of every broadcast shape,
 key padding with fully padded rows, head mask, causal, scale, need_weights,
 return_lse, gradients of q, k, v and of the float masks / head mask that
 require grad), sliding windows (either side None / -1 / 0 / around L),
-causal and windows about another diagonal (diagonal=: bottom-right or any offset), softcap, attention sinks (+ their gradient), dropout (an explicit
+causal and windows about another diagonal (diagonal=: bottom-right or any
+offset), softcap, attention sinks (+ their gradient), dropout (an explicit
 dropout_seed; the reference applies the keep mask re-implemented from its
 definition, Philox-4x32-10, so values and gradients are compared exactly as
 without dropout), now and then the F.scaled_dot_product_attention drop-in,
