@@ -216,7 +216,11 @@ def test_window_values_and_grads(shape, window):
 DIAGONALS = ["bottom-right", 5, -7]
 
 
-@pytest.mark.parametrize("shape", [(1, 4, 2, 70, 150, 16), (1, 2, 2, 150, 70, 16), (2, 2, 1, 65, 65, 8)], ids=str)
+# the last two: the decode kernel (at most 16 query rows), over several key chunks
+DIAGONAL_SHAPES = [(1, 4, 2, 70, 150, 16), (1, 2, 2, 150, 70, 16), (2, 2, 1, 65, 65, 8), (1, 8, 2, 3, 1100, 32)]
+
+
+@pytest.mark.parametrize("shape", DIAGONAL_SHAPES, ids=str)
 @pytest.mark.parametrize("diagonal", DIAGONALS, ids=str)
 @pytest.mark.parametrize("causal,window", [(True, None), (True, (20, None)), (False, (9, 3)), (False, (None, 0))])
 def test_diagonal_values_and_grads(shape, diagonal, causal, window):
