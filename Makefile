@@ -29,13 +29,13 @@ $(BUILT): $(STAMP) $(SOURCES)
 	$(VPY) -m pip install --no-build-isolation --no-deps -e .
 	touch $@
 
-# torch_masked_attn.vllm's tests (tests/test_vllm_compat.py, tests/test_vllm.py: pytest --vllm; a plain
+# torch_masked_attn.vllm's tests (tests/decode/test_vllm_compat.py, tests/decode/test_vllm.py: pytest --vllm; a plain
 # pytest run leaves them out): the seam, the backend against float64, then whole engines in
 # processes of their own against vLLM's own CPU backend on tiny random Llama, Mistral and Qwen2
 # (float32 and bfloat16), Gemma 2 and BLOOM, the int8 cache, `vllm serve` with an HTTP client,
 # tensor_parallel_size=2. About 30 minutes on 2 CPUs; not part of make test (nor yet of .ci/run).
 test-vllm: setup $(VLLM_SERVING)
-	$(VPY) -m pytest tests/test_vllm_compat.py tests/test_vllm.py --vllm -q
+	$(VPY) -m pytest tests/decode/test_vllm_compat.py tests/decode/test_vllm.py --vllm -q
 
 # the main job: train a small causal LM on Python's own documentation text
 # (pydoc_data.topics) on torch.nn and on ours side by side, then a tour of the
@@ -56,9 +56,9 @@ test: setup
 # transformers stays as it is. About 2 minutes; CI runs it after make test.
 HF_OLDEST     := 5.18.0
 HF_OLDEST_DIR := .hf-oldest
-HF_TESTS      := tests/test_hf.py tests/test_hf_serving.py tests/test_hf_trainer.py tests/test_hf_compat.py \
-	tests/test_kv_int8.py::test_int8_cache_generate_reads_the_quantized_cache \
-	tests/test_kv_int8.py::test_int8_cache_crop_and_beams tests/test_bad_input.py::test_hf_backend_bad_input
+HF_TESTS      := tests/hf/test_hf.py tests/hf/test_hf_serving.py tests/hf/test_hf_trainer.py tests/hf/test_hf_compat.py \
+	tests/decode/test_kv_int8.py::test_int8_cache_generate_reads_the_quantized_cache \
+	tests/decode/test_kv_int8.py::test_int8_cache_crop_and_beams tests/project/test_bad_input.py::test_hf_backend_bad_input
 test-hf-oldest: setup
 	test -f $(HF_OLDEST_DIR)/transformers-$(HF_OLDEST).dist-info/METADATA || { rm -rf $(HF_OLDEST_DIR) && \
 		$(VPY) -m pip install -q --no-deps --target $(HF_OLDEST_DIR) transformers==$(HF_OLDEST); }
@@ -112,13 +112,13 @@ bench: setup $(PEERS) $(VLLM_SERVING)
 	$(MAKE) docs
 
 # docs/performance.md's tables and README.md's results from benchmarks/results_*.json (tools/make_docs.py,
-# standard library only); tests/test_docs.py fails where the page differs.
+# standard library only); tests/project/test_docs.py fails where the page differs.
 docs:
 	$(PY) tools/make_docs.py
 
 # differential fuzzer (tools/fuzz.py): random attention and cross-entropy cases
 # against a float64 reference, FUZZ_SECONDS per instruction set the CPU runs;
-# each finding prints its replay seed. `make test` runs a slice (tests/test_fuzz.py).
+# each finding prints its replay seed. `make test` runs a slice (tests/project/test_fuzz.py).
 FUZZ_SECONDS ?= 600
 fuzz: setup
 	$(VPY) tools/fuzz.py --seconds $(FUZZ_SECONDS) --isa all

@@ -21,7 +21,7 @@ SHIM_SOURCES = sorted(glob.glob(os.path.join("csrc", "shim", "*.cpp")))
 SHIM_HEADERS = sorted(glob.glob(os.path.join("csrc", "shim", "*.hpp")))
 C_FLAGS = ["-std=c11", "-O3", "-fPIC", "-Wall", "-Wextra", "-fno-math-errno", "-I" + os.path.join(ROOT, "csrc")]
 # The wheels' glibc floor: no symbol newer than manylinux_2_28 allows (PyTorch's own wheels'
-# floor; tests/test_source_layout.py checks it; auditwheel tags today's build manylinux_2_27).
+# floor; tests/project/test_source_layout.py checks it; auditwheel tags today's build manylinux_2_27).
 # csrc/common/glibc_compat.h binds
 # the C units' exp and log to their old symbol versions; the shim renames libstdc++'s
 # __libc_single_threaded (glibc 2.32) to a variable of its own (csrc/shim/registration.cpp).
@@ -30,7 +30,7 @@ SHIM_FLAGS = ["-D__libc_single_threaded=ma_libc_single_threaded"]
 
 # The C11 translation units and the instruction-set flags of each, per machine
 # architecture: the one list the build, tools/sanitize.py (make sanitize) and the
-# C harnesses' tests (tests/test_c_harness.py) compile. An op's instance for
+# C harnesses' tests (tests/project/test_c_harness.py) compile. An op's instance for
 # instruction set X is csrc/<op>/X.c with X's flags (never -march=native); which
 # one runs is decided at run time (csrc/common/isa.c, csrc/<op>/dispatch.c).
 # Every csrc/**/*.c outside csrc/shim must be listed under some architecture

@@ -136,7 +136,7 @@ def quantize(B=8, L=4096, H=8, D=128):
         tf.write_kv_cache(k, v, kc, vc, slots, ks, vs)
         return kc
 
-    def native():  # the definition (tests/test_kv_int8.py, quant_ref) in PyTorch ops, into the same caches
+    def native():  # the definition (tests/decode/test_kv_int8.py, quant_ref) in PyTorch ops, into the same caches
         for x, xc, xs in ((k, kc, ks), (v, vc, vs)):
             xf = x.float()
             am = xf.abs().amax(-1, keepdim=True)

@@ -26,10 +26,12 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 _SEED_SALT = os.environ.get("TMA_TEST_SEED", "")
 
 
-# The vLLM tests (tests/test_vllm*.py: engines in their own processes, minutes) are an optional
+# The vLLM tests (tests/decode/test_vllm*.py: engines in their own processes, minutes) are an optional
 # group: collected only with --vllm (make test-vllm), never by a plain run (make test).
 def pytest_addoption(parser):
-    parser.addoption("--vllm", action="store_true", help="run the vLLM tests, tests/test_vllm*.py (make test-vllm)")
+    parser.addoption(
+        "--vllm", action="store_true", help="run the vLLM tests, tests/decode/test_vllm*.py (make test-vllm)"
+    )
 
 
 def pytest_ignore_collect(collection_path, config):

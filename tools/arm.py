@@ -62,20 +62,21 @@ NO_BF16_CPU = "a64fx"
 # The pytest slice: the ops against PyTorch and the scalar reference on every variant the
 # emulated CPU has (the tests parametrize over ISAs and skip the absent ones).
 ARM_SLICE = [
-    "tests/test_isa.py::test_variant_matches_scalar_and_torch",  # every shape edge, mask kinds, fwd + bwd
-    "tests/test_isa.py::test_converted_inputs",  # float32, bfloat16, float16
-    "tests/test_isa.py::test_short_query_blocks_match_the_tiles",  # decode rows: the tiles' bits
-    "tests/test_window_softcap_sinks.py::test_isa_against_scalar",  # windows, soft-capping, sinks
-    "tests/test_mask_skip.py::test_hf_mask_matches_sdpa_and_structural",  # padding + causal masks, skipped blocks
-    "tests/test_dropout.py::test_mask_is_the_definition",  # Philox on the vector integer ops
-    "tests/test_cross_entropy_options.py::test_variant_matches_scalar_and_torch",
-    "tests/test_varlen.py::test_thread_count_and_batch_invariance",  # bitwise, the default variant
-    "tests/test_kv_int8.py::test_quantize_kv_is_its_definition",  # the 8-bit cache: quantize_row
-    "tests/test_kv_int8.py::test_attention_over_int8_cache",  # int8 k, v: dot_rows and axpy_keys over int8 rows
-    "tests/test_kv_int8.py::test_decode_row_batch_invariant",
-    "tests/test_varlen.py::test_entries_match_dense_forward_bitwise",  # svebf16: varlen, paged = dense bits
-    "tests/test_varlen.py::test_tile_products_forward",  # svebf16: windows, softcap, sinks, pages
-    "tests/test_bf16_accuracy.py",  # svebf16 (BFMMLA's round-to-odd) against native's error
+    "tests/project/test_isa.py::test_variant_matches_scalar_and_torch",  # every shape edge, mask kinds, fwd + bwd
+    "tests/project/test_isa.py::test_converted_inputs",  # float32, bfloat16, float16
+    "tests/project/test_isa.py::test_short_query_blocks_match_the_tiles",  # decode rows: the tiles' bits
+    "tests/attention/test_window_softcap_sinks.py::test_isa_against_scalar",  # windows, soft-capping, sinks
+    # padding + causal masks, skipped blocks
+    "tests/attention/test_mask_skip.py::test_hf_mask_matches_sdpa_and_structural",
+    "tests/attention/test_dropout.py::test_mask_is_the_definition",  # Philox on the vector integer ops
+    "tests/loss/test_cross_entropy_options.py::test_variant_matches_scalar_and_torch",
+    "tests/attention/test_varlen.py::test_thread_count_and_batch_invariance",  # bitwise, the default variant
+    "tests/decode/test_kv_int8.py::test_quantize_kv_is_its_definition",  # the 8-bit cache: quantize_row
+    "tests/decode/test_kv_int8.py::test_attention_over_int8_cache",  # int8 k, v: dot_rows and axpy_keys over int8 rows
+    "tests/decode/test_kv_int8.py::test_decode_row_batch_invariant",
+    "tests/attention/test_varlen.py::test_entries_match_dense_forward_bitwise",  # svebf16: varlen, paged = dense bits
+    "tests/attention/test_varlen.py::test_tile_products_forward",  # svebf16: windows, softcap, sinks, pages
+    "tests/attention/test_bf16_accuracy.py",  # svebf16 (BFMMLA's round-to-odd) against native's error
     "-k",
     # the variants of the emulated CPU (SVE at 256 bits, SVE-BF16) and its default; svebf16 in bfloat16
     # only (its float32 and float16 calls run NEON's kernels)

@@ -52,7 +52,7 @@ appear where ref64 has NaN and nowhere else (equal infinities count as equal).
 Calibrated on 5,000 cases per ISA (scalar, avx2): the worst clean case uses
 about 0.6 of the slack, and a reference with causal flipped, the head mask
 dropped, the scale doubled or a cross-entropy option dropped gives findings
-(tests/test_fuzz.py).
+(tests/project/test_fuzz.py).
 
 Exit status 1 if there is any finding.
 """
@@ -385,7 +385,7 @@ def _draw_decode(seed: int, force: dict):
     number of work items (ops.decode_splits: None is the plan's rule). Drawn from a
     generator of its own, so a seed that draws no decode draws what it drew before.
     Returns None or (splits, (Lq, Lk), (H, Hkv))."""
-    d = random.Random(seed ^ 0xDEC0DE3)  # (no replayed seed in tests/test_fuzz.py draws one)
+    d = random.Random(seed ^ 0xDEC0DE3)  # (no replayed seed in tests/project/test_fuzz.py draws one)
     if not force.get("decode", d.random() < 0.15):
         return None
     Lq = d.choice((1, 1, 1, 2, 4, 8, 16, d.randint(1, 16)))
@@ -548,8 +548,8 @@ _M32 = 0xFFFFFFFF
 
 
 def _philox(c0, c1, c2, c3, k0, k1):
-    """Philox-4x32-10 on int64 tensors holding uint32 values (as tests/test_dropout.py,
-    which checks it against Random123's known answers)."""
+    """Philox-4x32-10 on int64 tensors holding uint32 values (as tests/reference.py;
+    tests/attention/test_dropout.py checks it against Random123's known answers)."""
     c = list(torch.broadcast_tensors(*(torch.as_tensor(x, dtype=torch.int64) for x in (c0, c1, c2, c3))))
     k0, k1 = k0 & _M32, k1 & _M32
     for _ in range(10):

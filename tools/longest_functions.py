@@ -7,7 +7,7 @@ A function's length is its lines from ``def`` to its last line, docstring and
 nested functions included (decorators not). Lists every function over the
 limit, longest first, as ``lines (docstring lines)  path:line  qualified.name``;
 ``--all`` lists every function. Paths default to the package, torch_masked_attn/.
-tests/test_source_layout.py holds the package to the limit (its exceptions
+tests/project/test_source_layout.py holds the package to the limit (its exceptions
 named there, each with its reason).
 """
 

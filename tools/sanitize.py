@@ -12,7 +12,7 @@ _C.abi3.so, which the editable install and other builds own):
                                       the sanitizer flags: the shim, linked with
                                       those kernel objects;
   build-sanitize/c/<harness>/         tests/c/*.c linked with those kernel objects
-                                      (the sources of tests/test_c_harness.py), run;
+                                      (the sources of tests/project/test_c_harness.py), run;
   build-sanitize/pkg/torch_masked_attn the package's .py files + that _C.abi3.so,
                                       first on PYTHONPATH for the pytest slice.
 
@@ -26,7 +26,7 @@ report aborts the process (abort_on_error, halt_on_error,
   python tools/sanitize.py                 # the build, the harnesses, the slice
   python tools/sanitize.py --c-only        # the kernels and the C harnesses only (make sanitize-c)
   python tools/sanitize.py -- -k causal    # extra arguments go to pytest
-  SANITIZE_TESTS="tests/test_isa.py" python tools/sanitize.py   # another slice (all of it)
+  SANITIZE_TESTS="tests/project/test_isa.py" python tools/sanitize.py   # another slice (all of it)
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from setup import C_FLAGS, C_UNITS, c_object_stale, check_c_units, compile_comma
 SAN_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined", "-g", "-O1"]
 
 
-# the harnesses (those of tests/test_c_harness.py) and the C units each links: the
+# the harnesses (those of tests/project/test_c_harness.py) and the C units each links: the
 # units of setup.py's list for this architecture under the ops' folders, so that
 # every instruction-set variant the build compiles is in its harness's link
 def _units(*ops: str) -> tuple[str, ...]:
@@ -67,18 +67,18 @@ HARNESSES = (("test_blocks.c", _units("common", "attention")), ("test_ce_blocks.
 # (overflow probes), the low-precision backward (out_lo) and the scratch pool's (reuse across shapes and
 # threads, release_memory, the key chunks' partial sums).
 DEFAULT_TESTS = (
-    "tests/test_bad_input.py tests/test_isa.py tests/test_cross_entropy.py tests/test_sdpa.py "
-    "tests/test_dropout.py tests/test_window_softcap_sinks.py tests/test_fuzz.py "
-    "tests/test_output_aliasing.py tests/test_meta_tensors.py tests/test_threads.py "
-    "tests/test_extreme_shapes.py tests/test_low_precision_backward.py tests/test_scratch.py "
-    "tests/test_kv_cache.py"
+    "tests/project/test_bad_input.py tests/project/test_isa.py tests/loss/test_cross_entropy.py "
+    "tests/attention/test_sdpa.py tests/attention/test_dropout.py tests/attention/test_window_softcap_sinks.py "
+    "tests/project/test_fuzz.py tests/attention/test_output_aliasing.py tests/attention/test_meta_tensors.py "
+    "tests/project/test_threads.py tests/attention/test_extreme_shapes.py "
+    "tests/attention/test_low_precision_backward.py tests/project/test_scratch.py tests/decode/test_kv_cache.py"
 )
 DEFAULT_SELECT = [
     "-k",
     "not opcheck and not _long and not torch_compile and not (parity_functional and (float64 or torch.float16))"
     " and not training_equivalence and not compile_with_dropout and not broken_reference",
     *(
-        f"--deselect=tests/test_isa.py::{t}"
+        f"--deselect=tests/project/test_isa.py::{t}"
         for t in (
             "test_single_pass_backward_gradcheck",
             "test_key_chunked_backward_gradcheck",
@@ -252,7 +252,7 @@ def python_slice(cc, pkg_root, extra):
     )
     # cwd build-sanitize/: `python -m` puts the cwd first on sys.path, and the
     # repository root there would give the unsanitized package; pytest itself
-    # adds only tests/ (conftest's directory). No .pytest_cache in the checkout.
+    # adds only tests/ (conftest's directory) and its topic folders. No .pytest_cache in the checkout.
     cmd = [
         sys.executable,
         "-m",

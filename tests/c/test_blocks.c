@@ -4,7 +4,7 @@
  * that hit every vector and micro-tile edge and on the special values
  * (-inf, NaN, huge) the kernels rely on. Exit status 0 = all passed.
  *
- *   built and run by tests/test_c_harness.py (make test)
+ *   built and run by tests/project/test_c_harness.py (make test)
  */
 #include <math.h>
 #include <stdio.h>

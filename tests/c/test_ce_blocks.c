@@ -6,7 +6,7 @@
  * values the kernels must handle (-inf logits, fully -inf rows, NaN, +inf,
  * large offsets), and in place (dx == x). Exit status 0 = all passed.
  *
- *   built and run by tests/test_c_harness.py (make test)
+ *   built and run by tests/project/test_c_harness.py (make test)
  */
 #include <math.h>
 #include <stdio.h>

@@ -13,7 +13,7 @@ semantics (tools/emulate/emu_bf16.h); everything else (packing, blocking,
 edges, the template's loops) runs as compiled. tools/emulate/harness.c is
 the C side: no C library, one thread, params filled as the shim fills them.
 
-`make test` runs a slice (tests/test_emulated_isa.py); `make emulate` more.
+`make test` runs a slice (tests/project/test_emulated_isa.py); `make emulate` more.
 bochscpu is a test dependency (make setup installs it), not the package's,
 and its wheel needs glibc 2.38's C23 symbols (this script supplies them
 with a small preloaded library where the system lacks them). Exit status 1

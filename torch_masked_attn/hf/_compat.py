@@ -3,7 +3,7 @@
 Every transformers name the backend uses comes from here: the importable ones
 through :data:`BORROWED` (resolved on first use, ``_compat.sdpa_mask``), the
 private attributes, closures and module globals through the functions below.
-tests/test_hf_compat.py checks each entry of the table against the installed
+tests/hf/test_hf_compat.py checks each entry of the table against the installed
 transformers (its parameters, attributes, closure variables, the globals its
 code reads), so an upgrade that renames one fails one named test.
 

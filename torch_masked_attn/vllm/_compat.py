@@ -2,7 +2,7 @@
 
 Every vLLM name the attention backend uses comes from here: the importable ones through
 :data:`BORROWED` (resolved on first use, ``_compat.AttentionBackend``), the configuration fields
-it reads through the functions below. tests/test_vllm_compat.py checks each entry of the table
+it reads through the functions below. tests/decode/test_vllm_compat.py checks each entry of the table
 against the installed vLLM (its parameters, attributes, dataclass fields), so an upgrade that
 renames one fails one named test.
 

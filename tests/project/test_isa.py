@@ -760,7 +760,7 @@ def test_enum_names_come_from_c_in_enum_order():
 
     from torch_masked_attn import _library, ops
 
-    header = (pathlib.Path(__file__).resolve().parents[1] / "csrc" / "masked_attn.h").read_text()
+    header = (pathlib.Path(__file__).resolve().parents[2] / "csrc" / "masked_attn.h").read_text()
     isas = {int(n): name.lower() for name, n in re.findall(r"\bMA_ISA_(\w+) = (\d+)", header)}
     assert _library._ISAS == tuple(isas[i] for i in range(len(isas)))
     short = {"BOOL": "bool", "F32": "float32", "F64": "float64", "BF16": "bfloat16", "F16": "float16", "I8": "int8"}

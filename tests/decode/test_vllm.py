@@ -5,7 +5,7 @@ prefill chunks over cached pages, decodes, several query rows over a long cache)
 impl against attention in float64 with plain PyTorch ops, for each feature it serves (sliding
 window, soft-cap, sinks, ALiBi, grouped or not, causal or not); what it refuses at start-up.
 
-Then whole engines, each run in a process of its own (tests/vllm_run.py), on tiny random Llama,
+Then whole engines, each run in a process of its own (tests/decode/vllm_run.py), on tiny random Llama,
 Mistral (sliding window) and Qwen2 models saved locally, float32 and bfloat16, with chunked
 prefill and prefix caching on: our backend's greedy tokens against vLLM's own CPU backend's,
 and the log-probabilities within the rounding of the two; `vllm serve` on localhost with a
@@ -34,7 +34,7 @@ from torch_masked_attn.functional import quantize_kv  # noqa: E402
 from torch_masked_attn.vllm import _compat, backend  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,7 +293,7 @@ _RUNS: dict = {}
 
 
 def engine_run(path: str, dtype: str, ours: bool, spec: dict | None = None, env: dict | None = None, **engine) -> dict:
-    """tests/vllm_run.py in a process of its own, our backend switched on or off (cached)."""
+    """tests/decode/vllm_run.py in a process of its own, our backend switched on or off (cached)."""
     spec = {**(spec or SPEC), "model": path, "dtype": dtype}
     spec["engine"] = {**spec.get("engine", {}), **engine}
     key = (json.dumps(spec, sort_keys=True), ours, json.dumps(env or {}, sort_keys=True))
@@ -578,7 +578,7 @@ def test_serve_answers_the_offline_tokens(model_dir):
 
 
 def _engine_of(options: dict) -> dict:
-    """The engine options of SERVE_OPTIONS that tests/vllm_run.py takes besides dtype."""
+    """The engine options of SERVE_OPTIONS that tests/decode/vllm_run.py takes besides dtype."""
     return {k: v for k, v in options.items() if k != "dtype"}
 
 

@@ -13,7 +13,7 @@ import torch
 
 import torch_masked_attn as tma
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _qkv(B=2, H=2, L=70, D=16, dtype=torch.float32, seed=0):

@@ -380,7 +380,7 @@ def test_state_dict_roundtrip_and_init():
 
 
 def test_dropout_train_runs():
-    # dropout in training mode runs inside the kernels (tests/test_dropout.py checks its statistics)
+    # dropout in training mode runs inside the kernels (tests/attention/test_dropout.py checks its statistics)
     ours = tma.MultiheadAttention(E, H, dropout=0.1)
     ours.train()
     x = torch.randn(L, N, E, requires_grad=True)

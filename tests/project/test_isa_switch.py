@@ -12,7 +12,7 @@ import torch
 import torch_masked_attn as tma
 from conftest import ISAS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _child(code, env):

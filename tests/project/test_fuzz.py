@@ -11,7 +11,7 @@ import torch
 
 from torch_masked_attn import ops
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "tools" / "fuzz.py"
+_PATH = pathlib.Path(__file__).resolve().parents[2] / "tools" / "fuzz.py"
 
 
 def _load_fuzz():

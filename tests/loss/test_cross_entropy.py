@@ -272,7 +272,7 @@ def test_float32_huge_logits_precision_bound():
 def _assert_drop_in_signature(ours, theirs):
     """PyTorch's parameters first, unchanged (names, kinds, defaults), then
     only our keyword-only options, off by default (z-loss, soft-capping,
-    in-place backward: tests/test_cross_entropy_options.py)."""
+    in-place backward: tests/loss/test_cross_entropy_options.py)."""
     po = list(inspect.signature(ours).parameters.values())
     pt = list(inspect.signature(theirs).parameters.values())
     assert [(p.name, p.kind, p.default) for p in po[: len(pt)]] == [(p.name, p.kind, p.default) for p in pt]

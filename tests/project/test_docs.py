@@ -19,7 +19,7 @@ import re
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
@@ -393,18 +393,18 @@ def _built_extension():
 
 
 def _glibc_ceiling():
-    """The newest glibc the build may ever need: tests/test_source_layout.py's GLIBC_FLOOR."""
+    """The newest glibc the build may ever need: tests/project/test_source_layout.py's GLIBC_FLOOR."""
     import ast
 
-    tree = ast.parse(_read("tests/test_source_layout.py"))
+    tree = ast.parse(_read("tests/project/test_source_layout.py"))
     for node in tree.body:
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "GLIBC_FLOOR":
             return tuple(ast.literal_eval(node.value)["GLIBC"])
-    raise AssertionError("tests/test_source_layout.py defines no GLIBC_FLOOR")
+    raise AssertionError("tests/project/test_source_layout.py defines no GLIBC_FLOOR")
 
 
 # a manylinux tag named after "newer than", "past" or "beyond" in the same clause is the ceiling
-# the build keeps under (tests/test_source_layout.py); every other one names the wheel's tag
+# the build keeps under (tests/project/test_source_layout.py); every other one names the wheel's tag
 _CEILING_CONTEXT = re.compile(r"(newer than|past|beyond)[^.;:()]*$")
 
 
@@ -429,7 +429,7 @@ def _glibc_texts():
 def test_glibc_floor_stated_is_the_wheels_tag():
     """README's glibc floor and every manylinux tag the docs, CHANGELOG, setup.py and the Makefile
     name are the tag auditwheel gives the built extension (read from its ELF version needs, the
-    policy auditwheel applies), or, after "newer than", the ceiling tests/test_source_layout.py
+    policy auditwheel applies), or, after "newer than", the ceiling tests/project/test_source_layout.py
     enforces."""
     arch, needed = _elf_needed_versions(_built_extension())
     if arch not in _POLICY:
@@ -791,7 +791,7 @@ def test_every_section_cited_exists():
     sections = _design_sections()
     wrong, cited = [], 0
     for rel, text in _source_texts().items():
-        if rel == "tests/test_docs.py" or (".md" not in text and "README" not in text):
+        if rel == "tests/project/test_docs.py" or (".md" not in text and "README" not in text):
             continue
         for page, what in cited_sections(rel, text):
             cited += 1
@@ -855,7 +855,7 @@ def quoted_paths(text):
 
 def test_every_path_quoted_exists():
     """Every source path the docs and the Makefile's comments quote (`csrc/attention/decode_tmpl.h`,
-    `tiles_hooks.h`, tests/test_decode.py) is a file or directory of the project."""
+    `tiles_hooks.h`, tests/decode/test_decode.py) is a file or directory of the project."""
     missing = []
     texts = {rel: _claims(rel) for rel in _docs()}
     texts["Makefile"] = _makefile()[2]
@@ -1015,7 +1015,7 @@ def test_identifiers_quoted_are_in_the_code():
     record of measurements, is left out."""
     words = set()
     for rel in _files():
-        if rel.endswith((".c", ".h", ".cpp", ".hpp", ".py")) and rel != "tests/test_docs.py":
+        if rel.endswith((".c", ".h", ".cpp", ".hpp", ".py")) and rel != "tests/project/test_docs.py":
             words.update(re.findall(r"\w+", _read(rel)))
     missing, named = [], 0
     for rel in _docs():

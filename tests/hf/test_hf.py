@@ -14,7 +14,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_dropout import keep_mask  # noqa: E402
 from transformers import (  # noqa: E402
     AttentionInterface,
     BertConfig,
@@ -42,6 +41,7 @@ from transformers.masking_utils import (  # noqa: E402
 
 import torch_masked_attn.functional as tma_F  # noqa: E402
 import torch_masked_attn.hf as hf  # noqa: E402
+from reference import keep_mask  # noqa: E402
 from torch_masked_attn import ops as tma_ops  # noqa: E402
 
 
@@ -488,7 +488,7 @@ def test_packed_sequences_real_varlen(name, monkeypatch):
     keyword extensions): logits and every parameter's gradient equal the reference
     implementation's on transformers' packed mask. (transformers 5.23 looks for packing in
     these models; GPT-OSS's masks never carry it, so its sinks reach varlen_attn only
-    through tests/test_varlen.py.)"""
+    through tests/attention/test_varlen.py.)"""
     calls = []
     real = tma_F.varlen_attn
     monkeypatch.setattr(tma_F, "varlen_attn", lambda *a, **k: calls.append(k) or real(*a, **k))
@@ -541,7 +541,7 @@ def _ref_dropout_mask(*args, **kwargs):
 def _ref_dropout_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Attention with dropout from the definition, in plain torch (float64): P = softmax(scale
     q k^T) under the mask, P' = P Z / (1 - p) with Z the keep mask of masked_attn.h
-    (test_dropout.keep_mask) for a (seed, offset) drawn from torch's default generator as
+    (reference.keep_mask) for a (seed, offset) drawn from torch's default generator as
     masked_attention draws it, out = P' v. Returns (B, Lq, H, Dv) as transformers wants."""
     B, H, Lq, _ = query.shape
     rep = H // key.shape[1]

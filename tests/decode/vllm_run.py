@@ -1,8 +1,8 @@
-"""One vLLM engine run for tests/test_vllm.py and benchmarks/vllm_generate.py: a process of its
+"""One vLLM engine run for tests/decode/test_vllm.py and benchmarks/vllm_generate.py: a process of its
 own (vLLM starts its engine in new processes; a run with our backend and one without must not
 share a process's plugin state).
 
-    python tests/vllm_run.py '<json spec>' out.json
+    python tests/decode/vllm_run.py '<json spec>' out.json
 
 The spec: model (a directory saved with save_pretrained), dtype, prompts (lists of token ids),
 max_tokens, logprobs (top-k per generated token, 0: none), prompt_logprobs (k: the prompt

@@ -26,7 +26,7 @@ vllm = pytest.importorskip("vllm")
 from torch_masked_attn import vllm as tma_vllm  # noqa: E402
 from torch_masked_attn.vllm import _compat, backend  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BORROWED = _compat.BORROWED
 
 

@@ -15,7 +15,7 @@ import pytest
 
 import torch_masked_attn
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # the package the tests import: the checkout's, or an installed wheel's (make test-wheel)
 PKG = os.path.dirname(os.path.abspath(torch_masked_attn.__file__))
 

@@ -25,7 +25,7 @@ from transformers import ContinuousBatchingConfig, Gemma2Config  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface, create_causal_mask, sdpa_mask  # noqa: E402
 from transformers.masking_utils import create_sliding_window_causal_mask as create_sliding_mask  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _load_compat():

@@ -235,7 +235,7 @@ def test_sdpa_fully_masked_rows(kind, dtype):
 
 
 def test_sdpa_dropout_train():
-    # dropout runs inside the kernels (tests/test_dropout.py checks it); a seed reproduces it
+    # dropout runs inside the kernels (tests/attention/test_dropout.py checks it); a seed reproduces it
     q = _rand(B, H, LQ, D)
     torch.manual_seed(5)
     a = tmaF.scaled_dot_product_attention(q, q, q, dropout_p=0.5)

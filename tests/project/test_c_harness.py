@@ -17,7 +17,7 @@ import pytest
 
 from conftest import isa_available
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 from setup import C_FLAGS, C_UNITS, isa_flags  # noqa: E402  (the build's own flags and C units)
 
