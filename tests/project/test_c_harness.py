@@ -6,12 +6,16 @@ building blocks against the scalar reference, in C.
   tests/c/test_ce_blocks.c  cross-entropy row blocks
   benchmarks/kernel_bwd.c   the attention forward and backward called from C, each
                             variant against the scalar one on a small causal shape
+
+The kernels' objects are the build's own (build/temp.*/c11/, what setup.py links into
+torch_masked_attn._C) where they are current; else compiled here with the same flags.
 """
 
 import concurrent.futures
 import os
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 
@@ -19,7 +23,8 @@ from conftest import isa_available
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-from setup import C_FLAGS, C_UNITS, isa_flags  # noqa: E402  (the build's own flags and C units)
+# the build's own flags, C units and objects
+from setup import C_FLAGS, C_UNITS, EXTRA_FLAGS, c_object_stale, isa_flags, object_name  # noqa: E402
 
 # setup.py's C units for this machine's architecture, by op: every variant the build compiles
 COMMON = tuple(u for u in C_UNITS if u.startswith("common/"))  # ma_isa_available
@@ -27,9 +32,24 @@ ATTENTION = tuple(u for u in C_UNITS if u.startswith("attention/"))
 CROSS_ENTROPY = tuple(u for u in C_UNITS if u.startswith("cross_entropy/"))
 
 
+def build_objects(sources):
+    """The objects setup.py's build_ext compiled from these units (build/temp.<platform>-<python>/c11/),
+    or None unless every one is there and newer than its source and every C header
+    (setup.c_object_stale, the build's own test) and MASKED_ATTN_CFLAGS adds no flags."""
+    c11 = os.path.join(ROOT, "build", f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}", "c11")
+    objs = [os.path.join(c11, object_name(os.path.join("csrc", src))) for src in sources]
+    if EXTRA_FLAGS or any(c_object_stale(os.path.join("csrc", src), obj) for src, obj in zip(sources, objs)):
+        return None
+    return objs
+
+
 def compile_objects(out_dir, sources):
-    """The kernels' sources compiled with the build's own flags, one compiler per CPU (the
-    largest part of make test's time on 2 cores); returns the object paths."""
+    """The build's objects of the kernels' sources (build_objects), or else the sources compiled
+    here with the build's own flags, one compiler per CPU (without a current build, the largest
+    part of make test's time on 2 cores); returns the object paths."""
+    built = build_objects(sources)
+    if built is not None:
+        return built
     cc = os.environ.get("CC", "cc")
 
     def compile_one(src):
