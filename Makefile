@@ -33,7 +33,7 @@ $(BUILT): $(STAMP) $(SOURCES)
 # pytest run leaves them out): the seam, the backend against float64, then whole engines in
 # processes of their own against vLLM's own CPU backend on tiny random Llama, Mistral and Qwen2
 # (float32 and bfloat16), Gemma 2 and BLOOM, the int8 cache, `vllm serve` with an HTTP client,
-# tensor_parallel_size=2. About 30 minutes on 2 CPUs; not part of make test (nor yet of .ci/run).
+# tensor_parallel_size=2. About 30 minutes on 2 CPUs; not part of make test nor of .ci/run (it says why).
 test-vllm: setup $(VLLM_SERVING)
 	$(VPY) -m pytest tests/decode/test_vllm_compat.py tests/decode/test_vllm.py --vllm -q
 
