@@ -1,16 +1,16 @@
-"""Shared fixtures and plain-PyTorch references for the torch_masked_attn tests.
+"""Shared fixtures and helpers for the torch_masked_attn tests.
 
 Helpers are imported by the test modules with ``from conftest import ...``
-(pytest puts this directory on sys.path because tests/ has no __init__.py).
+(pytest puts this directory on sys.path because tests/ has no __init__.py; the
+topic folders have none either, so their test files' names must differ).
 
-Yardsticks (docs/design.md, "Testing"):
-  * ``ref_attention`` / ``ref_mha``: attention in float64 with plain PyTorch ops,
-    the ground truth;
+Yardsticks (docs/design/10-testing.md):
+  * ``reference.attention64`` (tests/reference.py), and ``ref_mha`` on it:
+    attention in float64 with plain PyTorch ops, the ground truth;
   * ``assert_close_ref``: flash-attention's rule, our error against the float64
     reference is at most 2x PyTorch's own error against it, plus a small slack.
 """
 
-import math
 import os
 import zlib
 
@@ -18,6 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils._python_dispatch
+
+from reference import attention64
 
 # Keep the suite fast and deterministic on a 2-core machine.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -118,66 +120,6 @@ def random_additive(shape, p=0.3, keep_col0=True, dtype=torch.float32):
 
 
 # --------------------------------------------------------------------------
-# float64 attention reference
-# --------------------------------------------------------------------------
-
-
-def ref_attention(
-    q,
-    k,
-    v,
-    attn_mask_additive=None,
-    *,
-    scale=None,
-    is_causal=False,
-    head_mask=None,
-    dtype=torch.float64,
-    return_weights=False,
-    return_lse=False,
-):
-    """softmax(q k^T * scale + mask) v with plain PyTorch ops, in ``dtype``.
-
-    q (..., H, Lq, D), k (..., Hkv, Lk, D), v (..., Hkv, Lk, Dv); Hkv may
-    divide H (grouped-query: query head h uses kv head h // (H // Hkv)).
-    attn_mask_additive broadcasts to (..., H, Lq, Lk).  Rows whose scores are
-    all -inf give probabilities 0 (and gradient 0, no NaN).  head_mask (H,) or
-    (B, H) multiplies each head's probabilities after softmax.
-    Differentiable w.r.t. every tensor argument.
-    Returns out, plus weights (after head_mask) and/or lse if requested.
-    """
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    if q.dim() >= 4 and q.shape[-3] != k.shape[-3]:
-        rep = q.shape[-3] // k.shape[-3]
-        k = k.repeat_interleave(rep, dim=-3)
-        v = v.repeat_interleave(rep, dim=-3)
-    D = q.shape[-1]
-    if scale is None:
-        scale = 1.0 / math.sqrt(D)
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if attn_mask_additive is not None:
-        s = s + attn_mask_additive.to(dtype)
-    Lq, Lk = s.shape[-2], s.shape[-1]
-    if is_causal:
-        s = s.masked_fill(causal_blocked(Lq, Lk), float("-inf"))
-    empty = torch.isneginf(s).all(dim=-1, keepdim=True)
-    s_safe = torch.where(empty, torch.zeros((), dtype=dtype), s)
-    p = torch.softmax(s_safe, dim=-1)
-    p = torch.where(empty, torch.zeros((), dtype=dtype), p)
-    lse = torch.logsumexp(s, dim=-1)  # -inf on empty rows
-    if head_mask is not None:
-        hm = head_mask.to(dtype)
-        hm = hm.view(-1, 1, 1) if hm.dim() == 1 else hm.view(hm.shape[0], hm.shape[1], 1, 1)
-        p = p * hm
-    out = torch.matmul(p, v)
-    res = (out,)
-    if return_weights:
-        res += (p,)
-    if return_lse:
-        res += (lse,)
-    return res[0] if len(res) == 1 else res
-
-
-# --------------------------------------------------------------------------
 # nn.MultiheadAttention reference (plain ops; adds head_mask support)
 # --------------------------------------------------------------------------
 
@@ -251,11 +193,11 @@ def ref_mha(
         bias = bias + kpm.view(N, 1, 1, S)
     if is_causal and attn_mask is None:
         bias = bias.masked_fill(causal_blocked(L, S), float("-inf"))
-    out, w = ref_attention(
+    out, w = attention64(
         q.view(N, H, L, hd),
         k.view(N, H, S, hd),
         v.view(N, H, S, hd),
-        bias,
+        attn_mask=bias,
         head_mask=head_mask,
         dtype=dt,
         return_weights=True,

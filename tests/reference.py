@@ -2,14 +2,23 @@
 
 ``from reference import ...`` (tests/ is on sys.path: conftest.py's directory).
 
+* ``attention64``: attention with every option of masked_attention, in float64 unless told
+  otherwise: the one attention reference of the suite. Tests whose calling convention differs
+  (flash-attn's (B, L, H, D), packed sequences, a model's layer) call it through a thin adapter;
+  the same function in the test's dtype (``dtype=``) is PyTorch's own error on the same ops, the
+  yardstick of flash-attention's rule (conftest.assert_close_ref).
+* ``band_blocked``: the causal and window band about a diagonal, as a bool (Lq, Lk) mask.
 * ``philox``, ``keep_mask``: attention dropout's keep mask as masked_attn.h defines it
   (Philox-4x32-10; tests/attention/test_dropout.py checks it against Random123's known answers
   and the kernels' masks).
 """
 
+import math
+
 import torch
 
 M32 = 0xFFFFFFFF
+NEG_INF = float("-inf")
 
 
 # ---- dropout's keep mask, re-implemented in plain torch ---------------------------------------
@@ -43,3 +52,106 @@ def keep_mask(seed_tensor, B, H, Lq, Lk, p):
     sel = torch.gather(w, -1, ((j & 7) >> 1).unsqueeze(-1)).squeeze(-1)
     u = (sel >> (16 * (j & 1))) & 0xFFFF
     return u >= round(p * 65536)
+
+
+# ---- attention -----------------------------------------------------------------------------
+
+
+def _additive(mask, dtype):
+    """bool True = blocked -> -inf, float as is."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype).masked_fill(mask, NEG_INF)
+    return mask.to(dtype)
+
+
+def band_blocked(Lq, Lk, *, is_causal=False, window=None, diagonal=0):
+    """Bool (Lq, Lk), True where key j is outside query i's band about the diagonal j = i +
+    diagonal (0: top left; Lk - Lq: bottom right): after it when causal, further than left
+    before or right after it for window (left, right) (None or -1: unbounded)."""
+    i = torch.arange(Lq)[:, None] + diagonal
+    j = torch.arange(Lk)[None, :]
+    blocked = torch.zeros(Lq, Lk, dtype=torch.bool)
+    if is_causal:
+        blocked |= j > i
+    if window is not None:
+        left, right = (-1 if w is None else w for w in window)
+        if left >= 0:
+            blocked |= j < i - left
+        if right >= 0:
+            blocked |= j > i + right
+    return blocked
+
+
+def _per_head(x, H, dtype):
+    """(H,) or (B, H) -> broadcastable against (..., H, Lq, Lk)."""
+    x = x.to(dtype)
+    return x.view(H, 1, 1) if x.dim() == 1 else x.view(*x.shape, 1, 1)
+
+
+def attention64(
+    q,
+    k,
+    v,
+    *,
+    scale=None,
+    attn_mask=None,
+    key_padding_mask=None,
+    head_mask=None,
+    is_causal=False,
+    diagonal=0,
+    window=None,
+    softcap=None,
+    sinks=None,
+    alibi_slopes=None,
+    dropout_keep=None,
+    dropout_p=0.0,
+    dtype=torch.float64,
+    return_weights=False,
+    return_lse=False,
+):
+    """softmax(scores) v in ``dtype`` with plain PyTorch ops; differentiable in every tensor.
+
+    q (..., H, Lq, D), k (..., Hkv, Lk, D), v (..., Hkv, Lk, Dv) (or (Lq, D), (Lk, D), (Lk, Dv)):
+    query head h reads kv head h // (H // Hkv). Scores: q k^T * scale (default 1/sqrt(D)); soft-capped, s -> softcap *
+    tanh(s / softcap); ALiBi, -slope * |i + Lk - Lq - j| (alibi_slopes (H,) or (B, H)); plus
+    attn_mask (bool True = blocked, or additive; broadcasts to (..., H, Lq, Lk)) and
+    key_padding_mask ((B, Lk), bool True = blocked, or additive); -inf outside the band of
+    band_blocked(is_causal, window, diagonal). sinks (H,): a logit column of each row's softmax
+    with no value. A row with no allowed key gives 0 (lse -inf, or the sink's logit).
+    head_mask (H,) or (B, H) multiplies the probabilities after softmax; dropout_keep (bool,
+    broadcasting to the probabilities) keeps entries, scaled by 1 / (1 - dropout_p).
+    Returns out, then the weights (after head mask and dropout) and lse if asked for."""
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    H = q.shape[-3] if q.dim() >= 3 else 1
+    Lq, D = q.shape[-2:]
+    Lk = k.shape[-2]
+    if q.dim() >= 3 and k.shape[-3] != H:
+        k = k.repeat_interleave(H // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(H // v.shape[-3], dim=-3)
+    s = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(D) if scale is None else scale)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        dist = (torch.arange(Lq)[:, None] + Lk - Lq - torch.arange(Lk)[None, :]).abs().to(dtype)
+        s = s - _per_head(alibi_slopes, H, dtype) * dist
+    if attn_mask is not None:
+        s = s + _additive(attn_mask, dtype)
+    if key_padding_mask is not None:
+        kpm = _additive(key_padding_mask, dtype)
+        s = s + kpm.view(kpm.shape[0], *([1] * (s.dim() - 2)), Lk)
+    if is_causal or window is not None:
+        s = s.masked_fill(band_blocked(Lq, Lk, is_causal=is_causal, window=window, diagonal=diagonal), NEG_INF)
+    if sinks is not None:
+        s = torch.cat([s, _per_head(sinks, H, dtype).expand(*s.shape[:-1], 1)], dim=-1)
+    zero = torch.zeros((), dtype=dtype)
+    empty = torch.isneginf(s).all(dim=-1, keepdim=True)
+    p = torch.where(empty, zero, torch.softmax(torch.where(empty, zero, s), dim=-1))
+    lse = torch.logsumexp(s, dim=-1)
+    p = p[..., :Lk]
+    if head_mask is not None:
+        p = p * _per_head(head_mask, H, dtype)
+    if dropout_keep is not None:
+        p = p * dropout_keep.to(dtype) / (1 - dropout_p)
+    out = torch.matmul(p, v)
+    res = (out,) + ((p,) if return_weights else ()) + ((lse,) if return_lse else ())
+    return res[0] if len(res) == 1 else res

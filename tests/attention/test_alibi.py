@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import torch_masked_attn as tma
 from conftest import ISAS, assert_close64, assert_close_ref, isa_available, run_isa
+from reference import attention64, band_blocked
 
 tmaF = tma.functional
 
@@ -28,37 +29,6 @@ def alibi_bias(slopes, B, H, Lq, Lk, dtype=torch.float64):
     d = (torch.arange(Lq)[:, None] + Lk - Lq - torch.arange(Lk)[None]).abs().to(dtype)
     s = slopes.to(dtype).reshape(-1, H)[:, :, None, None].expand(B, H, 1, 1)
     return -s * d
-
-
-def reference(q, k, v, bias, *, scale=None, softcap=None, blocked=None, dtype=torch.float64):
-    """softmax(cap(q k^T scale) + bias, blocked -> -inf) v in dtype (rows with no key: 0)."""
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    if q.shape[1] != k.shape[1]:
-        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (k, v))
-    s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    s = s + bias.to(dtype)
-    if blocked is not None:
-        s = s.masked_fill(blocked, float("-inf"))
-    dead = torch.isneginf(s).all(-1, keepdim=True)
-    p = torch.softmax(s.masked_fill(dead, 0.0), -1).masked_fill(dead, 0.0)
-    return p @ v
-
-
-def band_blocked(Lq, Lk, causal, window):
-    """Top-left aligned causal / window (masked_attention's): True = blocked."""
-    i, j = torch.arange(Lq)[:, None], torch.arange(Lk)[None]
-    blocked = torch.zeros(Lq, Lk, dtype=torch.bool)
-    if causal:
-        blocked |= j > i
-    if window is not None:
-        left, right = window
-        if left is not None and left >= 0:
-            blocked |= j < i - left
-        if right is not None and right >= 0:
-            blocked |= j > i + right
-    return blocked
 
 
 def fwd_bwd(fn, q, k, v, g):
@@ -95,7 +65,7 @@ def test_masked_attention_alibi(isa, case, dtype):
     q, k, v = _rand(B, H, Lq, D, dtype=dtype), _rand(B, Hkv, Lk, D, dtype=dtype), _rand(B, Hkv, Lk, D, dtype=dtype)
     g = _rand(B, H, Lq, D, dtype=dtype)
     bias = alibi_bias(slopes, B, H, Lq, Lk)
-    blocked = band_blocked(Lq, Lk, causal, window)
+    blocked = band_blocked(Lq, Lk, is_causal=causal, window=window)
 
     def ours(q, k, v):
         return tmaF.masked_attention(
@@ -103,13 +73,14 @@ def test_masked_attention_alibi(isa, case, dtype):
         )
 
     res = run_isa(isa, lambda: fwd_bwd(ours, q, k, v, g))
-    ref = fwd_bwd(lambda q, k, v: reference(q, k, v, bias, softcap=cap, blocked=blocked), q, k, v, g.double())
+    band = dict(is_causal=causal, window=window, softcap=cap)
+    ref = fwd_bwd(lambda q, k, v: attention64(q, k, v, alibi_slopes=slopes, **band), q, k, v, g.double())
 
     def theirs_fn(q, k, v):  # PyTorch in the same dtype, the bias as a float mask
         if cap is None:
             mask = bias.to(dtype).masked_fill(blocked, float("-inf"))
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return reference(q, k, v, bias, softcap=cap, blocked=blocked, dtype=dtype)
+        return attention64(q, k, v, attn_mask=bias, dtype=dtype, **band)
 
     theirs = fwd_bwd(theirs_fn, q, k, v, g)
     for name, o, t, r in zip(("out", "dq", "dk", "dv"), res, theirs, ref):
@@ -127,7 +98,6 @@ def test_masked_attention_alibi_float64(case):
     q, k, v = _rand(B, H, Lq, D, dtype=torch.float64), _rand(B, Hkv, Lk, D, dtype=torch.float64), _rand(B, Hkv, Lk, D)
     v = v.double()
     g = _rand(B, H, Lq, D, dtype=torch.float64)
-    bias, blocked = alibi_bias(slopes, B, H, Lq, Lk), band_blocked(Lq, Lk, causal, window)
     res = fwd_bwd(
         lambda q, k, v: tmaF.masked_attention(
             q, k, v, is_causal=causal, window=window, softcap=cap, alibi_slopes=slopes
@@ -137,7 +107,8 @@ def test_masked_attention_alibi_float64(case):
         v,
         g,
     )
-    ref = fwd_bwd(lambda q, k, v: reference(q, k, v, bias, softcap=cap, blocked=blocked), q, k, v, g)
+    band = dict(is_causal=causal, window=window, softcap=cap)
+    ref = fwd_bwd(lambda q, k, v: attention64(q, k, v, alibi_slopes=slopes, **band), q, k, v, g)
     for name, o, r in zip(("out", "dq", "dk", "dv"), res, ref):
         assert_close64(o, r, name=f"{case}-{name}")
 
@@ -149,7 +120,8 @@ def test_alibi_after_softcap():
     slopes = torch.tensor([0.7, 1.3])
     out = tmaF.masked_attention(q, k, v, softcap=2.0, alibi_slopes=slopes)
     bias = alibi_bias(slopes, 1, 2, 20, 20)
-    torch.testing.assert_close(out.double(), reference(q, k, v, bias, softcap=2.0), atol=1e-5, rtol=1e-5)
+    ref = attention64(q, k, v, softcap=2.0, alibi_slopes=slopes)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     s = q.double() @ k.double().transpose(-1, -2) * 0.25 + bias
     wrong = torch.softmax(2.0 * torch.tanh(s / 2.0), -1) @ v.double()
     assert (out.double() - wrong).abs().max() > 1e-2
@@ -160,9 +132,7 @@ def test_sdpa_alibi_keyword():
     q, k, v = _rand(2, 3, 4, 40, 16), _rand(2, 3, 4, 50, 16), _rand(2, 3, 4, 50, 16)
     slopes = torch.rand(6, 4)
     out = tmaF.scaled_dot_product_attention(q, k, v, is_causal=True, alibi_slopes=slopes)
-    bias = alibi_bias(slopes, 6, 4, 40, 50).view(2, 3, 4, 40, 50)
-    mask = bias.float().masked_fill(band_blocked(40, 50, True, None), float("-inf"))
-    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask.double())
+    ref = attention64(q, k, v, is_causal=True, alibi_slopes=slopes.view(2, 3, 4))
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
     with pytest.raises(TypeError):
         tmaF.scaled_dot_product_attention(q, k, v, None, 0.0, False, None, False, None, None, None, slopes)
@@ -174,20 +144,12 @@ def test_sdpa_alibi_keyword():
 def _varlen_ref(q, k, v, cu_q, cu_k, slopes, window, dtype=torch.float64):
     """Per sequence: bottom-right aligned window and ALiBi, each with its own lengths."""
     outs = []
-    H = q.shape[1]
     for b in range(cu_q.numel() - 1):
-        qs, ks, vs = q[cu_q[b] : cu_q[b + 1]], k[cu_k[b] : cu_k[b + 1]], v[cu_k[b] : cu_k[b + 1]]
-        Lq, Lk = qs.shape[0], ks.shape[0]
+        qs, ks, vs = (t[c[b] : c[b + 1]].transpose(0, 1) for t, c in ((q, cu_q), (k, cu_k), (v, cu_k)))
         sl = slopes if slopes.dim() == 1 else slopes[b]
-        bias = alibi_bias(sl, 1, H, Lq, Lk)
-        d = torch.arange(Lq)[:, None] + Lk - Lq - torch.arange(Lk)[None]  # i + Lk - Lq - j
-        blocked = torch.zeros(Lq, Lk, dtype=torch.bool)
-        if window[0] >= 0:
-            blocked |= d > window[0]
-        if window[1] >= 0:
-            blocked |= d < -window[1]
-        o = reference(*(t.transpose(0, 1)[None] for t in (qs, ks, vs)), bias, blocked=blocked, dtype=dtype)
-        outs.append(o[0].transpose(0, 1))
+        diagonal = ks.shape[1] - qs.shape[1]
+        o = attention64(qs, ks, vs, window=window, diagonal=diagonal, alibi_slopes=sl, dtype=dtype)
+        outs.append(o.transpose(0, 1))
     return torch.cat(outs)
 
 
@@ -262,9 +224,8 @@ def test_flash_attn_func_alibi_native():
     q, k, v = _rand(B, L, H, D), _rand(B, 70, H, D), _rand(B, 70, H, D)
     slopes = torch.rand(B, H)
     out = fa.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes)
-    bias = alibi_bias(slopes, B, H, L, 70)
-    d = torch.arange(L)[:, None] + 70 - L - torch.arange(70)[None]
-    ref = reference(*(t.transpose(1, 2) for t in (q, k, v)), bias, blocked=d < 0).transpose(1, 2)
+    qkv = (t.transpose(1, 2) for t in (q, k, v))
+    ref = attention64(*qkv, is_causal=True, diagonal=70 - L, alibi_slopes=slopes).transpose(1, 2)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
 
 

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import torch_masked_attn as tma
-from conftest import allowed_to_additive, assert_close_ref, ref_attention
+from conftest import allowed_to_additive, assert_close_ref
+from reference import attention64
 from torch_masked_attn import functional as tmf
 
 BF16 = torch.bfloat16
@@ -37,7 +38,7 @@ def _ref_grads(q, k, v, g, mask=None, is_causal=False):
     inputs; output and (dq, dk, dv)."""
     q64, k64, v64 = (t.detach().to(BF16).double().requires_grad_() for t in (q, k, v))
     add = None if mask is None else allowed_to_additive(mask.to(BF16) if mask.is_floating_point() else mask)
-    out = ref_attention(q64, k64, v64, add, is_causal=is_causal)
+    out = attention64(q64, k64, v64, attn_mask=add, is_causal=is_causal)
     grads = torch.autograd.grad(out, (q64, k64, v64), g.double())
     return out, grads
 
@@ -99,9 +100,9 @@ def test_ops_forward_autocast(dtypes):
         out, lse, _, _ = torch.ops.masked_attn.forward(q, k, v, None, kpm, hm, True, None, False)
     assert out.dtype == BF16 and lse.dtype == F32
     q64, k64, v64 = (t.detach().to(BF16).double() for t in (q, k, v))
-    ref = ref_attention(q64, k64, v64, kpm.to(BF16)[:, None, None, :], is_causal=True, head_mask=hm)
+    ref = attention64(q64, k64, v64, attn_mask=kpm.to(BF16)[:, None, None, :], is_causal=True, head_mask=hm)
     with torch.autocast(**AUTOCAST):  # PyTorch on the same bf16 inputs, plain ops
-        native = ref_attention(q, k, v, kpm[:, None, None, :], is_causal=True, head_mask=hm, dtype=BF16)
+        native = attention64(q, k, v, attn_mask=kpm[:, None, None, :], is_causal=True, head_mask=hm, dtype=BF16)
     assert_close_ref(out, native, ref, name="out", dtype=BF16)
 
 
@@ -139,7 +140,7 @@ def test_varlen_autocast(dtypes):
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
         seq = [t[a:b].transpose(0, 1)[None] for t in (qb, kb, vb)]
         expect = tmf.masked_attention(*seq, is_causal=True)[0].transpose(0, 1)
-        ref = ref_attention(*(s.double() for s in seq), is_causal=True)[0].transpose(0, 1)
+        ref = attention64(*(s.double() for s in seq), is_causal=True)[0].transpose(0, 1)
         assert_close_ref(out[a:b], expect, ref, name=f"seq {a}:{b}", dtype=BF16)
     out.float().sum().backward()
     for t in (q, k, v):

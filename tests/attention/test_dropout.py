@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 import torch_masked_attn as tma
 from conftest import ISAS, isa_available, run_isa
-from reference import M32, keep_mask, philox
+from reference import M32, attention64, keep_mask, philox
 from torch_masked_attn import ops
 from torch_masked_attn.functional import masked_attention
 
@@ -149,20 +149,9 @@ def test_p_one_and_tiny():
 
 
 def _ref_from_mask(q, k, v, z, p, scale, bias=None, hm=None, is_causal=False):
-    """float64 reference: P = softmax(scale q k^T + bias), P' = hm P Z / (1 - p)."""
-    G = q.size(1) // k.size(1)
-    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
-    s = scale * q @ k.transpose(-1, -2)
-    if bias is not None:
-        s = s + bias
-    if is_causal:
-        Lq, Lk = s.shape[-2:]
-        s = s.masked_fill(torch.ones(Lq, Lk, dtype=torch.bool).triu(1), -math.inf)
-    P = torch.softmax(s, -1).nan_to_num(0.0)
-    w = P * z / (1 - p)
-    if hm is not None:
-        w = w * hm.view(1, -1, 1, 1)
-    return w @ v, w
+    """float64 reference: P = softmax(scale q k^T + bias), P' = hm P Z / (1 - p); (P' v, P')."""
+    kw = dict(attn_mask=bias, head_mask=hm, is_causal=is_causal, dropout_keep=z, dropout_p=p)
+    return attention64(q, k, v, scale=scale, return_weights=True, **kw)
 
 
 @pytest.mark.parametrize("isa", AVAILABLE)

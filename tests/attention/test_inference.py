@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import torch_masked_attn as tma
-from conftest import ISAS, TILE_ISAS, assert_close_ref, ref_attention
+from conftest import ISAS, TILE_ISAS, assert_close_ref
+from reference import attention64
 
 tmaF = tma.functional
 
@@ -127,7 +128,7 @@ def test_raw_op_out_lo(dtype):
             q64, k64, v64 = (t.detach().double() for t in (q, k, v))
             with torch.no_grad():
                 native = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-            assert_close_ref(out_f, native, ref_attention(q64, k64, v64, is_causal=True), name=f"{isa} out")
+            assert_close_ref(out_f, native, attention64(q64, k64, v64, is_causal=True), name=f"{isa} out")
         else:
             torch.testing.assert_close(out_f, out_t, rtol=0, atol=0, msg=lambda m: f"{isa}: {m}")
     torch.library.opcheck(
@@ -139,7 +140,7 @@ def test_raw_op_out_lo(dtype):
     g = torch.randn_like(out_f)
     got = torch.autograd.grad(out_f, (q, k, v), g)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = torch.autograd.grad(ref_attention(q64, k64, v64, is_causal=True), (q64, k64, v64), g.double())
+    ref = torch.autograd.grad(attention64(q64, k64, v64, is_causal=True), (q64, k64, v64), g.double())
     for name, a, r in zip("qkv", got, ref):
         err = (a.double() - r).abs().max().item()
         assert err < (3e-2 if dtype != torch.float32 else 1e-4) * max(r.abs().max().item(), 1.0), (name, err)

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch.autograd import gradcheck
 
 import torch_masked_attn as tma
-from conftest import FMA_ISAS, ISAS, allowed_to_additive, assert_close_ref, isa_available, ref_attention, run_isa
+from conftest import FMA_ISAS, ISAS, allowed_to_additive, assert_close_ref, isa_available, run_isa
+from reference import attention64
 
 tmaF = tma.functional
 
@@ -89,7 +90,7 @@ def sdpa_parity(allowed, q, k, v, g, name):
     ours = fwd_bwd(lambda q, k, v: tmaF.scaled_dot_product_attention(q, k, v, attn_mask=allowed), q, k, v, g)
     theirs = fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed), q, k, v, g)
     ref = fwd_bwd(
-        lambda q, k, v: ref_attention(q, k, v, allowed_to_additive(allowed)),
+        lambda q, k, v: attention64(q, k, v, attn_mask=allowed_to_additive(allowed)),
         q.double(),
         k.double(),
         v.double(),

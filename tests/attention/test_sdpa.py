@@ -16,8 +16,8 @@ from conftest import (
     causal_blocked,
     random_additive,
     random_blocked,
-    ref_attention,
 )
+from reference import attention64
 
 tmaF = tma.functional
 
@@ -51,7 +51,7 @@ def run_sdpa_parity(q, k, v, *, ref_mask=None, grad=True, **kw):
     q64 = q.detach().double().requires_grad_(grad)
     k64 = k.detach().double().requires_grad_(grad)
     v64 = v.detach().double().requires_grad_(grad)
-    ref = ref_attention(q64, k64, v64, ref_mask, scale=kw.get("scale"), is_causal=kw.get("is_causal", False))
+    ref = attention64(q64, k64, v64, attn_mask=ref_mask, scale=kw.get("scale"), is_causal=kw.get("is_causal", False))
     assert out.dtype == dtype
     assert out.shape == out_pt.shape
     assert not out.isnan().any()
@@ -349,14 +349,14 @@ def run_ma(q, k, v, kw, add, *, need_weights=False, return_lse=False, grad=True)
 
     r = [t.detach().double().requires_grad_(grad) for t in (q, k, v)]
     hm64 = None if hm is None else hm.detach().double().requires_grad_(grad)
-    ref, ref_w, ref_lse = ref_attention(
-        *r, add, scale=kw.get("scale"), head_mask=hm64, return_weights=True, return_lse=True
+    ref, ref_w, ref_lse = attention64(
+        *r, attn_mask=add, scale=kw.get("scale"), head_mask=hm64, return_weights=True, return_lse=True
     )
     # PyTorch's own error: the same plain ops evaluated in the input dtype
     pt_in = [t.detach().requires_grad_(grad) for t in (q, k, v)]
     hm_pt = None if hm is None else hm.detach().clone().requires_grad_(grad)
-    pt, pt_w = ref_attention(
-        *pt_in, add.to(dtype), scale=kw.get("scale"), head_mask=hm_pt, dtype=dtype, return_weights=True
+    pt, pt_w = attention64(
+        *pt_in, attn_mask=add.to(dtype), scale=kw.get("scale"), head_mask=hm_pt, dtype=dtype, return_weights=True
     )
 
     # ... and PyTorch's SDPA kernel (flash-style; head_mask folded into v),
@@ -476,7 +476,7 @@ def test_masked_attention_fully_masked_rows(dtype):
     assert torch.all(k.grad[1] == 0) and torch.all(v.grad[1] == 0)
     # the other rows still agree with the reference
     add = blocked_to_additive(am) + blocked_to_additive(kpm).view(B, 1, 1, LK)
-    ref = ref_attention(q.detach(), k.detach(), v.detach(), add)
+    ref = attention64(q.detach(), k.detach(), v.detach(), attn_mask=add)
     if dtype == torch.float64:
         assert_close64(out, ref, name="out")
     else:
@@ -519,7 +519,7 @@ def test_sdpa_causal_with_mask(dtype):
     q, k, v = _rand(B, H, LQ, D, dtype=dtype), _rand(B, H, LK, D, dtype=dtype), _rand(B, H, LK, D, dtype=dtype)
     m = ~random_blocked((B, 1, LQ, LK))
     out = tmaF.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=True)
-    ref = ref_attention(q, k, v, allowed_to_additive(m), is_causal=True)
+    ref = attention64(q, k, v, attn_mask=allowed_to_additive(m), is_causal=True)
     tol = 1e-10 if dtype == torch.float64 else 1e-5
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
@@ -611,7 +611,7 @@ def test_partial_requires_grad(which):
     ours = [t.clone().requires_grad_(n in which) for n, t in zip("qkv", (q, k, v))]
     refs = [t.clone().requires_grad_(n in which) for n, t in zip("qkv", (q, k, v))]
     out = tmaF.masked_attention(*ours, key_padding_mask=kpm, is_causal=True)
-    ref = ref_attention(*refs, blocked_to_additive(kpm).view(B, 1, 1, LK), is_causal=True)
+    ref = attention64(*refs, attn_mask=blocked_to_additive(kpm).view(B, 1, 1, LK), is_causal=True)
     g = torch.randn_like(out)
     out.backward(g)
     ref.backward(g)
@@ -633,7 +633,7 @@ def test_need_weights_partial_loss(use):
     ours = [t.clone().requires_grad_() for t in (q, k, v)]
     refs = [t.clone().requires_grad_() for t in (q, k, v)]
     out, w = tmaF.masked_attention(*ours, attn_mask=am, need_weights=True)
-    rout, rw = ref_attention(*refs, blocked_to_additive(am), return_weights=True)
+    rout, rw = attention64(*refs, attn_mask=blocked_to_additive(am), return_weights=True)
     if use == "weights_only":
         (w**2).sum().backward()
         (rw**2).sum().backward()
@@ -666,7 +666,7 @@ def test_masked_attention_mask_dtype_differs(mask_dtype):
     am = random_additive((LQ, LK), dtype=torch.float64).to(mask_dtype)
     kpm = random_additive((B, LK), dtype=torch.float64).to(mask_dtype)
     out = tmaF.masked_attention(q, k, v, attn_mask=am, key_padding_mask=kpm)
-    ref = ref_attention(q, k, v, am.double() + kpm.double().view(B, 1, 1, LK))
+    ref = attention64(q, k, v, attn_mask=am.double() + kpm.double().view(B, 1, 1, LK))
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
@@ -743,7 +743,7 @@ def test_plain_call_short_path(fn, grad, causal, dtype, monkeypatch):
     assert len(taken) == 1 and taken[0] is not None  # taken, and not silently refused
     for a, b in zip(*results):
         assert torch.equal(a, b)
-    ref = ref_attention(q.double(), k.double(), v.double(), None, scale=0.3, is_causal=causal)
+    ref = attention64(q.double(), k.double(), v.double(), scale=0.3, is_causal=causal)
     torch.testing.assert_close(
         results[0][0].double(),
         ref,

@@ -10,6 +10,7 @@ import torch
 from torch.autograd import gradcheck
 
 from conftest import SIMD_ISAS, TILE_ISAS, assert_close_ref, isa_available, run_isa
+from reference import attention64
 from torch_masked_attn.functional import AuxRequest, masked_attention, varlen_attn
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -19,67 +20,27 @@ def cu(lengths):
     return torch.tensor([0] + list(torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()), dtype=torch.int32)
 
 
-def visible(Lq, Lk, window):
-    """Bool (Lq, Lk): query i sees key j (bottom-right aligned window, flash-attn's)."""
-    left, right = window
-    i = torch.arange(Lq)[:, None]
-    j = torch.arange(Lk)[None, :]
-    ok = torch.ones(Lq, Lk, dtype=torch.bool)
-    if right >= 0:
-        ok &= j <= i + Lk - Lq + right
-    if left >= 0:
-        ok &= j >= i + Lk - Lq - left
-    return ok
-
-
 def ref_varlen(q, k, v, cq, ck, window=(-1, -1), scale=None, dtype=torch.float64, softcap=None, sinks=None):
-    """Per sequence, plain torch ops in `dtype`: out (T_q, H, Dv), lse (H, T_q).
-    Rows that see no key give 0 and lse -inf (the sink's logit with sinks).
-    softcap: s -> softcap tanh(s / softcap) before the window; sinks (H,): a
-    logit column of its own in each row's softmax, no value."""
-    if softcap is not None or sinks is not None:
-        return _ref_varlen_cap_sinks(q, k, v, cq, ck, window, scale, dtype, softcap, sinks)
-    H, Hkv = q.shape[1], k.shape[1]
-    G = H // Hkv
-    sc = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
+    """Per sequence, the reference (tests/reference.py) in `dtype`, the window about each
+    sequence's bottom-right diagonal (flash-attn's): out (T_q, H, Dv), lse (H, T_q) in float64.
+    Rows that see no key give 0 and lse -inf (the sink's logit with sinks)."""
     outs, lses = [], []
     for b in range(len(cq) - 1):
-        qs = q[cq[b] : cq[b + 1]].to(dtype).transpose(0, 1)
-        ks = k[ck[b] : ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(G, 0)
-        vs = v[ck[b] : ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(G, 0)
-        Lq, Lk = qs.shape[1], ks.shape[1]
-        s = (qs @ ks.transpose(-1, -2)) * sc
-        s = s.masked_fill(~visible(Lq, Lk, window), float("-inf"))
-        lse = torch.logsumexp(s.double(), -1)
-        p = torch.softmax(s, -1).nan_to_num(0.0) if Lk > 0 else s
-        o = p @ vs if Lk > 0 else qs.new_zeros(H, Lq, v.shape[-1])
-        outs.append(o.transpose(0, 1))
-        lses.append(lse if Lk > 0 else torch.full((H, Lq), float("-inf"), dtype=torch.float64))
-    return torch.cat(outs), torch.cat(lses, -1)
-
-
-def _ref_varlen_cap_sinks(q, k, v, cq, ck, window, scale, dtype, softcap, sinks):
-    H, Hkv = q.shape[1], k.shape[1]
-    G = H // Hkv
-    sc = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
-    outs, lses = [], []
-    for b in range(len(cq) - 1):
-        qs = q[cq[b] : cq[b + 1]].to(dtype).transpose(0, 1)
-        ks = k[ck[b] : ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(G, 0)
-        vs = v[ck[b] : ck[b + 1]].to(dtype).transpose(0, 1).repeat_interleave(G, 0)
-        Lq, Lk = qs.shape[1], ks.shape[1]
-        s = (qs @ ks.transpose(-1, -2)) * sc
-        if softcap is not None:
-            s = softcap * torch.tanh(s / softcap)
-        s = s.masked_fill(~visible(Lq, Lk, window), float("-inf"))
-        if sinks is not None:  # the sink's column: in the softmax, no value
-            s = torch.cat([s, sinks.to(dtype)[:, None, None].expand(H, Lq, 1)], -1)
-        lse = torch.logsumexp(s.double(), -1)
-        p = torch.softmax(s, -1).nan_to_num(0.0)
-        if sinks is not None:
-            p = p[..., :-1]
-        outs.append((p @ vs).transpose(0, 1))
-        lses.append(lse)
+        qs, ks, vs = (t[c[b] : c[b + 1]].transpose(0, 1) for t, c in ((q, cq), (k, ck), (v, ck)))
+        out, lse = attention64(
+            qs,
+            ks,
+            vs,
+            scale=scale,
+            window=window,
+            diagonal=ks.shape[1] - qs.shape[1],
+            softcap=softcap,
+            sinks=sinks,
+            dtype=dtype,
+            return_lse=True,
+        )
+        outs.append(out.transpose(0, 1))
+        lses.append(lse.double())
     return torch.cat(outs), torch.cat(lses, -1)
 
 

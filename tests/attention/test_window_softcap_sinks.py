@@ -17,8 +17,6 @@
 * bad input raises clear errors.
 """
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,6 +24,7 @@ from torch.autograd import gradcheck
 
 import torch_masked_attn as tma
 from conftest import ISAS, SIMD_ISAS, assert_close_ref, isa_available, run_isa
+from reference import attention64, band_blocked
 
 tmaF = tma.functional
 NEG = float("-inf")
@@ -35,78 +34,11 @@ def _rand(*shape, dtype=torch.float32, scale=1.0):
     return (torch.randn(*shape, dtype=torch.float64) * scale).to(dtype)
 
 
-def window_blocked(Lq, Lk, window, causal=False, diagonal=0):
-    """Bool (Lq, Lk), True where key j is outside query i's window or causal band, about the
-    diagonal j = i + diagonal (0: top-left aligned)."""
-    i = torch.arange(Lq)[:, None] + diagonal
-    j = torch.arange(Lk)[None, :]
-    blocked = torch.zeros(Lq, Lk, dtype=torch.bool)
-    if window is not None:
-        left, right = (-1 if w is None else w for w in window)
-        if left >= 0:
-            blocked |= j < i - left
-        if right >= 0:
-            blocked |= j > i + right
-    if causal:
-        blocked |= j > i
-    return blocked
-
-
-def ref(
-    q,
-    k,
-    v,
-    *,
-    attn_mask=None,
-    key_padding_mask=None,
-    head_mask=None,
-    causal=False,
-    window=None,
-    softcap=None,
-    sinks=None,
-    scale=None,
-    dtype=torch.float64,
-    need_weights=False,
-    diagonal=0,
-):
-    """Plain-torch attention in ``dtype``: scores scale q.k, soft-capped, plus the
-    additive masks (bool True = blocked), the window and causal masks as -inf,
-    the sink as an extra column of the softmax that has no value. Returns
-    (out, lse[, weights]); a row with nothing allowed gives 0 (lse = the sink
-    or -inf)."""
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    B, H, Lq, D = q.shape
-    Lk = k.shape[2]
-    if k.shape[1] != H:
-        k = k.repeat_interleave(H // k.shape[1], dim=1)
-        v = v.repeat_interleave(H // v.shape[1], dim=1)
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    s = q @ k.transpose(-1, -2) * scale
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-
-    def additive(m):
-        if m.dtype == torch.bool:
-            return torch.zeros(m.shape, dtype=dtype).masked_fill(m, NEG)
-        return m.to(dtype)
-
-    if attn_mask is not None:
-        s = s + additive(attn_mask)
-    if key_padding_mask is not None:
-        s = s + additive(key_padding_mask)[:, None, None, :]
-    s = s.masked_fill(window_blocked(Lq, Lk, window, causal, diagonal), NEG)
-    if sinks is not None:
-        s = torch.cat([s, sinks.to(dtype)[None, :, None, None].expand(B, H, Lq, 1)], dim=-1)
-    empty = torch.isneginf(s).all(-1, keepdim=True)
-    p = torch.softmax(torch.where(empty, torch.zeros((), dtype=dtype), s), dim=-1)
-    p = torch.where(empty, torch.zeros((), dtype=dtype), p)
-    lse = torch.logsumexp(s, dim=-1)
-    p = p[..., :Lk]
-    if head_mask is not None:
-        hm = head_mask.to(dtype)
-        p = p * (hm.view(-1, 1, 1) if hm.dim() == 1 else hm[:, :, None, None])
-    out = p @ v
-    return (out, lse, p) if need_weights else (out, lse)
+def ref(q, k, v, *, causal=False, dtype=torch.float64, need_weights=False, **opts):
+    """The reference (tests/reference.py) in ``dtype`` with this file's names: (out, lse[, weights]);
+    a row with nothing allowed gives 0 (lse = the sink or -inf)."""
+    out, w, lse = attention64(q, k, v, is_causal=causal, dtype=dtype, return_weights=True, return_lse=True, **opts)
+    return (out, lse, w) if need_weights else (out, lse)
 
 
 def _inputs(B, H, Hkv, Lq, Lk, D, *, causal, window, softcap, sinks, am, kpm, hm, dtype=torch.float32, diagonal=0):
@@ -491,13 +423,13 @@ def test_identities_bitwise(isa):
     assert all(torch.equal(a, b) for a, b in zip(run(window=(None, 0)), run(is_causal=True)))
     # a window is the same mask given as a bool attn_mask, bit for bit
     for window, causal in [((40, 0), False), ((30, 70), False), ((None, 5), False), ((70, None), True)]:
-        blocked = window_blocked(L, L, window, causal)
+        blocked = band_blocked(L, L, is_causal=causal, window=window)
         a = run(window=window, is_causal=causal)
         b = run(attn_mask=blocked)
         assert all(torch.equal(x, y) for x, y in zip(a, b)), (window, causal)
     # so is a band about another diagonal (rows whose band is empty: 0, lse -inf, in both)
     for window, causal, d in [(None, True, -20), ((30, 5), False, 37), ((12, None), True, 90), ((None, 0), False, -3)]:
-        blocked = window_blocked(L, L, window, causal, d)
+        blocked = band_blocked(L, L, is_causal=causal, window=window, diagonal=d)
         a = run(window=window, is_causal=causal, diagonal=d)
         b = run(attn_mask=blocked)
         assert all(torch.equal(x, y) for x, y in zip(a, b)), (window, causal, d)
@@ -510,7 +442,7 @@ def test_sdpa_keywords():
     b = tmaF.masked_attention(q, k, v, is_causal=True, window=(10, 0), softcap=3.0, sinks=sinks)
     assert torch.equal(a, b)
     # without the extensions it still matches PyTorch's F.sdpa with the window as a bool mask
-    allowed = ~window_blocked(70, 70, (10, 3))
+    allowed = ~band_blocked(70, 70, window=(10, 3))
     torch.testing.assert_close(
         tmaF.scaled_dot_product_attention(q, k, v, window=(10, 3)),
         F.scaled_dot_product_attention(q, k, v, attn_mask=allowed),

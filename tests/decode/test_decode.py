@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from conftest import ISAS, assert_close_ref, isa_available, ref_attention, run_isa
+from conftest import ISAS, assert_close_ref, isa_available, run_isa
+from reference import attention64
 from torch_masked_attn import functional as F_
 from torch_masked_attn import ops
 
@@ -30,7 +31,8 @@ def _kv(B, Hkv, Lk, D, dtype, layout, gen):
 
 
 def _masks(kind, B, H, Lq, Lk, gen):
-    """kwargs for masked_attention and the float64 reference's additive mask (B, H, Lq, Lk)."""
+    """kwargs for masked_attention (and the float64 reference) and the additive mask (B, H, Lq, Lk) that
+    gives PyTorch's sdpa the same case (None: plain ops, _native)."""
     add = torch.zeros(B, H, Lq, Lk, dtype=torch.float64)
     i = torch.arange(Lq).view(Lq, 1) + Lk - Lq
     j = torch.arange(Lk).view(1, Lk)
@@ -61,18 +63,8 @@ def _masks(kind, B, H, Lq, Lk, gen):
 
 
 def _reference(q, k, v, kind, kw, add):
-    """float64 out of the case (the soft-capped and sink cases by hand)."""
-    G = q.shape[1] // k.shape[1]
-    q64, k64, v64 = q.double(), k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1)
-    if add is not None:
-        return ref_attention(q64, k64, v64, add)
-    s = q64 @ k64.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if kind == "softcap":
-        s = kw["softcap"] * torch.tanh(s / kw["softcap"])
-        return torch.softmax(s, -1) @ v64
-    sink = kw["sinks"].double().view(1, -1, 1, 1).expand(*s.shape[:3], 1)
-    p = torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1]
-    return p @ v64
+    """float64 out of the case: masked_attention's keywords given to the reference."""
+    return attention64(q, k, v, **kw)
 
 
 def _native(q, k, v, kind, kw, add):

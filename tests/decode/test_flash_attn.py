@@ -1,6 +1,6 @@
-"""torch_masked_attn.flash_attn: flash-attn 2.x's Python API on the CPU, against a float64
-reference written here from flash-attn's definitions (explicit masks per sequence, bottom-right
-alignment, its kernels' window normalisation, ALiBi's bias, rotary embedding as
+"""torch_masked_attn.flash_attn: flash-attn 2.x's Python API on the CPU, against the float64
+reference (tests/reference.py) given flash-attn's definitions (explicit masks per sequence,
+bottom-right alignment, its kernels' window normalisation, ALiBi's bias; rotary embedding as
 flash_attn.layers.rotary defines it), the same reference in the test dtype for PyTorch's own error
 (flash-attn's rule: ours at most twice that, plus a small slack), gradients, the KV cache's
 contents after an append, and every refusal."""
@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from reference import attention64
 from torch_masked_attn.flash_attn import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -61,34 +62,18 @@ def fa_allowed(Lq, Lk, causal=False, window=(-1, -1), seqlen_k=None):
 
 
 def ref_seq(q, k, v, allowed, *, scale=None, softcap=0.0, slopes=None, keep=None, p_drop=0.0, dtype=torch.float64):
-    """One sequence in `dtype`: q (Lq, H, D), k (Lk, Hk, D), v (Lk, Hk, Dv), allowed (Lq, Lk).
-    Scores q.k * scale, softcap * tanh(s / softcap) if softcap > 0, ALiBi's -slope * |i + Lk - Lq - j|
-    (slopes (H,)), the mask, softmax; keep (H, Lq, Lk) bool: dropout's kept entries, scaled by
-    1 / (1 - p_drop). Returns out (Lq, H, Dv), lse (H, Lq) (+inf for a row that sees no key),
-    probabilities (H, Lq, Lk) before dropout. Differentiable."""
-    Lq, H, D = q.shape
-    Lk, Hk = k.shape[:2]
-    g = H // Hk
-    scale = 1 / math.sqrt(D) if scale is None else scale
-    qh = q.to(dtype).transpose(0, 1)
-    kh = k.to(dtype).transpose(0, 1).repeat_interleave(g, 0)
-    vh = v.to(dtype).transpose(0, 1).repeat_interleave(g, 0)
-    s = (qh @ kh.transpose(1, 2)) * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    if slopes is not None:
-        dist = (torch.arange(Lq)[:, None] + Lk - Lq - torch.arange(Lk)[None]).abs()
-        s = s - slopes.to(dtype).view(H, 1, 1) * dist.to(dtype)
-    s = s.masked_fill(~allowed, -INF)
-    m = s.amax(-1, keepdim=True).clamp(min=torch.finfo(dtype).min) if Lk else s.new_zeros(H, Lq, 1)
-    e = torch.exp(s - m)
-    den = e.sum(-1, keepdim=True)
-    p = e / den.clamp(min=torch.finfo(dtype).tiny)
-    lse = (m + torch.log(den)).squeeze(-1).double()
-    lse = lse.masked_fill(~allowed.any(-1).view(1, Lq), INF)
-    pd = p if keep is None else p * keep / (1 - p_drop)
-    out = (pd @ vh).transpose(0, 1)
-    return out, lse, p
+    """One sequence through the reference (tests/reference.py) in `dtype`: q (Lq, H, D), k (Lk, Hk, D),
+    v (Lk, Hk, Dv), allowed (Lq, Lk). Scores q.k * scale, softcap * tanh(s / softcap) if softcap > 0,
+    ALiBi's -slope * |i + Lk - Lq - j| (slopes (H,)), the mask, softmax; keep (H, Lq, Lk) bool:
+    dropout's kept entries, scaled by 1 / (1 - p_drop). Returns out (Lq, H, Dv), lse (H, Lq) in float64
+    (+inf for a row that sees no key), probabilities (H, Lq, Lk) before dropout. Differentiable."""
+    qh, kh, vh = (t.transpose(0, 1) for t in (q, k, v))
+    kw = dict(scale=scale, attn_mask=~allowed, softcap=softcap if softcap > 0 else None, alibi_slopes=slopes)
+    out, p, lse = attention64(qh, kh, vh, dtype=dtype, return_weights=True, return_lse=True, **kw)
+    if keep is not None:
+        out = attention64(qh, kh, vh, dtype=dtype, dropout_keep=keep, dropout_p=p_drop, **kw)
+    lse = lse.double().masked_fill(~allowed.any(-1).view(1, -1), INF)
+    return out.transpose(0, 1), lse, p
 
 
 def ref_dense(q, k, v, causal=False, window=(-1, -1), *, dtype=torch.float64, seqlen_k=None, slopes=None, **kw):

@@ -17,6 +17,7 @@ import torch
 
 import torch_masked_attn.functional as tf
 from conftest import ISAS, assert_close_ref, isa_available, run_isa
+from reference import attention64
 
 LOW = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -41,66 +42,6 @@ def quant_ref(x):
 
 def deq(xq, s, dtype=torch.float64):
     return (xq.double() * s.double()[..., None]).to(dtype)
-
-
-def ref_attn(
-    q,
-    k,
-    v,
-    *,
-    dtype=torch.float64,
-    causal=False,
-    offset=0,
-    attn_mask=None,
-    kpm=None,
-    head_mask=None,
-    window=None,
-    softcap=None,
-    sinks=None,
-    alibi=None,
-):
-    """softmax(scale q k^T [softcapped] + bias) v in `dtype`, plain PyTorch; q (B, H, Lq, D),
-    k, v (B, Hkv, Lk, D), GQA by repeated heads. The diagonal of query i is key i + offset
-    (0: top left, masked_attention's; Lk - Lq: bottom right, varlen's). attn_mask bool
-    (True = blocked) or additive (B|1, H|1, Lq, Lk); kpm (B, Lk) True = padding; window
-    (left, right), -1 unbounded; alibi (H,) slopes; sinks (H,) logits."""
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    B, H, Lq, D = q.shape
-    Lk = k.size(2)
-    k, v = (t.repeat_interleave(H // t.size(1), dim=1) for t in (k, v))
-    s = (q @ k.transpose(-1, -2)) / math.sqrt(D)
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    i = torch.arange(Lq)[:, None] + offset
-    j = torch.arange(Lk)[None, :]
-    blocked = torch.zeros(B, H, Lq, Lk, dtype=torch.bool)
-    if causal:
-        blocked |= j > i
-    if window is not None:
-        left, right = window
-        if left >= 0:
-            blocked |= j < i - left
-        if right >= 0:
-            blocked |= j > i + right
-    if kpm is not None:
-        blocked |= kpm[:, None, None, :]
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        blocked |= attn_mask
-    elif attn_mask is not None:
-        s = s + attn_mask.to(dtype)
-    if alibi is not None:
-        s = s - alibi.to(dtype)[None, :, None, None] * (i - j).abs().to(dtype)
-    s = s.masked_fill(blocked, -math.inf)
-    if sinks is not None:
-        s = torch.cat([s, sinks.to(dtype)[None, :, None, None].expand(B, H, Lq, 1)], dim=-1)
-    empty = torch.isneginf(s).all(-1, keepdim=True)
-    p = torch.softmax(torch.where(empty, torch.zeros((), dtype=dtype), s), dim=-1)
-    p = torch.where(empty, torch.zeros((), dtype=dtype), p)
-    if sinks is not None:
-        p = p[..., :-1]
-    if head_mask is not None:
-        p = p * head_mask.to(dtype)[None, :, None, None]
-    return p @ v
 
 
 # ---- quantize_kv ---------------------------------------------------------------
@@ -133,31 +74,28 @@ def test_quantize_kv_is_its_definition(isa, dtype, D):
 # ---- attention ---------------------------------------------------------------------
 
 
-# (name, masked_attention's keywords, ref_attn's keywords) given B, H, Lq, Lk
+# name: masked_attention's keywords (the reference's too) given B, H, Lq, Lk
 def _masks(name, B, H, Lq, Lk):
     if name == "none":
-        return {}, {}
+        return {}
     if name == "causal":
-        return {"is_causal": True}, {"causal": True}
+        return {"is_causal": True}
     if name == "bool":
         m = torch.rand(B, 1, Lq, Lk) < 0.3
         m[..., 0] = False
-        return {"attn_mask": m}, {"attn_mask": m}
+        return {"attn_mask": m}
     if name == "float+kpm":
         m, kpm = torch.randn(1, H, Lq, Lk), torch.zeros(B, Lk, dtype=torch.bool)
         kpm[:, Lk - Lk // 4 :] = True
-        return {"attn_mask": m, "key_padding_mask": kpm}, {"attn_mask": m, "kpm": kpm}
+        return {"attn_mask": m, "key_padding_mask": kpm}
     if name == "head":
-        hm = torch.rand(H)
-        return {"head_mask": hm}, {"head_mask": hm}
+        return {"head_mask": torch.rand(H)}
     if name == "window":
-        return {"window": (13, 2)}, {"window": (13, 2)}
+        return {"window": (13, 2)}
     if name == "softcap+sinks":
-        sk = torch.randn(H)
-        return {"softcap": 1.5, "sinks": sk, "is_causal": True}, {"softcap": 1.5, "sinks": sk, "causal": True}
+        return {"softcap": 1.5, "sinks": torch.randn(H), "is_causal": True}
     if name == "alibi":
-        sl = torch.rand(H)
-        return {"alibi_slopes": sl, "is_causal": True}, {"alibi": sl, "causal": True, "offset": Lk - Lq}
+        return {"alibi_slopes": torch.rand(H), "is_causal": True}
     raise AssertionError(name)
 
 
@@ -188,11 +126,11 @@ def test_attention_over_int8_cache(isa, masks, Lq, layout):
     B, H, Hkv, Lk, D = 2, 4, 2, 150, 64
     kq, ks, vq, vs = _cache(B, Hkv, Lk, D, layout)
     q = torch.randn(B, H, Lq, D)
-    kw, rkw = _masks(masks, B, H, Lq, Lk)
+    kw = _masks(masks, B, H, Lq, Lk)
     ours = run_isa(isa, lambda: tf.masked_attention(q, kq, vq, k_scale=ks, v_scale=vs, **kw))
     k64, v64 = deq(kq, ks), deq(vq, vs)
-    ref = ref_attn(q, k64, v64, **rkw)
-    torch32 = ref_attn(q, k64.float(), v64.float(), dtype=torch.float32, **rkw)
+    ref = attention64(q, k64, v64, **kw)
+    torch32 = attention64(q, k64.float(), v64.float(), dtype=torch.float32, **kw)
     ours32 = run_isa(isa, lambda: tf.masked_attention(q, k64.float(), v64.float(), **kw))
     assert_close_ref(ours, [torch32, ours32], ref, name=f"{isa} {masks}")
     scalar = run_isa("scalar", lambda: tf.masked_attention(q, kq, vq, k_scale=ks, v_scale=vs, **kw))
@@ -214,13 +152,12 @@ def test_low_precision_queries(isa, dtype, Lq):
     )
     assert out.dtype == dtype and w.dtype == dtype
     k64, v64 = deq(kq, ks), deq(vq, vs)
-    ref = ref_attn(q, k64, v64, causal=True)
-    theirs = ref_attn(q, k64.to(dtype), v64.to(dtype), dtype=dtype, causal=True)
+    ref = attention64(q, k64, v64, is_causal=True)
+    theirs = attention64(q, k64.to(dtype), v64.to(dtype), dtype=dtype, is_causal=True)
     assert_close_ref(out, theirs, ref, name=f"{isa} {dtype}")
     # weights: the probabilities over the dequantized keys
-    s = (q.double() @ k64.repeat_interleave(2, 1).transpose(-1, -2)) / math.sqrt(D)
-    s = s.masked_fill(torch.ones(Lq, Lk, dtype=torch.bool).triu(1), -math.inf)
-    torch.testing.assert_close(w.double(), torch.softmax(s, -1), atol=1e-2, rtol=2e-2)
+    w_ref = attention64(q, k64, v64, is_causal=True, return_weights=True)[1]
+    torch.testing.assert_close(w.double(), w_ref, atol=1e-2, rtol=2e-2)
 
 
 def test_dropout_draws_the_float_paths_mask():
@@ -256,7 +193,7 @@ def _varlen_case(page, lens_q, lens_k, H=4, Hkv=2, D=64):
         qb = q[cu_q[b] : cu_q[b + 1]].transpose(0, 1)[None]
         kb = deq(kq[cu_k[b] : cu_k[b + 1]], ks[cu_k[b] : cu_k[b + 1]]).transpose(0, 1)[None]
         vb = deq(vq[cu_k[b] : cu_k[b + 1]], vs[cu_k[b] : cu_k[b + 1]]).transpose(0, 1)[None]
-        refs.append(ref_attn(qb, kb, vb, causal=True, offset=lens_k[b] - lens_q[b])[0].transpose(0, 1))
+        refs.append(attention64(qb, kb, vb, is_causal=True, diagonal=lens_k[b] - lens_q[b])[0].transpose(0, 1))
     paged = None
     if page:
         per = [-(-n // page) for n in lens_k]
@@ -439,7 +376,7 @@ def test_zero_and_nan_scales():
     ks[0, 1, 5] = math.nan
     q = torch.randn(B, H, Lq, D)
     out = tf.masked_attention(q, kq, vq, k_scale=ks, v_scale=vs, is_causal=True)
-    ref = ref_attn(q, deq(kq, ks), deq(vq, vs), causal=True)
+    ref = attention64(q, deq(kq, ks), deq(vq, vs), is_causal=True)
     assert torch.equal(out.isnan(), ref.isnan()) and bool(out[0, 1, 5:].isnan().all())
     assert not bool(out[0, 0].isnan().any()) and not bool(out[0, 1, :5].isnan().any())
     torch.testing.assert_close(out.double().nan_to_num(), ref.nan_to_num(), atol=1e-5, rtol=1e-5)

@@ -29,6 +29,7 @@ import torch
 pytest.importorskip("vllm")
 
 from conftest import assert_close_ref  # noqa: E402
+from reference import attention64  # noqa: E402
 from torch_masked_attn import vllm as tma_vllm  # noqa: E402
 from torch_masked_attn.functional import quantize_kv  # noqa: E402
 from torch_masked_attn.vllm import _compat, backend  # noqa: E402
@@ -94,28 +95,21 @@ MIXED = [(0, 150), (200, 1), (130, 70), (700, 1), (64, 5), (0, 129)]
 
 
 def _reference(q, k, v, *, scale, window, causal, softcap, sinks, alibi, dtype=torch.float64):
-    """One request with plain PyTorch ops in ``dtype``: q (Lq, H, D) the last Lq of its Lk keys
-    k, v (Lk, Hkv, D)."""
-    lq, h, _ = q.shape
-    lk, hkv = k.shape[0], k.shape[1]
-    q, k, v = q.to(dtype), k.to(dtype).repeat_interleave(h // hkv, 1), v.to(dtype).repeat_interleave(h // hkv, 1)
-    s = torch.einsum("ihd,jhd->hij", q, k) * scale
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    pos = torch.arange(lk - lq, lk).view(-1, 1)
-    j = torch.arange(lk).view(1, -1)
-    if alibi is not None:
-        s = s - alibi.to(dtype).view(-1, 1, 1) * (pos - j).abs()
-    hidden = torch.zeros(lq, lk, dtype=torch.bool)
-    if causal:
-        hidden |= j > pos
-    if window is not None:
-        hidden |= j <= pos - window
-    s = s.masked_fill(hidden, float("-inf"))
-    if sinks is not None:
-        s = torch.cat([s, sinks.to(dtype).view(-1, 1, 1).expand(h, lq, 1)], dim=-1)
-    p = torch.softmax(s, dim=-1)[..., :lk]
-    return torch.einsum("hij,jhd->ihd", p, v)
+    """One request through the reference (tests/reference.py) in ``dtype``: q (Lq, H, D) the last
+    Lq of its Lk keys k, v (Lk, Hkv, D); vLLM's sliding window of `window` keys, the query's own
+    included."""
+    band = (None if window is None else window - 1, 0 if causal else None)
+    out = attention64(
+        *(t.transpose(0, 1) for t in (q, k, v)),
+        scale=scale,
+        window=band,
+        diagonal=k.shape[0] - q.shape[0],
+        softcap=softcap,
+        sinks=sinks,
+        alibi_slopes=alibi,
+        dtype=dtype,
+    )
+    return out.transpose(0, 1)
 
 
 class _Layer:  # what the impl reads of vLLM's Attention layer: nothing

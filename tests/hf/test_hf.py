@@ -41,7 +41,7 @@ from transformers.masking_utils import (  # noqa: E402
 
 import torch_masked_attn.functional as tma_F  # noqa: E402
 import torch_masked_attn.hf as hf  # noqa: E402
-from reference import keep_mask  # noqa: E402
+from reference import attention64, keep_mask  # noqa: E402
 from torch_masked_attn import ops as tma_ops  # noqa: E402
 
 
@@ -361,58 +361,6 @@ def test_mask_function_hands_structure():
     assert isinstance(m, torch.Tensor) and m.shape == (B, 1, L, L)
 
 
-def _reference_masked_attention(
-    q,
-    k,
-    v,
-    *,
-    attn_mask=None,
-    key_padding_mask=None,
-    is_causal=False,
-    scale=None,
-    need_weights=False,
-    window=None,
-    softcap=None,
-    sinks=None,
-    **_,
-):
-    """masked_attention's contract (window, softcap, sinks included) in plain float64 torch: the
-    stand-in for varlen_attn's reference below."""
-    B, H, Lq, D = q.shape
-    k = k.repeat_interleave(H // k.shape[1], 1)
-    v = v.repeat_interleave(H // v.shape[1], 1)
-    s = (q @ k.transpose(-1, -2)) * (scale if scale is not None else D**-0.5)
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    Lk = k.shape[2]
-    i, j = torch.arange(Lq)[:, None], torch.arange(Lk)[None]
-    blocked = torch.zeros(Lq, Lk, dtype=torch.bool)
-    if is_causal:
-        blocked |= j > i
-    if window is not None:
-        left, right = window
-        if left >= 0:
-            blocked |= j < i - left
-        if right >= 0:
-            blocked |= j > i + right
-    blocked = blocked.expand(B, H, Lq, Lk)
-    if key_padding_mask is not None:
-        blocked = blocked | key_padding_mask[:, None, None, :]
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            blocked = blocked | attn_mask
-        else:
-            s = s + attn_mask
-    s = s.masked_fill(blocked, float("-inf"))
-    if sinks is not None:
-        s = torch.cat([s, sinks.reshape(1, H, 1, 1).expand(B, H, Lq, 1)], dim=-1)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    if sinks is not None:
-        p = p[..., :-1]
-    out = p @ v
-    return (out, p) if need_weights else out
-
-
 @pytest.mark.parametrize("name", ["mistral", "gemma2"] + (["gpt_oss"] if "gpt_oss" in MODELS else []))
 def test_window_softcap_sinks_paths(name, monkeypatch):
     """Sliding windows (also relative to a shifted diagonal, with a cache), soft-capping and
@@ -450,15 +398,16 @@ def test_window_softcap_sinks_paths(name, monkeypatch):
 
 
 def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
-    """torch.nn.attention.varlen.varlen_attn's contract, sequence by sequence through the float64
-    stand-in above."""
+    """torch.nn.attention.varlen.varlen_attn's contract, sequence by sequence through the reference
+    (tests/reference.py) in q's dtype, each window about the sequence's bottom-right diagonal."""
     assert cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k) and max_q == max_k
     assert enable_gqa == (k.shape[1] != q.shape[1])
     outs = []
     for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
         assert 0 < b - a <= max_q
-        part = [t[a:b].transpose(0, 1)[None] for t in (q, k, v)]
-        outs.append(_reference_masked_attention(*part, scale=scale, window=window_size)[0].transpose(0, 1))
+        part = [t[a:b].transpose(0, 1) for t in (q, k, v)]
+        out = attention64(*part, scale=scale, window=window_size, diagonal=0, dtype=q.dtype)  # Lq = Lk
+        outs.append(out.transpose(0, 1))
     return torch.cat(outs)
 
 
@@ -539,19 +488,26 @@ def _ref_dropout_mask(*args, **kwargs):
 
 
 def _ref_dropout_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Attention with dropout from the definition, in plain torch (float64): P = softmax(scale
-    q k^T) under the mask, P' = P Z / (1 - p) with Z the keep mask of masked_attn.h
-    (reference.keep_mask) for a (seed, offset) drawn from torch's default generator as
-    masked_attention draws it, out = P' v. Returns (B, Lq, H, Dv) as transformers wants."""
+    """Attention with dropout from the definition: the reference (tests/reference.py) in the
+    query's dtype, P = softmax(scale q k^T) under the mask, P' = P Z / (1 - p) with Z the keep mask
+    of masked_attn.h (reference.keep_mask) for a (seed, offset) drawn from torch's default
+    generator as masked_attention draws it, out = P' v. Returns (B, Lq, H, Dv) as transformers
+    wants."""
     B, H, Lq, _ = query.shape
-    rep = H // key.shape[1]
-    k, v = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
-    s = (query @ k.transpose(-1, -2)) * scaling
-    s = s.masked_fill(~attention_mask, float("-inf"))
-    p = torch.softmax(s, -1).nan_to_num(0.0)  # a fully masked row gives 0, as ours does
+    keep = None
     if dropout > 0.0:
-        p = p * keep_mask(tma_ops.new_dropout_seed(), B, H, Lq, k.shape[2], dropout) / (1 - dropout)
-    return (p @ v).transpose(1, 2).contiguous(), None
+        keep = keep_mask(tma_ops.new_dropout_seed(), B, H, Lq, key.shape[2], dropout)
+    out = attention64(
+        query,
+        key,
+        value,
+        scale=scaling,
+        attn_mask=~attention_mask,  # a fully masked row gives 0, as ours does
+        dropout_keep=keep,
+        dropout_p=dropout,
+        dtype=query.dtype,
+    )
+    return out.transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register("ref_dropout", _ref_dropout_attention)

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import torch_masked_attn as tma
-from conftest import assert_close64, assert_close_ref, blocked_to_additive, ref_attention
+from conftest import assert_close64, assert_close_ref, blocked_to_additive
+from reference import attention64
 
 tmaF = tma.functional
 
@@ -601,7 +602,7 @@ def test_stride0_expanded_masks():
     kpm = torch.tensor([False, True, False, False, True, False]).expand(B, LK)
     am = torch.randn(1, 1, 1, LK).expand(B, H, LQ, LK)
     out = tmaF.masked_attention(q, k, v, key_padding_mask=kpm, attn_mask=am)
-    ref = ref_attention(q, k, v, blocked_to_additive(kpm).view(B, 1, 1, LK) + am.double())
+    ref = attention64(q, k, v, attn_mask=blocked_to_additive(kpm).view(B, 1, 1, LK) + am.double())
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
@@ -650,7 +651,7 @@ def test_huge_logits_stay_finite(mag, dtype):
     assert torch.isfinite(theirs).all()
     assert torch.isfinite(ours).all()
     r = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref = ref_attention(*r, is_causal=True)
+    ref = attention64(*r, is_causal=True)
     if dtype == torch.float64:
         assert_close64(ours, theirs, name="out", atol=1e-8, rtol=1e-8)
     else:

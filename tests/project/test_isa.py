@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import torch_masked_attn as tma
 from conftest import FMA_ISAS, ISAS, SIMD_ISAS, TILE_ISAS, assert_close_ref, isa_available, run_isa
+from reference import attention64
 from torch_masked_attn.ops import bwd_cpus, bwd_key_group, use_isa
 
 VARIANTS = ISAS
@@ -32,21 +33,9 @@ SHAPES = [
 
 
 def torch_reference(q, k, v, masks, kw):
-    """PyTorch's attention in float64 with the masks of `masks` ("none",
-    "causal+kpm", "float+head"; their tensors in kw); GQA by repeated heads."""
-    B, H, Lq, D = q.shape
-    Lk = k.size(2)
-    am = torch.zeros(B, H, Lq, Lk, dtype=torch.float64)
-    if masks == "causal+kpm":
-        am = am.masked_fill(torch.ones(Lq, Lk, dtype=torch.bool).triu(1), float("-inf"))
-        am = am.masked_fill(kw["key_padding_mask"][:, None, None, :], float("-inf"))
-    elif masks == "float+head":
-        am = am + kw["attn_mask"].double()
-    kr, vr = (t.double().repeat_interleave(H // k.size(1), dim=1) for t in (k, v))
-    p = torch.softmax(q.double() @ kr.transpose(-1, -2) / D**0.5 + am, dim=-1).nan_to_num(0.0)
-    if masks == "float+head":
-        p = p * kw["head_mask"].double()[None, :, None, None]
-    return p @ vr
+    """The float64 reference with the masks of `masks` ("none", "causal+kpm", "float+head"; their
+    tensors and flags in kw, masked_attention's keywords)."""
+    return attention64(q, k, v, **kw)
 
 
 @pytest.mark.parametrize("isa", SIMD_ISAS)
@@ -84,7 +73,7 @@ def test_exp_edges(isa):
     mask = torch.zeros(40, 40)
     mask[:, 20:] = float("-inf")
     out = run_isa(isa, lambda: tma.functional.masked_attention(q, k, v, attn_mask=mask))
-    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask.double())
+    ref = attention64(q, k, v, attn_mask=mask)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
     # changing masked keys' values changes nothing, bitwise
