@@ -105,11 +105,11 @@ int main(int argc, char **argv) {
     a.q = q, a.k = k, a.v = v, a.dtype = dt;
     memcpy(a.q_stride, st, sizeof st), memcpy(a.k_stride, st, sizeof st), memcpy(a.v_stride, st, sizeof st);
     memcpy(a.out_stride, ost, sizeof ost), memcpy(a.out_lo_stride, ost, sizeof ost);
-    a.is_causal = 1, a.scale = 1.0 / sqrt((double)D);
-    a.opts.window_left = a.opts.window_right = -1;
+    a.diagonal = 0, a.scale = 1.0 / sqrt((double)D); /* causal: the top-left diagonal, right side 0 */
+    a.opts.window_left = -1, a.opts.window_right = 0;
     a.B = B, a.H = H, a.Hkv = H, a.Lq = L, a.Lk = L, a.D = D, a.Dv = D;
     a.block_q = a.block_k = 64;
-    a.band_lo = -MA_BAND_INF, a.band_hi = 0;
+    ma_attn_band(a.diagonal, a.opts.window_left, a.opts.window_right, &a.band_lo, &a.band_hi);
     a.stat_stride[0] = H * L, a.stat_stride[1] = L;
     a.isa = isa;
 

@@ -83,10 +83,10 @@ void emu_main(struct emu_io *io) {
         a.opts.head_mask.ptr = (const void *)io->head_mask, a.opts.head_mask.dtype = MA_F32;
         a.opts.head_mask.stride[1] = 1;
     }
-    a.is_causal = (int)io->is_causal;
-    a.opts.window_left = io->window_left, a.opts.window_right = io->window_right;
-    a.band_lo = io->window_left >= 0 ? -io->window_left : -MA_BAND_INF;
-    a.band_hi = io->is_causal ? 0 : io->window_right >= 0 ? io->window_right : MA_BAND_INF;
+    /* the shim's: top-left diagonal, causal the right side 0 */
+    a.diagonal = 0;
+    a.opts.window_left = io->window_left, a.opts.window_right = io->is_causal ? 0 : io->window_right;
+    ma_attn_band(a.diagonal, a.opts.window_left, a.opts.window_right, &a.band_lo, &a.band_hi);
     a.opts.softcap = io->softcap, a.scale = io->scale;
     a.B = B, a.H = H, a.Hkv = Hkv, a.Lq = Lq, a.Lk = Lk, a.D = D, a.Dv = Dv;
     a.block_q = a.block_k = 64;
