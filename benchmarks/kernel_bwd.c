@@ -5,7 +5,7 @@
  * out and gradients (B, L, H, D) as the shim makes them, 64 x 64 tiles, the
  * variant MASKED_ATTN_ISA would pick by default unless ISA is given; then the
  * same call on the scalar reference, and exit 1 if any output or gradient
- * differs by more than 1e-3 (tests/test_c_harness.py runs it so, on a small
+ * differs by more than 1e-3 (tests/project/test_c_harness.py runs it so, on a small
  * shape, for every variant the CPU has). With bf16 after ISA, inputs, outputs
  * and gradients are bfloat16 (out_lo too, as the shim passes it before a
  * backward), and the bound is 2^-6 (|reference| + 1): a few bfloat16 roundings. Not part of the library or of

@@ -60,7 +60,7 @@ def bwd_key_group(n: int | None) -> Iterator[None]:
     """Inside the block, the single-pass backward takes its key blocks ``n`` at
     a time (None: the shape rule, ma_attn_bwd_key_group), process-wide; the
     previous setting is restored after. The gradients are the same bits for
-    every n (tests/test_isa.py checks it); a knob for tests and benchmarks."""
+    every n (tests/project/test_isa.py checks it); a knob for tests and benchmarks."""
     old = _clib.ma_attn_bwd_key_group_force(0 if n is None else int(n))
     try:
         yield
