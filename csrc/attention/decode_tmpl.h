@@ -42,17 +42,18 @@ typedef struct {
  * term of P V do not depend on the keys taken with it, so the bits are those of one product. */
 #define MA_DECODE_SUB 16
 
-/* Scores of one key head's rows w (every row, blocked or not) for keys c0 .. c0 + n of the
- * block at k_off: DOT_ROWS from key rows, DOT_KEYS_T from a K^T page. s: (R, lds). */
+/* Scores of one key head's rows w (every row, blocked or not) for the n keys from the one at
+ * k_off (in one page): DOT_ROWS from key rows, DOT_KEYS_T from a K^T page. s: (R, lds), the
+ * first key's column. */
 static void FN(rows_scores)(const ma_attn_fwd_params *p, const FN(row_block) * w, ACC *s, int64_t lds, int64_t k_off,
-                            int64_t c0, int64_t n, int64_t pf) {
+                            int64_t n, int64_t pf) {
     const ma_attn_args *a = &p->a;
     const int64_t D = a->D, R = w->nh * w->nr, *ks = a->k_stride;
     const ma_dtype kvt = FN(kv_dtype)(a);
-    if (ks[3] == 1) DOT_ROWS(s + c0, lds, w->q, R, D, a->k, kvt, k_off + c0 * ks[2], ks[2], n, pf);
+    if (ks[3] == 1) DOT_ROWS(s, lds, w->q, R, D, a->k, kvt, k_off, ks[2], n, pf);
     else /* keys side by side, each element a row apart: a K^T page (the serving cache's layout) */
         for (int64_t i = 0; i < R; i += 8)
-            DOT_KEYS_T(s + i * lds + c0, lds, w->q + i * D, ma_min(8, R - i), D, a->k, kvt, k_off + c0, ks[3], n,
+            DOT_KEYS_T(s + i * lds, lds, w->q + i * D, ma_min(8, R - i), D, a->k, kvt, k_off, ks[3], n,
                        i == 0 ? pf : 0);
 }
 
@@ -81,25 +82,32 @@ static inline int64_t FN(lockstep_pf)(int64_t x, int64_t nw, int64_t hs, int64_t
     return x + 1 < nw ? hs : step - x * hs;
 }
 
-/* One key block j0 .. j0 + nc for the row blocks w[0 .. nw) (nw key heads, in lockstep where
- * more than one): scores plus bias, m_new = max(m, row max), P = exp(S - m_new) (m_new = -inf
- * as 0), l = alpha l + sum P (in key order), O = alpha O + P V (AXPY_KEYS: the tiles' order of
+/* Where the keys from j of entry b start in k or v (st: their strides; a page's rows through
+ * the block table). */
+static inline int64_t FN(kv_at)(const ma_attn_args *a, const int64_t st[4], int64_t page_st, int64_t b, int64_t j) {
+    return b * st[0] + FN(key_off)(a, st, page_st, b, j);
+}
+
+/* One softmax step j0 .. j0 + nc (FN(decode_block) keys at most, read a key block of block_k
+ * keys, or MA_DECODE_SUB, at a time: each in one page) for the row blocks w[0 .. nw) (nw key
+ * heads, in lockstep where more than one): scores plus bias, m_new = max(m, row max),
+ * P = exp(S - m_new) (m_new = -inf as 0), l = alpha l + sum P (in key order), O = alpha O + P V (AXPY_KEYS: the tiles' order of
  * that product). The scores from key rows are DOT_ROWS' (each key row read once, in order, for
  * every row of the block: the query heads of a key head share it), from K^T pages
  * DOT_KEYS_T's (the tiles' order, 8 rows a product), or the instance's hook's. Heads whose
  * attn_mask tile differs are taken in runs of equal FN(mask_tile_state); a MA_TILE_BLOCKED
  * run contributes exactly 0 (its scores, where computed with the others, are not read).
- * pf_k, pf_v: one key head's prefetch distances (0: none); next_k, next_v: the next block's
- * offset from this one's (the lockstep's prefetch). t->s holds nw blocks of p->decode_rows
- * rows. */
+ * pf_k, pf_v: one key head's prefetch distances (0: none); next_k, next_v: the next step's
+ * offset from this one's (the lockstep's prefetch). t->s holds nw blocks of the rows' scores
+ * (FN(decode_scores)). */
 static void FN(rows_step)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const FN(row_block) * w, int64_t nw,
                           const FN(rows_tmp) * t, int64_t j0, int64_t nc, int64_t pf_k, int64_t pf_v, int64_t next_k,
                           int64_t next_v) {
     const ma_attn_args *a = &p->a;
-    const int64_t Dv = a->Dv, nr = w->nr, b = w->b, *ks = a->k_stride, *vs = a->v_stride, RM = p->decode_rows;
+    const int64_t Dv = a->Dv, nr = w->nr, b = w->b, *ks = a->k_stride, *vs = a->v_stride, RL = w->nh * nr;
+    const int64_t BK = a->block_k, kps = a->k_page_stride, vps = a->v_page_stride;
     const ma_dtype kvt = FN(kv_dtype)(a);
-    const int64_t k_off = b * ks[0] + FN(key_off)(a, ks, a->k_page_stride, b, j0);
-    const int64_t v_off = b * vs[0] + FN(key_off)(a, vs, a->v_page_stride, b, j0);
+    const int64_t k_off = FN(kv_at)(a, ks, kps, b, j0), v_off = FN(kv_at)(a, vs, vps, b, j0);
     int ms[MA_DECODE_KV_HEADS][MA_DECODE_ROWS], live[MA_DECODE_KV_HEADS], any = 0;
     for (int64_t x = 0; x < nw; x++) {
         live[x] = 0;
@@ -110,21 +118,21 @@ static void FN(rows_step)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const F
         any |= live[x];
     }
     if (!any) return;
-#define S_X(x) (t->s + (x) * RM * nc)
+#define S_X(x) (t->s + (x) * RL * nc) /* (every key head's rows: RL) */
     /* key rows of heads in lockstep: MA_DECODE_SUB keys at a time; else (one key head, K^T
-     * pages, the hook) each head's whole block */
-    const int sub_k = nw > 1 && ks[3] == 1;
+     * pages) a key block at a time; the hook each head's whole step (then of block_k keys) */
+    const int64_t piece_k = nw > 1 && ks[3] == 1 ? MA_DECODE_SUB : BK;
     int hooked = 0;
     for (int64_t x = 0; x < nw; x++)
         if (live[x] && !(hooked = FN(rows_hooked)(c, p, &w[x], S_X(x), k_off + w[x].hk * ks[1], nc,
                                                   nw == 1 ? pf_k : FN(lockstep_pf)(x, nw, ks[1], next_k))))
             break;
-    for (int64_t c0 = 0; !hooked && c0 < nc; c0 += sub_k ? MA_DECODE_SUB : nc) {
-        const int64_t n = sub_k ? ma_min(MA_DECODE_SUB, nc - c0) : nc;
-        const int64_t step = c0 + n < nc ? n * ks[2] : next_k - c0 * ks[2]; /* (K^T: c0 = 0) */
+    for (int64_t c0 = 0; !hooked && c0 < nc; c0 += piece_k) {
+        const int64_t n = ma_min(piece_k, nc - c0), at = FN(kv_at)(a, ks, kps, b, j0 + c0);
+        const int64_t step = (c0 + n < nc ? FN(kv_at)(a, ks, kps, b, j0 + c0 + n) : k_off + next_k) - at;
         for (int64_t x = 0; x < nw; x++)
             if (live[x])
-                FN(rows_scores)(p, &w[x], S_X(x), nc, k_off + w[x].hk * ks[1], c0, n,
+                FN(rows_scores)(p, &w[x], S_X(x) + c0, nc, at + w[x].hk * ks[1], n,
                                 nw == 1 ? pf_k : FN(lockstep_pf)(x, nw, ks[1], step));
     }
     for (int64_t x = 0; x < nw; x++)
@@ -133,7 +141,8 @@ static void FN(rows_step)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const F
             if (ms[x][y0] == MA_TILE_BLOCKED) continue;
             const int64_t r0 = y0 * nr, R = ny * nr;
             ACC *s = S_X(x) + r0 * nc, *m = w[x].m + r0, *l = w[x].l + r0, *o = w[x].o + r0 * Dv;
-            FN(kv_scale)(s, nc, 1, R, a, &a->opts.k_scale, b, w[x].hk, j0, nc);
+            for (int64_t c0 = 0; c0 < nc; c0 += BK) /* (scales in pages, as the keys) */
+                FN(kv_scale)(s + c0, nc, 1, R, a, &a->opts.k_scale, b, w[x].hk, j0 + c0, ma_min(BK, nc - c0));
             FN(apply_softcap)(s, R * nc, a->opts.softcap, NULL);
             for (int64_t y = 0; y < ny; y++)
                 FN(add_bias)(s + y * nr * nc, nc, 1, a, ms[x][y0], b, w[x].h + y0 + y, w[x].i0, nr, j0, nc);
@@ -146,18 +155,20 @@ static void FN(rows_step)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const F
             if (w[x].dr) /* l summed the whole P; O takes P' */
                 for (int64_t y = 0; y < ny; y++)
                     DROPOUT(s + y * nr * nc, NULL, nc, 1, nr, nc, w[x].dr[y0 + y], w[x].i0, j0);
-            FN(kv_scale)(s, nc, 1, R, a, &a->opts.v_scale, b, w[x].hk, j0, nc);
+            for (int64_t c0 = 0; c0 < nc; c0 += BK)
+                FN(kv_scale)(s + c0, nc, 1, R, a, &a->opts.v_scale, b, w[x].hk, j0 + c0, ma_min(BK, nc - c0));
         }
-    const int64_t sub = nw == 1 ? nc : MA_DECODE_SUB;
-    for (int64_t c0 = 0; c0 < nc; c0 += sub) {
-        const int64_t n = ma_min(sub, nc - c0), step = c0 + n < nc ? n * vs[2] : next_v - c0 * vs[2];
+    const int64_t piece_v = nw == 1 ? BK : MA_DECODE_SUB;
+    for (int64_t c0 = 0; c0 < nc; c0 += piece_v) {
+        const int64_t n = ma_min(piece_v, nc - c0), at = FN(kv_at)(a, vs, vps, b, j0 + c0);
+        const int64_t step = (c0 + n < nc ? FN(kv_at)(a, vs, vps, b, j0 + c0 + n) : v_off + next_v) - at;
         for (int64_t x = 0; x < nw; x++) {
             const int64_t pf = nw == 1 ? pf_v : FN(lockstep_pf)(x, nw, vs[1], step);
             for (int64_t y0 = 0, ny; y0 < w[x].nh; y0 += ny) {
                 for (ny = 1; y0 + ny < w[x].nh && ms[x][y0 + ny] == ms[x][y0];) ny++;
                 if (ms[x][y0] == MA_TILE_BLOCKED) continue;
                 AXPY_KEYS(w[x].o + y0 * nr * Dv, S_X(x) + y0 * nr * nc + c0, nc, ny * nr, Dv, a->v, kvt,
-                          v_off + w[x].hk * vs[1] + c0 * vs[2], vs[2], n, y0 == 0 ? pf : 0);
+                          at + w[x].hk * vs[1], vs[2], n, y0 == 0 ? pf : 0);
             }
         }
     }
@@ -193,6 +204,25 @@ static void FN(decode_fold)(ACC *M, ACC *L, ACC *O, const ACC *m, const ACC *l, 
     }
 }
 
+/* The softmax step from key block *j0 (block_k keys each, j0 a multiple of block_k, up to
+ * j_end): the key blocks that key padding leaves wholly blocked before it skipped (*j0 moves
+ * past them), then up to DB keys of blocks read whole, ending after a block whose trailing
+ * keys padding blocks: the keys FN(keys_read) reads block by block, the same as 64-key steps
+ * read, so keys a block's padding ends are never read. Returns the keys read (0: none left
+ * before j_end); *j1: where the next step starts. */
+static int64_t FN(decode_step)(const ma_attn_args *a, int64_t b, int64_t *j0, int64_t j_end, int64_t DB, int64_t *j1) {
+    const int64_t BK = a->block_k;
+    int64_t nc = 0, j = *j0;
+    while (j < j_end && nc == j - *j0 && nc < DB) {
+        const int64_t len = ma_min(BK, j_end - j), n = FN(keys_read)(&a->key_padding_mask, b, j, len);
+        if (n == 0 && nc == 0) *j0 = j + len; /* (wholly padded, before the step) */
+        else nc += n;
+        j += len;
+    }
+    *j1 = j;
+    return nc;
+}
+
 /* A decode task's state: for each of its key heads (p->decode_kv_heads of them), rows (at most
  * p->decode_rows): scale * Q, the chunk's running state (o, m, l), the fold's (O, M, L); and the
  * step's scratch (one key head's rows). */
@@ -203,9 +233,34 @@ typedef struct {
     const ma_dropout **drops; /* (KG, rows): pointers to them */
 } FN(decode_scratch);
 
+/* Keys per softmax step (FN(rows_step)) of an entry of nr query rows: up to MA_DECODE_CHUNK,
+ * halved (to block_k at least) while the scores of a key head's G nr rows take more than
+ * MA_DECODE_SCORES elements. Every step rescales O and switches the stream from K to V and
+ * back: 512-key steps measured 1.03-1.15x 64-key ones on Zen 3 (one sequence of 32k keys,
+ * B = 8 x 4096, grouped and multi-query heads, float32, bfloat16, int8). A function of the
+ * entry's own rows, never of the batch, layout, split or threads, so a row's bits are those of
+ * any of them. K^T pages keep block_k (the tiles' rescales: a prefill's bits within a chunk),
+ * as do the instances whose tiles take the scores (of block_k keys). */
+#define MA_DECODE_SCORES 4096
+static inline int64_t FN(decode_block)(const ma_attn_fwd_params *p, int64_t nr) {
+    const int64_t BK = p->a.block_k, rows = p->a.H / p->a.Hkv * nr;
+    if (p->a.k_stride[3] != 1) return BK;
+#ifdef MA_TILE_HOOKS
+    if (FN(tiles_apply)(p)) return BK;
+#endif
+    int64_t n = MA_DECODE_CHUNK;
+    while (n > BK && rows * n > MA_DECODE_SCORES) n /= 2;
+    return ma_max(n, BK);
+}
+
+/* A key head's scores: a slab's rows (at most p->decode_rows) over a step's keys. */
+static inline int64_t FN(decode_scores)(const ma_attn_fwd_params *p) {
+    return ma_max(MA_DECODE_SCORES, p->decode_rows * p->a.block_k);
+}
+
 static inline size_t FN(decode_extra_elems)(const ma_attn_fwd_params *p) {
     const int64_t R = p->decode_rows, RA = p->decode_kv_heads * R;
-    return (size_t)(RA * (p->a.D + 2 * p->a.Dv + 4 + p->a.block_k) + 3 * R);
+    return (size_t)(RA * (p->a.D + 2 * p->a.Dv + 4) + p->decode_kv_heads * FN(decode_scores)(p) + 3 * R);
 }
 
 static inline size_t FN(decode_drop_bytes)(const ma_attn_fwd_params *p) {
@@ -235,14 +290,14 @@ static size_t FN(decode_scratch_bytes)(const ma_attn_fwd_params *p) {
 }
 
 static FN(decode_scratch) FN(decode_carve)(void *scratch, const ma_attn_fwd_params *p) {
-    const int64_t BK = p->a.block_k, D = p->a.D, Dv = p->a.Dv, R = p->decode_rows, RA = p->decode_kv_heads * R;
+    const int64_t D = p->a.D, Dv = p->a.Dv, R = p->decode_rows, RA = p->decode_kv_heads * R;
     ACC *x = (ACC *)((char *)scratch + FN(decode_fwd_bytes)(p));
     FN(decode_scratch) d;
     d.q = x, x += RA * D;
     d.o = x, x += RA * Dv;
     d.O = x, x += RA * Dv;
     d.m = x, d.l = x + RA, d.M = x + 2 * RA, d.L = x + 3 * RA, x += 4 * RA;
-    d.tmp.s = x, x += RA * BK;
+    d.tmp.s = x, x += p->decode_kv_heads * FN(decode_scores)(p);
     d.tmp.m_new = x, d.tmp.lsum = x + R, d.tmp.alpha = x + 2 * R;
     char *y =
         (char *)scratch + FN(decode_fwd_bytes)(p) + ma_round_up(FN(decode_extra_elems)(p) * sizeof(ACC), MA_CACHE_LINE);
@@ -304,7 +359,7 @@ static void FN(attn_decode)(int64_t begin, int64_t end, void *vctx) {
     FN(fwd_task) task, *c = &task;
     FN(fwd_task_begin)(c, ctx, FN(decode_tiles_at)(p0));
     FN(decode_scratch) d = FN(decode_carve)(ctx->scratch, p0);
-    const int64_t S = p0->decode_splits, KG = p0->decode_kv_heads, BK = p0->a.block_k, D = p0->a.D, Dv = p0->a.Dv;
+    const int64_t S = p0->decode_splits, KG = p0->decode_kv_heads, D = p0->a.D, Dv = p0->a.Dv;
     const int64_t CK = MA_DECODE_CHUNK, RM = p0->decode_rows, slabs = p0->decode_slabs;
     const int64_t es = ma_dtype_size(FN(kv_dtype)(&p0->a));
     const int64_t pf_rows_k = ma_max(2, ma_cdiv(MA_DECODE_PF_BYTES, D * es));
@@ -320,6 +375,7 @@ static void FN(attn_decode)(int64_t begin, int64_t end, void *vctx) {
         const int64_t n = it[0].c_hi - it[0].c_lo, nr = it[0].nr, R = it[0].nh * nr, *ks = p->a.k_stride,
                       *vs = p->a.v_stride;
         const int whole = S == 1 || n <= 1; /* this item holds all of the entry's chunks: it ends the rows */
+        const int64_t DB = FN(decode_block)(p, nr);
         if (nr == 0 || nr > MA_DECODE_QROWS || (whole && split > 0)) continue; /* long: the tile path's */
         const int64_t cb = whole ? it[0].c_lo : it[0].c_lo + split * n / S;
         const int64_t ce = whole ? it[0].c_hi : it[0].c_lo + (split + 1) * n / S;
@@ -333,13 +389,13 @@ static void FN(attn_decode)(int64_t begin, int64_t end, void *vctx) {
         for (int64_t ch = cb; ch < ce; ch++) {
             const int64_t j_end = ma_min(it[0].kv_end, (ch + 1) * CK);
             for (int64_t x = 0; x < KG; x++) FN(decode_reset)(d.o + x * RM * Dv, d.m + x * RM, d.l + x * RM, R, Dv);
-            for (int64_t j0 = ma_max(it[0].kv_begin, ch * CK); j0 < j_end; j0 += BK) {
-                const int64_t nc = FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(BK, j_end - j0));
+            for (int64_t j0 = ma_max(it[0].kv_begin, ch * CK), j1; j0 < j_end; j0 = j1) {
+                const int64_t nc = FN(decode_step)(&p->a, b, &j0, j_end, DB, &j1);
                 if (nc == 0) continue;
-                const int64_t j1 = j0 + BK < it[0].kv_end ? j0 + BK : j0; /* the next block, or this one */
-                const int64_t next_k = FN(key_off)(&p->a, ks, p->a.k_page_stride, b, j1) -
+                const int64_t jn = j1 < it[0].kv_end ? j1 : j0; /* the next step, or this one */
+                const int64_t next_k = FN(key_off)(&p->a, ks, p->a.k_page_stride, b, jn) -
                                        FN(key_off)(&p->a, ks, p->a.k_page_stride, b, j0);
-                const int64_t next_v = FN(key_off)(&p->a, vs, p->a.v_page_stride, b, j1) -
+                const int64_t next_v = FN(key_off)(&p->a, vs, p->a.v_page_stride, b, jn) -
                                        FN(key_off)(&p->a, vs, p->a.v_page_stride, b, j0);
                 FN(row_block) rw[MA_DECODE_KV_HEADS];
                 for (int64_t x = 0; x < KG; x++) {

@@ -715,12 +715,15 @@ def test_paged_decoding_runs_same_bits(isa, dtype, Hkv):
 
 @pytest.mark.parametrize("isa", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("D, Lk", [(64, 300), (40, 77), (128, 33)])
+@pytest.mark.parametrize("D, Lk", [(64, 300), (40, 77), (128, 33), (64, 64)])
 def test_decoding_rows_same_bits_as_prefill(isa, dtype, D, Lk):
     """A query attended alone (Lq = 1: the decoding path, one row against
-    groups of keys) gives the same bits as the same query among 8 (the tiled
-    path): every score is one FMA per d, in order, on both. With GQA and key
-    padding; D = 40 ends a cache line mid-block."""
+    groups of keys) against the same query among 8 (the tiled path): within one
+    key block (Lk <= 64) the same bits, every score being one FMA per d, in
+    order, on both; past it the decode kernel's softmax steps are longer than
+    the tiles' 64-key blocks (docs/design/05-attention-algorithm.md, "Bits"), so
+    O is rescaled at other keys: within 2 ulps of the output's dtype. With GQA
+    and key padding; D = 40 ends a cache line mid-block."""
     if not isa_available(isa):
         pytest.skip(f"this CPU has no {isa}")
     torch.manual_seed(11)
@@ -734,10 +737,16 @@ def test_decoding_rows_same_bits_as_prefill(isa, dtype, D, Lk):
             return tma.functional.masked_attention(qs, k, v, key_padding_mask=kpm, return_lse=True)
 
     out, lse = run_isa(isa, lambda: attend(q))
+    eps = torch.finfo(dtype).eps
     for i in range(q.size(2)):
         out_i, lse_i = run_isa(isa, lambda: attend(q[:, :, i : i + 1]))
-        assert torch.equal(out_i, out[:, :, i : i + 1]), f"row {i}: {(out_i - out[:, :, i : i + 1]).abs().max()}"
-        assert torch.equal(lse_i, lse[:, :, i : i + 1])
+        ref, ref_lse = out[:, :, i : i + 1], lse[:, :, i : i + 1]
+        if Lk <= 64:
+            assert torch.equal(out_i, ref), f"row {i}: {(out_i - ref).abs().max()}"
+            assert torch.equal(lse_i, ref_lse)
+        else:
+            torch.testing.assert_close(out_i, ref, rtol=2 * eps, atol=2 * eps, msg=f"row {i}")
+            torch.testing.assert_close(lse_i, ref_lse, rtol=4e-7, atol=4e-7, msg=f"row {i}")
 
 
 def test_enum_names_come_from_c_in_enum_order():
