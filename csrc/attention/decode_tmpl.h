@@ -236,8 +236,9 @@ typedef struct {
 /* Keys per softmax step (FN(rows_step)) of an entry of nr query rows: up to MA_DECODE_CHUNK,
  * halved (to block_k at least) while the scores of a key head's G nr rows take more than
  * MA_DECODE_SCORES elements. Every step rescales O and switches the stream from K to V and
- * back: 512-key steps measured 1.03-1.15x 64-key ones on Zen 3 (one sequence of 32k keys,
- * B = 8 x 4096, grouped and multi-query heads, float32, bfloat16, int8). A function of the
+ * back: on Zen 3, 512-key steps ran 1.01-1.11x 64-key ones over (B, H_kv, L, D) caches
+ * (float32, bfloat16, int8; grouped and multi-head) and 0.92-0.96x in float32 over key heads
+ * side by side (8 in lockstep, their scores past L1; docs/performance.md). A function of the
  * entry's own rows, never of the batch, layout, split or threads, so a row's bits are those of
  * any of them. K^T pages keep block_k (the tiles' rescales: a prefill's bits within a chunk),
  * as do the instances whose tiles take the scores (of block_k keys). */
