@@ -12,6 +12,7 @@ Yardsticks (docs/design/10-testing.md):
 """
 
 import os
+import sys
 import zlib
 
 import pytest
@@ -324,3 +325,17 @@ class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
         name = func.__name__.split(".")[0]
         (self.ops if func.namespace == "masked_attn" else self.aten).append(name)
         return func(*args, **(kwargs or {}))
+
+
+# The emulated AVX-512 run (tests/project/test_emulated_isa.py) starts as collection ends, beside
+# the rest of the suite, where that test is among those selected; it is stopped with the session.
+def pytest_collection_finish(session):
+    for item in session.items:
+        if item.nodeid.endswith("test_emulated_isa.py::test_avx512_and_avx512bf16_on_an_emulated_cpu"):
+            item.module.start_in_background()
+
+
+def pytest_sessionfinish(session):
+    mod = sys.modules.get("test_emulated_isa")
+    if mod is not None:
+        mod.stop_background()

@@ -12,12 +12,12 @@ varlen_attn                   torch.nn.attention.varlen.varlen_attn: packed
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from . import _paging, _validate, ops
 from . import devices as _devices
@@ -478,8 +478,10 @@ def _attention(
 
 def _causal_bias(attn_mask, is_causal, query, key) -> tuple[Tensor | None, bool, int]:
     """PyTorch's CausalBias as the kernels' causal diagonal: (attn_mask, is_causal, diagonal);
-    any other attn_mask as it is (diagonal 0)."""
-    if not isinstance(attn_mask, CausalBias):
+    any other attn_mask as it is (diagonal 0). torch.nn.attention.bias is not imported here (it
+    imports torch._dynamo: seconds): a CausalBias exists only once its module is loaded."""
+    bias = sys.modules.get("torch.nn.attention.bias")
+    if bias is None or not isinstance(attn_mask, bias.CausalBias):
         return attn_mask, is_causal, 0
     if is_causal:  # F.sdpa's rule
         raise ValueError("scaled_dot_product_attention: CausalBias should not be used with is_causal=True")
@@ -489,7 +491,7 @@ def _causal_bias(attn_mask, is_causal, query, key) -> tuple[Tensor | None, bool,
             f"scaled_dot_product_attention: the CausalBias is for {attn_mask.seq_len_q} queries and "
             f"{attn_mask.seq_len_kv} keys, got {L} and {S}"
         )
-    return None, True, S - L if attn_mask.variant == CausalVariant.LOWER_RIGHT else 0
+    return None, True, S - L if attn_mask.variant == bias.CausalVariant.LOWER_RIGHT else 0
 
 
 def _sdpa_checked(query, key, value, attn_mask, enable_gqa: bool):

@@ -40,6 +40,22 @@ def _import_graph():
     return graph
 
 
+def test_import_loads_neither_dynamo_nor_transformers():
+    """`import torch_masked_attn` costs what `import torch` costs, not seconds more: nothing it
+    loads at import reaches torch._dynamo (torch.nn.attention.bias does) or transformers (hf
+    is imported when used). A fresh interpreter, so that no other test's imports count."""
+    code = (
+        "import sys, torch\n"
+        "before = set(sys.modules)\n"
+        "import torch_masked_attn, torch_masked_attn.functional, torch_masked_attn.flash_attn\n"
+        "print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] == 'transformers' "
+        "or m.startswith(('torch._dynamo', 'torch.nn.attention.bias'))))"
+    )
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(PKG)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split() == ["[]"], out.stdout[-2000:]
+
+
 def _cycles(graph):
     found, state = [], {}
 
