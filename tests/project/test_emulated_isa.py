@@ -19,6 +19,7 @@ suite rather than after it."""
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,14 +47,14 @@ def _have_bochscpu():
 
 
 def start_in_background():
-    """Starts the emulated run (once), niced: the suite's other tests keep their core."""
+    """Starts the emulated run (once), at the lowest priority (`nice`: no preexec_fn, which is
+    unsafe in a process with threads): the suite's other tests keep their core."""
     global _run
     if _run is None and _have_bochscpu():
         out = tempfile.TemporaryFile(mode="w+")
-        _run = (
-            subprocess.Popen(CMD, stdout=out, stderr=subprocess.STDOUT, text=True, preexec_fn=lambda: os.nice(19)),
-            out,
-        )
+        nice = shutil.which("nice")
+        cmd = [nice, "-n", "19", *CMD] if nice else CMD
+        _run = (subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True), out)
 
 
 def stop_background():
