@@ -12,7 +12,6 @@ Yardsticks (docs/design/10-testing.md):
 """
 
 import os
-import sys
 import zlib
 
 import pytest
@@ -329,13 +328,16 @@ class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
 
 # The emulated AVX-512 run (tests/project/test_emulated_isa.py) starts as collection ends, beside
 # the rest of the suite, where that test is among those selected; it is stopped with the session.
+_emulated = []  # its test module, once started
+
+
 def pytest_collection_finish(session):
     for item in session.items:
         if item.nodeid.endswith("test_emulated_isa.py::test_avx512_and_avx512bf16_on_an_emulated_cpu"):
             item.module.start_in_background()
+            _emulated.append(item.module)
 
 
 def pytest_sessionfinish(session):
-    mod = sys.modules.get("test_emulated_isa")
-    if mod is not None:
+    for mod in _emulated:
         mod.stop_background()
