@@ -10,6 +10,8 @@ import glob
 import os
 import platform
 import subprocess
+import sys
+import sysconfig
 
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
@@ -137,11 +139,21 @@ def check_c_units():
         raise SystemExit(f"setup.py: C files in no architecture's list of C_UNITS_BY_ARCH: {', '.join(missing)}")
 
 
+def c11_object_dir(build_temp):
+    """Where build_ext keeps the C11 objects: build/temp.<platform>-<python>/c11/ in the source
+    tree whatever build_temp is (pip install -e builds in a temporary build_temp), so a rebuild
+    and tests/project/test_c_harness.py reuse them; with MASKED_ATTN_CFLAGS (the sanitizers:
+    other flags, other objects), under the build_temp the caller chose."""
+    if EXTRA_FLAGS:
+        return os.path.join(build_temp, "c11")
+    return os.path.join(ROOT, "build", f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}", "c11")
+
+
 class BuildC11ThenExtension(BuildExtension):
     def build_extensions(self):
         check_c_units()
         cc = os.environ.get("CC", "cc")
-        obj_dir = os.path.join(self.build_temp, "c11")
+        obj_dir = c11_object_dir(self.build_temp)
         os.makedirs(obj_dir, exist_ok=True)
         objects = []
         for src in C_SOURCES:

@@ -15,7 +15,6 @@ import concurrent.futures
 import os
 import subprocess
 import sys
-import sysconfig
 
 import pytest
 
@@ -24,7 +23,7 @@ from conftest import isa_available
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 # the build's own flags, C units and objects
-from setup import C_FLAGS, C_UNITS, EXTRA_FLAGS, c_object_stale, isa_flags, object_name  # noqa: E402
+from setup import C_FLAGS, C_UNITS, EXTRA_FLAGS, c11_object_dir, c_object_stale, isa_flags, object_name  # noqa: E402
 
 # setup.py's C units for this machine's architecture, by op: every variant the build compiles
 COMMON = tuple(u for u in C_UNITS if u.startswith("common/"))  # ma_isa_available
@@ -36,9 +35,11 @@ def build_objects(sources):
     """The objects setup.py's build_ext compiled from these units (build/temp.<platform>-<python>/c11/),
     or None unless every one is there and newer than its source and every C header
     (setup.c_object_stale, the build's own test) and MASKED_ATTN_CFLAGS adds no flags."""
-    c11 = os.path.join(ROOT, "build", f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}", "c11")
+    if EXTRA_FLAGS:
+        return None
+    c11 = c11_object_dir(None)
     objs = [os.path.join(c11, object_name(os.path.join("csrc", src))) for src in sources]
-    if EXTRA_FLAGS or any(c_object_stale(os.path.join("csrc", src), obj) for src, obj in zip(sources, objs)):
+    if any(c_object_stale(os.path.join("csrc", src), obj) for src, obj in zip(sources, objs)):
         return None
     return objs
 
