@@ -271,9 +271,21 @@ static float BLK(row_max)(const float *x, int64_t n, float m) {
 
 /* ---- keys and values in their own dtype ----------------------------------- */
 
-/* Prefetches every line of n bytes at p + pf_bytes (a vector of SVE from 1024 bits is longer than a line). */
+/* The decoding rows' second prefetch: MA_PREFETCH_L2_AHEAD bytes on, into L2, beside the one
+ * pf_bytes on. The near one (1 KB, into L1) keeps few lines in flight: where the products take a
+ * fraction of the reads' time (float32, one query head a key head) or stop reading for a while
+ * (the second pass of 8 query heads' rows), the memory idles between them. On Zen 3 the far one
+ * took float32 decoding 1.03-1.19x faster (2 KB: slower than 4 KB and 8 KB), bfloat16 and int8
+ * 0.99-1.05x (docs/performance.md). */
+#define MA_PREFETCH_L2_AHEAD 8192
+
+/* Prefetches every line of n bytes at p + pf_bytes (a vector of SVE from 1024 bits is longer than a
+ * line), and into L2 the line MA_PREFETCH_L2_AHEAD on where pf_bytes is nearer. */
 MA_INLINE void prefetch_lines(const char *p, int64_t n, int64_t pf_bytes) {
-    for (int64_t b = 0; b < n; b += MA_CACHE_LINE) prefetch_ahead(p + pf_bytes + b, pf_bytes);
+    for (int64_t b = 0; b < n; b += MA_CACHE_LINE) {
+        prefetch_ahead(p + pf_bytes + b, pf_bytes);
+        if (pf_bytes < MA_PREFETCH_L2_AHEAD) ma_prefetch_l2(p + MA_PREFETCH_L2_AHEAD + b);
+    }
 }
 
 /* ---- dot_rows: scores from key rows read in order ------------------------------------------
