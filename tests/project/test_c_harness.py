@@ -123,6 +123,25 @@ def test_kernel_tool_agrees_with_scalar(tmp_path, attention_objects, isa, dtype)
     assert "from the scalar reference" in run.stdout
 
 
+def test_decode_blocks_tool_runs(tmp_path):
+    """benchmarks/decode_blocks.c (the decode kernel's products timed alone, docs/performance.md)
+    builds from the blocks' template on AVX2 and prints both dtypes' timings."""
+    if not isa_available("avx2"):
+        pytest.skip("this CPU has no avx2")
+    from setup import AVX2
+
+    cc = os.environ.get("CC", "cc")
+    exe = tmp_path / "decode_blocks"
+    src = os.path.join(ROOT, "benchmarks", "decode_blocks.c")
+    # -O0 after C_FLAGS' -O3: the build, not the timings, is under test (-O3 takes 30 s here, -O0 8)
+    subprocess.run([cc, *C_FLAGS, *AVX2, "-O0", "-Werror", src, "-lm", "-o", str(exe)], check=True)
+    run = subprocess.run([str(exe), "4", "128", "2.94", "10"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert [ln.split()[0] for ln in lines] == ["f32", "bf16"] and all("axpy_keys" in ln for ln in lines), run.stdout
+    assert subprocess.run([str(exe), "9"], capture_output=True).returncode == 2  # rows past 8: refused
+
+
 def test_every_c_file_is_built():
     """Every C file of csrc/ (the shim aside) is in setup.py's list of C units of some
     architecture, the list the build, make sanitize and these harnesses compile."""
