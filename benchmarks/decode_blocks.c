@@ -3,7 +3,7 @@
  * axpy_keys (P V from value rows) of the AVX2 instance over 64 keys in L1, D = Dv = 128, in
  * cycles per query head and key at the clock the FMA peak implies (argument 3, GHz), and their
  * share of the FMA peak (2 FMAs of 8 lanes a cycle). What a decode step costs where its cache is
- * in cache; docs/performance.md ("The products' own speed"). x86-64 with AVX2 only:
+ * in cache; docs/decoding-performance.md ("The products' own speed"). x86-64 with AVX2 only:
  *
  *   cc -std=c11 -O3 -mavx2 -mfma -mf16c -Icsrc -include csrc/common/glibc_compat.h \
  *      benchmarks/decode_blocks.c -lm -o /tmp/decode_blocks && /tmp/decode_blocks 4 128 2.94

@@ -8,7 +8,7 @@
  *   cc -O2 -mavx2 read_streams.c -o read_streams -lpthread
  *   ./read_streams THREADS [MB=256] [PF=0] [REPS=5]
  *
- * Not part of the library; docs/performance.md ("What bounds the rows under 80%") quotes it. */
+ * Not part of the library; docs/decoding-performance.md ("What bounds the rows under 80%") quotes it. */
 #define _POSIX_C_SOURCE 200809L
 #include <immintrin.h>
 #include <pthread.h>

@@ -124,7 +124,7 @@ def test_kernel_tool_agrees_with_scalar(tmp_path, attention_objects, isa, dtype)
 
 
 def test_decode_blocks_tool_runs(tmp_path):
-    """benchmarks/decode_blocks.c (the decode kernel's products timed alone, docs/performance.md)
+    """benchmarks/decode_blocks.c (the decode kernel's products timed alone, docs/decoding-performance.md)
     builds from the blocks' template on AVX2 and prints both dtypes' timings."""
     if not isa_available("avx2"):
         pytest.skip("this CPU has no avx2")
