@@ -276,7 +276,7 @@ static float BLK(row_max)(const float *x, int64_t n, float m) {
  * fraction of the reads' time (float32, one query head a key head) or stop reading for a while
  * (the second pass of 8 query heads' rows), the memory idles between them. On Zen 3 the far one
  * took float32 decoding 1.03-1.19x faster (2 KB: slower than 4 KB and 8 KB), bfloat16 and int8
- * 0.99-1.05x (docs/performance.md). */
+ * 0.99-1.05x (docs/decoding-performance.md). */
 #define MA_PREFETCH_L2_AHEAD 8192
 
 /* Prefetches every line of n bytes at p + pf_bytes (a vector of SVE from 1024 bits is longer than a
