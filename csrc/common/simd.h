@@ -2,8 +2,8 @@
  * simd.h -- the SIMD vocabulary: what a vector instruction set provides so
  * that the blocks written once over it (attention/blocks_simd.h,
  * cross_entropy/blocks_simd.h) run on it. One header per instruction set
- * implements it (simd_avx2.h, simd_avx512.h, simd_neon.h), included by the translation
- * units compiled with that set's flags (setup.py). Private to the kernels.
+ * implements it (simd_avx2.h, simd_avx512.h, simd_neon.h, simd_sve.h), included by the
+ * translation units compiled with that set's flags (setup.py). Private to the kernels.
  *
  * Types and shape:
  *   MA_VL            float32 lanes per vector (4, 8, 16; SVE 4 to 64)
@@ -42,9 +42,16 @@
  *   MA_GEMM_PACK, MA_MASKED_EDGES, MA_KT_NV(nr), MA_AXPY_ROWS, MA_AXPY_NV(R);
  *   MA_CE_UNROLL (cross_entropy/blocks_simd.h: vectors per block)
  *
- * A new instruction set: a simd_X.h defining the above, its flags in setup.py
- * and an instance file per op (attention/X.c, cross_entropy/X.c) that
- * includes simd_X.h, the op's blocks_simd.h and its template.
+ * A new instruction set X: 3 new files, simd_X.h defining the above and an
+ * instance file per op (attention/X.c, cross_entropy/X.c) that includes
+ * simd_X.h, the op's blocks_simd.h and its template; then X beside AVX2 on
+ * each of the 18 lines outside AVX2's own files that name it, in 10 files
+ * (tests/project/test_docs.py counts them): masked_attn.h (the ma_isa enum),
+ * common/isa.c (names, built, available, default, the error's list),
+ * attention/blocks.h and cross_entropy/blocks.h (the tables' declarations),
+ * attention/dispatch.c, cross_entropy/dispatch.c, kv_cache/cache_write.c (the
+ * switches), setup.py (flags, C units), tests/c/test_blocks.c and
+ * tests/c/test_ce_blocks.c (the C harnesses' tables).
  */
 #ifndef MA_SIMD_H
 #define MA_SIMD_H
