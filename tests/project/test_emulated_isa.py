@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 
-import pytest
+from conftest import require
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CMD = [
@@ -64,8 +64,7 @@ def stop_background():
 
 
 def test_avx512_and_avx512bf16_on_an_emulated_cpu():
-    if not _have_bochscpu():
-        pytest.skip("bochscpu-python is not installed (make setup installs it)")
+    require("bochscpu", import_it=False)  # an error where it is missing, a skip under --without emulate
     start_in_background()  # (already running where conftest.py started it)
     proc, out = _run
     try:
