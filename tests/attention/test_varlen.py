@@ -468,8 +468,17 @@ def test_key_chunks(case):
     go = torch.randn(q.shape[0], H, Dv)
 
     def run(q, k, v, cq, ck, go):
-        out = varlen_attn(q, k, v, cq, ck, int((cq[1:] - cq[:-1]).max()), int((ck[1:] - ck[:-1]).max()),
-                          window_size=window, enable_gqa=True)
+        out = varlen_attn(
+            q,
+            k,
+            v,
+            cq,
+            ck,
+            int((cq[1:] - cq[:-1]).max()),
+            int((ck[1:] - ck[:-1]).max()),
+            window_size=window,
+            enable_gqa=True,
+        )
         return (out.detach(),) + torch.autograd.grad(out, (q, k, v), go)
 
     ours = run(q, k, v, cq, ck, go)
@@ -495,8 +504,12 @@ def test_key_chunks(case):
         assert torch.equal(a, b) and torch.equal(a, c)
     b = max(range(len(lk)), key=lambda i: lk[i])  # the entry of the most chunks, alone
     sq, sk = slice(int(cq[b]), int(cq[b + 1])), slice(int(ck[b]), int(ck[b + 1]))
-    alone = run(*(t.detach()[s].clone().requires_grad_() for t, s in ((q, sq), (k, sk), (v, sk))),
-                cu([lq[b]]), cu([lk[b]]), go[sq])
+    alone = run(
+        *(t.detach()[s].clone().requires_grad_() for t, s in ((q, sq), (k, sk), (v, sk))),
+        cu([lq[b]]),
+        cu([lk[b]]),
+        go[sq],
+    )
     for a, x, s in zip(alone, ours, (sq, sq, sk, sk)):
         assert torch.equal(a, x[s])
 
@@ -524,7 +537,9 @@ def test_entries_match_dense_backward_bitwise(isa, dtype):
                 s = slice(int(cq[b]), int(cq[b + 1]))
                 qs, ks, vs = (t.detach()[s].transpose(0, 1)[None].requires_grad_() for t in (q, k, v))
                 o = masked_attention(qs, ks, vs, is_causal=causal)
-                dense.append([g[0].transpose(0, 1) for g in torch.autograd.grad(o, (qs, ks, vs), go[s].transpose(0, 1)[None])])
+                dense.append(
+                    [g[0].transpose(0, 1) for g in torch.autograd.grad(o, (qs, ks, vs), go[s].transpose(0, 1)[None])]
+                )
             return packed, [torch.cat([d[i] for d in dense]) for i in range(3)]
 
         with bwd_cpus(1):
