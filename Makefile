@@ -153,7 +153,7 @@ COMPAT_VENV  := .venv-compat
 COMPAT_DIR   := build-compat
 test-compat:
 	test -x $(COMPAT_VENV)/bin/python || $(PY) -m venv $(COMPAT_VENV)
-	$(COMPAT_VENV)/bin/python -m pip install -q torch==$(COMPAT_TORCH) pytest numpy setuptools wheel
+	$(COMPAT_VENV)/bin/python -m pip install -q torch==$(COMPAT_TORCH) pytest hypothesis==6.170.27 numpy setuptools wheel
 	rm -rf $(COMPAT_DIR) && mkdir -p $(COMPAT_DIR)
 	git ls-files -z | xargs -0 cp --parents -t $(COMPAT_DIR)
 	cd $(COMPAT_DIR) && $(CURDIR)/$(COMPAT_VENV)/bin/python setup.py -q build_ext --inplace

@@ -5,7 +5,7 @@ never the checkout.
 For each torch version (--torch, repeatable):
 
   build-wheel/venvs/torch-<version>/   a fresh venv (removed first): the wheel,
-                                       torch==<version>, pytest, numpy; then
+                                       torch==<version>, pytest, hypothesis, numpy; then
                                        transformers, tokenizers, accelerate
                                        (the Hugging Face tests) where pip can
                                        resolve them with that torch, else the
@@ -83,7 +83,7 @@ def one_version(wheel, version, pytest_args):
     shutil.rmtree(venv, ignore_errors=True)
     run([sys.executable, "-m", "venv", venv], check=True)
     pip = [py, "-m", "pip", "install", "-q", "--progress-bar", "off"]
-    run([*pip, wheel, f"torch=={version}", "pytest", "numpy"], check=True)
+    run([*pip, wheel, f"torch=={version}", "pytest", "hypothesis==6.170.27", "numpy"], check=True)
     hf = run([*pip, f"torch=={version}", *HF])
     res["hf"] = "installed" if hf.returncode == 0 else "not installable with this torch: run --without hf"
     # the emulated AVX-512 run needs bochscpu-python, a test dependency of the checkout's own venv
