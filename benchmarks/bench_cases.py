@@ -162,6 +162,40 @@ def gpt_train(dtype, dropout_p=0.0, natives=("bool", "float")):
     return functional_attention(B, H, L, D, dtype, key_padding(B, L), natives, dropout_p)
 
 
+def weights_train(B=8, H=8, L=512, D=64):
+    """A loss on the attention weights as well as the output (distillation of attention maps):
+    need_weights=True, causal + key padding, fwd+bwd through both. Native: the math path that
+    nn.MultiheadAttention takes for need_weights (scores, masked softmax, P V), which keeps the
+    (B, H, L, L) weights as we do. Ours: the weights' pre-pass, then the one backward."""
+    q, k, v, g = qkv(B, H, L, D, torch.float32)
+    gw = torch.randn(B, H, L, L)
+    kpm = key_padding(B, L)
+    blocked = causal_blocked(L)[None, None] | kpm[:, None, None, :]
+    scale = D**-0.5
+
+    def native():
+        w = torch.softmax((q @ k.transpose(-1, -2) * scale).masked_fill(blocked, float("-inf")), -1)
+        out = w @ v
+        torch.autograd.grad((out, w), (q, k, v), (g, gw))
+        return out.detach()
+
+    def ours():
+        out, w = tma.functional.masked_attention(q, k, v, key_padding_mask=kpm, is_causal=True, need_weights=True)
+        torch.autograd.grad((out, w), (q, k, v), (g, gw))
+        return out.detach()
+
+    fl = attention_flops(B, H, L, L, D, causal=True, backward=True)
+    return Bench(
+        work=f"B={B} H={H} L={L} D={D} causal + key padding, need_weights with a loss on the weights, "
+        f"fwd+bwd, {gflop(fl)} (the pre-pass's scores not counted)",
+        natives={"math": native},
+        ours=ours,
+        flops=fl,
+        attn_flops=fl,
+        info=dict(B=B, H=H, L=L, D=D, dtype=str(torch.float32)),
+    )
+
+
 def hf_mask():
     """Hugging Face's attention mask: causal + key padding materialised as one
     4-D bool mask (B, 1, L, L), True = take part, passed to F.sdpa, and the same
@@ -930,6 +964,7 @@ NAMED = {
     "softcap-cost-fwd": lambda: softcap_case(True, forward_only=True),
     "softcap-cost-bf16": lambda: softcap_case(True, torch.bfloat16),
     "varlen": varlen,
+    "weights-train": weights_train,
     "decode-paged": decode_paged,
     "decode-interleaved": lambda: decode(torch.float32, interleaved=True),
     "decode-interleaved-bf16": lambda: decode(torch.bfloat16, interleaved=True),
@@ -983,6 +1018,7 @@ GROUPS = {
         "hf-mask",
         "sliding-window",
         "varlen",
+        "weights-train",
         "decode-paged",
         "decode-interleaved",
         "decode-interleaved-bf16",

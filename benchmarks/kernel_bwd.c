@@ -1,4 +1,4 @@
-/* kernel_bwd.c -- the attention forward and single-pass backward called
+/* kernel_bwd.c -- the attention forward and backward called
  * straight from C (no torch, one thread), timed per tile: the tool to find
  * where a tile costs more in place than the same products in isolation (see
  * docs/performance.md). Float32, causal, q/k/v/dout contiguous (B, H, L, D),
@@ -133,7 +133,7 @@ int main(int argc, char **argv) {
     ma_attn_bwd_cpus_force(1); /* one thread: key chunks as on a machine of up to 8 CPUs (8 items) */
     ma_plan bplan;
     ma_attn_plan_bwd(&p, 1, &bplan);
-    if (!ma_attn_bwd_single_pass(&p) || p.kv_chunks != 1) {
+    if (bplan.n_passes != 1 || p.kv_chunks != 1) {
         fprintf(stderr, "this shape takes key chunks (B * H < 8): use B * H >= 8\n");
         return 2;
     }

@@ -316,10 +316,10 @@ typedef struct {
     const void *lse;        /* (B, H, Lq) contiguous, acc type */
     ma_attn_args a;
     const void *out_lo;     /* the forward's out_lo (strides a.out_lo_stride) or NULL: delta = dO . out */
-    /* scratch shared between the two passes */
     void *delta;            /* (B, H, Lq) acc type: D_i = sum_j P_ij dP_ij = dO_i . (out_i + out_lo_i)
-                               (+ sum_j P_ij dW_ij), written by the dq pass (the single pass:
-                               with sinks, for ma_attn_bwd_sinks_grad) */
+                               (+ sum_j P_ij dW_ij), written by the pre-pass where dweights
+                               (read by the pass), else by the pass's first key chunk where
+                               sinks (for ma_attn_bwd_sinks_grad) */
     /* single pass with kv_chunks > 1: dq and dhm partial sums of each key
      * chunk, (kv_chunks, B, H, Lq, D) and (kv_chunks, B, H, Lq), acc type
      * (varlen: entry b's (C_b, H, Lq_b, D) and (C_b, H, Lq_b) from row
@@ -342,8 +342,8 @@ typedef struct {
 
 /* After the passes: d sinks[h] = -sum_{b,i} exp(sinks[h] - lse_i) delta_i
  * (see "Attention" above) into dsinks (H,), accumulated in double, entries
- * then rows in order. Needs a.opts.sinks and the passes' delta (both write
- * it: the single pass from the items of the first key chunk). */
+ * then rows in order. Needs a.opts.sinks and the backward's delta (p->delta:
+ * the pre-pass writes it, or the pass from the items of the first key chunk). */
 void ma_attn_bwd_sinks_grad(const ma_attn_bwd_params *p, double *dsinks);
 
 /* stream_stores: the outputs are large (the shim sets it from their size), so
@@ -360,38 +360,34 @@ void ma_attn_bwd_sinks_grad(const ma_attn_bwd_params *p, double *dsinks);
  * ("Decoding" above). */
 void ma_attn_fwd_task(int64_t begin, int64_t end, void *ctx);
 
-/* Backward where the weights have a gradient (dweights; dense calls only), two passes, run in this order:
- *  1. dq pass, work item = (b, h, q-block): computes delta for its rows, then dq
- *     (and dhm_rows).
- *  2. dkdv pass, work item = (b, hkv, k-block): dk, dv, summing over the G query
- *     heads of the group and every query row, reading delta.
- * Every output element is written by exactly one work item in a fixed order:
- * bitwise deterministic for any thread count, no atomics. */
-void ma_attn_bwd_dq_task(int64_t begin, int64_t end, void *ctx);
-void ma_attn_bwd_dkdv_task(int64_t begin, int64_t end, void *ctx);
-
-/* Or, when ma_attn_bwd_single_pass (no dweights): one pass over the key
- * blocks, work item = (b, hkv, key chunk c), chunk c holding key blocks c,
- * c + C, c + 2C, ... (C = kv_chunks, a rule on the shape and the CPUs the
- * process can use (ma_cpu_count), never on the thread count: one item per
- * CPU, at least 8, at most 16 chunks; varlen: item a.kv_items[3 w ..], C
- * entry b's own C_b, entry_chunks, a rule on its key length alone).
- * dk, dv of a key block are written by the one item holding it; dq (and
- * dhm) are accumulated per item: straight into dq when C = 1, else into the
- * chunk's partial sums, which ma_attn_bwd_reduce_task (work item (b, h,
- * q-block); varlen: a.q_items[3 w ..]) then adds up in chunk order. 5 matrix products per tile instead
- * of the two passes' 7. An item takes its chunk's key blocks key_group at a
- * time, visiting each query block once per group rather than once per key
- * block: more than one where the Q, dO and dq rows of an item's heads would
- * not stay in a core's L2 between key blocks (a rule on the shape; the
- * kernels may still take 1, attention_tmpl.h FN(bwd_key_group)).
+/* Backward, one algorithm for every call: where the weights have a gradient
+ * (dweights; dense calls only), first ma_attn_bwd_delta_task, work item (b, h,
+ * q-block) (FN(q_item)'s order): delta of its rows into p->delta, their
+ * weights' term hm sum_j P'_ij dW_ij with P' recomputed (the scores again).
+ * Then one pass over the key blocks, work item = (b, hkv, key chunk c), chunk
+ * c holding key blocks c, c + C, c + 2C, ... (C = kv_chunks, a rule on the
+ * shape and the CPUs the process can use (ma_cpu_count), never on the thread
+ * count: one item per CPU, at least 8, at most 16 chunks; varlen: item
+ * a.kv_items[3 w ..], C entry b's own C_b, entry_chunks, a rule on its key
+ * length alone). dk, dv of a key block are written by the one item holding
+ * it; dq (and dhm) are accumulated per item: straight into dq when C = 1,
+ * else into the chunk's partial sums, which ma_attn_bwd_reduce_task (work
+ * item (b, h, q-block); varlen: a.q_items[3 w ..]) then adds up in chunk
+ * order. 5 matrix products per tile (6 with dweights: the pre-pass's
+ * scores). An item takes its chunk's key blocks key_group at a time,
+ * visiting each query block once per group rather than once per key block:
+ * more than one where the Q, dO and dq rows of an item's heads would not
+ * stay in a core's L2 between key blocks (a rule on the shape; the kernels
+ * may still take 1, attention_tmpl.h FN(bwd_key_group)). Every output
+ * element is written by exactly one work item in a fixed order: bitwise
+ * deterministic for any thread count, no atomics.
  * dq, dk, dv may be q, k, v themselves (the same elements, element for
- * element): an item reads a key block's k, v before it writes that block's
- * dk, dv, no other item reads them, and q is read by the items of its head
- * group only, before dq is written at the end of the item or by the reduce
- * task. (MultiheadAttention's recomputed projection relies on this; the two
- * passes do not allow it.) */
-int ma_attn_bwd_single_pass(const ma_attn_bwd_params *p);
+ * element): the pre-pass only reads, an item reads a key block's k, v before
+ * it writes that block's dk, dv, no other item reads them, and q is read by
+ * the items of its head group only, before dq is written at the end of the
+ * item or by the reduce task. (MultiheadAttention's recomputed projection
+ * relies on this.) */
+void ma_attn_bwd_delta_task(int64_t begin, int64_t end, void *ctx);
 void ma_attn_bwd_fused_task(int64_t begin, int64_t end, void *ctx);
 void ma_attn_bwd_reduce_task(int64_t begin, int64_t end, void *ctx);
 /* Takes the CPU count of the key chunks' rule as n (n <= 0: the machine's

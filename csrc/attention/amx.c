@@ -223,6 +223,6 @@ static void gemm_amx3(int64_t m, int64_t n, int64_t k, const float *A, int64_t a
 /* The harness tests the two precisions' GEMMs; the other blocks are AVX-512's. */
 const ma_blocks ma_blocks_amx2 = {.name = "amx2", .gemm = gemm_amx2};
 const ma_blocks ma_blocks_amx3 = {.name = "amx3", .gemm = gemm_amx3};
-const ma_attn_kernels ma_attn_kernels_amx = {
-    attn_fwd_amx,          attn_bwd_dq_amx,       attn_bwd_dkdv_amx, attn_bwd_fused_amx,    attn_bwd_reduce_amx,
-    fwd_scratch_bytes_amx, bwd_scratch_bytes_amx, attn_decode_amx,   attn_decode_merge_amx, decode_scratch_bytes_amx};
+const ma_attn_kernels ma_attn_kernels_amx = {attn_fwd_amx,        attn_bwd_delta_amx,    attn_bwd_fused_amx,
+                                             attn_bwd_reduce_amx, fwd_scratch_bytes_amx, bwd_scratch_bytes_amx,
+                                             attn_decode_amx,     attn_decode_merge_amx, decode_scratch_bytes_amx};

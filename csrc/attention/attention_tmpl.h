@@ -26,14 +26,15 @@
  * scores get their bias (ALiBi's too); head_mask in FN(head_scale) and the output/gradient
  * lines that use it.
  *
- * The algorithm is FlashAttention-2. The forward and the dq pass hold one
- * query block and stream the key blocks; they work on transposed scores
- * sT (nc, nr) = K Q^T, so that K and V are read in place (no copy when they
- * are float32 with unit last stride) and only the query block is packed once
- * (qT = scale * Q^T). Per-query statistics (max, sum) are then column-wise,
- * which vectorises across queries. The dkdv pass holds one key block (packed
- * once as kT = scale * K^T, vT = V^T) and streams the query blocks in place,
- * on row-wise scores s (nr, nc) = Q kT.
+ * The algorithm is FlashAttention-2. The forward (and the backward's pre-pass
+ * for the weights' gradient) holds one query block and streams the key blocks;
+ * it works on transposed scores sT (nc, nr) = K Q^T, so that K and V are read
+ * in place (no copy when they are float32 with unit last stride) and only the
+ * query block is packed once (qT = scale * Q^T). Per-query statistics (max,
+ * sum) are then column-wise, which vectorises across queries. The backward
+ * holds key blocks (packed once as kT = scale * K^T, vT = V^T) and streams the
+ * query blocks in place, on row-wise scores s (nr, nc) = Q kT, accumulating
+ * dK, dV in the tile and dQ in scratch or per-chunk partial sums.
  * The forward saves only lse = m + log l per query; the backward recomputes
  * P = exp(S - lse).
  *
@@ -86,8 +87,8 @@
 #include "tiles_contract.h" /* the scratch types; the tile hooks' and instances' contract */
 #include "forward_tmpl.h"  /* the tile path and the forward task */
 #include "decode_tmpl.h"   /* short query blocks over the cache in place */
-#include "backward_tmpl.h" /* the two passes */
-#include "fused_bwd_tmpl.h" /* the single pass and its reduce */
+#include "backward_tmpl.h" /* the backward's pieces and the weights' pre-pass */
+#include "fused_bwd_tmpl.h" /* the backward's pass and its reduce */
 
 #undef FWD_STEP
 #undef ROWS_SCORES

@@ -130,8 +130,7 @@ static void gemm_avx512bf16_3(int64_t m, int64_t n, int64_t k, const float *A, i
  * the other blocks are AVX-512's. */
 const ma_blocks ma_blocks_avx512bf16_2 = {.name = "avx512bf16_2", .gemm = gemm_avx512bf16_2};
 const ma_blocks ma_blocks_avx512bf16_3 = {.name = "avx512bf16_3", .gemm = gemm_avx512bf16_3};
-const ma_attn_kernels ma_attn_kernels_avx512bf16 = {attn_fwd_avx512bf16,          attn_bwd_dq_avx512bf16,
-                                                    attn_bwd_dkdv_avx512bf16,     attn_bwd_fused_avx512bf16,
-                                                    attn_bwd_reduce_avx512bf16,   fwd_scratch_bytes_avx512bf16,
-                                                    bwd_scratch_bytes_avx512bf16, attn_decode_avx512bf16,
-                                                    attn_decode_merge_avx512bf16, decode_scratch_bytes_avx512bf16};
+const ma_attn_kernels ma_attn_kernels_avx512bf16 = {
+    attn_fwd_avx512bf16,        attn_bwd_delta_avx512bf16,    attn_bwd_fused_avx512bf16,
+    attn_bwd_reduce_avx512bf16, fwd_scratch_bytes_avx512bf16, bwd_scratch_bytes_avx512bf16,
+    attn_decode_avx512bf16,     attn_decode_merge_avx512bf16, decode_scratch_bytes_avx512bf16};

@@ -1,6 +1,7 @@
 /*
- * backward_tmpl.h -- the backward's two passes: dq (a query block streaming its key blocks)
- * and dk, dv (a key block streaming its query blocks).
+ * backward_tmpl.h -- what the backward's single pass (fused_bwd_tmpl.h) is made of: its
+ * scratch, the softmax lines of a tile between its products, the generic products, and the
+ * pre-pass that takes the weights' gradient into delta.
  *
  * Part of attention_tmpl.h (included by it, after decode_tmpl.h): FN, BLK, ACC and the blocks are
  * the instance's.
@@ -23,9 +24,9 @@
  */
 
 struct FN(bwd_scratch) {
-    /* dq pass: transposed tiles (nc, nr) */
+    /* the weights' pre-pass: transposed tiles (nc, nr); the reduce: dq */
     ACC *qT, *gT, *kbuf, *sT, *dpT, *dq;
-    /* dkdv pass: row tiles (nr, nc) */
+    /* the single pass: row tiles (nr, nc) */
     ACC *kT, *vT, *gbuf, *s, *dp, *dk, *dv;
     /* per query row */
     ACC *lse, *delta, *dhm, *tmp;
@@ -83,11 +84,9 @@ static inline size_t FN(bwd_scratch_elems)(int64_t BQ, int64_t BK, int64_t D, in
     return (size_t)(2 * D * BQ + 2 * Dv * BQ + 3 * BK * D + 2 * BK * Dv + 6 * BK * BQ + 4 * BQ);
 }
 
-/* Elements after the tiles that each backward pass carves from t.extra:
- *   dq pass    K, V head caches (Lk, D), (Lk, Dv)            if they need converting
- *   dkdv pass  Q, dO caches of the G heads (G, Lq, D), (G, Lq, Dv)   if they need converting
- *   single pass  dq (G, Lq, D), delta, lse, dhm (G, Lq), then the Q, dO caches,
- *              then the regions of key blocks 2 .. of a group (FN(bwd_key_slot_elems)) */
+/* Elements after the tiles that the single pass carves from t.extra: dq (G, Lq, D), delta,
+ * lse, dhm (G, Lq), then the Q, dO caches of the G heads (G, Lq, D), (G, Lq, Dv) where they
+ * need converting, then the regions of key blocks 2 .. of a group (FN(bwd_key_slot_elems)) */
 static inline int64_t FN(bwd_qg_cache_elems)(const ma_attn_bwd_params *p) {
     const int64_t G = p->a.H / p->a.Hkv;
     return (FN(needs_copy)(p->a.dtype, p->a.q_stride) ? G * p->a.Lq * p->a.D : 0) +
@@ -115,24 +114,18 @@ static inline int64_t FN(bwd_key_slot_elems)(const ma_attn_bwd_params *p) {
     return p->a.block_k * (3 * p->a.D + 2 * p->a.Dv); /* kT, kbuf, dk (BK, D); vT, dv (BK, Dv) */
 }
 
-static inline size_t FN(bwd_extra_elems)(const ma_attn_bwd_params *p, int single_pass) {
+static inline size_t FN(bwd_extra_elems)(const ma_attn_bwd_params *p) {
     const int64_t G = p->a.H / p->a.Hkv;
-    if (single_pass)
-        return (size_t)(G * p->a.Lq * (p->a.D + 3) + FN(bwd_qg_cache_elems)(p) +
-                        (FN(bwd_key_group)(p) - 1) * FN(bwd_key_slot_elems)(p));
-    const int64_t kv = (FN(needs_copy)(p->a.dtype, p->a.k_stride) ? p->a.Lk * p->a.D : 0) +
-                       (FN(needs_copy)(p->a.dtype, p->a.v_stride) ? p->a.Lk * p->a.Dv : 0);
-    const int64_t qg = FN(bwd_qg_cache_elems)(p);
-    return (size_t)(kv > qg ? kv : qg);
+    return (size_t)(G * p->a.Lq * (p->a.D + 3) + FN(bwd_qg_cache_elems)(p) +
+                    (FN(bwd_key_group)(p) - 1) * FN(bwd_key_slot_elems)(p));
 }
 
 /* Bytes of a thread's backward scratch without the hooks' own; with tile
  * hooks the single pass needs no Q, dO caches (the hooks pack from rows). */
 static size_t FN(generic_bwd_scratch_bytes)(const ma_attn_bwd_params *p) {
-    const int single = ma_attn_bwd_single_pass(p);
-    size_t n = FN(bwd_scratch_elems)(p->a.block_q, p->a.block_k, p->a.D, p->a.Dv) + FN(bwd_extra_elems)(p, single);
+    size_t n = FN(bwd_scratch_elems)(p->a.block_q, p->a.block_k, p->a.D, p->a.Dv) + FN(bwd_extra_elems)(p);
 #ifdef MA_TILE_HOOKS
-    if (single) n -= (size_t)FN(bwd_qg_cache_elems)(p);
+    n -= (size_t)FN(bwd_qg_cache_elems)(p);
 #endif
     return ma_round_up(MA_CACHE_LINE + n * sizeof(ACC), MA_CACHE_LINE);
 }
@@ -140,7 +133,7 @@ static size_t FN(generic_bwd_scratch_bytes)(const ma_attn_bwd_params *p) {
 static size_t FN(bwd_scratch_bytes)(const ma_attn_bwd_params *p) {
     size_t n = FN(generic_bwd_scratch_bytes)(p);
 #ifdef MA_TILE_HOOKS
-    if (ma_attn_bwd_single_pass(p)) n += FN(tiles_bwd_scratch_bytes)(p);
+    n += FN(tiles_bwd_scratch_bytes)(p);
 #endif
     return n;
 }
@@ -193,133 +186,81 @@ static void FN(store_dscores)(const ma_attn_bwd_params *p, const ACC *ds, int64_
         for (int64_t c = 0; c < nc; c++) out[r * p->a.Lk + c] = ds[r * rs + c * cs];
 }
 
-/* delta of rows i0 .. i0 + nr of head (b, h) (qT and gT loaded) into t->delta
- * and p->delta: g_i . (out_i + out_lo_i), plus hm * sum_j P_ij dW_ij where the
- * weights have a gradient (P from the scores again). t->lse gets the rows' lse,
- * -inf as 0. */
-static void FN(dq_delta)(FN(bwd_scratch) * t, const ma_attn_bwd_params *p, const ACC *k_bh, ACC hm,
-                         const ma_dropout *dr, int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t kv_begin,
-                         int64_t kv_end) {
+/* The backward's pre-pass where the weights have a gradient (FN(attn_bwd_delta)), rows
+ * i0 .. i0 + nr of head (b, h), qT = (scale Q)^T and gT = dO^T loaded: their delta into
+ * p->delta, g_i . (out_i + out_lo_i) + hm sum_j P'_ij dW_ij, P' = P Z / (1 - p) the weights'
+ * own P (scores again over the rows' key range, as the forward's weights), summed key block
+ * by key block in key order. */
+static void FN(weights_delta)(FN(bwd_scratch) * t, const ma_attn_bwd_params *p, ACC hm, const ma_dropout *dr, int64_t b,
+                              int64_t h, int64_t i0, int64_t nr) {
     const int64_t D = p->a.D, Dv = p->a.Dv, BK = p->a.block_k, hk = h / (p->a.H / p->a.Hkv);
     const ACC *lse_bh = (const ACC *)p->lse + FN(stat_row0)(&p->a, b, h);
     ACC *delta_bh = (ACC *)p->delta + FN(stat_row0)(&p->a, b, h);
     for (int64_t r = 0; r < nr; r++) {
         t->lse[r] = FN(finite_or_zero)(lse_bh[i0 + r]);
-        t->dhm[r] = 0;
         ACC *o_r = t->gbuf;
         FN(out_row)(p, b, h, i0 + r, o_r, t->gbuf + Dv);
         ACC dot = 0;
         for (int64_t d = 0; d < Dv; d++) dot += t->gT[d * nr + r] * o_r[d];
         t->delta[r] = dot;
     }
-    if (p->dweights)
-        for (int64_t j0 = kv_begin; j0 < kv_end; j0 += BK) {
-            const int64_t nc = FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
-            if (nc == 0) continue;
-            const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
-            if (ms == MA_TILE_BLOCKED) continue;
-            int64_t ldk;
-            const ACC *k_j = FN(rows_in)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, k_bh, D, &ldk);
-            GEMM(nc, nr, D, k_j, ldk, 1, t->qT, nr, t->sT, nr, 0);
-            FN(apply_softcap)(t->sT, nc * nr, p->a.opts.softcap, NULL);
-            FN(add_bias)(t->sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
-            EXP_SUB_COL(t->sT, nc, nr, t->lse, t->tmp);
-            for (int64_t x = 0; x < nc * nr; x++) t->dpT[x] = 0;
-            FN(add_dweights)(t->dpT, 1, nr, p, b, h, i0, nr, j0, nc);
-            if (dr) DROPOUT(t->dpT, NULL, 1, nr, nr, nc, dr, i0, j0); /* P' dW = P (Z dW / (1 - p)) */
-            for (int64_t r = 0; r < nr; r++) {
-                ACC dot = 0;
-                for (int64_t c = 0; c < nc; c++) dot += t->sT[c * nr + r] * t->dpT[c * nr + r];
-                t->delta[r] += hm * dot;
-            }
+    int64_t kv_begin, kv_end;
+    FN(kv_range)(&p->a, i0, nr, &kv_begin, &kv_end);
+    for (int64_t j0 = kv_begin; j0 < kv_end; j0 += BK) {
+        const int64_t nc = FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
+        if (nc == 0) continue;
+        const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
+        if (ms == MA_TILE_BLOCKED) continue;
+        int64_t ldk;
+        const ACC *k_j = FN(rows)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, nc, D, t->kbuf, &ldk);
+        GEMM(nc, nr, D, k_j, ldk, 1, t->qT, nr, t->sT, nr, 0); /* S^T = K (scale Q)^T */
+        FN(apply_softcap)(t->sT, nc * nr, p->a.opts.softcap, NULL);
+        FN(add_bias)(t->sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
+        EXP_SUB_COL(t->sT, nc, nr, t->lse, t->tmp);
+        for (int64_t x = 0; x < nc * nr; x++) t->dpT[x] = 0;
+        FN(add_dweights)(t->dpT, 1, nr, p, b, h, i0, nr, j0, nc);
+        if (dr) DROPOUT(t->dpT, NULL, 1, nr, nr, nc, dr, i0, j0); /* P' dW = P (Z dW / (1 - p)) */
+        for (int64_t r = 0; r < nr; r++) {
+            ACC dot = 0;
+            for (int64_t c = 0; c < nc; c++) dot += t->sT[c * nr + r] * t->dpT[c * nr + r];
+            t->delta[r] += hm * dot;
         }
+    }
     for (int64_t r = 0; r < nr; r++) delta_bh[i0 + r] = t->delta[r];
 }
 
-/* One key block j0 .. j0 + nc of the dq pass (ms: its mask state, not blocked):
- * P^T again, dS^T = P^T (hm dP^T - delta), dscores and dhm_rows where asked,
- * then t->dq += dS K. */
-static void FN(dq_block)(FN(bwd_scratch) * t, const ma_attn_bwd_params *p, const ACC *k_bh, const ACC *v_bh, ACC hm,
-                         const ma_dropout *dr, int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t nc,
-                         int ms) {
-    const int64_t D = p->a.D, Dv = p->a.Dv, hk = h / (p->a.H / p->a.Hkv);
-    int64_t ldk, ldv;
-    const ACC *k_j = FN(rows_in)(p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, k_bh, D, &ldk);
-    const ACC *v_j = FN(rows_in)(p->a.v, p->a.dtype, p->a.v_stride, b, hk, j0, v_bh, Dv, &ldv);
-    /* P^T = exp(K (scale Q)^T + bias^T - lse) */
-    GEMM(nc, nr, D, k_j, ldk, 1, t->qT, nr, t->sT, nr, 0);
-    FN(apply_softcap)(t->sT, nc * nr, p->a.opts.softcap, t->th);
-    FN(add_bias)(t->sT, 1, nr, &p->a, ms, b, h, i0, nr, j0, nc);
-    EXP_SUB_COL(t->sT, nc, nr, t->lse, t->tmp);
-    /* dP^T = V dO^T (+ dW^T);  dS^T = P^T (hm dP^T - delta) */
-    GEMM(nc, nr, Dv, v_j, ldv, 1, t->gT, nr, t->dpT, nr, 0);
-    if (p->dweights) FN(add_dweights)(t->dpT, 1, nr, p, b, h, i0, nr, j0, nc);
-    if (dr) DROPOUT(t->dpT, NULL, 1, nr, nr, nc, dr, i0, j0); /* dP = (dO V^T + dW) Z / (1 - p) */
-    FN(dscores)(t->dpT, t->sT, 1, nr, t->delta, p->dhm_rows ? t->dhm : NULL, hm, nr, nc);
-    if (p->dscores) FN(store_dscores)(p, t->dpT, 1, nr, b, h, i0, nr, j0, nc);
-    FN(softcap_grad)(t->dpT, t->th, nc * nr, p->a.opts.softcap); /* through the cap: dS (1 - tanh^2) */
-    /* dQ += dS K */
-    GEMM(nr, D, nc, t->dpT, 1, nr, k_j, ldk, t->dq, D, 1);
-}
-
-/* Pass 1, work item (b, h, q-block): delta (FN(dq_delta)), then dq over the
- * block's key range (FN(dq_block)), stored with dhm_rows. Dense calls only
- * (the weights have a gradient: never varlen, ma_attn_plan_bwd). */
-static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
+/* The pre-pass, work item (b, h, q-block) (FN(q_item)), where the weights have a gradient
+ * (dense calls: varlen returns no weights): delta of the block's rows into p->delta,
+ * which the single pass then reads (FN(delta_rows)). One product (the scores) and an exp
+ * per tile more than the single pass alone; the pass itself is unchanged. */
+static void FN(attn_bwd_delta)(int64_t begin, int64_t end, void *vctx) {
     const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
     const ma_attn_bwd_params *p = (const ma_attn_bwd_params *)ctx->params;
-    const int64_t G = p->a.H / p->a.Hkv, D = p->a.D, Dv = p->a.Dv, Lk = p->a.Lk;
-    const int64_t BQ = p->a.block_q, BK = p->a.block_k;
-    FN(bwd_scratch) t = FN(bwd_carve)(ctx->scratch, BQ, BK, D, Dv);
-    ma_scratch_header *hdr = (ma_scratch_header *)ctx->scratch;
-    ACC *kc = t.extra, *vc = kc + (FN(needs_copy)(p->a.dtype, p->a.k_stride) ? Lk * D : 0);
-
+    const int64_t D = p->a.D, Dv = p->a.Dv, BQ = p->a.block_q;
+    FN(bwd_scratch) t = FN(bwd_carve)(ctx->scratch, BQ, p->a.block_k, D, Dv);
     for (int64_t w = begin; w < end; w++) {
         int64_t b, h, qb;
         FN(q_item)(&p->a, w, &b, &h, &qb);
-        const int64_t hk = h / G, i0 = qb * BQ, nr = ma_min(BQ, p->a.Lq - i0);
-        int64_t kv_begin, kv_end;
-        FN(kv_range)(&p->a, i0, nr, &kv_begin, &kv_end);
+        const int64_t i0 = qb * BQ, nr = ma_min(BQ, p->a.Lq - i0);
         const ACC hm = FN(head_scale)(&p->a.opts.head_mask, b, h);
         ma_dropout dr_buf;
         const ma_dropout *dr = FN(head_dropout)(&p->a, b, h, &dr_buf);
-        const ACC *k_bh = FN(needs_copy)(p->a.dtype, p->a.k_stride)
-                              ? FN(head_cache)(&hdr->tag[0], kc, p->a.k, p->a.dtype, p->a.k_stride, b, hk, 1, Lk, D)
-                              : NULL;
-        const ACC *v_bh = FN(needs_copy)(p->a.dtype, p->a.v_stride)
-                              ? FN(head_cache)(&hdr->tag[1], vc, p->a.v, p->a.dtype, p->a.v_stride, b, hk, 1, Lk, Dv)
-                              : NULL;
         FN(load_tile_t)(t.qT, p->a.q, p->a.dtype, p->a.q_stride, b, h, i0, nr, D, (ACC)p->a.scale);
         FN(load_tile_t)(t.gT, p->dout, p->a.dtype, p->dout_stride, b, h, i0, nr, Dv, 1);
-        FN(dq_delta)(&t, p, k_bh, hm, dr, b, h, i0, nr, kv_begin, kv_end);
-
-        for (int64_t x = 0; x < nr * D; x++) t.dq[x] = 0;
-        for (int64_t j0 = kv_begin; j0 < kv_end; j0 += BK) {
-            const int64_t nc = FN(keys_read)(&p->a.key_padding_mask, b, j0, ma_min(BK, kv_end - j0));
-            if (nc == 0) continue;
-            const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
-            if (ms == MA_TILE_BLOCKED) continue; /* P = 0, dS = 0: dq, dhm unchanged, dscores stays 0 */
-            FN(dq_block)(&t, p, k_bh, v_bh, hm, dr, b, h, i0, nr, j0, nc, ms);
-        }
-        FN(store_tile)(p->dq, p->a.dtype, p->dq_stride, b, h, i0, nr, D, t.dq, (ACC)p->a.scale, p->a.stream_stores);
-        if (p->dhm_rows) {
-            ACC *dhm_bh = (ACC *)p->dhm_rows + FN(stat_row0)(&p->a, b, h);
-            for (int64_t r = 0; r < nr; r++) dhm_bh[i0 + r] = t.dhm[r];
-        }
+        FN(weights_delta)(&t, p, hm, dr, b, h, i0, nr);
     }
-    FN(fence_streams)();
 }
 
-/* One (query block, key block) tile of the row-wise backward, rows i0 .. i0 + nr
+/* One (query block, key block) tile of the single pass, rows i0 .. i0 + nr
  * of head h against keys j0 .. j0 + nc, in three steps:
  *   products     s = Q (scale K^T),  dp = dO V^T              (gen_bwd_scores, gen_bwd_dp, or the hooks)
  *   FN(bwd_tile_softmax)   P = exp(s + bias - lse) in s;  dS = P (hm (dp + dW) - delta) in dp;  s = hm P
- *   products     dK += dS^T Q (times scale at the store),  dV += (hm P)^T dO,  and dQ += dS K in
- *                the single pass                            (gen_bwd_accum, or the hooks)
- * The generic products split a causal diagonal tile (FN(diag_split)) unless
- * dweights are read (their dP needs every entry). */
+ *   products     dK += dS^T Q (times scale at the store),  dV += (hm P)^T dO,  dQ += dS K
+ *                                                           (gen_bwd_accum, or the hooks)
+ * The generic products split a causal diagonal tile (FN(diag_split)): the part they skip
+ * has dp 0 and P 0 (the band's -inf), so dS is 0 there, with or without dW. */
 static inline int64_t FN(bwd_split)(const ma_attn_bwd_params *p, int64_t i0, int64_t nr, int64_t j0, int64_t nc) {
-    return p->dweights ? 0 : FN(diag_split)(p->a.band_hi, p->a.block_q, p->a.block_k, i0, nr, j0, nc);
+    return FN(diag_split)(p->a.band_hi, p->a.block_q, p->a.block_k, i0, nr, j0, nc);
 }
 
 /* s (nr, nc) = Q kT: a split tile's rows r0 .. r0 + w x keys r0 + w.. are left to the causal fill (P = 0) */
@@ -399,85 +340,4 @@ static void FN(bwd_tile_softmax)(ACC *s, ACC *dp, ACC *th, ACC *z, const ma_attn
     FN(softcap_grad)(dp, th, nr * nc, p->a.opts.softcap); /* through the cap: dS (1 - tanh^2) */
     if (w->hm != 1)
         for (int64_t x = 0; x < nr * nc; x++) s[x] *= w->hm;
-}
-
-/* The whole generic tile w of the two-pass dkdv pass (kT, vT packed in t); q_i, g_i: its
- * rows of Q and dO, ldq and ldg apart. */
-static void FN(bwd_key_tile)(const FN(bwd_scratch) * t, const ma_attn_bwd_params *p, const FN(bwd_tile) * w,
-                             const ACC *q_i, int64_t ldq, const ACC *g_i, int64_t ldg) {
-    FN(gen_bwd_scores_at)(t, p, w->i0, w->nr, w->j0, w->nc, q_i, ldq);
-    FN(gen_bwd_dp_at)(t, p, w->i0, w->nr, w->j0, w->nc, g_i, ldg);
-    FN(bwd_tile_softmax)(t->s, t->dp, t->th, t->z, p, w, 0);
-    FN(gen_bwd_dkdv_at)(t, p, w->i0, w->nr, w->j0, w->nc, q_i, ldq, g_i, ldg);
-}
-
-/* Pass 2, work item (b, hkv, k-block): dk and dv of its keys, summed over the
- * G query heads of the group and every query row that can see the block.
- * Key blocks of a head in FN(interleave) order. Dense calls only. */
-static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
-    const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
-    const ma_attn_bwd_params *p = (const ma_attn_bwd_params *)ctx->params;
-    const int64_t G = p->a.H / p->a.Hkv, D = p->a.D, Dv = p->a.Dv, Lq = p->a.Lq, Lk = p->a.Lk;
-    const int64_t BQ = p->a.block_q, BK = p->a.block_k, nk = ma_cdiv(Lk, BK);
-    FN(bwd_scratch) t = FN(bwd_carve)(ctx->scratch, BQ, BK, D, Dv);
-    ma_scratch_header *hdr = (ma_scratch_header *)ctx->scratch;
-    ACC *qc = t.extra, *gc = qc + (FN(needs_copy)(p->a.dtype, p->a.q_stride) ? G * Lq * D : 0);
-
-    for (int64_t w = begin; w < end; w++) {
-        const int64_t b = w / (p->a.Hkv * nk), hk = (w / nk) % p->a.Hkv, kb = FN(interleave)(w % nk, nk);
-        const ACC *q_bg = FN(needs_copy)(p->a.dtype, p->a.q_stride)
-                              ? FN(head_cache)(&hdr->tag[2], qc, p->a.q, p->a.dtype, p->a.q_stride, b, hk * G, G, Lq, D)
-                              : NULL;
-        const ACC *g_bg =
-            FN(needs_copy)(p->a.dtype, p->dout_stride)
-                ? FN(head_cache)(&hdr->tag[3], gc, p->dout, p->a.dtype, p->dout_stride, b, hk * G, G, Lq, Dv)
-                : NULL;
-        const int64_t j0 = kb * BK, nc_out = ma_min(BK, Lk - j0); /* rows of dk, dv written */
-        const int64_t nc = FN(bwd_keys_read)(p, b, j0, nc_out);      /* keys read; the rest get 0 */
-        for (int64_t x = 0; x < nc_out * D; x++) t.dk[x] = 0;
-        for (int64_t x = 0; x < nc_out * Dv; x++) t.dv[x] = 0;
-
-        if (nc > 0) {
-            FN(load_tile_t)(t.kT, p->a.k, p->a.dtype, p->a.k_stride, b, hk, j0, nc, D, (ACC)p->a.scale);
-            FN(load_tile_t)(t.vT, p->a.v, p->a.dtype, p->a.v_stride, b, hk, j0, nc, Dv, 1);
-            /* queries i < j0 see none of these keys under the causal mask, nor those outside the band */
-            int64_t i_begin, i_end;
-            FN(q_range)(&p->a, j0, nc, &i_begin, &i_end);
-            for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
-                const ACC hm = FN(head_scale)(&p->a.opts.head_mask, b, h);
-                ma_dropout dr_buf;
-                const ma_dropout *dr = FN(head_dropout)(&p->a, b, h, &dr_buf);
-                const ACC *lse_bh = (const ACC *)p->lse + FN(stat_row0)(&p->a, b, h);
-                const ACC *delta_bh = (const ACC *)p->delta + FN(stat_row0)(&p->a, b, h);
-                const ACC *q_bh = q_bg ? q_bg + (h - hk * G) * Lq * D : NULL;
-                const ACC *g_bh = g_bg ? g_bg + (h - hk * G) * Lq * Dv : NULL;
-                for (int64_t i0 = i_begin; i0 < i_end; i0 += BQ) {
-                    const int64_t nr = ma_min(BQ, Lq - i0);
-                    const int ms = FN(mask_tile_state)(&p->a.attn_mask, b, h, i0, nr, j0, nc);
-                    if (ms == MA_TILE_BLOCKED) continue; /* dS = 0, hm P = 0: dk, dv unchanged */
-                    int64_t ldq, ldg;
-                    const ACC *q_i = FN(rows_in)(p->a.q, p->a.dtype, p->a.q_stride, b, h, i0, q_bh, D, &ldq);
-                    const ACC *g_i = FN(rows_in)(p->dout, p->a.dtype, p->dout_stride, b, h, i0, g_bh, Dv, &ldg);
-                    for (int64_t r = 0; r < nr; r++) t.lse[r] = FN(finite_or_zero)(lse_bh[i0 + r]);
-                    const FN(bwd_tile) w = {.b = b,
-                                            .h = h,
-                                            .i0 = i0,
-                                            .nr = nr,
-                                            .j0 = j0,
-                                            .nc = nc,
-                                            .hm = hm,
-                                            .am_state = ms,
-                                            .lse = t.lse,
-                                            .delta = delta_bh + i0,
-                                            .dhm = NULL,
-                                            .dr = dr};
-                    FN(bwd_key_tile)(&t, p, &w, q_i, ldq, g_i, ldg);
-                }
-            }
-        }
-        FN(store_tile)(p->dk, p->a.dtype, p->dk_stride, b, hk, j0, nc_out, D, t.dk, (ACC)p->a.scale,
-                       p->a.stream_stores);
-        FN(store_tile)(p->dv, p->a.dtype, p->dv_stride, b, hk, j0, nc_out, Dv, t.dv, 1, p->a.stream_stores);
-    }
-    FN(fence_streams)();
 }

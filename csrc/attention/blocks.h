@@ -71,10 +71,10 @@
  *    instances that include it, amx.c, avx512bf16.c and svebf16.c (AMX,
  *    AVX512-BF16, SVE-BF16). With #define MA_TILE_HOOKS the instance
  *    supplies the tile products and their operand packing of the forward's
- *    tile path and of the single-pass backward (tiles_contract.h lists
+ *    tile path and of the backward (tiles_contract.h lists
  *    them); the loops, masks and softmax stay the template's.
  *    The instance's other blocks serve everything else (short query blocks,
- *    weights, the two-pass backward).
+ *    weights, the backward's pre-pass for the weights' gradient).
  */
 #ifndef MA_ATTENTION_BLOCKS_H
 #define MA_ATTENTION_BLOCKS_H
@@ -124,7 +124,7 @@ extern const ma_blocks ma_blocks_svebf16_2;                             /* 3 pro
 
 /* The kernels of one instance (attention_tmpl.h); dispatch.c picks one. */
 typedef struct {
-    ma_task_fn fwd, bwd_dq, bwd_dkdv, bwd_fused, bwd_reduce;
+    ma_task_fn fwd, bwd_delta, bwd_fused, bwd_reduce;
     size_t (*fwd_scratch_bytes)(const ma_attn_fwd_params *p);
     size_t (*bwd_scratch_bytes)(const ma_attn_bwd_params *p);
     ma_task_fn decode, decode_merge; /* decode_tmpl.h */

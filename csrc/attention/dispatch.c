@@ -38,11 +38,8 @@ static const ma_attn_kernels *kernels(ma_dtype dt, ma_isa isa) {
 void ma_attn_fwd_task(int64_t begin, int64_t end, void *ctx) {
     KERNELS(PARAMS(ma_attn_fwd_params, ctx))->fwd(begin, end, ctx);
 }
-void ma_attn_bwd_dq_task(int64_t begin, int64_t end, void *ctx) {
-    KERNELS(PARAMS(ma_attn_bwd_params, ctx))->bwd_dq(begin, end, ctx);
-}
-void ma_attn_bwd_dkdv_task(int64_t begin, int64_t end, void *ctx) {
-    KERNELS(PARAMS(ma_attn_bwd_params, ctx))->bwd_dkdv(begin, end, ctx);
+void ma_attn_bwd_delta_task(int64_t begin, int64_t end, void *ctx) {
+    KERNELS(PARAMS(ma_attn_bwd_params, ctx))->bwd_delta(begin, end, ctx);
 }
 void ma_attn_bwd_fused_task(int64_t begin, int64_t end, void *ctx) {
     KERNELS(PARAMS(ma_attn_bwd_params, ctx))->bwd_fused(begin, end, ctx);
@@ -58,10 +55,6 @@ void ma_attn_decode_merge_task(int64_t begin, int64_t end, void *ctx) {
 }
 
 /* ---- rules on the shape ------------------------------------------------- */
-
-/* Every call whose weights take no gradient: dense and varlen (whose entries have their own
- * key chunks, varlen_chunks). */
-int ma_attn_bwd_single_pass(const ma_attn_bwd_params *p) { return p->dweights == NULL; }
 
 /* Enough (b, hkv, chunk) items for one per CPU the process can use, and at
  * least 8; never more chunks than key blocks, nor than MA_BWD_KV_CHUNKS_MAX
@@ -466,27 +459,26 @@ static void bwd_bind(void *params, void *workspace) {
     p->dhm_part = part && n > at[4] ? w + at[4] : NULL;
 }
 
-/* The single pass (one item per (b, hkv, key chunk), then, where some item
- * has more than one chunk, the reduce over (b, h, query block)), or, where
- * the weights have a gradient (never varlen: -1), the two passes (dq, then
- * dk and dv). One item at a time: items cost whole heads, and varlen's come
- * most expensive first. */
+/* Where the weights have a gradient (dense calls; varlen returns no weights: -1), the
+ * pre-pass over (b, h, query block) that puts their term in delta; then the single pass
+ * (one item per (b, hkv, key chunk)), then, where some item has more than one chunk, the
+ * reduce over (b, h, query block). One item at a time: items cost whole heads, and varlen's
+ * come most expensive first. */
 int ma_attn_plan_bwd(ma_attn_bwd_params *p, int64_t threads, ma_plan *plan) {
     if (!p || !plan) return -1;
     ma_attn_args *a = &p->a;
     plan_init(plan);
     p->kv_chunks = 1, p->entry_chunks = NULL, p->dq_part = p->dhm_part = NULL;
     p->key_group = bwd_key_group(p);
-    const double per_head = (double)a->H * (double)(3 * a->D + 2 * a->Dv); /* the five products */
+    /* the five products, and the pre-pass's scores */
+    const double per_head = (double)a->H * (double)((p->dweights ? 4 : 3) * a->D + 2 * a->Dv);
     plan->work = (a->cu_q ? varlen_count(a) : (double)a->B * (double)a->Lq * (double)a->Lk) * per_head;
     plan->threads = plan_threads(plan->work, threads);
     const size_t bytes = KERNELS(p)->bwd_scratch_bytes(p);
     const int64_t nq = a->B * a->H * ma_cdiv(a->Lq, a->block_q);
-    if (!ma_attn_bwd_single_pass(p)) {
-        if (a->cu_q) return -1; /* the two passes' items are dense */
-        add_pass(plan, ma_attn_bwd_dq_task, nq, 1, bytes);
-        add_pass(plan, ma_attn_bwd_dkdv_task, a->B * a->Hkv * ma_cdiv(a->Lk, a->block_k), 1, bytes);
-        return 0;
+    if (p->dweights) {
+        if (a->cu_q) return -1;
+        add_pass(plan, ma_attn_bwd_delta_task, nq, 1, bytes);
     }
     int64_t reduce = 0;
     if (a->cu_q) {

@@ -1,13 +1,14 @@
 /*
- * fused_bwd_tmpl.h -- the single-pass backward (dq, dk and dv from one pass over a key chunk's
- * tiles, ma_attn_bwd_single_pass) and the reduce of its per-chunk dq.
+ * fused_bwd_tmpl.h -- the backward: dq, dk and dv from one pass over a key chunk's tiles (every
+ * call), and the reduce of its per-chunk dq.
  *
  * Part of attention_tmpl.h (included by it, after backward_tmpl.h): FN, BLK, ACC and the blocks are
  * the instance's.
  */
 
 /* The per-row values of head (b, h) the single pass needs, rows 0 .. Lq:
- * delta_i = dout_i . out_i, lse_i (-inf -> 0) and dhm_i = 0; overwrites.
+ * delta_i = dout_i . out_i (where the weights have a gradient, the pre-pass's
+ * delta, FN(attn_bwd_delta)), lse_i (-inf -> 0) and dhm_i = 0; overwrites.
  * Rows are read in place when they are ACC with unit stride, else converted
  * into gbuf (2 Dv). The dot product runs in 8 interleaved partial sums. */
 static void FN(delta_rows)(const ma_attn_bwd_params *p, int64_t b, int64_t h, ACC *gbuf, ACC *delta, ACC *lse,
@@ -15,7 +16,14 @@ static void FN(delta_rows)(const ma_attn_bwd_params *p, int64_t b, int64_t h, AC
     const int64_t Lq = p->a.Lq, Dv = p->a.Dv;
     const ACC *lse_bh = (const ACC *)p->lse + FN(stat_row0)(&p->a, b, h);
     const int direct = FN(is_native)(p->a.dtype) && p->dout_stride[3] == 1 && p->a.out_stride[3] == 1 && !p->out_lo;
+    const ACC *pre = p->dweights ? (const ACC *)p->delta + FN(stat_row0)(&p->a, b, h) : NULL;
     for (int64_t i = 0; i < Lq; i++) {
+        lse[i] = FN(finite_or_zero)(lse_bh[i]);
+        dhm[i] = 0;
+        if (pre) {
+            delta[i] = pre[i];
+            continue;
+        }
         const int64_t g_off = b * p->dout_stride[0] + h * p->dout_stride[1] + i * p->dout_stride[2];
         const int64_t o_off = b * p->a.out_stride[0] + h * p->a.out_stride[1] + i * p->a.out_stride[2];
         const ACC *g_r = (const ACC *)p->dout + g_off, *o_r = (const ACC *)p->out + o_off;
@@ -31,8 +39,6 @@ static void FN(delta_rows)(const ma_attn_bwd_params *p, int64_t b, int64_t h, AC
         for (; d < Dv; d++) dot += g_r[d] * o_r[d];
         for (int u = 0; u < 8; u++) dot += part[u];
         delta[i] = dot;
-        lse[i] = FN(finite_or_zero)(lse_bh[i]);
-        dhm[i] = 0;
     }
 }
 
@@ -86,7 +92,7 @@ static void FN(gen_bwd_dp)(FN(gen_bwd) * g, int64_t gi, int64_t h, int64_t i0, i
     FN(gen_bwd_dp_at)(g->t, g->p, i0, nr, g->j0, g->nc, g->g_i, g->ldg);
 }
 
-/* dK, dV as the dkdv pass; dQ += dS K (times scale at the store): rows r0 .. r0 + w of a split diagonal tile see keys ..r0 + w */
+/* dK += dS^T Q, dV += (hm P)^T dO; dQ += dS K (times scale at the store): rows r0 .. r0 + w of a split diagonal tile see keys ..r0 + w */
 static void FN(gen_bwd_accum)(FN(gen_bwd) * g, ACC *dq_i, int64_t gi, int64_t h, int64_t i0, int64_t nr) {
     (void)gi, (void)h;
     const ma_attn_bwd_params *p = g->p;
@@ -125,8 +131,8 @@ typedef struct {
     int64_t i_lo, i_hi;
 } FN(key_group);
 
-/* step(args) of key block x (c: the task). The hooks take every single pass (it
- * never reads dweights) and hold one key block (FN(bwd_key_group) is 1): x is 0. */
+/* step(args) of key block x (c: the task). The hooks take every call and hold
+ * one key block (FN(bwd_key_group) is 1): x is 0. */
 #ifdef MA_TILE_HOOKS
 #define BWD_STEP(step, x, ...) FN(tiles_bwd_##step)(c->tiles, __VA_ARGS__)
 #else
@@ -143,9 +149,10 @@ typedef struct {
  * Q, dO and dq rows serve KG key blocks while they are in cache. Each dq row
  * still sums its key blocks in key order and each dk, dv row its query
  * blocks in (head, query) order: the results are those of KG = 1, bit for
- * bit. 5 matrix products and one exp per tile instead of the two passes' 7
- * and two; chosen by shape alone (ma_attn_bwd_single_pass) so results never
- * depend on the thread count. No dweights here (the two passes handle them). */
+ * bit. 5 matrix products and one exp per tile; the chunks are a rule on the
+ * shape alone, so results never depend on the thread count. Where the weights
+ * have a gradient, their term is in delta (the pre-pass) and dW joins dP in
+ * each tile (FN(bwd_tile_softmax)). */
 static void FN(fused_carve)(FN(fused_task) * c, void *scratch, const ma_attn_bwd_params *p, int64_t KG) {
     const int64_t G = p->a.H / p->a.Hkv, Lq = p->a.Lq, D = p->a.D, Dv = p->a.Dv, BK = p->a.block_k;
     const FN(bwd_scratch) t = FN(bwd_carve)(scratch, p->a.block_q, BK, D, Dv);
@@ -293,7 +300,8 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
         for (int64_t g = 0; g < G; g++)
             FN(delta_rows)(p, b, hk * G + g, c->tk[0].gbuf, c->delta_all + g * Lq, c->lse_all + g * Lq,
                            c->dhm_all + g * Lq);
-        if (ch == 0 && p->a.opts.sinks.ptr) /* delta for ma_attn_bwd_sinks_grad */
+        if (ch == 0 && p->a.opts.sinks.ptr &&
+            !p->dweights) /* delta for ma_attn_bwd_sinks_grad (the pre-pass wrote it) */
             for (int64_t g = 0; g < G; g++)
                 memcpy((ACC *)p->delta + FN(stat_row0)(&p->a, b, hk * G + g), c->delta_all + g * Lq, Lq * sizeof(ACC));
         for (int64_t x = 0; x < G * Lq * D; x++) dq_acc[x] = 0;

@@ -41,15 +41,15 @@ const ma_blocks ma_blocks_scalar = {
     transpose_scalar, row_max_scalar,    axpy_keys_scalar,    gemm_rowscale_scalar, dropout_scalar,
     softcap_scalar,   dot_keys_t_scalar, quantize_row_scalar, dot_rows_scalar};
 const ma_attn_kernels ma_attn_kernels_scalar = {
-    attn_fwd_scalar,          attn_bwd_dq_scalar,         attn_bwd_dkdv_scalar,     attn_bwd_fused_scalar,
-    attn_bwd_reduce_scalar,   fwd_scratch_bytes_scalar,   bwd_scratch_bytes_scalar, attn_decode_scalar,
-    attn_decode_merge_scalar, decode_scratch_bytes_scalar};
+    attn_fwd_scalar,        attn_bwd_delta_scalar,    attn_bwd_fused_scalar,
+    attn_bwd_reduce_scalar, fwd_scratch_bytes_scalar, bwd_scratch_bytes_scalar,
+    attn_decode_scalar,     attn_decode_merge_scalar, decode_scratch_bytes_scalar};
 
 #define MA_ACC_F64
 #define FN(name) name##_f64
 #define BLK(name) name##_f64
 #include "attention_tmpl.h"
 
-const ma_attn_kernels ma_attn_kernels_f64 = {
-    attn_fwd_f64,          attn_bwd_dq_f64,       attn_bwd_dkdv_f64, attn_bwd_fused_f64,    attn_bwd_reduce_f64,
-    fwd_scratch_bytes_f64, bwd_scratch_bytes_f64, attn_decode_f64,   attn_decode_merge_f64, decode_scratch_bytes_f64};
+const ma_attn_kernels ma_attn_kernels_f64 = {attn_fwd_f64,        attn_bwd_delta_f64,    attn_bwd_fused_f64,
+                                             attn_bwd_reduce_f64, fwd_scratch_bytes_f64, bwd_scratch_bytes_f64,
+                                             attn_decode_f64,     attn_decode_merge_f64, decode_scratch_bytes_f64};

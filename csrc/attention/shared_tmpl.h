@@ -561,7 +561,7 @@ static void FN(kv_scale)(ACC *x, int64_t rs, int64_t cs, int64_t nr, const ma_at
         }
 }
 
-/* Work item w of the forward, the dq pass and the single pass's reduce: (b, h,
+/* Work item w of the forward, the backward's pre-pass and reduce: (b, h,
  * query block). Dense: the blocks of head (b, h) in FN(interleave) order;
  * varlen: the plan's table. */
 static inline void FN(q_item)(const ma_attn_args *a, int64_t w, int64_t *b, int64_t *h, int64_t *qb) {

@@ -150,6 +150,6 @@ static void gemm_svebf16_2(int64_t m, int64_t n, int64_t k, const float *A, int6
  * round-to-odd sums leave about 2^-23 of the sum's magnitude per k quad, past that bound.) */
 const ma_blocks ma_blocks_svebf16_2 = {.name = "svebf16_2", .gemm = gemm_svebf16_2};
 const ma_attn_kernels ma_attn_kernels_svebf16 = {
-    attn_fwd_svebf16,          attn_bwd_dq_svebf16,         attn_bwd_dkdv_svebf16,     attn_bwd_fused_svebf16,
-    attn_bwd_reduce_svebf16,   fwd_scratch_bytes_svebf16,   bwd_scratch_bytes_svebf16, attn_decode_svebf16,
-    attn_decode_merge_svebf16, decode_scratch_bytes_svebf16};
+    attn_fwd_svebf16,        attn_bwd_delta_svebf16,    attn_bwd_fused_svebf16,
+    attn_bwd_reduce_svebf16, fwd_scratch_bytes_svebf16, bwd_scratch_bytes_svebf16,
+    attn_decode_svebf16,     attn_decode_merge_svebf16, decode_scratch_bytes_svebf16};

@@ -179,7 +179,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_impl(const Sizes& s, const Masks& m,
     torch::stable::zero_(dq);
     if (head_mask_grad) torch::stable::zero_(dhm_rows);
   } else {
-    run_attn_bwd(p);  // the single pass (key chunks: their partial sums, then the reduce) or the two passes
+    run_attn_bwd(p);  // the weights' pre-pass, the pass (key chunks: their partial sums), the reduce
   }
 
   return {head_mask_grad_of(o, head_mask_grad ? &dhm_rows : nullptr, q), dscores, sinks_grad_of(o, p, q)};
@@ -215,10 +215,8 @@ std::tuple<Tensor, Tensor, Tensor> attn_backward_into(
     bool mask_grad, Tensor grad_q, Tensor grad_k, Tensor grad_v, double dropout_p,
     std::optional<Tensor> dropout_seed, std::optional<Tensor> out_lo) {
   // What the kernels allow (masked_attn.h): outputs that never share memory
-  // with each other or with what is read, except that the single pass (no
-  // grad_weights) may write grad_q, grad_k, grad_v over q, k, v themselves,
-  // element for element.
-  const bool two_passes = grad_weights.has_value();
+  // with each other or with what is read, except grad_q, grad_k, grad_v over
+  // q, k, v themselves, element for element.
   const char* names[3] = {"grad_q", "grad_k", "grad_v"};
   const Tensor* outs[3] = {&grad_q, &grad_k, &grad_v};
   const Tensor* ins[3] = {&q, &k, &v};
@@ -230,11 +228,10 @@ std::tuple<Tensor, Tensor, Tensor> attn_backward_into(
       MA_CHECK(!may_overlap(*outs[i], *outs[j]), "masked_attn.backward_into: ", names[i], " and ", names[j],
                " share memory; each gradient needs memory of its own");
     for (int j = 0; j < 3; j++) {
-      const bool exact_alias_ok = i == j && !two_passes && same_view(*outs[i], *ins[j]);
+      const bool exact_alias_ok = i == j && same_view(*outs[i], *ins[j]);
       MA_CHECK(exact_alias_ok || !may_overlap(*outs[i], *ins[j]), "masked_attn.backward_into: ", names[i],
                " shares memory with ", "qkv"[j],
-               two_passes ? " (with grad_weights the gradients must not share memory with q, k, v)"
-                          : " (only grad_q = q, grad_k = k, grad_v = v, element for element, is allowed)");
+               " (only grad_q = q, grad_k = k, grad_v = v, element for element, is allowed)");
     }
     const Tensor* read[3] = {&grad_out, &out, &lse};
     const char* read_names[3] = {"grad_out", "out", "lse"};

@@ -155,7 +155,7 @@ def _ref_from_mask(q, k, v, z, p, scale, bias=None, hm=None, is_causal=False):
 
 
 @pytest.mark.parametrize("isa", AVAILABLE)
-@pytest.mark.parametrize("loss_on_weights", [False, True], ids=["single-pass", "two-pass"])
+@pytest.mark.parametrize("loss_on_weights", [False, True], ids=["plain", "grad-weights"])
 @pytest.mark.parametrize("case", ["plain", "causal-gqa", "masks", "chunks"])
 def test_gradients_vs_reference(isa, loss_on_weights, case):
     dtype = torch.float32
@@ -164,7 +164,7 @@ def test_gradients_vs_reference(isa, loss_on_weights, case):
     if case == "causal-gqa":
         Hkv, Lq, Lk, kw["is_causal"] = 2, 70, 70, True
     if case == "chunks":
-        B, H, Hkv, Lq, Lk = 1, 2, 1, 40, 200  # key chunks > 1 in the single pass
+        B, H, Hkv, Lq, Lk = 1, 2, 1, 40, 200  # key chunks > 1 in the backward
     q, k, v = (t.requires_grad_() for t in _qkv(B, H, Hkv, Lq, Lk, D=16, Dv=8, dtype=dtype))
     bias = hm = None
     if case == "masks":
@@ -232,8 +232,8 @@ def test_threads_bitwise(dtype):
 
     def run():
         out, w = masked_attention(q, k, v, dropout_p=0.3, dropout_seed=seed, need_weights=True)
-        g1 = torch.autograd.grad(out.sum(), (q, k, v), retain_graph=True)  # single pass
-        g2 = torch.autograd.grad(out.sum() + (w * w).sum(), (q, k, v))  # two passes
+        g1 = torch.autograd.grad(out.sum(), (q, k, v), retain_graph=True)  # no gradient on the weights
+        g2 = torch.autograd.grad(out.sum() + (w * w).sum(), (q, k, v))  # the weights' pre-pass
         return (out, w) + g1 + g2
 
     n = torch.get_num_threads()

@@ -10,7 +10,7 @@ from torch.autograd import gradcheck
 import torch_masked_attn as tma
 
 
-@pytest.mark.parametrize("B,H,Hkv", [(2, 2, 1), (4, 8, 4)], ids=["two-pass", "single-pass"])
+@pytest.mark.parametrize("B,H,Hkv", [(2, 2, 1), (4, 8, 4)], ids=["B2-H2-Hkv1", "B4-H8-Hkv4"])
 @pytest.mark.parametrize("mask_shape", ["(Lq,Lk)", "(H,Lq,Lk)", "(B,1,1,Lk)", "(B,H,Lq,Lk)"])
 def test_mask_gradcheck(B, H, Hkv, mask_shape):
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
 """Block skipping for materialised masks (attention_tmpl.h, FN(mask_tile_state)):
 an attn_mask tile (64 queries x 64 keys) whose entries all block is never
 computed, in the forward (tiles and short query blocks by rows), in the
-single-pass backward and in both passes of the two-pass backward; a tile
+backward and in its pre-pass for the weights' gradient; a tile
 whose entries are all 0 adds nothing. Found by reading the mask, so it holds
 for Hugging Face's 4-D causal + padding mask and for packed documents.
 
@@ -218,24 +218,23 @@ def _nan_case(L=194, B=2, H=2, D=16, dtype=torch.float32):
 
 @pytest.mark.parametrize("isa", VARIANTS)
 @pytest.mark.parametrize("form", ["bool", "float"])
-@pytest.mark.parametrize("two_pass", [False, True], ids=["single-pass", "two-pass"])
-def test_nan_in_blocked_tiles_reaches_nothing(isa, form, two_pass):
-    """Forward (tiles, and the last 2 rows by rows), the single-pass backward,
-    and with a loss on the weights the two-pass backward (dq pass, dkdv pass)
-    and the weights: all finite, and equal to the same call with those keys
+@pytest.mark.parametrize("grad_weights", [False, True], ids=["plain", "grad-weights"])
+def test_nan_in_blocked_tiles_reaches_nothing(isa, form, grad_weights):
+    """Forward (tiles, and the last 2 rows by rows), the backward, and with a
+    loss on the weights the backward's pre-pass and the weights: all finite, and equal to the same call with those keys
     finite (their dk, dv are 0). Without the skip, NaN + -inf = NaN enters
     every row of batch 1."""
     _need(isa)
     allowed, q, k, v, k_nan, v_nan, g = _nan_case()
     m = ~allowed if form == "bool" else torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
-    gw = torch.randn(2, 2, 194, 194) if two_pass else None
+    gw = torch.randn(2, 2, 194, 194) if grad_weights else None
 
     def call(k, v):
-        fn = lambda q, k, v: tmaF.masked_attention(q, k, v, attn_mask=m, need_weights=two_pass)  # noqa: E731
+        fn = lambda q, k, v: tmaF.masked_attention(q, k, v, attn_mask=m, need_weights=grad_weights)  # noqa: E731
         return run_isa(isa, lambda: fwd_bwd(fn, q, k, v, g, gw))
 
     got = call(k_nan, v_nan)
-    names = ("out", "weights", "dq", "dk", "dv") if two_pass else ("out", "dq", "dk", "dv")
+    names = ("out", "weights", "dq", "dk", "dv") if grad_weights else ("out", "dq", "dk", "dv")
     for n, t in zip(names, got):
         assert torch.isfinite(t).all(), f"{isa} {form}: NaN in the blocked keys reached {n}"
     dk, dv = got[-2], got[-1]
@@ -288,7 +287,7 @@ def test_gradcheck_with_blocked_tiles(mask, _one_thread):
         am = torch.randn(2, 1, L, L, dtype=torch.float64).masked_fill(~allowed, float("-inf"))
     q, k, v = (torch.randn(2, 1, L, D, dtype=torch.float64, requires_grad=True) for _ in range(3))
     assert gradcheck(lambda q, k, v: tmaF.masked_attention(q, k, v, attn_mask=am), (q, k, v), fast_mode=True)
-    # the two-pass backward (weights receive a gradient)
+    # the weights receive a gradient (the backward's pre-pass)
     assert gradcheck(
         lambda q, k, v: tmaF.masked_attention(q, k, v, attn_mask=am, need_weights=True), (q, k, v), fast_mode=True
     )

@@ -1,6 +1,6 @@
 """Outputs written over inputs or over each other: backward_into's gradients
-aliasing q, k, v (allowed where the single pass reads every block before it
-writes its gradient, refused otherwise), overlapping outputs, a gradient over
+aliasing q, k, v element for element (allowed: the backward reads every block
+before it writes its gradient, with or without grad_weights), overlapping outputs, a gradient over
 out_lo, and cross-entropy's in-place backward on an overlapping input: each
 refused with an error naming the tensors, never a silent wrong answer."""
 
@@ -23,24 +23,26 @@ def _backward_into(go, gw, q, k, v, out, lse, dq, dk, dv):
     )
 
 
-def test_backward_into_over_qkv_single_pass_is_exact():
-    """Without grad_weights, grad_q = q, grad_k = k, grad_v = v is allowed and gives the same gradients."""
+@pytest.mark.parametrize("with_weights", [False, True], ids=["plain", "grad_weights"])
+def test_backward_into_over_qkv_is_exact(with_weights):
+    """grad_q = q, grad_k = k, grad_v = v is allowed and gives the gradients backward gives,
+    also where the weights have a gradient (their pre-pass only reads q and k)."""
     q, k, v, go = _qkv()
-    out, lse, _, _ = _forward(q, k, v)
+    out, lse, w, _ = torch.ops.masked_attn.forward(q, k, v, None, None, None, True, None, with_weights)
+    gw = torch.randn_like(w) if with_weights else None
     dq, dk, dv, *_ = torch.ops.masked_attn.backward(
-        go, None, q, k, v, out, lse, None, None, None, True, None, False, False
+        go, gw, q, k, v, out, lse, None, None, None, True, None, False, False
     )
     q2, k2, v2 = q.clone(), k.clone(), v.clone()
-    _backward_into(go, None, q2, k2, v2, out, lse, q2, k2, v2)
+    _backward_into(go, gw, q2, k2, v2, out, lse, q2, k2, v2)
     assert torch.equal(q2, dq) and torch.equal(k2, dk) and torch.equal(v2, dv)
 
 
-def test_backward_into_over_qkv_two_pass_is_refused():
+def test_backward_into_over_another_input_is_refused():
     q, k, v, go = _qkv()
-    out, lse, w, _ = torch.ops.masked_attn.forward(q, k, v, None, None, None, True, None, True)
-    gw = torch.randn_like(w)
-    with pytest.raises(RuntimeError, match="grad_q shares memory with q.*grad_weights"):
-        _backward_into(go, gw, q, k, v, out, lse, q, k, v)
+    out, lse, _, _ = _forward(q, k, v)
+    with pytest.raises(RuntimeError, match="grad_q shares memory with k.*only grad_q = q"):
+        _backward_into(go, None, q, k, v, out, lse, k, torch.empty_like(k), torch.empty_like(v))
 
 
 @pytest.mark.parametrize(

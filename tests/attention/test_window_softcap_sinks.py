@@ -5,7 +5,7 @@
   torch ops, with flash-attention's rule (PyTorch's own float32 error on the
   same reference as the yardstick): lengths 1, 63, 64, 65, Lq != Lk, GQA,
   every window shape, softcap, sinks, combined with causal + key padding +
-  attn_mask + head_mask; the single-pass and the two-pass backward;
+  attn_mask + head_mask; the backward with and without a gradient on the weights;
 * gradcheck in float64, opcheck on the ops with these arguments;
 * every ISA against scalar;
 * structural identities, bit for bit: a window reaching every key is no
@@ -193,7 +193,7 @@ COMBINED = [  # window, causal, softcap, sinks, attn_mask, key_padding_mask, hea
     ids=lambda s: "x".join(map(str, s)),
 )
 @pytest.mark.parametrize("combo", COMBINED, ids=str)
-@pytest.mark.parametrize("need_weights", [False, True], ids=["single_pass", "two_pass"])
+@pytest.mark.parametrize("need_weights", [False, True], ids=["plain", "grad_weights"])
 def test_combined(shape, combo, need_weights):
     window, causal, softcap, sinks, am, kpm, hm = combo
     check_against_ref(
@@ -292,7 +292,7 @@ def test_gradcheck(case):
 
     assert gradcheck(f, (q, k, v, sinks, am, hm), fast_mode=Lq > 64)
 
-    def fw(q, k, v, sinks):  # the two-pass backward (the weights are used)
+    def fw(q, k, v, sinks):  # the weights receive a gradient
         out, w = tmaF.masked_attention(
             q, k, v, window=case["window"], is_causal=case["causal"], softcap=1.3, sinks=sinks, need_weights=True
         )
@@ -366,7 +366,7 @@ def test_opcheck():
 
 @pytest.mark.parametrize("isa", SIMD_ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("need_weights", [False, True], ids=["single_pass", "two_pass"])
+@pytest.mark.parametrize("need_weights", [False, True], ids=["plain", "grad_weights"])
 @pytest.mark.parametrize("diagonal", [0, 64], ids=["top_left", "bottom_right"])
 def test_isa_against_scalar(isa, dtype, need_weights, diagonal):
     if not isa_available(isa):

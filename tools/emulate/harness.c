@@ -5,7 +5,7 @@
  * lacks (AVX-512, AVX512-BF16). run.py writes a struct emu_io and the
  * inputs into the emulated memory and calls emu_main(io); emu_main fills the
  * params as the shim does (csrc/shim/attention.cpp), runs the forward's plan
- * (ma_attn_plan_fwd) on one thread, then the single-pass backward's (and its
+ * (ma_attn_plan_fwd) on one thread, then the backward's (and its
  * reduce when the keys are split in chunks), and returns to emu_halt.
  * Layouts: q, dout, out, out_lo, dq (B, H, Lq, D|Dv); k, v, dk, dv (B, Hkv,
  * Lk, D|Dv), contiguous, in dtype; lse, delta (B, H, Lq) float32.
@@ -32,7 +32,7 @@ struct emu_io {
     /* 1: the same call as packed sequences (masked_attn::varlen_*): B entries of Lq queries and
      * Lk keys, H = Hkv = 1 (the (B, 1, L, D) layout is then the packed (B L, 1, D)), no masks */
     int64_t varlen;
-    int64_t status; /* 0 ok, 1 arena too small, 2 not the single pass, 3 not a varlen shape */
+    int64_t status; /* 0 ok, 1 arena too small, 2 no backward plan, 3 not a varlen shape */
 };
 
 static void contig4(int64_t st[4], int64_t d1, int64_t d2, int64_t d3) {
@@ -132,11 +132,10 @@ void emu_main(struct emu_io *io) {
     contig4(p.dq_stride, H, Lq, D), contig4(p.dk_stride, Hkv, Lk, D), contig4(p.dv_stride, Hkv, Lk, Dv);
     contig4(p.dout_stride, H, Lq, Dv);
     if (io->varlen) p.dq_stride[0] = p.dk_stride[0] = p.dv_stride[0] = p.dout_stride[0] = 0;
-    if (!ma_attn_bwd_single_pass(&p)) {
+    if (ma_attn_plan_bwd(&p, 1, &plan) != 0) {
         io->status = 2;
         return;
     }
-    ma_attn_plan_bwd(&p, 1, &plan);
     io->status = run_plan(io, &plan, &p, arena);
 }
 
