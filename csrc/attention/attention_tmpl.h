@@ -3,11 +3,14 @@
  *
  * Instantiated once per (accumulation type, instruction set) by a small
  * instance file (blocks.h, "An instance"): scalar.c (the float reference and
- * the float64 instance), avx2.c, avx512.c, amx.c, avx512bf16.c. The instance defines
+ * the float64 instance), avx2.c, avx512.c, amx.c, avx512bf16.c on x86; neon.c,
+ * sve128.c ... sve2048.c (each sve_instance.h at its vector length), svebf16.c
+ * on aarch64. The instance defines
  *   FN(name)    its suffix: every function here is FN(...), static
  *   BLK(name)   the suffix of the building blocks it calls (blocks.h)
  *   MA_ACC_F64  for double accumulation (float64 inputs); float otherwise
- *   MA_TILE_HOOKS  when it supplies the tile products (AMX; "tile hooks" below)
+ *   MA_TILE_HOOKS  when it supplies the tile products (AMX, AVX512-BF16, SVE-BF16:
+ *               tiles_hooks.h; forward_tmpl.h, "tile hooks")
  * and lists the kernels it gets (attn_fwd_<suffix>, ...) in its
  * ma_attn_kernels_<suffix> table, by their full names.
  *

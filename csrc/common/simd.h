@@ -42,9 +42,17 @@
  *   MA_GEMM_PACK, MA_MASKED_EDGES, MA_KT_NV(nr), MA_AXPY_ROWS, MA_AXPY_NV(R);
  *   MA_CE_UNROLL (cross_entropy/blocks_simd.h: vectors per block)
  *
- * A new instruction set: a simd_X.h defining the above, its flags in setup.py
- * and an instance file per op (attention/X.c, cross_entropy/X.c) that
- * includes simd_X.h, the op's blocks_simd.h and its template.
+ * A new instruction set X takes:
+ *   1. simd_X.h, defining the above (the mapping);
+ *   2. an instance file per op, attention/X.c and cross_entropy/X.c, that includes
+ *      simd_X.h, the op's blocks_simd.h and its template, and ends with its tables
+ *      (attention/blocks.h, "An instance"; cross_entropy/blocks.h);
+ *   3. a row of MA_ISA_TABLE (masked_attn.h): its name and enum value, architecture,
+ *      tile, fallback, kernels and CPU probe; the enum, the names, the checks, the
+ *      externs and the dispatch switches follow from it;
+ *   4. its units and flags in setup.py's C_UNITS_BY_ARCH.
+ * Besides: ma_isa_best (common/isa.c) to make it a default, and tests/c's variant
+ * lists to test its blocks in C.
  */
 #ifndef MA_SIMD_H
 #define MA_SIMD_H
