@@ -759,8 +759,9 @@ def _varlen_checked(query, key, value, block_table, enable_gqa, scales, num_spli
 
 def _varlen_paged(query, key, value, seqused_k, block_table, scales, quant: bool, cu_seq_k):
     """varlen_attn's paged cache (block_table, with seqused_k; no backward): checked, and where its
-    pages are not a multiple of the kernels' block_k (64 rows; ops.kernel_traits: the kernels read
-    those in place) gathered into packed rows, scales alike. (key, value, cu_seq_k, block_table (None once gathered), scales)."""
+    pages are not a multiple of the kernels' block_k (64 rows, ops.kernel_traits; the kernels read
+    those in place) gathered into packed rows, scales alike. (key, value, cu_seq_k, block_table
+    (None once gathered), scales)."""
     if seqused_k is None:
         raise ValueError("varlen_attn: block_table requires seqused_k")
     if block_table.dtype != torch.int32 or block_table.dim() != 2:
