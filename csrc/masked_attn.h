@@ -48,8 +48,8 @@ typedef enum {
  *   ID      the enum's MA_ISA_<ID>
  *   name    MASKED_ATTN_ISA's word, and the suffix of the variant's kernel tables
  *           (ma_attn_kernels_<name>, ma_blocks_<name>, ma_ce_kernels_<name>, ma_ce_blocks_<name>)
- *   value   the enum's value: the C ABI that Python and the shim share (never renumbered; a new
- *           row takes the next number)
+ *   abi     MA_ISA_<ID> = its value: the C ABI that Python and the shim share (never
+ *           renumbered; a new row takes the next number)
  *   arch    where it is compiled in: any, x86 (x86_64, i386) or arm (aarch64)
  *   bq, bk  its tile: query rows by keys (ma_attn_args.block_q, block_k), multiples of 32 (the
  *           tile products' packed views); a paged cache's page_size is a multiple of bk
@@ -65,23 +65,27 @@ typedef enum {
  * A new variant: a row here, its mapping (common/simd_<name>.h), its instance files and its
  * units in setup.py (common/simd.h lists them). */
 /* clang-format off */
-#define MA_ISA_TABLE(X)                                                                                 \
-    /* ID        name        value arch bq  bk  fb      own   inst usable */                            \
-    X(SCALAR,     scalar,     0,   any, 64, 64, SCALAR, all,  one, 1)                                   \
-    X(AVX2,       avx2,       1,   x86, 64, 64, SCALAR, all,  one, MA_CPU("avx2") && MA_CPU("fma"))     \
-    X(AVX512,     avx512,     2,   x86, 64, 64, SCALAR, all,  one, /* F, BW, DQ, VL */                  \
-      MA_CPU("avx512f") && MA_CPU("avx512bw") && MA_CPU("avx512dq") && MA_CPU("avx512vl"))              \
-    X(AMX,        amx,        3,   x86, 64, 64, AVX512, attn, one, /* + AVX512-BF16, AMX-BF16 tiles */  \
-      MA_USABLE(AVX512) && MA_CPU("avx512bf16") && MA_CPU("amx-tile") && MA_CPU("amx-bf16") &&          \
-      amx_permitted())                                                                                  \
-    X(AVX512BF16, avx512bf16, 4,   x86, 64, 64, AVX512, bf16, one, /* bfloat16 products on VDPBF16PS */ \
-      MA_USABLE(AVX512) && MA_CPU("avx512bf16"))                                                        \
-    X(NEON,       neon,       5,   arm, 64, 64, SCALAR, all,  one, 1 /* every aarch64 CPU */)           \
-    X(SVE,        sve,        6,   arm, 64, 64, NEON,   all,  vl,  ma_sve_bits() > 0)                   \
-    X(SVEBF16,    svebf16,    7,   arm, 64, 64, NEON,   bf16, one, sve_bf16() /* BFMMLA, any length */)
+#define MA_ISA_TABLE(X)                                                                                         \
+    /* ID,        name,       abi,                    arch, bq, bk, fb,     own,  inst, usable */               \
+    X(SCALAR,     scalar,     MA_ISA_SCALAR = 0,      any,  64, 64, SCALAR, all,  one, 1)                       \
+    X(AVX2,       avx2,       MA_ISA_AVX2 = 1,        x86,  64, 64, SCALAR, all,  one,                          \
+      MA_CPU("avx2") && MA_CPU("fma"))                                                                          \
+    X(AVX512,     avx512,     MA_ISA_AVX512 = 2,      x86,  64, 64, SCALAR, all,  one,                          \
+      /* F, BW, DQ, VL */ MA_CPU("avx512f") && MA_CPU("avx512bw") && MA_CPU("avx512dq") &&                      \
+      MA_CPU("avx512vl"))                                                                                       \
+    X(AMX,        amx,        MA_ISA_AMX = 3,         x86,  64, 64, AVX512, attn, one,                          \
+      /* + AVX512-BF16 and AMX-BF16 tiles */ MA_USABLE(AVX512) && MA_CPU("avx512bf16") &&                       \
+      MA_CPU("amx-tile") && MA_CPU("amx-bf16") && amx_permitted())                                              \
+    X(AVX512BF16, avx512bf16, MA_ISA_AVX512BF16 = 4,  x86,  64, 64, AVX512, bf16, one,                          \
+      /* bfloat16 products on VDPBF16PS */ MA_USABLE(AVX512) && MA_CPU("avx512bf16"))                           \
+    X(NEON,       neon,       MA_ISA_NEON = 5,        arm,  64, 64, SCALAR, all,  one,                          \
+      1 /* in every aarch64 CPU */)                                                                             \
+    X(SVE,        sve,        MA_ISA_SVE = 6,         arm,  64, 64, NEON,   all,  vl,  ma_sve_bits() > 0)       \
+    X(SVEBF16,    svebf16,    MA_ISA_SVEBF16 = 7,     arm,  64, 64, NEON,   bf16, one,                          \
+      sve_bf16() /* BFMMLA, any vector length */)
 /* clang-format on */
 
-#define MA_ISA_ENUM_ROW(ID, name, value, arch, bq, bk, fb, own, inst, usable) MA_ISA_##ID = value,
+#define MA_ISA_ENUM_ROW(ID, name, abi, arch, bq, bk, fb, own, inst, usable) abi,
 typedef enum { MA_ISA_TABLE(MA_ISA_ENUM_ROW) } ma_isa;
 #undef MA_ISA_ENUM_ROW
 

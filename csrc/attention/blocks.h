@@ -131,7 +131,7 @@ typedef struct {
 
 /* Every variant's tables (MA_ISA_TABLE: its kernels; its float blocks where it has row kernels of
  * its own; sve's one per vector length), and the float64 kernels. */
-#define MA_ATTN_EXTERNS(ID, name, value, arch, bq, bk, fb, own, inst, usable) \
+#define MA_ATTN_EXTERNS(ID, name, abi, arch, bq, bk, fb, own, inst, usable) \
     MA_EXTERN_##inst(ma_attn_kernels, name) MA_ROWS_##own(MA_EXTERN_##inst(ma_blocks, name))
 MA_ISA_TABLE(MA_ATTN_EXTERNS)
 #undef MA_ATTN_EXTERNS

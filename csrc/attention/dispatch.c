@@ -18,7 +18,7 @@
 static const ma_attn_kernels *kernels(ma_dtype dt, ma_isa isa) {
     if (dt == MA_F64) return &ma_attn_kernels_f64;
     switch (ma_isa_runs(isa, dt, 0)) {
-#define CASE(ID, name, value, arch, bq, bk, fb, own, inst, usable) \
+#define CASE(ID, name, abi, arch, bq, bk, fb, own, inst, usable) \
     MA_ON_##arch(case MA_ISA_##ID : return MA_TABLE_##inst(ma_attn_kernels, name);)
         MA_ISA_TABLE(CASE)
 #undef CASE
@@ -28,10 +28,10 @@ static const ma_attn_kernels *kernels(ma_dtype dt, ma_isa isa) {
 
 /* Each variant's tile (the table's bq, bk), by ma_isa; multiples of 32, as the tile products'
  * packed views start at multiples of 32 rows and keys (tiles_layout.h). */
-#define TILE(ID, name, value, arch, bq, bk, fb, own, inst, usable) [MA_ISA_##ID] = {bq, bk},
+#define TILE(ID, name, abi, arch, bq, bk, fb, own, inst, usable) [MA_ISA_##ID] = {bq, bk},
 static const int64_t tiles[][2] = {MA_ISA_TABLE(TILE)};
 #undef TILE
-#define TILE_OK(ID, name, value, arch, bq, bk, fb, own, inst, usable) \
+#define TILE_OK(ID, name, abi, arch, bq, bk, fb, own, inst, usable) \
     _Static_assert((bq) > 0 && (bk) > 0 && (bq) % 32 == 0 && (bk) % 32 == 0, #name "'s tile: multiples of 32");
 MA_ISA_TABLE(TILE_OK)
 #undef TILE_OK

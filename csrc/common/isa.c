@@ -67,18 +67,19 @@ int ma_sve_bits(void) {
 
 /* The rows' values are 0 .. N_ISAS - 1, each once: every row's is below the count and they add
  * up to 0 + 1 + ... + (N_ISAS - 1) (a value twice also repeats an isa_names index: -Woverride-init). */
-#define COUNT(ID, name, value, arch, bq, bk, fb, own, inst, usable) +1
-#define SUM(ID, name, value, arch, bq, bk, fb, own, inst, usable) +(value)
+#define COUNT(ID, name, abi, arch, bq, bk, fb, own, inst, usable) +1
+#define SUM(ID, name, abi, arch, bq, bk, fb, own, inst, usable) +MA_ISA_##ID
 enum { N_ISAS = 0 MA_ISA_TABLE(COUNT), VALUE_SUM = 0 MA_ISA_TABLE(SUM) };
 _Static_assert(VALUE_SUM == N_ISAS * (N_ISAS - 1) / 2, "MA_ISA_TABLE's values must be 0, 1, 2, ... (the C ABI)");
-#define BELOW(ID, name, value, arch, bq, bk, fb, own, inst, usable) \
-    _Static_assert((value) >= 0 && (value) < N_ISAS, "MA_ISA_TABLE: " #name "'s value is past the rows");
+#define BELOW(ID, name, abi, arch, bq, bk, fb, own, inst, usable)           \
+    _Static_assert((int)MA_ISA_##ID >= 0 && (int)MA_ISA_##ID < (int)N_ISAS, \
+                   "MA_ISA_TABLE: " #name "'s value is past the rows");
 MA_ISA_TABLE(BELOW)
 #undef COUNT
 #undef SUM
 #undef BELOW
 
-#define NAME(ID, name, value, arch, bq, bk, fb, own, inst, usable) [MA_ISA_##ID] = #name,
+#define NAME(ID, name, abi, arch, bq, bk, fb, own, inst, usable) [MA_ISA_##ID] = #name,
 static const char *const isa_names[N_ISAS] = {MA_ISA_TABLE(NAME)}; /* ma_isa's order */
 #undef NAME
 
@@ -86,7 +87,7 @@ const char *ma_isa_name(int isa) { return isa >= 0 && isa < N_ISAS ? isa_names[i
 
 int ma_isa_built(int isa) {
     switch (isa) {
-#define BUILT(ID, name, value, arch, bq, bk, fb, own, inst, usable) MA_ON_##arch(case MA_ISA_##ID : return 1;)
+#define BUILT(ID, name, abi, arch, bq, bk, fb, own, inst, usable) MA_ON_##arch(case MA_ISA_##ID : return 1;)
         MA_ISA_TABLE(BUILT)
 #undef BUILT
     default: return 0;
@@ -104,7 +105,7 @@ const char *ma_dtype_name(int dt) {
 
 int ma_isa_available(ma_isa isa) {
     switch (isa) {
-#define USABLE(ID, name, value, arch, bq, bk, fb, own, inst, usable) MA_ON_##arch(case MA_ISA_##ID : return usable;)
+#define USABLE(ID, name, abi, arch, bq, bk, fb, own, inst, usable) MA_ON_##arch(case MA_ISA_##ID : return usable;)
         MA_ISA_TABLE(USABLE)
 #undef USABLE
     default: return 0;
@@ -113,7 +114,7 @@ int ma_isa_available(ma_isa isa) {
 
 ma_isa ma_isa_runs(ma_isa isa, ma_dtype dt, int rows) {
     switch (isa) {
-#define RUNS(ID, name, value, arch, bq, bk, fb, own, inst, usable)                             \
+#define RUNS(ID, name, abi, arch, bq, bk, fb, own, inst, usable)                               \
     MA_ON_##arch(case MA_ISA_##ID : if (MA_OWNS_##own(dt, rows) && MA_INST_##inst) return isa; \
                  return ma_isa_runs(MA_ISA_##fb, dt, rows);)
         MA_ISA_TABLE(RUNS)

@@ -45,7 +45,7 @@ ma_isa ma_isa_runs(ma_isa isa, ma_dtype dt, int rows);
 
 /* ---- the table's vocabulary (masked_attn.h, MA_ISA_TABLE) -----------------------------------
  *
- * A generator is a macro of the row's columns, (ID, name, value, arch, bq, bk, fb, own, inst,
+ * A generator is a macro of the row's columns, (ID, name, abi, arch, bq, bk, fb, own, inst,
  * usable), handed to MA_ISA_TABLE; these turn a column's word into code. */
 
 /* MA_ON_<arch>(...): its arguments where this build compiles arch's variants in, else nothing

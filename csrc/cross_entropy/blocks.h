@@ -44,7 +44,7 @@ typedef struct {
 
 /* The tables of every variant of MA_ISA_TABLE with row kernels of its own (sve's one per vector
  * length; the others run their fallbacks', ma_isa_runs), and the float64 kernels. */
-#define MA_CE_EXTERNS(ID, name, value, arch, bq, bk, fb, own, inst, usable) \
+#define MA_CE_EXTERNS(ID, name, abi, arch, bq, bk, fb, own, inst, usable) \
     MA_ROWS_##own(MA_EXTERN_##inst(ma_ce_kernels, name) MA_EXTERN_##inst(ma_ce_blocks, name))
 MA_ISA_TABLE(MA_CE_EXTERNS)
 #undef MA_CE_EXTERNS

@@ -13,7 +13,7 @@
 static const ma_ce_kernels *kernels(const ma_ce_args *a) {
     if (a->dtype == MA_F64) return &ma_ce_kernels_f64;
     switch (ma_isa_runs(a->isa, a->dtype, 1)) {
-#define CASE(ID, name, value, arch, bq, bk, fb, own, inst, usable) \
+#define CASE(ID, name, abi, arch, bq, bk, fb, own, inst, usable) \
     MA_ON_##arch(MA_ROWS_##own(case MA_ISA_##ID : return MA_TABLE_##inst(ma_ce_kernels, name);))
         MA_ISA_TABLE(CASE)
 #undef CASE

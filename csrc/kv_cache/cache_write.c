@@ -14,7 +14,7 @@
 
 const ma_blocks *ma_blocks_for(ma_isa isa) {
     switch (ma_isa_runs(isa, MA_F32, 1)) {
-#define CASE(ID, name, value, arch, bq, bk, fb, own, inst, usable) \
+#define CASE(ID, name, abi, arch, bq, bk, fb, own, inst, usable) \
     MA_ON_##arch(MA_ROWS_##own(case MA_ISA_##ID : return MA_TABLE_##inst(ma_blocks, name);))
         MA_ISA_TABLE(CASE)
 #undef CASE

@@ -18,7 +18,7 @@ from conftest import isa_available
 from torch_masked_attn import _library, ops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-COLUMNS = ("ID", "name", "value", "arch", "bq", "bk", "fb", "own", "inst", "usable")
+COLUMNS = ("ID", "name", "abi", "arch", "bq", "bk", "fb", "own", "inst", "usable")
 # the C ABI: the values Python and the shim have always given these variants
 ABI = {"scalar": 0, "avx2": 1, "avx512": 2, "amx": 3, "avx512bf16": 4, "neon": 5, "sve": 6, "svebf16": 7}
 ARCH = {"x86_64": "x86", "amd64": "x86", "aarch64": "arm", "arm64": "arm"}.get(platform.machine().lower())
@@ -60,19 +60,23 @@ def table_rows():
             i += 1
         args = _split_args(text[m.end() : i - 1])
         assert len(args) == len(COLUMNS), args
-        rows.append(dict(zip(COLUMNS, args)))
+        row = dict(zip(COLUMNS, args))
+        enumerator, _, value = row["abi"].partition("=")  # "MA_ISA_<ID> = <value>"
+        assert enumerator.strip() == f"MA_ISA_{row['ID']}", row
+        row["value"] = int(value)
+        rows.append(row)
     assert rows
     return rows
 
 
 def test_library_names_are_the_tables_rows():
     rows = table_rows()
-    values = [int(r["value"]) for r in rows]
+    values = [r["value"] for r in rows]
     assert sorted(values) == list(range(len(rows)))  # each value once, no gap: ma_isa_name's indices
-    names = tuple(r["name"] for r in sorted(rows, key=lambda r: int(r["value"])))
+    names = tuple(r["name"] for r in sorted(rows, key=lambda r: r["value"]))
     assert _library._ISAS == names  # ma_isa_name, generated from the rows
     assert all(r["ID"] == r["name"].upper() for r in rows)  # MA_ISA_<ID> names the variant
-    assert {r["name"]: int(r["value"]) for r in rows if r["name"] in ABI} == ABI  # never renumbered
+    assert {r["name"]: r["value"] for r in rows if r["name"] in ABI} == ABI  # never renumbered
     assert ARCH is not None
     by_id = {r["ID"]: r for r in rows}
     assert ops.built_isas() == tuple(n for n in names if by_id[n.upper()]["arch"] in ("any", ARCH))
