@@ -229,7 +229,8 @@ typedef struct {
      * one entry at a time through FN(seq) (attention_tmpl.h): pointers moved to
      * the entry's first row, Lq, Lk its own, the band its window's. B is the
      * number of sequences, Lq and Lk (set by the shim) the longest ones. No
-     * masks, no head mask, no weights; the two-pass backward. */
+     * masks, no head mask, no weights; the single-pass backward, each entry
+     * with key chunks of its own (ma_attn_bwd_params.entry_chunks). */
     const int32_t *cu_q, *cu_k;  /* (B + 1), nondecreasing from 0, checked by the shim */
     const int32_t *seqused_k;    /* (B) or NULL; required with block_table */
     /* paged KV cache (forward only): k, v are pools (pages, page_size, Hkv, D)
@@ -238,10 +239,11 @@ typedef struct {
      * page_size is a multiple of block_k, so a key block lies in one page. cu_k unused. */
     const int32_t *block_table;  /* NULL: no paging */
     int64_t bt_stride, page_size, k_page_stride, v_page_stride;
-    /* work-item tables, 3 int64 per item: (b, h, q-block) for the forward
-     * and the dq pass, (b, hkv, k-block) for the dkdv pass; ordered most
-     * expensive first (the pool hands items out dynamically). Sized by
-     * ma_attn_plan_*, placed and filled by its bind; NULL for dense calls. */
+    /* work-item tables, 3 int64 per item: (b, h, q-block) for the forward,
+     * (b, hkv, key chunk) for the single-pass backward, both ordered most
+     * expensive first (the pool hands items out dynamically); (b, h, q-block)
+     * of the entries of more than one key chunk for its reduce, in order.
+     * Sized by ma_attn_plan_*, placed and filled by its bind; NULL for dense calls. */
     const int64_t *q_items, *kv_items;
     int64_t n_q_items, n_kv_items;
 } ma_attn_args;
@@ -368,14 +370,21 @@ typedef struct {
                                (+ sum_j P_ij dW_ij), written by the dq pass (the single pass:
                                with sinks, for ma_attn_bwd_sinks_grad) */
     /* single pass with kv_chunks > 1: dq and dhm partial sums of each key
-     * chunk, (kv_chunks, B, H, Lq, D) and (kv_chunks, B, H, Lq), acc type,
-     * summed in chunk order by the reduce task; placed by ma_attn_plan_bwd's
-     * bind (dhm_part only with dhm_rows) */
+     * chunk, (kv_chunks, B, H, Lq, D) and (kv_chunks, B, H, Lq), acc type
+     * (varlen: entry b's (C_b, H, Lq_b, D) and (C_b, H, Lq_b) from row
+     * entry_chunks[2 b + 1], for the entries with C_b > 1), summed in chunk
+     * order by the reduce task; placed by ma_attn_plan_bwd's bind (dhm_part
+     * only with dhm_rows) */
     void *dq_part, *dhm_part;
-    int64_t kv_chunks;
+    int64_t kv_chunks; /* varlen: the most of any entry */
     /* single pass: key blocks an item holds at once (set by ma_attn_plan_bwd;
      * 0 or 1: one; at most MA_BWD_KEY_GROUP_MAX); the same bits for every value */
     int64_t key_group;
+    /* varlen single pass, (B, 2): entry b's key chunks C_b (a rule on its own
+     * Lk_b alone: a sequence's gradients are the same bits alone or packed)
+     * and the first row of its partial sums (C_b > 1); placed and filled by
+     * ma_attn_plan_bwd's bind; NULL for dense calls */
+    const int64_t *entry_chunks;
 } ma_attn_bwd_params;
 
 #define MA_BWD_KEY_GROUP_MAX 4
@@ -394,13 +403,13 @@ void ma_attn_bwd_sinks_grad(const ma_attn_bwd_params *p, double *dsinks);
  * that may stream ends with a store fence. */
 
 /* Forward, the tile path: work item w = ((b * H) + h) * nq + qb,  nq = ceil(Lq / block_q)
- * (varlen: q_items[3 w ..], the dq pass too; the dkdv pass: kv_items).
+ * (varlen: q_items[3 w ..]).
  * Writes out, lse (and weights) of its (b, h, q-block). Calls (varlen: entries)
  * whose query rows are at most MA_DECODE_QROWS run the decode kernel instead
  * ("Decoding" above). */
 void ma_attn_fwd_task(int64_t begin, int64_t end, void *ctx);
 
-/* Backward, two passes, run in this order:
+/* Backward where the weights have a gradient (dweights; dense calls only), two passes, run in this order:
  *  1. dq pass, work item = (b, h, q-block): computes delta for its rows, then dq
  *     (and dhm_rows).
  *  2. dkdv pass, work item = (b, hkv, k-block): dk, dv, summing over the G query
@@ -410,15 +419,16 @@ void ma_attn_fwd_task(int64_t begin, int64_t end, void *ctx);
 void ma_attn_bwd_dq_task(int64_t begin, int64_t end, void *ctx);
 void ma_attn_bwd_dkdv_task(int64_t begin, int64_t end, void *ctx);
 
-/* Or, when ma_attn_bwd_single_pass (no dweights, not varlen): one pass over the key
+/* Or, when ma_attn_bwd_single_pass (no dweights): one pass over the key
  * blocks, work item = (b, hkv, key chunk c), chunk c holding key blocks c,
  * c + C, c + 2C, ... (C = kv_chunks, a rule on the shape and the CPUs the
  * process can use (ma_cpu_count), never on the thread count: one item per
- * CPU, at least 8, at most 16 chunks).
+ * CPU, at least 8, at most 16 chunks; varlen: item a.kv_items[3 w ..], C
+ * entry b's own C_b, entry_chunks, a rule on its key length alone).
  * dk, dv of a key block are written by the one item holding it; dq (and
  * dhm) are accumulated per item: straight into dq when C = 1, else into the
  * chunk's partial sums, which ma_attn_bwd_reduce_task (work item (b, h,
- * q-block)) then adds up in chunk order. 5 matrix products per tile instead
+ * q-block); varlen: a.q_items[3 w ..]) then adds up in chunk order. 5 matrix products per tile instead
  * of the two passes' 7. An item takes its chunk's key blocks key_group at a
  * time, visiting each query block once per group rather than once per key
  * block: more than one where the Q, dO and dq rows of an item's heads would

@@ -35,10 +35,12 @@ Run:  make demo     (or .venv/bin/python examples/demo.py [--steps N])
 import argparse
 import ctypes
 import functools
+import json
 import math
 import os
 import re
 import statistics
+import sys
 import time
 
 import torch
@@ -48,6 +50,10 @@ from torch import nn
 import torch_masked_attn as tma
 
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+# the summary of the last run (examples/out/, every run) and the one README.md quotes (--record;
+# tools/make_docs.py writes README's sentence from it, tests/project/test_docs.py checks the two agree)
+SUMMARY = os.path.join(OUT_DIR, "demo_result.json")
+RECORD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_result.json")
 IGNORE = -100
 BOS = 0  # token id starting every paragraph (also the input at padding)
 HELD_OUT_EVERY = 20  # every 20th paragraph is held out
@@ -568,6 +574,21 @@ def plot(hist, steps, log_every):
     return curves, cost
 
 
+def machine():
+    """The CPU, as /proc/cpuinfo names it, and the CPUs this process may use."""
+    name, fields = "unknown CPU", {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "cpu family", "model"):
+                    fields.setdefault(key.strip(), value.strip())
+        name = f"{fields.get('model name', name)} (family {fields.get('cpu family')}, model {fields.get('model')})"
+    except OSError:
+        pass
+    return f"{name}, {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} CPUs"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=600)
@@ -576,6 +597,12 @@ def main():
     ap.add_argument("--tokenizer", choices=("bpe", "bytes"), default="bpe")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument(
+        "--record",
+        action="store_true",
+        help=f"also write the summary to {os.path.relpath(RECORD, os.getcwd())}, the figures README.md quotes "
+        "(then make docs)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -589,6 +616,7 @@ def main():
     held_bytes = data["bytes"][1]
     n_held = sum(len(s) - 1 for s in data["held"])
 
+    summary = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "steps": args.steps}
     print("\nsummary")
     print(
         f"  {args.steps} steps, {100 * data['padding_fraction']:.0f}% of the batch slots were padding; "
@@ -618,10 +646,18 @@ def main():
         )
         med = {k: statistics.median([t for t in hist[k]["time"] if t is not None]) for k in names}
         print(f"  speed ratio (native / ours, median step): {med['native'] / med['ours']:.2f}")
+        summary.update(
+            perplexity_native=round(ppl_n, 2),
+            perplexity_ours=round(ppl_o, 2),
+            step_ms_native=round(1e3 * med["native"], 1),
+            step_ms_ours=round(1e3 * med["ours"], 1),
+            speedup=round(med["native"] / med["ours"], 2),
+        )
         mem_n = [m for m in n["mem"].values() if m is not None]
         mem_o = [m for m in o["mem"].values() if m is not None]
         if mem_n and mem_o and max(mem_o) > 0:
             print(f"  memory ratio (native / ours, peak step memory): {max(mem_n) / max(mem_o):.2f}")
+            summary["memory_ratio"] = round(max(mem_n) / max(mem_o), 2)
 
     print("\nsamples (top-k 20, temperature 0.8, seed 0; the prompt is in quotes)")
     for prompt in ("The ", "A list", "Exceptions"):
@@ -641,12 +677,46 @@ def main():
         f"  cache size: float32 {mb32 / 1e6:.2f} MB, int8 (values + scales) {mb8 / 1e6:.2f} MB "
         f"({mb32 / mb8:.2f}x smaller)"
     )
+    summary.update(
+        int8_perplexity_change_pct=round(100 * (math.exp(nll8 - nll32) - 1), 3), int8_cache_ratio=round(mb32 / mb8, 2)
+    )
     for int8 in (False, True):
         text = greedy_cached(models[name], tok, "The ", int8)
         print(f'  greedy, {"int8" if int8 else "float32"} cache: "The "{text[4:]}'.replace("\n", " "))
+    summary["minutes"] = round((time.perf_counter() - t_start) / 60, 1)
+    # what the README says the demo shows: both learn, the two agree on held-out text, and the
+    # 8-bit cache decodes as the float32 one does (tests/project/test_demo.py checks a short run)
+    checks = [
+        ("the int8 cache's perplexity within 0.5% of the float32 cache's", abs(math.exp(nll8 - nll32) - 1) < 5e-3)
+    ]
+    for k in names:
+        start = math.exp(hist[k]["loss"][0])
+        checks.append(
+            (
+                f"{k} learned: held-out perplexity below half the first step's {start:.0f}",
+                math.exp(final[k]) < start / 2,
+            )
+        )
+    if len(names) == 2 and args.steps >= 100:
+        checks.append(
+            (
+                "ours within 2% of native's held-out perplexity",
+                abs(math.exp(final["ours"] - final["native"]) - 1) < 0.02,
+            )
+        )
+    failed = [what for what, ok in checks if not ok]
+    os.makedirs(OUT_DIR, exist_ok=True)
+    for path in (SUMMARY, RECORD) if args.record else (SUMMARY,):
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1)
+            f.write("\n")
+        print(f"wrote {path}")
     if not args.no_plots:
         for path in plot(hist, args.steps, log_every):
             print(f"wrote {path}")
+    print("\nchecks: " + ("every one holds" if not failed else "FAILED: " + "; ".join(failed)))
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ Yardsticks (docs/design/10-testing.md):
     reference is at most 2x PyTorch's own error against it, plus a small slack.
 """
 
+import importlib
+import importlib.util
 import os
 import zlib
 
@@ -28,12 +30,63 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 _SEED_SALT = os.environ.get("TMA_TEST_SEED", "")
 
 
-# The vLLM tests (tests/decode/test_vllm*.py: engines in their own processes, minutes) are an optional
-# group: collected only with --vllm (make test-vllm), never by a plain run (make test).
+# Optional groups: tests that need a package beyond torch, pytest and numpy. make setup installs
+# the hf and emulate groups' packages, so a plain run (make test) requires them: a missing one is
+# an error naming it, never a skip. A run that cannot have them says so with --without GROUP
+# (make test-compat, make test-wheel where pip cannot install transformers beside an old torch):
+# then that group's tests skip, naming the option. The vLLM tests (tests/decode/test_vllm*.py:
+# engines in their own processes, minutes) are collected only with --vllm (make test-vllm), which
+# then requires vLLM.
+OPTIONAL_GROUPS = {
+    "hf": ("transformers", "tokenizers", "accelerate"),
+    "emulate": ("bochscpu",),
+    "vllm": ("vllm", "openai"),
+}
+_without: set = set()
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--vllm", action="store_true", help="run the vLLM tests, tests/decode/test_vllm*.py (make test-vllm)"
     )
+    parser.addoption(
+        "--without",
+        action="append",
+        default=[],
+        choices=[g for g in OPTIONAL_GROUPS if g != "vllm"],
+        help="leave out a group whose packages this environment cannot have (its tests skip, naming this option)",
+    )
+
+
+def _missing(group):
+    return [m for m in OPTIONAL_GROUPS[group] if importlib.util.find_spec(m) is None]
+
+
+def pytest_configure(config):
+    _without.update(config.getoption("--without"))
+    wanted = [g for g in OPTIONAL_GROUPS if g not in _without and (g != "vllm" or config.getoption("--vllm"))]
+    missing = {g: _missing(g) for g in wanted}
+    missing = {g: m for g, m in missing.items() if m}
+    if missing:
+        setup = {"vllm": "make vllm-setup"}
+        raise pytest.UsageError(
+            "; ".join(
+                f"the {g} tests need {', '.join(m)}, not installed here ({setup.get(g, 'make setup')} installs "
+                + ("them" if len(m) > 1 else "it")
+                + ("" if g == "vllm" else f"; --without {g} leaves the group out")
+                + ")"
+                for g, m in missing.items()
+            )
+        )
+
+
+def require(module, import_it=True):
+    """The optional group's module, imported (pytest_configure has checked it is installed), or
+    this test (module) skipped where the run was started with --without its group."""
+    group = next(g for g, mods in OPTIONAL_GROUPS.items() if module in mods)
+    if group in _without:
+        pytest.skip(f"--without {group}", allow_module_level=True)
+    return importlib.import_module(module) if import_it else None
 
 
 def pytest_ignore_collect(collection_path, config):

@@ -11,11 +11,15 @@
 * ``philox``, ``keep_mask``: attention dropout's keep mask as masked_attn.h defines it
   (Philox-4x32-10; tests/attention/test_dropout.py checks it against Random123's known answers
   and the kernels' masks).
+* ``cross_entropy64``: cross-entropy with every option of torch_masked_attn's (z-loss, soft-cap
+  beside PyTorch's weight, ignore_index, label smoothing, probability targets), composed from
+  F.cross_entropy in the inputs' dtype (tools/fuzz.py's).
 """
 
 import math
 
 import torch
+import torch.nn.functional as F
 
 M32 = 0xFFFFFFFF
 NEG_INF = float("-inf")
@@ -108,6 +112,7 @@ def attention64(
     dtype=torch.float64,
     return_weights=False,
     return_lse=False,
+    return_scores=False,
 ):
     """softmax(scores) v in ``dtype`` with plain PyTorch ops; differentiable in every tensor.
 
@@ -120,7 +125,9 @@ def attention64(
     with no value. A row with no allowed key gives 0 (lse -inf, or the sink's logit).
     head_mask (H,) or (B, H) multiplies the probabilities after softmax; dropout_keep (bool,
     broadcasting to the probabilities) keeps entries, scaled by 1 / (1 - dropout_p).
-    Returns out, then the weights (after head mask and dropout) and lse if asked for."""
+    Returns out, then the weights (after head mask and dropout), lse and the scores (the
+    softmax's input without the sink column: after the soft-cap, ALiBi and the masks, -inf where
+    blocked) if asked for."""
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     H = q.shape[-3] if q.dim() >= 3 else 1
     Lq, D = q.shape[-2:]
@@ -141,6 +148,7 @@ def attention64(
         s = s + kpm.view(kpm.shape[0], *([1] * (s.dim() - 2)), Lk)
     if is_causal or window is not None:
         s = s.masked_fill(band_blocked(Lq, Lk, is_causal=is_causal, window=window, diagonal=diagonal), NEG_INF)
+    scores = s
     if sinks is not None:
         s = torch.cat([s, _per_head(sinks, H, dtype).expand(*s.shape[:-1], 1)], dim=-1)
     zero = torch.zeros((), dtype=dtype)
@@ -154,4 +162,40 @@ def attention64(
         p = p * dropout_keep.to(dtype) / (1 - dropout_p)
     out = torch.matmul(p, v)
     res = (out,) + ((p,) if return_weights else ()) + ((lse,) if return_lse else ())
+    res += (scores,) if return_scores else ()
     return res[0] if len(res) == 1 else res
+
+
+# ---- cross-entropy -------------------------------------------------------------------------
+
+
+def cross_entropy64(
+    x, target, *, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None
+):
+    """torch_masked_attn's cross_entropy with plain PyTorch ops in x's dtype (pass float64 tensors
+    for the reference): y = softcap * tanh(x / softcap); F.cross_entropy(y, reduction="none") +
+    z_loss * logsumexp(y)^2 on the kept rows (class targets not ignore_index; every row with
+    probability targets), then the reduction: "mean" divides by the kept rows' target weights (the
+    number of rows with probability targets); with nothing to divide by it is NaN, and the
+    gradient 0. Without z_loss, F.cross_entropy reduces itself (PyTorch's own error in a low
+    precision dtype)."""
+    y = softcap * torch.tanh(x / softcap) if softcap is not None else x
+    prob = target.is_floating_point()
+    kw = {"weight": weight, "label_smoothing": label_smoothing}
+    if not prob:
+        kw["ignore_index"] = ignore_index
+    cdim = 0 if x.dim() == 1 else 1
+    if prob:
+        kept = torch.ones(y.shape[:cdim] + y.shape[cdim + 1 :], dtype=y.dtype)
+    else:
+        kept = (target != ignore_index).to(y.dtype)
+    wt = kept if weight is None or prob else weight[target.clamp(0, x.shape[cdim] - 1)] * kept
+    if reduction == "mean" and float(wt.sum()) == 0:
+        return F.cross_entropy(y, target, reduction="sum", **kw) * 0 + math.nan
+    if not z_loss:
+        return F.cross_entropy(y, target, reduction=reduction, **kw)
+    per = F.cross_entropy(y, target, reduction="none", **kw)
+    per = per + z_loss * torch.logsumexp(y, dim=cdim) ** 2 * kept
+    if reduction == "none":
+        return per
+    return per.sum() if reduction == "sum" else per.sum() / (kept.numel() if prob else wt.sum())

@@ -428,7 +428,9 @@ def cmd_pytest(ns):
     # PKG first: the aarch64 package, not the checkout's x86 one (ROOT is on the path for tests/)
     code = "import sys, pytest; sys.exit(pytest.main(sys.argv[1:]))"
     r = subprocess.run(
-        [*py, "-c", code, "-q", "-p", "no:cacheprovider", "--rootdir", ROOT, *tests],
+        # the emulated Python has torch, pytest and numpy: the optional groups are left out by name
+        [*py, "-c", code, "-q", "-p", "no:cacheprovider", "--without", "hf", "--without", "emulate", "--rootdir", ROOT]
+        + tests,
         cwd=PKG,
         env=emulated_env(f"max,sve-default-vector-length={ns.sve_bits // 8}"),
     )

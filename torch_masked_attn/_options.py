@@ -28,7 +28,12 @@ class OpArgs:
     """The arguments of one op, by the names of its schema (read once): the
     positional arguments of a call from names (the schema's defaults for the
     rest), a call's arguments read back by name, and per-input gradients laid
-    out in the schema's order. Nothing here counts positions."""
+    out in the schema's order. OpArgs counts no positions, but not every call
+    of these ops goes through it: masked_attn::forward is called with its
+    leading arguments by position from functional.py (1 call, q to
+    for_backward) and modules.py (3 calls, q to dropout_seed), so those keep
+    their places in the schema and a new argument goes after them
+    (tests/project/test_docs.py finds these calls)."""
 
     def __init__(self, op) -> None:
         self.op = op

@@ -12,20 +12,32 @@ Importing this module loads the compiled library and registers every op's fake
 
 This module re-exports what the rest of the package and its users call.
 
-The ops themselves are defined in csrc/shim/ (schemas: registration.cpp;
-every attention schema ends with the same options, declared once in
-options.cpp: window_left=-1, window_right=-1, softcap?, sinks?, alibi_slopes?,
-diagonal=0):
+The ops themselves are defined in csrc/shim/ (schemas: registration.cpp).
+Each signature below is its schema's arguments in order and its outputs'
+names (tests/project/test_docs.py holds them to the registered schemas):
+`name?` may be None, `name=x` defaults to x, `name!` is written by the op;
+<options> is the tail every attention schema ends with, declared once
+(kOpts, options.cpp):
+
+    <options> = (window_left=-1, window_right=-1, softcap?, sinks?, alibi_slopes?, diagonal=0)
 
     masked_attn::forward(q, k, v, attn_mask?, key_padding_mask?, head_mask?,
-                         is_causal, scale?, need_weights, dropout_p=0., dropout_seed?,
-                         for_backward=True, k_scale?, v_scale?, <options>)
+                         is_causal=False, scale?, need_weights=False, dropout_p=0.,
+                         dropout_seed?, for_backward=True, k_scale?, v_scale?, <options>)
         -> (out, lse, weights, out_lo)
     masked_attn::backward(grad_out, grad_weights?, q, k, v, out, lse, attn_mask?,
-                          key_padding_mask?, head_mask?, is_causal, scale?,
-                          head_mask_grad, mask_grad, dropout_p=0., dropout_seed?,
+                          key_padding_mask?, head_mask?, is_causal=False, scale?,
+                          head_mask_grad=False, mask_grad=False, dropout_p=0., dropout_seed?,
                           out_lo?, <options>)
         -> (grad_q, grad_k, grad_v, grad_head_mask, grad_scores, grad_sinks)
+    masked_attn::backward_into(grad_out, grad_weights?, q, k, v, out, lse, attn_mask?,
+                               key_padding_mask?, head_mask?, is_causal, scale?,
+                               head_mask_grad, mask_grad, grad_q!, grad_k!, grad_v!,
+                               dropout_p=0., dropout_seed?, out_lo?, <options>)
+        -> (grad_head_mask, grad_scores, grad_sinks)
+
+backward_into writes dq, dk, dv into the given grad_q, grad_k, grad_v (views
+of one buffer: MultiheadAttention's packed projections).
 
 out_lo (bfloat16 / float16 only; empty otherwise) is out's rounding error in
 the same dtype and layout: out + out_lo is the float32 output to 16 (bf16) or
@@ -67,12 +79,13 @@ is blocked; a floating mask is added to the scaled scores.
 
 Packed variable-length sequences
 --------------------------------
-  masked_attn::varlen_forward(query, key, value, cu_seq_q, cu_seq_k?, max_q, max_k,
-                              scale?, window_left, window_right, seqused_k?, block_table?,
-                              softcap?, sinks?, for_backward=True) -> (out, lse, out_lo)
-  masked_attn::varlen_backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k,
-                               max_q, max_k, scale?, window_left, window_right, softcap?,
-                               sinks?, out_lo?) -> (grad_query, grad_key, grad_value)
+    masked_attn::varlen_forward(query, key, value, cu_seq_q, cu_seq_k?, max_q, max_k,
+                                scale?, seqused_k?, block_table?, for_backward=True,
+                                k_scale?, v_scale?, <options>)
+        -> (out, lse, out_lo)
+    masked_attn::varlen_backward(grad_out, query, key, value, out, lse, cu_seq_q,
+                                 cu_seq_k, max_q, max_k, scale?, out_lo?, <options>)
+        -> (grad_query, grad_key, grad_value, grad_sinks)
 
 query (T_q, H, D), key (T_k, H_kv, D), value (T_k, H_kv, Dv); int32 offsets
 (N + 1,); out (T_q, H, Dv); lse (H, T_q) (float32, float64 for float64).
@@ -85,20 +98,25 @@ user-facing function is torch_masked_attn.functional.varlen_attn.
 
 Cross-entropy
 -------------
-  masked_attn::cross_entropy(input, target, weight?, reduction, ignore_index,
-                             label_smoothing, z_loss, softcap?, inplace_backward)
-                             -> (loss, lse)
-  masked_attn::cross_entropy_backward(grad_loss, input, target, weight?, lse,
-                             reduction, ignore_index, label_smoothing,
-                             target_grad, z_loss, softcap?) -> (grad_input, grad_target)
-  masked_attn::cross_entropy_backward_(grad_loss, input!, target, weight?, lse,
-                             reduction, ignore_index, label_smoothing, z_loss,
-                             softcap?) -> ()        the gradient overwrites input
-  masked_attn::cross_entropy_chunk_(input!, target, weight?, grad_scale?,
-                             ignore_index, label_smoothing, z_loss, softcap?)
-                             -> (loss, lse)         per-row, acc type; with grad_scale,
-                                                    grad_scale * d loss_row / d input
-                                                    overwrites input
+    masked_attn::cross_entropy(input, target, weight?, reduction='mean', ignore_index=-100,
+                               label_smoothing=0.0, z_loss=0.0, softcap?,
+                               inplace_backward=False)
+        -> (loss, lse)
+    masked_attn::cross_entropy_backward(grad_loss, input, target, weight?, lse, reduction,
+                                        ignore_index, label_smoothing, target_grad=False,
+                                        z_loss=0.0, softcap?)
+        -> (grad_input, grad_target)
+    masked_attn::cross_entropy_backward_(grad_loss, input!, target, weight?, lse, reduction,
+                                         ignore_index, label_smoothing, z_loss=0.0, softcap?)
+        -> ()
+    masked_attn::cross_entropy_chunk_(input!, target, weight?, grad_scale?, ignore_index=-100,
+                                      label_smoothing=0.0, z_loss=0.0, softcap?)
+        -> (loss, lse)
+
+cross_entropy_backward_ writes the gradient over input. cross_entropy_chunk_
+gives each row's loss and lse (the accumulation type, no reduction); with
+grad_scale, grad_scale * d loss_row / d input overwrites input
+(linear_cross_entropy's chunks).
 
 input (C,), (N, C) or (N, C, d1, ..., dk); target int64 class indices of
 input's shape without the class dim, or probabilities of input's shape and
@@ -113,10 +131,15 @@ is torch_masked_attn.losses.
 
 KV caches
 ---------
-masked_attn::cache_write(key, value, key_cache!, value_cache!, slots) -> (): new rows written in
-place (functional.write_kv_cache); nothing to return.
-masked_attn::quantize_kv(x) -> (q (rows, D) int8, scale (rows,) float32): an 8-bit cache's rows
-(functional.quantize_kv views them as x's shape).
+    masked_attn::cache_write(key, value, key_cache!, value_cache!, slots, key_scale!?,
+                             value_scale!?)
+        -> ()
+    masked_attn::quantize_kv(x) -> (q, scale)
+
+cache_write writes new rows into the caches in place (functional.write_kv_cache),
+quantizing them into int8 caches where key_scale and value_scale are given.
+quantize_kv gives an 8-bit cache's rows: q (rows, D) int8 and scale (rows,)
+float32 (functional.quantize_kv views them as x's shape).
 """
 
 from __future__ import annotations

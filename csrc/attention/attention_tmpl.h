@@ -3,14 +3,14 @@
  *
  * Instantiated once per (accumulation type, instruction set) by a small
  * instance file (blocks.h, "An instance"): scalar.c (the float reference and
- * the float64 instance), avx2.c, avx512.c, amx.c, avx512bf16.c on x86; neon.c,
- * sve128.c ... sve2048.c (each sve_instance.h at its vector length), svebf16.c
- * on aarch64. The instance defines
+ * the float64 instance), avx2.c, avx512.c, neon.c; sve128.c, sve256.c,
+ * sve512.c, sve1024.c, sve2048.c (through sve_instance.h); with tile hooks
+ * (through tiles_hooks.h) amx.c, avx512bf16.c, svebf16.c. Every instance file
+ * is named here (tests/project/test_docs.py checks). The instance defines
  *   FN(name)    its suffix: every function here is FN(...), static
  *   BLK(name)   the suffix of the building blocks it calls (blocks.h)
  *   MA_ACC_F64  for double accumulation (float64 inputs); float otherwise
- *   MA_TILE_HOOKS  when it supplies the tile products (AMX, AVX512-BF16, SVE-BF16:
- *               tiles_hooks.h; forward_tmpl.h, "tile hooks")
+ *   MA_TILE_HOOKS  when it supplies the tile products (those with tile hooks; tiles_contract.h lists the hooks)
  * and lists the kernels it gets (attn_fwd_<suffix>, ...) in its
  * ma_attn_kernels_<suffix> table, by their full names.
  *

@@ -263,22 +263,21 @@ static void FN(dq_block)(FN(bwd_scratch) * t, const ma_attn_bwd_params *p, const
 }
 
 /* Pass 1, work item (b, h, q-block): delta (FN(dq_delta)), then dq over the
- * block's key range (FN(dq_block)), stored with dhm_rows. */
+ * block's key range (FN(dq_block)), stored with dhm_rows. Dense calls only
+ * (the weights have a gradient: never varlen, ma_attn_plan_bwd). */
 static void FN(attn_bwd_dq)(int64_t begin, int64_t end, void *vctx) {
     const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
-    const ma_attn_bwd_params *p0 = (const ma_attn_bwd_params *)ctx->params;
-    const int64_t G = p0->a.H / p0->a.Hkv, D = p0->a.D, Dv = p0->a.Dv;
-    const int64_t BQ = p0->a.block_q, BK = p0->a.block_k;
+    const ma_attn_bwd_params *p = (const ma_attn_bwd_params *)ctx->params;
+    const int64_t G = p->a.H / p->a.Hkv, D = p->a.D, Dv = p->a.Dv, Lk = p->a.Lk;
+    const int64_t BQ = p->a.block_q, BK = p->a.block_k;
     FN(bwd_scratch) t = FN(bwd_carve)(ctx->scratch, BQ, BK, D, Dv);
     ma_scratch_header *hdr = (ma_scratch_header *)ctx->scratch;
-    ACC *kc = t.extra, *vc = kc + (FN(needs_copy)(p0->a.dtype, p0->a.k_stride) ? p0->a.Lk * D : 0);
+    ACC *kc = t.extra, *vc = kc + (FN(needs_copy)(p->a.dtype, p->a.k_stride) ? Lk * D : 0);
 
     for (int64_t w = begin; w < end; w++) {
         int64_t b, h, qb;
-        FN(q_item)(&p0->a, w, &b, &h, &qb);
-        ma_attn_bwd_params loc;
-        const ma_attn_bwd_params *p = FN(bwd_seq)(p0, b, &loc); /* entry b's extent */
-        const int64_t Lk = p->a.Lk, hk = h / G, i0 = qb * BQ, nr = ma_min(BQ, p->a.Lq - i0);
+        FN(q_item)(&p->a, w, &b, &h, &qb);
+        const int64_t hk = h / G, i0 = qb * BQ, nr = ma_min(BQ, p->a.Lq - i0);
         int64_t kv_begin, kv_end;
         FN(kv_range)(&p->a, i0, nr, &kv_begin, &kv_end);
         const ACC hm = FN(head_scale)(&p->a.opts.head_mask, b, h);
@@ -413,22 +412,19 @@ static void FN(bwd_key_tile)(const FN(bwd_scratch) * t, const ma_attn_bwd_params
 }
 
 /* Pass 2, work item (b, hkv, k-block): dk and dv of its keys, summed over the
- * G query heads of the group and every query row that can see the block. */
+ * G query heads of the group and every query row that can see the block.
+ * Key blocks of a head in FN(interleave) order. Dense calls only. */
 static void FN(attn_bwd_dkdv)(int64_t begin, int64_t end, void *vctx) {
     const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
-    const ma_attn_bwd_params *p0 = (const ma_attn_bwd_params *)ctx->params;
-    const int64_t G = p0->a.H / p0->a.Hkv, D = p0->a.D, Dv = p0->a.Dv;
-    const int64_t BQ = p0->a.block_q, BK = p0->a.block_k;
+    const ma_attn_bwd_params *p = (const ma_attn_bwd_params *)ctx->params;
+    const int64_t G = p->a.H / p->a.Hkv, D = p->a.D, Dv = p->a.Dv, Lq = p->a.Lq, Lk = p->a.Lk;
+    const int64_t BQ = p->a.block_q, BK = p->a.block_k, nk = ma_cdiv(Lk, BK);
     FN(bwd_scratch) t = FN(bwd_carve)(ctx->scratch, BQ, BK, D, Dv);
     ma_scratch_header *hdr = (ma_scratch_header *)ctx->scratch;
-    ACC *qc = t.extra, *gc = qc + (FN(needs_copy)(p0->a.dtype, p0->a.q_stride) ? G * p0->a.Lq * D : 0);
+    ACC *qc = t.extra, *gc = qc + (FN(needs_copy)(p->a.dtype, p->a.q_stride) ? G * Lq * D : 0);
 
     for (int64_t w = begin; w < end; w++) {
-        int64_t b, hk, kb;
-        FN(kv_item)(&p0->a, w, &b, &hk, &kb);
-        ma_attn_bwd_params loc;
-        const ma_attn_bwd_params *p = FN(bwd_seq)(p0, b, &loc); /* entry b's extent */
-        const int64_t Lq = p->a.Lq, Lk = p->a.Lk;
+        const int64_t b = w / (p->a.Hkv * nk), hk = (w / nk) % p->a.Hkv, kb = FN(interleave)(w % nk, nk);
         const ACC *q_bg = FN(needs_copy)(p->a.dtype, p->a.q_stride)
                               ? FN(head_cache)(&hdr->tag[2], qc, p->a.q, p->a.dtype, p->a.q_stride, b, hk * G, G, Lq, D)
                               : NULL;

@@ -4,7 +4,8 @@
  * 1. Building blocks, named <block>_X for instruction set X (static, so the
  *    loops inline them): the scalar reference in blocks_scalar.h (X = scalar;
  *    X = f64 with ACC double), the vector ones written once in blocks_simd.h
- *    over the SIMD vocabulary (common/simd.h; X = avx2, avx512). ACC is
+ *    over the SIMD vocabulary (common/simd.h; X = every vector instance's
+ *    suffix, attention_tmpl.h lists the instances). ACC is
  *    float (double for the float64 instance):
  *
  *   gemm_X(m, n, k, A, ars, acs, B, ldb, C, ldc, accumulate)
@@ -67,11 +68,12 @@
  *    ma_attn_kernels_X (the kernels dispatch.c picks), declared below from
  *    X's row of MA_ISA_TABLE (masked_attn.h).
  *
- * 3. Tile hooks (optional: AMX, AVX512-BF16, SVE-BF16; tiles_hooks.h writes
- *    them once for the three). With #define MA_TILE_HOOKS the instance
+ * 3. Tile hooks (optional): tiles_hooks.h writes them once for the three
+ *    instances that include it, amx.c, avx512bf16.c and svebf16.c (AMX,
+ *    AVX512-BF16, SVE-BF16). With #define MA_TILE_HOOKS the instance
  *    supplies the tile products and their operand packing of the forward's
- *    tile path and of the single-pass backward (forward_tmpl.h, "tile
- *    hooks", lists them); the loops, masks and softmax stay the template's.
+ *    tile path and of the single-pass backward (tiles_contract.h lists
+ *    them); the loops, masks and softmax stay the template's.
  *    The instance's other blocks serve everything else (short query blocks,
  *    weights, the two-pass backward).
  */

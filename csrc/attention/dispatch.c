@@ -72,8 +72,9 @@ void ma_attn_decode_merge_task(int64_t begin, int64_t end, void *ctx) {
 
 /* ---- rules on the shape ------------------------------------------------- */
 
-/* Varlen always takes the two passes: their items are sized by the real lengths. */
-int ma_attn_bwd_single_pass(const ma_attn_bwd_params *p) { return p->dweights == NULL && !p->a.cu_q; }
+/* Every call whose weights take no gradient: dense and varlen (whose entries have their own
+ * key chunks, varlen_chunks). */
+int ma_attn_bwd_single_pass(const ma_attn_bwd_params *p) { return p->dweights == NULL; }
 
 /* Enough (b, hkv, chunk) items for one per CPU the process can use, and at
  * least 8; never more chunks than key blocks, nor than MA_BWD_KV_CHUNKS_MAX
@@ -126,21 +127,51 @@ static int64_t seq_lk(const ma_attn_args *a, int64_t b) {
     return a->seqused_k ? a->seqused_k[b] : a->cu_k[b + 1] - a->cu_k[b];
 }
 
-/* Sets n_q_items, n_kv_items; returns the multiply-adds per (head, dim) of
- * the matrix products, sum_b Lq_b Lk_b (a dense call's B Lq Lk). */
+/* Sets n_q_items (the forward's); returns the multiply-adds per (head, dim)
+ * of the matrix products, sum_b Lq_b Lk_b (a dense call's B Lq Lk). */
 static double varlen_count(ma_attn_args *a) {
-    int64_t nq = 0, nk = 0;
+    int64_t nq = 0;
     double work = 0;
     for (int64_t b = 0; b < a->B; b++) {
         const int64_t Lq = seq_lq(a, b), Lk = seq_lk(a, b);
-        nq += ma_cdiv(Lq, a->block_q), nk += ma_cdiv(Lk, a->block_k);
+        nq += ma_cdiv(Lq, a->block_q);
         work += (double)Lq * (double)Lk;
     }
-    a->n_q_items = a->H * nq, a->n_kv_items = a->Hkv * nk;
+    a->n_q_items = a->H * nq, a->n_kv_items = 0;
     return work;
 }
 
-/* An item group (every head of one entry's block): cost, entry, block. */
+/* Entry b's key chunks in the single-pass backward: one per MA_BWD_VARLEN_CHUNK_BLOCKS key
+ * blocks or part of it, at most MA_BWD_KV_CHUNKS_MAX. A rule on the entry's own Lk alone, never
+ * on the batch or the CPUs (unlike a dense call's, bwd_kv_chunks), so that a sequence's
+ * gradients are the same bits alone or packed, on any machine: entries up to 2048 keys (at
+ * block_k 64) are one chunk, and need no partial sums nor reduce; longer ones give more
+ * items, for more threads, whose partial sums of dq are C_b times the entry's dq. */
+#define MA_BWD_VARLEN_CHUNK_BLOCKS 32
+
+static int64_t varlen_chunks(const ma_attn_args *a, int64_t b) {
+    const int64_t nk = ma_cdiv(seq_lk(a, b), a->block_k);
+    return ma_max(1, ma_min(ma_cdiv(nk, MA_BWD_VARLEN_CHUNK_BLOCKS), MA_BWD_KV_CHUNKS_MAX));
+}
+
+/* The varlen single pass's tables: sets n_kv_items (its items, (b, hkv, chunk): Hkv C_b per
+ * entry) and n_q_items (the reduce's, (b, h, query block), of the entries of more than one
+ * chunk only); fills entry (B, 2) when not NULL with each entry's C_b and the first row of its
+ * partial sums (C_b > 1: C_b H Lq_b rows, (chunk, head, row)); returns the partial sums' rows
+ * (0: no reduce). */
+static int64_t varlen_chunk_tables(ma_attn_args *a, int64_t *entry) {
+    int64_t n_items = 0, n_reduce = 0, rows = 0;
+    for (int64_t b = 0; b < a->B; b++) {
+        const int64_t C = varlen_chunks(a, b), Lq = seq_lq(a, b);
+        if (entry) entry[2 * b] = C, entry[2 * b + 1] = rows;
+        n_items += a->Hkv * C;
+        if (C > 1) n_reduce += a->H * ma_cdiv(Lq, a->block_q), rows += C * a->H * Lq;
+    }
+    a->n_kv_items = n_items, a->n_q_items = n_reduce;
+    return rows;
+}
+
+/* An item group (every head of one entry's block or key chunk): cost, entry, block. */
 static int before(const int64_t *x, const int64_t *y) {
     return x[0] != y[0] ? x[0] > y[0] : x[1] != y[1] ? x[1] < y[1] : x[2] < y[2];
 }
@@ -158,38 +189,46 @@ static void sift_down(int64_t *g, int64_t i, int64_t n) {
     }
 }
 
-/* Fills a work-item table of n_items (b, head, block), most expensive first:
- * the cost of an item is the keys it reads per query block (kv: the queries
- * per key block, times the G query heads) within its entry's window, plus
- * its rows. Equal costs keep the order (b, block, head), so the heads of one
- * entry's block follow each other (the forward's runs of heads). The groups
- * (one per entry's block) are sorted in the table's own first rows (heap
- * sort on (cost, b, block): one order, no allocation), then spread over
- * their heads from the last. */
-static void varlen_fill(const ma_attn_args *a, int kv, int64_t *t, int64_t n_items) {
-    const int64_t heads = kv ? a->Hkv : a->H, G = a->Hkv > 0 ? a->H / a->Hkv : 1;
-    const int64_t BQ = a->block_q, BK = a->block_k;
-    const int64_t wl = a->opts.window_left, wr = a->opts.window_right;
+/* What the items of one group read: the query block qb's keys (q items), or the queries of
+ * every key block of chunk ch of C (the single pass's items, chunks) times the G query heads,
+ * within the entry's band, plus its rows (chunks: the G heads' query rows it converts). */
+static int64_t group_cost(const ma_attn_args *a, int chunks, int64_t Lq, int64_t Lk, int64_t lo, int64_t hi,
+                          int64_t blk, int64_t C) {
+    const int64_t G = a->Hkv > 0 ? a->H / a->Hkv : 1, BQ = a->block_q, BK = a->block_k;
+    if (!chunks) {
+        const int64_t i0 = blk * BQ, nr = ma_min(BQ, Lq - i0);
+        const int64_t kb = lo > -MA_BAND_INF ? ma_max(0, i0 + lo) : 0;
+        const int64_t ke = hi < MA_BAND_INF ? ma_min(Lk, i0 + nr + hi) : Lk;
+        return nr * ma_max(ke - kb, 0) + nr;
+    }
+    int64_t cost = G * Lq;
+    for (int64_t j0 = blk * BK; j0 < Lk; j0 += C * BK) {
+        const int64_t nc = ma_min(BK, Lk - j0);
+        const int64_t qb = hi < MA_BAND_INF ? ma_max(0, j0 - hi) : 0;
+        const int64_t qe = lo > -MA_BAND_INF ? ma_min(Lq, j0 + nc - lo) : Lq;
+        cost += G * nc * ma_max(qe - qb, 0) + nc;
+    }
+    return cost;
+}
+
+/* Fills a work-item table of n_items (b, head, block), most expensive first
+ * (group_cost): the forward's query blocks (heads: H), or the single pass's
+ * key chunks (chunks, heads: Hkv; block: the chunk). Equal costs keep the
+ * order (b, block, head), so the heads of one entry's block follow each
+ * other (the forward's runs of heads). The groups (one per entry's block)
+ * are sorted in the table's own first rows (heap sort on (cost, b, block):
+ * one order, no allocation), then spread over their heads from the last. */
+static void varlen_fill(const ma_attn_args *a, int chunks, int64_t *t, int64_t n_items) {
+    const int64_t heads = chunks ? a->Hkv : a->H;
     if (heads <= 0 || n_items <= 0) return;
     int64_t ng = 0;
     for (int64_t b = 0; b < a->B; b++) {
         const int64_t Lq = seq_lq(a, b), Lk = seq_lk(a, b);
+        const int64_t n = chunks ? varlen_chunks(a, b) : ma_cdiv(Lq, a->block_q);
         int64_t lo, hi;
-        ma_attn_band(Lk - Lq, wl, wr, &lo, &hi); /* FN(seq_args)'s */
-        if (!kv)
-            for (int64_t qb = 0; qb * BQ < Lq; qb++, ng++) {
-                const int64_t i0 = qb * BQ, nr = ma_min(BQ, Lq - i0);
-                const int64_t kb = lo > -MA_BAND_INF ? ma_max(0, i0 + lo) : 0;
-                const int64_t ke = hi < MA_BAND_INF ? ma_min(Lk, i0 + nr + hi) : Lk;
-                t[3 * ng] = nr * ma_max(ke - kb, 0) + nr, t[3 * ng + 1] = b, t[3 * ng + 2] = qb;
-            }
-        else
-            for (int64_t kb = 0; kb * BK < Lk; kb++, ng++) {
-                const int64_t j0 = kb * BK, nc = ma_min(BK, Lk - j0);
-                const int64_t qb = hi < MA_BAND_INF ? ma_max(0, j0 - hi) : 0;
-                const int64_t qe = lo > -MA_BAND_INF ? ma_min(Lq, j0 + nc - lo) : Lq;
-                t[3 * ng] = G * nc * ma_max(qe - qb, 0) + nc, t[3 * ng + 1] = b, t[3 * ng + 2] = kb;
-            }
+        ma_attn_band(Lk - Lq, a->opts.window_left, a->opts.window_right, &lo, &hi); /* FN(seq_args)'s */
+        for (int64_t blk = 0; blk < n; blk++, ng++)
+            t[3 * ng] = group_cost(a, chunks, Lq, Lk, lo, hi, blk, n), t[3 * ng + 1] = b, t[3 * ng + 2] = blk;
     }
     for (int64_t i = ng / 2; i-- > 0;) sift_down(t, i, ng);
     for (int64_t e = ng - 1; e > 0; e--) {
@@ -206,6 +245,15 @@ static void varlen_fill(const ma_attn_args *a, int kv, int64_t *t, int64_t n_ite
             row[0] = b, row[1] = h, row[2] = blk;
         }
     }
+}
+
+/* The reduce's items (b, h, query block) of the entries of more than one key chunk, in order. */
+static void varlen_reduce_fill(const ma_attn_args *a, const int64_t *entry, int64_t *t) {
+    for (int64_t b = 0, n = 0; b < a->B; b++)
+        if (entry[2 * b] > 1)
+            for (int64_t h = 0; h < a->H; h++)
+                for (int64_t qb = 0; qb * a->block_q < seq_lq(a, b); qb++, n++)
+                    t[3 * n] = b, t[3 * n + 1] = h, t[3 * n + 2] = qb;
 }
 
 /* ---- the plans ---------------------------------------------------------- */
@@ -390,68 +438,81 @@ int ma_attn_plan_fwd(ma_attn_fwd_params *p, int64_t threads, ma_plan *plan) {
     return 0;
 }
 
-/* Where the backward's workspace puts what it holds: varlen's two tables;
- * the single pass's partial sums of dq and dhm with more than one key chunk. */
-static size_t bwd_layout(const ma_attn_bwd_params *p, size_t *second) {
-    const ma_attn_args *a = &p->a;
-    if (a->cu_q) {
-        *second = ma_round_up((size_t)a->n_q_items * 3 * sizeof(int64_t), MA_CACHE_LINE);
-        return *second + ma_round_up((size_t)a->n_kv_items * 3 * sizeof(int64_t), MA_CACHE_LINE);
+/* Where the backward's workspace puts what it holds: varlen's tables (the
+ * single pass's items, the reduce's, the entries' chunks: at[0], at[1],
+ * at[2]), then the partial sums of dq (at[3]) and of dhm (at[4]) where some
+ * item has more than one key chunk. Returns its size. */
+static size_t bwd_layout(const ma_attn_bwd_params *p, size_t at[5]) {
+    ma_attn_args a = p->a; /* varlen_chunk_tables sets its counts (as the plan did) */
+    const size_t esz = a.dtype == MA_F64 ? sizeof(double) : sizeof(float), row3 = 3 * sizeof(int64_t);
+    size_t n = 0;
+    int64_t rows = p->kv_chunks > 1 ? p->kv_chunks * a.B * a.H * a.Lq : 0;
+    if (a.cu_q) {
+        rows = varlen_chunk_tables(&a, NULL);
+        at[0] = 0;
+        at[1] = n = ma_round_up((size_t)a.n_kv_items * row3, MA_CACHE_LINE);
+        at[2] = n += ma_round_up((size_t)a.n_q_items * row3, MA_CACHE_LINE);
+        n += ma_round_up((size_t)a.B * 2 * sizeof(int64_t), MA_CACHE_LINE);
     }
-    const size_t esz = a->dtype == MA_F64 ? sizeof(double) : sizeof(float);
-    const size_t rows = (size_t)(p->kv_chunks * a->B * a->H * a->Lq);
-    *second = ma_round_up(rows * (size_t)a->D * esz, MA_CACHE_LINE);
-    return *second + (p->dhm_rows ? ma_round_up(rows * esz, MA_CACHE_LINE) : 0);
+    at[3] = n;
+    n += ma_round_up((size_t)rows * (size_t)a.D * esz, MA_CACHE_LINE);
+    at[4] = n;
+    if (p->dhm_rows) n += ma_round_up((size_t)rows * esz, MA_CACHE_LINE);
+    return n;
 }
 
 static void bwd_bind(void *params, void *workspace) {
     ma_attn_bwd_params *p = params;
-    size_t second;
-    bwd_layout(p, &second);
+    size_t at[5];
+    const size_t n = bwd_layout(p, at);
     char *w = workspace;
+    const int part = at[4] > at[3];
     if (p->a.cu_q) {
-        varlen_fill(&p->a, 0, (int64_t *)w, p->a.n_q_items);
-        varlen_fill(&p->a, 1, (int64_t *)(w + second), p->a.n_kv_items);
-        p->a.q_items = (const int64_t *)w, p->a.kv_items = (const int64_t *)(w + second);
-    } else {
-        p->dq_part = w;
-        p->dhm_part = p->dhm_rows ? w + second : NULL;
+        int64_t *entry = (int64_t *)(w + at[2]);
+        varlen_chunk_tables(&p->a, entry);
+        varlen_fill(&p->a, 1, (int64_t *)w, p->a.n_kv_items);
+        varlen_reduce_fill(&p->a, entry, (int64_t *)(w + at[1]));
+        p->a.kv_items = (const int64_t *)w, p->a.q_items = (const int64_t *)(w + at[1]);
+        p->entry_chunks = entry;
     }
+    p->dq_part = part ? w + at[3] : NULL;
+    p->dhm_part = part && n > at[4] ? w + at[4] : NULL;
 }
 
-/* The single pass (one item per (b, hkv, key chunk), then, with more than
- * one chunk, the reduce over (b, h, query block)), or the two passes (dq,
- * then dk and dv). One item at a time: items cost whole heads (single
- * pass) or come most expensive first (varlen). */
+/* The single pass (one item per (b, hkv, key chunk), then, where some item
+ * has more than one chunk, the reduce over (b, h, query block)), or, where
+ * the weights have a gradient (never varlen: -1), the two passes (dq, then
+ * dk and dv). One item at a time: items cost whole heads, and varlen's come
+ * most expensive first. */
 int ma_attn_plan_bwd(ma_attn_bwd_params *p, int64_t threads, ma_plan *plan) {
     if (!p || !plan) return -1;
     ma_attn_args *a = &p->a;
     plan_init(plan);
-    p->kv_chunks = 1;
+    p->kv_chunks = 1, p->entry_chunks = NULL, p->dq_part = p->dhm_part = NULL;
     p->key_group = bwd_key_group(p);
     const double per_head = (double)a->H * (double)(3 * a->D + 2 * a->Dv); /* the five products */
     plan->work = (a->cu_q ? varlen_count(a) : (double)a->B * (double)a->Lq * (double)a->Lk) * per_head;
     plan->threads = plan_threads(plan->work, threads);
     const size_t bytes = KERNELS(p)->bwd_scratch_bytes(p);
-    const int64_t nq = a->cu_q ? a->n_q_items : a->B * a->H * ma_cdiv(a->Lq, a->block_q);
-    if (ma_attn_bwd_single_pass(p)) {
-        p->kv_chunks = bwd_kv_chunks(p);
-        add_pass(plan, ma_attn_bwd_fused_task, a->B * a->Hkv * p->kv_chunks, 1, bytes);
-        if (p->kv_chunks > 1) {
-            add_pass(plan, ma_attn_bwd_reduce_task, nq, 1, bytes);
-            size_t second;
-            plan->workspace_bytes = bwd_layout(p, &second);
-            plan->bind = bwd_bind;
-        }
-    } else {
-        const int64_t nk = a->cu_q ? a->n_kv_items : a->B * a->Hkv * ma_cdiv(a->Lk, a->block_k);
+    const int64_t nq = a->B * a->H * ma_cdiv(a->Lq, a->block_q);
+    if (!ma_attn_bwd_single_pass(p)) {
+        if (a->cu_q) return -1; /* the two passes' items are dense */
         add_pass(plan, ma_attn_bwd_dq_task, nq, 1, bytes);
-        add_pass(plan, ma_attn_bwd_dkdv_task, nk, 1, bytes);
-        if (a->cu_q) {
-            size_t second;
-            plan->workspace_bytes = bwd_layout(p, &second);
-            plan->bind = bwd_bind;
-        }
+        add_pass(plan, ma_attn_bwd_dkdv_task, a->B * a->Hkv * ma_cdiv(a->Lk, a->block_k), 1, bytes);
+        return 0;
     }
+    int64_t reduce = 0;
+    if (a->cu_q) {
+        reduce = varlen_chunk_tables(a, NULL) > 0;
+        for (int64_t b = 0; b < a->B; b++) p->kv_chunks = ma_max(p->kv_chunks, varlen_chunks(a, b));
+    } else {
+        p->kv_chunks = bwd_kv_chunks(p);
+        reduce = p->kv_chunks > 1;
+    }
+    add_pass(plan, ma_attn_bwd_fused_task, a->cu_q ? a->n_kv_items : a->B * a->Hkv * p->kv_chunks, 1, bytes);
+    if (reduce) add_pass(plan, ma_attn_bwd_reduce_task, a->cu_q ? a->n_q_items : nq, 1, bytes);
+    size_t at[5];
+    plan->workspace_bytes = bwd_layout(p, at);
+    if (plan->workspace_bytes) plan->bind = bwd_bind;
     return 0;
 }

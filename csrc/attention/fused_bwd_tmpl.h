@@ -13,7 +13,7 @@
 static void FN(delta_rows)(const ma_attn_bwd_params *p, int64_t b, int64_t h, ACC *gbuf, ACC *delta, ACC *lse,
                            ACC *dhm) {
     const int64_t Lq = p->a.Lq, Dv = p->a.Dv;
-    const ACC *lse_bh = (const ACC *)p->lse + (b * p->a.H + h) * Lq;
+    const ACC *lse_bh = (const ACC *)p->lse + FN(stat_row0)(&p->a, b, h);
     const int direct = FN(is_native)(p->a.dtype) && p->dout_stride[3] == 1 && p->a.out_stride[3] == 1 && !p->out_lo;
     for (int64_t i = 0; i < Lq; i++) {
         const int64_t g_off = b * p->dout_stride[0] + h * p->dout_stride[1] + i * p->dout_stride[2];
@@ -133,9 +133,10 @@ typedef struct {
 #define BWD_STEP(step, x, ...) FN(gen_bwd_##step)(&c->gen[x], __VA_ARGS__)
 #endif
 
-/* Single pass, work item (b, hkv, key chunk c): the chunk's key blocks are
- * c, c + C, c + 2C, ... (C = kv_chunks), taken KG = FN(bwd_key_group) at a
- * time. For every query block of the G heads of the group (outer loop) and
+/* Single pass, work item (b, hkv, key chunk c) (FN(fused_item); varlen: on
+ * entry b's params, which the loops take as a dense entry, C its own): the
+ * chunk's key blocks are c, c + C, c + 2C, ... (C = kv_chunks), taken KG =
+ * FN(bwd_key_group) at a time. For every query block of the G heads of the group (outer loop) and
  * every key block of the KG (inner loop), dk and dv of the key block
  * accumulate in its tiles while dq of every query of the group accumulates
  * in scratch, (G, Lq, D), or in chunk c's partial sums. So a query block's
@@ -245,23 +246,50 @@ static void FN(fused_keys_end)(FN(fused_task) * c, const ma_attn_bwd_params *p, 
     }
 }
 
+/* Work item w of the single pass: entry b, key head *hk, key chunk *ch, and the
+ * params of entry b (dense: the call's, kv_chunks chunks; varlen: FN(bwd_seq)'s copy
+ * in loc, moved to entry b, with its own kv_chunks C_b; the plan's table). */
+static const ma_attn_bwd_params *FN(fused_item)(const ma_attn_bwd_params *p0, int64_t w, ma_attn_bwd_params *loc,
+                                                int64_t *b, int64_t *hk, int64_t *ch) {
+    if (!p0->a.cu_q) {
+        const int64_t C = p0->kv_chunks;
+        *ch = w % C, *b = w / C / p0->a.Hkv, *hk = (w / C) % p0->a.Hkv;
+        return p0;
+    }
+    const int64_t *it = p0->a.kv_items + 3 * w;
+    *b = it[0], *hk = it[1], *ch = it[2];
+    return FN(bwd_seq)(p0, *b, loc);
+}
+
+/* Row i of head h of entry b in key chunk ch's partial sums (dq_part: rows of D; dhm_part):
+ * dense (C, B, H, Lq); varlen entry b's own (C_b, H, Lq_b), from its first row. p: entry b's params. */
+static inline int64_t FN(part_row)(const ma_attn_bwd_params *p, int64_t b, int64_t h, int64_t ch, int64_t i) {
+    if (p->a.cu_q) return p->entry_chunks[2 * b + 1] + (ch * p->a.H + h) * p->a.Lq + i;
+    return ((ch * p->a.B + b) * p->a.H + h) * p->a.Lq + i;
+}
+
 static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
     const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
-    const ma_attn_bwd_params *p = (const ma_attn_bwd_params *)ctx->params;
-    const int64_t H = p->a.H, Hkv = p->a.Hkv, G = p->a.H / p->a.Hkv, Lq = p->a.Lq, Lk = p->a.Lk, D = p->a.D;
-    const int64_t BK = p->a.block_k, C = p->kv_chunks, KG = FN(bwd_key_group)(p);
+    const ma_attn_bwd_params *p0 = (const ma_attn_bwd_params *)ctx->params;
+    const int64_t G = p0->a.H / p0->a.Hkv, D = p0->a.D, BK = p0->a.block_k;
     FN(fused_task) task, *c = &task;
-    FN(fused_carve)(c, ctx->scratch, p, KG);
+    FN(fused_carve)(c, ctx->scratch, p0, FN(bwd_key_group)(p0)); /* sized by the longest entry */
 #ifdef MA_TILE_HOOKS
     c->tiles = NULL;
-    FN(tiles_bwd_begin)(&c->tiles, p, &c->tk[0], (char *)ctx->scratch + FN(generic_bwd_scratch_bytes)(p));
+    FN(tiles_bwd_begin)(&c->tiles, p0, &c->tk[0], (char *)ctx->scratch + FN(generic_bwd_scratch_bytes)(p0));
 #endif
 
     for (int64_t w = begin; w < end; w++) {
-        const int64_t ch = w % C, b = w / C / Hkv, hk = (w / C) % Hkv;
+        ma_attn_bwd_params loc;
+        int64_t b, hk, ch;
+        const ma_attn_bwd_params *p = FN(fused_item)(p0, w, &loc, &b, &hk, &ch); /* entry b's extent */
+        const int64_t Lq = p->a.Lq, Lk = p->a.Lk, C = p->kv_chunks, KG = FN(bwd_key_group)(p);
         /* dq of the group's heads accumulates in this thread's scratch, or in chunk ch's partial sums */
-        ACC *dq_acc = p->dq_part ? (ACC *)p->dq_part + ((ch * p->a.B + b) * H + hk * G) * Lq * D : c->dq_all;
-        for (int64_t x = 0; x < KG; x++) BWD_STEP(group, x, b, hk); /* converts Q, dO once: the caches are shared */
+        ACC *dq_acc = C > 1 ? (ACC *)p->dq_part + FN(part_row)(p, b, hk * G, ch, 0) * D : c->dq_all;
+        for (int64_t x = 0; x < KG; x++) {
+            c->gen[x].p = p;
+            BWD_STEP(group, x, b, hk); /* converts Q, dO once: the caches are shared */
+        }
         for (int64_t g = 0; g < G; g++)
             FN(delta_rows)(p, b, hk * G + g, c->tk[0].gbuf, c->delta_all + g * Lq, c->lse_all + g * Lq,
                            c->dhm_all + g * Lq);
@@ -278,12 +306,12 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
         }
         for (int64_t g = 0; g < G; g++) {
             const int64_t h = hk * G + g;
-            if (!p->dq_part)
+            if (C == 1)
                 FN(store_tile)(p->dq, p->a.dtype, p->dq_stride, b, h, 0, Lq, D, dq_acc + g * Lq * D, (ACC)p->a.scale,
                                p->a.stream_stores);
             if (p->dhm_rows) {
-                ACC *dhm_out = p->dhm_part ? (ACC *)p->dhm_part + ((ch * p->a.B + b) * H + h) * Lq
-                                           : (ACC *)p->dhm_rows + (b * H + h) * Lq;
+                ACC *dhm_out = C > 1 ? (ACC *)p->dhm_part + FN(part_row)(p, b, h, ch, 0)
+                                     : (ACC *)p->dhm_rows + FN(stat_row0)(&p->a, b, h);
                 for (int64_t i = 0; i < Lq; i++) dhm_out[i] = c->dhm_all[g * Lq + i];
             }
         }
@@ -295,31 +323,35 @@ static void FN(attn_bwd_fused)(int64_t begin, int64_t end, void *vctx) {
 }
 #undef BWD_STEP
 
-/* After the single pass with C > 1 key chunks, work item (b, h, q-block):
- * dq = scale * sum_c dq_part[c] and dhm_rows = sum_c dhm_part[c], in chunk
- * order. */
+/* After the single pass with C > 1 key chunks, work item (b, h, q-block)
+ * (FN(q_item); varlen: of the entries with C_b > 1): dq = scale * sum_c
+ * dq_part[c] and dhm_rows = sum_c dhm_part[c], in chunk order. */
 static void FN(attn_bwd_reduce)(int64_t begin, int64_t end, void *vctx) {
     const ma_task_ctx *ctx = (const ma_task_ctx *)vctx;
-    const ma_attn_bwd_params *p = (const ma_attn_bwd_params *)ctx->params;
-    const int64_t H = p->a.H, Lq = p->a.Lq, D = p->a.D, BQ = p->a.block_q, nq = ma_cdiv(Lq, BQ), C = p->kv_chunks;
-    const int64_t part_stride = p->a.B * H * Lq; /* rows per chunk */
-    FN(bwd_scratch) t = FN(bwd_carve)(ctx->scratch, BQ, p->a.block_k, D, p->a.Dv);
+    const ma_attn_bwd_params *p0 = (const ma_attn_bwd_params *)ctx->params;
+    const int64_t D = p0->a.D, BQ = p0->a.block_q;
+    FN(bwd_scratch) t = FN(bwd_carve)(ctx->scratch, BQ, p0->a.block_k, D, p0->a.Dv);
     for (int64_t w = begin; w < end; w++) {
-        const int64_t b = w / (H * nq), h = (w / nq) % H, i0 = (w % nq) * BQ, nr = ma_min(BQ, Lq - i0);
-        const int64_t row0 = (b * H + h) * Lq + i0;
+        int64_t b, h, qb;
+        FN(q_item)(&p0->a, w, &b, &h, &qb);
+        ma_attn_bwd_params loc;
+        const ma_attn_bwd_params *p = FN(bwd_seq)(p0, b, &loc); /* entry b's extent and chunks */
+        const int64_t C = p->kv_chunks, i0 = qb * BQ, nr = ma_min(BQ, p->a.Lq - i0);
         const ACC *part = (const ACC *)p->dq_part;
-        for (int64_t x = 0; x < nr * D; x++) t.dq[x] = part[row0 * D + x];
-        for (int64_t c = 1; c < C; c++) {
-            const ACC *part_c = part + (c * part_stride + row0) * D;
+        const ACC *part_0 = part + FN(part_row)(p, b, h, 0, i0) * D;
+        for (int64_t x = 0; x < nr * D; x++) t.dq[x] = part_0[x];
+        for (int64_t ch = 1; ch < C; ch++) {
+            const ACC *part_c = part + FN(part_row)(p, b, h, ch, i0) * D;
             for (int64_t x = 0; x < nr * D; x++) t.dq[x] += part_c[x];
         }
         FN(store_tile)(p->dq, p->a.dtype, p->dq_stride, b, h, i0, nr, D, t.dq, (ACC)p->a.scale, p->a.stream_stores);
         if (p->dhm_rows) {
             const ACC *dpart = (const ACC *)p->dhm_part;
+            ACC *dhm_bh = (ACC *)p->dhm_rows + FN(stat_row0)(&p->a, b, h);
             for (int64_t r = 0; r < nr; r++) {
                 ACC acc = 0;
-                for (int64_t c = 0; c < C; c++) acc += dpart[c * part_stride + row0 + r];
-                ((ACC *)p->dhm_rows)[row0 + r] = acc;
+                for (int64_t ch = 0; ch < C; ch++) acc += dpart[FN(part_row)(p, b, h, ch, i0 + r)];
+                dhm_bh[i0 + r] = acc;
             }
         }
     }

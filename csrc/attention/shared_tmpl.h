@@ -503,6 +503,8 @@ static const ma_attn_bwd_params *FN(bwd_seq)(const ma_attn_bwd_params *p, int64_
     loc->out_lo = FN(elem_at)(p->out_lo, dt, q0 * p->a.out_lo_stride[2]);
     loc->lse = (const ACC *)p->lse + q0;
     loc->delta = (ACC *)p->delta + q0;
+    loc->dhm_rows = p->dhm_rows ? (ACC *)p->dhm_rows + q0 : NULL;
+    loc->kv_chunks = p->entry_chunks ? p->entry_chunks[2 * b] : 1; /* the single pass's, entry b's own */
     return loc;
 }
 
@@ -559,8 +561,9 @@ static void FN(kv_scale)(ACC *x, int64_t rs, int64_t cs, int64_t nr, const ma_at
         }
 }
 
-/* Work item w of the forward and the dq pass: (b, h, query block). Dense:
- * the blocks of head (b, h) in FN(interleave) order; varlen: the shim's table. */
+/* Work item w of the forward, the dq pass and the single pass's reduce: (b, h,
+ * query block). Dense: the blocks of head (b, h) in FN(interleave) order;
+ * varlen: the plan's table. */
 static inline void FN(q_item)(const ma_attn_args *a, int64_t w, int64_t *b, int64_t *h, int64_t *qb) {
     if (a->q_items) {
         *b = a->q_items[3 * w], *h = a->q_items[3 * w + 1], *qb = a->q_items[3 * w + 2];
@@ -568,16 +571,6 @@ static inline void FN(q_item)(const ma_attn_args *a, int64_t w, int64_t *b, int6
     }
     const int64_t nq = ma_cdiv(a->Lq, a->block_q);
     *b = w / (a->H * nq), *h = (w / nq) % a->H, *qb = FN(interleave)(w % nq, nq);
-}
-
-/* Work item w of the dkdv pass: (b, hkv, key block). */
-static inline void FN(kv_item)(const ma_attn_args *a, int64_t w, int64_t *b, int64_t *hk, int64_t *kb) {
-    if (a->kv_items) {
-        *b = a->kv_items[3 * w], *hk = a->kv_items[3 * w + 1], *kb = a->kv_items[3 * w + 2];
-        return;
-    }
-    const int64_t nk = ma_cdiv(a->Lk, a->block_k);
-    *b = w / (a->Hkv * nk), *hk = (w / nk) % a->Hkv, *kb = FN(interleave)(w % nk, nk);
 }
 
 /* The online-softmax step after a key block, rows 0 .. nr: alpha[r] =

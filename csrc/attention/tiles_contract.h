@@ -7,7 +7,8 @@
  *    all of them by tiles_hooks.h. The forward task calls FN(tiles_apply) to know whether the
  *    hooks take a call, then begin / query / scores / pv / o_rows per query block and end; the
  *    decode rows step asks FN(tiles_rows_scores) for its scores (0: not taken); the single-pass
- *    backward calls begin / group / keys / scores / dp / accum / keys_end. Each replaces the
+ *    backward calls begin / group / keys / scores / dp / accum / keys_end (query and group move
+ *    the hooks to the item's varlen entry, FN(fwd_seq), FN(bwd_seq)). Each replaces the
  *    generic step of the same name (forward_tmpl.h, fused_bwd_tmpl.h): same inputs, same
  *    outputs.
  * 3. What an instance defines before including tiles_hooks.h, and what its packer

@@ -146,8 +146,10 @@ struct FN(tiles) {
     fwd_tile_scratch fa;
     tile_view ka, vta, qb, pb;
     int rows_k; /* the rows path may take its scores on the tiles (FN(tiles_rows_scores)) */
-    /* backward */
-    const ma_attn_bwd_params *bp;
+    /* backward: bp the params of the item's entry (varlen: FN(bwd_seq)'s copy in
+     * bloc, moved to entry b; dense: the call's, bp0) */
+    const ma_attn_bwd_params *bp, *bp0;
+    ma_attn_bwd_params bloc;
     FN(bwd_scratch) * bt;
     bwd_tile_scratch ba;
     tile_view ktb, vtb, kb, pbb, dsb, dsa;
@@ -415,7 +417,7 @@ static void FN(tiles_bwd_begin)(FN(tiles) * *T, const ma_attn_bwd_params *p, FN(
     FN(tiles) *s = (FN(tiles) *)extra;
     const int64_t BQ = p->a.block_q, BK = p->a.block_k, D = p->a.D, Dv = p->a.Dv;
     s->pr = tile_precision(p->a.dtype);
-    s->bp = p, s->bt = t;
+    s->bp = s->bp0 = p, s->bt = t;
     bwd_tile_bytes(p, &s->ba, (char *)extra + ma_round_up(sizeof(struct FN(tiles)), MA_CACHE_LINE));
     s->ktb = view_b_layout(s->ba.ktb, D, BK, s->pr.in, 0);
     s->vtb = view_b_layout(s->ba.vtb, Dv, BK, s->pr.in, 0);
@@ -428,7 +430,8 @@ static void FN(tiles_bwd_begin)(FN(tiles) * *T, const ma_attn_bwd_params *p, FN(
     *T = s;
 }
 
-/* The packed operands of head g of the group: Q (Lq, D), Q^T (D, Lq), dO (Lq, Dv), dO^T (Dv, Lq). */
+/* The packed operands of head g of the group: Q (Lq, D), Q^T (D, Lq), dO (Lq, Dv), dO^T (Dv, Lq)
+ * (the item's entry's Lq; the scratch is laid out for the longest, bp0's). */
 static tile_view bwd_view(const FN(tiles) * s, int which, int64_t g) {
     const ma_attn_bwd_params *p = s->bp;
     const int64_t Lq = p->a.Lq, D = p->a.D, Dv = p->a.Dv, in = s->pr.in;
@@ -463,7 +466,7 @@ static void bwd_pack_rows(const FN(tiles) * s, const void *src, const int64_t st
 }
 
 static void FN(tiles_bwd_group)(FN(tiles) * s, int64_t b, int64_t hk) {
-    const ma_attn_bwd_params *p = s->bp;
+    const ma_attn_bwd_params *p = s->bp = FN(bwd_seq)(s->bp0, b, &s->bloc); /* entry b's extent */
     const int64_t G = p->a.H / p->a.Hkv;
     s->b = b, s->hk = hk;
     for (int64_t g = 0; g < G; g++) {

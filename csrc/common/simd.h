@@ -2,8 +2,8 @@
  * simd.h -- the SIMD vocabulary: what a vector instruction set provides so
  * that the blocks written once over it (attention/blocks_simd.h,
  * cross_entropy/blocks_simd.h) run on it. One header per instruction set
- * implements it (simd_avx2.h, simd_avx512.h, simd_neon.h), included by the translation
- * units compiled with that set's flags (setup.py). Private to the kernels.
+ * implements it (simd_avx2.h, simd_avx512.h, simd_neon.h, simd_sve.h), included by the
+ * translation units compiled with that set's flags (setup.py). Private to the kernels.
  *
  * Types and shape:
  *   MA_VL            float32 lanes per vector (4, 8, 16; SVE 4 to 64)
@@ -42,17 +42,18 @@
  *   MA_GEMM_PACK, MA_MASKED_EDGES, MA_KT_NV(nr), MA_AXPY_ROWS, MA_AXPY_NV(R);
  *   MA_CE_UNROLL (cross_entropy/blocks_simd.h: vectors per block)
  *
- * A new instruction set X takes:
- *   1. simd_X.h, defining the above (the mapping);
- *   2. an instance file per op, attention/X.c and cross_entropy/X.c, that includes
- *      simd_X.h, the op's blocks_simd.h and its template, and ends with its tables
- *      (attention/blocks.h, "An instance"; cross_entropy/blocks.h);
- *   3. a row of MA_ISA_TABLE (masked_attn.h): its name and enum value, architecture,
- *      tile, fallback, kernels and CPU probe; the enum, the names, the checks, the
- *      externs and the dispatch switches follow from it;
- *   4. its units and flags in setup.py's C_UNITS_BY_ARCH.
- * Besides: ma_isa_best (common/isa.c) to make it a default, and tests/c's variant
- * lists to test its blocks in C.
+ * A new instruction set X: 3 new files, simd_X.h defining the above and an
+ * instance file per op (attention/X.c, cross_entropy/X.c) that includes
+ * simd_X.h, the op's blocks_simd.h and its template and ends with its tables
+ * (attention/blocks.h, "An instance"); then X beside AVX2 on each of the 8
+ * lines outside AVX2's own files that name it, in 5 files
+ * (tests/project/test_docs.py counts them): masked_attn.h (AVX2's row of
+ * MA_ISA_TABLE, two lines: name, enum value, architecture, tile, fallback,
+ * kernels, CPU probe; the enum, the names, the checks, the fallbacks, the
+ * externs and the three dispatch switches are generated from the rows),
+ * setup.py (flags, C units), common/isa.c (ma_isa_best: to make it a
+ * default), tests/c/test_blocks.c and tests/c/test_ce_blocks.c (the C
+ * harnesses' tables).
  */
 #ifndef MA_SIMD_H
 #define MA_SIMD_H

@@ -12,6 +12,7 @@ from torch.autograd import gradcheck
 from conftest import SIMD_ISAS, TILE_ISAS, assert_close_ref, isa_available, run_isa
 from reference import attention64
 from torch_masked_attn.functional import AuxRequest, masked_attention, varlen_attn
+from torch_masked_attn.ops import bwd_cpus, bwd_key_group
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -442,6 +443,109 @@ def test_entries_match_dense_forward_bitwise(isa, dtype, grad):
         packed, paged, dense = calls() if isa is None else run_isa(isa, calls)
         assert torch.equal(packed, dense), f"causal={causal} cap={cap}: {(packed - dense).abs().max()}"
         assert torch.equal(paged, dense)
+
+
+# The single-pass backward's key chunks of a varlen entry: one per 32 key blocks of 64
+# (dispatch.c, varlen_chunks), on the entry's own key length. (query lengths, key lengths,
+# H, Hkv, D, Dv, window): entries of 2, 3 and 16 chunks (2100, 4200 and 66000 keys: the cap)
+# beside entries of one.
+CHUNK_CASES = [
+    ([70, 130, 40], [70, 4200, 40], 4, 2, 32, 16, (-1, 0)),  # 3 chunks, causal at the bottom right
+    ([70, 130, 40], [70, 4200, 40], 4, 2, 32, 16, (-1, -1)),
+    ([70, 130, 40], [70, 4200, 40], 4, 2, 32, 16, (1000, 0)),  # the window leaves most chunks' first blocks out
+    ([9, 2100], None, 2, 1, 16, 16, (-1, 0)),  # 2 chunks, a causal prefill: interleaved blocks on the diagonal
+    ([3, 1], [66000, 64], 2, 2, 8, 8, (-1, -1)),  # 16 chunks (the cap), 3 query rows
+]
+
+
+@pytest.mark.parametrize("case", CHUNK_CASES, ids=str)
+def test_key_chunks(case):
+    """An entry of several key chunks (its dq from partial sums, reduced in chunk order) against
+    float64, and bitwise the same alone as packed, for any thread count and key group."""
+    lq, lk, H, Hkv, D, Dv, window = case
+    lk = lk or lq
+    q, k, v, cq, ck = make(lq, lk, H, Hkv, D, Dv, torch.float32)
+    go = torch.randn(q.shape[0], H, Dv)
+
+    def run(q, k, v, cq, ck, go):
+        out = varlen_attn(
+            q,
+            k,
+            v,
+            cq,
+            ck,
+            int((cq[1:] - cq[:-1]).max()),
+            int((ck[1:] - ck[:-1]).max()),
+            window_size=window,
+            enable_gqa=True,
+        )
+        return (out.detach(),) + torch.autograd.grad(out, (q, k, v), go)
+
+    ours = run(q, k, v, cq, ck, go)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_out, _ = ref_varlen(qd, kd, vd, cq.tolist(), ck.tolist(), window)
+    refs = (ref_out,) + torch.autograd.grad(ref_out, (qd, kd, vd), go.double())
+    qt, kt, vt = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    pt_out, _ = ref_varlen(qt, kt, vt, cq.tolist(), ck.tolist(), window, dtype=torch.float32)
+    pts = (pt_out,) + torch.autograd.grad(pt_out, (qt, kt, vt), go, allow_unused=True)
+    for name, a, p, r in zip(("out", "dq", "dk", "dv"), ours, pts, refs):
+        assert_close_ref(a, p if p is not None else torch.zeros_like(a), r, name=name)
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with bwd_key_group(1):
+            one = run(q, k, v, cq, ck, go)
+    finally:
+        torch.set_num_threads(threads)
+    with bwd_key_group(4):
+        grouped = run(q, k, v, cq, ck, go)
+    for a, b, c in zip(ours, one, grouped):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    b = max(range(len(lk)), key=lambda i: lk[i])  # the entry of the most chunks, alone
+    sq, sk = slice(int(cq[b]), int(cq[b + 1])), slice(int(ck[b]), int(ck[b + 1]))
+    alone = run(
+        *(t.detach()[s].clone().requires_grad_() for t, s in ((q, sq), (k, sk), (v, sk))),
+        cu([lq[b]]),
+        cu([lk[b]]),
+        go[sq],
+    )
+    for a, x, s in zip(alone, ours, (sq, sq, sk, sk)):
+        assert torch.equal(a, x[s])
+
+
+@pytest.mark.parametrize("isa", [None, *TILE_ISAS], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_entries_match_dense_backward_bitwise(isa, dtype):
+    """Every entry of one key chunk gives the gradients of the dense single pass on that sequence
+    alone where it too takes one chunk (bwd_cpus(1): 8 items from B * Hkv = 8): the same items, the
+    same bits, on the tile variants' hooks too (which move to each item's entry)."""
+    if isa is not None and not isa_available(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    H, Hkv, D = 8, 8, 32
+    lq = lk = [70, 1, 130, 9, 200]
+    q, k, v, cq, ck = make(lq, lk, H, Hkv, D, D, dtype)
+    go = torch.randn(q.shape[0], H, D, dtype=dtype)
+    for causal in (False, True):
+        window = (-1, 0) if causal else (-1, -1)
+
+        def calls():
+            out = varlen_attn(q, k, v, cq, ck, max(lq), max(lk), window_size=window)
+            packed = torch.autograd.grad(out, (q, k, v), go)
+            dense = []
+            for b in range(len(lq)):
+                s = slice(int(cq[b]), int(cq[b + 1]))
+                qs, ks, vs = (t.detach()[s].transpose(0, 1)[None].requires_grad_() for t in (q, k, v))
+                o = masked_attention(qs, ks, vs, is_causal=causal)
+                dense.append(
+                    [g[0].transpose(0, 1) for g in torch.autograd.grad(o, (qs, ks, vs), go[s].transpose(0, 1)[None])]
+                )
+            return packed, [torch.cat([d[i] for d in dense]) for i in range(3)]
+
+        with bwd_cpus(1):
+            packed, dense = calls() if isa is None else run_isa(isa, calls)
+        for name, a, d in zip(("dq", "dk", "dv"), packed, dense):
+            assert torch.equal(a, d), f"causal={causal} {name}: {(a - d).abs().max()}"
 
 
 def test_no_work_for_other_sequences():

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import torch_masked_attn.functional as tf
-from conftest import ISAS, assert_close_ref, isa_available, run_isa
+from conftest import ISAS, assert_close_ref, isa_available, require, run_isa
 from reference import attention64
 
 LOW = (torch.float32, torch.bfloat16, torch.float16)
@@ -459,7 +459,7 @@ def test_opcheck():
 
 
 def _hf_model():
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     import torch_masked_attn.hf  # noqa: F401  (registers "masked_attn")
 
     cfg = transformers.LlamaConfig(

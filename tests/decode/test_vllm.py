@@ -26,7 +26,9 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("vllm")
+from conftest import require
+
+require("vllm")
 
 from conftest import assert_close_ref  # noqa: E402
 from reference import attention64  # noqa: E402

@@ -21,7 +21,9 @@ import warnings
 import pytest
 import torch
 
-vllm = pytest.importorskip("vllm")
+from conftest import require
+
+vllm = require("vllm")
 
 from torch_masked_attn import vllm as tma_vllm  # noqa: E402
 from torch_masked_attn.vllm import _compat, backend  # noqa: E402

@@ -12,7 +12,9 @@ import copy
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from conftest import require
+
+transformers = require("transformers")
 
 from transformers import (  # noqa: E402
     AttentionInterface,

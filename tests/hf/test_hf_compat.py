@@ -19,7 +19,9 @@ import pytest
 import torch
 from packaging.version import Version
 
-transformers = pytest.importorskip("transformers")
+from conftest import require
+
+transformers = require("transformers")
 
 from transformers import ContinuousBatchingConfig, Gemma2Config  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface, create_causal_mask, sdpa_mask  # noqa: E402

@@ -10,7 +10,9 @@ import copy
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from conftest import require
+
+transformers = require("transformers")
 
 from test_hf import MODELS  # noqa: E402
 from transformers import GenerationConfig  # noqa: E402

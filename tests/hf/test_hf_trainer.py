@@ -13,7 +13,9 @@ import copy
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from conftest import require
+
+transformers = require("transformers")
 pytest.importorskip("accelerate")  # the Trainer needs it
 
 from transformers import (  # noqa: E402

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import torch_masked_attn as tma
-from conftest import assert_close64, assert_close_ref, blocked_to_additive
+from conftest import assert_close64, assert_close_ref, blocked_to_additive, require
 from reference import attention64
 
 tmaF = tma.functional
@@ -726,7 +726,7 @@ _HF_BAD = [
 
 @pytest.mark.parametrize("case", _HF_BAD)
 def test_hf_backend_bad_input(case):
-    pytest.importorskip("transformers")
+    require("transformers")
     from torch_masked_attn import hf
 
     call, exc, pattern = _hf_bad_cases(hf)[case]

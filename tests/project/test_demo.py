@@ -8,7 +8,7 @@ import importlib.util
 import math
 import os
 
-import pytest
+from conftest import require
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -36,7 +36,7 @@ def test_corpus_and_byte_tokenizer():
 
 
 def test_demo_runs_agree_and_learn():
-    pytest.importorskip("tokenizers")
+    require("tokenizers")
     demo = load_demo()
     steps = 8
     hist, models, data = demo.train(
@@ -62,7 +62,7 @@ def test_demo_kv_cache_decoding():
     """The demo's cached decoding (float32 and 8-bit caches): the float32 cache gives the
     model's own uncached NLL of the continuation tokens (float32 rounding), the int8 cache
     within 0.5% of its perplexity, in (Dh + 4) / (4 Dh) of the bytes."""
-    pytest.importorskip("tokenizers")
+    require("tokenizers")
     import torch
     import torch.nn.functional as F
 

@@ -2,13 +2,18 @@
 
 docs/performance.md's tables and README.md's results table are the benchmark
 records': tools/make_docs.py generates them from benchmarks/results_<machine>.json,
-and the pages must be what it writes (`make docs`). No benchmark runs here.
+and the pages must be what it writes (`make docs`); README.md's demo figures are
+likewise examples/demo_result.json's, the record of the last `make demo` committed.
+No benchmark or demo runs here.
 
 Then every claim of README.md, CHANGELOG.md, docs/ and benchmarks/README.md that
 code can check, against the file that decides it: the wheel's glibc floor, the
 torch, Python and transformers versions, make targets, links, cited sections,
-paths, environment variables, C constants and names. Files are read, never
-built or imported."""
+paths, environment variables, C constants and names; ops.py's signatures against
+the schemas the built library registers; the source layout's file list against
+the tree; the counts and lists comments give of the code (what a new instruction
+set touches, the template's instances); breaking changes filed as such. Files are
+read, never built; only the schemas' test imports the package."""
 
 import copy
 import functools
@@ -49,6 +54,34 @@ def test_readme_results_are_what_the_records_give(make_docs):
     assert make_docs.generate_readme(text, make_docs.load_records()) == text, (
         "README.md's results differ from benchmarks/results_*.json: run `make docs`"
     )
+
+
+def test_readme_demo_figures_are_what_make_demo_wrote(make_docs):
+    """README.md's demo figures are the committed record of the last `make demo`,
+    examples/demo_result.json: its generated block is what tools/make_docs.py renders from the
+    record, and no perplexity is written by hand outside it."""
+    assert os.path.exists(make_docs.DEMO_RECORD), (
+        "examples/demo_result.json is missing: `examples/demo.py --record` writes it; commit it"
+    )
+    with open(make_docs.README, encoding="utf-8") as f:
+        text = f.read()
+    assert make_docs.DEMO_RE.search(text), "README.md has no block generated from examples/demo_result.json"
+    assert make_docs.generate_demo(text, make_docs.load_demo()) == text, (
+        "README.md's demo figures differ from examples/demo_result.json: run `make docs`"
+    )
+    by_hand = re.findall(r"perplexit(?:y|ies)[^.\n]{0,20}?[+-]?\d+(?:\.\d+)?%?", _GENERATED.sub("", text))
+    assert not by_hand, f"README.md states demo figures outside the generated block: {by_hand}"
+
+
+def test_a_changed_demo_figure_changes_the_readme(make_docs):
+    """The demo check can fail: a figure edited in the record shows up in the README's block."""
+    with open(make_docs.README, encoding="utf-8") as f:
+        text = f.read()
+    rec = {**make_docs.load_demo(), "speedup": 9.876, "perplexity_ours": 123.456}
+    new = make_docs.generate_demo(text, rec)
+    assert new != text and "9.88x faster" in new and "/ 123.46 ours" in new
+    rec["memory_ratio"] = None  # a figure not measured: its clause left out
+    assert "less peak memory" not in make_docs.demo_figures(rec)
 
 
 def test_every_record_has_its_block(make_docs, page):
@@ -125,7 +158,7 @@ def test_machine_key():
 # The claims README.md, CHANGELOG.md and docs/ make that code can check: the
 # wheel's glibc floor, the torch, Python and transformers ranges, every `make`
 # target, link, anchor, cited section, quoted path, environment variable and C
-# constant they name. Files are read, never imported or built (no torch here).
+# constant they name. Files are read, never built.
 # ---------------------------------------------------------------------------
 
 # Generated or installed outputs and other trees that are not the project's sources.
@@ -633,13 +666,12 @@ _NOT_TARGETS |= {"rows", "use", "up", "one", "each", "every", "room", "no", "all
 
 
 def make_targets_named(rel, text):
-    """The `make X` of a text: in Markdown its code (spans and fenced blocks) only, elsewhere
-    every one whose X is no English word; `$(MAKE) X` in Makefile recipes."""
-    if rel.endswith(".md"):
-        text = "\n".join(_code(text))
-    names = re.findall(r"(?<![\w-])make\s+([a-z][a-z0-9]*(?:-[a-z0-9]+)*)\b(?!\.)", text)
+    """The `make X` of a text (code and prose, a code span broken over two lines too) whose X is
+    no English word, and `$(MAKE) X` in Makefile recipes. X is the whole hyphenated name: `make
+    bench-vllm.` names bench-vllm, never bench; `make setup.py` names no target."""
+    names = re.findall(r"(?<![\w-])make\s+([a-z][a-z0-9]*(?:-[a-z0-9]+)*)(?![\w-]|\.\w)", text)
     names += re.findall(r"\$\(MAKE\)\s+([a-z][\w-]*)", text)
-    return [n for n in names if rel.endswith(".md") or n not in _NOT_TARGETS]
+    return [n for n in names if n not in _NOT_TARGETS]
 
 
 def _make_texts():
@@ -665,6 +697,510 @@ def test_every_make_target_named_exists():
                 missing.append(f"{rel}: make {name}")
     assert not missing, f"not Makefile targets ({' '.join(sorted(targets))}):\n" + "\n".join(sorted(set(missing)))
     assert {"setup", "test", "bench", "docs"} <= named
+
+
+def test_make_target_names_are_read_whole():
+    """The reading can fail: a hyphenated target is one name, whatever follows it."""
+    text = "make bench-vllm. `make test-arm-c`, make setup.py, would make sense; make\ntest"
+    assert make_targets_named("README.md", text) == ["bench-vllm", "test-arm-c", "test"]
+    assert make_targets_named("Makefile", "\t$(MAKE) docs") == ["docs"]
+    assert "bench" not in make_targets_named("Makefile", "# make bench-vllm.")
+
+
+# ---- ops.py's signatures against the registered schemas ------------------------------------------
+
+_NO_DEFAULT = object()
+
+
+def _split_args(inner):
+    """The comma-separated items of a signature's parentheses (no nesting in them)."""
+    return [a.strip() for a in re.sub(r"\s+", " ", inner).split(",") if a.strip()]
+
+
+def _doc_arg(item):
+    """'name', 'name?', 'name!', 'name!?', 'name=x' -> (name, optional, written, default)."""
+    import ast
+
+    m = re.fullmatch(r"(\w+)([!?]*)(?:\s*=\s*(.+))?", item)
+    if not m:
+        raise ValueError(f"not an argument: {item!r}")
+    default = _NO_DEFAULT if m.group(3) is None else ast.literal_eval(m.group(3))
+    return m.group(1), "?" in m.group(2), "!" in m.group(2), default
+
+
+def op_signatures(text):
+    """[(op, [argument items], [output names] or None)] of every `masked_attn::op(...) -> (...)`
+    a text writes (items as written: 'q', 'attn_mask?', 'dropout_p=0.', 'input!', '<options>')."""
+    out = []
+    for m in re.finditer(r"masked_attn::(\w+)\(", text):
+        close = text.index(")", m.end())
+        args = _split_args(text[m.end() : close])
+        ret = re.match(r"\s*->\s*\(([^)]*)\)", text[close + 1 :])
+        outs = [o.split()[0] for o in _split_args(ret.group(1))] if ret else None
+        out.append((m.group(1), args, outs))
+    return out
+
+
+def options_tail(text):
+    """The items of '<options> = (...)': the tail every attention schema ends with."""
+    m = re.search(r"<options>\s*=\s*\(([^)]*)\)", text)
+    return _split_args(m.group(1)) if m else None
+
+
+def _same_default(doc, actual):
+    return type(doc) is type(actual) and doc == actual if isinstance(doc, bool) else doc == actual
+
+
+def signature_errors(op, items, outs, schema, tail):
+    """What a documented signature says that the registered schema does not: argument names and
+    order, '?' (Optional), '!' (written), a stated default, the outputs' names."""
+    expanded = []
+    for item in items:
+        expanded += (tail or []) if item == "<options>" else [item]
+    doc = [_doc_arg(a) for a in expanded]
+    args = schema.arguments
+    wrong = []
+    names = [a.name for a in args]
+    if [d[0] for d in doc] != names:
+        wrong.append(
+            f"masked_attn::{op}: ops.py gives the arguments ({', '.join(d[0] for d in doc)}); "
+            f"the schema has ({', '.join(names)})"
+        )
+    else:
+        for (name, optional, written, default), a in zip(doc, args):
+            import torch
+
+            if optional != isinstance(a.type, torch.OptionalType):
+                wrong.append(f"masked_attn::{op}: {name} is {a.type}, ops.py {'has' if optional else 'lacks'} its '?'")
+            if written != bool(a.alias_info and a.alias_info.is_write):
+                wrong.append(
+                    f"masked_attn::{op}: ops.py {'marks' if written else 'does not mark'} {name} written ('!')"
+                )
+            if default is not _NO_DEFAULT and not (a.has_default_value() and _same_default(default, a.default_value)):
+                have = a.default_value if a.has_default_value() else "no default"
+                wrong.append(f"masked_attn::{op}: ops.py gives {name}={default!r}; the schema: {have!r}")
+    returns = [r.name for r in schema.returns]
+    if outs is None:
+        wrong.append(f"masked_attn::{op}: ops.py gives no '-> (...)'; the schema returns ({', '.join(returns)})")
+    elif outs != returns:
+        wrong.append(
+            f"masked_attn::{op}: ops.py gives -> ({', '.join(outs)}); the schema returns ({', '.join(returns)})"
+        )
+    return wrong
+
+
+def _registered_schemas():
+    """{op: its schema} of every masked_attn op the built library registers."""
+    import torch
+
+    import torch_masked_attn  # noqa: F401  (registers the ops; an error, not a skip, where it is not built)
+
+    names = sorted(n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("masked_attn::"))
+    return {n: getattr(torch.ops.masked_attn, n).default._schema for n in names}
+
+
+def ops_doc_errors(text, schemas):
+    sigs = op_signatures(text)
+    tail = options_tail(text)
+    wrong = []
+    documented = {op for op, _, _ in sigs}
+    for op in sorted(set(schemas) - documented):
+        wrong.append(f"masked_attn::{op} is registered; ops.py gives no signature of it")
+    for op, items, outs in sigs:
+        if op not in schemas:
+            wrong.append(f"ops.py: masked_attn::{op} is not a registered op")
+            continue
+        if "<options>" in items:
+            if tail is None:
+                wrong.append("ops.py uses <options> but never writes '<options> = (...)'")
+                continue
+            names = [a.name for a in schemas[op].arguments]
+            tail_names = [_doc_arg(t)[0] for t in tail]
+            if names[-len(tail_names) :] != tail_names:
+                wrong.append(f"masked_attn::{op} does not end with <options> ({', '.join(tail_names)})")
+        wrong += signature_errors(op, items, outs, schemas[op], tail)
+    return wrong
+
+
+def test_ops_signatures_are_the_registered_schemas():
+    """Every masked_attn op the library registers has its signature in ops.py's docstring, and
+    each signature there is its schema: the arguments' names in order ('<options>' the shared
+    tail ops.py writes out once), '?' where Optional, '!' where written, the defaults it states,
+    the outputs' names."""
+    import ast
+
+    schemas = _registered_schemas()
+    text = ast.get_docstring(ast.parse(_read("torch_masked_attn/ops.py")))
+    wrong = ops_doc_errors(text, schemas)
+    assert not wrong, "torch_masked_attn/ops.py's signatures:\n" + "\n".join(wrong)
+    assert len(op_signatures(text)) >= len(schemas) >= 10
+
+
+def test_ops_signature_check_can_fail():
+    """A swapped argument, a missing '?', a wrong default and a missing output are each caught."""
+    schemas = _registered_schemas()
+    good = "<options> = (window_left=-1, window_right=-1, softcap?, sinks?, alibi_slopes?, diagonal=0)\n"
+    assert (
+        ops_doc_errors(good + "masked_attn::quantize_kv(x) -> (q, scale)", {"quantize_kv": schemas["quantize_kv"]})
+        == []
+    )
+    vb = "masked_attn::varlen_backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, "
+    vb += "scale?, out_lo?, <options>)"
+    one = {"varlen_backward": schemas["varlen_backward"]}
+    assert ops_doc_errors(good + vb + " -> (grad_query, grad_key, grad_value, grad_sinks)", one) == []
+    assert ops_doc_errors(good + vb + " -> (grad_query, grad_key, grad_value)", one)
+    assert ops_doc_errors(
+        good + vb.replace("scale?", "scale") + " -> (grad_query, grad_key, grad_value, grad_sinks)", one
+    )
+    assert ops_doc_errors(
+        good.replace("diagonal=0", "diagonal=1") + vb + " -> (grad_query, grad_key, grad_value, grad_sinks)", one
+    )
+    assert ops_doc_errors(
+        good + vb.replace("max_q, max_k", "max_k, max_q") + " -> (grad_query, grad_key, grad_value, grad_sinks)", one
+    )
+
+
+def test_layers_page_names_every_op():
+    """docs/design/01-layers.md's list of the ops names every registered one, with the outputs it
+    gives them."""
+    schemas = _registered_schemas()
+    text = _flat(_read("docs/design/01-layers.md"))
+    listed = text[text.index("The ops (schemas") :]
+    wrong = [f"docs/design/01-layers.md does not list masked_attn::{op}" for op in schemas if f"`{op}`" not in listed]
+    for op, outs in re.findall(r"`(\w+)` -> \(([^)]*)\)", listed):
+        returns = [r.name for r in schemas[op].returns] if op in schemas else None
+        if [o.strip() for o in outs.split(",")] != returns:
+            wrong.append(f"docs/design/01-layers.md: `{op}` -> ({outs}); the schema returns {returns}")
+    assert not wrong, "\n".join(wrong)
+
+
+# ---- file lists against the tree -----------------------------------------------------------------
+
+
+@functools.cache
+def _tracked():
+    """The checkout's tracked files (git ls-files), or, without git (a copy of the tests beside an
+    installed wheel), every file found."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return sorted(_files())
+    return sorted(set(out.split()) & set(_files())) or sorted(_files())
+
+
+_FILE_WORD = re.compile(r"[\w*./-]*[\w*]\.(?:h|c|cpp|hpp|py|toml)(?![\w.])")
+# the sources docs/design/02-source-layout.md's listing names, every one
+_LAYOUT_SCOPE = ("csrc/", "torch_masked_attn/", "tools/")
+
+
+def layout_patterns(text):
+    """The file names and patterns ('blocks*.h', 'csrc/attention/scalar.c') of a page's fenced
+    listing."""
+    return [w for block in _FENCE.findall(text) for w in _FILE_WORD.findall(block)]
+
+
+def _named_by(path, pattern):
+    import fnmatch
+
+    return fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(path, "*/" + pattern)
+
+
+def layout_errors(text, files):
+    patterns = layout_patterns(text)
+    sources = [f for f in files if f.startswith(_LAYOUT_SCOPE) and f.endswith((".h", ".c", ".cpp", ".hpp", ".py"))]
+    wrong = [
+        f"{f} is in no name or pattern of the listing" for f in sources if not any(_named_by(f, p) for p in patterns)
+    ]
+    wrong += [f"the listing's {p} names no file" for p in patterns if not any(_named_by(f, p) for f in files)]
+    return wrong
+
+
+def test_source_layout_names_every_source_file():
+    """docs/design/02-source-layout.md names every tracked file of csrc/, torch_masked_attn/ and
+    tools/ (by name, path or pattern), and each name it gives is a file."""
+    wrong = layout_errors(_read("docs/design/02-source-layout.md"), _tracked())
+    assert not wrong, "docs/design/02-source-layout.md:\n" + "\n".join(wrong)
+
+
+def test_source_layout_check_can_fail():
+    listing = "```\ncsrc/common/  isa.h, simd_*.h\n```\n"
+    files = ["csrc/common/isa.h", "csrc/common/simd_avx2.h", "csrc/common/glibc_compat.h", "README.md"]
+    assert layout_errors(listing, files) == ["csrc/common/glibc_compat.h is in no name or pattern of the listing"]
+    assert layout_errors(listing.replace("isa.h", "isa.h, gone.c"), files[:2]) == ["the listing's gone.c names no file"]
+
+
+# ---- counts and lists in comments and pages, against the code ------------------------------------
+
+_NUMBERS = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8, "nine": 9}
+_NUMBERS |= {"ten": 10, "both": 2}
+
+
+def _number(word):
+    return int(word) if word.isdigit() else _NUMBERS[word.lower()]
+
+
+def _code_only(rel, text):
+    """A C, C++ or Python file without its comments (and docstrings), lines kept."""
+    keep = lambda m: "\n" * m.group(0).count("\n")  # noqa: E731
+    if rel.endswith((".c", ".h", ".cpp", ".hpp")):
+        text = re.sub(r"/\*.*?\*/", keep, text, flags=re.S)
+        return re.sub(r"//[^\n]*", "", text)
+    text = re.sub(r'"""(.*?)"""', keep, text, flags=re.S)
+    return re.sub(r"#[^\n]*", "", text)
+
+
+def _comment_of(rel):
+    """A C file's first comment, folded to one line."""
+    m = re.search(r"/\*(.*?)\*/", _read(rel), re.S)
+    return _flat(m.group(1)) if m else ""
+
+
+def _resolve(names, files):
+    """{tracked file} a comment's names ('common/isa.c', 'setup.py', 'masked_attn.h') stand for."""
+    return {f for n in names for f in files if f == n or f.endswith("/" + n)}
+
+
+# the ISA the comment on a new instruction set takes as its model, and where its code is looked for
+_MODEL_ISA = re.compile(r"(?i)(?<![a-z0-9])avx2(?![a-z0-9])")
+_MODEL_ISA_OWN = {"csrc/common/simd_avx2.h", "csrc/attention/avx2.c", "csrc/cross_entropy/avx2.c"}
+
+
+def isa_lines(files, read=_read):
+    """{file: lines} of code (comments left out) outside AVX2's own files that name AVX2 (its
+    row of MA_ISA_TABLE, the default, flags and units, the C harnesses' tables; the compiler's
+    __AVX2__ aside), in csrc/, setup.py and the C harnesses (tests/c/). A variant listed by hand
+    (a switch's case, an extern) adds lines the count sees."""
+    out = {}
+    for rel in files:
+        if rel in _MODEL_ISA_OWN or not (rel.startswith(("csrc/", "tests/c/")) or rel == "setup.py"):
+            continue
+        if not rel.endswith((".c", ".h", ".cpp", ".hpp", ".py")):
+            continue
+        n = sum(
+            1 for line in _code_only(rel, read(rel)).splitlines() if _MODEL_ISA.search(line.replace("__AVX2__", ""))
+        )
+        if n:
+            out[rel] = n
+    return out
+
+
+def _new_isa_claim_errors(files):
+    """common/simd.h: 'A new instruction set X: N new files ... on each of the M lines ... in K
+    files ...: <the files>'."""
+    text = _comment_of("csrc/common/simd.h")
+    m = re.search(
+        r"A new instruction set X: (\w+) new files(.*?) on each of the (\w+) lines .*? in (\w+) files(.*)", text
+    )
+    if not m:
+        return ["csrc/common/simd.h: no 'A new instruction set X: N new files ... the M lines ... in K files' comment"]
+    lines = isa_lines(files)
+    wrong = []
+    new_files = re.findall(r"\b[\w/]*X\.[ch]\b", m.group(2))
+    if _number(m.group(1)) != len(set(new_files)):
+        wrong.append(f"csrc/common/simd.h says {m.group(1)} new files and names {sorted(set(new_files))}")
+    if _number(m.group(3)) != sum(lines.values()) or _number(m.group(4)) != len(lines):
+        wrong.append(
+            f"csrc/common/simd.h says {m.group(3)} lines in {m.group(4)} files name AVX2; the code has "
+            f"{sum(lines.values())} in {len(lines)}: " + ", ".join(f"{f} ({n})" for f, n in sorted(lines.items()))
+        )
+    named = _resolve(
+        re.findall(r"[\w/]+\.(?:[ch]|py|cpp)\b", m.group(5).replace("tests/project/test_docs.py", "")), files
+    )
+    if named != set(lines):
+        wrong.append(
+            "csrc/common/simd.h's files that name AVX2: "
+            + ", ".join(
+                f"{f} ({'not named' if f not in named else 'names no AVX2'})" for f in sorted(named ^ set(lines))
+            )
+        )
+    return wrong
+
+
+def _includes(rel):
+    return re.findall(r'^\s*#\s*include\s+"([^"]+)"', _read(rel), re.M)
+
+
+def template_instances(template, files):
+    """The .c files of the template's directory that include it, directly or through a header
+    that does (sve_instance.h, tiles_hooks.h)."""
+    folder = template.rsplit("/", 1)[0] + "/"
+    local = [f for f in files if f.startswith(folder) and f.count("/") == folder.count("/")]
+    reach = {template.rsplit("/", 1)[1]}
+    for _ in range(5):
+        reach |= {f.rsplit("/", 1)[1] for f in local if f.endswith(".h") and reach & set(_includes(f))}
+    return {f for f in local if f.endswith(".c") and reach & set(_includes(f))}
+
+
+def _instance_list_errors(files):
+    """attention_tmpl.h's 'Instantiated ... by a small instance file ...: <every instance file>.'"""
+    rel = "csrc/attention/attention_tmpl.h"
+    text = _comment_of(rel)
+    m = re.search(r"Instantiated .*?instance file(.*?)The instance defines", text)
+    if not m:
+        return [f"{rel}: no 'Instantiated ... instance file ... The instance defines' comment"]
+    named = {"csrc/attention/" + n for n in re.findall(r"\b(\w+\.c)\b", m.group(1))}
+    actual = template_instances(rel, files)
+    if named != actual:
+        return [f"{rel} lists the instances {sorted(named)}; the files that include it: {sorted(actual)}"]
+    return []
+
+
+def _tile_hooks_errors(files):
+    """blocks.h: 'tiles_hooks.h writes them once for the N instances that include it, a.c, b.c ...'."""
+    rel = "csrc/attention/blocks.h"
+    m = re.search(r"tiles_hooks\.h writes them once for the (\w+) instances that include it,(.*?)\(", _comment_of(rel))
+    if not m:
+        return [f"{rel}: no 'tiles_hooks.h writes them once for the N instances that include it, ...'"]
+    named = {"csrc/attention/" + n for n in re.findall(r"\b(\w+\.c)\b", m.group(2))}
+    actual = {
+        f for f in files if f.startswith("csrc/attention/") and f.endswith(".c") and "tiles_hooks.h" in _includes(f)
+    }
+    if _number(m.group(1)) != len(actual) or named != actual:
+        return [
+            f"{rel} says {m.group(1)} instances, {sorted(named)}; those that include tiles_hooks.h: {sorted(actual)}"
+        ]
+    return []
+
+
+def _simd_headers_errors(files):
+    """common/simd.h: 'One header per instruction set implements it (simd_a.h, ...)'."""
+    m = re.search(r"One header per instruction set implements it \(([^)]*)\)", _comment_of("csrc/common/simd.h"))
+    if not m:
+        return ["csrc/common/simd.h: no 'One header per instruction set implements it (...)'"]
+    named = {"csrc/common/" + n for n in re.findall(r"simd_\w+\.h", m.group(1))}
+    actual = {f for f in files if re.fullmatch(r"csrc/common/simd_\w+\.h", f)}
+    return [] if named == actual else [f"csrc/common/simd.h names {sorted(named)}; csrc/common/ has {sorted(actual)}"]
+
+
+def _attn_args_fillers_errors(files):
+    """01-layers.md: '`ma_attn_args`, filled by N functions: `a` (...) and `b` (...)'."""
+    rel = "docs/design/01-layers.md"
+    m = re.search(r"`ma_attn_args`, filled by (\w+) functions?:?(.*?);", _flat(_read(rel)))
+    if not m:
+        return [f"{rel}: no '`ma_attn_args`, filled by N functions: ...;'"]
+    named = set(re.findall(r"`(\w+)`", m.group(2)))
+    actual = set()
+    for f in files:
+        if f.startswith("csrc/shim/") and f.endswith(".cpp"):
+            actual |= set(re.findall(r"^\s*(?:static\s+)?ma_attn_args\s+(\w+)\s*\(", _code_only(f, _read(f)), re.M))
+    if _number(m.group(1)) != len(actual) or named != actual:
+        return [f"{rel}: ma_attn_args filled by {m.group(1)}, {sorted(named)}; csrc/shim/ defines {sorted(actual)}"]
+    return []
+
+
+_OPARGS_OPS = ("forward", "backward", "backward_into", "varlen_forward", "varlen_backward")
+
+
+def positional_calls(files):
+    """{(module, op): [positional argument counts]} of the calls in torch_masked_attn/ that pass an
+    OpArgs op's (forward, backward, ...) leading arguments by position: `torch.ops.masked_attn.op(...)`,
+    a name bound to it, or `call_op(op, ...)`; a call whose positions are all `*OpArgs(...)` is by
+    name."""
+    import ast
+
+    def op_of(node, aliases):
+        parts = []
+        while isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        if isinstance(node, ast.Name):
+            if not parts:
+                return aliases.get(node.id)
+            parts.append(node.id)
+        parts = [p for p in reversed(parts) if p != "default"]
+        return parts[-1] if len(parts) >= 2 and parts[-2] == "masked_attn" and parts[-1] in _OPARGS_OPS else None
+
+    out = {}
+    for rel in files:
+        if not (rel.startswith("torch_masked_attn/") and rel.endswith(".py")):
+            continue
+        tree = ast.parse(_read(rel))
+        aliases = {
+            n.targets[0].id: op_of(n.value, {})
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Assign)
+            and len(n.targets) == 1
+            and isinstance(n.targets[0], ast.Name)
+            and op_of(n.value, {})
+        }
+        for n in ast.walk(tree):
+            if not isinstance(n, ast.Call):
+                continue
+            op, args = op_of(n.func, aliases), n.args
+            if op is None and getattr(n.func, "id", getattr(n.func, "attr", None)) == "call_op" and args:
+                op, args = op_of(args[0], aliases), args[1:]
+            positions = sum(1 for a in args if not isinstance(a, ast.Starred))
+            if op and positions:
+                out.setdefault((rel.rsplit("/", 1)[1], op), []).append(positions)
+    return out
+
+
+def _positional_calls_errors(files):
+    """_options.py (OpArgs): 'masked_attn::forward is called with its leading arguments by position
+    from a.py (N calls, first to last) and b.py (...)'."""
+    import ast
+
+    rel = "torch_masked_attn/_options.py"
+    doc = _flat(
+        ast.get_docstring(next(n for n in ast.parse(_read(rel)).body if getattr(n, "name", "") == "OpArgs")) or ""
+    )
+    claims = re.findall(r"(\w+\.py) \((\w+) calls?, (\w+) to (\w+)\)", doc)
+    schemas = _registered_schemas()
+    actual = {}
+    for (module, op), counts in positional_calls(files).items():
+        names = [a.name for a in schemas[op].arguments]
+        actual[module] = (len(counts), names[0], names[max(counts) - 1])
+    stated = {module: (_number(n), first, last) for module, n, first, last in claims}
+    if stated != actual or not re.search(r"masked_attn::forward is called with its leading arguments by position", doc):
+        return [f"{rel} (OpArgs) says the positional calls are {stated}; the package's are {actual}"]
+    return []
+
+
+_COUNTED_CLAIMS = (
+    _new_isa_claim_errors,
+    _instance_list_errors,
+    _tile_hooks_errors,
+    _simd_headers_errors,
+    _attn_args_fillers_errors,
+)
+
+
+def test_counted_and_listed_claims_are_the_codes():
+    """The counts and lists comments and pages give of the code are what the code has: what a new
+    instruction set touches (common/simd.h: the lines that name AVX2), the instances of the
+    attention template and of the tile hooks, the SIMD mappings, the functions that fill
+    ma_attn_args."""
+    files = _tracked()
+    wrong = [e for check in _COUNTED_CLAIMS for e in check(files)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_positional_calls_are_the_ones_opargs_names():
+    """OpArgs' docstring (_options.py) names the calls that pass an OpArgs op's leading arguments
+    by position: each module, its number of calls, the first and the last argument passed."""
+    wrong = _positional_calls_errors(_tracked())
+    assert not wrong, "\n".join(wrong)
+
+
+def test_counts_can_fail():
+    """The counters see a change: an extra line naming AVX2 (a row of the table over two lines, a
+    case written by hand), and an instance file a list leaves out."""
+    files = ["csrc/masked_attn.h", "csrc/common/simd_avx2.h", "csrc/x.c", "setup.py", "tests/c/t.c", "README.md"]
+    text = {
+        "csrc/masked_attn.h": "X(AVX2, avx2, MA_ISA_AVX2 = 1, x86, 64, 64, SCALAR, all, one, \\\n"
+        '  MA_CPU("avx2")) /* AVX2 */\n',
+        "csrc/common/simd_avx2.h": "avx2 everywhere\n",
+        "csrc/x.c": "#ifdef __AVX2__\n/* avx2 */\ncase MA_ISA_AVX2: return &k_avx2;\nextern k_avx2; // avx2\n",
+        "setup.py": 'AVX2 = ["-mavx2"]  # avx2\n"""avx2"""\n',
+        "tests/c/t.c": "{MA_ISA_AVX512, &b}\n",
+        "README.md": "avx2\n",
+    }
+    assert isa_lines(files, text.__getitem__) == {"csrc/masked_attn.h": 2, "csrc/x.c": 2, "setup.py": 1}
+    inst = template_instances("csrc/attention/attention_tmpl.h", _tracked())
+    assert {"csrc/attention/neon.c", "csrc/attention/sve128.c", "csrc/attention/svebf16.c"} <= inst
+    assert "csrc/attention/dispatch.c" not in inst and "csrc/attention/head_grads.c" not in inst
 
 
 # ---- links and anchors ---------------------------------------------------------------------------
@@ -1030,6 +1566,39 @@ def test_identifiers_quoted_are_in_the_code():
 
 
 # ---- the release ---------------------------------------------------------------------------------
+
+
+# what makes a change breaking: a C ABI or op schema change, something removed or renamed
+_BREAKING = re.compile(
+    r"\bC ABI\b|\bop schemas?\b|\b(?:is|are) (?:now )?(?:removed|renamed)\b|\bno longer (?:accepts?|takes?|returns?)\b"
+)
+
+
+def breaks_filed_elsewhere(text):
+    """[(subsection, entry)] of a release's entries that describe a breaking change (_BREAKING)
+    outside its '### Breaking changes' and '### Removed'."""
+    out = []
+    for title, body in re.findall(r"^### (.+?)\s*$(.*?)(?=^###? |\Z)", text, re.M | re.S):
+        if title.strip() in ("Breaking changes", "Removed"):
+            continue
+        for entry in re.findall(r"^- (.+(?:\n  .+)*)", body, re.M):
+            if _BREAKING.search(_flat(entry)):
+                out.append((title.strip(), entry[:100]))
+    return out
+
+
+def test_changelog_files_breaking_changes_as_such():
+    """An entry of [Unreleased] or the current release that breaks callers (a C ABI or op schema
+    change, something removed or renamed) is under '### Breaking changes' or '### Removed'."""
+    wrong = [
+        f"{v}, ### {title}: {entry}..."
+        for v, _, text in _changelog_sections()[:2]
+        for title, entry in breaks_filed_elsewhere(text)
+    ]
+    assert not wrong, "CHANGELOG.md files breaking changes under another heading:\n" + "\n".join(wrong)
+    assert breaks_filed_elsewhere(
+        "### Changed\n\n- C ABI: `x.y` is removed.\n\n### Breaking changes\n\n- C ABI: z.\n"
+    ) == [("Changed", "C ABI: `x.y` is removed.")]
 
 
 def test_changelog_releases_the_version():

@@ -5,9 +5,10 @@ and compares forward (out, lse) and single-pass backward (dq, dk, dv) with the
 scalar reference, float64 and native bfloat16's error (at most 2x). Bochs
 lacks AVX512-BF16, so its two instructions are emulated with AVX-512 code of
 the same semantics (tools/emulate/emu_bf16.h); everything else runs as
-compiled. A slice: six fixed cases (one a forward with no backward to
+compiled. A slice: seven fixed cases (one a forward with no backward to
 follow, whose bfloat16 products take P in one part; one a two-sided window,
-whose band cuts tiles off the 32-key grid of the tile products' trimming) and
+whose band cuts tiles off the 32-key grid of the tile products' trimming; one
+packed sequences, whose items move the tile hooks to their entry) and
 two random ones per variant, in bfloat16; `make emulate` runs every case, more
 random ones and float32.
 
@@ -24,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 
-import pytest
+from conftest import require
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CMD = [
@@ -64,8 +65,7 @@ def stop_background():
 
 
 def test_avx512_and_avx512bf16_on_an_emulated_cpu():
-    if not _have_bochscpu():
-        pytest.skip("bochscpu-python is not installed (make setup installs it)")
+    require("bochscpu", import_it=False)  # an error where it is missing, a skip under --without emulate
     start_in_background()  # (already running where conftest.py started it)
     proc, out = _run
     try:
@@ -78,5 +78,5 @@ def test_avx512_and_avx512bf16_on_an_emulated_cpu():
     print(stdout[-4000:])
     assert rc == 0, stdout[-8000:]
     assert "every case passed" in stdout
-    assert stdout.count("\nok   avx512bf16 bf16 ") + stdout.startswith("ok   avx512bf16") == 8
-    assert stdout.count("ok   avx512 bf16 ") == 8
+    assert stdout.count("\nok   avx512bf16 bf16 ") + stdout.startswith("ok   avx512bf16") == 9
+    assert stdout.count("ok   avx512 bf16 ") == 9

@@ -13,6 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/isa.h" /* MA_ISA_TABLE's vocabulary */
 #include "masked_attn.h"
 
 struct emu_io {
@@ -29,7 +30,11 @@ struct emu_io {
     /* scratch arena */
     uint64_t arena, arena_bytes;
     int64_t forward_only;
-    int64_t status; /* 0 ok, 1 arena too small, 2 not the single pass */
+    /* 1: the same call as packed sequences (masked_attn::varlen_*): B entries of Lq queries and
+     * Lk keys, H = Hkv = 1 (the (B, 1, L, D) layout is then the packed (B L, 1, D)), no masks */
+    int64_t varlen;
+    int64_t status; /* 0 ok, 1 arena too small, 2 not the single pass, 3 not a varlen shape, 4 no
+                     * kernels for the dtype and variant (ma_attn_traits) */
 };
 
 static void contig4(int64_t st[4], int64_t d1, int64_t d2, int64_t d3) {
@@ -89,9 +94,27 @@ void emu_main(struct emu_io *io) {
     ma_attn_band(a.diagonal, a.opts.window_left, a.opts.window_right, &a.band_lo, &a.band_hi);
     a.opts.softcap = io->softcap, a.scale = io->scale;
     a.B = B, a.H = H, a.Hkv = Hkv, a.Lq = Lq, a.Lk = Lk, a.D = D, a.Dv = Dv;
-    a.block_q = a.block_k = 64;
     a.stat_stride[0] = H * Lq, a.stat_stride[1] = Lq;
     a.isa = (ma_isa)io->isa;
+    ma_traits traits; /* the shim's tile: the variant's row of MA_ISA_TABLE */
+    if (ma_attn_traits((int)io->dtype, (int)io->isa, &traits) != 0) {
+        io->status = 4;
+        return;
+    }
+    a.block_q = traits.block_q, a.block_k = traits.block_k;
+    int32_t cu_q[17], cu_k[17];
+    int64_t *batch_strides[] = {a.q_stride, a.k_stride, a.v_stride, a.out_stride, a.out_lo_stride};
+    if (io->varlen) { /* the shim's varlen_args: entries at cu_q, cu_k, the band per entry (bottom right) */
+        if (H != 1 || Hkv != 1 || B > 16 || io->kpm || io->attn_mask || io->head_mask) {
+            io->status = 3;
+            return;
+        }
+        for (int64_t b = 0; b <= B; b++) cu_q[b] = (int32_t)(b * Lq), cu_k[b] = (int32_t)(b * Lk);
+        a.cu_q = cu_q, a.cu_k = cu_k;
+        for (int x = 0; x < 5; x++) batch_strides[x][0] = 0;
+        a.stat_stride[0] = 0, a.stat_stride[1] = B * Lq;
+        a.band_lo = -MA_BAND_INF, a.band_hi = MA_BAND_INF;
+    }
 
     ma_attn_fwd_params f;
     zero(&f, sizeof f);
@@ -115,6 +138,7 @@ void emu_main(struct emu_io *io) {
     p.lse = (const void *)io->lse, p.delta = (void *)io->delta, p.a = a;
     contig4(p.dq_stride, H, Lq, D), contig4(p.dk_stride, Hkv, Lk, D), contig4(p.dv_stride, Hkv, Lk, Dv);
     contig4(p.dout_stride, H, Lq, Dv);
+    if (io->varlen) p.dq_stride[0] = p.dk_stride[0] = p.dv_stride[0] = p.dout_stride[0] = 0;
     if (!ma_attn_bwd_single_pass(&p)) {
         io->status = 2;
         return;
@@ -137,6 +161,26 @@ const emu_kernels_stub ma_attn_kernels_avx2, ma_attn_kernels_amx;
 int ma_isa_available(ma_isa isa) {
     (void)isa;
     return 1; /* run.py picks the variant; the emulated CPU has it */
+}
+/* common/isa.c's, which dispatch.c calls (isa.c needs a C library): generated from MA_ISA_TABLE
+ * as there. */
+int ma_isa_built(int isa) {
+    switch (isa) {
+#define BUILT(ID, name, abi, arch, bq, bk, fb, own, inst, usable) MA_ON_##arch(case MA_ISA_##ID : return 1;)
+        MA_ISA_TABLE(BUILT)
+#undef BUILT
+    default: return 0;
+    }
+}
+ma_isa ma_isa_runs(ma_isa isa, ma_dtype dt, int rows) {
+    switch (isa) {
+#define RUNS(ID, name, abi, arch, bq, bk, fb, own, inst, usable)                               \
+    MA_ON_##arch(case MA_ISA_##ID : if (MA_OWNS_##own(dt, rows) && MA_INST_##inst) return isa; \
+                 return ma_isa_runs(MA_ISA_##fb, dt, rows);)
+        MA_ISA_TABLE(RUNS)
+#undef RUNS
+    default: return MA_ISA_SCALAR;
+    }
 }
 ma_isa ma_isa_best(ma_dtype dt) {
     (void)dt;

@@ -230,7 +230,7 @@ class Machine:
 
 # ---- the cases ---------------------------------------------------------------------
 
-IO = struct.Struct("<12q2d16Q2q")
+IO = struct.Struct("<12q2d16Q3q")
 ISA = {"scalar": 0, "avx2": 1, "avx512": 2, "amx": 3, "avx512bf16": 4}
 DTYPE = {"f32": 1, "bf16": 3}
 
@@ -245,6 +245,9 @@ CASES = [
     ("softcap causal", 2, 4, 4, 140, 140, 128, 128, dict(causal=True, softcap=20.0)),
     ("tails", 8, 1, 1, 33, 17, 3, 5, {}),
     ("key chunks", 1, 2, 1, 150, 300, 64, 64, dict(causal=False)),  # B * Hkv < 8: partial dq sums
+    # packed sequences (varlen): each entry's items on its own params, the tile hooks moved to it
+    ("varlen causal", 3, 1, 1, 130, 130, 64, 64, dict(causal=True, varlen=True)),
+    ("varlen softcap", 2, 1, 1, 70, 70, 32, 16, dict(softcap=5.0, varlen=True)),
     # a forward with no backward to follow (no out_lo, as the shim calls it under no_grad): the
     # bfloat16 tile products take P in one part
     ("inference causal", 1, 8, 8, 200, 200, 64, 64, dict(causal=True, inference=True)),
@@ -257,6 +260,7 @@ QUICK = (
     "window both sides",
     "softcap causal",
     "inference masks gqa",
+    "varlen causal",
 )
 
 
@@ -419,7 +423,7 @@ def run_case(m, elf_syms, isa, dtype, case, torch, tma, count=False):
     infer = bool(o.get("inference"))  # out_lo: bf16 / f16 only, and not for inference, as the shim
     fields += [layout["out"], layout["out_lo"] if esz == 2 and not infer else 0]
     fields += [layout[x] for x in ("lse", "dq", "dk", "dv", "delta")]
-    fields += [arena, arena_bytes, int(bool(o.get("forward_only")) or infer), -1]
+    fields += [arena, arena_bytes, int(bool(o.get("forward_only")) or infer), int(bool(o.get("varlen"))), -1]
     m.write(layout["io"], IO.pack(*fields))
     executed = m.call(elf_syms["emu_main"], layout["io"], count=count)
     status = IO.unpack(m.read(layout["io"], IO.size))[-1]
@@ -523,7 +527,7 @@ def main():
         "--isa", default="avx512bf16", help="avx512bf16, avx512 (or scalar), or several separated by commas"
     )
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
-    ap.add_argument("--quick", action="store_true", help="six of the fixed cases only")
+    ap.add_argument("--quick", action="store_true", help="seven of the fixed cases only")
     ap.add_argument("--fuzz", type=int, default=0, metavar="N", help="N random cases after the fixed ones")
     ap.add_argument("--seed", type=int, default=0, help="of the random cases")
     ap.add_argument(
