@@ -2,7 +2,7 @@
  * straight from C (no torch, one thread), timed per tile: the tool to find
  * where a tile costs more in place than the same products in isolation (see
  * docs/performance.md). Float32, causal, q/k/v/dout contiguous (B, H, L, D),
- * out and gradients (B, L, H, D) as the shim makes them, 64 x 64 tiles, the
+ * out and gradients (B, L, H, D) as the shim makes them, the variant's tiles, the
  * variant MASKED_ATTN_ISA would pick by default unless ISA is given; then the
  * same call on the scalar reference, and exit 1 if any output or gradient
  * differs by more than 1e-3 (tests/project/test_c_harness.py runs it so, on a small
@@ -15,8 +15,8 @@
  *   O=$(ls -d build/temp.*)/c11
  *   gcc -O2 -std=c11 -Icsrc -D_POSIX_C_SOURCE=200809L benchmarks/kernel_bwd.c \
  *       $O/attention_*.o $O/common_isa.o -o /tmp/kernel_bwd -lm
- *   /tmp/kernel_bwd B H L D REPS [ISA [bf16]]   e.g. 8 8 512 64 5 avx2 (ISA: scalar, avx2, avx512, amx,
- *                                               avx512bf16, neon, sve, svebf16)
+ *   /tmp/kernel_bwd B H L D REPS [ISA [bf16]]   e.g. 8 8 512 64 5 avx2 (ISA: a name of
+ *                                               MA_ISA_TABLE, masked_attn.h: scalar, avx2, ...)
  */
 #include <math.h>
 #include <stdint.h>
@@ -63,20 +63,18 @@ static double run(ma_task_fn fn, const void *params, int64_t n, size_t scratch_b
 
 int main(int argc, char **argv) {
     if (argc < 6) {
-        fprintf(stderr,
-                "usage: %s B H L D REPS [scalar|avx2|avx512|amx|avx512bf16|neon|sve|svebf16 [bf16]]\n",
-                argv[0]);
+        fprintf(stderr, "usage: %s B H L D REPS [ISA [bf16]]  (ISA:", argv[0]);
+        for (int i = 0; ma_isa_name(i); i++) fprintf(stderr, " %s", ma_isa_name(i));
+        fprintf(stderr, ")\n");
         return 2;
     }
     const int64_t B = atoll(argv[1]), H = atoll(argv[2]), L = atoll(argv[3]), D = atoll(argv[4]);
     const int reps = atoi(argv[5]);
     ma_isa isa = ma_isa_best(MA_F32);
     if (argc > 6) {
-        const char *names[] = {"scalar", "avx2", "avx512", "amx",
-                               "avx512bf16", "neon", "sve", "svebf16"}; /* ma_isa order */
         int found = 0;
-        for (int i = 0; i < (int)(sizeof names / sizeof names[0]); i++)
-            if (!strcmp(argv[6], names[i])) isa = (ma_isa)i, found = 1;
+        for (int i = 0; ma_isa_name(i); i++) /* MA_ISA_TABLE's names */
+            if (!strcmp(argv[6], ma_isa_name(i))) isa = (ma_isa)i, found = 1;
         if (!found || !ma_isa_available(isa)) {
             fprintf(stderr, "ISA %s: unknown or not on this CPU\n", argv[6]);
             return 2;
@@ -108,7 +106,9 @@ int main(int argc, char **argv) {
     a.diagonal = 0, a.scale = 1.0 / sqrt((double)D); /* causal: the top-left diagonal, right side 0 */
     a.opts.window_left = -1, a.opts.window_right = 0;
     a.B = B, a.H = H, a.Hkv = H, a.Lq = L, a.Lk = L, a.D = D, a.Dv = D;
-    a.block_q = a.block_k = 64;
+    ma_traits traits;
+    ma_attn_traits(dt, isa, &traits);
+    a.block_q = traits.block_q, a.block_k = traits.block_k;
     ma_attn_band(a.diagonal, a.opts.window_left, a.opts.window_right, &a.band_lo, &a.band_hi);
     a.stat_stride[0] = H * L, a.stat_stride[1] = L;
     a.isa = isa;
@@ -118,7 +118,7 @@ int main(int argc, char **argv) {
     f.out = out, f.out_lo = out_lo, f.lse = lse, f.a = a;
     ma_plan fplan;
     ma_attn_plan_fwd(&f, 1, &fplan);
-    const int64_t nq = (L + 63) / 64, tiles = B * H * nq * (nq + 1) / 2;
+    const int64_t nq = (L + a.block_q - 1) / a.block_q, tiles = B * H * nq * (nq + 1) / 2;
     double fbest = 1e30;
     for (int r = 0; r < reps; r++) {
         const double t = run(fplan.pass[0].fn, &f, fplan.pass[0].n, fplan.pass[0].scratch_bytes);

@@ -36,22 +36,58 @@ typedef enum {
     MA_I8 = 5,   /* int8: the 8-bit KV cache's values (ma_attn_opts.k_scale), never q or an output */
 } ma_dtype;
 
-/* Instruction-set variants of the float32-accumulating kernels. The policy
- * (which one a call gets) is common/isa.h's; each op's dispatch.c maps
- * (dtype, variant) to a kernel: float64 always runs the double-accumulating
- * scalar kernels, and cross-entropy, which has no AMX kernels, runs AMX on
- * AVX-512. Only the current architecture's variants are compiled in (setup.py);
- * the others are never available. */
-typedef enum {
-    MA_ISA_SCALAR = 0,
-    MA_ISA_AVX2 = 1,   /* AVX2 + FMA */
-    MA_ISA_AVX512 = 2, /* AVX-512 F, BW, DQ, VL */
-    MA_ISA_AMX = 3,    /* AVX-512 + AVX512-BF16 + AMX-BF16 tiles for the matrix products */
-    MA_ISA_AVX512BF16 = 4, /* AVX-512 + AVX512-BF16: bfloat16 products on VDPBF16PS */
-    MA_ISA_NEON = 5,       /* AArch64 Advanced SIMD (every aarch64 CPU) */
-    MA_ISA_SVE = 6,        /* SVE: the instance compiled for the CPU's vector length (128 to 2048 bits) */
-    MA_ISA_SVEBF16 = 7,    /* SVE + BF16, any vector length: bfloat16 products on BFMMLA */
-} ma_isa;
+/* Instruction-set variants of the float32-accumulating kernels: the one table of them. Every
+ * list of the variants is generated from its rows: the enum below, their names, the built and
+ * usable checks and the fallbacks (common/isa.c), the kernel tables' externs (attention/blocks.h,
+ * cross_entropy/blocks.h), the three dispatch switches (attention/dispatch.c,
+ * cross_entropy/dispatch.c, kv_cache/cache_write.c) and each variant's tile (ma_attn_traits).
+ * The policy (which one a call gets) is common/isa.h's; float64 always runs the
+ * double-accumulating scalar kernels. Only the current architecture's variants are compiled in
+ * (setup.py); the others are never available. Columns (common/isa.h writes the generators'
+ * vocabulary):
+ *   ID      the enum's MA_ISA_<ID>
+ *   name    MASKED_ATTN_ISA's word, and the suffix of the variant's kernel tables
+ *           (ma_attn_kernels_<name>, ma_blocks_<name>, ma_ce_kernels_<name>, ma_ce_blocks_<name>)
+ *   abi     MA_ISA_<ID> = its value: the C ABI that Python and the shim share (never
+ *           renumbered; a new row takes the next number)
+ *   arch    where it is compiled in: any, x86 (x86_64, i386) or arm (aarch64)
+ *   bq, bk  its tile: query rows by keys (ma_attn_args.block_q, block_k), multiples of 32 (the
+ *           tile products' packed views); a paged cache's page_size is a multiple of bk
+ *   fb      the variant whose kernels run where this one has none (own, inst)
+ *   own     its kernels: all (attention's, and the row kernels: cross-entropy's and the float
+ *           blocks the KV cache's quantizing runs); attn (attention's, fb's row kernels); bf16
+ *           (attention's in bfloat16, fb's for the other dtypes and the row kernels)
+ *   inst    one: one table of each kind (ma_attn_kernels_<name>); vl: one per SVE vector length
+ *           (ma_attn_kernels_<name>128 ... <name>2048), the CPU's length's (fb's at the others)
+ *   usable  whether this CPU runs it: an expression common/isa.c evaluates on arch only, over
+ *           MA_CPU("feature") (__builtin_cpu_supports), MA_USABLE(ID), amx_permitted() (Linux
+ *           grants the AMX tile state), ma_sve_bits() and sve_bf16() (HWCAP2_SVEBF16)
+ * A new variant: a row here, its mapping (common/simd_<name>.h), its instance files and its
+ * units in setup.py (common/simd.h lists them). */
+/* clang-format off */
+#define MA_ISA_TABLE(X)                                                                                         \
+    /* ID,        name,       abi,                    arch, bq, bk, fb,     own,  inst, usable */               \
+    X(SCALAR,     scalar,     MA_ISA_SCALAR = 0,      any,  64, 64, SCALAR, all,  one, 1)                       \
+    X(AVX2,       avx2,       MA_ISA_AVX2 = 1,        x86,  64, 64, SCALAR, all,  one,                          \
+      MA_CPU("avx2") && MA_CPU("fma"))                                                                          \
+    X(AVX512,     avx512,     MA_ISA_AVX512 = 2,      x86,  64, 64, SCALAR, all,  one,                          \
+      /* F, BW, DQ, VL */ MA_CPU("avx512f") && MA_CPU("avx512bw") && MA_CPU("avx512dq") &&                      \
+      MA_CPU("avx512vl"))                                                                                       \
+    X(AMX,        amx,        MA_ISA_AMX = 3,         x86,  64, 64, AVX512, attn, one,                          \
+      /* + AVX512-BF16 and AMX-BF16 tiles */ MA_USABLE(AVX512) && MA_CPU("avx512bf16") &&                       \
+      MA_CPU("amx-tile") && MA_CPU("amx-bf16") && amx_permitted())                                              \
+    X(AVX512BF16, avx512bf16, MA_ISA_AVX512BF16 = 4,  x86,  64, 64, AVX512, bf16, one,                          \
+      /* bfloat16 products on VDPBF16PS */ MA_USABLE(AVX512) && MA_CPU("avx512bf16"))                           \
+    X(NEON,       neon,       MA_ISA_NEON = 5,        arm,  64, 64, SCALAR, all,  one,                          \
+      1 /* in every aarch64 CPU */)                                                                             \
+    X(SVE,        sve,        MA_ISA_SVE = 6,         arm,  64, 64, NEON,   all,  vl,  ma_sve_bits() > 0)       \
+    X(SVEBF16,    svebf16,    MA_ISA_SVEBF16 = 7,     arm,  64, 64, NEON,   bf16, one,                          \
+      sve_bf16() /* BFMMLA, any vector length */)
+/* clang-format on */
+
+#define MA_ISA_ENUM_ROW(ID, name, abi, arch, bq, bk, fb, own, inst, usable) abi,
+typedef enum { MA_ISA_TABLE(MA_ISA_ENUM_ROW) } ma_isa;
+#undef MA_ISA_ENUM_ROW
 
 int ma_isa_available(ma_isa isa); /* compiled in and supported by this CPU */
 ma_isa ma_isa_best(ma_dtype dt);
@@ -173,7 +209,7 @@ typedef struct {
     ma_attn_opts opts;
     /* sizes */
     int64_t B, H, Hkv, Lq, Lk, D, Dv;
-    int64_t block_q, block_k;   /* tile sizes, set by the shim */
+    int64_t block_q, block_k;   /* tile sizes, set by the shim (ma_attn_traits) */
     /* The band every score must pass: key j is visible to query i iff
      * band_lo <= j - i <= band_hi (MA_BAND_INF: no bound): ma_attn_band of
      * the diagonal and the window, by the shim (dense) or per entry by the
@@ -281,6 +317,19 @@ typedef struct {
 #define MA_DECODE_ROWS 64
 #define MA_DECODE_CHUNK 512
 #define MA_DECODE_KV_HEADS 16
+
+/* The constants a call's kernels are built on, for the shim and Python
+ * (torch_masked_attn.ops.kernel_traits): the tile of the variant whose attention kernels run a
+ * call in dtype dt asking for variant isa (MA_ISA_TABLE's bq, bk, after its fallbacks; float64's
+ * are scalar's), which the shim sets as ma_attn_args.block_q, block_k and a paged cache's
+ * page_size must be a multiple of; and the decode kernel's constants above, the same for every
+ * variant (the templates size their arrays and place their chunks by them). Returns 0, or -1
+ * for a dtype q cannot have or a variant this build does not compile in. */
+typedef struct {
+    int64_t block_q, block_k;                                         /* the tile path's tile */
+    int64_t decode_qrows, decode_rows, decode_chunk, decode_kv_heads; /* MA_DECODE_* */
+} ma_traits;
+int ma_attn_traits(int dt, int isa, ma_traits *t);
 
 /* The decode kernel's shape for a call (ma_attn_plan_fwd's rule, on the CPU count cpus;
  * kv_heads: the key heads an item takes together, 1 unless the cache holds a token's heads

@@ -1,7 +1,7 @@
 """Loads the compiled library (torch.ops.masked_attn's schemas and kernels) and
 reaches the C functions the ops do not cover through ctypes: the instruction-set
-variant, the decode plan, the kernels' scratch memory, and knobs for tests and
-benchmarks. The library is plain C past the registration shim (masked_attn.h),
+variant and its kernels' constants, the decode plan, the kernels' scratch memory,
+and knobs for tests and benchmarks. The library is plain C past the registration shim (masked_attn.h),
 so these calls pass no tensors but the huge-page hint's pointer."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import glob
+import math
 import os
 from collections.abc import Iterator
 
@@ -187,6 +188,42 @@ def isa_for(dtype: torch.dtype) -> str:
     if dtype not in _MA_DTYPE:
         raise ValueError(f"dtype must be one of {', '.join(map(str, _MA_DTYPE))}, got {dtype}")
     return _ISAS[_clib.ma_isa_for(_MA_DTYPE[dtype])]
+
+
+_TRAITS = ("block_q", "block_k", "decode_qrows", "decode_rows", "decode_chunk", "decode_kv_heads")
+
+
+class _Traits(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in _TRAITS]
+
+
+_clib.ma_attn_traits.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(_Traits)]
+_clib.ma_attn_traits.restype = ctypes.c_int
+
+
+def kernel_traits(dtype: torch.dtype = torch.float32, isa: str | None = None) -> dict[str, int]:
+    """The constants of the attention kernels that a call in ``dtype`` runs with the variant
+    ``isa`` (None: the one such a call gets now, isa_for), as the library states them
+    (ma_attn_traits, from csrc/masked_attn.h's table of variants): the tile, block_q query rows
+    by block_k keys (a paged cache whose page size is a multiple of block_k is read in place),
+    and the decode kernel's constants (decode_qrows: the query rows it takes at most; decode_rows,
+    decode_chunk, decode_kv_heads: masked_attn.h's MA_DECODE_*)."""
+    name = isa_for(dtype) if isa is None else isa
+    if dtype not in _MA_DTYPE:
+        raise ValueError(f"dtype must be one of {', '.join(map(str, _MA_DTYPE))}, got {dtype}")
+    if name not in built_isas():
+        raise ValueError(f"isa must be one of {', '.join(built_isas())} (this build's), got {name!r}")
+    t = _Traits()
+    if _clib.ma_attn_traits(_MA_DTYPE[dtype], _ISAS.index(name), ctypes.byref(t)) != 0:
+        raise ValueError(f"kernel_traits: no kernels for {dtype} and {name!r}")
+    return {n: getattr(t, n) for n in _TRAITS}
+
+
+def page_multiple() -> int:
+    """The page sizes of a paged KV cache that every variant of this build reads in place, in
+    every dtype: the multiples of this (each one's block_k divides it; kernel_traits)."""
+    sizes = (kernel_traits(dt, isa)["block_k"] for isa in built_isas() for dt in _MA_DTYPE)
+    return math.lcm(*sizes)
 
 
 @contextlib.contextmanager

@@ -759,8 +759,9 @@ def _varlen_checked(query, key, value, block_table, enable_gqa, scales, num_spli
 
 def _varlen_paged(query, key, value, seqused_k, block_table, scales, quant: bool, cu_seq_k):
     """varlen_attn's paged cache (block_table, with seqused_k; no backward): checked, and where its
-    pages are not a multiple of 64 rows (the kernels read those in place) gathered into packed
-    rows, scales alike. (key, value, cu_seq_k, block_table (None once gathered), scales)."""
+    pages are not a multiple of the kernels' block_k (64 rows, ops.kernel_traits; the kernels read
+    those in place) gathered into packed rows, scales alike. (key, value, cu_seq_k, block_table
+    (None once gathered), scales)."""
     if seqused_k is None:
         raise ValueError("varlen_attn: block_table requires seqused_k")
     if block_table.dtype != torch.int32 or block_table.dim() != 2:
@@ -772,7 +773,7 @@ def _varlen_paged(query, key, value, seqused_k, block_table, scales, quant: bool
         raise ValueError("varlen_attn: seqused_k must be int32 (N,) with N = block_table.size(0)")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         raise RuntimeError("varlen_attn: block_table is an inference-only parameter (no backward)")
-    if key.size(1) % 64 == 0:  # the kernels read pages of a multiple of 64 tokens in place
+    if key.size(1) % ops.kernel_traits(query.dtype)["block_k"] == 0:  # the kernels read these in place
         return key, value, cu_seq_k, block_table, scales
     n_pages = _paging.pages_of(seqused_k, key.size(1))
     if bool((n_pages > block_table.size(1)).any()):

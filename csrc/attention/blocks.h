@@ -65,7 +65,8 @@
  *    tables, every name spelled out (so a name a profiler shows, such as
  *    attn_fwd_avx2, is found by grep): const ma_blocks ma_blocks_X (the
  *    float blocks the C harness tests) and const ma_attn_kernels
- *    ma_attn_kernels_X (the kernels dispatch.c picks).
+ *    ma_attn_kernels_X (the kernels dispatch.c picks), declared below from
+ *    X's row of MA_ISA_TABLE (masked_attn.h).
  *
  * 3. Tile hooks (optional): tiles_hooks.h writes them once for the three
  *    instances that include it, amx.c, avx512bf16.c and svebf16.c (AMX,
@@ -82,6 +83,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/isa.h"
 #include "masked_attn.h"
 #include "philox.h"
 
@@ -111,13 +113,11 @@ typedef struct {
 } ma_blocks;
 
 /* The float blocks of variant isa (AMX and AVX512-BF16: AVX-512's, SVE-BF16: NEON's, which their
- * kernels use outside the tile products); kv_cache/cache_write.c, its user (the
+ * kernels use outside the tile products: ma_isa_runs); kv_cache/cache_write.c, its user (the
  * quantizing block), so that harnesses linking a few variants need not link it. */
 const ma_blocks *ma_blocks_for(ma_isa isa);
 
-extern const ma_blocks ma_blocks_scalar, ma_blocks_avx2, ma_blocks_avx512, ma_blocks_neon;
-extern const ma_blocks ma_blocks_sve128, ma_blocks_sve256, ma_blocks_sve512, ma_blocks_sve1024,
-    ma_blocks_sve2048; /* sve: one per vector length */
+/* The C harness's products of the tile variants (their other blocks are their fallbacks'). */
 extern const ma_blocks ma_blocks_amx2, ma_blocks_amx3; /* GEMM only: 3 and 6 bf16 products */
 extern const ma_blocks ma_blocks_avx512bf16_2, ma_blocks_avx512bf16_3; /* the same on VDPBF16PS */
 extern const ma_blocks ma_blocks_svebf16_2;                             /* 3 products (2 parts) on BFMMLA */
@@ -131,9 +131,12 @@ typedef struct {
     size_t (*decode_scratch_bytes)(const ma_attn_fwd_params *p);
 } ma_attn_kernels;
 
-extern const ma_attn_kernels ma_attn_kernels_scalar, ma_attn_kernels_f64, ma_attn_kernels_avx2, ma_attn_kernels_avx512,
-    ma_attn_kernels_amx, ma_attn_kernels_avx512bf16, ma_attn_kernels_neon, ma_attn_kernels_svebf16;
-extern const ma_attn_kernels ma_attn_kernels_sve128, ma_attn_kernels_sve256, ma_attn_kernels_sve512,
-    ma_attn_kernels_sve1024, ma_attn_kernels_sve2048;
+/* Every variant's tables (MA_ISA_TABLE: its kernels; its float blocks where it has row kernels of
+ * its own; sve's one per vector length), and the float64 kernels. */
+#define MA_ATTN_EXTERNS(ID, name, abi, arch, bq, bk, fb, own, inst, usable) \
+    MA_EXTERN_##inst(ma_attn_kernels, name) MA_ROWS_##own(MA_EXTERN_##inst(ma_blocks, name))
+MA_ISA_TABLE(MA_ATTN_EXTERNS)
+#undef MA_ATTN_EXTERNS
+extern const ma_attn_kernels ma_attn_kernels_f64;
 
 #endif /* MA_ATTENTION_BLOCKS_H */

@@ -11,25 +11,38 @@
 #include "masked_attn.h"
 
 /* float64 runs the double-accumulating instance whatever the ISA (the shim
- * asked common/isa.c for p->isa); float32, bfloat16, float16 the ISA's, but
- * AVX512-BF16's and SVE-BF16's products are for bfloat16 only (avx512bf16.c,
- * svebf16.c): their other dtypes run AVX-512's and NEON's. */
+ * asked common/isa.c for p->isa); float32, bfloat16, float16 the instance of the
+ * variant that runs the call (ma_isa_runs: AVX512-BF16's and SVE-BF16's products
+ * are for bfloat16 only, avx512bf16.c, svebf16.c: their other dtypes run AVX-512's
+ * and NEON's). One case per row of MA_ISA_TABLE compiled in here. */
 static const ma_attn_kernels *kernels(ma_dtype dt, ma_isa isa) {
     if (dt == MA_F64) return &ma_attn_kernels_f64;
-    switch (isa) { /* the architecture's variants only: the others are not compiled in */
-#if defined(__x86_64__) || defined(__i386__)
-    case MA_ISA_AMX: return &ma_attn_kernels_amx;
-    case MA_ISA_AVX512BF16: return dt == MA_BF16 ? &ma_attn_kernels_avx512bf16 : &ma_attn_kernels_avx512;
-    case MA_ISA_AVX512: return &ma_attn_kernels_avx512;
-    case MA_ISA_AVX2: return &ma_attn_kernels_avx2;
-#elif defined(__aarch64__)
-    case MA_ISA_NEON: return &ma_attn_kernels_neon;
-    case MA_ISA_SVEBF16: return dt == MA_BF16 ? &ma_attn_kernels_svebf16 : &ma_attn_kernels_neon;
-    case MA_ISA_SVE: return MA_SVE_INSTANCE(ma_attn_kernels, ma_attn_kernels_neon);
-#endif
-    case MA_ISA_SCALAR:
+    switch (ma_isa_runs(isa, dt, 0)) {
+#define CASE(ID, name, abi, arch, bq, bk, fb, own, inst, usable) \
+    MA_ON_##arch(case MA_ISA_##ID : return MA_TABLE_##inst(ma_attn_kernels, name);)
+        MA_ISA_TABLE(CASE)
+#undef CASE
     default: return &ma_attn_kernels_scalar;
     }
+}
+
+/* Each variant's tile (the table's bq, bk), by ma_isa; multiples of 32, as the tile products'
+ * packed views start at multiples of 32 rows and keys (tiles_layout.h). */
+#define TILE(ID, name, abi, arch, bq, bk, fb, own, inst, usable) [MA_ISA_##ID] = {bq, bk},
+static const int64_t tiles[][2] = {MA_ISA_TABLE(TILE)};
+#undef TILE
+#define TILE_OK(ID, name, abi, arch, bq, bk, fb, own, inst, usable) \
+    _Static_assert((bq) > 0 && (bk) > 0 && (bq) % 32 == 0 && (bk) % 32 == 0, #name "'s tile: multiples of 32");
+MA_ISA_TABLE(TILE_OK)
+#undef TILE_OK
+
+int ma_attn_traits(int dt, int isa, ma_traits *t) {
+    if (!t || (dt != MA_F32 && dt != MA_F64 && dt != MA_BF16 && dt != MA_F16) || !ma_isa_built(isa)) return -1;
+    const ma_isa runs = dt == MA_F64 ? MA_ISA_SCALAR : ma_isa_runs((ma_isa)isa, (ma_dtype)dt, 0);
+    t->block_q = tiles[runs][0], t->block_k = tiles[runs][1];
+    t->decode_qrows = MA_DECODE_QROWS, t->decode_rows = MA_DECODE_ROWS;
+    t->decode_chunk = MA_DECODE_CHUNK, t->decode_kv_heads = MA_DECODE_KV_HEADS;
+    return 0;
 }
 
 #define KERNELS(P) kernels((P)->a.dtype, (P)->a.isa)

@@ -87,7 +87,7 @@ static void FN(sum_rows_in_order)(const ACC *s, int64_t nc, int64_t nr, ACC *lsu
  * The tile path of the forward and the single-pass backward do their matrix
  * products (and the packing of operands for them) through these steps. The
  * generic ones below (FN(gen_*)) call the instance's GEMM; an instance with
- * MA_TILE_HOOKS (AMX) defines FN(tiles_*) with the same meaning and its own
+ * MA_TILE_HOOKS (AMX, AVX512-BF16, SVE-BF16) defines FN(tiles_*) with the same meaning and its own
  * per-thread state FN(tiles), used whenever FN(tiles_apply)(p) (AMX: always
  * but with weights, which need every score again). Everything else (masks,
  * softmax, online rescaling, output and gradient lines, scheduling) is the

@@ -1,5 +1,5 @@
 /*
- * tiles_hooks.h -- the template's tile hooks (attention_tmpl.h, "tile
+ * tiles_hooks.h -- the template's tile hooks (forward_tmpl.h, "tile
  * hooks") on packed operands (tiles_layout.h), written once for the
  * instances that multiply bf16 pairs: amx.c and avx512bf16.c on x86
  * (packed by tiles_pack.h), svebf16.c on aarch64 (tiles_pack_mmla.h). The

@@ -63,25 +63,33 @@ int ma_sve_bits(void) {
     return bits >= 128 && bits <= 2048 && (bits & (bits - 1)) == 0 ? bits : 0;
 }
 
-static const char *const isa_names[] = {"scalar",     "avx2", "avx512", "amx",
-                                        "avx512bf16", "neon", "sve",    "svebf16"}; /* ma_isa's order */
-#define N_ISAS (int)(sizeof isa_names / sizeof isa_names[0])
+/* ---- what the table (masked_attn.h, MA_ISA_TABLE) generates ------------------------------- */
+
+/* The rows' values are 0 .. N_ISAS - 1, each once: every row's is below the count and they add
+ * up to 0 + 1 + ... + (N_ISAS - 1) (a value twice also repeats an isa_names index: -Woverride-init). */
+#define COUNT(ID, name, abi, arch, bq, bk, fb, own, inst, usable) +1
+#define SUM(ID, name, abi, arch, bq, bk, fb, own, inst, usable) +MA_ISA_##ID
+enum { N_ISAS = 0 MA_ISA_TABLE(COUNT), VALUE_SUM = 0 MA_ISA_TABLE(SUM) };
+_Static_assert(VALUE_SUM == N_ISAS * (N_ISAS - 1) / 2, "MA_ISA_TABLE's values must be 0, 1, 2, ... (the C ABI)");
+#define BELOW(ID, name, abi, arch, bq, bk, fb, own, inst, usable)           \
+    _Static_assert((int)MA_ISA_##ID >= 0 && (int)MA_ISA_##ID < (int)N_ISAS, \
+                   "MA_ISA_TABLE: " #name "'s value is past the rows");
+MA_ISA_TABLE(BELOW)
+#undef COUNT
+#undef SUM
+#undef BELOW
+
+#define NAME(ID, name, abi, arch, bq, bk, fb, own, inst, usable) [MA_ISA_##ID] = #name,
+static const char *const isa_names[N_ISAS] = {MA_ISA_TABLE(NAME)}; /* ma_isa's order */
+#undef NAME
 
 const char *ma_isa_name(int isa) { return isa >= 0 && isa < N_ISAS ? isa_names[isa] : NULL; }
 
 int ma_isa_built(int isa) {
     switch (isa) {
-    case MA_ISA_SCALAR: return 1;
-#if defined(__x86_64__) || defined(__i386__)
-    case MA_ISA_AVX2:
-    case MA_ISA_AVX512:
-    case MA_ISA_AMX:
-    case MA_ISA_AVX512BF16: return 1;
-#elif defined(__aarch64__)
-    case MA_ISA_NEON:
-    case MA_ISA_SVE:
-    case MA_ISA_SVEBF16: return 1;
-#endif
+#define BUILT(ID, name, abi, arch, bq, bk, fb, own, inst, usable) MA_ON_##arch(case MA_ISA_##ID : return 1;)
+        MA_ISA_TABLE(BUILT)
+#undef BUILT
     default: return 0;
     }
 }
@@ -91,24 +99,27 @@ const char *ma_dtype_name(int dt) {
     return dt >= 0 && dt < (int)(sizeof names / sizeof names[0]) ? names[dt] : NULL;
 }
 
+/* The table's usable column: a CPU feature, another variant usable here. */
+#define MA_CPU(feature) __builtin_cpu_supports(feature)
+#define MA_USABLE(ID) ma_isa_available(MA_ISA_##ID)
+
 int ma_isa_available(ma_isa isa) {
     switch (isa) {
-    case MA_ISA_SCALAR: return 1;
-#if defined(__x86_64__) || defined(__i386__)
-    case MA_ISA_AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    case MA_ISA_AVX512:
-        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-    case MA_ISA_AMX:
-        return ma_isa_available(MA_ISA_AVX512) && __builtin_cpu_supports("avx512bf16") &&
-               __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && amx_permitted();
-    case MA_ISA_AVX512BF16: return ma_isa_available(MA_ISA_AVX512) && __builtin_cpu_supports("avx512bf16");
-#elif defined(__aarch64__)
-    case MA_ISA_NEON: return 1; /* in every aarch64 CPU */
-    case MA_ISA_SVE: return ma_sve_bits() > 0;
-    case MA_ISA_SVEBF16: return sve_bf16();
-#endif
+#define USABLE(ID, name, abi, arch, bq, bk, fb, own, inst, usable) MA_ON_##arch(case MA_ISA_##ID : return usable;)
+        MA_ISA_TABLE(USABLE)
+#undef USABLE
     default: return 0;
+    }
+}
+
+ma_isa ma_isa_runs(ma_isa isa, ma_dtype dt, int rows) {
+    switch (isa) {
+#define RUNS(ID, name, abi, arch, bq, bk, fb, own, inst, usable)                               \
+    MA_ON_##arch(case MA_ISA_##ID : if (MA_OWNS_##own(dt, rows) && MA_INST_##inst) return isa; \
+                 return ma_isa_runs(MA_ISA_##fb, dt, rows);)
+        MA_ISA_TABLE(RUNS)
+#undef RUNS
+    default: return MA_ISA_SCALAR;
     }
 }
 
@@ -136,27 +147,34 @@ ma_isa ma_isa_best(ma_dtype dt) {
  * else the forced ma_isa. env_error is set once, with the first decision. */
 static atomic_int forced = -2;
 static const char *env_error = NULL;
-static char env_error_buf[256];
+static char env_error_buf[512];
 
 static void read_env(void) {
     const char *env = getenv("MASKED_ATTN_ISA");
-    int isa = -1;
+    int isa = -1, unknown = 0;
     const char *err = NULL;
     if (env && *env) {
         for (int i = 0; i < N_ISAS; i++)
             if (strcmp(env, isa_names[i]) == 0) isa = i;
-        if (isa < 0)
-            err = "masked_attn: MASKED_ATTN_ISA is not a kernel variant; expected scalar, avx2, avx512, amx, "
-                  "avx512bf16, neon, sve or svebf16";
-        else if (!ma_isa_available((ma_isa)isa)) {
+        if (isa < 0) {
+            err = "masked_attn: MASKED_ATTN_ISA is not a kernel variant; expected ";
+            unknown = 1;
+        } else if (!ma_isa_available((ma_isa)isa)) {
             err = "masked_attn: MASKED_ATTN_ISA names a variant this CPU does not support";
             isa = -1;
         }
     }
     int expected = -2;
     if (atomic_compare_exchange_strong(&forced, &expected, isa) && err) {
-        /* the message names the value, so that no other place reads the variable */
-        snprintf(env_error_buf, sizeof env_error_buf, "%s (MASKED_ATTN_ISA='%.40s')", err, env);
+        /* the message names the value, so that no other place reads the variable; for an
+         * unknown name, every variant's ("scalar, avx2, ... or svebf16") */
+        const size_t size = sizeof env_error_buf;
+        size_t n = (size_t)snprintf(env_error_buf, size, "%s", err);
+        for (int i = 0; unknown && i < N_ISAS && n < size; i++) {
+            const char *sep = i == 0 ? "" : i == N_ISAS - 1 ? " or " : ", ";
+            n += (size_t)snprintf(env_error_buf + n, size - n, "%s%s", sep, isa_names[i]);
+        }
+        if (n < size) snprintf(env_error_buf + n, size - n, " (MASKED_ATTN_ISA='%.40s')", env);
         env_error = env_error_buf;
     }
 }

@@ -44,14 +44,16 @@
  *
  * A new instruction set X: 3 new files, simd_X.h defining the above and an
  * instance file per op (attention/X.c, cross_entropy/X.c) that includes
- * simd_X.h, the op's blocks_simd.h and its template; then X beside AVX2 on
- * each of the 18 lines outside AVX2's own files that name it, in 10 files
- * (tests/project/test_docs.py counts them): masked_attn.h (the ma_isa enum),
- * common/isa.c (names, built, available, default, the error's list),
- * attention/blocks.h and cross_entropy/blocks.h (the tables' declarations),
- * attention/dispatch.c, cross_entropy/dispatch.c, kv_cache/cache_write.c (the
- * switches), setup.py (flags, C units), tests/c/test_blocks.c and
- * tests/c/test_ce_blocks.c (the C harnesses' tables).
+ * simd_X.h, the op's blocks_simd.h and its template and ends with its tables
+ * (attention/blocks.h, "An instance"); then X beside AVX2 on each of the 8
+ * lines outside AVX2's own files that name it, in 5 files
+ * (tests/project/test_docs.py counts them): masked_attn.h (AVX2's row of
+ * MA_ISA_TABLE, two lines: name, enum value, architecture, tile, fallback,
+ * kernels, CPU probe; the enum, the names, the checks, the fallbacks, the
+ * externs and the three dispatch switches are generated from the rows),
+ * setup.py (flags, C units), common/isa.c (ma_isa_best: to make it a
+ * default), tests/c/test_blocks.c and tests/c/test_ce_blocks.c (the C
+ * harnesses' tables).
  */
 #ifndef MA_SIMD_H
 #define MA_SIMD_H

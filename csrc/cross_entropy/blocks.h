@@ -14,6 +14,7 @@
 
 #include <stdint.h>
 
+#include "common/isa.h"
 #include "masked_attn.h"
 
 /* What one read of a row gives. */
@@ -34,10 +35,6 @@ typedef struct {
                      float g_w);
 } ma_ce_blocks;
 
-extern const ma_ce_blocks ma_ce_blocks_scalar, ma_ce_blocks_avx2, ma_ce_blocks_avx512, ma_ce_blocks_neon;
-extern const ma_ce_blocks ma_ce_blocks_sve128, ma_ce_blocks_sve256, ma_ce_blocks_sve512, ma_ce_blocks_sve1024,
-    ma_ce_blocks_sve2048; /* sve: one per vector length */
-
 #define MA_CE_BLOCKS(X) {#X, row_stats_##X, row_grad_##X}
 
 /* The kernels of one instance (cross_entropy_tmpl.h); dispatch.c picks one. */
@@ -45,9 +42,12 @@ typedef struct {
     ma_task_fn fwd, bwd;
 } ma_ce_kernels;
 
-extern const ma_ce_kernels ma_ce_kernels_scalar, ma_ce_kernels_f64, ma_ce_kernels_avx2, ma_ce_kernels_avx512,
-    ma_ce_kernels_neon;
-extern const ma_ce_kernels ma_ce_kernels_sve128, ma_ce_kernels_sve256, ma_ce_kernels_sve512, ma_ce_kernels_sve1024,
-    ma_ce_kernels_sve2048;
+/* The tables of every variant of MA_ISA_TABLE with row kernels of its own (sve's one per vector
+ * length; the others run their fallbacks', ma_isa_runs), and the float64 kernels. */
+#define MA_CE_EXTERNS(ID, name, abi, arch, bq, bk, fb, own, inst, usable) \
+    MA_ROWS_##own(MA_EXTERN_##inst(ma_ce_kernels, name) MA_EXTERN_##inst(ma_ce_blocks, name))
+MA_ISA_TABLE(MA_CE_EXTERNS)
+#undef MA_CE_EXTERNS
+extern const ma_ce_kernels ma_ce_kernels_f64;
 
 #endif

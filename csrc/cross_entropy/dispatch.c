@@ -7,21 +7,16 @@
 #include "masked_attn.h"
 
 /* float64 runs the double instance; there are no AMX, AVX512-BF16 or SVE-BF16
- * kernels for cross-entropy (no matrix products), so those run AVX-512's and NEON's. */
+ * kernels for cross-entropy (no matrix products), so those run their fallbacks',
+ * AVX-512's and NEON's (ma_isa_runs over the row kernels). One case per row of
+ * MA_ISA_TABLE with row kernels of its own, compiled in here. */
 static const ma_ce_kernels *kernels(const ma_ce_args *a) {
     if (a->dtype == MA_F64) return &ma_ce_kernels_f64;
-    switch (a->isa) { /* the architecture's variants only: the others are not compiled in */
-#if defined(__x86_64__) || defined(__i386__)
-    case MA_ISA_AMX:
-    case MA_ISA_AVX512BF16:
-    case MA_ISA_AVX512: return &ma_ce_kernels_avx512;
-    case MA_ISA_AVX2: return &ma_ce_kernels_avx2;
-#elif defined(__aarch64__)
-    case MA_ISA_SVEBF16:
-    case MA_ISA_NEON: return &ma_ce_kernels_neon;
-    case MA_ISA_SVE: return MA_SVE_INSTANCE(ma_ce_kernels, ma_ce_kernels_neon);
-#endif
-    case MA_ISA_SCALAR:
+    switch (ma_isa_runs(a->isa, a->dtype, 1)) {
+#define CASE(ID, name, abi, arch, bq, bk, fb, own, inst, usable) \
+    MA_ON_##arch(MA_ROWS_##own(case MA_ISA_##ID : return MA_TABLE_##inst(ma_ce_kernels, name);))
+        MA_ISA_TABLE(CASE)
+#undef CASE
     default: return &ma_ce_kernels_scalar;
     }
 }

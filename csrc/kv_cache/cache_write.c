@@ -13,18 +13,11 @@
 #include "masked_attn.h"
 
 const ma_blocks *ma_blocks_for(ma_isa isa) {
-    switch (isa) {
-#if defined(__x86_64__) || defined(__i386__)
-    case MA_ISA_AMX:
-    case MA_ISA_AVX512BF16:
-    case MA_ISA_AVX512: return &ma_blocks_avx512;
-    case MA_ISA_AVX2: return &ma_blocks_avx2;
-#elif defined(__aarch64__)
-    case MA_ISA_SVEBF16:
-    case MA_ISA_NEON: return &ma_blocks_neon;
-    case MA_ISA_SVE: return MA_SVE_INSTANCE(ma_blocks, ma_blocks_neon);
-#endif
-    case MA_ISA_SCALAR:
+    switch (ma_isa_runs(isa, MA_F32, 1)) {
+#define CASE(ID, name, abi, arch, bq, bk, fb, own, inst, usable) \
+    MA_ON_##arch(MA_ROWS_##own(case MA_ISA_##ID : return MA_TABLE_##inst(ma_blocks, name);))
+        MA_ISA_TABLE(CASE)
+#undef CASE
     default: return &ma_blocks_scalar;
     }
 }

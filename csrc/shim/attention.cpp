@@ -40,9 +40,10 @@ ma_attn_args attn_args(const Sizes& s, const Masks& m, const AttnOpts& o, const 
   a.stat_stride[0] = s.H * s.Lq, a.stat_stride[1] = s.Lq;
   a.scale = scale;
   a.B = s.B, a.H = s.H, a.Hkv = s.Hkv, a.Lq = s.Lq, a.Lk = s.Lk, a.D = s.D, a.Dv = s.Dv;
-  a.block_q = kBlockQ, a.block_k = kBlockK;
   a.stream_stores = stream_stores;
   a.isa = select_isa(a.dtype);
+  const ma_traits t = kernel_traits(a.dtype, a.isa);
+  a.block_q = t.block_q, a.block_k = t.block_k;
   return a;
 }
 

@@ -186,6 +186,13 @@ ma_isa select_isa(ma_dtype dt) {
   return ma_isa_for(dt);
 }
 
+ma_traits kernel_traits(ma_dtype dt, ma_isa isa) {
+  ma_traits t{};
+  MA_CHECK(ma_attn_traits(dt, isa, &t) == 0, "masked_attn: no attention kernels for dtype ", ma_dtype_name(dt),
+           " and variant ", ma_isa_name(isa));
+  return t;
+}
+
 // t must be a CPU tensor of `dims` and `dtype`.
 void check_shape(const Tensor& t, const char* name, std::vector<int64_t> dims, const char* dims_str,
                  ScalarType dtype) {

@@ -311,15 +311,13 @@ void parse_kv_scales(const char* fn, const Tensor& q, const Tensor& k, const Ten
 Tensor sinks_grad_of(const AttnOpts& o, const ma_attn_bwd_params& p, const Tensor& like);
 
 ma_isa select_isa(ma_dtype dt);
+// The constants of the kernels a call on dt with variant isa runs (ma_attn_traits): their tile,
+// which ma_attn_args.block_q, block_k and a paged cache's page size follow.
+ma_traits kernel_traits(ma_dtype dt, ma_isa isa);
 void check_shape(const Tensor& t, const char* name, std::vector<int64_t> dims, const char* dims_str,
                  ScalarType dtype);
 void check_out_lo(const std::optional<Tensor>& out_lo, std::vector<int64_t> dims, const char* dims_str,
                   ScalarType dtype);
-
-// Tile sizes: a q-block of 64 rows by a k-block of 64 keys.
-constexpr int64_t kBlockQ = 64, kBlockK = 64;
-// The AMX kernels' packed views start at multiples of 32 rows and keys.
-static_assert(kBlockQ % 32 == 0 && kBlockK % 32 == 0, "block sizes must be multiples of 32");
 
 // A new tensor on like's device, of like's dtype (or dtype), with these sizes and strides
 // (none: contiguous), in one call of the C shim (pool.cpp; why not torch::stable::new_empty there).

@@ -16,6 +16,8 @@ namespace {
 
 struct Varlen {
   int64_t N = 0, Tq = 0, Tk = 0, H = 0, Hkv = 0, D = 0, Dv = 0, max_q = 0, max_k = 0;
+  ma_isa isa = MA_ISA_SCALAR;  // the call's variant (select_isa), and its kernels' tile
+  ma_traits traits{};
   // as the options see them: N entries, the longest lengths
   Sizes sizes() const { return {N, H, Hkv, max_q, max_k, D, Dv}; }
 };
@@ -46,8 +48,6 @@ Varlen check_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
     MA_CHECK(v.dim() == 4 && v.size(0) == k.size(0) && v.size(1) == k.size(1),
              "masked_attn.varlen: with block_table, value must be 4-D (pages, page_size, H_kv, Dv) like key, got key ",
              shape_str(k), ", value ", shape_str(v));
-    MA_CHECK(k.size(1) > 0 && k.size(1) % kBlockK == 0, "masked_attn.varlen: page_size = key.size(1) must be a "
-             "positive multiple of ", kBlockK, ", got ", k.size(1));
     MA_CHECK(seqused_k.has_value(), "masked_attn.varlen: block_table requires seqused_k");
   } else {
     MA_CHECK(cu_k_opt.has_value(), "masked_attn.varlen: cu_seq_k is required without block_table");
@@ -61,6 +61,13 @@ Varlen check_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
                (int8_kv && is_int8_kv(k, v)),
            "masked_attn.varlen: query, key and value must have the same dtype",
            int8_kv ? " (or key and value int8, an 8-bit cache, with k_scale and v_scale)" : "");
+  ma_dtype dt = MA_F32;
+  to_ma_dtype(q.scalar_type(), &dt);
+  r.isa = select_isa(dt);
+  r.traits = kernel_traits(dt, r.isa);
+  const int64_t page = r.traits.block_k;  // a key block lies in one page
+  MA_CHECK(!paged || (k.size(1) > 0 && k.size(1) % page == 0), "masked_attn.varlen: page_size = key.size(1) must be a "
+           "positive multiple of ", page, ", got ", k.size(1));
   r.Tq = q.size(0), r.H = q.size(1), r.D = q.size(2), r.Tk = k.size(0), r.Hkv = k.size(1 + kd),
   r.Dv = v.size(2 + kd);
   MA_CHECK(k.size(2 + kd) == r.D, "masked_attn.varlen: key head dim must equal query's (", r.D, "), got key ",
@@ -164,11 +171,11 @@ ma_attn_args varlen_args(const Varlen& r, const Tensor& q, const Tensor& k, cons
   a.scale = scale;
   a.opts = o.c;  // the window bottom-right aligned per sequence: FN(seq_args)
   a.B = r.N, a.H = r.H, a.Hkv = r.Hkv, a.Lq = r.max_q, a.Lk = r.max_k, a.D = r.D, a.Dv = r.Dv;
-  a.block_q = kBlockQ, a.block_k = kBlockK;
+  a.block_q = r.traits.block_q, a.block_k = r.traits.block_k;
   a.band_lo = -MA_BAND_INF, a.band_hi = MA_BAND_INF;  // diagonal and band per sequence: FN(seq_args)
   a.stat_stride[0] = 0, a.stat_stride[1] = r.Tq;
   a.stream_stores = stream_stores;
-  a.isa = select_isa(a.dtype);
+  a.isa = r.isa;
   a.cu_q = static_cast<const int32_t*>(cu_q.const_data_ptr());
   a.cu_k = cu_k.has_value() && !block_table.has_value() ? static_cast<const int32_t*>(cu_k->const_data_ptr()) : nullptr;
   a.seqused_k = seqused_k.has_value() ? static_cast<const int32_t*>(seqused_k->const_data_ptr()) : nullptr;

@@ -13,6 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/isa.h" /* MA_ISA_TABLE's vocabulary */
 #include "masked_attn.h"
 
 struct emu_io {
@@ -32,7 +33,8 @@ struct emu_io {
     /* 1: the same call as packed sequences (masked_attn::varlen_*): B entries of Lq queries and
      * Lk keys, H = Hkv = 1 (the (B, 1, L, D) layout is then the packed (B L, 1, D)), no masks */
     int64_t varlen;
-    int64_t status; /* 0 ok, 1 arena too small, 2 no backward plan, 3 not a varlen shape */
+    int64_t status; /* 0 ok, 1 arena too small, 2 no backward plan, 3 not a varlen shape, 4 no
+                     * kernels for the dtype and variant (ma_attn_traits) */
 };
 
 static void contig4(int64_t st[4], int64_t d1, int64_t d2, int64_t d3) {
@@ -92,9 +94,14 @@ void emu_main(struct emu_io *io) {
     ma_attn_band(a.diagonal, a.opts.window_left, a.opts.window_right, &a.band_lo, &a.band_hi);
     a.opts.softcap = io->softcap, a.scale = io->scale;
     a.B = B, a.H = H, a.Hkv = Hkv, a.Lq = Lq, a.Lk = Lk, a.D = D, a.Dv = Dv;
-    a.block_q = a.block_k = 64;
     a.stat_stride[0] = H * Lq, a.stat_stride[1] = Lq;
     a.isa = (ma_isa)io->isa;
+    ma_traits traits; /* the shim's tile: the variant's row of MA_ISA_TABLE */
+    if (ma_attn_traits((int)io->dtype, (int)io->isa, &traits) != 0) {
+        io->status = 4;
+        return;
+    }
+    a.block_q = traits.block_q, a.block_k = traits.block_k;
     int32_t cu_q[17], cu_k[17];
     int64_t *batch_strides[] = {a.q_stride, a.k_stride, a.v_stride, a.out_stride, a.out_lo_stride};
     if (io->varlen) { /* the shim's varlen_args: entries at cu_q, cu_k, the band per entry (bottom right) */
@@ -153,6 +160,26 @@ const emu_kernels_stub ma_attn_kernels_avx2, ma_attn_kernels_amx;
 int ma_isa_available(ma_isa isa) {
     (void)isa;
     return 1; /* run.py picks the variant; the emulated CPU has it */
+}
+/* common/isa.c's, which dispatch.c calls (isa.c needs a C library): generated from MA_ISA_TABLE
+ * as there. */
+int ma_isa_built(int isa) {
+    switch (isa) {
+#define BUILT(ID, name, abi, arch, bq, bk, fb, own, inst, usable) MA_ON_##arch(case MA_ISA_##ID : return 1;)
+        MA_ISA_TABLE(BUILT)
+#undef BUILT
+    default: return 0;
+    }
+}
+ma_isa ma_isa_runs(ma_isa isa, ma_dtype dt, int rows) {
+    switch (isa) {
+#define RUNS(ID, name, abi, arch, bq, bk, fb, own, inst, usable)                               \
+    MA_ON_##arch(case MA_ISA_##ID : if (MA_OWNS_##own(dt, rows) && MA_INST_##inst) return isa; \
+                 return ma_isa_runs(MA_ISA_##fb, dt, rows);)
+        MA_ISA_TABLE(RUNS)
+#undef RUNS
+    default: return MA_ISA_SCALAR;
+    }
 }
 ma_isa ma_isa_best(ma_dtype dt) {
     (void)dt;

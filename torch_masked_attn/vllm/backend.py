@@ -20,12 +20,14 @@ import torch
 from torch import Tensor
 
 from .. import functional as _F
+from .. import ops as _ops
 from . import _compat
 
 _compat.require("backend")
 
-# The page sizes the kernels read in place (varlen_attn gathers other sizes into rows first).
-PAGE_MULTIPLE = 64
+# The page sizes the kernels read in place (varlen_attn gathers other sizes into rows first):
+# the multiples of every variant's block_k (64), as the library states them.
+PAGE_MULTIPLE = _ops.page_multiple()
 
 
 INT8 = "int8_per_token_head"  # vLLM's name of a cache dtype with a scale per token and head: our int8 cache
