@@ -259,6 +259,7 @@ static void FN(attn_bwd_delta)(int64_t begin, int64_t end, void *vctx) {
  *                                                           (gen_bwd_accum, or the hooks)
  * The generic products split a causal diagonal tile (FN(diag_split)): the part they skip
  * has dp 0 and P 0 (the band's -inf), so dS is 0 there, with or without dW. */
+#ifndef MA_TILE_HOOKS /* the generic products (the hooks replace them in the tile instances) */
 static inline int64_t FN(bwd_split)(const ma_attn_bwd_params *p, int64_t i0, int64_t nr, int64_t j0, int64_t nc) {
     return FN(diag_split)(p->a.band_hi, p->a.block_q, p->a.block_k, i0, nr, j0, nc);
 }
@@ -306,6 +307,7 @@ static void FN(gen_bwd_dkdv_at)(const FN(bwd_scratch) * t, const ma_attn_bwd_par
         GEMM(nc, Dv, nr, t->s, 1, nc, g_i, ldg, t->dv, Dv, 1);
     }
 }
+#endif
 
 /* One row-wise backward tile: query rows i0 .. i0 + nr of head h of batch entry b against
  * keys j0 .. j0 + nc; the head's mask scale hm, the tile's FN(mask_tile_state) (never
