@@ -22,6 +22,7 @@ root, case, threads, reps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.
 sys.path[:0] = [root, root + "/benchmarks"]
 torch.set_num_threads(threads)
 import bench_cases
+torch.manual_seed(0)  # the same inputs in both builds (cases draw lengths and values)
 bench = bench_cases.NAMED[case]()
 fn = bench.ours
 for _ in range(2):
