@@ -138,13 +138,21 @@ static size_t FN(bwd_scratch_bytes)(const ma_attn_bwd_params *p) {
     return n;
 }
 
-/* dW[b, h, i0 + r, j0 + c] added to dP at dp[r * rs + c * cs]. */
+/* dW[b, h, i0 + r, j0 + c] added to dP at dp[r * rs + c * cs]; rows of ACC with unit stride
+ * read in place (one loop the compiler vectorises where cs is 1), others converted. */
 static void FN(add_dweights)(ACC *dp, int64_t rs, int64_t cs, const ma_attn_bwd_params *p, int64_t b, int64_t h,
                              int64_t i0, int64_t nr, int64_t j0, int64_t nc) {
     const int64_t *st = p->dweights_stride;
+    const int direct = FN(is_native)(p->a.dtype) && st[3] == 1;
     for (int64_t r = 0; r < nr; r++) {
         const int64_t base = b * st[0] + h * st[1] + (i0 + r) * st[2] + j0 * st[3];
-        for (int64_t c = 0; c < nc; c++) dp[r * rs + c * cs] += LOAD(p->dweights, p->a.dtype, base + c * st[3]);
+        ACC *d = dp + r * rs;
+        if (direct) {
+            const ACC *w = (const ACC *)p->dweights + base;
+            for (int64_t c = 0; c < nc; c++) d[c * cs] += w[c];
+        } else {
+            for (int64_t c = 0; c < nc; c++) d[c * cs] += LOAD(p->dweights, p->a.dtype, base + c * st[3]);
+        }
     }
 }
 
@@ -220,11 +228,11 @@ static void FN(weights_delta)(FN(bwd_scratch) * t, const ma_attn_bwd_params *p, 
         for (int64_t x = 0; x < nc * nr; x++) t->dpT[x] = 0;
         FN(add_dweights)(t->dpT, 1, nr, p, b, h, i0, nr, j0, nc);
         if (dr) DROPOUT(t->dpT, NULL, 1, nr, nr, nc, dr, i0, j0); /* P' dW = P (Z dW / (1 - p)) */
-        for (int64_t r = 0; r < nr; r++) {
-            ACC dot = 0;
-            for (int64_t c = 0; c < nc; c++) dot += t->sT[c * nr + r] * t->dpT[c * nr + r];
-            t->delta[r] += hm * dot;
-        }
+        ACC *dot = t->dhm; /* the rows' sums over this block, keys in order, rows in the lanes */
+        for (int64_t r = 0; r < nr; r++) dot[r] = 0;
+        for (int64_t c = 0; c < nc; c++)
+            for (int64_t r = 0; r < nr; r++) dot[r] += t->sT[c * nr + r] * t->dpT[c * nr + r];
+        for (int64_t r = 0; r < nr; r++) t->delta[r] += hm * dot[r];
     }
     for (int64_t r = 0; r < nr; r++) delta_bh[i0 + r] = t->delta[r];
 }
