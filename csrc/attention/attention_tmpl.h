@@ -46,6 +46,7 @@
  * dV += (hm P')^T dO. FN(head_dropout) is NULL when dropout is off.
  */
 
+#include <float.h>
 #include <math.h>
 #include <string.h>
 #if !defined(MA_ACC_F64) && defined(__AVX2__) && defined(__F16C__)

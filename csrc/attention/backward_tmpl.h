@@ -328,23 +328,73 @@ typedef struct {
     const ACC *lse, *delta;
     ACC *dhm;
     const ma_dropout *dr;
+    ACC *row_delta; /* not NULL: rows this tile holds whole take their delta here (FN(bwd_tile_softmax)) */
 } FN(bwd_tile);
+
+/* sum_c x[c] (sum8) and sum_c x[c] y[c] (dot8) in 8 partial sums, term c into sum c mod 8,
+ * then those in order: the same bits in every instance (they vectorise), and for a row with
+ * keys padded on (terms +0: a key padding mask cut off, or given as a tensor). */
+static inline ACC FN(sum8)(const ACC *x, int64_t n) {
+    ACC part[8] = {0, 0, 0, 0, 0, 0, 0, 0}, sum = 0;
+    int64_t c = 0;
+    for (; c + 8 <= n; c += 8)
+        for (int u = 0; u < 8; u++) part[u] += x[c + u];
+    for (int u = 0; c + u < n; u++) part[u] += x[c + u];
+    for (int u = 0; u < 8; u++) sum += part[u];
+    return sum;
+}
+
+static inline ACC FN(dot8)(const ACC *x, const ACC *y, int64_t n) {
+    ACC part[8] = {0, 0, 0, 0, 0, 0, 0, 0}, sum = 0;
+    int64_t c = 0;
+    for (; c + 8 <= n; c += 8)
+        for (int u = 0; u < 8; u++) part[u] += x[c + u] * y[c + u];
+    for (int u = 0; c + u < n; u++) part[u] += x[c + u] * y[c + u];
+    for (int u = 0; u < 8; u++) sum += part[u];
+    return sum;
+}
 
 /* The softmax lines of tile w, between the products: s holds the scores, dp holds dO V^T;
  * th, z: scratch for softcap's tanh and the dropout multipliers; store_ds: write dS out
- * where the call wants it. */
+ * where the call wants it.
+ * With w->row_delta (the single pass, without sinks, whose gradient reads the forward's
+ * delta), a row whose P sums to 1 within this tile, to within the rounding of lse and of the
+ * sum (eps (4 + |lse|)), has every key it sees here, or all but a share below that rounding:
+ * it takes the delta of PyTorch's softmax backward from the tile's own values,
+ * delta = hm sum_c P dP' / sum_c P, rather than dO . out. The rounding of dP and of P then
+ * cancels in dP - delta as in the math path: one key gives dS = 0 exactly (P = 1: the scores
+ * are the forward's bits, FN(gen_bwd_scores); dq = dk = 0, as PyTorch), a row's dS sums to 0
+ * up to its last rounding. The test reads the tile's own values, so a band and the same mask
+ * as a tensor, or a document alone and packed, keep the same bits. Elsewhere delta is the
+ * forward's, whose error does not cancel against the recomputed dP:
+ * docs/design/05-attention-algorithm.md, "The float32 backward's error". */
 static void FN(bwd_tile_softmax)(ACC *s, ACC *dp, ACC *th, ACC *z, const ma_attn_bwd_params *p, const FN(bwd_tile) * w,
                                  int store_ds) {
     const int64_t b = w->b, h = w->h, i0 = w->i0, nr = w->nr, j0 = w->j0, nc = w->nc;
+    const ACC eps = sizeof(ACC) == sizeof(float) ? (ACC)FLT_EPSILON : (ACC)DBL_EPSILON;
     FN(apply_softcap)(s, nr * nc, p->a.opts.softcap, th);
     FN(add_bias)(s, nc, 1, &p->a, w->am_state, b, h, i0, nr, j0, nc);
-    for (int64_t r = 0; r < nr; r++) (void)EXP_SUB_SUM(s + r * nc, nc, w->lse[r]);
+    for (int64_t r = 0; r < nr; r++) {
+        const ACC any = EXP_SUB_SUM(s + r * nc, nc, w->lse[r]); /* summed in the instance's own order */
+        if (!w->row_delta) continue;
+        w->row_delta[r] = 0; /* the row's sum where whole, else 0 */
+        const ACC tol = eps * (4 + (w->lse[r] < 0 ? -w->lse[r] : w->lse[r]));
+        /* any order's sum is within (nc - 1) eps sum of sum8's: rows further from 1 are not whole in any instance */
+        const ACC far = tol + 2 * (ACC)nc * eps * (any > 1 ? any : 1);
+        if (any - 1 > far || 1 - any > far) continue;
+        const ACC sum = FN(sum8)(s + r * nc, nc); /* the test's sum: the same bits in every instance */
+        if (sum > 0 && sum - 1 <= tol && 1 - sum <= tol) w->row_delta[r] = sum;
+    }
     if (p->dweights) FN(add_dweights)(dp, nc, 1, p, b, h, i0, nr, j0, nc);
     if (w->dr) { /* one mask for both: dP' = dP Z / (1 - p) before dS, P' = P Z / (1 - p) after it */
         DROPOUT(NULL, z, nc, 1, nr, nc, w->dr, i0, j0);
         FN(apply_dropout)(dp, z, nr * nc);
     }
-    FN(dscores)(dp, s, nc, 1, w->delta, w->dhm, w->hm, nr, nc);
+    if (w->row_delta)
+        for (int64_t r = 0; r < nr; r++)
+            w->row_delta[r] =
+                w->row_delta[r] != 0 ? w->hm * (FN(dot8)(s + r * nc, dp + r * nc, nc) / w->row_delta[r]) : w->delta[r];
+    FN(dscores)(dp, s, nc, 1, w->row_delta ? w->row_delta : w->delta, w->dhm, w->hm, nr, nc);
     if (w->dr) FN(apply_dropout)(s, z, nr * nc);
     if (store_ds && p->dscores) FN(store_dscores)(p, dp, nc, 1, b, h, i0, nr, j0, nc);
     FN(softcap_grad)(dp, th, nr * nc, p->a.opts.softcap); /* through the cap: dS (1 - tanh^2) */

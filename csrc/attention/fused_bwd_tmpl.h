@@ -55,6 +55,16 @@ typedef struct {
 } FN(gen_bwd);
 
 #ifndef MA_TILE_HOOKS /* the generic steps (the hooks replace them in the tile instances) */
+/* The scores are the forward's bits: scale q_d k_d summed in d's order, as forward_tmpl.h's
+ * K (scale Q)^T, so that P = exp(s - lse) of a row the tile holds whole sums to 1 within lse's
+ * rounding (FN(bwd_tile_softmax)). q_d (scale k_d) is the same product where the scale is a
+ * power of two (1 / sqrt(D) for D = 4^n, 2): then K^T takes the scale as it is loaded; else
+ * each tile scales its Q rows. */
+static inline int FN(scale_on_keys)(const ma_attn_bwd_params *p) {
+    int e;
+    return frexp(p->a.scale, &e) == 0.5;
+}
+
 static void FN(gen_bwd_group)(FN(gen_bwd) * g, int64_t b, int64_t hk) {
     const ma_attn_bwd_params *p = g->p;
     const int64_t G = p->a.H / p->a.Hkv;
@@ -73,7 +83,8 @@ static void FN(gen_bwd_keys)(FN(gen_bwd) * g, int64_t j0, int64_t nc) {
     FN(bwd_scratch) *t = g->t;
     g->j0 = j0, g->nc = nc;
     g->k_j = FN(rows)(p->a.k, p->a.dtype, p->a.k_stride, g->b, g->hk, j0, nc, p->a.D, t->kbuf, &g->ldk);
-    FN(load_tile_t)(t->kT, p->a.k, p->a.dtype, p->a.k_stride, g->b, g->hk, j0, nc, p->a.D, (ACC)p->a.scale);
+    FN(load_tile_t)(t->kT, p->a.k, p->a.dtype, p->a.k_stride, g->b, g->hk, j0, nc, p->a.D, /* see gen_bwd_scores */
+                    FN(scale_on_keys)(p) ? (ACC)p->a.scale : 1);
     FN(load_tile_t)(t->vT, p->a.v, p->a.dtype, p->a.v_stride, g->b, g->hk, j0, nc, p->a.Dv, 1);
 }
 
@@ -84,7 +95,16 @@ static void FN(gen_bwd_scores)(FN(gen_bwd) * g, int64_t gi, int64_t h, int64_t i
                          p->a.D, &g->ldq);
     g->g_i = FN(rows_in)(p->dout, p->a.dtype, p->dout_stride, g->b, h, i0, g->g_bg ? g->g_bg + gi * Lq * p->a.Dv : NULL,
                          p->a.Dv, &g->ldg);
-    FN(gen_bwd_scores_at)(g->t, p, i0, nr, g->j0, g->nc, g->q_i, g->ldq);
+    if (FN(scale_on_keys)(p)) {
+        FN(gen_bwd_scores_at)(g->t, p, i0, nr, g->j0, g->nc, g->q_i, g->ldq);
+        return;
+    }
+    /* (scale Q) K^T, in t->qT (the dq pass's, free here) */
+    const int64_t D = p->a.D;
+    ACC *sq = g->t->qT;
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t d = 0; d < D; d++) sq[r * D + d] = (ACC)p->a.scale * g->q_i[r * g->ldq + d];
+    FN(gen_bwd_scores_at)(g->t, p, i0, nr, g->j0, g->nc, sq, D);
 }
 
 static void FN(gen_bwd_dp)(FN(gen_bwd) * g, int64_t gi, int64_t h, int64_t i0, int64_t nr) {
@@ -232,7 +252,8 @@ static void FN(fused_queries)(FN(fused_task) * c, const ma_attn_bwd_params *p, i
                                         .lse = c->lse_all + g * Lq + i0,
                                         .delta = c->delta_all + g * Lq + i0,
                                         .dhm = p->dhm_rows ? c->dhm_all + g * Lq + i0 : NULL,
-                                        .dr = dr};
+                                        .dr = dr,
+                                        .row_delta = p->a.opts.sinks.ptr ? NULL : t->tmp};
                 FN(bwd_tile_softmax)(t->s, t->dp, t->th, t->z, p, &w, 1);
                 BWD_STEP(accum, x, dq_acc + (g * Lq + i0) * D, g, h, i0, nr);
             }
