@@ -1231,20 +1231,29 @@ def available_isas() -> list[str]:
     return [n for n in ISAS if ops.isa_available(n)]
 
 
-def fuzz(isas, seconds: float, master: int = 0, kinds=KINDS, log=print, progress_every: float = 30.0) -> dict:
-    """Each ISA for `seconds`: Hypothesis runs of up to BATCH cases, the kinds in turn, run i
-    seeded with master and i (the same runs on every ISA). A finding is printed once; a run that
-    shrinks to the same case again counts it. Returns {"cases": {isa: {kind: n}}, "shrinking":
+def _f32_backward(res) -> bool:
+    """Did the case check a float32 attention gradient (dq, dk, dv, a mask's, ...)?"""
+    return any(m[0].startswith("d") and m[0] != "dinput" and m[1] == torch.float32 for m in res.metrics)
+
+
+def fuzz(
+    isas, seconds: float, master: int = 0, kinds=KINDS, log=print, progress_every: float = 30.0, dtype=None
+) -> dict:
+    """Each ISA for `seconds`: Hypothesis runs of up to BATCH cases, the kinds in turn (dtype:
+    only that one), run i seeded with master and i (the same runs on every ISA). A finding is
+    printed once; a run that shrinks to the same case again counts it. Returns {"cases": {isa:
+    {kind: n, "f32 backward": n}}, "shrinking":
     {isa: n}, "seconds": {isa: s}, "findings": [Finding], "found": {(isa, case literal): times},
     "closest": {isa: (err / bound, name, case) of the clean case closest to its bound}}."""
     stats = {"cases": {}, "shrinking": {}, "seconds": {}, "findings": [], "found": {}, "closest": {}}
     for isa in isas:
-        n, t0 = stats["cases"].setdefault(isa, dict.fromkeys(kinds, 0)), time.monotonic()
+        n, t0 = stats["cases"].setdefault(isa, dict.fromkeys((*kinds, "f32 backward"), 0)), time.monotonic()
         stats["shrinking"][isa], last, i = 0, [t0], 0
 
         def on_case(res, shrinking, isa=isa, n=n, t0=t0, last=last):
             stats["shrinking"][isa] += shrinking
             n[KIND[type(res.case)]] += not shrinking
+            n["f32 backward"] += not shrinking and _f32_backward(res)
             for name, _, err, e_t, slack in res.metrics if not res.problems else ():
                 ratio = err / (2 * e_t + slack) if err else 0.0
                 if ratio > stats["closest"].get(isa, (0.0,))[0]:
@@ -1254,7 +1263,7 @@ def fuzz(isas, seconds: float, master: int = 0, kinds=KINDS, log=print, progress
                 log(f"[{isa}] {last[0] - t0:5.0f} s: {_counts(n)}, {len(stats['findings'])} findings")
 
         while time.monotonic() - t0 < seconds:
-            strategy = STRATEGIES[kinds[i % len(kinds)]]()
+            strategy = STRATEGIES[kinds[i % len(kinds)]](**({"dtype": dtype} if dtype else {}))
             f = search(
                 strategy, isa, max_examples=BATCH, seed=master * 1_000_003 + i, deadline=t0 + seconds, on_case=on_case
             )
@@ -1271,7 +1280,8 @@ def fuzz(isas, seconds: float, master: int = 0, kinds=KINDS, log=print, progress
 
 
 def _counts(n: dict) -> str:
-    return f"{sum(n.values())} cases (" + ", ".join(f"{k} {v}" for k, v in n.items()) + ")"
+    kinds = {k: v for k, v in n.items() if k != "f32 backward"}
+    return f"{sum(kinds.values())} cases (" + ", ".join(f"{k} {v}" for k, v in n.items()) + ")"
 
 
 def summary(stats: dict) -> str:
@@ -1290,6 +1300,7 @@ def main(argv=None) -> int:
     ap.add_argument("--isa", default="all", choices=ISAS + ("all",))
     ap.add_argument("--seed", type=int, default=None, help="master seed (default: from the clock)")
     ap.add_argument("--kind", default="all", choices=KINDS + ("all",))
+    ap.add_argument("--dtype", default=None, choices=tuple(DTYPES), help="draw only this dtype")
     ap.add_argument("--replay", default=None, metavar="CASE", help="run one case (a finding's literal), verbosely")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (1: small cases run faster)")
     a = ap.parse_args(argv)
@@ -1311,10 +1322,11 @@ def main(argv=None) -> int:
     kinds = KINDS if a.kind == "all" else (a.kind,)
     print(
         f"fuzz: seed {master}, {a.seconds:g} s per ISA on {', '.join(isas)}, kinds {', '.join(kinds)}, "
+        f"dtype {a.dtype or 'all'}, "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}, hypothesis {hypothesis.__version__}",
         flush=True,
     )
-    stats = fuzz(isas, a.seconds, master, kinds, log=lambda s: print(s, flush=True))
+    stats = fuzz(isas, a.seconds, master, kinds, log=lambda s: print(s, flush=True), dtype=a.dtype)
     print(summary(stats), flush=True)
     return 1 if stats["findings"] else 0
 

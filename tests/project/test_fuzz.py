@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import HealthCheck, example, given, settings
 
 from conftest import require
 from torch_masked_attn import ops
@@ -321,8 +321,31 @@ def test_fuzz_varlen(isa, case):
         seed=15,
     )
 )
+# Issue 63 part 2 (rows a tile holds whole take the math path's delta) fixed these, once open:
+# f32 dropout 0.62, Lq=1: dv 2.2e-5 vs bound 1.7e-5 (the old fuzzer's seed 3107736406743)
+@example(
+    case=Attention(
+        B=3,
+        H=2,
+        Hkv=2,
+        Lq=1,
+        Lk=70,
+        D=111,
+        Dv=64,
+        layout=("blhd", "step", "contig"),
+        padding=Padding(lens=(70, 68, 0)),
+        causal=True,
+        scale=1.197,
+        need_weights=True,
+        dropout=Dropout(p=0.616, seed=(-413999919513616123, 1043348934591314898)),
+        seed=99,
+    )
+)
+# bf16 dropout over a single key: dk 3.9e-6 vs bound 1.8e-6 where the reference's are 0
+@example(case=Attention(dtype="bf16", D=2, Dv=2, dropout=Dropout(p=0.1, seed=(3, 0)), seed=3))
+# f16 over a single key with a small head mask: dq, dk 6.0e-8 (f16's smallest subnormal) vs 4e-9
+@example(case=Attention(dtype="f16", B=2, D=2, Dv=2, head_mask=HeadMask(values=(0.001,))))
 def test_fuzz_attention(isa, case):
-    assume(not _known_open(case))  # test_known_open_findings
     fuzz.assert_clean(case, isa)
 
 
@@ -364,36 +387,6 @@ def test_fuzz_cross_entropy(isa, case):
 # that a fix shows up as an XPASS to move them out (the bound scales PyTorch's own error, which
 # another torch computes differently: under 2.10 this one is inside its bound).
 KNOWN_OPEN = [
-    # f32 dropout 0.62, Lq=1: dv 2.2e-5 vs bound 1.7e-5 (P's exp error, scaled); the old fuzzer's seed
-    # 3107736406743 (dv 7.1e-5 vs 6.2e-5), its values drawn anew
-    (
-        "avx2",
-        Attention(
-            B=3,
-            H=2,
-            Hkv=2,
-            Lq=1,
-            Lk=70,
-            D=111,
-            Dv=64,
-            layout=("blhd", "step", "contig"),
-            padding=Padding(lens=(70, 68, 0)),
-            causal=True,
-            scale=1.197,
-            need_weights=True,
-            dropout=Dropout(p=0.616, seed=(-413999919513616123, 1043348934591314898)),
-            seed=99,
-        ),
-    ),
-    # bf16 dropout over a single key (Lk = 1), every ISA: dk 3.9e-6 vs bound 1.8e-6, dq 3.0e-6 vs
-    # 1.4e-6, where the reference's are 0 (P = 1: dS = dP - delta cancels); the kernels' delta
-    # reads the bf16 out (with out_lo), 16 bits, not the float32 the slack assumes. Hypothesis's
-    # find (the old fuzzer drew Lk = 1 with dropout in bf16 in 1 attention case of ~1,500)
-    ("scalar", Attention(dtype="bf16", D=2, Dv=2, dropout=Dropout(p=0.1, seed=(3, 0)), seed=3)),
-    # f16 over a single key with a small head mask, every ISA: dq, dk 6.0e-8 (f16's smallest
-    # subnormal) vs bound 4e-9 where the reference's are 0: the same class (delta reads the f16 out,
-    # round(hm v), where the math path's hm dO . v cancels exactly). make fuzz SECONDS=600's finding
-    ("scalar", Attention(dtype="f16", B=2, D=2, Dv=2, head_mask=HeadMask(values=(0.001,)))),
     # f16, v expanded (zero batch stride) under GQA, every ISA: dv 6.6e-3 vs bound 3.6e-3, where
     # dv cancels to 0.89 from terms about 50 (the six (batch, head) parts are each rounded to f16
     # before autograd sums them; torch's own error happened to be 1.3e-3). make fuzz SECONDS=600's
@@ -414,12 +407,6 @@ KNOWN_OPEN = [
         ),
     ),
 ]
-
-
-def _known_open(case) -> bool:
-    """KNOWN_OPEN's second class (bf16 dropout over a single key), which the slice leaves to
-    test_known_open_findings."""
-    return isinstance(case, Attention) and case.dtype == "bf16" and case.dropout is not None and case.Lk == 1
 
 
 @pytest.mark.parametrize("isa,case", KNOWN_OPEN, ids=[f"{i}-{n}" for n, (i, _) in enumerate(KNOWN_OPEN)])
