@@ -61,8 +61,10 @@ typedef struct {
  * power of two (1 / sqrt(D) for D = 4^n, 2): then K^T takes the scale as it is loaded; else
  * each tile scales its Q rows. */
 static inline int FN(scale_on_keys)(const ma_attn_bwd_params *p) {
-    int e;
-    return frexp(p->a.scale, &e) == 0.5;
+    uint64_t bits; /* a normal double with no mantissa bits (no frexp: the emulator's libm has none) */
+    memcpy(&bits, &p->a.scale, sizeof bits);
+    const uint64_t e = (bits >> 52) & 0x7ff;
+    return (bits & 0xfffffffffffffull) == 0 && e != 0 && e != 0x7ff;
 }
 
 static void FN(gen_bwd_group)(FN(gen_bwd) * g, int64_t b, int64_t hk) {
