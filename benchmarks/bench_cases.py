@@ -853,6 +853,9 @@ def hf_e2e(kind, L, B=4, new_tokens=32):
     against "masked_attn" + hf.apply, same weights and inputs.
 
     train:    model(input_ids, attention_mask, labels) and backward (padding labels -100), train mode;
+    train-packed: the same sequences' tokens packed in one row without padding, position_ids
+              restarting per sequence (transformers' padding-free training: DataCollatorWithFlattening),
+              no cache; native builds its block-diagonal mask, ours runs varlen_attn;
     prefill:  forward, no grad, eval, logits of the last position only (logits_to_keep=1, as
               generate's first step does), left padding;
     generate: greedy generate of new_tokens tokens (exactly: min_new_tokens) with transformers'
@@ -861,6 +864,10 @@ def hf_e2e(kind, L, B=4, new_tokens=32):
     native, ours = _hf_models(L)
     ids, mask, pad = _hf_batch(B, L, "right" if kind == "train" else "left")
     labels = ids.masked_fill(mask == 0, -100)
+    if kind == "train-packed":  # the same tokens without padding, end to end in one row
+        keep = mask.bool()
+        ids, labels, mask = ids[keep][None], labels[keep][None], None
+        pos = torch.cat([torch.arange(int(n)) for n in keep.sum(1)])[None]
 
     if kind == "train":
 
@@ -876,6 +883,21 @@ def hf_e2e(kind, L, B=4, new_tokens=32):
             return run
 
         what = "training step (fwd+bwd, loss from labels, padding labels -100), right padding"
+    elif kind == "train-packed":
+
+        def call(model):
+            model.train()
+
+            def run():  # transformers finds the documents from position_ids (no mask, no cache)
+                model.zero_grad(set_to_none=True)
+                out = model(input_ids=ids, position_ids=pos, labels=labels, use_cache=False)
+                out.loss.backward()
+                return out.loss.detach()
+
+            return run
+
+        what = f"training step on the same {B} sequences packed (1, {ids.shape[1]}), padding-free: position_ids"
+        pad = 0.0
     elif kind == "prefill":
 
         def call(model):
@@ -914,7 +936,7 @@ def hf_e2e(kind, L, B=4, new_tokens=32):
         work=f"HF Llama d=512 4 layers 8/2 heads V={HF_VOCAB} B={B} L={L} ({pad:.0%} padding), {what}",
         natives={"hf-sdpa": call(native)},
         ours=call(ours),
-        memory=kind == "train",
+        memory=kind.startswith("train"),
         reps=HF_REPS.get(L),
         info=dict(B=B, L=L, kind=kind, padding=round(pad, 3), new_tokens=new_tokens if kind == "generate" else None),
     )
@@ -990,6 +1012,7 @@ NAMED = {
     "flex-softcap": lambda: flex_case("softcap", torch.float32),
     "flex-softcap-bf16": lambda: flex_case("softcap", torch.bfloat16),
     "hf-train-1024": lambda: hf_e2e("train", 1024),
+    "hf-train-packed-1024": lambda: hf_e2e("train-packed", 1024),
     "zentorch-kpm": lambda: zentorch_case("kpm", torch.float32),
     "zentorch-kpm-bf16": lambda: zentorch_case("kpm", torch.bfloat16),
     "zentorch-causal": lambda: zentorch_case("causal", torch.float32),
@@ -1038,6 +1061,7 @@ GROUPS = {
     "ce": ["ce", "ce-bf16", "linear-ce"],
     "hf-e2e": [
         "hf-train-1024",
+        "hf-train-packed-1024",
         "hf-prefill-1024",
         "hf-generate-1024",
         "hf-train-4096",
