@@ -23,7 +23,6 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from reference import attention64  # noqa: E402
-
 from torch_masked_attn import ops  # noqa: E402
 from torch_masked_attn.functional import masked_attention  # noqa: E402
 

@@ -112,7 +112,8 @@ def test_rows_in_one_tile_keep_the_rule(isa, Lk, mask):
     names = ["q", "k", "v"]
     if mask == "b111":
         leaves["attn_mask"] = torch.randn(B, 1, 1, 1, dtype=torch.float64) * 2
-        kw = {"scale": 0.05, "key_padding_mask": torch.arange(Lk)[None, :] >= torch.tensor([Lk, Lk - 3, Lk - 9])[:, None]}
+        kpm = torch.arange(Lk)[None, :] >= torch.tensor([Lk, Lk - 3, Lk - 9])[:, None]
+        kw = {"scale": 0.05, "key_padding_mask": kpm}
         names.append("attn_mask")
     elif mask == "kpm":
         kw["key_padding_mask"] = torch.arange(Lk)[None, :] >= torch.tensor([Lk, 1, 9])[:, None]
@@ -223,6 +224,7 @@ def test_b111_mask_gradient_within_bound(isa, B, H, Lq, Lk, D, mask_amp):
         kpm[:, None, None, :], -math.inf
     )
     nat = _natural(leaves["q"], leaves["k"], leaves["v"], go, 0.05, bias)
-    _assert_bound(o["attn_mask"], m["attn_mask"], r["attn_mask"], nat["s"].sum((1, 2, 3)).max().item(), f"dmask [{isa}]")
+    mask_nat = nat["s"].sum((1, 2, 3)).max().item()
+    _assert_bound(o["attn_mask"], m["attn_mask"], r["attn_mask"], mask_nat, f"dmask [{isa}]")
     for n in ("q", "k", "v"):
         _assert_bound(o[n], m[n], r[n], nat.get(n, nat["q"]).max().item() if n != "v" else 0.0, f"d{n} [{isa}]")
