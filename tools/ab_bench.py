@@ -1,6 +1,7 @@
 """A/B timing of two builds of the project on the named benchmark cases,
 interleaved: each round runs every case once per build, each in a fresh
-process (two builds register the same ops, so they cannot share one).
+process (two builds register the same ops, so they cannot share one), the
+build that goes first alternating from round to round.
 
     python tools/ab_bench.py OLD_ROOT NEW_ROOT [--threads N] [--rounds R] CASE...
 
@@ -44,9 +45,9 @@ def main():
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
     res = {c: {"old": [], "new": []} for c in args.cases}
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         for c in args.cases:
-            for which in ("old", "new"):
+            for which in ("old", "new") if r % 2 == 0 else ("new", "old"):  # neither always runs first
                 root = getattr(args, which)
                 out = subprocess.run(
                     [sys.executable, "-c", CHILD, root, c, str(args.threads), str(args.reps)],
