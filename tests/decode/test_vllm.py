@@ -212,6 +212,24 @@ def test_mixed_step_matches_float64(feature, dtype):
         row += len(q)
 
 
+def test_one_layer_over_other_caches_and_steps():
+    """The impl prepares a layer's pages and options once per cache tensor (MaskedAttnImpl._prepare):
+    the same layer over another cache, another step and another dtype still reads what it is
+    handed, each request against float64."""
+    h, hkv, d, page = 4, 2, 32, 64
+    impl = backend.MaskedAttnImpl(h, d, d**-0.5, hkv, None, None, "auto")
+    impl.process_weights_after_loading(torch.float32)
+    for dtype, requests in ((torch.float32, MIXED), (torch.float32, [(90, 1), (3, 40)]), (torch.bfloat16, MIXED)):
+        out, data = _step(impl, dtype, page, hkv, d, requests)
+        row = 0
+        for q, k, v in data:
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+            kw = dict(scale=d**-0.5, window=None, causal=True, softcap=None, sinks=None, alibi=None)
+            ref, theirs = _reference(q, k, v, **kw), _reference(q, k, v, **kw, dtype=dtype)
+            assert_close_ref(out[row : row + len(q)], theirs, ref, name=f"{dtype} request of {len(q)} rows")
+            row += len(q)
+
+
 def _impl_args(opts, sinks):
     args = {"logits_soft_cap": opts["logits_soft_cap"]} if "logits_soft_cap" in opts else {}
     return {**args, "sinks": sinks} if sinks is not None else args

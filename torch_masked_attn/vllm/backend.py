@@ -3,9 +3,9 @@ CPU_ATTN when the switch is on (torch_masked_attn.vllm, docs/design/17-vllm.md).
 
 Per layer and step: ``do_kv_cache_update`` writes the step's new key and value rows into the
 layer's pages (:func:`torch_masked_attn.functional.write_kv_cache`, one C op), then ``forward``
-runs every request of the step, prefills, prefill chunks and decodes mixed, in one
-:func:`torch_masked_attn.functional.varlen_attn` over the pages in place (bottom-right causal,
-the request's block table and length). The page layout is ours: see :func:`pages`.
+runs every request of the step, prefills, prefill chunks and decodes mixed, in one call of
+:func:`torch_masked_attn.functional.varlen_attn`'s op over the pages in place (bottom-right
+causal, the request's block table and length), its arguments checked once per layer and cache. The page layout is ours: see :func:`pages`.
 
 Every vLLM name comes through ``_compat`` (the seam).
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -92,6 +92,20 @@ class MaskedAttnMetadata:
     max_seq_len: int  # at least the longest (vLLM's may be an upper bound)
     causal: bool
 
+    def varlen_args(self) -> dict:
+        """varlen_attn's sequence arguments of the step, built once for every layer."""
+        args = self.__dict__.get("_varlen_args")
+        if args is None:
+            args = dict(
+                cu_seq_q=self.cu_q,
+                cu_seq_k=None,
+                max_q=self.max_query_len,
+                max_k=self.max_seq_len,
+                seqused_k=self.seq_lens,
+            )
+            self.__dict__["_varlen_args"] = args
+        return args
+
 
 class MaskedAttnMetadataBuilder(_compat.AttentionMetadataBuilder):
     """The step's metadata from vLLM's CommonAttentionMetadata: a few views and dtype checks, no
@@ -158,6 +172,7 @@ class MaskedAttnImpl(_compat.AttentionImpl):
         self.softcap = float(logits_soft_cap) if logits_soft_cap else None  # vLLM's 0 / None: none
         self.alibi_slopes = None if alibi_slopes is None else torch.tensor(alibi_slopes, dtype=torch.float32)
         self.sinks = sinks
+        self._prepared: dict = {}  # forward's checked options and pages, by what they depend on
         if sinks is not None and tuple(sinks.shape) != (num_heads,):
             raise ValueError(
                 f"torch_masked_attn.vllm: sinks must be ({num_heads},), one per query head, got {tuple(sinks.shape)}"
@@ -167,6 +182,7 @@ class MaskedAttnImpl(_compat.AttentionImpl):
         """The sinks as the kernels take them, float32, once the weights are in."""
         if self.sinks is not None:
             self.sinks = self.sinks.detach().to(torch.float32)
+        self._prepared.clear()  # the options hold the sinks
 
     def do_kv_cache_update(self, layer, key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
         """The step's new rows into the layer's pages (a negative slot: a padding row, skipped)."""
@@ -193,29 +209,42 @@ class MaskedAttnImpl(_compat.AttentionImpl):
         if attn_metadata is None:
             return output
         m = attn_metadata
+        q = query[: m.num_tokens]
+        p, opts = self._prepare(q, kv_cache, m.causal, m.block_table)
+        out, _ = _F._varlen_forward(
+            q, p.k, p.v, m.varlen_args(), self.scale, m.block_table, opts, (p.k_scale, p.v_scale)
+        )
+        output[: m.num_tokens].copy_(out)
+        return output
+
+    def _prepare(self, query: Tensor, kv_cache: Tensor, causal: bool, block_table: Tensor) -> tuple[Pages, Any]:
+        """The layer's pages and checked options, as varlen_attn would check them, once per cache
+        tensor and query dtype: a small step's Python then is the op's call (its shim checks every
+        tensor again; the page size is a multiple of what the kernels read in place, the
+        builder's tensors int32)."""
+        key = (id(kv_cache), kv_cache.data_ptr(), tuple(kv_cache.shape), query.dtype, causal)
+        got = self._prepared.get(key)
+        if got is not None and got[0] is kv_cache:
+            return got[1], got[2]
         p = pages(kv_cache, self.head_size)
+        if p.k.size(1) % PAGE_MULTIPLE:
+            raise RuntimeError(
+                f"torch_masked_attn.vllm: a page of {p.k.size(1)} tokens; expected a multiple of {PAGE_MULTIPLE}"
+            )
         left = -1 if self.sliding_window is None else self.sliding_window - 1
-        out = _F.varlen_attn(
-            query[: m.num_tokens],
-            p.k,
-            p.v,
-            m.cu_q,
-            None,
-            m.max_query_len,
-            m.max_seq_len,
-            scale=self.scale,
-            window_size=(left, 0 if m.causal else -1),
-            enable_gqa=self.num_kv_heads != self.num_heads,
-            seqused_k=m.seq_lens,
-            block_table=m.block_table,
+        options = dict(
+            window_size=(left, 0 if causal else -1),
             softcap=self.softcap,
             sinks=self.sinks,
             alibi_slopes=self.alibi_slopes,
-            k_scale=p.k_scale,
-            v_scale=p.v_scale,
         )
-        output[: m.num_tokens].copy_(cast(Tensor, out))  # varlen_attn without return_aux: a tensor
-        return output
+        scales = (p.k_scale, p.v_scale)
+        gqa = self.num_kv_heads != self.num_heads
+        _, opts = _F._varlen_checked(query, p.k, p.v, block_table, gqa, scales, None, options)
+        if len(self._prepared) > 8:  # vLLM binds one cache per layer: a few keys at most
+            self._prepared.clear()
+        self._prepared[key] = (kv_cache, p, opts)
+        return p, opts
 
 
 def _check_layer(attn_type: str, kv_cache_dtype: str, others: dict) -> None:
