@@ -5,7 +5,8 @@ Per layer and step: ``do_kv_cache_update`` writes the step's new key and value r
 layer's pages (:func:`torch_masked_attn.functional.write_kv_cache`, one C op), then ``forward``
 runs every request of the step, prefills, prefill chunks and decodes mixed, in one call of
 :func:`torch_masked_attn.functional.varlen_attn`'s op over the pages in place (bottom-right
-causal, the request's block table and length), its arguments checked once per layer and cache. The page layout is ours: see :func:`pages`.
+causal, the request's block table and length), its arguments checked once per layer and cache.
+The page layout is ours: see :func:`pages`.
 
 Every vLLM name comes through ``_compat`` (the seam).
 """
