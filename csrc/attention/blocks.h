@@ -27,12 +27,13 @@
  *                                  vocabulary's vf_tanh (a few float32 ulps off it)
  *   dot_rows_X(s, lds, q, nr, D, k, dt, off, ld, nc, pf)
  *       s[r*lds + c] = q[r*D : r*D + D] . k[off + c*ld : ... + D], k in its own
- *       dtype, in the decoding's order: 16 partial sums, partial j the terms
- *       d = j (mod 16) in order from d = 0 (one FMA each; the scalar block a
- *       product and a sum), then folded in halves (p_j + p_(j+8), then + 4,
- *       + 2, + 1), so that each key row is read once, in order; not the
- *       GEMM's bits (docs/design.md, "Decoding")
- *   dot_keys_t_X(s, lds, q, nr, D, k, dt, off, ldd, nc, pf)
+ *       dtype, in the decoding's order: W partial sums (the table's dot_rows_w:
+ *       one vector of the instance, min(VL, 16) lanes; 16 in the scalar block),
+ *       partial j the terms d = j (mod W) in order from d = 0 (one FMA each; the
+ *       scalar block a product and a sum), then folded in halves (p_j +
+ *       p_(j+W/2), then + W/4, ..., + 1), so that each key row is read once, in
+ *       order; not the GEMM's bits (docs/design.md, "Decoding")
+ *   dot_keys_t_X(s, lds, q, nr, D, k, dt, off, ldd, nc, pf)     (nr <= 8)
  *       the scores from keys stored transposed: element d of key c at
  *       k[off + c + d*ldd] (a K^T page), summed in gemm_X's order (bit for bit
  *       the tile's score), no transposes
@@ -110,6 +111,7 @@ typedef struct {
     void (*quantize_row)(const void *x, ma_dtype dt, int64_t n, int8_t *q, float *scale);
     void (*dot_rows)(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
                      int64_t off, int64_t ld, int64_t nc, int64_t pf);
+    int dot_rows_w; /* dot_rows' partial sums (W) */
 } ma_blocks;
 
 /* The float blocks of variant isa (AMX and AVX512-BF16: AVX-512's, SVE-BF16: NEON's, which their

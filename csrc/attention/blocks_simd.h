@@ -290,108 +290,98 @@ MA_INLINE void prefetch_lines(const char *p, int64_t n, int64_t pf_bytes) {
 
 /* ---- dot_rows: scores from key rows read in order ------------------------------------------
  *
- * s[r * lds + c] = q_r . k_c as 16 partial sums, partial j the terms d = j (mod 16) in order
- * from d = 0 (one FMA each), folded in halves: p_j + p_(j+8), then + 4, + 2, + 1 (blocks.h).
- * Each key row is read once, in order, a vector of D at a time: the decoding's stream (the
- * keys-in-lanes order of the GEMM reads VL rows a vector each, which the hardware prefetchers
- * do not follow: 3.8 GB/s of K on one Zen 3 core against 10 in order). The transposes are of
- * the partial sums, once per VL keys. MA_DR_P vectors hold a key's 16 partial sums (MA_DR_W
- * each); RP rows of KI keys at a time: RP KI MA_DR_P chains (MA_DR_CHAINS: what the registers
- * hold beside the keys' vectors). */
-#define MA_DR_P (MA_VL < 16 ? 16 / MA_VL : 1)
+ * s[r * lds + c] = q_r . k_c as MA_DR_W partial sums (one vector a score: the ISA's natural
+ * order, VL lanes up to 16), partial j the terms d = j (mod MA_DR_W) in order from d = 0 (one
+ * FMA each), folded in halves: p_j + p_(j + W/2), then + W/4, ..., + 1 (blocks.h). Each key row
+ * is read once, in order, a vector of D at a time: the decoding's stream (the keys-in-lanes
+ * order of the GEMM reads VL rows a vector each, which the hardware prefetchers do not follow:
+ * 3.8 GB/s of K on one Zen 3 core against 10 in order). A register tile of RP rows x KI keys
+ * (RP KI accumulators, MA_DR_CHAINS at most: the mapping's constant, as MA_DR_ROWS) takes D a
+ * vector at a time, each key and q vector loaded once into a register for its FMAs (AVX2: 4
+ * rows x 2 keys, 6 loads to 8 FMAs). The folds are of VL keys' sums at a time. */
 #define MA_DR_W (MA_VL < 16 ? MA_VL : 16)
-#ifndef MA_DR_CHAINS
-#define MA_DR_CHAINS 8
-#endif
-#define MA_DR_ROWS ma_max(1, 8 / MA_DR_P)
-#define MA_DR_KI(RP) ma_max(1, MA_DR_CHAINS / ((RP) * MA_DR_P))
+#define MA_DR_KI(RP) ma_max(1, MA_DR_CHAINS / (RP))
 
-/* Rows 0 .. RP of q against keys c .. c + KI: each key's partial sums, folded across its
- * vectors, into xs[r * VL + i + j] (key c + j). full: D % 16 == 0. */
+/* Rows 0 .. RP of q against keys c .. c + KI: each key's partial sums into xs[r * VL + i + j]
+ * (key c + j). full: D % MA_DR_W == 0. */
 MA_INLINE void dot_rows_keys(const int RP, const int KI, const int full, vf *xs, int64_t i, const float *q, int64_t D,
                              const void *k, const ma_dtype dt, int64_t off, int64_t ld, int64_t c, int64_t pf) {
     const int64_t es = ma_dtype_size(dt);
-    vf acc[8]; /* acc[(j * RP + r) * MA_DR_P + u] */
-#pragma GCC unroll 8
-    for (int x = 0; x < KI * RP * MA_DR_P; x++) acc[x] = vf_zero();
-    for (int64_t d = 0; d < D; d += 16) {
-        vf kv[8]; /* kv[j * MA_DR_P + u] */
-#pragma GCC unroll 8
-        for (int j = 0; j < KI; j++) {
-            const int64_t o = off + (c + j) * ld + d;
-            if (pf && (d * es) % MA_CACHE_LINE == 0) prefetch_lines((const char *)k + o * es, 16 * es, pf * es);
-#pragma GCC unroll 4
-            for (int u = 0; u < MA_DR_P; u++)
-                kv[j * MA_DR_P + u] =
-                    vf_load_dt(k, dt, o + u * MA_DR_W, full ? MA_DR_W : ma_min(MA_DR_W, D - d - u * MA_DR_W));
+    vf acc[MA_DR_CHAINS]; /* acc[j * RP + r] */
+#pragma GCC unroll 32
+    for (int x = 0; x < KI * RP; x++) acc[x] = vf_zero();
+    for (int64_t d = 0; d < D; d += MA_DR_W) {
+        const int64_t n = full ? MA_DR_W : ma_min(MA_DR_W, D - d);
+        if (pf && (d * es) % MA_CACHE_LINE == 0)
+#pragma GCC unroll 16
+            for (int j = 0; j < KI; j++)
+                prefetch_lines((const char *)k + (off + (c + j) * ld + d) * es, MA_DR_W * es, pf * es);
+        vf kv[MA_DR_CHAINS];
+#pragma GCC unroll 16
+        for (int j = 0; j < KI; j++) { /* (a key vector for one row only: the FMA's own load) */
+            kv[j] = vf_load_dt(k, dt, off + (c + j) * ld + d, n);
+            if (RP > 1) kv[j] = vf_in_reg(kv[j]);
         }
 #pragma GCC unroll 8
-        for (int r = 0; r < RP; r++)
-#pragma GCC unroll 4
-            for (int u = 0; u < MA_DR_P; u++) {
-                const int64_t n = full ? MA_DR_W : ma_min(MA_DR_W, D - d - u * MA_DR_W);
-                const vf qv = vf_load_dt(q, MA_F32, r * D + d + u * MA_DR_W, n);
-#pragma GCC unroll 8
-                for (int j = 0; j < KI; j++)
-                    acc[(j * RP + r) * MA_DR_P + u] = vf_fma(kv[j * MA_DR_P + u], qv, acc[(j * RP + r) * MA_DR_P + u]);
-            }
+        for (int r = 0; r < RP; r++) {
+            const vf qv = vf_in_reg(vf_load_dt(q, MA_F32, r * D + d, n));
+#pragma GCC unroll 16
+            for (int j = 0; j < KI; j++) acc[j * RP + r] = vf_fma(kv[j], qv, acc[j * RP + r]);
+        }
     }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int j = 0; j < KI; j++)
 #pragma GCC unroll 8
-        for (int r = 0; r < RP; r++) {
-            vf *a = acc + (j * RP + r) * MA_DR_P;
-            for (int w = MA_DR_P; w > 1; w /= 2) /* vectors u and u + w / 2: partials 16 / w apart... */
-#pragma GCC unroll 4
-                for (int u = 0; u < w / 2; u++) a[u] = vf_add(a[u], a[u + w / 2]);
-            xs[r * MA_VL + i + j] = a[0];
-        }
+        for (int r = 0; r < RP; r++) xs[r * MA_VL + i + j] = acc[j * RP + r];
 }
 
-/* Rows 0 .. RP (at most MA_DR_ROWS), every key: VL keys at a time, their folded partial sums
- * transposed (lane t of every key in x[t]) and folded across the lanes. */
-MA_INLINE void dot_rows_pass(const int RP, float *s, int64_t lds, const float *q, int64_t D, const void *k,
-                             const ma_dtype dt, int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+/* Rows 0 .. RP (at most MA_DR_ROWS) against keys c0 .. c0 + nk (nk <= VL): tiles of
+ * MA_DR_KI(RP) keys, then single keys; their folded partial sums folded across the lanes. */
+MA_INLINE void dot_rows_group(const int RP, float *s, int64_t lds, const float *q, int64_t D, const void *k,
+                              const ma_dtype dt, int64_t off, int64_t ld, int64_t c0, int64_t nk, int64_t pf) {
     const int KI = MA_DR_KI(RP);
-    vf xs[8 * MA_VL];
-    for (int64_t c0 = 0; c0 < nc; c0 += MA_VL) {
-        const int64_t nk = ma_min(MA_VL, nc - c0);
-        int64_t i = 0;
-        if (D % 16 == 0) {
-            for (; i + KI <= nk; i += KI) dot_rows_keys(RP, KI, 1, xs, i, q, D, k, dt, off, ld, c0 + i, pf);
-            for (; i < nk; i++) dot_rows_keys(RP, 1, 1, xs, i, q, D, k, dt, off, ld, c0 + i, pf);
-        } else {
-            for (; i < nk; i++) dot_rows_keys(RP, 1, 0, xs, i, q, D, k, dt, off, ld, c0 + i, pf);
-        }
-        for (int r = 0; r < RP; r++) {
-            vf *x = xs + r * MA_VL;
-            for (int64_t y = nk; y < MA_VL; y++) x[y] = vf_zero();
-            vf_transpose(x);
-            for (int w = MA_DR_W; w > 1; w /= 2)
-                for (int t = 0; t < w / 2; t++) x[t] = vf_add(x[t], x[t + w / 2]);
-            store_k(nk == MA_VL, s + r * lds + c0, vm_first(nk), x[0]);
-        }
+    vf xs[MA_DR_ROWS * MA_VL];
+    int64_t i = 0;
+    if (D % MA_DR_W == 0) {
+        for (; i + KI <= nk; i += KI) dot_rows_keys(RP, KI, 1, xs, i, q, D, k, dt, off, ld, c0 + i, pf);
+        if (KI > 2 && i + 2 <= nk) dot_rows_keys(RP, ma_min(2, KI), 1, xs, i, q, D, k, dt, off, ld, c0 + i, pf), i += 2;
+        for (; i < nk; i++) dot_rows_keys(RP, 1, 1, xs, i, q, D, k, dt, off, ld, c0 + i, pf);
+    } else {
+        for (; i < nk; i++) dot_rows_keys(RP, 1, 0, xs, i, q, D, k, dt, off, ld, c0 + i, pf);
+    }
+    for (int r = 0; r < RP; r++) {
+        vf *x = xs + r * MA_VL;
+        for (int64_t y = nk; y < MA_VL; y++) x[y] = vf_zero();
+#ifdef MA_FOLD_LANES /* the mapping's own (MA_DR_W = MA_VL) */
+        x[0] = vf_fold_lanes(x);
+#else /* lane t of every key in x[t], the first MA_DR_W folded */
+        vf_transpose(x);
+        for (int w = MA_DR_W; w > 1; w /= 2)
+            for (int t = 0; t < w / 2; t++) x[t] = vf_add(x[t], x[t + w / 2]);
+#endif
+        store_k(nk == MA_VL, s + r * lds + c0, vm_first(nk), x[0]);
     }
 }
 
+/* VL keys at a time, every row for them (in passes as even as MA_DR_ROWS allows: AVX2's 7
+ * rows 4 + 3, 6 rows 3 + 3) before the next keys, which stay in L1 meanwhile. */
 MA_INLINE void dot_rows_dt(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k,
                            const ma_dtype dt, int64_t off, int64_t ld, int64_t nc, int64_t pf) {
-    for (int64_t r0 = 0; r0 < nr; r0 += MA_DR_ROWS) {
-        const int64_t RP = ma_min(MA_DR_ROWS, nr - r0), pr = r0 == 0 ? pf : 0;
-        float *s_r = s + r0 * lds;
-        const float *q_r = q + r0 * D;
-#define MA_PASS(R) dot_rows_pass(R, s_r, lds, q_r, D, k, dt, off, ld, nc, pr)
-        switch (RP) { /* (RP <= MA_DR_ROWS: the cases past it never run, but compile within bounds) */
-        case 1: MA_PASS(1); break;
-        case 2: MA_PASS(ma_min(2, MA_DR_ROWS)); break;
-        case 3: MA_PASS(ma_min(3, MA_DR_ROWS)); break;
-        case 4: MA_PASS(ma_min(4, MA_DR_ROWS)); break;
-        case 5: MA_PASS(ma_min(5, MA_DR_ROWS)); break;
-        case 6: MA_PASS(ma_min(6, MA_DR_ROWS)); break;
-        case 7: MA_PASS(ma_min(7, MA_DR_ROWS)); break;
-        default: MA_PASS(ma_min(8, MA_DR_ROWS)); break;
-        }
+    const int64_t passes = ma_cdiv(nr, MA_DR_ROWS), RP = nr / passes, wide = nr % passes; /* wide: RP + 1 rows */
+    for (int64_t c0 = 0; c0 < nc; c0 += MA_VL) {
+        const int64_t nk = ma_min(MA_VL, nc - c0);
+        for (int64_t x = 0, r0 = 0; x < passes; x++) {
+            const int64_t R = RP + (x < wide), pr = r0 == 0 ? pf : 0;
+#define MA_PASS(R) dot_rows_group(R, s + r0 * lds, lds, q + r0 * D, D, k, dt, off, ld, c0, nk, pr)
+            switch (R) { /* (R <= MA_DR_ROWS: the cases past it never run, but compile within bounds) */
+            case 1: MA_PASS(1); break;
+            case 2: MA_PASS(ma_min(2, MA_DR_ROWS)); break;
+            case 3: MA_PASS(ma_min(3, MA_DR_ROWS)); break;
+            default: MA_PASS(ma_min(4, MA_DR_ROWS)); break;
+            }
 #undef MA_PASS
+            r0 += R;
+        }
     }
 }
 
@@ -405,37 +395,36 @@ static void BLK(dot_rows)(float *s, int64_t lds, const float *q, int64_t nr, int
 
 /* ---- axpy_rows: P V with the value rows read in order ----------------------------------------
  *
- * axpy_keys' sums (o[r][d] += p[r][c] v_c[d], one FMA per key in key order, so its bits) with
- * the value rows taken a few keys at a time, whole, in order, before the next keys': the output
- * rows' strips (MA_PV_NV vectors, MA_PV_ROWS rows) go through the registers once per those
- * keys. Value rows one after another (ld = Dv, one stream) go MA_PV_KEYS at a time: more
- * interleave the rows past what the prefetchers follow (8: 0.85x on Zen 3 from memory). Rows
- * apart (heads side by side, pages, a slice), each its own stream, and more rows than one
- * strip's (speculative verification: the rows after the first strip's read the values from
- * L1), go MA_PV_KEYS_APART at a time: a quarter of the loads and stores of O. */
-#ifndef MA_PV_KEYS
-#define MA_PV_KEYS 2
-#endif
-#define MA_PV_KEYS_APART 8
+ * axpy_keys' sums (o[r][d] += p[r][c] v_c[d], one FMA per key in key order, so its bits) as a
+ * register tile: MA_PV_ROWS rows x MA_PV_NV vectors of O (AVX2: 4 x 2, 8 accumulators) loaded
+ * once, then a run of keys inside (each value vector loaded once into a register for its rows'
+ * FMAs, each probability a broadcast), then stored: O goes through the registers once per run,
+ * not once per key or two. A run's value rows are read strip by strip (the first strip from
+ * memory, the others from L1), so the prefetch keeps the memory busy meanwhile. Runs of
+ * MA_PV_KEYS; MA_PV_KEYS_SEQ where the rows follow one another (ld = Dv, one stream) for at
+ * most one tile of rows: a shorter run keeps the hardware's stream prefetch following the rows
+ * (Zen 3, decoding from memory: 8 measured faster than 2 and 32). */
+#define MA_PV_KEYS 32
+#define MA_PV_KEYS_SEQ 8
 #define MA_PV_ROWS 4
 #define MA_PV_NV(R) ((R) >= 4 ? 2 : (R) == 3 ? 2 : (R) == 2 ? 4 : 8)
 
-MA_INLINE void axpy_rows_block(const int R, const int NV, const int KS, float *o, const float *p, int64_t ldp,
-                               int64_t Dv, const void *v, const ma_dtype dt, int64_t off, int64_t ld, int64_t d0,
-                               int64_t c0) {
+MA_INLINE void axpy_rows_block(const int R, const int NV, float *o, const float *p, int64_t ldp, int64_t Dv,
+                               const void *v, const ma_dtype dt, int64_t off, int64_t ld, int64_t d0, int64_t c0,
+                               int64_t ks) {
     vf acc[8]; /* acc[r * NV + u] */
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
         for (int u = 0; u < NV; u++) acc[r * NV + u] = vf_load(o + r * Dv + d0 + MA_VL * u);
-#pragma GCC unroll 8
-    for (int c = 0; c < KS; c++) {
+#pragma GCC unroll 2
+    for (int64_t c = c0; c < c0 + ks; c++) {
         vf vv[8];
 #pragma GCC unroll 8
-        for (int u = 0; u < NV; u++) vv[u] = vf_load_dt(v, dt, off + (c0 + c) * ld + d0 + MA_VL * u, MA_VL);
+        for (int u = 0; u < NV; u++) vv[u] = vf_in_reg(vf_load_dt(v, dt, off + c * ld + d0 + MA_VL * u, MA_VL));
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
-            const vf pr = vf_set1(p[r * ldp + c0 + c]);
+            const vf pr = vf_set1(p[r * ldp + c]);
 #pragma GCC unroll 8
             for (int u = 0; u < NV; u++) acc[r * NV + u] = vf_fma(pr, vv[u], acc[r * NV + u]);
         }
@@ -552,27 +541,22 @@ MA_INLINE void axpy_keys_rows(const int R, float *o, const float *p, int64_t ldp
 /* MA_AXPY_ROWS = 4: the query heads of a key head, 4 (or 3) rows at a time; then pairs, then
  * the last row alone. */
 /* Rows 0 .. R of o += keys c0 .. c0 + ks of P V (axpy_rows_block), every column: strips of
- * MA_PV_NV(R) vectors, single vectors, then the last columns (Dv % VL) by axpy_keys_strip.
- * KS: the keys a strip takes at most (a constant after inlining). */
-MA_INLINE void axpy_rows_keys(const int R, const int KS, float *o, const float *p, int64_t ldp, int64_t Dv,
-                              const void *v, const ma_dtype dt, int64_t off, int64_t ld, int64_t c0, int64_t ks) {
+ * MA_PV_NV(R) vectors, single vectors, then the last columns (Dv % VL) by axpy_keys_strip. */
+MA_INLINE void axpy_rows_keys(const int R, float *o, const float *p, int64_t ldp, int64_t Dv, const void *v,
+                              const ma_dtype dt, int64_t off, int64_t ld, int64_t c0, int64_t ks) {
     const int NV = MA_PV_NV(R);
     int64_t d0 = 0;
-    for (; d0 + NV * MA_VL <= Dv; d0 += NV * MA_VL)
-        if (ks == KS) axpy_rows_block(R, NV, KS, o, p, ldp, Dv, v, dt, off, ld, d0, c0);
-        else
-            for (int64_t c = 0; c < ks; c++) axpy_rows_block(R, NV, 1, o, p, ldp, Dv, v, dt, off, ld, d0, c0 + c);
-    for (; d0 + MA_VL <= Dv; d0 += MA_VL)
-        for (int64_t c = 0; c < ks; c++) axpy_rows_block(R, 1, 1, o, p, ldp, Dv, v, dt, off, ld, d0, c0 + c);
+    for (; d0 + NV * MA_VL <= Dv; d0 += NV * MA_VL) axpy_rows_block(R, NV, o, p, ldp, Dv, v, dt, off, ld, d0, c0, ks);
+    for (; d0 + MA_VL <= Dv; d0 += MA_VL) axpy_rows_block(R, 1, o, p, ldp, Dv, v, dt, off, ld, d0, c0, ks);
     if (d0 < Dv)
         for (int r = 0; r < R; r++)
             axpy_keys_strip(1, 1, 0, o + r * Dv, p + r * ldp + c0, ldp, Dv, v, dt, off + c0 * ld, ld, ks, d0, 0);
 }
 
-/* Every key, the value rows KS at a time, whole (axpy_rows_block): KS a constant after
- * inlining, one loop per strip width. */
-MA_INLINE void axpy_rows_all(const int KS, float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v,
-                             const ma_dtype dt, int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+/* Every key, KS at a time (axpy_rows_block), every row for them before the next keys;
+ * each run prefetches the rows pf elements on. */
+MA_INLINE void axpy_rows_all(const int64_t KS, float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv,
+                             const void *v, const ma_dtype dt, int64_t off, int64_t ld, int64_t nc, int64_t pf) {
     const int64_t es = ma_dtype_size(dt);
     for (int64_t c0 = 0; c0 < nc; c0 += KS) {
         const int64_t ks = ma_min(KS, nc - c0);
@@ -583,7 +567,7 @@ MA_INLINE void axpy_rows_all(const int KS, float *o, const float *p, int64_t ldp
             const int64_t R = ma_min(MA_PV_ROWS, nr - r);
             float *o_r = o + r * Dv;
             const float *p_r = p + r * ldp;
-#define MA_ROWS(R) axpy_rows_keys(R, KS, o_r, p_r, ldp, Dv, v, dt, off, ld, c0, ks)
+#define MA_ROWS(R) axpy_rows_keys(R, o_r, p_r, ldp, Dv, v, dt, off, ld, c0, ks)
             switch (R) {
             case 1: MA_ROWS(1); break;
             case 2: MA_ROWS(2); break;
@@ -598,8 +582,8 @@ MA_INLINE void axpy_rows_all(const int KS, float *o, const float *p, int64_t ldp
 MA_INLINE void axpy_keys_dt(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v,
                             const ma_dtype dt, int64_t off, int64_t ld, int64_t nc, int64_t pf) {
     if (Dv >= MA_VL) {
-        if (ld == Dv && nr <= MA_PV_ROWS) axpy_rows_all(MA_PV_KEYS, o, p, ldp, nr, Dv, v, dt, off, ld, nc, pf);
-        else axpy_rows_all(MA_PV_KEYS_APART, o, p, ldp, nr, Dv, v, dt, off, ld, nc, pf);
+        axpy_rows_all(ld == Dv && nr <= MA_PV_ROWS ? MA_PV_KEYS_SEQ : MA_PV_KEYS, o, p, ldp, nr, Dv, v, dt, off, ld, nc,
+                      pf);
         return;
     }
 #define MA_ROWS(R) axpy_keys_rows(R, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, r == 0 ? pf : 0)

@@ -25,13 +25,16 @@
  * Lanes: vf_zero, vf_set1, vf_add, vf_sub, vf_mul, vf_div, vf_max, vf_min
  *   (vmaxps / vminps: the second operand where either is NaN), vf_andnot,
  *   vf_fma(a, b, c) = a b + c, vf_fms = a b - c, vf_fnma = c - a b (one
- *   rounding), vf_exp, vf_tanh (below)
+ *   rounding), vf_exp, vf_tanh (below); vf_in_reg(v) (v, held in a register where it stands:
+ *   a register tile's operand loaded once for its FMAs, which x86 compilers otherwise fold
+ *   into each FMA as a load of its own)
  * Masks: vm_first(n) (lanes < n, n clamped to [0, MA_VL]), vf_lt, vf_gt,
  *   vf_eq, vf_neq, vf_isnan, vm_or, vm_and, vf_blend(m, a, b) (m ? b : a),
  *   vf_maskz(m, a) (m ? a : 0), vf_from_mask (all-ones lanes where m)
  * Across lanes: vf_hsum(v) (a fixed tree per set), vf_hmax(v, m) (max of m
  *   and the lanes), vf_transpose(r) (the MA_VL x MA_VL block in r[0..MA_VL)
- *   transposed in registers)
+ *   transposed in registers); optionally (#define MA_FOLD_LANES) vf_fold_lanes(r) (lane i:
+ *   r[i]'s lanes folded in halves, what vf_transpose and log2(VL) halvings give)
  * Doubles: vd_zero, vd_lo(v), vd_hi(v) (lanes [0, MA_VL/2) and the rest of a
  *   vf, widened), vd_add, vd_mul, vd_fma, vd_store
  * Integers (Philox): vi_set1, vi_lanes (0, 1, ...), vi_add, vi_xor, vi_and,
@@ -39,7 +42,8 @@
  *   vi_srl64, vi_sll64, vi_blend_odd(a, b) (odd lanes from b), vi_gt -> vm
  * Block shapes, constants the blocks read (attention/blocks_simd.h says what
  * each shapes): MA_GEMM_MR, MA_GEMM_NV, MA_GEMM_TAIL_MR, MA_GEMM_TAIL_NV,
- *   MA_GEMM_PACK, MA_MASKED_EDGES, MA_KT_NV(nr), MA_AXPY_ROWS, MA_AXPY_NV(R);
+ *   MA_GEMM_PACK, MA_MASKED_EDGES, MA_KT_NV(nr), MA_AXPY_ROWS, MA_AXPY_NV(R),
+ *   MA_DR_CHAINS, MA_DR_ROWS;
  *   MA_CE_UNROLL (cross_entropy/blocks_simd.h: vectors per block)
  *
  * A new instruction set X: 3 new files, simd_X.h defining the above and an

@@ -30,6 +30,8 @@ typedef __m256 vm;
 #define MA_GEMM_PACK 1
 #define MA_MASKED_EDGES 0
 #define MA_KT_NV(nr) ((nr) == 1 ? 2 : 1)
+#define MA_DR_CHAINS 8 /* dot_rows: accumulators of a register tile (rows x keys) */
+#define MA_DR_ROWS 4   /* its rows at most */
 #define MA_AXPY_ROWS 2
 #define MA_CE_UNROLL 4
 #define MA_AXPY_NV(R) ((R) == 2 ? 4 : 8)
@@ -50,6 +52,12 @@ typedef __m256 vm;
 #define vf_min _mm256_min_ps
 #define vf_andnot _mm256_andnot_ps
 #define vf_fma _mm256_fmadd_ps
+/* v, loaded into a register where it stands: a tile's operand read once for several FMAs (else the
+ * compiler folds the load into each FMA, one load per FMA) */
+static inline __attribute__((always_inline)) vf vf_in_reg(vf v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
 #define vf_fms _mm256_fmsub_ps
 #define vf_fnma _mm256_fnmadd_ps
 #define vf_lt(a, b) _mm256_cmp_ps(a, b, _CMP_LT_OQ)
@@ -199,6 +207,22 @@ static inline vf vf_tanh(vf x) {
         y = _mm256_blendv_ps(big, small, is_small);
     }
     return _mm256_or_ps(y, _mm256_and_ps(sign, x));
+}
+
+/* Lane i of the result: r[i]'s lanes folded in halves (lane t + lane t + 4, then + 2, + 1), the
+ * sums a transpose and three halvings give, in 15 shuffles rather than 24 */
+#define MA_FOLD_LANES
+static inline vf vf_fold_lanes(const vf r[8]) {
+    vf y[4], z[2];
+    for (int i = 0; i < 4; i++) /* y[i]: lanes t < 4 of r[2i], then of r[2i + 1], each + its lane t + 4 */
+        y[i] = _mm256_add_ps(_mm256_permute2f128_ps(r[2 * i], r[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(r[2 * i], r[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++) /* z[i]: (t, t + 1) of r[4i], r[4i + 2] | r[4i + 1], r[4i + 3], each + t + 2 */
+        z[i] = _mm256_add_ps(_mm256_shuffle_ps(y[2 * i], y[2 * i + 1], 0x44),
+                             _mm256_shuffle_ps(y[2 * i], y[2 * i + 1], 0xEE));
+    /* r[0], r[2], r[4], r[6] | r[1], r[3], r[5], r[7], each its t + t + 1 */
+    const vf w = _mm256_add_ps(_mm256_shuffle_ps(z[0], z[1], 0x88), _mm256_shuffle_ps(z[0], z[1], 0xDD));
+    return _mm256_permutevar8x32_ps(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
 static inline void vf_transpose(vf r[8]) {

@@ -28,6 +28,8 @@ typedef __mmask16 vm;
 #define MA_GEMM_PACK 0
 #define MA_MASKED_EDGES 1
 #define MA_KT_NV(nr) ((nr) <= 4 ? 4 : 2)
+#define MA_DR_CHAINS 16 /* dot_rows: accumulators of a register tile (rows x keys) */
+#define MA_DR_ROWS 4    /* its rows at most */
 #define MA_AXPY_ROWS 4
 #define MA_CE_UNROLL 8
 #define MA_AXPY_NV(R) ((R) >= 3 ? 4 : 8)
@@ -48,6 +50,11 @@ typedef __mmask16 vm;
 #define vf_min _mm512_min_ps
 #define vf_andnot _mm512_andnot_ps
 #define vf_fma _mm512_fmadd_ps
+/* v in a register where it stands (simd.h) */
+static inline __attribute__((always_inline)) vf vf_in_reg(vf v) {
+    __asm__("" : "+v"(v));
+    return v;
+}
 #define vf_fms _mm512_fmsub_ps
 #define vf_fnma _mm512_fnmadd_ps
 #define vf_lt(a, b) _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ)

@@ -35,6 +35,8 @@ typedef uint32x4_t vm;
 #define MA_GEMM_PACK 0
 #define MA_MASKED_EDGES 0
 #define MA_KT_NV(nr) ((nr) <= 4 ? 4 : 2)
+#define MA_DR_CHAINS 16 /* dot_rows: accumulators of a register tile (rows x keys) */
+#define MA_DR_ROWS 4    /* its rows at most */
 #define MA_AXPY_ROWS 4
 #define MA_AXPY_NV(R) ((R) >= 3 ? 4 : 8)
 #define MA_CE_UNROLL 8
@@ -51,6 +53,7 @@ typedef uint32x4_t vm;
 #define vf_div vdivq_f32
 #define vf_andnot(a, b) vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(b), vreinterpretq_u32_f32(a)))
 #define vf_fma(a, b, c) vfmaq_f32(c, a, b)
+#define vf_in_reg(v) (v) /* (an FMA's operands are registers) */
 #define vf_fms(a, b, c) vnegq_f32(vfmsq_f32(c, a, b)) /* -(c - a b): one rounding, exact negation */
 #define vf_fnma(a, b, c) vfmsq_f32(c, a, b)
 #define vf_lt vcltq_f32

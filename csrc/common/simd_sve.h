@@ -50,6 +50,8 @@ typedef svbool_t vm __attribute__((arm_sve_vector_bits(MA_SVE_BITS)));
 #define MA_GEMM_PACK 0
 #define MA_MASKED_EDGES 1
 #define MA_KT_NV(nr) ((nr) <= 4 ? 4 : 2)
+#define MA_DR_CHAINS 16 /* dot_rows: accumulators of a register tile (rows x keys) */
+#define MA_DR_ROWS 4    /* its rows at most */
 #define MA_AXPY_ROWS 4
 #define MA_AXPY_NV(R) ((R) >= 3 ? 4 : 8)
 #define MA_CE_UNROLL 8
@@ -76,6 +78,7 @@ MA_F vf vf_andnot(vf a, vf b) {
     return svreinterpret_f32_u32(svbic_u32_x(MA_PT, svreinterpret_u32_f32(b), svreinterpret_u32_f32(a)));
 }
 MA_F vf vf_fma(vf a, vf b, vf c) { return svmla_f32_x(MA_PT, c, a, b); }  /* c + a b */
+MA_F vf vf_in_reg(vf v) { return v; } /* (an FMA's operands are registers) */
 MA_F vf vf_fms(vf a, vf b, vf c) { return svnmls_f32_x(MA_PT, c, a, b); } /* a b - c */
 MA_F vf vf_fnma(vf a, vf b, vf c) { return svmls_f32_x(MA_PT, c, a, b); } /* c - a b */
 MA_F vm vf_lt(vf a, vf b) { return svcmplt_f32(MA_PT, a, b); }

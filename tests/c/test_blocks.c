@@ -254,14 +254,14 @@ static void test_transpose(const ma_blocks *v) {
         }
 }
 
-/* dot_rows' order (blocks.h): 16 partial sums, partial j the terms d = j (mod 16) in
- * order, folded in halves; each term one FMA (fmaf: exact) in a SIMD variant, a product and
- * a sum in the scalar one (compiled without FMA contraction). */
+/* dot_rows' order (blocks.h): W = v->dot_rows_w partial sums, partial j the terms
+ * d = j (mod W) in order, folded in halves; each term one FMA (fmaf: exact) in a SIMD
+ * variant, a product and a sum in the scalar one (compiled without FMA contraction). */
 static float rows_expect(const ma_blocks *v, const float *q, const float *k, int64_t D) {
-    const int fma = strcmp(v->name, "scalar") != 0;
+    const int fma = strcmp(v->name, "scalar") != 0, W = v->dot_rows_w;
     float p[16] = {0};
-    for (int64_t d = 0; d < D; d++) p[d % 16] = fma ? fmaf(q[d], k[d], p[d % 16]) : p[d % 16] + q[d] * k[d];
-    for (int w = 16; w > 1; w /= 2)
+    for (int64_t d = 0; d < D; d++) p[d % W] = fma ? fmaf(q[d], k[d], p[d % W]) : p[d % W] + q[d] * k[d];
+    for (int w = W; w > 1; w /= 2)
         for (int t = 0; t < w / 2; t++) p[t] += p[t + w / 2];
     return p[0];
 }
@@ -274,7 +274,10 @@ static float rows_expect(const ma_blocks *v, const float *q, const float *k, int
  * values. */
 static void test_rows(const ma_blocks *v) {
     static const int64_t ns[] = {1, 5, 15, 16, 17, 33, 64};
-    static const int64_t ds[] = {1, 7, 16, 17, 64, 80, 128};
+    static const int64_t ds[] = {1, 7, 16, 17, 64, 80, 128, 256};
+    static const int64_t nrs[] = {1, 2, 3, 4, 5, 7, 8, 16}; /* query rows: the tiles' shapes and their edges */
+    CHECK(v->dot_rows_w >= 1 && v->dot_rows_w <= 16 && (v->dot_rows_w & (v->dot_rows_w - 1)) == 0,
+          "%s dot_rows_w %d: a power of 2 up to 16", v->name, v->dot_rows_w);
     for (int in = 0; in < 7; in++) { /* row_max */
         const int64_t n = ns[in];
         float x[64];
@@ -288,10 +291,10 @@ static void test_rows(const ma_blocks *v) {
         CHECK(isnan(v->row_max(x, n, NAN)), "%s row_max lost a NaN m n=%ld", v->name, (long)n);
     }
     for (int inc = 0; inc < 7; inc++)
-        for (int id = 0; id < 7; id++)
-            for (int64_t nr = 1; nr <= 8; nr += 3) {
-                /* rows one after another (ld = D) and apart: axpy_keys takes 2 or 8 keys a strip */
-                const int64_t nc = ns[inc], D = ds[id], ld = D + 3 * (inc % 2), lds = nc + 2;
+        for (int id = 0; id < 8; id++)
+            for (int inr = 0; inr < 8; inr++) {
+                /* rows one after another (ld = D) and apart */
+                const int64_t nc = ns[inc], D = ds[id], ld = D + 3 * (inc % 2), lds = nc + 2, nr = nrs[inr];
                 float *k = malloc(sizeof(float) * nc * ld), *q = malloc(sizeof(float) * nr * D);
                 float *qT = malloc(sizeof(float) * D * nr), *sT = malloc(sizeof(float) * nc * nr);
                 float *s = malloc(sizeof(float) * nr * lds), *s2 = malloc(sizeof(float) * nr * lds);
@@ -335,7 +338,9 @@ static void test_rows(const ma_blocks *v) {
                     const void *kts[3] = {kt, ktb, kth};
                     for (int t = 0; t < 3; t++) {
                         for (int64_t x = 0; x < nr * lds; x++) s2[x] = 7.0f;
-                        v->dot_keys_t(s2, lds, q, nr, D, kts[t], dts[t], 0, ldt, nc, t == 0 ? 64 : 0);
+                        for (int64_t r = 0; r < nr; r += 8) /* (8 rows a call at most: blocks.h) */
+                            v->dot_keys_t(s2 + r * lds, lds, q + r * D, ma_min(8, nr - r), D, kts[t], dts[t], 0, ldt,
+                                          nc, t == 0 ? 64 : 0);
                         CHECK(memcmp(s, s2, sizeof(float) * nr * lds) == 0,
                               "%s dot_keys_t dtype %d nr=%ld nc=%ld D=%ld", v->name, (int)dts[t], (long)nr, (long)nc,
                               (long)D);

@@ -135,11 +135,12 @@ def test_decode_blocks_tool_runs(tmp_path):
     src = os.path.join(ROOT, "benchmarks", "decode_blocks.c")
     # -O0 after C_FLAGS' -O3: the build, not the timings, is under test (-O3 takes 30 s here, -O0 8)
     subprocess.run([cc, *C_FLAGS, *AVX2, "-O0", "-Werror", src, "-lm", "-o", str(exe)], check=True)
-    run = subprocess.run([str(exe), "4", "128", "2.94", "10"], capture_output=True, text=True)
+    run = subprocess.run([str(exe), "4", "128", "2"], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
     assert [ln.split()[0] for ln in lines] == ["f32", "bf16"] and all("axpy_keys" in ln for ln in lines), run.stdout
-    assert subprocess.run([str(exe), "9"], capture_output=True).returncode == 2  # rows past 8: refused
+    assert subprocess.run([str(exe), "17"], capture_output=True).returncode == 2  # rows past 16: refused
+    assert subprocess.run([str(exe), "4", "128", "2", "72"], capture_output=True).returncode == 2  # D % 16
 
 
 def test_every_c_file_is_built():
