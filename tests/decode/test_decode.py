@@ -109,6 +109,55 @@ def test_decode_against_float64(isa, kind, layout, dt):
 
 
 @pytest.mark.parametrize("isa", ISA_PARAMS)
+@pytest.mark.parametrize("layout", ["bhld", "blhd", "paged", "int8"])
+@pytest.mark.parametrize("dt", ["f32", "bf16"])
+def test_decode_tile_shapes_against_float64(isa, layout, dt):
+    """The products' register tiles and their edges (blocks_simd.h: dot_rows' rows x keys tiles,
+    axpy_keys' runs of value rows): query heads a key head G in {1, 2, 4, 7, 8, 16}, head dims
+    {64, 80, 128, 256} (80: a tail past the tiles' vectors on AVX-512), 1 to 16 query rows, 300
+    keys (tails of every key group and run), over key rows one after another (bhld), key heads
+    side by side (blhd), pages of those (paged, through flash_attn_with_kvcache) and the 8-bit
+    cache (int8, against float64 on its dequantized values)."""
+    from torch_masked_attn import flash_attn as fa
+
+    gen = torch.Generator().manual_seed(hash((layout, dt)) % 2**31)
+    dtype, Hkv, Lk, page = DT[dt], 2, 300, 64
+    rows = [1, 2, 3, 5, 8, 16]
+    for n, (G, D) in enumerate((G, D) for G in (1, 2, 4, 7, 8, 16) for D in (64, 80, 128, 256)):
+        Lq, H = rows[n % len(rows)], G * Hkv
+        q = torch.randn(1, H, Lq, D, generator=gen).to(dtype)
+        k, v = _kv(1, Hkv, Lk, D, dtype, "bhld" if layout in ("bhld", "int8") else "blhd", gen)
+        kw = {"window": (None, Lk - Lq)}  # bottom-right causal: the rows see different keys
+        if layout == "int8":
+            (k8, ks), (v8, vs) = F_.quantize_kv(k), F_.quantize_kv(v)
+            ours = run_isa(isa, lambda: F_.masked_attention(q, k8, v8, k_scale=ks, v_scale=vs, **kw))
+            k, v = (x.to(torch.float64) * s.unsqueeze(-1).double() for x, s in ((k8, ks), (v8, vs)))
+        elif layout == "paged":  # the pages of (1, L, Hkv, D) rows, in a shuffled order
+            perm = torch.randperm(Lk // page + 1, generator=gen)
+            kp, vp = (torch.zeros(Lk // page + 1, page, Hkv, D, dtype=dtype) for _ in range(2))
+            for i, p in enumerate(perm.tolist()):
+                kp[p, : min(page, Lk - i * page)] = k[0, :, i * page : (i + 1) * page].transpose(0, 1)
+                vp[p, : min(page, Lk - i * page)] = v[0, :, i * page : (i + 1) * page].transpose(0, 1)
+            table, lens = perm.to(torch.int32).view(1, -1), torch.tensor([Lk], dtype=torch.int32)
+            qf = q.transpose(1, 2)
+            ours = run_isa(
+                isa,
+                lambda: fa.flash_attn_with_kvcache(qf, kp, vp, cache_seqlens=lens, block_table=table, causal=True),
+            ).transpose(1, 2)
+        else:
+            ours = run_isa(isa, lambda: F_.masked_attention(q, k, v, **kw))
+        i = torch.arange(Lq).view(Lq, 1) + Lk - Lq
+        add = torch.zeros(1, H, Lq, Lk, dtype=torch.float64).masked_fill(torch.arange(Lk).view(1, Lk) > i, -math.inf)
+        qn, kn, vn = (x.to(dtype) for x in (q, k, v))
+        assert_close_ref(
+            ours,
+            _native(qn, kn, vn, "causal", kw, add),
+            _reference(q, k, v, "causal", kw, add),
+            name=f"{isa} {layout} {dt} G={G} D={D} rows={Lq}",
+        )
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
 def test_decode_float16_and_int8(isa):
     """float16 q and cache; an int8 cache with its scales (against float64 on the dequantized cache)."""
     gen = torch.Generator().manual_seed(5)
