@@ -300,7 +300,9 @@ MA_INLINE void prefetch_lines(const char *p, int64_t n, int64_t pf_bytes) {
  * vector at a time, each key and q vector loaded once into a register for its FMAs (AVX2: 4
  * rows x 2 keys, 6 loads to 8 FMAs). The folds are of VL keys' sums at a time. */
 #define MA_DR_W (MA_VL < 16 ? MA_VL : 16)
-#define MA_DR_KI(RP) ma_max(1, MA_DR_CHAINS / (RP))
+/* keys a tile: MA_DR_CHAINS / RP; one row takes half (its decoding is the memory's: from memory,
+ * 4 key rows at a time kept the stream's rate where 8 lost 10-15% on Zen 3) */
+#define MA_DR_KI(RP) ((RP) == 1 ? MA_DR_CHAINS / 2 : ma_max(1, MA_DR_CHAINS / (RP)))
 
 /* Rows 0 .. RP of q against keys c .. c + KI: each key's partial sums into xs[r * VL + i + j]
  * (key c + j). full: D % MA_DR_W == 0. */
@@ -402,8 +404,8 @@ static void BLK(dot_rows)(float *s, int64_t lds, const float *q, int64_t nr, int
  * not once per key or two. A run's value rows are read strip by strip (the first strip from
  * memory, the others from L1), so the prefetch keeps the memory busy meanwhile. Runs of
  * MA_PV_KEYS; MA_PV_KEYS_SEQ where the rows follow one another (ld = Dv, one stream) for at
- * most one tile of rows: a shorter run keeps the hardware's stream prefetch following the rows
- * (Zen 3, decoding from memory: 8 measured faster than 2 and 32). */
+ * most one tile of rows, 2 for one row: shorter runs keep the hardware's stream prefetch
+ * following the rows (Zen 3, decoding from memory: 8 against 2 and 32; one row, 2 against 8). */
 #define MA_PV_KEYS 32
 #define MA_PV_KEYS_SEQ 8
 #define MA_PV_ROWS 4
@@ -582,8 +584,8 @@ MA_INLINE void axpy_rows_all(const int64_t KS, float *o, const float *p, int64_t
 MA_INLINE void axpy_keys_dt(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v,
                             const ma_dtype dt, int64_t off, int64_t ld, int64_t nc, int64_t pf) {
     if (Dv >= MA_VL) {
-        axpy_rows_all(ld == Dv && nr <= MA_PV_ROWS ? MA_PV_KEYS_SEQ : MA_PV_KEYS, o, p, ldp, nr, Dv, v, dt, off, ld, nc,
-                      pf);
+        axpy_rows_all(ld == Dv && nr <= MA_PV_ROWS ? (nr == 1 ? 2 : MA_PV_KEYS_SEQ) : MA_PV_KEYS, o, p, ldp, nr, Dv, v,
+                      dt, off, ld, nc, pf);
         return;
     }
 #define MA_ROWS(R) axpy_keys_rows(R, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, r == 0 ? pf : 0)
