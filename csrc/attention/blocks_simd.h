@@ -300,9 +300,11 @@ MA_INLINE void prefetch_lines(const char *p, int64_t n, int64_t pf_bytes) {
  * vector at a time, each key and q vector loaded once into a register for its FMAs (AVX2: 4
  * rows x 2 keys, 6 loads to 8 FMAs). The folds are of VL keys' sums at a time. */
 #define MA_DR_W (MA_VL < 16 ? MA_VL : 16)
-/* keys a tile: MA_DR_CHAINS / RP; one row takes half (its decoding is the memory's: from memory,
- * 4 key rows at a time kept the stream's rate where 8 lost 10-15% on Zen 3) */
-#define MA_DR_KI(RP) ((RP) == 1 ? MA_DR_CHAINS / 2 : ma_max(1, MA_DR_CHAINS / (RP)))
+/* keys a tile: MA_DR_CHAINS / RP to a power of 2 (they divide a group of VL keys), VL at most; one
+ * row takes half (its decoding is the memory's: from memory, 4 key rows at a time kept the
+ * stream's rate where 8 lost 10-15% on Zen 3) */
+#define MA_POW2_FLOOR(x) ((x) >= 16 ? 16 : (x) >= 8 ? 8 : (x) >= 4 ? 4 : (x) >= 2 ? 2 : 1)
+#define MA_DR_KI(RP) ma_min(MA_VL, MA_POW2_FLOOR((RP) == 1 ? MA_DR_CHAINS / 2 : MA_DR_CHAINS / (RP)))
 
 /* Rows 0 .. RP of q against keys c .. c + KI: each key's partial sums into xs[r * VL + i + j]
  * (key c + j). full: D % MA_DR_W == 0. */
