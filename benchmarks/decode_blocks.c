@@ -2,8 +2,8 @@
  * decode_blocks.c -- the decode kernel's products alone: dot_rows (scores from key rows) and
  * axpy_keys (P V from value rows) of the AVX2 instance over 64 keys in L1, as a share of the
  * FMA peak measured in the same process (12 chains of FMAs, alternated with the kernels), and
- * beside them a prototype of the other candidate order for the scores (one vector of partial
- * sums per score, 4 rows x 3 keys: docs/decoding-performance.md, "The products' own speed").
+ * beside them a prototype of the scores in 4 rows x 3 keys (docs/decoding-performance.md, "The
+ * products' own speed").
  * What a decode step costs where its cache is in cache. x86-64 with AVX2 only:
  *
  *   cc -std=c11 -O3 -mavx2 -mfma -mf16c -Icsrc -include csrc/common/glibc_compat.h \
@@ -28,9 +28,9 @@ typedef void (*dot_fn)(float *, int64_t, const float *, int64_t, int64_t, const 
 typedef void (*axpy_fn)(float *, const float *, int64_t, int64_t, int64_t, const void *, ma_dtype, int64_t, int64_t,
                         int64_t, int64_t);
 
-/* The other order: s = q . k as 8 partial sums (one vector a score, the ISA's natural order),
- * a tile of 4 rows x 3 keys (12 accumulators, 3 key and 4 q loads to 12 FMAs), folded by the
- * same transposes. Timed only: the library keeps dot_rows' 16 partial sums. */
+/* The library's order (one vector of 8 partial sums a score) in the tile it measured and did not
+ * keep: 4 rows x 3 keys (12 accumulators, 3 key and 4 q loads to 12 FMAs; the library's is 4 x 2),
+ * folded by the transposes. Timed only. */
 MA_INLINE void natural_tile(const int RP, const int KI, vf *xs, int64_t i, const float *q, int64_t D, const void *k,
                             const ma_dtype dt, int64_t ld, int64_t c) {
     vf acc[12];
@@ -136,10 +136,11 @@ int main(int argc, char **argv) {
                 best[i] = e < best[i] ? e : best[i];
             }
         }
-        const double peak = best[0], med[3] = {best[0] / best[1], best[0] / best[2], best[0] / best[3]};
+        const double peak = best[0], share[3] = {best[0] / best[1], best[0] / best[2], best[0] / best[3]};
         printf("%s rows=%ld stride=%ld D=%ld, %% of the FMA peak (%.1f GFLOP/s): dot_rows %.0f, axpy_keys %.0f; "
-               "natural-order scores %.0f\n",
-               t ? "bf16" : "f32 ", (long)nr, (long)ld, (long)D, 2e-9 / peak, 100 * med[0], 100 * med[1], 100 * med[2]);
+               "4 x 3 scores %.0f\n",
+               t ? "bf16" : "f32 ", (long)nr, (long)ld, (long)D, 2e-9 / peak, 100 * share[0], 100 * share[1],
+               100 * share[2]);
     }
     free(q), free(s), free(o), free(k), free(kb);
     return sink == 12345.f;

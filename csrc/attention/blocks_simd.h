@@ -340,7 +340,8 @@ MA_INLINE void dot_rows_keys(const int RP, const int KI, const int full, vf *xs,
 }
 
 /* Rows 0 .. RP (at most MA_DR_ROWS) against keys c0 .. c0 + nk (nk <= VL): tiles of
- * MA_DR_KI(RP) keys, then single keys; their folded partial sums folded across the lanes. */
+ * MA_DR_KI(RP) keys (a short group's rest: a tile of 2, then single keys); each score's
+ * partial sums then folded across the lanes, VL keys' at a time. */
 MA_INLINE void dot_rows_group(const int RP, float *s, int64_t lds, const float *q, int64_t D, const void *k,
                               const ma_dtype dt, int64_t off, int64_t ld, int64_t c0, int64_t nk, int64_t pf) {
     const int KI = MA_DR_KI(RP);
@@ -406,10 +407,11 @@ static void BLK(dot_rows)(float *s, int64_t lds, const float *q, int64_t nr, int
  * not once per key or two. A run's value rows are read strip by strip (the first strip from
  * memory, the others from L1), so the prefetch keeps the memory busy meanwhile. Runs of
  * MA_PV_KEYS; MA_PV_KEYS_SEQ where the rows follow one another (ld = Dv, one stream) for at
- * most one tile of rows, 2 for one row: shorter runs keep the hardware's stream prefetch
+ * most one tile of rows, MA_PV_KEYS_ONE for one row: shorter runs keep the hardware's stream prefetch
  * following the rows (Zen 3, decoding from memory: 8 against 2 and 32; one row, 2 against 8). */
 #define MA_PV_KEYS 32
 #define MA_PV_KEYS_SEQ 8
+#define MA_PV_KEYS_ONE 2
 #define MA_PV_ROWS 4
 #define MA_PV_NV(R) ((R) >= 4 ? 2 : (R) == 3 ? 2 : (R) == 2 ? 4 : 8)
 
@@ -586,8 +588,8 @@ MA_INLINE void axpy_rows_all(const int64_t KS, float *o, const float *p, int64_t
 MA_INLINE void axpy_keys_dt(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v,
                             const ma_dtype dt, int64_t off, int64_t ld, int64_t nc, int64_t pf) {
     if (Dv >= MA_VL) {
-        axpy_rows_all(ld == Dv && nr <= MA_PV_ROWS ? (nr == 1 ? 2 : MA_PV_KEYS_SEQ) : MA_PV_KEYS, o, p, ldp, nr, Dv, v,
-                      dt, off, ld, nc, pf);
+        axpy_rows_all(ld == Dv && nr <= MA_PV_ROWS ? (nr == 1 ? MA_PV_KEYS_ONE : MA_PV_KEYS_SEQ) : MA_PV_KEYS, o, p,
+                      ldp, nr, Dv, v, dt, off, ld, nc, pf);
         return;
     }
 #define MA_ROWS(R) axpy_keys_rows(R, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, r == 0 ? pf : 0)

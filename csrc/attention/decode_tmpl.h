@@ -179,8 +179,8 @@ static void FN(rows_step)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const F
 
 /* How far ahead the products prefetch: 8 KB of key and of value rows (at least 2 rows), into
  * L2 (prefetch_ahead: from MA_PREFETCH_FAR on). With the register tiles (a run of value rows read
- * strip by strip) that measured best on Zen 3 of 1, 4, 8 and 16 KB (docs/decoding-performance.md);
- * with the products' earlier one-key loops 1 KB into L1 had, and a key block into L2 ran 40% slower. */
+ * strip by strip) that measured best on Zen 3 of 1, 4, 8 and 16 KB (docs/decoding-performance.md).
+ * The products' earlier one-key loops were best with 1 KB into L1, a key block into L2 40% slower. */
 #define MA_DECODE_PF_BYTES 8192
 
 /* Folds a chunk's state (m, l, o: R rows) into the running one (M, L, O), row
