@@ -386,7 +386,7 @@ def attention_cases(draw, **force):
     if decode:  # several key chunks, a kv head's query heads stacked
         Lq = draw(st.one_of(st.sampled_from((1, 2, 4, 8, 16)), st.integers(1, 16)))
         Lk = draw(st.one_of(st.sampled_from((513, 1024, 1537)), st.integers(600, 2600)))
-        H = draw(st.one_of(st.sampled_from((2, 4, 6, 8)), st.integers(1, 8)))
+        H = draw(st.one_of(st.sampled_from((2, 4, 6, 7, 8, 14, 16)), st.integers(1, 16)))
         Hkv = draw(st.sampled_from([d for d in _divisors(H) if d < H or H == 1]))
         D, Dv, splits = min(D, 64), min(Dv, 64), draw(st.sampled_from((None, 1, 2, 4, 16)))
     while B * H * Lq * Lk * (D + Dv) > force.get("budget", 12_000_000):  # about 10 ms a case

@@ -232,7 +232,8 @@ def test_fuzz_varlen(isa, case):
     )
 )
 # every path at least once, whatever Hypothesis draws: the decode kernel split between 4 work items with
-# a kv head's 2 query heads stacked; the int8 cache; the HF backend with a sliding StructuredMask,
+# a kv head's 2 query heads stacked; 7 query heads a key head (Qwen's) at D = 80 and 16 over an int8
+# cache at D = 128 (the register tiles' tails); the int8 cache; the HF backend with a sliding StructuredMask,
 # padding, softcap and sinks; the 3-D sdpa drop-in with a float mask's gradient; masked_attention
 # with every option and every gradient at once
 @example(
@@ -250,6 +251,35 @@ def test_fuzz_varlen(isa, case):
         return_lse=True,
         splits=4,
         seed=11,
+    )
+)
+@example(
+    case=Attention(
+        dtype="bf16",
+        H=14,
+        Hkv=2,
+        Lq=5,
+        Lk=900,
+        D=80,
+        Dv=80,
+        layout=("blhd", "blhd", "blhd"),
+        causal=True,
+        diagonal=895,
+        splits=2,
+        seed=14,
+    )
+)
+@example(
+    case=Attention(
+        H=16,
+        Lq=2,
+        Lk=700,
+        D=128,
+        Dv=128,
+        int8=True,
+        softcap=20.0,
+        splits=4,
+        seed=15,
     )
 )
 @example(
@@ -427,12 +457,15 @@ def test_strategies_draw_every_option():
     """Hypothesis's draws come in clusters (it mutates what it drew before), so the slices also
     run an explicit example of each path; beyond those, the strategies draw every option: the
     decode kernel split between forced work items with a key head's query heads stacked (issue
-    51), other diagonals, the int8 cache, the sdpa drop-in and the HF backend, empty sequences,
-    probability targets and the cross-entropy options."""
+    51), 7 and 16 query heads a key head (the decode tiles' tails, issue 64), other diagonals,
+    the int8 cache, the sdpa drop-in and the HF backend, empty sequences, probability targets and
+    the cross-entropy options."""
     att, var, ce = (fuzz.sample(fuzz.STRATEGIES[k](), n) for k, n in (("attention", 200), ("varlen", 60), ("ce", 60)))
     split = [c for c in att if c.splits in (2, 4, 16) and c.Lk > 512 and c.Lq <= 16]
+    decodes = fuzz.sample(fuzz.attention_cases(decode=True), 40)
     options = {
         "split decodes, stacked heads": [c for c in split if c.H > c.Hkv],
+        "decodes with 7 or 16 query heads a key head": [c for c in decodes if c.H // c.Hkv in (7, 16)],
         "diagonal": [c for c in att if c.diagonal],
         "int8": [c for c in att if c.int8],
         "sdpa": [c for c in att if c.call.startswith("sdpa")],
