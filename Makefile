@@ -113,7 +113,8 @@ bench-vllm: setup $(VLLM_SERVING)
 
 # Every case, decoding against the streaming rate (benchmarks/decode.py), the thread sweep,
 # continuous batching and vLLM's LLM.generate with our backend against its own (benchmarks/vllm_generate.py,
-# about 25 minutes on 2 CPUs) on this machine, each
+# about 25 minutes on 2 CPUs), then `vllm serve` under concurrent streams (benchmarks/vllm_serve.py, about 30
+# minutes; its table printed, its numbers in benchmarks/out/vllm_serve.json) on this machine, each
 # merged (--record) into this machine kind's record, benchmarks/results_<machine>.json
 # (one row per case: benchmarks/record.py); every number of the run stays in
 # benchmarks/out/. Then the page of figures is written again from the records.
@@ -123,6 +124,7 @@ bench: setup $(PEERS) $(VLLM_SERVING)
 	$(VPY) benchmarks/threads.py --record
 	$(VPY) benchmarks/cb_throughput.py --record
 	$(VPY) benchmarks/vllm_generate.py --record
+	$(VPY) benchmarks/vllm_serve.py --profile
 	$(MAKE) docs
 
 # docs/performance.md's tables and README.md's results from benchmarks/results_*.json (tools/make_docs.py,
