@@ -37,6 +37,9 @@ CASES = {
     "mqa B=1 H=8/1 Lk=32k bf16 bhld": (1, 8, 1, 1, 32768, 128, "bf16", "bhld"),
     "gqa B=8 H=32/8 Lk=4096 bf16 bhld": (8, 32, 8, 1, 4096, 128, "bf16", "bhld"),
     "gqa B=8 H=32/8 Lk=4096 f32 paged": (8, 32, 8, 1, 4096, 128, "f32", "paged"),
+    "gqa B=8 H=8/2 Lk=2048 f32 blhd": (8, 8, 2, 1, 2048, 128, "f32", "blhd"),
+    "gqa B=8 H=8/2 Lk=2048 f32 paged": (8, 8, 2, 1, 2048, 128, "f32", "paged"),
+    "gqa B=8 H=8/2 Lk=2048 bf16 paged": (8, 8, 2, 1, 2048, 128, "bf16", "paged"),
     "spec B=4 Lq=8 H=32/8 Lk=4096 f32 bhld": (4, 32, 8, 8, 4096, 128, "f32", "bhld"),
     "gqa B=1 H=32/8 Lk=32k int8 bhld": (1, 32, 8, 1, 32768, 128, "i8", "bhld"),
 }

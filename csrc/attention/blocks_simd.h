@@ -408,16 +408,27 @@ static void BLK(dot_rows)(float *s, int64_t lds, const float *q, int64_t nr, int
  * memory, the others from L1), so the prefetch keeps the memory busy meanwhile. Runs of
  * MA_PV_KEYS; MA_PV_KEYS_SEQ where the rows follow one another (ld = Dv, one stream) for at
  * most one tile of rows, MA_PV_KEYS_ONE for one row: shorter runs keep the hardware's stream prefetch
- * following the rows (Zen 3, decoding from memory: 8 against 2 and 32; one row, 2 against 8). */
+ * following the rows (Zen 3, decoding from memory: 8 against 2 and 32; one row, 2 against 8).
+ * The prefetch of a run's value rows, pf on: runs of MA_PV_KEYS (32) for at most two tiles of
+ * rows take each line as the first tile's strip reads it ("spread"); the others all the run's
+ * lines as it starts. 32 rows' lines at once (256 at D = 128 float32) are more than a core keeps
+ * in flight while one or two tiles take little time; over more tiles (speculative verification:
+ * 8) the run is long enough for them, and spread over its first tile they are a burst again.
+ * On Zen 3 spread read the key heads side by side (pages, (B, L, H_kv, D)) and 8 query heads
+ * a key head closer to the stream; 8 rows' lines ran as fast at once, and verification slower
+ * spread (docs/decoding-performance.md). */
 #define MA_PV_KEYS 32
 #define MA_PV_KEYS_SEQ 8
 #define MA_PV_KEYS_ONE 2
 #define MA_PV_ROWS 4
 #define MA_PV_NV(R) ((R) >= 4 ? 2 : (R) == 3 ? 2 : (R) == 2 ? 4 : 8)
 
+/* o's rows 0 .. R, columns d0 .. d0 + NV VL, += keys c0 .. c0 + ks; each key's line at d0 (a
+ * strip that starts one) prefetched pf elements on (0: none). */
 MA_INLINE void axpy_rows_block(const int R, const int NV, float *o, const float *p, int64_t ldp, int64_t Dv,
                                const void *v, const ma_dtype dt, int64_t off, int64_t ld, int64_t d0, int64_t c0,
-                               int64_t ks) {
+                               int64_t ks, int64_t pf) {
+    const int64_t es = ma_dtype_size(dt);
     vf acc[8]; /* acc[r * NV + u] */
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
@@ -425,6 +436,8 @@ MA_INLINE void axpy_rows_block(const int R, const int NV, float *o, const float 
         for (int u = 0; u < NV; u++) acc[r * NV + u] = vf_load(o + r * Dv + d0 + MA_VL * u);
 #pragma GCC unroll 2
     for (int64_t c = c0; c < c0 + ks; c++) {
+        if (pf && (d0 * es) % MA_CACHE_LINE == 0)
+            prefetch_lines((const char *)v + (off + c * ld + d0) * es, ma_max(NV * MA_VL * es, MA_CACHE_LINE), pf * es);
         vf vv[8];
 #pragma GCC unroll 8
         for (int u = 0; u < NV; u++) vv[u] = vf_in_reg(vf_load_dt(v, dt, off + c * ld + d0 + MA_VL * u, MA_VL));
@@ -549,31 +562,35 @@ MA_INLINE void axpy_keys_rows(const int R, float *o, const float *p, int64_t ldp
 /* Rows 0 .. R of o += keys c0 .. c0 + ks of P V (axpy_rows_block), every column: strips of
  * MA_PV_NV(R) vectors, single vectors, then the last columns (Dv % VL) by axpy_keys_strip. */
 MA_INLINE void axpy_rows_keys(const int R, float *o, const float *p, int64_t ldp, int64_t Dv, const void *v,
-                              const ma_dtype dt, int64_t off, int64_t ld, int64_t c0, int64_t ks) {
+                              const ma_dtype dt, int64_t off, int64_t ld, int64_t c0, int64_t ks, int64_t pf) {
     const int NV = MA_PV_NV(R);
     int64_t d0 = 0;
-    for (; d0 + NV * MA_VL <= Dv; d0 += NV * MA_VL) axpy_rows_block(R, NV, o, p, ldp, Dv, v, dt, off, ld, d0, c0, ks);
-    for (; d0 + MA_VL <= Dv; d0 += MA_VL) axpy_rows_block(R, 1, o, p, ldp, Dv, v, dt, off, ld, d0, c0, ks);
+    for (; d0 + NV * MA_VL <= Dv; d0 += NV * MA_VL)
+        axpy_rows_block(R, NV, o, p, ldp, Dv, v, dt, off, ld, d0, c0, ks, pf);
+    for (; d0 + MA_VL <= Dv; d0 += MA_VL) axpy_rows_block(R, 1, o, p, ldp, Dv, v, dt, off, ld, d0, c0, ks, pf);
     if (d0 < Dv)
         for (int r = 0; r < R; r++)
-            axpy_keys_strip(1, 1, 0, o + r * Dv, p + r * ldp + c0, ldp, Dv, v, dt, off + c0 * ld, ld, ks, d0, 0);
+            axpy_keys_strip(1, 1, 0, o + r * Dv, p + r * ldp + c0, ldp, Dv, v, dt, off + c0 * ld, ld, ks, d0,
+                            r == 0 ? pf : 0);
 }
 
-/* Every key, KS at a time (axpy_rows_block), every row for them before the next keys;
- * each run prefetches the rows pf elements on. */
+/* Every key, KS at a time (axpy_rows_block), every row for them before the next keys; the
+ * value rows prefetched pf elements on, spread over the first tile's strips or at each run's
+ * start (above). */
 MA_INLINE void axpy_rows_all(const int64_t KS, float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv,
                              const void *v, const ma_dtype dt, int64_t off, int64_t ld, int64_t nc, int64_t pf) {
     const int64_t es = ma_dtype_size(dt);
+    const int spread = KS > MA_PV_KEYS_SEQ && nr <= 2 * MA_PV_ROWS;
     for (int64_t c0 = 0; c0 < nc; c0 += KS) {
         const int64_t ks = ma_min(KS, nc - c0);
-        if (pf)
+        if (pf && !spread)
             for (int64_t c = 0; c < ks; c++)
                 prefetch_lines((const char *)v + (off + (c0 + c) * ld) * es, Dv * es, pf * es);
         for (int64_t r = 0; r < nr; r += MA_PV_ROWS) {
             const int64_t R = ma_min(MA_PV_ROWS, nr - r);
             float *o_r = o + r * Dv;
             const float *p_r = p + r * ldp;
-#define MA_ROWS(R) axpy_rows_keys(R, o_r, p_r, ldp, Dv, v, dt, off, ld, c0, ks)
+#define MA_ROWS(R) axpy_rows_keys(R, o_r, p_r, ldp, Dv, v, dt, off, ld, c0, ks, spread &&r == 0 ? pf : 0)
             switch (R) {
             case 1: MA_ROWS(1); break;
             case 2: MA_ROWS(2); break;
