@@ -590,7 +590,7 @@ MA_INLINE void axpy_rows_all(const int64_t KS, float *o, const float *p, int64_t
             const int64_t R = ma_min(MA_PV_ROWS, nr - r);
             float *o_r = o + r * Dv;
             const float *p_r = p + r * ldp;
-#define MA_ROWS(R) axpy_rows_keys(R, o_r, p_r, ldp, Dv, v, dt, off, ld, c0, ks, spread &&r == 0 ? pf : 0)
+#define MA_ROWS(R) axpy_rows_keys(R, o_r, p_r, ldp, Dv, v, dt, off, ld, c0, ks, (spread && r == 0) ? pf : 0)
             switch (R) {
             case 1: MA_ROWS(1); break;
             case 2: MA_ROWS(2); break;
