@@ -2,8 +2,9 @@
  * decode_blocks.c -- the decode kernel's products alone: dot_rows (scores from key rows) and
  * axpy_keys (P V from value rows) of the AVX2 instance over 64 keys in L1, as a share of the
  * FMA peak measured in the same process (12 chains of FMAs, alternated with the kernels), and
- * beside them a prototype of the scores in 4 rows x 3 keys (docs/decoding-performance.md, "The
- * products' own speed").
+ * beside them a prototype of the scores in 4 rows x 3 keys; over int8 keys (the 8-bit cache),
+ * dot_rows' float products beside dot_rows_i8's integer ones, as multiply-adds a second over the
+ * FMA peak's (docs/decoding-performance.md, "The products' own speed").
  * What a decode step costs where its cache is in cache. x86-64 with AVX2 only:
  *
  *   cc -std=c11 -O3 -mavx2 -mfma -mf16c -Icsrc -include csrc/common/glibc_compat.h \
@@ -25,6 +26,8 @@
 
 typedef void (*dot_fn)(float *, int64_t, const float *, int64_t, int64_t, const void *, ma_dtype, int64_t, int64_t,
                        int64_t, int64_t);
+typedef void (*i8_fn)(float *, int64_t, const int16_t *, const float *, int64_t, int64_t, const int8_t *, int64_t,
+                      int64_t, int64_t, int64_t);
 typedef void (*axpy_fn)(float *, const float *, int64_t, int64_t, int64_t, const void *, ma_dtype, int64_t, int64_t,
                         int64_t, int64_t);
 
@@ -78,6 +81,7 @@ static void natural_bench(float *s, int64_t lds, const float *q, int64_t nr, int
 /* called through pointers the compiler cannot see through, so that nothing is specialised */
 static dot_fn volatile dot_rows = dot_rows_bench, natural = natural_bench;
 static axpy_fn volatile axpy_keys = axpy_keys_bench;
+static i8_fn volatile dot_rows_i8 = dot_rows_i8_bench;
 
 static double now(void) {
     struct timespec t;
@@ -110,14 +114,19 @@ int main(int argc, char **argv) {
           *o = malloc(sizeof(float) * 16 * D);
     float *k = malloc(sizeof(float) * nc * ld);
     uint16_t *kb = malloc(sizeof(uint16_t) * nc * ld);
-    for (int64_t i = 0; i < 16 * D; i++) q[i] = 0.01f * (float)(i % 7), o[i] = 0;
-    for (int64_t i = 0; i < nc * ld; i++) k[i] = 0.001f * (float)(i % 13), kb[i] = ma_f32_to_bf16(k[i]);
+    int8_t *k8 = malloc((size_t)(nc * ld));
+    int16_t *q16 = malloc(sizeof(int16_t) * 16 * D);
+    float qs[16];
+    for (int64_t i = 0; i < 16 * D; i++) q[i] = 0.01f * (float)(i % 7), o[i] = 0, q16[i] = (int16_t)(i % 2001 - 1000);
+    for (int64_t i = 0; i < 16; i++) qs[i] = 1e-3f;
+    for (int64_t i = 0; i < nc * ld; i++)
+        k[i] = 0.001f * (float)(i % 13), kb[i] = ma_f32_to_bf16(k[i]), k8[i] = (int8_t)(i % 255 - 127);
     for (int64_t i = 0; i < 16 * nc; i++) s[i] = 0.001f;
     const int64_t fma_n = reps * nr * nc * D / 96 + 1; /* about a kernel's FMAs */
     volatile float sink = 0;
-    for (int t = 0; t < 2; t++) {
-        const void *kv = t ? (const void *)kb : (const void *)k;
-        const ma_dtype dt = t ? MA_BF16 : MA_F32;
+    for (int t = 0; t < 3; t++) {
+        const void *kv = t == 2 ? (const void *)k8 : t ? (const void *)kb : (const void *)k;
+        const ma_dtype dt = t == 2 ? MA_I8 : t ? MA_BF16 : MA_F32;
         /* the best of many short runs of each, alternated (the machine is shared: interference
          * only ever slows a run) */
         double best[4] = {1e9, 1e9, 1e9, 1e9}; /* seconds an FMA: the peak loop, the 3 kernels */
@@ -131,17 +140,21 @@ int main(int argc, char **argv) {
                 for (int64_t r = 0; r < reps; r++)
                     if (i == 1) dot_rows(s, nc, q, nr, D, kv, dt, 0, ld, nc, 0);
                     else if (i == 2) axpy_keys(o, s, nc, nr, D, kv, dt, 0, ld, nc, 0);
-                    else natural(s, nc, q, nr, D, kv, dt, 0, ld, nc, 0);
+                    else if (t < 2) natural(s, nc, q, nr, D, kv, dt, 0, ld, nc, 0);
+                    else dot_rows_i8(s, nc, q16, qs, nr, D, k8, 0, ld, nc, 0);
                 e = (now() - t0) / (double)(reps * nr * nc * D);
                 best[i] = e < best[i] ? e : best[i];
             }
         }
         const double peak = best[0], share[3] = {best[0] / best[1], best[0] / best[2], best[0] / best[3]};
         printf("%s rows=%ld stride=%ld D=%ld, %% of the FMA peak (%.1f GFLOP/s): dot_rows %.0f, axpy_keys %.0f; "
-               "4 x 3 scores %.0f\n",
-               t ? "bf16" : "f32 ", (long)nr, (long)ld, (long)D, 2e-9 / peak, 100 * share[0], 100 * share[1],
-               100 * share[2]);
+               "%s %.0f\n",
+               t == 2 ? "int8"
+               : t    ? "bf16"
+                      : "f32 ",
+               (long)nr, (long)ld, (long)D, 2e-9 / peak, 100 * share[0], 100 * share[1],
+               t == 2 ? "dot_rows_i8 (integer)" : "4 x 3 scores", 100 * share[2]);
     }
-    free(q), free(s), free(o), free(k), free(kb);
+    free(q), free(s), free(o), free(k), free(kb), free(k8), free(q16);
     return sink == 12345.f;
 }

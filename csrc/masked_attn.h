@@ -178,7 +178,9 @@ typedef struct {
      * values are k_scale[j] * k[j, :] and v_scale[j] * v[j, :]. Strides b, h,
      * row, and (paged) the page's in stride[3], as the rows they scale. The
      * scales never multiply K or V: the scores are scale * (q . k_j) * k_scale[j]
-     * (the product over the integers, converted exactly to float), and P V takes
+     * (the product over the integers, converted exactly to float; a decode step's
+     * with q rounded to int16 and the dot product in integers, docs/design/16-kv-int8.md),
+     * and P V takes
      * P_ij v_scale[j] (after l has summed P): no dequantized copy of a row
      * exists. Forward only; both set or neither. */
     ma_mask k_scale, v_scale;

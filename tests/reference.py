@@ -11,6 +11,7 @@
 * ``philox``, ``keep_mask``: attention dropout's keep mask as masked_attn.h defines it
   (Philox-4x32-10; tests/attention/test_dropout.py checks it against Random123's known answers
   and the kernels' masks).
+* ``q_int16``: query rows as the 8-bit cache's integer scores read them (the decode's rows).
 * ``cross_entropy64``: cross-entropy with every option of torch_masked_attn's (z-loss, soft-cap
   beside PyTorch's weight, ignore_index, label smoothing, probability targets), composed from
   F.cross_entropy in the inputs' dtype (tools/fuzz.py's).
@@ -164,6 +165,25 @@ def attention64(
     res = (out,) + ((p,) if return_weights else ()) + ((lse,) if return_lse else ())
     res += (scores,) if return_scores else ()
     return res[0] if len(res) == 1 else res
+
+
+def q_int16(q, scale=None):
+    """q as the 8-bit cache's integer scores read it (docs/design/16-kv-int8.md, "Decoding"), in
+    float64: each row of scale * q, in float32, rounded to int16 steps of max |row| / Qm with
+    Qm = min(32767, (2^31 - 1) // (128 D)), ties to even; then divided by the scale, so that
+    attention64 with the same scale attends with those values. A row of zeros stays 0; a row
+    with inf or NaN is NaN."""
+    D = q.shape[-1]
+    s32 = torch.tensor(1.0 / math.sqrt(D) if scale is None else scale, dtype=torch.float32)
+    x = q.float() * s32
+    fin = torch.isfinite(x).all(-1, keepdim=True)
+    mx = x.abs().masked_fill(~torch.isfinite(x), 0).amax(-1, keepdim=True)
+    qm = torch.full_like(mx, float(min(32767, (2**31 - 1) // (128 * D))))
+    q16 = (x * (qm / mx)).round()  # (a float32 product, rounded half to even)
+    out = q16.double() * (mx / qm).double()
+    out = torch.where(mx == 0, torch.zeros_like(out), out)
+    out = torch.where(fin, out, torch.full_like(out, math.nan))
+    return out / s32.double()
 
 
 # ---- cross-entropy -------------------------------------------------------------------------

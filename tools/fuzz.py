@@ -70,7 +70,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 import torch_masked_attn  # noqa: E402, F401  (registers the ops)
-from reference import attention64, cross_entropy64, keep_mask  # noqa: E402
+from reference import attention64, cross_entropy64, keep_mask, q_int16  # noqa: E402
 from torch_masked_attn import functional as tmf  # noqa: E402
 from torch_masked_attn import ops  # noqa: E402
 
@@ -862,6 +862,8 @@ def run_attention(c: Attention, breaks: frozenset = frozenset()) -> Result:
     def reference(qkv_dtype, mask64, reorder=False):
         lv, tt = _leaves(c, t, qkv_dtype, mask64)
         q, opts = tt["q"], dict(kw)
+        if c.int8 and c.Lq <= 16 and not c.need_weights and all(t["int8"][n][0].stride(-1) == 1 for n in "kv"):
+            q = q_int16(q.detach(), c.scale).to(qkv_dtype)  # the decode's integer scores read q so
         if reorder:  # q scaled before q k^T: flash-attention's second torch reference
             q, opts["scale"] = q * (kw["scale"] if kw["scale"] is not None else 1.0 / math.sqrt(c.D)), 1.0
         opts.setdefault("attn_mask", tt["am"])

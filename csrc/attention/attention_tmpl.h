@@ -80,6 +80,7 @@
 #define ROW_MAX BLK(row_max)
 #define DOT_KEYS_T BLK(dot_keys_t)
 #define DOT_ROWS BLK(dot_rows)
+#define DOT_ROWS_I8 BLK(dot_rows_i8)
 #define AXPY_KEYS BLK(axpy_keys)
 #define DROPOUT BLK(dropout)
 
@@ -109,6 +110,7 @@
 #undef ROW_MAX
 #undef DOT_KEYS_T
 #undef DOT_ROWS
+#undef DOT_ROWS_I8
 #undef AXPY_KEYS
 #undef DROPOUT
 #undef FN

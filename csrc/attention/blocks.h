@@ -33,6 +33,12 @@
  *       scalar block a product and a sum), then folded in halves (p_j +
  *       p_(j+W/2), then + W/4, ..., + 1), so that each key row is read once, in
  *       order; not the GEMM's bits (docs/design.md, "Decoding")
+ *   dot_rows_i8_X(s, lds, q16, qs, nr, D, k, off, ld, nc, pf)
+ *       the 8-bit cache's scores in integers: s[r*lds + c] = (float)(q16 row r . k
+ *       row c) * qs[r], q16 int16 (D elements a row), k int8; the dot product
+ *       exact in int32 (the caller keeps sum |q16| 128 under 2^31), then one
+ *       rounding to float and one of the product: bit for bit the same in every
+ *       variant (float arithmetic whatever the instance's ACC)
  *   dot_keys_t_X(s, lds, q, nr, D, k, dt, off, ldd, nc, pf)     (nr <= 8)
  *       the scores from keys stored transposed: element d of key c at
  *       k[off + c + d*ldd] (a K^T page), summed in gemm_X's order (bit for bit
@@ -112,6 +118,8 @@ typedef struct {
     void (*dot_rows)(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
                      int64_t off, int64_t ld, int64_t nc, int64_t pf);
     int dot_rows_w; /* dot_rows' partial sums (W) */
+    void (*dot_rows_i8)(float *s, int64_t lds, const int16_t *q, const float *qs, int64_t nr, int64_t D,
+                        const int8_t *k, int64_t off, int64_t ld, int64_t nc, int64_t pf);
 } ma_blocks;
 
 /* The float blocks of variant isa (AMX and AVX512-BF16: AVX-512's, SVE-BF16: NEON's, which their

@@ -109,6 +109,21 @@ static void B_(axpy_keys)(T *o, const T *p, int64_t ldp, int64_t nr, int64_t Dv,
             for (int64_t d = 0; d < Dv; d++) o[r * Dv + d] += p[r * ldp + c] * LOADT(v, dt, off + c * ld + d);
 }
 
+#ifndef MA_DOT_ROWS_I8_SCALAR /* integers and float32 whatever T: defined once, by the float instance */
+#define MA_DOT_ROWS_I8_SCALAR
+/* the exact integer dot product, rounded once to float, times qs[r] (blocks.h) */
+static void dot_rows_i8_scalar(float *s, int64_t lds, const int16_t *q, const float *qs, int64_t nr, int64_t D,
+                               const int8_t *k, int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+    (void)pf;
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t c = 0; c < nc; c++) {
+            int32_t acc = 0;
+            for (int64_t d = 0; d < D; d++) acc += (int32_t)q[r * D + d] * k[off + c * ld + d];
+            s[r * lds + c] = (float)acc * qs[r];
+        }
+}
+#endif
+
 #ifndef MA_QUANTIZE_ROW_SCALAR /* float arithmetic whatever T: defined once, by the float instance */
 #define MA_QUANTIZE_ROW_SCALAR
 static void quantize_row_scalar(const void *x, ma_dtype dt, int64_t n, int8_t *q, float *scale) {

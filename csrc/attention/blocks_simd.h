@@ -398,6 +398,94 @@ static void BLK(dot_rows)(float *s, int64_t lds, const float *q, int64_t nr, int
     else dot_rows_dt(s, lds, q, nr, D, k, MA_F16, off, ld, nc, pf);
 }
 
+/* ---- dot_rows_i8: the 8-bit cache's scores in integers ---------------------------------------
+ *
+ * s[r * lds + c] = (float)(q_r . k_c) * qs[r] with q_r in int16 (the decode's query rows, each
+ * quantized with its scale qs[r]: FN(quantize_q16)) and k_c int8: the dot product is exact in
+ * int32 (the caller keeps |q| D 128 under 2^31), so its value, its one rounding to float and the
+ * one of the product with qs are the same on every instruction set and in the scalar block,
+ * whatever the tile or the order. The register tile is dot_rows' (RP rows x KI keys, each key and
+ * q vector loaded once into a register), MA_HL elements of D a step (AVX2: vpmaddwd, 16 products
+ * an instruction against an FMA's 8, and no conversion of the keys to float32); the rest of D
+ * (D % MA_HL) in scalar integers. */
+MA_INLINE void dot_i8_keys(const int RP, const int KI, vs *xs, int32_t *xt, int64_t i, const int16_t *q, int64_t D,
+                           const int8_t *k, int64_t ld, int64_t c, int64_t pf) {
+    vs acc[MA_DR_CHAINS]; /* acc[j * RP + r] */
+#pragma GCC unroll 32
+    for (int x = 0; x < KI * RP; x++) acc[x] = vs_zero();
+    int64_t d = 0;
+    for (; d + MA_HL <= D; d += MA_HL) {
+        if (pf && d % MA_CACHE_LINE == 0)
+#pragma GCC unroll 16
+            for (int j = 0; j < KI; j++) prefetch_lines((const char *)(k + (c + j) * ld + d), MA_HL, pf);
+        vh kv[MA_DR_CHAINS];
+#pragma GCC unroll 16
+        for (int j = 0; j < KI; j++) {
+            kv[j] = vh_load_i8(k + (c + j) * ld + d);
+            if (RP > 1) kv[j] = vh_in_reg(kv[j]);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < RP; r++) {
+            const vh qv = vh_in_reg(vh_load_i16(q + r * D + d));
+#pragma GCC unroll 16
+            for (int j = 0; j < KI; j++) acc[j * RP + r] = vs_dot(acc[j * RP + r], kv[j], qv);
+        }
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < KI; j++)
+#pragma GCC unroll 8
+        for (int r = 0; r < RP; r++) {
+            int32_t t = 0;
+            for (int64_t e = d; e < D; e++) t += (int32_t)q[r * D + e] * k[(c + j) * ld + e];
+            xs[r * MA_VL + i + j] = acc[j * RP + r], xt[r * MA_VL + i + j] = t;
+        }
+}
+
+/* Rows 0 .. RP against keys c0 .. c0 + nk (nk <= VL), dot_rows_group's tiles; the sums folded */
+MA_INLINE void dot_i8_group(const int RP, float *s, int64_t lds, const int16_t *q, const float *qs, int64_t D,
+                            const int8_t *k, int64_t ld, int64_t c0, int64_t nk, int64_t pf) {
+    const int KI = MA_DR_KI(RP);
+    vs xs[MA_DR_ROWS * MA_VL];
+    int32_t xt[MA_DR_ROWS * MA_VL];
+    int64_t i = 0;
+    for (; i + KI <= nk; i += KI) dot_i8_keys(RP, KI, xs, xt, i, q, D, k, ld, c0 + i, pf);
+    if (KI > 2 && i + 2 <= nk) dot_i8_keys(RP, ma_min(2, KI), xs, xt, i, q, D, k, ld, c0 + i, pf), i += 2;
+    for (; i < nk; i++) dot_i8_keys(RP, 1, xs, xt, i, q, D, k, ld, c0 + i, pf);
+    for (int r = 0; r < RP; r++) {
+        const vs *x = xs + r * MA_VL;
+        const int32_t *t = xt + r * MA_VL;
+        float *sr = s + r * lds + c0;
+#ifdef MA_FOLD_LANES_I
+        if (nk == MA_VL && D % MA_HL == 0) {
+            vf_store(sr, vf_mul(vs_to_f(vs_fold_lanes(x)), vf_set1(qs[r])));
+            continue;
+        }
+#endif
+        for (int64_t y = 0; y < nk; y++) sr[y] = (float)(vs_hsum(x[y]) + t[y]) * qs[r];
+    }
+}
+
+static void BLK(dot_rows_i8)(float *s, int64_t lds, const int16_t *q, const float *qs, int64_t nr, int64_t D,
+                             const int8_t *k, int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+    const int64_t passes = ma_cdiv(nr, MA_DR_ROWS), RP = nr / passes, wide = nr % passes; /* dot_rows_dt's */
+    k += off;
+    for (int64_t c0 = 0; c0 < nc; c0 += MA_VL) {
+        const int64_t nk = ma_min(MA_VL, nc - c0);
+        for (int64_t x = 0, r0 = 0; x < passes; x++) {
+            const int64_t R = RP + (x < wide), pr = r0 == 0 ? pf : 0;
+#define MA_PASS(R) dot_i8_group(R, s + r0 * lds, lds, q + r0 * D, qs + r0, D, k, ld, c0, nk, pr)
+            switch (R) {
+            case 1: MA_PASS(1); break;
+            case 2: MA_PASS(ma_min(2, MA_DR_ROWS)); break;
+            case 3: MA_PASS(ma_min(3, MA_DR_ROWS)); break;
+            default: MA_PASS(ma_min(4, MA_DR_ROWS)); break;
+            }
+#undef MA_PASS
+            r0 += R;
+        }
+    }
+}
+
 /* ---- axpy_rows: P V with the value rows read in order ----------------------------------------
  *
  * axpy_keys' sums (o[r][d] += p[r][c] v_c[d], one FMA per key in key order, so its bits) as a

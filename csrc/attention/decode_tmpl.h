@@ -25,6 +25,8 @@
  * i0 + r of head h + y. */
 typedef struct {
     const ACC *q;                /* (R, D): scale * Q, R = nh nr */
+    const int16_t *q16;          /* (R, D): q in int16 for the 8-bit cache's key rows, else NULL */
+    const float *qs;             /* (R): q16's scales (FN(quantize_q16)) */
     ACC *o, *m, *l;              /* (R, Dv), (R), (R): running output, max and sum */
     const ma_dropout *const *dr; /* dr[y]: head h + y's dropout (NULL: the call has none) */
     int64_t b, h, hk, i0, nr, nh;
@@ -50,6 +52,12 @@ static void FN(rows_scores)(const ma_attn_fwd_params *p, const FN(row_block) * w
     const ma_attn_args *a = &p->a;
     const int64_t D = a->D, R = w->nh * w->nr, *ks = a->k_stride;
     const ma_dtype kvt = FN(kv_dtype)(a);
+#ifndef MA_ACC_F64
+    if (w->q16) { /* the 8-bit cache's key rows: integer products */
+        DOT_ROWS_I8(s, lds, w->q16, w->qs, R, D, (const int8_t *)a->k, k_off, ks[2], n, pf);
+        return;
+    }
+#endif
     if (ks[3] == 1) DOT_ROWS(s, lds, w->q, R, D, a->k, kvt, k_off, ks[2], n, pf);
     else /* keys side by side, each element a row apart: a K^T page (the serving cache's layout) */
         for (int64_t i = 0; i < R; i += 8)
@@ -224,11 +232,48 @@ static int64_t FN(decode_step)(const ma_attn_args *a, int64_t b, int64_t *j0, in
     return nc;
 }
 
+/* Whether the scores of the 8-bit cache's key rows are integer products (DOT_ROWS_I8): key rows
+ * (not K^T pages) of int8 in a float32 instance. */
+static inline int FN(i8_scores)(const ma_attn_args *a) {
+#ifdef MA_ACC_F64
+    (void)a;
+    return 0;
+#else
+    return FN(kv_dtype)(a) == MA_I8 && a->k_stride[3] == 1;
+#endif
+}
+
+/* A query row q (D elements, scale * Q) for DOT_ROWS_I8: q16 = round(q Qm / max |q|) (ties to
+ * even), *qs = max |q| / Qm, Qm = min(32767, (2^31 - 1) / (128 D)), so that a dot product with
+ * int8 keys (|k| <= 128) stays exact in int32. A row of zeros: qs 0; with inf or NaN: qs NaN (its
+ * scores NaN, as the float products give). q16's rounding (half a step of max |q| / Qm an
+ * element) is 1/256 of the int8 keys' own (docs/design/16-kv-int8.md). */
+static void FN(quantize_q16)(const ACC *q, int64_t D, int16_t *q16, float *qs) {
+    const float qm = (float)ma_min(32767, (int64_t)INT32_MAX / (128 * D));
+    float mx = 0;
+    int finite = 1;
+    for (int64_t d = 0; d < D; d++) {
+        const float v = (float)q[d];
+        if (!isfinite(v)) finite = 0;
+        else if (fabsf(v) > mx) mx = fabsf(v);
+    }
+    if (!finite || mx == 0) {
+        memset(q16, 0, (size_t)D * sizeof(int16_t));
+        *qs = finite ? 0.0f : NAN;
+        return;
+    }
+    const float inv = qm / mx;
+    for (int64_t d = 0; d < D; d++) q16[d] = (int16_t)lrintf((float)q[d] * inv);
+    *qs = mx / qm;
+}
+
 /* A decode task's state: for each of its key heads (p->decode_kv_heads of them), rows (at most
  * p->decode_rows): scale * Q, the chunk's running state (o, m, l), the fold's (O, M, L); and the
  * step's scratch (one key head's rows). */
 typedef struct {
     ACC *q, *o, *m, *l, *O, *M, *L;
+    int16_t *q16; /* (KG, rows, D): q for DOT_ROWS_I8 (FN(i8_scores)) */
+    float *qs;    /* (KG, rows): its scales */
     FN(rows_tmp) tmp;
     ma_dropout *drop;         /* (KG, rows): each head's dropout, where the call has one */
     const ma_dropout **drops; /* (KG, rows): pointers to them */
@@ -275,10 +320,18 @@ static inline size_t FN(decode_fwd_bytes)(const ma_attn_fwd_params *p) {
     return ma_round_up(MA_CACHE_LINE + (size_t)(D * BQ + BK * BQ + BQ * Dv + 5 * BQ) * sizeof(ACC), MA_CACHE_LINE);
 }
 
-/* Where the hooks' scratch starts: after the forward's, the decode state and the dropouts. */
+/* q16 and qs of the 8-bit cache's key rows (FN(i8_scores)), else none */
+static inline size_t FN(decode_q16_bytes)(const ma_attn_fwd_params *p) {
+    const size_t RA = (size_t)(p->decode_kv_heads * p->decode_rows);
+    return FN(i8_scores)(&p->a) ? ma_round_up(RA * (size_t)p->a.D * sizeof(int16_t), MA_CACHE_LINE) +
+                                      ma_round_up(RA * sizeof(float), MA_CACHE_LINE)
+                                : 0;
+}
+
+/* Where the hooks' scratch starts: after the forward's, the decode state, the dropouts and q16. */
 static size_t FN(decode_tiles_at)(const ma_attn_fwd_params *p) {
     return FN(decode_fwd_bytes)(p) + ma_round_up(FN(decode_extra_elems)(p) * sizeof(ACC), MA_CACHE_LINE) +
-           FN(decode_drop_bytes)(p);
+           FN(decode_drop_bytes)(p) + FN(decode_q16_bytes)(p);
 }
 
 /* The forward's scratch (FN(fwd_carve): c->t, which FN(fwd_head_end) uses) without its head
@@ -305,6 +358,9 @@ static FN(decode_scratch) FN(decode_carve)(void *scratch, const ma_attn_fwd_para
         (char *)scratch + FN(decode_fwd_bytes)(p) + ma_round_up(FN(decode_extra_elems)(p) * sizeof(ACC), MA_CACHE_LINE);
     d.drop = (ma_dropout *)y; /* (sizeof(ma_dropout) a multiple of a pointer's) */
     d.drops = (const ma_dropout **)(y + (size_t)RA * sizeof(ma_dropout));
+    y += FN(decode_drop_bytes)(p);
+    d.q16 = FN(i8_scores)(&p->a) ? (int16_t *)y : NULL;
+    d.qs = FN(i8_scores)(&p->a) ? (float *)(y + ma_round_up((size_t)(RA * D) * sizeof(int16_t), MA_CACHE_LINE)) : NULL;
     return d;
 }
 
@@ -387,6 +443,10 @@ static void FN(attn_decode)(int64_t begin, int64_t end, void *vctx) {
                     FN(convert_row)(d.q + (x * RM + y * nr + r) * D, 1, p->a.q, p->a.dtype,
                                     b * p->a.q_stride[0] + (it[x].h0 + y) * p->a.q_stride[1] + r * p->a.q_stride[2],
                                     p->a.q_stride[3], D, (ACC)p->a.scale);
+        if (d.q16)
+            for (int64_t x = 0; x < KG; x++)
+                for (int64_t r = 0; r < R; r++)
+                    FN(quantize_q16)(d.q + (x * RM + r) * D, D, d.q16 + (x * RM + r) * D, d.qs + x * RM + r);
         for (int64_t x = 0; x < KG; x++) FN(decode_reset)(d.O + x * RM * Dv, d.M + x * RM, d.L + x * RM, R, Dv);
         for (int64_t ch = cb; ch < ce; ch++) {
             const int64_t j_end = ma_min(it[0].kv_end, (ch + 1) * CK);
@@ -405,6 +465,8 @@ static void FN(attn_decode)(int64_t begin, int64_t end, void *vctx) {
                         for (int64_t y = 0; y < it[x].nh; y++)
                             d.drops[x * RM + y] = FN(head_dropout)(&p->a, b, it[x].h0 + y, &d.drop[x * RM + y]);
                     const FN(row_block) r = {d.q + x * RM * D,
+                                             d.q16 ? d.q16 + x * RM * D : NULL,
+                                             d.qs ? d.qs + x * RM : NULL,
                                              d.o + x * RM * Dv,
                                              d.m + x * RM,
                                              d.l + x * RM,

@@ -40,6 +40,14 @@
  * Integers (Philox): vi_set1, vi_lanes (0, 1, ...), vi_add, vi_xor, vi_and,
  *   vi_srl32, vi_mul_even (even lanes' unsigned 32 x 32 -> 64-bit products),
  *   vi_srl64, vi_sll64, vi_blend_odd(a, b) (odd lanes from b), vi_gt -> vm
+ * Integer products (the 8-bit cache's scores: exact, so every set's sums are the same):
+ *   vh: MA_HL int8 or int16 elements as the set's product takes them (AVX2, AVX-512: int16,
+ *   NEON: int16, SVE: widened to int32 lanes); vs: signed int32 lanes (sums).
+ *   vh_load_i8(p), vh_load_i16(p) (MA_HL elements at p, widened), vh_in_reg (as vf_in_reg),
+ *   vs_zero, vs_dot(acc, a, b) (acc + a's and b's elementwise products, summed into acc's
+ *   lanes: which lane takes which product is the set's), vs_hsum(v) (its lanes' sum), vs_to_f
+ *   (lanes to float32, rounded to nearest even), vs_store(p, v) (MA_VL int32);
+ *   optionally (#define MA_FOLD_LANES_I) vs_fold_lanes(r) (lane i: the sum of r[i]'s lanes)
  * Block shapes, constants the blocks read (attention/blocks_simd.h says what
  * each shapes): MA_GEMM_MR, MA_GEMM_NV, MA_GEMM_TAIL_MR, MA_GEMM_TAIL_NV,
  *   MA_GEMM_PACK, MA_MASKED_EDGES, MA_KT_NV(nr), MA_AXPY_ROWS, MA_AXPY_NV(R),

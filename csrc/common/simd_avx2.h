@@ -91,6 +91,34 @@ static inline __attribute__((always_inline)) vf vf_in_reg(vf v) {
 #define vi_blend_odd(a, b) _mm256_blend_epi32(a, b, 0xAA)
 #define vi_gt(a, b) _mm256_castsi256_ps(_mm256_cmpgt_epi32(a, b))
 
+/* Integer products: 16 int16 a vh, vpmaddwd's pairs summed into 8 int32 lanes, then added */
+#define MA_HL 16
+typedef __m256i vh;
+typedef __m256i vs;
+#define vh_load_i8(p) _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(p)))
+#define vh_load_i16(p) _mm256_loadu_si256((const __m256i *)(const void *)(p))
+#define vs_zero _mm256_setzero_si256
+#define vs_dot(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
+#define vs_to_f _mm256_cvtepi32_ps
+#define vs_store(p, v) _mm256_storeu_si256((__m256i *)(void *)(p), v)
+static inline __attribute__((always_inline)) vh vh_in_reg(vh v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+static inline int32_t vs_hsum(vs v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+/* lane i: r[i]'s 8 lanes summed (horizontal adds of pairs, then the two halves) */
+#define MA_FOLD_LANES_I
+static inline vs vs_fold_lanes(const vs r[8]) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(r[0], r[1]), _mm256_hadd_epi32(r[2], r[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(r[4], r[5]), _mm256_hadd_epi32(r[6], r[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
 static inline vm vm_first(int64_t n) {
     const int nn = n < 0 ? 0 : n > 8 ? 8 : (int)n;
     return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nn), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));

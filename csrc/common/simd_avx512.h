@@ -90,6 +90,26 @@ static inline __attribute__((always_inline)) vf vf_in_reg(vf v) {
 #define vi_blend_odd(a, b) _mm512_mask_blend_epi32(0xAAAA, a, b)
 #define vi_gt(a, b) _mm512_cmpgt_epi32_mask(a, b)
 
+/* Integer products: 32 int16 a vh, vpmaddwd's pairs (VNNI: vpdpwssd) into 16 int32 lanes */
+#define MA_HL 32
+typedef __m512i vh;
+typedef __m512i vs;
+#define vh_load_i8(p) _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(const void *)(p)))
+#define vh_load_i16(p) _mm512_loadu_si512((const void *)(p))
+#define vs_zero _mm512_setzero_si512
+#ifdef __AVX512VNNI__
+#define vs_dot(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
+#else
+#define vs_dot(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
+#endif
+#define vs_hsum _mm512_reduce_add_epi32
+#define vs_to_f _mm512_cvtepi32_ps
+#define vs_store(p, v) _mm512_storeu_si512((void *)(p), v)
+static inline __attribute__((always_inline)) vh vh_in_reg(vh v) {
+    __asm__("" : "+v"(v));
+    return v;
+}
+
 static inline vm vm_first(int64_t n) { return n >= 16 ? (vm)0xffff : n <= 0 ? (vm)0 : (vm)((1u << n) - 1u); }
 
 static inline __attribute__((always_inline)) vf vf_load_dt(const void *base, ma_dtype dt, int64_t off, int64_t n) {

@@ -80,6 +80,19 @@ typedef uint32x4_t vm;
 #define vi_sll64(a, n) vreinterpretq_u32_u64(vshlq_n_u64(vreinterpretq_u64_u32(a), n))
 #define vi_gt(a, b) vcgtq_s32(vreinterpretq_s32_u32(a), vreinterpretq_s32_u32(b))
 
+/* Integer products: 8 int16 a vh, widening multiply-adds of each half into 4 int32 lanes */
+#define MA_HL 8
+typedef int16x8_t vh;
+typedef int32x4_t vs;
+#define vh_load_i8(p) vmovl_s8(vld1_s8((const int8_t *)(p)))
+#define vh_load_i16(p) vld1q_s16((const int16_t *)(p))
+#define vh_in_reg(v) (v)
+#define vs_zero() vdupq_n_s32(0)
+#define vs_dot(acc, a, b) vmlal_high_s16(vmlal_s16(acc, vget_low_s16(a), vget_low_s16(b)), a, b)
+#define vs_hsum vaddvq_s32
+#define vs_to_f vcvtq_f32_s32
+#define vs_store(p, v) vst1q_s32((int32_t *)(p), v)
+
 /* x86's maxps / minps: a where a > b (a < b), else b (so b where either is NaN) */
 static inline vf vf_max(vf a, vf b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }
 static inline vf vf_min(vf a, vf b) { return vbslq_f32(vcltq_f32(a, b), a, b); }

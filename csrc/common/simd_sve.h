@@ -112,6 +112,19 @@ MA_F vi vi_sll64(vi a, int n) {
 }
 MA_F vm vi_gt(vi a, vi b) { return svcmpgt_s32(MA_PT, svreinterpret_s32_u32(a), svreinterpret_s32_u32(b)); }
 
+/* Integer products: VL elements a vh, each widened to an int32 lane as loaded, multiply-added */
+#define MA_HL MA_VL
+typedef svint32_t vh __attribute__((arm_sve_vector_bits(MA_SVE_BITS)));
+typedef svint32_t vs __attribute__((arm_sve_vector_bits(MA_SVE_BITS)));
+MA_F vh vh_load_i8(const int8_t *p) { return svld1sb_s32(MA_PT, p); }
+MA_F vh vh_load_i16(const int16_t *p) { return svld1sh_s32(MA_PT, p); }
+MA_F vh vh_in_reg(vh v) { return v; }
+MA_F vs vs_zero(void) { return svdup_n_s32(0); }
+MA_F vs vs_dot(vs acc, vh a, vh b) { return svmla_s32_x(MA_PT, acc, a, b); }
+MA_F int32_t vs_hsum(vs v) { return (int32_t)svaddv_s32(MA_PT, v); }
+MA_F vf vs_to_f(vs v) { return svcvt_f32_s32_x(MA_PT, v); }
+MA_F void vs_store(int32_t *p, vs v) { svst1_s32(MA_PT, p, v); }
+
 /* x86's maxps / minps: a where a > b (a < b), else b (so b where either is NaN) */
 MA_F vf vf_max(vf a, vf b) { return svsel_f32(svcmpgt_f32(MA_PT, a, b), a, b); }
 MA_F vf vf_min(vf a, vf b) { return svsel_f32(svcmplt_f32(MA_PT, a, b), a, b); }

@@ -435,6 +435,46 @@ static void test_int8(const ma_blocks *v) {
 /* dropout: bit for bit the scalar block's, both layouts, in place and the
  * multiplier form, at every row/key edge of the 8- and 16-lane blocks and
  * unaligned key starts; and the mask is the definition (ma_dropout_keep). */
+/* dot_rows_i8: the exact integer dot product (an int64 sum here), rounded once to float and
+ * multiplied by the row's scale, bit for bit in every variant; q16 and keys at their extremes
+ * (|q16| at the bound the decode keeps, keys -128 and 127), D past and not a multiple of every
+ * variant's step, rows and keys past every tile; columns past nc untouched; scale 0 and NaN. */
+static void test_dot_rows_i8(const ma_blocks *v) {
+    static const int64_t ns[] = {1, 7, 8, 9, 16, 33, 100};
+    static const int64_t ds[] = {1, 16, 17, 32, 64, 80, 96, 128, 256, 512};
+    static const int64_t rs[] = {1, 2, 3, 4, 5, 7, 8, 16};
+    for (int in = 0; in < 7; in++)
+        for (int id = 0; id < 10; id++)
+            for (int ir = 0; ir < 8; ir++)
+                for (int kind = 0; kind < 3; kind++) { /* random; extremes; scales 0 and NaN */
+                    const int64_t nc = ns[in], D = ds[id], nr = rs[ir], ld = D + 3 * (in % 2), off = 5, lds = nc + 2;
+                    const int64_t qm = 32767 < INT32_MAX / (128 * D) ? 32767 : INT32_MAX / (128 * D);
+                    int8_t *k = malloc((size_t)(off + nc * ld));
+                    int16_t *q = malloc(sizeof(int16_t) * nr * D);
+                    float *s = malloc(sizeof(float) * nr * lds), qs[16];
+                    for (int64_t x = 0; x < off + nc * ld; x++)
+                        k[x] = kind == 1 ? (x % 3 ? -128 : 127) : (int8_t)(rand() % 256 - 128);
+                    for (int64_t x = 0; x < nr * D; x++)
+                        q[x] = (int16_t)(kind == 1 ? (x % 3 ? qm : -qm) : rand() % (2 * qm + 1) - qm);
+                    for (int64_t r = 0; r < nr; r++) qs[r] = kind == 2 ? (r % 2 ? NAN : 0.0f) : 1e-3f * (float)(r + 1);
+                    for (int64_t x = 0; x < nr * lds; x++) s[x] = 7.0f;
+                    v->dot_rows_i8(s, lds, q, qs, nr, D, k, off, ld, nc, 64 * ld);
+                    int bad = 0;
+                    for (int64_t r = 0; r < nr; r++)
+                        for (int64_t c = 0; c < lds; c++) {
+                            int64_t acc = 0;
+                            for (int64_t d = 0; c < nc && d < D; d++)
+                                acc += (int64_t)q[r * D + d] * k[off + c * ld + d];
+                            const float want = c < nc ? (float)acc * qs[r] : 7.0f, got = s[r * lds + c];
+                            if (c < nc && (acc > INT32_MAX || acc < -INT32_MAX)) bad = 1; /* (the bound) */
+                            if (!(got == want || (isnan(got) && isnan(want)))) bad = 1;
+                        }
+                    CHECK(!bad, "%s dot_rows_i8 nr=%ld nc=%ld D=%ld kind=%d", v->name, (long)nr, (long)nc, (long)D,
+                          kind);
+                    free(k), free(q), free(s);
+                }
+}
+
 static void test_dropout(const ma_blocks *v) {
     static const int64_t nrs[] = {1, 5, 8, 13, 16, 17, 64}, ncs[] = {1, 7, 8, 9, 64}, j0s[] = {0, 3, 64},
                          i0s[] = {0, 5};
@@ -560,6 +600,7 @@ int main(void) {
             test_transpose(v);
             test_rows(v);
             test_int8(v);
+            test_dot_rows_i8(v);
             test_dropout(v);
         }
         printf("%-7s %s\n", v->name, failures == before ? "ok" : "FAILED");

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import ISAS, assert_close_ref, isa_available, run_isa
-from reference import attention64
+from reference import attention64, q_int16
 from torch_masked_attn import functional as F_
 from torch_masked_attn import ops
 
@@ -117,7 +117,7 @@ def test_decode_tile_shapes_against_float64(isa, layout, dt):
     {64, 80, 128, 256} (80: a tail past the tiles' vectors on AVX-512), 1 to 16 query rows, 300
     keys (tails of every key group and run), over key rows one after another (bhld), key heads
     side by side (blhd), pages of those (paged, through flash_attn_with_kvcache) and the 8-bit
-    cache (int8, against float64 on its dequantized values)."""
+    cache (int8, against float64 on its dequantized values with q as its integer scores read it)."""
     from torch_masked_attn import flash_attn as fa
 
     gen = torch.Generator().manual_seed(hash((layout, dt)) % 2**31)
@@ -132,6 +132,7 @@ def test_decode_tile_shapes_against_float64(isa, layout, dt):
             (k8, ks), (v8, vs) = F_.quantize_kv(k), F_.quantize_kv(v)
             ours = run_isa(isa, lambda: F_.masked_attention(q, k8, v8, k_scale=ks, v_scale=vs, **kw))
             k, v = (x.to(torch.float64) * s.unsqueeze(-1).double() for x, s in ((k8, ks), (v8, vs)))
+            q = q_int16(q)  # as the integer scores read it
         elif layout == "paged":  # the pages of (1, L, Hkv, D) rows, in a shuffled order
             perm = torch.randperm(Lk // page + 1, generator=gen)
             kp, vp = (torch.zeros(Lk // page + 1, page, Hkv, D, dtype=dtype) for _ in range(2))
@@ -172,7 +173,10 @@ def test_decode_float16_and_int8(isa):
     v8, vs = F_.quantize_kv(v)
     ours = run_isa(isa, lambda: F_.masked_attention(q, k8, v8, k_scale=ks, v_scale=vs))
     kd, vd = k8.float() * ks.unsqueeze(-1), v8.float() * vs.unsqueeze(-1)
-    assert_close_ref(ours, _native(q, kd, vd, "none", {}, zero), _reference(q, kd, vd, "none", {}, zero), name="int8")
+    qr = q_int16(q)  # as the integer scores read it
+    assert_close_ref(
+        ours, _native(qr.float(), kd, vd, "none", {}, zero), _reference(qr, kd, vd, "none", {}, zero), name="int8"
+    )
 
 
 def test_decode_paged_against_dense():

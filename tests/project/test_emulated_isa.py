@@ -5,10 +5,11 @@ and compares forward (out, lse) and single-pass backward (dq, dk, dv) with the
 scalar reference, float64 and native bfloat16's error (at most 2x). Bochs
 lacks AVX512-BF16, so its two instructions are emulated with AVX-512 code of
 the same semantics (tools/emulate/emu_bf16.h); everything else runs as
-compiled. A slice: seven fixed cases (one a forward with no backward to
+compiled. A slice: eight fixed cases (one a forward with no backward to
 follow, whose bfloat16 products take P in one part; one a two-sided window,
 whose band cuts tiles off the 32-key grid of the tile products' trimming; one
-packed sequences, whose items move the tile hooks to their entry) and
+packed sequences, whose items move the tile hooks to their entry; one a decode
+over the 8-bit cache, whose scores are integer products) and
 two random ones per variant, in bfloat16; `make emulate` runs every case, more
 random ones and float32.
 

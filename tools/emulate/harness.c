@@ -8,7 +8,7 @@
  * (ma_attn_plan_fwd) on one thread, then the backward's (and its
  * reduce when the keys are split in chunks), and returns to emu_halt.
  * Layouts: q, dout, out, out_lo, dq (B, H, Lq, D|Dv); k, v, dk, dv (B, Hkv,
- * Lk, D|Dv), contiguous, in dtype; lse, delta (B, H, Lq) float32.
+ * Lk, D|Dv), contiguous, in dtype (k, v int8 with k_scale); lse, delta (B, H, Lq) float32.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -33,6 +33,9 @@ struct emu_io {
     /* 1: the same call as packed sequences (masked_attn::varlen_*): B entries of Lq queries and
      * Lk keys, H = Hkv = 1 (the (B, 1, L, D) layout is then the packed (B L, 1, D)), no masks */
     int64_t varlen;
+    /* k_scale, v_scale: (B, Hkv, Lk) float32, the 8-bit cache's (k and v then int8; forward only),
+     * 0: none */
+    uint64_t k_scale, v_scale;
     int64_t status; /* 0 ok, 1 arena too small, 2 no backward plan, 3 not a varlen shape, 4 no
                      * kernels for the dtype and variant (ma_attn_traits) */
 };
@@ -83,6 +86,14 @@ void emu_main(struct emu_io *io) {
     if (io->attn_mask) {
         a.attn_mask.ptr = (const void *)io->attn_mask, a.attn_mask.dtype = MA_F32;
         a.attn_mask.stride[2] = Lk, a.attn_mask.stride[3] = 1;
+    }
+    if (io->k_scale) { /* the 8-bit cache: strides of its rows, as the shim passes them */
+        ma_mask *sc[2] = {&a.opts.k_scale, &a.opts.v_scale};
+        const uint64_t at[2] = {io->k_scale, io->v_scale};
+        for (int x = 0; x < 2; x++) {
+            sc[x]->ptr = (const void *)at[x], sc[x]->dtype = MA_F32;
+            sc[x]->stride[0] = Hkv * Lk, sc[x]->stride[1] = Lk, sc[x]->stride[2] = 1;
+        }
     }
     if (io->head_mask) {
         a.opts.head_mask.ptr = (const void *)io->head_mask, a.opts.head_mask.dtype = MA_F32;

@@ -1,7 +1,8 @@
 """Runs the attention kernels of an instruction-set variant this CPU lacks
 (avx512, avx512bf16) on an emulated CPU, and checks them against the scalar
 reference and float64: forward (out, lse) and single-pass backward (dq, dk,
-dv), bfloat16 (or float32) inputs, every mask kind the C interface takes.
+dv), bfloat16 (or float32) inputs, every mask kind the C interface takes; and
+forwards over the 8-bit cache (the decode's integer scores among them).
 
     python tools/emulate/run.py [--isa avx512bf16,avx512] [--dtype bf16|f32] [--quick] [--fuzz N [--seed S]]
     python tools/emulate/run.py --count B,H,L,D [--isa ...]     (instructions executed, by class)
@@ -33,6 +34,7 @@ import zlib
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.join(ROOT, "tools", "emulate")
 sys.path.insert(0, ROOT)
+sys.path.insert(1, os.path.join(ROOT, "tests"))  # reference.py: the 8-bit cache's float64 reference
 
 _C23_SHIM = r"""
 #include <stdarg.h>
@@ -230,7 +232,7 @@ class Machine:
 
 # ---- the cases ---------------------------------------------------------------------
 
-IO = struct.Struct("<12q2d16Q3q")
+IO = struct.Struct("<12q2d16Q2q2Qq")
 ISA = {"scalar": 0, "avx2": 1, "avx512": 2, "amx": 3, "avx512bf16": 4}
 DTYPE = {"f32": 1, "bf16": 3}
 
@@ -252,6 +254,11 @@ CASES = [
     # bfloat16 tile products take P in one part
     ("inference causal", 1, 8, 8, 200, 200, 64, 64, dict(causal=True, inference=True)),
     ("inference masks gqa", 2, 8, 2, 97, 150, 48, 40, dict(kpm=True, attn_mask=True, inference=True)),
+    # the 8-bit cache (inference only): decode rows take their scores in integers (q rounded to
+    # int16), D off every vector's step; more query rows than a decode's take the tiles
+    ("int8 decode gqa", 2, 8, 2, 3, 150, 80, 64, dict(causal=True, int8=True)),
+    ("int8 decode mha", 1, 4, 4, 1, 200, 128, 128, dict(kpm=True, int8=True)),
+    ("int8 tiles", 1, 4, 2, 40, 90, 64, 64, dict(causal=True, int8=True)),
 ]
 QUICK = (
     "plain",
@@ -261,6 +268,7 @@ QUICK = (
     "softcap causal",
     "inference masks gqa",
     "varlen causal",
+    "int8 decode gqa",
 )
 
 
@@ -356,6 +364,9 @@ def run_case(m, elf_syms, isa, dtype, case, torch, tma, count=False):
     softcap = o.get("softcap")
     causal = bool(o.get("causal"))
     scale = 1.0 / D**0.5
+    int8 = bool(o.get("int8"))
+    if int8:  # the 8-bit cache, quantized natively (quantize_kv: bit for bit every variant's)
+        (k8, k_scale), (v8, v_scale) = tma.functional.quantize_kv(k), tma.functional.quantize_kv(v)
 
     # the emulated run
     esz = q.element_size()
@@ -376,7 +387,11 @@ def run_case(m, elf_syms, isa, dtype, case, torch, tma, count=False):
     )
     put("io", IO.size)
     for key, t in (("q", q), ("k", k), ("v", v), ("dout", dout)):
-        put(key, t.numel() * esz, raw(t))
+        if int8 and key in "kv":
+            put(key, t.numel(), (k8 if key == "k" else v8).numpy().tobytes())
+            put(key + "_scale", t.numel() // t.shape[-1] * 4, (k_scale if key == "k" else v_scale).numpy().tobytes())
+        else:
+            put(key, t.numel() * esz, raw(t))
     if kpm is not None:
         put("kpm", kpm.numel(), kpm.to(torch.uint8).numpy().tobytes())
     if attn_mask is not None:
@@ -420,10 +435,11 @@ def run_case(m, elf_syms, isa, dtype, case, torch, tma, count=False):
     ]
     fields += [layout[x] for x in ("q", "k", "v", "dout")]
     fields += [layout.get(x, 0) for x in ("kpm", "attn_mask", "head_mask")]
-    infer = bool(o.get("inference"))  # out_lo: bf16 / f16 only, and not for inference, as the shim
+    infer = bool(o.get("inference")) or int8  # out_lo: bf16 / f16 only, and not for inference, as the shim
     fields += [layout["out"], layout["out_lo"] if esz == 2 and not infer else 0]
     fields += [layout[x] for x in ("lse", "dq", "dk", "dv", "delta")]
-    fields += [arena, arena_bytes, int(bool(o.get("forward_only")) or infer), int(bool(o.get("varlen"))), -1]
+    fields += [arena, arena_bytes, int(bool(o.get("forward_only")) or infer), int(bool(o.get("varlen")))]
+    fields += [layout.get("k_scale", 0), layout.get("v_scale", 0), -1]
     m.write(layout["io"], IO.pack(*fields))
     executed = m.call(elf_syms["emu_main"], layout["io"], count=count)
     status = IO.unpack(m.read(layout["io"], IO.size))[-1]
@@ -465,11 +481,25 @@ def run_case(m, elf_syms, isa, dtype, case, torch, tma, count=False):
         grads = torch.autograd.grad(out, (qq, kk, vv), dout.to(dt))
         return {"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]}
 
-    with tma.ops.use_isa("scalar"):
-        ref = fwd_bwd(tdt)
-    exact = fwd_bwd(torch.float64)
+    if int8:  # the scalar kernels over the same cache; float64 over its values, q as its scores read it
+        from reference import attention64, q_int16
+
+        with tma.ops.use_isa("scalar"), torch.no_grad():
+            out, lse = tma.functional.masked_attention(
+                q, k8, v8, k_scale=k_scale, v_scale=v_scale, return_lse=True, **kw
+            )
+        ref = {"out": out, "lse": lse}
+        kd, vd = (x.double() * sc.double()[..., None] for x, sc in ((k8, k_scale), (v8, v_scale)))
+        out, _, lse = attention64(
+            q_int16(q, scale) if Lq <= 16 else q, kd, vd, return_weights=True, return_lse=True, **kw
+        )
+        exact = {"out": out, "lse": lse}
+    else:
+        with tma.ops.use_isa("scalar"):
+            ref = fwd_bwd(tdt)
+        exact = fwd_bwd(torch.float64)
     native = None
-    if head_mask is None and softcap is None and dtype == "bf16":  # what F.sdpa can express
+    if head_mask is None and softcap is None and dtype == "bf16" and not int8:  # what F.sdpa can express
         i, j = torch.arange(Lq)[:, None], torch.arange(Lk)[None, :]
         allowed = torch.ones(B, 1, Lq, Lk, dtype=torch.bool)
         if causal:
@@ -527,7 +557,7 @@ def main():
         "--isa", default="avx512bf16", help="avx512bf16, avx512 (or scalar), or several separated by commas"
     )
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
-    ap.add_argument("--quick", action="store_true", help="seven of the fixed cases only")
+    ap.add_argument("--quick", action="store_true", help="eight of the fixed cases only")
     ap.add_argument("--fuzz", type=int, default=0, metavar="N", help="N random cases after the fixed ones")
     ap.add_argument("--seed", type=int, default=0, help="of the random cases")
     ap.add_argument(
