@@ -26,7 +26,7 @@ from torch_masked_attn import flash_attn as tfa  # noqa: E402
 from torch_masked_attn import functional as taf  # noqa: E402
 
 # name: (B, H, Hkv, Lq, Lk, D, dtype, layout); layouts: bhld (B, Hkv, L, D), blhd (B, L, Hkv, D),
-# paged (pages of 128 rows, (pages, 128, Hkv, D)), int8 (bhld int8 with scales)
+# paged (pages of 128 rows, (pages, 128, Hkv, D)); dtype i8: the 8-bit cache (int8 with scales, bf16 q)
 CASES = {
     "mha B=8 H=32 Lk=2048 f32 bhld": (8, 32, 32, 1, 2048, 128, "f32", "bhld"),
     "gqa B=1 H=32/8 Lk=32k f32 bhld": (1, 32, 8, 1, 32768, 128, "f32", "bhld"),
@@ -42,6 +42,7 @@ CASES = {
     "gqa B=8 H=8/2 Lk=2048 bf16 paged": (8, 8, 2, 1, 2048, 128, "bf16", "paged"),
     "spec B=4 Lq=8 H=32/8 Lk=4096 f32 bhld": (4, 32, 8, 8, 4096, 128, "f32", "bhld"),
     "gqa B=1 H=32/8 Lk=32k int8 bhld": (1, 32, 8, 1, 32768, 128, "i8", "bhld"),
+    "gqa B=8 H=8/2 Lk=2048 int8 blhd": (8, 8, 2, 1, 2048, 128, "i8", "blhd"),
 }
 DT = {"f32": torch.float32, "bf16": torch.bfloat16, "i8": torch.bfloat16}
 

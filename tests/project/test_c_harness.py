@@ -125,7 +125,8 @@ def test_kernel_tool_agrees_with_scalar(tmp_path, attention_objects, isa, dtype)
 
 def test_decode_blocks_tool_runs(tmp_path):
     """benchmarks/decode_blocks.c (the decode kernel's products timed alone, docs/decoding-performance.md)
-    builds from the blocks' template on AVX2 and prints both dtypes' timings."""
+    builds from the blocks' template on AVX2 and prints the three dtypes' timings (int8: the integer
+    scores beside the float ones)."""
     if not isa_available("avx2"):
         pytest.skip("this CPU has no avx2")
     from setup import AVX2
@@ -138,7 +139,8 @@ def test_decode_blocks_tool_runs(tmp_path):
     run = subprocess.run([str(exe), "4", "128", "2"], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
-    assert [ln.split()[0] for ln in lines] == ["f32", "bf16"] and all("axpy_keys" in ln for ln in lines), run.stdout
+    assert [ln.split()[0] for ln in lines] == ["f32", "bf16", "int8"], run.stdout
+    assert all("axpy_keys" in ln for ln in lines) and "dot_rows_i8" in lines[2], run.stdout
     assert subprocess.run([str(exe), "17"], capture_output=True).returncode == 2  # rows past 16: refused
     assert subprocess.run([str(exe), "4", "128", "2", "72"], capture_output=True).returncode == 2  # D % 16
 
