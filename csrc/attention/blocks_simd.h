@@ -368,36 +368,6 @@ MA_INLINE void dot_rows_group(const int RP, float *s, int64_t lds, const float *
     }
 }
 
-/* VL keys at a time, every row for them (in passes as even as MA_DR_ROWS allows: AVX2's 7
- * rows 4 + 3, 6 rows 3 + 3) before the next keys, which stay in L1 meanwhile. */
-MA_INLINE void dot_rows_dt(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k,
-                           const ma_dtype dt, int64_t off, int64_t ld, int64_t nc, int64_t pf) {
-    const int64_t passes = ma_cdiv(nr, MA_DR_ROWS), RP = nr / passes, wide = nr % passes; /* wide: RP + 1 rows */
-    for (int64_t c0 = 0; c0 < nc; c0 += MA_VL) {
-        const int64_t nk = ma_min(MA_VL, nc - c0);
-        for (int64_t x = 0, r0 = 0; x < passes; x++) {
-            const int64_t R = RP + (x < wide), pr = r0 == 0 ? pf : 0;
-#define MA_PASS(R) dot_rows_group(R, s + r0 * lds, lds, q + r0 * D, D, k, dt, off, ld, c0, nk, pr)
-            switch (R) { /* (R <= MA_DR_ROWS: the cases past it never run, but compile within bounds) */
-            case 1: MA_PASS(1); break;
-            case 2: MA_PASS(ma_min(2, MA_DR_ROWS)); break;
-            case 3: MA_PASS(ma_min(3, MA_DR_ROWS)); break;
-            default: MA_PASS(ma_min(4, MA_DR_ROWS)); break;
-            }
-#undef MA_PASS
-            r0 += R;
-        }
-    }
-}
-
-static void BLK(dot_rows)(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
-                          int64_t off, int64_t ld, int64_t nc, int64_t pf) {
-    if (dt == MA_F32) dot_rows_dt(s, lds, q, nr, D, k, MA_F32, off, ld, nc, pf);
-    else if (dt == MA_BF16) dot_rows_dt(s, lds, q, nr, D, k, MA_BF16, off, ld, nc, pf);
-    else if (dt == MA_I8) dot_rows_dt(s, lds, q, nr, D, k, MA_I8, off, ld, nc, pf);
-    else dot_rows_dt(s, lds, q, nr, D, k, MA_F16, off, ld, nc, pf);
-}
-
 /* ---- dot_rows_i8: the 8-bit cache's scores in integers ---------------------------------------
  *
  * s[r * lds + c] = (float)(q_r . k_c) * qs[r] with q_r in int16 (the decode's query rows, each
@@ -468,16 +438,21 @@ MA_INLINE void dot_i8_group(const int RP, float *s, int64_t lds, const int16_t *
     }
 }
 
-static void BLK(dot_rows_i8)(float *s, int64_t lds, const int16_t *q, const float *qs, int64_t nr, int64_t D,
-                             const int8_t *k, int64_t off, int64_t ld, int64_t nc, int64_t pf) {
-    const int64_t passes = ma_cdiv(nr, MA_DR_ROWS), RP = nr / passes, wide = nr % passes; /* dot_rows_dt's */
-    k += off;
+/* VL keys at a time, every row for them (in passes as even as MA_DR_ROWS allows: AVX2's 7
+ * rows 4 + 3, 6 rows 3 + 3) before the next keys, which stay in L1 meanwhile; integer: the 8-bit
+ * cache's integer products (q16, qs; k int8), else the float ones (q). */
+MA_INLINE void dot_rows_dt(const int integer, float *s, int64_t lds, const float *q, const int16_t *q16,
+                           const float *qs, int64_t nr, int64_t D, const void *k, const ma_dtype dt, int64_t off,
+                           int64_t ld, int64_t nc, int64_t pf) {
+    const int64_t passes = ma_cdiv(nr, MA_DR_ROWS), RP = nr / passes, wide = nr % passes; /* wide: RP + 1 rows */
     for (int64_t c0 = 0; c0 < nc; c0 += MA_VL) {
         const int64_t nk = ma_min(MA_VL, nc - c0);
         for (int64_t x = 0, r0 = 0; x < passes; x++) {
             const int64_t R = RP + (x < wide), pr = r0 == 0 ? pf : 0;
-#define MA_PASS(R) dot_i8_group(R, s + r0 * lds, lds, q + r0 * D, qs + r0, D, k, ld, c0, nk, pr)
-            switch (R) {
+#define MA_PASS(R)                                                                                                   \
+    (integer ? dot_i8_group(R, s + r0 * lds, lds, q16 + r0 * D, qs + r0, D, (const int8_t *)k + off, ld, c0, nk, pr) \
+             : dot_rows_group(R, s + r0 * lds, lds, q + r0 * D, D, k, dt, off, ld, c0, nk, pr))
+            switch (R) { /* (R <= MA_DR_ROWS: the cases past it never run, but compile within bounds) */
             case 1: MA_PASS(1); break;
             case 2: MA_PASS(ma_min(2, MA_DR_ROWS)); break;
             case 3: MA_PASS(ma_min(3, MA_DR_ROWS)); break;
@@ -487,6 +462,19 @@ static void BLK(dot_rows_i8)(float *s, int64_t lds, const int16_t *q, const floa
             r0 += R;
         }
     }
+}
+
+static void BLK(dot_rows)(float *s, int64_t lds, const float *q, int64_t nr, int64_t D, const void *k, ma_dtype dt,
+                          int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+    if (dt == MA_F32) dot_rows_dt(0, s, lds, q, NULL, NULL, nr, D, k, MA_F32, off, ld, nc, pf);
+    else if (dt == MA_BF16) dot_rows_dt(0, s, lds, q, NULL, NULL, nr, D, k, MA_BF16, off, ld, nc, pf);
+    else if (dt == MA_I8) dot_rows_dt(0, s, lds, q, NULL, NULL, nr, D, k, MA_I8, off, ld, nc, pf);
+    else dot_rows_dt(0, s, lds, q, NULL, NULL, nr, D, k, MA_F16, off, ld, nc, pf);
+}
+
+static void BLK(dot_rows_i8)(float *s, int64_t lds, const int16_t *q, const float *qs, int64_t nr, int64_t D,
+                             const int8_t *k, int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+    dot_rows_dt(1, s, lds, NULL, q, qs, nr, D, k, MA_I8, off, ld, nc, pf);
 }
 
 /* ---- axpy_rows: P V with the value rows read in order ----------------------------------------
