@@ -3,8 +3,8 @@
  * bfloat16 matrix products on VDPBF16PS (AVX512-BF16): for CPUs that have
  * AVX512-BF16 but no AMX (AMD Zen 4 and 5, Intel Cooper Lake). Compiled with
  * -mavx512bf16 and AVX-512 flags (setup.py); called only where the CPU has
- * them and MASKED_ATTN_ISA=avx512bf16 asks for it: not yet the default
- * (common/isa.c, ma_isa_best, says why). Operands are packed by tiles_pack.h in AMX's tile
+ * them: bfloat16's default on AMD's (common/isa.c, ma_isa_best, says why),
+ * else where MASKED_ATTN_ISA=avx512bf16 asks for it. Operands are packed by tiles_pack.h in AMX's tile
  * layout, the hooks are tiles_hooks.h's, as on AMX; every other building
  * block (exp, column max, transpose, short query blocks) is AVX-512's.
  *

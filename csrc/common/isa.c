@@ -125,18 +125,26 @@ ma_isa ma_isa_runs(ma_isa isa, ma_dtype dt, int rows) {
 
 /* AMX for bfloat16 and float16 only: float32 on tiles needs 6 bf16 products
  * per float product to keep float32's accuracy, and is no faster than the
- * AVX-512 FMAs (docs/performance.md). AVX512-BF16 without AMX is not the
- * default yet: its multiply-add instructions are about half of the FMAs' in
- * an inference forward and about 0.8x in training (P and dS in two bf16
- * parts: the accuracy rule; docs/design.md, section 6). Timed only on an
- * Intel Xeon with AMX, where VDPBF16PS runs at half the FMA's flops and the
- * variant is 1.8 - 2.9x slower than AVX-512; no CPU with AVX512-BF16 and no
- * AMX (Zen 4 and 5, where VDPBF16PS issues at the FMA's rate) has timed it.
- * Until one does, MASKED_ATTN_ISA=avx512bf16 asks for it. On aarch64 NEON: sve and
- * svebf16 (BFMMLA) wait for an ARM CPU to time them (docs/performance.md, "aarch64", gives their
- * instruction counts under qemu); MASKED_ATTN_ISA asks for them. */
+ * AVX-512 FMAs (docs/performance.md). Without AMX, bfloat16 gets avx512bf16
+ * where VDPBF16PS issues at the FMA's instruction rate, so that each does twice
+ * an FMA's multiply-adds: AMD's (Zen 4 and 5). On a 2-vCPU Zen 4 it took
+ * bfloat16 forwards 1.27 - 1.48x and trainings 1.00 - 1.08x faster than
+ * AVX-512 (P and dS in two bf16 parts: the accuracy rule; docs/design/
+ * 06-bf16-pair-products.md); on Intel's, VDPBF16PS runs at half the FMA's
+ * flops (a Xeon with AMX: the variant 1.8 - 2.9x slower than AVX-512), so
+ * there MASKED_ATTN_ISA=avx512bf16 asks for it. Decode steps take AVX-512's
+ * kernels in either. On aarch64 NEON: sve and svebf16 (BFMMLA) wait for an ARM
+ * CPU to time them (docs/performance.md, "aarch64", gives their instruction
+ * counts under qemu); MASKED_ATTN_ISA asks for them. */
+#if defined(__x86_64__) || defined(__i386__)
+static int bf16_dot_at_fma_rate(void) { return __builtin_cpu_is("amd"); }
+#else
+static int bf16_dot_at_fma_rate(void) { return 0; }
+#endif
+
 ma_isa ma_isa_best(ma_dtype dt) {
     if ((dt == MA_BF16 || dt == MA_F16) && ma_isa_available(MA_ISA_AMX)) return MA_ISA_AMX;
+    if (dt == MA_BF16 && ma_isa_available(MA_ISA_AVX512BF16) && bf16_dot_at_fma_rate()) return MA_ISA_AVX512BF16;
     if (ma_isa_available(MA_ISA_AVX512)) return MA_ISA_AVX512;
     if (ma_isa_available(MA_ISA_AVX2)) return MA_ISA_AVX2;
     if (ma_isa_available(MA_ISA_NEON)) return MA_ISA_NEON;

@@ -60,9 +60,17 @@ def test_use_isa_rejects_unknown_and_restores():
     assert tma._library._clib.ma_isa_forced() == before
 
 
+def _cpu_vendor():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+
+
 def test_isa_for_names_the_variant_a_call_gets():
     """isa_for: the forced variant, else the CPU's best (AMX only for bfloat16
-    and float16, never for float32); a child process, so that no other test's
+    and float16, never for float32; avx512bf16 for bfloat16 on AMD's CPUs without AMX); a child process, so that no other test's
     forcing is in effect, and MASKED_ATTN_ISA set to each variant the CPU has."""
     code = (
         "import torch, torch_masked_attn as t\n"
@@ -71,7 +79,9 @@ def test_isa_for_names_the_variant_a_call_gets():
     have = [i for i in ISAS if tma.ops.isa_available(i)]
     fp32, bf16, fp16 = _child(code, {"MASKED_ATTN_ISA": ""}).stdout.split()
     assert fp32 == [i for i in ("avx512", "avx2", "scalar") if i in have][0]
-    assert bf16 == fp16 == ("amx" if "amx" in have else fp32)
+    amd = _cpu_vendor() == "AuthenticAMD"  # VDPBF16PS at the FMA's rate: common/isa.c, ma_isa_best
+    assert fp16 == ("amx" if "amx" in have else fp32)
+    assert bf16 == ("amx" if "amx" in have else "avx512bf16" if amd and "avx512bf16" in have else fp32)
     for isa in have:
         assert _child(code, {"MASKED_ATTN_ISA": isa}).stdout.split() == [isa] * 3
     with pytest.raises(ValueError, match="dtype must be one of"):
