@@ -1,14 +1,16 @@
 /*
  * decode_blocks.c -- the decode kernel's products alone: dot_rows (scores from key rows) and
- * axpy_keys (P V from value rows) of the AVX2 instance over 64 keys in L1, as a share of the
+ * axpy_keys (P V from value rows) of the AVX2 (or AVX-512) instance over 64 keys in L1, as a share of the
  * FMA peak measured in the same process (12 chains of FMAs, alternated with the kernels), and
  * beside them a prototype of the scores in 4 rows x 3 keys; over int8 keys (the 8-bit cache),
  * dot_rows' float products beside dot_rows_i8's integer ones, as multiply-adds a second over the
  * FMA peak's (docs/decoding-performance.md, "The products' own speed").
- * What a decode step costs where its cache is in cache. x86-64 with AVX2 only:
+ * What a decode step costs where its cache is in cache. x86-64, AVX2 or (built with -mavx512f) the
+ * AVX-512 instance, whose line has no 4 x 3 prototype (an AVX2 tile):
  *
  *   cc -std=c11 -O3 -mavx2 -mfma -mf16c -Icsrc -include csrc/common/glibc_compat.h \
  *      benchmarks/decode_blocks.c -lm -o /tmp/decode_blocks && taskset -c 1 /tmp/decode_blocks 4
+ *   (AVX-512: -mavx512f -mavx512bw -mavx512dq -mavx512vl -mfma -mf16c, setup.py's flags)
  *
  * Arguments: query rows a key head (1-16), the key rows' stride in elements (D: one after
  * another; 8 D: 8 key heads side by side), repetitions (100000), D (128, a multiple of 16).
@@ -19,7 +21,11 @@
 #include <stdlib.h>
 #include <time.h>
 
+#ifdef __AVX512F__
+#include "common/simd_avx512.h"
+#else
 #include "common/simd_avx2.h"
+#endif
 #define BLK(name) name##_bench
 #pragma GCC diagnostic ignored "-Wunused-function" /* the blocks this program does not time */
 #include "attention/blocks_simd.h"
@@ -31,6 +37,7 @@ typedef void (*i8_fn)(float *, int64_t, const int16_t *, const float *, int64_t,
 typedef void (*axpy_fn)(float *, const float *, int64_t, int64_t, int64_t, const void *, ma_dtype, int64_t, int64_t,
                         int64_t, int64_t);
 
+#if MA_VL == 8
 /* The library's order (one vector of 8 partial sums a score) in the tile it measured and did not
  * keep: 4 rows x 3 keys (12 accumulators, 3 key and 4 q loads to 12 FMAs; the library's is 4 x 2),
  * folded by the transposes. Timed only. */
@@ -78,8 +85,15 @@ static void natural_bench(float *s, int64_t lds, const float *q, int64_t nr, int
     }
 }
 
+#endif
+
 /* called through pointers the compiler cannot see through, so that nothing is specialised */
-static dot_fn volatile dot_rows = dot_rows_bench, natural = natural_bench;
+#if MA_VL == 8
+static dot_fn volatile natural = natural_bench;
+#else
+static dot_fn volatile natural = NULL; /* (an AVX2 tile) */
+#endif
+static dot_fn volatile dot_rows = dot_rows_bench;
 static axpy_fn volatile axpy_keys = axpy_keys_bench;
 static i8_fn volatile dot_rows_i8 = dot_rows_i8_bench;
 
@@ -89,7 +103,7 @@ static double now(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-/* n x 12 x 8 FMAs in 12 independent chains: the FMA peak's yardstick. */
+/* n x 12 x VL FMAs in 12 independent chains: the FMA peak's yardstick. */
 static volatile float g_a = 0.999999f, g_b = 1e-6f;
 static float fma_loop(int64_t n) {
     const vf a = vf_set1(g_a), b = vf_set1(g_b);
@@ -122,7 +136,7 @@ int main(int argc, char **argv) {
     for (int64_t i = 0; i < nc * ld; i++)
         k[i] = 0.001f * (float)(i % 13), kb[i] = ma_f32_to_bf16(k[i]), k8[i] = (int8_t)(i % 255 - 127);
     for (int64_t i = 0; i < 16 * nc; i++) s[i] = 0.001f;
-    const int64_t fma_n = reps * nr * nc * D / 96 + 1; /* about a kernel's FMAs */
+    const int64_t fma_n = reps * nr * nc * D / (12 * MA_VL) + 1; /* about a kernel's FMAs */
     volatile float sink = 0;
     for (int t = 0; t < 3; t++) {
         const void *kv = t == 2 ? (const void *)k8 : t ? (const void *)kb : (const void *)k;
@@ -133,9 +147,10 @@ int main(int argc, char **argv) {
         for (int x = 0; x < 21; x++) {
             double t0 = now();
             sink += fma_loop(fma_n);
-            double e = (now() - t0) / (double)(fma_n * 96);
+            double e = (now() - t0) / (double)(fma_n * 12 * MA_VL);
             best[0] = e < best[0] ? e : best[0];
             for (int i = 1; i < 4; i++) {
+                if (i == 3 && t < 2 && !natural) continue;
                 t0 = now();
                 for (int64_t r = 0; r < reps; r++)
                     if (i == 1) dot_rows(s, nc, q, nr, D, kv, dt, 0, ld, nc, 0);
@@ -147,13 +162,15 @@ int main(int argc, char **argv) {
             }
         }
         const double peak = best[0], share[3] = {best[0] / best[1], best[0] / best[2], best[0] / best[3]};
+        char third[16] = "-"; /* (no 4 x 3 prototype on AVX-512) */
+        if (t == 2 || natural) snprintf(third, sizeof third, "%.0f", 100 * share[2]);
         printf("%s rows=%ld stride=%ld D=%ld, %% of the FMA peak (%.1f GFLOP/s): dot_rows %.0f, axpy_keys %.0f; "
-               "%s %.0f\n",
+               "%s %s\n",
                t == 2 ? "int8"
                : t    ? "bf16"
                       : "f32 ",
                (long)nr, (long)ld, (long)D, 2e-9 / peak, 100 * share[0], 100 * share[1],
-               t == 2 ? "dot_rows_i8 (integer)" : "4 x 3 scores", 100 * share[2]);
+               t == 2 ? "dot_rows_i8 (integer)" : "4 x 3 scores", third);
     }
     free(q), free(s), free(o), free(k), free(kb), free(k8), free(q16);
     return sink == 12345.f;

@@ -307,7 +307,8 @@ MA_INLINE void prefetch_lines(const char *p, int64_t n, int64_t pf_bytes) {
 #define MA_DR_KI(RP) ma_min(MA_VL, MA_POW2_FLOOR((RP) == 1 ? MA_DR_CHAINS / 2 : MA_DR_CHAINS / (RP)))
 
 /* Rows 0 .. RP of q against keys c .. c + KI: each key's partial sums into xs[r * VL + i + j]
- * (key c + j). full: D % MA_DR_W == 0. */
+ * (key c + j). full: D % MA_DR_W == 0; 2: and KI a multiple of 4, each 4 keys' sums folded a
+ * quarter (vf_fold_quarter) into xs[r * VL + (i + j) / 4]. */
 MA_INLINE void dot_rows_keys(const int RP, const int KI, const int full, vf *xs, int64_t i, const float *q, int64_t D,
                              const void *k, const ma_dtype dt, int64_t off, int64_t ld, int64_t c, int64_t pf) {
     const int64_t es = ma_dtype_size(dt);
@@ -333,6 +334,17 @@ MA_INLINE void dot_rows_keys(const int RP, const int KI, const int full, vf *xs,
             for (int j = 0; j < KI; j++) acc[j * RP + r] = vf_fma(kv[j], qv, acc[j * RP + r]);
         }
     }
+#ifdef MA_FOLD_QUARTER
+    if (full == 2) {
+#pragma GCC unroll 4
+        for (int j = 0; j < KI; j += 4)
+#pragma GCC unroll 8
+            for (int r = 0; r < RP; r++)
+                xs[r * MA_VL + (i + j) / 4] = vf_fold_quarter(acc[j * RP + r], acc[(j + 1) * RP + r],
+                                                              acc[(j + 2) * RP + r], acc[(j + 3) * RP + r]);
+        return;
+    }
+#endif
 #pragma GCC unroll 16
     for (int j = 0; j < KI; j++)
 #pragma GCC unroll 8
@@ -347,6 +359,13 @@ MA_INLINE void dot_rows_group(const int RP, float *s, int64_t lds, const float *
     const int KI = MA_DR_KI(RP);
     vf xs[MA_DR_ROWS * MA_VL];
     int64_t i = 0;
+#ifdef MA_FOLD_QUARTER /* a whole group in tiles of 4 keys or a multiple: each folded as it ends */
+    if (KI % 4 == 0 && nk == MA_VL && D % MA_DR_W == 0) {
+        for (; i < nk; i += KI) dot_rows_keys(RP, KI, 2, xs, i, q, D, k, dt, off, ld, c0 + i, pf);
+        for (int r = 0; r < RP; r++) vf_store(s + r * lds + c0, vf_fold_quarters(xs + r * MA_VL));
+        return;
+    }
+#endif
     if (D % MA_DR_W == 0) {
         for (; i + KI <= nk; i += KI) dot_rows_keys(RP, KI, 1, xs, i, q, D, k, dt, off, ld, c0 + i, pf);
         if (KI > 2 && i + 2 <= nk) dot_rows_keys(RP, ma_min(2, KI), 1, xs, i, q, D, k, dt, off, ld, c0 + i, pf), i += 2;

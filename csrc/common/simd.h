@@ -34,7 +34,10 @@
  * Across lanes: vf_hsum(v) (a fixed tree per set), vf_hmax(v, m) (max of m
  *   and the lanes), vf_transpose(r) (the MA_VL x MA_VL block in r[0..MA_VL)
  *   transposed in registers); optionally (#define MA_FOLD_LANES) vf_fold_lanes(r) (lane i:
- *   r[i]'s lanes folded in halves, what vf_transpose and log2(VL) halvings give)
+ *   r[i]'s lanes folded in halves, what vf_transpose and log2(VL) halvings give), and with it
+ *   optionally (#define MA_FOLD_QUARTER) that fold in two steps: vf_fold_quarter(a, b, c, d)
+ *   (four vectors' first halvings, to MA_VL / 4 partial sums each, in one vector) and
+ *   vf_fold_quarters(z) (MA_VL / 4 of those: vf_fold_lanes of their 4 MA_VL vectors)
  * Doubles: vd_zero, vd_lo(v), vd_hi(v) (lanes [0, MA_VL/2) and the rest of a
  *   vf, widened), vd_add, vd_mul, vd_fma, vd_store
  * Integers (Philox): vi_set1, vi_lanes (0, 1, ...), vi_add, vi_xor, vi_and,
@@ -46,7 +49,7 @@
  *   vh_load_i8(p), vh_load_i16(p) (MA_HL elements at p, widened), vh_in_reg (as vf_in_reg),
  *   vs_zero, vs_dot(acc, a, b) (acc + a's and b's elementwise products, summed into acc's
  *   lanes: which lane takes which product is the set's), vs_hsum(v) (its lanes' sum), vs_to_f
- *   (lanes to float32, rounded to nearest even), vs_store(p, v) (MA_VL int32);
+ *   (lanes to float32, rounded to nearest even);
  *   optionally (#define MA_FOLD_LANES_I) vs_fold_lanes(r) (lane i: the sum of r[i]'s lanes)
  * Block shapes, constants the blocks read (attention/blocks_simd.h says what
  * each shapes): MA_GEMM_MR, MA_GEMM_NV, MA_GEMM_TAIL_MR, MA_GEMM_TAIL_NV,

@@ -100,7 +100,6 @@ typedef __m256i vs;
 #define vs_zero _mm256_setzero_si256
 #define vs_dot(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
 #define vs_to_f _mm256_cvtepi32_ps
-#define vs_store(p, v) _mm256_storeu_si256((__m256i *)(void *)(p), v)
 static inline __attribute__((always_inline)) vh vh_in_reg(vh v) {
     __asm__("" : "+x"(v));
     return v;

@@ -104,7 +104,26 @@ typedef __m512i vs;
 #endif
 #define vs_hsum _mm512_reduce_add_epi32
 #define vs_to_f _mm512_cvtepi32_ps
-#define vs_store(p, v) _mm512_storeu_si512((void *)(p), v)
+/* The fold of 16 vectors' lanes in halves (lane i: r[i]'s, t + t + 8, then + 4, + 2, + 1): 31
+ * shuffles where a transpose takes 64. After the three 4-lane levels lane 4c + m holds r[c + 4m]. */
+#define MA_FOLD_LANES_I
+static inline vs vs_fold_lanes(const vs r[16]) {
+    __m512i y[8], z[4], w[2];
+    for (int i = 0; i < 8; i++) /* y[i]: r[2i]'s t < 8, r[2i + 1]'s, each + its t + 8 */
+        y[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(r[2 * i], r[2 * i + 1], 0x44),
+                                _mm512_shuffle_i32x4(r[2 * i], r[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* z[i], 128 bits c: r[4i + c]'s t < 4, each + t + 4 */
+        z[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(y[2 * i], y[2 * i + 1], 0x88),
+                                _mm512_shuffle_i32x4(y[2 * i], y[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) /* w[i], 128 bits c: r[8i + c]'s, r[8i + 4 + c]'s t < 2, each + t + 2 */
+        w[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(z[2 * i], z[2 * i + 1]),
+                                _mm512_unpackhi_epi64(z[2 * i], z[2 * i + 1]));
+    const __m512i v = _mm512_add_epi32(
+        _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(w[0]), _mm512_castsi512_ps(w[1]), 0x88)),
+        _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(w[0]), _mm512_castsi512_ps(w[1]), 0xDD)));
+    return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), v);
+}
+
 static inline __attribute__((always_inline)) vh vh_in_reg(vh v) {
     __asm__("" : "+v"(v));
     return v;
@@ -177,6 +196,33 @@ static inline vf vf_tanh(vf x) {
         y = _mm512_mask_blend_ps(is_small, big, small);
     }
     return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(y), _mm512_and_si512(sign, _mm512_castps_si512(x))));
+}
+
+/* vs_fold_lanes' fold in float32, in the same order (blocks.h's: t + t + 8, + 4, + 2, + 1), in two
+ * steps: four keys' first two halvings as their tile ends (128 bits c: r[c]'s t < 4), then four of
+ * those (the quarters of VL keys) */
+#define MA_FOLD_LANES
+#define MA_FOLD_QUARTER
+static inline vf vf_fold_quarter(vf a, vf b, vf c, vf d) {
+    const vf y0 = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    const vf y1 = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, 0x88), _mm512_shuffle_f32x4(y0, y1, 0xDD));
+}
+
+static inline vf vf_fold_quarters(const vf z[4]) {
+    vf w[2];
+    for (int i = 0; i < 2; i++) {
+        const __m512d a = _mm512_castps_pd(z[2 * i]), b = _mm512_castps_pd(z[2 * i + 1]);
+        w[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    const vf v = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), v);
+}
+
+static inline vf vf_fold_lanes(const vf r[16]) {
+    const vf z[4] = {vf_fold_quarter(r[0], r[1], r[2], r[3]), vf_fold_quarter(r[4], r[5], r[6], r[7]),
+                     vf_fold_quarter(r[8], r[9], r[10], r[11]), vf_fold_quarter(r[12], r[13], r[14], r[15])};
+    return vf_fold_quarters(z);
 }
 
 static inline void vf_transpose(vf r[16]) {

@@ -91,7 +91,6 @@ typedef int32x4_t vs;
 #define vs_dot(acc, a, b) vmlal_high_s16(vmlal_s16(acc, vget_low_s16(a), vget_low_s16(b)), a, b)
 #define vs_hsum vaddvq_s32
 #define vs_to_f vcvtq_f32_s32
-#define vs_store(p, v) vst1q_s32((int32_t *)(p), v)
 
 /* x86's maxps / minps: a where a > b (a < b), else b (so b where either is NaN) */
 static inline vf vf_max(vf a, vf b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }

@@ -123,7 +123,6 @@ MA_F vs vs_zero(void) { return svdup_n_s32(0); }
 MA_F vs vs_dot(vs acc, vh a, vh b) { return svmla_s32_x(MA_PT, acc, a, b); }
 MA_F int32_t vs_hsum(vs v) { return (int32_t)svaddv_s32(MA_PT, v); }
 MA_F vf vs_to_f(vs v) { return svcvt_f32_s32_x(MA_PT, v); }
-MA_F void vs_store(int32_t *p, vs v) { svst1_s32(MA_PT, p, v); }
 
 /* x86's maxps / minps: a where a > b (a < b), else b (so b where either is NaN) */
 MA_F vf vf_max(vf a, vf b) { return svsel_f32(svcmpgt_f32(MA_PT, a, b), a, b); }

@@ -70,8 +70,9 @@ def _cpu_vendor():
 
 def test_isa_for_names_the_variant_a_call_gets():
     """isa_for: the forced variant, else the CPU's best (AMX only for bfloat16
-    and float16, never for float32; avx512bf16 for bfloat16 on AMD's CPUs without AMX); a child process, so that no other test's
-    forcing is in effect, and MASKED_ATTN_ISA set to each variant the CPU has."""
+    and float16, never for float32; avx512bf16 for bfloat16 on AMD's CPUs
+    without AMX); a child process, so that no other test's forcing is in
+    effect, and MASKED_ATTN_ISA set to each variant the CPU has."""
     code = (
         "import torch, torch_masked_attn as t\n"
         "print(*(t.ops.isa_for(d) for d in (torch.float32, torch.bfloat16, torch.float16)))"
