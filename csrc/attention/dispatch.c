@@ -74,8 +74,8 @@ void ma_attn_decode_merge_task(int64_t begin, int64_t end, void *ctx) {
  * (the partial sums of dq take C times dq's memory). The CPU count is the
  * machine's (ma_cpu_count), not the thread count, so results stay the same
  * bits for any thread count. Two items per CPU measured no faster on 16
- * cores than one, and cost as much on 2 threads (docs/performance.md,
- * "Intel Xeon, 16 cores"). */
+ * cores than one, and cost as much on 2 threads
+ * (docs/performance/intel-amx-16cpu.md, "Key chunks"). */
 #define MA_BWD_KV_CHUNKS_MAX 16
 static _Atomic int64_t forced_cpus = 0;
 
@@ -204,24 +204,21 @@ static int64_t group_cost(const ma_attn_args *a, int chunks, int64_t Lq, int64_t
     return cost;
 }
 
-/* Fills a work-item table of n_items (b, head, block), most expensive first
- * (group_cost): the forward's query blocks (heads: H), or the single pass's
- * key chunks (chunks, heads: Hkv; block: the chunk). Equal costs keep the
- * order (b, block, head), so the heads of one entry's block follow each
- * other (the forward's runs of heads). The groups (one per entry's block)
- * are sorted in the table's own first rows (heap sort on (cost, b, block):
- * one order, no allocation), then spread over their heads from the last. */
-static void varlen_fill(const ma_attn_args *a, int chunks, int64_t *t, int64_t n_items) {
-    const int64_t heads = chunks ? a->Hkv : a->H;
+/* Fills the single pass's work-item table of n_items (b, key head, key chunk), most
+ * expensive first (group_cost). Equal costs keep the order (b, chunk, head). The groups (one
+ * per entry's chunk) are sorted in the table's own first rows (heap sort on (cost, b, chunk):
+ * one order, no allocation), then spread over their key heads from the last. */
+static void varlen_fill_chunks(const ma_attn_args *a, int64_t *t, int64_t n_items) {
+    const int64_t heads = a->Hkv;
     if (heads <= 0 || n_items <= 0) return;
     int64_t ng = 0;
     for (int64_t b = 0; b < a->B; b++) {
         const int64_t Lq = seq_lq(a, b), Lk = seq_lk(a, b);
-        const int64_t n = chunks ? varlen_chunks(a, b) : ma_cdiv(Lq, a->block_q);
+        const int64_t n = varlen_chunks(a, b);
         int64_t lo, hi;
         ma_attn_band(Lk - Lq, a->opts.window_left, a->opts.window_right, &lo, &hi); /* FN(seq_args)'s */
         for (int64_t blk = 0; blk < n; blk++, ng++)
-            t[3 * ng] = group_cost(a, chunks, Lq, Lk, lo, hi, blk, n), t[3 * ng + 1] = b, t[3 * ng + 2] = blk;
+            t[3 * ng] = group_cost(a, 1, Lq, Lk, lo, hi, blk, n), t[3 * ng + 1] = b, t[3 * ng + 2] = blk;
     }
     for (int64_t i = ng / 2; i-- > 0;) sift_down(t, i, ng);
     for (int64_t e = ng - 1; e > 0; e--) {
@@ -237,6 +234,52 @@ static void varlen_fill(const ma_attn_args *a, int chunks, int64_t *t, int64_t n
             int64_t *row = t + 3 * (g * heads + h);
             row[0] = b, row[1] = h, row[2] = blk;
         }
+    }
+}
+
+/* The forward's work-item table (b, h, query block), n_items = H * the entries' blocks: the
+ * entries most expensive first (group_cost summed over their blocks; equal costs in entry
+ * order), and within an entry its key heads in order, each head's query blocks from the most
+ * expensive end of the band (causal: the last block first) and, inner, the G query heads of
+ * the key head. So the items that read one key head's K and V follow each other: a thread
+ * converts them into its head cache (FN(kv_head_cache): paged or heads side by side) once a
+ * key head, not once an item, as the (b, block, head) order did (12 decodes + 4 chunks of
+ * 256 queries over paged float32, H = 32/8, 2 threads: a fifth of the step in the copies).
+ * The entries are sorted in the table's first rows (heap sort on (cost, b): one order, no
+ * allocation), then spread over their items from the last: entry i's items start at row
+ * H * (blocks of entries 0 .. i-1) >= i, so no entry is overwritten before it is read. */
+static void varlen_fill_q(const ma_attn_args *a, int64_t *t, int64_t n_items) {
+    if (a->H <= 0 || n_items <= 0) return;
+    const int64_t Hkv = a->Hkv > 0 && a->H % a->Hkv == 0 ? a->Hkv : 1, G = a->H / Hkv;
+    int64_t ne = 0;
+    for (int64_t b = 0; b < a->B; b++) {
+        const int64_t Lq = seq_lq(a, b), Lk = seq_lk(a, b), n = ma_cdiv(Lq, a->block_q);
+        if (n == 0) continue;
+        int64_t lo, hi, cost = 0;
+        ma_attn_band(Lk - Lq, a->opts.window_left, a->opts.window_right, &lo, &hi); /* FN(seq_args)'s */
+        for (int64_t blk = 0; blk < n; blk++) cost += group_cost(a, 0, Lq, Lk, lo, hi, blk, n);
+        t[3 * ne] = cost, t[3 * ne + 1] = b, t[3 * ne + 2] = 0;
+        ne++;
+    }
+    for (int64_t i = ne / 2; i-- > 0;) sift_down(t, i, ne);
+    for (int64_t e = ne - 1; e > 0; e--) {
+        swap3(t, t + 3 * e);
+        sift_down(t, 0, e);
+    }
+    int64_t end = n_items;
+    for (int64_t i = ne - 1; i >= 0; i--) {
+        const int64_t b = t[3 * i + 1], Lq = seq_lq(a, b), Lk = seq_lk(a, b), n = ma_cdiv(Lq, a->block_q);
+        int64_t lo, hi;
+        ma_attn_band(Lk - Lq, a->opts.window_left, a->opts.window_right, &lo, &hi);
+        const int last_first = group_cost(a, 0, Lq, Lk, lo, hi, n - 1, n) >= group_cost(a, 0, Lq, Lk, lo, hi, 0, n);
+        const int64_t start = end - a->H * n;
+        for (int64_t hk = 0; hk < Hkv; hk++)
+            for (int64_t k = 0; k < n; k++)
+                for (int64_t g = 0; g < G; g++) {
+                    int64_t *row = t + 3 * (start + (hk * n + k) * G + g);
+                    row[0] = b, row[1] = hk * G + g, row[2] = last_first ? n - 1 - k : k;
+                }
+        end = start;
     }
 }
 
@@ -350,7 +393,7 @@ static void fwd_bind(void *params, void *workspace) {
     size_t at[2];
     fwd_layout(p, tiles, at);
     if (tiles) {
-        varlen_fill(&p->a, 0, (int64_t *)w, p->a.n_q_items);
+        varlen_fill_q(&p->a, (int64_t *)w, p->a.n_q_items);
         p->a.q_items = (const int64_t *)w;
     }
     if (p->decode_splits > 1) {
@@ -399,7 +442,7 @@ static int64_t decode_schedule(ma_attn_fwd_params *p) {
  * blocks cheap, expensive, cheap, ...), up to the whole head, so that a thread reads that
  * head's K and V into its own L2 once instead of both threads pulling every head; at least 8
  * takes per thread are left for balance; varlen calls one item at a time (its items come
- * most expensive first). Decode items are of equal cost where the call is dense. */
+ * entry by entry, most expensive first, a key head's together: varlen_fill_q). Decode items are of equal cost where the call is dense. */
 int ma_attn_plan_fwd(ma_attn_fwd_params *p, int64_t threads, ma_plan *plan) {
     if (!p || !plan) return -1;
     ma_attn_args *a = &p->a;
@@ -463,7 +506,7 @@ static void bwd_bind(void *params, void *workspace) {
     if (p->a.cu_q) {
         int64_t *entry = (int64_t *)(w + at[2]);
         varlen_chunk_tables(&p->a, entry);
-        varlen_fill(&p->a, 1, (int64_t *)w, p->a.n_kv_items);
+        varlen_fill_chunks(&p->a, (int64_t *)w, p->a.n_kv_items);
         varlen_reduce_fill(&p->a, entry, (int64_t *)(w + at[1]));
         p->a.kv_items = (const int64_t *)w, p->a.q_items = (const int64_t *)(w + at[1]);
         p->entry_chunks = entry;
