@@ -127,8 +127,9 @@ bench: setup $(PEERS) $(VLLM_SERVING)
 	$(VPY) benchmarks/vllm_serve.py --profile
 	$(MAKE) docs
 
-# docs/performance.md's tables and README.md's results from benchmarks/results_*.json (tools/make_docs.py,
-# standard library only); tests/project/test_docs.py fails where the page differs.
+# the machine pages' tables (docs/performance/<machine>.md), docs/performance.md's list of them and
+# README.md's results from benchmarks/results_*.json (tools/make_docs.py, standard library only);
+# tests/project/test_docs.py fails where a page differs.
 docs:
 	$(PY) tools/make_docs.py
 
@@ -205,7 +206,7 @@ test-wheel: wheel
 #   emulated aarch64 Python (tools/arm.py's ARM_SLICE; about 20 minutes);
 # wheel-arm: the cp310-abi3 aarch64 wheel into dist/, tagged by auditwheel.
 # bench-arm: instructions per call under qemu for scalar, NEON, SVE 128, 256 and 512
-#   (benchmarks/arm_insns.py; docs/performance.md, "aarch64"; about 8 minutes).
+#   (benchmarks/arm_insns.py; docs/performance/aarch64-qemu.md; about 8 minutes).
 .PHONY: test-arm-c test-arm wheel-arm bench-arm
 bench-arm: $(STAMP)
 	$(VPY) benchmarks/arm_insns.py

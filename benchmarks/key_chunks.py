@@ -1,7 +1,7 @@
 """The single-pass backward's key chunks under several CPU counts of the rule
 (ma_attn_bwd_kv_chunks: enough chunks for a work item per CPU, at least 8
 items), in one process, interleaved, backward alone, medians of 7
-(docs/performance.md, "Intel Xeon, 16 cores", "Key chunks"). A count of 8 or less gives the
+(docs/performance/intel-amx-16cpu.md, "Key chunks"). A count of 8 or less gives the
 rule's floor (8 items); "machine" is the CPU count the process has.
 
     .venv/bin/python benchmarks/key_chunks.py [THREADS] [--cpus 4,8,machine]

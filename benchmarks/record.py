@@ -1,6 +1,6 @@
 """The benchmark record: one JSON per machine kind, benchmarks/results_<key>.json
 (key: bench_machine.machine_key, e.g. "amd-avx2-2cpu"), from which
-tools/make_docs.py writes docs/performance.md's tables.
+tools/make_docs.py writes each record's tables into its page, docs/performance/<machine>.md.
 
     {
       "machine": "intel-amx-2cpu",        # the key, also the file name's

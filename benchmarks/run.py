@@ -13,7 +13,7 @@ each; the reported times are medians and ratio = native ms / ours ms (above
 run goes to benchmarks/out/results.json (rewritten after every case), the
 sweep's plot to benchmarks/out/ratio_vs_length.png. --record then merges one
 row per case into this machine's record, benchmarks/results_<machine>.json
-(benchmarks/record.py), from which `make docs` writes docs/performance.md.
+(benchmarks/record.py), from which `make docs` writes its page, docs/performance/<machine>.md.
 See benchmarks/README.md.
 """
 

@@ -134,7 +134,7 @@ ma_isa ma_isa_runs(ma_isa isa, ma_dtype dt, int rows) {
  * flops (a Xeon with AMX: the variant 1.8 - 2.9x slower than AVX-512), so
  * there MASKED_ATTN_ISA=avx512bf16 asks for it. Decode steps take AVX-512's
  * kernels in either. On aarch64 NEON: sve and svebf16 (BFMMLA) wait for an ARM
- * CPU to time them (docs/performance.md, "aarch64", gives their instruction
+ * CPU to time them (docs/performance/aarch64-qemu.md gives their instruction
  * counts under qemu); MASKED_ATTN_ISA asks for them. */
 #if defined(__x86_64__) || defined(__i386__)
 static int bf16_dot_at_fma_rate(void) { return __builtin_cpu_is("amd"); }

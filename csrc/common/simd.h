@@ -84,7 +84,7 @@
 /* ma_prefetch: into L1. ma_prefetch_l2: into L2 only, for the decoding rows' streams (K and
  * V a key block ahead): a prefetch into L1 holds one of the core's few L1 fill buffers until
  * its line arrives, which caps what one core streams at about that many lines per memory
- * latency; into L2 it does not (docs/performance.md, "Decoding"). */
+ * latency; into L2 it does not (docs/performance/intel-amx-2cpu.md, "Decoding"). */
 #if defined(__x86_64__) || defined(__i386__)
 #define ma_prefetch(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
 #define ma_prefetch_l2(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)

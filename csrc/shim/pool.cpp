@@ -14,7 +14,7 @@ namespace masked_attn_shim {
 // (none: contiguous), made by one call of the C shim (aoti_torch_empty_strided). Not
 // torch::stable::new_empty / transpose: built for torch 2.10, they find aten::new_empty and
 // aten::transpose by name in the dispatcher on every call, about 6,000 instructions each,
-// which a decoding step pays for every output (docs/performance.md, "Per-call overhead").
+// which a decoding step pays for every output (docs/performance/amd-avx2-2cpu.md, "Per-call overhead").
 Tensor new_strided(const Tensor& like, std::initializer_list<int64_t> sizes, std::initializer_list<int64_t> strides,
                    std::optional<ScalarType> dtype) {
   const int64_t ndim = static_cast<int64_t>(sizes.size());

@@ -1,9 +1,10 @@
 """The docs say what the code does.
 
-docs/performance.md's tables and README.md's results table are the benchmark
-records': tools/make_docs.py generates them from benchmarks/results_<machine>.json,
-and the pages must be what it writes (`make docs`); README.md's demo figures are
-likewise examples/demo_result.json's, the record of the last `make demo` committed.
+The machine pages' tables (docs/performance/<machine>.md), docs/performance.md's list of
+them and README.md's results table are the benchmark records': tools/make_docs.py generates
+them from benchmarks/results_<machine>.json, and the pages must be what it writes (`make docs`);
+README.md's demo figures are likewise examples/demo_result.json's, the record of the last
+`make demo` committed.
 No benchmark or demo runs here.
 
 Then every claim of README.md, CHANGELOG.md, docs/ and benchmarks/README.md that
@@ -37,15 +38,37 @@ def make_docs():
 
 
 @pytest.fixture(scope="module")
-def page(make_docs):
+def index(make_docs):
     with open(make_docs.DOC, encoding="utf-8") as f:
         return f.read()
 
 
-def test_performance_md_is_what_the_records_give(make_docs, page):
-    assert make_docs.generate(page, make_docs.load_records()) == page, (
-        "docs/performance.md differs from benchmarks/results_*.json: run `make docs`"
-    )
+@pytest.fixture(scope="module")
+def pages(make_docs):
+    """{key: text} of every docs/performance/<key>.md (a record's key, or aarch64-qemu)."""
+    out = {}
+    for path in sorted(os.listdir(make_docs.PAGES)):
+        if path.endswith(".md"):
+            with open(os.path.join(make_docs.PAGES, path), encoding="utf-8") as f:
+                out[path[: -len(".md")]] = f.read()
+    return out
+
+
+def test_performance_md_is_what_the_records_give(make_docs, index, pages):
+    """Every machine page, docs/performance/<machine>.md, and the index's list of them are what
+    tools/make_docs.py writes from the records; no record lacks its page."""
+    recs = make_docs.load_records()
+    stale = [key for key, text in pages.items() if make_docs.generate_page(text, recs, key) != text]
+    stale += [f"{key} (no page)" for key in recs if key not in pages]
+    if make_docs.generate_index(index, recs) != index:
+        stale.append("the index, docs/performance.md")
+    assert not stale, f"differ from benchmarks/results_*.json: {', '.join(stale)}: run `make docs`"
+
+
+def test_the_index_links_every_machine_page(index, pages):
+    """docs/performance.md links every page of docs/performance/ (the records' in its generated list)."""
+    linked = set(re.findall(r"\]\(performance/([\w.-]+)\.md\)", index))
+    assert set(pages) <= linked, f"docs/performance.md does not link {sorted(set(pages) - linked)}"
 
 
 def test_readme_results_are_what_the_records_give(make_docs):
@@ -84,21 +107,42 @@ def test_a_changed_demo_figure_changes_the_readme(make_docs):
     assert "less peak memory" not in make_docs.demo_figures(rec)
 
 
-def test_every_record_has_its_block(make_docs, page):
+def test_every_record_has_its_block(make_docs, index, pages):
+    """Each record's block is on its own page and nowhere else; the pages of no record hold none."""
     recs = make_docs.load_records()
     assert recs, "no benchmarks/results_<machine>.json"
-    blocks = [m.group("key") for m in make_docs.BLOCK_RE.finditer(page)]
-    assert sorted(blocks) == sorted(recs)
+    for key, text in pages.items():
+        blocks = [m.group("key") for m in make_docs.BLOCK_RE.finditer(text)]
+        assert blocks == ([key] if key in recs else []), f"docs/performance/{key}.md holds the blocks {blocks}"
+        if key in recs:
+            assert text.startswith("# "), f"docs/performance/{key}.md has no title"
+    assert set(recs) <= set(pages)
+    assert not make_docs.BLOCK_RE.search(index), "docs/performance.md holds a machine's block"
 
 
-def test_a_changed_figure_changes_the_page(make_docs, page):
+def test_a_changed_figure_changes_the_page(make_docs, pages):
     """The check can fail: a ratio edited in a record shows up in the generated page."""
     recs = copy.deepcopy(make_docs.load_records())
     key = sorted(recs)[0]
     row = next(r for r in recs[key]["rows"] if isinstance(r.get("ratio"), float))
     row["ratio"] = 123.456
-    new = make_docs.generate(page, recs)
-    assert new != page and "| 123.46 |" in new
+    new = make_docs.generate_page(pages[key], recs, key)
+    assert new != pages[key] and "| 123.46 |" in new
+
+
+def test_misplaced_or_orphan_blocks_are_errors(make_docs, pages):
+    """A block whose record is gone, another machine's block, or a record's page without its block
+    stops `make docs`; a record without a page gets one: its title and its block."""
+    recs = make_docs.load_records()
+    key, other = sorted(recs)[:2]
+    with pytest.raises(SystemExit, match="is gone"):
+        make_docs.generate_page(pages[key], {k: r for k, r in recs.items() if k != key}, key)
+    with pytest.raises(SystemExit, match=f"belongs in docs/performance/{key}.md"):
+        make_docs.generate_page(pages[key], recs, other)
+    with pytest.raises(SystemExit, match="not one"):
+        make_docs.generate_page(f"# {recs[key]['cpu']}\n", recs, key)
+    new = make_docs.new_page(recs[key])
+    assert new.startswith(f"# {recs[key]['cpu']}\n\n") and make_docs.generate_page(new, recs, key) == new
 
 
 def test_records_are_well_formed(make_docs):
@@ -213,8 +257,15 @@ def _read(rel):
 
 
 def _docs():
-    """Every Markdown page of the project: README.md, CHANGELOG.md, docs/**, benchmarks/README.md."""
+    """Every Markdown page of the project: README.md, CHANGELOG.md, docs/** (docs/performance/'s
+    machine pages too), benchmarks/README.md."""
     return sorted(p for p in _files() if p.endswith(".md"))
+
+
+def _measurements(rel):
+    """docs/performance.md and its machine pages, docs/performance/*.md: dated records of
+    measurements (the machines, their torch builds and peers' versions as they were then)."""
+    return rel == "docs/performance.md" or re.fullmatch(r"docs/performance/[^/]+\.md", rel) is not None
 
 
 _GENERATED = re.compile(r"<!-- generated by .*?<!-- end of generated block[^>]*-->", re.S)
@@ -453,7 +504,7 @@ def glibc_claims(text):
 
 
 def _glibc_texts():
-    texts = {rel: _claims(rel) for rel in _docs() if rel != "docs/performance.md"}
+    texts = {rel: _claims(rel) for rel in _docs() if not _measurements(rel)}
     texts["setup.py"] = _comments("setup.py")
     texts["Makefile"] = _makefile()[2]
     return texts
@@ -511,9 +562,9 @@ _PINNED_NAMES = (
 
 
 def _version_texts():
-    """The docs' own words on versions (CHANGELOG's history and performance.md's machine records
+    """The docs' own words on versions (CHANGELOG's history and the measurement pages, _measurements,
     left out), with the Makefile's, setup.py's and pyproject.toml's comments."""
-    texts = {rel: _flat(_claims(rel)) for rel in _docs() if rel not in ("CHANGELOG.md", "docs/performance.md")}
+    texts = {rel: _flat(_claims(rel)) for rel in _docs() if rel != "CHANGELOG.md" and not _measurements(rel)}
     texts["Makefile"] = _flat(_makefile()[2])
     texts["setup.py"] = _flat(_comments("setup.py"))
     texts["pyproject.toml"] = _flat(_comments("pyproject.toml"))
@@ -1547,15 +1598,15 @@ def code_identifiers(text):
 
 def test_identifiers_quoted_are_in_the_code():
     """Every snake_case name the docs quote in `code` (kernels' functions, struct fields, keyword
-    arguments, helpers) is a word of the project's C, C++ or Python. docs/performance.md, a dated
-    record of measurements, is left out."""
+    arguments, helpers) is a word of the project's C, C++ or Python. docs/performance.md and its
+    machine pages, dated records of measurements, are left out."""
     words = set()
     for rel in _files():
         if rel.endswith((".c", ".h", ".cpp", ".hpp", ".py")) and rel != "tests/project/test_docs.py":
             words.update(re.findall(r"\w+", _read(rel)))
     missing, named = [], 0
     for rel in _docs():
-        if rel == "docs/performance.md":
+        if _measurements(rel):
             continue
         for name in code_identifiers(_claims(rel)):
             named += 1
