@@ -396,7 +396,14 @@ MA_INLINE void dot_rows_group(const int RP, float *s, int64_t lds, const float *
  * whatever the tile or the order. The register tile is dot_rows' (RP rows x KI keys, each key and
  * q vector loaded once into a register), MA_HL elements of D a step (AVX2: vpmaddwd, 16 products
  * an instruction against an FMA's 8, and no conversion of the keys to float32); the rest of D
- * (D % MA_HL) in scalar integers. */
+ * (D % MA_HL) in one more step of masked loads where the set has them (MA_VH_LOAD_N: AVX-512,
+ * whose 32 elements a step leave 16 of D = 80; those in scalar integers ran the scores at a
+ * third of D = 128's rate), else in scalar integers. */
+#ifdef MA_VH_LOAD_N
+#define MA_I8_TAIL(D) 0 /* (no scalar rest) */
+#else
+#define MA_I8_TAIL(D) ((D) % MA_HL)
+#endif
 MA_INLINE void dot_i8_keys(const int RP, const int KI, vs *xs, int32_t *xt, int64_t i, const int16_t *q, int64_t D,
                            const int8_t *k, int64_t ld, int64_t c, int64_t pf) {
     vs acc[MA_DR_CHAINS]; /* acc[j * RP + r] */
@@ -420,6 +427,21 @@ MA_INLINE void dot_i8_keys(const int RP, const int KI, vs *xs, int32_t *xt, int6
             for (int j = 0; j < KI; j++) acc[j * RP + r] = vs_dot(acc[j * RP + r], kv[j], qv);
         }
     }
+#ifdef MA_VH_LOAD_N
+    if (d < D) {
+        const int64_t n = D - d;
+        vh kv[MA_DR_CHAINS];
+#pragma GCC unroll 16
+        for (int j = 0; j < KI; j++) kv[j] = vh_load_i8_n(k + (c + j) * ld + d, n);
+#pragma GCC unroll 8
+        for (int r = 0; r < RP; r++) {
+            const vh qv = vh_load_i16_n(q + r * D + d, n);
+#pragma GCC unroll 16
+            for (int j = 0; j < KI; j++) acc[j * RP + r] = vs_dot(acc[j * RP + r], kv[j], qv);
+        }
+        d = D;
+    }
+#endif
 #pragma GCC unroll 16
     for (int j = 0; j < KI; j++)
 #pragma GCC unroll 8
@@ -448,12 +470,12 @@ MA_INLINE void dot_i8_group(const int RP, float *s, int64_t lds, const int16_t *
         const int32_t *t = xt + r * MA_VL;
         float *sr = s + r * lds + c0;
 #ifdef MA_FOLD_LANES_I
-        if (nk == MA_VL && D % MA_HL == 0) {
+        if (nk == MA_VL && MA_I8_TAIL(D) == 0) {
             vf_store(sr, vf_mul(vs_to_f(vs_fold_lanes(x)), vf_set1(qs[r])));
             continue;
         }
 #endif
-        for (int64_t y = 0; y < nk; y++) sr[y] = (float)(vs_hsum(x[y]) + (D % MA_HL ? t[y] : 0)) * qs[r];
+        for (int64_t y = 0; y < nk; y++) sr[y] = (float)(vs_hsum(x[y]) + (MA_I8_TAIL(D) ? t[y] : 0)) * qs[r];
     }
 }
 

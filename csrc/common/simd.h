@@ -51,6 +51,8 @@
  *   lanes: which lane takes which product is the set's), vs_hsum(v) (its lanes' sum), vs_to_f
  *   (lanes to float32, rounded to nearest even);
  *   optionally (#define MA_FOLD_LANES_I) vs_fold_lanes(r) (lane i: the sum of r[i]'s lanes)
+ *   optionally (#define MA_VH_LOAD_N) vh_load_i8_n(p, n), vh_load_i16_n(p, n) (n < MA_HL
+ *   elements at p, the other lanes 0: D's last elements in the vectors, not in scalar integers)
  * Block shapes, constants the blocks read (attention/blocks_simd.h says what
  * each shapes): MA_GEMM_MR, MA_GEMM_NV, MA_GEMM_TAIL_MR, MA_GEMM_TAIL_NV,
  *   MA_GEMM_PACK, MA_MASKED_EDGES, MA_KT_NV(nr), MA_AXPY_ROWS, MA_AXPY_NV(R),

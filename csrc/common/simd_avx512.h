@@ -96,6 +96,9 @@ typedef __m512i vh;
 typedef __m512i vs;
 #define vh_load_i8(p) _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(const void *)(p)))
 #define vh_load_i16(p) _mm512_loadu_si512((const void *)(p))
+#define MA_VH_LOAD_N /* (masked: no byte past the n read) */
+#define vh_load_i8_n(p, n) _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8((__mmask32)((1ull << (n)) - 1), (p)))
+#define vh_load_i16_n(p, n) _mm512_maskz_loadu_epi16((__mmask32)((1ull << (n)) - 1), (p))
 #define vs_zero _mm512_setzero_si512
 #ifdef __AVX512VNNI__
 #define vs_dot(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
