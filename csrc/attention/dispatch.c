@@ -182,6 +182,15 @@ static void sift_down(int64_t *g, int64_t i, int64_t n) {
     }
 }
 
+/* Rows 0 .. n of t (3 int64 each) in `before` order, most expensive first, in place. */
+static void heap_sort3(int64_t *t, int64_t n) {
+    for (int64_t i = n / 2; i-- > 0;) sift_down(t, i, n);
+    for (int64_t e = n - 1; e > 0; e--) {
+        swap3(t, t + 3 * e);
+        sift_down(t, 0, e);
+    }
+}
+
 /* What the items of one group read: the query block qb's keys (q items), or the queries of
  * every key block of chunk ch of C (the single pass's items, chunks) times the G query heads,
  * within the entry's band, plus its rows (chunks: the G heads' query rows it converts). */
@@ -220,11 +229,7 @@ static void varlen_fill_chunks(const ma_attn_args *a, int64_t *t, int64_t n_item
         for (int64_t blk = 0; blk < n; blk++, ng++)
             t[3 * ng] = group_cost(a, 1, Lq, Lk, lo, hi, blk, n), t[3 * ng + 1] = b, t[3 * ng + 2] = blk;
     }
-    for (int64_t i = ng / 2; i-- > 0;) sift_down(t, i, ng);
-    for (int64_t e = ng - 1; e > 0; e--) {
-        swap3(t, t + 3 * e);
-        sift_down(t, 0, e);
-    }
+    heap_sort3(t, ng);
     /* now ascending in `before` order, most expensive first; group g's items go
      * to rows g * heads .. : at or after row g, so from the last group down no
      * group is overwritten before it is read */
@@ -261,11 +266,7 @@ static void varlen_fill_q(const ma_attn_args *a, int64_t *t, int64_t n_items) {
         t[3 * ne] = cost, t[3 * ne + 1] = b, t[3 * ne + 2] = 0;
         ne++;
     }
-    for (int64_t i = ne / 2; i-- > 0;) sift_down(t, i, ne);
-    for (int64_t e = ne - 1; e > 0; e--) {
-        swap3(t, t + 3 * e);
-        sift_down(t, 0, e);
-    }
+    heap_sort3(t, ne);
     int64_t end = n_items;
     for (int64_t i = ne - 1; i >= 0; i--) {
         const int64_t b = t[3 * i + 1], Lq = seq_lq(a, b), Lk = seq_lk(a, b), n = ma_cdiv(Lq, a->block_q);
@@ -442,7 +443,8 @@ static int64_t decode_schedule(ma_attn_fwd_params *p) {
  * blocks cheap, expensive, cheap, ...), up to the whole head, so that a thread reads that
  * head's K and V into its own L2 once instead of both threads pulling every head; at least 8
  * takes per thread are left for balance; varlen calls one item at a time (its items come
- * entry by entry, most expensive first, a key head's together: varlen_fill_q). Decode items are of equal cost where the call is dense. */
+ * entry by entry, most expensive first, a key head's together: varlen_fill_q). Decode items
+ * are of equal cost where the call is dense. */
 int ma_attn_plan_fwd(ma_attn_fwd_params *p, int64_t threads, ma_plan *plan) {
     if (!p || !plan) return -1;
     ma_attn_args *a = &p->a;
