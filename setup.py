@@ -39,13 +39,15 @@ SHIM_FLAGS = ["-D__libc_single_threaded=ma_libc_single_threaded"]
 # (check_c_units), so a new variant cannot be left out of a build.
 AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-mf16c"]
-AVX512BF16 = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c"]
+# + VNNI (vpdpwssd: the 8-bit cache's integer products), which every CPU with AVX512-BF16 has
+AVX512BF16 = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c"]
 AMX = [
     "-mavx512f",
     "-mavx512bw",
     "-mavx512dq",
     "-mavx512vl",
     "-mavx512bf16",
+    "-mavx512vnni",
     "-mamx-tile",
     "-mamx-bf16",
     "-mfma",

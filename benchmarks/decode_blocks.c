@@ -3,9 +3,10 @@
  * axpy_keys (P V from value rows) of the AVX2 (or AVX-512) instance over 64 keys in L1, as a share of the
  * FMA peak measured in the same process (12 chains of FMAs, alternated with the kernels), and
  * beside them a prototype of the scores in 4 rows x 3 keys; over int8 keys (the 8-bit cache),
- * dot_rows' float products beside dot_rows_i8's integer ones, as multiply-adds a second over the
- * FMA peak's (docs/decoding-performance.md, "The products' own speed"), and on AVX-512 a
- * prototype of P V in integers (pairs of keys a vpmaddwd; D a multiple of 64).
+ * dot_rows' and axpy_keys' float products beside dot_rows_i8's and axpy_keys_i8's integer ones,
+ * as multiply-adds a second over the FMA peak's (docs/decoding-performance.md, "The products'
+ * own speed"). Built with -mavx512vnni too, the integer products take vpdpwssd (the avx512bf16
+ * unit's build).
  * What a decode step costs where its cache is in cache. x86-64, AVX2 or (built with -mavx512f) the
  * AVX-512 instance, whose line has no 4 x 3 prototype (an AVX2 tile):
  *
@@ -89,76 +90,6 @@ static void natural_bench(float *s, int64_t lds, const float *q, int64_t nr, int
 
 #endif
 
-#if MA_VL == 16
-/* Integer P V over the int8 values, measured and not built (docs/decoding-performance.md,
- * "Decoding on AVX-512"): o32[r][d] += sum_c p16[r][c] v8[c][d] with the keys in pairs, one
- * vs_dot a pair (vpmaddwd + vpaddd; vpdpwssd built with -mavx512vnni): 16-bit P of a row's two
- * keys broadcast against the two keys' values sign-extended and interleaved by unpacklo /
- * unpackhi, so the int32 lanes hold the dims in unpack's order; RP rows x 4 vectors of 16 dims
- * in registers over the keys. Exact in int32
- * (|p16| < 2^15, |v| <= 127: 2^22 a product, 512 keys before 2^31). Timed, and checked against
- * an int64 sum first. */
-MA_INLINE void pv_i8_rows(const int RP, int32_t *o, const int16_t *p, int64_t ldp, const int8_t *v, int64_t D,
-                          int64_t ld, int64_t nc) {
-    for (int64_t d0 = 0; d0 + 64 <= D; d0 += 64) {
-        __m512i acc[4][4];
-        for (int r = 0; r < RP; r++)
-            for (int u = 0; u < 4; u++) acc[r][u] = _mm512_loadu_si512((const void *)(o + r * D + d0 + 16 * u));
-        for (int64_t c = 0; c + 2 <= nc; c += 2) {
-            __m512i x[4];
-            for (int h = 0; h < 2; h++) {
-                const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const void *)(v + c * ld + d0 + 32 * h)));
-                const __m512i b =
-                    _mm512_cvtepi8_epi16(_mm256_loadu_si256((const void *)(v + (c + 1) * ld + d0 + 32 * h)));
-                x[2 * h] = _mm512_unpacklo_epi16(a, b), x[2 * h + 1] = _mm512_unpackhi_epi16(a, b);
-            }
-            for (int r = 0; r < RP; r++) {
-                int32_t pair;
-                memcpy(&pair, p + r * ldp + c, sizeof pair);
-                const __m512i pp = _mm512_set1_epi32(pair);
-                for (int u = 0; u < 4; u++) acc[r][u] = vs_dot(acc[r][u], pp, x[u]);
-            }
-        }
-        for (int r = 0; r < RP; r++)
-            for (int u = 0; u < 4; u++) _mm512_storeu_si512((void *)(o + r * D + d0 + 16 * u), acc[r][u]);
-    }
-}
-
-static void pv_i8_bench(int32_t *o, const int16_t *p, int64_t ldp, int64_t nr, int64_t D, const int8_t *v, int64_t ld,
-                        int64_t nc) {
-    for (int64_t r = 0; r < nr; r += 4) {
-        if (nr - r >= 4) pv_i8_rows(4, o + r * D, p + r * ldp, ldp, v, D, ld, nc);
-        else if (nr - r == 3) pv_i8_rows(3, o + r * D, p + r * ldp, ldp, v, D, ld, nc);
-        else if (nr - r == 2) pv_i8_rows(2, o + r * D, p + r * ldp, ldp, v, D, ld, nc);
-        else pv_i8_rows(1, o + r * D, p + r * ldp, ldp, v, D, ld, nc);
-    }
-}
-
-/* Where dim d of a 64-dim strip lies in pv_i8_rows' output: its 32-dim half, then unpack's
- * order (the 128-bit lanes' low 4 pairs in the first vector, their high 4 in the second). */
-static int64_t pv_i8_lane(int64_t d) {
-    const int64_t e = d % 64, g = e % 32;
-    return d - e + 32 * (e / 32) + 16 * ((g % 8) >= 4) + 4 * (g / 8) + g % 4;
-}
-
-/* One pass against an int64 sum; 0 where every output is exact. */
-static int pv_i8_check(int64_t nr, int64_t D, const int8_t *v, int64_t ld, int64_t nc) {
-    int16_t *p = malloc(sizeof(int16_t) * 16 * nc);
-    int32_t *o = calloc((size_t)(16 * D), sizeof(int32_t));
-    int bad = 0;
-    for (int64_t i = 0; i < 16 * nc; i++) p[i] = (int16_t)((i * 7919) % 65535 - 32767);
-    pv_i8_bench(o, p, nc, nr, D, v, ld, nc);
-    for (int64_t r = 0; r < nr; r++)
-        for (int64_t d = 0; d < D; d++) {
-            int64_t want = 0;
-            for (int64_t c = 0; c < nc; c++) want += (int64_t)p[r * nc + c] * v[c * ld + d];
-            bad |= o[r * D + pv_i8_lane(d)] != want;
-        }
-    free(p), free(o);
-    return bad;
-}
-#endif
-
 /* called through pointers the compiler cannot see through, so that nothing is specialised */
 #if MA_VL == 8
 static dot_fn volatile natural = natural_bench;
@@ -168,13 +99,9 @@ static dot_fn volatile natural = NULL; /* (an AVX2 tile) */
 static dot_fn volatile dot_rows = dot_rows_bench;
 static axpy_fn volatile axpy_keys = axpy_keys_bench;
 static i8_fn volatile dot_rows_i8 = dot_rows_i8_bench;
-typedef void (*pv_i8_fn)(int32_t *, const int16_t *, int64_t, int64_t, int64_t, const int8_t *, int64_t, int64_t);
-#if MA_VL == 16
-static pv_i8_fn volatile pv_i8_ptr = pv_i8_bench;
-#define PV_I8 pv_i8_ptr
-#else
-#define PV_I8(...) (void)0
-#endif
+typedef void (*pv_i8_fn)(float *, const float *, int64_t, int64_t, int64_t, const int8_t *, int64_t, int64_t,
+                         int64_t, int64_t);
+static pv_i8_fn volatile axpy_keys_i8 = axpy_keys_i8_bench;
 
 static double now(void) {
     struct timespec t;
@@ -208,21 +135,13 @@ int main(int argc, char **argv) {
     float *k = malloc(sizeof(float) * nc * ld);
     uint16_t *kb = malloc(sizeof(uint16_t) * nc * ld);
     int8_t *k8 = malloc((size_t)(nc * ld));
-    int16_t *q16 = malloc(sizeof(int16_t) * 16 * D), *p16 = malloc(sizeof(int16_t) * 16 * nc);
-    int32_t *o32 = calloc((size_t)(16 * D), sizeof(int32_t));
+    int16_t *q16 = malloc(sizeof(int16_t) * 16 * D);
     float qs[16];
     for (int64_t i = 0; i < 16 * D; i++) q[i] = 0.01f * (float)(i % 7), o[i] = 0, q16[i] = (int16_t)(i % 2001 - 1000);
     for (int64_t i = 0; i < 16; i++) qs[i] = 1e-3f;
     for (int64_t i = 0; i < nc * ld; i++)
         k[i] = 0.001f * (float)(i % 13), kb[i] = ma_f32_to_bf16(k[i]), k8[i] = (int8_t)(i % 255 - 127);
-    for (int64_t i = 0; i < 16 * nc; i++) s[i] = 0.001f, p16[i] = (int16_t)(i % 4001);
-#if MA_VL == 16
-    const int pv_i8 = D % 64 == 0; /* the prototype's strips */
-    if (pv_i8 && pv_i8_check(nr, D, k8, ld, nc))
-        return fprintf(stderr, "the integer P V prototype differs from the int64 sums\n"), 1;
-#else
-    const int pv_i8 = 0;
-#endif
+    for (int64_t i = 0; i < 16 * nc; i++) s[i] = 0.001f;
     const int64_t fma_n = reps * nr * nc * D / (12 * MA_VL) + 1; /* about a kernel's FMAs */
     volatile float sink = 0;
     for (int t = 0; t < 3; t++) {
@@ -237,12 +156,12 @@ int main(int argc, char **argv) {
             double e = (now() - t0) / (double)(fma_n * 12 * MA_VL);
             best[0] = e < best[0] ? e : best[0];
             for (int i = 1; i < 5; i++) {
-                if ((i == 3 && t < 2 && !natural) || (i == 4 && !(t == 2 && pv_i8))) continue;
+                if ((i == 3 && t < 2 && !natural) || (i == 4 && t < 2)) continue;
                 t0 = now();
                 for (int64_t r = 0; r < reps; r++)
                     if (i == 1) dot_rows(s, nc, q, nr, D, kv, dt, 0, ld, nc, 0);
                     else if (i == 2) axpy_keys(o, s, nc, nr, D, kv, dt, 0, ld, nc, 0);
-                    else if (i == 4) PV_I8(o32, p16, nc, nr, D, k8, ld, nc);
+                    else if (i == 4) axpy_keys_i8(o, s, nc, nr, D, k8, 0, ld, nc, 0);
                     else if (t < 2) natural(s, nc, q, nr, D, kv, dt, 0, ld, nc, 0);
                     else dot_rows_i8(s, nc, q16, qs, nr, D, k8, 0, ld, nc, 0);
                 e = (now() - t0) / (double)(reps * nr * nc * D);
@@ -260,9 +179,9 @@ int main(int argc, char **argv) {
                       : "f32 ",
                (long)nr, (long)ld, (long)D, 2e-9 / peak, 100 * share[0], 100 * share[1],
                t == 2 ? "dot_rows_i8 (integer)" : "4 x 3 scores", third);
-        if (t == 2 && MA_VL == 16 && pv_i8) printf("; integer P V (prototype) %.0f\n", 100 * share[3]);
-        else printf(t == 2 && MA_VL == 16 ? "; integer P V (prototype) -\n" : "\n");
+        if (t == 2) printf("; axpy_keys_i8 (integer) %.0f\n", 100 * share[3]);
+        else printf("\n");
     }
-    free(q), free(s), free(o), free(k), free(kb), free(k8), free(q16), free(p16), free(o32);
+    free(q), free(s), free(o), free(k), free(kb), free(k8), free(q16);
     return sink == 12345.f;
 }

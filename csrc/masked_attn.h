@@ -74,10 +74,10 @@ typedef enum {
       /* F, BW, DQ, VL */ MA_CPU("avx512f") && MA_CPU("avx512bw") && MA_CPU("avx512dq") &&                      \
       MA_CPU("avx512vl"))                                                                                       \
     X(AMX,        amx,        MA_ISA_AMX = 3,         x86,  64, 64, AVX512, attn, one,                          \
-      /* + AVX512-BF16 and AMX-BF16 tiles */ MA_USABLE(AVX512) && MA_CPU("avx512bf16") &&                       \
+      /* + AVX512-BF16, -VNNI and AMX-BF16 tiles */ MA_USABLE(AVX512BF16) &&                                  \
       MA_CPU("amx-tile") && MA_CPU("amx-bf16") && amx_permitted())                                              \
     X(AVX512BF16, avx512bf16, MA_ISA_AVX512BF16 = 4,  x86,  64, 64, AVX512, bf16, one,                          \
-      /* bfloat16 products on VDPBF16PS */ MA_USABLE(AVX512) && MA_CPU("avx512bf16"))                           \
+      /* VDPBF16PS; VNNI's vpdpwssd */ MA_USABLE(AVX512) && MA_CPU("avx512bf16") && MA_CPU("avx512vnni"))     \
     X(NEON,       neon,       MA_ISA_NEON = 5,        arm,  64, 64, SCALAR, all,  one,                          \
       1 /* in every aarch64 CPU */)                                                                             \
     X(SVE,        sve,        MA_ISA_SVE = 6,         arm,  64, 64, NEON,   all,  vl,  ma_sve_bits() > 0)       \

@@ -11,7 +11,8 @@
 * ``philox``, ``keep_mask``: attention dropout's keep mask as masked_attn.h defines it
   (Philox-4x32-10; tests/attention/test_dropout.py checks it against Random123's known answers
   and the kernels' masks).
-* ``q_int16``: query rows as the 8-bit cache's integer scores read them (the decode's rows).
+* ``q_int16``: query rows as the 8-bit cache's integer scores read them (the decode's rows);
+  ``p_int16_bound``: what its integer P V may add to an output's error.
 * ``cross_entropy64``: cross-entropy with every option of torch_masked_attn's (z-loss, soft-cap
   beside PyTorch's weight, ignore_index, label smoothing, probability targets), composed from
   F.cross_entropy in the inputs' dtype (tools/fuzz.py's).
@@ -184,6 +185,21 @@ def q_int16(q, scale=None):
     out = torch.where(mx == 0, torch.zeros_like(out), out)
     out = torch.where(fin, out, torch.full_like(out, math.nan))
     return out / s32.double()
+
+
+def p_int16_bound(weights, vq, vs):
+    """The most the 8-bit cache's integer P V (docs/design/16-kv-int8.md, "Decoding") adds to an
+    output's error, per element, from the reference's own weights (B, H, Lq, Lk) (the
+    probabilities that multiply v: head mask and sinks included) and the int8 values vq (B, Hkv,
+    Lk, Dv) with their scales vs (B, Hkv, Lk): each key's p v_scale is rounded to a step of its run's
+    largest over 32767, the largest of the whole row at most (a later step's rescaling divides
+    both alike), so that |error| <= sum_c |vq[c, d]| max_c (p_c v_scale_c) / 65534; times 1.01 for
+    the float32 probabilities it is taken from."""
+    G = weights.shape[-3] // vq.shape[-3]
+    w = weights.double().abs().nan_to_num(0) * vs.double().repeat_interleave(G, -2).unsqueeze(-2)
+    top = w.amax(-1, keepdim=True)  # (B, H, Lq, 1)
+    col = vq.double().abs().sum(-2).repeat_interleave(G, -2).unsqueeze(-2)  # (B, H, 1, Dv)
+    return 1.01 * top * col / 65534
 
 
 # ---- cross-entropy -------------------------------------------------------------------------

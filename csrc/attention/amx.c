@@ -220,8 +220,10 @@ static void gemm_amx3(int64_t m, int64_t n, int64_t k, const float *A, int64_t a
     tile_gemm_terms(m, n, k, A, ars, acs, B, ldb, C, ldc, accumulate, 3);
 }
 
-/* The harness tests the two precisions' GEMMs; the other blocks are AVX-512's. */
-const ma_blocks ma_blocks_amx2 = {.name = "amx2", .gemm = gemm_amx2};
+/* The harness tests the two precisions' GEMMs and the integer scores (VNNI's in this unit's
+ * copy of AVX-512's blocks); the other blocks are AVX-512's. */
+const ma_blocks ma_blocks_amx2 = {
+    .name = "amx2", .gemm = gemm_amx2, .dot_rows_i8 = dot_rows_i8_avx512, .axpy_keys_i8 = axpy_keys_i8_avx512};
 const ma_blocks ma_blocks_amx3 = {.name = "amx3", .gemm = gemm_amx3};
 const ma_attn_kernels ma_attn_kernels_amx = {attn_fwd_amx,        attn_bwd_delta_amx,    attn_bwd_fused_amx,
                                              attn_bwd_reduce_amx, fwd_scratch_bytes_amx, bwd_scratch_bytes_amx,

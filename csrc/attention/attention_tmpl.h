@@ -82,6 +82,7 @@
 #define DOT_ROWS BLK(dot_rows)
 #define DOT_ROWS_I8 BLK(dot_rows_i8)
 #define AXPY_KEYS BLK(axpy_keys)
+#define AXPY_KEYS_I8 BLK(axpy_keys_i8)
 #define DROPOUT BLK(dropout)
 
 /* The algorithms, in the order their pieces build on each other. */
@@ -112,6 +113,7 @@
 #undef DOT_ROWS
 #undef DOT_ROWS_I8
 #undef AXPY_KEYS
+#undef AXPY_KEYS_I8
 #undef DROPOUT
 #undef FN
 #undef BLK

@@ -126,9 +126,13 @@ static void gemm_avx512bf16_3(int64_t m, int64_t n, int64_t k, const float *A, i
     tile_gemm_terms(m, n, k, A, ars, acs, B, ldb, C, ldc, accumulate, 3);
 }
 
-/* The harness tests the product on split operands (2 and 3 parts, as AMX's);
- * the other blocks are AVX-512's. */
-const ma_blocks ma_blocks_avx512bf16_2 = {.name = "avx512bf16_2", .gemm = gemm_avx512bf16_2};
+/* The harness tests the product on split operands (2 and 3 parts, as AMX's), and the integer
+ * scores, which this unit's copy of AVX-512's blocks takes on VNNI (vpdpwssd); the other
+ * blocks are AVX-512's. */
+const ma_blocks ma_blocks_avx512bf16_2 = {.name = "avx512bf16_2",
+                                          .gemm = gemm_avx512bf16_2,
+                                          .dot_rows_i8 = dot_rows_i8_avx512,
+                                          .axpy_keys_i8 = axpy_keys_i8_avx512};
 const ma_blocks ma_blocks_avx512bf16_3 = {.name = "avx512bf16_3", .gemm = gemm_avx512bf16_3};
 const ma_attn_kernels ma_attn_kernels_avx512bf16 = {
     attn_fwd_avx512bf16,        attn_bwd_delta_avx512bf16,    attn_bwd_fused_avx512bf16,

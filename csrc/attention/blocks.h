@@ -46,6 +46,15 @@
  *   axpy_keys_X(o, p, ldp, nr, Dv, v, dt, off, ld, nc, pf)
  *       o[r*Dv + d] += sum_c p[r*ldp + c] v[off + c*ld + d], v in its own dtype,
  *       in gemm_X's order
+ *   axpy_keys_i8_X(o, p, ldp, nr, Dv, v, off, ld, nc, pf)
+ *       the 8-bit cache's P V in integers, v int8: per row r and run of keys c0 ..
+ *       c0 + n (n = 512, the last fewer): m = max |p[r*ldp + c]| over the run,
+ *       p16_c = round(p[r*ldp + c] (32767 / m)) (float32 products, ties to even),
+ *       sum_d = sum_c p16_c v[off + c*ld + d] (exact in int32), then
+ *       o[r*Dv + d] = fma((float)sum_d, m / 32767, o[r*Dv + d]): bit for bit the
+ *       same in every variant. m = 0: sums 0. Some p inf or NaN, or 32767 / m
+ *       past float32: the sums 0 and scale 0 (the fma adds 0), then the run as
+ *       axpy_keys (its NaN)
  *       pf: as they read a line of a key or value row, these two may prefetch
  *       the line pf elements further (0: none); a hint, values never change
  *   quantize_row_X(x, dt, n, q, scale)
@@ -120,6 +129,8 @@ typedef struct {
     int dot_rows_w; /* dot_rows' partial sums (W) */
     void (*dot_rows_i8)(float *s, int64_t lds, const int16_t *q, const float *qs, int64_t nr, int64_t D,
                         const int8_t *k, int64_t off, int64_t ld, int64_t nc, int64_t pf);
+    void (*axpy_keys_i8)(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const int8_t *v, int64_t off,
+                         int64_t ld, int64_t nc, int64_t pf);
 } ma_blocks;
 
 /* The float blocks of variant isa (AMX and AVX512-BF16: AVX-512's, SVE-BF16: NEON's, which their

@@ -122,6 +122,37 @@ static void dot_rows_i8_scalar(float *s, int64_t lds, const int16_t *q, const fl
             s[r * lds + c] = (float)acc * qs[r];
         }
 }
+
+/* the 8-bit cache's P V in integers (blocks.h): per row and run of MA_PV_I8_RUN keys, p16 =
+ * round(p 32767 / m), the exact sum, one fma; a run with inf or NaN (or 32767 / m past float) the
+ * float product after a sum of 0 */
+static void axpy_keys_i8_scalar(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const int8_t *v,
+                                int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+    (void)pf;
+    for (int64_t c0 = 0; c0 < nc; c0 += 512)
+        for (int64_t r = 0; r < nr; r++) {
+            const int64_t n = nc - c0 < 512 ? nc - c0 : 512;
+            const float *pr = p + r * ldp + c0;
+            float m = 0;
+            int bad = 0;
+            for (int64_t c = 0; c < n; c++) {
+                if (!isfinite(pr[c])) bad = 1;
+                else if (fabsf(pr[c]) > m) m = fabsf(pr[c]);
+            }
+            const float inv = 32767.0f / m;
+            bad |= m > 0 && !isfinite(inv);
+            const int zero = bad || m == 0;
+            const float ps = zero ? 0.0f : m / 32767.0f;
+            for (int64_t d = 0; d < Dv; d++) {
+                int32_t acc = 0;
+                for (int64_t c = 0; c < n && !zero; c++)
+                    acc += (int32_t)lrintf(pr[c] * inv) * v[off + (c0 + c) * ld + d];
+                o[r * Dv + d] = fmaf((float)acc, ps, o[r * Dv + d]);
+            }
+            for (int64_t c = 0; c < n && bad; c++)
+                for (int64_t d = 0; d < Dv; d++) o[r * Dv + d] += pr[c] * (float)v[off + (c0 + c) * ld + d];
+        }
+}
 #endif
 
 #ifndef MA_QUANTIZE_ROW_SCALAR /* float arithmetic whatever T: defined once, by the float instance */

@@ -17,6 +17,7 @@
 #define MA_ATTENTION_BLOCKS_SIMD_H
 
 #include <math.h>
+#include <string.h>
 
 #include "blocks.h"
 #include "common/dtype.h"
@@ -754,6 +755,165 @@ static void BLK(axpy_keys)(float *o, const float *p, int64_t ldp, int64_t nr, in
     else if (dt == MA_BF16) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_BF16, off, ld, nc, pf);
     else if (dt == MA_I8) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_I8, off, ld, nc, pf);
     else axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_F16, off, ld, nc, pf);
+}
+
+/* ---- axpy_keys_i8: the 8-bit cache's P V in integers ----------------------------------------
+ *
+ * The definition (blocks.h): per row and run of at most MA_PV_I8_RUN keys, the probabilities
+ * rounded to int16 steps of the run's largest (p16 = round(p 32767 / m)), the sums over the
+ * keys exact in int32 (512 keys x 32767 x 128 < 2^31), then o = fma((float)sum, m / 32767, o):
+ * one rounding of the sum, so every variant's bits are the scalar block's. The tile: two keys
+ * at a time, their int8 values widened and zipped (vh_zip_lo, vh_zip_hi) so that each int32 lane's pair is
+ * the two keys' values of one dim, a row's two p16 broadcast as one int32 (vp_set), one vs_dot
+ * a pair: AVX2 / AVX-512 vpmaddwd (VNNI: vpdpwssd), 16 or 32 multiply-adds an instruction
+ * where an FMA does 8 or 16, and no conversion of the values to float32. MA_PV_ROWS rows x
+ * MA_PVI_NU(R) vh of dims in registers over the run (a whole row of 128 for one or two rows on
+ * AVX-512: strips of half a row read every other line of the run's rows, then the others); vs_unzip_f puts the sums back in dim order. */
+#define MA_PV_I8_RUN 512
+#define MA_PV_I8_QM 32767.0f
+
+/* p16[c] = round(p[c] 32767 / m) for c < n, m = max |p[c]|, *ps = m / 32767; returns 1 (p16 0,
+ * *ps 0) where some p is inf or NaN or 32767 / m overflows: the run is axpy_keys' then. m = 0:
+ * p16 0, *ps 0. */
+MA_INLINE int quantize_p16(const float *p, int64_t n, int16_t *p16, float *ps) {
+    vf mx = vf_zero();
+    vm bad = vf_isnan(mx);
+    const vf sign = vf_set1(-0.0f);
+    for (int64_t c = 0; c < n; c += MA_VL) {
+        const vf x = vf_load_dt(p, MA_F32, c, n - c);
+        bad = vm_or(bad, vf_isnan(vf_sub(x, x)));
+        mx = vf_max(mx, vf_andnot(sign, x));
+    }
+    const float m = vf_hmax(mx, 0.0f), inv = MA_PV_I8_QM / m;
+    if (vm_any(bad) || m == 0 || !(inv < INFINITY)) {
+        memset(p16, 0, sizeof(int16_t) * (size_t)n);
+        *ps = 0;
+        return vm_any(bad) || (m > 0 && !(inv < INFINITY));
+    }
+    for (int64_t c = 0; c < n; c += MA_VL)
+        vf_store_i16(p16 + c, n - c, vf_mul(vf_load_dt(p, MA_F32, c, n - c), vf_set1(inv)));
+    *ps = m / MA_PV_I8_QM;
+    return 0;
+}
+
+/* Rows 0 .. R of o, the nd dims from d0 (NU vh of them; fewer only in a last, masked, vh) +=
+ * the run's nc keys: p16 (R rows, ldp apart, one 0 past an odd nc) by pairs against v's rows. */
+MA_INLINE void axpy_i8_strip(const int R, const int NU, const int PF, float *o, int64_t Dv, const int16_t *p16,
+                             int64_t ldp, const float *ps, const int8_t *v, int64_t ld, int64_t nc, int64_t d0,
+                             int64_t nd, int64_t pf) {
+    vs acc[4 * 8]; /* acc[(r NU + u) MA_VS_PER_VH + j]; R NU MA_VS_PER_VH <= 16 */
+#pragma GCC unroll 32
+    for (int x = 0; x < R * NU * MA_VS_PER_VH; x++) acc[x] = vs_zero();
+    for (int64_t c = 0; c < nc; c += 2) {
+        const int8_t *va = v + c * ld + d0, *vb = c + 1 < nc ? va + ld : va; /* (odd nc: a p16 of 0) */
+        if (PF) prefetch_lines((const char *)va, Dv, pf), prefetch_lines((const char *)vb, Dv, pf);
+        vh x0[8], x1[8];
+#pragma GCC unroll 4
+        for (int u = 0; u < NU; u++) {
+            vh a, b;
+#ifdef MA_VH_LOAD_N
+            if (nd < MA_HL) a = vh_load_i8_n(va, nd), b = vh_load_i8_n(vb, nd);
+            else
+#endif
+                a = vh_load_i8(va + MA_HL * u), b = vh_load_i8(vb + MA_HL * u);
+            x0[u] = vh_in_reg(vh_zip_lo(a, b)), x1[u] = vh_in_reg(vh_zip_hi(a, b));
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            int32_t pair;
+            memcpy(&pair, p16 + r * ldp + c, sizeof pair);
+            const vp pr = vp_set(pair);
+#pragma GCC unroll 4
+            for (int u = 0; u < NU; u++)
+#pragma GCC unroll 2
+                for (int j = 0; j < MA_VS_PER_VH; j++) {
+                    const int x = (r * NU + u) * MA_VS_PER_VH + j;
+                    acc[x] = vs_pair_dot(acc[x], x0[u], x1[u], j, pr);
+                }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const vf s = vf_set1(ps[r]);
+#pragma GCC unroll 4
+        for (int u = 0; u < NU; u++)
+#pragma GCC unroll 2
+            for (int j = 0; j < MA_VS_PER_VH; j++) {
+                const int64_t at = MA_HL * u + MA_VL * j, n = ma_min(MA_VL, nd - at);
+                const int x = (r * NU + u) * MA_VS_PER_VH;
+                float *od = o + r * Dv + d0 + at;
+                const vf y = vs_unzip_f(acc[x], acc[x + MA_VS_PER_VH - 1], j);
+                if (n > 0) store_k(n == MA_VL, od, vm_first(n), vf_fma(y, s, load_k(n == MA_VL, od, vm_first(n))));
+            }
+    }
+}
+
+/* Rows 0 .. R: strips of MA_PVI_NU(R) vh, then single vh, then the last Dv % MA_HL dims (one masked
+ * vh where the set has MA_VH_LOAD_N, else scalar integers); only the first strip prefetches. */
+MA_INLINE void axpy_i8_rows(const int R, float *o, int64_t Dv, const int16_t *p16, int64_t ldp, const float *ps,
+                            const int8_t *v, int64_t ld, int64_t nc, int64_t pf) {
+    const int64_t W = MA_PVI_NU(R) * MA_HL;
+    int64_t d0 = 0;
+    /* (the prefetch a loop of its own: its test in the loop over the keys cost the tile registers) */
+#define MA_STRIP(NU, nd)                                                                 \
+    (d0 == 0 && pf ? axpy_i8_strip(R, NU, 1, o, Dv, p16, ldp, ps, v, ld, nc, d0, nd, pf) \
+                   : axpy_i8_strip(R, NU, 0, o, Dv, p16, ldp, ps, v, ld, nc, d0, nd, 0))
+    for (; d0 + W <= Dv; d0 += W) MA_STRIP(MA_PVI_NU(R), W);
+    for (; d0 + MA_HL <= Dv; d0 += MA_HL) MA_STRIP(1, MA_HL);
+#ifdef MA_VH_LOAD_N
+    if (d0 < Dv) MA_STRIP(1, Dv - d0), d0 = Dv;
+#endif
+#undef MA_STRIP
+    for (; d0 < Dv; d0++)
+        for (int r = 0; r < R; r++) {
+            int32_t acc = 0;
+            for (int64_t c = 0; c < nc; c++) acc += (int32_t)p16[r * ldp + c] * v[c * ld + d0];
+            o[r * Dv + d0] = fmaf((float)acc, ps[r], o[r * Dv + d0]);
+        }
+}
+
+/* each row count a function of its own: inlined into one, GCC kept half the accumulators on the
+ * stack (a load and a store each per pair of keys) */
+#define MA_I8_ROWS(R)                                                                                                \
+    static __attribute__((noinline)) void axpy_i8_rows_##R(float *o, int64_t Dv, const int16_t *p16, int64_t ldp,    \
+                                                           const float *ps, const int8_t *v, int64_t ld, int64_t nc, \
+                                                           int64_t pf) {                                             \
+        axpy_i8_rows(ma_min(R, MA_PV_ROWS), o, Dv, p16, ldp, ps, v, ld, nc, pf);                                     \
+    }
+MA_I8_ROWS(1)
+MA_I8_ROWS(2)
+MA_I8_ROWS(3)
+MA_I8_ROWS(4)
+#undef MA_I8_ROWS
+
+static void BLK(axpy_keys_i8)(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const int8_t *v,
+                              int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+    enum { LDQ = MA_PV_I8_RUN + 2 };
+    int16_t p16[MA_PV_ROWS * LDQ];
+    float ps[MA_PV_ROWS];
+    for (int64_t c0 = 0; c0 < nc; c0 += MA_PV_I8_RUN) {
+        const int64_t n = ma_min(MA_PV_I8_RUN, nc - c0);
+        for (int64_t r0 = 0; r0 < nr; r0 += MA_PV_ROWS) {
+            const int64_t R = ma_min(MA_PV_ROWS, nr - r0);
+            int bad[MA_PV_ROWS];
+            for (int64_t r = 0; r < R; r++) {
+                bad[r] = quantize_p16(p + (r0 + r) * ldp + c0, n, p16 + r * LDQ, &ps[r]);
+                p16[r * LDQ + n] = 0; /* (the pair of an odd run's last key) */
+            }
+            float *o_r = o + r0 * Dv;
+            const int8_t *vc = v + off + c0 * ld;
+            const int64_t pr = r0 == 0 ? pf : 0;
+            switch (R) {
+            case 1: axpy_i8_rows_1(o_r, Dv, p16, LDQ, ps, vc, ld, n, pr); break;
+            case 2: axpy_i8_rows_2(o_r, Dv, p16, LDQ, ps, vc, ld, n, pr); break;
+            case 3: axpy_i8_rows_3(o_r, Dv, p16, LDQ, ps, vc, ld, n, pr); break;
+            default: axpy_i8_rows_4(o_r, Dv, p16, LDQ, ps, vc, ld, n, pr); break;
+            }
+            for (int64_t r = 0; r < R; r++) /* inf or NaN: the float product's */
+                if (bad[r])
+                    axpy_keys_dt(o_r + r * Dv, p + (r0 + r) * ldp + c0, ldp, 1, Dv, v, MA_I8, off + c0 * ld, ld, n, 0);
+        }
+    }
 }
 
 /* ---- 8-bit KV cache ---------------------------------------------------------- */

@@ -175,8 +175,14 @@ static void FN(rows_step)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const F
             for (int64_t y0 = 0, ny; y0 < w[x].nh; y0 += ny) {
                 for (ny = 1; y0 + ny < w[x].nh && ms[x][y0 + ny] == ms[x][y0];) ny++;
                 if (ms[x][y0] == MA_TILE_BLOCKED) continue;
-                AXPY_KEYS(w[x].o + y0 * nr * Dv, S_X(x) + y0 * nr * nc + c0, nc, ny * nr, Dv, a->v, kvt,
-                          at + w[x].hk * vs[1], vs[2], n, y0 == 0 ? pf : 0);
+#ifndef MA_ACC_F64
+                if (kvt == MA_I8) /* the 8-bit cache's values: integer products */
+                    AXPY_KEYS_I8(w[x].o + y0 * nr * Dv, S_X(x) + y0 * nr * nc + c0, nc, ny * nr, Dv,
+                                 (const int8_t *)a->v, at + w[x].hk * vs[1], vs[2], n, y0 == 0 ? pf : 0);
+                else
+#endif
+                    AXPY_KEYS(w[x].o + y0 * nr * Dv, S_X(x) + y0 * nr * nc + c0, nc, ny * nr, Dv, a->v, kvt,
+                              at + w[x].hk * vs[1], vs[2], n, y0 == 0 ? pf : 0);
             }
         }
     }

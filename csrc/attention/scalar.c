@@ -37,10 +37,10 @@
 #include "attention_tmpl.h"
 
 const ma_blocks ma_blocks_scalar = {
-    "scalar",          gemm_scalar,       exp_sub_sum_scalar,  col_max_scalar,       exp_sub_col_scalar,
-    transpose_scalar,  row_max_scalar,    axpy_keys_scalar,    gemm_rowscale_scalar, dropout_scalar,
-    softcap_scalar,    dot_keys_t_scalar, quantize_row_scalar, dot_rows_scalar,      16,
-    dot_rows_i8_scalar};
+    "scalar",           gemm_scalar,        exp_sub_sum_scalar,  col_max_scalar,       exp_sub_col_scalar,
+    transpose_scalar,   row_max_scalar,     axpy_keys_scalar,    gemm_rowscale_scalar, dropout_scalar,
+    softcap_scalar,     dot_keys_t_scalar,  quantize_row_scalar, dot_rows_scalar,      16,
+    dot_rows_i8_scalar, axpy_keys_i8_scalar};
 const ma_attn_kernels ma_attn_kernels_scalar = {
     attn_fwd_scalar,        attn_bwd_delta_scalar,    attn_bwd_fused_scalar,
     attn_bwd_reduce_scalar, fwd_scratch_bytes_scalar, bwd_scratch_bytes_scalar,

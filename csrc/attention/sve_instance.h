@@ -13,10 +13,10 @@
 #include "attention_tmpl.h" /* #undefs BLK and FN */
 
 #define S(name) MA_SVE_NAME(name)
-const ma_blocks S(ma_blocks) = {MA_SVE_LABEL,     S(gemm),      S(exp_sub_sum), S(col_max),
-                                S(exp_sub_col),   S(transpose), S(row_max),     S(axpy_keys),
-                                S(gemm_rowscale), S(dropout),   S(softcap),     S(dot_keys_t),
-                                S(quantize_row),  S(dot_rows),  MA_DR_W,        S(dot_rows_i8)};
+const ma_blocks S(ma_blocks) = {MA_SVE_LABEL,   S(gemm),        S(exp_sub_sum),  S(col_max),       S(exp_sub_col),
+                                S(transpose),   S(row_max),     S(axpy_keys),    S(gemm_rowscale), S(dropout),
+                                S(softcap),     S(dot_keys_t),  S(quantize_row), S(dot_rows),      MA_DR_W,
+                                S(dot_rows_i8), S(axpy_keys_i8)};
 const ma_attn_kernels S(ma_attn_kernels) = {S(attn_fwd),        S(attn_bwd_delta),    S(attn_bwd_fused),
                                             S(attn_bwd_reduce), S(fwd_scratch_bytes), S(bwd_scratch_bytes),
                                             S(attn_decode),     S(attn_decode_merge), S(decode_scratch_bytes)};

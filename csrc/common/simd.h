@@ -53,6 +53,13 @@
  *   optionally (#define MA_FOLD_LANES_I) vs_fold_lanes(r) (lane i: the sum of r[i]'s lanes)
  *   optionally (#define MA_VH_LOAD_N) vh_load_i8_n(p, n), vh_load_i16_n(p, n) (n < MA_HL
  *   elements at p, the other lanes 0: D's last elements in the vectors, not in scalar integers)
+ *   P V in integers (two keys a step: the 8-bit cache's values, blocks_simd.h axpy_keys_i8):
+ *   vh_zip_lo(a, b), vh_zip_hi(a, b) (two keys' MA_HL values as the set's pair product takes
+ *   them), vp and vp_set(pair) (a row's two int16 probabilities, key c's in pair's low half),
+ *   vs_pair_dot(acc, x0, x1, j, p) (sum j of the MA_VS_PER_VH a vh's dims fill: acc + each
+ *   dim's two products), vs_unzip_f(a0, a1, j) (the float32 of dims j MA_VL .. j MA_VL + MA_VL
+ *   of the pair's sums a0, a1, in order), vf_store_i16(p, n, v) (as vf_store_i8, int16; lanes
+ *   within int16); MA_PVI_NU(R) vh of dims a tile of R rows keeps
  * Block shapes, constants the blocks read (attention/blocks_simd.h says what
  * each shapes): MA_GEMM_MR, MA_GEMM_NV, MA_GEMM_TAIL_MR, MA_GEMM_TAIL_NV,
  *   MA_GEMM_PACK, MA_MASKED_EDGES, MA_KT_NV(nr), MA_AXPY_ROWS, MA_AXPY_NV(R),

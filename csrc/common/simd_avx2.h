@@ -117,6 +117,17 @@ static inline vs vs_fold_lanes(const vs r[8]) {
     const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(r[4], r[5]), _mm256_hadd_epi32(r[6], r[7]));
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
+/* P V in integers (pairs of keys): vpunpcklwd / vpunpckhwd zip two keys' 16 values into the int16
+ * pairs of each 128-bit lane's dims 0-3 and 4-7; the sums put back in order by two vperm2i128 */
+#define MA_VS_PER_VH 2
+#define MA_PVI_NU(R) ((R) <= 2 ? 2 : 1) /* (vh of dims a strip, R rows: 16 registers) */
+typedef __m256i vp;
+#define vp_set(pair) _mm256_set1_epi32(pair)
+#define vh_zip_lo _mm256_unpacklo_epi16
+#define vh_zip_hi _mm256_unpackhi_epi16
+#define vs_pair_dot(acc, x0, x1, j, p) vs_dot(acc, (j) ? (x1) : (x0), p)
+#define vs_unzip_f(a0, a1, j) \
+    _mm256_cvtepi32_ps((j) ? _mm256_permute2x128_si256(a0, a1, 0x31) : _mm256_permute2x128_si256(a0, a1, 0x20))
 
 static inline vm vm_first(int64_t n) {
     const int nn = n < 0 ? 0 : n > 8 ? 8 : (int)n;
@@ -194,6 +205,17 @@ static inline __attribute__((always_inline)) void vf_store_i8(int8_t *p, int64_t
     const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
     const int64_t b8 = _mm_cvtsi128_si64(_mm_packs_epi16(w, w));
     memcpy(p, &b8, (size_t)(n >= 8 ? 8 : n > 0 ? n : 0));
+}
+
+static inline __attribute__((always_inline)) void vf_store_i16(int16_t *p, int64_t n, vf v) {
+    const __m256i i = _mm256_cvtps_epi32(v);
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    if (n >= 8) _mm_storeu_si128((__m128i *)(void *)p, w);
+    else {
+        int16_t b[8];
+        _mm_storeu_si128((__m128i *)(void *)b, w);
+        memcpy(p, b, sizeof(int16_t) * (size_t)(n > 0 ? n : 0));
+    }
 }
 
 /* exp (simd.h) with n rounded by the 1.5 2^23 trick (one FMA: n + 126 lands

@@ -101,12 +101,28 @@ typedef __m512i vs;
 #define vh_load_i16_n(p, n) _mm512_maskz_loadu_epi16((__mmask32)((1ull << (n)) - 1), (p))
 #define vs_zero _mm512_setzero_si512
 #ifdef __AVX512VNNI__
-#define vs_dot(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
+/* (in asm: GCC 12 copies each accumulator of the intrinsic's tile to another register and back) */
+static inline __attribute__((always_inline)) __m512i vs_dot(__m512i acc, __m512i a, __m512i b) {
+    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+}
 #else
 #define vs_dot(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
 #endif
 #define vs_hsum _mm512_reduce_add_epi32
 #define vs_to_f _mm512_cvtepi32_ps
+/* P V in integers (pairs of keys): vpunpcklwd / vpunpckhwd zip two keys' 32 values into the int16
+ * pairs of each 128-bit lane's dims 0-3 and 4-7; the sums put back in order by two vpermt2q */
+#define MA_VS_PER_VH 2
+#define MA_PVI_NU(R) ((R) <= 2 ? 4 : 2) /* (vh of dims a strip, R rows: one row whole at D = 128) */
+typedef __m512i vp;
+#define vp_set(pair) _mm512_set1_epi32(pair)
+#define vh_zip_lo _mm512_unpacklo_epi16
+#define vh_zip_hi _mm512_unpackhi_epi16
+#define vs_pair_dot(acc, x0, x1, j, p) vs_dot(acc, (j) ? (x1) : (x0), p)
+#define vs_unzip_f(a0, a1, j)                     \
+    _mm512_cvtepi32_ps(_mm512_permutex2var_epi64( \
+        a0, (j) ? _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15) : _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), a1))
 /* The fold of 16 vectors' lanes in halves (lane i: r[i]'s, t + t + 8, then + 4, + 2, + 1): 31
  * shuffles where a transpose takes 64. After the three 4-lane levels lane 4c + m holds r[c + 4m]. */
 #define MA_FOLD_LANES_I
@@ -166,6 +182,10 @@ static inline __attribute__((always_inline)) void vf_store_dt(void *base, ma_dty
 static inline __attribute__((always_inline)) void vf_store_i8(int8_t *p, int64_t n, vf v) {
     _mm512_mask_cvtepi32_storeu_epi8(p, vm_first(n),
                                      _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+static inline __attribute__((always_inline)) void vf_store_i16(int16_t *p, int64_t n, vf v) {
+    _mm512_mask_cvtepi32_storeu_epi16(p, vm_first(n),
+                                      _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
 /* exp (simd.h): 2^n by vscalefps, results below FLT_MIN (x < -87.33) zeroed

@@ -91,6 +91,18 @@ typedef int32x4_t vs;
 #define vs_dot(acc, a, b) vmlal_high_s16(vmlal_s16(acc, vget_low_s16(a), vget_low_s16(b)), a, b)
 #define vs_hsum vaddvq_s32
 #define vs_to_f vcvtq_f32_s32
+/* P V in integers (pairs of keys): a vh holds 4 dims of one key, then the same 4 of the next;
+ * vs_dot's two halves are then the pair's two products of each dim, in order */
+#define MA_VS_PER_VH 2
+#define MA_PVI_NU(R) ((R) <= 2 ? 4 : 2) /* (vh of dims a strip, R rows: one row whole at D = 128) */
+typedef int16x8_t vp;
+static inline vp vp_set(int32_t pair) {
+    return vcombine_s16(vdup_n_s16((int16_t)(pair & 0xffff)), vdup_n_s16((int16_t)(pair >> 16)));
+}
+#define vh_zip_lo(a, b) vcombine_s16(vget_low_s16(a), vget_low_s16(b))
+#define vh_zip_hi(a, b) vcombine_s16(vget_high_s16(a), vget_high_s16(b))
+#define vs_pair_dot(acc, x0, x1, j, p) vs_dot(acc, (j) ? (x1) : (x0), p)
+#define vs_unzip_f(a0, a1, j) vcvtq_f32_s32((j) ? (a1) : (a0))
 
 /* x86's maxps / minps: a where a > b (a < b), else b (so b where either is NaN) */
 static inline vf vf_max(vf a, vf b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }
@@ -211,6 +223,16 @@ static inline __attribute__((always_inline)) void vf_store_i8(int8_t *p, int64_t
     int8_t buf[8];
     vst1_s8(buf, b);
     memcpy(p, buf, (size_t)(n >= 4 ? 4 : n > 0 ? n : 0));
+}
+
+static inline __attribute__((always_inline)) void vf_store_i16(int16_t *p, int64_t n, vf v) {
+    const int16x4_t h = vqmovn_s32(vcvtnq_s32_f32(v));
+    if (n >= 4) vst1_s16(p, h);
+    else {
+        int16_t buf[4];
+        vst1_s16(buf, h);
+        memcpy(p, buf, sizeof(int16_t) * (size_t)(n > 0 ? n : 0));
+    }
 }
 
 /* exp (simd.h) as AVX2's: n = round(x log2e), the polynomial's coefficients doubled (exactly)

@@ -123,6 +123,21 @@ MA_F vs vs_zero(void) { return svdup_n_s32(0); }
 MA_F vs vs_dot(vs acc, vh a, vh b) { return svmla_s32_x(MA_PT, acc, a, b); }
 MA_F int32_t vs_hsum(vs v) { return (int32_t)svaddv_s32(MA_PT, v); }
 MA_F vf vs_to_f(vs v) { return svcvt_f32_s32_x(MA_PT, v); }
+/* P V in integers (pairs of keys): a vh's lanes are dims already (widened to int32), so a pair
+ * is two multiply-adds, each key's values by its p16 */
+#define MA_VS_PER_VH 1
+#define MA_PVI_NU(R) ((R) <= 2 ? 8 : 4)
+typedef struct {
+    vh a, b;
+} vp;
+MA_F vp vp_set(int32_t pair) {
+    const vp p = {svdup_n_s32((int16_t)(pair & 0xffff)), svdup_n_s32(pair >> 16)};
+    return p;
+}
+#define vh_zip_lo(a, b) (a)
+#define vh_zip_hi(a, b) (b)
+#define vs_pair_dot(acc, x0, x1, j, p) svmla_s32_x(MA_PT, svmla_s32_x(MA_PT, acc, x0, (p).a), x1, (p).b)
+#define vs_unzip_f(a0, a1, j) vs_to_f(a0)
 
 /* x86's maxps / minps: a where a > b (a < b), else b (so b where either is NaN) */
 MA_F vf vf_max(vf a, vf b) { return svsel_f32(svcmpgt_f32(MA_PT, a, b), a, b); }
@@ -194,6 +209,9 @@ static inline __attribute__((always_inline)) void vf_store_dt(void *base, ma_dty
 /* FRINTN (to nearest, ties to even), then an exact conversion; ST1B keeps the low bytes */
 static inline __attribute__((always_inline)) void vf_store_i8(int8_t *p, int64_t n, vf v) {
     svst1b_s32(n >= MA_VL ? MA_PT : vm_first(n), p, svcvt_s32_f32_x(MA_PT, svrintn_f32_x(MA_PT, v)));
+}
+static inline __attribute__((always_inline)) void vf_store_i16(int16_t *p, int64_t n, vf v) {
+    svst1h_s32(n >= MA_VL ? MA_PT : vm_first(n), p, svcvt_s32_f32_x(MA_PT, svrintn_f32_x(MA_PT, v)));
 }
 
 /* exp (simd.h) as AVX2's and NEON's: n = round(x log2e), the polynomial's coefficients doubled

@@ -475,6 +475,71 @@ static void test_dot_rows_i8(const ma_blocks *v) {
                 }
 }
 
+/* axpy_keys_i8: the definition (blocks.h) written out here, with an int64 sum that must stay
+ * within int32, is the scalar block's bit for bit, and every variant's; rows, keys (odd, past a
+ * run of 512) and Dv past and not a multiple of every tile; values at -128 and 127 and
+ * probabilities all at the run's largest; a row of zeros, one with NaN (NaN only where the float
+ * product gives it), one whose largest is too small for 32767 / m (the float product's, within
+ * 1e-5). */
+static void test_axpy_keys_i8(const ma_blocks *v) {
+    static const int64_t ns[] = {1, 2, 7, 33, 64, 513, 600};
+    static const int64_t ds[] = {1, 16, 17, 32, 64, 80, 96, 128, 256};
+    static const int64_t rs[] = {1, 2, 3, 4, 5, 7, 8, 16};
+    for (int in = 0; in < 7; in++)
+        for (int id = 0; id < 9; id++)
+            for (int ir = 0; ir < 8; ir++)
+                for (int kind = 0; kind < 3; kind++) { /* random; extremes; a zero, a NaN and a tiny row */
+                    const int64_t nc = ns[in], Dv = ds[id], nr = rs[ir], ld = Dv + 3 * (in % 2), off = 5, ldp = nc + 2;
+                    int8_t *val = malloc((size_t)(off + nc * ld));
+                    float *p = malloc(sizeof(float) * nr * ldp), *o = malloc(sizeof(float) * nr * Dv);
+                    float *o0 = malloc(sizeof(float) * nr * Dv), *want = malloc(sizeof(float) * nr * Dv);
+                    for (int64_t x = 0; x < off + nc * ld; x++)
+                        val[x] = kind == 1 ? (x % 3 ? -128 : 127) : (int8_t)(rand() % 256 - 128);
+                    for (int64_t x = 0; x < nr * ldp; x++)
+                        p[x] = kind == 1 ? 0.75f : (float)rand() / (float)RAND_MAX * (x % 5 ? 1.0f : 1e-3f);
+                    if (kind == 2 && nr > 2) {
+                        for (int64_t c = 0; c < nc; c++) p[ldp + c] = 0, p[2 * ldp + c] *= 1e-40f;
+                        p[nc / 2] = NAN;
+                    }
+                    for (int64_t x = 0; x < nr * Dv; x++) o[x] = o0[x] = (float)rand() / (float)RAND_MAX - 0.5f;
+                    memcpy(want, o0, sizeof(float) * nr * Dv);
+                    int bad = 0, special[16] = {0};
+                    for (int64_t r = 0; r < nr; r++)
+                        for (int64_t c0 = 0; c0 < nc; c0 += 512) {
+                            const int64_t n = nc - c0 < 512 ? nc - c0 : 512;
+                            float m = 0;
+                            int nan = 0;
+                            for (int64_t c = 0; c < n; c++)
+                                m = fmaxf(m, fabsf(p[r * ldp + c0 + c])), nan |= isnan(p[r * ldp + c0 + c]);
+                            special[r] |= nan || (m > 0 && isinf(32767.0f / m));
+                            for (int64_t d = 0; d < Dv && m > 0 && !special[r]; d++) {
+                                int64_t acc = 0;
+                                for (int64_t c = 0; c < n; c++) {
+                                    const long q = lrintf(p[r * ldp + c0 + c] * (32767.0f / m));
+                                    bad |= q > 32767 || q < -32767;
+                                    acc += (int64_t)q * val[off + (c0 + c) * ld + d];
+                                }
+                                bad |= acc > INT32_MAX || acc < -INT32_MAX;
+                                want[r * Dv + d] = fmaf((float)acc, m / 32767.0f, want[r * Dv + d]);
+                            }
+                        }
+                    v->axpy_keys_i8(o, p, ldp, nr, Dv, val, off, ld, nc, 64 * ld);
+                    for (int64_t r = 0; r < nr; r++)
+                        for (int64_t d = 0; d < Dv; d++) {
+                            const float got = o[r * Dv + d], w = want[r * Dv + d];
+                            if (!special[r]) bad |= !(got == w);
+                            else if (r == 0) bad |= !isnan(got); /* the NaN row */
+                            else { /* the float product */ double f = o0[r * Dv + d];
+                                for (int64_t c = 0; c < nc; c++) f += (double)p[r * ldp + c] * val[off + c * ld + d];
+                                bad |= fabs(got - f) > 1e-5 * (1 + fabs(f));
+                            }
+                        }
+                    CHECK(!bad, "%s axpy_keys_i8 nr=%ld nc=%ld Dv=%ld kind=%d", v->name, (long)nr, (long)nc, (long)Dv,
+                          kind);
+                    free(val), free(p), free(o), free(o0), free(want);
+                }
+}
+
 static void test_dropout(const ma_blocks *v) {
     static const int64_t nrs[] = {1, 5, 8, 13, 16, 17, 64}, ncs[] = {1, 7, 8, 9, 64}, j0s[] = {0, 3, 64},
                          i0s[] = {0, 5};
@@ -601,7 +666,11 @@ int main(void) {
             test_rows(v);
             test_int8(v);
             test_dot_rows_i8(v);
+            test_axpy_keys_i8(v);
             test_dropout(v);
+        } else if (v->dot_rows_i8) { /* the pair-product units' copy of the integer products (VNNI) */
+            test_dot_rows_i8(v);
+            test_axpy_keys_i8(v);
         }
         printf("%-7s %s\n", v->name, failures == before ? "ok" : "FAILED");
     }

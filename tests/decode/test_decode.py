@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import ISAS, assert_close_ref, isa_available, run_isa
-from reference import attention64, q_int16
+from reference import attention64, p_int16_bound, q_int16
 from torch_masked_attn import functional as F_
 from torch_masked_attn import ops
 
@@ -128,11 +128,13 @@ def test_decode_tile_shapes_against_float64(isa, layout, dt):
         q = torch.randn(1, H, Lq, D, generator=gen).to(dtype)
         k, v = _kv(1, Hkv, Lk, D, dtype, "bhld" if layout in ("bhld", "int8") else "blhd", gen)
         kw = {"window": (None, Lk - Lq)}  # bottom-right causal: the rows see different keys
+        pv = None
         if layout == "int8":
             (k8, ks), (v8, vs) = F_.quantize_kv(k), F_.quantize_kv(v)
             ours = run_isa(isa, lambda: F_.masked_attention(q, k8, v8, k_scale=ks, v_scale=vs, **kw))
             k, v = (x.to(torch.float64) * s.unsqueeze(-1).double() for x, s in ((k8, ks), (v8, vs)))
             q = q_int16(q)  # as the integer scores read it
+            pv = p_int16_bound(attention64(q, k, v, return_weights=True, **kw)[1], v8, vs)  # and integer P V
         elif layout == "paged":  # the pages of (1, L, Hkv, D) rows, in a shuffled order
             perm = torch.randperm(Lk // page + 1, generator=gen)
             kp, vp = (torch.zeros(Lk // page + 1, page, Hkv, D, dtype=dtype) for _ in range(2))
@@ -155,6 +157,7 @@ def test_decode_tile_shapes_against_float64(isa, layout, dt):
             _native(qn, kn, vn, "causal", kw, add),
             _reference(q, k, v, "causal", kw, add),
             name=f"{isa} {layout} {dt} G={G} D={D} rows={Lq}",
+            extra=pv,
         )
 
 
@@ -174,8 +177,13 @@ def test_decode_float16_and_int8(isa):
     ours = run_isa(isa, lambda: F_.masked_attention(q, k8, v8, k_scale=ks, v_scale=vs))
     kd, vd = k8.float() * ks.unsqueeze(-1), v8.float() * vs.unsqueeze(-1)
     qr = q_int16(q)  # as the integer scores read it
+    pv = p_int16_bound(attention64(qr, kd.double(), vd.double(), return_weights=True)[1], v8, vs)  # integer P V
     assert_close_ref(
-        ours, _native(qr.float(), kd, vd, "none", {}, zero), _reference(qr, kd, vd, "none", {}, zero), name="int8"
+        ours,
+        _native(qr.float(), kd, vd, "none", {}, zero),
+        _reference(qr, kd, vd, "none", {}, zero),
+        name="int8",
+        extra=pv,
     )
 
 

@@ -98,8 +98,9 @@ def build(out_dir, count=False):
     for rel in ("attention/scalar.c", "attention/avx512.c", "attention/avx512bf16.c", "attention/dispatch.c"):
         path = os.path.join(ROOT, "csrc", rel)
         extra = isa_flags(path)
-        if rel == "attention/avx512bf16.c":  # AVX512-BF16 emulated with AVX-512 (emu_bf16.h)
-            extra = [f for f in extra if f != "-mavx512bf16"] + ["-include", os.path.join(HERE, "emu_bf16.h")]
+        if rel == "attention/avx512bf16.c":  # AVX512-BF16 emulated with AVX-512 (emu_bf16.h); VNNI's absent
+            extra = [f for f in extra if f not in ("-mavx512bf16", "-mavx512vnni")]
+            extra += ["-include", os.path.join(HERE, "emu_bf16.h")]
             extra += ["-DMA_EMU_COUNT"] if count else []
         jobs.append(([*flags, *extra], path, os.path.join(out_dir, rel.replace("/", "_") + ".o")))
     for name in ("harness.c", "libm.c"):
