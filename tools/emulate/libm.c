@@ -81,3 +81,5 @@ float expf(float x) { return (float)exp(x); }
 float logf(float x) { return (float)log(x); }
 float tanhf(float x) { return (float)tanh(x); }
 float fabsf(float x) { return x < 0 ? -x : x; }
+/* one rounding, as C's: the emulated CPU's FMA instruction (it runs AVX-512) */
+__attribute__((target("fma"))) float fmaf(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
