@@ -193,13 +193,14 @@ def p_int16_bound(weights, vq, vs):
     probabilities that multiply v: head mask and sinks included) and the int8 values vq (B, Hkv,
     Lk, Dv) with their scales vs (B, Hkv, Lk): each key's p v_scale is rounded to a step of its run's
     largest over 32767, the largest of the whole row at most (a later step's rescaling divides
-    both alike), so that |error| <= sum_c |vq[c, d]| max_c (p_c v_scale_c) / 65534; times 1.01 for
-    the float32 probabilities it is taken from."""
+    both alike), so that |error| <= sum_c |vq[c, d]| max_c (p_c v_scale_c) / 65534; times 1.02 for
+    the float32 roundings of p v_scale (32767 / m) and of m / 32767 (up to 0.506 of a step, not
+    0.5) and the float32 probabilities it is taken from."""
     G = weights.shape[-3] // vq.shape[-3]
     w = weights.double().abs().nan_to_num(0) * vs.double().repeat_interleave(G, -2).unsqueeze(-2)
     top = w.amax(-1, keepdim=True)  # (B, H, Lq, 1)
     col = vq.double().abs().sum(-2).repeat_interleave(G, -2).unsqueeze(-2)  # (B, H, 1, Dv)
-    return 1.01 * top * col / 65534
+    return 1.02 * top * col / 65534
 
 
 # ---- cross-entropy -------------------------------------------------------------------------

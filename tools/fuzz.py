@@ -862,8 +862,11 @@ def run_attention(c: Attention, breaks: frozenset = frozenset()) -> Result:
     if not c.int8:
         ours.update(_grads([out, w], [go.to(dt), gw.to(dt)], leaves))
     kw = _reference_options(c, breaks)
-    # the decode kernel's rows over int8 key rows: integer scores (q as q_int16) and P V (p_int16_bound)
-    decode_i8 = c.int8 and c.Lq <= 16 and not c.need_weights and all(t["int8"][n][0].stride(-1) == 1 for n in "kv")
+    # the decode kernel's rows (dispatch.c, decode_applies) over the int8 cache: integer scores from
+    # key rows (q as q_int16), integer P V from value rows (p_int16_bound)
+    k8, v8 = (t["int8"][n][0] if c.int8 else None for n in "kv")
+    pv_i8 = c.int8 and c.Lq <= 16 and not c.need_weights and v8.stride(-1) == 1 and 1 in k8.stride()[-2:]
+    decode_i8 = pv_i8 and k8.stride(-1) == 1
 
     def reference(qkv_dtype, mask64, reorder=False):
         lv, tt = _leaves(c, t, qkv_dtype, mask64)
@@ -931,7 +934,7 @@ def run_attention(c: Attention, breaks: frozenset = frozenset()) -> Result:
     if not c.int8:  # an 8-bit cache: inference only
         names += [n for n in ("dq", "dk", "dv", "dam", "dkpm", "dhm", "dsinks") if n in ref or n in ours]
     less = None
-    if decode_i8:
+    if pv_i8:
         less = {"out": p_int16_bound(ref["p_all"], *t["int8"]["v"])}
     compare(res, names, ours, theirs, ref, dtypes, nat, nat_acc, less)
     return res

@@ -125,7 +125,7 @@ static void dot_rows_i8_scalar(float *s, int64_t lds, const int16_t *q, const fl
 
 /* the 8-bit cache's P V in integers (blocks.h): per row and run of MA_PV_I8_RUN keys, p16 =
  * round(p 32767 / m), the exact sum, one fma; a run with inf or NaN (or 32767 / m past float) the
- * float product after a sum of 0 */
+ * float product (one fma a key, in key order: the SIMD blocks' bits) after a sum of 0 */
 static void axpy_keys_i8_scalar(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const int8_t *v,
                                 int64_t off, int64_t ld, int64_t nc, int64_t pf) {
     (void)pf;
@@ -149,8 +149,9 @@ static void axpy_keys_i8_scalar(float *o, const float *p, int64_t ldp, int64_t n
                     acc += (int32_t)lrintf(pr[c] * inv) * v[off + (c0 + c) * ld + d];
                 o[r * Dv + d] = fmaf((float)acc, ps, o[r * Dv + d]);
             }
-            for (int64_t c = 0; c < n && bad; c++)
-                for (int64_t d = 0; d < Dv; d++) o[r * Dv + d] += pr[c] * (float)v[off + (c0 + c) * ld + d];
+            for (int64_t c = 0; c < n && bad; c++) /* (axpy_keys' one FMA a key, in key order) */
+                for (int64_t d = 0; d < Dv; d++)
+                    o[r * Dv + d] = fmaf(pr[c], (float)v[off + (c0 + c) * ld + d], o[r * Dv + d]);
         }
 }
 #endif

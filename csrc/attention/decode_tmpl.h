@@ -41,7 +41,8 @@ typedef struct {
  * products take MA_DECODE_SUB keys at a time, every key head's before the next keys': the key
  * and value rows are then read whole, in order, as one key head's rows are; a whole key block
  * per key head (64 rows a KB apart) measured 0.6x that stream on Zen 3. A key's score and its
- * term of P V do not depend on the keys taken with it, so the bits are those of one product. */
+ * term of P V do not depend on the keys taken with it, so the bits are those of one product (the
+ * 8-bit cache's P V, rounded per call, takes MA_DECODE_SUB keys a call in every layout). */
 #define MA_DECODE_SUB 16
 
 /* Scores of one key head's rows w (every row, blocked or not) for the n keys from the one at
@@ -99,9 +100,10 @@ static inline int64_t FN(kv_at)(const ma_attn_args *a, const int64_t st[4], int6
 /* One softmax step j0 .. j0 + nc (FN(decode_block) keys at most, read a key block of block_k
  * keys, or MA_DECODE_SUB, at a time: each in one page) for the row blocks w[0 .. nw) (nw key
  * heads, in lockstep where more than one): scores plus bias, m_new = max(m, row max),
- * P = exp(S - m_new) (m_new = -inf as 0), l = alpha l + sum P (in key order), O = alpha O + P V (AXPY_KEYS: the tiles' order of
- * that product). The scores from key rows are DOT_ROWS' (each key row read once, in order, for
- * every row of the block: the query heads of a key head share it), from K^T pages
+ * P = exp(S - m_new) (m_new = -inf as 0), l = alpha l + sum P (in key order), O = alpha O + P V
+ * (AXPY_KEYS: the tiles' order of that product; AXPY_KEYS_I8 over int8 values, MA_DECODE_SUB
+ * keys a call in every layout). The scores from key rows are DOT_ROWS' (each key row read once,
+ * in order, for every row of the block: the query heads of a key head share it), from K^T pages
  * DOT_KEYS_T's (the tiles' order, 8 rows a product), or the instance's hook's. Heads whose
  * attn_mask tile differs are taken in runs of equal FN(mask_tile_state); a MA_TILE_BLOCKED
  * run contributes exactly 0 (its scores, where computed with the others, are not read).
@@ -166,7 +168,10 @@ static void FN(rows_step)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const F
             for (int64_t c0 = 0; c0 < nc; c0 += BK)
                 FN(kv_scale)(s + c0, nc, 1, R, a, &a->opts.v_scale, b, w[x].hk, j0 + c0, ma_min(BK, nc - c0));
         }
-    const int64_t piece_v = nw == 1 ? BK : MA_DECODE_SUB;
+    /* (the 8-bit cache's values MA_DECODE_SUB keys at a time in every layout: AXPY_KEYS_I8 rounds
+     * P per call, so that a row's bits are the same whether its key heads lie apart or side by
+     * side; a key block a call where they lie side by side ran its pages 0.9x) */
+    const int64_t piece_v = nw == 1 && kvt != MA_I8 ? BK : MA_DECODE_SUB;
     for (int64_t c0 = 0; c0 < nc; c0 += piece_v) {
         const int64_t n = ma_min(piece_v, nc - c0), at = FN(kv_at)(a, vs, vps, b, j0 + c0);
         const int64_t step = (c0 + n < nc ? FN(kv_at)(a, vs, vps, b, j0 + c0 + n) : v_off + next_v) - at;

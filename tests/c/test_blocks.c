@@ -479,8 +479,8 @@ static void test_dot_rows_i8(const ma_blocks *v) {
  * within int32, is the scalar block's bit for bit, and every variant's; rows, keys (odd, past a
  * run of 512) and Dv past and not a multiple of every tile; values at -128 and 127 and
  * probabilities all at the run's largest; a row of zeros, one with NaN (NaN only where the float
- * product gives it), one whose largest is too small for 32767 / m (the float product's, within
- * 1e-5). */
+ * product gives it), one whose largest is too small for 32767 / m (the float product's: one fma
+ * a key, in key order). */
 static void test_axpy_keys_i8(const ma_blocks *v) {
     static const int64_t ns[] = {1, 2, 7, 33, 64, 513, 600};
     static const int64_t ds[] = {1, 16, 17, 32, 64, 80, 96, 128, 256};
@@ -529,9 +529,9 @@ static void test_axpy_keys_i8(const ma_blocks *v) {
                             const float got = o[r * Dv + d], w = want[r * Dv + d];
                             if (!special[r]) bad |= !(got == w);
                             else if (r == 0) bad |= !isnan(got); /* the NaN row */
-                            else { /* the float product */ double f = o0[r * Dv + d];
-                                for (int64_t c = 0; c < nc; c++) f += (double)p[r * ldp + c] * val[off + c * ld + d];
-                                bad |= fabs(got - f) > 1e-5 * (1 + fabs(f));
+                            else { /* the float product: one fma a key, in key order */ float f = o0[r * Dv + d];
+                                for (int64_t c = 0; c < nc; c++) f = fmaf(p[r * ldp + c], val[off + c * ld + d], f);
+                                bad |= !(got == f);
                             }
                         }
                     CHECK(!bad, "%s axpy_keys_i8 nr=%ld nc=%ld Dv=%ld kind=%d", v->name, (long)nr, (long)nc, (long)Dv,

@@ -251,7 +251,8 @@ def test_decode_plan_uses_every_cpu():
 def test_decode_bits_independent_of_layout(isa, kind, dt):
     """A row's bits are the same whether its cache's key heads lie apart ((B, H_kv, L, D): one key
     head an item) or side by side ((B, L, H_kv, D) and pages of those: the key heads in lockstep,
-    their rows read whole), with masks that differ per head and dropout."""
+    their rows read whole), with masks that differ per head and dropout; over the 8-bit cache too
+    (its integer P V rounds per call)."""
     from torch_masked_attn import flash_attn as fa
 
     gen = torch.Generator().manual_seed(17)
@@ -269,6 +270,14 @@ def test_decode_bits_independent_of_layout(isa, kind, dt):
     )
     side = run_isa(isa, lambda: F_.masked_attention(q, kl.transpose(1, 2), vl.transpose(1, 2), **kw))
     assert torch.equal(apart, side), kind
+    if dt == "f32" and kind != "dropout":  # the 8-bit cache: its P V rounded per key block in both
+        (kq, ks), (vq, vs) = (F_.quantize_kv(x) for x in (kl, vl))  # (B, L, Hkv, D), scales (B, L, Hkv)
+
+        def int8(k8, v8, k_s, v_s):
+            return run_isa(isa, lambda: F_.masked_attention(q, k8, v8, k_scale=k_s, v_scale=v_s, **kw))
+
+        apart8 = int8(*(x.transpose(1, 2).contiguous() for x in (kq, vq, ks, vs)))
+        assert torch.equal(apart8, int8(*(x.transpose(1, 2) for x in (kq, vq, ks, vs)))), f"int8 {kind}"
     if kind == "causal":  # pages of (page, H_kv, D) rows, shuffled: flash-attn's layout, bottom-right causal
         n = B * Lk // page
         perm = torch.randperm(n, generator=gen)

@@ -187,7 +187,7 @@ def test_dropout_draws_the_float_paths_mask():
 def _varlen_case(page, lens_q, lens_k, H=4, Hkv=2, D=64):
     """Packed int8 (T_k, Hkv, D) rows and the same rows in pages (page > 0) through
     write_kv_cache's quantizing write; queries; the per-sequence float64 references
-    (bottom-right causal)."""
+    (bottom-right causal) and, beside them, the bound of the decode rows' integer P V."""
     N = len(lens_q)
     k = [torch.randn(n, Hkv, D) for n in lens_k]
     v = [torch.randn(n, Hkv, D) for n in lens_k]
@@ -196,12 +196,16 @@ def _varlen_case(page, lens_q, lens_k, H=4, Hkv=2, D=64):
     vq, vs = tf.quantize_kv(torch.cat(v))
     cu_q = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)
     cu_k = torch.tensor([0] + lens_k).cumsum(0).to(torch.int32)
-    refs = []
+    refs, pv = [], []  # pv: the integer P V's rounding (p_int16_bound) where the decode kernel runs
     for b in range(N):
         qb = q[cu_q[b] : cu_q[b + 1]].transpose(0, 1)[None]
-        kb = deq(kq[cu_k[b] : cu_k[b + 1]], ks[cu_k[b] : cu_k[b + 1]]).transpose(0, 1)[None]
-        vb = deq(vq[cu_k[b] : cu_k[b + 1]], vs[cu_k[b] : cu_k[b + 1]]).transpose(0, 1)[None]
-        refs.append(attention64(qb, kb, vb, is_causal=True, diagonal=lens_k[b] - lens_q[b])[0].transpose(0, 1))
+        kv = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        kb, vb = (deq(x[kv], xs[kv]).transpose(0, 1)[None] for x, xs in ((kq, ks), (vq, vs)))
+        ref, w = attention64(qb, kb, vb, is_causal=True, diagonal=lens_k[b] - lens_q[b], return_weights=True)
+        refs.append(ref[0].transpose(0, 1))
+        bound = p_int16_bound(w, vq[kv].transpose(0, 1)[None], vs[kv].transpose(0, 1)[None])[0].transpose(0, 1)
+        pv.append(bound if lens_q[b] <= 16 else torch.zeros_like(bound))
+    refs = (refs, torch.cat(pv))
     paged = None
     if page:
         per = [-(-n // page) for n in lens_k]
@@ -230,7 +234,7 @@ def test_varlen_packed_and_paged(isa, page):
     pages of 16 rows are gathered first (scales with them)."""
     _need(isa)
     lens_q, lens_k = [1, 1, 9, 70, 1], [130, 64, 77, 190, 1]
-    q, (kq, ks, vq, vs), cu_q, cu_k, refs, paged = _varlen_case(page, lens_q, lens_k)
+    q, (kq, ks, vq, vs), cu_q, cu_k, (refs, pv), paged = _varlen_case(page, lens_q, lens_k)
     if not page:
         out = run_isa(
             isa,
@@ -265,7 +269,7 @@ def test_varlen_packed_and_paged(isa, page):
             ),
         )
     ref = torch.cat(refs)
-    assert_close_ref(out, ref.float(), ref, name=f"{isa} page {page}", slack=2e-5)
+    assert_close_ref(out, ref.float(), ref, name=f"{isa} page {page}", slack=2e-5, extra=pv)
     if page:  # K^T pages (continuous batching's pool): the prefill chunk's bits (the tiles); the
         # decodes' scores in the tiles' order there, dot_rows' from rows (docs/design.md, "Decoding")
         kt = kc.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
@@ -274,7 +278,7 @@ def test_varlen_packed_and_paged(isa, page):
         out_t = run_isa(isa, lambda: tf.varlen_attn(q, kt, vc, *args, **kw))
         long = slice(int(cu_q[3]), int(cu_q[4]))
         assert torch.equal(out_t[long], out[long])
-        assert_close_ref(out_t, ref.float(), ref, name=f"{isa} K^T page {page}", slack=2e-5)
+        assert_close_ref(out_t, ref.float(), ref, name=f"{isa} K^T page {page}", slack=2e-5, extra=pv)
 
 
 @pytest.mark.parametrize("isa", ISAS)
