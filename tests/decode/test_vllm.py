@@ -31,7 +31,7 @@ from conftest import require
 require("vllm")
 
 from conftest import assert_close_ref  # noqa: E402
-from reference import attention64  # noqa: E402
+from reference import attention64, p_int16_bound  # noqa: E402
 from torch_masked_attn import vllm as tma_vllm  # noqa: E402
 from torch_masked_attn.functional import quantize_kv  # noqa: E402
 from torch_masked_attn.vllm import _compat, backend  # noqa: E402
@@ -96,10 +96,10 @@ def test_pages_refuse_an_unknown_layout():
 MIXED = [(0, 150), (200, 1), (130, 70), (700, 1), (64, 5), (0, 129)]
 
 
-def _reference(q, k, v, *, scale, window, causal, softcap, sinks, alibi, dtype=torch.float64):
+def _reference(q, k, v, *, scale, window, causal, softcap, sinks, alibi, dtype=torch.float64, weights=False):
     """One request through the reference (tests/reference.py) in ``dtype``: q (Lq, H, D) the last
     Lq of its Lk keys k, v (Lk, Hkv, D); vLLM's sliding window of `window` keys, the query's own
-    included."""
+    included. weights: also the probabilities, (H, Lq, Lk)."""
     band = (None if window is None else window - 1, 0 if causal else None)
     out = attention64(
         *(t.transpose(0, 1) for t in (q, k, v)),
@@ -110,8 +110,9 @@ def _reference(q, k, v, *, scale, window, causal, softcap, sinks, alibi, dtype=t
         sinks=sinks,
         alibi_slopes=alibi,
         dtype=dtype,
+        return_weights=weights,
     )
-    return out.transpose(0, 1)
+    return (out[0].transpose(0, 1), out[1]) if weights else out.transpose(0, 1)
 
 
 class _Layer:  # what the impl reads of vLLM's Attention layer: nothing
@@ -205,10 +206,16 @@ def test_mixed_step_matches_float64(feature, dtype):
         kw = dict(scale=scale, window=opts.get("sliding_window"), causal=causal, softcap=opts.get("logits_soft_cap"))
         kw.update(sinks=sinks, alibi=None if alibi is None else torch.tensor(alibi))
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)  # what the kernels read
+        pv = None
         if cache_dtype == backend.INT8:  # the cache holds them quantized as quantize_kv does
-            k, v = (xq.double() * sc.double().unsqueeze(-1) for xq, sc in map(quantize_kv, (k, v)))
+            (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+            k, v = (xq.double() * sc.double().unsqueeze(-1) for xq, sc in ((kq, ks), (vq, vs)))
+            if len(q) <= 16:  # a decode's rows: P V in integers (reference.p_int16_bound)
+                w = _reference(q, k, v, **kw, weights=True)[1]
+                pv = p_int16_bound(w, vq.transpose(0, 1), vs.transpose(0, 1)).transpose(0, 1)
         ref, theirs = _reference(q, k, v, **kw), _reference(q, k.to(dtype), v.to(dtype), **kw, dtype=dtype)
-        assert_close_ref(out[row : row + len(q)], theirs, ref, name=f"{feature} request of {len(q)} rows")
+        name = f"{feature} request of {len(q)} rows"
+        assert_close_ref(out[row : row + len(q)], theirs, ref, name=name, extra=pv)
         row += len(q)
 
 
