@@ -38,7 +38,7 @@ typedef void (*dot_fn)(float *, int64_t, const float *, int64_t, int64_t, const 
 typedef void (*i8_fn)(float *, int64_t, const int16_t *, const float *, int64_t, int64_t, const int8_t *, int64_t,
                       int64_t, int64_t, int64_t);
 typedef void (*axpy_fn)(float *, const float *, int64_t, int64_t, int64_t, const void *, ma_dtype, int64_t, int64_t,
-                        int64_t, int64_t);
+                        int64_t, int64_t, float *);
 
 #if MA_VL == 8
 /* The library's order (one vector of 8 partial sums a score) in the tile it measured and did not
@@ -99,8 +99,8 @@ static dot_fn volatile natural = NULL; /* (an AVX2 tile) */
 static dot_fn volatile dot_rows = dot_rows_bench;
 static axpy_fn volatile axpy_keys = axpy_keys_bench;
 static i8_fn volatile dot_rows_i8 = dot_rows_i8_bench;
-typedef void (*pv_i8_fn)(float *, const float *, int64_t, int64_t, int64_t, const int8_t *, int64_t, int64_t,
-                         int64_t, int64_t);
+typedef void (*pv_i8_fn)(float *, const float *, int64_t, int64_t, int64_t, const int8_t *, int64_t, int64_t, int64_t,
+                         int64_t);
 static pv_i8_fn volatile axpy_keys_i8 = axpy_keys_i8_bench;
 
 static double now(void) {
@@ -160,7 +160,7 @@ int main(int argc, char **argv) {
                 t0 = now();
                 for (int64_t r = 0; r < reps; r++)
                     if (i == 1) dot_rows(s, nc, q, nr, D, kv, dt, 0, ld, nc, 0);
-                    else if (i == 2) axpy_keys(o, s, nc, nr, D, kv, dt, 0, ld, nc, 0);
+                    else if (i == 2) axpy_keys(o, s, nc, nr, D, kv, dt, 0, ld, nc, 0, NULL);
                     else if (i == 4) axpy_keys_i8(o, s, nc, nr, D, k8, 0, ld, nc, 0);
                     else if (t < 2) natural(s, nc, q, nr, D, kv, dt, 0, ld, nc, 0);
                     else dot_rows_i8(s, nc, q16, qs, nr, D, k8, 0, ld, nc, 0);

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import glob
 import math
 import os
@@ -161,10 +162,11 @@ def scratch_stats() -> dict[str, int]:
     return {"idle_bytes": int(_clib.ma_scratch_idle_bytes()), "last_call_bytes": int(_clib.ma_scratch_last_bytes())}
 
 
+@functools.cache
 def built_isas() -> tuple[str, ...]:
     """The kernel variants this build has (this architecture's: on x86 scalar, avx2, avx512,
     amx, avx512bf16; on aarch64 scalar, neon, sve, svebf16), whether or not this CPU runs
-    them (isa_available)."""
+    them (isa_available). Fixed for the library's life: read once."""
     return tuple(n for i, n in enumerate(_ISAS) if _clib.ma_isa_built(i))
 
 
@@ -213,10 +215,17 @@ def kernel_traits(dtype: torch.dtype = torch.float32, isa: str | None = None) ->
         raise ValueError(f"dtype must be one of {', '.join(map(str, _MA_DTYPE))}, got {dtype}")
     if name not in built_isas():
         raise ValueError(f"isa must be one of {', '.join(built_isas())} (this build's), got {name!r}")
+    return dict(_traits(_MA_DTYPE[dtype], _ISAS.index(name)))
+
+
+@functools.cache
+def _traits(dtype: int, isa: int) -> tuple[tuple[str, int], ...]:
+    """kernel_traits' constants of (ma_dtype, ma_isa), read from the library once (they are
+    compiled in; varlen_attn asks for them on every paged call)."""
     t = _Traits()
-    if _clib.ma_attn_traits(_MA_DTYPE[dtype], _ISAS.index(name), ctypes.byref(t)) != 0:
-        raise ValueError(f"kernel_traits: no kernels for {dtype} and {name!r}")
-    return {n: getattr(t, n) for n in _TRAITS}
+    if _clib.ma_attn_traits(dtype, isa, ctypes.byref(t)) != 0:
+        raise ValueError(f"kernel_traits: no kernels for {_DTYPES[dtype]} and {_ISAS[isa]!r}")
+    return tuple((n, getattr(t, n)) for n in _TRAITS)
 
 
 def page_multiple() -> int:

@@ -39,13 +39,18 @@ class OpArgs:
         self.op = op
         self.names = tuple(a.name for a in op._schema.arguments)
         self.defaults = tuple(a.default_value for a in op._schema.arguments)
-        self._known = frozenset(self.names)
+        self._index = {n: i for i, n in enumerate(self.names)}
 
     def __call__(self, **named) -> tuple:
-        """The positional arguments of a call that passes ``named``."""
-        if not self._known.issuperset(named):
-            raise TypeError(f"{self.op}: no argument {sorted(set(named) - self._known)}")
-        return tuple(named[n] if n in named else d for n, d in zip(self.names, self.defaults))
+        """The positional arguments of a call that passes ``named`` (the schema's defaults
+        placed by index: a decoding step pays this on every layer's call)."""
+        args, index = list(self.defaults), self._index
+        for n, v in named.items():
+            i = index.get(n)
+            if i is None:
+                raise TypeError(f"{self.op}: no argument {sorted(set(named) - set(index))}")
+            args[i] = v
+        return tuple(args)
 
     def read(self, args: Sequence[object], kwargs: dict | None = None) -> SimpleNamespace:
         """A call's arguments (positional, then keyword, then defaults) by name."""

@@ -43,9 +43,11 @@
  *       the scores from keys stored transposed: element d of key c at
  *       k[off + c + d*ldd] (a K^T page), summed in gemm_X's order (bit for bit
  *       the tile's score), no transposes
- *   axpy_keys_X(o, p, ldp, nr, Dv, v, dt, off, ld, nc, pf)
+ *   axpy_keys_X(o, p, ldp, nr, Dv, v, dt, off, ld, nc, pf, lsum)
  *       o[r*Dv + d] += sum_c p[r*ldp + c] v[off + c*ld + d], v in its own dtype,
- *       in gemm_X's order
+ *       in gemm_X's order; and where lsum is not NULL, lsum[r] += p[r*ldp + c] one key
+ *       at a time in key order (the online softmax's row sums, bit for bit a sum in order
+ *       from lsum[r]: the decode step's l, whose chain of adds then runs beside the FMAs)
  *   axpy_keys_i8_X(o, p, ldp, nr, Dv, v, off, ld, nc, pf)
  *       the 8-bit cache's P V in integers, v int8: per row r and run of keys c0 ..
  *       c0 + n (n = 512, the last fewer): m = max |p[r*ldp + c]| over the run,
@@ -115,7 +117,7 @@ typedef struct {
     void (*transpose)(float *dst, const float *src, int64_t lds, int64_t nr, int64_t ncol, float mul);
     float (*row_max)(const float *x, int64_t n, float m);
     void (*axpy_keys)(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v, ma_dtype dt,
-                      int64_t off, int64_t ld, int64_t nc, int64_t pf);
+                      int64_t off, int64_t ld, int64_t nc, int64_t pf, float *lsum);
     void (*gemm_rowscale)(int64_t m, int64_t n, int64_t k, const float *A, int64_t ars, int64_t acs, const float *B,
                           int64_t ldb, float *C, int64_t ldc, const float *rs);
     void (*dropout)(float *x, float *z, int64_t rs, int64_t cs, int64_t nr, int64_t nc, const ma_dropout *d, int64_t i0,

@@ -102,8 +102,11 @@ static void B_(dot_keys_t)(T *s, int64_t lds, const T *q, int64_t nr, int64_t D,
 }
 
 static void B_(axpy_keys)(T *o, const T *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v, ma_dtype dt,
-                          int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+                          int64_t off, int64_t ld, int64_t nc, int64_t pf, T *lsum) {
     (void)pf;
+    if (lsum)
+        for (int64_t r = 0; r < nr; r++)
+            for (int64_t c = 0; c < nc; c++) lsum[r] += p[r * ldp + c];
     for (int64_t r = 0; r < nr; r++)
         for (int64_t c = 0; c < nc; c++)
             for (int64_t d = 0; d < Dv; d++) o[r * Dv + d] += p[r * ldp + c] * LOADT(v, dt, off + c * ld + d);

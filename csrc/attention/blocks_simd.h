@@ -545,12 +545,17 @@ static void BLK(dot_rows_i8)(float *s, int64_t lds, const int16_t *q, const floa
 #define MA_PV_NV(R) ((R) >= 4 ? 2 : (R) == 3 ? 2 : (R) == 2 ? 4 : 8)
 
 /* o's rows 0 .. R, columns d0 .. d0 + NV VL, += keys c0 .. c0 + ks; each key's line at d0 (a
- * strip that starts one) prefetched pf elements on (0: none). */
+ * strip that starts one) prefetched pf elements on (0: none); ls (or NULL): ls[r] += each key's
+ * p in order, in registers over the run (a chain of adds a row beside the FMAs). */
 MA_INLINE void axpy_rows_block(const int R, const int NV, float *o, const float *p, int64_t ldp, int64_t Dv,
                                const void *v, const ma_dtype dt, int64_t off, int64_t ld, int64_t d0, int64_t c0,
-                               int64_t ks, int64_t pf) {
+                               int64_t ks, int64_t pf, float *ls) {
     const int64_t es = ma_dtype_size(dt);
     vf acc[8]; /* acc[r * NV + u] */
+    float sum[4] = {0, 0, 0, 0};
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        if (ls) sum[r] = ls[r];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
@@ -564,7 +569,12 @@ MA_INLINE void axpy_rows_block(const int R, const int NV, float *o, const float 
         for (int u = 0; u < NV; u++) vv[u] = vf_in_reg(vf_load_dt(v, dt, off + c * ld + d0 + MA_VL * u, MA_VL));
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
-            const vf pr = vf_set1(p[r * ldp + c]);
+            /* the sums' adds: over float32 values from p's scalar (its broadcast then from the
+             * register), else from the broadcast's lane 0 (the broadcast then a load, not a
+             * shuffle beside the values' widening ones) */
+            const float ps = p[r * ldp + c];
+            const vf pr = dt == MA_F32 ? vf_set1(ps) : vf_in_reg(vf_set1(ps));
+            if (ls) sum[r] += dt == MA_F32 ? ps : vf_lane0(pr);
 #pragma GCC unroll 8
             for (int u = 0; u < NV; u++) acc[r * NV + u] = vf_fma(pr, vv[u], acc[r * NV + u]);
         }
@@ -573,6 +583,9 @@ MA_INLINE void axpy_rows_block(const int R, const int NV, float *o, const float 
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
         for (int u = 0; u < NV; u++) vf_store(o + r * Dv + d0 + MA_VL * u, acc[r * NV + u]);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        if (ls) ls[r] = sum[r];
 }
 
 /* Scores from a K^T page (element d of key c at off + c + d * ldd): keys in the lanes as
@@ -681,14 +694,17 @@ MA_INLINE void axpy_keys_rows(const int R, float *o, const float *p, int64_t ldp
 /* MA_AXPY_ROWS = 4: the query heads of a key head, 4 (or 3) rows at a time; then pairs, then
  * the last row alone. */
 /* Rows 0 .. R of o += keys c0 .. c0 + ks of P V (axpy_rows_block), every column: strips of
- * MA_PV_NV(R) vectors, single vectors, then the last columns (Dv % VL) by axpy_keys_strip. */
+ * MA_PV_NV(R) vectors, single vectors, then the last columns (Dv % VL) by axpy_keys_strip; the
+ * first strip adds the keys' p to ls (Dv >= VL). */
 MA_INLINE void axpy_rows_keys(const int R, float *o, const float *p, int64_t ldp, int64_t Dv, const void *v,
-                              const ma_dtype dt, int64_t off, int64_t ld, int64_t c0, int64_t ks, int64_t pf) {
+                              const ma_dtype dt, int64_t off, int64_t ld, int64_t c0, int64_t ks, int64_t pf,
+                              float *ls) {
     const int NV = MA_PV_NV(R);
     int64_t d0 = 0;
-    for (; d0 + NV * MA_VL <= Dv; d0 += NV * MA_VL)
-        axpy_rows_block(R, NV, o, p, ldp, Dv, v, dt, off, ld, d0, c0, ks, pf);
-    for (; d0 + MA_VL <= Dv; d0 += MA_VL) axpy_rows_block(R, 1, o, p, ldp, Dv, v, dt, off, ld, d0, c0, ks, pf);
+    for (; d0 + NV * MA_VL <= Dv; d0 += NV * MA_VL, ls = NULL)
+        axpy_rows_block(R, NV, o, p, ldp, Dv, v, dt, off, ld, d0, c0, ks, pf, ls);
+    for (; d0 + MA_VL <= Dv; d0 += MA_VL, ls = NULL)
+        axpy_rows_block(R, 1, o, p, ldp, Dv, v, dt, off, ld, d0, c0, ks, pf, ls);
     if (d0 < Dv)
         for (int r = 0; r < R; r++)
             axpy_keys_strip(1, 1, 0, o + r * Dv, p + r * ldp + c0, ldp, Dv, v, dt, off + c0 * ld, ld, ks, d0,
@@ -699,7 +715,8 @@ MA_INLINE void axpy_rows_keys(const int R, float *o, const float *p, int64_t ldp
  * value rows prefetched pf elements on, spread over the first tile's strips or at each run's
  * start (above). */
 MA_INLINE void axpy_rows_all(const int64_t KS, float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv,
-                             const void *v, const ma_dtype dt, int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+                             const void *v, const ma_dtype dt, int64_t off, int64_t ld, int64_t nc, int64_t pf,
+                             float *lsum) {
     const int64_t es = ma_dtype_size(dt);
     const int spread = KS > MA_PV_KEYS_SEQ && nr <= 2 * MA_PV_ROWS;
     for (int64_t c0 = 0; c0 < nc; c0 += KS) {
@@ -711,7 +728,8 @@ MA_INLINE void axpy_rows_all(const int64_t KS, float *o, const float *p, int64_t
             const int64_t R = ma_min(MA_PV_ROWS, nr - r);
             float *o_r = o + r * Dv;
             const float *p_r = p + r * ldp;
-#define MA_ROWS(R) axpy_rows_keys(R, o_r, p_r, ldp, Dv, v, dt, off, ld, c0, ks, (spread && r == 0) ? pf : 0)
+#define MA_ROWS(R) \
+    axpy_rows_keys(R, o_r, p_r, ldp, Dv, v, dt, off, ld, c0, ks, (spread && r == 0) ? pf : 0, lsum ? lsum + r : NULL)
             switch (R) {
             case 1: MA_ROWS(1); break;
             case 2: MA_ROWS(2); break;
@@ -724,12 +742,15 @@ MA_INLINE void axpy_rows_all(const int64_t KS, float *o, const float *p, int64_t
 }
 
 MA_INLINE void axpy_keys_dt(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v,
-                            const ma_dtype dt, int64_t off, int64_t ld, int64_t nc, int64_t pf) {
+                            const ma_dtype dt, int64_t off, int64_t ld, int64_t nc, int64_t pf, float *lsum) {
     if (Dv >= MA_VL) {
         axpy_rows_all(ld == Dv && nr <= MA_PV_ROWS ? (nr == 1 ? MA_PV_KEYS_ONE : MA_PV_KEYS_SEQ) : MA_PV_KEYS, o, p,
-                      ldp, nr, Dv, v, dt, off, ld, nc, pf);
+                      ldp, nr, Dv, v, dt, off, ld, nc, pf, lsum);
         return;
     }
+    if (lsum) /* (rows narrower than a vector: the sums first) */
+        for (int64_t r = 0; r < nr; r++)
+            for (int64_t c = 0; c < nc; c++) lsum[r] += p[r * ldp + c];
 #define MA_ROWS(R) axpy_keys_rows(R, o + r * Dv, p + r * ldp, ldp, Dv, v, dt, off, ld, nc, r == 0 ? pf : 0)
     int64_t r = 0;
     if (MA_AXPY_ROWS >= 4 && nr >= 3) {
@@ -750,11 +771,11 @@ static void BLK(dot_keys_t)(float *s, int64_t lds, const float *q, int64_t nr, i
 }
 
 static void BLK(axpy_keys)(float *o, const float *p, int64_t ldp, int64_t nr, int64_t Dv, const void *v, ma_dtype dt,
-                           int64_t off, int64_t ld, int64_t nc, int64_t pf) {
-    if (dt == MA_F32) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_F32, off, ld, nc, pf);
-    else if (dt == MA_BF16) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_BF16, off, ld, nc, pf);
-    else if (dt == MA_I8) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_I8, off, ld, nc, pf);
-    else axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_F16, off, ld, nc, pf);
+                           int64_t off, int64_t ld, int64_t nc, int64_t pf, float *lsum) {
+    if (dt == MA_F32) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_F32, off, ld, nc, pf, lsum);
+    else if (dt == MA_BF16) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_BF16, off, ld, nc, pf, lsum);
+    else if (dt == MA_I8) axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_I8, off, ld, nc, pf, lsum);
+    else axpy_keys_dt(o, p, ldp, nr, Dv, v, MA_F16, off, ld, nc, pf, lsum);
 }
 
 /* ---- axpy_keys_i8: the 8-bit cache's P V in integers ----------------------------------------
@@ -911,7 +932,8 @@ static void BLK(axpy_keys_i8)(float *o, const float *p, int64_t ldp, int64_t nr,
             }
             for (int64_t r = 0; r < R; r++) /* inf or NaN: the float product's */
                 if (bad[r])
-                    axpy_keys_dt(o_r + r * Dv, p + (r0 + r) * ldp + c0, ldp, 1, Dv, v, MA_I8, off + c0 * ld, ld, n, 0);
+                    axpy_keys_dt(o_r + r * Dv, p + (r0 + r) * ldp + c0, ldp, 1, Dv, v, MA_I8, off + c0 * ld, ld, n, 0,
+                                 NULL);
         }
     }
 }

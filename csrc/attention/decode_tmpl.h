@@ -32,9 +32,10 @@ typedef struct {
     int64_t b, h, hk, i0, nr, nh;
 } FN(row_block);
 
-/* Scratch of a step: s (R, nc) scores then probabilities; m_new, lsum, alpha (R). */
+/* Scratch of a step: s (R, nc) scores then probabilities; m_new, lsum, alpha (R); sums (every
+ * key head's rows: P's row sums, which P V adds up, FN(rows_step)). */
 typedef struct {
-    ACC *s, *m_new, *lsum, *alpha;
+    ACC *s, *m_new, *lsum, *alpha, *sums;
 } FN(rows_tmp);
 
 /* Where an item's key heads go in lockstep (their rows side by side in each key row), the
@@ -102,7 +103,10 @@ static inline int64_t FN(kv_at)(const ma_attn_args *a, const int64_t st[4], int6
  * heads, in lockstep where more than one): scores plus bias, m_new = max(m, row max),
  * P = exp(S - m_new) (m_new = -inf as 0), l = alpha l + sum P (in key order), O = alpha O + P V
  * (AXPY_KEYS: the tiles' order of that product; AXPY_KEYS_I8 over int8 values, MA_DECODE_SUB
- * keys a call in every layout). The scores from key rows are DOT_ROWS' (each key row read once,
+ * keys a call in every layout). l's sum of P in key order is AXPY_KEYS' own (its lsum: the chain of
+ * adds runs beside P V's FMAs, where after the exps it stood alone, 8% of a step at D = 32), l
+ * taking alpha l first, then the sums after P V: the same roundings; where P V does not see P
+ * (dropout, the 8-bit cache's scales) the sums come before. The scores from key rows are DOT_ROWS' (each key row read once,
  * in order, for every row of the block: the query heads of a key head share it), from K^T pages
  * DOT_KEYS_T's (the tiles' order, 8 rows a product), or the instance's hook's. Heads whose
  * attn_mask tile differs are taken in runs of equal FN(mask_tile_state); a MA_TILE_BLOCKED
@@ -118,6 +122,8 @@ static void FN(rows_step)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const F
     const int64_t BK = a->block_k, kps = a->k_page_stride, vps = a->v_page_stride;
     const ma_dtype kvt = FN(kv_dtype)(a);
     const int64_t k_off = FN(kv_at)(a, ks, kps, b, j0), v_off = FN(kv_at)(a, vs, vps, b, j0);
+    /* P V sums P (AXPY_KEYS' lsum) where it reads P itself: l = alpha l + 0 below, then + sums */
+    ACC *const sums = !ma_dropout_on(a) && !a->opts.v_scale.ptr && kvt != MA_I8 ? t->sums : NULL;
     int ms[MA_DECODE_KV_HEADS][MA_DECODE_ROWS], live[MA_DECODE_KV_HEADS], any = 0;
     for (int64_t x = 0; x < nw; x++) {
         live[x] = 0;
@@ -128,6 +134,8 @@ static void FN(rows_step)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const F
         any |= live[x];
     }
     if (!any) return;
+    if (sums)
+        for (int64_t x = 0; x < nw * RL; x++) sums[x] = 0;
 #define S_X(x) (t->s + (x) * RL * nc) /* (every key head's rows: RL) */
     /* key rows of heads in lockstep: MA_DECODE_SUB keys at a time; else (one key head, K^T
      * pages) a key block at a time; the hook each head's whole step (then of block_k keys) */
@@ -160,8 +168,9 @@ static void FN(rows_step)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const F
                 t->m_new[r] = ROW_MAX(s + r * nc, nc, m[r]);
                 (void)EXP_SUB_SUM(s + r * nc, nc, t->m_new[r] == -(ACC)INFINITY ? 0 : t->m_new[r]);
             }
-            FN(sum_rows_in_order)(s, nc, R, t->lsum);
-            if (FN(online_step)(m, t->m_new, l, t->lsum, t->alpha, R)) FN(scale_rows)(o, Dv, R, Dv, t->alpha);
+            if (!sums) FN(sum_rows_in_order)(s, nc, R, t->lsum);
+            if (FN(online_step)(m, t->m_new, l, sums ? sums + x * RL + r0 : t->lsum, t->alpha, R))
+                FN(scale_rows)(o, Dv, R, Dv, t->alpha);
             if (w[x].dr) /* l summed the whole P; O takes P' */
                 for (int64_t y = 0; y < ny; y++)
                     DROPOUT(s + y * nr * nc, NULL, nc, 1, nr, nc, w[x].dr[y0 + y], w[x].i0, j0);
@@ -187,10 +196,13 @@ static void FN(rows_step)(FN(fwd_task) * c, const ma_attn_fwd_params *p, const F
                 else
 #endif
                     AXPY_KEYS(w[x].o + y0 * nr * Dv, S_X(x) + y0 * nr * nc + c0, nc, ny * nr, Dv, a->v, kvt,
-                              at + w[x].hk * vs[1], vs[2], n, y0 == 0 ? pf : 0);
+                              at + w[x].hk * vs[1], vs[2], n, y0 == 0 ? pf : 0, sums ? sums + x * RL + y0 * nr : NULL);
             }
         }
     }
+    if (sums) /* (a blocked run's rows add 0) */
+        for (int64_t x = 0; x < nw; x++)
+            for (int64_t r = 0; r < RL; r++) w[x].l[r] += sums[x * RL + r];
 #undef S_X
 }
 
@@ -318,7 +330,7 @@ static inline int64_t FN(decode_scores)(const ma_attn_fwd_params *p) {
 
 static inline size_t FN(decode_extra_elems)(const ma_attn_fwd_params *p) {
     const int64_t R = p->decode_rows, RA = p->decode_kv_heads * R;
-    return (size_t)(RA * (p->a.D + 2 * p->a.Dv + 4) + p->decode_kv_heads * FN(decode_scores)(p) + 3 * R);
+    return (size_t)(RA * (p->a.D + 2 * p->a.Dv + 5) + p->decode_kv_heads * FN(decode_scores)(p) + 3 * R);
 }
 
 static inline size_t FN(decode_drop_bytes)(const ma_attn_fwd_params *p) {
@@ -364,7 +376,8 @@ static FN(decode_scratch) FN(decode_carve)(void *scratch, const ma_attn_fwd_para
     d.O = x, x += RA * Dv;
     d.m = x, d.l = x + RA, d.M = x + 2 * RA, d.L = x + 3 * RA, x += 4 * RA;
     d.tmp.s = x, x += p->decode_kv_heads * FN(decode_scores)(p);
-    d.tmp.m_new = x, d.tmp.lsum = x + R, d.tmp.alpha = x + 2 * R;
+    d.tmp.m_new = x, d.tmp.lsum = x + R, d.tmp.alpha = x + 2 * R, x += 3 * R;
+    d.tmp.sums = x;
     char *y =
         (char *)scratch + FN(decode_fwd_bytes)(p) + ma_round_up(FN(decode_extra_elems)(p) * sizeof(ACC), MA_CACHE_LINE);
     d.drop = (ma_dropout *)y; /* (sizeof(ma_dropout) a multiple of a pointer's) */

@@ -31,7 +31,8 @@
  * Masks: vm_first(n) (lanes < n, n clamped to [0, MA_VL]), vf_lt, vf_gt,
  *   vf_eq, vf_neq, vf_isnan, vm_or, vm_and, vf_blend(m, a, b) (m ? b : a),
  *   vf_maskz(m, a) (m ? a : 0), vf_from_mask (all-ones lanes where m)
- * Across lanes: vf_hsum(v) (a fixed tree per set), vf_hmax(v, m) (max of m
+ * Across lanes: vf_lane0(v) (lane 0, where it lies: of a broadcast, the scalar without
+ *   keeping it in a register of its own), vf_hsum(v) (a fixed tree per set), vf_hmax(v, m) (max of m
  *   and the lanes), vf_transpose(r) (the MA_VL x MA_VL block in r[0..MA_VL)
  *   transposed in registers); optionally (#define MA_FOLD_LANES) vf_fold_lanes(r) (lane i:
  *   r[i]'s lanes folded in halves, what vf_transpose and log2(VL) halvings give), and with it

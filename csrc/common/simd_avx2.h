@@ -38,6 +38,7 @@ typedef __m256 vm;
 
 #define vf_zero _mm256_setzero_ps
 #define vf_set1 _mm256_set1_ps
+#define vf_lane0 _mm256_cvtss_f32
 #define vf_load _mm256_loadu_ps
 #define vf_store _mm256_storeu_ps
 #define vf_load_m(p, m) _mm256_maskload_ps(p, _mm256_castps_si256(m))

@@ -36,6 +36,7 @@ typedef __mmask16 vm;
 
 #define vf_zero _mm512_setzero_ps
 #define vf_set1 _mm512_set1_ps
+#define vf_lane0 _mm512_cvtss_f32
 #define vf_load _mm512_loadu_ps
 #define vf_store _mm512_storeu_ps
 #define vf_load_m(p, m) _mm512_maskz_loadu_ps(m, p)

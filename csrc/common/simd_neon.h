@@ -43,6 +43,7 @@ typedef uint32x4_t vm;
 
 #define vf_zero() vdupq_n_f32(0.0f)
 #define vf_set1 vdupq_n_f32
+#define vf_lane0(v) vgetq_lane_f32(v, 0)
 #define vf_load vld1q_f32
 #define vf_store vst1q_f32
 #define vf_stream vst1q_f32

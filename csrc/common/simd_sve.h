@@ -64,6 +64,7 @@ typedef svbool_t vm __attribute__((arm_sve_vector_bits(MA_SVE_BITS)));
 #define MA_F static inline __attribute__((always_inline))
 MA_F vf vf_zero(void) { return svdup_n_f32(0.0f); }
 MA_F vf vf_set1(float x) { return svdup_n_f32(x); }
+MA_F float vf_lane0(vf v) { return svlastb_f32(svptrue_pat_b32(SV_VL1), v); }
 MA_F vf vf_load(const float *p) { return svld1_f32(MA_PT, p); }
 MA_F void vf_store(float *p, vf v) { svst1_f32(MA_PT, p, v); }
 MA_F vf vf_load_m(const float *p, vm m) { return svld1_f32(m, p); }

@@ -352,10 +352,19 @@ static void test_rows(const ma_blocks *v) {
                 float *o3 = malloc(sizeof(float) * nr * D);
                 for (int64_t x = 0; x < nr * D; x++) o[x] = o2[x] = o3[x] = frand();
                 v->gemm(nr, D, nc, sT, 1, nr, k, ld, o, D, 1);
-                v->axpy_keys(o2, s, lds, nr, D, k, MA_F32, 0, ld, nc, 64 * ld);
+                v->axpy_keys(o2, s, lds, nr, D, k, MA_F32, 0, ld, nc, 64 * ld, NULL);
                 CHECK(memcmp(o, o2, sizeof(float) * nr * D) == 0, "%s axpy_keys nr=%ld nc=%ld Dv=%ld", v->name,
                       (long)nr, (long)nc, (long)D);
-                v->axpy_keys(o3, s, lds, nr, D, kb, MA_BF16, 0, ld, nc, 0);
+                { /* with lsum: the same o, and lsum[r] += each p in key order, from what it held */
+                    float ls[16], want[16];
+                    for (int64_t r = 0; r < nr; r++) {
+                        ls[r] = want[r] = frand();
+                        for (int64_t c = 0; c < nc; c++) want[r] += s[r * lds + c];
+                    }
+                    v->axpy_keys(o3, s, lds, nr, D, kb, MA_BF16, 0, ld, nc, 0, ls);
+                    CHECK(memcmp(ls, want, sizeof(float) * nr) == 0, "%s axpy_keys lsum nr=%ld nc=%ld Dv=%ld", v->name,
+                          (long)nr, (long)nc, (long)D);
+                }
                 CHECK(memcmp(o, o3, sizeof(float) * nr * D) == 0, "%s axpy_keys bfloat16 nr=%ld nc=%ld Dv=%ld", v->name,
                       (long)nr, (long)nc, (long)D);
                 free(k), free(q), free(qT), free(sT), free(s), free(s2), free(kb), free(kh), free(o), free(o2),
@@ -394,8 +403,8 @@ static void test_int8(const ma_blocks *v) {
                       (long)nr, (long)nc, (long)D);
                 float *o = malloc(sizeof(float) * nr * D), *o2 = malloc(sizeof(float) * nr * D);
                 for (int64_t x = 0; x < nr * D; x++) o[x] = o2[x] = frand();
-                v->axpy_keys(o, s, lds, nr, D, k, MA_F32, 0, ld, nc, 0);
-                v->axpy_keys(o2, s, lds, nr, D, k8, MA_I8, 0, ld, nc, 64 * ld);
+                v->axpy_keys(o, s, lds, nr, D, k, MA_F32, 0, ld, nc, 0, NULL);
+                v->axpy_keys(o2, s, lds, nr, D, k8, MA_I8, 0, ld, nc, 64 * ld, NULL);
                 CHECK(memcmp(o, o2, sizeof(float) * nr * D) == 0, "%s axpy_keys int8 nr=%ld nc=%ld Dv=%ld", v->name,
                       (long)nr, (long)nc, (long)D);
                 free(k8), free(kt8), free(k), free(kt), free(q), free(s), free(s2), free(o), free(o2);
