@@ -103,11 +103,12 @@ static inline int64_t FN(kv_at)(const ma_attn_args *a, const int64_t st[4], int6
  * heads, in lockstep where more than one): scores plus bias, m_new = max(m, row max),
  * P = exp(S - m_new) (m_new = -inf as 0), l = alpha l + sum P (in key order), O = alpha O + P V
  * (AXPY_KEYS: the tiles' order of that product; AXPY_KEYS_I8 over int8 values, MA_DECODE_SUB
- * keys a call in every layout). l's sum of P in key order is AXPY_KEYS' own (its lsum: the chain of
- * adds runs beside P V's FMAs, where after the exps it stood alone, 8% of a step at D = 32), l
- * taking alpha l first, then the sums after P V: the same roundings; where P V does not see P
- * (dropout, the 8-bit cache's scales) the sums come before. The scores from key rows are DOT_ROWS' (each key row read once,
- * in order, for every row of the block: the query heads of a key head share it), from K^T pages
+ * keys a call in every layout). l's sum of P in key order is AXPY_KEYS' own (its lsum: the chain
+ * of adds runs beside P V's FMAs, where after the exps it stood alone, 7% of a step at D = 32),
+ * l taking alpha l first, then the sums after P V: the same roundings; where P V does not see P
+ * (dropout, the 8-bit cache's scales) the sums come before. The scores from key rows are
+ * DOT_ROWS' (each key row read once, in order, for every row of the block: the query heads of
+ * a key head share it), from K^T pages
  * DOT_KEYS_T's (the tiles' order, 8 rows a product), or the instance's hook's. Heads whose
  * attn_mask tile differs are taken in runs of equal FN(mask_tile_state); a MA_TILE_BLOCKED
  * run contributes exactly 0 (its scores, where computed with the others, are not read).
